@@ -1,0 +1,356 @@
+"""Command-line flags of ``slime-lite train`` (slime's names) and ``validate_args``; nothing else parses flags.
+
+Every rule is checked here, before Ray or any heavy import starts, and a broken rule is a SlimeLiteError that
+names the flags and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from slime_lite.errors import SlimeLiteError
+
+log = logging.getLogger(__name__)
+
+ESTIMATORS = ("grpo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+RM_TYPES = ("addition", "math")  # kept in step with slime_lite.rollout.rewards.RM_TYPES (a test checks)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slime-lite train",
+        description="RL post-training (GRPO/PPO/REINFORCE++) with Megatron-core and SGLang-compatible engines.",
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("cluster")
+    g.add_argument("--actor-num-nodes", type=_positive_int, default=1)
+    g.add_argument("--actor-num-gpus-per-node", type=_positive_int, default=1)
+    g.add_argument("--critic-num-nodes", type=_positive_int, default=None, help="default: as the actor")
+    g.add_argument("--critic-num-gpus-per-node", type=_positive_int, default=None, help="default: as the actor")
+    g.add_argument("--rollout-num-gpus", type=_positive_int, default=1)
+    g.add_argument("--rollout-num-gpus-per-engine", type=_positive_int, default=1)
+    g.add_argument("--colocate", action="store_true", help="engines and trainers share the same GPUs")
+    g.add_argument("--offload-train", action="store_true", help="move trainer state off the GPU during rollout")
+    g.add_argument("--offload-rollout", action="store_true", help="release engine memory during training")
+    g.add_argument("--rollout-backend", choices=("embedded", "sglang"), default="embedded")
+    g.add_argument("--rollout-external-engine-addrs", default=None,
+                   help="host:port,... of engines already running; none are started")
+    g.add_argument("--rollout-device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="device of embedded engines (auto: cuda when available)")
+    g.add_argument("--engine-max-running-requests", type=_positive_int, default=64)
+    g.add_argument("--engine-kv-cache-tokens", type=_positive_int, default=None)
+
+    g = p.add_argument_group("model and checkpoint")
+    g.add_argument("--hf-checkpoint", default=None, help="HF folder: tokenizer, architecture, initial weights")
+    g.add_argument("--load", default=None, help="resume from this checkpoint folder")
+    g.add_argument("--ref-load", default=None, help="reference model weights (default: --hf-checkpoint)")
+    g.add_argument("--save", default=None, help="checkpoint folder")
+    g.add_argument("--save-interval", type=_positive_int, default=None)
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
+    g.add_argument("--bf16", action="store_true", help="train in bfloat16 (fp32 by default)")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--micro-batch-size", type=_positive_int, default=1)
+    g.add_argument("--global-batch-size", type=_positive_int, default=None,
+                   help="samples per optimizer step (default: one rollout's samples / --num-steps-per-rollout)")
+
+    g = p.add_argument_group("rollout")
+    g.add_argument("--prompt-data", default=None, help="JSONL file of prompts")
+    g.add_argument("--input-key", default="prompt")
+    g.add_argument("--label-key", default="label")
+    g.add_argument("--apply-chat-template", action="store_true")
+    g.add_argument("--rollout-shuffle", action="store_true")
+    g.add_argument("--num-rollout", type=_positive_int, default=1)
+    g.add_argument("--rollout-batch-size", type=_positive_int, default=8, help="prompts per rollout")
+    g.add_argument("--n-samples-per-prompt", type=_positive_int, default=1)
+    g.add_argument("--rollout-max-response-len", type=_positive_int, default=32)
+    g.add_argument("--rollout-temperature", type=_nonneg_float, default=1.0)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-stop", nargs="+", default=None)
+    g.add_argument("--rollout-seed", type=int, default=42)
+    g.add_argument("--rm-type", choices=RM_TYPES, default=None)
+    g.add_argument("--reward-key", default=None, help="key to pick when the reward is a dict")
+    g.add_argument("--custom-rm-path", default=None)
+    g.add_argument("--custom-generate-function-path", default=None)
+    g.add_argument("--over-sampling-batch-size", type=_positive_int, default=None)
+    g.add_argument("--dynamic-sampling-filter-path", default=None,
+                   help="module.fn keep(args, samples)->bool over one group; "
+                        "'slime_lite.rollout.filters.check_reward_nonzero_std' drops groups whose rewards agree")
+    g.add_argument("--eval-interval", type=_positive_int, default=None)
+    g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH")
+    g.add_argument("--n-samples-per-eval-prompt", type=_positive_int, default=1)
+    g.add_argument("--eval-temperature", type=_nonneg_float, default=None, help="default: --rollout-temperature")
+    g.add_argument("--eval-max-response-len", type=_positive_int, default=None)
+    g.add_argument("--rollout-request-timeout", type=float, default=300.0, help="seconds per engine request")
+
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--advantage-estimator", choices=ESTIMATORS, default="grpo")
+    g.add_argument("--use-kl-loss", action="store_true")
+    g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0)
+    g.add_argument("--kl-loss-type", choices=KL_TYPES, default="low_var_kl")
+    g.add_argument("--kl-coef", type=_nonneg_float, default=0.0, help="KL penalty in the reward (PPO/REINFORCE++)")
+    g.add_argument("--eps-clip", type=_nonneg_float, default=0.2)
+    g.add_argument("--eps-clip-high", type=_nonneg_float, default=None)
+    g.add_argument("--eps-clip-c", type=float, default=None)
+    g.add_argument("--entropy-coef", type=_nonneg_float, default=0.0)
+    g.add_argument("--normalize-advantages", action="store_true")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true")
+    g.add_argument("--num-steps-per-rollout", type=_positive_int, default=1)
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lambd", type=float, default=1.0)
+    g.add_argument("--value-clip", type=_nonneg_float, default=0.2)
+    g.add_argument("--use-tis", action="store_true")
+    g.add_argument("--tis-clip", type=_nonneg_float, default=2.0)
+    g.add_argument("--lr", type=_nonneg_float, default=1e-6)
+    g.add_argument("--critic-lr", type=_nonneg_float, default=None)
+    g.add_argument("--weight-decay", type=_nonneg_float, default=0.0)
+    g.add_argument("--clip-grad", type=_nonneg_float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.98)
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("debug")
+    g.add_argument("--debug-rollout-only", action="store_true", help="engines only; Megatron is never imported")
+    g.add_argument("--debug-train-only", action="store_true", help="train only; no engines")
+    g.add_argument("--save-debug-rollout-data", default=None, metavar="TEMPLATE")
+    g.add_argument("--load-debug-rollout-data", default=None, metavar="TEMPLATE")
+    g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None)
+    g.add_argument("--dump-details", default=None, metavar="DIR")
+    g.add_argument("--check-weight-update-equal", action="store_true")
+    g.add_argument("--ci-test", action="store_true")
+    g.add_argument("--update-weight-transport", choices=("tensor", "distributed", "disk"), default="tensor")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--metrics-path", default=None, help="append every metrics record as one JSON line")
+    g.add_argument("--use-tensorboard", action="store_true")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--use-wandb", action="store_true")
+    g.add_argument("--wandb-project", default="slime_lite")
+    g.add_argument("--wandb-dir", default=None)
+    g.add_argument("--log-level", default="INFO")
+
+    p.add_argument_group("sglang", "any --sglang-<name> [value] is passed to each SGLang server as --<name> [value]")
+    return p
+
+
+def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Take ``--sglang-<name> [value]`` out of argv; returns (rest, passthrough as ``--<name> [value]``)."""
+    rest: list[str] = []
+    sglang: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--sglang-"):
+            name, eq, value = arg.partition("=")
+            sglang.append("--" + name[len("--sglang-"):])
+            if eq:
+                sglang.append(value)
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                sglang.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, sglang
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest, sglang = split_sglang_args(argv)
+    args = build_parser().parse_args(rest)
+    args.sglang_args = sglang
+    validate_args(args)
+    return args
+
+
+def _need_file(path: str | None, flag: str) -> None:
+    if path is not None and not os.path.exists(path):
+        raise SlimeLiteError(f"{flag} {path}: no such file or folder.")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Enforce SPEC section 3 and 5 rules; set implied flags (with a log line)."""
+    from slime_lite.rollout.dumps import check_template
+
+    if args.debug_rollout_only and args.debug_train_only:
+        raise SlimeLiteError(
+            "--debug-rollout-only and --debug-train-only cannot be used together: one runs only the engines, "
+            "the other only the trainer. Pick one."
+        )
+    if args.load_debug_rollout_data:
+        if args.debug_rollout_only:
+            raise SlimeLiteError(
+                "--load-debug-rollout-data replays dumps into the trainer, so it cannot be combined with "
+                "--debug-rollout-only."
+            )
+        check_template(args.load_debug_rollout_data, "--load-debug-rollout-data")
+        if not args.debug_train_only:
+            log.info("--load-debug-rollout-data given: turning on --debug-train-only (no engines are started)")
+            args.debug_train_only = True
+    if args.load_debug_rollout_data_subsample is not None:
+        if not args.load_debug_rollout_data:
+            raise SlimeLiteError("--load-debug-rollout-data-subsample needs --load-debug-rollout-data.")
+        if not 0 < args.load_debug_rollout_data_subsample <= 1:
+            raise SlimeLiteError(
+                f"--load-debug-rollout-data-subsample {args.load_debug_rollout_data_subsample} must be in (0, 1]."
+            )
+    if args.dump_details:
+        if args.save_debug_rollout_data:
+            raise SlimeLiteError("--dump-details sets the rollout dump path itself; drop --save-debug-rollout-data.")
+        if not args.debug_train_only:
+            args.save_debug_rollout_data = os.path.join(args.dump_details, "rollout_data", "{rollout_id}.pt")
+    if args.save_debug_rollout_data:
+        check_template(args.save_debug_rollout_data, "--save-debug-rollout-data")
+        if args.debug_train_only:
+            raise SlimeLiteError(
+                "--save-debug-rollout-data has nothing to save under --debug-train-only/--load-debug-rollout-data "
+                "(no rollouts are generated)."
+            )
+    if (
+        args.save_debug_rollout_data
+        and args.load_debug_rollout_data
+        and os.path.abspath(args.save_debug_rollout_data) == os.path.abspath(args.load_debug_rollout_data)
+    ):
+        raise SlimeLiteError("--save-debug-rollout-data and --load-debug-rollout-data must be different paths.")
+    if args.debug_rollout_only:
+        changed = [f for f in ("colocate", "offload_train", "offload_rollout") if getattr(args, f)]
+        for f in changed:
+            setattr(args, f, False)
+        log.info(
+            "--debug-rollout-only: no trainer is built and no training memory is reserved%s",
+            f"; turned off {', '.join('--' + f.replace('_', '-') for f in changed)}" if changed else "",
+        )
+
+    if args.hf_checkpoint is None:
+        raise SlimeLiteError("--hf-checkpoint is required (tokenizer, architecture and initial weights).")
+    _need_file(args.hf_checkpoint, "--hf-checkpoint")
+    if not os.path.exists(os.path.join(args.hf_checkpoint, "config.json")):
+        raise SlimeLiteError(f"--hf-checkpoint {args.hf_checkpoint} has no config.json: not a Hugging Face model folder.")
+    _need_file(args.ref_load, "--ref-load")
+    if not args.debug_train_only:
+        if args.prompt_data is None and not args.custom_generate_function_path:
+            raise SlimeLiteError("--prompt-data is required to generate rollouts (a JSONL file of prompts).")
+        _need_file(args.prompt_data, "--prompt-data")
+        if args.rm_type is None and args.custom_rm_path is None:
+            raise SlimeLiteError("a reward is needed: give --rm-type or --custom-rm-path.")
+    if args.eval_prompt_data is not None:
+        if len(args.eval_prompt_data) % 2:
+            raise SlimeLiteError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...].")
+        for path in args.eval_prompt_data[1::2]:
+            _need_file(path, "--eval-prompt-data")
+    if args.eval_interval is not None and args.eval_prompt_data is None:
+        raise SlimeLiteError("--eval-interval needs --eval-prompt-data NAME PATH.")
+    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
+        raise SlimeLiteError(
+            f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
+            f"{args.rollout_batch_size}."
+        )
+    if not 0 < args.rollout_top_p <= 1:
+        raise SlimeLiteError(f"--rollout-top-p {args.rollout_top_p} must be in (0, 1].")
+    if args.eps_clip_c is not None and args.eps_clip_c <= 1:
+        raise SlimeLiteError(f"--eps-clip-c {args.eps_clip_c} must be > 1 (dual-clip bound).")
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    if args.critic_lr is None:
+        args.critic_lr = args.lr
+    if args.eval_temperature is None:
+        args.eval_temperature = args.rollout_temperature
+    if args.eval_max_response_len is None:
+        args.eval_max_response_len = args.rollout_max_response_len
+    if args.critic_num_nodes is None:
+        args.critic_num_nodes = args.actor_num_nodes
+    if args.critic_num_gpus_per_node is None:
+        args.critic_num_gpus_per_node = args.actor_num_gpus_per_node
+    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+        raise SlimeLiteError(
+            f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
+            f"{args.rollout_num_gpus_per_engine}."
+        )
+    if args.rollout_backend == "embedded" and args.rollout_num_gpus_per_engine != 1:
+        raise SlimeLiteError("--rollout-backend embedded runs one GPU per engine: use --rollout-num-gpus-per-engine 1.")
+    if args.sglang_args and args.rollout_backend != "sglang":
+        raise SlimeLiteError(
+            f"{args.sglang_args[0].replace('--', '--sglang-', 1)} is passed to SGLang servers, but "
+            "--rollout-backend is embedded. Use --rollout-backend sglang or drop the --sglang-* flags."
+        )
+    if args.use_tis and args.tis_clip <= 0:
+        raise SlimeLiteError("--tis-clip must be > 0 with --use-tis.")
+    for flag in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
+        value = getattr(args, flag)
+        if value is not None and "." not in value:
+            raise SlimeLiteError(f"--{flag.replace('_', '-')} {value!r}: expected a dotted path 'module.function'.")
+    if args.save_interval is not None and args.save is None:
+        raise SlimeLiteError("--save-interval needs --save DIR.")
+    if args.load is not None:
+        _need_file(args.load, "--load")
+    if not args.debug_rollout_only:
+        validate_train_args(args)
+
+
+def world_size(args: Any) -> int:
+    return args.actor_num_nodes * args.actor_num_gpus_per_node
+
+
+def validate_train_args(args: argparse.Namespace) -> None:
+    """Parallel sizes and batch sizes that must divide (trainer side)."""
+    world = world_size(args)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world % (tp * pp):
+        raise SlimeLiteError(
+            f"--actor-num-nodes x --actor-num-gpus-per-node = {world} is not divisible by "
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}."
+        )
+    dp = world // (tp * pp)
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    if args.global_batch_size is None:
+        if samples % args.num_steps_per_rollout:
+            raise SlimeLiteError(
+                f"one rollout has {samples} samples (--rollout-batch-size x --n-samples-per-prompt), not divisible "
+                f"by --num-steps-per-rollout {args.num_steps_per_rollout}."
+            )
+        args.global_batch_size = samples // args.num_steps_per_rollout
+    elif samples % args.global_batch_size:
+        raise SlimeLiteError(
+            f"--global-batch-size {args.global_batch_size} does not divide one rollout's {samples} samples "
+            "(--rollout-batch-size x --n-samples-per-prompt)."
+        )
+    else:
+        args.num_steps_per_rollout = samples // args.global_batch_size
+    if args.global_batch_size % (dp * args.micro_batch_size):
+        raise SlimeLiteError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by data-parallel size {dp} x "
+            f"--micro-batch-size {args.micro_batch_size}."
+        )
+    if args.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline") and args.n_samples_per_prompt < 2:
+        log.warning("--advantage-estimator %s with --n-samples-per-prompt 1 gives zero advantages",
+                    args.advantage_estimator)

@@ -1,0 +1,164 @@
+"""Model outputs -> per-token tensors -> rl_math (SPEC 7 loss, SPEC 8 metric names). Pure torch, no Megatron.
+
+Per-sample inputs are lists of 1-D tensors over each sample's response tokens (rl_math's convention).
+Micro-batching: the trainer splits a global batch of N samples into micro-batches and sums their gradients.
+Passing `normalizer=N` to `rl_loss`/`value_rl_loss` makes every micro-batch loss (and metric) its share of the
+global per-sample mean, so the sums over micro-batches equal the single-batch values exactly (up to rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from slime_lite import rl_math
+
+Tensors = Sequence[torch.Tensor]
+
+
+def token_log_probs_and_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each next token (and entropy) under softmax(logits / temperature), in float32.
+
+    logits [..., T, V] and tokens [..., T] cover the same positions; the logits at position t predict tokens[t+1],
+    so both outputs are [..., T-1]: out[t] = log p(tokens[t+1] | logits[t]). Entropy is that of the whole
+    temperature-scaled distribution at each predicting position. bf16/fp16 logits are upcast before any maths.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} cover different positions")
+    z = logits[..., :-1, :].float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    target = tokens[..., 1:].long().unsqueeze(-1)
+    logp = z.gather(-1, target).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logp, entropy
+
+
+def response_slices(
+    per_position: torch.Tensor,
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    packed: bool = True,
+) -> list[torch.Tensor]:
+    """Pick each sample's response part out of a per-position tensor indexed by the *predicting* position.
+
+    `per_position[..., j]` belongs to position j, which predicts token j+1 (the output of
+    `token_log_probs_and_entropy`, critic values, or logits along dim 0). The response token at position p of a
+    sample is predicted at p-1, so sample i yields positions [prompt_len-1, prompt_len-1+response_len).
+    packed=True: samples are concatenated along dim 0 (sample i starts at the sum of the earlier prompt+response
+    lengths). packed=False: dim 0 is the sample, dim 1 the position (each row starts at position 0).
+    """
+    if len(prompt_lengths) != len(response_lengths):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(response_lengths)} response lengths")
+    out = []
+    start = 0
+    for i, (pl, rl) in enumerate(zip(prompt_lengths, response_lengths)):
+        if pl < 1:
+            raise ValueError(f"sample {i}: prompt length must be >= 1 (the first response token needs a predictor)")
+        lo = pl - 1
+        if packed:
+            out.append(per_position[start + lo : start + lo + rl])
+            start += pl + rl
+        else:
+            out.append(per_position[i, lo : lo + rl])
+        if out[-1].shape[0] != rl:
+            raise ValueError(f"sample {i}: tensor too short for prompt {pl} + response {rl}")
+    return out
+
+
+def _cat(xs: Tensors) -> torch.Tensor:
+    return torch.cat(list(xs)) if len(xs) else torch.zeros(0)
+
+
+def rl_loss(
+    logp: Tensors,
+    old_logp: Tensors | None,
+    ref_logp: Tensors | None,
+    rollout_logp: Tensors | None,
+    advantages: Tensors,
+    masks: Tensors,
+    entropy: Tensors | None,
+    args: Any,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss = pg_loss - entropy_coef*entropy + kl_loss_coef*kl (KL only with use_kl_loss).
+
+    Each term is aggregated as per-sample token means divided by `normalizer` (default: samples here).
+    `old_logp` None means on-policy (old = logp detached). TIS (use_tis) weights the per-token policy loss by
+    min(exp(old - rollout_logp), tis_clip). Metrics (SPEC 8 names, floats): pg_loss, pg_clipfrac, ppo_kl,
+    entropy_loss, kl_loss (when ref_logp is given), train_rollout_logprob_abs_diff (when rollout_logp is given,
+    aggregated the same way), loss.
+    """
+    eps_clip = getattr(args, "eps_clip", 0.2)
+    eps_clip_high = getattr(args, "eps_clip_high", None)
+    entropy_coef = getattr(args, "entropy_coef", 0.0)
+    use_kl_loss = getattr(args, "use_kl_loss", False)
+    kl_loss_coef = getattr(args, "kl_loss_coef", 0.0)
+    use_tis = getattr(args, "use_tis", False)
+
+    lp = _cat(logp)
+    old = lp.detach() if old_logp is None else _cat(old_logp)
+    mask = _cat(masks).to(lp.dtype)
+    adv = _cat(advantages).to(lp.dtype)
+
+    def agg(x: torch.Tensor) -> torch.Tensor:
+        return rl_math.aggregate_loss(x, masks, normalizer)
+
+    pg, clipfrac, ppo_kl = rl_math.policy_loss(
+        lp, old, adv, mask, eps_clip, eps_clip_high, getattr(args, "eps_clip_c", None)
+    )
+    metrics: dict[str, torch.Tensor] = {}
+    if rollout_logp is not None:
+        rollout = _cat(rollout_logp).to(lp.dtype)
+        metrics["train_rollout_logprob_abs_diff"] = agg((old - rollout).abs())
+        if use_tis:
+            pg = pg * rl_math.tis_weights(old, rollout, getattr(args, "tis_clip", 2.0))
+    elif use_tis:
+        raise ValueError("--use-tis needs the rollout log-probs of every sample")
+
+    pg_loss = agg(pg)
+    loss = pg_loss
+    metrics.update(pg_loss=pg_loss, pg_clipfrac=agg(clipfrac), ppo_kl=agg(ppo_kl))
+
+    if entropy is not None:
+        entropy_loss = agg(_cat(entropy))
+        metrics["entropy_loss"] = entropy_loss
+        loss = loss - entropy_coef * entropy_loss
+    elif entropy_coef != 0.0:
+        raise ValueError("entropy_coef is set but no entropy was computed")
+
+    if ref_logp is not None:
+        kl_loss = agg(rl_math.compute_kl(lp, _cat(ref_logp).to(lp.dtype), getattr(args, "kl_loss_type", "k1")))
+        metrics["kl_loss"] = kl_loss
+        if use_kl_loss:
+            loss = loss + kl_loss_coef * kl_loss
+    elif use_kl_loss:
+        raise ValueError("--use-kl-loss needs reference log-probs")
+
+    metrics["loss"] = loss
+    return loss, {k: float(v.detach()) for k, v in metrics.items()}
+
+
+def value_rl_loss(
+    values: Tensors,
+    old_values: Tensors,
+    returns: Tensors,
+    masks: Tensors,
+    value_clip: float,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Critic loss: clipped value loss aggregated like `rl_loss` -> (loss, {value_loss, value_clipfrac})."""
+    v = _cat(values)
+    per_token, clipfrac = rl_math.value_loss(v, _cat(old_values).to(v.dtype), _cat(returns).to(v.dtype), value_clip)
+    loss = rl_math.aggregate_loss(per_token, masks, normalizer)
+    clip = rl_math.aggregate_loss(clipfrac, masks, normalizer)
+    return loss, {"value_loss": float(loss.detach()), "value_clipfrac": float(clip)}

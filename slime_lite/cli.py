@@ -1,0 +1,71 @@
+"""``slime-lite <subcommand>``: dispatches to each module's ``main(argv)``; user errors print without a traceback."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import Callable
+
+from slime_lite.errors import SlimeLiteError
+
+COMMANDS = {
+    "train": ("slime_lite.train", "run the RL driver (GRPO/PPO/REINFORCE++; debug modes)"),
+    "doctor": ("slime_lite.debug.checks", "run the precision-alignment checklist on a short job"),
+    "serve": ("slime_lite.engine.server", "start one embedded SGLang-compatible engine"),
+    "display-rollouts": ("slime_lite.debug.display", "show dumped rollouts and their metrics"),
+    "replay-reward": ("slime_lite.debug.replay_reward", "recompute rewards of a dump and report differences"),
+    "send-to-engine": ("slime_lite.debug.send_to_engine", "resend dumped prompts to an engine and compare"),
+    "diff-rollouts": ("slime_lite.debug.diff", "compare two dumps sample by sample"),
+    "make-tiny-model": ("slime_lite.tiny_model", "build the tiny warm-started HF model"),
+    "make-data": ("slime_lite.tasks", "write task prompt/label JSONL (train and eval)"),
+}
+
+
+def run_main(fn: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run a tool's main; a SlimeLiteError becomes ``error: ...`` on stderr and exit code 2."""
+    try:
+        return int(fn(argv) or 0)
+    except SlimeLiteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, str(level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def _usage() -> str:
+    lines = ["usage: slime-lite <command> [flags]   (slime-lite <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<18} {desc}" for name, (_, desc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from slime_lite import __version__
+
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}.\n\n{_usage()}", file=sys.stderr)
+        return 2
+    setup_logging()
+    module = importlib.import_module(COMMANDS[name][0])
+    return run_main(module.main, rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""diff-rollouts: compare two dump files sample by sample (tokens, rewards, status, log-probs, text).
+
+    slime-lite diff-rollouts run1/rollout_0.pt run2/rollout_0.pt     # exit 0: identical, 1: they differ
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slime-lite diff-rollouts",
+        description="Compare two rollout dumps sample by sample (matched by position). Exit 1 when they differ.",
+    )
+    p.add_argument("a", help="first dump file")
+    p.add_argument("b", help="second dump file")
+    p.add_argument("--atol", type=float, default=1e-6, help="log-probs and rewards closer than this are equal")
+    p.add_argument("--max-rows", type=int, default=50, help="show at most this many differing samples")
+    return p
+
+
+@dataclass
+class SampleDiff:
+    position: int
+    group_index: Any
+    index: Any
+    first_token_diff: int | None  # position in ``tokens`` of the first differing id (None: equal)
+    token_detail: str
+    reward: tuple[Any, Any] | None  # (a, b) when they differ
+    status: tuple[str, str] | None
+    response_differs: bool
+    logprob_max_abs_diff: float | None  # over response positions before the first differing token
+    logprob_note: str
+
+    def differs(self, atol: float) -> bool:
+        lp = self.logprob_max_abs_diff is not None and self.logprob_max_abs_diff > atol
+        return bool(
+            self.first_token_diff is not None or self.reward or self.status or self.response_differs or lp
+            or self.logprob_note
+        )
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where ``a`` and ``b`` differ (a length difference counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_samples(position: int, sa: Any, sb: Any, atol: float) -> SampleDiff:
+    from slime_lite.debug.replay_reward import rewards_equal
+
+    ta, tb = [int(t) for t in sa.tokens], [int(t) for t in sb.tokens]
+    first = first_difference(ta, tb)
+    detail = ""
+    if first is not None:
+        side = "prompt" if first < min(sa.prompt_length, sb.prompt_length) else "response"
+        va = ta[first] if first < len(ta) else "end"
+        vb = tb[first] if first < len(tb) else "end"
+        detail = f"token {first} ({side}): {va} vs {vb}"
+    lp_diff, note = None, ""
+    la, lb = sa.rollout_log_probs, sb.rollout_log_probs
+    if (la is None) != (lb is None):
+        note = f"rollout_log_probs only in {'A' if la is not None else 'B'}"
+    elif la is not None and lb is not None and sa.prompt_length == sb.prompt_length:
+        n = min(len(la), len(lb))
+        if first is not None:
+            n = min(n, max(0, first - sa.prompt_length))  # after a token differs, log-probs are not comparable
+        if n:
+            lp_diff = max(abs(float(x) - float(y)) for x, y in zip(la[:n], lb[:n]))
+    reward = None if rewards_equal(sa.reward, sb.reward, atol) else (sa.reward, sb.reward)
+    status = None if sa.status == sb.status else (sa.status.value, sb.status.value)
+    return SampleDiff(position, sa.group_index, sa.index, first, detail, reward, status,
+                      sa.response != sb.response, lp_diff, note)
+
+
+def _run(argv: list[str] | None) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
+    from slime_lite.debug import make_console
+    from slime_lite.rollout.dumps import load_rollout_dump
+
+    args = build_parser().parse_args(argv)
+    da, db = load_rollout_dump(args.a), load_rollout_dump(args.b)
+    console = make_console()
+    n = min(len(da.samples), len(db.samples))
+    diffs = [compare_samples(i, da.samples[i], db.samples[i], args.atol) for i in range(n)]
+    differing = [d for d in diffs if d.differs(args.atol)]
+    lp_values = [d.logprob_max_abs_diff for d in diffs if d.logprob_max_abs_diff is not None]
+
+    if differing:
+        table = Table(title=f"{len(differing)} of {n} samples differ", title_justify="left")
+        for col in ("position", "group/index", "first differing token", "reward A / B", "status A / B",
+                    "response", "max |dlogp|"):
+            table.add_column(col, overflow="fold")
+        for d in differing[: args.max_rows]:
+            lp = f"{d.logprob_max_abs_diff:.3g}" if d.logprob_max_abs_diff is not None else "-"
+            table.add_row(
+                str(d.position), f"{d.group_index}/{d.index}", Text(d.token_detail or "-"),
+                Text(f"{d.reward[0]!r} / {d.reward[1]!r}" if d.reward else "same"),
+                Text(f"{d.status[0]} / {d.status[1]}" if d.status else "same"),
+                "differs" if d.response_differs else "same",
+                Text(lp + (f" ({d.logprob_note})" if d.logprob_note else "")),
+            )
+        console.print(table)
+        if len(differing) > args.max_rows:
+            console.print(f"... {len(differing) - args.max_rows} more differing samples (--max-rows)")
+
+    summary = Table(title=f"diff-rollouts A={args.a} B={args.b}", title_justify="left")
+    summary.add_column("check")
+    summary.add_column("result", overflow="fold")
+    count_ok = len(da.samples) == len(db.samples)
+    summary.add_row("sample count", f"A {len(da.samples)}, B {len(db.samples)}" + ("" if count_ok else
+                    f": length mismatch, compared the first {n}"))
+    summary.add_row("tokens differ", str(sum(d.first_token_diff is not None for d in diffs)))
+    summary.add_row("responses differ", str(sum(d.response_differs for d in diffs)))
+    summary.add_row("rewards differ", str(sum(d.reward is not None for d in diffs)))
+    summary.add_row("status differs", str(sum(d.status is not None for d in diffs)))
+    summary.add_row("rollout log-probs max |A-B|",
+                    f"{max(lp_values):.3g} (atol {args.atol:g})" if lp_values else "not compared")
+    console.print(summary)
+    same = count_ok and not differing
+    console.print("IDENTICAL" if same else "DIFFERENT")
+    return 0 if same else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from slime_lite.cli import run_main
+
+    return run_main(_run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""display-rollouts: show every train/eval dump of a template, sample by sample, with recomputed metrics.
+
+    slime-lite display-rollouts --load-debug-rollout-data /data/rollout_{rollout_id}.pt [--max-samples 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+TEXT_LIMIT = 400
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slime-lite display-rollouts",
+        description="Show the samples, recomputed rollout metrics and meta of rollout dumps (train and eval).",
+    )
+    p.add_argument("--load-debug-rollout-data", required=True, metavar="T",
+                   help="dump path template with {rollout_id} (or one dump file); ids 0..999 are searched")
+    p.add_argument("--rollout-id", type=int, default=None, help="only this rollout id")
+    p.add_argument("--max-samples", type=int, default=None, metavar="N", help="show at most N samples per file")
+    p.add_argument("--full", action="store_true", help="do not shorten prompts and responses")
+    p.add_argument("--reward-key", default=None, help="key of the scalar reward when rewards are dicts")
+    return p
+
+
+def _value(x: Any) -> Any:
+    from rich.text import Text
+
+    return Text(x if isinstance(x, str) else repr(x))
+
+
+def sample_table(sample: Any, position: int, full: bool) -> Any:
+    from rich.table import Table
+
+    from slime_lite.debug import shorten
+
+    limit = 0 if full else TEXT_LIMIT
+    table = Table(title=f"sample {position}", show_header=False, title_justify="left")
+    table.add_column("field", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    rows = [
+        ("group/index", f"{sample.group_index}/{sample.index}"),
+        ("prompt", shorten(sample.prompt, limit)),
+        ("response", shorten(sample.response, limit)),
+        ("label", shorten(sample.label, limit)),
+        ("reward", repr(sample.reward)),
+        ("status", sample.status.value),
+        ("response_length", str(sample.response_length)),
+        ("weight_versions", ", ".join(map(str, sample.weight_versions)) or "-"),
+        ("metadata keys", ", ".join(sorted(map(str, sample.metadata))) or "-"),
+    ]
+    for name, value in rows:
+        table.add_row(name, _value(value))
+    return table
+
+
+def dict_table(title: str, data: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("key", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for key, value in data.items():
+        table.add_row(_value(str(key)), _value(f"{value:.6g}" if isinstance(value, float) else value))
+    return table
+
+
+def _run(argv: list[str] | None) -> int:
+    from slime_lite.debug import make_console, select_dumps
+    from slime_lite.errors import SlimeLiteError
+    from slime_lite.rollout.dumps import load_rollout_dump
+    from slime_lite.rollout.stats import rollout_metrics
+
+    args = build_parser().parse_args(argv)
+    if args.max_samples is not None and args.max_samples < 0:
+        raise SlimeLiteError(f"--max-samples {args.max_samples}: must be >= 0.")
+    console = make_console()
+    for kind, rollout_id, path in select_dumps(args.load_debug_rollout_data, args.rollout_id):
+        dump = load_rollout_dump(path)
+        console.rule(f"{kind} rollout {dump.rollout_id}: {path} ({len(dump.samples)} samples)")
+        shown = dump.samples if args.max_samples is None else dump.samples[: args.max_samples]
+        for position, sample in enumerate(shown):
+            console.print(sample_table(sample, position, args.full))
+        if len(shown) < len(dump.samples):
+            console.print(f"... {len(dump.samples) - len(shown)} more samples not shown (--max-samples)")
+        console.print(dict_table("rollout metrics (recomputed from the samples)",
+                                 rollout_metrics(dump.samples, args.reward_key)))
+        if dump.meta:
+            console.print(dict_table(f"meta (format_version {dump.format_version})", dump.meta))
+        else:
+            console.print("meta: none (a slime dump, or made without slime_lite's meta)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from slime_lite.cli import run_main
+
+    return run_main(_run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

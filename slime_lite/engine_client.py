@@ -1,0 +1,133 @@
+"""Clients of the SGLang-compatible engine API (embedded engine or real SGLang), sync and async.
+
+Every call has a timeout; a failed engine is reported with its URL and the request that failed.
+Imports nothing heavy, so the driver, the trainer and the debug tools all use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import urllib.error
+import urllib.request
+from typing import Any
+
+from slime_lite.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+
+def _describe(body: Any) -> str:
+    text = json.dumps(body, default=str) if body is not None else ""
+    return text if len(text) < 300 else text[:300] + "..."
+
+
+def request_json(url: str, route: str, body: Any = None, *, timeout: float = 60.0, method: str | None = None) -> Any:
+    """Synchronous JSON request; ``body=None`` means GET. Raises EngineError naming the URL on failure."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url.rstrip("/") + route,
+        data=data,
+        method=method or ("GET" if body is None else "POST"),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise EngineError(f"engine {url}{route} answered HTTP {exc.code}: {detail} (request: {_describe(body)})") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise EngineError(f"engine {url}{route} did not answer ({reason}); request: {_describe(body)}") from None
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw.decode(errors="replace")
+
+
+def wait_healthy(url: str, timeout: float = 120.0, route: str = "/health") -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            request_json(url, route, timeout=5)
+            return
+        except EngineError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise EngineError(f"engine {url} was not healthy after {timeout:.0f}s: {last}")
+
+
+class AsyncEngineClient:
+    """Sends /generate requests to a set of engines, least-loaded first, retrying on the others if one dies."""
+
+    def __init__(self, urls: list[str], timeout: float = 300.0, max_retries: int = 2) -> None:
+        if not urls:
+            raise EngineError("no engine URLs to send requests to")
+        self.urls = list(urls)
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.inflight = {u: 0 for u in self.urls}
+        self.dead: dict[str, str] = {}
+        self._session = None
+
+    async def _get_session(self):
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _pick(self) -> str:
+        alive = [u for u in self.urls if u not in self.dead]
+        if not alive:
+            raise EngineError("all engines failed: " + "; ".join(f"{u}: {why}" for u, why in self.dead.items()))
+        return min(alive, key=lambda u: self.inflight[u])
+
+    async def post(self, url: str, route: str, body: Any) -> Any:
+        import aiohttp
+
+        session = await self._get_session()
+        try:
+            async with session.post(url + route, json=body) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise EngineError(f"engine {url}{route} answered HTTP {resp.status}: {text[:500]}")
+                return json.loads(text) if text else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise EngineError(
+                f"engine {url}{route} failed ({type(exc).__name__}: {exc}); last request: {_describe(body)}"
+            ) from None
+
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /generate on the least-loaded live engine; on a dead engine, retry on another."""
+        attempts = 0
+        while True:
+            url = self._pick()
+            self.inflight[url] += 1
+            try:
+                return await self.post(url, "/generate", body)
+            except EngineError as exc:
+                if "answered HTTP 4" in str(exc):
+                    raise  # the request itself is bad; another engine would refuse it too
+                self.dead[url] = str(exc)
+                log.error("engine %s failed and is taken out of rotation: %s", url, exc)
+                attempts += 1
+                if attempts > self.max_retries:
+                    raise
+            finally:
+                self.inflight[url] -= 1

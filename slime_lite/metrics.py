@@ -1,0 +1,98 @@
+"""The one way metrics leave the driver: a readable line, a JSON line in ``--metrics-path``, TensorBoard, wandb."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any
+
+log = logging.getLogger("slime_lite.metrics")
+
+# short names for the one-line summary, in print order
+_SHORT = [
+    ("rollout/raw_reward", "reward"),
+    ("eval/", "eval"),
+    ("rollout/response_len/mean", "resp_len"),
+    ("rollout/truncated_ratio", "trunc"),
+    ("train/loss", "loss"),
+    ("train/pg_loss", "pg"),
+    ("train/kl_loss", "kl"),
+    ("rollout/kl", "kl_rollout"),
+    ("train/ppo_kl", "ppo_kl"),
+    ("train/grad_norm", "grad_norm"),
+    ("train/train_rollout_logprob_abs_diff", "lp_diff"),
+    ("train/value_loss", "v_loss"),
+    ("perf/step_time", "step_s"),
+]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+class MetricsLogger:
+    def __init__(self, args: Any) -> None:
+        self.path = getattr(args, "metrics_path", None)
+        if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.tb = None
+        self.wandb = None
+        if getattr(args, "use_tensorboard", False):
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(args.tensorboard_dir or os.path.join(args.save or ".", "tensorboard"))
+        if getattr(args, "use_wandb", False):
+            import wandb
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self.wandb = wandb.init(project=args.wandb_project, dir=args.wandb_dir, config=_plain_args(args))
+
+    def log(self, record: dict[str, Any], step: int, step_key: str = "rollout_id", quiet: bool = False) -> None:
+        record = {k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, bool)) else v)
+                  for k, v in record.items()}
+        full = {step_key: step, **record}
+        if not quiet:
+            parts = [f"{step_key}={step}"]
+            for prefix, short in _SHORT:
+                for key in sorted(k for k in record if k == prefix or (prefix.endswith("/") and k.startswith(prefix))):
+                    if prefix.endswith("/") and key.count("/") > 1:
+                        continue
+                    name = key.split("/", 1)[1] if prefix.endswith("/") else short
+                    parts.append(f"{name}={_fmt(record[key])}")
+            log.info(" ".join(parts))
+        if self.path:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(full, default=_json_default) + "\n")
+        for key, value in record.items():
+            if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+                continue
+            if self.tb is not None:
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))} | {step_key: step})
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _json_default(value: Any) -> Any:
+    return float(value) if hasattr(value, "__float__") else str(value)
+
+
+def _plain_args(args: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+
+
+def write_args_json(args: Any, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_plain_args(args), f, indent=2, sort_keys=True)

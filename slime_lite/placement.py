@@ -1,0 +1,104 @@
+"""Where each process goes: a pure layout table per mode (SPEC 3), then the Ray placement group made from it.
+
+On a machine without GPUs every "GPU" is one logical slot (the Ray custom resource ``slot``), so the same flags
+give the same tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Layout:
+    num_bundles: int
+    actor: list[int] = field(default_factory=list)
+    critic: list[int] = field(default_factory=list)
+    rollout: list[int] = field(default_factory=list)  # one bundle per engine GPU, engines take consecutive runs
+
+
+def plan_layout(args: Any) -> Layout:
+    """The bundle indices of each group for the run's mode (SPEC 3 table)."""
+    actor_n = args.actor_num_nodes * args.actor_num_gpus_per_node
+    critic_n = args.critic_num_nodes * args.critic_num_gpus_per_node if args.advantage_estimator == "ppo" else 0
+    external = bool(getattr(args, "rollout_external_engine_addrs", None))
+    rollout_n = 0 if (args.debug_train_only or external) else args.rollout_num_gpus
+    if args.debug_rollout_only:
+        return Layout(rollout_n, rollout=list(range(rollout_n)))
+    if args.colocate:
+        n = max(actor_n, critic_n, rollout_n)
+        return Layout(n, list(range(actor_n)), list(range(critic_n)), list(range(rollout_n)))
+    return Layout(
+        actor_n + critic_n + rollout_n,
+        list(range(actor_n)),
+        list(range(actor_n, actor_n + critic_n)),
+        list(range(actor_n + critic_n, actor_n + critic_n + rollout_n)),
+    )
+
+
+def gpu_resource() -> str:
+    """``GPU`` when CUDA is visible to Ray, else the logical ``slot`` resource."""
+    import torch
+
+    return "GPU" if torch.cuda.is_available() else "slot"
+
+
+def init_ray(args: Any, num_slots: int) -> None:
+    """Join the cluster named by RAY_ADDRESS (ray job submit) or start a local one sized for this run."""
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", runtime_env=env, log_to_driver=True)
+        return
+    resources = {} if gpu_resource() == "GPU" else {"slot": float(max(num_slots, 1))}
+    ray.init(
+        num_cpus=max(8, 2 * num_slots + 2),
+        resources=resources,
+        include_dashboard=False,
+        runtime_env=env,
+        logging_level="WARNING",
+    )
+
+
+def create_placement_group(layout: Layout, timeout: float = 120.0):
+    """A PACK placement group of ``layout.num_bundles`` one-GPU (or one-slot) bundles; None when empty."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from slime_lite.errors import SlimeLiteError
+
+    if layout.num_bundles == 0:
+        return None
+    res = gpu_resource()
+    pg = placement_group([{"CPU": 1, res: 1} for _ in range(layout.num_bundles)], strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout)
+    if not ready:
+        raise SlimeLiteError(
+            f"Ray could not place {layout.num_bundles} {res} bundles within {timeout:.0f}s; the cluster has "
+            f"{ray.cluster_resources().get(res, 0):g}. Lower the GPU counts in the flags or add nodes."
+        )
+    return pg
+
+
+def bundle_options(pg: Any, bundle: int, share: float = 1.0) -> dict[str, Any]:
+    """Ray actor options for a process on ``bundle``; ``share`` < 1 lets colocated processes share it."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    res = gpu_resource()
+    opts: dict[str, Any] = {
+        "num_cpus": share,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle
+        ),
+    }
+    if res == "GPU":
+        opts["num_gpus"] = share
+    else:
+        opts["resources"] = {"slot": share}
+    return opts

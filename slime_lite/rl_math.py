@@ -1,0 +1,288 @@
+"""RL maths for slime_lite (SPEC section 7): pure torch functions, nothing of the project imported.
+
+Conventions for the whole module
+- A batch of samples is a list of 1-D tensors, one per sample, each of length = that sample's response length
+  (ragged). The loss mask travels alongside as a list of the same shapes (1 = trained token, 0 = not trained, e.g.
+  a tool output in a multi-turn response). Element-wise functions (KL, policy/value loss, TIS) take tensors of any
+  shape, so a flat concatenation of the list works as well.
+- Values at mask-0 positions are computed like any other and carry no meaning: every consumer (loss aggregation,
+  whitening statistics, metrics) masks them. The KL penalty that enters token rewards (PPO, REINFORCE++,
+  REINFORCE++-baseline) is multiplied by the mask everywhere: a token the policy did not sample is not penalised.
+- Arithmetic is in the input dtype; inputs are never modified in place. KL, policy loss and value loss are
+  differentiable; advantage estimators need not be (their inputs carry no grad in practice).
+- Loss aggregation: per-sample token means (masked), averaged over samples (`aggregate_loss`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+ESTIMATORS = ("grpo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+Tensors = Sequence[torch.Tensor]
+
+
+def compute_kl(logp: torch.Tensor, ref: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL estimate with d = logp - ref: k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d, low_var_kl = k3 in [-10, 10]."""
+    d = logp - ref
+    if kl_type == "k1":
+        return d
+    if kl_type == "k2":
+        return d * d / 2
+    if kl_type in ("k3", "low_var_kl"):
+        k3 = torch.exp(-d) - 1 + d
+        return k3.clamp(-10.0, 10.0) if kl_type == "low_var_kl" else k3
+    raise ValueError(f"unknown kl type {kl_type!r}; expected one of {KL_TYPES}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token -> (loss, clipfrac, ppo_kl), each shaped like `logp`.
+
+    loss = max(-A*r, -A*clamp(r, 1-eps_clip, 1+eps_clip_high)) with r = exp(logp - old); with `eps_clip_c` (> 1)
+    tokens with A < 0 are further capped at -eps_clip_c*A (dual clip). clipfrac is 1.0 where the clipped term was
+    strictly larger (chosen), else 0.0 (the dual-clip cap is not counted, as in slime). ppo_kl = old - logp.
+    Outputs are zero where `mask` is 0 (mask None = all tokens).
+    """
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
+    ratio = torch.exp(logp - old)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).to(logp.dtype)
+    if eps_clip_c is not None:
+        if eps_clip_c <= 1.0:
+            raise ValueError(f"eps_clip_c must be > 1 for dual-clip PPO, got {eps_clip_c}")
+        loss = torch.where(advantages < 0, torch.minimum(loss, -eps_clip_c * advantages), loss)
+    ppo_kl = old - logp
+    if mask is not None:
+        keep = mask.bool()
+        loss, clipfrac, ppo_kl = (torch.where(keep, t, torch.zeros_like(t)) for t in (loss, clipfrac, ppo_kl))
+    return loss, clipfrac, ppo_kl
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss per token -> (loss, clipfrac).
+
+    loss = max((V - G)^2, (V_clip - G)^2), V_clip = V_old + clamp(V - V_old, -value_clip, value_clip).
+    No 0.5 factor (SPEC 7 has none). clipfrac is 1.0 where the clipped term was strictly larger.
+    """
+    v_clip = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    plain = (values - returns) ** 2
+    clipped = (v_clip - returns) ** 2
+    return torch.maximum(plain, clipped), (clipped > plain).to(values.dtype)
+
+
+def tis_weights(old: torch.Tensor, rollout_logp: torch.Tensor, tis_clip: float) -> torch.Tensor:
+    """Truncated importance-sampling weight per token: min(exp(old - rollout_logp), tis_clip), no gradient."""
+    return torch.exp(old - rollout_logp).clamp(max=tis_clip).detach()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum(x*m)/sum(m); 0 when the mask is empty (as if the denominator were clamped to 1)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def aggregate_loss(
+    per_token: Tensors | torch.Tensor, masks: Tensors, normalizer: float | None = None
+) -> torch.Tensor:
+    """Per-sample masked token means, summed and divided by `normalizer` (default: the number of samples here).
+
+    `per_token` is a list like `masks` or their flat concatenation. With `normalizer` = the number of samples of a
+    global batch, the values of its micro-batches add up to the global per-sample mean.
+    """
+    if isinstance(per_token, torch.Tensor):
+        per_token = torch.split(per_token, [m.numel() for m in masks])
+    if len(per_token) != len(masks):
+        raise ValueError(f"{len(per_token)} per-token tensors for {len(masks)} masks")
+    n = len(masks) if normalizer is None else normalizer
+    if len(masks) == 0:
+        return torch.zeros(())
+    means = torch.stack([masked_mean(x, m.to(x.dtype)) for x, m in zip(per_token, masks)])
+    return means.sum() / max(n, 1)
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_size: int, std_normalization: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Per-sample GRPO advantage: reward minus its group mean, divided by (unbiased group std + eps) if asked.
+
+    `rewards` is [N] with the `group_size` samples of one prompt adjacent. A group of one has std 0.
+    """
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    groups = rewards.reshape(-1, group_size)
+    centered = groups - groups.mean(dim=1, keepdim=True)
+    if std_normalization:
+        std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
+        centered = centered / (std + eps)
+    return centered.reshape(-1)
+
+
+def _pad(xs: Tensors) -> torch.Tensor:
+    """Right-pad a ragged list of 1-D tensors with zeros into [N, T_max]."""
+    return torch.nn.utils.rnn.pad_sequence(list(xs), batch_first=True)
+
+
+def _unpad(x: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    return [x[i, :n] for i, n in enumerate(lengths)]
+
+
+def _reverse_scan(deltas: torch.Tensor, decay: float) -> torch.Tensor:
+    """out[:, t] = deltas[:, t] + decay * out[:, t+1], with out[:, T] = 0, over a padded [N, T] batch."""
+    acc = torch.zeros_like(deltas[:, 0])
+    cols = []
+    for t in range(deltas.shape[1] - 1, -1, -1):
+        acc = deltas[:, t] + decay * acc
+        cols.append(acc)
+    return torch.stack(cols[::-1], dim=1) if cols else deltas.clone()
+
+
+def gae(
+    token_rewards: Tensors, values: Tensors, gamma: float, lambd: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Generalized advantage estimation per sample -> (advantages, returns), ragged lists.
+
+    delta_t = r_t + gamma*V_{t+1} - V_t with V_T = 0 after a sample's last token; A_t = delta_t + gamma*lambd*A_{t+1};
+    returns = A + V. Every response token is a step (as in slime); the loss mask is applied by the consumers.
+    """
+    lengths = [v.numel() for v in values]
+    if [r.numel() for r in token_rewards] != lengths:
+        raise ValueError("token_rewards and values must have the same per-sample lengths")
+    if not lengths:
+        return [], []
+    r, v = _pad(token_rewards), _pad(values)
+    # zero padding makes V_{T} = 0 and keeps the pad region at advantage 0
+    next_v = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)
+    adv = _reverse_scan(r + gamma * next_v - v, gamma * lambd)
+    advantages = _unpad(adv, lengths)
+    return advantages, [a + val for a, val in zip(advantages, values)]
+
+
+def _masked_kl_rewards(kl: Tensors, masks: Tensors, kl_coef: float) -> list[torch.Tensor]:
+    return [-kl_coef * k * m.to(k.dtype) for k, m in zip(kl, masks)]
+
+
+def reinforce_plus_plus_returns(
+    rewards: torch.Tensor, kl: Tensors, masks: Tensors, kl_coef: float, gamma: float
+) -> list[torch.Tensor]:
+    """REINFORCE++ returns (before whitening): token reward -kl_coef*kl*m plus R on the last mask token, discounted.
+
+    A sample with an empty mask gets no reward (it is not trained anyway).
+    """
+    token_rewards = []
+    for R, r, m in zip(rewards, _masked_kl_rewards(kl, masks, kl_coef), masks):
+        idx = torch.nonzero(m).flatten()
+        if idx.numel():
+            bonus = torch.zeros_like(r)
+            bonus[idx[-1]] = R
+            r = r + bonus
+        token_rewards.append(r)
+    lengths = [r.numel() for r in token_rewards]
+    if not lengths:
+        return []
+    return _unpad(_reverse_scan(_pad(token_rewards), gamma), lengths)
+
+
+def reinforce_plus_plus_baseline(
+    rewards: torch.Tensor, kl: Tensors, masks: Tensors, kl_coef: float, group_size: int
+) -> list[torch.Tensor]:
+    """REINFORCE++-baseline advantages (before whitening): R minus its group mean, minus kl_coef*kl*m per token."""
+    centered = grpo_advantages(rewards, group_size, std_normalization=False)
+    return [c + r for c, r in zip(centered, _masked_kl_rewards(kl, masks, kl_coef))]
+
+
+def whiten(values: Tensors, masks: Tensors, eps: float = 1e-8) -> list[torch.Tensor]:
+    """(x - mean) / sqrt(var + eps) with the masked mean and unbiased masked variance over all tokens of the batch."""
+    if not values:
+        return []
+    flat = torch.cat(list(values))
+    m = torch.cat([mk.to(flat.dtype) for mk in masks])
+    count = m.sum()
+    if count.item() == 0:
+        raise ValueError("cannot whiten: every token of the batch is masked out")
+    mean = (flat * m).sum() / count
+    var = (((flat - mean) ** 2) * m).sum() / (count - 1).clamp(min=1)
+    out = (flat - mean) * torch.rsqrt(var + eps)
+    return list(torch.split(out, [v.numel() for v in values]))
+
+
+def compute_advantages_and_returns(
+    estimator: str,
+    rewards: Sequence[float] | torch.Tensor,
+    log_probs: Tensors,
+    ref_log_probs: Tensors | None,
+    values: Tensors | None,
+    loss_masks: Tensors,
+    *,
+    group_size: int,
+    kl_coef: float = 0.0,
+    kl_type: str = "k1",
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    std_normalization: bool = True,
+    normalize_advantages: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Advantages and returns per sample (lists of per-token tensors) for the SPEC 7 estimators.
+
+    `log_probs` are the old-policy log-probs of each response token, `ref_log_probs` the reference model's (None:
+    KL is zero), `values` the critic's (PPO only), `rewards` one scalar per sample, groups of `group_size` adjacent.
+    - grpo: the group-normalised reward on every token; returns = advantages. `kl_coef` is not used: as in slime,
+      GRPO puts the KL into the loss (--use-kl-loss), not into the reward.
+    - reinforce_plus_plus: discounted returns of the KL-penalised token rewards; advantages = whitened returns.
+    - reinforce_plus_plus_baseline: group-centred R minus the KL penalty; advantages whitened, returns unwhitened.
+    - ppo: KL-penalised token rewards with R on the last response token, GAE; returns = advantages + values.
+    `normalize_advantages` whitens the advantages of grpo and ppo too (the REINFORCE++ variants always are).
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
+    n = len(log_probs)
+    if len(loss_masks) != n:
+        raise ValueError(f"{len(loss_masks)} loss masks for {n} samples")
+    ref = log_probs[0] if n else None
+    r = torch.as_tensor(rewards, dtype=ref.dtype if ref is not None else None,
+                        device=ref.device if ref is not None else None)
+    if r.numel() != n:
+        raise ValueError(f"{r.numel()} rewards for {n} samples")
+    if ref_log_probs is None or kl_coef == 0.0:
+        kl = [torch.zeros_like(lp) for lp in log_probs]
+    else:
+        kl = [compute_kl(lp, rl, kl_type) for lp, rl in zip(log_probs, ref_log_probs)]
+
+    if estimator == "grpo":
+        per_sample = grpo_advantages(r, group_size, std_normalization)
+        advantages = [torch.ones_like(lp) * a for lp, a in zip(log_probs, per_sample)]
+        returns = list(advantages)
+    elif estimator == "reinforce_plus_plus":
+        returns = reinforce_plus_plus_returns(r, kl, loss_masks, kl_coef, gamma)
+        return whiten(returns, loss_masks), returns
+    elif estimator == "reinforce_plus_plus_baseline":
+        returns = reinforce_plus_plus_baseline(r, kl, loss_masks, kl_coef, group_size)
+        return whiten(returns, loss_masks), returns
+    else:  # ppo
+        if values is None:
+            raise ValueError("the ppo estimator needs critic values")
+        token_rewards = []
+        for R, k in zip(r, _masked_kl_rewards(kl, loss_masks, kl_coef)):
+            if k.numel():
+                bonus = torch.zeros_like(k)
+                bonus[-1] = R
+                k = k + bonus
+            token_rewards.append(k)
+        advantages, returns = gae(token_rewards, values, gamma, lambd)
+    if normalize_advantages:
+        advantages = whiten(advantages, loss_masks)
+    return advantages, returns

@@ -1,0 +1,91 @@
+"""Prompt data: a JSONL file read once, served in a reproducible (optionally shuffled) order with a resumable cursor."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from slime_lite.errors import SlimeLiteError
+
+
+@dataclass
+class Prompt:
+    index: int
+    prompt: str | list[dict[str, str]]
+    label: str | None
+    metadata: dict[str, Any]
+
+
+def read_prompts(path: str, input_key: str, label_key: str | None, flag: str = "--prompt-data") -> list[Prompt]:
+    prompts = []
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as exc:
+        raise SlimeLiteError(f"{flag} {path}: cannot read ({exc.strerror}).") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SlimeLiteError(f"{flag} {path}:{lineno}: not valid JSON ({exc.msg}).") from None
+        if not isinstance(row, dict) or input_key not in row:
+            raise SlimeLiteError(
+                f"{flag} {path}:{lineno}: no {input_key!r} key (set --input-key to the prompt's key; "
+                f"this line has {sorted(row) if isinstance(row, dict) else type(row).__name__})."
+            )
+        label = row.get(label_key) if label_key else None
+        meta = {k: v for k, v in row.items() if k not in (input_key, label_key)}
+        prompts.append(Prompt(len(prompts), row[input_key], None if label is None else str(label), meta))
+    if not prompts:
+        raise SlimeLiteError(f"{flag} {path}: the file has no prompts.")
+    return prompts
+
+
+class PromptSource:
+    """Serves batches of prompts in epochs; ``state()``/``load_state()`` make a resumed run see the same order."""
+
+    def __init__(self, prompts: list[Prompt], shuffle: bool, seed: int) -> None:
+        self.prompts = prompts
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.offset = 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        out = []
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._make_order()
+            take = self._order[self.offset : self.offset + n - len(out)]
+            self.offset += len(take)
+            out.extend(self.prompts[i] for i in take)
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._make_order()
+
+
+def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool) -> str:
+    """The text sent to the engine: the prompt itself, or the tokenizer's chat template with a generation prompt."""
+    if apply_chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(prompt, str):
+        raise SlimeLiteError("a prompt is a chat message list: add --apply-chat-template to render it.")
+    return prompt

@@ -1,0 +1,15 @@
+"""Built-in dynamic-sampling filters (``--dynamic-sampling-filter-path``), slime's ``keep(args, samples)`` shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slime_lite.types import Sample
+
+
+def check_reward_nonzero_std(args: Any, samples: list[Sample], **kwargs: Any) -> bool:
+    """Keep a prompt group only when its rewards disagree (a group whose rewards all agree has zero advantage)."""
+    from slime_lite.rollout.stats import scalar_reward
+
+    rewards = [scalar_reward(s, getattr(args, "reward_key", None)) for s in samples]
+    return max(rewards) - min(rewards) > 1e-8

@@ -1,0 +1,156 @@
+"""Turn prompts into Samples through the engine API: sampling, rewards, dynamic-sampling filters."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from slime_lite.engine_client import AsyncEngineClient
+from slime_lite.hooks import call_maybe_async, load_function
+from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
+from slime_lite.types import Sample, Status
+
+log = logging.getLogger(__name__)
+
+
+def sampling_params(args: Any, evaluation: bool = False) -> dict[str, Any]:
+    return {
+        "temperature": args.eval_temperature if evaluation else args.rollout_temperature,
+        "top_p": args.rollout_top_p,
+        "top_k": args.rollout_top_k,
+        "max_new_tokens": args.eval_max_response_len if evaluation else args.rollout_max_response_len,
+        "stop": args.rollout_stop,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+
+
+def new_group(prompt: Prompt, n: int, group_index: int, first_index: int, text: str, ids: list[int]) -> list[Sample]:
+    return [
+        Sample(
+            group_index=group_index,
+            index=first_index + j,
+            prompt=prompt.prompt,
+            tokens=list(ids),
+            label=prompt.label,
+            metadata={"prompt_index": prompt.index, "prompt_text": text, **prompt.metadata},
+        )
+        for j in range(n)
+    ]
+
+
+async def default_generate(args: Any, sample: Sample, params: dict[str, Any]) -> Sample:
+    """slime's generate signature; sends the prompt ids to an engine and fills the response fields."""
+    client: AsyncEngineClient = args.engine_client
+    body = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
+    out = await client.generate(body)
+    meta = out["meta_info"]
+    ids = list(out["output_ids"])
+    logprobs = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
+    sample.tokens = sample.tokens + ids
+    sample.response = out["text"]
+    sample.response_length = len(ids)
+    sample.rollout_log_probs = logprobs if len(logprobs) == len(ids) else None
+    sample.loss_mask = [1] * len(ids)
+    sample.status = Status.from_finish_reason((meta.get("finish_reason") or {}).get("type"))
+    if meta.get("weight_version") is not None:
+        sample.weight_versions.append(str(meta["weight_version"]))
+    sample.prefix_cache_info.cached_tokens = int(meta.get("cached_tokens") or 0)
+    sample.prefix_cache_info.total_prompt_tokens = int(meta.get("prompt_tokens") or 0)
+    return sample
+
+
+class Generator:
+    """Generates groups of samples for a rollout (with dynamic sampling) or for an eval set."""
+
+    def __init__(self, args: Any, tokenizer: Any, client: AsyncEngineClient | None) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        args.engine_client = client  # custom generate hooks reach the engines through args, as in slime
+        if client is not None:  # slime's hooks read the router address from args
+            host, _, port = client.urls[0].rsplit("/", 1)[-1].partition(":")
+            args.sglang_router_ip, args.sglang_router_port = host, int(port)
+        path = args.custom_generate_function_path
+        self.generate_fn: Callable[..., Any] = (
+            load_function(path, "--custom-generate-function-path") if path else default_generate
+        )
+        path = args.dynamic_sampling_filter_path
+        self.filter_fn = load_function(path, "--dynamic-sampling-filter-path") if path else None
+        self._next_index = 0
+
+    def _encode(self, prompt: Prompt) -> tuple[str, list[int]]:
+        text = render_prompt(prompt.prompt, self.tokenizer, self.args.apply_chat_template)
+        return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def _run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int) -> list[Sample]:
+        from slime_lite.rollout.rewards import compute_reward
+
+        async def one(sample: Sample) -> Sample:
+            p = dict(params, sampling_seed=seed_base + sample.index)
+            sample.metadata["sampling_params"] = p
+            sample.generate_function_path = self.args.custom_generate_function_path
+            t0 = time.monotonic()
+            sample = await call_maybe_async(self.generate_fn, self.args, sample, p)
+            t1 = time.monotonic()
+            sample.reward = await compute_reward(self.args, sample)
+            sample.non_generation_time = time.monotonic() - t1
+            sample.metadata["generation_time"] = t1 - t0
+            return sample
+
+        return list(await asyncio.gather(*(one(s) for s in group)))
+
+    async def rollout(self, rollout_id: int, source: PromptSource) -> tuple[list[Sample], dict[str, float]]:
+        """``--rollout-batch-size`` groups of ``--n-samples-per-prompt``; over-sample and filter when asked."""
+        a = self.args
+        params = sampling_params(a)
+        wave = a.over_sampling_batch_size or a.rollout_batch_size
+        kept: list[list[Sample]] = []
+        generated = dropped = 0
+        seed_base = a.rollout_seed * 1_000_003 + rollout_id * 100_003
+        for _ in range(100):  # bounded: a filter that never keeps a group stops the run, not hangs it
+            prompts = source.next_batch(wave)
+            groups = []
+            for prompt in prompts:
+                text, ids = self._encode(prompt)
+                groups.append(new_group(prompt, a.n_samples_per_prompt, 0, self._next_index, text, ids))
+                self._next_index += a.n_samples_per_prompt
+            results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
+            for group in results:
+                generated += 1
+                if self.filter_fn is None or self.filter_fn(a, group):
+                    if len(kept) < a.rollout_batch_size:
+                        kept.append(group)
+                else:
+                    dropped += 1
+            if len(kept) >= a.rollout_batch_size:
+                break
+        else:
+            from slime_lite.errors import SlimeLiteError
+
+            raise SlimeLiteError(
+                f"--dynamic-sampling-filter-path kept only {len(kept)} of {generated} groups after 100 waves; "
+                "the filter is too strict for this model/data."
+            )
+        samples = []
+        for gi, group in enumerate(kept):
+            for s in group:
+                s.group_index = gi
+                s.index = len(samples)
+                samples.append(s)
+        stats = {"rollout/dynamic_filter/generated_groups": float(generated),
+                 "rollout/dynamic_filter/dropped_groups": float(dropped)} if self.filter_fn else {}
+        return samples, stats
+
+    async def evaluate(self, name: str, prompts: list[Prompt], rollout_id: int) -> list[Sample]:
+        a = self.args
+        params = sampling_params(a, evaluation=True)
+        n = a.n_samples_per_eval_prompt
+        groups = []
+        for gi, prompt in enumerate(prompts):
+            text, ids = self._encode(prompt)
+            groups.append(new_group(prompt, n, gi, gi * n, text, ids))
+        seed_base = a.rollout_seed * 1_000_003 + 7_919 + rollout_id * 100_003
+        results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
+        return [s for g in results for s in g]

@@ -1,0 +1,125 @@
+"""The rollout manager: one Ray actor owning prompt data, engine URLs, generation, rewards, eval and debug dumps.
+
+It never imports Megatron: in ``--debug-rollout-only`` runs no process of the job does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout import dumps
+from slime_lite.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+class RolloutManager:
+    def __init__(self, args: Any, engine_urls: list[str]) -> None:
+        from slime_lite.cli import setup_logging
+        from slime_lite.engine_client import AsyncEngineClient
+        from slime_lite.rollout.data import PromptSource, read_prompts
+        from slime_lite.rollout.generate import Generator
+        from slime_lite.tiny_model import load_tokenizer, tokenizer_fingerprint
+
+        setup_logging(args.log_level)
+        self.args = args
+        self.urls = list(engine_urls)
+        self.tokenizer = load_tokenizer(args.hf_checkpoint)
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.loop = asyncio.new_event_loop()
+        self.source = None
+        self.eval_sets: dict[str, list[Any]] = {}
+        self.generator = None
+        if self.urls:
+            client = AsyncEngineClient(self.urls, timeout=args.rollout_request_timeout)
+            self.generator = Generator(args, self.tokenizer, client)
+        if args.prompt_data and not args.debug_train_only:
+            prompts = read_prompts(args.prompt_data, args.input_key, args.label_key)
+            self.source = PromptSource(prompts, args.rollout_shuffle, args.rollout_seed)
+        if args.eval_prompt_data and not args.debug_train_only:
+            pairs = args.eval_prompt_data
+            for name, path in zip(pairs[0::2], pairs[1::2]):
+                self.eval_sets[name] = read_prompts(path, args.input_key, args.label_key, "--eval-prompt-data")
+
+    def engine_urls(self) -> list[str]:
+        return self.urls
+
+    def _meta(self) -> dict[str, Any]:
+        return dumps.make_meta(self.args, self.fingerprint)
+
+    def _run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """One rollout's samples (generated, or loaded from ``--load-debug-rollout-data``) and its metrics."""
+        from slime_lite.rollout.stats import rollout_metrics
+
+        a = self.args
+        t0 = time.monotonic()
+        if a.load_debug_rollout_data:
+            samples = self._load(rollout_id)
+            extra: dict[str, float] = {}
+        else:
+            if self.generator is None or self.source is None:
+                raise SlimeLiteError("no engines or prompts to generate from (check --prompt-data and the engines).")
+            samples, extra = self._run(self.generator.rollout(rollout_id, self.source))
+        elapsed = time.monotonic() - t0
+        if a.save_debug_rollout_data:
+            path = dumps.dump_path(a.save_debug_rollout_data, rollout_id)
+            dumps.save_rollout_dump(path, rollout_id, samples, self._meta())
+            log.info("saved rollout %d (%d samples) to %s", rollout_id, len(samples), path)
+        metrics = rollout_metrics(samples, a.reward_key)
+        metrics.update(extra)
+        if not a.load_debug_rollout_data:
+            metrics["perf/rollout_time"] = elapsed
+            tokens = sum(s.response_length for s in samples)
+            metrics["perf/rollout_tokens_per_s"] = tokens / elapsed if elapsed > 0 else 0.0
+        return samples, metrics
+
+    def _load(self, rollout_id: int) -> list[Sample]:
+        a = self.args
+        path = dumps.dump_path(a.load_debug_rollout_data, rollout_id)
+        dump = dumps.load_rollout_dump(path)
+        dumps.check_replay_meta(dump, self._meta())
+        samples = dump.samples
+        if a.load_debug_rollout_data_subsample is not None:
+            samples = dumps.subsample_groups(samples, a.load_debug_rollout_data_subsample, a.n_samples_per_prompt)
+        log.info("loaded rollout %d from %s (%d samples)", rollout_id, path, len(samples))
+        return samples
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        from slime_lite.rollout.stats import eval_metrics
+
+        a = self.args
+        metrics: dict[str, float] = {}
+        if self.generator is None:
+            return metrics
+        t0 = time.monotonic()
+        for name, prompts in self.eval_sets.items():
+            samples = self._run(self.generator.evaluate(name, prompts, rollout_id))
+            metrics.update(eval_metrics(name, samples, a.reward_key))
+            if a.save_debug_rollout_data:
+                path = dumps.dump_path(a.save_debug_rollout_data, rollout_id, evaluation=True)
+                if len(self.eval_sets) > 1:
+                    root, ext = os.path.splitext(path)
+                    path = f"{root}_{name}{ext}"
+                dumps.save_rollout_dump(path, rollout_id, samples, self._meta(), eval_name=name)
+        metrics["perf/eval_time"] = time.monotonic() - t0
+        return metrics
+
+    def state(self) -> dict[str, Any]:
+        return {"source": self.source.state() if self.source else None}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if self.source is not None and state.get("source"):
+            self.source.load_state(state["source"])
+
+    def imported_modules(self) -> list[str]:
+        import sys
+
+        return sorted(sys.modules)

@@ -1,0 +1,102 @@
+"""Rollout and eval metrics recomputed from Samples, with slime's metric names (SPEC 8). Pure Python."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from slime_lite.errors import SlimeLiteError
+from slime_lite.types import Sample, Status
+
+
+def scalar_reward(sample: Sample, reward_key: str | None = None) -> float:
+    """The sample's reward as a float; a dict reward is read at ``reward_key`` (``--reward-key``)."""
+    reward: Any = sample.reward
+    if isinstance(reward, dict):
+        if reward_key is None:
+            raise SlimeLiteError(
+                f"sample {sample.index}: the reward is a dict with keys {sorted(reward)}; "
+                "pass --reward-key to pick the scalar reward."
+            )
+        if reward_key not in reward:
+            raise SlimeLiteError(
+                f"sample {sample.index}: --reward-key {reward_key!r} is not in the reward dict "
+                f"(keys: {sorted(reward)})."
+            )
+        reward = reward[reward_key]
+    if reward is None:
+        raise SlimeLiteError(f"sample {sample.index} has no reward (status {sample.status.value}).")
+    try:
+        return float(reward)
+    except (TypeError, ValueError):
+        raise SlimeLiteError(
+            f"sample {sample.index}: reward {reward!r} is not a number"
+            + ("" if reward_key else "; pass --reward-key if it is a dict")
+        ) from None
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _sample_logprob_mean(sample: Sample) -> float | None:
+    """Mean rollout log-prob over the sample's response tokens (loss-masked tokens only, when a mask exists)."""
+    lps = sample.rollout_log_probs
+    if not lps:
+        return None
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * len(lps)
+    kept = [float(lp) for lp, m in zip(lps, mask) if m]
+    return _mean(kept) if kept else None
+
+
+def _zero_std_group_ratio(samples: list[Sample], rewards: dict[int, float]) -> float | None:
+    """Share of prompt groups (by ``group_index``, size > 1) whose rewards are all equal: no GRPO signal."""
+    groups: dict[Any, list[float]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        if s.group_index is not None and i in rewards:
+            groups[s.group_index].append(rewards[i])
+    sized = [g for g in groups.values() if len(g) > 1]
+    if not sized:
+        return None
+    return sum(1 for g in sized if max(g) == min(g)) / len(sized)
+
+
+def rollout_metrics(samples: list[Sample], reward_key: str | None = None) -> dict[str, float]:
+    """Metrics of one rollout batch: ``rollout/raw_reward``, ``rollout/response_len/mean`` and so on.
+
+    Rewards are averaged over the samples that have one; ``rollout/rollout_log_probs`` is the per-sample token
+    mean (loss-masked) averaged over samples, as slime averages per-token quantities.
+    """
+    if not samples:
+        return {}
+    out: dict[str, float] = {}
+    rewards = {i: scalar_reward(s, reward_key) for i, s in enumerate(samples) if s.reward is not None}
+    if rewards:
+        out["rollout/raw_reward"] = _mean(list(rewards.values()))
+        out["rollout/rewards"] = out["rollout/raw_reward"]
+    lengths = [s.response_length for s in samples]
+    out["rollout/response_len/mean"] = _mean(lengths)
+    out["rollout/response_len/max"] = float(max(lengths))
+    out["rollout/response_len/min"] = float(min(lengths))
+    out["rollout/truncated_ratio"] = _mean([s.status == Status.TRUNCATED for s in samples])
+    out["rollout/aborted_ratio"] = _mean([s.status == Status.ABORTED for s in samples])
+    lp_means = [m for m in map(_sample_logprob_mean, samples) if m is not None]
+    if lp_means:
+        out["rollout/rollout_log_probs"] = _mean(lp_means)
+    zero_std = _zero_std_group_ratio(samples, rewards)
+    if zero_std is not None:
+        out["rollout/zero_std_groups"] = zero_std
+    return out
+
+
+def eval_metrics(name: str, samples: list[Sample], reward_key: str | None = None) -> dict[str, float]:
+    """``eval/<name>`` (mean reward), ``eval/<name>/response_len/mean`` and ``eval/<name>/truncated_ratio``."""
+    if not samples:
+        return {}
+    rewards = [scalar_reward(s, reward_key) for s in samples if s.reward is not None]
+    out: dict[str, float] = {}
+    if rewards:
+        out[f"eval/{name}"] = _mean(rewards)
+    out[f"eval/{name}/response_len/mean"] = _mean([s.response_length for s in samples])
+    out[f"eval/{name}/truncated_ratio"] = _mean([s.status == Status.TRUNCATED for s in samples])
+    return out

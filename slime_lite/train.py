@@ -1,0 +1,89 @@
+"""The driver: parse and check the flags, place the processes, then loop generate -> train -> save -> push -> eval.
+
+The debug modes are the visible branches below: ``--debug-rollout-only`` never builds (or imports) the trainer,
+``--debug-train-only`` / ``--load-debug-rollout-data`` start no engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from slime_lite.args import parse_args
+from slime_lite.metrics import MetricsLogger, write_args_json
+
+log = logging.getLogger("slime_lite.train")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger().setLevel(args.log_level.upper())
+    import ray
+
+    from slime_lite.placement import create_placement_group, init_ray, plan_layout
+    from slime_lite.rollout.engines import start_engines
+    from slime_lite.rollout.manager import RolloutManager
+
+    layout = plan_layout(args)
+    init_ray(args, layout.num_bundles)
+    pg = create_placement_group(layout)
+    if args.dump_details:
+        write_args_json(args, os.path.join(args.dump_details, "args.json"))
+    metrics = MetricsLogger(args)
+
+    engines, urls = ([], []) if args.debug_train_only else start_engines(args, pg, layout.rollout)
+    manager = ray.remote(RolloutManager).options(num_cpus=0.5).remote(args, urls)
+
+    actor = critic = None
+    start_rollout_id = 0
+    if not args.debug_rollout_only:
+        from slime_lite.backends.megatron.group import TrainGroup  # the trainer is imported only here
+
+        actor = TrainGroup(args, pg, layout.actor, role="actor")
+        critic = TrainGroup(args, pg, layout.critic, role="critic") if args.advantage_estimator == "ppo" else None
+        start_rollout_id, data_state = actor.init()
+        if critic is not None:
+            critic.init()
+        if data_state:
+            ray.get(manager.load_state.remote(data_state))
+        if urls:
+            t0 = time.monotonic()
+            actor.update_weights(urls, version=start_rollout_id)
+            log.info("initial weights pushed to %d engine(s) in %.2fs", len(urls), time.monotonic() - t0)
+
+    evaluate = bool(urls and args.eval_interval)
+    if evaluate and start_rollout_id == 0:  # eval ids count the rollouts trained so far: 0 = before training
+        metrics.log(ray.get(manager.evaluate.remote(0)), -1)
+    for rollout_id in range(start_rollout_id, args.num_rollout):
+        step_t0 = time.monotonic()
+        samples, record = ray.get(manager.generate.remote(rollout_id))
+        if actor is not None:
+            t0 = time.monotonic()
+            record.update(actor.train(rollout_id, samples, critic))
+            record["perf/train_time"] = time.monotonic() - t0
+            if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
+                actor.save(rollout_id, ray.get(manager.state.remote()))
+                if critic is not None:
+                    critic.save(rollout_id, None)
+            if urls:
+                t0 = time.monotonic()
+                actor.update_weights(urls, version=rollout_id + 1)
+                record["perf/update_weights_time"] = time.monotonic() - t0
+        if evaluate and ((rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout):
+            record.update(ray.get(manager.evaluate.remote(rollout_id + 1)))
+        record["perf/step_time"] = time.monotonic() - step_t0
+        metrics.log(record, rollout_id)
+
+    metrics.close()
+    for engine in engines:
+        ray.get(engine.stop.remote())
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    from slime_lite.cli import run_main, setup_logging
+
+    setup_logging()
+    raise SystemExit(run_main(main))
