@@ -207,6 +207,12 @@ def validate_args(args: argparse.Namespace) -> None:
             "--debug-rollout-only and --debug-train-only cannot be used together: one runs only the engines, "
             "the other only the trainer. Pick one."
         )
+    if (
+        args.save_debug_rollout_data
+        and args.load_debug_rollout_data
+        and os.path.abspath(args.save_debug_rollout_data) == os.path.abspath(args.load_debug_rollout_data)
+    ):
+        raise SlimeLiteError("--save-debug-rollout-data and --load-debug-rollout-data must be different paths.")
     if args.load_debug_rollout_data:
         if args.debug_rollout_only:
             raise SlimeLiteError(
@@ -236,12 +242,6 @@ def validate_args(args: argparse.Namespace) -> None:
                 "--save-debug-rollout-data has nothing to save under --debug-train-only/--load-debug-rollout-data "
                 "(no rollouts are generated)."
             )
-    if (
-        args.save_debug_rollout_data
-        and args.load_debug_rollout_data
-        and os.path.abspath(args.save_debug_rollout_data) == os.path.abspath(args.load_debug_rollout_data)
-    ):
-        raise SlimeLiteError("--save-debug-rollout-data and --load-debug-rollout-data must be different paths.")
     if args.debug_rollout_only:
         changed = [f for f in ("colocate", "offload_train", "offload_rollout") if getattr(args, f)]
         for f in changed:

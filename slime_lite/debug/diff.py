@@ -96,7 +96,7 @@ def _run(argv: list[str] | None) -> int:
     if differing:
         table = Table(title=f"{len(differing)} of {n} samples differ", title_justify="left")
         for col in ("position", "group/index", "first differing token", "reward A / B", "status A / B",
-                    "response", "max |dlogp|"):
+                    "response", "max |dlogp| (agreeing tokens)"):
             table.add_column(col, overflow="fold")
         for d in differing[: args.max_rows]:
             lp = f"{d.logprob_max_abs_diff:.3g}" if d.logprob_max_abs_diff is not None else "-"
@@ -111,9 +111,11 @@ def _run(argv: list[str] | None) -> int:
         if len(differing) > args.max_rows:
             console.print(f"... {len(differing) - args.max_rows} more differing samples (--max-rows)")
 
-    summary = Table(title=f"diff-rollouts A={args.a} B={args.b}", title_justify="left")
+    summary = Table(title="diff-rollouts", title_justify="left")
     summary.add_column("check")
     summary.add_column("result", overflow="fold")
+    summary.add_row("A", Text(args.a))
+    summary.add_row("B", Text(args.b))
     count_ok = len(da.samples) == len(db.samples)
     summary.add_row("sample count", f"A {len(da.samples)}, B {len(db.samples)}" + ("" if count_ok else
                     f": length mismatch, compared the first {n}"))

@@ -68,6 +68,8 @@ def dict_table(title: str, data: dict[str, Any]) -> Any:
 
 
 def _run(argv: list[str] | None) -> int:
+    from rich.text import Text
+
     from slime_lite.debug import make_console, select_dumps
     from slime_lite.errors import SlimeLiteError
     from slime_lite.rollout.dumps import load_rollout_dump
@@ -85,8 +87,10 @@ def _run(argv: list[str] | None) -> int:
             console.print(sample_table(sample, position, args.full))
         if len(shown) < len(dump.samples):
             console.print(f"... {len(dump.samples) - len(shown)} more samples not shown (--max-samples)")
-        console.print(dict_table("rollout metrics (recomputed from the samples)",
-                                 rollout_metrics(dump.samples, args.reward_key)))
+        try:
+            console.print(dict_table("rollout metrics (recomputed)", rollout_metrics(dump.samples, args.reward_key)))
+        except SlimeLiteError as exc:  # e.g. dict rewards without --reward-key: the samples are still shown
+            console.print(Text(f"rollout metrics not computed: {exc}"))
         if dump.meta:
             console.print(dict_table(f"meta (format_version {dump.format_version})", dump.meta))
         else:

@@ -84,8 +84,6 @@ def save_rollout_dump(
     path: str, rollout_id: int, samples: list[Sample], meta: dict[str, Any] | None = None, **extra: Any
 ) -> None:
     """Write a dump atomically: a crash never leaves a truncated file at ``path``."""
-    import torch
-
     payload = {
         "rollout_id": rollout_id,
         "samples": [_to_plain(s.to_dict()) for s in samples],
@@ -93,12 +91,19 @@ def save_rollout_dump(
         "meta": _to_plain(meta or {}),
     }
     payload.update(_to_plain(extra))
+    atomic_torch_save(payload, path)
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """``torch.save`` to a temporary file in the same folder, then rename: readers never see a partial file."""
+    import torch
+
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -78,7 +78,6 @@ class Generator:
         )
         path = args.dynamic_sampling_filter_path
         self.filter_fn = load_function(path, "--dynamic-sampling-filter-path") if path else None
-        self._next_index = 0
 
     def _encode(self, prompt: Prompt) -> tuple[str, list[int]]:
         text = render_prompt(prompt.prompt, self.tokenizer, self.args.apply_chat_template)
@@ -108,14 +107,15 @@ class Generator:
         wave = a.over_sampling_batch_size or a.rollout_batch_size
         kept: list[list[Sample]] = []
         generated = dropped = 0
+        next_index = 0  # per rollout, so sampling seeds depend only on (seed, rollout id, position): resumable
         seed_base = a.rollout_seed * 1_000_003 + rollout_id * 100_003
         for _ in range(100):  # bounded: a filter that never keeps a group stops the run, not hangs it
             prompts = source.next_batch(wave)
             groups = []
             for prompt in prompts:
                 text, ids = self._encode(prompt)
-                groups.append(new_group(prompt, a.n_samples_per_prompt, 0, self._next_index, text, ids))
-                self._next_index += a.n_samples_per_prompt
+                groups.append(new_group(prompt, a.n_samples_per_prompt, 0, next_index, text, ids))
+                next_index += a.n_samples_per_prompt
             results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
             for group in results:
                 generated += 1

@@ -1,0 +1,348 @@
+"""One Megatron-core train worker (a Ray actor per logical GPU): model, optimizer, log-probs, RL steps, checkpoints.
+
+All ranks of a group run the same calls in lockstep. Results are reported by the *reporter* rank: the last
+pipeline stage, TP rank 0, DP rank 0, after the per-sample results of every DP rank were gathered to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+from typing import Any
+
+import torch
+
+from slime_lite.backends.megatron import batch as B
+from slime_lite.backends.megatron.loss import response_slices, rl_loss, token_log_probs_and_entropy, value_rl_loss
+
+log = logging.getLogger(__name__)
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's output layer: hidden -> one value, replicated on every TP rank (inputs are identical there)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+class TrainActor:
+    def __init__(self, args: Any, role: str, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        from slime_lite.cli import setup_logging
+
+        setup_logging(args.log_level)
+        self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
+        self.master = (master_addr, master_port)
+        torch.set_num_threads(max(1, int(os.environ.get("SLIME_LITE_TRAIN_THREADS", "1"))))
+        if not torch.cuda.is_available():
+            torch.use_deterministic_algorithms(True, warn_only=True)
+
+    # ----------------------------------------------------------------- setup
+    def init(self) -> dict[str, Any]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from transformers import AutoConfig
+
+        from slime_lite.backends.megatron import checkpoint
+        from slime_lite.backends.megatron.model import build_gpt_model, load_hf_weights
+        from slime_lite.backends.megatron.parallel import init_distributed
+
+        a = self.args
+        init_distributed(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, self.rank, self.world_size,
+                         *self.master, seed=a.seed)
+        self.hf_config = AutoConfig.from_pretrained(a.hf_checkpoint)
+        dtype = torch.bfloat16 if a.bf16 else torch.float32
+        model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl)
+        load_hf_weights(model, a.hf_checkpoint, self.hf_config)
+        if self.role == "critic" and ps.is_pipeline_last_stage():
+            model.output_layer = ValueHead(self.hf_config.hidden_size, dtype)
+            model.share_embeddings_and_output_weights = False
+        self.ref_state = None
+        if self.role == "actor" and (a.use_kl_loss or a.kl_coef > 0 or a.ref_load):
+            if a.ref_load:
+                load_hf_weights(model, a.ref_load, self.hf_config)
+            self.ref_state = {n: p.detach().clone() for n, p in model.named_parameters()}
+            if a.ref_load:
+                load_hf_weights(model, a.hf_checkpoint, self.hf_config)
+        config = model.config
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        self.model = DistributedDataParallel(config, ddp_config, model)
+        lr = a.critic_lr if self.role == "critic" else a.lr
+        opt_config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=a.weight_decay,
+                                     adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, clip_grad=a.clip_grad,
+                                     bf16=a.bf16, params_dtype=dtype, use_distributed_optimizer=False)
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        config.no_sync_func = self.model.no_sync
+        self.ps = ps
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.last_stage = ps.is_pipeline_last_stage()
+        self.reporter = self.last_stage and ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
+        state = {"next_rollout_id": 0, "data_state": None}
+        if a.load and checkpoint.latest(a.load) is not None:
+            state = checkpoint.load(self, a.load)
+        return state
+
+    def gpt(self) -> torch.nn.Module:
+        from slime_lite.backends.megatron.model import unwrap
+
+        return unwrap(self.model)
+
+    # ----------------------------------------------------------------- forward passes
+    def _run(self, samples: list, mbs: list[list[int]], length: int, forward_only: bool, loss_fn: Any) -> list:
+        """Megatron's schedule over this rank's micro-batches; returns what loss_fn reported per micro-batch."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batches = [B.make_micro_batch(samples, idx, length) for idx in mbs]
+        it = iter(batches)
+
+        def forward_step(data_iterator: Any, model: Any) -> tuple:
+            mb = next(data_iterator)
+            dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, runtime_gather_output=True)
+            return out, partial(loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=it, model=[self.model], num_microbatches=len(batches),
+            seq_length=length, micro_batch_size=len(mbs[0]), forward_only=forward_only,
+        )
+
+    def _per_sample(self, mb: B.MicroBatch, output: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Response-token log-probs (or values) of each sample of a micro-batch, from the model output."""
+        if what == "values":
+            per_pos = output[..., :-1, 0].float()
+        else:
+            temp = self.args.rollout_temperature if self.args.rollout_temperature > 1e-6 else 1.0
+            logits = output[..., : self.gpt().hf_vocab_size] if what == "logp" else output
+            per_pos, _ = token_log_probs_and_entropy(logits, mb.tokens.to(output.device), temp)
+        return response_slices(per_pos, mb.prompt_lengths, mb.response_lengths, packed=False)
+
+    def _forward_all(self, samples: list, steps: list, length: int, what: str) -> dict[int, torch.Tensor]:
+        """Forward-only pass over every micro-batch of this rank; {sample index: per-token tensor} (last stage)."""
+        results: dict[int, torch.Tensor] = {}
+
+        def collect(mb: B.MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> tuple:
+            for i, t in zip(mb.indices, self._per_sample(mb, output, what)):
+                results[i] = t.detach().cpu()
+            return torch.zeros((), device=output.device), {}
+
+        with torch.no_grad():
+            for mbs in steps:
+                self._run(samples, mbs, length, True, collect)
+        return results
+
+    def _gather(self, local: dict[int, Any]) -> dict[int, Any]:
+        """Union of per-sample dicts over the DP group (last-stage ranks only)."""
+        import torch.distributed as dist
+
+        if self.dp_size == 1:
+            return local
+        parts: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(parts, local, group=self.ps.get_data_parallel_group())
+        return {k: v for p in parts for k, v in p.items()}
+
+    def _with_ref_weights(self, fn: Any) -> Any:
+        params = dict(self.gpt().named_parameters())
+        saved = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(self.ref_state[n])
+        try:
+            return fn()
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(saved[n])
+
+    # ----------------------------------------------------------------- critic
+    def compute_values(self, samples: list) -> dict[int, torch.Tensor] | None:
+        a = self.args
+        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
+        values = self._forward_all(samples, steps, B.padded_length(samples), "values")
+        values = self._gather(values) if self.last_stage else values
+        return values if self.reporter else None
+
+    def train_critic(self, rollout_id: int, samples: list, old_values: dict, returns: dict) -> dict[str, float] | None:
+        masks = B.loss_masks(samples)
+
+        def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
+            vals = self._per_sample(mb, output, "values")
+            loss, m = value_rl_loss(vals, [old_values[i] for i in mb.indices], [returns[i] for i in mb.indices],
+                                    [masks[i] for i in mb.indices], self.args.value_clip, normalizer)
+            return loss * self._num_mb, m
+
+        return self._train_steps(samples, loss_fn, "critic")
+
+    # ----------------------------------------------------------------- actor
+    def train(self, rollout_id: int, samples: list, values: dict | None) -> tuple[dict[str, float], Any] | None:
+        """Log-probs, advantages and ``--num-steps-per-rollout`` optimizer steps on one rollout."""
+        from slime_lite import rl_math
+        from slime_lite.rollout.stats import scalar_reward
+
+        a = self.args
+        length = B.padded_length(samples)
+        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
+        old = self._forward_all(samples, steps, length, "logp")
+        ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, "logp")) \
+            if self.ref_state is not None else None
+        if not self.last_stage:
+            self._train_steps(samples, None, "actor")
+            return None
+        old, ref = self._gather(old), (self._gather(ref) if ref is not None else None)
+        n = len(samples)
+        masks = B.loss_masks(samples)
+        logp = [old[i] for i in range(n)]
+        ref_logp = [ref[i] for i in range(n)] if ref is not None else None
+        advantages, returns = rl_math.compute_advantages_and_returns(
+            a.advantage_estimator, [scalar_reward(s, a.reward_key) for s in samples], logp, ref_logp,
+            [values[i] for i in range(n)] if values is not None else None, masks,
+            group_size=a.n_samples_per_prompt, kl_coef=a.kl_coef, kl_type=a.kl_loss_type, gamma=a.gamma,
+            lambd=a.lambd, std_normalization=not a.disable_grpo_std_normalization,
+            normalize_advantages=a.normalize_advantages,
+        )
+        rollout_lp = [torch.tensor(s.rollout_log_probs) if s.rollout_log_probs is not None else None for s in samples]
+        has_rollout_lp = all(r is not None for r in rollout_lp)
+
+        def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
+            temp = a.rollout_temperature if a.rollout_temperature > 1e-6 else 1.0
+            logits = output[..., : self.gpt().hf_vocab_size]
+            lp_pos, ent_pos = token_log_probs_and_entropy(logits, mb.tokens.to(output.device), temp,
+                                                          with_entropy=a.entropy_coef > 0)
+            pick = partial(response_slices, prompt_lengths=mb.prompt_lengths, response_lengths=mb.response_lengths,
+                           packed=False)
+            idx = mb.indices
+            loss, m = rl_loss(
+                pick(lp_pos), [old[i] for i in idx], [ref[i] for i in idx] if ref is not None else None,
+                [rollout_lp[i] for i in idx] if has_rollout_lp else None, [advantages[i] for i in idx],
+                [masks[i] for i in idx], pick(ent_pos) if ent_pos is not None else None, a, normalizer,
+            )
+            return loss * self._num_mb, m
+
+        metrics = self._train_steps(samples, loss_fn, "actor")
+        if not self.reporter:
+            return None
+        metrics.update(self._rollout_stats(samples, logp, ref_logp, rollout_lp if has_rollout_lp else None,
+                                           advantages, masks, values))
+        details = {"log_probs": logp, "ref_log_probs": ref_logp, "advantages": advantages, "returns": returns,
+                   "values": [values[i] for i in range(n)] if values is not None else None}
+        if a.dump_details:
+            self._dump_train_details(rollout_id, samples, details, rollout_lp if has_rollout_lp else None)
+        return metrics, {i: r for i, r in enumerate(returns)}
+
+    def _train_steps(self, samples: list, loss_fn: Any, role: str) -> dict[str, float]:
+        """Run the optimizer steps of one rollout; metrics averaged over steps (reporter's view)."""
+        import torch.distributed as dist
+
+        a = self.args
+        length = B.padded_length(samples)
+        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
+        per_rank = a.global_batch_size // self.dp_size
+        sums: dict[str, float] = {}
+        first: dict[str, float] = {}
+        self.model.train()
+        for k, mbs in enumerate(steps):
+            self._num_mb = len(mbs)
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            fn = partial(loss_fn, normalizer=per_rank) if loss_fn is not None else _no_loss
+            reported = self._run(samples, mbs, length, False, _keyword_output(fn))
+            ok, grad_norm, _ = self.optimizer.step()
+            step: dict[str, float] = {}
+            for m in reported:
+                for key, v in m.items():
+                    step[key] = step.get(key, 0.0) + v
+            if self.last_stage and self.dp_size > 1:
+                keys = sorted(step)
+                t = torch.tensor([step[x] for x in keys], dtype=torch.float64)
+                dist.all_reduce(t, group=self.ps.get_data_parallel_group(with_context_parallel=False))
+                step = {x: float(v) / self.dp_size for x, v in zip(keys, t)}
+            step["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            if k == 0:
+                first = dict(step)
+            for key, v in step.items():
+                sums[key] = sums.get(key, 0.0) + v
+        prefix = "critic" if role == "critic" else "train"
+        out = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
+        for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
+            if key in first:
+                out[f"{prefix}/first_step/{key}"] = first[key]
+        return out
+
+    def _rollout_stats(self, samples, logp, ref_logp, rollout_lp, advantages, masks, values) -> dict[str, float]:
+        from slime_lite import rl_math
+
+        def mean(xs: list) -> float:
+            return float(torch.stack([rl_math.masked_mean(x.float(), m) for x, m in zip(xs, masks)]).mean())
+
+        out = {"rollout/log_probs": mean(logp), "rollout/advantages": mean(advantages)}
+        if ref_logp is not None:
+            out["rollout/ref_log_probs"] = mean(ref_logp)
+            out["rollout/kl"] = mean([rl_math.compute_kl(x, r, self.args.kl_loss_type) for x, r in zip(logp, ref_logp)])
+            out["rollout/log_probs_ref_max_abs_diff"] = max(float((x - r).abs().max()) if x.numel() else 0.0
+                                                            for x, r in zip(logp, ref_logp))
+        if rollout_lp is not None:
+            diffs = [(x - r).abs() for x, r in zip(logp, rollout_lp)]
+            out["rollout/rollout_log_probs"] = mean(rollout_lp)
+            out["train/train_rollout_logprob_abs_diff"] = mean(diffs)
+            out["train/train_rollout_logprob_abs_diff_max"] = max(float(d.max()) if d.numel() else 0.0 for d in diffs)
+        if values is not None:
+            out["rollout/values"] = mean([values[i] for i in range(len(samples))])
+        return out
+
+    def _dump_train_details(self, rollout_id: int, samples: list, details: dict, rollout_lp: Any) -> None:
+        from slime_lite import rl_math
+        from slime_lite.rollout.dumps import atomic_torch_save
+
+        kl = ([rl_math.compute_kl(x, r, self.args.kl_loss_type) for x, r in zip(details["log_probs"],
+                                                                               details["ref_log_probs"])]
+              if details["ref_log_probs"] is not None else None)
+        payload = {"rollout_id": rollout_id, "rollout_log_probs": rollout_lp, "kl": kl, **details}
+        payload = {k: ([t.tolist() for t in v] if isinstance(v, list) else v) for k, v in payload.items()}
+        atomic_torch_save(payload, os.path.join(self.args.dump_details, "train_data", f"{rollout_id}.pt"))
+
+    # ----------------------------------------------------------------- weights out
+    def hf_weights(self) -> dict[str, torch.Tensor] | None:
+        """Full HF-named tensors of the whole model on global rank 0 (None elsewhere); TP gathered, PP collected."""
+        import torch.distributed as dist
+
+        from slime_lite.backends.megatron.convert import iter_hf_weights
+
+        mine = {name: t.detach().cpu() for name, t in iter_hf_weights(self.model, self.hf_config)}
+        ps = self.ps
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            parts: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(parts, mine if ps.get_tensor_model_parallel_rank() == 0 else {},
+                                   group=ps.get_pipeline_model_parallel_group())
+            mine = {k: v for p in parts for k, v in p.items()}
+        return mine if self.rank == 0 else None
+
+    def push_weights(self, urls: list[str], version: int) -> None:
+        from slime_lite.backends.megatron.weight_push import push
+
+        named = self.hf_weights()
+        if self.rank == 0:
+            push(self.args, named, urls, version)
+
+    def save(self, rollout_id: int, data_state: Any) -> None:
+        from slime_lite.backends.megatron import checkpoint
+
+        checkpoint.save(self, self.args.save, rollout_id, data_state)
+
+
+def _keyword_output(fn: Any) -> Any:
+    def wrapped(mb: Any, output: torch.Tensor, non_loss_data: bool = False) -> tuple:
+        return fn(mb, output)
+
+    return wrapped
+
+
+def _no_loss(mb: Any, output: torch.Tensor) -> tuple:
+    return output.sum() * 0.0, {}

@@ -1,0 +1,215 @@
+"""HF <-> Megatron-core weights for Llama/Qwen2/Qwen3: names, TP shards and PP stages.
+
+Pure functions over state dicts (`hf_to_megatron_shard`, `megatron_to_hf`) need no process group; `iter_hf_weights`
+gathers a live model's TP shards over the TP group. Megatron names (local layer ids i, global id = stage offset + i):
+
+    embedding.word_embeddings.weight                 model.embed_tokens.weight      (rows split over TP, padded)
+    decoder.layers.i.input_layernorm.weight          model.layers.L.input_layernorm.weight
+    decoder.layers.i.self_attention.linear_qkv.weight/.bias   self_attn.{q,k,v}_proj.weight/.bias  (fused, below)
+    decoder.layers.i.self_attention.{q,k}_layernorm.weight     self_attn.{q,k}_norm.weight  (Qwen3)
+    decoder.layers.i.self_attention.linear_proj.weight         self_attn.o_proj.weight    (split on input dim)
+    decoder.layers.i.pre_mlp_layernorm.weight        model.layers.L.post_attention_layernorm.weight
+    decoder.layers.i.mlp.linear_fc1.weight           mlp.gate_proj.weight + mlp.up_proj.weight  ([gate_r; up_r])
+    decoder.layers.i.mlp.linear_fc2.weight           mlp.down_proj.weight           (split on input dim)
+    decoder.final_layernorm.weight                   model.norm.weight
+    output_layer.weight                              lm_head.weight (embed_tokens when tied; absent when tied, PP=1)
+
+With Transformer Engine the two layer norms are `self_attention.linear_qkv.layer_norm_weight` and
+`mlp.linear_fc1.layer_norm_weight`. The fused QKV rows are grouped per KV head: [q heads of group g; k_g; v_g] for
+g = 0..G-1, and TP rank r holds groups r*G/tp .. (r+1)*G/tp - 1. Tied models have no lm_head.weight on the HF side.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from slime_lite.backends.megatron.model import HFArch, check_parallel_sizes, hf_arch, padded_vocab_size, unwrap
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_ATTN, _MLP = "self_attention.", "mlp."
+# Per-layer Megatron suffix -> (kind, HF suffixes under model.layers.L.)
+_LAYER_MAP = {
+    "input_layernorm.weight": ("copy", ["input_layernorm.weight"]),
+    "self_attention.linear_qkv.layer_norm_weight": ("copy", ["input_layernorm.weight"]),
+    "self_attention.linear_qkv.weight": ("qkv", ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                 "self_attn.v_proj.weight"]),
+    "self_attention.linear_qkv.bias": ("qkv", ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                               "self_attn.v_proj.bias"]),
+    "self_attention.q_layernorm.weight": ("copy", ["self_attn.q_norm.weight"]),
+    "self_attention.k_layernorm.weight": ("copy", ["self_attn.k_norm.weight"]),
+    "self_attention.linear_proj.weight": ("row", ["self_attn.o_proj.weight"]),
+    "pre_mlp_layernorm.weight": ("copy", ["post_attention_layernorm.weight"]),
+    "mlp.linear_fc1.layer_norm_weight": ("copy", ["post_attention_layernorm.weight"]),
+    "mlp.linear_fc1.weight": ("fc1", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+    "mlp.linear_fc2.weight": ("row", ["mlp.down_proj.weight"]),
+}
+_EMBED = "model.embed_tokens.weight"
+
+
+def layers_per_stage(arch: HFArch, pp_size: int) -> int:
+    return arch.num_layers // pp_size
+
+
+def megatron_param_names(arch: HFArch, pp_rank: int, pp_size: int, transformer_impl: str = "local") -> list[str]:
+    """The parameter names of the GPTModel of PP stage `pp_rank` (the same on every TP rank)."""
+    te = transformer_impl == "transformer_engine"
+    per_layer = ["self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight",
+                 "self_attention.linear_qkv.weight"]
+    if arch.qkv_bias:
+        per_layer.append("self_attention.linear_qkv.bias")
+    if arch.qk_norm:
+        per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    per_layer += ["self_attention.linear_proj.weight",
+                  "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight",
+                  "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    names = ["embedding.word_embeddings.weight"] if first else []
+    names += [f"decoder.layers.{i}.{s}" for i in range(layers_per_stage(arch, pp_size)) for s in per_layer]
+    if last:
+        names.append("decoder.final_layernorm.weight")
+        if not arch.tie_embeddings or not first:
+            names.append("output_layer.weight")
+    return names
+
+
+def _hf_names(name: str, arch: HFArch, layer_offset: int) -> tuple[str, list[str]]:
+    """(kind, HF names) of one Megatron parameter; layer ids in `name` are local, offset by `layer_offset`."""
+    m = _LAYER.match(name)
+    if m:
+        kind, suffixes = _LAYER_MAP[m.group(2)]
+        prefix = f"model.layers.{int(m.group(1)) + layer_offset}."
+        return kind, [prefix + s for s in suffixes]
+    if name == "embedding.word_embeddings.weight":
+        return "vocab", [_EMBED]
+    if name == "output_layer.weight":
+        return "vocab", [_EMBED if arch.tie_embeddings else "lm_head.weight"]
+    if name == "decoder.final_layernorm.weight":
+        return "copy", ["model.norm.weight"]
+    raise KeyError(f"no HF name for Megatron parameter {name!r}")
+
+
+def _split(kind: str, hf: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """HF tensor(s) -> this TP rank's Megatron shard."""
+    if kind == "copy":
+        return hf[0]
+    if kind == "row":
+        return hf[0].chunk(tp_size, dim=1)[tp_rank]
+    if kind == "fc1":
+        return torch.cat([t.chunk(tp_size, dim=0)[tp_rank] for t in hf], dim=0)
+    if kind == "vocab":
+        t = hf[0]
+        pad = padded_vocab_size(arch.vocab_size, tp_size) - t.shape[0]
+        if pad:
+            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))], dim=0)
+        return t.chunk(tp_size, dim=0)[tp_rank]
+    if kind == "qkv":
+        q, k, v = hf
+        groups, per_group = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads
+        rest = q.shape[1:]
+        fused = torch.cat([q.reshape(groups, per_group * arch.head_dim, *rest),
+                           k.reshape(groups, arch.head_dim, *rest),
+                           v.reshape(groups, arch.head_dim, *rest)], dim=1)
+        return fused.chunk(tp_size, dim=0)[tp_rank].reshape(-1, *rest)
+    raise ValueError(kind)
+
+
+def _merge(kind: str, shards: list[torch.Tensor], arch: HFArch) -> list[torch.Tensor]:
+    """All TP ranks' Megatron shards (in TP order) -> the full HF tensor(s)."""
+    if kind == "copy":
+        return [shards[0]]
+    if kind == "row":
+        return [torch.cat(shards, dim=1)]
+    if kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    if kind == "vocab":
+        return [torch.cat(shards, dim=0)[: arch.vocab_size]]
+    if kind == "qkv":
+        per_group, hd = arch.num_heads // arch.num_kv_heads, arch.head_dim
+        rest = shards[0].shape[1:]
+        fused = torch.cat([s.reshape(-1, (per_group + 2) * hd, *rest) for s in shards], dim=0)
+        q, k, v = fused.split([per_group * hd, hd, hd], dim=1)
+        return [t.reshape(-1, *rest) for t in (q, k, v)]
+    raise ValueError(kind)
+
+
+def hf_to_megatron_shard(
+    hf_state: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    *,
+    transformer_impl: str = "local",
+) -> dict[str, torch.Tensor]:
+    """The parameters of rank (tp_rank, pp_rank)'s GPTModel, by their names there, from a full HF state dict.
+
+    Returned tensors may share memory with `hf_state`.
+    """
+    arch = hf_arch(hf_config)
+    check_parallel_sizes(arch, tp_size, pp_size)
+    offset = pp_rank * layers_per_stage(arch, pp_size)
+    out = {}
+    for name in megatron_param_names(arch, pp_rank, pp_size, transformer_impl):
+        kind, hf_names = _hf_names(name, arch, offset)
+        out[name] = _split(kind, [hf_state[n] for n in hf_names], arch, tp_rank, tp_size)
+    return out
+
+
+def megatron_to_hf(shards: list[list[Mapping[str, torch.Tensor]]], hf_config: Any) -> dict[str, torch.Tensor]:
+    """Full HF state dict from every rank's Megatron parameters, `shards[pp_rank][tp_rank]`."""
+    arch = hf_arch(hf_config)
+    pp_size, tp_size = len(shards), len(shards[0])
+    check_parallel_sizes(arch, tp_size, pp_size)
+    out: dict[str, torch.Tensor] = {}
+    for pp_rank, stage in enumerate(shards):
+        offset = pp_rank * layers_per_stage(arch, pp_size)
+        for name in stage[0]:
+            if name.endswith("_extra_state") or _is_tied_copy(name, arch, pp_rank):
+                continue
+            kind, hf_names = _hf_names(name, arch, offset)
+            out.update(zip(hf_names, _merge(kind, [s[name] for s in stage], arch)))
+    return out
+
+
+def _is_tied_copy(name: str, arch: HFArch, pp_rank: int) -> bool:
+    """The last PP stage's copy of a tied embedding: the first stage already yields embed_tokens."""
+    return name == "output_layer.weight" and arch.tie_embeddings and pp_rank > 0
+
+
+def iter_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for every weight of this rank's PP stage, layer ids global.
+
+    Collective over the TP group: all TP ranks of a stage must iterate together, and every one of them yields the
+    same full (TP-gathered) tensors. Each PP stage yields only its own layers (the first stage the embedding, the
+    last stage the final norm and lm_head), so a consumer wanting the whole model takes one TP rank per stage.
+    Tensors are detached views of the parameters when TP=1: copy them before changing the model.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    arch = hf_arch(hf_config)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    gpt = unwrap(model)
+    # Megatron's own global layer numbers (1-based), so the ids agree with however the stage was built.
+    global_ids = [layer.layer_number - 1 for layer in gpt.decoder.layers] if hasattr(gpt, "decoder") else []
+    for name, param in gpt.named_parameters():
+        if _is_tied_copy(name, arch, pp_rank):
+            continue
+        m = _LAYER.match(name)
+        offset = global_ids[int(m.group(1))] - int(m.group(1)) if m else 0
+        kind, hf_names = _hf_names(name, arch, offset)
+        local = param.detach()
+        if tp_size > 1 and kind != "copy":
+            gathered = [torch.empty_like(local) for _ in range(tp_size)]
+            dist.all_gather(gathered, local.contiguous(), group=tp_group)
+        else:
+            gathered = [local]
+        yield from zip(hf_names, _merge(kind, gathered, arch))

@@ -1,0 +1,336 @@
+"""A Megatron-core GPTModel whose architecture is derived from a Hugging Face config.json (Llama / Qwen2 / Qwen3).
+
+Typical use on every train rank (after `parallel.init_distributed`):
+
+    model = build_gpt_model(hf_config)                  # this rank's TP shard of this rank's PP stage
+    load_hf_weights(model, "/path/to/hf_checkpoint", hf_config)
+    logits = forward_logits(model, tokens)              # PP=1: [B, T, vocab] float logits, full HF vocab
+
+`hf_config` is a transformers PretrainedConfig or the dict read from config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slime_lite.errors import SlimeLiteError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+TE_INSTALL_HINT = (
+    "--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is not installed: "
+    "`pip install --no-build-isolation 'transformer_engine[pytorch]'` on a CUDA machine, or use "
+    "--transformer-impl local (the default)."
+)
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """The parts of an HF config.json that decide the Megatron architecture and the weight layout."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_llama3_factor: float | None  # Llama-3.1 style RoPE scaling, None when plain RoPE
+    tie_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    init_std: float
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def hf_arch(hf_config: Any) -> HFArch:
+    """Read and check an HF config (PretrainedConfig or config.json dict); SlimeLiteError if Megatron can't match it."""
+    model_type = _get(hf_config, "model_type")
+    where = "the --hf-checkpoint config.json"
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise SlimeLiteError(
+            f"{where} has model_type {model_type!r}; the Megatron backend supports {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    if _get(hf_config, "hidden_act", "silu") != "silu":
+        raise SlimeLiteError(f"{where} has hidden_act {_get(hf_config, 'hidden_act')!r}; only 'silu' is supported.")
+    if _get(hf_config, "use_sliding_window", False):
+        raise SlimeLiteError(f"{where} enables use_sliding_window; sliding-window attention is not supported.")
+    if model_type == "llama" and (_get(hf_config, "attention_bias", False) or _get(hf_config, "mlp_bias", False)):
+        raise SlimeLiteError(f"{where} sets attention_bias/mlp_bias; Llama models with biases are not supported.")
+    rope = _get(hf_config, "rope_parameters") or _get(hf_config, "rope_scaling") or {}
+    rope_theta = float(rope.get("rope_theta", _get(hf_config, "rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    llama3_factor = None
+    if rope_type == "llama3":
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        if any(float(rope.get(k, v)) != v for k, v in fixed.items()):
+            raise SlimeLiteError(f"{where}: llama3 RoPE scaling is supported only with {fixed} (Megatron's values).")
+        llama3_factor = float(rope["factor"])
+    elif rope_type != "default":
+        raise SlimeLiteError(f"{where} uses rope_type {rope_type!r}; supported: default, llama3.")
+    hidden = int(_get(hf_config, "hidden_size"))
+    heads = int(_get(hf_config, "num_attention_heads"))
+    return HFArch(
+        model_type=model_type,
+        vocab_size=int(_get(hf_config, "vocab_size")),
+        hidden_size=hidden,
+        num_layers=int(_get(hf_config, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(_get(hf_config, "num_key_value_heads") or heads),
+        head_dim=int(_get(hf_config, "head_dim") or hidden // heads),
+        ffn_hidden_size=int(_get(hf_config, "intermediate_size")),
+        rms_norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_llama3_factor=llama3_factor,
+        tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=int(_get(hf_config, "max_position_embeddings", 4096)),
+        init_std=float(_get(hf_config, "initializer_range", 0.02)),
+    )
+
+
+def check_parallel_sizes(arch: HFArch, tp: int, pp: int) -> None:
+    """SlimeLiteError unless TP divides heads, KV heads and the FFN size, and PP divides the layer count."""
+    for what, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+                    ("intermediate_size", arch.ffn_hidden_size)):
+        if tp < 1 or n % tp:
+            raise SlimeLiteError(
+                f"--tensor-model-parallel-size {tp} must divide the model's {what} ({n}); "
+                f"pick a TP size that divides {arch.num_heads} heads, {arch.num_kv_heads} KV heads "
+                f"and FFN size {arch.ffn_hidden_size}."
+            )
+    if pp < 1 or arch.num_layers % pp:
+        raise SlimeLiteError(
+            f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({arch.num_layers})."
+        )
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Megatron splits the vocabulary evenly over TP ranks; rows past the HF vocab are zero padding."""
+    return math.ceil(vocab_size / tp) * tp
+
+
+def transformer_config_from_hf(
+    hf_config: Any,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    transformer_impl: str = "local",
+    **overrides: Any,
+):
+    """The TransformerConfig of `hf_config` for a TP x PP layout; `overrides` set any other TransformerConfig field."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    arch = hf_arch(hf_config)
+    check_parallel_sizes(arch, tp, pp)
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.init_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        transformer_impl=transformer_impl,
+        # No fused kernels: they need CUDA/apex/TE and the unfused paths are what HF computes.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(arch: HFArch, transformer_impl: str = "local"):
+    """Megatron's layer spec: local (pure PyTorch, the default) or Transformer Engine."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if transformer_impl == "local":
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    if transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as e:
+            raise SlimeLiteError(TE_INSTALL_HINT) from e
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    raise SlimeLiteError(f"--transformer-impl {transformer_impl!r} is unknown; use local or transformer_engine.")
+
+
+def build_gpt_model(
+    hf_config: Any,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    transformer_impl: str = "local",
+    parallel_output: bool = False,
+    **config_overrides: Any,
+):
+    """This rank's GPTModel (its TP shard of its PP stage), randomly initialised; needs `parallel.init_distributed`.
+
+    pre_process/post_process default to "this rank is the first/last PP stage". The vocabulary is padded to a
+    multiple of TP (`padded_vocab_size`); `model.hf_vocab_size` keeps the HF size.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from slime_lite.backends.megatron import cpu_compat
+
+    cpu_compat.apply()
+    arch = hf_arch(hf_config)
+    spec = layer_spec(arch, transformer_impl)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = transformer_config_from_hf(
+        hf_config, tp=tp, pp=pp, params_dtype=params_dtype, transformer_impl=transformer_impl, **config_overrides
+    )
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_llama3_factor is not None,
+        rope_scaling_factor=arch.rope_llama3_factor or 8.0,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    model.hf_vocab_size = arch.vocab_size
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class _SafetensorsDir(Mapping):
+    """Read-on-access view of an HF checkpoint directory's *.safetensors (each rank reads only what it needs)."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise SlimeLiteError(f"--hf-checkpoint {path} has no *.safetensors weights; save the model with safetensors.")
+        self._handles = {}
+        for name in files:
+            handle = safe_open(os.path.join(path, name), framework="pt")
+            for key in handle.keys():
+                self._handles[key] = handle
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._handles[key].get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+def load_hf_weights(model: torch.nn.Module, hf_dir_or_state_dict: str | Mapping, hf_config: Any) -> None:
+    """Fill this rank's parameters (its TP shard of its PP stage) from an HF checkpoint directory or state dict."""
+    from megatron.core import parallel_state
+
+    from slime_lite.backends.megatron.convert import hf_to_megatron_shard
+
+    hf_state = (
+        _SafetensorsDir(hf_dir_or_state_dict) if isinstance(hf_dir_or_state_dict, str) else hf_dir_or_state_dict
+    )
+    gpt = unwrap(model)
+    shard = hf_to_megatron_shard(
+        hf_state,
+        hf_config,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        transformer_impl=gpt.config.transformer_impl,
+    )
+    params = dict(gpt.named_parameters())
+    if set(shard) != set(params):
+        raise RuntimeError(
+            f"HF->Megatron names disagree with the model: missing {sorted(set(params) - set(shard))}, "
+            f"unexpected {sorted(set(shard) - set(params))}"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            if shard[name].shape != param.shape:
+                raise RuntimeError(f"{name}: checkpoint shard {tuple(shard[name].shape)} != model {tuple(param.shape)}")
+            param.copy_(shard[name])
+
+
+def forward_logits(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal-LM logits [B, T, hf_vocab] for token ids [B, T] on a PP=1 model (full vocab, gathered over TP).
+
+    Megatron's RoPE places token t of every row at position t, so rows must start at position 0 (right padding);
+    `position_ids`, if given, must be exactly that. attention_mask=None means causal; otherwise it is Megatron's
+    boolean [B, 1, T, T] mask (True = masked) for the local attention.
+    """
+    batch, seq = tokens.shape
+    expected = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, seq)
+    if position_ids is None:
+        position_ids = expected
+    elif not torch.equal(position_ids.to(expected.device), expected):
+        raise ValueError("forward_logits: Megatron RoPE uses positions 0..T-1 per row; right-pad the batch instead")
+    logits = model(tokens, position_ids, attention_mask, runtime_gather_output=True)
+    return logits[..., : unwrap(model).hf_vocab_size]

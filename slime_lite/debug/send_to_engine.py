@@ -1,0 +1,225 @@
+"""send-to-engine: resend dumped samples to a running engine (embedded or SGLang) and compare with the dump.
+
+Two checks per sample:
+(a) teacher-forced, the strongest: the full dumped tokens go in with ``logprob_start_len = prompt_len - 1``; the
+    engine's ``input_token_logprobs`` of the response tokens are compared with the dump's ``rollout_log_probs``.
+(b) regeneration: the prompt part goes in with the recorded sampling params (``metadata["sampling_params"]``,
+    including ``sampling_seed``); new ids/text are compared with the dump, and log-probs where the tokens agree.
+    (b) is the log-prob check when the engine gives no ``input_token_logprobs``.
+
+    slime-lite send-to-engine --load-debug-rollout-data /d/rollout_{rollout_id}.pt --rollout-id 0 \
+        --url http://127.0.0.1:30000 --all
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+GREEDY_TEMPERATURE = 1e-6
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slime-lite send-to-engine",
+        description="Resend dumped samples to a running engine and compare output tokens and log-probs.",
+    )
+    p.add_argument("--load-debug-rollout-data", required=True, metavar="T",
+                   help="dump path template with {rollout_id} (or one dump file)")
+    p.add_argument("--rollout-id", type=int, required=True, help="rollout id of the dump")
+    p.add_argument("--eval", action="store_true", help="use the eval dump of that id (eval_<id>)")
+    p.add_argument("--url", required=True, help="engine base URL, e.g. http://127.0.0.1:30000")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--sample-index", type=int, default=0, help="position of the sample in the dump (default 0)")
+    which.add_argument("--all", action="store_true", help="send every sample of the dump")
+    p.add_argument("--greedy", action="store_true", help="regenerate greedily (temperature 0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="when the dump recorded no sampling params")
+    p.add_argument("--top-p", type=float, default=1.0, help="when the dump recorded no sampling params")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="regeneration length (default: recorded, else the dumped response length)")
+    p.add_argument("--atol", type=float, default=1e-3, help="largest log-prob difference that counts as a match")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per engine request")
+    return p
+
+
+@dataclass
+class Report:
+    position: int
+    sample: Any
+    rows: list[tuple[str, str]] = field(default_factory=list)
+    logprob_diff: float | None = None  # max |engine - dump| on loss-masked response tokens
+    tokens_ok: bool | None = None  # None: tokens are not expected to match (unseeded sampling)
+    atol: float = 1e-3
+
+    @property
+    def verdict(self) -> str:
+        if self.tokens_ok is False or (self.logprob_diff is not None and self.logprob_diff > self.atol):
+            return "DIFFER"
+        if self.logprob_diff is None and self.tokens_ok is None:
+            return "INCONCLUSIVE"
+        return "MATCH"
+
+
+def sampling_params(sample: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The params the sample was generated with (recorded in its metadata), else from the flags."""
+    recorded = sample.metadata.get("sampling_params")
+    params = dict(recorded) if isinstance(recorded, dict) else {"temperature": args.temperature, "top_p": args.top_p}
+    if "sampling_seed" not in params and sample.metadata.get("sampling_seed") is not None:
+        params["sampling_seed"] = sample.metadata["sampling_seed"]
+    if args.max_new_tokens is not None:
+        params["max_new_tokens"] = args.max_new_tokens
+    elif params.get("max_new_tokens") is None:
+        params["max_new_tokens"] = max(1, sample.response_length)
+    return params
+
+
+def _diffs(new: list[float], old: list[float], mask: list[int] | None) -> list[float]:
+    mask = mask if mask is not None else [1] * len(old)
+    return [abs(float(a) - float(b)) for a, b, m in zip(new, old, mask) if m]
+
+
+def _fmt(diffs: list[float]) -> str:
+    if not diffs:
+        return "no tokens to compare"
+    return f"max {max(diffs):.3g}, mean {sum(diffs) / len(diffs):.3g} over {len(diffs)} tokens"
+
+
+def teacher_forced(url: str, sample: Any, params: dict[str, Any], timeout: float) -> list[float] | None:
+    """Engine log-probs of the dumped response tokens given the dumped context; None if the engine gives none."""
+    from slime_lite.engine_client import request_json
+
+    prompt_len, response = sample.prompt_length, [int(t) for t in sample.tokens[sample.prompt_length:]]
+    body = {
+        "input_ids": [int(t) for t in sample.tokens],
+        "sampling_params": {**params, "max_new_tokens": 1},
+        "return_logprob": True,
+        "logprob_start_len": max(0, prompt_len - 1),
+    }
+    out = request_json(url, "/generate", body, timeout=timeout)
+    entries = (out.get("meta_info") or {}).get("input_token_logprobs") or []
+    tail = entries[len(entries) - len(response):] if len(entries) >= len(response) else None
+    if not response or tail is None or [int(e[1]) for e in tail] != response or any(e[0] is None for e in tail):
+        return None
+    return [float(e[0]) for e in tail]
+
+
+def check_sample(url: str, position: int, sample: Any, args: argparse.Namespace) -> Report:
+    from slime_lite.engine_client import request_json
+    from slime_lite.errors import EngineError
+
+    rep = Report(position, sample, atol=args.atol)
+    params = sampling_params(sample, args)
+    dumped_lp = sample.rollout_log_probs
+    prompt_len = sample.prompt_length
+    response = [int(t) for t in sample.tokens[prompt_len:]]
+    rep.rows.append(("prompt / response tokens", f"{prompt_len} / {len(response)}"))
+    rep.rows.append(("sampling params", repr(params)))
+
+    try:
+        tf = teacher_forced(url, sample, params, args.timeout) if response else None
+    except EngineError as exc:
+        if "answered HTTP 4" not in str(exc):
+            raise
+        tf = None  # the engine refused the scoring request (e.g. no logprob_start_len): fall back to (b)
+    if tf is None:
+        rep.rows.append(("(a) teacher-forced log-probs", "engine gave no input_token_logprobs; using (b)"))
+    elif dumped_lp is None:
+        rep.rows.append(("(a) teacher-forced log-probs", "dump has no rollout_log_probs to compare"))
+    else:
+        diffs = _diffs(tf, dumped_lp, sample.loss_mask)
+        rep.logprob_diff = max(diffs) if diffs else None
+        rep.rows.append(("(a) teacher-forced |engine - dump|", _fmt(diffs)))
+
+    regen = dict(params, temperature=0.0) if args.greedy else params
+    body = {"input_ids": [int(t) for t in sample.tokens[:prompt_len]], "sampling_params": regen,
+            "return_logprob": True}
+    out = request_json(url, "/generate", body, timeout=args.timeout)
+    new_ids = [int(t) for t in out.get("output_ids") or []]
+    meta = out.get("meta_info") or {}
+    new_lp = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
+    same = 0
+    while same < min(len(new_ids), len(response)) and new_ids[same] == response[same]:
+        same += 1
+    if new_ids == response:
+        rep.rows.append(("(b) regenerated tokens", f"identical ({len(new_ids)} tokens)"))
+    else:
+        rep.rows.append(("(b) regenerated tokens",
+                         f"first difference at response token {same} ({len(new_ids)} new vs {len(response)} dumped)"))
+    rep.rows.append(("(b) regenerated text", "identical" if out.get("text") == sample.response else "differs"))
+    finish = (meta.get("finish_reason") or {}).get("type")
+    rep.rows.append(("(b) finish reason / dumped status", f"{finish} / {sample.status.value}"))
+    if args.greedy:
+        rep.rows.append(("(b) log-probs where tokens agree", "not compared (--greedy changes the distribution)"))
+    elif dumped_lp is not None and len(new_lp) == len(new_ids):
+        mask = sample.loss_mask[:same] if sample.loss_mask is not None else None
+        diffs = _diffs(new_lp[:same], dumped_lp[:same], mask)
+        rep.rows.append(("(b) log-probs where tokens agree", _fmt(diffs)))
+        if tf is None and diffs:
+            rep.logprob_diff = max(diffs)
+    seeded = params.get("sampling_seed") is not None and not args.greedy
+    greedy_dump = float(params.get("temperature", 1.0)) <= GREEDY_TEMPERATURE
+    if seeded or greedy_dump:
+        rep.tokens_ok = new_ids == response
+    rep.rows.append(("tokens expected to match", "yes (seeded or greedy dump)" if rep.tokens_ok is not None
+                     else "no (unseeded sampling or --greedy)"))
+    return rep
+
+
+def _run(argv: list[str] | None) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
+    from slime_lite.debug import make_console, select_dumps, shorten
+    from slime_lite.errors import SlimeLiteError
+    from slime_lite.rollout.dumps import load_rollout_dump
+
+    args = build_parser().parse_args(argv)
+    kind = "eval" if args.eval else "train"
+    found = [d for d in select_dumps(args.load_debug_rollout_data, args.rollout_id) if d[0] in (kind, "file")]
+    if not found:
+        raise SlimeLiteError(f"--load-debug-rollout-data {args.load_debug_rollout_data}: no {kind} dump for "
+                             f"--rollout-id {args.rollout_id}.")
+    path = found[0][2]
+    dump = load_rollout_dump(path)
+    if args.all:
+        chosen = list(enumerate(dump.samples))
+    elif 0 <= args.sample_index < len(dump.samples):
+        chosen = [(args.sample_index, dump.samples[args.sample_index])]
+    else:
+        raise SlimeLiteError(f"--sample-index {args.sample_index}: {path} has {len(dump.samples)} samples "
+                             f"(valid: 0..{len(dump.samples) - 1}).")
+    console = make_console()
+    url = args.url.rstrip("/")
+    reports = []
+    for position, sample in chosen:
+        rep = check_sample(url, position, sample, args)
+        reports.append(rep)
+        table = Table(title=f"{path} sample {position} (group/index {sample.group_index}/{sample.index}): "
+                            f"{rep.verdict}", show_header=False, title_justify="left")
+        table.add_column("check", style="bold", no_wrap=True)
+        table.add_column("result", overflow="fold")
+        table.add_row("response", Text(shorten(sample.response, 200)))
+        for name, value in rep.rows:
+            table.add_row(name, Text(value))
+        console.print(table)
+    counts = {v: sum(r.verdict == v for r in reports) for v in ("MATCH", "DIFFER", "INCONCLUSIVE")}
+    worst = [r.logprob_diff for r in reports if r.logprob_diff is not None]
+    overall = "MATCH" if counts["MATCH"] == len(reports) else ("DIFFER" if counts["DIFFER"] else "INCONCLUSIVE")
+    console.print(
+        f"verdict: {overall} ({counts['MATCH']} match, {counts['DIFFER']} differ, {counts['INCONCLUSIVE']} "
+        f"inconclusive; max log-prob diff {max(worst):.3g} vs --atol {args.atol:g})" if worst else
+        f"verdict: {overall} ({counts['MATCH']} match, {counts['DIFFER']} differ, {counts['INCONCLUSIVE']} "
+        "inconclusive; no log-probs compared)"
+    )
+    return 0 if overall == "MATCH" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from slime_lite.cli import run_main
+
+    return run_main(_run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""Sampling parameters and the batched sampler of the embedded engine.
+
+Log-probs: each generated token's log-prob is taken from ``log_softmax(logits / temperature)`` over the whole
+vocabulary, before top-k/top-p/min-p truncation and before the ``min_new_tokens`` ban; greedy rows
+(temperature < 1e-6) use temperature 1. That is the quantity the trainer recomputes (it divides its logits by
+``--rollout-temperature``), so rollout and training log-probs agree at step 1.
+
+Randomness: sampling is Gumbel-max over the truncated distribution, with the Gumbel noise of token ``v`` at output
+step ``s`` of a request computed by a counter-based hash of ``(seed, s, v)``. A request's samples therefore depend
+only on its seed and its logits, not on which other requests share the batch, and CPU and CUDA draw the same noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+GREEDY_EPS = 1e-6
+_MASK64 = (1 << 64) - 1
+
+# Fields SGLang accepts that the embedded engine takes at their neutral value only.
+_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+_IGNORED = {"spaces_between_special_tokens", "n", "logit_bias", "custom_params", "stream_interval"}
+
+
+def mix64(a: int, b: int) -> int:
+    """Hash two integers to a non-negative 63-bit seed (splitmix64 finalizer)."""
+    x = (a * 0x9E3779B97F4A7C15 + b + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_C1, _C2, _C3 = _signed(0x9E3779B97F4A7C15), _signed(0xD1B54A32D192ED03), _signed(0x8CB92BA72F3D8DD7)
+_M1, _M2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[B, vocab]`` (float32), a pure function of ``(seed, step, token id)``."""
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = seeds[:, None] * _C1 + steps[:, None] * _C2 + v[None, :] * _C3
+    x = (x ^ _lsr(x, 30)) * _M1
+    x = (x ^ _lsr(x, 27)) * _M2
+    x = x ^ _lsr(x, 31)
+    u = (_lsr(x, 11).double() + 0.5) * (1.0 / (1 << 53))
+    return (-torch.log(-torch.log(u))).float()
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """Validate SGLang-style ``sampling_params``; ``ValueError`` names the bad field."""
+        d = dict(d or {})
+        for k in _IGNORED:
+            d.pop(k, None)
+        for k, neutral in _NEUTRAL.items():
+            val = d.pop(k, None)
+            if val is not None and float(val) != neutral:
+                raise ValueError(f"sampling_params.{k}={val} is not supported by the embedded engine "
+                                 f"(only {neutral})")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unsupported sampling_params field(s): {', '.join(unknown)}")
+        d = {k: v for k, v in d.items() if v is not None}
+        stop = d.get("stop", [])
+        d["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        d["stop_token_ids"] = [int(t) for t in d.get("stop_token_ids", [])]
+        p = cls(**d)
+        if not all(isinstance(s, str) and s for s in p.stop):
+            raise ValueError("sampling_params.stop must be a non-empty string or a list of them")
+        if int(p.max_new_tokens) < 0:
+            raise ValueError(f"sampling_params.max_new_tokens={p.max_new_tokens} must be >= 0")
+        if p.temperature < 0:
+            raise ValueError(f"sampling_params.temperature={p.temperature} must be >= 0")
+        if not 0 < p.top_p <= 1:
+            raise ValueError(f"sampling_params.top_p={p.top_p} must be in (0, 1]")
+        if p.top_k == 0 or p.top_k < -1:
+            raise ValueError(f"sampling_params.top_k={p.top_k} must be -1 (all) or >= 1")
+        if not 0 <= p.min_p <= 1:
+            raise ValueError(f"sampling_params.min_p={p.min_p} must be in [0, 1]")
+        p.max_new_tokens, p.min_new_tokens, p.top_k = int(p.max_new_tokens), int(p.min_new_tokens), int(p.top_k)
+        return p
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
+           banned: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of float32 ``logits [B, V]``; return ``(token ids [B], log-probs [B])``.
+
+    ``banned[i]`` lists token ids row ``i`` may not sample now (``min_new_tokens``); they keep their log-prob.
+    """
+    dev = logits.device
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    samp = logp
+    if banned is not None and any(banned):
+        samp = samp.clone()
+        for i, ids in enumerate(banned):
+            if ids:
+                samp[i, list(ids)] = float("-inf")
+    need_k = any(p.top_k > 0 for p in params)
+    need_p = any(p.top_p < 1.0 for p in params)
+    if need_k or need_p or any(p.min_p > 0 for p in params):
+        samp = _truncate(samp, logp, params, need_k, need_p)
+    greedy_rows = [p.greedy for p in params]
+    if all(greedy_rows):
+        tokens = samp.argmax(-1)
+    else:
+        seed_t = torch.tensor(list(seeds), dtype=torch.int64, device=dev)
+        step_t = torch.tensor(list(steps), dtype=torch.int64, device=dev)
+        tokens = (samp + gumbel_noise(seed_t, step_t, samp.shape[-1])).argmax(-1)
+        if any(greedy_rows):
+            tokens = torch.where(torch.tensor(greedy_rows, device=dev), samp.argmax(-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _truncate(samp: torch.Tensor, logp: torch.Tensor, params: Sequence[SamplingParams], need_k: bool,
+              need_p: bool) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p (on the full tempered distribution) and min-p remove; keep the top token."""
+    dev, vocab = samp.device, samp.shape[-1]
+    sorted_lp, order = samp.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_lp, dtype=torch.bool)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    if need_k:
+        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        remove |= ranks >= k[:, None]
+    probs = sorted_lp.exp()
+    if need_p:
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        remove |= (probs.cumsum(-1) - probs) > top_p[:, None]
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    remove |= probs < (min_p * probs[:, :1])
+    remove[:, 0] = False
+    out = torch.full_like(samp, float("-inf"))
+    return out.scatter_(1, order, sorted_lp.masked_fill(remove, float("-inf")))

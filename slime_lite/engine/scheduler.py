@@ -1,0 +1,463 @@
+"""The embedded engine's scheduler: one model thread doing continuous batching over an engine-owned KV cache.
+
+Requests wait in a FIFO queue; whenever a batch slot is free (``--max-running-requests``), waiting requests are
+prefilled together and join the running batch, which decodes one token per request per step. Finished slots are
+refilled at the next step, so short and long generations share the batch without waiting for each other.
+
+Everything that touches the model (generation, weight updates, memory release) runs in the model thread; other
+threads talk to it through ``submit``/``abort`` and ``call(fn)``, which runs ``fn`` between two steps and returns a
+``concurrent.futures.Future``. Results leave through each request's ``on_output`` callback, called in the model
+thread with a ``RequestOutput`` snapshot (after every token for streaming requests, else once at the end).
+
+Seeds: a request's seed is its ``sampling_seed`` if given, else derived from ``--random-seed`` and its ``rid``
+(or, without a rid, from the order the server received requests in), so a fixed seed reproduces a run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from slime_lite.engine.model import CausalLM, load_hf_model
+from slime_lite.engine.sampling import SamplingParams, mix64, sample
+from slime_lite.engine.weights import Weights
+from slime_lite.errors import SlimeLiteError
+
+logger = logging.getLogger(__name__)
+
+PREFILL_MAX_TOKENS = 8192  # padded tokens per prefill batch
+
+
+class EngineBusy(RuntimeError):
+    """An operation that needs an idle engine (no running or waiting requests)."""
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of a request, safe to read in another thread."""
+
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    input_logprobs: list[float | None] | None
+    input_ids_for_logprobs: list[int] | None
+    finish_reason: dict[str, Any] | None
+    weight_version: str
+    e2e_latency: float
+    params: SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    on_output: Callable[[RequestOutput], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    finish_reason: dict[str, Any] | None = None
+    max_new: int = 0  # max_new_tokens capped to what the slot holds
+    slot: int = -1
+    created: float = field(default_factory=time.monotonic)
+
+    def snapshot(self, weight_version: str) -> RequestOutput:
+        start = self.logprob_start_len
+        return RequestOutput(
+            rid=self.rid, prompt_tokens=len(self.input_ids), output_ids=list(self.output_ids),
+            output_logprobs=list(self.output_logprobs),
+            input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
+            input_ids_for_logprobs=None if self.input_logprobs is None else self.input_ids[start:],
+            finish_reason=self.finish_reason, weight_version=weight_version,
+            e2e_latency=time.monotonic() - self.created, params=self.params,
+        )
+
+
+class Scheduler:
+    """Loads the model and runs the generation loop in a background thread (``start``/``stop``)."""
+
+    def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
+                 device: str | None = None, seed: int = 0, max_running_requests: int = 64,
+                 kv_cache_tokens: int | None = None, cpu_threads: int | None = None) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise SlimeLiteError(f"--device {device!r}: expected cpu or cuda.")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise SlimeLiteError("--device cuda: CUDA is not available on this machine; use --device cpu.")
+        if max_running_requests < 1:
+            raise SlimeLiteError(f"--max-running-requests {max_running_requests}: must be >= 1.")
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            env = os.environ.get("OMP_NUM_THREADS")
+            torch.set_num_threads(cpu_threads or (int(env) if env else min(os.cpu_count() or 1, 8)))
+        self.model_path = str(model_path)
+        self.tokenizer_path = str(tokenizer_path or model_path)
+        self.seed = int(seed)
+        self.hf = load_hf_model(self.model_path, dtype, self.device)
+        self.hf.requires_grad_(False)
+        self.lm = CausalLM(self.hf)
+        self.weights = Weights(self.hf)
+        from slime_lite.tiny_model import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
+        self.tokenizer_lock = threading.Lock()
+        self.max_running = int(max_running_requests)
+        context = int(getattr(self.hf.config, "max_position_embeddings", 1 << 30))
+        kv_cache_tokens = int(kv_cache_tokens or self.max_running * min(context, 4096))
+        self.slot_len = min(context, kv_cache_tokens // self.max_running)
+        if self.slot_len < 2:
+            raise SlimeLiteError(f"--kv-cache-tokens {kv_cache_tokens}: too small for {self.max_running} slots "
+                                 "(each slot needs at least 2 tokens); raise it or lower --max-running-requests.")
+        self.kv_cache_tokens = kv_cache_tokens
+        self.cache = self.lm.new_cache(self.max_running, self.slot_len)
+        self.eos_ids = self._eos_ids()
+        self.weight_version = "default"
+        self.paused = False
+        self.released: set[str] = set()
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}
+        self._free_slots = list(range(self.max_running))
+        self._inbox: queue.Queue = queue.Queue()
+        self._counter = itertools.count()
+        self._thread: threading.Thread | None = None
+        self.num_generated = 0
+        logger.info("engine: %s on %s (%s), %d slots x %d tokens", self.model_path, self.device, self.lm.dtype,
+                    self.max_running, self.slot_len)
+
+    # ---- called from any thread -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine-model", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop",))
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def submit(self, req: Request) -> None:
+        self._inbox.put(("add", req))
+
+    def abort(self, rid: str | None = None, message: str = "aborted by /abort_request") -> None:
+        """Abort the request ``rid`` (and its ``rid_i`` children), or every request when ``rid`` is None."""
+        self._inbox.put(("abort", rid, message))
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` in the model thread between two steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, args, fut))
+        return fut
+
+    def derive_seed(self, sampling_seed: int | None, rid: str | None, index: int = 0) -> int:
+        if sampling_seed is not None:
+            base = int(sampling_seed)
+        elif rid is not None:
+            base = mix64(self.seed, zlib.crc32(rid.encode()))
+        else:
+            base = mix64(self.seed, (1 << 40) + next(self._counter))
+        return mix64(base, index) if index else base & ((1 << 63) - 1)
+
+    def prepare(self, req: Request) -> None:
+        """Validate a request against the model and cache; set its effective ``max_new``. ValueError if bad."""
+        n = len(req.input_ids)
+        if n == 0:
+            raise ValueError("empty input: send a non-empty text or input_ids")
+        bad = [t for t in req.input_ids if not 0 <= t < self.lm.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids {bad[:5]} outside the vocabulary [0, {self.lm.vocab_size})")
+        if n >= self.slot_len:
+            raise ValueError(f"prompt of {n} tokens does not fit a batch slot of {self.slot_len} tokens "
+                             "(model context or --kv-cache-tokens / --max-running-requests)")
+        req.max_new = min(req.params.max_new_tokens, self.slot_len - n + 1)
+        if req.max_new < req.params.max_new_tokens:
+            logger.debug("request %s: max_new_tokens %d capped to %d by the slot size", req.rid,
+                         req.params.max_new_tokens, req.max_new)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode(self, text: str) -> list[int]:
+        with self.tokenizer_lock:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def output_text(self, out: RequestOutput) -> str:
+        """The response text: stop token or stop string trimmed unless ``no_stop_trim``."""
+        ids, fr, p = out.output_ids, out.finish_reason or {}, out.params
+        trim = fr.get("type") == "stop" and not p.no_stop_trim
+        if trim and isinstance(fr.get("matched"), int) and ids:
+            ids = ids[:-1]
+        text = self.decode(ids, p.skip_special_tokens)
+        if trim and isinstance(fr.get("matched"), str):
+            cut = text.find(fr["matched"])
+            text = text[:cut] if cut >= 0 else text
+        return text
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- model thread --------------------------------------------------------------------------------------
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.hf.config, getattr(self.hf, "generation_config", None)):
+            val = getattr(src, "eos_token_id", None) if src is not None else None
+            ids.update([val] if isinstance(val, int) else (val or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def _can_step(self) -> bool:
+        return not self.paused and "weights" not in self.released and bool(self.waiting or self.running)
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                try:
+                    msg = self._inbox.get(block=not self._can_step())
+                except queue.Empty:
+                    msg = None
+                while msg is not None:
+                    if msg[0] == "stop":
+                        self._abort_all("engine shutting down")
+                        self.weights.destroy_all()
+                        return
+                    self._handle(msg)
+                    try:
+                        msg = self._inbox.get_nowait()
+                    except queue.Empty:
+                        msg = None
+                if not self._can_step():
+                    continue
+                try:
+                    self._step()
+                except Exception as exc:  # noqa: BLE001 - keep serving; fail the requests of this step
+                    logger.exception("engine step failed")
+                    self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
+                if not self.running:
+                    self.cache.free()
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            self.waiting.append(msg[1])
+        elif kind == "abort":
+            _, rid, message = msg
+            if rid is None:
+                self._abort_all(message)
+            else:
+                match = lambda r: r.rid == rid or r.rid.startswith(rid + "_")  # noqa: E731
+                for r in [r for r in self.waiting if match(r)] + [r for r in self.running.values() if match(r)]:
+                    self._finish(r, {"type": "abort", "message": message})
+        elif kind == "call":
+            _, fn, args, fut = msg
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+
+    def _abort_all(self, message: str) -> None:
+        for r in list(self.waiting) + list(self.running.values()):
+            self._finish(r, {"type": "abort", "message": message})
+
+    def _emit(self, req: Request) -> None:
+        if req.on_output is not None:
+            try:
+                req.on_output(req.snapshot(self.weight_version))
+            except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
+                logger.exception("request %s: output callback failed", req.rid)
+
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        req.finish_reason = reason
+        if req.slot >= 0:
+            del self.running[req.slot]
+            heapq.heappush(self._free_slots, req.slot)
+            req.slot = -1
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self._emit(req)
+
+    def _step(self) -> None:
+        if self.waiting and self._free_slots:
+            self._admit()
+        if self.running:
+            self._decode()
+
+    def _need_len(self, req: Request) -> int:
+        return len(req.input_ids) + max(req.max_new - 1, len(req.output_ids))
+
+    def _admit(self) -> None:
+        batch: list[Request] = []
+        width = 0
+        while self.waiting and self._free_slots:
+            req = self.waiting[0]
+            n = len(req.input_ids) + max(0, len(req.output_ids) - 1)
+            if batch and (len(batch) + 1) * max(width, n) > PREFILL_MAX_TOKENS:
+                break
+            self.waiting.popleft()
+            width = max(width, n)
+            req.slot = heapq.heappop(self._free_slots)
+            self.running[req.slot] = req
+            batch.append(req)
+        need = max(self._need_len(r) for r in self.running.values())
+        self.cache.ensure(max(self.running) + 1, need)
+        self._prefill(batch)
+
+    def _prefill(self, batch: list[Request]) -> None:
+        # A request retracted by pause(mode="retract") is re-prefilled with what it generated so far.
+        seqs = [r.input_ids + r.output_ids[:-1] for r in batch]
+        width = max(len(s) for s in seqs)
+        tokens = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = torch.tensor(s)
+        dev = self.lm.device
+        slots = torch.tensor([r.slot for r in batch], device=dev)
+        hidden = self.lm.prefill(tokens.to(dev), slots, self.cache)
+        for i, r in enumerate(batch):
+            if r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None:
+                self._input_logprobs(r, hidden[i], tokens[i].to(dev))
+        fresh = [i for i, r in enumerate(batch) if not r.output_ids]
+        for i in [i for i in fresh if batch[i].max_new == 0]:
+            self._finish(batch[i], {"type": "length", "length": 0})
+        fresh = [i for i in fresh if batch[i].max_new > 0]
+        if fresh:
+            last = torch.tensor([len(seqs[i]) - 1 for i in fresh], device=dev)
+            logits = self.lm.logits(hidden[torch.tensor(fresh, device=dev), last])
+            self._sample_and_append([batch[i] for i in fresh], logits)
+
+    def _input_logprobs(self, req: Request, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Log-probs of prompt tokens from ``logprob_start_len`` (the first prompt token has none)."""
+        n, start = len(req.input_ids), min(req.logprob_start_len, len(req.input_ids) - 1)
+        first = max(start, 1)
+        t = 1.0 if req.params.greedy else req.params.temperature
+        logp = torch.log_softmax(self.lm.logits(hidden[first - 1 : n - 1]) / t, dim=-1)
+        vals = logp.gather(1, tokens[first:n, None])[:, 0].tolist()
+        req.input_logprobs = [None] * (first - start) + vals
+        req.logprob_start_len = start
+
+    def _decode(self) -> None:
+        slots = sorted(self.running)
+        reqs = [self.running[s] for s in slots]
+        dev = self.lm.device
+        tokens = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
+        positions = torch.tensor([len(r.input_ids) + len(r.output_ids) - 1 for r in reqs], device=dev)
+        contiguous = slots[-1] - slots[0] + 1 == len(slots)
+        hidden = self.lm.decode(tokens, positions, torch.tensor(slots, device=dev), self.cache,
+                                slot_range=(slots[0], slots[-1] + 1) if contiguous else None)
+        self._sample_and_append(reqs, self.lm.logits(hidden))
+
+    def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        banned = [self._banned(r) for r in reqs]
+        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                                  [len(r.output_ids) for r in reqs], banned if any(banned) else None)
+        self.num_generated += len(reqs)
+        for r, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
+            r.output_ids.append(tok)
+            r.output_logprobs.append(lp)
+            reason = self._check_finished(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+            elif r.stream:
+                self._emit(r)
+
+    def _banned(self, req: Request) -> list[int]:
+        if len(req.output_ids) >= req.params.min_new_tokens:
+            return []
+        ids = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            ids |= self.eos_ids
+        return sorted(i for i in ids if 0 <= i < self.lm.vocab_size)
+
+    def _check_finished(self, req: Request, tok: int) -> dict[str, Any] | None:
+        """SGLang's order: length first, then stop token ids / eos, then stop strings."""
+        p = req.params
+        if len(req.output_ids) >= req.max_new:
+            return {"type": "length", "length": len(req.output_ids)}
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            return {"type": "stop", "matched": tok}
+        if p.stop:
+            window = max(len(s) for s in p.stop) + 8
+            tail = self.decode(req.output_ids[-window:], p.skip_special_tokens)
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        return None
+
+    # ---- operations run through call() -------------------------------------------------------------------
+    def pause(self, mode: str = "abort") -> None:
+        """``abort``: abort everything; ``retract``: running requests go back to the queue (recomputed later);
+        ``in_place``: keep them (and their cache) as they are. New requests queue until ``resume``."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r}: expected abort, retract or in_place")
+        if mode == "abort":
+            self._abort_all("aborted by /pause_generation")
+        elif mode == "retract":
+            for slot in sorted(self.running, reverse=True):
+                req = self.running.pop(slot)
+                heapq.heappush(self._free_slots, slot)
+                req.slot = -1
+                self.waiting.appendleft(req)
+            self.cache.free()
+        self.paused = True
+        logger.info("generation paused (%s): %d running, %d waiting", mode, len(self.running), len(self.waiting))
+
+    def resume(self) -> None:
+        self.paused = False
+        logger.info("generation continued")
+
+    def flush_cache(self) -> None:
+        if self.running or self.waiting:
+            raise EngineBusy(f"cannot flush the cache with {len(self.running)} running and "
+                             f"{len(self.waiting)} waiting requests")
+        self.cache.free()
+
+    def release_memory(self, tags: list[str] | None) -> str:
+        tags = set(tags or ("weights", "kv_cache"))
+        if self.running or self.waiting:
+            raise EngineBusy("release_memory_occupation needs an idle engine (requests are in flight)")
+        if self.device.type == "cpu":
+            logger.info("release_memory_occupation %s: no-op on CPU", sorted(tags))
+            self.released |= tags
+            return "no-op on CPU"
+        if "weights" in tags and "weights" not in self.released:
+            self.hf.to("cpu")
+        self.cache.free()
+        torch.cuda.empty_cache()
+        self.released |= tags
+        logger.info("released GPU memory %s", sorted(tags))
+        return "released"
+
+    def resume_memory(self, tags: list[str] | None) -> str:
+        tags = set(tags or ("weights", "kv_cache"))
+        if self.device.type != "cpu" and "weights" in tags and "weights" in self.released:
+            self.hf.to(self.device)
+        self.released -= tags
+        logger.info("resumed memory %s", sorted(tags))
+        return "resumed"

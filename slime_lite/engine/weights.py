@@ -1,0 +1,138 @@
+"""Weight updates of the embedded engine, by Hugging Face parameter name.
+
+Every method runs in the engine's model thread between forward steps (``Scheduler.call``), so a generation step
+never sees half-updated weights. Updates are checked in full (names, shapes) before any parameter is written.
+A tied LM head (``tie_word_embeddings``) is the embedding's parameter: writing either name writes both.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name, tensor_sha256
+
+logger = logging.getLogger(__name__)
+
+
+class WeightError(ValueError):
+    """A weight update or query that cannot be applied (unknown name, wrong shape, missing files)."""
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{path}: no *.safetensors files (the engine loads safetensors checkpoints only)")
+    return files
+
+
+class Weights:
+    """The served model's parameters: load, update, read back and checksum them."""
+
+    def __init__(self, hf_model: Any) -> None:
+        self.model = hf_model
+        self.groups: dict[str, WeightUpdateGroup] = {}
+
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    def _check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        params = self.params
+        unknown = sorted(n for n in shapes if n not in params)
+        if unknown:
+            raise WeightError(f"unknown parameter name(s) {unknown[:5]} (expected Hugging Face names such as "
+                              f"{next(iter(params))!r})")
+        for name, shape in shapes.items():
+            if tuple(params[name].shape) != tuple(shape):
+                raise WeightError(f"parameter {name!r}: shape {tuple(shape)} does not match the model's "
+                                  f"{tuple(params[name].shape)}")
+
+    @torch.no_grad()
+    def load_named(self, named: dict[str, torch.Tensor]) -> int:
+        """Copy ``{hf_name: tensor}`` into the model (any subset of parameters); returns how many were written."""
+        self._check({n: tuple(t.shape) for n, t in named.items()})
+        params = self.params
+        for name, tensor in named.items():
+            params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+        return len(named)
+
+    def load_from_disk(self, model_path: str) -> int:
+        """Load every parameter from a safetensors checkpoint folder of the same architecture."""
+        from safetensors.torch import load_file
+
+        path = Path(model_path)
+        if not path.is_dir():
+            raise WeightError(f"model_path {model_path!r} is not a folder")
+        named: dict[str, torch.Tensor] = {}
+        for f in _safetensors_files(path):
+            named.update(load_file(str(f), device="cpu"))
+        missing = set(self.params) - set(named)
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            missing.discard("lm_head.weight")
+        if missing:
+            raise WeightError(f"{model_path}: checkpoint lacks {len(missing)} parameter(s), e.g. {sorted(missing)[:3]}")
+        return self.load_named(named)
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str) -> None:
+        """Join the trainer's broadcast group as rank ``rank_offset`` (blocks until every member joined)."""
+        if group_name in self.groups:
+            raise WeightError(f"weight update group {group_name!r} already exists; destroy it first")
+        device = self.model.get_input_embeddings().weight.device
+        if backend == "nccl" and device.type != "cuda":
+            raise WeightError("backend 'nccl' needs the engine on CUDA; use 'gloo' for a CPU engine")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.groups[group_name] = WeightUpdateGroup(master_address, int(master_port), int(rank_offset),
+                                                    int(world_size), backend, group_name)
+
+    def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                group_name: str) -> int:
+        """Receive ``names`` in order from rank 0 of ``group_name`` and load them."""
+        group = self.groups.get(group_name)
+        if group is None:
+            raise WeightError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise WeightError("names, dtypes and shapes must have the same length")
+        device = "cuda" if group.backend == "nccl" else "cpu"
+        received: dict[str, torch.Tensor] = {}
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            t = torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=device)
+            group.broadcast(t, src=0)  # receive everything first so the sender never hangs on a bad name
+            received[name] = t
+        return self.load_named(received)
+
+    def destroy_group(self, group_name: str) -> None:
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            raise WeightError(f"no weight update group {group_name!r}")
+        group.destroy()
+
+    def get_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` entries along dim 0, as float32 (nested lists for matrices), like SGLang."""
+        param = self.params.get(name)
+        if param is None:
+            raise WeightError(f"unknown parameter name {name!r}")
+        return param.detach()[: int(truncate_size)].float().cpu().tolist()
+
+    def checksums(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """``{hf_name: sha256 of the parameter's bytes}`` in the engine's dtype (all parameters by default)."""
+        params = self.params
+        names = list(params) if names is None else list(names)
+        unknown = [n for n in names if n not in params]
+        if unknown:
+            raise WeightError(f"unknown parameter name(s) {unknown[:5]}")
+        return {n: tensor_sha256(params[n]) for n in names}
+
+    def destroy_all(self) -> None:
+        for name in list(self.groups):
+            self.destroy_group(name)

@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from slime_lite.debug.send_to_engine import main
+from slime_lite.engine_client import request_json
+from slime_lite.rollout.dumps import save_rollout_dump
+from slime_lite.types import Sample, Status
+
+PARAMS = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path):
+    from slime_lite.engine.server import EngineServer
+
+    server = EngineServer(str(tiny_model_dir), port=0)
+    url = server.start()
+    yield url
+    server.stop()
+
+
+def _sample_from_engine(url: str, index: int, prompt_ids: list[int], params: dict) -> Sample:
+    """What the rollout does: generate, then keep tokens, text, log-probs and the params in a Sample."""
+    out = request_json(url, "/generate", {"input_ids": prompt_ids, "sampling_params": params,
+                                          "return_logprob": True}, timeout=60)
+    ids, meta = out["output_ids"], out["meta_info"]
+    return Sample(
+        group_index=0, index=index, prompt="p", tokens=prompt_ids + ids, response=out["text"],
+        response_length=len(ids), reward=0.0, loss_mask=[1] * len(ids),
+        rollout_log_probs=[float(e[0]) for e in meta["output_token_logprobs"]],
+        status=Status.from_finish_reason(meta["finish_reason"]["type"]), metadata={"sampling_params": params},
+    )
+
+
+def _teacher_forced_max(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\(a\) teacher-forced \|engine - dump\| │ max ([-0-9.e+]+)", out)]
+
+
+@pytest.mark.slow
+def test_honest_dump_matches_and_perturbed_logprobs_do_not(engine_url: str, tmp_path: Path, capsys) -> None:
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    samples = [
+        _sample_from_engine(engine_url, 0, [5, 6, 7, 8], dict(PARAMS, sampling_seed=11)),
+        _sample_from_engine(engine_url, 1, [9, 10, 11], dict(PARAMS, sampling_seed=12)),
+    ]
+    save_rollout_dump(template.format(rollout_id=0), 0, samples)
+    argv = ["--load-debug-rollout-data", template, "--rollout-id", "0", "--url", engine_url, "--all"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    diffs = _teacher_forced_max(out)
+    assert len(diffs) == 2 and max(diffs) < 1e-4, out
+    assert out.count("(b) regenerated tokens │ identical") == 2  # seeded sampling reproduces the tokens
+    assert "verdict: MATCH (2 match" in out
+
+    samples[1].rollout_log_probs[0] += 0.5
+    save_rollout_dump(template.format(rollout_id=0), 0, samples)
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    diffs = _teacher_forced_max(out)
+    assert diffs[0] < 1e-4 and abs(diffs[1] - 0.5) < 1e-3
+    assert "verdict: DIFFER (1 match, 1 differ" in out
+
+    assert main(argv[:-1] + ["--sample-index", "0"]) == 0  # only the honest sample
+    assert main(argv[:-1] + ["--sample-index", "7"]) == 2
+    assert "--sample-index 7" in capsys.readouterr().err
+
+
+def test_unreachable_engine_names_the_url(tmp_path: Path, capsys, samples_factory) -> None:
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    save_rollout_dump(template.format(rollout_id=0), 0, samples_factory(1, 1))
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    assert main(["--load-debug-rollout-data", template, "--rollout-id", "0", "--url", url, "--timeout", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and url in err and "Traceback" not in err
+
+
+class _FakeSGLang(BaseHTTPRequestHandler):
+    """A fake SGLang that never returns input_token_logprobs and answers every prompt with tokens 7, 8, 9."""
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = min(3, body["sampling_params"]["max_new_tokens"])
+        out = {"text": "789"[:n], "output_ids": [7, 8, 9][:n], "meta_info": {
+            "finish_reason": {"type": "length", "length": n},
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip([-0.5, -0.25, -1.0], [7, 8, 9])][:n]}}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+
+def test_fake_sglang_without_input_logprobs_falls_back_to_regeneration(tmp_path: Path, capsys) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        template = str(tmp_path / "d_{rollout_id}.pt")
+        # the dump agrees on the first two response tokens (7, 8), then has 5; log-probs differ by 0.01 there
+        sample = Sample(index=0, tokens=[1, 2, 7, 8, 5], response="785", response_length=3,
+                        rollout_log_probs=[-0.51, -0.25, -3.0], status=Status.TRUNCATED,
+                        metadata={"sampling_params": {"temperature": 1.0, "max_new_tokens": 3}})
+        save_rollout_dump(template.format(rollout_id=0), 0, [sample])
+        argv = ["--load-debug-rollout-data", template, "--rollout-id", "0", "--url", url]
+        assert main(argv + ["--atol", "0.05"]) == 0
+        out = capsys.readouterr().out
+        assert "engine gave no input_token_logprobs; using (b)" in out
+        assert "first difference at response token 2" in out
+        assert "max 0.01, mean 0.005 over 2 tokens" in out  # only where the tokens agree
+        assert main(argv) == 1  # 0.01 > default --atol
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_lite.errors import DumpError, SlimeLiteError
+from slime_lite.rollout.dumps import (
+    check_replay_meta,
+    check_template,
+    dump_path,
+    find_dumps,
+    load_rollout_dump,
+    save_rollout_dump,
+    subsample_groups,
+)
+from slime_lite.types import Sample, Status
+
+
+def _samples(n_groups: int = 2, group_size: int = 2) -> list[Sample]:
+    out = []
+    for g in range(n_groups):
+        for j in range(group_size):
+            i = g * group_size + j
+            out.append(Sample(
+                group_index=g, index=i, prompt=[{"role": "user", "content": f"q{g}"}], tokens=[5, 6, 7 + i, 8],
+                response=f"r{i}", response_length=2, label=str(g), reward={"acc": float(j), "fmt": 1.0},
+                loss_mask=[1, 1], weight_versions=["3"], rollout_log_probs=[-0.5, -0.25 * i],
+                status=Status.TRUNCATED if j else Status.COMPLETED,
+                metadata={"sampling_params": {"temperature": 1.0, "sampling_seed": i}, "extra": [1, {"a": None}]},
+            ))
+    return out
+
+
+def test_round_trip_keeps_every_field_meta_and_extra_keys(tmp_path: Path) -> None:
+    path = tmp_path / "d_0.pt"
+    samples = _samples()
+    samples[0].spec_info.spec_accept_token_num = 4
+    samples[1].prefix_cache_info.cached_tokens = 3
+    save_rollout_dump(str(path), 0, samples, meta={"n_samples_per_prompt": 2}, note="hello")
+    dump = load_rollout_dump(str(path))
+    assert dump.rollout_id == 0 and dump.format_version == 1 and dump.path == str(path)
+    assert dump.meta == {"n_samples_per_prompt": 2} and dump.extra == {"note": "hello"}
+    assert [s.to_dict() for s in dump.samples] == [s.to_dict() for s in samples]
+    assert dump.samples[1].status is Status.TRUNCATED
+    assert dump.samples[0].spec_info.spec_accept_token_num == 4
+    assert dump.samples[1].prefix_cache_info.cached_tokens == 3
+    # what slime reads: a plain dict with 'samples', loadable with weights_only=True
+    raw = torch.load(path, weights_only=True)
+    assert raw["samples"][1]["status"] == "truncated" and isinstance(raw["samples"][0]["spec_info"], dict)
+
+
+def test_slime_style_dump_with_missing_and_unknown_keys_loads(tmp_path: Path) -> None:
+    path = tmp_path / "slime_3.pt"
+    item = {"index": 7, "prompt": "1+1=", "tokens": [1, 2, 3], "response": "2", "response_length": 1,
+            "reward": 1.0, "status": "completed", "some_future_field": {"x": 1}}
+    torch.save({"rollout_id": 3, "samples": [item]}, path)
+    dump = load_rollout_dump(str(path))
+    assert dump.meta is None and dump.format_version is None and dump.rollout_id == 3
+    s = dump.samples[0]
+    assert (s.index, s.prompt, s.tokens, s.reward, s.status) == (7, "1+1=", [1, 2, 3], 1.0, Status.COMPLETED)
+    assert s.loss_mask is None and s.metadata == {} and s.group_index is None  # defaults
+    assert s.some_future_field == {"x": 1}  # unknown key kept as an attribute
+    check_replay_meta(dump, {"n_samples_per_prompt": 8, "rollout_batch_size": 4})  # no meta: accepted
+
+
+class _FailsToPickle(int):
+    """An int that fails while torch.save is already writing the file, like a crash mid-save."""
+
+    def __reduce_ex__(self, protocol):  # noqa: ANN001
+        raise RuntimeError("disk went away")
+
+
+def test_failed_save_leaves_old_file_intact_and_no_temp_files(tmp_path: Path) -> None:
+    path = tmp_path / "d_0.pt"
+    save_rollout_dump(str(path), 0, _samples(1, 1))
+    before = path.read_bytes()
+    bad = _samples(1, 1)
+    bad[0].metadata["x"] = _FailsToPickle(5)
+    with pytest.raises(RuntimeError, match="disk went away"):
+        save_rollout_dump(str(path), 0, bad)
+    assert path.read_bytes() == before
+    assert load_rollout_dump(str(path)).samples[0].metadata.get("x") is None
+    assert sorted(os.listdir(tmp_path)) == ["d_0.pt"]
+
+
+def _write_marker(path: str) -> str:
+    Path(path).write_text("code ran")
+    return path
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (_write_marker, (self.marker,))
+
+
+def test_unsafe_pickle_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    path, marker = tmp_path / "evil_0.pt", tmp_path / "marker"
+    torch.save({"rollout_id": 0, "samples": [_Evil(str(marker))]}, path)
+    with pytest.raises(DumpError, match=r"evil_0\.pt.*refused"):
+        load_rollout_dump(str(path))
+    assert not marker.exists()
+    # the file really would run code with an unsafe load, so the refusal above is what protected us
+    torch.load(path, weights_only=False)
+    assert marker.read_text() == "code ran"
+
+
+def test_truncated_empty_missing_and_wrong_schema_files_name_the_file(tmp_path: Path) -> None:
+    good = tmp_path / "good.pt"
+    save_rollout_dump(str(good), 0, _samples())
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(DumpError, match=r"truncated\.pt is truncated"):
+        load_rollout_dump(str(truncated))
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(DumpError, match=r"empty\.pt is empty"):
+        load_rollout_dump(str(empty))
+    with pytest.raises(DumpError, match=r"missing\.pt does not exist"):
+        load_rollout_dump(str(tmp_path / "missing.pt"))
+    cases = {
+        "list.pt": [1, 2],
+        "nosamples.pt": {"rollout_id": 0},
+        "notdict.pt": {"samples": [3]},
+        "badlen.pt": {"samples": [{"tokens": [1, 2], "response_length": 1, "rollout_log_probs": [0.0, 0.0]}]},
+    }
+    for name, payload in cases.items():
+        torch.save(payload, tmp_path / name)
+        with pytest.raises(DumpError, match=name.replace(".", r"\.")):
+            load_rollout_dump(str(tmp_path / name))
+
+
+def test_subsample_keeps_head_and_tail_whole_groups_at_least_one() -> None:
+    samples = _samples(n_groups=10, group_size=4)
+    kept = subsample_groups(samples, 0.4, 4)
+    assert [s.group_index for s in kept[::4]] == [0, 1, 8, 9]
+    assert all(kept[i].group_index == kept[i + 3].group_index for i in range(0, len(kept), 4))
+    assert subsample_groups(samples, 0.5, 4) == subsample_groups(samples, 0.5, 4)  # deterministic
+    assert [s.index for s in subsample_groups(samples, 0.01, 4)] == [0, 1, 2, 3]
+    assert subsample_groups(samples, 1.0, 4) == samples
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(SlimeLiteError, match="subsample"):
+            subsample_groups(samples, bad, 4)
+
+
+def test_templates_eval_naming_and_find_dumps(tmp_path: Path) -> None:
+    template = str(tmp_path / "data_{rollout_id}.pt")
+    assert dump_path(template, 3).endswith("data_3.pt")
+    assert dump_path(template, 3, evaluation=True).endswith("data_eval_3.pt")
+    with pytest.raises(SlimeLiteError, match="rollout_id"):
+        check_template(str(tmp_path / "data.pt"), "--save-debug-rollout-data")
+    for rid, ev in ((0, False), (0, True), (2, False), (12, True)):
+        save_rollout_dump(dump_path(template, rid, ev), rid, _samples(1, 1))
+    assert find_dumps(template) == [
+        ("train", 0, dump_path(template, 0)),
+        ("eval", 0, dump_path(template, 0, True)),
+        ("train", 2, dump_path(template, 2)),
+        ("eval", 12, dump_path(template, 12, True)),
+    ]
+
+
+def test_check_replay_meta_names_both_values(tmp_path: Path) -> None:
+    path = tmp_path / "d_0.pt"
+    save_rollout_dump(str(path), 0, _samples(), meta={"n_samples_per_prompt": 2, "rollout_batch_size": 1,
+                                                       "tokenizer_fingerprint": "abc"})
+    dump = load_rollout_dump(str(path))
+    check_replay_meta(dump, {"n_samples_per_prompt": 2, "rollout_batch_size": 1, "tokenizer_fingerprint": "abc"})
+    with pytest.raises(DumpError, match=r"n_samples_per_prompt=2.*--n-samples-per-prompt = 4"):
+        check_replay_meta(dump, {"n_samples_per_prompt": 4})
+    with pytest.raises(DumpError, match=r"'abc'.*'xyz'"):
+        check_replay_meta(dump, {"tokenizer_fingerprint": "xyz"})

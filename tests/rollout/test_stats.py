@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+
+from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout.stats import eval_metrics, rollout_metrics, scalar_reward
+from slime_lite.types import Sample, Status
+
+
+def _s(group: int, index: int, reward, length: int, status=Status.COMPLETED, lps=None, mask=None) -> Sample:
+    return Sample(group_index=group, index=index, tokens=[1, 2] + [3] * length, response_length=length,
+                  reward=reward, status=status, rollout_log_probs=lps, loss_mask=mask)
+
+
+def test_rollout_metrics_names_and_values() -> None:
+    samples = [
+        _s(0, 0, 1.0, 2, lps=[-1.0, -3.0]),
+        _s(0, 1, 1.0, 4, status=Status.TRUNCATED, lps=[-1.0, -1.0, -1.0, -1.0]),
+        _s(1, 2, 0.0, 3, lps=[-2.0, -9.0, -2.0], mask=[1, 0, 1]),  # the masked token is not counted
+        _s(1, 3, 1.0, 1, status=Status.ABORTED, lps=[-0.5]),
+    ]
+    m = rollout_metrics(samples)
+    assert m["rollout/raw_reward"] == pytest.approx(0.75)
+    assert m["rollout/rewards"] == pytest.approx(0.75)
+    assert m["rollout/response_len/mean"] == pytest.approx(2.5)
+    assert m["rollout/response_len/max"] == 4 and m["rollout/response_len/min"] == 1
+    assert m["rollout/truncated_ratio"] == pytest.approx(0.25)
+    assert m["rollout/aborted_ratio"] == pytest.approx(0.25)
+    # per-sample means -2, -1, -2, -0.5 averaged
+    assert m["rollout/rollout_log_probs"] == pytest.approx(-1.375)
+    # group 0 rewards (1, 1) carry no signal; group 1 (0, 1) does
+    assert m["rollout/zero_std_groups"] == pytest.approx(0.5)
+
+
+def test_dict_rewards_need_a_reward_key() -> None:
+    samples = [_s(0, 0, {"acc": 1.0, "fmt": 0.0}, 1), _s(0, 1, {"acc": 0.0, "fmt": 1.0}, 1)]
+    assert rollout_metrics(samples, reward_key="fmt")["rollout/raw_reward"] == pytest.approx(0.5)
+    with pytest.raises(SlimeLiteError, match="--reward-key"):
+        rollout_metrics(samples)
+    with pytest.raises(SlimeLiteError, match="'nope'.*acc"):
+        scalar_reward(samples[0], "nope")
+
+
+def test_samples_without_reward_are_left_out_of_the_mean() -> None:
+    m = rollout_metrics([_s(0, 0, None, 1), _s(0, 1, 2.0, 1)])
+    assert m["rollout/raw_reward"] == 2.0
+    assert "rollout/raw_reward" not in rollout_metrics([_s(0, 0, None, 1)])
+    assert "rollout/rollout_log_probs" not in rollout_metrics([_s(0, 0, 1.0, 1)])
+    assert rollout_metrics([]) == {}
+
+
+def test_eval_metrics() -> None:
+    m = eval_metrics("gsm8k", [_s(0, 0, 1.0, 2), _s(1, 1, 0.0, 4, status=Status.TRUNCATED)])
+    assert m == {"eval/gsm8k": 0.5, "eval/gsm8k/response_len/mean": 3.0, "eval/gsm8k/truncated_ratio": 0.5}
