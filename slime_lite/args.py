@@ -321,10 +321,26 @@ def world_size(args: Any) -> int:
     return args.actor_num_nodes * args.actor_num_gpus_per_node
 
 
+def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
+    import json
+
+    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    heads = cfg.get("num_attention_heads")
+    kv = cfg.get("num_key_value_heads", heads)
+    layers = cfg.get("num_hidden_layers")
+    for what, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if value and value % tp:
+            raise SlimeLiteError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({value}).")
+    if layers and layers % pp:
+        raise SlimeLiteError(f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({layers}).")
+
+
 def validate_train_args(args: argparse.Namespace) -> None:
     """Parallel sizes and batch sizes that must divide (trainer side)."""
     world = world_size(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _check_model_split(args, tp, pp)
     if world % (tp * pp):
         raise SlimeLiteError(
             f"--actor-num-nodes x --actor-num-gpus-per-node = {world} is not divisible by "

@@ -11,6 +11,7 @@ import os
 import time
 
 from slime_lite.args import parse_args
+from slime_lite.errors import SlimeLiteError
 from slime_lite.metrics import MetricsLogger, write_args_json
 
 log = logging.getLogger("slime_lite.train")
@@ -19,6 +20,37 @@ log = logging.getLogger("slime_lite.train")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger().setLevel(args.log_level.upper())
+    if args.load_debug_rollout_data:
+        check_replay_dump(args)
+    import ray
+
+    try:
+        return run(args)
+    except ray.exceptions.RayTaskError as exc:  # a user error raised inside an actor is still a user error
+        if isinstance(exc.cause, SlimeLiteError):
+            raise exc.cause from None
+        raise
+    finally:
+        ray.shutdown()
+
+
+def check_replay_dump(args) -> None:
+    """Before anything starts: the first dump exists, loads, and was made with this run's settings."""
+    from slime_lite.rollout.dumps import check_replay_meta, dump_path, load_rollout_dump, make_meta
+    from slime_lite.tiny_model import load_tokenizer, tokenizer_fingerprint
+
+    dump = load_rollout_dump(dump_path(args.load_debug_rollout_data, 0 if args.load is None else _resume_id(args)))
+    check_replay_meta(dump, make_meta(args, tokenizer_fingerprint(load_tokenizer(args.hf_checkpoint))))
+
+
+def _resume_id(args) -> int:
+    from slime_lite.backends.megatron.checkpoint import latest
+
+    path = latest(args.load)
+    return int(path.rsplit("_", 1)[1]) + 1 if path else 0
+
+
+def run(args) -> int:
     import ray
 
     from slime_lite.placement import create_placement_group, init_ray, plan_layout
@@ -78,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     metrics.close()
     for engine in engines:
         ray.get(engine.stop.remote())
-    ray.shutdown()
     return 0
 
 

@@ -10,6 +10,7 @@ Supported: the Llama/Qwen2 family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``) w
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,13 +58,8 @@ def load_hf_model(model_path: str, dtype: str, device: torch.device):
     return model.to(device).eval()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class KVCache:
-    """Per-slot K/V tensors ``[layers, slots, length, kv_heads, head_dim]``, grown on demand and freed when idle.
+    """Per-slot K/V tensors ``[layers, slots, kv_heads, length, head_dim]``, grown on demand and freed when idle.
 
     ``slots`` and ``max_len`` are the budget (``--max-running-requests`` and
     ``--kv-cache-tokens // --max-running-requests``); memory is allocated only up to what running requests need.
@@ -71,7 +67,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int, max_len: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self.shape_tail = (kv_heads, head_dim)
+        self.kv_heads, self.head_dim = kv_heads, head_dim
         self.num_layers, self.slots, self.max_len = num_layers, slots, max_len
         self.dtype, self.device = dtype, device
         self.k: torch.Tensor | None = None
@@ -79,7 +75,7 @@ class KVCache:
 
     @property
     def allocated(self) -> tuple[int, int]:
-        return (0, 0) if self.k is None else (self.k.shape[1], self.k.shape[2])
+        return (0, 0) if self.k is None else (self.k.shape[1], self.k.shape[3])
 
     def ensure(self, slots: int, length: int) -> None:
         """Make room for slot indices < ``slots`` and positions < ``length`` (keeps what is stored)."""
@@ -88,12 +84,12 @@ class KVCache:
             return
         new_s = min(self.slots, max(have_s, 1 << max(0, slots - 1).bit_length()))
         new_l = min(self.max_len, max(have_l, -(-length // 128) * 128))
-        shape = (self.num_layers, new_s, new_l, *self.shape_tail)
+        shape = (self.num_layers, new_s, self.kv_heads, new_l, self.head_dim)
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.k is not None:
-            k[:, :have_s, :have_l] = self.k
-            v[:, :have_s, :have_l] = self.v
+            k[:, :have_s, :, :have_l] = self.k
+            v[:, :have_s, :, :have_l] = self.v
         self.k, self.v = k, v
         logger.debug("kv cache: %d slots x %d tokens", new_s, new_l)
 
@@ -101,21 +97,89 @@ class KVCache:
         self.k = self.v = None
 
 
-class CausalLM:
-    """Prefill and decode over an HF Llama/Qwen2 model with an engine-owned ``KVCache``."""
+@dataclass
+class _Layer:
+    """One decoder layer's tensors; q/k/v and gate/up are fused (the HF parameters are views into them)."""
 
-    def __init__(self, hf_model: Any) -> None:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    gu_w: torch.Tensor
+    gu_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+
+
+def _fuse(params: list[Any]) -> torch.Tensor | None:
+    """Concatenate parameters along dim 0 into one tensor and make each parameter a view of its slice."""
+    if any(p is None for p in params):
+        return None
+    fused = torch.cat([p.data for p in params], dim=0)
+    offset = 0
+    for p in params:
+        p.data = fused[offset : offset + p.shape[0]]
+        offset += p.shape[0]
+    return fused
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF computes it: normalize in float32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+class CausalLM:
+    """Prefill and decode over an HF Llama/Qwen2 model with an engine-owned ``KVCache``.
+
+    The layers run with functional ops on the HF model's own parameters. q/k/v and gate/up weights are stored
+    fused, with the HF parameters as views into the fused tensors, so in-place weight updates of the HF
+    parameters reach the engine without a copy. Rotary cos/sin come from a table the HF rotary module fills.
+    """
+
+    def __init__(self, hf_model: Any, max_len: int) -> None:
         self.hf = hf_model
         cfg = hf_model.config
+        rope = (getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        if str(rope.get("rope_type", rope.get("type", "default"))) in ("dynamic", "longrope"):
+            raise SlimeLiteError(f"rope type {rope.get('rope_type')!r} (length-dependent) is not supported by the "
+                                 "embedded engine; use --rollout-backend sglang.")
         inner = hf_model.model
-        self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
-        attn = self.layers[0].self_attn
+        self.embed, self.hf_layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
+        attn = self.hf_layers[0].self_attn
         self.head_dim = attn.head_dim
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.n_rep = self.num_heads // self.kv_heads
         self.scaling = attn.scaling
         self.vocab_size = cfg.vocab_size
+        self.eps = float(cfg.rms_norm_eps)
+        self.act = self.hf_layers[0].mlp.act_fn
+        self.inter = cfg.intermediate_size
+        self.max_len = max_len
+        self.refresh()
+
+    def refresh(self) -> None:
+        """(Re)build fused weights and the rotary table; call after the HF model moved to another device."""
+        self.layers = []
+        for layer in self.hf_layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                qkv_b=_fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
+                gu_w=_fuse([m.gate_proj.weight, m.up_proj.weight]), gu_b=_fuse([m.gate_proj.bias, m.up_proj.bias]),
+                down_w=m.down_proj.weight, down_b=m.down_proj.bias,
+            ))
+        pos = torch.arange(self.max_len, device=self.device)[None]
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = self.hf.model.rotary_emb(probe, pos)  # [1, L, D] in the model dtype, as HF applies them
+        half = self.head_dim // 2
+        self.cos = cos[0]
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # rotate_half's sign folded in
 
     @property
     def device(self) -> torch.device:
@@ -132,20 +196,18 @@ class CausalLM:
         """Final hidden states -> float32 logits."""
         return self.hf.lm_head(hidden).float()
 
-    def _qkv(self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        b, t, _ = x.shape
-        attn = layer.self_attn
-        q = attn.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
+    def _qkv(self, ly: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Normalized input -> roped q [B, T, H, D], roped k and v [B, T, kv, D]."""
+        b, t, _ = h.shape
+        qkv = F.linear(_rms(h, ly.ln1, self.eps), ly.qkv_w, ly.qkv_b).view(b, t, -1, self.head_dim)
+        qk = qkv[:, :, : self.num_heads + self.kv_heads]
+        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
+        return qk[:, :, : self.num_heads], qk[:, :, self.num_heads :], qkv[:, :, self.num_heads + self.kv_heads :]
 
-    def _mlp_block(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        h = h + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+    def _finish_layer(self, ly: _Layer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        h = h + F.linear(attn_out, ly.o_w, ly.o_b)
+        gate, up = F.linear(_rms(h, ly.ln2, self.eps), ly.gu_w, ly.gu_b).split(self.inter, dim=-1)
+        return h + F.linear(self.act(gate) * up, ly.down_w, ly.down_b)
 
     def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run right-padded prompts ``tokens [B, T]`` from position 0; store K/V in ``slots``; return hidden [B, T, H].
@@ -155,44 +217,45 @@ class CausalLM:
         """
         b, t = tokens.shape
         pos = torch.arange(t, device=tokens.device).unsqueeze(0).expand(b, t)
-        h = self.embed(tokens)
-        cos, sin = self.rotary(h, pos)
-        slot_idx = slots[:, None].expand(b, t)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
-            cache.k[i].index_put_((slot_idx, pos), k)
-            cache.v[i].index_put_((slot_idx, pos), v)
+        h = F.embedding(tokens, self.embed.weight)
+        cos, sin = self.cos[:t, None, :], self.sin[:t, None, :]
+        index = (slots[:, None, None], torch.arange(self.kv_heads, device=tokens.device)[None, :, None], pos[:, None])
+        for i, ly in enumerate(self.layers):
+            q, k, v = self._qkv(ly, h, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cache.k[i].index_put_(index, k)
+            cache.v[i].index_put_(index, v)
             if self.n_rep > 1:
                 k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
-            h = self._mlp_block(layer, h, out.transpose(1, 2).reshape(b, t, -1))
-        return self.norm(h)
+            h = self._finish_layer(ly, h, out.transpose(1, 2).reshape(b, t, -1))
+        return _rms(h, self.norm.weight, self.eps)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
-               slot_range: tuple[int, int] | None = None) -> torch.Tensor:
+               kv_len: int, slot_range: tuple[int, int] | None = None, same_length: bool = False) -> torch.Tensor:
         """One token per running request: ``tokens``, ``positions``, ``slots`` are ``[B]``; returns hidden [B, H].
 
-        ``slot_range=(a, b)`` says ``slots`` is exactly ``a..b-1`` in order, so the cache is read as a view.
+        ``kv_len`` is ``max(positions) + 1``; ``slot_range=(a, b)`` says ``slots`` is exactly ``a..b-1`` in order,
+        so the cache is read as a view; ``same_length`` says every position is ``kv_len - 1`` (no mask needed).
         """
         b = tokens.shape[0]
-        kv_len = int(positions.max()) + 1
-        h = self.embed(tokens[:, None])
-        cos, sin = self.rotary(h, positions[:, None])
-        allowed = torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None]
-        mask = allowed[:, None, None, :]  # [B, 1, 1, L]: broadcast over kv heads and their grouped queries
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
+        h = F.embedding(tokens[:, None], self.embed.weight)
+        cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
+        mask = None
+        if not same_length:  # [B, 1, 1, L]: broadcast over kv heads and their grouped queries
+            mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+        index = (slots[:, None], torch.arange(self.kv_heads, device=tokens.device)[None, :], positions[:, None])
+        for i, ly in enumerate(self.layers):
+            q, k, v = self._qkv(ly, h, cos, sin)
             kc, vc = cache.k[i], cache.v[i]
-            kc.index_put_((slots, positions), k[:, 0])
-            vc.index_put_((slots, positions), v[:, 0])
+            kc.index_put_(index, k[:, 0])
+            vc.index_put_(index, v[:, 0])
             if slot_range is not None:
-                keys, values = kc[slot_range[0]:slot_range[1], :kv_len], vc[slot_range[0]:slot_range[1], :kv_len]
+                keys, values = kc[slot_range[0] : slot_range[1], :, :kv_len], vc[slot_range[0] : slot_range[1], :, :kv_len]
             else:
-                keys, values = kc[:, :kv_len].index_select(0, slots), vc[:, :kv_len].index_select(0, slots)
+                keys, values = kc[:, :, :kv_len].index_select(0, slots), vc[:, :, :kv_len].index_select(0, slots)
             # Group the query heads of each kv head ([B, kv, n_rep, D]) instead of repeating K/V.
-            qg = q.view(b, self.kv_heads, self.n_rep, self.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
-                                                 attn_mask=mask, scale=self.scaling)
-            h = self._mlp_block(layer, h, out.reshape(b, 1, -1))
-        return self.norm(h)[:, 0]
+            qg = q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
+            h = self._finish_layer(ly, h, out.reshape(b, 1, -1))
+        return _rms(h, self.norm.weight, self.eps)[:, 0]

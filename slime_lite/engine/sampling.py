@@ -157,7 +157,7 @@ def _truncate(samp: torch.Tensor, logp: torch.Tensor, params: Sequence[SamplingP
         top_p = torch.tensor([p.top_p for p in params], device=dev)
         remove |= (probs.cumsum(-1) - probs) > top_p[:, None]
     min_p = torch.tensor([p.min_p for p in params], device=dev)
-    remove |= probs < (min_p * probs[:, :1])
+    remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False
     out = torch.full_like(samp, float("-inf"))
     return out.scatter_(1, order, sorted_lp.masked_fill(remove, float("-inf")))

@@ -107,15 +107,15 @@ class Scheduler:
             raise SlimeLiteError(f"--max-running-requests {max_running_requests}: must be >= 1.")
         self.device = torch.device(device)
         if self.device.type == "cpu":
+            # One intra-op thread unless told otherwise: small decode steps gain nothing from more, and spinning
+            # OpenMP threads slow everything down ~10x when the cores are shared (trainer, other engines).
             env = os.environ.get("OMP_NUM_THREADS")
-            torch.set_num_threads(cpu_threads or (int(env) if env else min(os.cpu_count() or 1, 8)))
+            torch.set_num_threads(cpu_threads or (int(env) if env else 1))
         self.model_path = str(model_path)
         self.tokenizer_path = str(tokenizer_path or model_path)
         self.seed = int(seed)
         self.hf = load_hf_model(self.model_path, dtype, self.device)
         self.hf.requires_grad_(False)
-        self.lm = CausalLM(self.hf)
-        self.weights = Weights(self.hf)
         from slime_lite.tiny_model import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.tokenizer_path)
@@ -128,6 +128,8 @@ class Scheduler:
             raise SlimeLiteError(f"--kv-cache-tokens {kv_cache_tokens}: too small for {self.max_running} slots "
                                  "(each slot needs at least 2 tokens); raise it or lower --max-running-requests.")
         self.kv_cache_tokens = kv_cache_tokens
+        self.lm = CausalLM(self.hf, self.slot_len)
+        self.weights = Weights(self.hf)
         self.cache = self.lm.new_cache(self.max_running, self.slot_len)
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
@@ -367,10 +369,11 @@ class Scheduler:
         reqs = [self.running[s] for s in slots]
         dev = self.lm.device
         tokens = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
-        positions = torch.tensor([len(r.input_ids) + len(r.output_ids) - 1 for r in reqs], device=dev)
+        pos = [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs]
         contiguous = slots[-1] - slots[0] + 1 == len(slots)
-        hidden = self.lm.decode(tokens, positions, torch.tensor(slots, device=dev), self.cache,
-                                slot_range=(slots[0], slots[-1] + 1) if contiguous else None)
+        hidden = self.lm.decode(tokens, torch.tensor(pos, device=dev), torch.tensor(slots, device=dev), self.cache,
+                                kv_len=max(pos) + 1, slot_range=(slots[0], slots[-1] + 1) if contiguous else None,
+                                same_length=min(pos) == max(pos))
         self._sample_and_append(reqs, self.lm.logits(hidden))
 
     def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
@@ -447,6 +450,7 @@ class Scheduler:
             self.released |= tags
             return "no-op on CPU"
         if "weights" in tags and "weights" not in self.released:
+            self.lm.layers, self.lm.cos, self.lm.sin = [], None, None  # drop the fused tensors' GPU memory
             self.hf.to("cpu")
         self.cache.free()
         torch.cuda.empty_cache()
@@ -458,6 +462,7 @@ class Scheduler:
         tags = set(tags or ("weights", "kv_cache"))
         if self.device.type != "cpu" and "weights" in tags and "weights" in self.released:
             self.hf.to(self.device)
+            self.lm.refresh()
         self.released -= tags
         logger.info("resumed memory %s", sorted(tags))
         return "resumed"

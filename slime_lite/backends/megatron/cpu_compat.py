@@ -25,6 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _applied = False
+_answering_as_cuda = False
 
 # Each module, and why its `torch` is swapped (one line each).
 _MODULES_ON_CPU = {
@@ -121,7 +122,11 @@ _TORCH_ON_CPU = _TorchOnCpu()
 
 @contextlib.contextmanager
 def _tensors_answer_as_cuda():
-    """While active, CPU tensors report CUDA type names and `.cuda()` leaves them where they are."""
+    """While active, CPU tensors report CUDA type names and `.cuda()` leaves them where they are (reentrant)."""
+    global _answering_as_cuda
+    if _answering_as_cuda:
+        yield
+        return
     orig_type, orig_cuda = torch.Tensor.type, torch.Tensor.cuda
 
     def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -134,10 +139,12 @@ def _tensors_answer_as_cuda():
         return self
 
     torch.Tensor.type, torch.Tensor.cuda = type_, cuda
+    _answering_as_cuda = True
     try:
         yield
     finally:
         torch.Tensor.type, torch.Tensor.cuda = orig_type, orig_cuda
+        _answering_as_cuda = False
 
 
 def _run_as_cuda(owner: Any, attr: str) -> None:

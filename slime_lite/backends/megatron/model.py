@@ -320,17 +320,20 @@ def forward_logits(
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal-LM logits [B, T, hf_vocab] for token ids [B, T] on a PP=1 model (full vocab, gathered over TP).
+    """Causal-LM logits [B, T, hf_vocab] for token ids [B, T] on a PP=1 model (full vocab, gathered over TP), on the
+    model's device.
 
     Megatron's RoPE places token t of every row at position t, so rows must start at position 0 (right padding);
     `position_ids`, if given, must be exactly that. attention_mask=None means causal; otherwise it is Megatron's
     boolean [B, 1, T, T] mask (True = masked) for the local attention.
     """
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
     batch, seq = tokens.shape
-    expected = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, seq)
-    if position_ids is None:
-        position_ids = expected
-    elif not torch.equal(position_ids.to(expected.device), expected):
+    expected = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
+    if position_ids is not None and not torch.equal(position_ids.to(device), expected):
         raise ValueError("forward_logits: Megatron RoPE uses positions 0..T-1 per row; right-pad the batch instead")
-    logits = model(tokens, position_ids, attention_mask, runtime_gather_output=True)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+    logits = model(tokens, expected, attention_mask, runtime_gather_output=True)
     return logits[..., : unwrap(model).hf_vocab_size]

@@ -1,0 +1,199 @@
+"""Decode throughput of the embedded engine (in-process and through HTTP) vs transformers' ``model.generate``.
+
+Same model, prompts, batch size and sampling (temperature 1, no top-k/top-p) in one run. Two workloads:
+- ``equal``: every request generates exactly ``--max-new-tokens`` (eos ignored);
+- ``mixed``: requests stop early on a stop-token set sized so the mean length is about ``--mean-len`` (a random
+  model's next-token distribution is near uniform), capped at ``--max-new-tokens``. HF generate runs each batch
+  until its longest request ends; the engine refills finished slots at once.
+Each batch size B runs ``--requests-per-slot`` x B requests: HF generate in chunks of B, the engine with B slots.
+Tokens/s counts generated tokens (up to and including the stop token). Prints one table. Examples:
+    .venv/bin/python bench/bench_engine.py                                   # tiny model on CPU
+    python bench/bench_engine.py --device cuda --model-config qwen2-0.5b      # random 0.5B Qwen2 on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import tempfile
+import threading
+import time
+
+import torch
+
+CONFIGS = {  # random-init Qwen2 shapes
+    "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def make_model_dir(config: str, out: str) -> str:
+    """A random Qwen2 checkpoint (with the tiny char tokenizer, for the engine's text fields)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from slime_lite.tiny_model import build_tokenizer, save_tokenizer
+
+    shape = CONFIGS[config] if config in CONFIGS else json.loads(config)
+    cfg = Qwen2Config(**shape, max_position_embeddings=4096, rms_norm_eps=1e-6, eos_token_id=0, bos_token_id=0,
+                      pad_token_id=0, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    save_tokenizer(build_tokenizer(), out)
+    return out
+
+
+def stop_set(vocab: int, mean_len: int) -> list[int]:
+    return list(range(max(1, round(vocab / mean_len))))
+
+
+def count_tokens(rows: list[list[int]], stops: set[int] | None) -> int:
+    if stops is None:
+        return sum(len(r) for r in rows)
+    total = 0
+    for r in rows:
+        end = next((i + 1 for i, t in enumerate(r) if t in stops), len(r))
+        total += end
+    return total
+
+
+def run_hf(model, prompts: list[list[int]], batch: int, max_new: int, stops: list[int] | None) -> int:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new,
+                          eos_token_id=stops, pad_token_id=stops[0] if stops else 0)
+    model.generation_config.eos_token_id = None  # stop only where told (the engine read its eos ids at start)
+    total = 0
+    dev = model.device
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[i:i + batch], device=dev)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+            total += count_tokens(out[:, ids.shape[1]:].tolist(), set(stops) if stops else None)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return total
+
+
+def sampling_params(max_new: int, stops: list[int] | None, seed: int) -> dict:
+    sp = {"max_new_tokens": max_new, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": stops is None}
+    if stops:
+        sp["stop_token_ids"] = stops
+    return sp
+
+
+def run_engine_inprocess(scheduler, prompts: list[list[int]], max_new: int, stops: list[int] | None) -> int:
+    from slime_lite.engine.sampling import SamplingParams
+    from slime_lite.engine.scheduler import Request
+
+    done = threading.Semaphore(0)
+    outs: list = []
+    reqs = []
+    for i, p in enumerate(prompts):
+        params = SamplingParams.from_dict(sampling_params(max_new, stops, i))
+        req = Request(rid=f"b{i}", input_ids=p, params=params, seed=i,
+                      on_output=lambda o: (outs.append(o), done.release()))
+        scheduler.prepare(req)
+        reqs.append(req)
+    for r in reqs:
+        scheduler.submit(r)
+    for _ in reqs:
+        done.acquire()
+    assert all(o.finish_reason["type"] != "abort" for o in outs), outs[0].finish_reason
+    return sum(len(o.output_ids) for o in outs)
+
+
+def run_engine_http(url: str, prompts: list[list[int]], max_new: int, stops: list[int] | None) -> int:
+    import aiohttp
+
+    async def main() -> int:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=3600)) as session:
+            async def one(i: int, p: list[int]) -> int:
+                body = {"input_ids": p, "sampling_params": sampling_params(max_new, stops, i)}
+                async with session.post(url + "/generate", json=body) as resp:
+                    out = await resp.json()
+                assert out["meta_info"]["finish_reason"]["type"] != "abort", out
+                return out["meta_info"]["completion_tokens"]
+
+            return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    return asyncio.run(main())
+
+
+def timed(fn, *args) -> tuple[int, float]:
+    start = time.perf_counter()
+    n = fn(*args)
+    return n, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default=None, help="an HF Llama/Qwen2 folder (default: a random --model-config)")
+    ap.add_argument("--model-config", default="tiny", help=f"{' | '.join(CONFIGS)} | a JSON dict of Qwen2Config fields")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    ap.add_argument("--batch-sizes", default="1,16,64,256")
+    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--mean-len", type=int, default=32, help="target mean output length of the mixed workload")
+    ap.add_argument("--workloads", default="equal,mixed")
+    ap.add_argument("--no-http", action="store_true")
+    args = ap.parse_args()
+
+    from slime_lite.engine.server import EngineServer
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = args.model_path or make_model_dir(args.model_config, tmp.name)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows = []
+    for b in batch_sizes:
+        server = EngineServer(model_dir, device=args.device, dtype=args.dtype, max_running_requests=b,
+                              kv_cache_tokens=b * (args.prompt_len + args.max_new_tokens))
+        server.start()
+        hf = server.scheduler.hf  # the same weights, dtype and device as the engine
+        vocab = hf.config.vocab_size
+        gen = torch.Generator().manual_seed(b)
+        n_req = b * args.requests_per_slot
+        prompts = torch.randint(1, vocab, (n_req, args.prompt_len), generator=gen).tolist()
+        for workload in args.workloads.split(","):
+            stops = stop_set(vocab, args.mean_len) if workload == "mixed" else None
+            run_hf(hf, prompts[:b], b, 4, stops)  # warm-up
+            run_engine_inprocess(server.scheduler, prompts[:b], 4, stops)
+            hf_n, hf_s = timed(run_hf, hf, prompts, b, args.max_new_tokens, stops)
+            en_n, en_s = timed(run_engine_inprocess, server.scheduler, prompts, args.max_new_tokens, stops)
+            row = {"workload": workload, "batch": b, "requests": n_req, "hf_tok": hf_n, "hf_tps": hf_n / hf_s,
+                   "eng_tok": en_n, "eng_tps": en_n / en_s}
+            if not args.no_http:
+                ht_n, ht_s = timed(run_engine_http, server.url, prompts, args.max_new_tokens, stops)
+                row.update(http_tok=ht_n, http_tps=ht_n / ht_s)
+            rows.append(row)
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        server.stop()
+        del server, hf
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or 'cpu'} x{os.cpu_count()}"
+    print(f"\nengine vs HF generate: {args.model_path or args.model_config}, {args.device} ({dev}), "
+          f"torch threads {torch.get_num_threads()}, prompt {args.prompt_len}, max_new {args.max_new_tokens}, "
+          f"mixed mean ~{args.mean_len}, {args.requests_per_slot} requests/slot")
+    head = f"{'workload':<8} {'batch':>5} {'reqs':>5} {'HF tok/s':>10} {'engine tok/s':>13} {'x HF':>6}"
+    head += "" if args.no_http else f" {'HTTP tok/s':>11} {'x HF':>6}"
+    print(head)
+    for r in rows:
+        line = (f"{r['workload']:<8} {r['batch']:>5} {r['requests']:>5} {r['hf_tps']:>10.0f} {r['eng_tps']:>13.0f} "
+                f"{r['eng_tps'] / r['hf_tps']:>6.2f}")
+        if "http_tps" in r:
+            line += f" {r['http_tps']:>11.0f} {r['http_tps'] / r['hf_tps']:>6.2f}"
+        print(line)
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""OpenAI-compatible routes of the embedded engine: /v1/models, /v1/completions, /v1/chat/completions.
+
+They map onto the same requests as ``/generate``. ``finish_reason`` is ``stop``, ``length`` or ``abort``; log-probs
+are those of the sampled tokens (``top_logprobs`` alternatives are not computed: empty).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from slime_lite.engine.server import EngineServer
+
+
+def add_openai_routes(app: Any, server: "EngineServer") -> None:
+    api = _OpenAI(server)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+
+
+def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    sp: dict[str, Any] = {
+        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+        "stop": body.get("stop"), "sampling_seed": body.get("seed"), "n": body.get("n", 1),
+    }
+    if max_tokens is not None:
+        sp["max_new_tokens"] = max_tokens
+    for key in ("top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
+                "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        if body.get(key) is not None:
+            sp[key] = body[key]
+    if body.get("min_tokens") is not None:
+        sp["min_new_tokens"] = body["min_tokens"]
+    return sp
+
+
+def _finish(out: Any) -> str | None:
+    return None if out.finish_reason is None else out.finish_reason["type"]
+
+
+class _OpenAI:
+    def __init__(self, server: "EngineServer") -> None:
+        self.server = server
+
+    async def models(self, request):
+        from slime_lite.engine.server import _json_response
+
+        return _json_response({"object": "list", "data": [{
+            "id": self.server.served_model_name, "object": "model", "created": 0, "owned_by": "slime_lite",
+            "root": self.server.scheduler.model_path, "max_model_len": self.server.scheduler.slot_len}]})
+
+    @staticmethod
+    def _usage(prompts: list[list[int]], outs: list[Any]) -> dict[str, int]:
+        prompt = sum(len(p) for p in prompts)
+        completion = sum(len(o.output_ids) for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        return [self.server.scheduler.decode([t], False) for t in ids]
+
+    async def completions(self, request):
+        from slime_lite.engine.server import BadRequest
+
+        body = await self.server.body(request)
+        prompt = body.get("prompt")
+        if body.get("echo"):
+            raise BadRequest("echo is not supported by the embedded engine")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+            prompts, _ = self.server.encode_prompts(text=prompt)
+        else:
+            prompts, _ = self.server.encode_prompts(input_ids=prompt)
+        want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
+        reqs = self.server.new_requests(prompts, _sampling(body, 16), return_logprob=want_lp,
+                                        stream=bool(body.get("stream")))
+
+        def choice(i: int, out: Any, text: str) -> dict[str, Any]:
+            lp = None
+            if want_lp:
+                toks = self._token_texts(out.output_ids)
+                offsets = [sum(len(t) for t in toks[:k]) for k in range(len(toks))]
+                lp = {"tokens": toks, "token_logprobs": out.output_logprobs,
+                      "top_logprobs": [{} for _ in toks], "text_offset": offsets}
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(out)}
+
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.server.served_model_name}
+        return await self._respond(request, body, prompts, reqs, head, choice)
+
+    async def chat_completions(self, request):
+        from slime_lite.engine.server import BadRequest
+
+        body = await self.server.body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list")
+        tok = self.server.scheduler.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")
+        try:
+            with self.server.scheduler.tokenizer_lock:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
+            raise BadRequest(f"cannot apply the chat template: {exc}") from None
+        prompts, _ = self.server.encode_prompts(text=text)
+        want_lp = bool(body.get("logprobs"))
+        reqs = self.server.new_requests(prompts, _sampling(body, None), return_logprob=want_lp,
+                                        stream=bool(body.get("stream")))
+
+        def choice(i: int, out: Any, text: str, delta: bool = False) -> dict[str, Any]:
+            lp = None
+            if want_lp:
+                lp = {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
+                                  for t, v in zip(self._token_texts(out.output_ids), out.output_logprobs)]}
+            msg = {"role": "assistant", "content": text}
+            return {"index": i, ("delta" if delta else "message"): msg, "logprobs": lp, "finish_reason": _finish(out)}
+
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.server.served_model_name}
+        return await self._respond(request, body, prompts, reqs, head, choice)
+
+    async def _respond(self, request, body: dict[str, Any], prompts: list[list[int]], reqs: list[Any], head: dict[str, Any], choice):
+        from aiohttp import web
+
+        from slime_lite.engine.server import _json_response
+
+        sch = self.server.scheduler
+        if not body.get("stream"):
+            outs = await self.server.run_requests(reqs)
+            choices = [choice(i, o, sch.output_text(o)) for i, o in enumerate(outs)]
+            return _json_response({**head, "choices": choices, "usage": self._usage(prompts, outs)})
+        chat = head["object"] == "chat.completion"
+        chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        sent = [""] * len(reqs)
+        outs: list[Any] = [None] * len(reqs)
+        async with contextlib.aclosing(self.server.iter_outputs(reqs)) as stream:
+            async for i, out in stream:
+                text = sch.output_text(out)
+                delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
+                sent[i] = text if text.startswith(sent[i]) else sent[i]
+                c = choice(i, out, delta, True) if chat else choice(i, out, delta)
+                c["logprobs"] = None
+                await resp.write(b"data: " + json.dumps({**chunk_head, "choices": [c]}).encode() + b"\n\n")
+                if out.finish_reason is not None:
+                    outs[i] = out
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {**chunk_head, "choices": [], "usage": self._usage(prompts, outs)}
+            await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,597 @@
+"""The embedded engine's HTTP server: SGLang's native API (a subset), so it can stand in for a real SGLang server.
+
+``slime-lite serve --model-path DIR --port P`` runs it from the shell; ``EngineServer(...).start()`` runs it inside
+a process (a Ray actor, a test) on a background thread with its own event loop. Routes and fields follow
+``shared/reference/sglang-api.md``; generation happens in the ``Scheduler``'s model thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import threading
+import uuid
+from typing import Any, AsyncIterator
+
+from slime_lite.errors import SlimeLiteError
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class BadRequest(ValueError):
+    """A request the engine refuses (HTTP 400 with {"error": {"message": ...}})."""
+
+
+def _json_response(data: Any, status: int = 200):
+    from aiohttp import web
+
+    return web.Response(text=json.dumps(data), status=status, content_type="application/json")
+
+
+def _error(message: str, status: int = 400):
+    return _json_response({"error": {"message": message}}, status)
+
+
+def _as_list(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"{name}: got a list of {len(value)} for {n} prompts")
+        return value
+    return [value] * n
+
+
+class EngineServer:
+    """The engine behind an aiohttp server. ``start()`` returns the base URL (``port=0`` picks a free port)."""
+
+    def __init__(self, model_path: str, *, tokenizer_path: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0, dtype: str = "auto", device: str | None = None, seed: int = 0,
+                 max_running_requests: int = 64, kv_cache_tokens: int | None = None, api_key: str | None = None,
+                 served_model_name: str | None = None, cpu_threads: int | None = None) -> None:
+        from slime_lite.engine.scheduler import Scheduler
+
+        self.host, self.port, self.api_key = host, int(port), api_key
+        self.scheduler = Scheduler(model_path, tokenizer_path=tokenizer_path, dtype=dtype, device=device,
+                                   seed=seed, max_running_requests=max_running_requests,
+                                   kv_cache_tokens=kv_cache_tokens, cpu_threads=cpu_threads)
+        self.served_model_name = served_model_name or model_path
+        self.url: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> str:
+        """Start the model thread and the HTTP server thread; return ``http://host:port``."""
+        self.scheduler.start()
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._start_site())
+            except BaseException as exc:  # noqa: BLE001 - reported by start()
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=serve, name="engine-http", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self.scheduler.stop()
+            raise SlimeLiteError(f"engine HTTP server could not listen on {self.host}:{self.port}: {failure[0]}")
+        logger.info("engine serving %s at %s", self.scheduler.model_path, self.url)
+        return self.url
+
+    async def _start_site(self) -> None:
+        from aiohttp import web
+
+        self._runner = web.AppRunner(self.make_app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://{self.host}:{port}"
+
+    def stop(self) -> None:
+        """Abort what runs, stop the model thread, close the HTTP server."""
+        self.scheduler.stop()
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+        self._thread = self._loop = None
+
+    def run_forever(self) -> None:
+        """Serve until SIGINT/SIGTERM (the CLI)."""
+        url = self.start()
+        print(f"slime-lite engine ready at {url}", flush=True)
+        done = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: done.set())
+        try:
+            while not done.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+
+    # ---- plumbing ------------------------------------------------------------------------------------------
+    def make_app(self):
+        from aiohttp import web
+
+        from slime_lite.engine.openai_api import add_openai_routes
+
+        app = web.Application(client_max_size=1 << 34, middlewares=[self._middleware])
+        r = app.router
+        for path in ("/generate",):
+            r.add_post(path, self.generate)
+            r.add_put(path, self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        for path in ("/get_model_info", "/model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/get_server_info", "/server_info"):
+            r.add_get(path, self.server_info)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        posts = {
+            "/flush_cache": self.flush_cache, "/abort_request": self.abort_request,
+            "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
+            "/update_weight_version": self.update_weight_version,
+            "/update_weights_from_disk": self.update_weights_from_disk,
+            "/update_weights_from_tensor": self.update_weights_from_tensor,
+            "/init_weights_update_group": self.init_weights_update_group,
+            "/update_weights_from_distributed": self.update_weights_from_distributed,
+            "/destroy_weights_update_group": self.destroy_weights_update_group,
+            "/release_memory_occupation": self.release_memory, "/resume_memory_occupation": self.resume_memory,
+        }
+        for path, handler in posts.items():
+            r.add_post(path, handler)
+        for path, handler in (("/get_weights_by_name", self.get_weights_by_name),
+                              ("/get_weights_checksum", self.get_weights_checksum)):
+            r.add_get(path, handler)
+            r.add_post(path, handler)
+        add_openai_routes(app, self)
+        return app
+
+    @property
+    def _middleware(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def middleware(request, handler):
+            if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                return _error("missing or wrong API key (Authorization: Bearer ...)", 401)
+            try:
+                return await handler(request)
+            except BadRequest as exc:
+                return _error(str(exc))
+            except web.HTTPException:
+                raise
+            except Exception as exc:  # noqa: BLE001 - answer, log, keep serving
+                logger.exception("%s %s failed", request.method, request.path)
+                return _error(f"{type(exc).__name__}: {exc}", 500)
+
+        return middleware
+
+    @staticmethod
+    async def body(request) -> dict[str, Any]:
+        if request.method == "GET":
+            return dict(request.query)
+        raw = await request.read()
+        if not raw.strip():
+            return {}
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise BadRequest("body must be a JSON object")
+        return data
+
+    async def run_in_model_thread(self, fn, *args) -> Any:
+        return await asyncio.wrap_future(self.scheduler.call(fn, *args))
+
+    async def _weight_op(self, fn, *args, version: str | None = None, extra: dict[str, Any] | None = None) -> Any:
+        """Run a weight operation in the model thread; answer SGLang's ``{"success", "message"}``."""
+        from slime_lite.engine.weights import WeightError
+
+        def op():
+            result = fn(*args)
+            if version is not None:
+                self.scheduler.weight_version = str(version)
+            return result
+
+        try:
+            result = await self.run_in_model_thread(op)
+        except (WeightError, ValueError, RuntimeError) as exc:
+            logger.error("weight update failed: %s", exc)
+            return _json_response({"success": False, "message": str(exc)}, 400)
+        msg = f"Succeeded ({result} tensors)" if isinstance(result, int) else "Succeeded"
+        return _json_response({"success": True, "message": msg, **(extra or {})})
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    def new_requests(self, prompts: list[list[int]], sampling_params: Any, *, rid: Any = None,
+                     return_logprob: Any = False, logprob_start_len: Any = -1,
+                     return_text_in_logprobs: bool = False, stream: bool = False) -> list[Any]:
+        """Validated ``Request`` objects: one per prompt and sample (``n``), in prompt-major order."""
+        from slime_lite.engine.sampling import SamplingParams
+        from slime_lite.engine.scheduler import Request
+
+        n_prompts = len(prompts)
+        sps = _as_list(sampling_params or {}, n_prompts, "sampling_params")
+        lps = _as_list(return_logprob, n_prompts, "return_logprob")
+        starts = _as_list(logprob_start_len if logprob_start_len is not None else -1, n_prompts,
+                          "logprob_start_len")
+        if isinstance(rid, list):
+            rids = _as_list(rid, n_prompts, "rid")
+        elif rid is not None:
+            rids = [str(rid)] if n_prompts == 1 else [f"{rid}_{i}" for i in range(n_prompts)]
+        else:
+            rids = [None] * n_prompts
+        reqs = []
+        for ids, sp, user_rid, lp, start in zip(prompts, sps, rids, lps, starts):
+            if not isinstance(sp, dict):
+                raise BadRequest("sampling_params must be an object (or a list of them, one per prompt)")
+            n = int(sp.get("n", 1) or 1)
+            try:
+                params = SamplingParams.from_dict(sp)
+            except (TypeError, ValueError) as exc:
+                raise BadRequest(str(exc)) from None
+            base = str(user_rid) if user_rid is not None else uuid.uuid4().hex
+            for j in range(n):
+                req = Request(
+                    rid=base if n == 1 else f"{base}_{j}", input_ids=[int(t) for t in ids], params=params,
+                    seed=self.scheduler.derive_seed(params.sampling_seed, user_rid, j),
+                    return_logprob=bool(lp), logprob_start_len=int(start),
+                    return_text_in_logprobs=bool(return_text_in_logprobs), stream=stream,
+                )
+                try:
+                    self.scheduler.prepare(req)
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
+                reqs.append(req)
+        return reqs
+
+    def encode_prompts(self, text: Any = None, input_ids: Any = None) -> tuple[list[list[int]], bool]:
+        """``text`` or ``input_ids`` (one or a list) -> (token id lists, whether the input was a single prompt)."""
+        if (text is None) == (input_ids is None):
+            raise BadRequest("send exactly one of 'text' and 'input_ids'")
+        if text is not None:
+            single = isinstance(text, str)
+            texts = [text] if single else text
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise BadRequest("'text' must be a string or a non-empty list of strings")
+            return [self.scheduler.encode(t) for t in texts], single
+        if not isinstance(input_ids, list) or not input_ids:
+            raise BadRequest("'input_ids' must be a non-empty list of token ids (or a list of such lists)")
+        single = not isinstance(input_ids[0], list)
+        prompts = [input_ids] if single else input_ids
+        if not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
+            raise BadRequest("'input_ids' must hold integers")
+        return prompts, single
+
+    async def iter_outputs(self, reqs: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+        """Submit ``reqs``; yield ``(index, RequestOutput)`` as they come; abort what is left if the consumer stops."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        for i, req in enumerate(reqs):
+            req.on_output = lambda out, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, out))
+        for req in reqs:
+            self.scheduler.submit(req)
+        remaining = len(reqs)
+        try:
+            while remaining:
+                i, out = await q.get()
+                if out.finish_reason is not None:
+                    remaining -= 1
+                yield i, out
+        finally:
+            if remaining:
+                for req in reqs:
+                    self.scheduler.abort(req.rid, "client disconnected")
+
+    async def run_requests(self, reqs: list[Any]) -> list[Any]:
+        outs: list[Any] = [None] * len(reqs)
+        async with contextlib.aclosing(self.iter_outputs(reqs)) as outputs:
+            async for i, out in outputs:
+                if out.finish_reason is not None:
+                    outs[i] = out
+        return outs
+
+    def format_output(self, req: Any, out: Any) -> dict[str, Any]:
+        """One ``/generate`` result object (also a stream chunk, with ``finish_reason`` null until the end)."""
+        sch = self.scheduler
+        meta: dict[str, Any] = {
+            "id": out.rid, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": len(out.output_ids), "cached_tokens": 0, "weight_version": out.weight_version,
+            "e2e_latency": round(out.e2e_latency, 6),
+        }
+        if req.return_logprob:
+            def triples(lps, ids):
+                return [[lp, t, sch.decode([t], False) if req.return_text_in_logprobs else None]
+                        for lp, t in zip(lps, ids)]
+
+            meta["output_token_logprobs"] = triples(out.output_logprobs, out.output_ids)
+            if out.input_logprobs is not None:
+                meta["input_token_logprobs"] = triples(out.input_logprobs, out.input_ids_for_logprobs)
+        return {"text": sch.output_text(out), "output_ids": out.output_ids, "meta_info": meta}
+
+    async def generate(self, request):
+        from aiohttp import web
+
+        body = await self.body(request)
+        prompts, single = self.encode_prompts(body.get("text"), body.get("input_ids"))
+        stream = bool(body.get("stream", False))
+        reqs = self.new_requests(
+            prompts, body.get("sampling_params"), rid=body.get("rid"), return_logprob=body.get("return_logprob", False),
+            logprob_start_len=body.get("logprob_start_len", -1),
+            return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)), stream=stream,
+        )
+        single = single and len(reqs) == 1
+        if not stream:
+            outs = await self.run_requests(reqs)
+            results = [self.format_output(r, o) for r, o in zip(reqs, outs)]
+            return _json_response(results[0] if single else results)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        async with contextlib.aclosing(self.iter_outputs(reqs)) as outputs:
+            async for i, out in outputs:
+                chunk = self.format_output(reqs[i], out)
+                if not single:
+                    chunk["index"] = i
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ---- health and info -----------------------------------------------------------------------------------
+    async def health(self, request):
+        from aiohttp import web
+
+        alive = self.scheduler._thread is not None and self.scheduler._thread.is_alive()
+        return web.Response(status=200 if alive else 503)
+
+    async def health_generate(self, request):
+        from aiohttp import web
+
+        token = min(self.scheduler.eos_ids) if self.scheduler.eos_ids else 0
+        reqs = self.new_requests([[token]], {"max_new_tokens": 1, "temperature": 0.0},
+                                 rid=f"health_{uuid.uuid4().hex}")
+        try:
+            await asyncio.wait_for(self.run_requests(reqs), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return web.Response(status=503, text="generation did not answer in time")
+        return web.Response(status=200)
+
+    async def model_info(self, request):
+        s = self.scheduler
+        return _json_response({"model_path": s.model_path, "tokenizer_path": s.tokenizer_path, "is_generation": True,
+                               "preferred_sampling_params": None, "weight_version": s.weight_version})
+
+    async def server_info(self, request):
+        from slime_lite import __version__
+
+        s = self.scheduler
+        return _json_response({
+            "engine": "slime_lite.embedded", "version": __version__, "model_path": s.model_path,
+            "tokenizer_path": s.tokenizer_path, "host": self.host, "port": self.url and int(self.url.rsplit(":", 1)[1]),
+            "device": str(s.device), "dtype": str(s.lm.dtype).removeprefix("torch."), "tp_size": 1,
+            "random_seed": s.seed, "max_running_requests": s.max_running, "kv_cache_tokens": s.kv_cache_tokens,
+            "context_length": s.slot_len, "num_running_reqs": s.num_running, "num_waiting_reqs": s.num_waiting,
+            "paused": s.paused, "released_memory": sorted(s.released), "weight_version": s.weight_version,
+            "num_generated_tokens": s.num_generated, "kv_cache_allocated": list(s.cache.allocated),
+        })
+
+    async def get_weight_version(self, request):
+        return _json_response({"weight_version": self.scheduler.weight_version})
+
+    # ---- control -------------------------------------------------------------------------------------------
+    async def flush_cache(self, request):
+        from slime_lite.engine.scheduler import EngineBusy
+
+        try:
+            await self.run_in_model_thread(self.scheduler.flush_cache)
+        except EngineBusy as exc:
+            return _error(str(exc))
+        return _json_response({"success": True, "message": "Cache flushed."})
+
+    async def abort_request(self, request):
+        from aiohttp import web
+
+        body = await self.body(request)
+        if body.get("abort_all"):
+            self.scheduler.abort(None)
+        elif body.get("rid"):
+            self.scheduler.abort(str(body["rid"]))
+        else:
+            raise BadRequest("send {'rid': ...} or {'abort_all': true}")
+        return web.Response(status=200)
+
+    async def pause_generation(self, request):
+        body = await self.body(request)
+        mode = body.get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode {mode!r}: expected abort, retract or in_place")
+        await self.run_in_model_thread(self.scheduler.pause, mode)
+        return _json_response({"success": True, "message": f"paused ({mode})"})
+
+    async def continue_generation(self, request):
+        await self.run_in_model_thread(self.scheduler.resume)
+        return _json_response({"success": True, "message": "continued"})
+
+    async def update_weight_version(self, request):
+        body = await self.body(request)
+        if body.get("new_version") is None:
+            raise BadRequest("'new_version' is required")
+        if body.get("abort_all_requests", True):
+            self.scheduler.abort(None, "aborted by /update_weight_version")
+        return await self._weight_op(lambda: None, version=body["new_version"])
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def _maybe_abort(self, body: dict[str, Any]) -> None:
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(None, "aborted for a weight update")
+
+    async def update_weights_from_disk(self, request):
+        body = await self.body(request)
+        path = body.get("model_path")
+        if not path:
+            raise BadRequest("'model_path' is required")
+        self._maybe_abort(body)
+
+        def load():
+            n = self.scheduler.weights.load_from_disk(path)
+            self.scheduler.model_path = str(path)
+            return n
+
+        return await self._weight_op(load, version=body.get("weight_version"), extra={"num_paused_requests": 0})
+
+    async def update_weights_from_tensor(self, request):
+        from slime_lite.weight_transport import deserialize_named_tensors
+
+        body = await self.body(request)
+        data = body.get("serialized_named_tensors")
+        if isinstance(data, str):
+            data = [data]
+        if not isinstance(data, list) or len(data) != 1:
+            raise BadRequest("'serialized_named_tensors' must be a list with one entry per TP rank (tp_size is 1)")
+        if body.get("load_format") not in (None, "direct"):
+            raise BadRequest(f"load_format {body['load_format']!r} is not supported (use null or 'direct')")
+        try:
+            named = await asyncio.get_running_loop().run_in_executor(None, deserialize_named_tensors, data[0])
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is the sender's
+            raise BadRequest(f"cannot decode serialized_named_tensors: {exc}") from None
+        self._maybe_abort(body)
+        return await self._weight_op(self.scheduler.weights.load_named, named, version=body.get("weight_version"))
+
+    async def init_weights_update_group(self, request):
+        body = await self.body(request)
+        try:
+            args = (str(body["master_address"]), int(body["master_port"]), int(body.get("rank_offset", 1)),
+                    int(body["world_size"]), str(body.get("group_name") or "weight_update_group"),
+                    str(body.get("backend") or "nccl"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BadRequest(f"init_weights_update_group needs master_address, master_port, world_size: {exc}")
+        return await self._weight_op(self.scheduler.weights.init_group, *args)
+
+    async def update_weights_from_distributed(self, request):
+        body = await self.body(request)
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise BadRequest("'names', 'dtypes' and 'shapes' must be lists")
+        self._maybe_abort(body)
+        return await self._weight_op(self.scheduler.weights.update_from_distributed, names, dtypes, shapes,
+                                     str(body.get("group_name") or "weight_update_group"),
+                                     version=body.get("weight_version"))
+
+    async def destroy_weights_update_group(self, request):
+        body = await self.body(request)
+        return await self._weight_op(self.scheduler.weights.destroy_group,
+                                     str(body.get("group_name") or "weight_update_group"))
+
+    async def get_weights_by_name(self, request):
+        from slime_lite.engine.weights import WeightError
+
+        body = await self.body(request)
+        if not body.get("name"):
+            raise BadRequest("'name' is required")
+        try:
+            values = await self.run_in_model_thread(self.scheduler.weights.get_by_name, str(body["name"]),
+                                                    int(body.get("truncate_size", 100)))
+        except WeightError as exc:
+            raise BadRequest(str(exc)) from None
+        return _json_response(values)
+
+    async def get_weights_checksum(self, request):
+        """``{hf_name: sha256}`` of every parameter (or of ``names``), in the engine's dtype."""
+        from slime_lite.engine.weights import WeightError
+
+        body = await self.body(request)
+        names = body.get("names")
+        try:
+            sums = await self.run_in_model_thread(self.scheduler.weights.checksums, names)
+        except WeightError as exc:
+            raise BadRequest(str(exc)) from None
+        return _json_response(sums)
+
+    async def release_memory(self, request):
+        from slime_lite.engine.scheduler import EngineBusy
+
+        try:
+            await self.run_in_model_thread(self.scheduler.release_memory, (await self.body(request)).get("tags"))
+        except EngineBusy as exc:
+            return _error(str(exc))
+        return _json_response(None)
+
+    async def resume_memory(self, request):
+        await self.run_in_model_thread(self.scheduler.resume_memory, (await self.body(request)).get("tags"))
+        return _json_response(None)
+
+
+# ---- command line -------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slime-lite serve", description="Start the embedded SGLang-compatible engine.")
+    p.add_argument("--model-path", required=True, help="Hugging Face model folder (Llama/Qwen2 family)")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: --model-path)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1, help="only 1 is supported")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for SGLang parity; ignored")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda if available")
+    p.add_argument("--max-running-requests", type=int, default=64, help="batch slots")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV cache budget in tokens, split evenly over the slots (default: slots x min(context, 4096))")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: --model-path)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except SystemExit as exc:  # --help, or a bad value (argparse printed why)
+        return int(exc.code or 0)
+    if unknown:
+        flags = [u for u in unknown if u.startswith("-")] or unknown
+        raise SlimeLiteError(f"slime-lite serve: unknown flag(s) {' '.join(flags)}; the embedded engine accepts "
+                             "the flags listed by 'slime-lite serve --help'.")
+    if args.tp_size != 1:
+        raise SlimeLiteError(f"--tp-size {args.tp_size}: the embedded engine runs on one device (tp_size 1); "
+                             "use --rollout-backend sglang for tensor-parallel engines.")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                            format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if args.mem_fraction_static is not None:
+        logger.info("--mem-fraction-static %s ignored: the KV cache is sized by --kv-cache-tokens",
+                    args.mem_fraction_static)
+    server = EngineServer(
+        args.model_path, tokenizer_path=args.tokenizer_path, host=args.host, port=args.port, dtype=args.dtype,
+        device=args.device, seed=args.random_seed, max_running_requests=args.max_running_requests,
+        kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key, served_model_name=args.served_model_name,
+    )
+    server.run_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    from slime_lite.cli import run_main
+
+    raise SystemExit(run_main(main))

@@ -1,0 +1,59 @@
+"""Helpers for the embedded engine tests: an HTTP client, a thread runner, an in-process engine, HF reference."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def http(url: str, route: str, body: Any = None, method: str | None = None, timeout: float = 60) -> tuple[int, Any]:
+    """(status, parsed JSON or text or None); never raises on HTTP errors."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + route, data=data, method=method or ("GET" if body is None else "POST"),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    text = raw.decode()
+    try:
+        return status, json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return status, text
+
+
+def generate(url: str, **body: Any) -> Any:
+    status, out = http(url, "/generate", body)
+    assert status == 200, out
+    return out
+
+
+def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    """Run ``fn`` in a thread; its result lands in ``box["result"]``."""
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.__setitem__("result", fn(*args, **kwargs)), daemon=True)
+    t.start()
+    return t, box
+
+
+def start_engine(model_dir, **kwargs):
+    from slime_lite.engine.server import EngineServer
+
+    server = EngineServer(str(model_dir), device="cpu", **kwargs)
+    server.start()
+    return server
+
+
+def hf_logprobs(model, prompt_ids: list[int], output_ids: list[int], temperature: float = 1.0) -> list[float]:
+    """Log-probs of ``output_ids`` under one full forward of prompt + output, logits divided by the temperature."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1] / temperature, dim=-1)
+    return logp.gather(1, torch.tensor(output_ids)[:, None])[:, 0].tolist()

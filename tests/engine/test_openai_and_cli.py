@@ -1,0 +1,100 @@
+"""OpenAI-compatible routes and the ``slime-lite serve`` command line of the embedded engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from engine_helpers import http
+
+from slime_lite.engine.server import main
+from slime_lite.errors import SlimeLiteError
+
+
+def test_v1_models_lists_the_model(engine):
+    status, out = http(engine.url, "/v1/models")
+    assert status == 200 and out["data"][0]["id"] == engine.served_model_name
+
+
+def test_v1_completions_with_usage_logprobs_and_stop(engine):
+    body = {"model": "x", "prompt": "1+1=", "max_tokens": 5, "temperature": 0, "logprobs": 1, "n": 2}
+    status, out = http(engine.url, "/v1/completions", body)
+    assert status == 200 and out["object"] == "text_completion"
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["logprobs"]["token_logprobs"]) == 5
+    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 10, "total_tokens": 14}
+    native = http(engine.url, "/generate", {"text": "1+1=", "sampling_params": {"max_new_tokens": 5,
+                                                                                "temperature": 0}})[1]
+    assert choice["text"] == native["text"]
+    text = native["text"]
+    stop = text[2:4]
+    out = http(engine.url, "/v1/completions", {**body, "n": 1, "stop": [stop]})[1]
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["text"] == text[: text.index(stop)]
+
+
+def test_v1_chat_completions_uses_chat_template(engine):
+    messages = [{"role": "user", "content": "2+2?"}]
+    body = {"model": "x", "messages": messages, "max_tokens": 4, "temperature": 0, "logprobs": True}
+    status, out = http(engine.url, "/v1/chat/completions", body)
+    assert status == 200 and out["object"] == "chat.completion"
+    choice = out["choices"][0]
+    assert choice["message"]["role"] == "assistant" and len(choice["logprobs"]["content"]) == 4
+    prompt = engine.scheduler.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    native = http(engine.url, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 4,
+                                                                                "temperature": 0}})[1]
+    assert choice["message"]["content"] == native["text"]
+    assert out["usage"]["prompt_tokens"] == native["meta_info"]["prompt_tokens"]
+
+
+def test_v1_chat_completions_stream(engine):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "stream": True}
+    req = urllib.request.Request(engine.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        lines = [ln.decode().strip() for ln in resp if ln.strip()]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    full = http(engine.url, "/v1/chat/completions", {**body, "stream": False})[1]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == full["choices"][0]["message"]["content"]
+
+
+def test_serve_rejects_unknown_flags_and_tp_size(tiny_model_dir):
+    with pytest.raises(SlimeLiteError, match="--enable-foo"):
+        main(["--model-path", str(tiny_model_dir), "--enable-foo", "1"])
+    with pytest.raises(SlimeLiteError, match="--tp-size 2"):
+        main(["--model-path", str(tiny_model_dir), "--tp-size", "2"])
+    assert main(["--help"]) == 0
+
+
+@pytest.mark.slow
+def test_serve_command_starts_answers_and_stops_on_sigterm(tiny_model_dir):
+    cmd = [sys.executable, "-m", "slime_lite.cli", "serve", "--model-path", str(tiny_model_dir), "--port", "0",
+           "--device", "cpu", "--mem-fraction-static", "0.5", "--random-seed", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = None
+        for line in proc.stdout:
+            if "engine ready at " in line:
+                url = line.strip().rsplit(" ", 1)[1]
+                break
+        assert url, "server never said it was ready"
+        assert http(url, "/health")[0] == 200
+        out = http(url, "/generate", {"text": "ab", "sampling_params": {"max_new_tokens": 3}})[1]
+        assert out["meta_info"]["completion_tokens"] == 3
+        assert http(url, "/get_server_info")[1]["random_seed"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,143 @@
+"""Weight routes of the embedded engine: after each kind of update the engine holds and samples from the new
+weights (get_weights_by_name, checksums, log-probs equal to an HF forward of the new model)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from engine_helpers import generate, hf_logprobs, http, in_thread, start_engine
+
+from slime_lite.weight_transport import WeightUpdateGroup, serialize_named_tensors, tensor_sha256
+
+PROMPT = [10, 11, 12, 13]
+
+
+@pytest.fixture(scope="module")
+def new_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with every parameter perturbed, saved as a second checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    out = tmp_path_factory.mktemp("new_model")
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def new_model(new_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(new_model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def fresh_engine(tiny_model_dir):
+    server = start_engine(tiny_model_dir, max_running_requests=4)
+    yield server
+    server.stop()
+
+
+def assert_serves(url: str, model, version: str) -> None:
+    """The engine's weights are ``model``'s and its samples' log-probs come from ``model``."""
+    name = "model.layers.1.self_attn.q_proj.weight"
+    status, values = http(url, "/get_weights_by_name", {"name": name, "truncate_size": 3})
+    assert status == 200
+    assert torch.allclose(torch.tensor(values), model.get_parameter(name)[:3], atol=0)
+    status, sums = http(url, "/get_weights_checksum", {})
+    assert status == 200
+    assert sums == {n: tensor_sha256(p) for n, p in model.named_parameters()}
+    out = generate(url, input_ids=PROMPT, return_logprob=True,
+                   sampling_params={"max_new_tokens": 8, "temperature": 0.8, "ignore_eos": True})
+    lps = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+    ref = hf_logprobs(model, PROMPT, out["output_ids"], 0.8)
+    assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-5
+    assert out["meta_info"]["weight_version"] == version
+    assert http(url, "/get_weight_version")[1]["weight_version"] == version
+
+
+def test_update_weights_from_disk(fresh_engine, hf_model, new_model, new_model_dir):
+    url = fresh_engine.url
+    assert_serves(url, hf_model, "default")
+    status, out = http(url, "/update_weights_from_disk", {"model_path": str(new_model_dir), "weight_version": "v1"})
+    assert status == 200 and out["success"] is True
+    assert_serves(url, new_model, "v1")
+    assert http(url, "/get_model_info")[1]["model_path"] == str(new_model_dir)
+    status, out = http(url, "/update_weights_from_disk", {"model_path": "/nonexistent"})
+    assert status == 400 and out["success"] is False and "/nonexistent" in out["message"]
+
+
+def test_update_weights_from_tensor(fresh_engine, new_model):
+    url = fresh_engine.url
+    named = dict(new_model.named_parameters())
+    half = list(named)[: len(named) // 2]
+    for names, version in ((half, "v1"), ([n for n in named if n not in half], "v2")):  # two buckets
+        body = {"serialized_named_tensors": [serialize_named_tensors({n: named[n] for n in names})],
+                "load_format": None, "flush_cache": True, "weight_version": version}
+        status, out = http(url, "/update_weights_from_tensor", body)
+        assert status == 200 and out["success"] is True, out
+    assert_serves(url, new_model, "v2")
+    bad = {"serialized_named_tensors": [serialize_named_tensors({"model.nope.weight": torch.zeros(2)})]}
+    status, out = http(url, "/update_weights_from_tensor", bad)
+    assert status == 400 and "model.nope.weight" in out["message"]
+    wrong_shape = {"serialized_named_tensors": [serialize_named_tensors({"model.norm.weight": torch.zeros(3)})]}
+    assert http(url, "/update_weights_from_tensor", wrong_shape)[0] == 400
+    assert_serves(url, new_model, "v2")  # refused updates change nothing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
+    url = fresh_engine.url
+    port = _free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "wu", "backend": "gloo"}
+    t, box = in_thread(http, url, "/init_weights_update_group", init)
+    trainer = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", group_name="wu")
+    t.join(30)
+    assert box["result"][0] == 200 and box["result"][1]["success"] is True
+    named = list(new_model.named_parameters())
+    body = {"names": [n for n, _ in named], "dtypes": [str(p.dtype).removeprefix("torch.") for _, p in named],
+            "shapes": [list(p.shape) for _, p in named], "group_name": "wu", "weight_version": "v7"}
+    t, box = in_thread(http, url, "/update_weights_from_distributed", body)
+    for _, p in named:
+        trainer.broadcast(p.detach().clone(), src=0)
+    t.join(30)
+    assert box["result"][0] == 200 and box["result"][1]["success"] is True
+    assert_serves(url, new_model, "v7")
+    assert http(url, "/destroy_weights_update_group", {"group_name": "wu"})[1]["success"] is True
+    trainer.destroy()
+    status, out = http(url, "/update_weights_from_distributed", {**body, "names": body["names"][:1],
+                                                                 "dtypes": body["dtypes"][:1],
+                                                                 "shapes": body["shapes"][:1]})
+    assert status == 400 and "init_weights_update_group" in out["message"]
+
+
+def test_get_weights_by_name_unknown_name_is_400(engine):
+    status, out = http(engine.url, "/get_weights_by_name", {"name": "model.nope"})
+    assert status == 400 and "model.nope" in out["error"]["message"]
+    status, values = http(engine.url, "/get_weights_by_name?name=model.norm.weight&truncate_size=5")
+    assert status == 200 and len(values) == 5
+
+
+def test_release_and_resume_memory_keep_generation_working_on_cpu(fresh_engine, hf_model):
+    url = fresh_engine.url
+    assert http(url, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})[0] == 200
+    assert http(url, "/resume_memory_occupation", {})[0] == 200
+    assert_serves(url, hf_model, "default")
+
+
+def test_update_weight_version_shows_in_generate(fresh_engine):
+    status, out = http(fresh_engine.url, "/update_weight_version", {"new_version": "step-3"})
+    assert status == 200 and out["success"] is True
+    meta = generate(fresh_engine.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 1})["meta_info"]
+    assert meta["weight_version"] == "step-3"
