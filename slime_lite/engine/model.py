@@ -55,7 +55,7 @@ def load_hf_model(model_path: str, dtype: str, device: torch.device):
                              "engine; use --rollout-backend sglang.")
     torch_dtype = resolve_dtype(dtype, config, device)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-    return model.to(device).eval()
+    return model.to(device=device, dtype=torch_dtype).eval()  # .to(dtype): older transformers ignore dtype=
 
 
 class KVCache:
@@ -95,6 +95,18 @@ class KVCache:
 
     def free(self) -> None:
         self.k = self.v = None
+
+    def flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Row indices into a layer's cache viewed as ``[-1, head_dim]`` for ``slots [B]`` x heads x ``positions
+        [B, T]``, in (slot, head, position) order."""
+        heads = torch.arange(self.kv_heads, device=slots.device)
+        rows = (slots[:, None] * self.kv_heads + heads[None, :]) * self.k.shape[3]
+        return (rows[:, :, None] + positions[:, None, :]).reshape(-1)
+
+    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` (``[B, kv, T, D]`` or ``[B, kv, D]``) at ``flat_index`` rows of ``layer``."""
+        self.k[layer].view(-1, self.head_dim).index_copy_(0, index, k.reshape(-1, self.head_dim))
+        self.v[layer].view(-1, self.head_dim).index_copy_(0, index, v.reshape(-1, self.head_dim))
 
 
 @dataclass
@@ -219,12 +231,11 @@ class CausalLM:
         pos = torch.arange(t, device=tokens.device).unsqueeze(0).expand(b, t)
         h = F.embedding(tokens, self.embed.weight)
         cos, sin = self.cos[:t, None, :], self.sin[:t, None, :]
-        index = (slots[:, None, None], torch.arange(self.kv_heads, device=tokens.device)[None, :, None], pos[:, None])
+        index = cache.flat_index(slots, pos)
         for i, ly in enumerate(self.layers):
             q, k, v = self._qkv(ly, h, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            cache.k[i].index_put_(index, k)
-            cache.v[i].index_put_(index, v)
+            cache.write(i, index, k, v)
             if self.n_rep > 1:
                 k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
@@ -244,12 +255,11 @@ class CausalLM:
         mask = None
         if not same_length:  # [B, 1, 1, L]: broadcast over kv heads and their grouped queries
             mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
-        index = (slots[:, None], torch.arange(self.kv_heads, device=tokens.device)[None, :], positions[:, None])
+        index = cache.flat_index(slots, positions[:, None])
         for i, ly in enumerate(self.layers):
             q, k, v = self._qkv(ly, h, cos, sin)
+            cache.write(i, index, k, v)
             kc, vc = cache.k[i], cache.v[i]
-            kc.index_put_(index, k[:, 0])
-            vc.index_put_(index, v[:, 0])
             if slot_range is not None:
                 keys, values = kc[slot_range[0] : slot_range[1], :, :kv_len], vc[slot_range[0] : slot_range[1], :, :kv_len]
             else:

@@ -140,19 +140,22 @@ class _OpenAI:
         await resp.prepare(request)
         sent = [""] * len(reqs)
         outs: list[Any] = [None] * len(reqs)
-        async with contextlib.aclosing(self.server.iter_outputs(reqs)) as stream:
-            async for i, out in stream:
-                text = sch.output_text(out)
-                delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
-                sent[i] = text if text.startswith(sent[i]) else sent[i]
-                c = choice(i, out, delta, True) if chat else choice(i, out, delta)
-                c["logprobs"] = None
-                await resp.write(b"data: " + json.dumps({**chunk_head, "choices": [c]}).encode() + b"\n\n")
-                if out.finish_reason is not None:
-                    outs[i] = out
-        if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {**chunk_head, "choices": [], "usage": self._usage(prompts, outs)}
-            await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            async with contextlib.aclosing(self.server.iter_outputs(reqs)) as stream:
+                async for i, out in stream:
+                    text = sch.output_text(out)
+                    delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
+                    sent[i] = text if text.startswith(sent[i]) else sent[i]
+                    c = choice(i, out, delta, True) if chat else choice(i, out, delta)
+                    c["logprobs"] = None
+                    await resp.write(b"data: " + json.dumps({**chunk_head, "choices": [c]}).encode() + b"\n\n")
+                    if out.finish_reason is not None:
+                        outs[i] = out
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {**chunk_head, "choices": [], "usage": self._usage(prompts, outs)}
+                await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client left; iter_outputs aborted its requests
         return resp

@@ -132,13 +132,13 @@ class EngineServer:
     def make_app(self):
         from aiohttp import web
 
+        from slime_lite.engine.admin_routes import add_admin_routes
         from slime_lite.engine.openai_api import add_openai_routes
 
         app = web.Application(client_max_size=1 << 34, middlewares=[self._middleware])
         r = app.router
-        for path in ("/generate",):
-            r.add_post(path, self.generate)
-            r.add_put(path, self.generate)
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
         for path in ("/get_model_info", "/model_info"):
@@ -146,23 +146,7 @@ class EngineServer:
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
         r.add_get("/get_weight_version", self.get_weight_version)
-        posts = {
-            "/flush_cache": self.flush_cache, "/abort_request": self.abort_request,
-            "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
-            "/update_weight_version": self.update_weight_version,
-            "/update_weights_from_disk": self.update_weights_from_disk,
-            "/update_weights_from_tensor": self.update_weights_from_tensor,
-            "/init_weights_update_group": self.init_weights_update_group,
-            "/update_weights_from_distributed": self.update_weights_from_distributed,
-            "/destroy_weights_update_group": self.destroy_weights_update_group,
-            "/release_memory_occupation": self.release_memory, "/resume_memory_occupation": self.resume_memory,
-        }
-        for path, handler in posts.items():
-            r.add_post(path, handler)
-        for path, handler in (("/get_weights_by_name", self.get_weights_by_name),
-                              ("/get_weights_checksum", self.get_weights_checksum)):
-            r.add_get(path, handler)
-            r.add_post(path, handler)
+        add_admin_routes(app, self)
         add_openai_routes(app, self)
         return app
 
@@ -203,24 +187,6 @@ class EngineServer:
 
     async def run_in_model_thread(self, fn, *args) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, *args))
-
-    async def _weight_op(self, fn, *args, version: str | None = None, extra: dict[str, Any] | None = None) -> Any:
-        """Run a weight operation in the model thread; answer SGLang's ``{"success", "message"}``."""
-        from slime_lite.engine.weights import WeightError
-
-        def op():
-            result = fn(*args)
-            if version is not None:
-                self.scheduler.weight_version = str(version)
-            return result
-
-        try:
-            result = await self.run_in_model_thread(op)
-        except (WeightError, ValueError, RuntimeError) as exc:
-            logger.error("weight update failed: %s", exc)
-            return _json_response({"success": False, "message": str(exc)}, 400)
-        msg = f"Succeeded ({result} tensors)" if isinstance(result, int) else "Succeeded"
-        return _json_response({"success": True, "message": msg, **(extra or {})})
 
     # ---- generation ----------------------------------------------------------------------------------------
     def new_requests(self, prompts: list[list[int]], sampling_params: Any, *, rid: Any = None,
@@ -347,14 +313,17 @@ class EngineServer:
             return _json_response(results[0] if single else results)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        async with contextlib.aclosing(self.iter_outputs(reqs)) as outputs:
-            async for i, out in outputs:
-                chunk = self.format_output(reqs[i], out)
-                if not single:
-                    chunk["index"] = i
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            async with contextlib.aclosing(self.iter_outputs(reqs)) as outputs:
+                async for i, out in outputs:
+                    chunk = self.format_output(reqs[i], out)
+                    if not single:
+                        chunk["index"] = i
+                    await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            logger.info("stream client left; aborted %s", reqs[0].rid if len(reqs) == 1 else f"{len(reqs)} requests")
         return resp
 
     # ---- health and info -----------------------------------------------------------------------------------
@@ -397,148 +366,6 @@ class EngineServer:
 
     async def get_weight_version(self, request):
         return _json_response({"weight_version": self.scheduler.weight_version})
-
-    # ---- control -------------------------------------------------------------------------------------------
-    async def flush_cache(self, request):
-        from slime_lite.engine.scheduler import EngineBusy
-
-        try:
-            await self.run_in_model_thread(self.scheduler.flush_cache)
-        except EngineBusy as exc:
-            return _error(str(exc))
-        return _json_response({"success": True, "message": "Cache flushed."})
-
-    async def abort_request(self, request):
-        from aiohttp import web
-
-        body = await self.body(request)
-        if body.get("abort_all"):
-            self.scheduler.abort(None)
-        elif body.get("rid"):
-            self.scheduler.abort(str(body["rid"]))
-        else:
-            raise BadRequest("send {'rid': ...} or {'abort_all': true}")
-        return web.Response(status=200)
-
-    async def pause_generation(self, request):
-        body = await self.body(request)
-        mode = body.get("mode") or "abort"
-        if mode not in ("abort", "retract", "in_place"):
-            raise BadRequest(f"mode {mode!r}: expected abort, retract or in_place")
-        await self.run_in_model_thread(self.scheduler.pause, mode)
-        return _json_response({"success": True, "message": f"paused ({mode})"})
-
-    async def continue_generation(self, request):
-        await self.run_in_model_thread(self.scheduler.resume)
-        return _json_response({"success": True, "message": "continued"})
-
-    async def update_weight_version(self, request):
-        body = await self.body(request)
-        if body.get("new_version") is None:
-            raise BadRequest("'new_version' is required")
-        if body.get("abort_all_requests", True):
-            self.scheduler.abort(None, "aborted by /update_weight_version")
-        return await self._weight_op(lambda: None, version=body["new_version"])
-
-    # ---- weights -------------------------------------------------------------------------------------------
-    def _maybe_abort(self, body: dict[str, Any]) -> None:
-        if body.get("abort_all_requests"):
-            self.scheduler.abort(None, "aborted for a weight update")
-
-    async def update_weights_from_disk(self, request):
-        body = await self.body(request)
-        path = body.get("model_path")
-        if not path:
-            raise BadRequest("'model_path' is required")
-        self._maybe_abort(body)
-
-        def load():
-            n = self.scheduler.weights.load_from_disk(path)
-            self.scheduler.model_path = str(path)
-            return n
-
-        return await self._weight_op(load, version=body.get("weight_version"), extra={"num_paused_requests": 0})
-
-    async def update_weights_from_tensor(self, request):
-        from slime_lite.weight_transport import deserialize_named_tensors
-
-        body = await self.body(request)
-        data = body.get("serialized_named_tensors")
-        if isinstance(data, str):
-            data = [data]
-        if not isinstance(data, list) or len(data) != 1:
-            raise BadRequest("'serialized_named_tensors' must be a list with one entry per TP rank (tp_size is 1)")
-        if body.get("load_format") not in (None, "direct"):
-            raise BadRequest(f"load_format {body['load_format']!r} is not supported (use null or 'direct')")
-        try:
-            named = await asyncio.get_running_loop().run_in_executor(None, deserialize_named_tensors, data[0])
-        except Exception as exc:  # noqa: BLE001 - any decoding failure is the sender's
-            raise BadRequest(f"cannot decode serialized_named_tensors: {exc}") from None
-        self._maybe_abort(body)
-        return await self._weight_op(self.scheduler.weights.load_named, named, version=body.get("weight_version"))
-
-    async def init_weights_update_group(self, request):
-        body = await self.body(request)
-        try:
-            args = (str(body["master_address"]), int(body["master_port"]), int(body.get("rank_offset", 1)),
-                    int(body["world_size"]), str(body.get("group_name") or "weight_update_group"),
-                    str(body.get("backend") or "nccl"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BadRequest(f"init_weights_update_group needs master_address, master_port, world_size: {exc}")
-        return await self._weight_op(self.scheduler.weights.init_group, *args)
-
-    async def update_weights_from_distributed(self, request):
-        body = await self.body(request)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise BadRequest("'names', 'dtypes' and 'shapes' must be lists")
-        self._maybe_abort(body)
-        return await self._weight_op(self.scheduler.weights.update_from_distributed, names, dtypes, shapes,
-                                     str(body.get("group_name") or "weight_update_group"),
-                                     version=body.get("weight_version"))
-
-    async def destroy_weights_update_group(self, request):
-        body = await self.body(request)
-        return await self._weight_op(self.scheduler.weights.destroy_group,
-                                     str(body.get("group_name") or "weight_update_group"))
-
-    async def get_weights_by_name(self, request):
-        from slime_lite.engine.weights import WeightError
-
-        body = await self.body(request)
-        if not body.get("name"):
-            raise BadRequest("'name' is required")
-        try:
-            values = await self.run_in_model_thread(self.scheduler.weights.get_by_name, str(body["name"]),
-                                                    int(body.get("truncate_size", 100)))
-        except WeightError as exc:
-            raise BadRequest(str(exc)) from None
-        return _json_response(values)
-
-    async def get_weights_checksum(self, request):
-        """``{hf_name: sha256}`` of every parameter (or of ``names``), in the engine's dtype."""
-        from slime_lite.engine.weights import WeightError
-
-        body = await self.body(request)
-        names = body.get("names")
-        try:
-            sums = await self.run_in_model_thread(self.scheduler.weights.checksums, names)
-        except WeightError as exc:
-            raise BadRequest(str(exc)) from None
-        return _json_response(sums)
-
-    async def release_memory(self, request):
-        from slime_lite.engine.scheduler import EngineBusy
-
-        try:
-            await self.run_in_model_thread(self.scheduler.release_memory, (await self.body(request)).get("tags"))
-        except EngineBusy as exc:
-            return _error(str(exc))
-        return _json_response(None)
-
-    async def resume_memory(self, request):
-        await self.run_in_model_thread(self.scheduler.resume_memory, (await self.body(request)).get("tags"))
-        return _json_response(None)
 
 
 # ---- command line -------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tiny_model_dir, replay_dumps, tmp_p
 @pytest.mark.parametrize("estimator", ["ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_estimators_train(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of, estimator):
     proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "m", "--advantage-estimator", estimator,
-                              "--kl-coef", "0.01", "--num-rollout", "2"))
+                              "--kl-coef", "0.01", "--num-rollout", "2", "--dump-details", str(tmp_path / "d")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics_of(tmp_path / "m.jsonl")
     assert all(math.isfinite(r["train/grad_norm"]) for r in rows)
@@ -106,8 +106,11 @@ def test_estimators_train(tiny_model_dir, replay_dumps, tmp_path, train_cli, met
         assert rows[0]["rollout/values"] == 0.0  # value head starts at zero
         assert math.isfinite(rows[0]["critic/value_loss"]) and rows[0]["critic/value_loss"] > 0
         assert rows[1]["rollout/values"] != 0.0  # the critic learned
-    else:
-        assert abs(rows[0]["rollout/advantages"]) < 1e-5  # whitened
+    else:  # advantages are whitened over the batch's tokens
+        import torch
+
+        adv = torch.tensor([a for s in torch.load(tmp_path / "d" / "train_data" / "0.pt")["advantages"] for a in s])
+        assert abs(float(adv.mean())) < 1e-5 and abs(float(adv.std()) - 1) < 1e-3
 
 
 def test_slime_dump_without_meta_and_dump_details(tiny_model_dir, replay_dumps, tmp_path, train_cli):

@@ -70,3 +70,13 @@ def test_rewards_equal() -> None:
     assert rewards_equal(1.0, 1.0 + 1e-9, 1e-6) and not rewards_equal(1.0, 1.1, 1e-6)
     assert rewards_equal(float("nan"), float("nan"), 0) and not rewards_equal(None, 0.0, 1e-6)
     assert rewards_equal({"a": 1, "b": [1]}, {"a": 1.0, "b": [1]}, 0) and not rewards_equal({"a": 1}, {"b": 1}, 0)
+
+
+def test_builtin_rm_type(tmp_path: Path, capsys, samples_factory) -> None:
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    samples = samples_factory(1, 2)  # stored reward 1.0, label == response
+    samples[1].label = "something else"
+    save_rollout_dump(template.format(rollout_id=0), 0, samples)
+    assert main(["--load-debug-rollout-data", template, "--rm-type", "addition", "--fail-on-diff"]) == 1
+    out = capsys.readouterr().out
+    assert "1 rewards differ" in out and "something else" in out

@@ -237,3 +237,27 @@ def test_health_info_and_weight_version_routes(engine):
         status, info = http(engine.url, route)
         assert status == 200 and info["max_running_requests"] == 8
     assert http(engine.url, "/get_weight_version")[1] == {"weight_version": "default"}
+
+
+def test_kv_cache_is_freed_when_idle(engine):
+    generate(engine.url, input_ids=[[1, 2, 3]] * 3, sampling_params={"max_new_tokens": 20, **GREEDY})
+    assert http(engine.url, "/get_server_info")[1]["kv_cache_allocated"] == [0, 0]
+
+
+def test_client_disconnect_aborts_streaming_request(engine):
+    import socket
+
+    body = json.dumps({"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 500, **GREEDY}})
+    host, port = engine.url.removeprefix("http://").split(":")
+    before = http(engine.url, "/get_server_info")[1]["num_generated_tokens"]
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(4096)
+    deadline = time.monotonic() + 10
+    while http(engine.url, "/get_server_info")[1]["num_running_reqs"]:
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.02)
+    assert http(engine.url, "/get_server_info")[1]["num_generated_tokens"] - before < 500

@@ -1,0 +1,138 @@
+"""Reward functions: ``--rm-type {addition,math}`` or ``--custom-rm-path module.fn`` (slime's signature).
+
+A custom reward model is ``async def rm(args, sample, **kwargs) -> float | dict`` (a plain ``def`` works too).
+A dict reward is stored whole in ``sample.reward`` and ``--reward-key`` picks the scalar the trainer uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+from fractions import Fraction
+from typing import Any, Callable
+
+from slime_lite.errors import SlimeLiteError
+from slime_lite.hooks import call_maybe_async, load_function
+from slime_lite.types import Sample
+
+RM_TYPES = ("addition", "math")
+# End-of-text markers an engine may leave in the response text when it does not skip special tokens.
+_EOS_STRINGS = ("<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+
+
+def strip_response(text: str) -> str:
+    """The response without surrounding whitespace and trailing end-of-text markers."""
+    text = text.strip()
+    changed = True
+    while changed:
+        changed = False
+        for eos in _EOS_STRINGS:
+            if text.endswith(eos):
+                text, changed = text[: -len(eos)].rstrip(), True
+    return text
+
+
+def _label(sample: Sample) -> str:
+    if sample.label is None:
+        raise SlimeLiteError(
+            f"sample {sample.index}: no label to score against; set --label-key to the data field holding it."
+        )
+    return str(sample.label).strip()
+
+
+def addition_reward(response: str, label: str) -> float:
+    """1.0 when the response (eos and whitespace stripped) is exactly the label, else 0.0."""
+    return 1.0 if strip_response(response) == label.strip() else 0.0
+
+
+def extract_final_answer(response: str) -> str | None:
+    """The final answer of a math response: the last ``\\boxed{...}``, else a ``#### x`` answer, else the last number."""
+    text = strip_response(response)
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    hashes = re.findall(r"####\s*(" + _NUMBER + ")", text)
+    if hashes:
+        return hashes[-1]
+    numbers = re.findall(_NUMBER, text)
+    return numbers[-1] if numbers else None
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def _to_number(text: str) -> Fraction | None:
+    text = text.strip().replace(",", "").rstrip(".")
+    frac = re.fullmatch(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", text)
+    if frac:
+        text = f"{frac.group(1)}/{frac.group(2)}"
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def math_reward(response: str, label: str) -> float:
+    """1.0 when the final answer equals the label as a number (or as text when either is not a number)."""
+    answer = extract_final_answer(response)
+    if answer is None:
+        return 0.0
+    got, want = _to_number(answer), _to_number(label)
+    if got is None or want is None:
+        return 1.0 if answer.strip() == label.strip() else 0.0
+    return 1.0 if got == want else 0.0
+
+
+_BUILTIN: dict[str, Callable[[str, str], float]] = {"addition": addition_reward, "math": math_reward}
+
+
+@functools.lru_cache(maxsize=None)
+def _custom_rm(path: str) -> Callable[..., Any]:
+    return load_function(path, "--custom-rm-path")
+
+
+async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | dict:
+    """The reward of one sample: ``--custom-rm-path`` when set, else the built-in ``--rm-type``."""
+    custom = getattr(args, "custom_rm_path", None)
+    if custom:
+        reward = await call_maybe_async(_custom_rm(custom), args, sample, **kwargs)
+        if isinstance(reward, dict):
+            return reward
+        if not isinstance(reward, (int, float)):
+            raise SlimeLiteError(
+                f"--custom-rm-path {custom}: returned {type(reward).__name__}; it must return a float or a dict."
+            )
+        return float(reward)
+    rm_type = getattr(args, "rm_type", None)
+    if rm_type not in _BUILTIN:
+        raise SlimeLiteError(
+            f"--rm-type {rm_type!r}: unknown reward type; choose one of {', '.join(RM_TYPES)} "
+            "or give --custom-rm-path module.fn."
+        )
+    return _BUILTIN[rm_type](sample.response, _label(sample))
+
+
+def scalar_reward(args: Any, sample: Sample) -> float:
+    """The scalar the trainer uses: ``sample.reward``, or its ``--reward-key`` entry when it is a dict."""
+    from slime_lite.rollout.stats import scalar_reward as pick
+
+    return pick(sample, getattr(args, "reward_key", None))
+
+
+async def batched_rewards(args: Any, samples: list[Sample]) -> list[float]:
+    """Score samples concurrently; store each raw reward (float or dict) in ``sample.reward``; return the scalars."""
+    rewards = await asyncio.gather(*(compute_reward(args, s) for s in samples))
+    for sample, reward in zip(samples, rewards):
+        sample.reward = reward
+    return [scalar_reward(args, s) for s in samples]
