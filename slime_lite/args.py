@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device of embedded engines (auto: cuda when available)")
     g.add_argument("--engine-max-running-requests", type=_positive_int, default=64)
     g.add_argument("--engine-kv-cache-tokens", type=_positive_int, default=None)
+    g.add_argument("--engine-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="dtype of embedded engines (auto: the checkpoint's)")
 
     g = p.add_argument_group("model and checkpoint")
     g.add_argument("--hf-checkpoint", default=None, help="HF folder: tokenizer, architecture, initial weights")
@@ -147,6 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check-weight-update-equal", action="store_true")
     g.add_argument("--ci-test", action="store_true")
     g.add_argument("--update-weight-transport", choices=("tensor", "distributed", "disk"), default="tensor")
+    g.add_argument("--ci-logprob-diff-threshold", type=_nonneg_float, default=1e-3,
+                   help="--ci-test bound on train/train_rollout_logprob_abs_diff (fp32 CPU runs reach ~1e-6)")
+    g.add_argument("--ci-grad-norm-threshold", type=_nonneg_float, default=100.0)
+    g.add_argument("--logprob-diff-jump-factor", type=_nonneg_float, default=10.0,
+                   help="warn when train_rollout_logprob_abs_diff grows by more than this factor between rollouts")
+    g.add_argument("--debug-scramble-engine-weights", action="store_true",
+                   help="overwrite engine weights with noise before each push, so a parameter the push skips is "
+                        "caught by --check-weight-update-equal even if it equals the old value")
+    g.add_argument("--debug-inject-fault", choices=("skip-weight-push", "swap-pp-layers", "engine-temperature"),
+                   default=None, help="deliberately break one thing, to see the checks catch it (testing only)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--metrics-path", default=None, help="append every metrics record as one JSON line")

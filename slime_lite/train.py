@@ -55,6 +55,7 @@ def run(args) -> int:
 
     from slime_lite.placement import create_placement_group, init_ray, plan_layout
     from slime_lite.rollout.engines import start_engines
+    from slime_lite.debug.ci_checks import CiCheckFailed, enforce, iteration2_check
     from slime_lite.rollout.manager import RolloutManager
 
     layout = plan_layout(args)
@@ -87,6 +88,8 @@ def run(args) -> int:
     evaluate = bool(urls and args.eval_interval)
     if evaluate and start_rollout_id == 0:  # eval ids count the rollouts trained so far: 0 = before training
         metrics.log(ray.get(manager.evaluate.remote(0)), -1)
+    watch = LogprobDiffWatch(args.logprob_diff_jump_factor)
+    done = 0
     for rollout_id in range(start_rollout_id, args.num_rollout):
         step_t0 = time.monotonic()
         samples, record = ray.get(manager.generate.remote(rollout_id))
@@ -106,11 +109,40 @@ def run(args) -> int:
             record.update(ray.get(manager.evaluate.remote(rollout_id + 1)))
         record["perf/step_time"] = time.monotonic() - step_t0
         metrics.log(record, rollout_id)
+        if actor is not None:
+            watch.update(record)
+            if args.ci_test:
+                enforce(args, record, rollout_id, first=rollout_id == start_rollout_id)
+        done += 1
+    if args.ci_test and actor is not None and args.num_rollout - start_rollout_id >= 2:
+        check = iteration2_check(done)
+        if not check.passed:
+            raise CiCheckFailed(check, start_rollout_id + done)
 
     metrics.close()
     for engine in engines:
         ray.get(engine.stop.remote())
     return 0
+
+
+class LogprobDiffWatch:
+    """Warns when the rollout/train log-prob mismatch jumps between rollouts (names the weight version)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.best: float | None = None
+
+    def update(self, record: dict) -> None:
+        value = record.get("train/train_rollout_logprob_abs_diff")
+        if value is None or not self.factor:
+            return
+        if self.best is not None and value > self.factor * max(self.best, 1e-7):
+            log.warning(
+                "train_rollout_logprob_abs_diff jumped to %.3g (lowest so far %.3g) with engine weight version %s: "
+                "check the last weight push (--check-weight-update-equal) and the engine's precision",
+                value, self.best, record.get("rollout/weight_version", "?"),
+            )
+        self.best = value if self.best is None else min(self.best, value)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ class EngineActor:
             if a.engine_kv_cache_tokens:
                 kwargs["kv_cache_tokens"] = a.engine_kv_cache_tokens
             self.server = EngineServer(
-                a.hf_checkpoint, device=device, seed=a.rollout_seed + self.rank, **kwargs
+                a.hf_checkpoint, device=device, dtype=a.engine_dtype, seed=a.rollout_seed + self.rank, **kwargs
             )
         url = self.server.start()
         log.info("engine %d ready at %s", self.rank, url)

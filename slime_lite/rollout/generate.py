@@ -16,8 +16,11 @@ log = logging.getLogger(__name__)
 
 
 def sampling_params(args: Any, evaluation: bool = False) -> dict[str, Any]:
+    temperature = args.eval_temperature if evaluation else args.rollout_temperature
+    if getattr(args, "debug_inject_fault", None) == "engine-temperature" and not evaluation:
+        temperature *= 1.5  # the engine samples at another temperature than the trainer scores with
     return {
-        "temperature": args.eval_temperature if evaluation else args.rollout_temperature,
+        "temperature": temperature,
         "top_p": args.rollout_top_p,
         "top_k": args.rollout_top_k,
         "max_new_tokens": args.eval_max_response_len if evaluation else args.rollout_max_response_len,

@@ -75,6 +75,9 @@ class RolloutManager:
             log.info("saved rollout %d (%d samples) to %s", rollout_id, len(samples), path)
         metrics = rollout_metrics(samples, a.reward_key)
         metrics.update(extra)
+        versions = [int(v) for s in samples for v in s.weight_versions[-1:] if str(v).isdigit()]
+        if versions:
+            metrics["rollout/weight_version"] = float(max(versions))
         if not a.load_debug_rollout_data:
             metrics["perf/rollout_time"] = elapsed
             tokens = sum(s.response_length for s in samples)

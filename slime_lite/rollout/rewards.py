@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import numbers
 import re
 from fractions import Fraction
 from typing import Any, Callable
@@ -109,7 +110,7 @@ async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | di
         reward = await call_maybe_async(_custom_rm(custom), args, sample, **kwargs)
         if isinstance(reward, dict):
             return reward
-        if not isinstance(reward, (int, float)):
+        if not isinstance(reward, numbers.Real):
             raise SlimeLiteError(
                 f"--custom-rm-path {custom}: returned {type(reward).__name__}; it must return a float or a dict."
             )

@@ -75,3 +75,11 @@ def test_dict_rewards_without_reward_key_still_show_samples(tmp_path: Path, caps
     assert main(["--load-debug-rollout-data", template, "--reward-key", "acc"]) == 0
     out = capsys.readouterr().out
     assert "rollout/raw_reward" in out and "0.5" in out
+
+
+def test_a_single_file_path_works_too(dump_template: str, capsys) -> None:
+    path = dump_template.format(rollout_id=1)
+    assert main(["--load-debug-rollout-data", path]) == 0
+    assert "rollout 1" in capsys.readouterr().out
+    assert main(["--load-debug-rollout-data", path + ".missing"]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -44,7 +44,6 @@ def _teacher_forced_max(out: str) -> list[float]:
     return [float(x) for x in re.findall(r"\(a\) teacher-forced \|engine - dump\| +│ max ([-0-9.e+]+)", out)]
 
 
-@pytest.mark.slow
 def test_honest_dump_matches_and_perturbed_logprobs_do_not(engine_url: str, tmp_path: Path, capsys) -> None:
     template = str(tmp_path / "d_{rollout_id}.pt")
     samples = [

@@ -309,14 +309,16 @@ class TrainActor:
         atomic_torch_save(payload, os.path.join(self.args.dump_details, "train_data", f"{rollout_id}.pt"))
 
     # ----------------------------------------------------------------- weights out
-    def hf_weights(self) -> dict[str, torch.Tensor] | None:
+    def hf_weights(self, for_push: bool = False) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors of the whole model on global rank 0 (None elsewhere); TP gathered, PP collected."""
         import torch.distributed as dist
 
         from slime_lite.backends.megatron.convert import iter_hf_weights
 
-        mine = {name: t.detach().cpu() for name, t in iter_hf_weights(self.model, self.hf_config)}
         ps = self.ps
+        mine = {name: t.detach().cpu().clone() for name, t in iter_hf_weights(self.model, self.hf_config)}
+        if for_push and self.args.debug_inject_fault == "swap-pp-layers" and ps.get_pipeline_model_parallel_rank() > 0:
+            mine = _drop_layer_offset(mine)  # the PP layer-id bug the seed warns about, on purpose
         if ps.get_pipeline_model_parallel_world_size() > 1:
             parts: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
             dist.all_gather_object(parts, mine if ps.get_tensor_model_parallel_rank() == 0 else {},
@@ -328,13 +330,25 @@ class TrainActor:
         from slime_lite.backends.megatron.weight_push import push
 
         named = self.hf_weights()
+        sent = self.hf_weights(for_push=True) if self.args.debug_inject_fault == "swap-pp-layers" else named
         if self.rank == 0:
-            push(self.args, named, urls, version)
+            push(self.args, sent, urls, version, reference=named)
 
     def save(self, rollout_id: int, data_state: Any) -> None:
         from slime_lite.backends.megatron import checkpoint
 
         checkpoint.save(self, self.args.save, rollout_id, data_state)
+
+
+def _drop_layer_offset(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fault injection: name a later PP stage's layers by their local ids (the stage's layer offset forgotten)."""
+    import re
+
+    ids = sorted({int(m.group(1)) for n in named for m in [re.search(r"layers\.(\d+)\.", n)] if m})
+    if not ids:
+        return named
+    first = ids[0]
+    return {re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) - first}.", n): t for n, t in named.items()}
 
 
 def _keyword_output(fn: Any) -> Any:

@@ -47,7 +47,23 @@ def _check(reply: Any, url: str, route: str) -> None:
         raise EngineError(f"engine {url}{route} refused the weights: {reply.get('message')}")
 
 
-def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
+def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int,
+         reference: dict[str, torch.Tensor] | None = None) -> None:
+    """Send ``named`` to every engine; with --check-weight-update-equal compare against ``reference`` (the trainer's
+    true weights; ``named`` itself unless a fault was injected into what is sent)."""
+    reference = reference if reference is not None else named
+    if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
+        gen = torch.Generator().manual_seed(version)
+        _push_tensor({n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in reference.items()}, urls, -1)
+    if args.debug_inject_fault == "skip-weight-push":
+        log.warning("--debug-inject-fault skip-weight-push: the engines keep their old weights")
+    else:
+        _transport(args, named, urls, version)
+    if args.check_weight_update_equal:
+        check_weights_equal(reference, urls)
+
+
+def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
     transport = args.update_weight_transport
     if transport == "tensor":
         _push_tensor(named, urls, version)
@@ -163,12 +179,13 @@ def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None
         reply = request_json(url, "/get_weights_checksum", {}, timeout=300)
         engine = reply.get("checksums", reply) if isinstance(reply, dict) else {}
         dtypes = reply.get("dtypes", {}) if isinstance(reply, dict) else {}
-        missing = sorted(set(engine) - set(named))
+        alias = {"lm_head.weight": "model.embed_tokens.weight"}  # tied embeddings: the engine lists both names
+        missing = sorted(n for n in engine if n not in named and alias.get(n) not in named)
         differ = []
         for name, digest in engine.items():
-            if name not in named:
+            if name not in named and alias.get(name) not in named:
                 continue
-            t = named[name]
+            t = named[name] if name in named else named[alias[name]]
             if name in dtypes:
                 t = t.to(getattr(torch, dtypes[name].removeprefix("torch.")))
             if tensor_sha256(t) != digest:

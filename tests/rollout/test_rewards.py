@@ -1,0 +1,134 @@
+"""Rewards: built-in --rm-type addition/math, --custom-rm-path hooks (async and plain), dict rewards, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout.rewards import (
+    RM_TYPES,
+    batched_rewards,
+    compute_reward,
+    extract_final_answer,
+    scalar_reward,
+)
+from slime_lite.types import Sample
+
+
+def reward(args, response: str, label: str | None) -> float | dict:
+    return asyncio.run(compute_reward(args, Sample(index=0, response=response, label=label)))
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [("85", 1.0), ("85<|endoftext|>", 1.0), (" 85\n", 1.0), ("86", 0.0), ("850", 0.0), ("8 5", 0.0), ("", 0.0),
+     ("85 apples", 0.0)],
+)
+def test_addition_is_exact_match_after_stripping_eos_and_whitespace(response, expected):
+    assert reward(SimpleNamespace(rm_type="addition"), response, "85") == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("51", "51", 1.0),
+        ("7*8 = 56, minus 5 is 51", "51", 1.0),
+        ("so the answer is \\boxed{51}.", "51", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("first 12 then\n#### 1,024", "1024", 1.0),
+        ("-15<|endoftext|>", "-15", 1.0),
+        ("51.0", "51", 1.0),
+        ("the answer is 52", "51", 0.0),
+        ("\\boxed{50} but maybe 51", "51", 0.0),  # the boxed answer wins over a later number
+        ("no number here", "51", 0.0),
+    ],
+)
+def test_math_compares_the_final_answer_numerically(response, label, expected):
+    assert reward(SimpleNamespace(rm_type="math"), response, label) == expected
+
+
+def test_math_extracts_nested_boxed():
+    assert extract_final_answer("x \\boxed{\\frac{3}{4}} y") == "\\frac{3}{4}"
+
+
+def test_unknown_rm_type_names_the_flag_and_choices():
+    with pytest.raises(SlimeLiteError, match="--rm-type") as exc:
+        reward(SimpleNamespace(rm_type="f1"), "1", "1")
+    assert all(name in str(exc.value) for name in RM_TYPES)
+
+
+def test_missing_label_names_label_key():
+    with pytest.raises(SlimeLiteError, match="--label-key"):
+        reward(SimpleNamespace(rm_type="addition"), "1", None)
+
+
+def _write_rm(tmp_path, monkeypatch, body: str) -> str:
+    name = f"my_rm_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{name}.rm"
+
+
+def test_custom_async_rm_gets_args_and_sample(tmp_path, monkeypatch):
+    path = _write_rm(tmp_path, monkeypatch, (
+        "async def rm(args, sample, **kwargs):\n"
+        "    return float(len(sample.response)) + args.bonus\n"
+    ))
+    args = SimpleNamespace(custom_rm_path=path, rm_type=None, bonus=0.5)
+    assert reward(args, "abcd", "x") == 4.5
+
+
+def test_custom_plain_def_rm_works_too(tmp_path, monkeypatch):
+    path = _write_rm(tmp_path, monkeypatch, "def rm(args, sample, **kwargs):\n    return sample.response == sample.label\n")
+    args = SimpleNamespace(custom_rm_path=path)
+    assert reward(args, "yes", "yes") == 1.0
+    assert reward(args, "no", "yes") == 0.0
+
+
+def test_custom_rm_overrides_rm_type(tmp_path, monkeypatch):
+    path = _write_rm(tmp_path, monkeypatch, "def rm(args, sample, **kwargs):\n    return -1.0\n")
+    assert reward(SimpleNamespace(custom_rm_path=path, rm_type="addition"), "85", "85") == -1.0
+
+
+def test_custom_rm_returning_junk_is_a_clear_error(tmp_path, monkeypatch):
+    path = _write_rm(tmp_path, monkeypatch, "def rm(args, sample, **kwargs):\n    return 'good'\n")
+    with pytest.raises(SlimeLiteError, match="--custom-rm-path"):
+        reward(SimpleNamespace(custom_rm_path=path), "a", "a")
+
+
+def test_custom_rm_that_cannot_be_imported_names_the_flag():
+    with pytest.raises(SlimeLiteError, match="--custom-rm-path"):
+        reward(SimpleNamespace(custom_rm_path="no_such_module_xyz.rm"), "a", "a")
+
+
+def test_batched_rewards_store_dict_and_return_reward_key(tmp_path, monkeypatch):
+    path = _write_rm(tmp_path, monkeypatch, (
+        "import asyncio\n"
+        "async def rm(args, sample, **kwargs):\n"
+        "    await asyncio.sleep(0.01)\n"
+        "    ok = float(sample.response == sample.label)\n"
+        "    return {'score': ok, 'length': len(sample.response)}\n"
+    ))
+    args = SimpleNamespace(custom_rm_path=path, reward_key="score")
+    samples = [Sample(index=i, response=r, label="12") for i, r in enumerate(["12", "13", "12"])]
+    assert asyncio.run(batched_rewards(args, samples)) == [1.0, 0.0, 1.0]
+    assert samples[1].reward == {"score": 0.0, "length": 2}
+    assert scalar_reward(args, samples[0]) == 1.0
+
+
+def test_dict_reward_without_reward_key_asks_for_it(tmp_path, monkeypatch):
+    path = _write_rm(tmp_path, monkeypatch, "def rm(args, sample, **kwargs):\n    return {'score': 1.0}\n")
+    args = SimpleNamespace(custom_rm_path=path, reward_key=None)
+    with pytest.raises(SlimeLiteError, match="--reward-key"):
+        asyncio.run(batched_rewards(args, [Sample(index=0, response="a", label="a")]))
+
+
+def test_batched_builtin_rewards_in_order():
+    args = SimpleNamespace(rm_type="addition")
+    samples = [Sample(index=i, response=r, label="7") for i, r in enumerate(["7", "8", "7<|endoftext|>"])]
+    assert asyncio.run(batched_rewards(args, samples)) == [1.0, 0.0, 1.0]
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
