@@ -19,6 +19,7 @@ COMMANDS = {
     "diff-rollouts": ("slime_lite.debug.diff", "compare two dumps sample by sample"),
     "make-tiny-model": ("slime_lite.tiny_model", "build the tiny warm-started HF model"),
     "make-data": ("slime_lite.tasks", "write task prompt/label JSONL (train and eval)"),
+    "plot-metrics": ("slime_lite.plot", "plot reward and eval curves of a --metrics-path file to PNG"),
 }
 
 

@@ -84,6 +84,30 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def process_memory() -> dict[str, float]:
+    """This process's resident memory now and at its peak (MB), and CUDA memory when a GPU is in use."""
+    import resource
+    import sys
+
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_mb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def memory_record(name: str, reports: list[dict[str, float]]) -> dict[str, float]:
+    """``perf/memory/<name>/<key>``: the largest value over the processes of one group."""
+    keys = {k for r in reports for k in r}
+    return {f"perf/memory/{name}/{k}": max(r.get(k, 0.0) for r in reports) for k in sorted(keys)}
+
+
 def _json_default(value: Any) -> Any:
     return float(value) if hasattr(value, "__float__") else str(value)
 

@@ -12,7 +12,7 @@ import time
 
 from slime_lite.args import parse_args
 from slime_lite.errors import SlimeLiteError
-from slime_lite.metrics import MetricsLogger, write_args_json
+from slime_lite.metrics import MetricsLogger, memory_record, write_args_json
 
 log = logging.getLogger("slime_lite.train")
 
@@ -108,6 +108,12 @@ def run(args) -> int:
         if evaluate and ((rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout):
             record.update(ray.get(manager.evaluate.remote(rollout_id + 1)))
         record["perf/step_time"] = time.monotonic() - step_t0
+        record.update(memory_record("rollout_manager", [ray.get(manager.memory.remote())]))
+        if engines:
+            record.update(memory_record("engine", ray.get([e.memory.remote() for e in engines])))
+        for name, group in (("actor", actor), ("critic", critic)):
+            if group is not None:
+                record.update(memory_record(name, group.memory()))
         metrics.log(record, rollout_id)
         if actor is not None:
             watch.update(record)

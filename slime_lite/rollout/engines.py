@@ -50,6 +50,11 @@ class EngineActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def memory(self) -> dict[str, float]:
+        from slime_lite.metrics import process_memory
+
+        return process_memory()
+
     def imported_modules(self) -> list[str]:
         import sys
 

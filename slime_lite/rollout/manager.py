@@ -122,6 +122,11 @@ class RolloutManager:
         if self.source is not None and state.get("source"):
             self.source.load_state(state["source"])
 
+    def memory(self) -> dict[str, float]:
+        from slime_lite.metrics import process_memory
+
+        return process_memory()
+
     def imported_modules(self) -> list[str]:
         import sys
 

@@ -308,6 +308,11 @@ class TrainActor:
         payload = {k: ([t.tolist() for t in v] if isinstance(v, list) else v) for k, v in payload.items()}
         atomic_torch_save(payload, os.path.join(self.args.dump_details, "train_data", f"{rollout_id}.pt"))
 
+    def memory(self) -> dict[str, float]:
+        from slime_lite.metrics import process_memory
+
+        return process_memory()
+
     # ----------------------------------------------------------------- weights out
     def hf_weights(self, for_push: bool = False) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors of the whole model on global rank 0 (None elsewhere); TP gathered, PP collected."""

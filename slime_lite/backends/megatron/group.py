@@ -56,6 +56,9 @@ class TrainGroup:
             metrics.update(self._one(critic._all("train_critic", rollout_id, ref, values, returns)))
         return metrics
 
+    def memory(self) -> list[dict[str, float]]:
+        return self._all("memory")
+
     def save(self, rollout_id: int, data_state: Any) -> None:
         self._all("save", rollout_id, data_state)
 

@@ -1,0 +1,63 @@
+"""``slime-lite plot-metrics``: draw the reward and eval curves of a ``--metrics-path`` file into a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from slime_lite.errors import SlimeLiteError
+
+
+def read_records(path: str) -> list[dict]:
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as exc:
+        raise SlimeLiteError(f"--metrics-path {path}: cannot read ({exc.strerror}).") from None
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def plot(records: list[dict], out: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "rollout/raw_reward" in r]
+    evals = sorted({k for r in records for k in r if k.startswith("eval/") and k.count("/") == 1})
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot([r["rollout_id"] for r in train], [r["rollout/raw_reward"] for r in train], label="rollout reward",
+                color="tab:blue", alpha=0.7)
+    for key in evals:
+        rows = [r for r in records if key in r]
+        # eval after rollout i measures the weights trained on rollouts 0..i; -1 is before training
+        ax.plot([r["rollout_id"] + 1 for r in rows], [r[key] for r in rows], marker="o", label=f"{key} (held out)")
+    ax.set_xlabel("rollout")
+    ax.set_ylabel("reward / exact-match accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title or "slime_lite run")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="slime-lite plot-metrics", description=__doc__)
+    p.add_argument("--metrics-path", required=True)
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--title", default="")
+    a = p.parse_args(argv)
+    records = read_records(a.metrics_path)
+    if not records:
+        raise SlimeLiteError(f"--metrics-path {a.metrics_path} has no records.")
+    plot(records, a.out, a.title)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    from slime_lite.cli import run_main
+
+    raise SystemExit(run_main(main))
