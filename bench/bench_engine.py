@@ -163,8 +163,10 @@ def main() -> None:
         prompts = torch.randint(1, vocab, (n_req, args.prompt_len), generator=gen).tolist()
         for workload in args.workloads.split(","):
             stops = stop_set(vocab, args.mean_len) if workload == "mixed" else None
-            run_hf(hf, prompts[:b], b, 4, stops)  # warm-up
-            run_engine_inprocess(server.scheduler, prompts[:b], 4, stops)
+            run_hf(hf, prompts[:b], b, 16, stops)  # warm-up (kernels, allocator, cache growth)
+            run_engine_inprocess(server.scheduler, prompts[:b], 16, stops)
+            if not args.no_http:
+                run_engine_http(server.url, prompts[:b], 16, stops)
             hf_n, hf_s = timed(run_hf, hf, prompts, b, args.max_new_tokens, stops)
             en_n, en_s = timed(run_engine_inprocess, server.scheduler, prompts, args.max_new_tokens, stops)
             row = {"workload": workload, "batch": b, "requests": n_req, "hf_tok": hf_n, "hf_tps": hf_n / hf_s,

@@ -41,6 +41,13 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _key_value(text: str) -> str:
+    key, eq, _ = text.partition("=")
+    if not eq or not key or not key.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (an environment variable), got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slime-lite train",
@@ -64,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device of embedded engines (auto: cuda when available)")
     g.add_argument("--engine-max-running-requests", type=_positive_int, default=64)
     g.add_argument("--engine-kv-cache-tokens", type=_positive_int, default=None)
+    g.add_argument("--use-sglang-router", action="store_true",
+                   help="--rollout-backend sglang: put SGLang's router (sglang_router) in front of the engines")
+    g.add_argument("--sglang-server-module", default="sglang.launch_server",
+                   help="module run as 'python -m MODULE' for each SGLang engine (not passed to SGLang)")
     g.add_argument("--engine-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="dtype of embedded engines (auto: the checkpoint's)")
 
@@ -149,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check-weight-update-equal", action="store_true")
     g.add_argument("--ci-test", action="store_true")
     g.add_argument("--update-weight-transport", choices=("tensor", "distributed", "disk"), default="tensor")
+    g.add_argument("--debug-env", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+                   help="set an environment variable in every Ray process, e.g. CUDA_LAUNCH_BLOCKING=1 (repeatable)")
     g.add_argument("--ci-logprob-diff-threshold", type=_nonneg_float, default=1e-3,
                    help="--ci-test bound on train/train_rollout_logprob_abs_diff (fp32 CPU runs reach ~1e-6)")
     g.add_argument("--ci-grad-norm-threshold", type=_nonneg_float, default=100.0)
@@ -173,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+NOT_PASSTHROUGH = ("--sglang-server-module",)  # slime_lite's own flags that share the --sglang- prefix
+
+
 def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """Take ``--sglang-<name> [value]`` out of argv; returns (rest, passthrough as ``--<name> [value]``)."""
     rest: list[str] = []
@@ -180,7 +196,7 @@ def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg.startswith("--sglang-"):
+        if arg.startswith("--sglang-") and arg.partition("=")[0] not in NOT_PASSTHROUGH:
             name, eq, value = arg.partition("=")
             sglang.append("--" + name[len("--sglang-"):])
             if eq:

@@ -53,6 +53,7 @@ def init_ray(args: Any, num_slots: int) -> None:
     if ray.is_initialized():
         return
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}}
+    env["env_vars"].update(kv.split("=", 1) for kv in getattr(args, "debug_env", None) or [])  # --debug-env
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", runtime_env=env, log_to_driver=True)
         return

@@ -157,12 +157,9 @@ WARM_START_DEV = 200
 
 def _encode_examples(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
     """(prompt + label + eos ids, prompt length) for each row; the loss covers what follows the prompt."""
-    out = []
-    for row in rows:
-        prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
-        answer = tokenizer.encode(row["label"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        out.append((prompt + answer, len(prompt)))
-    return out
+    prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([r["label"] for r in rows], add_special_tokens=False)["input_ids"]
+    return [(p + a + [tokenizer.eos_token_id], len(p)) for p, a in zip(prompts, answers)]
 
 
 def _batch(examples: list[tuple[list[int], int]], pad_id: int):
@@ -184,7 +181,7 @@ def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 8
     import torch
 
     by_len: dict[int, list[int]] = {}
-    encoded = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     for i, ids in enumerate(encoded):
         by_len.setdefault(len(ids), []).append(i)
     answers = [""] * len(prompts)
@@ -342,7 +339,8 @@ def make_tiny_model(
 
     start = time.perf_counter()
     old_threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    # One thread: on a shared 2-core machine, 2 threads spin against other processes and run 5-10x slower.
+    torch.set_num_threads(1)
     try:
         tokenizer = build_tokenizer()
         vocab_size = math.ceil(len(tokenizer) / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE

@@ -9,6 +9,7 @@ Supported: the Llama/Qwen2 family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``) w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,15 @@ class KVCache:
         """Store ``k``/``v`` (``[B, kv, T, D]`` or ``[B, kv, D]``) at ``flat_index`` rows of ``layer``."""
         self.k[layer].view(-1, self.head_dim).index_copy_(0, index, k.reshape(-1, self.head_dim))
         self.v[layer].view(-1, self.head_dim).index_copy_(0, index, v.reshape(-1, self.head_dim))
+
+
+def _sdpa_without_plans(device: torch.device):
+    """On CUDA, keep SDPA to kernels that need no per-shape plan (cuDNN's costs ~40 ms for each new shape)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 @dataclass
@@ -221,6 +231,15 @@ class CausalLM:
         gate, up = F.linear(_rms(h, ly.ln2, self.eps), ly.gu_w, ly.gu_b).split(self.inter, dim=-1)
         return h + F.linear(self.act(gate) * up, ly.down_w, ly.down_b)
 
+    def _eager_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        """Decode attention with plain matmuls (softmax in float32). On CUDA this avoids SDPA backends that
+        build a plan for every new (batch, length) shape, which continuous batching produces at every step."""
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.float().softmax(-1).to(v.dtype), v)
+
     def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run right-padded prompts ``tokens [B, T]`` from position 0; store K/V in ``slots``; return hidden [B, T, H].
 
@@ -232,14 +251,15 @@ class CausalLM:
         h = F.embedding(tokens, self.embed.weight)
         cos, sin = self.cos[:t, None, :], self.sin[:t, None, :]
         index = cache.flat_index(slots, pos)
-        for i, ly in enumerate(self.layers):
-            q, k, v = self._qkv(ly, h, cos, sin)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            cache.write(i, index, k, v)
-            if self.n_rep > 1:
-                k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
-            h = self._finish_layer(ly, h, out.transpose(1, 2).reshape(b, t, -1))
+        with _sdpa_without_plans(h.device):
+            for i, ly in enumerate(self.layers):
+                q, k, v = self._qkv(ly, h, cos, sin)
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                cache.write(i, index, k, v)
+                if self.n_rep > 1:
+                    k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+                h = self._finish_layer(ly, h, out.transpose(1, 2).reshape(b, t, -1))
         return _rms(h, self.norm.weight, self.eps)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
@@ -266,6 +286,9 @@ class CausalLM:
                 keys, values = kc[:, :, :kv_len].index_select(0, slots), vc[:, :, :kv_len].index_select(0, slots)
             # Group the query heads of each kv head ([B, kv, n_rep, D]) instead of repeating K/V.
             qg = q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
+            if qg.is_cuda:
+                out = self._eager_attention(qg, keys, values, mask)
+            else:
+                out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
             h = self._finish_layer(ly, h, out.reshape(b, 1, -1))
         return _rms(h, self.norm.weight, self.eps)[:, 0]

@@ -5,13 +5,14 @@ vocabulary, before top-k/top-p/min-p truncation and before the ``min_new_tokens`
 (temperature < 1e-6) use temperature 1. That is the quantity the trainer recomputes (it divides its logits by
 ``--rollout-temperature``), so rollout and training log-probs agree at step 1.
 
-Randomness: sampling is Gumbel-max over the truncated distribution, with the Gumbel noise of token ``v`` at output
-step ``s`` of a request computed by a counter-based hash of ``(seed, s, v)``. A request's samples therefore depend
-only on its seed and its logits, not on which other requests share the batch, and CPU and CUDA draw the same noise.
+Randomness: inverse-CDF sampling over the truncated distribution with one uniform number per request and step,
+a hash of ``(seed, step)``. A request's samples therefore depend only on its seed and its logits, not on which other
+requests share the batch (nor on the order requests arrive in).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -33,27 +34,9 @@ def mix64(a: int, b: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_C1, _C2, _C3 = _signed(0x9E3779B97F4A7C15), _signed(0xD1B54A32D192ED03), _signed(0x8CB92BA72F3D8DD7)
-_M1, _M2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[B, vocab]`` (float32), a pure function of ``(seed, step, token id)``."""
-    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = seeds[:, None] * _C1 + steps[:, None] * _C2 + v[None, :] * _C3
-    x = (x ^ _lsr(x, 30)) * _M1
-    x = (x ^ _lsr(x, 27)) * _M2
-    x = x ^ _lsr(x, 31)
-    u = (_lsr(x, 11).double() + 0.5) * (1.0 / (1 << 53))
-    return (-torch.log(-torch.log(u))).float()
+def uniform(seed: int, step: int) -> float:
+    """A uniform number in [0, 1) that depends only on ``(seed, step)`` (53 random bits)."""
+    return (mix64(seed, step) >> 10) / float(1 << 53)
 
 
 @dataclass
@@ -74,6 +57,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @functools.cached_property
+    def stop_id_set(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -131,14 +118,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     if need_k or need_p or any(p.min_p > 0 for p in params):
         samp = _truncate(samp, logp, params, need_k, need_p)
     greedy_rows = [p.greedy for p in params]
-    if all(greedy_rows):
-        tokens = samp.argmax(-1)
-    else:
-        seed_t = torch.tensor(list(seeds), dtype=torch.int64, device=dev)
-        step_t = torch.tensor(list(steps), dtype=torch.int64, device=dev)
-        tokens = (samp + gumbel_noise(seed_t, step_t, samp.shape[-1])).argmax(-1)
-        if any(greedy_rows):
-            tokens = torch.where(torch.tensor(greedy_rows, device=dev), samp.argmax(-1), tokens)
+    tokens = samp.argmax(-1)
+    if not all(greedy_rows):
+        # Inverse CDF: the first token whose cumulative probability exceeds u * (kept mass).
+        cdf = samp.exp().double().cumsum(-1)
+        u = torch.tensor([uniform(seed, step) for seed, step in zip(seeds, steps)], dtype=torch.float64, device=dev)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+        tokens = torch.where(torch.tensor(greedy_rows, device=dev), tokens, drawn)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 

@@ -138,6 +138,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self._free_slots = list(range(self.max_running))
+        self._admit_group = max(1, self.max_running // 8)
         self._inbox: queue.Queue = queue.Queue()
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
@@ -259,8 +260,6 @@ class Scheduler:
                 except Exception as exc:  # noqa: BLE001 - keep serving; fail the requests of this step
                     logger.exception("engine step failed")
                     self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
-                if not self.running:
-                    self.cache.free()
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -299,6 +298,8 @@ class Scheduler:
             del self.running[req.slot]
             heapq.heappush(self._free_slots, req.slot)
             req.slot = -1
+            if not self.running:
+                self.cache.free()  # memory does not grow from batch to batch
         else:
             try:
                 self.waiting.remove(req)
@@ -307,7 +308,9 @@ class Scheduler:
         self._emit(req)
 
     def _step(self) -> None:
-        if self.waiting and self._free_slots:
+        # Admit in groups (each admission is one prefill forward) unless the queue fits or the batch is empty.
+        free = len(self._free_slots)
+        if self.waiting and free and (free >= self._admit_group or len(self.waiting) <= free or not self.running):
             self._admit()
         if self.running:
             self._decode()
@@ -403,7 +406,7 @@ class Scheduler:
         p = req.params
         if len(req.output_ids) >= req.max_new:
             return {"type": "length", "length": len(req.output_ids)}
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+        if tok in p.stop_id_set or (not p.ignore_eos and tok in self.eos_ids):
             return {"type": "stop", "matched": tok}
         if p.stop:
             window = max(len(s) for s in p.stop) + 8

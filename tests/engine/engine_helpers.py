@@ -57,3 +57,18 @@ def hf_logprobs(model, prompt_ids: list[int], output_ids: list[int], temperature
         logits = model(ids).logits[0].float()
     logp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1] / temperature, dim=-1)
     return logp.gather(1, torch.tensor(output_ids)[:, None])[:, 0].tolist()
+
+
+def assert_greedy_run_matches_hf(model, prompt_ids: list[int], out: dict, tol: float = 1e-5) -> None:
+    """A greedy result (with return_logprob) is what a full HF forward gives: equal log-probs, and every token is
+    the argmax (up to ``tol``, since near-ties may break either way under a different batch composition)."""
+    import torch
+
+    ids = out["output_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ids])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+    chosen = logp.gather(1, torch.tensor(ids)[:, None])[:, 0]
+    engine = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
+    assert (engine - chosen).abs().max() < tol
+    assert (logp.max(-1).values - chosen).max() < tol

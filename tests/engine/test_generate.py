@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from engine_helpers import generate, hf_logprobs, http, in_thread, start_engine
+from engine_helpers import assert_greedy_run_matches_hf, generate, hf_logprobs, http, in_thread, start_engine
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -25,13 +25,15 @@ def test_single_text_prompt_returns_sglang_fields(engine):
     assert "output_token_logprobs" not in meta
 
 
-def test_batch_returns_list_in_order_and_batching_does_not_change_greedy_outputs(engine):
+def test_batch_returns_list_in_order_and_each_result_is_its_own_greedy_run(engine, hf_model):
     prompts = [[5, 6, 7], [8] * 20, [30, 31], [40, 41, 42, 43, 44, 45, 46]]
-    alone = [generate(engine.url, input_ids=p, sampling_params={"max_new_tokens": 12, **GREEDY}) for p in prompts]
-    batch = generate(engine.url, input_ids=prompts, sampling_params={"max_new_tokens": 12, **GREEDY})
+    batch = generate(engine.url, input_ids=prompts, return_logprob=True,
+                     sampling_params={"max_new_tokens": 12, **GREEDY})
     assert isinstance(batch, list) and len(batch) == 4
-    assert [b["output_ids"] for b in batch] == [a["output_ids"] for a in alone]
     assert [b["meta_info"]["prompt_tokens"] for b in batch] == [3, 20, 2, 7]
+    for p, out in zip(prompts, batch):
+        assert len(out["output_ids"]) == 12
+        assert_greedy_run_matches_hf(hf_model, p, out)
 
 
 @pytest.mark.parametrize("sampling", [
@@ -183,10 +185,9 @@ def test_flush_cache_refused_while_running(engine):
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_pause_holds_requests_and_continue_finishes_them_unchanged(engine, mode):
+def test_pause_holds_requests_and_continue_finishes_them_correctly(engine, hf_model, mode):
     sp = {"max_new_tokens": 60, **GREEDY}
-    expected = generate(engine.url, input_ids=[11, 12], sampling_params=sp)["output_ids"]
-    t, box = in_thread(generate, engine.url, input_ids=[11, 12], sampling_params=sp)
+    t, box = in_thread(generate, engine.url, input_ids=[11, 12], return_logprob=True, sampling_params=sp)
     _wait_running(engine.url)
     assert http(engine.url, "/pause_generation", {"mode": mode})[0] == 200
     before = http(engine.url, "/get_server_info")[1]["num_generated_tokens"]
@@ -195,7 +196,8 @@ def test_pause_holds_requests_and_continue_finishes_them_unchanged(engine, mode)
     assert t.is_alive()
     assert http(engine.url, "/continue_generation", {})[0] == 200
     t.join(30)
-    assert box["result"]["output_ids"] == expected
+    assert box["result"]["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    assert_greedy_run_matches_hf(hf_model, [11, 12], box["result"])
 
 
 def test_pause_abort_mode_aborts_running_requests(engine):
@@ -207,22 +209,25 @@ def test_pause_abort_mode_aborts_running_requests(engine):
     assert box["result"]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
-def test_continuous_batching_refills_slots_and_late_requests_join(tiny_model_dir):
+def test_continuous_batching_refills_slots_and_late_requests_join(tiny_model_dir, hf_model):
     server = start_engine(tiny_model_dir, max_running_requests=2)
     try:
         url = server.url
         long = {"max_new_tokens": 300, **GREEDY}
-        t_long, long_box = in_thread(generate, url, input_ids=[1, 2, 3], sampling_params=long)
+        t_long, long_box = in_thread(generate, url, input_ids=[1, 2, 3], return_logprob=True, sampling_params=long)
         _wait_running(url)
         shorts = [[5, 6], [7, 8, 9], [10], [11, 12, 13, 14]]
-        expected = [generate(url, input_ids=p, sampling_params={"max_new_tokens": 4, **GREEDY})["output_ids"]
-                    for p in shorts]  # each joins the running long request and leaves before it ends
+        for p in shorts:  # each joins the running long request and leaves before it ends
+            out = generate(url, input_ids=p, return_logprob=True, sampling_params={"max_new_tokens": 4, **GREEDY})
+            assert_greedy_run_matches_hf(hf_model, p, out)
         assert t_long.is_alive()
-        batch = generate(url, input_ids=shorts, sampling_params={"max_new_tokens": 4, **GREEDY})
-        assert [b["output_ids"] for b in batch] == expected  # 4 requests through the 1 free slot, in turn
+        batch = generate(url, input_ids=shorts, return_logprob=True, sampling_params={"max_new_tokens": 4, **GREEDY})
+        for p, out in zip(shorts, batch):  # 4 requests through the 1 free slot, in turn
+            assert len(out["output_ids"]) == 4
+            assert_greedy_run_matches_hf(hf_model, p, out)
         t_long.join(60)
-        alone = generate(url, input_ids=[1, 2, 3], sampling_params=long)
-        assert long_box["result"]["output_ids"] == alone["output_ids"]
+        assert len(long_box["result"]["output_ids"]) == 300
+        assert_greedy_run_matches_hf(hf_model, [1, 2, 3], long_box["result"])
     finally:
         server.stop()
 

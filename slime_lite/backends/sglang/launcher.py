@@ -1,0 +1,338 @@
+"""Real SGLang engines: one ``python -m sglang.launch_server`` process per engine, and optionally SGLang's router.
+
+``SGLangServer(args, rank).start()`` runs inside the engine's Ray actor: it picks a free port, gives the process the
+GPUs of the engine's placement-group bundles (CUDA_VISIBLE_DEVICES), logs to a file, waits for ``/health`` and
+returns the URL; a server that exits or never becomes healthy is an EngineError with its exit code and log tail.
+``stop()`` kills the server's whole process group. ``check_sglang_args(args)`` runs at flag-validation time (before
+Ray starts) and imports SGLang only when it is installed. Nothing heavy is imported at module level.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from slime_lite.errors import EngineError, SlimeLiteError
+
+log = logging.getLogger(__name__)
+
+SGLANG_MODULE = "sglang.launch_server"
+ROUTER_MODULE = "sglang_router.launch_router"
+INSTALL_HINT = 'pip install "sglang[all]"'
+# flags the launcher sets itself, with the slime-lite flag that controls each
+OWNED_FLAGS = {
+    "--model-path": "--hf-checkpoint", "--model": "--hf-checkpoint", "--host": "(chosen by slime-lite)",
+    "--port": "(a free port, chosen by slime-lite)", "--tp-size": "--rollout-num-gpus-per-engine",
+    "--tp": "--rollout-num-gpus-per-engine",
+}
+START_TIMEOUT_S = float(os.environ.get("SLIME_LITE_ENGINE_START_TIMEOUT", "1200"))
+STOP_GRACE_S = 15.0
+LOG_TAIL_LINES = 40
+
+
+def _user_flag(flag: str) -> str:
+    """``--name`` as the user typed it: ``--sglang-name``."""
+    return "--sglang-" + flag[2:] if flag.startswith("--") else flag
+
+
+def _flag_names(sglang_args: list[str]) -> list[str]:
+    return [a.partition("=")[0] for a in sglang_args if a.startswith("--")]
+
+
+def _module_found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# ---- validation (called from validate_args, before Ray) ------------------------------------------------------
+def check_sglang_args(args: Any) -> None:
+    """SGLang backend flags: SGLang installed (else the install hint), passthrough flags accepted by SGLang's own
+    parser, no flag the launcher owns, the router installed when asked for. A no-op for the embedded backend."""
+    backend = getattr(args, "rollout_backend", "embedded")
+    router = bool(getattr(args, "use_sglang_router", False))
+    if backend != "sglang":
+        if router:
+            raise SlimeLiteError("--use-sglang-router puts SGLang's router in front of SGLang engines: it needs "
+                                 "--rollout-backend sglang.")
+        return
+    if getattr(args, "rollout_external_engine_addrs", None):
+        if router:
+            raise SlimeLiteError(
+                "--use-sglang-router starts a router over the engines this job starts, and with "
+                "--rollout-external-engine-addrs none are started: run the router yourself and pass its address.")
+        return
+    sglang_args = list(getattr(args, "sglang_args", None) or [])
+    for flag in _flag_names(sglang_args):
+        if flag in OWNED_FLAGS:
+            raise SlimeLiteError(f"{_user_flag(flag)}: slime-lite sets {flag} of each SGLang server itself from "
+                                 f"{OWNED_FLAGS[flag]}; drop {_user_flag(flag)}.")
+    module = getattr(args, "sglang_server_module", SGLANG_MODULE) or SGLANG_MODULE
+    if module.split(".")[0] == "sglang":
+        if not _module_found("sglang"):
+            raise SlimeLiteError(
+                f"--rollout-backend sglang needs SGLang, which is not installed in this Python ({sys.executable}). "
+                f"Install it on every GPU node ({INSTALL_HINT}, or use the docker image in docker/), or use "
+                "--rollout-backend embedded.")
+        validate_with_sglang_parser(args.hf_checkpoint, sglang_args)
+    if router and not _module_found("sglang_router"):
+        raise SlimeLiteError("--use-sglang-router needs SGLang's router, which is not installed: "
+                             "pip install sglang-router (or drop --use-sglang-router: slime-lite balances the "
+                             "engines itself).")
+
+
+def _raising_parser():
+    """An argparse parser whose errors raise SlimeLiteError instead of printing usage and exiting."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):
+            raise SlimeLiteError(f"SGLang rejects the --sglang-* flags: {message} (each --sglang-<name> is passed to "
+                                 "SGLang as --<name>; see python -m sglang.launch_server --help).")
+
+    return Parser(prog="sglang.launch_server", add_help=False, allow_abbrev=False)
+
+
+def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> None:
+    """Parse the passthrough flags with SGLang's own ``ServerArgs.add_cli_args``; unknown flags are errors."""
+    from sglang.srt.server_args import ServerArgs  # only reached when SGLang is installed
+
+    parser = _raising_parser()
+    ServerArgs.add_cli_args(parser)
+    _, unknown = parser.parse_known_args(["--model-path", str(model_path), *sglang_args])
+    if unknown:
+        names = [_user_flag(u) for u in unknown if u.startswith("-")] or unknown
+        raise SlimeLiteError(f"SGLang does not know {' '.join(names)}: every --sglang-<name> must be a flag of "
+                             "python -m sglang.launch_server (as --<name>). Check the spelling against your "
+                             "SGLang version's --help.")
+
+
+# ---- command line ------------------------------------------------------------------------------------------
+def build_command(args: Any, rank: int, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The engine's command line: model, address, TP size, per-engine seed, memory saver under colocate, then
+    every passthrough flag in the order given (so a passthrough --random-seed overrides ours)."""
+    module = getattr(args, "sglang_server_module", None) or SGLANG_MODULE
+    cmd = [
+        sys.executable, "-m", module,
+        "--model-path", str(args.hf_checkpoint),
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(args.rollout_num_gpus_per_engine),
+        "--random-seed", str(args.rollout_seed + rank),
+    ]
+    if getattr(args, "colocate", False):
+        cmd.append("--enable-memory-saver")
+    cmd += [str(a) for a in (getattr(args, "sglang_args", None) or [])]
+    return cmd
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def engine_host() -> str:
+    """127.0.0.1 on one node; this node's IP when the Ray cluster has several (the rollout may run elsewhere).
+    SLIME_LITE_ENGINE_HOST overrides both."""
+    if os.environ.get("SLIME_LITE_ENGINE_HOST"):
+        return os.environ["SLIME_LITE_ENGINE_HOST"]
+    try:
+        import ray
+
+        if ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray, or the GCS is gone: local is the only sane answer
+        pass
+    return "127.0.0.1"
+
+
+def engine_gpu_ids(args: Any, rank: int) -> list[int] | None:
+    """The GPU ids Ray assigned to this engine's bundles (all on one node), or None outside Ray / without GPUs.
+
+    The engine actor holds only the first of its ``--rollout-num-gpus-per-engine`` bundles; the others are asked
+    with a tiny probe task each (a bundle's GPU id is fixed by Ray)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    own = [int(g) for g in ray.get_gpu_ids()]
+    per = int(args.rollout_num_gpus_per_engine)
+    if not own or per == 1:
+        return own or None
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from slime_lite.placement import plan_layout
+
+    pg = get_current_placement_group()
+    if pg is None:
+        return own
+    bundles = plan_layout(args).rollout[rank * per:(rank + 1) * per]
+
+    @ray.remote(num_cpus=0, num_gpus=0.01)
+    def probe() -> tuple[str, list[int]]:
+        return ray.get_runtime_context().get_node_id(), [int(g) for g in ray.get_gpu_ids()]
+
+    found = ray.get([
+        probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=b)).remote()
+        for b in bundles
+    ], timeout=120)
+    if len({node for node, _ in found}) > 1:
+        raise EngineError(f"engine {rank}: its {per} GPUs (bundles {bundles}) are on different nodes; a tensor-"
+                          "parallel SGLang engine needs them on one node. Use a --rollout-num-gpus-per-engine that "
+                          "divides the GPUs per node.")
+    return [g for _, ids in found for g in ids]
+
+
+# ---- processes -------------------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the launching process dies (Linux), so no server outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def log_dir() -> str:
+    """Where engine logs go: SLIME_LITE_ENGINE_LOG_DIR (set by ima-bisect), else a temp folder."""
+    path = os.environ.get("SLIME_LITE_ENGINE_LOG_DIR") or os.path.join(tempfile.gettempdir(), "slime_lite_engines")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+class _ManagedProcess:
+    """A server process in its own process group: start, wait healthy, stop the whole group."""
+
+    what = "server"
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self.log_path: str | None = None
+        self.command: list[str] = []
+        self._log_file = None
+
+    def _launch(self, cmd: list[str], env: dict[str, str], log_name: str, timeout: float) -> str:
+        from slime_lite.engine_client import request_json
+
+        self.command = cmd
+        self.log_path = os.path.join(log_dir(), log_name)
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        self._log_file.flush()
+        log.info("starting %s: %s (log %s)", self.what, " ".join(cmd), self.log_path)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self.stop()
+                raise EngineError(f"{self.what} exited with code {code} before it was healthy at {self.url}.\n"
+                                  f"command: {' '.join(cmd)}\nlog {self.log_path}, last lines:\n"
+                                  f"{log_tail(self.log_path)}")
+            try:
+                request_json(self.url, "/health", timeout=5)
+                log.info("%s healthy at %s (pid %d)", self.what, self.url, self.proc.pid)
+                return self.url
+            except EngineError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineError(f"{self.what} at {self.url} was not healthy after {timeout:.0f}s and was killed "
+                                  f"(SLIME_LITE_ENGINE_START_TIMEOUT raises the limit).\ncommand: {' '.join(cmd)}\n"
+                                  f"log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL it after a grace period; safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+                try:  # the group, so children that outlive the leader go too
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=wait)
+                except subprocess.TimeoutExpired:
+                    pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+class SGLangServer(_ManagedProcess):
+    """One SGLang engine process. ``start()`` returns its URL; ``stop()`` leaves no process behind."""
+
+    def __init__(self, args: Any, rank: int, *, gpu_ids: list[int] | None = None,
+                 start_timeout: float | None = None) -> None:
+        super().__init__()
+        self.args, self.rank = args, rank
+        self.gpu_ids = gpu_ids
+        self.start_timeout = START_TIMEOUT_S if start_timeout is None else start_timeout
+        self.what = f"SGLang engine {rank}"
+
+    def start(self) -> str:
+        host = engine_host()
+        port = free_port(host)
+        self.url = f"http://{host}:{port}"
+        env = dict(os.environ)
+        gpus = self.gpu_ids if self.gpu_ids is not None else engine_gpu_ids(self.args, self.rank)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        cmd = build_command(self.args, self.rank, port, host)
+        return self._launch(cmd, env, f"sglang_engine{self.rank}_{port}.log", self.start_timeout)
+
+
+def build_router_command(worker_urls: list[str], port: int, host: str = "127.0.0.1",
+                         module: str = ROUTER_MODULE) -> list[str]:
+    return [sys.executable, "-m", module, "--worker-urls", *worker_urls, "--host", host, "--port", str(port)]
+
+
+class SGLangRouter(_ManagedProcess):
+    """SGLang's router in front of the engines; the rollout sends /generate to ``start()``'s URL.
+    Weight updates still go to each engine's own URL."""
+
+    what = "SGLang router"
+
+    def __init__(self, worker_urls: list[str], *, module: str = ROUTER_MODULE, start_timeout: float = 120.0) -> None:
+        super().__init__()
+        self.worker_urls = list(worker_urls)
+        self.module = module
+        self.start_timeout = start_timeout
+
+    def start(self) -> str:
+        if self.module == ROUTER_MODULE and not _module_found("sglang_router"):
+            raise SlimeLiteError("--use-sglang-router needs SGLang's router: pip install sglang-router.")
+        host = engine_host()
+        port = free_port(host)
+        self.url = f"http://{host}:{port}"
+        cmd = build_router_command(self.worker_urls, port, host, self.module)
+        return self._launch(cmd, dict(os.environ), f"sglang_router_{port}.log", self.start_timeout)

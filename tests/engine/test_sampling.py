@@ -1,0 +1,44 @@
+"""The engine's sampler: draws follow the tempered, truncated distribution; log-probs ignore the truncation."""
+
+from __future__ import annotations
+
+import torch
+
+from slime_lite.engine.sampling import SamplingParams, sample
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+N = 4000
+
+
+def draw(**params) -> tuple[torch.Tensor, torch.Tensor]:
+    p = SamplingParams(**params)
+    return sample(LOGITS.repeat(N, 1), [p] * N, list(range(N)), [0] * N)
+
+
+def test_draw_frequencies_match_the_tempered_distribution():
+    tokens, logprobs = draw(temperature=0.7)
+    expected = torch.softmax(LOGITS / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=5).float() / N
+    assert (freq - expected).abs().max() < 0.03
+    assert torch.allclose(logprobs, torch.log_softmax(LOGITS / 0.7, -1)[tokens])
+
+
+def test_top_k_top_p_min_p_restrict_support_but_not_logprobs():
+    tokens, logprobs = draw(top_k=2)
+    assert set(tokens.tolist()) == {0, 1}
+    assert torch.allclose(logprobs, torch.log_softmax(LOGITS, -1)[tokens])
+    probs = torch.softmax(LOGITS, -1)  # 0.57, 0.21, 0.13, ...: top_p 0.7 keeps the first two
+    assert set(draw(top_p=0.7)[0].tolist()) == {0, 1}
+    assert set(draw(min_p=0.3)[0].tolist()) == {0, 1} and probs[1] / probs[0] > 0.3 > probs[2] / probs[0]
+
+
+def test_same_seed_and_step_give_the_same_token_in_any_batch():
+    p = SamplingParams()
+    alone = sample(LOGITS[None], [p], [42], [7])[0]
+    mixed = sample(torch.stack([LOGITS.flip(0), LOGITS]), [p, p], [1, 42], [3, 7])[0]
+    assert alone.item() == mixed[1].item()
+
+
+def test_greedy_rows_take_the_argmax_and_bans_apply():
+    tokens, _ = sample(LOGITS.repeat(2, 1), [SamplingParams(temperature=0.0)] * 2, [0, 1], [0, 0], [[], [0]])
+    assert tokens.tolist() == [0, 1]
