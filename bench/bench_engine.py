@@ -3,8 +3,9 @@
 Same model, prompts, batch size and sampling (temperature 1, no top-k/top-p) in one run. Two workloads:
 - ``equal``: every request generates exactly ``--max-new-tokens`` (eos ignored);
 - ``mixed``: requests stop early on a stop-token set sized so the mean length is about ``--mean-len`` (a random
-  model's next-token distribution is near uniform), capped at ``--max-new-tokens``. HF generate runs each batch
-  until its longest request ends; the engine refills finished slots at once.
+  model's next-token distribution is near uniform), capped at ``--max-new-tokens``; the set is both engines' eos
+  ids (as a real model's eos token is). HF generate runs each batch until its longest request ends; the engine
+  refills finished slots at once.
 Each batch size B runs ``--requests-per-slot`` x B requests: HF generate in chunks of B, the engine with B slots.
 Tokens/s counts generated tokens (up to and including the stop token). Prints one table. Examples:
     .venv/bin/python bench/bench_engine.py                                   # tiny model on CPU
@@ -80,10 +81,7 @@ def run_hf(model, prompts: list[list[int]], batch: int, max_new: int, stops: lis
 
 
 def sampling_params(max_new: int, stops: list[int] | None, seed: int) -> dict:
-    sp = {"max_new_tokens": max_new, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": stops is None}
-    if stops:
-        sp["stop_token_ids"] = stops
-    return sp
+    return {"max_new_tokens": max_new, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": stops is None}
 
 
 def run_engine_inprocess(scheduler, prompts: list[list[int]], max_new: int, stops: list[int] | None) -> int:
@@ -163,6 +161,7 @@ def main() -> None:
         prompts = torch.randint(1, vocab, (n_req, args.prompt_len), generator=gen).tolist()
         for workload in args.workloads.split(","):
             stops = stop_set(vocab, args.mean_len) if workload == "mixed" else None
+            server.scheduler.eos_ids = set(stops or [])  # the stop set plays the model's eos token
             run_hf(hf, prompts[:b], b, 16, stops)  # warm-up (kernels, allocator, cache growth)
             run_engine_inprocess(server.scheduler, prompts[:b], 16, stops)
             if not args.no_http:

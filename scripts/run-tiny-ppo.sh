@@ -9,17 +9,17 @@ OUT=${OUT:-runs/tiny/ppo}
 rm -f "$OUT/metrics.jsonl"
 
 MODEL_ARGS=(--hf-checkpoint runs/tiny/model)
-CKPT_ARGS=(--save "$OUT/ckpt" --save-interval 10)
+CKPT_ARGS=(--save "$OUT/ckpt" --save-interval 50)
 ROLLOUT_ARGS=(
   --prompt-data runs/tiny/data/addition.jsonl --input-key prompt --label-key label --rollout-shuffle
-  --rm-type addition --num-rollout 30 --rollout-batch-size 16 --n-samples-per-prompt 8
+  --rm-type addition --num-rollout 100 --rollout-batch-size 32 --n-samples-per-prompt 8
   --rollout-max-response-len 6 --rollout-temperature 1.0
 )
-EVAL_ARGS=(--eval-interval 5 --eval-prompt-data addition runs/tiny/data/addition_eval.jsonl --eval-temperature 0)
+EVAL_ARGS=(--eval-interval 20 --eval-prompt-data addition runs/tiny/data/addition_eval.jsonl --eval-temperature 0)
 PPO_ARGS=(--advantage-estimator ppo --kl-coef 0.001 --kl-loss-type k1 --gamma 1.0 --lambd 0.95 --value-clip 0.2 --critic-lr 1e-4
            --eps-clip 0.2 --eps-clip-high 0.28)
 OPTIMIZER_ARGS=(--lr 1e-4 --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0)
-PERF_ARGS=(--actor-num-gpus-per-node 1 --rollout-num-gpus 1 --micro-batch-size 32 --num-steps-per-rollout 2)
+PERF_ARGS=(--actor-num-gpus-per-node 1 --rollout-num-gpus 1 --micro-batch-size 64 --num-steps-per-rollout 2)
 LOG_ARGS=(--metrics-path "$OUT/metrics.jsonl" --ci-test)
 
 run_train "${MODEL_ARGS[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${PPO_ARGS[@]}" \

@@ -270,6 +270,9 @@ def validate_args(args: argparse.Namespace) -> None:
                 "--save-debug-rollout-data has nothing to save under --debug-train-only/--load-debug-rollout-data "
                 "(no rollouts are generated)."
             )
+    if args.colocate and not args.debug_rollout_only and not (args.offload_train and args.offload_rollout):
+        log.info("--colocate: turning on --offload-train and --offload-rollout (trainer and engines share GPUs)")
+        args.offload_train = args.offload_rollout = True
     if args.debug_rollout_only:
         changed = [f for f in ("colocate", "offload_train", "offload_rollout") if getattr(args, f)]
         for f in changed:

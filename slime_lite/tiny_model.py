@@ -142,16 +142,17 @@ def _qwen2_config(vocab_size: int, *, hidden_size: int, num_layers: int, num_hea
     )
 
 
-# Warm start settings. The fit runs a cosine schedule over at most WARM_START_STEPS steps, measures greedy exact
-# match on a dev slice every WARM_START_EVAL_EVERY steps, keeps the weights whose dev accuracy is closest to the
-# target, and stops once dev accuracy is past the target by WARM_START_OVERSHOOT. Accuracy rises steeply in this
-# regime, so choosing the checkpoint (rather than a step count) is what lands reliably in the 10-50% band.
-WARM_START_STEPS = 800
+# Warm start settings. The fit runs at a constant learning rate (after a short warmup) for at most WARM_START_STEPS
+# steps, measures greedy exact match on a dev slice every WARM_START_EVAL_EVERY steps, keeps the weights whose dev
+# accuracy is closest to the target, and stops once dev accuracy is past the target by WARM_START_OVERSHOOT.
+# Accuracy rises steeply (about 10% to 50% within ~100 steps, at a seed-dependent time), so choosing the
+# checkpoint, rather than a step count, is what lands reliably in the 10-50% band.
+WARM_START_STEPS = 1500
 WARM_START_TARGET = 0.3
 WARM_START_EVAL_EVERY = 20
 WARM_START_OVERSHOOT = 0.15
 WARM_START_BATCH = 64
-WARM_START_LR = 3e-3
+WARM_START_LR = 1e-3
 WARM_START_DEV = 200
 
 
@@ -229,10 +230,7 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
     examples = _encode_examples(tokenizer, train_rows)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     start = time.perf_counter()

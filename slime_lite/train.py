@@ -54,7 +54,7 @@ def run(args) -> int:
     import ray
 
     from slime_lite.placement import create_placement_group, init_ray, plan_layout
-    from slime_lite.rollout.engines import start_engines
+    from slime_lite.rollout.engines import engine_memory, start_engines
     from slime_lite.debug.ci_checks import CiCheckFailed, enforce, iteration2_check
     from slime_lite.rollout.manager import RolloutManager
 
@@ -84,6 +84,10 @@ def run(args) -> int:
             t0 = time.monotonic()
             actor.update_weights(urls, version=start_rollout_id)
             log.info("initial weights pushed to %d engine(s) in %.2fs", len(urls), time.monotonic() - t0)
+        if args.offload_train:
+            for group in (actor, critic):
+                if group is not None:
+                    group.offload()
 
     evaluate = bool(urls and args.eval_interval)
     if evaluate and start_rollout_id == 0:  # eval ids count the rollouts trained so far: 0 = before training
@@ -94,6 +98,13 @@ def run(args) -> int:
         step_t0 = time.monotonic()
         samples, record = ray.get(manager.generate.remote(rollout_id))
         if actor is not None:
+            groups = [g for g in (actor, critic) if g is not None]
+            if args.offload_rollout and urls:  # colocated: engines hand their memory to the trainer
+                engine_memory(urls, "release")
+                record.update(memory_record("engine_released", ray.get([e.memory.remote() for e in engines])))
+            if args.offload_train:
+                for g in groups:
+                    g.onload()
             t0 = time.monotonic()
             record.update(actor.train(rollout_id, samples, critic))
             record["perf/train_time"] = time.monotonic() - t0
@@ -103,8 +114,16 @@ def run(args) -> int:
                     critic.save(rollout_id, None)
             if urls:
                 t0 = time.monotonic()
+                if args.offload_rollout:
+                    engine_memory(urls, "resume", ["weights"])
                 actor.update_weights(urls, version=rollout_id + 1)
                 record["perf/update_weights_time"] = time.monotonic() - t0
+            if args.offload_train:
+                for g in groups:
+                    g.offload()
+                record.update(memory_record("actor_offloaded", actor.memory()))
+            if args.offload_rollout and urls:
+                engine_memory(urls, "resume", ["kv_cache"])
         if evaluate and ((rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout):
             record.update(ray.get(manager.evaluate.remote(rollout_id + 1)))
         record["perf/step_time"] = time.monotonic() - step_t0

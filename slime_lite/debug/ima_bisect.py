@@ -34,10 +34,15 @@ TOGGLE_HELP = {
 CUDA_ERROR_RE = re.compile(
     r"CUDA error|illegal memory access|illegal instruction|misaligned address|device-side assert|"
     r"unspecified launch failure|Warp Illegal|CUDA_ERROR_ILLEGAL|cudaErrorIllegal|CUDA Exception", re.IGNORECASE)
+# with CUDA_ENABLE_COREDUMP_ON_EXCEPTION the driver dumps and aborts before PyTorch can print the error
+COREDUMP_RE = re.compile(r"coredump: Starting GPU coredump generation")
 KERNEL_RES = (
     re.compile(r"\bkernel(?: name)?\s*[:=]\s*['\"`]?([A-Za-z_][\w:<>,]*)"),
     re.compile(r"\bin kernel\s+['\"`]?([A-Za-z_][\w:<>,]*)"),
 )
+# cuda-gdb on a core dump: "CUDA Exception: Warp Illegal Address" / "...triggered at PC 0x7f.. kernel_name (file:7)"
+GDB_EXCEPTION_RE = re.compile(r"CUDA Exception:\s*(.+)")
+GDB_KERNEL_RE = re.compile(r"triggered at PC 0x[0-9a-fA-F]+\s+(\S+)(?:\s+\(([^)]*)\))?")
 JOB_MARKER = "SLIME_LITE_IMA_JOB"  # in every job's environment, to find and end whatever the job started
 INTERRUPT_GRACE_S = 10.0
 
@@ -256,6 +261,8 @@ def classify(returncode: int | None, timed_out: bool, texts: list[str]) -> tuple
                 break
         if kernel:
             break
+    if cuda is None and any(COREDUMP_RE.search(line) for line in lines):
+        cuda = "GPU exception: the CUDA driver wrote a core dump and aborted the process"
     if timed_out:
         return "hung", "killed at the timeout" + (f"; before that: {cuda}" if cuda else ""), kernel
     if cuda:
@@ -266,6 +273,38 @@ def classify(returncode: int | None, timed_out: bool, texts: list[str]) -> tuple
         last = errs[-1] if errs else next((line for line in reversed(driver) if line.strip()), "")
         return "crashed", f"no CUDA error line; {last.strip()[:300]}", kernel
     return "ok", "", kernel
+
+
+def inspect_core_dump(path: str, timeout: float = 180.0) -> tuple[str | None, str | None]:
+    """(exception, kernel) that cuda-gdb reports for a GPU core dump; (None, None) without cuda-gdb or on failure."""
+    import shutil
+
+    gdb = shutil.which("cuda-gdb")
+    if gdb is None:
+        return None, None
+    try:
+        proc = subprocess.run([gdb, "-batch", "-ex", f"target cudacore {path}"], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    text = proc.stdout + "\n" + proc.stderr
+    exc, kern = GDB_EXCEPTION_RE.search(text), GDB_KERNEL_RE.search(text)
+    kernel = None
+    if kern:
+        kernel = kern.group(1) + (f" ({kern.group(2)})" if kern.group(2) else "")
+    return (exc.group(1).strip() if exc else None), kernel
+
+
+def analyse_job(returncode: int | None, timed_out: bool, texts: list[str],
+                core_dumps: list[str]) -> tuple[str, str, str | None]:
+    """classify(), completed from the first core dump through cuda-gdb when the logs do not name the kernel."""
+    status, detail, kernel = classify(returncode, timed_out, texts)
+    if core_dumps and status != "ok" and kernel is None:
+        exc, gdb_kernel = inspect_core_dump(core_dumps[0])
+        kernel = gdb_kernel
+        if exc and (not detail or detail.startswith(("GPU exception", "no CUDA error line"))):
+            detail = f"CUDA Exception: {exc} (cuda-gdb on the core dump)"
+    return status, detail, kernel
 
 
 def minimal_off_sets(results: list[ComboResult]) -> list[list[str]]:
@@ -322,9 +361,10 @@ def run_bisect(opts: argparse.Namespace, train_argv: list[str]) -> list[ComboRes
         rc, timed_out, secs = run_job(cmd, {**os.environ, **env_vars, "PYTHONUNBUFFERED": "1"}, opts.timeout,
                                       driver_log)
         logs = sorted((os.path.join(engine_logs, f) for f in os.listdir(engine_logs)), key=os.path.getmtime)
-        status, detail, kernel = classify(rc, timed_out, [_read(p) for p in logs] + [_read(driver_log)])
+        dumps = sorted(_core_files(opts.core_dump) - before, key=os.path.getmtime)
+        status, detail, kernel = analyse_job(rc, timed_out, [_read(p) for p in logs] + [_read(driver_log)], dumps)
         res = ComboResult(sorted(off, key=TOGGLES.index), status, rc, round(secs, 1), detail, kernel, job_dir,
-                          sorted(_core_files(opts.core_dump) - before))
+                          dumps)
         print(f"[{n + 1}/{len(combos)}] {label(off)}: {status} ({secs:.0f}s) {detail[:160]}", flush=True)
         results.append(res)
     with open(os.path.join(out, "results.json"), "w") as f:

@@ -84,3 +84,15 @@ def start_engines(args: Any, pg: Any, bundles: list[int]) -> tuple[list[Any], li
     ]
     urls = ray.get([a.start.remote() for a in actors])
     return actors, urls
+
+
+def engine_memory(urls: list[str], action: str, tags: list[str] | None = None) -> None:
+    """``release`` or ``resume`` the engines' memory (tags ``weights``, ``kv_cache``; None = all), as SGLang does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from slime_lite.engine_client import request_json
+
+    route = "/release_memory_occupation" if action == "release" else "/resume_memory_occupation"
+    body = {"tags": tags} if tags else {}
+    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+        list(pool.map(lambda u: request_json(u, route, body, timeout=300), urls))

@@ -112,6 +112,23 @@ def test_classify_crash_hang_failure_ok():
     assert classify(0, False, [CRASH_LOG, "done"])[0] == "crashed"  # an engine died even if the run got through
 
 
+def test_core_dump_abort_counts_as_a_gpu_crash():
+    """With core dumps on, the driver aborts the process before PyTorch prints an error (seen on an H200)."""
+    log = "[22:09:05.856201] coredump: Starting GPU coredump generation\n[22:09:05] coredump: All done (took 00s)\n"
+    status, detail, _ = classify(-6, False, [log])
+    assert status == "crashed" and detail.startswith("GPU exception")
+
+
+def test_kernel_from_cuda_gdb_output():
+    from slime_lite.debug.ima_bisect import GDB_EXCEPTION_RE, GDB_KERNEL_RE
+
+    text = ("\nCUDA Exception: Warp Illegal Address\n"
+            "The exception was triggered at PC 0x7fdf737a0fc0  bad_store_kernel  (crash_kernel.py:7)\n")
+    assert GDB_EXCEPTION_RE.search(text).group(1) == "Warp Illegal Address"
+    m = GDB_KERNEL_RE.search(text)
+    assert (m.group(1), m.group(2)) == ("bad_store_kernel", "crash_kernel.py:7")
+
+
 def r(off, status):
     return ComboResult(off=off, status=status, returncode=0, seconds=1.0)
 

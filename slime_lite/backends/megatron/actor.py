@@ -66,7 +66,7 @@ class TrainActor:
         if self.role == "actor" and (a.use_kl_loss or a.kl_coef > 0 or a.ref_load):
             if a.ref_load:
                 load_hf_weights(model, a.ref_load, self.hf_config)
-            self.ref_state = {n: p.detach().clone() for n, p in model.named_parameters()}
+            self.ref_state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
             if a.ref_load:
                 load_hf_weights(model, a.hf_checkpoint, self.hf_config)
         config = model.config
@@ -307,6 +307,20 @@ class TrainActor:
         payload = {"rollout_id": rollout_id, "rollout_log_probs": rollout_lp, "kl": kl, **details}
         payload = {k: ([t.tolist() for t in v] if isinstance(v, list) else v) for k, v in payload.items()}
         atomic_torch_save(payload, os.path.join(self.args.dump_details, "train_data", f"{rollout_id}.pt"))
+
+    def offload(self) -> None:
+        """Free this worker's GPU memory while engines run (--offload-train): grads, params, optimizer state."""
+        if not torch.cuda.is_available():
+            return  # nothing to free on CPU: a correct no-op
+        self.model.offload_grad_buffers()
+        self.optimizer.offload_to_cpu()
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if not torch.cuda.is_available():
+            return
+        self.optimizer.restore_from_cpu()
+        self.model.restore_grad_buffers()
 
     def memory(self) -> dict[str, float]:
         from slime_lite.metrics import process_memory

@@ -59,6 +59,12 @@ class TrainGroup:
     def memory(self) -> list[dict[str, float]]:
         return self._all("memory")
 
+    def offload(self) -> None:
+        self._all("offload")
+
+    def onload(self) -> None:
+        self._all("onload")
+
     def save(self, rollout_id: int, data_state: Any) -> None:
         self._all("save", rollout_id, data_state)
 

@@ -1,0 +1,247 @@
+"""Find the first layer where two forwards of the same tokens part: the engine's HF model vs Megatron (or another HF).
+
+``localize(hf_dir_a, hf_dir_b_or_megatron, tokens)`` runs side A with transformers and side B with transformers
+(a path) or with Megatron-core (``"megatron"`` or ``"megatron:PATH"``; TP=1, PP=1, this process as a one-rank job,
+weights read from PATH, default ``hf_dir_a``). Forward hooks record the embedding output, every decoder layer's
+output, the final norm and the logits; each is compared as ``max|a - b| / max|a|`` and the first one past
+``tol`` is named. ``localize_sample`` does this for a dumped sample and also checks the rollout log-probs against
+side A's logits, fitting the sampling temperature that explains them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from slime_lite.errors import SlimeLiteError
+
+log = logging.getLogger(__name__)
+DEFAULT_TOL = 1e-4  # fp32 HF vs Megatron differ by ~1e-6 relative; one bf16 rounding is ~4e-3
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class LayerDiff:
+    name: str  # "embedding", "layer 0", ..., "final_norm", "logits"
+    max_abs_diff: float
+    rel_diff: float  # max_abs_diff / max|side A|
+
+
+@dataclass
+class Localization:
+    side_a: str
+    side_b: str
+    tol: float
+    layers: list[LayerDiff]
+    first_divergent: str | None  # None: the two forwards agree within tol everywhere
+    notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        if self.first_divergent is None:
+            worst = max(self.layers, key=lambda d: d.rel_diff)
+            head = (f"{self.side_a} and {self.side_b} agree at every layer (worst {worst.name}: rel diff "
+                    f"{worst.rel_diff:.2e} <= {self.tol:g})")
+        else:
+            d = next(x for x in self.layers if x.name == self.first_divergent)
+            head = (f"{self.side_a} and {self.side_b} first part at {self.first_divergent} (rel diff "
+                    f"{d.rel_diff:.2e} > {self.tol:g}, max abs {d.max_abs_diff:.3g})")
+        return "; ".join([head] + self.notes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"summary": self.summary()}
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    if name not in _DTYPES:
+        raise SlimeLiteError(f"localize: dtype {name!r} unknown; use one of {', '.join(_DTYPES)}.")
+    return getattr(torch, name)
+
+
+def _first(output: Any) -> Any:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def hf_states(hf_dir: str, tokens: Sequence[int], dtype: str = "float32") -> dict[str, Any]:
+    """Hidden states of the transformers model at ``hf_dir``: ordered {name: float32 [T, H or V]}."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=_torch_dtype(dtype))
+    model = model.to(dtype=_torch_dtype(dtype)).eval()
+    inner = model.model
+    states: dict[str, Any] = {}
+    named = [("embedding", inner.embed_tokens)] + [(f"layer {i}", m) for i, m in enumerate(inner.layers)]
+    named.append(("final_norm", inner.norm))
+    hooks = [m.register_forward_hook(_recorder(states, name, batch_first=True)) for name, m in named]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(tokens)])).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    states["logits"] = logits[0].float()
+    return states
+
+
+def _recorder(states: dict[str, Any], name: str, batch_first: bool):
+    def hook(module: Any, inputs: Any, output: Any) -> None:
+        t = _first(output).detach()
+        states[name] = (t[0] if batch_first else t[:, 0]).float().clone()
+
+    return hook
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def megatron_states(hf_dir: str, tokens: Sequence[int], dtype: str = "float32") -> dict[str, Any]:
+    """The same hidden states from a Megatron GPTModel (TP=1, PP=1) loaded with ``hf_dir``'s weights.
+
+    Makes this process a one-rank job for the call unless Megatron is already initialised with TP=PP=1 here.
+    """
+    import torch
+    from megatron.core import parallel_state
+    from transformers import AutoConfig
+
+    from slime_lite.backends.megatron import parallel
+    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits, load_hf_weights
+
+    owned = not parallel_state.model_parallel_is_initialized()
+    rng = torch.get_rng_state()
+    if owned:
+        parallel.init_distributed(1, 1, 0, 1, "127.0.0.1", _free_port())
+    elif (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (1, 1):
+        raise SlimeLiteError("localize: Megatron is already initialised with TP or PP > 1 in this process; "
+                             "call it from a process without a model-parallel job.")
+    try:
+        cfg = AutoConfig.from_pretrained(str(hf_dir))
+        model = build_gpt_model(cfg, params_dtype=_torch_dtype(dtype))
+        load_hf_weights(model, str(hf_dir), cfg)
+        model.eval()
+        states: dict[str, Any] = {}
+        named = [("embedding", model.embedding)] + [(f"layer {i}", m) for i, m in enumerate(model.decoder.layers)]
+        named.append(("final_norm", model.decoder.final_layernorm))
+        hooks = [m.register_forward_hook(_recorder(states, name, batch_first=False)) for name, m in named]
+        try:
+            with torch.no_grad():
+                logits = forward_logits(model, torch.tensor([list(tokens)]))
+        finally:
+            for h in hooks:
+                h.remove()
+        states["logits"] = logits[0].float().cpu()
+        return states
+    finally:
+        if owned:
+            parallel.destroy()
+        torch.set_rng_state(rng)
+
+
+def compare_states(a: dict[str, Any], b: dict[str, Any], tol: float = DEFAULT_TOL) -> tuple[list[LayerDiff], str | None]:
+    """Per-layer differences in side A's order, and the first layer past ``tol`` (None when all agree)."""
+    if list(a) != list(b):
+        raise SlimeLiteError(f"localize: the two models have different layers: {list(a)} vs {list(b)} "
+                             "(different architectures or layer counts).")
+    diffs, first = [], None
+    for name in a:
+        x, y = a[name], b[name]
+        if x.shape != y.shape:
+            raise SlimeLiteError(f"localize: {name} has shape {tuple(x.shape)} on one side, {tuple(y.shape)} on the other.")
+        abs_diff = float((x - y).abs().max()) if x.numel() else 0.0
+        rel = abs_diff / max(float(x.abs().max()), 1e-12)
+        diffs.append(LayerDiff(name, abs_diff, rel))
+        if first is None and not rel <= tol:  # NaN counts as parted
+            first = name
+    return diffs, first
+
+
+def _side(spec: str, default_dir: str, dtype: str) -> tuple[str, str, str]:
+    """(kind 'hf'|'megatron', weights dir, label) of a side spec."""
+    if spec == "megatron" or spec.startswith("megatron:"):
+        path = spec.partition(":")[2] or default_dir
+        return "megatron", path, f"Megatron ({dtype}, {path})"
+    return "hf", spec, f"HF ({dtype}, {spec})"
+
+
+def localize(hf_dir_a: str, hf_dir_b_or_megatron: str, tokens: Sequence[int], *, dtype_a: str = "float32",
+             dtype_b: str = "float32", tol: float = DEFAULT_TOL) -> Localization:
+    """Run both sides on ``tokens`` layer by layer and name the first layer where they part beyond ``tol``."""
+    if not tokens:
+        raise SlimeLiteError("localize: no tokens to run.")
+    kind_b, dir_b, label_b = _side(str(hf_dir_b_or_megatron), str(hf_dir_a), dtype_b)
+    states_a = hf_states(str(hf_dir_a), tokens, dtype_a)
+    states_b = megatron_states(dir_b, tokens, dtype_b) if kind_b == "megatron" else hf_states(dir_b, tokens, dtype_b)
+    layers, first = compare_states(states_a, states_b, tol)
+    loc = Localization(f"HF ({dtype_a}, {hf_dir_a})", label_b, tol, layers, first)
+    if first is not None and dtype_a != dtype_b:
+        loc.notes.append(f"the two sides run in different precisions ({dtype_a} vs {dtype_b}): a dtype cast")
+    loc.extra["logits_a"] = states_a["logits"]
+    loc.extra["logits_b"] = states_b["logits"]
+    return loc
+
+
+def response_log_probs(logits: Any, tokens: Sequence[int], prompt_len: int, temperature: float = 1.0) -> Any:
+    """Log-probs of tokens[prompt_len:] under ``logits`` [T, V] (row t predicts token t+1) at ``temperature``."""
+    import torch
+
+    t = max(float(temperature), 1e-6)
+    lp = torch.log_softmax(logits[prompt_len - 1: len(tokens) - 1].double() / t, dim=-1)
+    return lp.gather(-1, torch.tensor(list(tokens[prompt_len:]))[:, None])[:, 0]
+
+
+def fit_temperature(logits: Any, tokens: Sequence[int], prompt_len: int, rollout_lp: Sequence[float],
+                    grid: Sequence[float] | None = None) -> tuple[float, float]:
+    """The sampling temperature whose log-probs best match ``rollout_lp``: (temperature, mean abs diff there)."""
+    import torch
+
+    grid = list(grid) if grid is not None else [round(0.05 * k, 2) for k in range(2, 81)]
+    ref = torch.tensor(list(rollout_lp), dtype=torch.float64)
+    best = min(grid, key=lambda t: float((response_log_probs(logits, tokens, prompt_len, t) - ref).abs().mean()))
+    return best, float((response_log_probs(logits, tokens, prompt_len, best) - ref).abs().mean())
+
+
+def first_mismatch(samples: list, train_log_probs: list, threshold: float) -> int | None:
+    """Index of the sample whose train/rollout log-prob difference is largest, if any exceeds ``threshold``."""
+    worst, worst_i = threshold, None
+    for i, (s, lp) in enumerate(zip(samples, train_log_probs)):
+        if s.rollout_log_probs is None or lp is None:
+            continue
+        d = max((abs(float(x) - float(r)) for x, r in zip(lp, s.rollout_log_probs)), default=0.0)
+        if d > worst:
+            worst, worst_i = d, i
+    return worst_i
+
+
+def localize_sample(sample: Any, weights_dir: str, *, engine_dtype: str = "float32", trainer_dtype: str = "float32",
+                    temperature: float = 1.0, tol: float = DEFAULT_TOL) -> Localization:
+    """Localise a dumped sample's train/rollout mismatch: HF (engine dtype) vs Megatron (trainer dtype) on the
+    sample's tokens, then the rollout log-probs against the engine-side logits at the trainer's temperature."""
+    import torch
+
+    loc = localize(weights_dir, "megatron", sample.tokens, dtype_a=engine_dtype, dtype_b=trainer_dtype, tol=tol)
+    logits_a, logits_b = loc.extra.pop("logits_a"), loc.extra.pop("logits_b")
+    prompt_len = len(sample.tokens) - sample.response_length
+    if sample.rollout_log_probs is None or sample.response_length == 0:
+        return loc
+    rollout = torch.tensor(sample.rollout_log_probs, dtype=torch.float64)
+    engine_lp = response_log_probs(logits_a, sample.tokens, prompt_len, temperature)
+    trainer_lp = response_log_probs(logits_b, sample.tokens, prompt_len, temperature)
+    loc.extra["rollout_vs_hf_logprob_diff"] = float((engine_lp - rollout).abs().max())
+    loc.extra["rollout_vs_megatron_logprob_diff"] = float((trainer_lp - rollout).abs().max())
+    best_t, fit = fit_temperature(logits_a, sample.tokens, prompt_len, sample.rollout_log_probs)
+    loc.extra["fitted_temperature"] = best_t
+    if loc.first_divergent is None and loc.extra["rollout_vs_hf_logprob_diff"] > 10 * max(tol, 1e-4):
+        if abs(best_t - temperature) > 0.05 and fit < 1e-3:
+            loc.notes.append(f"the rollout log-probs match these logits at temperature {best_t:g}, not at the "
+                             f"trainer's {temperature:g}: a temperature mismatch between engine and trainer")
+        else:
+            loc.notes.append("the forwards agree on the checkpoint's weights but the rollout log-probs do not match "
+                             "them: the engine held other weights (see the weight check) or sampled differently")
+    return loc
