@@ -1,0 +1,525 @@
+"""``slime-lite doctor [train flags] [--out DIR]``: the seed's step-1 / step-2 checklist on a short run, as a table.
+
+The doctor runs ``slime-lite train`` as a subprocess for 2 iterations (one optimizer step per rollout, a small
+batch unless given, ``--check-weight-update-equal --debug-scramble-engine-weights``, metrics and
+``--dump-details`` into DIR), without ``--ci-test`` so that every check is measured. A failed weight check stops
+that run; the doctor records it and runs once more without the weight check to measure the rest. It then prints
+check / value / threshold / pass / likely cause, writes DIR/doctor.json, and exits 1 when a check fails. When the
+train/rollout log-probs disagree it localises the first mismatching sample layer by layer (``localize.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime_lite.debug.ci_checks import CAUSES, Check, iteration2_check, rollout_checks
+from slime_lite.errors import SlimeLiteError
+
+log = logging.getLogger("slime_lite.doctor")
+
+FORCED = {"--num-rollout": "2", "--num-steps-per-rollout": "1"}
+SMALL_BATCH = {"--rollout-batch-size": "4", "--n-samples-per-prompt": "4"}
+WEIGHT_FLAGS = ["--check-weight-update-equal", "--debug-scramble-engine-weights"]
+# set by the doctor itself, or not wanted in a short diagnostic run (checkpoints, resume, eval, loggers)
+DROPPED = ("--ci-test", "--metrics-path", "--dump-details", "--save-debug-rollout-data", "--global-batch-size",
+           "--save", "--save-interval", "--load", "--eval-interval", "--use-wandb", "--use-tensorboard",
+           *FORCED, *WEIGHT_FLAGS)
+INCOMPATIBLE = ("--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data")
+TASK_CHARS = {"addition": set("0123456789"), "math": set("0123456789-")}
+
+
+@dataclass
+class TrainRun:
+    out: str
+    returncode: int
+    seconds: float
+    error: str = ""  # the run's last "error: ..." line, if any
+    log_path: str = ""
+    weight_checks_passed: int = 0  # pushes verified equal ("weight check: ... equal" log lines)
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def weight_check_failed(self) -> bool:
+        return "--check-weight-update-equal" in self.error
+
+
+# ----------------------------------------------------------------------------------------------- the run itself
+def _nargs_of() -> dict[str, Any]:
+    from slime_lite.args import build_parser
+
+    return {opt: a.nargs for a in build_parser()._actions for opt in a.option_strings}
+
+
+def strip_flags(argv: list[str], names: tuple[str, ...] | list[str]) -> list[str]:
+    """``argv`` without the flags ``names`` and their values (``--f v``, ``--f=v``, ``--f v1 v2 ...``)."""
+    nargs = _nargs_of()
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, _ = arg.partition("=")
+        if name not in names:
+            out.append(arg)
+            i += 1
+            continue
+        i += 1
+        if eq or nargs.get(name) == 0:
+            continue
+        if nargs.get(name) in ("+", "*"):
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+        else:
+            i += 1
+    return out
+
+
+def given(argv: list[str], name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in argv)
+
+
+def train_argv(user_argv: list[str], out: str, weight_check: bool = True) -> list[str]:
+    """The ``slime-lite train`` flags of the doctor's run: the user's, with the doctor's settings forced."""
+    for name in INCOMPATIBLE:
+        if given(user_argv, name):
+            raise SlimeLiteError(f"slime-lite doctor runs the whole loop (engines and trainer); drop {name}.")
+    dropped = sorted({a.partition("=")[0] for a in user_argv if a.partition("=")[0] in DROPPED})
+    if dropped:
+        log.info("doctor: replacing %s with its own settings", ", ".join(dropped))
+    argv = strip_flags(user_argv, DROPPED)
+    for name, value in SMALL_BATCH.items():
+        if not given(argv, name):
+            argv += [name, value]
+    for name, value in FORCED.items():
+        argv += [name, value]
+    argv += ["--metrics-path", os.path.join(out, "metrics.jsonl"), "--dump-details", out]
+    return argv + (WEIGHT_FLAGS if weight_check else [])
+
+
+def _clean(out: str) -> None:
+    for name in ("metrics.jsonl", "args.json", "train.log", "doctor.json"):
+        if os.path.exists(os.path.join(out, name)):
+            os.unlink(os.path.join(out, name))
+    for name in ("rollout_data", "train_data", "rerun"):
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    os.makedirs(out, exist_ok=True)
+
+
+def run_train(argv: list[str], out: str, timeout: float) -> TrainRun:
+    """Run ``slime-lite train argv`` (its output to OUT/train.log); read back its metrics."""
+    _clean(out)
+    log_path = os.path.join(out, "train.log")
+    cmd = [sys.executable, "-m", "slime_lite.cli", "train", *argv]
+    log.info("doctor: running slime-lite train (log: %s)", log_path)
+    t0 = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: its Ray workers go with it
+            proc.wait()
+            rc = -9
+    text = open(log_path, encoding="utf-8", errors="replace").read()
+    errors = [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
+    error = errors[-1] if errors else ""
+    if rc == -9:
+        error = f"the run did not finish within {timeout:g}s (see {log_path})"
+    elif rc and not error:
+        tail = [line for line in text.splitlines() if line.strip()][-3:]
+        error = f"exit code {rc}: " + " | ".join(tail)
+    run = TrainRun(out, rc, time.monotonic() - t0, error, log_path, len(re.findall(r"weight check: \d+ parameters equal", text)))
+    path = os.path.join(out, "metrics.jsonl")
+    if os.path.exists(path):
+        for line in open(path, encoding="utf-8"):
+            rec = json.loads(line)
+            if int(rec.get("rollout_id", -1)) >= 0:
+                run.records[int(rec["rollout_id"])] = rec
+    log.info("doctor: run finished with exit code %d in %.0fs%s", rc, run.seconds, f": {error}" if error else "")
+    return run
+
+
+# ----------------------------------------------------------------------------------------------- checks from dumps
+def _load_rollout(out: str, rollout_id: int) -> tuple[list, list | None]:
+    """(samples, trainer per-token log-probs per sample or None) of one rollout from the run's dumps."""
+    import torch
+
+    from slime_lite.rollout.dumps import load_rollout_dump
+
+    path = os.path.join(out, "rollout_data", f"{rollout_id}.pt")
+    if not os.path.exists(path):
+        return [], None
+    samples = load_rollout_dump(path).samples
+    train_path = os.path.join(out, "train_data", f"{rollout_id}.pt")
+    lps = torch.load(train_path, weights_only=True).get("log_probs") if os.path.exists(train_path) else None
+    return samples, lps
+
+
+def _response_ids(sample: Any, eos_id: int | None) -> list[int]:
+    ids = list(sample.tokens[len(sample.tokens) - sample.response_length:])
+    return ids[:-1] if ids and eos_id is not None and ids[-1] == eos_id else ids
+
+
+def repetition_rate(ids: list[int]) -> float:
+    """Share of a response's token bigrams that repeat an earlier bigram of the same response."""
+    grams = list(zip(ids, ids[1:]))
+    return 0.0 if len(grams) < 2 else 1.0 - len(set(grams)) / len(grams)
+
+
+def on_task_checks(args: Any, samples: list, log_probs: list | None, nll_threshold: float) -> list[Check]:
+    """The gibberish score of step 1: trainer NLL per response token, repetition, share of valid characters."""
+    from slime_lite.tiny_model import load_tokenizer
+
+    if not samples:
+        return [Check(n, None, t, False, "no rollout dump: the run stopped before its first rollout was saved")
+                for n, t in (("on_task_nll", f"< {nll_threshold:g}"), ("on_task_repetition", "< 0.5"),
+                             ("on_task_valid_chars", ">= 0.9"))]
+    tok = load_tokenizer(args.hf_checkpoint)
+    eos = tok.eos_token_id
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    if log_probs is not None:
+        flat = [-float(x) for lp in log_probs for x in lp]
+    else:
+        flat = [-float(x) for s in samples for x in (s.rollout_log_probs or [])]
+    nll = sum(flat) / len(flat) if flat else None
+    ids = [_response_ids(s, eos) for s in samples]
+    rep = sum(repetition_rate(r) for r in ids) / len(ids)
+    allowed = TASK_CHARS.get(args.rm_type or "")
+    good = total = 0
+    for r in ids:
+        for t in r:
+            total += 1
+            text = tok.decode([t])
+            if allowed is not None:
+                good += t not in special and bool(text) and all(c in allowed for c in text)
+            else:
+                good += t not in special and bool(text.strip()) and text.isprintable()
+    valid = good / total if total else 0.0
+    what = f"characters valid for --rm-type {args.rm_type}" if allowed is not None else "printable, non-special tokens"
+    return [
+        _c("on_task_nll", nll, f"< {nll_threshold:g} (trainer NLL per response token)",
+           nll is not None and nll < nll_threshold),
+        _c("on_task_repetition", rep, "< 0.5 (repeated bigrams)", rep < 0.5),
+        _c("on_task_valid_chars", valid, f">= 0.9 ({what})", valid >= 0.9),
+    ]
+
+
+def _c(name: str, value: float | None, threshold: str, passed: bool, cause: str | None = None) -> Check:
+    return Check(name, value, threshold, passed, "" if passed else (cause or CAUSES.get(name, "")))
+
+
+# ----------------------------------------------------------------------------------------------- checks from metrics
+def _dtype_name(args: Any, side: str) -> str:
+    if side == "trainer":
+        return "bfloat16" if getattr(args, "bf16", False) else "float32"
+    if args.engine_dtype != "auto":
+        return args.engine_dtype
+    if getattr(args, "rollout_device", "auto") == "cpu" or not _cuda():
+        return "float32"
+    cfg = json.load(open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8"))
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def precision_check(args: Any) -> Check:
+    engine, trainer = _dtype_name(args, "engine"), _dtype_name(args, "trainer")
+    return _c("precision_match", None, f"engine {engine} == trainer {trainer}", engine == trainer,
+              f"engine runs in {engine}, trainer in {trainer}: a dtype cast between them makes rollout and train "
+              "log-probs differ (use --engine-dtype matching the trainer, or --bf16 on both sides)")
+
+
+def _checkpoint_param_count(hf_dir: str) -> int | None:
+    try:
+        from safetensors import safe_open
+
+        files = [f for f in os.listdir(hf_dir) if f.endswith(".safetensors")]
+        return sum(len(list(safe_open(os.path.join(hf_dir, f), framework="pt").keys())) for f in files) or None
+    except (OSError, ImportError, ValueError):
+        return None
+
+
+def weight_check(run: TrainRun, args: Any) -> Check:
+    name, threshold = "weights_equal_after_push", "0 differing parameters"
+    if run.weight_check_failed:
+        m = re.search(r"(\d+) differ (\[[^\]]*\])", run.error)
+        missing = re.search(r"(\d+) never pushed (\[[^\]]*\])", run.error)
+        if not m:
+            return _c(name, None, threshold, False, run.error)
+        names = re.findall(r"'([^']+)'", m.group(2)) + (re.findall(r"'([^']+)'", missing.group(2)) if missing else [])
+        n = int(m.group(1)) + (int(missing.group(1)) if missing else 0)
+        shown = ", ".join(names[:4]) + (", ..." if n > 4 else "")
+        layers = sorted({int(x) for x in re.findall(r"layers\.(\d+)\.", " ".join(names))})
+        total = _checkpoint_param_count(args.hf_checkpoint)
+        if args.pipeline_model_parallel_size > 1 and layers and (total is None or n < total):
+            why = (f"decoder layers {layers} differ with --pipeline-model-parallel-size "
+                   f"{args.pipeline_model_parallel_size}: a layer-id mapping error in the conversion (a PP stage's "
+                   "layer offset lost) is the likely cause")
+        elif total is not None and n >= total:
+            why = (f"all {n} parameters differ{' at the first push' if not run.records else ''}: the engine never "
+                   "received the pushed weights (push skipped or sent to another engine)")
+        else:
+            why = "a parameter the push skipped, a name mapping error, or a dtype cast on the way"
+        return _c(name, float(n), threshold, False, f"{why} [{n} differ: {shown}]")
+    if run.returncode == 0 or run.weight_checks_passed:
+        return _c(name, 0.0, "0 differing parameters (checked after every push)", True)
+    return _c(name, None, threshold, False, f"the weight check never ran: {run.error or 'no push was verified'}")
+
+
+def version_check(run: TrainRun) -> Check:
+    """Rollout r must be generated with the weights pushed after r trained rollouts (version r)."""
+    seen = {r: rec.get("rollout/weight_version") for r, rec in sorted(run.records.items())}
+    bad = {r: v for r, v in seen.items() if v is None or int(v) != r}
+    value = float(seen[max(seen)]) if seen and seen[max(seen)] is not None else None
+    if not seen:
+        return _c("weight_version_served", None, "rollout r served by version r", False,
+                  f"no rollout finished: {run.error}")
+    shown = ", ".join(f"rollout {r}: {'none' if v is None else int(v)}" for r, v in seen.items())
+    return _c("weight_version_served", value, "rollout r served by version r", not bad,
+              f"engine versions {shown}: the engine never received the pushed weights (it still serves the "
+              "checkpoint it loaded, or an older push); check the weight push")
+
+
+def iteration2(run: TrainRun, args: Any) -> Check:
+    base = iteration2_check(len(run.records))
+    if not base.passed:
+        base.cause = f"{base.cause}. The run stopped: {run.error}" if run.error else base.cause
+        return base
+    rec = run.records[max(run.records)]
+    diff = rec.get("train/train_rollout_logprob_abs_diff")
+    bound = args.ci_logprob_diff_threshold
+    passed = diff is not None and diff < bound
+    cause = ""
+    if not passed:
+        first = run.records[min(run.records)].get("train/train_rollout_logprob_abs_diff")
+        if first is not None and first < bound:
+            cause = (f"iteration 1 agreed ({first:.2e}) but iteration 2 does not: the engine did not reload the "
+                     "trained weights (push skipped, or a parameter lost on the way); see weight_version_served")
+        else:
+            cause = "rollout and train log-probs disagree from the first iteration on (see train_rollout_logprob_diff)"
+    return _c("iteration2_reload", diff, f"2nd iteration ran, log-prob diff < {bound:g}", passed, cause)
+
+
+def memory_checks(run: TrainRun, args: Any, headroom: float = 0.1) -> list[Check]:
+    """Peak memory per process group and the headroom left on the host (and GPU when one was used)."""
+    groups: dict[str, dict[str, float]] = {}
+    for rec in run.records.values():
+        for key, value in rec.items():
+            m = re.match(r"perf/memory/([^/]+)/(peak_rss_mb|cuda_peak_mb)$", key)
+            if m and isinstance(value, (int, float)):
+                g = groups.setdefault(m.group(1), {})
+                g[m.group(2)] = max(g.get(m.group(2), 0.0), float(value))
+    if not groups:
+        return [_c("peak_memory", None, "measured", False, f"no memory was reported: {run.error or 'no iteration ran'}")]
+    counts = {"actor": args.actor_num_nodes * args.actor_num_gpus_per_node,
+              "critic": args.critic_num_nodes * args.critic_num_gpus_per_node,
+              "engine": max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine), "rollout_manager": 1}
+    checks = []
+    for name, g in sorted(groups.items()):
+        checks.append(_c(f"peak_memory/{name}", g.get("peak_rss_mb"), f"RSS MB per process (x{counts.get(name, 1)})", True))
+        if g.get("cuda_peak_mb"):
+            checks.append(_c(f"peak_cuda/{name}", g["cuda_peak_mb"], "CUDA MB per process", True))
+    total_mb = _total_ram_mb()
+    if total_mb:
+        used = sum(g.get("peak_rss_mb", 0.0) * counts.get(n, 1) for n, g in groups.items())
+        free = 1.0 - used / total_mb
+        checks.append(_c("memory_headroom", free, f">= {headroom:.0%} of {total_mb / 1024:.0f} GiB RAM free at peak",
+                         free >= headroom))
+    gpu_mb = _gpu_total_mb()
+    cuda = [g["cuda_peak_mb"] for g in groups.values() if g.get("cuda_peak_mb")]
+    if gpu_mb and cuda:
+        used = sum(cuda) if args.colocate else max(cuda)
+        free = 1.0 - used / gpu_mb
+        checks.append(_c("gpu_memory_headroom", free, f">= {headroom:.0%} of {gpu_mb / 1024:.0f} GiB per GPU free at peak",
+                         free >= headroom))
+    return checks
+
+
+def _total_ram_mb() -> float | None:
+    try:
+        for line in open("/proc/meminfo", encoding="utf-8"):
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def _gpu_total_mb() -> float | None:
+    if not _cuda():
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**20
+
+
+# ----------------------------------------------------------------------------------------------- the doctor
+def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str, Any] | None:
+    """Layer-by-layer localisation of the worst train/rollout mismatch of ``rollout_id`` (weights of the
+    checkpoint the run pushed first: ``--hf-checkpoint``)."""
+    from slime_lite.debug.localize import first_mismatch, localize_sample
+
+    samples, lps = _load_rollout(run.out, rollout_id)
+    if not samples or lps is None:
+        return None
+    i = first_mismatch(samples, lps, args.ci_logprob_diff_threshold)
+    if i is None:
+        return {"rollout_id": rollout_id, "summary": f"no sample of rollout {rollout_id} differs beyond the "
+                f"threshold: the mismatch starts at a later push of trained weights (the push, not the forward)"}
+    temp = args.rollout_temperature if args.rollout_temperature > 1e-6 else 1.0
+    loc = localize_sample(samples[i], args.hf_checkpoint, engine_dtype=_dtype_name(args, "engine"),
+                          trainer_dtype=_dtype_name(args, "trainer"), temperature=temp)
+    return {"rollout_id": rollout_id, "sample_index": samples[i].index, **loc.as_dict()}
+
+
+def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool = True,
+             localize: bool = True, nll_threshold: float = 1.5) -> dict[str, Any]:
+    """Run the short job(s) and every check; returns the doctor's report (also written to OUT/doctor.json)."""
+    from slime_lite.args import parse_args
+
+    argv = train_argv(user_argv, out)
+    args = parse_args(argv)  # a flag error stops here, before anything starts
+    run = run_train(argv, out, timeout)
+    measured = run
+    if run.weight_check_failed and rerun:
+        log.info("doctor: the weight check failed; running again without it to measure the other checks")
+        measured = run_train(train_argv(user_argv, os.path.join(out, "rerun"), weight_check=False),
+                             os.path.join(out, "rerun"), timeout)
+    samples, lps = _load_rollout(measured.out, 0)
+    checks = on_task_checks(args, samples, lps, nll_threshold)
+    first = measured.records.get(0, {})
+    checks += [c for c in rollout_checks(args, first, first=True) if c.name != "step1_log_probs_small"]
+    if not first:
+        checks.append(_c("train_rollout_logprob_diff", None, f"< {args.ci_logprob_diff_threshold:g}", False,
+                         f"no iteration finished: {measured.error}"))
+    checks.append(precision_check(args))
+    checks.append(weight_check(run, args))
+    checks.append(version_check(measured))
+    checks.append(iteration2(measured, args))
+    checks += memory_checks(measured, args)
+    report: dict[str, Any] = {"out": out, "runs": [_run_info(run)] + ([_run_info(measured)] if measured is not run else [])}
+    lp_check = next((c for c in checks if c.name == "train_rollout_logprob_diff"), None)
+    if localize and lp_check is not None and not lp_check.passed and first:
+        try:
+            report["localization"] = localize_mismatch(measured, args)
+        except Exception as exc:  # a diagnosis aid: never hide the table behind it
+            log.warning("doctor: localisation failed: %s", exc)
+            report["localization"] = {"summary": f"localisation failed: {exc}"}
+        _refine(lp_check, checks, args, report.get("localization"))
+    elif lp_check is not None and not lp_check.passed:
+        _refine(lp_check, checks, args, None)
+    report["checks"] = [c.as_dict() for c in checks]
+    report["passed"] = all(c.passed for c in checks)
+    with open(os.path.join(out, "doctor.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2, default=str)
+    return report
+
+
+def _run_info(run: TrainRun) -> dict[str, Any]:
+    return {"out": run.out, "returncode": run.returncode, "seconds": round(run.seconds, 1), "error": run.error,
+            "log": run.log_path}
+
+
+def _refine(lp: Check, checks: list[Check], args: Any, loc: dict[str, Any] | None) -> None:
+    """Put the evidence first in the train/rollout log-prob check's cause."""
+    by = {c.name: c for c in checks}
+    evidence = []
+    if loc and loc.get("first_divergent") or loc and "temperature" in loc.get("summary", ""):
+        evidence.append(f"localised: {loc['summary']}")
+    if not by["precision_match"].passed:
+        evidence.append(by["precision_match"].cause)
+    if not by["weights_equal_after_push"].passed:
+        evidence.append("the engine holds other weights than the trainer (see weights_equal_after_push)")
+    if evidence:
+        lp.cause = "; ".join(evidence)
+    elif loc:
+        lp.cause = f"localised: {loc['summary']}. {lp.cause}"
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if value == 0 or 1e-3 <= abs(value) < 1e5 else f"{value:.2e}"
+    return str(value)
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from slime_lite.debug import make_console
+
+    console = make_console()
+    table = Table(title="slime-lite doctor", show_lines=False)
+    for col in ("check", "value", "threshold", "pass", "likely cause"):
+        table.add_column(col, overflow="fold")
+    for c in report["checks"]:
+        mark = "[green]PASS[/green]" if c["passed"] else "[red]FAIL[/red]"
+        table.add_row(c["name"], _fmt(c["value"]), c["threshold"], mark, c["cause"])
+    console.print(table)
+    loc = report.get("localization")
+    if loc:
+        console.print(f"localisation (rollout {loc.get('rollout_id', '?')}, sample {loc.get('sample_index', '?')}): "
+                      f"{loc['summary']}")
+        if loc.get("layers"):
+            lt = Table(title="HF (engine) vs Megatron (trainer), layer by layer")
+            for col in ("layer", "max abs diff", "rel diff"):
+                lt.add_column(col)
+            for d in loc["layers"]:
+                style = "red" if d["name"] == loc.get("first_divergent") else ""
+                lt.add_row(d["name"], f"{d['max_abs_diff']:.2e}", f"{d['rel_diff']:.2e}", style=style)
+            console.print(lt)
+    failed = [c["name"] for c in report["checks"] if not c["passed"]]
+    console.print(f"{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}; "
+                  f"report: {os.path.join(report['out'], 'doctor.json')}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slime-lite doctor", allow_abbrev=False,
+        description="Run a 2-iteration job with the flags of `slime-lite train` and check it against the "
+                    "precision-alignment checklist (SPEC 9). Any flag not listed here goes to `slime-lite train`.",
+    )
+    p.add_argument("--out", default="slime-lite-doctor", help="folder for the metrics, dumps, log and doctor.json")
+    p.add_argument("--run-timeout", type=float, default=600.0, help="seconds per train run")
+    p.add_argument("--nll-threshold", type=float, default=1.5,
+                   help="most mean trainer NLL per response token for rollouts to count as on-task language")
+    p.add_argument("--no-rerun", action="store_true", help="after a failed weight check, do not run again without it")
+    p.add_argument("--no-localize", action="store_true", help="skip the layer-by-layer localisation")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        build_parser().print_help()
+        return 0
+    ours, rest = build_parser().parse_known_args(argv)
+    report = diagnose(rest, os.path.abspath(ours.out), ours.run_timeout, rerun=not ours.no_rerun,
+                      localize=not ours.no_localize, nll_threshold=ours.nll_threshold)
+    print_report(report)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    from slime_lite.cli import run_main, setup_logging
+
+    setup_logging()
+    raise SystemExit(run_main(main))
