@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU machine (H200), in one call: a full GRPO loop on a Qwen2.5-0.5B-shaped model (24 layers, hidden 896,
 # 14/2 heads; the tiny char vocabulary), colocated on one GPU (engine releases memory during training, trainer
-# offloads during rollout), weight checks after every push, then the NCCL broadcast transport.
+# offloads during rollout), weight checks after every push, broadcast transport (gloo: one GPU is shared).
 # Needs the carry of ../shared/tools/gpu-carry.sh in .gpu-carry. Results: $OUT/*.jsonl and $OUT/log.
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .gpu-carry/site.tar.xz -C /tmp/site
@@ -18,9 +18,6 @@ PY
 COMMON=(--hf-checkpoint /tmp/q05 --prompt-data /tmp/data/addition.jsonl --rm-type addition --rollout-shuffle
         --rollout-batch-size 32 --n-samples-per-prompt 8 --rollout-max-response-len 64 --use-kl-loss
         --kl-loss-coef 0.001 --lr 1e-6 --bf16 --engine-dtype bfloat16 --micro-batch-size 32 --check-weight-update-equal)
-timeout 200 python3 -m slime_lite.cli train "${COMMON[@]}" --num-rollout 3 --colocate \
+timeout 200 python3 -m slime_lite.cli train "${COMMON[@]}" --num-rollout 3 --colocate --update-weight-transport distributed \
   --metrics-path "$OUT/gpu_colocate.jsonl" 2>&1 | grep -v "TrainActor pid.*\t" | tail -25
 echo "colocate rc=$?"
-timeout 120 python3 -m slime_lite.cli train "${COMMON[@]}" --num-rollout 1 --colocate --update-weight-transport distributed \
-  --metrics-path "$OUT/gpu_nccl.jsonl" 2>&1 | grep -E "metrics|weight|rror" | tail -8
-echo "nccl rc=$?"

@@ -213,6 +213,53 @@ def on_task_checks(args: Any, samples: list, log_probs: list | None, nll_thresho
     ]
 
 
+def prompt_format_check(args: Any, samples: list, max_prompts: int = 8, margin: float = 0.5) -> Check:
+    """Are the prompts formatted as the model expects? The trainer-side model's NLL per token of the answers
+    (labels, else the sampled responses) after the prompt as the run rendered it vs with the chat template toggled.
+    A run whose format makes the answers much less likely than the other format fails."""
+    import torch
+
+    from slime_lite.rollout.data import render_prompt
+    from slime_lite.tiny_model import load_tokenizer
+
+    name, flag = "on_task_prompt_format", "--apply-chat-template"
+    tok = load_tokenizer(args.hf_checkpoint)
+    picked = [s for s in samples if isinstance(s.prompt, str)][:: max(1, args.n_samples_per_prompt)][:max_prompts]
+    if not picked or not getattr(tok, "chat_template", None) or _checkpoint_bytes(args.hf_checkpoint) > 4 << 30:
+        return _c(name, None, "not measured (no text prompts, no chat template, or a model over 4 GB)", True)
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if _cuda() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.hf_checkpoint, dtype=torch.float32).to(device).eval()
+    eos = tok.eos_token_id
+
+    def nll(apply: bool) -> float:
+        total, count = 0.0, 0
+        for s in picked:
+            target = s.label if s.label else s.response.replace(tok.eos_token or "\0", "")
+            p = tok(render_prompt(s.prompt, tok, apply), add_special_tokens=False)["input_ids"]
+            t = tok(target, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+            ids = torch.tensor([p + t], device=device)
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(p) - 1: -1].float()
+            total -= float(torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None]).sum())
+            count += len(t)
+        return total / count
+
+    used, other = nll(args.apply_chat_template), nll(not args.apply_chat_template)
+    what = "with" if args.apply_chat_template else "without"
+    passed = used <= other + margin
+    cause = (f"prompts are formatted unlike the model's warm-start data: the answers cost {used:.2f} nats/token "
+             f"{what} {flag} but {other:.2f} {'without' if args.apply_chat_template else 'with'} it; "
+             f"{'drop' if args.apply_chat_template else 'add'} {flag} (or warm-start the model in this format)")
+    return _c(name, used, f"<= {other:.2f} + {margin:g} (answer NLL/token, {flag} toggled)", passed, cause)
+
+
+def _checkpoint_bytes(hf_dir: str) -> int:
+    return sum(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir)
+               if f.endswith((".safetensors", ".bin")))
+
+
 def _c(name: str, value: float | None, threshold: str, passed: bool, cause: str | None = None) -> Check:
     return Check(name, value, threshold, passed, "" if passed else (cause or CAUSES.get(name, "")))
 

@@ -36,6 +36,20 @@ CAUSES = {
         "log-probs far from the SFT loss level: data that does not follow the model's chat template or its "
         "warm-start distribution (check --apply-chat-template and the prompt format), or weights not loaded"
     ),
+    "on_task_nll": (
+        "the trainer finds the rollouts unlikely (gibberish or off-task): weights not loaded (check the Megatron "
+        "checkpoint load in the log), weights pushed wrongly (name/layer-id mapping under PP > 1; see "
+        "--check-weight-update-equal), an engine buffer released too early, or a pretrain model that needs its "
+        "instruct version / the chat template it was trained with"
+    ),
+    "on_task_repetition": (
+        "degenerate, repeating rollouts: broken or partly pushed engine weights, a wrong stop token/eos, or a "
+        "sampling temperature far below the trainer's"
+    ),
+    "on_task_valid_chars": (
+        "rollouts use characters the task never answers with: wrong weights in the engine, a tokenizer that does "
+        "not match the checkpoint, or prompts formatted unlike the model's training data"
+    ),
     "iteration2_ran": (
         "the second iteration did not run: weights could not be reloaded into the engines, or memory ran out "
         "(check the placement: trainer and engines competing for the same GPUs under --colocate)"

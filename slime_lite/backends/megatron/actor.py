@@ -174,9 +174,10 @@ class TrainActor:
         masks = B.loss_masks(samples)
 
         def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
-            vals = self._per_sample(mb, output, "values")
-            loss, m = value_rl_loss(vals, [old_values[i] for i in mb.indices], [returns[i] for i in mb.indices],
-                                    [masks[i] for i in mb.indices], self.args.value_clip, normalizer)
+            vals, dev = self._per_sample(mb, output, "values"), output.device
+            loss, m = value_rl_loss(vals, [old_values[i].to(dev) for i in mb.indices],
+                                    [returns[i].to(dev) for i in mb.indices],
+                                    [masks[i].to(dev) for i in mb.indices], self.args.value_clip, normalizer)
             return loss * self._num_mb, m
 
         return self._train_steps(samples, loss_fn, "critic")
@@ -218,11 +219,12 @@ class TrainActor:
                                                           with_entropy=a.entropy_coef > 0)
             pick = partial(response_slices, prompt_lengths=mb.prompt_lengths, response_lengths=mb.response_lengths,
                            packed=False)
-            idx = mb.indices
+            idx, dev = mb.indices, output.device
+            on = lambda xs: [xs[i].to(dev) for i in idx]  # noqa: E731 - per-sample inputs of this micro-batch
             loss, m = rl_loss(
-                pick(lp_pos), [old[i] for i in idx], [ref[i] for i in idx] if ref is not None else None,
-                [rollout_lp[i] for i in idx] if has_rollout_lp else None, [advantages[i] for i in idx],
-                [masks[i] for i in idx], pick(ent_pos) if ent_pos is not None else None, a, normalizer,
+                pick(lp_pos), on(old), on(ref) if ref is not None else None,
+                on(rollout_lp) if has_rollout_lp else None, on(advantages),
+                on(masks), pick(ent_pos) if ent_pos is not None else None, a, normalizer,
             )
             return loss * self._num_mb, m
 

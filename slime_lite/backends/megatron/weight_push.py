@@ -68,7 +68,7 @@ def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
     if transport == "tensor":
         _push_tensor(named, urls, version)
     elif transport == "distributed":
-        _push_distributed(named, urls, version)
+        _push_distributed(named, urls, version, colocated=args.colocate)
     else:
         _push_disk(args, named, urls, version)
 
@@ -118,8 +118,9 @@ def _group(urls: list[str], backend: str) -> Any:
     return group
 
 
-def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int, colocated: bool = False) -> None:
+    # NCCL needs one GPU per rank: colocated engines share the trainer's GPU, so they use gloo (host memory)
+    backend = "nccl" if torch.cuda.is_available() and not colocated else "gloo"
     group = _group(urls, backend)
     device = "cuda" if backend == "nccl" else "cpu"
     for names in buckets(named):
