@@ -346,6 +346,9 @@ def validate_args(args: argparse.Namespace) -> None:
         _need_file(args.load, "--load")
     if not args.debug_rollout_only:
         validate_train_args(args)
+    from slime_lite.backends.sglang.launcher import check_sglang_args
+
+    check_sglang_args(args)
 
 
 def world_size(args: Any) -> int:

@@ -36,7 +36,6 @@ CHAT_TEMPLATE = (
 )
 # Marks a folder whose tokenizer is ours: load it with PreTrainedTokenizerFast, never AutoTokenizer.
 CHAR_TOKENIZER_MARK = "slime_lite_char_tokenizer"
-MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def _vocab() -> dict[str, int]:
@@ -235,7 +234,7 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
     torch.use_deterministic_algorithms(True)
     start = time.perf_counter()
     best: tuple[float, int, float, dict] | None = None  # (distance to target, step, dev accuracy, weights)
-    loss_value, done = float("nan"), 0
+    first_loss, loss_value, done = float("nan"), float("nan"), 0
     try:
         for step in range(1, steps + 1):
             model.train()
@@ -248,6 +247,8 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
             opt.step()
             sched.step()
             loss_value, done = loss.item(), step
+            if step == 1:
+                first_loss = loss_value
             if target is None or (step % WARM_START_EVAL_EVERY and step != steps):
                 continue
             dev_acc, _ = _exact_match(model, tokenizer, dev_rows)
@@ -268,7 +269,7 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
                 kept, accuracy)
     return {
         "steps": done, "kept_step": kept, "dev_accuracy": best[2] if best is not None else None,
-        "final_loss": round(loss_value, 4), "train_seconds": round(train_seconds, 2), "accuracy": accuracy,
+        "first_loss": round(first_loss, 4), "final_loss": round(loss_value, 4), "train_seconds": round(train_seconds, 2), "accuracy": accuracy,
         "eval_prompts": len(eval_rows),
         "examples": [{"prompt": r["prompt"], "label": r["label"], "answer": a}
                      for r, a in list(zip(eval_rows, answers))[:5]],

@@ -66,7 +66,12 @@ def run(args) -> int:
     metrics = MetricsLogger(args)
 
     engines, urls = ([], []) if args.debug_train_only else start_engines(args, pg, layout.rollout)
-    manager = ray.remote(RolloutManager).options(num_cpus=0.5).remote(args, urls)
+    router = None
+    if args.use_sglang_router and urls:  # generation goes through the router; weights still to each engine
+        from slime_lite.backends.sglang.launcher import SGLangRouter
+
+        router = SGLangRouter(urls)
+    manager = ray.remote(RolloutManager).options(num_cpus=0.5).remote(args, [router.start()] if router else urls)
 
     actor = critic = None
     start_rollout_id = 0
@@ -145,8 +150,11 @@ def run(args) -> int:
             raise CiCheckFailed(check, start_rollout_id + done)
 
     metrics.close()
+    ray.get(manager.close.remote())
     for engine in engines:
         ray.get(engine.stop.remote())
+    if router is not None:
+        router.stop()
     return 0
 
 

@@ -121,9 +121,10 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
 
 def test_short_warm_start_lowers_the_loss_and_reports(tmp_path):
     report = make_tiny_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                             intermediate_size=128, warm_start_steps=40, warm_start_target=None)
-    assert report["steps"] == 40 and report["params"] > 0
-    assert report["final_loss"] < 2.5  # a uniform guess over the vocab is ln(128) = 4.85
+                             intermediate_size=128, warm_start_steps=60, warm_start_target=None)
+    assert report["steps"] == 60 and report["params"] > 0
+    assert report["first_loss"] > 4.0  # about ln(128): a uniform guess over the vocab
+    assert report["final_loss"] < report["first_loss"] - 1.5
     assert 0.0 <= report["accuracy"] <= 1.0
 
 

@@ -20,10 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from slime_lite.debug.ci_checks import CAUSES, Check, iteration2_check, rollout_checks
+from slime_lite.debug.ci_checks import (
+    Check, TrainRun, cuda_available, dtype_name, iteration2, make_check as _c, memory_checks, precision_check,
+    rollout_checks, version_check, weight_check,
+)
 from slime_lite.errors import SlimeLiteError
 
 log = logging.getLogger("slime_lite.doctor")
@@ -37,21 +39,6 @@ DROPPED = ("--ci-test", "--metrics-path", "--dump-details", "--save-debug-rollou
            *FORCED, *WEIGHT_FLAGS)
 INCOMPATIBLE = ("--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data")
 TASK_CHARS = {"addition": set("0123456789"), "math": set("0123456789-")}
-
-
-@dataclass
-class TrainRun:
-    out: str
-    returncode: int
-    seconds: float
-    error: str = ""  # the run's last "error: ..." line, if any
-    log_path: str = ""
-    weight_checks_passed: int = 0  # pushes verified equal ("weight check: ... equal" log lines)
-    records: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-    @property
-    def weight_check_failed(self) -> bool:
-        return "--check-weight-update-equal" in self.error
 
 
 # ----------------------------------------------------------------------------------------------- the run itself
@@ -229,7 +216,7 @@ def prompt_format_check(args: Any, samples: list, max_prompts: int = 8, margin: 
         return _c(name, None, "not measured (no text prompts, no chat template, or a model over 4 GB)", True)
     from transformers import AutoModelForCausalLM
 
-    device = "cuda" if _cuda() else "cpu"
+    device = "cuda" if cuda_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.hf_checkpoint, dtype=torch.float32).to(device).eval()
     eos = tok.eos_token_id
 
@@ -260,163 +247,6 @@ def _checkpoint_bytes(hf_dir: str) -> int:
                if f.endswith((".safetensors", ".bin")))
 
 
-def _c(name: str, value: float | None, threshold: str, passed: bool, cause: str | None = None) -> Check:
-    return Check(name, value, threshold, passed, "" if passed else (cause or CAUSES.get(name, "")))
-
-
-# ----------------------------------------------------------------------------------------------- checks from metrics
-def _dtype_name(args: Any, side: str) -> str:
-    if side == "trainer":
-        return "bfloat16" if getattr(args, "bf16", False) else "float32"
-    if args.engine_dtype != "auto":
-        return args.engine_dtype
-    if getattr(args, "rollout_device", "auto") == "cpu" or not _cuda():
-        return "float32"
-    cfg = json.load(open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8"))
-    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
-    return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-def precision_check(args: Any) -> Check:
-    engine, trainer = _dtype_name(args, "engine"), _dtype_name(args, "trainer")
-    return _c("precision_match", None, f"engine {engine} == trainer {trainer}", engine == trainer,
-              f"engine runs in {engine}, trainer in {trainer}: a dtype cast between them makes rollout and train "
-              "log-probs differ (use --engine-dtype matching the trainer, or --bf16 on both sides)")
-
-
-def _checkpoint_param_count(hf_dir: str) -> int | None:
-    try:
-        from safetensors import safe_open
-
-        files = [f for f in os.listdir(hf_dir) if f.endswith(".safetensors")]
-        return sum(len(list(safe_open(os.path.join(hf_dir, f), framework="pt").keys())) for f in files) or None
-    except (OSError, ImportError, ValueError):
-        return None
-
-
-def weight_check(run: TrainRun, args: Any) -> Check:
-    name, threshold = "weights_equal_after_push", "0 differing parameters"
-    if run.weight_check_failed:
-        m = re.search(r"(\d+) differ (\[[^\]]*\])", run.error)
-        missing = re.search(r"(\d+) never pushed (\[[^\]]*\])", run.error)
-        if not m:
-            return _c(name, None, threshold, False, run.error)
-        names = re.findall(r"'([^']+)'", m.group(2)) + (re.findall(r"'([^']+)'", missing.group(2)) if missing else [])
-        n = int(m.group(1)) + (int(missing.group(1)) if missing else 0)
-        shown = ", ".join(names[:4]) + (", ..." if n > 4 else "")
-        layers = sorted({int(x) for x in re.findall(r"layers\.(\d+)\.", " ".join(names))})
-        total = _checkpoint_param_count(args.hf_checkpoint)
-        if args.pipeline_model_parallel_size > 1 and layers and (total is None or n < total):
-            why = (f"decoder layers {layers} differ with --pipeline-model-parallel-size "
-                   f"{args.pipeline_model_parallel_size}: a layer-id mapping error in the conversion (a PP stage's "
-                   "layer offset lost) is the likely cause")
-        elif total is not None and n >= total:
-            why = (f"all {n} parameters differ{' at the first push' if not run.records else ''}: the engine never "
-                   "received the pushed weights (push skipped or sent to another engine)")
-        else:
-            why = "a parameter the push skipped, a name mapping error, or a dtype cast on the way"
-        return _c(name, float(n), threshold, False, f"{why} [{n} differ: {shown}]")
-    if run.returncode == 0 or run.weight_checks_passed:
-        return _c(name, 0.0, "0 differing parameters (checked after every push)", True)
-    return _c(name, None, threshold, False, f"the weight check never ran: {run.error or 'no push was verified'}")
-
-
-def version_check(run: TrainRun) -> Check:
-    """Rollout r must be generated with the weights pushed after r trained rollouts (version r)."""
-    seen = {r: rec.get("rollout/weight_version") for r, rec in sorted(run.records.items())}
-    bad = {r: v for r, v in seen.items() if v is None or int(v) != r}
-    value = float(seen[max(seen)]) if seen and seen[max(seen)] is not None else None
-    if not seen:
-        return _c("weight_version_served", None, "rollout r served by version r", False,
-                  f"no rollout finished: {run.error}")
-    shown = ", ".join(f"rollout {r}: {'none' if v is None else int(v)}" for r, v in seen.items())
-    return _c("weight_version_served", value, "rollout r served by version r", not bad,
-              f"engine versions {shown}: the engine never received the pushed weights (it still serves the "
-              "checkpoint it loaded, or an older push); check the weight push")
-
-
-def iteration2(run: TrainRun, args: Any) -> Check:
-    base = iteration2_check(len(run.records))
-    if not base.passed:
-        base.cause = f"{base.cause}. The run stopped: {run.error}" if run.error else base.cause
-        return base
-    rec = run.records[max(run.records)]
-    diff = rec.get("train/train_rollout_logprob_abs_diff")
-    bound = args.ci_logprob_diff_threshold
-    passed = diff is not None and diff < bound
-    cause = ""
-    if not passed:
-        first = run.records[min(run.records)].get("train/train_rollout_logprob_abs_diff")
-        if first is not None and first < bound:
-            cause = (f"iteration 1 agreed ({first:.2e}) but iteration 2 does not: the engine did not reload the "
-                     "trained weights (push skipped, or a parameter lost on the way); see weight_version_served")
-        else:
-            cause = "rollout and train log-probs disagree from the first iteration on (see train_rollout_logprob_diff)"
-    return _c("iteration2_reload", diff, f"2nd iteration ran, log-prob diff < {bound:g}", passed, cause)
-
-
-def memory_checks(run: TrainRun, args: Any, headroom: float = 0.1) -> list[Check]:
-    """Peak memory per process group and the headroom left on the host (and GPU when one was used)."""
-    groups: dict[str, dict[str, float]] = {}
-    for rec in run.records.values():
-        for key, value in rec.items():
-            m = re.match(r"perf/memory/([^/]+)/(peak_rss_mb|cuda_peak_mb)$", key)
-            if m and isinstance(value, (int, float)):
-                g = groups.setdefault(m.group(1), {})
-                g[m.group(2)] = max(g.get(m.group(2), 0.0), float(value))
-    if not groups:
-        return [_c("peak_memory", None, "measured", False, f"no memory was reported: {run.error or 'no iteration ran'}")]
-    counts = {"actor": args.actor_num_nodes * args.actor_num_gpus_per_node,
-              "critic": args.critic_num_nodes * args.critic_num_gpus_per_node,
-              "engine": max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine), "rollout_manager": 1}
-    checks = []
-    for name, g in sorted(groups.items()):
-        checks.append(_c(f"peak_memory/{name}", g.get("peak_rss_mb"), f"RSS MB per process (x{counts.get(name, 1)})", True))
-        if g.get("cuda_peak_mb"):
-            checks.append(_c(f"peak_cuda/{name}", g["cuda_peak_mb"], "CUDA MB per process", True))
-    total_mb = _total_ram_mb()
-    if total_mb:
-        used = sum(g.get("peak_rss_mb", 0.0) * counts.get(n, 1) for n, g in groups.items())
-        free = 1.0 - used / total_mb
-        checks.append(_c("memory_headroom", free, f">= {headroom:.0%} of {total_mb / 1024:.0f} GiB RAM free at peak",
-                         free >= headroom))
-    gpu_mb = _gpu_total_mb()
-    cuda = [g["cuda_peak_mb"] for g in groups.values() if g.get("cuda_peak_mb")]
-    if gpu_mb and cuda:
-        used = sum(cuda) if args.colocate else max(cuda)
-        free = 1.0 - used / gpu_mb
-        checks.append(_c("gpu_memory_headroom", free, f">= {headroom:.0%} of {gpu_mb / 1024:.0f} GiB per GPU free at peak",
-                         free >= headroom))
-    return checks
-
-
-def _total_ram_mb() -> float | None:
-    try:
-        for line in open("/proc/meminfo", encoding="utf-8"):
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
-def _gpu_total_mb() -> float | None:
-    if not _cuda():
-        return None
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory / 2**20
-
-
 # ----------------------------------------------------------------------------------------------- the doctor
 def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str, Any] | None:
     """Layer-by-layer localisation of the worst train/rollout mismatch of ``rollout_id`` (weights of the
@@ -431,8 +261,8 @@ def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str
         return {"rollout_id": rollout_id, "summary": f"no sample of rollout {rollout_id} differs beyond the "
                 f"threshold: the mismatch starts at a later push of trained weights (the push, not the forward)"}
     temp = args.rollout_temperature if args.rollout_temperature > 1e-6 else 1.0
-    loc = localize_sample(samples[i], args.hf_checkpoint, engine_dtype=_dtype_name(args, "engine"),
-                          trainer_dtype=_dtype_name(args, "trainer"), temperature=temp)
+    loc = localize_sample(samples[i], args.hf_checkpoint, engine_dtype=dtype_name(args, "engine"),
+                          trainer_dtype=dtype_name(args, "trainer"), temperature=temp)
     return {"rollout_id": rollout_id, "sample_index": samples[i].index, **loc.as_dict()}
 
 
@@ -451,27 +281,25 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
                              os.path.join(out, "rerun"), timeout)
     samples, lps = _load_rollout(measured.out, 0)
     checks = on_task_checks(args, samples, lps, nll_threshold)
+    if samples:
+        checks.append(prompt_format_check(args, samples))
     first = measured.records.get(0, {})
     checks += [c for c in rollout_checks(args, first, first=True) if c.name != "step1_log_probs_small"]
-    if not first:
+    if "train/train_rollout_logprob_abs_diff" not in first:
         checks.append(_c("train_rollout_logprob_diff", None, f"< {args.ci_logprob_diff_threshold:g}", False,
-                         f"no iteration finished: {measured.error}"))
-    checks.append(precision_check(args))
-    checks.append(weight_check(run, args))
-    checks.append(version_check(measured))
-    checks.append(iteration2(measured, args))
+                         f"not measured: {measured.error or 'no rollout log-probs'}"))
+    checks += [precision_check(args), weight_check(run, args), version_check(measured), iteration2(measured, args)]
     checks += memory_checks(measured, args)
-    report: dict[str, Any] = {"out": out, "runs": [_run_info(run)] + ([_run_info(measured)] if measured is not run else [])}
-    lp_check = next((c for c in checks if c.name == "train_rollout_logprob_diff"), None)
-    if localize and lp_check is not None and not lp_check.passed and first:
+    report: dict[str, Any] = {"out": out, "runs": [_run_info(r) for r in ([run] if measured is run else [run, measured])]}
+    by = {c.name: c for c in checks}
+    lp = by["train_rollout_logprob_diff"]
+    if localize and not lp.passed and lp.value is not None:
         try:
             report["localization"] = localize_mismatch(measured, args)
         except Exception as exc:  # a diagnosis aid: never hide the table behind it
             log.warning("doctor: localisation failed: %s", exc)
             report["localization"] = {"summary": f"localisation failed: {exc}"}
-        _refine(lp_check, checks, args, report.get("localization"))
-    elif lp_check is not None and not lp_check.passed:
-        _refine(lp_check, checks, args, None)
+    _refine(by, report.get("localization"))
     report["checks"] = [c.as_dict() for c in checks]
     report["passed"] = all(c.passed for c in checks)
     with open(os.path.join(out, "doctor.json"), "w", encoding="utf-8") as f:
@@ -484,20 +312,21 @@ def _run_info(run: TrainRun) -> dict[str, Any]:
             "log": run.log_path}
 
 
-def _refine(lp: Check, checks: list[Check], args: Any, loc: dict[str, Any] | None) -> None:
-    """Put the evidence first in the train/rollout log-prob check's cause."""
-    by = {c.name: c for c in checks}
-    evidence = []
-    if loc and loc.get("first_divergent") or loc and "temperature" in loc.get("summary", ""):
-        evidence.append(f"localised: {loc['summary']}")
-    if not by["precision_match"].passed:
-        evidence.append(by["precision_match"].cause)
-    if not by["weights_equal_after_push"].passed:
-        evidence.append("the engine holds other weights than the trainer (see weights_equal_after_push)")
-    if evidence:
-        lp.cause = "; ".join(evidence)
-    elif loc:
-        lp.cause = f"localised: {loc['summary']}. {lp.cause}"
+def _refine(by: dict[str, Check], loc: dict[str, Any] | None) -> None:
+    """Put the evidence other checks found first in the causes of the checks it explains."""
+    weights_bad = not by["weights_equal_after_push"].passed
+    lp = by["train_rollout_logprob_diff"]
+    if not lp.passed and lp.value is not None:
+        evidence = [f"localised: {loc['summary']}"] if loc else []
+        if not by["precision_match"].passed and "precision" not in " ".join(evidence):
+            evidence.append(by["precision_match"].cause)
+        if weights_bad:
+            evidence.append("the engine holds other weights than the trainer (see weights_equal_after_push)")
+        if evidence:
+            lp.cause = "; ".join(evidence)
+    for name in ("on_task_nll", "on_task_repetition", "on_task_valid_chars"):
+        if not by[name].passed and weights_bad:
+            by[name].cause = "the engine generated with other weights than the trainer's (see weights_equal_after_push)"
 
 
 def _fmt(value: Any) -> str:
@@ -553,12 +382,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet() -> None:
+    """The doctor's own forwards (format check, localisation) need no progress bars or Megatron start-up lines."""
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    for name in ("megatron", "slime_lite.backends"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         build_parser().print_help()
         return 0
     ours, rest = build_parser().parse_known_args(argv)
+    _quiet()
     report = diagnose(rest, os.path.abspath(ours.out), ours.run_timeout, rerun=not ours.no_rerun,
                       localize=not ours.no_localize, nll_threshold=ours.nll_threshold)
     print_report(report)

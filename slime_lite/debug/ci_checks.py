@@ -1,13 +1,17 @@
 """The seed's step-1 / step-2 precision checks as data: each check has a value, a threshold, and the likely causes.
 
 ``--ci-test`` runs ``rollout_checks`` on every metrics record and stops the run at the first failure;
-``slime-lite doctor`` shows the same checks as a table. Pure Python: no torch, no Ray.
+``slime-lite doctor`` shows the same checks as a table, plus the checks of a finished run below (weights, weight
+versions, iteration 2, precision, memory) read from its exit, error line and metrics. No torch or Ray at import.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import asdict, dataclass
+import os
+import re
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
@@ -69,8 +73,12 @@ class Check:
         return asdict(self)
 
 
-def _check(name: str, value: float | None, threshold: str, passed: bool) -> Check:
-    return Check(name, value, threshold, passed, "" if passed else CAUSES.get(name, ""))
+def make_check(name: str, value: float | None, threshold: str, passed: bool, cause: str | None = None) -> Check:
+    """A Check whose cause is ``cause`` (or the listed causes of ``name``) when it failed, empty when it passed."""
+    return Check(name, value, threshold, passed, "" if passed else (cause or CAUSES.get(name, "")))
+
+
+_check = make_check
 
 
 def rollout_checks(args: Any, record: dict[str, Any], first: bool) -> list[Check]:
@@ -106,7 +114,7 @@ class CiCheckFailed(SlimeLiteError):
         )
 
 
-ADVISORY = {"step1_log_probs_small"}  # a heuristic: shown by the doctor, not enforced by --ci-test
+ADVISORY = {"step1_log_probs_small"}  # a heuristic, not enforced by --ci-test (the doctor shows on_task_nll)
 
 
 def enforce(args: Any, record: dict[str, Any], rollout_id: int, first: bool) -> list[Check]:
@@ -119,3 +127,181 @@ def enforce(args: Any, record: dict[str, Any], rollout_id: int, first: bool) -> 
 
 def iteration2_check(rollouts_done: int) -> Check:
     return _check("iteration2_ran", float(rollouts_done), ">= 2 iterations", rollouts_done >= 2)
+
+
+# ------------------------------------------------------------------ checks of a finished run (slime-lite doctor)
+@dataclass
+class TrainRun:
+    out: str
+    returncode: int
+    seconds: float
+    error: str = ""  # the run's last "error: ..." line, if any
+    log_path: str = ""
+    weight_checks_passed: int = 0  # pushes verified equal ("weight check: ... equal" log lines)
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def weight_check_failed(self) -> bool:
+        return "--check-weight-update-equal" in self.error
+
+
+def dtype_name(args: Any, side: str) -> str:
+    if side == "trainer":
+        return "bfloat16" if getattr(args, "bf16", False) else "float32"
+    if args.engine_dtype != "auto":
+        return args.engine_dtype
+    if getattr(args, "rollout_device", "auto") == "cpu" or not cuda_available():
+        return "float32"
+    cfg = json.load(open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8"))
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def precision_check(args: Any) -> Check:
+    engine, trainer = dtype_name(args, "engine"), dtype_name(args, "trainer")
+    return _check("precision_match", None, f"engine {engine} == trainer {trainer}", engine == trainer,
+                  f"engine runs in {engine}, trainer in {trainer}: a dtype cast between them makes rollout and "
+                  "train log-probs differ (use --engine-dtype matching the trainer, or --bf16 on both sides)")
+
+
+def _checkpoint_param_count(hf_dir: str) -> int | None:
+    try:
+        from safetensors import safe_open
+
+        files = [f for f in os.listdir(hf_dir) if f.endswith(".safetensors")]
+        return sum(len(list(safe_open(os.path.join(hf_dir, f), framework="pt").keys())) for f in files) or None
+    except (OSError, ImportError, ValueError):
+        return None
+
+
+def weight_check(run: TrainRun, args: Any) -> Check:
+    """From the run's exit: did every push leave the engine with the trainer's weights? Names the likely cause."""
+    name, threshold = "weights_equal_after_push", "0 differing parameters"
+    if not run.weight_check_failed:
+        if run.returncode == 0 or run.weight_checks_passed:
+            return _check(name, 0.0, "0 differing parameters (checked after every push)", True)
+        return _check(name, None, threshold, False, f"the weight check never ran: {run.error or 'no push verified'}")
+    m = re.search(r"(\d+) differ (\[[^\]]*\])", run.error)
+    if not m:
+        return _check(name, None, threshold, False, run.error)
+    missing = re.search(r"(\d+) never pushed (\[[^\]]*\])", run.error)
+    names = re.findall(r"'([^']+)'", m.group(2) + (missing.group(2) if missing else ""))
+    n = int(m.group(1)) + (int(missing.group(1)) if missing else 0)
+    layers = sorted({int(x) for x in re.findall(r"layers\.(\d+)\.", " ".join(names))})
+    total = _checkpoint_param_count(args.hf_checkpoint)
+    pp = args.pipeline_model_parallel_size
+    of = f"{n} of {total}" if total else str(n)
+    if pp > 1 and layers and (total is None or n < total):
+        why = (f"{of} parameters differ, decoder layers among them (e.g. layer {layers[0]}), with "
+               f"--pipeline-model-parallel-size {pp}: a layer-id mapping error in the conversion (a PP stage's "
+               "layer offset lost) is the likely cause")
+    elif total is not None and n >= total:
+        why = (f"all {n} parameters differ{' at the first push' if not run.records else ''}: the engine never "
+               "received the pushed weights (push skipped, or sent to another engine)")
+    else:
+        why = f"{of} parameters differ: a parameter the push skipped, a name mapping error, or a dtype cast"
+    return _check(name, float(n), threshold, False, f"{why} [e.g. {', '.join(names[:3])}]")
+
+
+def version_check(run: TrainRun) -> Check:
+    """Rollout r must be generated with the weights pushed after r trained rollouts (weight version r)."""
+    name, threshold = "weight_version_served", "rollout r served by version r"
+    seen = {r: rec.get("rollout/weight_version") for r, rec in sorted(run.records.items())}
+    if not seen:
+        return _check(name, None, threshold, False, f"no rollout finished: {run.error}")
+    bad = [r for r, v in seen.items() if v is None or int(v) != r]
+    last = seen[max(seen)]
+    shown = ", ".join(f"rollout {r}: {'none' if v is None else int(v)}" for r, v in seen.items())
+    return _check(name, None if last is None else float(last), threshold, not bad,
+                  f"engine weight versions {shown}: the engine never received the pushed weights (it still serves "
+                  "the checkpoint it loaded, or an older push); check the weight push")
+
+
+def iteration2(run: TrainRun, args: Any) -> Check:
+    """The second iteration ran on reloaded weights: its train/rollout log-prob diff and first-step ppo_kl."""
+    base = iteration2_check(len(run.records))
+    if not base.passed:
+        base.cause = f"{base.cause}. The run stopped: {run.error}" if run.error else base.cause
+        return base
+    rec = run.records[max(run.records)]
+    diff = rec.get("train/train_rollout_logprob_abs_diff")
+    ppo_kl = rec.get("train/first_step/ppo_kl", 0.0)
+    bound = args.ci_logprob_diff_threshold
+    passed = diff is not None and diff < bound and ppo_kl == 0.0
+    first = run.records[min(run.records)].get("train/train_rollout_logprob_abs_diff")
+    if passed:
+        cause = ""
+    elif diff is not None and diff >= bound and first is not None and first < bound:
+        cause = (f"iteration 1 agreed ({first:.2e}) but iteration 2 does not: the engine did not reload the trained "
+                 "weights (push skipped, or a parameter lost on the way); see weight_version_served")
+    elif diff is not None and diff >= bound:
+        cause = "rollout and train log-probs disagree from the first iteration on (see train_rollout_logprob_diff)"
+    else:
+        cause = f"first-step ppo_kl of iteration 2 is {ppo_kl:g}, not 0: {CAUSES['first_step_ppo_kl_zero']}"
+    return _check("iteration2_reload", diff, f"2nd iteration ran, log-prob diff < {bound:g}, ppo_kl == 0", passed,
+                  cause)
+
+
+MEMORY_CAUSE = ("trainer and engines compete for memory: lower --rollout-batch-size / --micro-batch-size / "
+                "--engine-kv-cache-tokens, or use --offload-train / --offload-rollout under --colocate")
+
+
+def memory_checks(run: TrainRun, args: Any, headroom: float = 0.1) -> list[Check]:
+    """Peak memory per process group (RSS; CUDA when used) and the headroom left on the host and GPU."""
+    groups: dict[str, dict[str, float]] = {}
+    for rec in run.records.values():
+        for key, value in rec.items():
+            m = re.match(r"perf/memory/([^/]+)/(peak_rss_mb|cuda_peak_mb)$", key)
+            if m and isinstance(value, (int, float)):
+                g = groups.setdefault(m.group(1), {})
+                g[m.group(2)] = max(g.get(m.group(2), 0.0), float(value))
+    if not groups:
+        return [_check("peak_memory", None, "measured", False, f"no memory reported: {run.error or 'no iteration ran'}")]
+    counts = {"actor": args.actor_num_nodes * args.actor_num_gpus_per_node,
+              "critic": args.critic_num_nodes * args.critic_num_gpus_per_node,
+              "engine": max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine), "rollout_manager": 1}
+    checks = []
+    for name, g in sorted(groups.items()):
+        n = counts.get(name, 1)
+        checks.append(_check(f"peak_memory/{name}", g.get("peak_rss_mb"), f"RSS MB per process (x{n})", True))
+        if g.get("cuda_peak_mb"):
+            checks.append(_check(f"peak_cuda/{name}", g["cuda_peak_mb"], "CUDA MB per process", True))
+    total_mb = _total_ram_mb()
+    if total_mb:
+        free = 1.0 - sum(g.get("peak_rss_mb", 0.0) * counts.get(n, 1) for n, g in groups.items()) / total_mb
+        checks.append(_check("memory_headroom", free, f">= {headroom:.0%} of {total_mb / 1024:.0f} GiB RAM free "
+                             "at peak", free >= headroom, MEMORY_CAUSE))
+    gpu_mb = _gpu_total_mb()
+    cuda = [g["cuda_peak_mb"] for g in groups.values() if g.get("cuda_peak_mb")]
+    if gpu_mb and cuda:
+        free = 1.0 - (sum(cuda) if args.colocate else max(cuda)) / gpu_mb
+        checks.append(_check("gpu_memory_headroom", free, f">= {headroom:.0%} of {gpu_mb / 1024:.0f} GiB per GPU "
+                             "free at peak", free >= headroom, MEMORY_CAUSE))
+    return checks
+
+
+def _total_ram_mb() -> float | None:
+    try:
+        for line in open("/proc/meminfo", encoding="utf-8"):
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def _gpu_total_mb() -> float | None:
+    if not cuda_available():
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**20

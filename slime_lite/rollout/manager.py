@@ -115,6 +115,10 @@ class RolloutManager:
         metrics["perf/eval_time"] = time.monotonic() - t0
         return metrics
 
+    def close(self) -> None:
+        if self.generator is not None and self.args.engine_client is not None:
+            self._run(self.args.engine_client.close())
+
     def state(self) -> dict[str, Any]:
         return {"source": self.source.state() if self.source else None}
 
