@@ -104,12 +104,14 @@ def run(args) -> int:
         samples, record = ray.get(manager.generate.remote(rollout_id))
         if actor is not None:
             groups = [g for g in (actor, critic) if g is not None]
+            t_swap = time.monotonic()
             if args.offload_rollout and urls:  # colocated: engines hand their memory to the trainer
                 engine_memory(urls, "release")
                 record.update(memory_record("engine_released", ray.get([e.memory.remote() for e in engines])))
             if args.offload_train:
                 for g in groups:
                     g.onload()
+            swap = time.monotonic() - t_swap
             t0 = time.monotonic()
             record.update(actor.train(rollout_id, samples, critic))
             record["perf/train_time"] = time.monotonic() - t0
@@ -123,12 +125,15 @@ def run(args) -> int:
                     engine_memory(urls, "resume", ["weights"])
                 actor.update_weights(urls, version=rollout_id + 1)
                 record["perf/update_weights_time"] = time.monotonic() - t0
+            t_swap = time.monotonic()
             if args.offload_train:
                 for g in groups:
                     g.offload()
                 record.update(memory_record("actor_offloaded", actor.memory()))
             if args.offload_rollout and urls:
                 engine_memory(urls, "resume", ["kv_cache"])
+            if args.offload_train or args.offload_rollout:
+                record["perf/offload_time"] = swap + time.monotonic() - t_swap
         if evaluate and ((rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout):
             record.update(ray.get(manager.evaluate.remote(rollout_id + 1)))
         record["perf/step_time"] = time.monotonic() - step_t0

@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from slime_lite.engine.scheduler import EngineBusy
-from slime_lite.engine.server import BadRequest, _error, _json_response
+from slime_lite.engine.server import BadRequest, error_response, json_response
 from slime_lite.engine.weights import WeightError
 
 if TYPE_CHECKING:
@@ -63,9 +63,9 @@ class _Admin:
             result = await self.run_in_model_thread(op)
         except (WeightError, ValueError, RuntimeError) as exc:
             logger.error("weight operation refused: %s", exc)
-            return _json_response({"success": False, "message": str(exc)}, 400)
+            return json_response({"success": False, "message": str(exc)}, 400)
         msg = f"Succeeded ({result} tensors)" if isinstance(result, int) else "Succeeded"
-        return _json_response({"success": True, "message": msg, **(extra or {})})
+        return json_response({"success": True, "message": msg, **(extra or {})})
 
     def _maybe_abort(self, body: dict[str, Any]) -> None:
         if body.get("abort_all_requests"):
@@ -76,8 +76,8 @@ class _Admin:
         try:
             await self.run_in_model_thread(self.scheduler.flush_cache)
         except EngineBusy as exc:
-            return _error(str(exc))
-        return _json_response({"success": True, "message": "Cache flushed."})
+            return error_response(str(exc))
+        return json_response({"success": True, "message": "Cache flushed."})
 
     async def abort_request(self, request):
         from aiohttp import web
@@ -97,11 +97,11 @@ class _Admin:
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode {mode!r}: expected abort, retract or in_place")
         await self.run_in_model_thread(self.scheduler.pause, mode)
-        return _json_response({"success": True, "message": f"paused ({mode})"})
+        return json_response({"success": True, "message": f"paused ({mode})"})
 
     async def continue_generation(self, request):
         await self.run_in_model_thread(self.scheduler.resume)
-        return _json_response({"success": True, "message": "continued"})
+        return json_response({"success": True, "message": "continued"})
 
     async def update_weight_version(self, request):
         body = await self.body(request)
@@ -177,7 +177,7 @@ class _Admin:
                                                     int(body.get("truncate_size", 100)))
         except WeightError as exc:
             raise BadRequest(str(exc)) from None
-        return _json_response(values)
+        return json_response(values)
 
     async def get_weights_checksum(self, request):
         """``{hf_name: sha256}`` of every parameter (or of ``names``), in the engine's dtype."""
@@ -186,7 +186,7 @@ class _Admin:
             sums = await self.run_in_model_thread(self.scheduler.weights.checksums, body.get("names"))
         except WeightError as exc:
             raise BadRequest(str(exc)) from None
-        return _json_response(sums)
+        return json_response(sums)
 
     # ---- memory --------------------------------------------------------------------------------------------
     async def release_memory(self, request):
@@ -194,9 +194,9 @@ class _Admin:
         try:
             await self.run_in_model_thread(self.scheduler.release_memory, tags)
         except EngineBusy as exc:
-            return _error(str(exc))
-        return _json_response(None)
+            return error_response(str(exc))
+        return json_response(None)
 
     async def resume_memory(self, request):
         await self.run_in_model_thread(self.scheduler.resume_memory, (await self.body(request)).get("tags"))
-        return _json_response(None)
+        return json_response(None)

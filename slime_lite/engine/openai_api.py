@@ -49,9 +49,9 @@ class _OpenAI:
         self.server = server
 
     async def models(self, request):
-        from slime_lite.engine.server import _json_response
+        from slime_lite.engine.server import json_response
 
-        return _json_response({"object": "list", "data": [{
+        return json_response({"object": "list", "data": [{
             "id": self.server.served_model_name, "object": "model", "created": 0, "owned_by": "slime_lite",
             "root": self.server.scheduler.model_path, "max_model_len": self.server.scheduler.slot_len}]})
 
@@ -127,13 +127,13 @@ class _OpenAI:
     async def _respond(self, request, body: dict[str, Any], prompts: list[list[int]], reqs: list[Any], head: dict[str, Any], choice):
         from aiohttp import web
 
-        from slime_lite.engine.server import _json_response
+        from slime_lite.engine.server import json_response
 
         sch = self.server.scheduler
         if not body.get("stream"):
             outs = await self.server.run_requests(reqs)
             choices = [choice(i, o, sch.output_text(o)) for i, o in enumerate(outs)]
-            return _json_response({**head, "choices": choices, "usage": self._usage(prompts, outs)})
+            return json_response({**head, "choices": choices, "usage": self._usage(prompts, outs)})
         chat = head["object"] == "chat.completion"
         chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

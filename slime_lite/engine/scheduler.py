@@ -216,6 +216,10 @@ class Scheduler:
         return text
 
     @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 

@@ -28,14 +28,14 @@ class BadRequest(ValueError):
     """A request the engine refuses (HTTP 400 with {"error": {"message": ...}})."""
 
 
-def _json_response(data: Any, status: int = 200):
+def json_response(data: Any, status: int = 200):
     from aiohttp import web
 
     return web.Response(text=json.dumps(data), status=status, content_type="application/json")
 
 
-def _error(message: str, status: int = 400):
-    return _json_response({"error": {"message": message}}, status)
+def error_response(message: str, status: int = 400):
+    return json_response({"error": {"message": message}}, status)
 
 
 def _as_list(value: Any, n: int, name: str) -> list[Any]:
@@ -157,16 +157,16 @@ class EngineServer:
         @web.middleware
         async def middleware(request, handler):
             if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
-                return _error("missing or wrong API key (Authorization: Bearer ...)", 401)
+                return error_response("missing or wrong API key (Authorization: Bearer ...)", 401)
             try:
                 return await handler(request)
             except BadRequest as exc:
-                return _error(str(exc))
+                return error_response(str(exc))
             except web.HTTPException:
                 raise
             except Exception as exc:  # noqa: BLE001 - answer, log, keep serving
                 logger.exception("%s %s failed", request.method, request.path)
-                return _error(f"{type(exc).__name__}: {exc}", 500)
+                return error_response(f"{type(exc).__name__}: {exc}", 500)
 
         return middleware
 
@@ -310,7 +310,7 @@ class EngineServer:
         if not stream:
             outs = await self.run_requests(reqs)
             results = [self.format_output(r, o) for r, o in zip(reqs, outs)]
-            return _json_response(results[0] if single else results)
+            return json_response(results[0] if single else results)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
@@ -330,8 +330,7 @@ class EngineServer:
     async def health(self, request):
         from aiohttp import web
 
-        alive = self.scheduler._thread is not None and self.scheduler._thread.is_alive()
-        return web.Response(status=200 if alive else 503)
+        return web.Response(status=200 if self.scheduler.alive else 503)
 
     async def health_generate(self, request):
         from aiohttp import web
@@ -347,14 +346,14 @@ class EngineServer:
 
     async def model_info(self, request):
         s = self.scheduler
-        return _json_response({"model_path": s.model_path, "tokenizer_path": s.tokenizer_path, "is_generation": True,
+        return json_response({"model_path": s.model_path, "tokenizer_path": s.tokenizer_path, "is_generation": True,
                                "preferred_sampling_params": None, "weight_version": s.weight_version})
 
     async def server_info(self, request):
         from slime_lite import __version__
 
         s = self.scheduler
-        return _json_response({
+        return json_response({
             "engine": "slime_lite.embedded", "version": __version__, "model_path": s.model_path,
             "tokenizer_path": s.tokenizer_path, "host": self.host, "port": self.url and int(self.url.rsplit(":", 1)[1]),
             "device": str(s.device), "dtype": str(s.lm.dtype).removeprefix("torch."), "tp_size": 1,
@@ -365,7 +364,7 @@ class EngineServer:
         })
 
     async def get_weight_version(self, request):
-        return _json_response({"weight_version": self.scheduler.weight_version})
+        return json_response({"weight_version": self.scheduler.weight_version})
 
 
 # ---- command line -------------------------------------------------------------------------------------------

@@ -188,12 +188,16 @@ class TrainActor:
         from slime_lite import rl_math
         from slime_lite.rollout.stats import scalar_reward
 
+        import time
+
         a = self.args
+        t0 = time.monotonic()
         length = B.padded_length(samples)
         steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
         old = self._forward_all(samples, steps, length, "logp")
         ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, "logp")) \
             if self.ref_state is not None else None
+        log_probs_time = time.monotonic() - t0
         if not self.last_stage:
             self._train_steps(samples, None, "actor")
             return None
@@ -231,6 +235,7 @@ class TrainActor:
         metrics = self._train_steps(samples, loss_fn, "actor")
         if not self.reporter:
             return None
+        metrics["perf/log_probs_time"] = log_probs_time
         metrics.update(self._rollout_stats(samples, logp, ref_logp, rollout_lp if has_rollout_lp else None,
                                            advantages, masks, values))
         details = {"log_probs": logp, "ref_log_probs": ref_logp, "advantages": advantages, "returns": returns,

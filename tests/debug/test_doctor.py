@@ -1,0 +1,152 @@
+"""``slime-lite doctor``: a healthy run passes every check; each injected fault fails the right check with its cause.
+
+The slow tests share one small warm-started model (built once, ~15 s) and run the doctor once per fault (~30 s
+each on 2 cores). Run them with ``-s`` to see the doctor's tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from slime_lite.debug import checks as doctor
+from slime_lite.errors import SlimeLiteError
+from slime_lite.types import Sample
+
+
+# ------------------------------------------------------------------------------------------ flags (fast)
+def test_the_doctor_forces_its_short_run_and_keeps_the_users_other_flags(tmp_path):
+    user = ["--hf-checkpoint", "M", "--num-rollout", "100", "--ci-test", "--save", "ckpt", "--eval-interval", "5",
+            "--global-batch-size=8", "--rollout-batch-size", "8", "--rollout-stop", "a", "b", "--lr", "1e-4"]
+    argv = doctor.train_argv(user, str(tmp_path))
+    joined = " ".join(argv)
+    assert "--ci-test" not in argv and "--save" not in argv and "--eval-interval" not in argv
+    assert "--global-batch-size" not in joined and "100" not in argv
+    assert "--num-rollout 2" in joined and "--num-steps-per-rollout 1" in joined
+    assert "--rollout-batch-size 8" in joined and "--n-samples-per-prompt 4" in joined  # user's kept, default added
+    assert "--rollout-stop a b --lr 1e-4" in joined
+    assert f"--dump-details {tmp_path}" in joined and f"--metrics-path {tmp_path / 'metrics.jsonl'}" in joined
+    assert "--check-weight-update-equal" in argv and "--debug-scramble-engine-weights" in argv
+    rerun = doctor.train_argv(user, str(tmp_path), weight_check=False)
+    assert "--check-weight-update-equal" not in rerun and "--debug-scramble-engine-weights" not in rerun
+
+
+def test_the_doctor_refuses_half_a_loop(tmp_path):
+    with pytest.raises(SlimeLiteError, match="--debug-rollout-only"):
+        doctor.train_argv(["--debug-rollout-only"], str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------ gibberish score (fast)
+def _samples(tok, responses: list[str], lp: float) -> tuple[list[Sample], list[list[float]]]:
+    out, lps = [], []
+    for r in responses:
+        ids = tok("12+3=", add_special_tokens=False)["input_ids"]
+        resp = tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        out.append(Sample(tokens=ids + resp, response_length=len(resp), response=r, rollout_log_probs=[lp] * len(resp)))
+        lps.append([lp] * len(resp))
+    return out, lps
+
+
+def test_the_gibberish_score_separates_answers_from_noise(tiny_model_dir):
+    from slime_lite.tiny_model import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    args = argparse.Namespace(hf_checkpoint=str(tiny_model_dir), rm_type="addition")
+    good = {c.name: c for c in doctor.on_task_checks(args, *_samples(tok, ["15", "105", "7"], -0.4), 1.5)}
+    assert all(c.passed for c in good.values()) and good["on_task_nll"].value == pytest.approx(0.4)
+    bad = {c.name: c for c in doctor.on_task_checks(args, *_samples(tok, ["Qz#k", "1212121212", "abab"], -4.0), 1.5)}
+    assert not bad["on_task_nll"].passed and "weights not loaded" in bad["on_task_nll"].cause
+    assert not bad["on_task_valid_chars"].passed and bad["on_task_valid_chars"].value == pytest.approx(10 / 18)
+    assert not bad["on_task_repetition"].passed  # "1212121212" and "abab" repeat their bigrams
+    assert doctor.repetition_rate([1, 2, 1, 2, 1, 2]) == pytest.approx(0.6) and doctor.repetition_rate([1, 2, 3]) == 0
+
+
+# ------------------------------------------------------------------------------------------ doctor runs (slow)
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A small on-task model (raw-text prompts, no chat template in its warm start) and addition prompts."""
+    from slime_lite.tasks import make_data
+    from slime_lite.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("doctor_model")
+    make_tiny_model(root / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                    warm_start_steps=800, warm_start_target=None)
+    make_data("addition", root / "data.jsonl", n_train=200, n_eval=20)
+    return str(root / "model"), str(root / "data.jsonl")
+
+
+def run_doctor(warm, out: Path, *extra: str, expect_rc: int) -> dict[str, dict]:
+    model, data = warm
+    argv = ["--hf-checkpoint", model, "--prompt-data", data, "--rm-type", "addition", "--rollout-max-response-len",
+            "6", "--use-kl-loss", "--kl-loss-coef", "0.01", "--lr", "1e-4", "--out", str(out), *extra]
+    rc = doctor.main(argv)  # prints the table (pytest -s shows it)
+    report = json.loads((out / "doctor.json").read_text())
+    assert rc == expect_rc, report
+    return {c["name"]: c for c in report["checks"]} | {"_report": report}
+
+
+def failed(checks: dict) -> set[str]:
+    return {n for n, c in checks.items() if not n.startswith("_") and not c["passed"]}
+
+
+@pytest.mark.slow
+def test_a_healthy_run_passes_every_check_and_keeps_its_dumps(warm, tmp_path):
+    checks = run_doctor(warm, tmp_path, expect_rc=0)
+    assert failed(checks) == set()
+    assert {"on_task_nll", "on_task_repetition", "on_task_valid_chars", "on_task_prompt_format", "step1_kl_zero",
+            "first_step_ppo_kl_zero", "train_rollout_logprob_diff", "grad_norm_finite", "weights_equal_after_push",
+            "weight_version_served", "iteration2_reload", "memory_headroom", "peak_memory/actor",
+            "peak_memory/engine"} <= set(checks)
+    assert checks["train_rollout_logprob_diff"]["value"] < 1e-4 and checks["step1_kl_zero"]["value"] == 0.0
+    for path in ("rollout_data/0.pt", "rollout_data/1.pt", "train_data/0.pt", "args.json", "metrics.jsonl"):
+        assert (tmp_path / path).is_file(), path
+    assert "localization" not in checks["_report"]
+
+
+@pytest.mark.slow
+def test_an_engine_that_never_receives_weights_fails_the_weight_and_iteration2_checks(warm, tmp_path):
+    checks = run_doctor(warm, tmp_path, "--debug-inject-fault", "skip-weight-push", "--lr", "1e-3",
+                        "--entropy-coef", "0.01", expect_rc=1)
+    assert {"weights_equal_after_push", "weight_version_served", "iteration2_reload"} <= failed(checks)
+    assert "never received the pushed weights" in checks["weights_equal_after_push"]["cause"]
+    assert checks["train_rollout_logprob_diff"]["passed"]  # iteration 1 still ran on the checkpoint's weights
+    assert checks["iteration2_reload"]["value"] > 1e-3 and "did not reload" in checks["iteration2_reload"]["cause"]
+    assert len(checks["_report"]["runs"]) == 2  # the stopped run, then the run without the weight check
+
+
+@pytest.mark.slow
+def test_a_swapped_pp_layer_mapping_fails_the_weight_check(warm, tmp_path):
+    checks = run_doctor(warm, tmp_path, "--debug-inject-fault", "swap-pp-layers", "--actor-num-gpus-per-node", "2",
+                        "--pipeline-model-parallel-size", "2", "--no-rerun", expect_rc=1)
+    check = checks["weights_equal_after_push"]
+    assert not check["passed"] and "layer-id mapping" in check["cause"] and "model.layers." in check["cause"]
+
+
+@pytest.mark.slow
+def test_an_engine_in_lower_precision_fails_the_logprob_check_and_names_the_dtype(warm, tmp_path):
+    checks = run_doctor(warm, tmp_path, "--engine-dtype", "bfloat16", expect_rc=1)
+    assert {"train_rollout_logprob_diff", "precision_match"} <= failed(checks)
+    assert "dtype cast" in checks["train_rollout_logprob_diff"]["cause"]
+    assert checks["_report"]["localization"]["first_divergent"] == "embedding"
+    assert checks["weights_equal_after_push"]["passed"]
+
+
+@pytest.mark.slow
+def test_a_temperature_mismatch_fails_the_logprob_check_and_is_localised_to_sampling(warm, tmp_path):
+    checks = run_doctor(warm, tmp_path, "--debug-inject-fault", "engine-temperature", expect_rc=1)
+    assert "train_rollout_logprob_diff" in failed(checks)
+    assert "temperature mismatch" in checks["train_rollout_logprob_diff"]["cause"]
+    loc = checks["_report"]["localization"]
+    assert loc["first_divergent"] is None and loc["extra"]["fitted_temperature"] == pytest.approx(1.5)
+    assert checks["weights_equal_after_push"]["passed"] and checks["precision_match"]["passed"]
+
+
+@pytest.mark.slow
+def test_prompts_formatted_unlike_the_warm_start_fail_the_on_task_check(warm, tmp_path):
+    checks = run_doctor(warm, tmp_path, "--apply-chat-template", expect_rc=1)
+    check = checks["on_task_prompt_format"]
+    assert not check["passed"] and "drop --apply-chat-template" in check["cause"]
+    assert failed(checks) <= {"on_task_prompt_format", "on_task_nll", "on_task_valid_chars", "on_task_repetition"}

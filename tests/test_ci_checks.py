@@ -1,0 +1,112 @@
+"""debug/ci_checks.py: the seed's checks as data, what --ci-test enforces and what the doctor reads from a run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from slime_lite.debug import ci_checks as cc
+
+HEALTHY = {
+    "rollout/log_probs": -0.7, "rollout/log_probs_ref_max_abs_diff": 0.0, "train/first_step/ppo_kl": 0.0,
+    "train/train_rollout_logprob_abs_diff": 4e-7, "train/first_step/grad_norm": 3.0, "rollout/weight_version": 0.0,
+    "perf/memory/actor/peak_rss_mb": 500.0, "perf/memory/engine/peak_rss_mb": 450.0,
+    "perf/memory/rollout_manager/peak_rss_mb": 300.0,
+}
+# the message weight_push.check_weights_equal raises, as the doctor reads it from the run's stderr
+WEIGHT_ERROR = (
+    "--check-weight-update-equal: engine http://127.0.0.1:1 holds weights that differ from the trainer's: "
+    "{n} differ {names}; 0 never pushed []. Likely causes: a name or layer-id mapping error under PP"
+)
+
+
+def make_args(**kw) -> argparse.Namespace:
+    base = dict(ci_logprob_diff_threshold=1e-3, ci_grad_norm_threshold=100.0, engine_dtype="auto", bf16=False,
+                rollout_device="cpu", hf_checkpoint=None, pipeline_model_parallel_size=1, actor_num_nodes=1,
+                actor_num_gpus_per_node=1, critic_num_nodes=1, critic_num_gpus_per_node=1, rollout_num_gpus=1,
+                rollout_num_gpus_per_engine=1, colocate=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_a_healthy_first_record_passes_every_check():
+    checks = by_name(cc.rollout_checks(make_args(), HEALTHY, first=True))
+    assert set(checks) >= {"step1_kl_zero", "first_step_ppo_kl_zero", "train_rollout_logprob_diff", "grad_norm_finite"}
+    assert all(c.passed and c.cause == "" for c in checks.values())
+
+
+def test_ci_test_stops_at_a_failure_naming_check_value_and_causes():
+    record = dict(HEALTHY, **{"rollout/log_probs_ref_max_abs_diff": 0.02})
+    with pytest.raises(cc.CiCheckFailed, match=r"step1_kl_zero failed at rollout 0: value 0.02.*non-deterministic"):
+        cc.enforce(make_args(), record, 0, first=True)
+    cc.enforce(make_args(), record, 1, first=False)  # step-1 KL is only asserted on the first rollout
+
+
+def test_a_nan_or_large_grad_norm_fails_and_the_nll_heuristic_is_only_advisory():
+    for bad in (math.nan, 1e4):
+        check = by_name(cc.rollout_checks(make_args(), dict(HEALTHY, **{"train/first_step/grad_norm": bad}), True))
+        assert not check["grad_norm_finite"].passed and "KL coefficient" in check["grad_norm_finite"].cause
+    cc.enforce(make_args(), dict(HEALTHY, **{"rollout/log_probs": -5.0}), 0, first=True)  # no raise
+
+
+def test_the_weight_check_names_a_pp_layer_mapping_error(tiny_model_dir):
+    names = "['model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.q_proj.bias']"
+    run = cc.TrainRun("/x", 2, 1.0, error=WEIGHT_ERROR.format(n=48, names=names))
+    check = cc.weight_check(run, make_args(hf_checkpoint=str(tiny_model_dir), pipeline_model_parallel_size=2))
+    assert not check.passed and check.value == 48.0
+    assert "layer-id mapping" in check.cause and "--pipeline-model-parallel-size 2" in check.cause
+
+
+def test_the_weight_check_names_a_push_that_never_arrived(tiny_model_dir):
+    from safetensors import safe_open
+
+    total = len(list(safe_open(str(tiny_model_dir / "model.safetensors"), framework="pt").keys()))
+    run = cc.TrainRun("/x", 2, 1.0, error=WEIGHT_ERROR.format(n=total, names="['model.embed_tokens.weight']"))
+    check = cc.weight_check(run, make_args(hf_checkpoint=str(tiny_model_dir)))
+    assert not check.passed and "never received the pushed weights" in check.cause
+    assert cc.weight_check(cc.TrainRun("/x", 0, 1.0), make_args()).passed
+    other = cc.weight_check(cc.TrainRun("/x", 2, 1.0, error="--prompt-data x: no such file"), make_args())
+    assert not other.passed and "never ran" in other.cause
+
+
+def test_weight_versions_must_follow_the_rollouts():
+    ok = cc.TrainRun("/x", 0, 1.0, records={0: {"rollout/weight_version": 0.0}, 1: {"rollout/weight_version": 1.0}})
+    assert cc.version_check(ok).passed
+    stale = cc.TrainRun("/x", 0, 1.0, records={0: {"rollout/weight_version": 0.0}, 1: {"rollout/weight_version": 0.0}})
+    check = cc.version_check(stale)
+    assert not check.passed and "rollout 1: 0" in check.cause and "never received" in check.cause
+
+
+def test_iteration2_tells_a_missed_reload_from_a_mismatch_from_the_start():
+    lp = "train/train_rollout_logprob_abs_diff"
+    missed = cc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 0.05}})
+    check = cc.iteration2(missed, make_args())
+    assert not check.passed and check.value == 0.05 and "did not reload" in check.cause
+    always = cc.iteration2(cc.TrainRun("/x", 0, 1.0, records={0: {lp: 0.2}, 1: {lp: 0.2}}), make_args())
+    assert not always.passed and "from the first iteration" in always.cause
+    stopped = cc.iteration2(cc.TrainRun("/x", 2, 1.0, error="boom", records={0: {lp: 1e-7}}), make_args())
+    assert not stopped.passed and stopped.name == "iteration2_ran" and "boom" in stopped.cause
+    assert cc.iteration2(cc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 2e-7}}), make_args()).passed
+
+
+def test_memory_rows_per_process_group_and_headroom():
+    run = cc.TrainRun("/x", 0, 1.0, records={0: HEALTHY, 1: dict(HEALTHY, **{"perf/memory/actor/peak_rss_mb": 600.0})})
+    checks = by_name(cc.memory_checks(run, make_args(actor_num_gpus_per_node=2)))
+    assert checks["peak_memory/actor"].value == 600.0 and "(x2)" in checks["peak_memory/actor"].threshold
+    assert checks["memory_headroom"].passed and 0 < checks["memory_headroom"].value < 1
+    huge = cc.TrainRun("/x", 0, 1.0, records={0: {"perf/memory/actor/peak_rss_mb": 1e9}})
+    low = by_name(cc.memory_checks(huge, make_args()))["memory_headroom"]
+    assert not low.passed and "--offload-train" in low.cause
+
+
+def test_an_engine_in_lower_precision_than_the_trainer_fails_the_precision_check():
+    assert cc.precision_check(make_args()).passed
+    check = cc.precision_check(make_args(engine_dtype="bfloat16"))
+    assert not check.passed and "bfloat16" in check.cause and "float32" in check.cause
+    assert cc.precision_check(make_args(engine_dtype="bfloat16", bf16=True)).passed
