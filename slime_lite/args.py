@@ -344,6 +344,12 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SlimeLiteError("--save-interval needs --save DIR.")
     if args.load is not None:
         _need_file(args.load, "--load")
+    if args.use_wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise SlimeLiteError("--use-wandb needs the wandb package: .venv/bin/pip install wandb (it logs offline "
+                                 "without a network).")
     if not args.debug_rollout_only:
         validate_train_args(args)
     from slime_lite.backends.sglang.launcher import check_sglang_args

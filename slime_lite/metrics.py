@@ -48,7 +48,7 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(args.tensorboard_dir or os.path.join(args.save or ".", "tensorboard"))
         if getattr(args, "use_wandb", False):
-            import wandb
+            import wandb  # validate_args checked that it is installed
 
             os.environ.setdefault("WANDB_MODE", "offline")
             self.wandb = wandb.init(project=args.wandb_project, dir=args.wandb_dir, config=_plain_args(args))

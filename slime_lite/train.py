@@ -71,7 +71,8 @@ def run(args) -> int:
         from slime_lite.backends.sglang.launcher import SGLangRouter
 
         router = SGLangRouter(urls)
-    manager = ray.remote(RolloutManager).options(num_cpus=0.5).remote(args, [router.start()] if router else urls)
+    manager = ray.remote(RolloutManager).options(num_cpus=0.5, max_concurrency=2).remote(
+        args, [router.start()] if router else urls)
 
     actor = critic = None
     start_rollout_id = 0
@@ -101,7 +102,7 @@ def run(args) -> int:
     done = 0
     for rollout_id in range(start_rollout_id, args.num_rollout):
         step_t0 = time.monotonic()
-        samples, record = ray.get(manager.generate.remote(rollout_id))
+        samples, record = wait_with_progress(manager, manager.generate.remote(rollout_id), rollout_id)
         if actor is not None:
             groups = [g for g in (actor, critic) if g is not None]
             t_swap = time.monotonic()
@@ -161,6 +162,25 @@ def run(args) -> int:
     if router is not None:
         router.stop()
     return 0
+
+
+def wait_with_progress(manager, ref, rollout_id: int):
+    """ray.get, with a progress bar of the rollout's finished samples when stderr is a terminal."""
+    import sys
+
+    import ray
+
+    if not sys.stderr.isatty():
+        return ray.get(ref)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn(f"rollout {rollout_id}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task("generate", total=None)
+        while not ray.wait([ref], timeout=0.2)[0]:
+            done, total = ray.get(manager.progress.remote())
+            bar.update(task, completed=done, total=total or None)
+    return ray.get(ref)
 
 
 class LogprobDiffWatch:

@@ -162,12 +162,13 @@ def repetition_rate(ids: list[int]) -> float:
     return 0.0 if len(grams) < 2 else 1.0 - len(set(grams)) / len(grams)
 
 
-def on_task_checks(args: Any, samples: list, log_probs: list | None, nll_threshold: float) -> list[Check]:
+def on_task_checks(args: Any, samples: list, log_probs: list | None, nll_threshold: float,
+                   missing: str = "no rollout dump: the run stopped before its first rollout was saved") -> list[Check]:
     """The gibberish score of step 1: trainer NLL per response token, repetition, share of valid characters."""
     from slime_lite.tiny_model import load_tokenizer
 
     if not samples:
-        return [Check(n, None, t, False, "no rollout dump: the run stopped before its first rollout was saved")
+        return [Check(n, None, t, False, missing)
                 for n, t in (("on_task_nll", f"< {nll_threshold:g}"), ("on_task_repetition", "< 0.5"),
                              ("on_task_valid_chars", ">= 0.9"))]
     tok = load_tokenizer(args.hf_checkpoint)
@@ -280,14 +281,14 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
         measured = run_train(train_argv(user_argv, os.path.join(out, "rerun"), weight_check=False),
                              os.path.join(out, "rerun"), timeout)
     samples, lps = _load_rollout(measured.out, 0)
-    checks = on_task_checks(args, samples, lps, nll_threshold)
+    checks = on_task_checks(args, samples, lps, nll_threshold, f"not measured: {measured.stopped}")
     if samples:
         checks.append(prompt_format_check(args, samples))
     first = measured.records.get(0, {})
     checks += [c for c in rollout_checks(args, first, first=True) if c.name != "step1_log_probs_small"]
     if "train/train_rollout_logprob_abs_diff" not in first:
         checks.append(_c("train_rollout_logprob_diff", None, f"< {args.ci_logprob_diff_threshold:g}", False,
-                         f"not measured: {measured.error or 'no rollout log-probs'}"))
+                         f"not measured: {measured.stopped if measured.error else 'no rollout log-probs'}"))
     checks += [precision_check(args), weight_check(run, args), version_check(measured), iteration2(measured, args)]
     checks += memory_checks(measured, args)
     report: dict[str, Any] = {"out": out, "runs": [_run_info(r) for r in ([run] if measured is run else [run, measured])]}
@@ -325,7 +326,7 @@ def _refine(by: dict[str, Check], loc: dict[str, Any] | None) -> None:
         if evidence:
             lp.cause = "; ".join(evidence)
     for name in ("on_task_nll", "on_task_repetition", "on_task_valid_chars"):
-        if not by[name].passed and weights_bad:
+        if not by[name].passed and weights_bad and by[name].value is not None:
             by[name].cause = "the engine generated with other weights than the trainer's (see weights_equal_after_push)"
 
 
@@ -385,6 +386,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet() -> None:
     """The doctor's own forwards (format check, localisation) need no progress bars or Megatron start-up lines."""
     import warnings
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -144,6 +144,13 @@ class TrainRun:
     def weight_check_failed(self) -> bool:
         return "--check-weight-update-equal" in self.error
 
+    @property
+    def stopped(self) -> str:
+        """Why the run ended early, short: the weight check's long message is shown once, in its own row."""
+        if self.weight_check_failed:
+            return "the run stopped at the weight check (see weights_equal_after_push)"
+        return f"the run stopped: {self.error}" if self.error else "the run stopped early"
+
 
 def dtype_name(args: Any, side: str) -> str:
     if side == "trainer":
@@ -217,7 +224,7 @@ def version_check(run: TrainRun) -> Check:
     name, threshold = "weight_version_served", "rollout r served by version r"
     seen = {r: rec.get("rollout/weight_version") for r, rec in sorted(run.records.items())}
     if not seen:
-        return _check(name, None, threshold, False, f"no rollout finished: {run.error}")
+        return _check(name, None, threshold, False, f"no rollout finished: {run.stopped}")
     bad = [r for r, v in seen.items() if v is None or int(v) != r]
     last = seen[max(seen)]
     shown = ", ".join(f"rollout {r}: {'none' if v is None else int(v)}" for r, v in seen.items())
@@ -230,7 +237,7 @@ def iteration2(run: TrainRun, args: Any) -> Check:
     """The second iteration ran on reloaded weights: its train/rollout log-prob diff and first-step ppo_kl."""
     base = iteration2_check(len(run.records))
     if not base.passed:
-        base.cause = f"{base.cause}. The run stopped: {run.error}" if run.error else base.cause
+        base.cause = f"{run.stopped}. {base.cause}" if run.error else base.cause
         return base
     rec = run.records[max(run.records)]
     diff = rec.get("train/train_rollout_logprob_abs_diff")
@@ -265,7 +272,7 @@ def memory_checks(run: TrainRun, args: Any, headroom: float = 0.1) -> list[Check
                 g = groups.setdefault(m.group(1), {})
                 g[m.group(2)] = max(g.get(m.group(2), 0.0), float(value))
     if not groups:
-        return [_check("peak_memory", None, "measured", False, f"no memory reported: {run.error or 'no iteration ran'}")]
+        return [_check("peak_memory", None, "measured", False, f"no memory reported: {run.stopped}")]
     counts = {"actor": args.actor_num_nodes * args.actor_num_gpus_per_node,
               "critic": args.critic_num_nodes * args.critic_num_gpus_per_node,
               "engine": max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine), "rollout_manager": 1}

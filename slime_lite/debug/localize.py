@@ -162,12 +162,11 @@ def compare_states(a: dict[str, Any], b: dict[str, Any], tol: float = DEFAULT_TO
     return diffs, first
 
 
-def _side(spec: str, default_dir: str, dtype: str) -> tuple[str, str, str]:
-    """(kind 'hf'|'megatron', weights dir, label) of a side spec."""
+def _side(spec: str, default_dir: str, dtype: str) -> tuple[str, str]:
+    """(kind 'hf'|'megatron', weights dir) of a side spec."""
     if spec == "megatron" or spec.startswith("megatron:"):
-        path = spec.partition(":")[2] or default_dir
-        return "megatron", path, f"Megatron ({dtype}, {path})"
-    return "hf", spec, f"HF ({dtype}, {spec})"
+        return "megatron", spec.partition(":")[2] or default_dir
+    return "hf", spec
 
 
 def localize(hf_dir_a: str, hf_dir_b_or_megatron: str, tokens: Sequence[int], *, dtype_a: str = "float32",
@@ -175,11 +174,14 @@ def localize(hf_dir_a: str, hf_dir_b_or_megatron: str, tokens: Sequence[int], *,
     """Run both sides on ``tokens`` layer by layer and name the first layer where they part beyond ``tol``."""
     if not tokens:
         raise SlimeLiteError("localize: no tokens to run.")
-    kind_b, dir_b, label_b = _side(str(hf_dir_b_or_megatron), str(hf_dir_a), dtype_b)
+    kind_b, dir_b = _side(str(hf_dir_b_or_megatron), str(hf_dir_a), dtype_b)
     states_a = hf_states(str(hf_dir_a), tokens, dtype_a)
     states_b = megatron_states(dir_b, tokens, dtype_b) if kind_b == "megatron" else hf_states(dir_b, tokens, dtype_b)
     layers, first = compare_states(states_a, states_b, tol)
-    loc = Localization(f"HF ({dtype_a}, {hf_dir_a})", label_b, tol, layers, first)
+    same = str(dir_b) == str(hf_dir_a)
+    label_a = f"HF ({dtype_a}{'' if same else ', ' + str(hf_dir_a)})"
+    label_b = f"{'Megatron' if kind_b == 'megatron' else 'HF'} ({dtype_b}{'' if same else ', ' + str(dir_b)})"
+    loc = Localization(label_a, label_b, tol, layers, first, extra={"weights": [str(hf_dir_a), str(dir_b)]})
     if first is not None and dtype_a != dtype_b:
         loc.notes.append(f"the two sides run in different precisions ({dtype_a} vs {dtype_b}): a dtype cast")
     loc.extra["logits_a"] = states_a["logits"]

@@ -161,7 +161,8 @@ class Scheduler:
         self._inbox.put(("add", req))
 
     def abort(self, rid: str | None = None, message: str = "aborted by /abort_request") -> None:
-        """Abort the request ``rid`` (and its ``rid_i`` children), or every request when ``rid`` is None."""
+        """Abort the request ``rid`` and the ``rid_<i>`` requests a batch or ``n`` made of it, or every request
+        when ``rid`` is None. Aborted requests return what they generated, with finish reason ``abort``."""
         self._inbox.put(("abort", rid, message))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:

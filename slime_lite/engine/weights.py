@@ -90,8 +90,8 @@ class Weights:
         device = self.model.get_input_embeddings().weight.device
         if backend == "nccl" and device.type != "cuda":
             raise WeightError("backend 'nccl' needs the engine on CUDA; use 'gloo' for a CPU engine")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # NCCL works on the current device
         self.groups[group_name] = WeightUpdateGroup(master_address, int(master_port), int(rank_offset),
                                                     int(world_size), backend, group_name)
 

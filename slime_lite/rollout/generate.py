@@ -81,6 +81,7 @@ class Generator:
         )
         path = args.dynamic_sampling_filter_path
         self.filter_fn = load_function(path, "--dynamic-sampling-filter-path") if path else None
+        self.progress = [0, 0]  # samples finished, samples wanted (read by the driver's progress bar)
 
     def _encode(self, prompt: Prompt) -> tuple[str, list[int]]:
         text = render_prompt(prompt.prompt, self.tokenizer, self.args.apply_chat_template)
@@ -98,6 +99,7 @@ class Generator:
             t1 = time.monotonic()
             sample.reward = await compute_reward(self.args, sample)
             sample.non_generation_time = time.monotonic() - t1
+            self.progress[0] += 1
             sample.metadata["generation_time"] = t1 - t0
             return sample
 
@@ -111,6 +113,7 @@ class Generator:
         kept: list[list[Sample]] = []
         generated = dropped = 0
         next_index = 0  # per rollout, so sampling seeds depend only on (seed, rollout id, position): resumable
+        self.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
         seed_base = a.rollout_seed * 1_000_003 + rollout_id * 100_003
         for _ in range(100):  # bounded: a filter that never keeps a group stops the run, not hangs it
             prompts = source.next_batch(wave)

@@ -115,6 +115,9 @@ class RolloutManager:
         metrics["perf/eval_time"] = time.monotonic() - t0
         return metrics
 
+    def progress(self) -> list[int]:
+        return list(self.generator.progress) if self.generator is not None else [0, 0]
+
     def close(self) -> None:
         if self.generator is not None and self.args.engine_client is not None:
             self._run(self.args.engine_client.close())
