@@ -40,8 +40,11 @@ def inprocess_rollout(model: str, prompts: list[list[int]], n: int, params: dict
             for j in range(n):
                 idx = i * n + j
                 sp = SamplingParams.from_dict(dict(params, sampling_seed=seed_base + idx))
-                reqs.append(Request(rid=f"r{idx}", input_ids=ids, params=sp, seed=seed_base + idx,
-                                    return_logprob=True, on_output=on_output))
+                req = Request(rid=f"r{idx}", input_ids=ids, params=sp,
+                              seed=sched.derive_seed(seed_base + idx, f"r{idx}"), return_logprob=True,
+                              on_output=on_output)
+                sched.prepare(req)
+                reqs.append(req)
         t0 = time.perf_counter()
         for r in reqs:
             sched.submit(r)

@@ -44,11 +44,8 @@ def new_group(prompt: Prompt, n: int, group_index: int, first_index: int, text: 
     ]
 
 
-async def default_generate(args: Any, sample: Sample, params: dict[str, Any]) -> Sample:
-    """slime's generate signature; sends the prompt ids to an engine and fills the response fields."""
-    client: AsyncEngineClient = args.engine_client
-    body = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
-    out = await client.generate(body)
+def fill_response(sample: Sample, out: dict[str, Any]) -> Sample:
+    """Copy one /generate result (SGLang's response shape) into the sample."""
     meta = out["meta_info"]
     ids = list(out["output_ids"])
     logprobs = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
@@ -63,6 +60,20 @@ async def default_generate(args: Any, sample: Sample, params: dict[str, Any]) ->
     sample.prefix_cache_info.cached_tokens = int(meta.get("cached_tokens") or 0)
     sample.prefix_cache_info.total_prompt_tokens = int(meta.get("prompt_tokens") or 0)
     return sample
+
+
+async def default_generate(args: Any, sample: Sample, params: dict[str, Any]) -> Sample:
+    """slime's generate signature; sends the prompt ids to an engine and fills the response fields."""
+    body = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
+    return fill_response(sample, await args.engine_client.generate(body))
+
+
+async def generate_group(args: Any, group: list[Sample], params: list[dict[str, Any]]) -> list[Sample]:
+    """A prompt group in one /generate call (a list of prompts, one sampling-params dict each): one HTTP round
+    trip instead of n; the engine batches them as it would n separate requests."""
+    body = {"input_ids": [s.tokens for s in group], "sampling_params": params, "return_logprob": True}
+    outs = await args.engine_client.generate(body)
+    return [fill_response(s, out) for s, out in zip(group, outs)]
 
 
 class Generator:
@@ -90,20 +101,29 @@ class Generator:
     async def _run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int) -> list[Sample]:
         from slime_lite.rollout.rewards import compute_reward
 
-        async def one(sample: Sample) -> Sample:
-            p = dict(params, sampling_seed=seed_base + sample.index)
-            sample.metadata["sampling_params"] = p
-            sample.generate_function_path = self.args.custom_generate_function_path
-            t0 = time.monotonic()
-            sample = await call_maybe_async(self.generate_fn, self.args, sample, p)
+        per_sample = [dict(params, sampling_seed=seed_base + s.index) for s in group]
+        for s, p in zip(group, per_sample):
+            s.metadata["sampling_params"] = p
+            s.generate_function_path = self.args.custom_generate_function_path
+
+        async def reward(sample: Sample, t0: float) -> Sample:
             t1 = time.monotonic()
             sample.reward = await compute_reward(self.args, sample)
             sample.non_generation_time = time.monotonic() - t1
-            self.progress[0] += 1
             sample.metadata["generation_time"] = t1 - t0
+            self.progress[0] += 1
             return sample
 
-        return list(await asyncio.gather(*(one(s) for s in group)))
+        t0 = time.monotonic()
+        if self.generate_fn is default_generate:
+            group = await generate_group(self.args, group, per_sample)
+            return list(await asyncio.gather(*(reward(s, t0) for s in group)))
+
+        async def one(sample: Sample, p: dict[str, Any]) -> Sample:
+            sample = await call_maybe_async(self.generate_fn, self.args, sample, p)
+            return await reward(sample, t0)
+
+        return list(await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample))))
 
     async def rollout(self, rollout_id: int, source: PromptSource) -> tuple[list[Sample], dict[str, float]]:
         """``--rollout-batch-size`` groups of ``--n-samples-per-prompt``; over-sample and filter when asked."""
