@@ -11,6 +11,7 @@ train/rollout log-probs disagree it localises the first mismatching sample layer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from slime_lite.debug.ci_checks import (
     Check, TrainRun, cuda_available, dtype_name, iteration2, make_check as _c, memory_checks, precision_check,
@@ -101,8 +102,11 @@ def _clean(out: str) -> None:
     os.makedirs(out, exist_ok=True)
 
 
-def run_train(argv: list[str], out: str, timeout: float) -> TrainRun:
-    """Run ``slime-lite train argv`` (its output to OUT/train.log); read back its metrics."""
+RAY_START_FAILURE = "timed out during startup"  # Ray's own start-up failure on an overloaded host: worth one retry
+
+
+def run_train(argv: list[str], out: str, timeout: float, retries: int = 1) -> TrainRun:
+    """Run ``slime-lite train argv`` (its output to OUT/train.log); read back its error line and metrics."""
     _clean(out)
     log_path = os.path.join(out, "train.log")
     cmd = [sys.executable, "-m", "slime_lite.cli", "train", *argv]
@@ -117,14 +121,18 @@ def run_train(argv: list[str], out: str, timeout: float) -> TrainRun:
             proc.wait()
             rc = -9
     text = open(log_path, encoding="utf-8", errors="replace").read()
+    if rc and RAY_START_FAILURE in text and retries > 0:
+        log.warning("doctor: Ray did not start (host overloaded?); trying once more")
+        return run_train(argv, out, timeout, retries - 1)
     errors = [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
     error = errors[-1] if errors else ""
     if rc == -9:
         error = f"the run did not finish within {timeout:g}s (see {log_path})"
     elif rc and not error:
-        tail = [line for line in text.splitlines() if line.strip()][-3:]
-        error = f"exit code {rc}: " + " | ".join(tail)
-    run = TrainRun(out, rc, time.monotonic() - t0, error, log_path, len(re.findall(r"weight check: \d+ parameters equal", text)))
+        last = [line.strip() for line in text.splitlines() if line.strip()][-1:]
+        error = f"exit code {rc}: {last[0] if last else 'no output'} (see {log_path})"
+    checked = len(re.findall(r"weight check: \d+ parameters equal", text))
+    run = TrainRun(out, rc, time.monotonic() - t0, error, log_path, checked)
     path = os.path.join(out, "metrics.jsonl")
     if os.path.exists(path):
         for line in open(path, encoding="utf-8"):
@@ -232,7 +240,7 @@ def prompt_format_check(args: Any, samples: list, max_prompts: int = 8, margin: 
                 logits = model(input_ids=ids).logits[0, len(p) - 1: -1].float()
             total -= float(torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None]).sum())
             count += len(t)
-        return total / count
+        return total / max(count, 1)
 
     used, other = nll(args.apply_chat_template), nll(not args.apply_chat_template)
     what = "with" if args.apply_chat_template else "without"
@@ -283,7 +291,8 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
     samples, lps = _load_rollout(measured.out, 0)
     checks = on_task_checks(args, samples, lps, nll_threshold, f"not measured: {measured.stopped}")
     if samples:
-        checks.append(prompt_format_check(args, samples))
+        with quiet():
+            checks.append(prompt_format_check(args, samples))
     first = measured.records.get(0, {})
     checks += [c for c in rollout_checks(args, first, first=True) if c.name != "step1_log_probs_small"]
     if "train/train_rollout_logprob_abs_diff" not in first:
@@ -291,12 +300,14 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
                          f"not measured: {measured.stopped if measured.error else 'no rollout log-probs'}"))
     checks += [precision_check(args), weight_check(run, args), version_check(measured), iteration2(measured, args)]
     checks += memory_checks(measured, args)
-    report: dict[str, Any] = {"out": out, "runs": [_run_info(r) for r in ([run] if measured is run else [run, measured])]}
+    runs = [run] if measured is run else [run, measured]
+    report: dict[str, Any] = {"out": out, "runs": [_run_info(r) for r in runs]}
     by = {c.name: c for c in checks}
     lp = by["train_rollout_logprob_diff"]
     if localize and not lp.passed and lp.value is not None:
         try:
-            report["localization"] = localize_mismatch(measured, args)
+            with quiet():
+                report["localization"] = localize_mismatch(measured, args)
         except Exception as exc:  # a diagnosis aid: never hide the table behind it
             log.warning("doctor: localisation failed: %s", exc)
             report["localization"] = {"summary": f"localisation failed: {exc}"}
@@ -383,24 +394,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _quiet() -> None:
-    """The doctor's own forwards (format check, localisation) need no progress bars or Megatron start-up lines."""
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The doctor's own forwards (format check, localisation) without progress bars or Megatron start-up lines."""
     import warnings
 
+    from transformers.utils import logging as hf_logging
+
+    loggers = {name: logging.getLogger(name) for name in ("megatron", "slime_lite.backends")}
+    levels = {name: lg.level for name, lg in loggers.items()}
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    for lg in loggers.values():
+        lg.setLevel(logging.WARNING)
     try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
-    for name in ("megatron", "slime_lite.backends"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for name, lg in loggers.items():
+            lg.setLevel(levels[name])
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,7 +426,6 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     ours, rest = build_parser().parse_known_args(argv)
-    _quiet()
     report = diagnose(rest, os.path.abspath(ours.out), ours.run_timeout, rerun=not ours.no_rerun,
                       localize=not ours.no_localize, nll_threshold=ours.nll_threshold)
     print_report(report)

@@ -4,7 +4,8 @@
 (a path) or with Megatron-core (``"megatron"`` or ``"megatron:PATH"``; TP=1, PP=1, this process as a one-rank job,
 weights read from PATH, default ``hf_dir_a``). Forward hooks record the embedding output, every decoder layer's
 output, the final norm and the logits; each is compared as ``max|a - b| / max|a|`` and the first one past
-``tol`` is named. ``localize_sample`` does this for a dumped sample and also checks the rollout log-probs against
+``tol`` is named (hooks rather than ``output_hidden_states``, whose last entry is already normed and so hides the
+last layer's own output). ``localize_sample`` does this for a dumped sample and also checks the rollout log-probs against
 side A's logits, fitting the sampling temperature that explains them.
 """
 
@@ -118,7 +119,8 @@ def megatron_states(hf_dir: str, tokens: Sequence[int], dtype: str = "float32") 
     rng = torch.get_rng_state()
     if owned:
         parallel.init_distributed(1, 1, 0, 1, "127.0.0.1", _free_port())
-    elif (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (1, 1):
+    elif (parallel_state.get_tensor_model_parallel_world_size(),
+          parallel_state.get_pipeline_model_parallel_world_size()) != (1, 1):
         raise SlimeLiteError("localize: Megatron is already initialised with TP or PP > 1 in this process; "
                              "call it from a process without a model-parallel job.")
     try:
@@ -144,7 +146,8 @@ def megatron_states(hf_dir: str, tokens: Sequence[int], dtype: str = "float32") 
         torch.set_rng_state(rng)
 
 
-def compare_states(a: dict[str, Any], b: dict[str, Any], tol: float = DEFAULT_TOL) -> tuple[list[LayerDiff], str | None]:
+def compare_states(a: dict[str, Any], b: dict[str, Any],
+                   tol: float = DEFAULT_TOL) -> tuple[list[LayerDiff], str | None]:
     """Per-layer differences in side A's order, and the first layer past ``tol`` (None when all agree)."""
     if list(a) != list(b):
         raise SlimeLiteError(f"localize: the two models have different layers: {list(a)} vs {list(b)} "
@@ -153,7 +156,8 @@ def compare_states(a: dict[str, Any], b: dict[str, Any], tol: float = DEFAULT_TO
     for name in a:
         x, y = a[name], b[name]
         if x.shape != y.shape:
-            raise SlimeLiteError(f"localize: {name} has shape {tuple(x.shape)} on one side, {tuple(y.shape)} on the other.")
+            raise SlimeLiteError(f"localize: {name} has shape {tuple(x.shape)} on one side, {tuple(y.shape)} on "
+                                 "the other.")
         abs_diff = float((x - y).abs().max()) if x.numel() else 0.0
         rel = abs_diff / max(float(x.abs().max()), 1e-12)
         diffs.append(LayerDiff(name, abs_diff, rel))
@@ -210,15 +214,13 @@ def fit_temperature(logits: Any, tokens: Sequence[int], prompt_len: int, rollout
 
 
 def first_mismatch(samples: list, train_log_probs: list, threshold: float) -> int | None:
-    """Index of the sample whose train/rollout log-prob difference is largest, if any exceeds ``threshold``."""
-    worst, worst_i = threshold, None
+    """Index of the first sample whose train and rollout log-probs differ by more than ``threshold`` at some token."""
     for i, (s, lp) in enumerate(zip(samples, train_log_probs)):
         if s.rollout_log_probs is None or lp is None:
             continue
-        d = max((abs(float(x) - float(r)) for x, r in zip(lp, s.rollout_log_probs)), default=0.0)
-        if d > worst:
-            worst, worst_i = d, i
-    return worst_i
+        if any(not abs(float(x) - float(r)) <= threshold for x, r in zip(lp, s.rollout_log_probs)):
+            return i
+    return None
 
 
 def localize_sample(sample: Any, weights_dir: str, *, engine_dtype: str = "float32", trainer_dtype: str = "float32",

@@ -30,30 +30,45 @@ def test_step1_invariants(tiny_model_dir, replay_dumps, tmp_path, train_cli, met
     assert first["train/train_rollout_logprob_abs_diff"] < 1e-5
 
 
-@pytest.mark.parametrize("tp,pp,gpus", [(2, 1, 2), (1, 2, 2), (1, 1, 2)])
-def test_parallelism_invariance(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of, tp, pp, gpus):
-    ref = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "ref", "--num-rollout", "1"))
+@pytest.fixture(scope="module")
+def single_gpu_metrics(tiny_model_dir, replay_dumps, tmp_path_factory, train_cli, metrics_of):
+    out = tmp_path_factory.mktemp("ref")
+    ref = train_cli(args_for(tiny_model_dir, replay_dumps, out, "ref", "--num-rollout", "1"))
     assert ref.returncode == 0, ref.stderr[-3000:]
+    return metrics_of(out / "ref.jsonl")[0]
+
+
+@pytest.mark.parametrize("tp,pp,gpus", [(2, 1, 2), (1, 2, 2), (1, 1, 2)])
+def test_parallelism_invariance(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of, single_gpu_metrics,
+                                tp, pp, gpus):
     proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "par", "--num-rollout", "1",
                               "--actor-num-gpus-per-node", str(gpus), "--tensor-model-parallel-size", str(tp),
                               "--pipeline-model-parallel-size", str(pp)))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = metrics_of(tmp_path / "ref.jsonl")[0], metrics_of(tmp_path / "par.jsonl")[0]
+    a, b = single_gpu_metrics, metrics_of(tmp_path / "par.jsonl")[0]
     for key in ("train/loss", "train/grad_norm", "train/entropy_loss", "rollout/log_probs"):
         assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-6), (key, a[key], b[key])
 
 
-def test_replay_twice_is_bitwise_identical(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of):
-    for name in ("one", "two"):
-        proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, name))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # noqa: E731
-    assert strip(metrics_of(tmp_path / "one.jsonl")) == strip(metrics_of(tmp_path / "two.jsonl"))
+@pytest.fixture(scope="module")
+def full_run(tiny_model_dir, replay_dumps, tmp_path_factory, train_cli, metrics_of):
+    out = tmp_path_factory.mktemp("full")
+    proc = train_cli(args_for(tiny_model_dir, replay_dumps, out, "full"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return metrics_of(out / "full.jsonl")
 
 
-def test_resume_matches_uninterrupted(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of):
-    full = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "full"))
-    assert full.returncode == 0, full.stderr[-3000:]
+def strip_perf(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def test_replay_twice_is_bitwise_identical(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of, full_run):
+    proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "two"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert strip_perf(full_run) == strip_perf(metrics_of(tmp_path / "two.jsonl"))
+
+
+def test_resume_matches_uninterrupted(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of, full_run):
     ckpt = tmp_path / "ckpt"
     part = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "part", "--num-rollout", "1", "--save",
                               str(ckpt), "--save-interval", "1"))
@@ -63,8 +78,7 @@ def test_resume_matches_uninterrupted(tiny_model_dir, replay_dumps, tmp_path, tr
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = metrics_of(tmp_path / "resumed.jsonl")
     assert [r["rollout_id"] for r in rows] == [1]
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("perf/")}  # noqa: E731
-    assert strip(rows[0]) == strip(metrics_of(tmp_path / "full.jsonl")[1])
+    assert strip_perf(rows) == strip_perf(full_run[1:])
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,8 @@ def test_the_gibberish_score_separates_answers_from_noise(tiny_model_dir):
     args = argparse.Namespace(hf_checkpoint=str(tiny_model_dir), rm_type="addition")
     good = {c.name: c for c in doctor.on_task_checks(args, *_samples(tok, ["15", "105", "7"], -0.4), 1.5)}
     assert all(c.passed for c in good.values()) and good["on_task_nll"].value == pytest.approx(0.4)
-    bad = {c.name: c for c in doctor.on_task_checks(args, *_samples(tok, ["1212121212", "abababab", "x#x#x#x#"], -4.0), 1.5)}
+    noise = _samples(tok, ["1212121212", "abababab", "x#x#x#x#"], -4.0)
+    bad = {c.name: c for c in doctor.on_task_checks(args, *noise, 1.5)}
     assert not bad["on_task_nll"].passed and "weights not loaded" in bad["on_task_nll"].cause
     assert not bad["on_task_valid_chars"].passed and bad["on_task_valid_chars"].value == pytest.approx(10 / 26)
     assert not bad["on_task_repetition"].passed    # each response repeats its bigrams

@@ -79,3 +79,12 @@ def test_localize_sample_names_a_temperature_mismatch(tiny_model_dir):
     assert loc.first_divergent is None
     assert loc.extra["fitted_temperature"] == pytest.approx(1.5)
     assert "temperature 1.5" in loc.summary() and "temperature mismatch" in loc.summary()
+
+
+def test_first_mismatch_picks_the_first_sample_past_the_threshold():
+    from slime_lite.debug.localize import first_mismatch
+
+    samples = [Sample(response_length=2, rollout_log_probs=r) for r in ([-1.0, -2.0], [-1.0, -2.5], [-3.0, -2.0])]
+    train = [[-1.0, -2.0 + 1e-6], [-1.0, -2.0], [-1.0, -2.0]]
+    assert first_mismatch(samples, train, 1e-3) == 1
+    assert first_mismatch(samples[:1], train[:1], 1e-3) is None
