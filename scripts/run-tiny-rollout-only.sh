@@ -3,6 +3,7 @@
 # Extra arguments are appended to the `slime-lite train` line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/lib.sh
 bash scripts/prepare-tiny.sh
 OUT=${OUT:-runs/tiny/rollout_only}
 
@@ -16,11 +17,6 @@ EVAL_ARGS=(--eval-interval 1 --eval-prompt-data addition runs/tiny/data/addition
 CLUSTER_ARGS=(--rollout-num-gpus 1 --rollout-num-gpus-per-engine 1)
 DEBUG_ARGS=(--debug-rollout-only --save-debug-rollout-data "$OUT/data_{rollout_id}.pt")
 
-CMD=(slime-lite train "${MODEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${DEBUG_ARGS[@]}"
-     --metrics-path "$OUT/metrics.jsonl" "$@")
-if [ -n "${RAY_ADDRESS:-}" ]; then
-  .venv/bin/ray job submit --working-dir . -- .venv/bin/"${CMD[@]}"
-else
-  .venv/bin/"${CMD[@]}"
-fi
+run_train "${MODEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${DEBUG_ARGS[@]}" \
+  --metrics-path "$OUT/metrics.jsonl" "$@"
 .venv/bin/slime-lite display-rollouts --load-debug-rollout-data "$OUT/data_{rollout_id}.pt" --max-samples 4
