@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -62,11 +63,14 @@ def count_tokens(rows: list[list[int]], stops: set[int] | None) -> int:
     return total
 
 
-def run_hf(model, prompts: list[list[int]], batch: int, max_new: int, stops: list[int] | None) -> int:
+def run_hf(model, prompts: list[list[int]], batch: int, max_new: int, stops: list[int] | None,
+           static: bool = False) -> int:
+    """``static``: transformers' static KV cache, with which ``generate`` compiles the decode step itself."""
     from transformers import GenerationConfig
 
+    extra = {"cache_implementation": "static"} if static else {}
     gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new,
-                          eos_token_id=stops, pad_token_id=stops[0] if stops else 0)
+                          eos_token_id=stops, pad_token_id=stops[0] if stops else 0, **extra)
     model.generation_config.eos_token_id = None  # stop only where told (the engine read its eos ids at start)
     total = 0
     dev = model.device
@@ -144,6 +148,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="equal,mixed")
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per method; the best counts")
+    ap.add_argument("--hf-static-batches", default="",
+                    help="batch sizes at which to also time generate with the static cache (compiled; equal only)")
+    ap.add_argument("--disable-cuda-graph", action="store_true", help="the engine decodes eagerly")
     args = ap.parse_args()
 
     from slime_lite.engine.server import EngineServer
@@ -154,7 +161,8 @@ def main() -> None:
     rows = []
     for b in batch_sizes:
         server = EngineServer(model_dir, device=args.device, dtype=args.dtype, max_running_requests=b,
-                              kv_cache_tokens=b * (args.prompt_len + args.max_new_tokens))
+                              kv_cache_tokens=b * (args.prompt_len + args.max_new_tokens),
+                              cuda_graph=False if args.disable_cuda_graph else None)
         server.start()
         hf = server.scheduler.hf  # the same weights, dtype and device as the engine
         vocab = hf.config.vocab_size
@@ -172,12 +180,20 @@ def main() -> None:
             if not args.no_http:
                 runs["http"] = (run_engine_http, server.url, prompts)
             row = {"workload": workload, "batch": b, "requests": n_req}
+            if workload == "equal" and str(b) in args.hf_static_batches.split(","):
+                start = time.perf_counter()  # warm-up at the timed shape: compiles the decode step
+                run_hf(hf, prompts[:b], b, args.max_new_tokens, stops, True)
+                row["hfs_warmup_s"] = time.perf_counter() - start
+                runs["hfs"] = (functools.partial(run_hf, static=True), hf, prompts, b)
             for _ in range(args.repeats):  # interleaved; the best run of each counts (shared machines are noisy)
                 for key, (fn, *fn_args) in runs.items():
                     n, secs, cpu = timed(fn, *fn_args, args.max_new_tokens, stops)
                     row[f"{key}_tok"] = n
                     row[f"{key}_tps"] = max(row.get(f"{key}_tps", 0.0), n / secs)
                     row[f"{key}_cpu"] = max(row.get(f"{key}_cpu", 0.0), n / cpu)
+            dec = server.scheduler.decoder
+            if dec is not None:
+                row["graphs"], row["capture_s"] = len(dec.graphs), dec.capture_seconds
             rows.append(row)
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         server.stop()
@@ -198,6 +214,9 @@ def main() -> None:
                 f"{r['eng_tps'] / r['hf_tps']:>5.2f} {r['eng_cpu'] / r['hf_cpu']:>6.2f}")
         if "http_tps" in r:
             line += f" {r['http_tps']:>10.0f} {r['http_tps'] / r['hf_tps']:>5.2f} {r['http_cpu'] / r['hf_cpu']:>6.2f}"
+        if "hfs_tps" in r:
+            line += (f"  | HF static-cache tok/s {r['hfs_tps']:.0f} (warm-up {r['hfs_warmup_s']:.0f} s), "
+                     f"engine x static {r['eng_tps'] / r['hfs_tps']:.2f}")
         print(line)
     tmp.cleanup()
 

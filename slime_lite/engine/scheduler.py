@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from slime_lite.engine.cuda_graph import PaddedDecoder
 from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.sampling import SamplingParams, mix64, sample
 from slime_lite.engine.weights import Weights
@@ -96,7 +97,8 @@ class Scheduler:
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
                  device: str | None = None, seed: int = 0, max_running_requests: int = 64,
-                 kv_cache_tokens: int | None = None, cpu_threads: int | None = None) -> None:
+                 kv_cache_tokens: int | None = None, cpu_threads: int | None = None, cuda_graph: bool | None = None,
+                 cuda_graph_max_bs: int | None = None) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -131,6 +133,13 @@ class Scheduler:
         self.lm = CausalLM(self.hf, self.slot_len)
         self.weights = Weights(self.hf)
         self.cache = self.lm.new_cache(self.max_running, self.slot_len)
+        # Padded decode steps (CUDA graphs on CUDA): on by default on CUDA; cuda_graph=True on CPU runs them eagerly.
+        if cuda_graph is None:
+            cuda_graph = self.device.type == "cuda"
+        self.decoder: PaddedDecoder | None = None
+        if cuda_graph:
+            max_bs = min(self.max_running, int(cuda_graph_max_bs or self.max_running))
+            self.decoder = PaddedDecoder(self.lm, self.cache, max_bs, capture=self.device.type == "cuda")
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
         self.paused = False
@@ -238,6 +247,16 @@ class Scheduler:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
 
+    @property
+    def _graphs_live(self) -> bool:
+        """Captured CUDA graphs hold the KV cache's address: it stays allocated (at its flag-given size)."""
+        return self.decoder is not None and bool(self.decoder.graphs)
+
+    def _free_cache(self) -> None:
+        if self.decoder is not None:
+            self.decoder.reset()
+        self.cache.free()
+
     def _can_step(self) -> bool:
         return not self.paused and "weights" not in self.released and bool(self.waiting or self.running)
 
@@ -303,7 +322,7 @@ class Scheduler:
             del self.running[req.slot]
             heapq.heappush(self._free_slots, req.slot)
             req.slot = -1
-            if not self.running:
+            if not self.running and not self._graphs_live:
                 self.cache.free()  # memory does not grow from batch to batch
         else:
             try:
@@ -376,8 +395,12 @@ class Scheduler:
         slots = sorted(self.running)
         reqs = [self.running[s] for s in slots]
         dev = self.lm.device
-        tokens = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
+        tokens = [r.output_ids[-1] for r in reqs]
         pos = [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs]
+        if self.decoder is not None and slots[-1] < self.decoder.max_bs:
+            self._sample_and_append(reqs, self.decoder.run(slots, tokens, pos))
+            return
+        tokens = torch.tensor(tokens, device=dev)
         contiguous = slots[-1] - slots[0] + 1 == len(slots)
         hidden = self.lm.decode(tokens, torch.tensor(pos, device=dev), torch.tensor(slots, device=dev), self.cache,
                                 kv_len=max(pos) + 1, slot_range=(slots[0], slots[-1] + 1) if contiguous else None,
@@ -435,7 +458,7 @@ class Scheduler:
                 heapq.heappush(self._free_slots, slot)
                 req.slot = -1
                 self.waiting.appendleft(req)
-            self.cache.free()
+            self._free_cache()
         self.paused = True
         logger.info("generation paused (%s): %d running, %d waiting", mode, len(self.running), len(self.waiting))
 
@@ -447,7 +470,7 @@ class Scheduler:
         if self.running or self.waiting:
             raise EngineBusy(f"cannot flush the cache with {len(self.running)} running and "
                              f"{len(self.waiting)} waiting requests")
-        self.cache.free()
+        self._free_cache()
 
     def release_memory(self, tags: list[str] | None) -> str:
         tags = set(tags or ("weights", "kv_cache"))
@@ -460,7 +483,7 @@ class Scheduler:
         if "weights" in tags and "weights" not in self.released:
             self.lm.layers, self.lm.cos, self.lm.sin = [], None, None  # drop the fused tensors' GPU memory
             self.hf.to("cpu")
-        self.cache.free()
+        self._free_cache()
         torch.cuda.empty_cache()
         self.released |= tags
         logger.info("released GPU memory %s", sorted(tags))

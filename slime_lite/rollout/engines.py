@@ -37,7 +37,8 @@ class EngineActor:
         else:
             from slime_lite.engine.server import EngineServer
 
-            kwargs = {"max_running_requests": a.engine_max_running_requests}
+            kwargs = {"max_running_requests": a.engine_max_running_requests,
+                      "cuda_graph": False if getattr(a, "engine_disable_cuda_graph", False) else None}
             if a.engine_kv_cache_tokens:
                 kwargs["kv_cache_tokens"] = a.engine_kv_cache_tokens
             self.server = EngineServer(

@@ -1,0 +1,133 @@
+"""Decode steps over padded, fixed-shape batches, replayed from CUDA graphs on CUDA (``--disable-cuda-graph``: off).
+
+A decode step of the eager engine launches ~30 small kernels per layer from Python; on a GPU the host, not the GPU,
+sets the pace. Here a step runs with fixed shapes so that, as SGLang's CUDA-graph runner does, one graph per shape
+is captured on first use and replayed after, a few microseconds of host time per step.
+
+Row ``i`` of a padded step is batch slot ``i``: a step over running slots ``S`` runs rows ``0..B-1``, ``B`` the
+smallest batch bucket above ``max(S)``, and attends over the first ``L`` cache positions, ``L`` the smallest length
+bucket above the longest position. Idle rows decode token 0 at position 0 of their own, unused, slot. Every tensor a
+step touches (the static inputs and output, the KV cache, the weights, the rotary table) keeps its address while
+graphs live: weight updates copy into the parameters in place and need no new capture. When the cache or the weight
+storage is replaced (memory release and resume, cache flush), the graphs are dropped and captured again on use.
+
+Neither Hugging Face's static cache nor ``torch.compile`` fits here: the static cache holds one position for the
+whole batch (continuous batching has a position per request), and compiling per (batch, length) shape costs tens of
+seconds each. ``torch.cuda.CUDAGraph`` over the engine's own step needs no compiler.
+
+On CPU there is nothing to capture; ``cuda_graph=True`` there runs the same padded steps eagerly (tests use it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from slime_lite.engine.model import CausalLM, KVCache
+
+logger = logging.getLogger(__name__)
+
+MIN_LEN_BUCKET = 64
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to 64, multiples of 32 up to 256, of 64 after; ``max_bs`` last."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, 257, 32)) + list(range(320, max_bs + 1, 64))
+    return sorted({s for s in sizes if s < max_bs} | {max_bs})
+
+
+def length_buckets(max_len: int) -> list[int]:
+    """Powers of two from ``MIN_LEN_BUCKET``, with ``max_len`` last."""
+    sizes, n = [], MIN_LEN_BUCKET
+    while n < max_len:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_len]
+
+
+def _ceil(buckets: list[int], n: int) -> int:
+    return buckets[bisect.bisect_left(buckets, n)]
+
+
+class PaddedDecoder:
+    """Fixed-shape decode steps for batch slots ``0..max_bs-1``; ``run`` returns float32 logits of the given slots."""
+
+    def __init__(self, lm: CausalLM, cache: KVCache, max_bs: int, capture: bool) -> None:
+        self.lm, self.cache, self.capture = lm, cache, capture
+        self.max_bs = max_bs
+        self.bs_buckets = batch_buckets(max_bs)
+        self.len_buckets = length_buckets(cache.max_len)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._storage: tuple | None = None
+        self._inputs = self._slots = self._out = None
+        self._pool = None
+        self.capture_seconds = 0.0
+
+    def reset(self) -> None:
+        """Drop the graphs and static buffers (before the cache or the weights' storage is freed)."""
+        self.graphs.clear()
+        self._inputs = self._slots = self._out = None
+        self._pool = None
+        self._storage = None
+
+    def _storage_key(self) -> tuple:
+        layer = self.lm.layers[0]
+        return (self.cache.k.data_ptr(), self.cache.v.data_ptr(), layer.qkv_w.data_ptr(),
+                self.lm.embed.weight.data_ptr(), self.lm.cos.data_ptr())
+
+    def _step(self, bs: int, kv_len: int) -> None:
+        tokens, positions = self._inputs[0, :bs], self._inputs[1, :bs]
+        hidden = self.lm.decode(tokens, positions, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs))
+        self._out[:bs].copy_(self.lm.logits(hidden))
+
+    def run(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Decode one token for each running slot (``slots`` sorted, all below ``max_bs``); the result is a view
+        into a static buffer, valid until the next call."""
+        bs = _ceil(self.bs_buckets, slots[-1] + 1)
+        kv_len = _ceil(self.len_buckets, max(positions) + 1)
+        dev = self.lm.device
+        self.cache.ensure(self.cache.slots, self.cache.max_len)  # full size, so its address never changes
+        key = self._storage_key()
+        if key != self._storage:
+            self.reset()
+            self._storage = key
+        if self._inputs is None:
+            self._inputs = torch.zeros(2, self.max_bs, dtype=torch.long, device=dev)
+            self._slots = torch.arange(self.max_bs, device=dev)
+            self._out = torch.empty(self.max_bs, self.lm.vocab_size, dtype=torch.float32, device=dev)
+        host = torch.zeros(2, bs, dtype=torch.long)
+        index = torch.tensor(slots)
+        host[0, index] = torch.tensor(tokens)
+        host[1, index] = torch.tensor(positions)
+        self._inputs[:, :bs].copy_(host)
+        if not self.capture:
+            self._step(bs, kv_len)
+        else:
+            graph = self.graphs.get((bs, kv_len))
+            if graph is None:
+                graph = self._capture(bs, kv_len)  # warm-up and capture also compute this step
+            graph.replay()
+        out = self._out[:bs]
+        return out if len(slots) == bs else out.index_select(0, index.to(dev))
+
+    def _capture(self, bs: int, kv_len: int) -> torch.cuda.CUDAGraph:
+        start = time.perf_counter()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up (lazy library init) off the capture; writes what replay writes
+            self._step(bs, kv_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._step(bs, kv_len)
+        self.graphs[(bs, kv_len)] = graph
+        took = time.perf_counter() - start
+        self.capture_seconds += took
+        logger.info("captured a decode CUDA graph for batch %d x %d positions in %.0f ms (%d graphs)", bs, kv_len,
+                    took * 1000, len(self.graphs))
+        return graph

@@ -1,0 +1,88 @@
+"""Padded fixed-shape decode steps (what the engine replays as CUDA graphs on a GPU), run eagerly on CPU: they must
+give the same tokens and log-probs as the engine's dynamic decode, under continuous batching with holes in the slots.
+The CUDA-graph capture itself needs a GPU: tests/engine/test_cuda_graph_gpu.py (marked gpu)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from slime_lite.engine.cuda_graph import batch_buckets, length_buckets
+
+
+def test_buckets_cover_every_size_and_end_at_the_maximum():
+    bs = batch_buckets(100)
+    assert bs[:4] == [1, 2, 4, 8] and bs[-1] == 100 and bs == sorted(set(bs))
+    assert all(any(b >= n for b in bs) for n in range(1, 101))
+    assert batch_buckets(1) == [1] and batch_buckets(256)[-3:] == [192, 224, 256]
+    assert length_buckets(1000) == [64, 128, 256, 512, 1000]
+    assert length_buckets(64) == [64] and length_buckets(10) == [10]
+
+
+def run_requests(scheduler, specs: list[tuple[list[int], int, int]]) -> list:
+    """Submit ``(prompt, max_new_tokens, seed)`` requests at once; return their outputs in order."""
+    from slime_lite.engine.sampling import SamplingParams
+    from slime_lite.engine.scheduler import Request
+
+    outs: dict[int, object] = {}
+    done = threading.Semaphore(0)
+    for i, (prompt, max_new, seed) in enumerate(specs):
+        params = SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 1.0})
+        req = Request(rid=f"r{i}", input_ids=prompt, params=params, seed=seed,
+                      on_output=lambda o, i=i: (outs.__setitem__(i, o), done.release()))
+        scheduler.prepare(req)
+        scheduler.submit(req)
+    for _ in specs:
+        assert done.acquire(timeout=120)
+    return [outs[i] for i in range(len(specs))]
+
+
+@pytest.fixture(scope="module")
+def schedulers(tiny_model_dir):
+    from slime_lite.engine.scheduler import Scheduler
+
+    made = {}
+    for mode in (False, True):
+        s = Scheduler(str(tiny_model_dir), device="cpu", max_running_requests=6, kv_cache_tokens=6 * 160,
+                      cuda_graph=mode)
+        s.start()
+        made[mode] = s
+    yield made
+    for s in made.values():
+        s.stop()
+
+
+def test_padded_decode_matches_dynamic_decode_under_continuous_batching(schedulers):
+    # 14 requests through 6 slots: varied prompt and output lengths, so slots free up out of order (holes) and
+    # positions differ within a step; outputs long enough to cross a length bucket (64).
+    specs = [([1 + (i * 7) % 40 for _ in range(3 + i % 5)], [5, 90, 17, 40, 3, 70, 25][i % 7], 1000 + i)
+             for i in range(14)]
+    padded = schedulers[True]
+    assert padded.decoder is not None and schedulers[False].decoder is None
+    calls = []
+    real_run = padded.decoder.run
+    padded.decoder.run = lambda slots, *a: (calls.append(list(slots)), real_run(slots, *a))[1]
+    try:
+        got = run_requests(padded, specs)
+    finally:
+        del padded.decoder.run
+    want = run_requests(schedulers[False], specs)
+    assert any(s != list(range(len(s))) for s in calls), "no step ran with holes in the slots"
+    assert sum(len(s) for s in calls) > 200
+    for g, w in zip(got, want):
+        assert g.finish_reason == w.finish_reason
+        assert g.output_ids == w.output_ids
+        assert max(abs(a - b) for a, b in zip(g.output_logprobs, w.output_logprobs)) < 1e-4
+
+
+def test_padded_decode_log_probs_equal_a_full_hf_forward(schedulers, hf_model):
+    import torch
+
+    prompt = [3, 9, 27, 4]
+    (out,) = run_requests(schedulers[True], [(prompt, 80, 7)])
+    ids = torch.tensor([prompt + out.output_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf_model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+    ref = logp.gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+    assert (torch.tensor(out.output_logprobs) - ref).abs().max() < 1e-5
