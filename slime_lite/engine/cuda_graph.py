@@ -80,7 +80,8 @@ class PaddedDecoder:
 
     def _step(self, bs: int, kv_len: int) -> None:
         tokens, positions = self._inputs[0, :bs], self._inputs[1, :bs]
-        hidden = self.lm.decode(tokens, positions, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs))
+        hidden = self.lm.decode(tokens, positions, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
+                                graphed=self.capture)
         self._out[:bs].copy_(self.lm.logits(hidden))
 
     def run(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:

@@ -263,11 +263,13 @@ class CausalLM:
         return _rms(h, self.norm.weight, self.eps)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
-               kv_len: int, slot_range: tuple[int, int] | None = None, same_length: bool = False) -> torch.Tensor:
+               kv_len: int, slot_range: tuple[int, int] | None = None, same_length: bool = False,
+               graphed: bool = False) -> torch.Tensor:
         """One token per running request: ``tokens``, ``positions``, ``slots`` are ``[B]``; returns hidden [B, H].
 
         ``kv_len`` is ``max(positions) + 1``; ``slot_range=(a, b)`` says ``slots`` is exactly ``a..b-1`` in order,
         so the cache is read as a view; ``same_length`` says every position is ``kv_len - 1`` (no mask needed).
+        ``graphed``: the step is captured in a CUDA graph, so SDPA's per-shape setup is paid once, at capture.
         """
         b = tokens.shape[0]
         h = F.embedding(tokens[:, None], self.embed.weight)
@@ -286,9 +288,10 @@ class CausalLM:
                 keys, values = kc[:, :, :kv_len].index_select(0, slots), vc[:, :, :kv_len].index_select(0, slots)
             # Group the query heads of each kv head ([B, kv, n_rep, D]) instead of repeating K/V.
             qg = q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
-            if qg.is_cuda:
+            if qg.is_cuda and not graphed:
                 out = self._eager_attention(qg, keys, values, mask)
             else:
-                out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
+                with _sdpa_without_plans(qg.device):
+                    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
             h = self._finish_layer(ly, h, out.reshape(b, 1, -1))
         return _rms(h, self.norm.weight, self.eps)[:, 0]

@@ -98,6 +98,9 @@ class SamplingParams:
         return p
 
 
+BLOCK = 1024  # the inverse CDF is searched block sums first, then one block: no full-vocabulary cumsum
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
            banned: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of float32 ``logits [B, V]``; return ``(token ids [B], log-probs [B])``.
@@ -105,27 +108,55 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     ``banned[i]`` lists token ids row ``i`` may not sample now (``min_new_tokens``); they keep their log-prob.
     """
     dev = logits.device
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    samp = logp
-    if banned is not None and any(banned):
-        samp = samp.clone()
-        for i, ids in enumerate(banned):
-            if ids:
-                samp[i, list(ids)] = float("-inf")
+    greedy_rows = [p.greedy for p in params]
+    temps = [1.0 if g else p.temperature for g, p in zip(greedy_rows, params)]
+    x = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev)[:, None]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    has_ban = banned is not None and any(banned)
     need_k = any(p.top_k > 0 for p in params)
     need_p = any(p.top_p < 1.0 for p in params)
     if need_k or need_p or any(p.min_p > 0 for p in params):
-        samp = _truncate(samp, logp, params, need_k, need_p)
-    greedy_rows = [p.greedy for p in params]
-    tokens = samp.argmax(-1)
-    if not all(greedy_rows):
-        # Inverse CDF: the first token whose cumulative probability exceeds u * (kept mass).
-        cdf = samp.exp().double().cumsum(-1)
-        u = torch.tensor([uniform(seed, step) for seed, step in zip(seeds, steps)], dtype=torch.float64, device=dev)
-        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
-        tokens = torch.where(torch.tensor(greedy_rows, device=dev), tokens, drawn)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+        logp = x - lse
+        samp = _ban(logp.clone(), banned) if has_ban else logp
+        probs = _truncate(samp, logp, params, need_k, need_p).exp()
+    else:
+        probs = (x - lse).exp()
+        if has_ban:
+            probs = _ban(probs, banned, 0.0)
+    if all(greedy_rows):
+        tokens = probs.argmax(-1)
+    else:
+        u = torch.tensor([uniform(seed, step) for seed, step in zip(seeds, steps)], dtype=torch.float64)
+        tokens = _inverse_cdf(probs, u.to(dev))
+        if any(greedy_rows):
+            tokens = torch.where(torch.tensor(greedy_rows, device=dev), probs.argmax(-1), tokens)
+    return tokens, (x.gather(1, tokens[:, None]) - lse)[:, 0]
+
+
+def _ban(t: torch.Tensor, banned: Sequence[Sequence[int]], value: float = float("-inf")) -> torch.Tensor:
+    for i, ids in enumerate(banned):
+        if ids:
+            t[i, list(ids)] = value
+    return t
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative (float64) probability exceeds ``u * total``: block sums locate the
+    block, a cumsum inside that block the token. ``probs [B, V]`` are non-negative and need not sum to 1."""
+    b, v = probs.shape
+    size = min(BLOCK, v)
+    full, rest = divmod(v, size)
+    sums = probs[:, : full * size].reshape(b, full, size).sum(-1, dtype=torch.float64)
+    if rest:
+        sums = torch.cat([sums, probs[:, full * size :].sum(-1, dtype=torch.float64, keepdim=True)], dim=1)
+    csum = sums.cumsum(-1)
+    target = (u * csum[:, -1])[:, None]
+    blk = torch.searchsorted(csum, target, right=True).clamp_(max=sums.shape[1] - 1)
+    idx = blk * size + torch.arange(size, device=probs.device)
+    inside = probs.gather(1, idx.clamp(max=v - 1)).double().masked_fill_(idx >= v, 0.0)
+    cdf = inside.cumsum(-1) + (csum.gather(1, blk) - sums.gather(1, blk))
+    pos = torch.searchsorted(cdf, target, right=True).clamp_(max=size - 1)
+    return idx.gather(1, pos)[:, 0].clamp_(max=v - 1)
 
 
 def _truncate(samp: torch.Tensor, logp: torch.Tensor, params: Sequence[SamplingParams], need_k: bool,

@@ -412,7 +412,9 @@ class Scheduler:
         tokens, logprobs = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
                                   [len(r.output_ids) for r in reqs], banned if any(banned) else None)
         self.num_generated += len(reqs)
-        for r, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
+        tokens, logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()  # one device sync
+        for r, tok, lp in zip(reqs, tokens, logprobs):
+            tok = int(tok)
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             reason = self._check_finished(r, tok)

@@ -1,0 +1,86 @@
+"""Where a decode step of the embedded engine spends its time on a GPU: graph replay, sampling, host bookkeeping.
+
+    python bench/profile_decode.py --model-config qwen2-0.5b --batch-sizes 64,256
+
+For each batch size: a full in-process run (every slot busy, equal lengths) gives ms per step; then the pieces are
+timed alone, each with a device synchronize: ``run`` (host input prep + replay), ``replay`` (the graph alone),
+``sample`` (sampler + copy of its result to the host). What is left of a step is the scheduler's Python.
+``prefill_ms``: one prefill of all ``B`` prompts (eager; it runs when requests join).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from bench_engine import make_model_dir, run_engine_inprocess
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timeit(fn, n: int = 50) -> float:
+    with torch.inference_mode():
+        fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+    return (time.perf_counter() - start) / n * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-config", default="qwen2-0.5b")
+    ap.add_argument("--batch-sizes", default="64,256")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--device", default="cuda", help="cpu runs the padded steps eagerly (a check of this script)")
+    args = ap.parse_args()
+
+    from slime_lite.engine.sampling import SamplingParams, sample
+    from slime_lite.engine.scheduler import Scheduler
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = make_model_dir(args.model_config, tmp.name)
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        s = Scheduler(model_dir, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
+                      cuda_graph=True, max_running_requests=b,
+                      kv_cache_tokens=b * (args.prompt_len + args.max_new_tokens))
+        s.start()
+        vocab = s.hf.config.vocab_size
+        prompts = torch.randint(1, vocab, (b, args.prompt_len)).tolist()
+        run_engine_inprocess(s, prompts, args.max_new_tokens, None)  # warm-up: captures
+        start = time.perf_counter()
+        n = run_engine_inprocess(s, prompts, args.max_new_tokens, None)
+        step = (time.perf_counter() - start) / args.max_new_tokens * 1000
+        slots, toks, pos = list(range(b)), [1] * b, [args.prompt_len + args.max_new_tokens // 2] * b
+        row = {"batch": b, "tok_s": round(n / (step / 1000 * args.max_new_tokens)), "step_ms": step}
+        row["run_ms"] = timeit(lambda: s.decoder.run(slots, toks, pos))
+        graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
+        if graph is not None:
+            row["replay_ms"] = timeit(graph.replay)
+        with torch.inference_mode():
+            logits = s.decoder.run(slots, toks, pos).clone()
+        params = [SamplingParams.from_dict({"temperature": 1.0})] * b
+        seeds = list(range(b))
+        row["sample_ms"] = timeit(lambda: [t.tolist() for t in sample(logits, params, seeds, [5] * b)])
+        row["python_ms"] = row["step_ms"] - row["run_ms"] - row["sample_ms"]
+        dev = s.lm.device
+        ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)
+        row["prefill_ms"] = timeit(lambda: s.lm.prefill(ptoks, pslots, s.cache), n=5)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        s.stop()
+        del s
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
