@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--hf-static-batches", default="",
                     help="batch sizes at which to also time generate with the static cache (compiled; equal only)")
     ap.add_argument("--disable-cuda-graph", action="store_true", help="the engine decodes eagerly")
+    ap.add_argument("--enable-torch-compile", action="store_true", help="the engine compiles its graphed decode")
     args = ap.parse_args()
 
     from slime_lite.engine.server import EngineServer
@@ -162,7 +163,8 @@ def main() -> None:
     for b in batch_sizes:
         server = EngineServer(model_dir, device=args.device, dtype=args.dtype, max_running_requests=b,
                               kv_cache_tokens=b * (args.prompt_len + args.max_new_tokens),
-                              cuda_graph=False if args.disable_cuda_graph else None)
+                              cuda_graph=False if args.disable_cuda_graph else None,
+                              enable_torch_compile=args.enable_torch_compile)
         server.start()
         hf = server.scheduler.hf  # the same weights, dtype and device as the engine
         vocab = hf.config.vocab_size

@@ -3,8 +3,8 @@
     python bench/profile_decode.py --model-config qwen2-0.5b --batch-sizes 64,256
 
 For each batch size: a full in-process run (every slot busy, equal lengths) gives ms per step; then the pieces are
-timed alone, each with a device synchronize: ``run`` (host input prep + replay), ``replay`` (the graph alone),
-``sample`` (sampler + copy of its result to the host). What is left of a step is the scheduler's Python.
+timed alone, each with a device synchronize: ``run`` (host input prep, replay of forward and sampler, the copy of the
+sampled tokens to the host), ``replay`` (the graph alone). What is left of a step is the scheduler's Python.
 ``prefill_ms``: one prefill of all ``B`` prompts (eager; it runs when requests join).
 """
 
@@ -42,17 +42,17 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="64,256")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--enable-torch-compile", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu runs the padded steps eagerly (a check of this script)")
     args = ap.parse_args()
 
-    from slime_lite.engine.sampling import SamplingParams, sample
     from slime_lite.engine.scheduler import Scheduler
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = make_model_dir(args.model_config, tmp.name)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         s = Scheduler(model_dir, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
-                      cuda_graph=True, max_running_requests=b,
+                      cuda_graph=True, enable_torch_compile=args.enable_torch_compile, max_running_requests=b,
                       kv_cache_tokens=b * (args.prompt_len + args.max_new_tokens))
         s.start()
         vocab = s.hf.config.vocab_size
@@ -63,16 +63,12 @@ def main() -> None:
         step = (time.perf_counter() - start) / args.max_new_tokens * 1000
         slots, toks, pos = list(range(b)), [1] * b, [args.prompt_len + args.max_new_tokens // 2] * b
         row = {"batch": b, "tok_s": round(n / (step / 1000 * args.max_new_tokens)), "step_ms": step}
-        row["run_ms"] = timeit(lambda: s.decoder.run(slots, toks, pos))
+        one = ([1.0] * b, [0.5] * b, [False] * b)
+        row["run_ms"] = timeit(lambda: (s.decoder.run(slots, toks, pos, *one), s.decoder.sampled()))
         graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
         if graph is not None:
             row["replay_ms"] = timeit(graph.replay)
-        with torch.inference_mode():
-            logits = s.decoder.run(slots, toks, pos).clone()
-        params = [SamplingParams.from_dict({"temperature": 1.0})] * b
-        seeds = list(range(b))
-        row["sample_ms"] = timeit(lambda: [t.tolist() for t in sample(logits, params, seeds, [5] * b)])
-        row["python_ms"] = row["step_ms"] - row["run_ms"] - row["sample_ms"]
+        row["python_ms"] = row["step_ms"] - row["run_ms"]
         dev = s.lm.device
         ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)
         row["prefill_ms"] = timeit(lambda: s.lm.prefill(ptoks, pslots, s.cache), n=5)

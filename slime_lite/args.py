@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-kv-cache-tokens", type=_positive_int, default=None)
     g.add_argument("--engine-disable-cuda-graph", action="store_true",
                    help="embedded engine on CUDA: decode eagerly instead of replaying CUDA graphs")
+    g.add_argument("--engine-enable-torch-compile", action="store_true",
+                   help="embedded engine on CUDA: torch.compile the layers of the CUDA-graph decode step")
     g.add_argument("--use-sglang-router", action="store_true",
                    help="--rollout-backend sglang: put SGLang's router (sglang_router) in front of the engines")
     g.add_argument("--sglang-server-module", default="sglang.launch_server",

@@ -27,6 +27,7 @@ import time
 import torch
 
 from slime_lite.engine.model import CausalLM, KVCache
+from slime_lite.engine.sampling import sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _ceil(buckets: list[int], n: int) -> int:
 
 
 class PaddedDecoder:
-    """Fixed-shape decode steps for batch slots ``0..max_bs-1``; ``run`` returns float32 logits of the given slots."""
+    """Fixed-shape decode steps for batch slots ``0..max_bs-1``, with the common sampler inside the step."""
 
     def __init__(self, lm: CausalLM, cache: KVCache, max_bs: int, capture: bool) -> None:
         self.lm, self.cache, self.capture = lm, cache, capture
@@ -62,14 +63,15 @@ class PaddedDecoder:
         self.len_buckets = length_buckets(cache.max_len)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._storage: tuple | None = None
-        self._inputs = self._slots = self._out = None
+        self._inputs = self._slots = self._out = self._sampled = None
+        self._index, self._rows = None, None
         self._pool = None
         self.capture_seconds = 0.0
 
     def reset(self) -> None:
         """Drop the graphs and static buffers (before the cache or the weights' storage is freed)."""
         self.graphs.clear()
-        self._inputs = self._slots = self._out = None
+        self._inputs = self._slots = self._out = self._sampled = None
         self._pool = None
         self._storage = None
 
@@ -79,14 +81,20 @@ class PaddedDecoder:
                 self.lm.embed.weight.data_ptr(), self.lm.cos.data_ptr())
 
     def _step(self, bs: int, kv_len: int) -> None:
-        tokens, positions = self._inputs[0, :bs], self._inputs[1, :bs]
+        inputs = self._inputs[:, :bs]
+        tokens, positions = inputs[0].long(), inputs[1].long()
         hidden = self.lm.decode(tokens, positions, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
-                                graphed=self.capture)
+                                graphed=True)
         self._out[:bs].copy_(self.lm.logits(hidden))
+        drawn, logprobs = sample_rows(self._out[:bs], inputs[2], inputs[3], inputs[4] > 0)
+        self._sampled[0, :bs].copy_(drawn)
+        self._sampled[1, :bs].copy_(logprobs)
 
-    def run(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Decode one token for each running slot (``slots`` sorted, all below ``max_bs``); the result is a view
-        into a static buffer, valid until the next call."""
+    def run(self, slots: list[int], tokens: list[int], positions: list[int], temps: list[float],
+            u: list[float], greedy: list[bool]) -> None:
+        """Decode one token for each running slot (``slots`` sorted, all below ``max_bs``) and sample it as
+        ``sample_rows`` does, with one host-to-device copy in and (in ``sampled``) one copy out. Read the result
+        with ``sampled`` or, for the general sampler, ``logits``, before the next ``run``."""
         bs = _ceil(self.bs_buckets, slots[-1] + 1)
         kv_len = _ceil(self.len_buckets, max(positions) + 1)
         dev = self.lm.device
@@ -96,14 +104,16 @@ class PaddedDecoder:
             self.reset()
             self._storage = key
         if self._inputs is None:
-            self._inputs = torch.zeros(2, self.max_bs, dtype=torch.long, device=dev)
+            self._inputs = torch.zeros(5, self.max_bs, dtype=torch.float64, device=dev)
             self._slots = torch.arange(self.max_bs, device=dev)
             self._out = torch.empty(self.max_bs, self.lm.vocab_size, dtype=torch.float32, device=dev)
-        host = torch.zeros(2, bs, dtype=torch.long)
-        index = torch.tensor(slots)
-        host[0, index] = torch.tensor(tokens)
-        host[1, index] = torch.tensor(positions)
+            self._sampled = torch.zeros(2, self.max_bs, dtype=torch.float64, device=dev)
+        # Rows: token, position, temperature, uniform, greedy. Idle rows: token 0 at position 0, greedy.
+        host = torch.tensor([[0.0], [0.0], [1.0], [0.0], [1.0]], dtype=torch.float64).repeat(1, bs)
+        self._index = torch.tensor(slots)
+        host[:, self._index] = torch.tensor([tokens, positions, temps, u, greedy], dtype=torch.float64)
         self._inputs[:, :bs].copy_(host)
+        self._rows = len(slots) if len(slots) == bs else None
         if not self.capture:
             self._step(bs, kv_len)
         else:
@@ -111,8 +121,20 @@ class PaddedDecoder:
             if graph is None:
                 graph = self._capture(bs, kv_len)  # warm-up and capture also compute this step
             graph.replay()
-        out = self._out[:bs]
-        return out if len(slots) == bs else out.index_select(0, index.to(dev))
+
+    def sampled(self) -> tuple[list[int], list[float]]:
+        """Tokens and log-probs of the last ``run``'s slots, in order."""
+        if self._rows is not None:
+            tokens, logprobs = self._sampled[:, : self._rows].tolist()
+        else:
+            tokens, logprobs = self._sampled.index_select(1, self._index.to(self._sampled.device)).tolist()
+        return [int(t) for t in tokens], logprobs
+
+    def logits(self) -> torch.Tensor:
+        """Float32 logits of the last ``run``'s slots (a view into a static buffer when they are 0..B-1)."""
+        if self._rows is not None:
+            return self._out[: self._rows]
+        return self._out.index_select(0, self._index.to(self._out.device))
 
     def _capture(self, bs: int, kv_len: int) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()

@@ -154,6 +154,25 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
+def layer_functions(eps: float, heads: int, kv_heads: int, head_dim: int, inter: int, act: Any):
+    """The two tensor-only pieces of a decoder layer around attention, with the model's constants bound, so that
+    one ``torch.compile`` of each serves every layer."""
+
+    def qkv_rope(h, ln, qkv_w, qkv_b, cos, sin):
+        b, t, _ = h.shape
+        qkv = F.linear(_rms(h, ln, eps), qkv_w, qkv_b).view(b, t, -1, head_dim)
+        qk = qkv[:, :, : heads + kv_heads]
+        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+        return qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads :]
+
+    def mlp_residual(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b):
+        h = h + F.linear(attn_out, o_w, o_b)
+        gate, up = F.linear(_rms(h, ln2, eps), gu_w, gu_b).split(inter, dim=-1)
+        return h + F.linear(act(gate) * up, down_w, down_b)
+
+    return qkv_rope, mlp_residual
+
+
 class CausalLM:
     """Prefill and decode over an HF Llama/Qwen2 model with an engine-owned ``KVCache``.
 
@@ -182,6 +201,8 @@ class CausalLM:
         self.act = self.hf_layers[0].mlp.act_fn
         self.inter = cfg.intermediate_size
         self.max_len = max_len
+        self.fns = layer_functions(self.eps, self.num_heads, self.kv_heads, self.head_dim, self.inter, self.act)
+        self.graph_fns = self.fns
         self.refresh()
 
     def refresh(self) -> None:
@@ -218,18 +239,19 @@ class CausalLM:
         """Final hidden states -> float32 logits."""
         return self.hf.lm_head(hidden).float()
 
-    def _qkv(self, ly: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, ly: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, graphed: bool = False):
         """Normalized input -> roped q [B, T, H, D], roped k and v [B, T, kv, D]."""
-        b, t, _ = h.shape
-        qkv = F.linear(_rms(h, ly.ln1, self.eps), ly.qkv_w, ly.qkv_b).view(b, t, -1, self.head_dim)
-        qk = qkv[:, :, : self.num_heads + self.kv_heads]
-        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
-        return qk[:, :, : self.num_heads], qk[:, :, self.num_heads :], qkv[:, :, self.num_heads + self.kv_heads :]
+        return (self.graph_fns if graphed else self.fns)[0](h, ly.ln1, ly.qkv_w, ly.qkv_b, cos, sin)
 
-    def _finish_layer(self, ly: _Layer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        h = h + F.linear(attn_out, ly.o_w, ly.o_b)
-        gate, up = F.linear(_rms(h, ly.ln2, self.eps), ly.gu_w, ly.gu_b).split(self.inter, dim=-1)
-        return h + F.linear(self.act(gate) * up, ly.down_w, ly.down_b)
+    def _finish_layer(self, ly: _Layer, h: torch.Tensor, attn_out: torch.Tensor, graphed: bool = False):
+        """Attention output -> o-projection, residual, then the MLP block with its residual."""
+        fn = (self.graph_fns if graphed else self.fns)[1]
+        return fn(h, attn_out, ly.o_w, ly.o_b, ly.ln2, ly.gu_w, ly.gu_b, ly.down_w, ly.down_b)
+
+    def enable_compile(self) -> None:
+        """``torch.compile`` the per-layer pieces of decode steps that are captured as CUDA graphs (fuses the
+        norms, rotary and activation kernels); shapes are dynamic, so one compile serves every batch bucket."""
+        self.graph_fns = tuple(torch.compile(fn, dynamic=True) for fn in self.fns)
 
     def _eager_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
@@ -269,7 +291,8 @@ class CausalLM:
 
         ``kv_len`` is ``max(positions) + 1``; ``slot_range=(a, b)`` says ``slots`` is exactly ``a..b-1`` in order,
         so the cache is read as a view; ``same_length`` says every position is ``kv_len - 1`` (no mask needed).
-        ``graphed``: the step is captured in a CUDA graph, so SDPA's per-shape setup is paid once, at capture.
+        ``graphed``: a padded step (captured as a CUDA graph on CUDA, where SDPA's per-shape setup is paid once, at
+        capture); it uses the compiled layer pieces when ``enable_compile`` was called.
         """
         b = tokens.shape[0]
         h = F.embedding(tokens[:, None], self.embed.weight)
@@ -279,7 +302,7 @@ class CausalLM:
             mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
         index = cache.flat_index(slots, positions[:, None])
         for i, ly in enumerate(self.layers):
-            q, k, v = self._qkv(ly, h, cos, sin)
+            q, k, v = self._qkv(ly, h, cos, sin, graphed)
             cache.write(i, index, k, v)
             kc, vc = cache.k[i], cache.v[i]
             if slot_range is not None:
@@ -293,5 +316,5 @@ class CausalLM:
             else:
                 with _sdpa_without_plans(qg.device):
                     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
-            h = self._finish_layer(ly, h, out.reshape(b, 1, -1))
+            h = self._finish_layer(ly, h, out.reshape(b, 1, -1), graphed)
         return _rms(h, self.norm.weight, self.eps)[:, 0]

@@ -39,6 +39,20 @@ def uniform(seed: int, step: int) -> float:
     return (mix64(seed, step) >> 10) / float(1 << 53)
 
 
+def uniforms(seeds: Sequence[int], steps: Sequence[int]) -> list[float]:
+    """``[uniform(seed, step) ...]`` computed with wrapping uint64 array arithmetic (same bits, one pass)."""
+    import numpy as np
+
+    a = np.array(seeds, dtype=np.uint64)
+    b = np.array(steps, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = a * np.uint64(0x9E3779B97F4A7C15) + b + np.uint64(0x632BE59BD9B4E019)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = (x ^ (x >> np.uint64(31))) >> np.uint64(11)
+    return (x.astype(np.float64) / float(1 << 53)).tolist()
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -57,6 +71,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0
 
     @functools.cached_property
     def stop_id_set(self) -> frozenset[int]:
@@ -126,10 +144,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     if all(greedy_rows):
         tokens = probs.argmax(-1)
     else:
-        u = torch.tensor([uniform(seed, step) for seed, step in zip(seeds, steps)], dtype=torch.float64)
-        tokens = _inverse_cdf(probs, u.to(dev))
+        tokens = _inverse_cdf(probs, torch.tensor(uniforms(seeds, steps), dtype=torch.float64, device=dev))
         if any(greedy_rows):
             tokens = torch.where(torch.tensor(greedy_rows, device=dev), probs.argmax(-1), tokens)
+    return tokens, (x.gather(1, tokens[:, None]) - lse)[:, 0]
+
+
+def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor):
+    """``sample`` for rows with no truncation and no banned tokens, from tensors only (no host sync, fixed shapes:
+    it runs inside captured CUDA graphs): ``temps`` (1 for greedy rows), ``u`` from ``uniforms``, ``greedy`` bool."""
+    x = logits / temps[:, None]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    probs = (x - lse).exp()
+    tokens = torch.where(greedy, probs.argmax(-1), _inverse_cdf(probs, u))
     return tokens, (x.gather(1, tokens[:, None]) - lse)[:, 0]
 
 

@@ -32,7 +32,7 @@ import torch
 
 from slime_lite.engine.cuda_graph import PaddedDecoder
 from slime_lite.engine.model import CausalLM, load_hf_model
-from slime_lite.engine.sampling import SamplingParams, mix64, sample
+from slime_lite.engine.sampling import SamplingParams, mix64, sample, uniforms
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
 
@@ -98,7 +98,7 @@ class Scheduler:
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
                  device: str | None = None, seed: int = 0, max_running_requests: int = 64,
                  kv_cache_tokens: int | None = None, cpu_threads: int | None = None, cuda_graph: bool | None = None,
-                 cuda_graph_max_bs: int | None = None) -> None:
+                 cuda_graph_max_bs: int | None = None, enable_torch_compile: bool = False) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -140,6 +140,11 @@ class Scheduler:
         if cuda_graph:
             max_bs = min(self.max_running, int(cuda_graph_max_bs or self.max_running))
             self.decoder = PaddedDecoder(self.lm, self.cache, max_bs, capture=self.device.type == "cuda")
+        if enable_torch_compile:
+            if self.decoder is None:
+                raise SlimeLiteError("--enable-torch-compile compiles the CUDA-graph decode step; it cannot be "
+                                     "combined with --disable-cuda-graph.")
+            self.lm.enable_compile()
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
         self.paused = False
@@ -398,7 +403,17 @@ class Scheduler:
         tokens = [r.output_ids[-1] for r in reqs]
         pos = [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs]
         if self.decoder is not None and slots[-1] < self.decoder.max_bs:
-            self._sample_and_append(reqs, self.decoder.run(slots, tokens, pos))
+            params = [r.params for r in reqs]
+            steps = [len(r.output_ids) for r in reqs]
+            # The sampler inside the step serves rows with no truncation and no banned tokens (min_new_tokens).
+            fused = not any(p.truncates or s < p.min_new_tokens for p, s in zip(params, steps))
+            self.decoder.run(slots, tokens, pos, [1.0 if p.greedy else p.temperature for p in params],
+                             uniforms([r.seed for r in reqs], steps) if fused else [0.0] * len(reqs),
+                             [p.greedy for p in params])
+            if fused:
+                self._append(reqs, *self.decoder.sampled())
+            else:
+                self._sample_and_append(reqs, self.decoder.logits())
             return
         tokens = torch.tensor(tokens, device=dev)
         contiguous = slots[-1] - slots[0] + 1 == len(slots)
@@ -411,10 +426,12 @@ class Scheduler:
         banned = [self._banned(r) for r in reqs]
         tokens, logprobs = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
                                   [len(r.output_ids) for r in reqs], banned if any(banned) else None)
-        self.num_generated += len(reqs)
         tokens, logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()  # one device sync
+        self._append(reqs, [int(t) for t in tokens], logprobs)
+
+    def _append(self, reqs: list[Request], tokens: list[int], logprobs: list[float]) -> None:
+        self.num_generated += len(reqs)
         for r, tok, lp in zip(reqs, tokens, logprobs):
-            tok = int(tok)
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             reason = self._check_finished(r, tok)

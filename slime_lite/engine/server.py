@@ -53,14 +53,16 @@ class EngineServer:
                  port: int = 0, dtype: str = "auto", device: str | None = None, seed: int = 0,
                  max_running_requests: int = 64, kv_cache_tokens: int | None = None, api_key: str | None = None,
                  served_model_name: str | None = None, cpu_threads: int | None = None,
-                 cuda_graph: bool | None = None, cuda_graph_max_bs: int | None = None) -> None:
+                 cuda_graph: bool | None = None, cuda_graph_max_bs: int | None = None,
+                 enable_torch_compile: bool = False) -> None:
         from slime_lite.engine.scheduler import Scheduler
 
         self.host, self.port, self.api_key = host, int(port), api_key
         self.scheduler = Scheduler(model_path, tokenizer_path=tokenizer_path, dtype=dtype, device=device,
                                    seed=seed, max_running_requests=max_running_requests,
                                    kv_cache_tokens=kv_cache_tokens, cpu_threads=cpu_threads,
-                                   cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs)
+                                   cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
+                                   enable_torch_compile=enable_torch_compile)
         self.served_model_name = served_model_name or model_path
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -389,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode eagerly on CUDA (default: replay captured CUDA graphs of the decode step)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest batch decoded through CUDA graphs (default: --max-running-requests)")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="torch.compile the layers of the CUDA-graph decode step (fused kernels; compiles at start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: --model-path)")
     p.add_argument("--log-level", default="info")
@@ -419,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, seed=args.random_seed, max_running_requests=args.max_running_requests,
         kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key, served_model_name=args.served_model_name,
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        enable_torch_compile=args.enable_torch_compile,
     )
     server.run_forever()
     return 0

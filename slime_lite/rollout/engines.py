@@ -38,7 +38,8 @@ class EngineActor:
             from slime_lite.engine.server import EngineServer
 
             kwargs = {"max_running_requests": a.engine_max_running_requests,
-                      "cuda_graph": False if getattr(a, "engine_disable_cuda_graph", False) else None}
+                      "cuda_graph": False if a.engine_disable_cuda_graph else None,
+                      "enable_torch_compile": a.engine_enable_torch_compile}
             if a.engine_kv_cache_tokens:
                 kwargs["kv_cache_tokens"] = a.engine_kv_cache_tokens
             self.server = EngineServer(

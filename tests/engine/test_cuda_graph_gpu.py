@@ -6,33 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_padded_decode import run_requests
+from test_padded_decode import SPECS, assert_same, run_requests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-SPECS = [([1 + (i * 7) % 40 for _ in range(3 + i % 5)], [5, 90, 17, 40, 3, 70, 25][i % 7], 1000 + i)
-         for i in range(14)]
-
 
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir):
     from slime_lite.engine.scheduler import Scheduler
 
     made = {}
-    for graphs in (True, False):
+    for graphs in (True, False, "compile"):
         s = Scheduler(str(tiny_model_dir), device="cuda", dtype="float32", max_running_requests=6,
-                      kv_cache_tokens=6 * 160, cuda_graph=graphs)
+                      kv_cache_tokens=6 * 160, cuda_graph=bool(graphs), enable_torch_compile=graphs == "compile")
         s.start()
         made[graphs] = s
     yield made
     for s in made.values():
         s.stop()
-
-
-def assert_same(got, want, tol=1e-4):
-    for g, w in zip(got, want):
-        assert g.output_ids == w.output_ids
-        assert max(abs(a - b) for a, b in zip(g.output_logprobs, w.output_logprobs)) < tol
 
 
 def test_graph_replay_matches_eager_decode(pair):
@@ -41,12 +31,23 @@ def test_graph_replay_matches_eager_decode(pair):
     assert_same(got, run_requests(pair[False], SPECS))
 
 
+@pytest.mark.parametrize("sampling", [{"top_p": 0.9, "top_k": 20}, {"min_new_tokens": 30}])
+def test_graph_replay_with_the_general_sampler_matches_eager_decode(pair, sampling):
+    assert_same(run_requests(pair[True], SPECS, **sampling), run_requests(pair[False], SPECS, **sampling))
+
+
+def test_compiled_graphs_match_eager_decode(pair):
+    assert pair["compile"].lm.graph_fns is not pair["compile"].lm.fns
+    assert_same(run_requests(pair["compile"], SPECS), run_requests(pair[False], SPECS))
+    assert pair["compile"].decoder.graphs
+
+
 def test_in_place_weight_update_reaches_captured_graphs(pair):
     before = run_requests(pair[True], SPECS[:4])
     graphs = dict(pair[True].decoder.graphs)
     gen = torch.Generator().manual_seed(0)
     name = "model.layers.1.mlp.down_proj.weight"
-    for s in pair.values():
+    for s in (pair[True], pair[False]):
         w = s.weights.params[name]
         new = torch.randn(w.shape, generator=gen.manual_seed(0)) * 0.5
         s.call(s.weights.load_named, {name: new}).result(60)

@@ -20,7 +20,7 @@ def test_buckets_cover_every_size_and_end_at_the_maximum():
     assert length_buckets(64) == [64] and length_buckets(10) == [10]
 
 
-def run_requests(scheduler, specs: list[tuple[list[int], int, int]]) -> list:
+def run_requests(scheduler, specs: list[tuple[list[int], int, int]], **sampling) -> list:
     """Submit ``(prompt, max_new_tokens, seed)`` requests at once; return their outputs in order."""
     from slime_lite.engine.sampling import SamplingParams
     from slime_lite.engine.scheduler import Request
@@ -28,7 +28,7 @@ def run_requests(scheduler, specs: list[tuple[list[int], int, int]]) -> list:
     outs: dict[int, object] = {}
     done = threading.Semaphore(0)
     for i, (prompt, max_new, seed) in enumerate(specs):
-        params = SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 1.0})
+        params = SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 1.0, **sampling})
         req = Request(rid=f"r{i}", input_ids=prompt, params=params, seed=seed,
                       on_output=lambda o, i=i: (outs.__setitem__(i, o), done.release()))
         scheduler.prepare(req)
@@ -38,14 +38,18 @@ def run_requests(scheduler, specs: list[tuple[list[int], int, int]]) -> list:
     return [outs[i] for i in range(len(specs))]
 
 
+SPECS = [([1 + (i * 7) % 40 for _ in range(3 + i % 5)], [5, 90, 17, 40, 3, 70, 25][i % 7], 1000 + i)
+         for i in range(14)]
+
+
 @pytest.fixture(scope="module")
 def schedulers(tiny_model_dir):
     from slime_lite.engine.scheduler import Scheduler
 
     made = {}
-    for mode in (False, True):
+    for mode in (False, True, "compile"):
         s = Scheduler(str(tiny_model_dir), device="cpu", max_running_requests=6, kv_cache_tokens=6 * 160,
-                      cuda_graph=mode)
+                      cuda_graph=bool(mode), enable_torch_compile=mode == "compile")
         s.start()
         made[mode] = s
     yield made
@@ -56,8 +60,7 @@ def schedulers(tiny_model_dir):
 def test_padded_decode_matches_dynamic_decode_under_continuous_batching(schedulers):
     # 14 requests through 6 slots: varied prompt and output lengths, so slots free up out of order (holes) and
     # positions differ within a step; outputs long enough to cross a length bucket (64).
-    specs = [([1 + (i * 7) % 40 for _ in range(3 + i % 5)], [5, 90, 17, 40, 3, 70, 25][i % 7], 1000 + i)
-             for i in range(14)]
+    specs = SPECS
     padded = schedulers[True]
     assert padded.decoder is not None and schedulers[False].decoder is None
     calls = []
@@ -74,6 +77,27 @@ def test_padded_decode_matches_dynamic_decode_under_continuous_batching(schedule
         assert g.finish_reason == w.finish_reason
         assert g.output_ids == w.output_ids
         assert max(abs(a - b) for a, b in zip(g.output_logprobs, w.output_logprobs)) < 1e-4
+
+
+def assert_same(got, want, tol=1e-4):
+    for g, w in zip(got, want):
+        assert g.finish_reason == w.finish_reason
+        assert g.output_ids == w.output_ids
+        assert max(abs(a - b) for a, b in zip(g.output_logprobs, w.output_logprobs)) < tol
+
+
+@pytest.mark.parametrize("sampling", [{"top_p": 0.9, "top_k": 20}, {"min_new_tokens": 30, "temperature": 0.8}],
+                         ids=["truncated", "min_new_tokens"])
+def test_padded_decode_with_the_general_sampler_matches_dynamic_decode(schedulers, sampling):
+    # Truncation and banned tokens are not in the sampler captured with the step: the general one runs on its logits.
+    assert_same(run_requests(schedulers[True], SPECS[:8], **sampling),
+                run_requests(schedulers[False], SPECS[:8], **sampling))
+
+
+def test_compiled_layers_match_dynamic_decode(schedulers):
+    compiled = schedulers["compile"]
+    assert compiled.lm.graph_fns is not compiled.lm.fns
+    assert_same(run_requests(compiled, SPECS), run_requests(schedulers[False], SPECS))
 
 
 def test_padded_decode_log_probs_equal_a_full_hf_forward(schedulers, hf_model):

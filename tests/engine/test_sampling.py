@@ -42,3 +42,33 @@ def test_same_seed_and_step_give_the_same_token_in_any_batch():
 def test_greedy_rows_take_the_argmax_and_bans_apply():
     tokens, _ = sample(LOGITS.repeat(2, 1), [SamplingParams(temperature=0.0)] * 2, [0, 1], [0, 0], [[], [0]])
     assert tokens.tolist() == [0, 1]
+
+
+def test_block_inverse_cdf_equals_a_full_cumsum_search():
+    from slime_lite.engine.sampling import _inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (5, 1000, 1024, 3001):  # under, at and over one block; a partial last block
+        probs = torch.softmax(torch.randn(64, vocab, generator=gen) * 3, -1)
+        probs[:, ::7] = 0  # zero-probability tokens (banned, truncated) are never drawn
+        u = torch.rand(64, dtype=torch.float64, generator=gen)
+        cdf = probs.double().cumsum(-1)
+        want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+        got = _inverse_cdf(probs, u)
+        assert torch.equal(got, want)
+        assert (got % 7 != 0).all()
+
+
+def test_vectorized_uniforms_and_tensor_sampler_equal_the_scalar_ones():
+    from slime_lite.engine.sampling import sample_rows, uniform, uniforms
+
+    seeds, steps = [0, 1, 2**63 - 1, 123456789] * 8, list(range(32))
+    assert uniforms(seeds, steps) == [uniform(a, b) for a, b in zip(seeds, steps)]
+    logits = torch.randn(32, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=[1.0, 0.7, 0.0, 1.3][i % 4]) for i in range(32)]
+    want = sample(logits, params, seeds, steps)
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
+    got = sample_rows(logits, temps, torch.tensor(uniforms(seeds, steps), dtype=torch.float64),
+                      torch.tensor([p.greedy for p in params]))
+    assert torch.equal(got[0], want[0])
+    assert torch.allclose(got[1], want[1], atol=1e-6)
