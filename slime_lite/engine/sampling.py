@@ -153,10 +153,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
 def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor):
     """``sample`` for rows with no truncation and no banned tokens, from tensors only (no host sync, fixed shapes:
     it runs inside captured CUDA graphs): ``temps`` (1 for greedy rows), ``u`` from ``uniforms``, ``greedy`` bool."""
-    x = logits / temps[:, None]
+    x = logits.float() / temps.float()[:, None]  # float32 math even when temps or u arrive as float64
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     probs = (x - lse).exp()
-    tokens = torch.where(greedy, probs.argmax(-1), _inverse_cdf(probs, u))
+    tokens = torch.where(greedy, probs.argmax(-1), _inverse_cdf(probs, u.double()))
     return tokens, (x.gather(1, tokens[:, None]) - lse)[:, 0]
 
 

@@ -144,7 +144,7 @@ class Scheduler:
             if self.decoder is None:
                 raise SlimeLiteError("--enable-torch-compile compiles the CUDA-graph decode step; it cannot be "
                                      "combined with --disable-cuda-graph.")
-            self.lm.enable_compile()
+            self.decoder.compile()
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
         self.paused = False
