@@ -67,13 +67,13 @@ class PaddedDecoder:
         self._index, self._rows = None, None
         self._pool = None
         self.capture_seconds = 0.0
-        self.sample_fn = sample_rows
 
     def compile(self) -> None:
-        """``torch.compile`` the layer pieces and the sampler of captured steps (fuses their elementwise kernels);
-        compiling happens at the first step's warm-up, outside the capture."""
+        """``torch.compile`` the layer pieces of captured steps (fuses their norm, rotary and activation kernels);
+        compiling happens at the first step's warm-up, outside the capture. The sampler stays eager: the one H200
+        run with it compiled was slower (bench/results/h200_engine_compile-layers-and-sampler.txt; that machine was
+        slower for HF generate too, so this is not settled)."""
         self.lm.enable_compile()
-        self.sample_fn = torch.compile(sample_rows, dynamic=True)
 
     def reset(self) -> None:
         """Drop the graphs and static buffers (before the cache or the weights' storage is freed)."""
@@ -93,7 +93,7 @@ class PaddedDecoder:
         hidden = self.lm.decode(tokens, positions, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
                                 graphed=True)
         self._out[:bs].copy_(self.lm.logits(hidden))
-        drawn, logprobs = self.sample_fn(self._out[:bs], inputs[2], inputs[3], inputs[4] > 0)
+        drawn, logprobs = sample_rows(self._out[:bs], inputs[2], inputs[3], inputs[4] > 0)
         self._sampled[0, :bs].copy_(drawn)
         self._sampled[1, :bs].copy_(logprobs)
 
