@@ -90,7 +90,7 @@ def sampling_params(max_new: int, stops: list[int] | None, seed: int) -> dict:
 
 def run_engine_inprocess(scheduler, prompts: list[list[int]], max_new: int, stops: list[int] | None) -> int:
     from slime_lite.engine.sampling import SamplingParams
-    from slime_lite.engine.scheduler import Request
+    from slime_lite.engine.request import Request
 
     done = threading.Semaphore(0)
     outs: list = []

@@ -22,7 +22,8 @@ import time
 
 def inprocess_rollout(model: str, prompts: list[list[int]], n: int, params: dict, seed_base: int) -> tuple[float, int]:
     from slime_lite.engine.sampling import SamplingParams
-    from slime_lite.engine.scheduler import Request, Scheduler
+    from slime_lite.engine.request import Request
+    from slime_lite.engine.scheduler import Scheduler
 
     sched = Scheduler(model, device="cpu", max_running_requests=64)
     sched.start()

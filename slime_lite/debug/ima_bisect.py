@@ -27,7 +27,7 @@ from slime_lite.errors import SlimeLiteError
 
 TOGGLES = ("cuda-graph", "spec", "deepep")
 TOGGLE_HELP = {
-    "cuda-graph": "off = --sglang-disable-cuda-graph",
+    "cuda-graph": "off = --sglang-disable-cuda-graph (embedded engine: --engine-disable-cuda-graph)",
     "spec": "off = drop the --sglang-speculative-* flags",
     "deepep": "off = drop --sglang-moe-a2a-backend deepep and --sglang-deepep-*",
 }
@@ -119,6 +119,14 @@ def _is_deepep(name: str, value: str | None) -> bool:
             or name == "--sglang-enable-deepep-moe")
 
 
+def _cuda_graph_off_flag(train_argv: list[str]) -> str:
+    """The flag that turns CUDA graphs off for the engine these train flags use (SGLang's or the embedded one)."""
+    sglang = bool(_sglang_tokens(train_argv)) or any(
+        a == "--rollout-backend=sglang" or (a == "--rollout-backend" and train_argv[i + 1:i + 2] == ["sglang"])
+        for i, a in enumerate(train_argv))
+    return "--sglang-disable-cuda-graph" if sglang else "--engine-disable-cuda-graph"
+
+
 def detect_toggles(train_argv: list[str], requested: list[str]) -> tuple[list[str], list[str]]:
     """The toggles that apply to these flags, and a note for each requested one that does not."""
     tokens = _sglang_tokens(train_argv)
@@ -126,8 +134,9 @@ def detect_toggles(train_argv: list[str], requested: list[str]) -> tuple[list[st
     toggles, notes = [], []
     for t in requested:
         if t == "cuda-graph":
-            if "--sglang-disable-cuda-graph" in names:
-                notes.append("cuda-graph: already off in your flags (--sglang-disable-cuda-graph); not toggled")
+            flag = _cuda_graph_off_flag(train_argv)
+            if flag in names or flag in train_argv:
+                notes.append(f"cuda-graph: already off in your flags ({flag}); not toggled")
                 continue
         elif t == "spec":
             if not any(_is_spec(n, v) for _, _, n, v in tokens):
@@ -154,7 +163,7 @@ def combination_argv(train_argv: list[str], off: frozenset[str] | set[str]) -> l
             drop.update(range(start, end))
     argv = [a for i, a in enumerate(train_argv) if i not in drop]
     if "cuda-graph" in off:
-        argv.append("--sglang-disable-cuda-graph")
+        argv.append(_cuda_graph_off_flag(train_argv))
     argv.append("--debug-rollout-only")
     if not any(a == "--num-rollout" or a.startswith("--num-rollout=") for a in argv):
         argv += ["--num-rollout", "1"]

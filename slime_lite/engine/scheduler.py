@@ -22,17 +22,16 @@ import logging
 import os
 import queue
 import threading
-import time
 import zlib
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from slime_lite.engine.cuda_graph import PaddedDecoder
 from slime_lite.engine.model import CausalLM, load_hf_model
-from slime_lite.engine.sampling import SamplingParams, mix64, sample, uniforms
+from slime_lite.engine.request import Request, RequestOutput
+from slime_lite.engine.sampling import mix64, sample, uniforms
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
 
@@ -43,53 +42,6 @@ PREFILL_MAX_TOKENS = 8192  # padded tokens per prefill batch
 
 class EngineBusy(RuntimeError):
     """An operation that needs an idle engine (no running or waiting requests)."""
-
-
-@dataclass
-class RequestOutput:
-    """A snapshot of a request, safe to read in another thread."""
-
-    rid: str
-    prompt_tokens: int
-    output_ids: list[int]
-    output_logprobs: list[float]
-    input_logprobs: list[float | None] | None
-    input_ids_for_logprobs: list[int] | None
-    finish_reason: dict[str, Any] | None
-    weight_version: str
-    e2e_latency: float
-    params: SamplingParams
-
-
-@dataclass(eq=False)
-class Request:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    seed: int
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    on_output: Callable[[RequestOutput], None] | None = None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None
-    finish_reason: dict[str, Any] | None = None
-    max_new: int = 0  # max_new_tokens capped to what the slot holds
-    slot: int = -1
-    created: float = field(default_factory=time.monotonic)
-
-    def snapshot(self, weight_version: str) -> RequestOutput:
-        start = self.logprob_start_len
-        return RequestOutput(
-            rid=self.rid, prompt_tokens=len(self.input_ids), output_ids=list(self.output_ids),
-            output_logprobs=list(self.output_logprobs),
-            input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
-            input_ids_for_logprobs=None if self.input_logprobs is None else self.input_ids[start:],
-            finish_reason=self.finish_reason, weight_version=weight_version,
-            e2e_latency=time.monotonic() - self.created, params=self.params,
-        )
 
 
 class Scheduler:

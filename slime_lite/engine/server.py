@@ -198,7 +198,7 @@ class EngineServer:
                      return_text_in_logprobs: bool = False, stream: bool = False) -> list[Any]:
         """Validated ``Request`` objects: one per prompt and sample (``n``), in prompt-major order."""
         from slime_lite.engine.sampling import SamplingParams
-        from slime_lite.engine.scheduler import Request
+        from slime_lite.engine.request import Request
 
         n_prompts = len(prompts)
         sps = _as_list(sampling_params or {}, n_prompts, "sampling_params")

@@ -43,6 +43,16 @@ def test_each_toggle_off_maps_to_sglang_flags():
     assert everything == OTHER + ["--sglang-disable-cuda-graph", "--debug-rollout-only", "--num-rollout", "1"]
 
 
+def test_cuda_graph_toggle_of_the_embedded_engine():
+    argv = ["--rollout-batch-size", "4", "--engine-dtype", "bfloat16"]
+    assert combination_argv(argv, {"cuda-graph"}) == argv + ["--engine-disable-cuda-graph", "--debug-rollout-only",
+                                                             "--num-rollout", "1"]
+    sglang = ["--rollout-backend", "sglang"]
+    assert "--sglang-disable-cuda-graph" in combination_argv(sglang, {"cuda-graph"})
+    toggles, notes = detect_toggles(argv + ["--engine-disable-cuda-graph"], ["cuda-graph"])
+    assert toggles == [] and "--engine-disable-cuda-graph" in notes[0]
+
+
 def test_users_num_rollout_wins():
     assert combination_argv(["--num-rollout", "5"], frozenset()) == ["--num-rollout", "5", "--debug-rollout-only"]
 

@@ -23,7 +23,7 @@ def test_buckets_cover_every_size_and_end_at_the_maximum():
 def run_requests(scheduler, specs: list[tuple[list[int], int, int]], **sampling) -> list:
     """Submit ``(prompt, max_new_tokens, seed)`` requests at once; return their outputs in order."""
     from slime_lite.engine.sampling import SamplingParams
-    from slime_lite.engine.scheduler import Request
+    from slime_lite.engine.request import Request
 
     outs: dict[int, object] = {}
     done = threading.Semaphore(0)

@@ -1,0 +1,56 @@
+"""A generation request of the embedded engine and the snapshot of it that leaves the model thread."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from slime_lite.engine.sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of a request, safe to read in another thread."""
+
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    input_logprobs: list[float | None] | None
+    input_ids_for_logprobs: list[int] | None
+    finish_reason: dict[str, Any] | None
+    weight_version: str
+    e2e_latency: float
+    params: SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    on_output: Callable[[RequestOutput], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    finish_reason: dict[str, Any] | None = None
+    max_new: int = 0  # max_new_tokens capped to what the slot holds
+    slot: int = -1
+    created: float = field(default_factory=time.monotonic)
+
+    def snapshot(self, weight_version: str) -> RequestOutput:
+        start = self.logprob_start_len
+        return RequestOutput(
+            rid=self.rid, prompt_tokens=len(self.input_ids), output_ids=list(self.output_ids),
+            output_logprobs=list(self.output_logprobs),
+            input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
+            input_ids_for_logprobs=None if self.input_logprobs is None else self.input_ids[start:],
+            finish_reason=self.finish_reason, weight_version=weight_version,
+            e2e_latency=time.monotonic() - self.created, params=self.params,
+        )
