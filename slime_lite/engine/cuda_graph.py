@@ -9,7 +9,9 @@ smallest batch bucket above ``max(S)``, and attends over the first ``L`` cache p
 bucket above the longest position. Idle rows decode token 0 at position 0 of their own, unused, slot. Every tensor a
 step touches (the static inputs and output, the KV cache, the weights, the rotary table) keeps its address while
 graphs live: weight updates copy into the parameters in place and need no new capture. When the cache or the weight
-storage is replaced (memory release and resume, cache flush), the graphs are dropped and captured again on use.
+storage is replaced (the cache grows to a larger bucket, memory release and resume, cache flush), the graphs are
+dropped and captured again on use (a capture costs about one eager step). While graphs live, the cache is kept
+when the engine goes idle instead of being freed, so it grows to what the workload needs and no further.
 
 Neither Hugging Face's static cache nor ``torch.compile`` fits here: the static cache holds one position for the
 whole batch (continuous batching has a position per request), and compiling per (batch, length) shape costs tens of
@@ -83,9 +85,8 @@ class PaddedDecoder:
         self._storage = None
 
     def _storage_key(self) -> tuple:
-        layer = self.lm.layers[0]
-        return (self.cache.k.data_ptr(), self.cache.v.data_ptr(), layer.qkv_w.data_ptr(),
-                self.lm.embed.weight.data_ptr(), self.lm.cos.data_ptr())
+        # Shapes too: a new allocation can reuse a freed block's address with another layout.
+        return (tuple(self.cache.k.shape), self.cache.k.data_ptr(), self.cache.v.data_ptr(), self.lm.storage_version)
 
     def _step(self, bs: int, kv_len: int) -> None:
         inputs = self._inputs[:, :bs]
@@ -105,7 +106,7 @@ class PaddedDecoder:
         bs = _ceil(self.bs_buckets, slots[-1] + 1)
         kv_len = _ceil(self.len_buckets, max(positions) + 1)
         dev = self.lm.device
-        self.cache.ensure(self.cache.slots, self.cache.max_len)  # full size, so its address never changes
+        self.cache.ensure(bs, kv_len)  # grows only to what steps use; a new allocation means new captures
         key = self._storage_key()
         if key != self._storage:
             self.reset()

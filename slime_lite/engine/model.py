@@ -207,6 +207,7 @@ class CausalLM:
 
     def refresh(self) -> None:
         """(Re)build fused weights and the rotary table; call after the HF model moved to another device."""
+        self.storage_version = getattr(self, "storage_version", 0) + 1  # captured CUDA graphs are stale after this
         self.layers = []
         for layer in self.hf_layers:
             a, m = layer.self_attn, layer.mlp

@@ -110,3 +110,22 @@ def test_padded_decode_log_probs_equal_a_full_hf_forward(schedulers, hf_model):
         logp = torch.log_softmax(hf_model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
     ref = logp.gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
     assert (torch.tensor(out.output_logprobs) - ref).abs().max() < 1e-5
+
+
+def test_padded_decode_grows_the_cache_only_to_the_buckets_it_uses(tiny_model_dir):
+    from slime_lite.engine.scheduler import Scheduler
+
+    s = Scheduler(str(tiny_model_dir), device="cpu", max_running_requests=32, kv_cache_tokens=32 * 1024,
+                  cuda_graph=True)
+    s.start()
+    try:
+        keys = []
+        real_reset = s.decoder.reset
+        s.decoder.reset = lambda: (keys.append(s.cache.allocated), real_reset())[1]
+        run_requests(s, [([1, 2, 3], 20, i) for i in range(3)])
+        assert s.cache.allocated == (0, 0)  # freed when idle: no graphs hold it on CPU
+        assert keys and max(keys) <= (4, 128)  # 3 slots, 23 positions: bucket 4 x 64, allocated in 128s
+        out = run_requests(s, [([1, 2, 3], 200, 9)], ignore_eos=True)[0]  # crosses length buckets: regrows
+        assert len(out.output_ids) == 200 and max(k[1] for k in keys) == 256
+    finally:
+        s.stop()
