@@ -123,6 +123,11 @@ def test_sglang_flags_need_sglang_backend(base):
     assert "--rollout-backend" in err(base + ["--sglang-disable-cuda-graph"])
 
 
+def test_engine_compile_needs_cuda_graphs(base):
+    msg = err(base + ["--engine-enable-torch-compile", "--engine-disable-cuda-graph"])
+    assert "--engine-enable-torch-compile" in msg and "--engine-disable-cuda-graph" in msg
+
+
 def test_reward_needed_for_generation(tmp_path, base):
     argv = [a for a in base if a not in ("--rm-type", "addition")]
     assert "--rm-type" in err(argv)

@@ -94,8 +94,9 @@ class Scheduler:
             self.decoder = PaddedDecoder(self.lm, self.cache, max_bs, capture=self.device.type == "cuda")
         if enable_torch_compile:
             if self.decoder is None:
-                raise SlimeLiteError("--enable-torch-compile compiles the CUDA-graph decode step; it cannot be "
-                                     "combined with --disable-cuda-graph.")
+                why = "--disable-cuda-graph is set" if self.device.type == "cuda" else "this engine runs on CPU"
+                raise SlimeLiteError(f"--enable-torch-compile compiles the CUDA-graph decode step, but {why}; drop "
+                                     "--enable-torch-compile (or --disable-cuda-graph).")
             self.decoder.compile()
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"

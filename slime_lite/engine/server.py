@@ -365,6 +365,10 @@ class EngineServer:
             "context_length": s.slot_len, "num_running_reqs": s.num_running, "num_waiting_reqs": s.num_waiting,
             "paused": s.paused, "released_memory": sorted(s.released), "weight_version": s.weight_version,
             "num_generated_tokens": s.num_generated, "kv_cache_allocated": list(s.cache.allocated),
+            "disable_cuda_graph": s.decoder is None or not s.decoder.capture,
+            "cuda_graph_max_bs": s.decoder.max_bs if s.decoder else None,
+            "enable_torch_compile": s.decoder is not None and s.lm.graph_fns is not s.lm.fns,
+            "num_cuda_graphs": len(s.decoder.graphs) if s.decoder else 0,
         })
 
     async def get_weight_version(self, request):

@@ -241,6 +241,7 @@ def test_health_info_and_weight_version_routes(engine):
     for route in ("/get_server_info", "/server_info"):
         status, info = http(engine.url, route)
         assert status == 200 and info["max_running_requests"] == 8
+        assert info["disable_cuda_graph"] is True and info["num_cuda_graphs"] == 0  # CPU: nothing to capture
     assert http(engine.url, "/get_weight_version")[1] == {"weight_version": "default"}
 
 
