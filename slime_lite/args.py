@@ -338,9 +338,11 @@ def validate_args(args: argparse.Namespace) -> None:
             f"{args.sglang_args[0].replace('--', '--sglang-', 1)} is passed to SGLang servers, but "
             "--rollout-backend is embedded. Use --rollout-backend sglang or drop the --sglang-* flags."
         )
-    if args.engine_enable_torch_compile and args.engine_disable_cuda_graph:
-        raise SlimeLiteError("--engine-enable-torch-compile compiles the embedded engine's CUDA-graph decode step; "
-                             "it cannot be combined with --engine-disable-cuda-graph. Drop one of them.")
+    if args.engine_enable_torch_compile and (args.engine_disable_cuda_graph or args.rollout_device == "cpu"):
+        raise SlimeLiteError(
+            "--engine-enable-torch-compile compiles the embedded engine's CUDA-graph decode step; it cannot be "
+            + ("combined with --engine-disable-cuda-graph. Drop one of them." if args.engine_disable_cuda_graph
+               else "used with --rollout-device cpu. Drop it."))
     if args.use_tis and args.tis_clip <= 0:
         raise SlimeLiteError("--tis-clip must be > 0 with --use-tis.")
     for flag in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):

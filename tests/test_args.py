@@ -126,6 +126,7 @@ def test_sglang_flags_need_sglang_backend(base):
 def test_engine_compile_needs_cuda_graphs(base):
     msg = err(base + ["--engine-enable-torch-compile", "--engine-disable-cuda-graph"])
     assert "--engine-enable-torch-compile" in msg and "--engine-disable-cuda-graph" in msg
+    assert "--rollout-device cpu" in err(base + ["--engine-enable-torch-compile", "--rollout-device", "cpu"])
 
 
 def test_reward_needed_for_generation(tmp_path, base):

@@ -146,15 +146,17 @@ class PaddedDecoder:
 
     def _capture(self, bs: int, kv_len: int) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        dev = self.lm.device
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # warm-up (lazy library init) off the capture; writes what replay writes
             self._step(bs, kv_len)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(dev).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # Our own capture stream, on the engine's device (torch's default one is per process, on the first device).
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             self._step(bs, kv_len)
         self.graphs[(bs, kv_len)] = graph
         took = time.perf_counter() - start

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 
 GREEDY_EPS = 1e-6
 _MASK64 = (1 << 64) - 1
@@ -160,6 +161,11 @@ def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, gree
     return tokens, (x.gather(1, tokens[:, None]) - lse)[:, 0]
 
 
+def _last_positive(x: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x [B, N]``, the index of its last entry > 0, as ``[B, 1]`` (N - 1 when there is none)."""
+    return x.shape[-1] - 1 - (x > 0).flip(-1).int().argmax(-1, keepdim=True)
+
+
 def _ban(t: torch.Tensor, banned: Sequence[Sequence[int]], value: float = float("-inf")) -> torch.Tensor:
     for i, ids in enumerate(banned):
         if ids:
@@ -178,11 +184,12 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         sums = torch.cat([sums, probs[:, full * size :].sum(-1, dtype=torch.float64, keepdim=True)], dim=1)
     csum = sums.cumsum(-1)
     target = (u * csum[:, -1])[:, None]
-    blk = torch.searchsorted(csum, target, right=True).clamp_(max=sums.shape[1] - 1)
+    # Clamps keep float64 rounding (target at the very top) off zero-probability blocks and tokens.
+    blk = torch.minimum(torch.searchsorted(csum, target, right=True), _last_positive(sums))
+    base = F.pad(csum, (1, 0)).gather(1, blk)  # mass before the block: <= target exactly
     idx = blk * size + torch.arange(size, device=probs.device)
     inside = probs.gather(1, idx.clamp(max=v - 1)).double().masked_fill_(idx >= v, 0.0)
-    cdf = inside.cumsum(-1) + (csum.gather(1, blk) - sums.gather(1, blk))
-    pos = torch.searchsorted(cdf, target, right=True).clamp_(max=size - 1)
+    pos = torch.minimum(torch.searchsorted(inside.cumsum(-1), target - base, right=True), _last_positive(inside))
     return idx.gather(1, pos)[:, 0].clamp_(max=v - 1)
 
 

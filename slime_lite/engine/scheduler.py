@@ -57,6 +57,8 @@ class Scheduler:
             raise SlimeLiteError(f"--device {device!r}: expected cpu or cuda.")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SlimeLiteError("--device cuda: CUDA is not available on this machine; use --device cpu.")
+        if cuda_graph_max_bs is not None and cuda_graph_max_bs < 1:
+            raise SlimeLiteError(f"--cuda-graph-max-bs {cuda_graph_max_bs}: must be >= 1 (or --disable-cuda-graph).")
         if max_running_requests < 1:
             raise SlimeLiteError(f"--max-running-requests {max_running_requests}: must be >= 1.")
         self.device = torch.device(device)
@@ -90,13 +92,13 @@ class Scheduler:
             cuda_graph = self.device.type == "cuda"
         self.decoder: PaddedDecoder | None = None
         if cuda_graph:
-            max_bs = min(self.max_running, int(cuda_graph_max_bs or self.max_running))
+            max_bs = min(self.max_running, cuda_graph_max_bs or self.max_running)
             self.decoder = PaddedDecoder(self.lm, self.cache, max_bs, capture=self.device.type == "cuda")
         if enable_torch_compile:
             if self.decoder is None:
-                why = "--disable-cuda-graph is set" if self.device.type == "cuda" else "this engine runs on CPU"
-                raise SlimeLiteError(f"--enable-torch-compile compiles the CUDA-graph decode step, but {why}; drop "
-                                     "--enable-torch-compile (or --disable-cuda-graph).")
+                why = ("--disable-cuda-graph is set; drop one of the two" if self.device.type == "cuda"
+                       else "this engine runs on CPU; drop --enable-torch-compile")
+                raise SlimeLiteError(f"--enable-torch-compile compiles the CUDA-graph decode step, but {why}.")
             self.decoder.compile()
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
@@ -219,6 +221,8 @@ class Scheduler:
         return not self.paused and "weights" not in self.released and bool(self.waiting or self.running)
 
     def _loop(self) -> None:
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # streams and graph captures of this thread go to the engine's GPU
         with torch.inference_mode():
             while True:
                 try:

@@ -67,3 +67,17 @@ def test_release_and_resume_memory_recaptures(pair):
     s.call(s.resume_memory, ["weights", "kv_cache"]).result(60)
     assert_same(run_requests(s, SPECS), run_requests(pair[False], SPECS))
     assert s.decoder.graphs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_graphs_of_an_engine_on_the_second_gpu(tiny_model_dir, pair):
+    from slime_lite.engine.scheduler import Scheduler
+
+    s = Scheduler(str(tiny_model_dir), device="cuda:1", dtype="float32", max_running_requests=6,
+                  kv_cache_tokens=6 * 160)
+    s.start()
+    try:
+        assert_same(run_requests(s, SPECS), run_requests(pair[False], SPECS))
+        assert s.decoder.graphs and s.cache.k.device == torch.device("cuda:1")
+    finally:
+        s.stop()

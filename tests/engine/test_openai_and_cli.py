@@ -73,6 +73,8 @@ def test_serve_rejects_unknown_flags_and_tp_size(tiny_model_dir):
     with pytest.raises(SlimeLiteError, match="--tp-size 2"):
         main(["--model-path", str(tiny_model_dir), "--tp-size", "2"])
     assert main(["--help"]) == 0
+    with pytest.raises(SlimeLiteError, match="--cuda-graph-max-bs 0"):
+        main(["--model-path", str(tiny_model_dir), "--cuda-graph-max-bs", "0", "--port", "0"])
     with pytest.raises(SlimeLiteError, match="--enable-torch-compile .*this engine runs on CPU"):
         main(["--model-path", str(tiny_model_dir), "--device", "cpu", "--enable-torch-compile", "--port", "0"])
 
