@@ -57,6 +57,9 @@ def test_block_inverse_cdf_equals_a_full_cumsum_search():
         got = _inverse_cdf(probs, u)
         assert torch.equal(got, want)
         assert (got % 7 != 0).all()
+        probs[:, vocab // 2 :] = 0  # a truncated tail: u at the very top must not land in it
+        top = _inverse_cdf(probs, torch.full((64,), 1 - 2**-53, dtype=torch.float64))
+        assert (probs.gather(1, top[:, None]) > 0).all() and (top < vocab // 2).all()
 
 
 def test_vectorized_uniforms_and_tensor_sampler_equal_the_scalar_ones():
