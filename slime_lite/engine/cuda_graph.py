@@ -13,9 +13,10 @@ storage is replaced (the cache grows to a larger bucket, memory release and resu
 dropped and captured again on use (a capture costs about one eager step). While graphs live, the cache is kept
 when the engine goes idle instead of being freed, so it grows to what the workload needs and no further.
 
-Neither Hugging Face's static cache nor ``torch.compile`` fits here: the static cache holds one position for the
-whole batch (continuous batching has a position per request), and compiling per (batch, length) shape costs tens of
-seconds each. ``torch.cuda.CUDAGraph`` over the engine's own step needs no compiler.
+Hugging Face's static cache does not fit here: it holds one position for the whole batch (continuous batching has a
+position per request); and compiling the whole step per (batch, length) shape would cost tens of seconds per shape.
+``torch.cuda.CUDAGraph`` over the engine's own step needs no compiler; ``--enable-torch-compile`` adds one compile,
+with dynamic shapes, of the layer pieces around attention.
 
 On CPU there is nothing to capture; ``cuda_graph=True`` there runs the same padded steps eagerly (tests use it).
 """
