@@ -31,18 +31,26 @@ class ValueHead(torch.nn.Module):
 
 
 class TrainActor:
-    def __init__(self, args: Any, role: str, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def __init__(self, args: Any, role: str, rank: int, world_size: int, master_addr: str) -> None:
         from slime_lite.cli import setup_logging
 
         setup_logging(args.log_level)
         self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
-        self.master = (master_addr, master_port)
+        self.master_addr = master_addr
+        self._store = None
         torch.set_num_threads(max(1, int(os.environ.get("SLIME_LITE_TRAIN_THREADS", "1"))))
         if not torch.cuda.is_available():
             torch.use_deterministic_algorithms(True, warn_only=True)
 
     # ----------------------------------------------------------------- setup
-    def init(self) -> dict[str, Any]:
+    def open_store(self) -> int:
+        """Rank 0: serve the group's rendezvous store on a port the OS picks; returns the port."""
+        from slime_lite.backends.megatron.parallel import open_store
+
+        self._store = open_store(self.master_addr, 0, self.rank, self.world_size)
+        return self._store.port
+
+    def init(self, master_port: int) -> dict[str, Any]:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -50,11 +58,12 @@ class TrainActor:
 
         from slime_lite.backends.megatron import checkpoint
         from slime_lite.backends.megatron.model import build_gpt_model, load_hf_weights
-        from slime_lite.backends.megatron.parallel import init_distributed
+        from slime_lite.backends.megatron.parallel import init_distributed, open_store
 
         a = self.args
+        store = self._store or open_store(self.master_addr, master_port, self.rank, self.world_size)
         init_distributed(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, self.rank, self.world_size,
-                         *self.master, seed=a.seed)
+                         self.master_addr, master_port, seed=a.seed, store=store)
         self.hf_config = AutoConfig.from_pretrained(a.hf_checkpoint)
         dtype = torch.bfloat16 if a.bf16 else torch.float32
         model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl)

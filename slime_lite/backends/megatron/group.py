@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TrainGroup:
@@ -26,10 +19,9 @@ class TrainGroup:
         if world == 0:
             raise SlimeLiteError(f"no GPUs placed for the {role} group")
         share = 0.4 if args.colocate else 1.0
-        port = _free_port()
         cls = ray.remote(TrainActor)
         self.workers = [
-            cls.options(**bundle_options(pg, b, share)).remote(args, role, rank, world, "127.0.0.1", port)
+            cls.options(**bundle_options(pg, b, share)).remote(args, role, rank, world, "127.0.0.1")
             for rank, b in enumerate(bundles)
         ]
 
@@ -43,7 +35,11 @@ class TrainGroup:
         return next(r for r in results if r is not None)
 
     def init(self) -> tuple[int, Any]:
-        state = self._all("init")[0]
+        import ray
+
+        # Rank 0 binds the rendezvous port itself (a port chosen here could be taken before it binds).
+        port = ray.get(self.workers[0].open_store.remote())
+        state = self._all("init", port)[0]
         return state["next_rollout_id"], state["data_state"]
 
     def train(self, rollout_id: int, samples: list, critic: "TrainGroup | None") -> dict[str, float]:

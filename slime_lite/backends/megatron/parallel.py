@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import logging
 
+from typing import Any
+
 import torch
 
 from slime_lite.errors import SlimeLiteError
@@ -26,8 +28,12 @@ def init_distributed(
     backend: str | None = None,
     seed: int = 1234,
     timeout_s: float = 1800.0,
+    store: Any = None,
 ) -> None:
-    """Join the job's process group, create Megatron's model-parallel groups and seed every RNG Megatron uses."""
+    """Join the job's process group, create Megatron's model-parallel groups and seed every RNG Megatron uses.
+
+    ``store``: a rendezvous ``TCPStore`` to join through (see ``open_store``) instead of ``master_addr:master_port``.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
@@ -43,13 +49,9 @@ def init_distributed(
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend or ("nccl" if cuda else "gloo"),
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        where = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}
+        dist.init_process_group(backend=backend or ("nccl" if cuda else "gloo"), rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), **where)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     # Same seed on every rank: the CPU generator drives weight init (use_cpu_initialization) and must agree across TP.
     torch.manual_seed(seed)
@@ -60,6 +62,15 @@ def init_distributed(
         parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(), dist.get_backend(),
     )
+
+
+def open_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float = 1800.0) -> Any:
+    """The job's rendezvous store. Rank 0 serves it; ``master_port`` 0 lets the OS pick a free port as it binds
+    (read it back from ``.port``), so no other process can take the port between choosing and binding it."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def destroy() -> None:
