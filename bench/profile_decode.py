@@ -36,6 +36,24 @@ def timeit(fn, n: int = 50) -> float:
     return (time.perf_counter() - start) / n * 1000
 
 
+def print_kernels(s, step, top: int) -> None:
+    """torch.profiler over 5 eager padded steps: device time per op, costliest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    s.decoder.capture = False
+    with torch.inference_mode():
+        step()
+        sync()
+        with profile(activities=acts) as prof:
+            for _ in range(5):
+                step()
+            sync()
+    s.decoder.capture = True
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-config", default="qwen2-0.5b")
@@ -44,6 +62,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--enable-torch-compile", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu runs the padded steps eagerly (a check of this script)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
 
     from slime_lite.engine.scheduler import Scheduler
@@ -73,6 +93,8 @@ def main() -> None:
         ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)
         row["prefill_ms"] = timeit(lambda: s.lm.prefill(ptoks, pslots, s.cache), n=5)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        if args.kernels:
+            print_kernels(s, lambda: (s.decoder.run(slots, toks, pos, *one), s.decoder.sampled()), args.kernels)
         s.stop()
         del s
     tmp.cleanup()
