@@ -87,7 +87,7 @@ class PaddedDecoder:
 
     def _storage_key(self) -> tuple:
         # Shapes too: a new allocation can reuse a freed block's address with another layout.
-        return (tuple(self.cache.k.shape), self.cache.k.data_ptr(), self.cache.v.data_ptr(), self.lm.storage_version)
+        return (tuple(self.cache.kv.shape), self.cache.kv.data_ptr(), self.lm.storage_version)
 
     def _step(self, bs: int, kv_len: int) -> None:
         inputs = self._inputs[:, :bs]

@@ -60,7 +60,8 @@ def load_hf_model(model_path: str, dtype: str, device: torch.device):
 
 
 class KVCache:
-    """Per-slot K/V tensors ``[layers, slots, kv_heads, length, head_dim]``, grown on demand and freed when idle.
+    """Per-slot K/V in one tensor ``kv [layers, slots, 2 * kv_heads, length, head_dim]`` (K heads first, then V),
+    grown on demand and freed when idle; ``k`` and ``v`` are views of its halves.
 
     ``slots`` and ``max_len`` are the budget (``--max-running-requests`` and
     ``--kv-cache-tokens // --max-running-requests``); memory is allocated only up to what running requests need.
@@ -71,12 +72,19 @@ class KVCache:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.num_layers, self.slots, self.max_len = num_layers, slots, max_len
         self.dtype, self.device = dtype, device
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.kv: torch.Tensor | None = None
+
+    @property
+    def k(self) -> torch.Tensor | None:
+        return None if self.kv is None else self.kv[:, :, : self.kv_heads]
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return None if self.kv is None else self.kv[:, :, self.kv_heads :]
 
     @property
     def allocated(self) -> tuple[int, int]:
-        return (0, 0) if self.k is None else (self.k.shape[1], self.k.shape[3])
+        return (0, 0) if self.kv is None else (self.kv.shape[1], self.kv.shape[3])
 
     def ensure(self, slots: int, length: int) -> None:
         """Make room for slot indices < ``slots`` and positions < ``length`` (keeps what is stored)."""
@@ -85,29 +93,26 @@ class KVCache:
             return
         new_s = min(self.slots, max(have_s, 1 << max(0, slots - 1).bit_length()))
         new_l = min(self.max_len, max(have_l, -(-length // 128) * 128))
-        shape = (self.num_layers, new_s, self.kv_heads, new_l, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.k is not None:
-            k[:, :have_s, :, :have_l] = self.k
-            v[:, :have_s, :, :have_l] = self.v
-        self.k, self.v = k, v
+        shape = (self.num_layers, new_s, 2 * self.kv_heads, new_l, self.head_dim)
+        kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.kv is not None:
+            kv[:, :have_s, :, :have_l] = self.kv
+        self.kv = kv
         logger.debug("kv cache: %d slots x %d tokens", new_s, new_l)
 
     def free(self) -> None:
-        self.k = self.v = None
+        self.kv = None
 
     def flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Row indices into a layer's cache viewed as ``[-1, head_dim]`` for ``slots [B]`` x heads x ``positions
-        [B, T]``, in (slot, head, position) order."""
-        heads = torch.arange(self.kv_heads, device=slots.device)
-        rows = (slots[:, None] * self.kv_heads + heads[None, :]) * self.k.shape[3]
+        """Row indices into a layer's cache viewed as ``[-1, head_dim]`` for ``slots [B]`` x K and V heads x
+        ``positions [B, T]``, in (slot, head, position) order."""
+        heads = torch.arange(2 * self.kv_heads, device=slots.device)
+        rows = (slots[:, None] * 2 * self.kv_heads + heads[None, :]) * self.kv.shape[3]
         return (rows[:, :, None] + positions[:, None, :]).reshape(-1)
 
-    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` (``[B, kv, T, D]`` or ``[B, kv, D]``) at ``flat_index`` rows of ``layer``."""
-        self.k[layer].view(-1, self.head_dim).index_copy_(0, index, k.reshape(-1, self.head_dim))
-        self.v[layer].view(-1, self.head_dim).index_copy_(0, index, v.reshape(-1, self.head_dim))
+    def write(self, layer: int, index: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store ``kv`` (``[B, 2 * kv_heads, T, D]``: K heads then V heads) at ``flat_index`` rows of ``layer``."""
+        self.kv[layer].view(-1, self.head_dim).index_copy_(0, index, kv.reshape(-1, self.head_dim))
 
 
 def _sdpa_without_plans(device: torch.device):
@@ -163,7 +168,7 @@ def layer_functions(eps: float, heads: int, kv_heads: int, head_dim: int, inter:
         qkv = F.linear(_rms(h, ln, eps), qkv_w, qkv_b).view(b, t, -1, head_dim)
         qk = qkv[:, :, : heads + kv_heads]
         qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
-        return qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads :]
+        return qk[:, :, :heads], torch.cat((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)
 
     def mlp_residual(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b):
         h = h + F.linear(attn_out, o_w, o_b)
@@ -241,7 +246,7 @@ class CausalLM:
         return self.hf.lm_head(hidden).float()
 
     def _qkv(self, ly: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, graphed: bool = False):
-        """Normalized input -> roped q [B, T, H, D], roped k and v [B, T, kv, D]."""
+        """Normalized input -> roped q [B, T, H, D] and kv [B, T, 2 * kv, D] (roped K heads, then V heads)."""
         return (self.graph_fns if graphed else self.fns)[0](h, ly.ln1, ly.qkv_w, ly.qkv_b, cos, sin)
 
     def _finish_layer(self, ly: _Layer, h: torch.Tensor, attn_out: torch.Tensor, graphed: bool = False):
@@ -276,9 +281,10 @@ class CausalLM:
         index = cache.flat_index(slots, pos)
         with _sdpa_without_plans(h.device):
             for i, ly in enumerate(self.layers):
-                q, k, v = self._qkv(ly, h, cos, sin)
-                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                cache.write(i, index, k, v)
+                q, kv = self._qkv(ly, h, cos, sin)
+                q, kv = q.transpose(1, 2), kv.transpose(1, 2)
+                cache.write(i, index, kv)
+                k, v = kv[:, : self.kv_heads], kv[:, self.kv_heads :]
                 if self.n_rep > 1:
                     k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
@@ -301,10 +307,12 @@ class CausalLM:
         mask = None
         if not same_length:  # [B, 1, 1, L]: broadcast over kv heads and their grouped queries
             mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+            if graphed:  # additive, built once per step (SDPA would convert a boolean mask in every layer)
+                mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         index = cache.flat_index(slots, positions[:, None])
         for i, ly in enumerate(self.layers):
-            q, k, v = self._qkv(ly, h, cos, sin, graphed)
-            cache.write(i, index, k, v)
+            q, kv = self._qkv(ly, h, cos, sin, graphed)
+            cache.write(i, index, kv)
             kc, vc = cache.k[i], cache.v[i]
             if slot_range is not None:
                 keys, values = kc[slot_range[0] : slot_range[1], :, :kv_len], vc[slot_range[0] : slot_range[1], :, :kv_len]
