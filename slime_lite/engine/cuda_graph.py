@@ -30,7 +30,7 @@ import time
 import torch
 
 from slime_lite.engine.model import CausalLM, KVCache
-from slime_lite.engine.sampling import sample_rows
+from slime_lite.engine.sampling import plain_stats, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +70,14 @@ class PaddedDecoder:
         self._index, self._rows = None, None
         self._pool = None
         self.capture_seconds = 0.0
+        self._stats = plain_stats
 
     def compile(self) -> None:
-        """``torch.compile`` the layer pieces of captured steps (fuses their norm, rotary and activation kernels);
-        compiling happens at the first step's warm-up, outside the capture. The sampler stays eager: the one H200
-        run with it compiled was slower (bench/results/h200_engine_compile-layers-and-sampler.txt; that machine was
-        slower for HF generate too, so this is not settled)."""
+        """``torch.compile`` the layer pieces of captured steps (fuses their norm, rotary and activation kernels)
+        and the sampler's passes over the vocabulary (``plain_stats``), with dynamic shapes; compiling happens at
+        the first step's warm-up, outside the capture."""
         self.lm.enable_compile()
+        self._stats = torch.compile(plain_stats, dynamic=True)
 
     def reset(self) -> None:
         """Drop the graphs and static buffers (before the cache or the weights' storage is freed)."""
@@ -94,8 +95,8 @@ class PaddedDecoder:
         tokens, positions = inputs[0].long(), inputs[1].long()
         hidden = self.lm.decode(tokens, positions, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
                                 graphed=True)
-        self._out[:bs].copy_(self.lm.logits(hidden))
-        drawn, logprobs = sample_rows(self._out[:bs], inputs[2], inputs[3], inputs[4] > 0)
+        self.lm.logits(hidden, out=self._out[:bs])
+        drawn, logprobs = sample_rows(self._out[:bs], inputs[2], inputs[3], inputs[4] > 0, stats=self._stats)
         self._sampled[0, :bs].copy_(drawn)
         self._sampled[1, :bs].copy_(logprobs)
 

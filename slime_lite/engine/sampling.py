@@ -125,40 +125,56 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     """Sample one token per row of float32 ``logits [B, V]``; return ``(token ids [B], log-probs [B])``.
 
     ``banned[i]`` lists token ids row ``i`` may not sample now (``min_new_tokens``); they keep their log-prob.
+    Rows with no truncation and no ban are drawn by ``sample_rows``, the sampler CUDA-graph steps run, so a row's
+    token does not depend on what the other rows of its batch ask for.
     """
     dev = logits.device
     greedy_rows = [p.greedy for p in params]
     temps = [1.0 if g else p.temperature for g, p in zip(greedy_rows, params)]
-    x = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev)[:, None]
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    has_ban = banned is not None and any(banned)
-    need_k = any(p.top_k > 0 for p in params)
-    need_p = any(p.top_p < 1.0 for p in params)
-    if need_k or need_p or any(p.min_p > 0 for p in params):
-        logp = x - lse
-        samp = _ban(logp.clone(), banned) if has_ban else logp
-        probs = _truncate(samp, logp, params, need_k, need_p).exp()
-    else:
-        probs = (x - lse).exp()
-        if has_ban:
-            probs = _ban(probs, banned, 0.0)
-    if all(greedy_rows):
-        tokens = probs.argmax(-1)
-    else:
-        tokens = _inverse_cdf(probs, torch.tensor(uniforms(seeds, steps), dtype=torch.float64, device=dev))
-        if any(greedy_rows):
-            tokens = torch.where(torch.tensor(greedy_rows, device=dev), probs.argmax(-1), tokens)
-    return tokens, (x.gather(1, tokens[:, None]) - lse)[:, 0]
+    u = torch.tensor(uniforms(seeds, steps), dtype=torch.float64, device=dev)
+    tokens, logprobs = sample_rows(logits, torch.tensor(temps, device=dev), u, torch.tensor(greedy_rows, device=dev))
+    special = [p.truncates or bool(banned and banned[i]) for i, p in enumerate(params)]
+    if not any(special):
+        return tokens, logprobs
+    rows = torch.tensor([i for i, sp in enumerate(special) if sp], device=dev)
+    sub = [params[i] for i in rows.tolist()]
+    x = logits[rows] / torch.tensor([temps[i] for i in rows.tolist()], device=dev)[:, None]
+    logp = x - torch.logsumexp(x, dim=-1, keepdim=True)
+    samp = _ban(logp.clone(), [banned[i] for i in rows.tolist()]) if banned else logp
+    probs = _truncate(samp, logp, sub, any(p.top_k > 0 for p in sub), any(p.top_p < 1.0 for p in sub)).exp()
+    drawn = _inverse_cdf(probs, u[rows])
+    drawn = torch.where(torch.tensor([p.greedy for p in sub], device=dev), probs.argmax(-1), drawn)
+    tokens, logprobs = tokens.clone(), logprobs.clone()
+    tokens[rows] = drawn
+    logprobs[rows] = logp.gather(1, drawn[:, None])[:, 0]
+    return tokens, logprobs
 
 
-def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor):
-    """``sample`` for rows with no truncation and no banned tokens, from tensors only (no host sync, fixed shapes:
-    it runs inside captured CUDA graphs): ``temps`` (1 for greedy rows), ``u`` from ``uniforms``, ``greedy`` bool."""
-    x = logits.float() / temps.float()[:, None]  # float32 math even when temps or u arrive as float64
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    probs = (x - lse).exp()
-    tokens = torch.where(greedy, probs.argmax(-1), _inverse_cdf(probs, u.double()))
-    return tokens, (x.gather(1, tokens[:, None]) - lse)[:, 0]
+def plain_stats(logits: torch.Tensor, inv_t: torch.Tensor):
+    """Per row of ``logits [B, V]``: the max ``m [B, 1]``, float64 sums of ``exp((logits - m) * inv_t)`` over
+    blocks of ``BLOCK`` tokens ``[B, ceil(V / BLOCK)]``, and the argmax ``[B]``. The only full passes over the
+    vocabulary; ``--enable-torch-compile`` compiles this function."""
+    m = logits.amax(-1, keepdim=True)
+    return m, _block_sums((logits - m).mul_(inv_t).exp_()), logits.argmax(-1)
+
+
+def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor,
+                stats=plain_stats):
+    """Rows with no truncation and no banned tokens, from tensors only (no host sync, fixed shapes: it runs inside
+    captured CUDA graphs): ``temps`` (1 for greedy rows), ``u`` from ``uniforms``, ``greedy`` bool. The token is
+    the inverse CDF of ``softmax(logits / temperature)`` at ``u`` (the argmax for greedy rows); its log-prob is
+    ``(logit - max) / temperature - log(sum)``, with the sum in float64."""
+    logits = logits.float()
+    inv_t = (1.0 / temps.float())[:, None]
+    m, sums, top = stats(logits, inv_t)
+    v = logits.shape[-1]
+
+    def weights(idx: torch.Tensor) -> torch.Tensor:  # the same float32 ops as in ``plain_stats``, on one block
+        return (logits.gather(1, idx.clamp(max=v - 1)) - m).mul_(inv_t).exp_().double().masked_fill_(idx >= v, 0.0)
+
+    tokens = torch.where(greedy, top, _search(sums, u.double(), weights, v))
+    picked = ((logits.gather(1, tokens[:, None]) - m) * inv_t)[:, 0]
+    return tokens, (picked.double() - sums.sum(-1).log()).float()
 
 
 def _last_positive(x: torch.Tensor) -> torch.Tensor:
@@ -173,24 +189,41 @@ def _ban(t: torch.Tensor, banned: Sequence[Sequence[int]], value: float = float(
     return t
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row, the first token whose cumulative (float64) probability exceeds ``u * total``: block sums locate the
-    block, a cumsum inside that block the token. ``probs [B, V]`` are non-negative and need not sum to 1."""
-    b, v = probs.shape
+def _block_sums(w: torch.Tensor) -> torch.Tensor:
+    """Float64 sums of ``w [B, V]`` over consecutive blocks of ``BLOCK`` tokens (the last one may be partial)."""
+    b, v = w.shape
     size = min(BLOCK, v)
     full, rest = divmod(v, size)
-    sums = probs[:, : full * size].reshape(b, full, size).sum(-1, dtype=torch.float64)
+    sums = w[:, : full * size].reshape(b, full, size).sum(-1, dtype=torch.float64)
     if rest:
-        sums = torch.cat([sums, probs[:, full * size :].sum(-1, dtype=torch.float64, keepdim=True)], dim=1)
+        sums = torch.cat([sums, w[:, full * size :].sum(-1, dtype=torch.float64, keepdim=True)], dim=1)
+    return sums
+
+
+def _search(sums: torch.Tensor, u: torch.Tensor, weights, v: int) -> torch.Tensor:
+    """The first token whose cumulative weight exceeds ``u * total``: the block from the block ``sums``, then the
+    token from the cumsum of that block's float64 ``weights(token ids [B, BLOCK])``."""
+    size = min(BLOCK, v)
     csum = sums.cumsum(-1)
     target = (u * csum[:, -1])[:, None]
-    # Clamps keep float64 rounding (target at the very top) off zero-probability blocks and tokens.
+    # Clamps keep float64 rounding (target at the very top) off zero-weight blocks and tokens.
     blk = torch.minimum(torch.searchsorted(csum, target, right=True), _last_positive(sums))
     base = F.pad(csum, (1, 0)).gather(1, blk)  # mass before the block: <= target exactly
-    idx = blk * size + torch.arange(size, device=probs.device)
-    inside = probs.gather(1, idx.clamp(max=v - 1)).double().masked_fill_(idx >= v, 0.0)
+    idx = blk * size + torch.arange(size, device=sums.device)
+    inside = weights(idx)
     pos = torch.minimum(torch.searchsorted(inside.cumsum(-1), target - base, right=True), _last_positive(inside))
     return idx.gather(1, pos)[:, 0].clamp_(max=v - 1)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative (float64) probability exceeds ``u * total``. ``probs [B, V]`` are
+    non-negative and need not sum to 1."""
+    v = probs.shape[-1]
+
+    def weights(idx: torch.Tensor) -> torch.Tensor:
+        return probs.gather(1, idx.clamp(max=v - 1)).double().masked_fill_(idx >= v, 0.0)
+
+    return _search(_block_sums(probs), u, weights, v)
 
 
 def _truncate(samp: torch.Tensor, logp: torch.Tensor, params: Sequence[SamplingParams], need_k: bool,
