@@ -242,10 +242,11 @@ class CausalLM:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, slots, max_len, self.dtype, self.device)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states -> float32 logits (written into ``out`` when given: one pass, no temporary)."""
+        """Final hidden states -> float32 logits; with ``out``, logits in the model dtype, written into ``out``."""
         if out is None:
             return self.hf.lm_head(hidden).float()
-        return out.copy_(self.hf.lm_head(hidden))
+        head = self.hf.lm_head
+        return torch.matmul(hidden, head.weight.t(), out=out) if head.bias is None else out.copy_(head(hidden))
 
     def _qkv(self, ly: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, graphed: bool = False):
         """Normalized input -> roped q [B, T, H, D] and kv [B, T, 2 * kv, D] (roped K heads, then V heads)."""

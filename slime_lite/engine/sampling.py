@@ -19,6 +19,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from slime_lite.engine import block_stats
+
 GREEDY_EPS = 1e-6
 _MASK64 = (1 << 64) - 1
 
@@ -151,29 +153,32 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
 
 
 def plain_stats(logits: torch.Tensor, inv_t: torch.Tensor):
-    """Per row of ``logits [B, V]``: the max ``m [B, 1]``, float64 sums of ``exp((logits - m) * inv_t)`` over
-    blocks of ``BLOCK`` tokens ``[B, ceil(V / BLOCK)]``, and the argmax ``[B]``. The only full passes over the
-    vocabulary; ``--enable-torch-compile`` compiles this function."""
+    """Per row of ``logits [B, V]``: the max ``m [B, 1]`` (float32), float64 sums of
+    ``exp((logits - m) * inv_t)`` over blocks of ``BLOCK`` tokens ``[B, ceil(V / BLOCK)]``, and the argmax ``[B]``:
+    the sampler's only full passes over the vocabulary (on CUDA one Triton kernel does them, see ``block_stats``)."""
+    if block_stats.available(logits.device):
+        return block_stats.triton_stats(logits, inv_t, BLOCK)
+    logits = logits.float()
     m = logits.amax(-1, keepdim=True)
     return m, _block_sums((logits - m).mul_(inv_t).exp_()), logits.argmax(-1)
 
 
-def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor,
-                stats=plain_stats):
+def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor):
     """Rows with no truncation and no banned tokens, from tensors only (no host sync, fixed shapes: it runs inside
-    captured CUDA graphs): ``temps`` (1 for greedy rows), ``u`` from ``uniforms``, ``greedy`` bool. The token is
-    the inverse CDF of ``softmax(logits / temperature)`` at ``u`` (the argmax for greedy rows); its log-prob is
+    captured CUDA graphs): ``logits [B, V]`` (any float dtype; computed in float32), ``temps`` (1 for greedy
+    rows), ``u`` from ``uniforms``, ``greedy`` bool. The token is the inverse CDF of
+    ``softmax(logits / temperature)`` at ``u`` (the argmax for greedy rows); its log-prob is
     ``(logit - max) / temperature - log(sum)``, with the sum in float64."""
-    logits = logits.float()
     inv_t = (1.0 / temps.float())[:, None]
-    m, sums, top = stats(logits, inv_t)
+    m, sums, top = plain_stats(logits, inv_t)
     v = logits.shape[-1]
 
-    def weights(idx: torch.Tensor) -> torch.Tensor:  # the same float32 ops as in ``plain_stats``, on one block
-        return (logits.gather(1, idx.clamp(max=v - 1)) - m).mul_(inv_t).exp_().double().masked_fill_(idx >= v, 0.0)
+    def weights(idx: torch.Tensor) -> torch.Tensor:  # float32 exponentials of one block, as ``plain_stats``
+        block = logits.gather(1, idx.clamp(max=v - 1)).float()
+        return (block - m).mul_(inv_t).exp_().double().masked_fill_(idx >= v, 0.0)
 
     tokens = torch.where(greedy, top, _search(sums, u.double(), weights, v))
-    picked = ((logits.gather(1, tokens[:, None]) - m) * inv_t)[:, 0]
+    picked = ((logits.gather(1, tokens[:, None]).float() - m) * inv_t)[:, 0]
     return tokens, (picked.double() - sums.sum(-1).log()).float()
 
 

@@ -73,11 +73,33 @@ def test_release_and_resume_memory_recaptures(pair):
 def test_graphs_of_an_engine_on_the_second_gpu(tiny_model_dir, pair):
     from slime_lite.engine.scheduler import Scheduler
 
-    s = Scheduler(str(tiny_model_dir), device="cuda:1", dtype="float32", max_running_requests=6,
-                  kv_cache_tokens=6 * 160)
-    s.start()
+    # Against a fresh eager engine on cuda:0 (the fixture's engines may carry another test's weight update).
+    made = [Scheduler(str(tiny_model_dir), device=dev, dtype="float32", max_running_requests=6,
+                      kv_cache_tokens=6 * 160, cuda_graph=graphs) for dev, graphs in (("cuda:1", None), ("cuda:0", False))]
+    for s in made:
+        s.start()
     try:
-        assert_same(run_requests(s, SPECS), run_requests(pair[False], SPECS))
-        assert s.decoder.graphs and s.cache.k.device == torch.device("cuda:1")
+        assert_same(run_requests(made[0], SPECS), run_requests(made[1], SPECS))
+        assert made[0].decoder.graphs and made[0].cache.kv.device == torch.device("cuda:1")
     finally:
-        s.stop()
+        for s in made:
+            s.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_block_stats_equal_the_eager_passes(dtype):
+    from slime_lite.engine import block_stats
+    from slime_lite.engine.sampling import BLOCK, _block_sums
+
+    assert block_stats.available(torch.device("cuda")), "Triton should come with CUDA torch"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for vocab in (5000, 3072, 151936):  # a partial last block, whole blocks, Qwen2's vocabulary
+        logits = (torch.randn(7, vocab, device="cuda", generator=gen) * 3).to(dtype)
+        logits[2, 1500] = logits[2, 2600] = 50  # a tie across blocks: the first index, as torch.argmax
+        inv_t = torch.tensor([1.0, 1 / 0.7, 1.0, 2.0, 1.0, 0.5, 1 / 1.3], device="cuda")[:, None]
+        m, sums, top = block_stats.triton_stats(logits, inv_t, BLOCK)
+        x = logits.float()
+        want_m = x.amax(-1, keepdim=True)
+        assert torch.equal(m, want_m) and torch.equal(top, x.argmax(-1)) and top[2].item() == 1500
+        want = _block_sums((x - want_m).mul_(inv_t).exp_())
+        assert ((sums / want) - 1).abs().max().item() < 1e-5
