@@ -26,7 +26,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from slime_lite.engine.model import CausalLM, KVCache
@@ -56,6 +58,16 @@ def _ceil(buckets: list[int], n: int) -> int:
     return buckets[bisect.bisect_left(buckets, n)]
 
 
+@dataclass
+class Ticket:
+    """A launched step's results: a host buffer the device copies them into, the event after that copy (CUDA),
+    and the slots of its rows."""
+
+    host: torch.Tensor
+    done: "torch.cuda.Event | None"
+    slots: list[int]
+
+
 class PaddedDecoder:
     """Fixed-shape decode steps for batch slots ``0..max_bs-1``, with the common sampler inside the step."""
 
@@ -67,7 +79,7 @@ class PaddedDecoder:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._storage: tuple | None = None
         self._inputs = self._slots = self._out = self._sampled = None
-        self._index, self._rows = None, None
+        self._index, self._rows, self._flip, self._done = None, None, 0, [None, None]
         self._pool = None
         self.capture_seconds = 0.0
 
@@ -91,7 +103,9 @@ class PaddedDecoder:
 
     def _step(self, bs: int, kv_len: int) -> None:
         inputs = self._inputs[:, :bs]
-        tokens, positions = inputs[0].long(), inputs[1].long()
+        # Chained rows take their token from the last step's draw, still on the device (see ``run``).
+        tokens = torch.where(inputs[5] > 0, self._sampled[0, :bs], inputs[0]).long()
+        positions = inputs[1].long()
         hidden = self.lm.decode(tokens, positions, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
                                 graphed=True)
         self.lm.logits(hidden, out=self._out[:bs])
@@ -99,11 +113,23 @@ class PaddedDecoder:
         self._sampled[0, :bs].copy_(drawn)
         self._sampled[1, :bs].copy_(logprobs)
 
+    def _buffers(self, dev: torch.device) -> None:
+        self._inputs = torch.zeros(6, self.max_bs, dtype=torch.float64, device=dev)
+        self._slots = torch.arange(self.max_bs, device=dev)
+        self._out = torch.empty(self.max_bs, self.lm.vocab_size, dtype=self.lm.dtype, device=dev)
+        self._sampled = torch.zeros(2, self.max_bs, dtype=torch.float64, device=dev)
+        # Two host buffers each way (pinned on CUDA): a step is staged while the one before is still running.
+        pin = dev.type == "cuda"
+        self._host_in = [torch.zeros(6, self.max_bs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._host_out = [torch.zeros(2, self.max_bs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+
     def run(self, slots: list[int], tokens: list[int], positions: list[int], temps: list[float],
-            u: list[float], greedy: list[bool]) -> None:
-        """Decode one token for each running slot (``slots`` sorted, all below ``max_bs``) and sample it as
-        ``sample_rows`` does, with one host-to-device copy in and (in ``sampled``) one copy out. Read the result
-        with ``sampled`` or, for the general sampler, ``logits``, before the next ``run``."""
+            u: list[float], greedy: list[bool], chain: bool = False) -> Ticket:
+        """Launch one decode step for the running slots (``slots`` sorted, all below ``max_bs``) and its sampling
+        as ``sample_rows`` does: one host-to-device copy in, one device-to-host copy out, no wait. ``chain``: the
+        step decodes the tokens the previous ``run`` drew for the same ``slots`` (``tokens`` are ignored), so it
+        can be launched before that step's results are read. Read the results with ``sampled(ticket)``, or the
+        logits (general sampler) with ``logits()`` before the next ``run``."""
         bs = _ceil(self.bs_buckets, slots[-1] + 1)
         kv_len = _ceil(self.len_buckets, max(positions) + 1)
         dev = self.lm.device
@@ -113,16 +139,15 @@ class PaddedDecoder:
             self.reset()
             self._storage = key
         if self._inputs is None:
-            self._inputs = torch.zeros(5, self.max_bs, dtype=torch.float64, device=dev)
-            self._slots = torch.arange(self.max_bs, device=dev)
-            self._out = torch.empty(self.max_bs, self.lm.vocab_size, dtype=self.lm.dtype, device=dev)
-            self._sampled = torch.zeros(2, self.max_bs, dtype=torch.float64, device=dev)
-        # Rows: token, position, temperature, uniform, greedy. Idle rows: token 0 at position 0, greedy.
-        host = torch.tensor([[0.0], [0.0], [1.0], [0.0], [1.0]], dtype=torch.float64).repeat(1, bs)
-        self._index = torch.tensor(slots)
-        host[:, self._index] = torch.tensor([tokens, positions, temps, u, greedy], dtype=torch.float64)
-        self._inputs[:, :bs].copy_(host)
-        self._rows = len(slots) if len(slots) == bs else None
+            self._buffers(dev)
+        self._flip ^= 1
+        if self._done[self._flip] is not None:
+            self._done[self._flip].synchronize()  # the step that last used these host buffers has copied them
+        # Rows: token, position, temperature, uniform, greedy, chained. Idle rows: token 0 at position 0, greedy.
+        host = self._host_in[self._flip].numpy()
+        host[:, :bs] = np.array([0.0, 0.0, 1.0, 0.0, 1.0, 0.0])[:, None]
+        host[:, slots] = [tokens, positions, temps, u, greedy, [float(chain)] * len(slots)]
+        self._inputs[:, :bs].copy_(self._host_in[self._flip][:, :bs], non_blocking=True)
         if not self.capture:
             self._step(bs, kv_len)
         else:
@@ -130,20 +155,29 @@ class PaddedDecoder:
             if graph is None:
                 graph = self._capture(bs, kv_len)  # warm-up and capture also compute this step
             graph.replay()
+        out = self._host_out[self._flip]
+        out[:, :bs].copy_(self._sampled[:, :bs], non_blocking=True)
+        done = None
+        if dev.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self._done[self._flip] = done
+        self._rows = len(slots) if len(slots) == bs else None
+        self._index = slots
+        return Ticket(out, done, slots)
 
-    def sampled(self) -> tuple[list[int], list[float]]:
-        """Tokens and log-probs of the last ``run``'s slots, in order."""
-        if self._rows is not None:
-            tokens, logprobs = self._sampled[:, : self._rows].tolist()
-        else:
-            tokens, logprobs = self._sampled.index_select(1, self._index.to(self._sampled.device)).tolist()
+    def sampled(self, ticket: Ticket) -> tuple[list[int], list[float]]:
+        """Tokens and log-probs a ``run`` drew for its slots, in order (waits for that step only)."""
+        if ticket.done is not None:
+            ticket.done.synchronize()
+        tokens, logprobs = ticket.host.numpy()[:, ticket.slots].tolist()
         return [int(t) for t in tokens], logprobs
 
     def logits(self) -> torch.Tensor:
         """Float32 logits of the last ``run``'s slots."""
         if self._rows is not None:
             return self._out[: self._rows].float()
-        return self._out.index_select(0, self._index.to(self._out.device)).float()
+        return self._out.index_select(0, torch.tensor(self._index, device=self._out.device)).float()
 
     def _capture(self, bs: int, kv_len: int) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()

@@ -24,11 +24,13 @@ import queue
 import threading
 import zlib
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from slime_lite.engine.cuda_graph import PaddedDecoder
+from slime_lite.engine.control import ControlOps
+from slime_lite.engine.cuda_graph import PaddedDecoder, Ticket
 from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.request import Request, RequestOutput
 from slime_lite.engine.sampling import mix64, sample, uniforms
@@ -40,11 +42,14 @@ logger = logging.getLogger(__name__)
 PREFILL_MAX_TOKENS = 8192  # padded tokens per prefill batch
 
 
-class EngineBusy(RuntimeError):
-    """An operation that needs an idle engine (no running or waiting requests)."""
+@dataclass
+class _Pending:
+    slots: list[int]
+    reqs: list[Request]
+    ticket: Ticket
 
 
-class Scheduler:
+class Scheduler(ControlOps):
     """Loads the model and runs the generation loop in a background thread (``start``/``stop``)."""
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
@@ -112,6 +117,7 @@ class Scheduler:
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
         self.num_generated = 0
+        self._pending: _Pending | None = None  # a padded step launched, its tokens not appended yet
         logger.info("engine: %s on %s (%s), %d slots x %d tokens", self.model_path, self.device, self.lm.dtype,
                     self.max_running, self.slot_len)
 
@@ -218,7 +224,8 @@ class Scheduler:
         self.cache.free()
 
     def _can_step(self) -> bool:
-        return not self.paused and "weights" not in self.released and bool(self.waiting or self.running)
+        return self._pending is not None or (
+            not self.paused and "weights" not in self.released and bool(self.waiting or self.running))
 
     def _loop(self) -> None:
         if self.device.type == "cuda" and self.device.index is not None:
@@ -260,6 +267,7 @@ class Scheduler:
                 for r in [r for r in self.waiting if match(r)] + [r for r in self.running.values() if match(r)]:
                     self._finish(r, {"type": "abort", "message": message})
         elif kind == "call":
+            self._collect()  # calls (weight updates, memory, pause) see no step in flight
             _, fn, args, fut = msg
             if fut.set_running_or_notify_cancel():
                 try:
@@ -268,6 +276,7 @@ class Scheduler:
                     fut.set_exception(exc)
 
     def _abort_all(self, message: str) -> None:
+        self._pending = None
         for r in list(self.waiting) + list(self.running.values()):
             self._finish(r, {"type": "abort", "message": message})
 
@@ -294,12 +303,20 @@ class Scheduler:
         self._emit(req)
 
     def _step(self) -> None:
-        # Admit in groups (each admission is one prefill forward) unless the queue fits or the batch is empty.
-        free = len(self._free_slots)
-        if self.waiting and free and (free >= self._admit_group or len(self.waiting) <= free or not self.running):
+        if self._pending is not None and (self._admitting() or self.paused or "weights" in self.released):
+            self._collect()  # finish the step in flight first: its finished requests free slots
+        if not self.paused and "weights" not in self.released and self._admitting():
             self._admit()
-        if self.running:
+        if self.running and not self.paused and "weights" not in self.released:
             self._decode()
+        elif self._pending is not None:
+            self._collect()
+
+    def _admitting(self) -> bool:
+        """Admit in groups (each admission is one prefill forward) unless the queue fits or the batch is empty."""
+        free = len(self._free_slots)
+        return bool(self.waiting) and free > 0 and (
+            free >= self._admit_group or len(self.waiting) <= free or not self.running)
 
     def _need_len(self, req: Request) -> int:
         return len(req.input_ids) + max(req.max_new - 1, len(req.output_ids))
@@ -356,28 +373,55 @@ class Scheduler:
     def _decode(self) -> None:
         slots = sorted(self.running)
         reqs = [self.running[s] for s in slots]
-        dev = self.lm.device
-        tokens = [r.output_ids[-1] for r in reqs]
-        pos = [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs]
         if self.decoder is not None and slots[-1] < self.decoder.max_bs:
-            params = [r.params for r in reqs]
-            steps = [len(r.output_ids) for r in reqs]
-            # The sampler inside the step serves rows with no truncation and no banned tokens (min_new_tokens).
-            fused = not any(p.truncates or s < p.min_new_tokens for p, s in zip(params, steps))
-            self.decoder.run(slots, tokens, pos, [1.0 if p.greedy else p.temperature for p in params],
-                             uniforms([r.seed for r in reqs], steps) if fused else [0.0] * len(reqs),
-                             [p.greedy for p in params])
-            if fused:
-                self._append(reqs, *self.decoder.sampled())
-            else:
-                self._sample_and_append(reqs, self.decoder.logits())
+            self._decode_padded(slots, reqs)
             return
-        tokens = torch.tensor(tokens, device=dev)
+        dev = self.lm.device
+        pos = [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs]
+        tokens = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
         contiguous = slots[-1] - slots[0] + 1 == len(slots)
         hidden = self.lm.decode(tokens, torch.tensor(pos, device=dev), torch.tensor(slots, device=dev), self.cache,
                                 kv_len=max(pos) + 1, slot_range=(slots[0], slots[-1] + 1) if contiguous else None,
                                 same_length=min(pos) == max(pos))
         self._sample_and_append(reqs, self.lm.logits(hidden))
+
+    def _decode_padded(self, slots: list[int], reqs: list[Request]) -> None:
+        """A padded step. When every row samples inside the step, its results are read one step late: the next
+        step is launched first, chained to this one's tokens on the device, so the host's bookkeeping of one step
+        overlaps the GPU's work on the next (a request that finishes meanwhile drops its extra token)."""
+        params = [r.params for r in reqs]
+        pend = self._pending
+        # The sampler inside the step serves rows with no truncation and no banned tokens (min_new_tokens).
+        lag = 1 if pend is not None else 0  # tokens drawn by the step in flight, not appended yet
+        steps = [len(r.output_ids) + lag for r in reqs]
+        fused = not any(p.truncates or s < p.min_new_tokens for p, s in zip(params, steps))
+        chain = (pend is not None and fused and pend.slots == slots
+                 and all(len(r.output_ids) + 1 < r.max_new for r in reqs))  # in flight: not any request's last
+        if pend is not None and not chain:
+            self._collect()
+            if not self.running:
+                return
+            self._decode()
+            return
+        pos = [len(r.input_ids) + len(r.output_ids) - 1 + lag for r in reqs]
+        ticket = self.decoder.run(slots, [0 if chain else r.output_ids[-1] for r in reqs], pos,
+                                  [1.0 if p.greedy else p.temperature for p in params],
+                                  uniforms([r.seed for r in reqs], steps) if fused else [0.0] * len(reqs),
+                                  [p.greedy for p in params], chain=chain)
+        if not fused:
+            self._sample_and_append(reqs, self.decoder.logits())
+            return
+        self._collect()
+        self._pending = _Pending(slots, reqs, ticket)
+
+    def _collect(self) -> None:
+        """Append the tokens of the padded step in flight (to requests still running in their slot)."""
+        pend, self._pending = self._pending, None
+        if pend is None:
+            return
+        tokens, logprobs = self.decoder.sampled(pend.ticket)
+        keep = [i for i, (s, r) in enumerate(zip(pend.slots, pend.reqs)) if self.running.get(s) is r]
+        self._append([pend.reqs[i] for i in keep], [tokens[i] for i in keep], [logprobs[i] for i in keep])
 
     def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
         banned = [self._banned(r) for r in reqs]
@@ -419,57 +463,3 @@ class Scheduler:
                 if s in tail:
                     return {"type": "stop", "matched": s}
         return None
-
-    # ---- operations run through call() -------------------------------------------------------------------
-    def pause(self, mode: str = "abort") -> None:
-        """``abort``: abort everything; ``retract``: running requests go back to the queue (recomputed later);
-        ``in_place``: keep them (and their cache) as they are. New requests queue until ``resume``."""
-        if mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause mode {mode!r}: expected abort, retract or in_place")
-        if mode == "abort":
-            self._abort_all("aborted by /pause_generation")
-        elif mode == "retract":
-            for slot in sorted(self.running, reverse=True):
-                req = self.running.pop(slot)
-                heapq.heappush(self._free_slots, slot)
-                req.slot = -1
-                self.waiting.appendleft(req)
-            self._free_cache()
-        self.paused = True
-        logger.info("generation paused (%s): %d running, %d waiting", mode, len(self.running), len(self.waiting))
-
-    def resume(self) -> None:
-        self.paused = False
-        logger.info("generation continued")
-
-    def flush_cache(self) -> None:
-        if self.running or self.waiting:
-            raise EngineBusy(f"cannot flush the cache with {len(self.running)} running and "
-                             f"{len(self.waiting)} waiting requests")
-        self._free_cache()
-
-    def release_memory(self, tags: list[str] | None) -> str:
-        tags = set(tags or ("weights", "kv_cache"))
-        if self.running or self.waiting:
-            raise EngineBusy("release_memory_occupation needs an idle engine (requests are in flight)")
-        if self.device.type == "cpu":
-            logger.info("release_memory_occupation %s: no-op on CPU", sorted(tags))
-            self.released |= tags
-            return "no-op on CPU"
-        if "weights" in tags and "weights" not in self.released:
-            self.lm.layers, self.lm.cos, self.lm.sin = [], None, None  # drop the fused tensors' GPU memory
-            self.hf.to("cpu")
-        self._free_cache()
-        torch.cuda.empty_cache()
-        self.released |= tags
-        logger.info("released GPU memory %s", sorted(tags))
-        return "released"
-
-    def resume_memory(self, tags: list[str] | None) -> str:
-        tags = set(tags or ("weights", "kv_cache"))
-        if self.device.type != "cpu" and "weights" in tags and "weights" in self.released:
-            self.hf.to(self.device)
-            self.lm.refresh()
-        self.released -= tags
-        logger.info("resumed memory %s", sorted(tags))
-        return "resumed"

@@ -63,9 +63,10 @@ def test_padded_decode_matches_dynamic_decode_under_continuous_batching(schedule
     specs = SPECS
     padded = schedulers[True]
     assert padded.decoder is not None and schedulers[False].decoder is None
-    calls = []
+    calls, chained = [], []
     real_run = padded.decoder.run
-    padded.decoder.run = lambda slots, *a: (calls.append(list(slots)), real_run(slots, *a))[1]
+    padded.decoder.run = lambda slots, *a, **kw: (calls.append(list(slots)), chained.append(kw.get("chain")),
+                                                   real_run(slots, *a, **kw))[2]
     try:
         got = run_requests(padded, specs)
     finally:
@@ -73,10 +74,38 @@ def test_padded_decode_matches_dynamic_decode_under_continuous_batching(schedule
     want = run_requests(schedulers[False], specs)
     assert any(s != list(range(len(s))) for s in calls), "no step ran with holes in the slots"
     assert sum(len(s) for s in calls) > 200
+    # Most steps were launched before the previous step's tokens were read (chained on the device), and requests
+    # finished between (stop tokens, lengths) and joined (holes refilled) all the same.
+    assert sum(bool(c) for c in chained) > len(calls) / 2
     for g, w in zip(got, want):
         assert g.finish_reason == w.finish_reason
         assert g.output_ids == w.output_ids
         assert max(abs(a - b) for a, b in zip(g.output_logprobs, w.output_logprobs)) < 1e-4
+
+
+def test_abort_and_calls_between_chained_steps_leave_the_other_requests_exact(schedulers):
+    # An abort and a call() arrive while a chained step is in flight: the aborted request drops its extra token,
+    # the call runs with no step in flight, and every other request's tokens are those of dynamic decode.
+    padded = schedulers[True]
+    calls = []
+    real_run = padded.decoder.run
+
+    def run(slots, *a, **kw):
+        calls.append(kw.get("chain"))
+        if len(calls) >= 20 and kw.get("chain") and "call" not in calls:  # a chained step: one more in flight
+            padded.abort("r3")
+            padded.call(lambda: calls.append("call")).result  # queued; runs between two steps
+        return real_run(slots, *a, **kw)
+
+    padded.decoder.run = run
+    try:
+        got = run_requests(padded, SPECS)
+    finally:
+        del padded.decoder.run
+    want = run_requests(schedulers[False], SPECS)
+    assert "call" in calls
+    assert got[3].finish_reason["type"] == "abort" and len(got[3].output_ids) < len(want[3].output_ids)
+    assert_same(got[:3] + got[4:], want[:3] + want[4:])
 
 
 def assert_same(got, want, tol=1e-4):
