@@ -18,6 +18,9 @@ from slime_lite.engine import block_stats
 from slime_lite.engine.sampling import sample_rows
 
 
+_KEEP: list = []
+
+
 def graphed(fn, n: int = 50) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -29,6 +32,7 @@ def graphed(fn, n: int = 50) -> float:
         fn()
     g.replay()
     torch.cuda.synchronize()
+    _KEEP.append(g)  # its outputs live in the graph's pool
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):

@@ -147,7 +147,9 @@ class PaddedDecoder:
         host = self._host_in[self._flip].numpy()
         host[:, :bs] = np.array([0.0, 0.0, 1.0, 0.0, 1.0, 0.0])[:, None]
         host[:, slots] = [tokens, positions, temps, u, greedy, [float(chain)] * len(slots)]
-        self._inputs[:, :bs].copy_(self._host_in[self._flip][:, :bs], non_blocking=True)
+        # Whole buffers both ways: a copy of a non-contiguous slice is staged through a temporary, which is not safe
+        # while the copy is in flight.
+        self._inputs.copy_(self._host_in[self._flip], non_blocking=True)
         if not self.capture:
             self._step(bs, kv_len)
         else:
@@ -156,7 +158,7 @@ class PaddedDecoder:
                 graph = self._capture(bs, kv_len)  # warm-up and capture also compute this step
             graph.replay()
         out = self._host_out[self._flip]
-        out[:, :bs].copy_(self._sampled[:, :bs], non_blocking=True)
+        out.copy_(self._sampled, non_blocking=True)
         done = None
         if dev.type == "cuda":
             done = torch.cuda.Event()
