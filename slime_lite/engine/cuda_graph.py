@@ -103,8 +103,9 @@ class PaddedDecoder:
 
     def _step(self, bs: int, kv_len: int) -> None:
         inputs = self._inputs[:, :bs]
-        # Chained rows take their token from the last step's draw, still on the device (see ``run``).
-        tokens = torch.where(inputs[5] > 0, self._sampled[0, :bs], inputs[0]).long()
+        # Chained rows take the token the last step drew, still on the device (``run`` copies it to ``_prev``
+        # outside the graph: the step stays the same when run twice, as warm-up and capture do).
+        tokens = torch.where(inputs[5] > 0, self._prev[:bs], inputs[0]).long()
         positions = inputs[1].long()
         hidden = self.lm.decode(tokens, positions, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
                                 graphed=True)
@@ -118,6 +119,7 @@ class PaddedDecoder:
         self._slots = torch.arange(self.max_bs, device=dev)
         self._out = torch.empty(self.max_bs, self.lm.vocab_size, dtype=self.lm.dtype, device=dev)
         self._sampled = torch.zeros(2, self.max_bs, dtype=torch.float64, device=dev)
+        self._prev = torch.zeros(self.max_bs, dtype=torch.float64, device=dev)
         # Two host buffers each way (pinned on CUDA): a step is staged while the one before is still running.
         pin = dev.type == "cuda"
         self._host_in = [torch.zeros(6, self.max_bs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
@@ -133,6 +135,9 @@ class PaddedDecoder:
         bs = _ceil(self.bs_buckets, slots[-1] + 1)
         kv_len = _ceil(self.len_buckets, max(positions) + 1)
         dev = self.lm.device
+        if chain and self._sampled is None:
+            raise RuntimeError("chain=True needs a previous run")
+        drawn = self._sampled[0].clone() if chain else None  # kept across a reset of the buffers below
         self.cache.ensure(bs, kv_len)  # grows only to what steps use; a new allocation means new captures
         key = self._storage_key()
         if key != self._storage:
@@ -150,6 +155,8 @@ class PaddedDecoder:
         # Whole buffers both ways: a copy of a non-contiguous slice is staged through a temporary, which is not safe
         # while the copy is in flight.
         self._inputs.copy_(self._host_in[self._flip], non_blocking=True)
+        if chain:
+            self._prev.copy_(drawn)
         if not self.capture:
             self._step(bs, kv_len)
         else:
