@@ -215,8 +215,13 @@ def _search(sums: torch.Tensor, u: torch.Tensor, weights, v: int) -> torch.Tenso
     blk = torch.minimum(torch.searchsorted(csum, target, right=True), _last_positive(sums))
     base = F.pad(csum, (1, 0)).gather(1, blk)  # mass before the block: <= target exactly
     idx = blk * size + torch.arange(size, device=sums.device)
-    inside = weights(idx)
-    pos = torch.minimum(torch.searchsorted(inside.cumsum(-1), target - base, right=True), _last_positive(inside))
+    w = weights(idx)
+    inside = w.cumsum(-1)
+    # The target's place inside the block, as a fraction of the block's sum, on the block's own cumsum: the
+    # block sums may round differently from the weights (they come from another kernel on CUDA), and a target
+    # past the block's cumsum must not fall to its last token.
+    frac = ((target - base) / sums.gather(1, blk)).clamp_(0.0, 1.0)
+    pos = torch.minimum(torch.searchsorted(inside, frac * inside[:, -1:], right=True), _last_positive(w))
     return idx.gather(1, pos)[:, 0].clamp_(max=v - 1)
 
 
