@@ -134,6 +134,26 @@ def timed(fn, *args) -> tuple[int, float, float]:
     return n, time.perf_counter() - wall, time.process_time() - cpu
 
 
+def time_static(jobs: list, model_dir: str, args) -> None:
+    """Static-cache ``generate`` (compiled, CUDA graphs through inductor) on a fresh copy of the model, after all
+    engine runs: on an H200 the engine, run in the same process after that compile, twice died with an illegal
+    memory access (not seen otherwise; under investigation, see BENCHMARKS.md)."""
+    if not jobs:
+        return
+    from slime_lite.engine.model import load_hf_model
+
+    hf = load_hf_model(model_dir, args.dtype, torch.device(args.device))
+    for row, b, prompts in jobs:
+        start = time.perf_counter()  # warm-up at the timed shape: compiles the decode step
+        run_hf(hf, prompts[:b], b, args.max_new_tokens, None, True)
+        row["hfs_warmup_s"] = time.perf_counter() - start
+        for _ in range(args.repeats):
+            n, secs, cpu = timed(functools.partial(run_hf, static=True), hf, prompts, b, args.max_new_tokens, None)
+            row["hfs_tok"], row["hfs_tps"] = n, max(row.get("hfs_tps", 0.0), n / secs)
+            row["hfs_cpu"] = max(row.get("hfs_cpu", 0.0), n / cpu)
+        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None, help="an HF Llama/Qwen2 folder (default: a random --model-config)")
@@ -159,7 +179,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model_path or make_model_dir(args.model_config, tmp.name)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    rows = []
+    rows, static_jobs = [], []
     for b in batch_sizes:
         server = EngineServer(model_dir, device=args.device, dtype=args.dtype, max_running_requests=b,
                               kv_cache_tokens=b * (args.prompt_len + args.max_new_tokens),
@@ -183,10 +203,7 @@ def main() -> None:
                 runs["http"] = (run_engine_http, server.url, prompts)
             row = {"workload": workload, "batch": b, "requests": n_req}
             if workload == "equal" and str(b) in args.hf_static_batches.split(","):
-                start = time.perf_counter()  # warm-up at the timed shape: compiles the decode step
-                run_hf(hf, prompts[:b], b, args.max_new_tokens, stops, True)
-                row["hfs_warmup_s"] = time.perf_counter() - start
-                runs["hfs"] = (functools.partial(run_hf, static=True), hf, prompts, b)
+                static_jobs.append((row, b, prompts))  # after every engine run: see ``time_static``
             for _ in range(args.repeats):  # interleaved; the best run of each counts (shared machines are noisy)
                 for key, (fn, *fn_args) in runs.items():
                     n, secs, cpu = timed(fn, *fn_args, args.max_new_tokens, stops)
@@ -203,6 +220,7 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
+    time_static(static_jobs, model_dir, args)
     dev = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or 'cpu'} x{os.cpu_count()}"
     print(f"\nengine vs HF generate: {args.model_path or args.model_config}, {args.device} ({dev}), "
           f"torch threads {torch.get_num_threads()}, prompt {args.prompt_len}, max_new {args.max_new_tokens}, "
