@@ -54,6 +54,12 @@ def length_buckets(max_len: int) -> list[int]:
     return sizes + [max_len]
 
 
+def _clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def _ceil(buckets: list[int], n: int) -> int:
     return buckets[bisect.bisect_left(buckets, n)]
 
@@ -199,9 +205,15 @@ class PaddedDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        # cuBLAS keeps a workspace per (handle, stream), made at the warm-up above, outside the graph's pool; a graph
+        # captured with it breaks when anything in the process clears those workspaces (torch.compile's CUDA graphs
+        # do, at every recording: on an H200 the engine then died with an illegal memory access). Cleared here, the
+        # capture makes its own workspace in the graph's pool; cleared after, no eager call is handed that memory.
+        _clear_cublas_workspaces()
         # Our own capture stream, on the engine's device (torch's default one is per process, on the first device).
         with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             self._step(bs, kv_len)
+        _clear_cublas_workspaces()
         self.graphs[(bs, kv_len)] = graph
         took = time.perf_counter() - start
         self.capture_seconds += took

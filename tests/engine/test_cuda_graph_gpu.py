@@ -57,6 +57,21 @@ def test_in_place_weight_update_reaches_captured_graphs(pair):
     assert_same(after, run_requests(pair[False], SPECS[:4]))
 
 
+def test_graphs_survive_a_clear_of_cublas_workspaces(pair):
+    # torch.compile's own CUDA graphs clear cuBLAS workspaces at every recording; a graph holding one it did not
+    # allocate would then write to freed memory. Here: capture, clear, scribble over freed memory, replay.
+    s = pair[True]
+    run_requests(s, SPECS)
+    assert s.decoder.graphs
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    junk = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(64)]
+    try:
+        assert_same(run_requests(s, SPECS), run_requests(pair[False], SPECS))
+    finally:
+        del junk
+
+
 def test_release_and_resume_memory_recaptures(pair):
     s = pair[True]
     run_requests(s, SPECS[:3])
