@@ -29,10 +29,12 @@ def _kernel():
         row = tl.program_id(0)
         blk = tl.program_id(1)
         offs = blk * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(logits + row * row_stride + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        start = row.to(tl.int64) * row_stride  # 64-bit: B x V can pass 2**31 (large prefills, large vocabularies)
+        x = tl.load(logits + start + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
         top = tl.max(x, axis=0)
         first = tl.min(tl.where(x == top, offs, vocab), axis=0)  # first index of the max, as torch.argmax
-        total = tl.sum(tl.exp((x - top) * tl.load(inv_t + row)), axis=0)
+        shift = tl.where(top == float("-inf"), 0.0, top)  # a block of -inf logits sums to 0, not NaN
+        total = tl.sum(tl.exp((x - shift) * tl.load(inv_t + row)), axis=0)
         tl.store(out_max + row * blocks + blk, top)
         tl.store(out_sum + row * blocks + blk, total)
         tl.store(out_arg + row * blocks + blk, first)
@@ -47,6 +49,8 @@ def available(device: torch.device) -> bool:
 def triton_stats(logits: torch.Tensor, inv_t: torch.Tensor, block: int):
     """``plain_stats`` from one read of ``logits [B, V]`` (any float dtype, rows contiguous): ``m [B, 1]`` float32,
     float64 block sums ``[B, ceil(V / block)]`` of ``exp((logits - m) * inv_t)``, argmax ``[B]``."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     b, v = logits.shape
     blocks = -(-v // block)
     bmax = torch.empty(b, blocks, dtype=torch.float32, device=logits.device)

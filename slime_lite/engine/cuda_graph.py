@@ -55,6 +55,8 @@ def length_buckets(max_len: int) -> list[int]:
 
 
 def _clear_cublas_workspaces() -> None:
+    """Process-wide (every thread's and device's workspaces), as torch.compile's CUDA graphs do; safe with one engine
+    per process, which is how the engine runs (``serve`` and the rollout actors)."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
@@ -97,9 +99,9 @@ class PaddedDecoder:
         self.lm.enable_compile()
 
     def reset(self) -> None:
-        """Drop the graphs and static buffers (before the cache or the weights' storage is freed)."""
+        """Drop the graphs and the device buffers they use (before the cache or the weights' storage is freed)."""
         self.graphs.clear()
-        self._inputs = self._slots = self._out = self._sampled = None
+        self._inputs = self._slots = self._out = self._sampled = self._prev = None
         self._pool = None
         self._storage = None
 
@@ -134,7 +136,8 @@ class PaddedDecoder:
     def run(self, slots: list[int], tokens: list[int], positions: list[int], temps: list[float],
             u: list[float], greedy: list[bool], chain: bool = False) -> Ticket:
         """Launch one decode step for the running slots (``slots`` sorted, all below ``max_bs``) and its sampling
-        as ``sample_rows`` does: one host-to-device copy in, one device-to-host copy out, no wait. ``chain``: the
+        as ``sample_rows`` does: one host-to-device copy in, one device-to-host copy out, and no wait for this step
+        (only for the step two runs back, whose host buffers this one reuses; a new capture syncs). ``chain``: the
         step decodes the tokens the previous ``run`` drew for the same ``slots`` (``tokens`` are ignored), so it
         can be launched before that step's results are read. Read the results with ``sampled(ticket)``, or the
         logits (general sampler) with ``logits()`` before the next ``run``."""

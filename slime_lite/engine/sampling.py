@@ -127,8 +127,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     """Sample one token per row of float32 ``logits [B, V]``; return ``(token ids [B], log-probs [B])``.
 
     ``banned[i]`` lists token ids row ``i`` may not sample now (``min_new_tokens``); they keep their log-prob.
-    Rows with no truncation and no ban are drawn by ``sample_rows``, the sampler CUDA-graph steps run, so a row's
-    token does not depend on what the other rows of its batch ask for.
+    Every row is first drawn by ``sample_rows``, the sampler CUDA-graph steps run; rows with truncation or a ban are
+    then drawn again from their truncated distribution. So a plain row's token does not depend on what the other
+    rows of its batch ask for.
     """
     dev = logits.device
     greedy_rows = [p.greedy for p in params]
@@ -207,7 +208,7 @@ def _block_sums(w: torch.Tensor) -> torch.Tensor:
 
 def _search(sums: torch.Tensor, u: torch.Tensor, weights, v: int) -> torch.Tensor:
     """The first token whose cumulative weight exceeds ``u * total``: the block from the block ``sums``, then the
-    token from the cumsum of that block's float64 ``weights(token ids [B, BLOCK])``."""
+    token from the cumsum of that block's float64 ``weights(token ids [B, min(BLOCK, v)])``."""
     size = min(BLOCK, v)
     csum = sums.cumsum(-1)
     target = (u * csum[:, -1])[:, None]

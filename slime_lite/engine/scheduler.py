@@ -267,7 +267,11 @@ class Scheduler(ControlOps):
                 for r in [r for r in self.waiting if match(r)] + [r for r in self.running.values() if match(r)]:
                     self._finish(r, {"type": "abort", "message": message})
         elif kind == "call":
-            self._collect()  # calls (weight updates, memory, pause) see no step in flight
+            try:
+                self._collect()  # calls (weight updates, memory, pause) see no step in flight
+            except Exception as exc:  # noqa: BLE001 - the step failed: fail its requests, keep serving
+                logger.exception("engine step failed")
+                self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
             _, fn, args, fut = msg
             if fut.set_running_or_notify_cancel():
                 try:
@@ -276,7 +280,12 @@ class Scheduler(ControlOps):
                     fut.set_exception(exc)
 
     def _abort_all(self, message: str) -> None:
-        self._pending = None
+        pend, self._pending = self._pending, None
+        if pend is not None and pend.ticket.done is not None:
+            try:
+                pend.ticket.done.synchronize()  # nothing runs on after an abort (a failed step raises again here)
+            except Exception:  # noqa: BLE001
+                pass
         for r in list(self.waiting) + list(self.running.values()):
             self._finish(r, {"type": "abort", "message": message})
 
