@@ -139,11 +139,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     special = [p.truncates or bool(banned and banned[i]) for i, p in enumerate(params)]
     if not any(special):
         return tokens, logprobs
-    rows = torch.tensor([i for i, sp in enumerate(special) if sp], device=dev)
-    sub = [params[i] for i in rows.tolist()]
-    x = logits[rows] / torch.tensor([temps[i] for i in rows.tolist()], device=dev)[:, None]
+    picked = [i for i, sp in enumerate(special) if sp]
+    rows = torch.tensor(picked, device=dev)
+    sub = [params[i] for i in picked]
+    x = logits[rows] / torch.tensor([temps[i] for i in picked], device=dev)[:, None]
     logp = x - torch.logsumexp(x, dim=-1, keepdim=True)
-    samp = _ban(logp.clone(), [banned[i] for i in rows.tolist()]) if banned else logp
+    samp = _ban(logp.clone(), [banned[i] for i in picked]) if banned else logp
     probs = _truncate(samp, logp, sub, any(p.top_k > 0 for p in sub), any(p.top_p < 1.0 for p in sub)).exp()
     drawn = _inverse_cdf(probs, u[rows])
     drawn = torch.where(torch.tensor([p.greedy for p in sub], device=dev), probs.argmax(-1), drawn)
@@ -188,10 +189,10 @@ def _last_positive(x: torch.Tensor) -> torch.Tensor:
     return x.shape[-1] - 1 - (x > 0).flip(-1).int().argmax(-1, keepdim=True)
 
 
-def _ban(t: torch.Tensor, banned: Sequence[Sequence[int]], value: float = float("-inf")) -> torch.Tensor:
+def _ban(t: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
     for i, ids in enumerate(banned):
         if ids:
-            t[i, list(ids)] = value
+            t[i, list(ids)] = float("-inf")
     return t
 
 
