@@ -38,7 +38,7 @@ def make_model_dir(config: str, out: str) -> str:
     """A random Qwen2 checkpoint (with the tiny char tokenizer, for the engine's text fields)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from slime_lite.tiny_model import build_tokenizer, save_tokenizer
+    from slime_lite.tokenizer import build_tokenizer, save_tokenizer
 
     shape = CONFIGS[config] if config in CONFIGS else json.loads(config)
     cfg = Qwen2Config(**shape, max_position_embeddings=4096, rms_norm_eps=1e-6, eos_token_id=0, bos_token_id=0,

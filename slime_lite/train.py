@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_replay_dump(args) -> None:
     """Before anything starts: the first dump exists, loads, and was made with this run's settings."""
     from slime_lite.rollout.dumps import check_replay_meta, dump_path, load_rollout_dump, make_meta
-    from slime_lite.tiny_model import load_tokenizer, tokenizer_fingerprint
+    from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     dump = load_rollout_dump(dump_path(args.load_debug_rollout_data, 0 if args.load is None else _resume_id(args)))
     check_replay_meta(dump, make_meta(args, tokenizer_fingerprint(load_tokenizer(args.hf_checkpoint))))

@@ -1,4 +1,4 @@
-"""The tiny model: char-level tokenizer, a Qwen2 checkpoint transformers loads offline, deterministic warm start."""
+"""The tiny model: a Qwen2 checkpoint transformers loads offline, deterministic warm start."""
 
 from __future__ import annotations
 
@@ -12,60 +12,8 @@ from pathlib import Path
 import pytest
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.tiny_model import (
-    build_tokenizer,
-    load_tokenizer,
-    main,
-    make_tiny_model,
-    tokenizer_fingerprint,
-)
-
-TEXT = "Hello,  world!\n  12 + 34 = 46 \t~{}<|im_end|>x "
-
-
-def test_tokenizer_round_trips_text_exactly_one_id_per_char():
-    tok = build_tokenizer()
-    plain = "a  b\n c~ 0"
-    ids = tok.encode(plain, add_special_tokens=False)
-    assert len(ids) == len(plain)
-    assert tok.decode(ids) == plain
-    assert tok.convert_ids_to_tokens(tok.encode("12+3=", add_special_tokens=False)) == list("12+3=")
-
-
-def test_tokenizer_special_tokens_and_vocab():
-    tok = build_tokenizer()
-    assert tok.eos_token == tok.pad_token == "<|endoftext|>"
-    assert tok.eos_token_id == tok.pad_token_id == 0
-    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "\n", " ", "~"]) == [1, 2, 3, 4, 98]
-    assert len(tok) == 99
-    ids = tok.encode("1<|im_end|>2", add_special_tokens=False)
-    assert ids == [tok.convert_tokens_to_ids("1"), 2, tok.convert_tokens_to_ids("2")]
-    assert tok.decode(ids, skip_special_tokens=True) == "12"
-
-
-def test_characters_outside_the_vocab_become_question_marks():
-    tok = build_tokenizer()
-    assert tok.decode(tok.encode("3×4=é", add_special_tokens=False)) == "3?4=?"
-
-
-def test_saved_tokenizer_loads_identically_with_chat_template(tiny_model_dir):
-    built, loaded = build_tokenizer(), load_tokenizer(tiny_model_dir)
-    ids = built.encode(TEXT, add_special_tokens=False)
-    assert loaded.encode(TEXT, add_special_tokens=False) == ids
-    assert loaded.decode(ids) == TEXT.replace("\t", "?")
-    assert tokenizer_fingerprint(loaded) == tokenizer_fingerprint(built)
-    chat = loaded.apply_chat_template(
-        [{"role": "user", "content": "2 + 2="}], tokenize=False, add_generation_prompt=True
-    )
-    assert chat == "<|im_start|>user\n2 + 2=<|im_end|>\n<|im_start|>assistant\n"
-    assert loaded.eos_token_id == 0 and loaded.pad_token_id == 0
-
-
-def test_load_tokenizer_falls_back_to_autotokenizer_for_other_checkpoints(tmp_path):
-    build_tokenizer().save_pretrained(str(tmp_path))  # transformers' own files, without our marker
-    tok = load_tokenizer(tmp_path)
-    assert tok.decode(tok.encode("12+3=", add_special_tokens=False)) == "12+3="
-
+from slime_lite.tiny_model import main, make_tiny_model
+from slime_lite.tokenizer import build_tokenizer, load_tokenizer, tokenizer_fingerprint
 
 def test_checkpoint_folder_is_a_standard_qwen2_model(tiny_model_dir):
     names = {p.name for p in Path(tiny_model_dir).iterdir()}
@@ -82,7 +30,7 @@ def test_checkpoint_folder_is_a_standard_qwen2_model(tiny_model_dir):
 OFFLINE_SCRIPT = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-from slime_lite.tiny_model import load_tokenizer, tokenizer_fingerprint
+from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
 path = sys.argv[1]
 tok = load_tokenizer(path)
 model = AutoModelForCausalLM.from_pretrained(path)

@@ -173,7 +173,7 @@ def repetition_rate(ids: list[int]) -> float:
 def on_task_checks(args: Any, samples: list, log_probs: list | None, nll_threshold: float,
                    missing: str = "no rollout dump: the run stopped before its first rollout was saved") -> list[Check]:
     """The gibberish score of step 1: trainer NLL per response token, repetition, share of valid characters."""
-    from slime_lite.tiny_model import load_tokenizer
+    from slime_lite.tokenizer import load_tokenizer
 
     if not samples:
         return [Check(n, None, t, False, missing)
@@ -216,7 +216,7 @@ def prompt_format_check(args: Any, samples: list, max_prompts: int = 8, margin: 
     import torch
 
     from slime_lite.rollout.data import render_prompt
-    from slime_lite.tiny_model import load_tokenizer
+    from slime_lite.tokenizer import load_tokenizer
 
     name, flag = "on_task_prompt_format", "--apply-chat-template"
     tok = load_tokenizer(args.hf_checkpoint)

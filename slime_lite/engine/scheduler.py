@@ -77,7 +77,7 @@ class Scheduler(ControlOps):
         self.seed = int(seed)
         self.hf = load_hf_model(self.model_path, dtype, self.device)
         self.hf.requires_grad_(False)
-        from slime_lite.tiny_model import load_tokenizer
+        from slime_lite.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.tokenizer_lock = threading.Lock()

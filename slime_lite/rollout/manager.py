@@ -24,7 +24,7 @@ class RolloutManager:
         from slime_lite.engine_client import AsyncEngineClient
         from slime_lite.rollout.data import PromptSource, read_prompts
         from slime_lite.rollout.generate import Generator
-        from slime_lite.tiny_model import load_tokenizer, tokenizer_fingerprint
+        from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
 
         setup_logging(args.log_level)
         self.args = args

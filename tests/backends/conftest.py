@@ -18,7 +18,7 @@ def make_replay_dumps(model_dir: Path, out: Path, num_rollout: int = 2, prompts:
 
     from slime_lite.rollout.dumps import make_meta, save_rollout_dump
     from slime_lite.tasks import make_data
-    from slime_lite.tiny_model import load_tokenizer, tokenizer_fingerprint
+    from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
     from slime_lite.types import Sample, Status
 
     out.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,7 @@ def _samples(tok, responses: list[str], lp: float) -> tuple[list[Sample], list[l
 
 
 def test_the_gibberish_score_separates_answers_from_noise(tiny_model_dir):
-    from slime_lite.tiny_model import load_tokenizer
+    from slime_lite.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     args = argparse.Namespace(hf_checkpoint=str(tiny_model_dir), rm_type="addition")

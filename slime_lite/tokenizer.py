@@ -1,0 +1,117 @@
+"""The tokenizer every slime_lite module loads a checkpoint's tokenizer with, and the tiny model's own.
+
+:func:`load_tokenizer` reads any checkpoint: the tiny model's character-level tokenizer (marked in its
+tokenizer_config.json) with ``PreTrainedTokenizerFast``, since ``AutoTokenizer`` would pick Qwen2's for a qwen2
+config, and any other with ``AutoTokenizer``. :func:`tokenizer_fingerprint` tells two processes whether they use
+the same tokenizer. :func:`build_tokenizer` / :func:`save_tokenizer` make the character-level one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+EOS = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>")
+CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Marks a folder whose tokenizer is ours: load it with PreTrainedTokenizerFast, never AutoTokenizer.
+CHAR_TOKENIZER_MARK = "slime_lite_char_tokenizer"
+
+
+def _vocab() -> dict[str, int]:
+    return {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + list(CHARS))}
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        CHAR_TOKENIZER_MARK: True,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 512,
+        "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {"content": tok, "special": True, "lstrip": False, "rstrip": False,
+                     "normalized": False, "single_word": False}
+            for i, tok in enumerate(SPECIAL_TOKENS)
+        },
+    }
+
+
+def build_tokenizer():
+    """The character-level tokenizer: ids 0-2 are the special tokens (0 is eos and pad), then "\\n", then ASCII 32..126."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token=None))
+    tok.normalizer = normalizers.Replace(Regex(r"[^\n -~]"), "?")  # outside the vocab: "?" (never an error)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # concatenate characters, insert nothing
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, clean_up_tokenization_spaces=False,
+        model_max_length=512, padding_side="left",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tokenizer(tokenizer, out_dir: str | os.PathLike) -> None:
+    """Write tokenizer.json and a tokenizer_config.json that old and new transformers both read."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": EOS, "pad_token": EOS}, indent=2) + "\n"
+    )
+
+
+def is_char_tokenizer_dir(path: str | os.PathLike) -> bool:
+    cfg = Path(path) / "tokenizer_config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return bool(json.loads(cfg.read_text()).get(CHAR_TOKENIZER_MARK))
+    except (OSError, ValueError):
+        return False
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load any checkpoint's tokenizer: ours with PreTrainedTokenizerFast (AutoTokenizer would pick Qwen2's), else AutoTokenizer."""
+    if is_char_tokenizer_dir(path):
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+        if not getattr(tok, "chat_template", None):
+            tok.chat_template = CHAT_TEMPLATE
+        return tok
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short sha256 of the vocab and special tokens; equal for equal tokenizers in any process."""
+    data = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "eos": tokenizer.eos_token,
+        "pad": tokenizer.pad_token,
+        "bos": tokenizer.bos_token,
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
