@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 import time
 
@@ -43,11 +42,9 @@ def megatron_step_fn(model_dir: str, lr: float, micro: int):
 
     from slime_lite.backends.megatron.model import build_gpt_model, load_hf_weights
     from slime_lite.backends.megatron.parallel import init_distributed
+    from slime_lite.io import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed(1, 1, 0, 1, "127.0.0.1", port)
+    init_distributed(1, 1, 0, 1, "127.0.0.1", free_port())
     cfg = AutoConfig.from_pretrained(model_dir)
     gpt = build_gpt_model(cfg)
     load_hf_weights(gpt, model_dir, cfg)

@@ -12,11 +12,11 @@ side A's logits, fitting the sampling temperature that explains them.
 from __future__ import annotations
 
 import logging
-import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.io import free_port
 
 log = logging.getLogger(__name__)
 DEFAULT_TOL = 1e-4  # fp32 HF vs Megatron differ by ~1e-6 relative; one bf16 rounding is ~4e-3
@@ -97,12 +97,6 @@ def _recorder(states: dict[str, Any], name: str, batch_first: bool):
     return hook
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def megatron_states(hf_dir: str, tokens: Sequence[int], dtype: str = "float32") -> dict[str, Any]:
     """The same hidden states from a Megatron GPTModel (TP=1, PP=1) loaded with ``hf_dir``'s weights.
 
@@ -118,7 +112,7 @@ def megatron_states(hf_dir: str, tokens: Sequence[int], dtype: str = "float32") 
     owned = not parallel_state.model_parallel_is_initialized()
     rng = torch.get_rng_state()
     if owned:
-        parallel.init_distributed(1, 1, 0, 1, "127.0.0.1", _free_port())
+        parallel.init_distributed(1, 1, 0, 1, "127.0.0.1", free_port())
     elif (parallel_state.get_tensor_model_parallel_world_size(),
           parallel_state.get_pipeline_model_parallel_world_size()) != (1, 1):
         raise SlimeLiteError("localize: Megatron is already initialised with TP or PP > 1 in this process; "

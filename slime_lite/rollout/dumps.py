@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any
 
 from slime_lite import __version__
 from slime_lite.errors import DumpError, SlimeLiteError
+from slime_lite.io import atomic_torch_save
 from slime_lite.types import Sample
 
 FORMAT_VERSION = 1
@@ -92,25 +92,6 @@ def save_rollout_dump(
     }
     payload.update(_to_plain(extra))
     atomic_torch_save(payload, path)
-
-
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename: readers never see a partial file."""
-    import torch
-
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load_rollout_dump(path: str) -> RolloutDump:

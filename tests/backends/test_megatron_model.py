@@ -7,20 +7,14 @@ logits must agree to fp32 rounding, with any TP/PP layout, and the weights read 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.io import free_port
 
 torch.set_num_threads(1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hf_model(path_or_config, perturb: float = 0.0, seed: int = 0):

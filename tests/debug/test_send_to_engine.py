@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 
 from slime_lite.debug.send_to_engine import main
 from slime_lite.engine_client import request_json
+from slime_lite.io import free_port
 from slime_lite.rollout.dumps import save_rollout_dump
 from slime_lite.types import Sample, Status
 
@@ -75,10 +75,7 @@ def test_honest_dump_matches_and_perturbed_logprobs_do_not(engine_url: str, tmp_
 def test_unreachable_engine_names_the_url(tmp_path: Path, capsys, samples_factory) -> None:
     template = str(tmp_path / "d_{rollout_id}.pt")
     save_rollout_dump(template.format(rollout_id=0), 0, samples_factory(1, 1))
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     assert main(["--load-debug-rollout-data", template, "--rollout-id", "0", "--url", url, "--timeout", "5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and url in err and "Traceback" not in err

@@ -3,12 +3,12 @@ weights (get_weights_by_name, checksums, log-probs equal to an HF forward of the
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 from engine_helpers import generate, hf_logprobs, http, in_thread, start_engine
 
+from slime_lite.io import free_port
 from slime_lite.weight_transport import WeightUpdateGroup, serialize_named_tensors, tensor_sha256
 
 PROMPT = [10, 11, 12, 13]
@@ -90,15 +90,9 @@ def test_update_weights_from_tensor(fresh_engine, new_model):
     assert_serves(url, new_model, "v2")  # refused updates change nothing
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
     url = fresh_engine.url
-    port = _free_port()
+    port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "wu", "backend": "gloo"}
     t, box = in_thread(http, url, "/init_weights_update_group", init)

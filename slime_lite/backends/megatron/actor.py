@@ -315,7 +315,7 @@ class TrainActor:
 
     def _dump_train_details(self, rollout_id: int, samples: list, details: dict, rollout_lp: Any) -> None:
         from slime_lite import rl_math
-        from slime_lite.rollout.dumps import atomic_torch_save
+        from slime_lite.io import atomic_torch_save
 
         kl = ([rl_math.compute_kl(x, r, self.args.kl_loss_type) for x, r in zip(details["log_probs"],
                                                                                details["ref_log_probs"])]

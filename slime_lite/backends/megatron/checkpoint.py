@@ -27,7 +27,7 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     import torch.distributed as dist
 
     from slime_lite.backends.megatron.weight_push import write_hf_folder
-    from slime_lite.rollout.dumps import atomic_torch_save
+    from slime_lite.io import atomic_torch_save
 
     name = f"iter_{rollout_id:07d}"
     final = os.path.join(root, actor.role, name) if actor.role != "actor" else os.path.join(root, name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 
 from slime_lite.engine_client import request_json
 from slime_lite.errors import EngineError, SlimeLiteError
+from slime_lite.io import free_port
 
 log = logging.getLogger(__name__)
 BUCKET_BYTES = 64 << 20
@@ -88,12 +88,6 @@ def _push_tensor(named: dict[str, torch.Tensor], urls: list[str], version: int) 
             _check(reply, url, "/update_weights_from_tensor")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _group(urls: list[str], backend: str) -> Any:
     """One broadcast group trainer(rank 0) + engines, made on the first push and kept for the later ones."""
     from slime_lite.weight_transport import WeightUpdateGroup
@@ -102,7 +96,7 @@ def _group(urls: list[str], backend: str) -> Any:
     if key in _groups:
         return _groups[key]
     host = os.environ.get("SLIME_LITE_WEIGHT_MASTER_ADDR", "127.0.0.1")
-    port = _free_port()
+    port = free_port()
     world = 1 + len(urls)
     with ThreadPoolExecutor(max_workers=len(urls) + 1) as pool:
         futures = [

@@ -13,7 +13,6 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import time
 from typing import Any
 
 from slime_lite.errors import EngineError, SlimeLiteError
+from slime_lite.io import free_port
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +133,6 @@ def build_command(args: Any, rank: int, port: int, host: str = "127.0.0.1") -> l
         cmd.append("--enable-memory-saver")
     cmd += [str(a) for a in (getattr(args, "sglang_args", None) or [])]
     return cmd
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_host() -> str:
