@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 from typing import Callable
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.logging_setup import setup_logging
 
 COMMANDS = {
     "train": ("slime_lite.train", "run the RL driver (GRPO/PPO/REINFORCE++; debug modes)"),
@@ -34,14 +34,6 @@ def run_main(fn: Callable[[list[str] | None], int], argv: list[str] | None = Non
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, str(level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
 
 
 def _usage() -> str:

@@ -433,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from slime_lite.cli import run_main, setup_logging
+    from slime_lite.cli import run_main
+    from slime_lite.logging_setup import setup_logging
 
     setup_logging()
     raise SystemExit(run_main(main))

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 class RolloutManager:
     def __init__(self, args: Any, engine_urls: list[str]) -> None:
-        from slime_lite.cli import setup_logging
+        from slime_lite.logging_setup import setup_logging
         from slime_lite.engine_client import AsyncEngineClient
         from slime_lite.rollout.data import PromptSource, read_prompts
         from slime_lite.rollout.generate import Generator

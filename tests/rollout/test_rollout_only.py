@@ -34,7 +34,8 @@ def test_rollout_only_run_dumps_and_never_imports_megatron(tiny_model_dir, task_
     ]
     code = (
         "import sys, json\n"
-        "from slime_lite.cli import run_main, setup_logging\n"
+        "from slime_lite.cli import run_main\n"
+        "from slime_lite.logging_setup import setup_logging\n"
         "from slime_lite.train import main\n"
         "setup_logging()\n"
         f"rc = run_main(main, {argv!r})\n"

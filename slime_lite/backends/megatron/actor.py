@@ -32,7 +32,7 @@ class ValueHead(torch.nn.Module):
 
 class TrainActor:
     def __init__(self, args: Any, role: str, rank: int, world_size: int, master_addr: str) -> None:
-        from slime_lite.cli import setup_logging
+        from slime_lite.logging_setup import setup_logging
 
         setup_logging(args.log_level)
         self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
