@@ -11,19 +11,19 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from slime_lite.engine.control import EngineBusy
-from slime_lite.engine.server import BadRequest, error_response, json_response
+from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
 from slime_lite.engine.weights import WeightError
 
 if TYPE_CHECKING:
-    from slime_lite.engine.server import EngineServer
+    from slime_lite.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 GROUP = "weight_update_group"
 
 
-def add_admin_routes(app: Any, server: "EngineServer") -> None:
-    admin = _Admin(server)
+def add_admin_routes(app: Any, scheduler: Scheduler) -> None:
+    admin = _Admin(scheduler)
     posts = {
         "/flush_cache": admin.flush_cache, "/abort_request": admin.abort_request,
         "/pause_generation": admin.pause_generation, "/continue_generation": admin.continue_generation,
@@ -44,10 +44,11 @@ def add_admin_routes(app: Any, server: "EngineServer") -> None:
 
 
 class _Admin:
-    def __init__(self, server: "EngineServer") -> None:
-        self.scheduler = server.scheduler
-        self.body = server.body
-        self.run_in_model_thread = server.run_in_model_thread
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    async def run_in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.wrap_future(self.scheduler.call(fn, *args))
 
     async def _weight_op(self, fn: Callable[..., Any], *args: Any, version: Any = None,
                          extra: dict[str, Any] | None = None):
@@ -82,7 +83,7 @@ class _Admin:
     async def abort_request(self, request):
         from aiohttp import web
 
-        body = await self.body(request)
+        body = await read_body(request)
         if body.get("abort_all"):
             self.scheduler.abort(None)
         elif body.get("rid"):
@@ -92,7 +93,7 @@ class _Admin:
         return web.Response(status=200)
 
     async def pause_generation(self, request):
-        body = await self.body(request)
+        body = await read_body(request)
         mode = body.get("mode") or "abort"
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode {mode!r}: expected abort, retract or in_place")
@@ -104,7 +105,7 @@ class _Admin:
         return json_response({"success": True, "message": "continued"})
 
     async def update_weight_version(self, request):
-        body = await self.body(request)
+        body = await read_body(request)
         if body.get("new_version") is None:
             raise BadRequest("'new_version' is required")
         if body.get("abort_all_requests", True):
@@ -113,7 +114,7 @@ class _Admin:
 
     # ---- weights -------------------------------------------------------------------------------------------
     async def update_weights_from_disk(self, request):
-        body = await self.body(request)
+        body = await read_body(request)
         path = body.get("model_path")
         if not path:
             raise BadRequest("'model_path' is required")
@@ -129,7 +130,7 @@ class _Admin:
     async def update_weights_from_tensor(self, request):
         from slime_lite.weight_transport import deserialize_named_tensors
 
-        body = await self.body(request)
+        body = await read_body(request)
         data = body.get("serialized_named_tensors")
         if isinstance(data, str):
             data = [data]
@@ -145,7 +146,7 @@ class _Admin:
         return await self._weight_op(self.scheduler.weights.load_named, named, version=body.get("weight_version"))
 
     async def init_weights_update_group(self, request):
-        body = await self.body(request)
+        body = await read_body(request)
         try:
             args = (str(body["master_address"]), int(body["master_port"]), int(body.get("rank_offset", 1)),
                     int(body["world_size"]), str(body.get("group_name") or GROUP), str(body.get("backend") or "nccl"))
@@ -154,7 +155,7 @@ class _Admin:
         return await self._weight_op(self.scheduler.weights.init_group, *args)
 
     async def update_weights_from_distributed(self, request):
-        body = await self.body(request)
+        body = await read_body(request)
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             raise BadRequest("'names', 'dtypes' and 'shapes' must be lists")
@@ -165,11 +166,11 @@ class _Admin:
                                      str(body.get("group_name") or GROUP), version=body.get("weight_version"))
 
     async def destroy_weights_update_group(self, request):
-        body = await self.body(request)
+        body = await read_body(request)
         return await self._weight_op(self.scheduler.weights.destroy_group, str(body.get("group_name") or GROUP))
 
     async def get_weights_by_name(self, request):
-        body = await self.body(request)
+        body = await read_body(request)
         if not body.get("name"):
             raise BadRequest("'name' is required")
         try:
@@ -181,7 +182,7 @@ class _Admin:
 
     async def get_weights_checksum(self, request):
         """``{hf_name: sha256}`` of every parameter (or of ``names``), in the engine's dtype."""
-        body = await self.body(request)
+        body = await read_body(request)
         try:
             sums = await self.run_in_model_thread(self.scheduler.weights.checksums, body.get("names"))
         except WeightError as exc:
@@ -190,7 +191,7 @@ class _Admin:
 
     # ---- memory --------------------------------------------------------------------------------------------
     async def release_memory(self, request):
-        tags = (await self.body(request)).get("tags")
+        tags = (await read_body(request)).get("tags")
         try:
             await self.run_in_model_thread(self.scheduler.release_memory, tags)
         except EngineBusy as exc:
@@ -198,5 +199,5 @@ class _Admin:
         return json_response(None)
 
     async def resume_memory(self, request):
-        await self.run_in_model_thread(self.scheduler.resume_memory, (await self.body(request)).get("tags"))
+        await self.run_in_model_thread(self.scheduler.resume_memory, (await read_body(request)).get("tags"))
         return json_response(None)

@@ -10,13 +10,14 @@ import contextlib
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from slime_lite.engine.server import EngineServer
+from slime_lite.engine.http_json import BadRequest, json_response, read_body
 
 
-def add_openai_routes(app: Any, server: "EngineServer") -> None:
+def add_openai_routes(app: Any, server: Any) -> None:
+    """Add the /v1 routes to ``app``; ``server`` is the ``EngineServer`` (server.py imports this module) whose
+    ``encode_prompts`` / ``new_requests`` / ``run_requests`` / ``iter_outputs`` they use."""
     api = _OpenAI(server)
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/completions", api.completions)
@@ -45,12 +46,10 @@ def _finish(out: Any) -> str | None:
 
 
 class _OpenAI:
-    def __init__(self, server: "EngineServer") -> None:
+    def __init__(self, server: Any) -> None:
         self.server = server
 
     async def models(self, request):
-        from slime_lite.engine.server import json_response
-
         return json_response({"object": "list", "data": [{
             "id": self.server.served_model_name, "object": "model", "created": 0, "owned_by": "slime_lite",
             "root": self.server.scheduler.model_path, "max_model_len": self.server.scheduler.slot_len}]})
@@ -65,9 +64,7 @@ class _OpenAI:
         return [self.server.scheduler.decode([t], False) for t in ids]
 
     async def completions(self, request):
-        from slime_lite.engine.server import BadRequest
-
-        body = await self.server.body(request)
+        body = await read_body(request)
         prompt = body.get("prompt")
         if body.get("echo"):
             raise BadRequest("echo is not supported by the embedded engine")
@@ -93,9 +90,7 @@ class _OpenAI:
         return await self._respond(request, body, prompts, reqs, head, choice)
 
     async def chat_completions(self, request):
-        from slime_lite.engine.server import BadRequest
-
-        body = await self.server.body(request)
+        body = await read_body(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
@@ -126,8 +121,6 @@ class _OpenAI:
 
     async def _respond(self, request, body: dict[str, Any], prompts: list[list[int]], reqs: list[Any], head: dict[str, Any], choice):
         from aiohttp import web
-
-        from slime_lite.engine.server import json_response
 
         sch = self.server.scheduler
         if not body.get("stream"):

@@ -17,25 +17,13 @@ import threading
 import uuid
 from typing import Any, AsyncIterator
 
+from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
 from slime_lite.errors import SlimeLiteError
+from slime_lite.logging_setup import setup_logging
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-
-
-class BadRequest(ValueError):
-    """A request the engine refuses (HTTP 400 with {"error": {"message": ...}})."""
-
-
-def json_response(data: Any, status: int = 200):
-    from aiohttp import web
-
-    return web.Response(text=json.dumps(data), status=status, content_type="application/json")
-
-
-def error_response(message: str, status: int = 400):
-    return json_response({"error": {"message": message}}, status)
 
 
 def _as_list(value: Any, n: int, name: str) -> list[Any]:
@@ -150,7 +138,7 @@ class EngineServer:
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
         r.add_get("/get_weight_version", self.get_weight_version)
-        add_admin_routes(app, self)
+        add_admin_routes(app, self.scheduler)
         add_openai_routes(app, self)
         return app
 
@@ -173,24 +161,6 @@ class EngineServer:
                 return error_response(f"{type(exc).__name__}: {exc}", 500)
 
         return middleware
-
-    @staticmethod
-    async def body(request) -> dict[str, Any]:
-        if request.method == "GET":
-            return dict(request.query)
-        raw = await request.read()
-        if not raw.strip():
-            return {}
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise BadRequest(f"body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise BadRequest("body must be a JSON object")
-        return data
-
-    async def run_in_model_thread(self, fn, *args) -> Any:
-        return await asyncio.wrap_future(self.scheduler.call(fn, *args))
 
     # ---- generation ----------------------------------------------------------------------------------------
     def new_requests(self, prompts: list[list[int]], sampling_params: Any, *, rid: Any = None,
@@ -302,7 +272,7 @@ class EngineServer:
     async def generate(self, request):
         from aiohttp import web
 
-        body = await self.body(request)
+        body = await read_body(request)
         prompts, single = self.encode_prompts(body.get("text"), body.get("input_ids"))
         stream = bool(body.get("stream", False))
         reqs = self.new_requests(
@@ -416,9 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp_size != 1:
         raise SlimeLiteError(f"--tp-size {args.tp_size}: the embedded engine runs on one device (tp_size 1); "
                              "use --rollout-backend sglang for tensor-parallel engines.")
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                            format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging(args.log_level)
     if args.mem_fraction_static is not None:
         logger.info("--mem-fraction-static %s ignored: the KV cache is sized by --kv-cache-tokens",
                     args.mem_fraction_static)

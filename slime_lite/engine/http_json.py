@@ -1,0 +1,37 @@
+"""JSON in and out of the engine's routes (server.py, admin_routes.py, openai_api.py): request bodies, responses,
+and the 400 error every route raises for a request it refuses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class BadRequest(ValueError):
+    """A request the engine refuses (HTTP 400 with {"error": {"message": ...}})."""
+
+
+def json_response(data: Any, status: int = 200):
+    from aiohttp import web
+
+    return web.Response(text=json.dumps(data), status=status, content_type="application/json")
+
+
+def error_response(message: str, status: int = 400):
+    return json_response({"error": {"message": message}}, status)
+
+
+async def read_body(request) -> dict[str, Any]:
+    """The request's JSON object (the query parameters of a GET); an empty body is ``{}``."""
+    if request.method == "GET":
+        return dict(request.query)
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("body must be a JSON object")
+    return data
