@@ -40,7 +40,8 @@ def megatron_step_fn(model_dir: str, lr: float, micro: int):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from transformers import AutoConfig
 
-    from slime_lite.backends.megatron.model import build_gpt_model, load_hf_weights
+    from slime_lite.backends.megatron.convert import load_hf_weights
+    from slime_lite.backends.megatron.model import build_gpt_model
     from slime_lite.backends.megatron.parallel import init_distributed
     from slime_lite.io import free_port
 

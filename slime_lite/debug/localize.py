@@ -107,7 +107,8 @@ def megatron_states(hf_dir: str, tokens: Sequence[int], dtype: str = "float32") 
     from transformers import AutoConfig
 
     from slime_lite.backends.megatron import parallel
-    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits, load_hf_weights
+    from slime_lite.backends.megatron.convert import load_hf_weights
+    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits
 
     owned = not parallel_state.model_parallel_is_initialized()
     rng = torch.get_rng_state()

@@ -98,7 +98,8 @@ def test_cpu_patches_stay_inside_megatron(single_rank):
 def test_tiny_model_logits_equal_hf(single_rank, tiny_model_dir):
     from transformers import AutoConfig
 
-    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits, load_hf_weights
+    from slime_lite.backends.megatron.convert import load_hf_weights
+    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits
 
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     model = build_gpt_model(cfg)
@@ -132,7 +133,8 @@ def qwen3_config():
 
 @pytest.mark.parametrize("make_config", [llama3_rope_config, qwen3_config], ids=["llama_tied_llama3rope", "qwen3"])
 def test_other_architectures_logits_equal_hf(single_rank, make_config):
-    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits, load_hf_weights
+    from slime_lite.backends.megatron.convert import load_hf_weights
+    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits
 
     cfg = make_config()
     hf = hf_model(cfg, perturb=0.3)
@@ -156,8 +158,8 @@ def test_iter_hf_weights_gives_back_the_checkpoint(single_rank, tiny_model_dir):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from slime_lite.backends.megatron.convert import iter_hf_weights
-    from slime_lite.backends.megatron.model import build_gpt_model, load_hf_weights
+    from slime_lite.backends.megatron.convert import iter_hf_weights, load_hf_weights
+    from slime_lite.backends.megatron.model import build_gpt_model
 
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     model = build_gpt_model(cfg)
@@ -176,7 +178,8 @@ def test_megatron_ddp_optimizer_and_schedule_train_on_cpu(single_rank, tiny_mode
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from transformers import AutoConfig
 
-    from slime_lite.backends.megatron.model import build_gpt_model, load_hf_weights, unwrap
+    from slime_lite.backends.megatron.convert import load_hf_weights
+    from slime_lite.backends.megatron.model import build_gpt_model, unwrap
 
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     model = build_gpt_model(cfg)
@@ -225,8 +228,8 @@ def _spawned_rank(rank: int, world: int, tp: int, pp: int, port: int, model_dir:
     from transformers import AutoConfig
 
     from slime_lite.backends.megatron import parallel
-    from slime_lite.backends.megatron.convert import iter_hf_weights
-    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits, load_hf_weights
+    from slime_lite.backends.megatron.convert import iter_hf_weights, load_hf_weights
+    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits
 
     ref = torch.load(ref_path)
     cfg = AutoConfig.from_pretrained(model_dir)

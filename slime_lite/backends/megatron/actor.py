@@ -57,7 +57,8 @@ class TrainActor:
         from transformers import AutoConfig
 
         from slime_lite.backends.megatron import checkpoint
-        from slime_lite.backends.megatron.model import build_gpt_model, load_hf_weights
+        from slime_lite.backends.megatron.convert import load_hf_weights
+        from slime_lite.backends.megatron.model import build_gpt_model
         from slime_lite.backends.megatron.parallel import init_distributed, open_store
 
         a = self.args

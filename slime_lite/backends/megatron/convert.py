@@ -1,7 +1,8 @@
 """HF <-> Megatron-core weights for Llama/Qwen2/Qwen3: names, TP shards and PP stages.
 
-Pure functions over state dicts (`hf_to_megatron_shard`, `megatron_to_hf`) need no process group; `iter_hf_weights`
-gathers a live model's TP shards over the TP group. Megatron names (local layer ids i, global id = stage offset + i):
+Pure functions over state dicts (`hf_to_megatron_shard`, `megatron_to_hf`) need no process group; on a live model,
+`load_hf_weights` fills this rank's shard from an HF checkpoint and `iter_hf_weights` gathers the TP shards back.
+Megatron names (local layer ids i, global id = stage offset + i):
 
     embedding.word_embeddings.weight                 model.embed_tokens.weight      (rows split over TP, padded)
     decoder.layers.i.input_layernorm.weight          model.layers.L.input_layernorm.weight
@@ -21,6 +22,8 @@ g = 0..G-1, and TP rank r holds groups r*G/tp .. (r+1)*G/tp - 1. Tied models hav
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from slime_lite.backends.megatron.model import HFArch, check_parallel_sizes, hf_arch, padded_vocab_size, unwrap
+from slime_lite.errors import SlimeLiteError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _ATTN, _MLP = "self_attention.", "mlp."
@@ -180,6 +184,66 @@ def megatron_to_hf(shards: list[list[Mapping[str, torch.Tensor]]], hf_config: An
 def _is_tied_copy(name: str, arch: HFArch, pp_rank: int) -> bool:
     """The last PP stage's copy of a tied embedding: the first stage already yields embed_tokens."""
     return name == "output_layer.weight" and arch.tie_embeddings and pp_rank > 0
+
+
+class _SafetensorsDir(Mapping):
+    """Read-on-access view of an HF checkpoint directory's *.safetensors (each rank reads only what it needs)."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise SlimeLiteError(f"--hf-checkpoint {path} has no *.safetensors weights; save the model with safetensors.")
+        self._handles = {}
+        for name in files:
+            handle = safe_open(os.path.join(path, name), framework="pt")
+            for key in handle.keys():
+                self._handles[key] = handle
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._handles[key].get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+def load_hf_weights(model: torch.nn.Module, hf_dir_or_state_dict: str | Mapping, hf_config: Any) -> None:
+    """Fill this rank's parameters (its TP shard of its PP stage) from an HF checkpoint directory or state dict."""
+    from megatron.core import parallel_state
+
+    hf_state = (
+        _SafetensorsDir(hf_dir_or_state_dict) if isinstance(hf_dir_or_state_dict, str) else hf_dir_or_state_dict
+    )
+    gpt = unwrap(model)
+    shard = hf_to_megatron_shard(
+        hf_state,
+        hf_config,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        transformer_impl=gpt.config.transformer_impl,
+    )
+    params = dict(gpt.named_parameters())
+    if set(shard) != set(params):
+        raise RuntimeError(
+            f"HF->Megatron names disagree with the model: missing {sorted(set(params) - set(shard))}, "
+            f"unexpected {sorted(set(shard) - set(params))}"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            if shard[name].shape != param.shape:
+                raise RuntimeError(f"{name}: checkpoint shard {tuple(shard[name].shape)} != model {tuple(param.shape)}")
+            param.copy_(shard[name])
 
 
 def iter_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -3,7 +3,7 @@
 Typical use on every train rank (after `parallel.init_distributed`):
 
     model = build_gpt_model(hf_config)                  # this rank's TP shard of this rank's PP stage
-    load_hf_weights(model, "/path/to/hf_checkpoint", hf_config)
+    convert.load_hf_weights(model, "/path/to/hf_checkpoint", hf_config)
     logits = forward_logits(model, tokens)              # PP=1: [B, T, vocab] float logits, full HF vocab
 
 `hf_config` is a transformers PretrainedConfig or the dict read from config.json.
@@ -11,9 +11,7 @@ Typical use on every train rank (after `parallel.init_distributed`):
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -250,68 +248,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
-
-
-class _SafetensorsDir(Mapping):
-    """Read-on-access view of an HF checkpoint directory's *.safetensors (each rank reads only what it needs)."""
-
-    def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise SlimeLiteError(f"--hf-checkpoint {path} has no *.safetensors weights; save the model with safetensors.")
-        self._handles = {}
-        for name in files:
-            handle = safe_open(os.path.join(path, name), framework="pt")
-            for key in handle.keys():
-                self._handles[key] = handle
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._handles[key].get_tensor(key)
-
-    def __iter__(self):
-        return iter(self._handles)
-
-    def __len__(self) -> int:
-        return len(self._handles)
-
-
-def load_hf_weights(model: torch.nn.Module, hf_dir_or_state_dict: str | Mapping, hf_config: Any) -> None:
-    """Fill this rank's parameters (its TP shard of its PP stage) from an HF checkpoint directory or state dict."""
-    from megatron.core import parallel_state
-
-    from slime_lite.backends.megatron.convert import hf_to_megatron_shard
-
-    hf_state = (
-        _SafetensorsDir(hf_dir_or_state_dict) if isinstance(hf_dir_or_state_dict, str) else hf_dir_or_state_dict
-    )
-    gpt = unwrap(model)
-    shard = hf_to_megatron_shard(
-        hf_state,
-        hf_config,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        transformer_impl=gpt.config.transformer_impl,
-    )
-    params = dict(gpt.named_parameters())
-    if set(shard) != set(params):
-        raise RuntimeError(
-            f"HF->Megatron names disagree with the model: missing {sorted(set(params) - set(shard))}, "
-            f"unexpected {sorted(set(shard) - set(params))}"
-        )
-    with torch.no_grad():
-        for name, param in params.items():
-            if shard[name].shape != param.shape:
-                raise RuntimeError(f"{name}: checkpoint shard {tuple(shard[name].shape)} != model {tuple(param.shape)}")
-            param.copy_(shard[name])
 
 
 def forward_logits(
