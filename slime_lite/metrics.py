@@ -38,16 +38,16 @@ def _fmt(value: Any) -> str:
 
 class MetricsLogger:
     def __init__(self, args: Any) -> None:
-        self.path = getattr(args, "metrics_path", None)
+        self.path = args.metrics_path
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self.tb = None
         self.wandb = None
-        if getattr(args, "use_tensorboard", False):
+        if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(args.tensorboard_dir or os.path.join(args.save or ".", "tensorboard"))
-        if getattr(args, "use_wandb", False):
+        if args.use_wandb:
             import wandb  # validate_args checked that it is installed
 
             os.environ.setdefault("WANDB_MODE", "offline")

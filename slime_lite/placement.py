@@ -22,7 +22,7 @@ def plan_layout(args: Any) -> Layout:
     """The bundle indices of each group for the run's mode (SPEC 3 table)."""
     actor_n = args.actor_num_nodes * args.actor_num_gpus_per_node
     critic_n = args.critic_num_nodes * args.critic_num_gpus_per_node if args.advantage_estimator == "ppo" else 0
-    external = bool(getattr(args, "rollout_external_engine_addrs", None))
+    external = bool(args.rollout_external_engine_addrs)
     rollout_n = 0 if (args.debug_train_only or external) else args.rollout_num_gpus
     if args.debug_rollout_only:
         return Layout(rollout_n, rollout=list(range(rollout_n)))
@@ -53,7 +53,7 @@ def init_ray(args: Any, num_slots: int) -> None:
     if ray.is_initialized():
         return
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}}
-    env["env_vars"].update(kv.split("=", 1) for kv in getattr(args, "debug_env", None) or [])  # --debug-env
+    env["env_vars"].update(kv.split("=", 1) for kv in args.debug_env)  # --debug-env
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", runtime_env=env, log_to_driver=True)
         return

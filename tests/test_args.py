@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
+import dataclasses
+import importlib
 import json
 import logging
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from slime_lite.args import RM_TYPES, parse_args, split_sglang_args
+from slime_lite import config
+from slime_lite.args import RM_TYPES, build_parser, parse_args, parser_defaults, split_sglang_args
 from slime_lite.errors import SlimeLiteError
+
+PKG = Path(__file__).resolve().parents[1] / "slime_lite"
 
 
 @pytest.fixture()
@@ -96,6 +105,19 @@ def test_global_batch_sets_steps(base):
     assert args.num_steps_per_rollout == 2
 
 
+def test_global_batch_and_steps_must_agree(base):
+    batch = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4"]
+    args = parse_args(base + batch + ["--global-batch-size", "8", "--num-steps-per-rollout", "2"])
+    assert (args.global_batch_size, args.num_steps_per_rollout) == (8, 2)
+    args = parse_args(base + batch + ["--num-steps-per-rollout", "4"])
+    assert (args.global_batch_size, args.num_steps_per_rollout) == (4, 4)
+    args = parse_args(base + batch)
+    assert (args.global_batch_size, args.num_steps_per_rollout) == (16, 1)
+    msg = err(base + batch + ["--global-batch-size", "8", "--num-steps-per-rollout", "4"])
+    assert "--global-batch-size 8" in msg and "--num-steps-per-rollout 4" in msg and "2 steps" in msg
+    assert parse_args(base + ["--debug-rollout-only"]).num_steps_per_rollout == 1
+
+
 def test_unknown_estimator_and_negative_sizes_exit_nonzero(base):
     for bad in (["--advantage-estimator", "dpo"], ["--rollout-batch-size", "-2"]):
         proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", *base, *bad],
@@ -144,8 +166,104 @@ def test_help_is_fast_and_grouped():
     proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0
-    for group in ("cluster:", "rollout:", "algorithm:", "debug:", "parallelism:"):
+    for group in ("cluster:", "checkpoint:", "parallelism:", "rollout:", "data:", "eval:", "algorithm:",
+                  "reward model:", "debug:", "CI:", "logging:", "SGLang and engines:"):
         assert group in proc.stdout
     code = "import sys, slime_lite.cli, slime_lite.args; print(any(m in sys.modules for m in ('torch','ray','megatron')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert out.strip() == "False"
+
+
+def test_every_flag_has_help():
+    missing = [a.option_strings[0] for a in build_parser()._actions if not a.help]
+    assert not missing, f"flags without help text: {missing}"
+
+
+def test_estimator_and_kl_names_come_from_rl_math():
+    from slime_lite import rl_math
+
+    actions = build_parser()._option_string_actions
+    assert tuple(actions["--advantage-estimator"].choices) == rl_math.ESTIMATORS
+    assert tuple(actions["--kl-loss-type"].choices) == rl_math.KL_TYPES
+
+
+@pytest.mark.parametrize("cls", [config.LossConfig, config.CiConfig, config.RolloutConfig, config.EngineConfig])
+def test_config_groups_are_read_from_the_parsed_flags(base, cls):
+    dests = {a.dest for a in build_parser()._actions} | {"sglang_args"}
+    assert {f.name for f in dataclasses.fields(cls)} <= dests
+    args = parse_args(base)
+    cfg = cls.from_args(args)
+    assert all(getattr(cfg, f.name) == getattr(args, f.name) for f in dataclasses.fields(cls))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(cfg, dataclasses.fields(cls)[0].name, None)
+
+
+def test_config_keeps_no_defaults_of_its_own():
+    """A flag's default lives in the parser only: a namespace without the flag is an error, not a silent default."""
+    assert all(f.default is dataclasses.MISSING for cls in (config.LossConfig, config.CiConfig,
+               config.RolloutConfig, config.EngineConfig) for f in dataclasses.fields(cls))
+    with pytest.raises(AttributeError):
+        config.LossConfig.from_args(argparse.Namespace(eps_clip=0.2))
+    assert config.LossConfig.from_args(parser_defaults()).kl_loss_type == "low_var_kl"
+    assert parser_defaults(eps_clip=0.3).eps_clip_high == 0.3  # implied defaults filled as validate_args does
+    with pytest.raises(TypeError, match="not_a_flag"):
+        parser_defaults(not_a_flag=1)
+
+
+def test_no_getattr_with_a_default_on_args():
+    pattern = re.compile(r"getattr\((?:self\.)?args, *[\"'][a-z_]+[\"'], ")
+    hits = [f"{p.relative_to(PKG)}:{i}" for p in PKG.rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, f"getattr(args, name, default) repeats a parser default: {hits}"
+
+
+# ---- every --flag named in the package's strings exists ---------------------------------------------------------
+FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w-])")
+# flags of other programs the package names, by module: SGLang's server/router (set by the launcher), pip's
+EXTERNAL = {
+    "slime_lite.backends.sglang.launcher": {"--model-path", "--model", "--host", "--port", "--tp-size", "--tp",
+                                            "--random-seed", "--enable-memory-saver", "--worker-urls"},
+    "slime_lite.backends.megatron.model": {"--no-build-isolation"},
+}
+PLACEHOLDERS = {"--name", "--f"}  # "--<name>"-style placeholders in docstrings
+TOP_LEVEL = {"--version", "--help"}  # slime-lite's own (cli.py)
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def subcommand_flags(monkeypatch) -> dict[str, set[str]]:
+    """Each ``slime-lite <command>``'s flags by module, taken from the parser its main() builds."""
+    from slime_lite.cli import COMMANDS
+
+    def grab(self, *args, **kwargs):
+        raise _Captured(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", grab)
+    flags = {}
+    for module, _ in COMMANDS.values():
+        with pytest.raises(_Captured) as info:
+            importlib.import_module(module).main([])
+        flags[module] = set(info.value.parser._option_string_actions)
+    return flags
+
+
+def test_every_flag_named_in_the_package_exists(monkeypatch):
+    train = set(build_parser()._option_string_actions)
+    subs = subcommand_flags(monkeypatch)
+    serve = subs["slime_lite.engine.server"]
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        module = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+        known = train | subs.get(module, set()) | EXTERNAL.get(module, set()) | PLACEHOLDERS | TOP_LEVEL
+        if module.startswith("slime_lite.engine."):
+            known |= serve  # the embedded engine's messages name its `slime-lite serve` flags
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for m in FLAG.finditer(node.value):
+                    flag = m.group(0)
+                    if flag not in known and not flag.startswith("--sglang-"):  # --sglang-*: passed to SGLang
+                        bad.append(f"{path.relative_to(PKG)}:{node.lineno}: {flag}")
+    assert not bad, "strings name flags that do not exist:\n" + "\n".join(bad)

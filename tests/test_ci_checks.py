@@ -7,6 +7,8 @@ import math
 
 import pytest
 
+from slime_lite.args import parser_defaults
+from slime_lite.config import CiConfig
 from slime_lite.debug import ci_checks as cc
 
 HEALTHY = {
@@ -28,7 +30,11 @@ def make_args(**kw) -> argparse.Namespace:
                 actor_num_gpus_per_node=1, critic_num_nodes=1, critic_num_gpus_per_node=1, rollout_num_gpus=1,
                 rollout_num_gpus_per_engine=1, colocate=False)
     base.update(kw)
-    return argparse.Namespace(**base)
+    return parser_defaults(**base)
+
+
+def ci(**kw) -> CiConfig:
+    return CiConfig.from_args(make_args(**kw))
 
 
 def by_name(checks):
@@ -36,7 +42,7 @@ def by_name(checks):
 
 
 def test_a_healthy_first_record_passes_every_check():
-    checks = by_name(cc.rollout_checks(make_args(), HEALTHY, first=True))
+    checks = by_name(cc.rollout_checks(ci(), HEALTHY, first=True))
     assert set(checks) >= {"step1_kl_zero", "first_step_ppo_kl_zero", "train_rollout_logprob_diff", "grad_norm_finite"}
     assert all(c.passed and c.cause == "" for c in checks.values())
 
@@ -44,15 +50,15 @@ def test_a_healthy_first_record_passes_every_check():
 def test_ci_test_stops_at_a_failure_naming_check_value_and_causes():
     record = dict(HEALTHY, **{"rollout/log_probs_ref_max_abs_diff": 0.02})
     with pytest.raises(cc.CiCheckFailed, match=r"step1_kl_zero failed at rollout 0: value 0.02.*non-deterministic"):
-        cc.enforce(make_args(), record, 0, first=True)
-    cc.enforce(make_args(), record, 1, first=False)  # step-1 KL is only asserted on the first rollout
+        cc.enforce(ci(), record, 0, first=True)
+    cc.enforce(ci(), record, 1, first=False)  # step-1 KL is only asserted on the first rollout
 
 
 def test_a_nan_or_large_grad_norm_fails_and_the_nll_heuristic_is_only_advisory():
     for bad in (math.nan, 1e4):
-        check = by_name(cc.rollout_checks(make_args(), dict(HEALTHY, **{"train/first_step/grad_norm": bad}), True))
+        check = by_name(cc.rollout_checks(ci(), dict(HEALTHY, **{"train/first_step/grad_norm": bad}), True))
         assert not check["grad_norm_finite"].passed and "KL coefficient" in check["grad_norm_finite"].cause
-    cc.enforce(make_args(), dict(HEALTHY, **{"rollout/log_probs": -5.0}), 0, first=True)  # no raise
+    cc.enforce(ci(), dict(HEALTHY, **{"rollout/log_probs": -5.0}), 0, first=True)  # no raise
 
 
 def test_the_weight_check_names_a_pp_layer_mapping_error(tiny_model_dir):

@@ -14,17 +14,19 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from slime_lite.config import CiConfig
 from slime_lite.errors import SlimeLiteError
 
 CAUSES = {
     "step1_kl_zero": (
         "trainer and reference forwards differ at step 1: a non-deterministic kernel (e.g. Transformer Engine "
-        "fused attention; try --attention-backend flash), reference weights loaded from a different checkpoint "
+        "fused attention; try --transformer-impl local), reference weights loaded from a different checkpoint "
         "(--ref-load), or micro-batches padded differently between the two passes"
     ),
     "first_step_ppo_kl_zero": (
         "the old log-probs and the first training forward differ: a Megatron/Transformer Engine numerics bug "
-        "(for MoE models turn on --moe-permute-fusion), dropout left on, or data reordered between the passes"
+        "(for MoE models: Megatron's moe_permute_fusion left off), dropout left on, or data reordered between "
+        "the passes"
     ),
     "train_rollout_logprob_diff": (
         "the engine samples from other weights or another distribution than the trainer scores: weights never "
@@ -81,7 +83,7 @@ def make_check(name: str, value: float | None, threshold: str, passed: bool, cau
 _check = make_check
 
 
-def rollout_checks(args: Any, record: dict[str, Any], first: bool) -> list[Check]:
+def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool) -> list[Check]:
     """Checks for one iteration's metrics record; ``first`` marks the run's first trained rollout."""
     checks: list[Check] = []
     if first and "rollout/log_probs_ref_max_abs_diff" in record:
@@ -89,18 +91,18 @@ def rollout_checks(args: Any, record: dict[str, Any], first: bool) -> list[Check
         checks.append(_check("step1_kl_zero", diff, "== 0 (log_probs == ref_log_probs)", diff == 0.0))
     if first and "rollout/log_probs" in record:
         lp = -record["rollout/log_probs"]
-        bound = getattr(args, "ci_nll_threshold", 2.0)
+        bound = cfg.ci_nll_threshold
         checks.append(_check("step1_log_probs_small", lp, f"mean NLL < {bound}", lp < bound))
     if "train/first_step/ppo_kl" in record:
         value = record["train/first_step/ppo_kl"]
         checks.append(_check("first_step_ppo_kl_zero", value, "== 0", value == 0.0))
     if "train/train_rollout_logprob_abs_diff" in record:
         value = record["train/train_rollout_logprob_abs_diff"]
-        bound = getattr(args, "ci_logprob_diff_threshold", 1e-3)
+        bound = cfg.ci_logprob_diff_threshold
         checks.append(_check("train_rollout_logprob_diff", value, f"< {bound:g}", value < bound))
     if "train/first_step/grad_norm" in record:
         value = record["train/first_step/grad_norm"]
-        bound = getattr(args, "ci_grad_norm_threshold", 100.0)
+        bound = cfg.ci_grad_norm_threshold
         checks.append(_check("grad_norm_finite", value, f"finite, < {bound:g}", math.isfinite(value) and value < bound))
     return checks
 
@@ -117,8 +119,8 @@ class CiCheckFailed(SlimeLiteError):
 ADVISORY = {"step1_log_probs_small"}  # a heuristic, not enforced by --ci-test (the doctor shows on_task_nll)
 
 
-def enforce(args: Any, record: dict[str, Any], rollout_id: int, first: bool) -> list[Check]:
-    checks = rollout_checks(args, record, first)
+def enforce(cfg: CiConfig, record: dict[str, Any], rollout_id: int, first: bool) -> list[Check]:
+    checks = rollout_checks(cfg, record, first)
     for check in checks:
         if not check.passed and check.name not in ADVISORY:
             raise CiCheckFailed(check, rollout_id)
@@ -154,10 +156,10 @@ class TrainRun:
 
 def dtype_name(args: Any, side: str) -> str:
     if side == "trainer":
-        return "bfloat16" if getattr(args, "bf16", False) else "float32"
+        return "bfloat16" if args.bf16 else "float32"
     if args.engine_dtype != "auto":
         return args.engine_dtype
-    if getattr(args, "rollout_device", "auto") == "cpu" or not cuda_available():
+    if args.rollout_device == "cpu" or not cuda_available():
         return "float32"
     cfg = json.load(open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8"))
     name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")

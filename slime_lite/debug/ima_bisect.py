@@ -334,13 +334,11 @@ def _core_files(core_dir: str | None) -> set[str]:
 # ---- the command ---------------------------------------------------------------------------------------------
 def run_bisect(opts: argparse.Namespace, train_argv: list[str]) -> list[ComboResult]:
     from slime_lite.args import parse_args
-    from slime_lite.backends.sglang.launcher import check_sglang_args
 
-    args = parse_args(combination_argv(train_argv, frozenset()))  # user errors now, not in every job
+    args = parse_args(combination_argv(train_argv, frozenset()))  # user errors now (SGLang flags too), not in every job
     if args.rollout_backend != "sglang" or args.rollout_external_engine_addrs:
         raise SlimeLiteError("ima-bisect restarts SGLang engines with different flags: it needs --rollout-backend "
                              "sglang and no --rollout-external-engine-addrs.")
-    check_sglang_args(args)
     toggles, notes = detect_toggles(train_argv, opts.toggles)
     for note in notes:
         print(f"note: {note}")

@@ -54,10 +54,10 @@ def dump_path(template: str, rollout_id: int, evaluation: bool = False) -> str:
 
 def make_meta(args: Any, tokenizer_fingerprint: str | None, **extra: Any) -> dict[str, Any]:
     meta = {
-        "n_samples_per_prompt": getattr(args, "n_samples_per_prompt", None),
-        "rollout_batch_size": getattr(args, "rollout_batch_size", None),
+        "n_samples_per_prompt": args.n_samples_per_prompt,
+        "rollout_batch_size": args.rollout_batch_size,
         "tokenizer_fingerprint": tokenizer_fingerprint,
-        "model_path": getattr(args, "hf_checkpoint", None),
+        "model_path": args.hf_checkpoint,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "slime_lite_version": __version__,
     }

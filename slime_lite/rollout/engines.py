@@ -17,33 +17,34 @@ class EngineActor:
     """Hosts one engine; ``start()`` returns its base URL."""
 
     def __init__(self, args: Any, rank: int) -> None:
-        self.args = args
+        from slime_lite.config import EngineConfig
+
+        self.args = args  # SGLang servers read the placement from it
+        self.config = EngineConfig.from_args(args)
         self.rank = rank
         self.server = None
 
     def start(self) -> str:
-        a = self.args
+        c = self.config
         import torch
 
-        device = a.rollout_device
+        device = c.rollout_device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("SLIME_LITE_ENGINE_THREADS", "1"))))
-        if a.rollout_backend == "sglang":
+        if c.rollout_backend == "sglang":
             from slime_lite.backends.sglang.launcher import SGLangServer
 
-            self.server = SGLangServer(a, self.rank)
+            self.server = SGLangServer(self.args, self.rank)
         else:
             from slime_lite.engine.server import EngineServer
 
-            kwargs = {"max_running_requests": a.engine_max_running_requests,
-                      "cuda_graph": False if a.engine_disable_cuda_graph else None,
-                      "enable_torch_compile": a.engine_enable_torch_compile}
-            if a.engine_kv_cache_tokens:
-                kwargs["kv_cache_tokens"] = a.engine_kv_cache_tokens
             self.server = EngineServer(
-                a.hf_checkpoint, device=device, dtype=a.engine_dtype, seed=a.rollout_seed + self.rank, **kwargs
+                c.hf_checkpoint, device=device, dtype=c.engine_dtype, seed=c.rollout_seed + self.rank,
+                max_running_requests=c.engine_max_running_requests, kv_cache_tokens=c.engine_kv_cache_tokens,
+                cuda_graph=False if c.engine_disable_cuda_graph else None,
+                enable_torch_compile=c.engine_enable_torch_compile,
             )
         url = self.server.start()
         log.info("engine %d ready at %s", self.rank, url)

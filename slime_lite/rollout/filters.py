@@ -11,5 +11,5 @@ def check_reward_nonzero_std(args: Any, samples: list[Sample], **kwargs: Any) ->
     """Keep a prompt group only when its rewards disagree (a group whose rewards all agree has zero advantage)."""
     from slime_lite.rollout.stats import scalar_reward
 
-    rewards = [scalar_reward(s, getattr(args, "reward_key", None)) for s in samples]
+    rewards = [scalar_reward(s, args.reward_key) for s in samples]
     return max(rewards) - min(rewards) > 1e-8

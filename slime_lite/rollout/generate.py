@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from slime_lite.config import RolloutConfig
 from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.hooks import call_maybe_async, load_function
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
@@ -15,16 +16,16 @@ from slime_lite.types import Sample, Status
 log = logging.getLogger(__name__)
 
 
-def sampling_params(args: Any, evaluation: bool = False) -> dict[str, Any]:
-    temperature = args.eval_temperature if evaluation else args.rollout_temperature
-    if getattr(args, "debug_inject_fault", None) == "engine-temperature" and not evaluation:
+def sampling_params(cfg: RolloutConfig, evaluation: bool = False) -> dict[str, Any]:
+    temperature = cfg.eval_temperature if evaluation else cfg.rollout_temperature
+    if cfg.debug_inject_fault == "engine-temperature" and not evaluation:
         temperature *= 1.5  # the engine samples at another temperature than the trainer scores with
     return {
         "temperature": temperature,
-        "top_p": args.rollout_top_p,
-        "top_k": args.rollout_top_k,
-        "max_new_tokens": args.eval_max_response_len if evaluation else args.rollout_max_response_len,
-        "stop": args.rollout_stop,
+        "top_p": cfg.rollout_top_p,
+        "top_k": cfg.rollout_top_k,
+        "max_new_tokens": cfg.eval_max_response_len if evaluation else cfg.rollout_max_response_len,
+        "stop": cfg.rollout_stop,
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
@@ -80,7 +81,8 @@ class Generator:
     """Generates groups of samples for a rollout (with dynamic sampling) or for an eval set."""
 
     def __init__(self, args: Any, tokenizer: Any, client: AsyncEngineClient | None) -> None:
-        self.args = args
+        self.args = args  # passed on to the custom generate/filter/reward hooks, as in slime
+        self.config = RolloutConfig.from_args(args)
         self.tokenizer = tokenizer
         args.engine_client = client  # custom generate hooks reach the engines through args, as in slime
         if client is not None:  # slime's hooks read the router address from args
@@ -127,7 +129,7 @@ class Generator:
 
     async def rollout(self, rollout_id: int, source: PromptSource) -> tuple[list[Sample], dict[str, float]]:
         """``--rollout-batch-size`` groups of ``--n-samples-per-prompt``; over-sample and filter when asked."""
-        a = self.args
+        a = self.config
         params = sampling_params(a)
         wave = a.over_sampling_batch_size or a.rollout_batch_size
         kept: list[list[Sample]] = []
@@ -145,7 +147,7 @@ class Generator:
             results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
             for group in results:
                 generated += 1
-                if self.filter_fn is None or self.filter_fn(a, group):
+                if self.filter_fn is None or self.filter_fn(self.args, group):
                     if len(kept) < a.rollout_batch_size:
                         kept.append(group)
                 else:
@@ -170,7 +172,7 @@ class Generator:
         return samples, stats
 
     async def evaluate(self, name: str, prompts: list[Prompt], rollout_id: int) -> list[Sample]:
-        a = self.args
+        a = self.config
         params = sampling_params(a, evaluation=True)
         n = a.n_samples_per_eval_prompt
         groups = []

@@ -105,7 +105,7 @@ def _custom_rm(path: str) -> Callable[..., Any]:
 
 async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | dict:
     """The reward of one sample: ``--custom-rm-path`` when set, else the built-in ``--rm-type``."""
-    custom = getattr(args, "custom_rm_path", None)
+    custom = args.custom_rm_path
     if custom:
         reward = await call_maybe_async(_custom_rm(custom), args, sample, **kwargs)
         if isinstance(reward, dict):
@@ -115,7 +115,7 @@ async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | di
                 f"--custom-rm-path {custom}: returned {type(reward).__name__}; it must return a float or a dict."
             )
         return float(reward)
-    rm_type = getattr(args, "rm_type", None)
+    rm_type = args.rm_type
     if rm_type not in _BUILTIN:
         raise SlimeLiteError(
             f"--rm-type {rm_type!r}: unknown reward type; choose one of {', '.join(RM_TYPES)} "
@@ -128,7 +128,7 @@ def scalar_reward(args: Any, sample: Sample) -> float:
     """The scalar the trainer uses: ``sample.reward``, or its ``--reward-key`` entry when it is a dict."""
     from slime_lite.rollout.stats import scalar_reward as pick
 
-    return pick(sample, getattr(args, "reward_key", None))
+    return pick(sample, args.reward_key)
 
 
 async def batched_rewards(args: Any, samples: list[Sample]) -> list[float]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
 
+from slime_lite.args import parser_defaults
 from slime_lite.backends.megatron import loss as L
+from slime_lite.config import LossConfig
 
 torch.set_num_threads(1)
 
@@ -113,7 +115,7 @@ def batch(seed=3, dtype=torch.float64):
     return dict(logp=logp, old=old, ref=ref, rollout=rollout, adv=adv, ent=ent, masks=ms)
 
 
-ARGS = SimpleNamespace(
+ARGS = LossConfig(
     eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1,
     kl_loss_type="low_var_kl", use_tis=True, tis_clip=1.5,
 )
@@ -173,10 +175,10 @@ def test_rl_loss_and_metrics_match_reference():
 
 def test_tis_and_kl_switches_change_the_loss():
     b = batch()
-    base = SimpleNamespace(**{**vars(ARGS), "use_tis": False, "use_kl_loss": False})
+    base = replace(ARGS, use_tis=False, use_kl_loss=False)
     _, m0 = run(b, base)
-    _, m_tis = run(b, SimpleNamespace(**{**vars(base), "use_tis": True}))
-    _, m_kl = run(b, SimpleNamespace(**{**vars(base), "use_kl_loss": True}))
+    _, m_tis = run(b, replace(base, use_tis=True))
+    _, m_kl = run(b, replace(base, use_kl_loss=True))
     assert m_tis["pg_loss"] != pytest.approx(m0["pg_loss"])
     assert m0["loss"] == pytest.approx(m0["pg_loss"] - base.entropy_coef * m0["entropy_loss"])
     assert m_kl["loss"] == pytest.approx(m0["loss"] + base.kl_loss_coef * m0["kl_loss"])
@@ -184,7 +186,8 @@ def test_tis_and_kl_switches_change_the_loss():
 
 def test_rl_loss_on_policy_defaults_and_missing_inputs():
     b = batch()
-    loss, m = L.rl_loss(b["logp"], None, None, None, b["adv"], b["masks"], None, SimpleNamespace())
+    defaults = LossConfig.from_args(parser_defaults())
+    loss, m = L.rl_loss(b["logp"], None, None, None, b["adv"], b["masks"], None, defaults)
     # on-policy: ratio 1 everywhere, nothing clipped, loss = -mean(A)
     assert m["pg_clipfrac"] == 0.0 and m["ppo_kl"] == 0.0
     want = -sum(
@@ -194,9 +197,9 @@ def test_rl_loss_on_policy_defaults_and_missing_inputs():
     assert loss.item() == pytest.approx(want, abs=1e-12)
     assert "kl_loss" not in m and "train_rollout_logprob_abs_diff" not in m
     with pytest.raises(ValueError, match="use-kl-loss"):
-        L.rl_loss(b["logp"], None, None, None, b["adv"], b["masks"], None, SimpleNamespace(use_kl_loss=True))
+        L.rl_loss(b["logp"], None, None, None, b["adv"], b["masks"], None, replace(defaults, use_kl_loss=True))
     with pytest.raises(ValueError, match="use-tis"):
-        L.rl_loss(b["logp"], None, None, None, b["adv"], b["masks"], None, SimpleNamespace(use_tis=True))
+        L.rl_loss(b["logp"], None, None, None, b["adv"], b["masks"], None, replace(defaults, use_tis=True))
 
 
 def test_micro_batches_with_global_normalizer_equal_one_batch():

@@ -7,6 +7,7 @@ engine behind SGLang's flags) or the embedded engine's own CLI through the same 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,11 +17,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from slime_lite.args import parse_args
+from slime_lite.args import parse_args, parser_defaults
 from slime_lite.backends.sglang import launcher
 from slime_lite.backends.sglang.launcher import (
     SGLangRouter, SGLangServer, build_command, build_router_command, check_sglang_args,
 )
+from slime_lite.config import EngineConfig
 from slime_lite.errors import EngineError, SlimeLiteError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,11 +47,15 @@ def tail_after_seed(cmd: list[str]) -> list[str]:
     return cmd[cmd.index("--random-seed") + 2:]
 
 
+def engine(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_args(args)
+
+
 # ---- command line -------------------------------------------------------------------------------------------
 def test_command_has_model_address_tp_and_per_engine_seed(flags):
     args = parse_args(flags + ["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
                                "--rollout-seed", "7"])
-    cmd = build_command(args, rank=1, port=31234)
+    cmd = build_command(engine(args), rank=1, port=31234)
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     opts = dict(zip(cmd[3::2], cmd[4::2]))
     assert opts["--model-path"] == args.hf_checkpoint and opts["--host"] == "127.0.0.1"
@@ -59,9 +65,9 @@ def test_command_has_model_address_tp_and_per_engine_seed(flags):
 
 def test_colocate_adds_memory_saver(flags):
     args = parse_args([f for f in flags if f != "--debug-rollout-only"] + ["--colocate"])
-    assert tail_after_seed(build_command(args, 0, 1)) == ["--enable-memory-saver"]
+    assert tail_after_seed(build_command(engine(args), 0, 1)) == ["--enable-memory-saver"]
     args = parse_args([f for f in flags if f != "--debug-rollout-only"])
-    assert "--enable-memory-saver" not in build_command(args, 0, 1)
+    assert "--enable-memory-saver" not in build_command(engine(args), 0, 1)
 
 
 def test_passthrough_values_booleans_and_negative_values_in_order(flags):
@@ -69,7 +75,7 @@ def test_passthrough_values_booleans_and_negative_values_in_order(flags):
         "--sglang-mem-fraction-static", "0.7", "--sglang-disable-cuda-graph", "--sglang-some-offset", "-1",
         "--sglang-log-level=debug", "--sglang-server-module", FAKE_SERVER, "--lr", "1e-6",
     ])
-    cmd = build_command(args, 0, 4242)
+    cmd = build_command(engine(args), 0, 4242)
     assert cmd[2] == FAKE_SERVER  # our own flag, not passed to SGLang
     assert tail_after_seed(cmd) == ["--mem-fraction-static", "0.7", "--disable-cuda-graph", "--some-offset", "-1",
                                     "--log-level", "debug"]
@@ -84,7 +90,7 @@ def test_fake_server_parses_the_built_command_like_sglang_would(flags):
     build_parser = fake.build_parser
     args = parse_args(flags + ["--sglang-disable-cuda-graph", "--sglang-some-offset", "-1",
                                "--sglang-speculative-algorithm", "EAGLE"])
-    parsed = build_parser().parse_args(build_command(args, 3, 5555)[3:])
+    parsed = build_parser().parse_args(build_command(engine(args), 3, 5555)[3:])
     assert parsed.some_offset == -1 and parsed.disable_cuda_graph and parsed.speculative_algorithm == "EAGLE"
     assert parsed.port == 5555 and parsed.random_seed == 45 and parsed.tp_size == 1
 
@@ -99,28 +105,28 @@ def test_router_command():
 def test_missing_sglang_is_a_clear_error_with_install_hint(flags):
     args = parse_args(flags)
     with pytest.raises(SlimeLiteError) as info:
-        check_sglang_args(args)
+        check_sglang_args(engine(args))
     assert 'pip install "sglang[all]"' in str(info.value) and "--rollout-backend embedded" in str(info.value)
 
 
 def test_checks_skip_embedded_and_external_engines(flags):
-    check_sglang_args(parse_args([f for f in flags if f != "sglang" and f != "--rollout-backend"]))
-    check_sglang_args(parse_args(flags + ["--rollout-external-engine-addrs", "127.0.0.1:1"]))
+    check_sglang_args(engine(parse_args([f for f in flags if f != "sglang" and f != "--rollout-backend"])))
+    check_sglang_args(engine(parse_args(flags + ["--rollout-external-engine-addrs", "127.0.0.1:1"])))
 
 
 def test_launcher_owned_flags_are_refused(flags):
     args = parse_args(flags + ["--sglang-tp-size", "2", "--sglang-server-module", FAKE_SERVER])
     with pytest.raises(SlimeLiteError, match="--rollout-num-gpus-per-engine"):
-        check_sglang_args(args)
+        check_sglang_args(engine(args))
 
 
 def test_router_flag_checks(flags):
     embedded = parse_args([f for f in flags if f not in ("sglang", "--rollout-backend")] + ["--use-sglang-router"])
     with pytest.raises(SlimeLiteError, match="--rollout-backend sglang"):
-        check_sglang_args(embedded)
+        check_sglang_args(engine(embedded))
     args = parse_args(flags + ["--use-sglang-router", "--sglang-server-module", FAKE_SERVER])
     with pytest.raises(SlimeLiteError, match="pip install sglang-router"):
-        check_sglang_args(args)
+        check_sglang_args(engine(args))
 
 
 @pytest.fixture()
@@ -145,19 +151,20 @@ def fake_sglang_package(tmp_path, monkeypatch):
 
 
 def test_passthrough_checked_by_fake_sglang_parser(flags, fake_sglang_package):
-    check_sglang_args(parse_args(flags + ["--sglang-mem-fraction-static", "0.8", "--sglang-disable-cuda-graph"]))
+    check_sglang_args(engine(parse_args(flags + ["--sglang-mem-fraction-static", "0.8",
+                                                 "--sglang-disable-cuda-graph"])))
     with pytest.raises(SlimeLiteError, match="--sglang-not-a-flag"):
-        check_sglang_args(parse_args(flags + ["--sglang-not-a-flag", "3"]))
+        check_sglang_args(engine(parse_args(flags + ["--sglang-not-a-flag", "3"])))
     with pytest.raises(SlimeLiteError, match="mem-fraction-static"):
-        check_sglang_args(parse_args(flags + ["--sglang-mem-fraction-static", "lots"]))
+        check_sglang_args(engine(parse_args(flags + ["--sglang-mem-fraction-static", "lots"])))
 
 
 # ---- the server process ---------------------------------------------------------------------------------------
-def fake_args(model_dir, *sglang_args: str, **over) -> SimpleNamespace:
+def fake_args(model_dir, *sglang_args: str, **over) -> argparse.Namespace:
     base = dict(hf_checkpoint=str(model_dir), rollout_num_gpus_per_engine=1, rollout_seed=0, colocate=False,
                 sglang_server_module=FAKE_SERVER, sglang_args=list(sglang_args))
     base.update(over)
-    return SimpleNamespace(**base)
+    return parser_defaults(**base)
 
 
 def alive(pid: int) -> bool:

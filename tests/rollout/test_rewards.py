@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from types import SimpleNamespace
 
 import pytest
 
+from slime_lite.args import parser_defaults
 from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout.rewards import (
     RM_TYPES,
@@ -29,7 +29,7 @@ def reward(args, response: str, label: str | None) -> float | dict:
      ("85 apples", 0.0)],
 )
 def test_addition_is_exact_match_after_stripping_eos_and_whitespace(response, expected):
-    assert reward(SimpleNamespace(rm_type="addition"), response, "85") == expected
+    assert reward(parser_defaults(rm_type="addition"), response, "85") == expected
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_addition_is_exact_match_after_stripping_eos_and_whitespace(response, ex
     ],
 )
 def test_math_compares_the_final_answer_numerically(response, label, expected):
-    assert reward(SimpleNamespace(rm_type="math"), response, label) == expected
+    assert reward(parser_defaults(rm_type="math"), response, label) == expected
 
 
 def test_math_extracts_nested_boxed():
@@ -57,13 +57,13 @@ def test_math_extracts_nested_boxed():
 
 def test_unknown_rm_type_names_the_flag_and_choices():
     with pytest.raises(SlimeLiteError, match="--rm-type") as exc:
-        reward(SimpleNamespace(rm_type="f1"), "1", "1")
+        reward(parser_defaults(rm_type="f1"), "1", "1")
     assert all(name in str(exc.value) for name in RM_TYPES)
 
 
 def test_missing_label_names_label_key():
     with pytest.raises(SlimeLiteError, match="--label-key"):
-        reward(SimpleNamespace(rm_type="addition"), "1", None)
+        reward(parser_defaults(rm_type="addition"), "1", None)
 
 
 def _write_rm(tmp_path, monkeypatch, body: str) -> str:
@@ -78,31 +78,32 @@ def test_custom_async_rm_gets_args_and_sample(tmp_path, monkeypatch):
         "async def rm(args, sample, **kwargs):\n"
         "    return float(len(sample.response)) + args.bonus\n"
     ))
-    args = SimpleNamespace(custom_rm_path=path, rm_type=None, bonus=0.5)
+    args = parser_defaults(custom_rm_path=path, rm_type=None)
+    args.bonus = 0.5  # a flag of the user's own, read by the hook
     assert reward(args, "abcd", "x") == 4.5
 
 
 def test_custom_plain_def_rm_works_too(tmp_path, monkeypatch):
     path = _write_rm(tmp_path, monkeypatch, "def rm(args, sample, **kwargs):\n    return sample.response == sample.label\n")
-    args = SimpleNamespace(custom_rm_path=path)
+    args = parser_defaults(custom_rm_path=path)
     assert reward(args, "yes", "yes") == 1.0
     assert reward(args, "no", "yes") == 0.0
 
 
 def test_custom_rm_overrides_rm_type(tmp_path, monkeypatch):
     path = _write_rm(tmp_path, monkeypatch, "def rm(args, sample, **kwargs):\n    return -1.0\n")
-    assert reward(SimpleNamespace(custom_rm_path=path, rm_type="addition"), "85", "85") == -1.0
+    assert reward(parser_defaults(custom_rm_path=path, rm_type="addition"), "85", "85") == -1.0
 
 
 def test_custom_rm_returning_junk_is_a_clear_error(tmp_path, monkeypatch):
     path = _write_rm(tmp_path, monkeypatch, "def rm(args, sample, **kwargs):\n    return 'good'\n")
     with pytest.raises(SlimeLiteError, match="--custom-rm-path"):
-        reward(SimpleNamespace(custom_rm_path=path), "a", "a")
+        reward(parser_defaults(custom_rm_path=path), "a", "a")
 
 
 def test_custom_rm_that_cannot_be_imported_names_the_flag():
     with pytest.raises(SlimeLiteError, match="--custom-rm-path"):
-        reward(SimpleNamespace(custom_rm_path="no_such_module_xyz.rm"), "a", "a")
+        reward(parser_defaults(custom_rm_path="no_such_module_xyz.rm"), "a", "a")
 
 
 def test_batched_rewards_store_dict_and_return_reward_key(tmp_path, monkeypatch):
@@ -113,7 +114,7 @@ def test_batched_rewards_store_dict_and_return_reward_key(tmp_path, monkeypatch)
         "    ok = float(sample.response == sample.label)\n"
         "    return {'score': ok, 'length': len(sample.response)}\n"
     ))
-    args = SimpleNamespace(custom_rm_path=path, reward_key="score")
+    args = parser_defaults(custom_rm_path=path, reward_key="score")
     samples = [Sample(index=i, response=r, label="12") for i, r in enumerate(["12", "13", "12"])]
     assert asyncio.run(batched_rewards(args, samples)) == [1.0, 0.0, 1.0]
     assert samples[1].reward == {"score": 0.0, "length": 2}
@@ -122,13 +123,13 @@ def test_batched_rewards_store_dict_and_return_reward_key(tmp_path, monkeypatch)
 
 def test_dict_reward_without_reward_key_asks_for_it(tmp_path, monkeypatch):
     path = _write_rm(tmp_path, monkeypatch, "def rm(args, sample, **kwargs):\n    return {'score': 1.0}\n")
-    args = SimpleNamespace(custom_rm_path=path, reward_key=None)
+    args = parser_defaults(custom_rm_path=path, reward_key=None)
     with pytest.raises(SlimeLiteError, match="--reward-key"):
         asyncio.run(batched_rewards(args, [Sample(index=0, response="a", label="a")]))
 
 
 def test_batched_builtin_rewards_in_order():
-    args = SimpleNamespace(rm_type="addition")
+    args = parser_defaults(rm_type="addition")
     samples = [Sample(index=i, response=r, label="7") for i, r in enumerate(["7", "8", "7<|endoftext|>"])]
     assert asyncio.run(batched_rewards(args, samples)) == [1.0, 0.0, 1.0]
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0]

@@ -9,11 +9,11 @@ global per-sample mean, so the sums over micro-batches equal the single-batch va
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from slime_lite import rl_math
+from slime_lite.config import LossConfig
 
 Tensors = Sequence[torch.Tensor]
 
@@ -87,10 +87,10 @@ def rl_loss(
     advantages: Tensors,
     masks: Tensors,
     entropy: Tensors | None,
-    args: Any,
+    cfg: LossConfig,
     normalizer: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Policy loss = pg_loss - entropy_coef*entropy + kl_loss_coef*kl (KL only with use_kl_loss).
+    """Policy loss = pg_loss - entropy_coef*entropy + kl_loss_coef*kl (KL only with use_kl_loss), ``cfg``'s flags.
 
     Each term is aggregated as per-sample token means divided by `normalizer` (default: samples here).
     `old_logp` None means on-policy (old = logp detached). TIS (use_tis) weights the per-token policy loss by
@@ -98,13 +98,6 @@ def rl_loss(
     entropy_loss, kl_loss (when ref_logp is given), train_rollout_logprob_abs_diff (when rollout_logp is given,
     aggregated the same way), loss.
     """
-    eps_clip = getattr(args, "eps_clip", 0.2)
-    eps_clip_high = getattr(args, "eps_clip_high", None)
-    entropy_coef = getattr(args, "entropy_coef", 0.0)
-    use_kl_loss = getattr(args, "use_kl_loss", False)
-    kl_loss_coef = getattr(args, "kl_loss_coef", 0.0)
-    use_tis = getattr(args, "use_tis", False)
-
     lp = _cat(logp)
     old = lp.detach() if old_logp is None else _cat(old_logp)
     mask = _cat(masks).to(lp.dtype)
@@ -113,16 +106,14 @@ def rl_loss(
     def agg(x: torch.Tensor) -> torch.Tensor:
         return rl_math.aggregate_loss(x, masks, normalizer)
 
-    pg, clipfrac, ppo_kl = rl_math.policy_loss(
-        lp, old, adv, mask, eps_clip, eps_clip_high, getattr(args, "eps_clip_c", None)
-    )
+    pg, clipfrac, ppo_kl = rl_math.policy_loss(lp, old, adv, mask, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
     metrics: dict[str, torch.Tensor] = {}
     if rollout_logp is not None:
         rollout = _cat(rollout_logp).to(lp.dtype)
         metrics["train_rollout_logprob_abs_diff"] = agg((old - rollout).abs())
-        if use_tis:
-            pg = pg * rl_math.tis_weights(old, rollout, getattr(args, "tis_clip", 2.0))
-    elif use_tis:
+        if cfg.use_tis:
+            pg = pg * rl_math.tis_weights(old, rollout, cfg.tis_clip)
+    elif cfg.use_tis:
         raise ValueError("--use-tis needs the rollout log-probs of every sample")
 
     pg_loss = agg(pg)
@@ -132,16 +123,16 @@ def rl_loss(
     if entropy is not None:
         entropy_loss = agg(_cat(entropy))
         metrics["entropy_loss"] = entropy_loss
-        loss = loss - entropy_coef * entropy_loss
-    elif entropy_coef != 0.0:
+        loss = loss - cfg.entropy_coef * entropy_loss
+    elif cfg.entropy_coef != 0.0:
         raise ValueError("entropy_coef is set but no entropy was computed")
 
     if ref_logp is not None:
-        kl_loss = agg(rl_math.compute_kl(lp, _cat(ref_logp).to(lp.dtype), getattr(args, "kl_loss_type", "k1")))
+        kl_loss = agg(rl_math.compute_kl(lp, _cat(ref_logp).to(lp.dtype), cfg.kl_loss_type))
         metrics["kl_loss"] = kl_loss
-        if use_kl_loss:
-            loss = loss + kl_loss_coef * kl_loss
-    elif use_kl_loss:
+        if cfg.use_kl_loss:
+            loss = loss + cfg.kl_loss_coef * kl_loss
+    elif cfg.use_kl_loss:
         raise ValueError("--use-kl-loss needs reference log-probs")
 
     metrics["loss"] = loss

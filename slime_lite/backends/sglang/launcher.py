@@ -19,12 +19,12 @@ import tempfile
 import time
 from typing import Any
 
+from slime_lite.config import EngineConfig
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.io import free_port
 
 log = logging.getLogger(__name__)
 
-SGLANG_MODULE = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
 INSTALL_HINT = 'pip install "sglang[all]"'
 # flags the launcher sets itself, with the slime-lite flag that controls each
@@ -55,35 +55,33 @@ def _module_found(name: str) -> bool:
 
 
 # ---- validation (called from validate_args, before Ray) ------------------------------------------------------
-def check_sglang_args(args: Any) -> None:
+def check_sglang_args(cfg: EngineConfig) -> None:
     """SGLang backend flags: SGLang installed (else the install hint), passthrough flags accepted by SGLang's own
     parser, no flag the launcher owns, the router installed when asked for. A no-op for the embedded backend."""
-    backend = getattr(args, "rollout_backend", "embedded")
-    router = bool(getattr(args, "use_sglang_router", False))
-    if backend != "sglang":
+    router = cfg.use_sglang_router
+    if cfg.rollout_backend != "sglang":
         if router:
             raise SlimeLiteError("--use-sglang-router puts SGLang's router in front of SGLang engines: it needs "
                                  "--rollout-backend sglang.")
         return
-    if getattr(args, "rollout_external_engine_addrs", None):
+    if cfg.rollout_external_engine_addrs:
         if router:
             raise SlimeLiteError(
                 "--use-sglang-router starts a router over the engines this job starts, and with "
                 "--rollout-external-engine-addrs none are started: run the router yourself and pass its address.")
         return
-    sglang_args = list(getattr(args, "sglang_args", None) or [])
+    sglang_args = list(cfg.sglang_args)
     for flag in _flag_names(sglang_args):
         if flag in OWNED_FLAGS:
             raise SlimeLiteError(f"{_user_flag(flag)}: slime-lite sets {flag} of each SGLang server itself from "
                                  f"{OWNED_FLAGS[flag]}; drop {_user_flag(flag)}.")
-    module = getattr(args, "sglang_server_module", SGLANG_MODULE) or SGLANG_MODULE
-    if module.split(".")[0] == "sglang":
+    if cfg.sglang_server_module.split(".")[0] == "sglang":
         if not _module_found("sglang"):
             raise SlimeLiteError(
                 f"--rollout-backend sglang needs SGLang, which is not installed in this Python ({sys.executable}). "
                 f"Install it on every GPU node ({INSTALL_HINT}, or use the docker image in docker/), or use "
                 "--rollout-backend embedded.")
-        validate_with_sglang_parser(args.hf_checkpoint, sglang_args)
+        validate_with_sglang_parser(cfg.hf_checkpoint, sglang_args)
     if router and not _module_found("sglang_router"):
         raise SlimeLiteError("--use-sglang-router needs SGLang's router, which is not installed: "
                              "pip install sglang-router (or drop --use-sglang-router: slime-lite balances the "
@@ -117,21 +115,20 @@ def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> None
 
 
 # ---- command line ------------------------------------------------------------------------------------------
-def build_command(args: Any, rank: int, port: int, host: str = "127.0.0.1") -> list[str]:
+def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.1") -> list[str]:
     """The engine's command line: model, address, TP size, per-engine seed, memory saver under colocate, then
     every passthrough flag in the order given (so a passthrough --random-seed overrides ours)."""
-    module = getattr(args, "sglang_server_module", None) or SGLANG_MODULE
     cmd = [
-        sys.executable, "-m", module,
-        "--model-path", str(args.hf_checkpoint),
+        sys.executable, "-m", cfg.sglang_server_module,
+        "--model-path", str(cfg.hf_checkpoint),
         "--host", host,
         "--port", str(port),
-        "--tp-size", str(args.rollout_num_gpus_per_engine),
-        "--random-seed", str(args.rollout_seed + rank),
+        "--tp-size", str(cfg.rollout_num_gpus_per_engine),
+        "--random-seed", str(cfg.rollout_seed + rank),
     ]
-    if getattr(args, "colocate", False):
+    if cfg.colocate:
         cmd.append("--enable-memory-saver")
-    cmd += [str(a) for a in (getattr(args, "sglang_args", None) or [])]
+    cmd += [str(a) for a in cfg.sglang_args]
     return cmd
 
 
@@ -289,6 +286,7 @@ class SGLangServer(_ManagedProcess):
                  start_timeout: float | None = None) -> None:
         super().__init__()
         self.args, self.rank = args, rank
+        self.config = EngineConfig.from_args(args)
         self.gpu_ids = gpu_ids
         self.start_timeout = START_TIMEOUT_S if start_timeout is None else start_timeout
         self.what = f"SGLang engine {rank}"
@@ -301,7 +299,7 @@ class SGLangServer(_ManagedProcess):
         gpus = self.gpu_ids if self.gpu_ids is not None else engine_gpu_ids(self.args, self.rank)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        cmd = build_command(self.args, self.rank, port, host)
+        cmd = build_command(self.config, self.rank, port, host)
         return self._launch(cmd, env, f"sglang_engine{self.rank}_{port}.log", self.start_timeout)
 
 

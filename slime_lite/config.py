@@ -1,0 +1,88 @@
+"""Typed groups of ``slime-lite train`` flags, each built once from the parsed flags and passed on.
+
+``XConfig.from_args(args)`` copies the group's flags from a namespace made by ``slime_lite.args.parse_args`` (or
+``parser_defaults`` in tests and tools); a flag missing from the namespace is an AttributeError, not a silent
+default: every default lives in the parser (slime_lite/args.py) only. Field names are the flags' dest names.
+This module imports nothing of the project, so both the train and the rollout side may use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+Config = TypeVar("Config")
+
+
+class _FromArgs:
+    @classmethod
+    def from_args(cls: type[Config], args: Any) -> Config:
+        """This group's flags, read from a parsed namespace (``parse_args`` or ``parser_defaults``)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class LossConfig(_FromArgs):
+    """The actor's policy loss (backends/megatron/loss.py ``rl_loss``)."""
+
+    eps_clip: float
+    eps_clip_high: float | None
+    eps_clip_c: float | None
+    entropy_coef: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    use_tis: bool
+    tis_clip: float
+
+
+@dataclass(frozen=True)
+class CiConfig(_FromArgs):
+    """The precision checks of ``--ci-test`` and the doctor (debug/ci_checks.py)."""
+
+    ci_test: bool
+    ci_nll_threshold: float
+    ci_logprob_diff_threshold: float | None  # None: a bound chosen per dtype by debug/ci_checks.py
+    ci_grad_norm_threshold: float
+    logprob_diff_jump_factor: float
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_FromArgs):
+    """What the generator needs for a rollout or an eval: sampling, batch sizes, seeds (rollout/generate.py)."""
+
+    rollout_temperature: float
+    rollout_top_p: float
+    rollout_top_k: int
+    rollout_max_response_len: int
+    rollout_stop: list[str] | None
+    eval_temperature: float
+    eval_max_response_len: int
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    over_sampling_batch_size: int | None
+    n_samples_per_eval_prompt: int
+    rollout_seed: int
+    debug_inject_fault: str | None
+
+
+@dataclass(frozen=True)
+class EngineConfig(_FromArgs):
+    """How one rollout engine is started: the embedded engine (rollout/engines.py) or an SGLang server
+    (backends/sglang/launcher.py)."""
+
+    hf_checkpoint: str
+    rollout_backend: str
+    rollout_device: str
+    engine_dtype: str
+    engine_max_running_requests: int
+    engine_kv_cache_tokens: int | None
+    engine_disable_cuda_graph: bool
+    engine_enable_torch_compile: bool
+    rollout_num_gpus_per_engine: int
+    rollout_seed: int
+    colocate: bool
+    rollout_external_engine_addrs: str | None
+    use_sglang_router: bool
+    sglang_server_module: str
+    sglang_args: list[str]
