@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any, Iterator
 
+from slime_lite.config import CiConfig
 from slime_lite.debug.ci_checks import (
     Check, TrainRun, cuda_available, dtype_name, iteration2, make_check as _c, memory_checks, precision_check,
     rollout_checks, version_check, weight_check,
@@ -294,7 +295,8 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
         with quiet():
             checks.append(prompt_format_check(args, samples))
     first = measured.records.get(0, {})
-    checks += [c for c in rollout_checks(args, first, first=True) if c.name != "step1_log_probs_small"]
+    ci = CiConfig.from_args(args)
+    checks += [c for c in rollout_checks(ci, first, first=True) if c.name != "step1_log_probs_small"]
     if "train/train_rollout_logprob_abs_diff" not in first:
         checks.append(_c("train_rollout_logprob_diff", None, f"< {args.ci_logprob_diff_threshold:g}", False,
                          f"not measured: {measured.stopped if measured.error else 'no rollout log-probs'}"))
