@@ -55,6 +55,7 @@ def run(args) -> int:
 
     from slime_lite.placement import create_placement_group, init_ray, plan_layout
     from slime_lite.rollout.engines import engine_memory, start_engines
+    from slime_lite.config import CiConfig
     from slime_lite.debug.ci_checks import CiCheckFailed, enforce, iteration2_check
     from slime_lite.rollout.manager import RolloutManager
 
@@ -98,7 +99,8 @@ def run(args) -> int:
     evaluate = bool(urls and args.eval_interval)
     if evaluate and start_rollout_id == 0:  # eval ids count the rollouts trained so far: 0 = before training
         metrics.log(ray.get(manager.evaluate.remote(0)), -1)
-    watch = LogprobDiffWatch(args.logprob_diff_jump_factor)
+    ci = CiConfig.from_args(args)
+    watch = LogprobDiffWatch(ci.logprob_diff_jump_factor)
     done = 0
     for rollout_id in range(start_rollout_id, args.num_rollout):
         step_t0 = time.monotonic()
@@ -148,7 +150,7 @@ def run(args) -> int:
         if actor is not None:
             watch.update(record)
             if args.ci_test:
-                enforce(args, record, rollout_id, first=rollout_id == start_rollout_id)
+                enforce(ci, record, rollout_id, first=rollout_id == start_rollout_id)
         done += 1
     if args.ci_test and actor is not None and args.num_rollout - start_rollout_id >= 2:
         check = iteration2_check(done)

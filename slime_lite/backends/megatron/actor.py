@@ -15,6 +15,7 @@ import torch
 
 from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron.loss import response_slices, rl_loss, token_log_probs_and_entropy, value_rl_loss
+from slime_lite.config import LossConfig
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ class TrainActor:
         )
         rollout_lp = [torch.tensor(s.rollout_log_probs) if s.rollout_log_probs is not None else None for s in samples]
         has_rollout_lp = all(r is not None for r in rollout_lp)
+        loss_cfg = LossConfig.from_args(a)
 
         def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
             temp = a.rollout_temperature if a.rollout_temperature > 1e-6 else 1.0
@@ -238,7 +240,7 @@ class TrainActor:
             loss, m = rl_loss(
                 pick(lp_pos), on(old), on(ref) if ref is not None else None,
                 on(rollout_lp) if has_rollout_lp else None, on(advantages),
-                on(masks), pick(ent_pos) if ent_pos is not None else None, a, normalizer,
+                on(masks), pick(ent_pos) if ent_pos is not None else None, loss_cfg, normalizer,
             )
             return loss * self._num_mb, m
 
