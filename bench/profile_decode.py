@@ -66,6 +66,7 @@ def main() -> None:
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
 
+    from slime_lite.engine.cuda_graph import StepInputs
     from slime_lite.engine.scheduler import Scheduler
 
     tmp = tempfile.TemporaryDirectory()
@@ -83,8 +84,8 @@ def main() -> None:
         step = (time.perf_counter() - start) / args.max_new_tokens * 1000
         slots, toks, pos = list(range(b)), [1] * b, [args.prompt_len + args.max_new_tokens // 2] * b
         row = {"batch": b, "tok_s": round(n / (step / 1000 * args.max_new_tokens)), "step_ms": step}
-        one = ([1.0] * b, [0.5] * b, [False] * b)
-        row["run_ms"] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, toks, pos, *one)))
+        one = StepInputs(token=toks, position=pos, temperature=[1.0] * b, uniform=[0.5] * b, greedy=[False] * b)
+        row["run_ms"] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
         graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
         if graph is not None:
             row["replay_ms"] = timeit(graph.replay)
@@ -94,7 +95,7 @@ def main() -> None:
         row["prefill_ms"] = timeit(lambda: s.lm.prefill(ptoks, pslots, s.cache), n=5)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if args.kernels:
-            print_kernels(s, lambda: s.decoder.sampled(s.decoder.run(slots, toks, pos, *one)), args.kernels)
+            print_kernels(s, lambda: s.decoder.sampled(s.decoder.run(slots, one)), args.kernels)
         s.stop()
         del s
     tmp.cleanup()

@@ -19,7 +19,7 @@ position per request); and compiling the whole step per (batch, length) shape wo
 with dynamic shapes, of the layer pieces around attention.
 
 The step samples its rows too (``sample_rows``, with one Triton pass over the vocabulary on CUDA) and copies the
-drawn tokens into a pinned host buffer without waiting. ``run(..., chain=True)`` launches a step whose input tokens
+drawn tokens into a pinned host buffer without waiting. Its per-row inputs are the named fields of ``StepInputs``. ``run(..., chain=True)`` launches a step whose input tokens
 are the previous step's draws, still on the device, so the scheduler launches step n+1 before it reads step n's
 tokens and its Python bookkeeping overlaps the GPU's work.
 
@@ -31,7 +31,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,6 +70,26 @@ def _clear_cublas_workspaces() -> None:
 
 def _ceil(buckets: list[int], n: int) -> int:
     return buckets[bisect.bisect_left(buckets, n)]
+
+
+@dataclass
+class StepInputs:
+    """Per-row inputs of a padded step: lists in the order of the step's slots for ``PaddedDecoder.run``; inside the
+    step, device rows (float64, one per field) of the buffer they travel in (one copy to the device per step).
+    A new per-row input (a sampling parameter) is a field here with its idle-row value in ``IDLE``, set where the
+    scheduler's pipeline builds the inputs and read by name in ``PaddedDecoder._step``."""
+
+    token: Any  # the token decoded (a chained step decodes the previous step's draw instead)
+    position: Any
+    temperature: Any  # 1 for greedy rows
+    uniform: Any  # ``sampling.uniforms`` of the row's seed and step (any value when the draws are not used)
+    greedy: Any
+
+
+IDLE = StepInputs(token=0, position=0, temperature=1.0, uniform=0.0, greedy=True)  # token 0 at position 0, greedy
+_FIELDS = [f.name for f in fields(StepInputs)]
+# The buffer's rows: the fields of ``StepInputs`` in order, then the ``chained`` flag (``run(chain=True)``).
+_IDLE_COLUMN = np.array([float(v) for v in astuple(IDLE)] + [0.0])[:, None]
 
 
 @dataclass
@@ -115,39 +136,38 @@ class PaddedDecoder:
         return (tuple(self.cache.kv.shape), self.cache.kv.data_ptr(), self.lm.storage_version)
 
     def _step(self, bs: int, kv_len: int) -> None:
-        inputs = self._inputs[:, :bs]
+        *rows, chained = self._inputs[:, :bs]
+        x = StepInputs(*rows)
         # Chained rows take the token the last step drew, still on the device (``run`` copies it to ``_prev``
         # outside the graph: the step stays the same when run twice, as warm-up and capture do).
-        tokens = torch.where(inputs[5] > 0, self._prev[:bs], inputs[0]).long()
-        positions = inputs[1].long()
-        hidden = self.lm.decode(tokens, positions, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
+        tokens = torch.where(chained > 0, self._prev[:bs], x.token).long()
+        hidden = self.lm.decode(tokens, x.position.long(), self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
                                 graphed=True)
         self.lm.logits(hidden, out=self._out[:bs])
-        drawn, logprobs = sample_rows(self._out[:bs], inputs[2], inputs[3], inputs[4] > 0)
+        drawn, logprobs = sample_rows(self._out[:bs], x.temperature, x.uniform, x.greedy > 0)
         self._sampled[0, :bs].copy_(drawn)
         self._sampled[1, :bs].copy_(logprobs)
 
     def _buffers(self, dev: torch.device) -> None:
-        self._inputs = torch.zeros(6, self.max_bs, dtype=torch.float64, device=dev)
+        self._inputs = torch.zeros(len(_IDLE_COLUMN), self.max_bs, dtype=torch.float64, device=dev)
         self._slots = torch.arange(self.max_bs, device=dev)
         self._out = torch.empty(self.max_bs, self.lm.vocab_size, dtype=self.lm.dtype, device=dev)
         self._sampled = torch.zeros(2, self.max_bs, dtype=torch.float64, device=dev)
         self._prev = torch.zeros(self.max_bs, dtype=torch.float64, device=dev)
         # Two host buffers each way (pinned on CUDA): a step is staged while the one before is still running.
         pin = dev.type == "cuda"
-        self._host_in = [torch.zeros(6, self.max_bs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._host_in = [torch.zeros(len(_IDLE_COLUMN), self.max_bs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._host_out = [torch.zeros(2, self.max_bs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
 
-    def run(self, slots: list[int], tokens: list[int], positions: list[int], temps: list[float],
-            u: list[float], greedy: list[bool], chain: bool = False) -> Ticket:
-        """Launch one decode step for the running slots (``slots`` sorted, all below ``max_bs``) and its sampling
-        as ``sample_rows`` does: one host-to-device copy in, one device-to-host copy out, and no wait for this step
-        (only for the step two runs back, whose host buffers this one reuses; a new capture syncs). ``chain``: the
-        step decodes the tokens the previous ``run`` drew for the same ``slots`` (``tokens`` are ignored), so it
-        can be launched before that step's results are read. Read the results with ``sampled(ticket)``, or the
-        logits (general sampler) with ``logits()`` before the next ``run``."""
+    def run(self, slots: list[int], inputs: StepInputs, chain: bool = False) -> Ticket:
+        """Launch one decode step for the running slots (``slots`` sorted, all below ``max_bs``; ``inputs`` one value
+        per slot) and its sampling as ``sample_rows`` does: one host-to-device copy in, one device-to-host copy
+        out, and no wait for this step (only for the step two runs back, whose host buffers this one reuses; a new
+        capture syncs). ``chain``: the step decodes the tokens the previous ``run`` drew for the same ``slots``
+        (``inputs.token`` is ignored), so it can be launched before that step's results are read. Read the results
+        with ``sampled(ticket)``, or the logits (general sampler) with ``logits()`` before the next ``run``."""
         bs = _ceil(self.bs_buckets, slots[-1] + 1)
-        kv_len = _ceil(self.len_buckets, max(positions) + 1)
+        kv_len = _ceil(self.len_buckets, max(inputs.position) + 1)
         dev = self.lm.device
         if chain and self._sampled is None:
             raise RuntimeError("chain=True needs a previous run")
@@ -162,10 +182,9 @@ class PaddedDecoder:
         self._flip ^= 1
         if self._done[self._flip] is not None:
             self._done[self._flip].synchronize()  # the step that last used these host buffers has copied them
-        # Rows: token, position, temperature, uniform, greedy, chained. Idle rows: token 0 at position 0, greedy.
         host = self._host_in[self._flip].numpy()
-        host[:, :bs] = np.array([0.0, 0.0, 1.0, 0.0, 1.0, 0.0])[:, None]
-        host[:, slots] = [tokens, positions, temps, u, greedy, [float(chain)] * len(slots)]
+        host[:, :bs] = _IDLE_COLUMN
+        host[:, slots] = [getattr(inputs, name) for name in _FIELDS] + [[float(chain)] * len(slots)]
         # Whole buffers both ways: a copy of a non-contiguous slice is staged through a temporary, which is not safe
         # while the copy is in flight.
         self._inputs.copy_(self._host_in[self._flip], non_blocking=True)

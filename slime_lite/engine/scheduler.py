@@ -6,7 +6,8 @@ refilled at the next step, so short and long generations share the batch without
 
 Everything that touches the model (generation, weight updates, memory release) runs in the model thread; other
 threads talk to it through ``submit``/``abort`` and ``call(fn)``, which runs ``fn`` between two steps and returns a
-``concurrent.futures.Future``. Results leave through each request's ``on_output`` callback, called in the model
+``concurrent.futures.Future``; the control operations (``pause``, ``flush_cache``, ``release_memory``, ...) are run
+that way. Decode steps are launched and read back by a ``DecodePipeline`` (engine/pipeline.py). Results leave through each request's ``on_output`` callback, called in the model
 thread with a ``RequestOutput`` snapshot (after every token for streaming requests, else once at the end).
 
 Seeds: a request's seed is its ``sampling_seed`` if given, else derived from ``--random-seed`` and its ``rid``
@@ -24,14 +25,13 @@ import queue
 import threading
 import zlib
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from slime_lite.engine.control import ControlOps
-from slime_lite.engine.cuda_graph import PaddedDecoder, Ticket
+from slime_lite.engine.cuda_graph import PaddedDecoder
 from slime_lite.engine.model import CausalLM, load_hf_model
+from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.request import Request, RequestOutput
 from slime_lite.engine.sampling import mix64, sample, uniforms
 from slime_lite.engine.weights import Weights
@@ -42,14 +42,11 @@ logger = logging.getLogger(__name__)
 PREFILL_MAX_TOKENS = 8192  # padded tokens per prefill batch
 
 
-@dataclass
-class _Pending:
-    slots: list[int]
-    reqs: list[Request]
-    ticket: Ticket
+class EngineBusy(RuntimeError):
+    """An operation that needs an idle engine (no running or waiting requests)."""
 
 
-class Scheduler(ControlOps):
+class Scheduler:
     """Loads the model and runs the generation loop in a background thread (``start``/``stop``)."""
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
@@ -105,6 +102,7 @@ class Scheduler(ControlOps):
                        else "this engine runs on CPU; drop --enable-torch-compile")
                 raise SlimeLiteError(f"--enable-torch-compile compiles the CUDA-graph decode step, but {why}.")
             self.decoder.compile()
+        self.pipeline = DecodePipeline(self.lm, self.cache, self.decoder, self._sample)
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
         self.paused = False
@@ -117,7 +115,6 @@ class Scheduler(ControlOps):
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
         self.num_generated = 0
-        self._pending: _Pending | None = None  # a padded step launched, its tokens not appended yet
         logger.info("engine: %s on %s (%s), %d slots x %d tokens", self.model_path, self.device, self.lm.dtype,
                     self.max_running, self.slot_len)
 
@@ -203,6 +200,65 @@ class Scheduler(ControlOps):
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def may_generate(self) -> bool:
+        """Requests may be admitted and decoded: generation is not paused and the weights are not released."""
+        return not self.paused and "weights" not in self.released
+
+    # ---- control operations: run in the model thread through ``call``, with no step in flight ----------------
+    def pause(self, mode: str = "abort") -> None:
+        """``abort``: abort everything; ``retract``: running requests go back to the queue (recomputed later);
+        ``in_place``: keep them (and their cache) as they are. New requests queue until ``resume``."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r}: expected abort, retract or in_place")
+        if mode == "abort":
+            self._abort_all("aborted by /pause_generation")
+        elif mode == "retract":
+            for slot in sorted(self.running, reverse=True):
+                req = self.running.pop(slot)
+                heapq.heappush(self._free_slots, slot)
+                req.slot = -1
+                self.waiting.appendleft(req)
+            self.pipeline.free_cache()
+        self.paused = True
+        logger.info("generation paused (%s): %d running, %d waiting", mode, len(self.running), len(self.waiting))
+
+    def resume(self) -> None:
+        self.paused = False
+        logger.info("generation continued")
+
+    def flush_cache(self) -> None:
+        if self.running or self.waiting:
+            raise EngineBusy(f"cannot flush the cache with {len(self.running)} running and "
+                             f"{len(self.waiting)} waiting requests")
+        self.pipeline.free_cache()
+
+    def release_memory(self, tags: list[str] | None) -> str:
+        tags = set(tags or ("weights", "kv_cache"))
+        if self.running or self.waiting:
+            raise EngineBusy("release_memory_occupation needs an idle engine (requests are in flight)")
+        if self.device.type == "cpu":
+            logger.info("release_memory_occupation %s: no-op on CPU", sorted(tags))
+            self.released |= tags
+            return "no-op on CPU"
+        if "weights" in tags and "weights" not in self.released:
+            self.lm.layers, self.lm.cos, self.lm.sin = [], None, None  # drop the fused tensors' GPU memory
+            self.hf.to("cpu")
+        self.pipeline.free_cache()
+        torch.cuda.empty_cache()
+        self.released |= tags
+        logger.info("released GPU memory %s", sorted(tags))
+        return "released"
+
+    def resume_memory(self, tags: list[str] | None) -> str:
+        tags = set(tags or ("weights", "kv_cache"))
+        if self.device.type != "cpu" and "weights" in tags and "weights" in self.released:
+            self.hf.to(self.device)
+            self.lm.refresh()
+        self.released -= tags
+        logger.info("resumed memory %s", sorted(tags))
+        return "resumed"
+
     # ---- model thread --------------------------------------------------------------------------------------
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -213,19 +269,8 @@ class Scheduler(ControlOps):
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
 
-    @property
-    def _graphs_live(self) -> bool:
-        """Captured CUDA graphs hold the KV cache's address: it stays allocated (at its flag-given size)."""
-        return self.decoder is not None and bool(self.decoder.graphs)
-
-    def _free_cache(self) -> None:
-        if self.decoder is not None:
-            self.decoder.reset()
-        self.cache.free()
-
     def _can_step(self) -> bool:
-        return self._pending is not None or (
-            not self.paused and "weights" not in self.released and bool(self.waiting or self.running))
+        return self.pipeline.in_flight or (self.may_generate and bool(self.waiting or self.running))
 
     def _loop(self) -> None:
         if self.device.type == "cuda" and self.device.index is not None:
@@ -280,12 +325,7 @@ class Scheduler(ControlOps):
                     fut.set_exception(exc)
 
     def _abort_all(self, message: str) -> None:
-        pend, self._pending = self._pending, None
-        if pend is not None and pend.ticket.done is not None:
-            try:
-                pend.ticket.done.synchronize()  # nothing runs on after an abort (a failed step raises again here)
-            except Exception:  # noqa: BLE001
-                pass
+        self.pipeline.drop()
         for r in list(self.waiting) + list(self.running.values()):
             self._finish(r, {"type": "abort", "message": message})
 
@@ -302,7 +342,7 @@ class Scheduler(ControlOps):
             del self.running[req.slot]
             heapq.heappush(self._free_slots, req.slot)
             req.slot = -1
-            if not self.running and not self._graphs_live:
+            if not self.running and not self.pipeline.holds_cache:
                 self.cache.free()  # memory does not grow from batch to batch
         else:
             try:
@@ -312,13 +352,15 @@ class Scheduler(ControlOps):
         self._emit(req)
 
     def _step(self) -> None:
-        if self._pending is not None and (self._admitting() or self.paused or "weights" in self.released):
-            self._collect()  # finish the step in flight first: its finished requests free slots
-        if not self.paused and "weights" not in self.released and self._admitting():
+        if not self.may_generate:
+            self._collect()  # the step in flight, if any: then the loop waits for a call
+            return
+        if self._admitting():
+            self._collect()  # the step in flight first: its finished requests free slots
             self._admit()
-        if self.running and not self.paused and "weights" not in self.released:
+        if self.running:
             self._decode()
-        elif self._pending is not None:
+        else:
             self._collect()
 
     def _admitting(self) -> bool:
@@ -367,7 +409,8 @@ class Scheduler(ControlOps):
         if fresh:
             last = torch.tensor([len(seqs[i]) - 1 for i in fresh], device=dev)
             logits = self.lm.logits(hidden[torch.tensor(fresh, device=dev), last])
-            self._sample_and_append([batch[i] for i in fresh], logits)
+            reqs = [batch[i] for i in fresh]
+            self._append(reqs, *self._sample(reqs, logits))
 
     def _input_logprobs(self, req: Request, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         """Log-probs of prompt tokens from ``logprob_start_len`` (the first prompt token has none)."""
@@ -380,64 +423,22 @@ class Scheduler(ControlOps):
         req.logprob_start_len = start
 
     def _decode(self) -> None:
-        slots = sorted(self.running)
-        reqs = [self.running[s] for s in slots]
-        if self.decoder is not None and slots[-1] < self.decoder.max_bs:
-            self._decode_padded(slots, reqs)
-            return
-        dev = self.lm.device
-        pos = [len(r.input_ids) + len(r.output_ids) - 1 for r in reqs]
-        tokens = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
-        contiguous = slots[-1] - slots[0] + 1 == len(slots)
-        hidden = self.lm.decode(tokens, torch.tensor(pos, device=dev), torch.tensor(slots, device=dev), self.cache,
-                                kv_len=max(pos) + 1, slot_range=(slots[0], slots[-1] + 1) if contiguous else None,
-                                same_length=min(pos) == max(pos))
-        self._sample_and_append(reqs, self.lm.logits(hidden))
-
-    def _decode_padded(self, slots: list[int], reqs: list[Request]) -> None:
-        """A padded step. When every row samples inside the step, its results are read one step late: the next
-        step is launched first, chained to this one's tokens on the device, so the host's bookkeeping of one step
-        overlaps the GPU's work on the next (a request that finishes meanwhile drops its extra token)."""
-        params = [r.params for r in reqs]
-        pend = self._pending
-        # The sampler inside the step serves rows with no truncation and no banned tokens (min_new_tokens).
-        lag = 1 if pend is not None else 0  # tokens drawn by the step in flight, not appended yet
-        steps = [len(r.output_ids) + lag for r in reqs]
-        fused = not any(p.truncates or s < p.min_new_tokens for p, s in zip(params, steps))
-        chain = (pend is not None and fused and pend.slots == slots
-                 and all(len(r.output_ids) + 1 < r.max_new for r in reqs))  # in flight: not any request's last
-        if pend is not None and not chain:
-            self._collect()
+        if not self.pipeline.chains(self.running):
+            self._collect()  # read the step in flight first: its finished requests leave the batch
             if not self.running:
                 return
-            self._decode()
-            return
-        pos = [len(r.input_ids) + len(r.output_ids) - 1 + lag for r in reqs]
-        ticket = self.decoder.run(slots, [0 if chain else r.output_ids[-1] for r in reqs], pos,
-                                  [1.0 if p.greedy else p.temperature for p in params],
-                                  uniforms([r.seed for r in reqs], steps) if fused else [0.0] * len(reqs),
-                                  [p.greedy for p in params], chain=chain)
-        if not fused:
-            self._sample_and_append(reqs, self.decoder.logits())
-            return
-        self._collect()
-        self._pending = _Pending(slots, reqs, ticket)
+        self._append(*self.pipeline.launch(self.running))
 
     def _collect(self) -> None:
-        """Append the tokens of the padded step in flight (to requests still running in their slot)."""
-        pend, self._pending = self._pending, None
-        if pend is None:
-            return
-        tokens, logprobs = self.decoder.sampled(pend.ticket)
-        keep = [i for i, (s, r) in enumerate(zip(pend.slots, pend.reqs)) if self.running.get(s) is r]
-        self._append([pend.reqs[i] for i in keep], [tokens[i] for i in keep], [logprobs[i] for i in keep])
+        self._append(*self.pipeline.collect(self.running))
 
-    def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The general sampler (truncation, ``min_new_tokens`` bans) over float32 ``logits`` of ``reqs``."""
         banned = [self._banned(r) for r in reqs]
         tokens, logprobs = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
                                   [len(r.output_ids) for r in reqs], banned if any(banned) else None)
         tokens, logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()  # one device sync
-        self._append(reqs, [int(t) for t in tokens], logprobs)
+        return [int(t) for t in tokens], logprobs
 
     def _append(self, reqs: list[Request], tokens: list[int], logprobs: list[float]) -> None:
         self.num_generated += len(reqs)
