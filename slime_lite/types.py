@@ -13,6 +13,12 @@ from enum import Enum
 from typing import Any
 
 
+class RewardError(ValueError):
+    """A reward that is not one number: none yet, not numeric, or a dict without (or lacking) ``--reward-key``.
+
+    Callers that face the user turn it into a ``SlimeLiteError`` (this module imports nothing of the project)."""
+
+
 class Status(Enum):
     PENDING = "pending"
     COMPLETED = "completed"
@@ -86,6 +92,31 @@ class Sample:
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+    def scalar_reward(self, reward_key: str | None = None) -> float:
+        """The reward as a float; a dict reward is read at ``reward_key`` (``--reward-key``). Else RewardError."""
+        reward: Any = self.reward
+        if isinstance(reward, dict):
+            if reward_key is None:
+                raise RewardError(
+                    f"sample {self.index}: the reward is a dict with keys {sorted(reward)}; "
+                    "pass --reward-key to pick the scalar reward."
+                )
+            if reward_key not in reward:
+                raise RewardError(
+                    f"sample {self.index}: --reward-key {reward_key!r} is not in the reward dict "
+                    f"(keys: {sorted(reward)})."
+                )
+            reward = reward[reward_key]
+        if reward is None:
+            raise RewardError(f"sample {self.index} has no reward (status {self.status.value}).")
+        try:
+            return float(reward)
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"sample {self.index}: reward {reward!r} is not a number"
+                + ("" if reward_key else "; pass --reward-key if it is a dict")
+            ) from None
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from slime_lite.rollout.stats import scalar_rewards
 from slime_lite.types import Sample
 
 
 def check_reward_nonzero_std(args: Any, samples: list[Sample], **kwargs: Any) -> bool:
     """Keep a prompt group only when its rewards disagree (a group whose rewards all agree has zero advantage)."""
-    from slime_lite.rollout.stats import scalar_reward
-
-    rewards = [scalar_reward(s, args.reward_key) for s in samples]
+    rewards = list(scalar_rewards(samples, args.reward_key).values())
     return max(rewards) - min(rewards) > 1e-8

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import call_maybe_async, load_function
+from slime_lite.rollout.stats import scalar_rewards
 from slime_lite.types import Sample
 
 RM_TYPES = ("addition", "math")
@@ -124,16 +125,9 @@ async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | di
     return _BUILTIN[rm_type](sample.response, _label(sample))
 
 
-def scalar_reward(args: Any, sample: Sample) -> float:
-    """The scalar the trainer uses: ``sample.reward``, or its ``--reward-key`` entry when it is a dict."""
-    from slime_lite.rollout.stats import scalar_reward as pick
-
-    return pick(sample, args.reward_key)
-
-
 async def batched_rewards(args: Any, samples: list[Sample]) -> list[float]:
     """Score samples concurrently; store each raw reward (float or dict) in ``sample.reward``; return the scalars."""
     rewards = await asyncio.gather(*(compute_reward(args, s) for s in samples))
     for sample, reward in zip(samples, rewards):
         sample.reward = reward
-    return [scalar_reward(args, s) for s in samples]
+    return list(scalar_rewards(samples, args.reward_key).values())

@@ -6,33 +6,16 @@ from collections import defaultdict
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.types import Sample, Status
+from slime_lite.types import RewardError, Sample, Status
 
 
-def scalar_reward(sample: Sample, reward_key: str | None = None) -> float:
-    """The sample's reward as a float; a dict reward is read at ``reward_key`` (``--reward-key``)."""
-    reward: Any = sample.reward
-    if isinstance(reward, dict):
-        if reward_key is None:
-            raise SlimeLiteError(
-                f"sample {sample.index}: the reward is a dict with keys {sorted(reward)}; "
-                "pass --reward-key to pick the scalar reward."
-            )
-        if reward_key not in reward:
-            raise SlimeLiteError(
-                f"sample {sample.index}: --reward-key {reward_key!r} is not in the reward dict "
-                f"(keys: {sorted(reward)})."
-            )
-        reward = reward[reward_key]
-    if reward is None:
-        raise SlimeLiteError(f"sample {sample.index} has no reward (status {sample.status.value}).")
+def scalar_rewards(samples: list[Sample], reward_key: str | None = None) -> dict[int, float]:
+    """``{position: scalar reward}`` of the samples that have a reward; a reward that is not one number is a
+    SlimeLiteError naming ``--reward-key``."""
     try:
-        return float(reward)
-    except (TypeError, ValueError):
-        raise SlimeLiteError(
-            f"sample {sample.index}: reward {reward!r} is not a number"
-            + ("" if reward_key else "; pass --reward-key if it is a dict")
-        ) from None
+        return {i: s.scalar_reward(reward_key) for i, s in enumerate(samples) if s.reward is not None}
+    except RewardError as exc:
+        raise SlimeLiteError(str(exc)) from None
 
 
 def _mean(values: list[float]) -> float:
@@ -70,7 +53,7 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None) -> dic
     if not samples:
         return {}
     out: dict[str, float] = {}
-    rewards = {i: scalar_reward(s, reward_key) for i, s in enumerate(samples) if s.reward is not None}
+    rewards = scalar_rewards(samples, reward_key)
     if rewards:
         out["rollout/raw_reward"] = _mean(list(rewards.values()))
         out["rollout/rewards"] = out["rollout/raw_reward"]
@@ -93,7 +76,7 @@ def eval_metrics(name: str, samples: list[Sample], reward_key: str | None = None
     """``eval/<name>`` (mean reward), ``eval/<name>/response_len/mean`` and ``eval/<name>/truncated_ratio``."""
     if not samples:
         return {}
-    rewards = [scalar_reward(s, reward_key) for s in samples if s.reward is not None]
+    rewards = list(scalar_rewards(samples, reward_key).values())
     out: dict[str, float] = {}
     if rewards:
         out[f"eval/{name}"] = _mean(rewards)

@@ -14,7 +14,6 @@ from slime_lite.rollout.rewards import (
     batched_rewards,
     compute_reward,
     extract_final_answer,
-    scalar_reward,
 )
 from slime_lite.types import Sample
 
@@ -118,7 +117,7 @@ def test_batched_rewards_store_dict_and_return_reward_key(tmp_path, monkeypatch)
     samples = [Sample(index=i, response=r, label="12") for i, r in enumerate(["12", "13", "12"])]
     assert asyncio.run(batched_rewards(args, samples)) == [1.0, 0.0, 1.0]
     assert samples[1].reward == {"score": 0.0, "length": 2}
-    assert scalar_reward(args, samples[0]) == 1.0
+    assert samples[0].scalar_reward(args.reward_key) == 1.0
 
 
 def test_dict_reward_without_reward_key_asks_for_it(tmp_path, monkeypatch):

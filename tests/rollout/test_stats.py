@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.rollout.stats import eval_metrics, rollout_metrics, scalar_reward
+from slime_lite.rollout.stats import eval_metrics, rollout_metrics
 from slime_lite.types import Sample, Status
 
 
@@ -38,7 +38,7 @@ def test_dict_rewards_need_a_reward_key() -> None:
     with pytest.raises(SlimeLiteError, match="--reward-key"):
         rollout_metrics(samples)
     with pytest.raises(SlimeLiteError, match="'nope'.*acc"):
-        scalar_reward(samples[0], "nope")
+        rollout_metrics(samples, reward_key="nope")
 
 
 def test_samples_without_reward_are_left_out_of_the_mean() -> None:

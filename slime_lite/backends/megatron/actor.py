@@ -197,7 +197,6 @@ class TrainActor:
     def train(self, rollout_id: int, samples: list, values: dict | None) -> tuple[dict[str, float], Any] | None:
         """Log-probs, advantages and ``--num-steps-per-rollout`` optimizer steps on one rollout."""
         from slime_lite import rl_math
-        from slime_lite.rollout.stats import scalar_reward
 
         import time
 
@@ -218,7 +217,7 @@ class TrainActor:
         logp = [old[i] for i in range(n)]
         ref_logp = [ref[i] for i in range(n)] if ref is not None else None
         advantages, returns = rl_math.compute_advantages_and_returns(
-            a.advantage_estimator, [scalar_reward(s, a.reward_key) for s in samples], logp, ref_logp,
+            a.advantage_estimator, B.scalar_rewards(samples, a.reward_key), logp, ref_logp,
             [values[i] for i in range(n)] if values is not None else None, masks,
             group_size=a.n_samples_per_prompt, kl_coef=a.kl_coef, kl_type=a.kl_loss_type, gamma=a.gamma,
             lambd=a.lambd, std_normalization=not a.disable_grpo_std_normalization,

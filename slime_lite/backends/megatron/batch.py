@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from slime_lite.errors import SlimeLiteError
+from slime_lite.types import RewardError, Sample
+
 
 @dataclass
 class MicroBatch:
@@ -61,3 +64,11 @@ def loss_masks(samples: list[Any]) -> list[torch.Tensor]:
         torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * s.response_length, dtype=torch.float32)
         for s in samples
     ]
+
+
+def scalar_rewards(samples: list[Sample], reward_key: str | None) -> list[float]:
+    """Each sample's scalar reward (``--reward-key`` picks it from a dict reward); SlimeLiteError if one has none."""
+    try:
+        return [s.scalar_reward(reward_key) for s in samples]
+    except RewardError as exc:  # e.g. a replayed dump with dict rewards and no --reward-key
+        raise SlimeLiteError(str(exc)) from None
