@@ -18,10 +18,11 @@ position per request); and compiling the whole step per (batch, length) shape wo
 ``torch.cuda.CUDAGraph`` over the engine's own step needs no compiler; ``--enable-torch-compile`` adds one compile,
 with dynamic shapes, of the layer pieces around attention.
 
-The step samples its rows too (``sample_rows``, with one Triton pass over the vocabulary on CUDA) and copies the
-drawn tokens into a pinned host buffer without waiting. Its per-row inputs are the named fields of ``StepInputs``. ``run(..., chain=True)`` launches a step whose input tokens
-are the previous step's draws, still on the device, so the scheduler launches step n+1 before it reads step n's
-tokens and its Python bookkeeping overlaps the GPU's work.
+Its per-row inputs are the named fields of ``StepInputs``. The step samples its rows too (``sample_rows``, with one
+Triton pass over the vocabulary on CUDA) and copies the drawn tokens into a pinned host buffer without waiting.
+``run(..., chain=True)`` launches a step whose input tokens are the previous step's draws, still on the device, so
+the scheduler's ``DecodePipeline`` launches step n+1 before it reads step n's tokens and its Python bookkeeping
+overlaps the GPU's work.
 
 On CPU there is nothing to capture; ``cuda_graph=True`` there runs the same padded steps eagerly (tests use it).
 """
@@ -156,8 +157,8 @@ class PaddedDecoder:
         self._prev = torch.zeros(self.max_bs, dtype=torch.float64, device=dev)
         # Two host buffers each way (pinned on CUDA): a step is staged while the one before is still running.
         pin = dev.type == "cuda"
-        self._host_in = [torch.zeros(len(_IDLE_COLUMN), self.max_bs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
-        self._host_out = [torch.zeros(2, self.max_bs, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._host_in = [torch.zeros(self._inputs.shape, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._host_out = [torch.zeros(self._sampled.shape, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
 
     def run(self, slots: list[int], inputs: StepInputs, chain: bool = False) -> Ticket:
         """Launch one decode step for the running slots (``slots`` sorted, all below ``max_bs``; ``inputs`` one value

@@ -6,9 +6,10 @@ refilled at the next step, so short and long generations share the batch without
 
 Everything that touches the model (generation, weight updates, memory release) runs in the model thread; other
 threads talk to it through ``submit``/``abort`` and ``call(fn)``, which runs ``fn`` between two steps and returns a
-``concurrent.futures.Future``; the control operations (``pause``, ``flush_cache``, ``release_memory``, ...) are run
-that way. Decode steps are launched and read back by a ``DecodePipeline`` (engine/pipeline.py). Results leave through each request's ``on_output`` callback, called in the model
-thread with a ``RequestOutput`` snapshot (after every token for streaming requests, else once at the end).
+``concurrent.futures.Future``; the control operations (``pause``, ``flush_cache``, ``release_memory``, ...) run
+that way. Decode steps are launched and read back by a ``DecodePipeline`` (engine/pipeline.py). Results leave
+through each request's ``on_output`` callback, called in the model thread with a ``RequestOutput`` snapshot (after
+every token for streaming requests, else once at the end).
 
 Seeds: a request's seed is its ``sampling_seed`` if given, else derived from ``--random-seed`` and its ``rid``
 (or, without a rid, from the order the server received requests in), so a fixed seed reproduces a run.
