@@ -89,8 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="move the trainer's weights and optimizer state off the GPU while engines generate")
     g.add_argument("--offload-rollout", action="store_true",
                    help="release the engines' weights and KV cache while the trainer trains")
+    g.add_argument("--rollout-backend", choices=("embedded", "sglang"), default="embedded",
+                   help="rollout engines: slime_lite's own SGLang-compatible engine, or SGLang servers (GPU) "
+                        "(default: %(default)s)")
 
-    g = p.add_argument_group("checkpoint")
+    g = p.add_argument_group("model and checkpoint")
     g.add_argument("--hf-checkpoint", default=None,
                    help="Hugging Face model folder: tokenizer, architecture and initial weights (required)")
     g.add_argument("--load", default=None, help="resume training from this checkpoint folder (written by --save)")
@@ -254,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--metrics-path", default=None, help="append every metrics record as one JSON line")
     g.add_argument("--use-tensorboard", action="store_true", help="also log metrics to TensorBoard")
-    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard folder (default: SAVE/tensorboard)")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="TensorBoard folder (default: tensorboard/ under --save, or ./tensorboard)")
     g.add_argument("--use-wandb", action="store_true", help="also log metrics to wandb (offline unless WANDB_MODE)")
     g.add_argument("--wandb-project", default="slime_lite", help="wandb project (default: %(default)s)")
     g.add_argument("--wandb-dir", default=None, help="wandb folder (default: wandb's)")
@@ -264,9 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
         "SGLang and engines",
         "the embedded engine (--rollout-backend embedded) or SGLang servers; any other --sglang-<name> [value] is "
         "passed to each SGLang server as --<name> [value]")
-    g.add_argument("--rollout-backend", choices=("embedded", "sglang"), default="embedded",
-                   help="slime_lite's own SGLang-compatible engine, or real SGLang servers (GPU) (default: "
-                        "%(default)s)")
     g.add_argument("--rollout-external-engine-addrs", default=None,
                    help="host:port,... of engines already running; none are started")
     g.add_argument("--rollout-device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -422,7 +423,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SlimeLiteError("--hf-checkpoint is required (tokenizer, architecture and initial weights).")
     _need_file(args.hf_checkpoint, "--hf-checkpoint")
     if not os.path.exists(os.path.join(args.hf_checkpoint, "config.json")):
-        raise SlimeLiteError(f"--hf-checkpoint {args.hf_checkpoint} has no config.json: not a Hugging Face model folder.")
+        raise SlimeLiteError(
+            f"--hf-checkpoint {args.hf_checkpoint} has no config.json: not a Hugging Face model folder.")
     _need_file(args.ref_load, "--ref-load")
     if not args.debug_train_only:
         if args.prompt_data is None and not args.custom_generate_function_path:
@@ -505,7 +507,8 @@ def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
         if value and value % tp:
             raise SlimeLiteError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({value}).")
     if layers and layers % pp:
-        raise SlimeLiteError(f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({layers}).")
+        raise SlimeLiteError(
+            f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({layers}).")
 
 
 def validate_train_args(args: argparse.Namespace) -> None:

@@ -166,7 +166,7 @@ def test_help_is_fast_and_grouped():
     proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0
-    for group in ("cluster:", "checkpoint:", "parallelism:", "rollout:", "data:", "eval:", "algorithm:",
+    for group in ("cluster:", "model and checkpoint:", "parallelism:", "rollout:", "data:", "eval:", "algorithm:",
                   "reward model:", "debug:", "CI:", "logging:", "SGLang and engines:"):
         assert group in proc.stdout
     code = "import sys, slime_lite.cli, slime_lite.args; print(any(m in sys.modules for m in ('torch','ray','megatron')))"
