@@ -49,21 +49,6 @@ def request_json(url: str, route: str, body: Any = None, *, timeout: float = 60.
         return raw.decode(errors="replace")
 
 
-def wait_healthy(url: str, timeout: float = 120.0, route: str = "/health") -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        try:
-            request_json(url, route, timeout=5)
-            return
-        except EngineError as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise EngineError(f"engine {url} was not healthy after {timeout:.0f}s: {last}")
-
-
 class AsyncEngineClient:
     """Sends /generate requests to a set of engines, least-loaded first, retrying on the others if one dies."""
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import os
@@ -41,8 +40,3 @@ async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     if inspect.isawaitable(result):
         result = await result
     return result
-
-
-def run_sync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call a hook from synchronous code, running it to completion if it is async."""
-    return asyncio.run(call_maybe_async(fn, *args, **kwargs))

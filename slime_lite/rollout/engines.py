@@ -50,9 +50,6 @@ class EngineActor:
         log.info("engine %d ready at %s", self.rank, url)
         return url
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def memory(self) -> dict[str, float]:
         from slime_lite.metrics import process_memory
 

@@ -20,23 +20,22 @@ log = logging.getLogger(__name__)
 
 class RolloutManager:
     def __init__(self, args: Any, engine_urls: list[str]) -> None:
-        from slime_lite.logging_setup import setup_logging
         from slime_lite.engine_client import AsyncEngineClient
+        from slime_lite.logging_setup import setup_logging
         from slime_lite.rollout.data import PromptSource, read_prompts
         from slime_lite.rollout.generate import Generator
         from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
 
         setup_logging(args.log_level)
         self.args = args
-        self.urls = list(engine_urls)
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.loop = asyncio.new_event_loop()
         self.source = None
         self.eval_sets: dict[str, list[Any]] = {}
         self.generator = None
-        if self.urls:
-            client = AsyncEngineClient(self.urls, timeout=args.rollout_request_timeout)
+        if engine_urls:
+            client = AsyncEngineClient(engine_urls, timeout=args.rollout_request_timeout)
             self.generator = Generator(args, self.tokenizer, client)
         if args.prompt_data and not args.debug_train_only:
             prompts = read_prompts(args.prompt_data, args.input_key, args.label_key)
@@ -45,9 +44,6 @@ class RolloutManager:
             pairs = args.eval_prompt_data
             for name, path in zip(pairs[0::2], pairs[1::2]):
                 self.eval_sets[name] = read_prompts(path, args.input_key, args.label_key, "--eval-prompt-data")
-
-    def engine_urls(self) -> list[str]:
-        return self.urls
 
     def _meta(self) -> dict[str, Any]:
         return dumps.make_meta(self.args, self.fingerprint)
