@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-from slime_lite.config import EngineConfig
+from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, EngineConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout.rewards import RM_TYPES
 
@@ -245,9 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop the run at the first failed precision check (step-1 KL, log-prob diff, grad norm)")
     g.add_argument("--ci-nll-threshold", type=_nonneg_float, default=2.0,
                    help="advisory bound on the first rollout's mean NLL per token (default: %(default)s)")
-    g.add_argument("--ci-logprob-diff-threshold", type=_nonneg_float, default=1e-3,
-                   help="bound on train/train_rollout_logprob_abs_diff (default: %(default)s; fp32 CPU runs "
-                        "reach ~1e-6)")
+    g.add_argument("--ci-logprob-diff-threshold", type=_nonneg_float, default=None,
+                   help="bound on train/train_rollout_logprob_abs_diff (default: by the precision of engine and "
+                        "trainer, " + ", ".join(f"{k} {v:g}" for k, v in LOGPROB_DIFF_BY_DTYPE.items())
+                        + "; the tighter one when they differ)")
     g.add_argument("--ci-grad-norm-threshold", type=_nonneg_float, default=100.0,
                    help="bound on the first step's grad norm (default: %(default)s)")
     g.add_argument("--logprob-diff-jump-factor", type=_nonneg_float, default=10.0,

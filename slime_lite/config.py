@@ -36,15 +36,29 @@ class LossConfig(_FromArgs):
     tis_clip: float
 
 
+# The default bound on train/train_rollout_logprob_abs_diff (mean |train - rollout| log-prob per response token) by
+# the precision engine and trainer compute in. Healthy float32 CPU runs stay near 1e-7; on an H200 healthy bfloat16
+# runs gave 0.005-0.009 and an engine sampling at 1.5x the trainer's temperature 0.11 (bench/gpu_doctor.sh,
+# BENCHMARKS.md). float16 keeps 3 more mantissa bits than bfloat16. Engine and trainer in different precisions are
+# held to the tighter bound: the dtype mismatch is itself a fault (debug/ci_checks.py logprob_diff_threshold).
+LOGPROB_DIFF_BY_DTYPE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
+
+
 @dataclass(frozen=True)
 class CiConfig(_FromArgs):
-    """The precision checks of ``--ci-test`` and the doctor (debug/ci_checks.py)."""
+    """The precision checks of ``--ci-test`` and the doctor (debug/ci_checks.py). ``bf16``, ``engine_dtype``,
+    ``rollout_device`` and ``hf_checkpoint`` tell the precisions in use (``engine_dtype`` "auto" is resolved from the
+    engines once they run: debug/ci_checks.py ``with_engine_dtype``)."""
 
     ci_test: bool
     ci_nll_threshold: float
-    ci_logprob_diff_threshold: float | None  # None: a bound chosen per dtype by debug/ci_checks.py
+    ci_logprob_diff_threshold: float | None  # None: LOGPROB_DIFF_BY_DTYPE of the precisions in use
     ci_grad_norm_threshold: float
     logprob_diff_jump_factor: float
+    bf16: bool
+    engine_dtype: str
+    rollout_device: str
+    hf_checkpoint: str
 
 
 @dataclass(frozen=True)

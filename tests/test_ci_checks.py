@@ -51,7 +51,7 @@ def test_ci_test_stops_at_a_failure_naming_check_value_and_causes():
     record = dict(HEALTHY, **{"rollout/log_probs_ref_max_abs_diff": 0.02})
     with pytest.raises(cc.CiCheckFailed, match=r"step1_kl_zero failed at rollout 0: value 0.02.*non-deterministic"):
         cc.enforce(ci(), record, 0, first=True)
-    cc.enforce(ci(), record, 1, first=False)  # step-1 KL is only asserted on the first rollout
+    cc.enforce(ci(), dict(record, **{"rollout/weight_version": 1.0}), 1, first=False)  # step-1 KL: first rollout only
 
 
 def test_a_nan_or_large_grad_norm_fails_and_the_nll_heuristic_is_only_advisory():
@@ -92,13 +92,13 @@ def test_weight_versions_must_follow_the_rollouts():
 def test_iteration2_tells_a_missed_reload_from_a_mismatch_from_the_start():
     lp = "train/train_rollout_logprob_abs_diff"
     missed = cc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 0.05}})
-    check = cc.iteration2(missed, make_args())
+    check = cc.iteration2(missed, ci())
     assert not check.passed and check.value == 0.05 and "did not reload" in check.cause
-    always = cc.iteration2(cc.TrainRun("/x", 0, 1.0, records={0: {lp: 0.2}, 1: {lp: 0.2}}), make_args())
+    always = cc.iteration2(cc.TrainRun("/x", 0, 1.0, records={0: {lp: 0.2}, 1: {lp: 0.2}}), ci())
     assert not always.passed and "from the first iteration" in always.cause
-    stopped = cc.iteration2(cc.TrainRun("/x", 2, 1.0, error="boom", records={0: {lp: 1e-7}}), make_args())
+    stopped = cc.iteration2(cc.TrainRun("/x", 2, 1.0, error="boom", records={0: {lp: 1e-7}}), ci())
     assert not stopped.passed and stopped.name == "iteration2_ran" and "boom" in stopped.cause
-    assert cc.iteration2(cc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 2e-7}}), make_args()).passed
+    assert cc.iteration2(cc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 2e-7}}), ci()).passed
 
 
 def test_memory_rows_per_process_group_and_headroom():
@@ -116,3 +116,67 @@ def test_an_engine_in_lower_precision_than_the_trainer_fails_the_precision_check
     check = cc.precision_check(make_args(engine_dtype="bfloat16"))
     assert not check.passed and "bfloat16" in check.cause and "float32" in check.cause
     assert cc.precision_check(make_args(engine_dtype="bfloat16", bf16=True)).passed
+
+
+# ------------------------------------------------------------------ the log-prob bound follows the precision in use
+def test_the_logprob_bound_follows_the_precision_of_engine_and_trainer():
+    fp32 = cc.logprob_diff_threshold(ci(ci_logprob_diff_threshold=None))
+    bf16 = cc.logprob_diff_threshold(ci(ci_logprob_diff_threshold=None, bf16=True, engine_dtype="bfloat16"))
+    mixed = cc.logprob_diff_threshold(ci(ci_logprob_diff_threshold=None, engine_dtype="bfloat16"))
+    assert fp32 == (1e-3, "the default for float32 engine and trainer")
+    assert bf16[0] == 5e-2 and "bfloat16" in bf16[1]
+    assert mixed[0] == 1e-3 and "engine bfloat16, trainer float32" in mixed[1] and "mismatch" in mixed[1]
+    assert cc.logprob_diff_threshold(ci(ci_logprob_diff_threshold=0.2, bf16=True)) == (
+        0.2, "set by --ci-logprob-diff-threshold")
+
+
+# values measured on an H200 (bench/gpu_doctor.sh): a healthy bf16 run, an engine at 1.5x the temperature, and a
+# float32 trainer with a bfloat16 engine
+@pytest.mark.parametrize("diff, bf16, engine, passed", [(0.0091, True, "bfloat16", True),
+                                                          (0.113, True, "bfloat16", False),
+                                                          (0.0052, False, "bfloat16", False),
+                                                          (4e-7, False, "float32", True)])
+def test_healthy_bf16_runs_pass_and_faults_still_fail(diff, bf16, engine, passed):
+    cfg = ci(ci_logprob_diff_threshold=None, bf16=bf16, engine_dtype=engine)
+    record = dict(HEALTHY, **{"train/train_rollout_logprob_abs_diff": diff})
+    check = by_name(cc.rollout_checks(cfg, record, first=True))["train_rollout_logprob_diff"]
+    assert check.passed is passed
+    assert ("bfloat16" in check.threshold) == (engine == "bfloat16")  # the row says which bound applied and why
+    if not passed:
+        with pytest.raises(cc.CiCheckFailed, match="train_rollout_logprob_diff"):
+            cc.enforce(cfg, record, 0, first=True)
+
+
+def test_ci_test_fails_a_rollout_served_by_stale_weights():
+    cc.enforce(ci(), HEALTHY, 0, first=True)
+    with pytest.raises(cc.CiCheckFailed, match=r"weight_version_served failed at rollout 1: value 0.0.*push"):
+        cc.enforce(ci(), HEALTHY, 1, first=False)
+
+
+def test_the_engine_reported_dtype_replaces_auto():
+    """A fake engine (only its /get_server_info route): the driver takes the precision the engine reports."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Info(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"dtype": "bfloat16"} if self.path == "/get_server_info" else {}).encode()
+            self.send_response(200 if self.path == "/get_server_info" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Info)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        got = cc.with_engine_dtype(ci(ci_logprob_diff_threshold=None, bf16=True), [url])
+        assert got.engine_dtype == "bfloat16" and cc.logprob_diff_threshold(got)[0] == 5e-2
+        assert cc.with_engine_dtype(ci(engine_dtype="float16"), [url]).engine_dtype == "float16"  # the flag wins
+        assert cc.with_engine_dtype(ci(), []).engine_dtype == "auto"
+    finally:
+        server.shutdown()

@@ -25,8 +25,8 @@ from typing import Any, Iterator
 
 from slime_lite.config import CiConfig
 from slime_lite.debug.ci_checks import (
-    Check, TrainRun, cuda_available, dtype_name, iteration2, make_check as _c, memory_checks, precision_check,
-    rollout_checks, version_check, weight_check,
+    Check, TrainRun, cuda_available, dtype_name, iteration2, logprob_diff_threshold, make_check as _c, memory_checks,
+    precision_check, rollout_checks, version_check, weight_check,
 )
 from slime_lite.errors import SlimeLiteError
 
@@ -266,13 +266,14 @@ def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str
     samples, lps = _load_rollout(run.out, rollout_id)
     if not samples or lps is None:
         return None
-    i = first_mismatch(samples, lps, args.ci_logprob_diff_threshold)
+    bound = logprob_diff_threshold(CiConfig.from_args(args))[0]
+    i = first_mismatch(samples, lps, bound)
     if i is None:
         return {"rollout_id": rollout_id, "summary": f"no sample of rollout {rollout_id} differs beyond the "
                 f"threshold: the mismatch starts at a later push of trained weights (the push, not the forward)"}
     temp = args.rollout_temperature if args.rollout_temperature > 1e-6 else 1.0
     loc = localize_sample(samples[i], args.hf_checkpoint, engine_dtype=dtype_name(args, "engine"),
-                          trainer_dtype=dtype_name(args, "trainer"), temperature=temp)
+                          trainer_dtype=dtype_name(args, "trainer"), temperature=temp, logprob_tol=bound)
     return {"rollout_id": rollout_id, "sample_index": samples[i].index, **loc.as_dict()}
 
 
@@ -298,9 +299,10 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
     ci = CiConfig.from_args(args)
     checks += [c for c in rollout_checks(ci, first, first=True) if c.name != "step1_log_probs_small"]
     if "train/train_rollout_logprob_abs_diff" not in first:
-        checks.append(_c("train_rollout_logprob_diff", None, f"< {args.ci_logprob_diff_threshold:g}", False,
+        bound, why = logprob_diff_threshold(ci)
+        checks.append(_c("train_rollout_logprob_diff", None, f"< {bound:g} ({why})", False,
                          f"not measured: {measured.stopped if measured.error else 'no rollout log-probs'}"))
-    checks += [precision_check(args), weight_check(run, args), version_check(measured), iteration2(measured, args)]
+    checks += [precision_check(args), weight_check(run, args), version_check(measured), iteration2(measured, ci)]
     checks += memory_checks(measured, args)
     runs = [run] if measured is run else [run, measured]
     report: dict[str, Any] = {"out": out, "runs": [_run_info(r) for r in runs]}

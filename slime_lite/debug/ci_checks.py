@@ -11,10 +11,10 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from slime_lite.config import CiConfig
+from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, CiConfig
 from slime_lite.errors import SlimeLiteError
 
 CAUSES = {
@@ -83,8 +83,9 @@ def make_check(name: str, value: float | None, threshold: str, passed: bool, cau
 _check = make_check
 
 
-def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool) -> list[Check]:
-    """Checks for one iteration's metrics record; ``first`` marks the run's first trained rollout."""
+def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_id: int | None = None) -> list[Check]:
+    """Checks for one iteration's metrics record; ``first`` marks the run's first trained rollout. With
+    ``rollout_id`` the engine's weight version is checked too (the doctor checks it over the whole run instead)."""
     checks: list[Check] = []
     if first and "rollout/log_probs_ref_max_abs_diff" in record:
         diff = record["rollout/log_probs_ref_max_abs_diff"]
@@ -98,13 +99,49 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool) -> list[C
         checks.append(_check("first_step_ppo_kl_zero", value, "== 0", value == 0.0))
     if "train/train_rollout_logprob_abs_diff" in record:
         value = record["train/train_rollout_logprob_abs_diff"]
-        bound = cfg.ci_logprob_diff_threshold
-        checks.append(_check("train_rollout_logprob_diff", value, f"< {bound:g}", value < bound))
+        bound, why = logprob_diff_threshold(cfg)
+        checks.append(_check("train_rollout_logprob_diff", value, f"< {bound:g} ({why})", value < bound))
     if "train/first_step/grad_norm" in record:
         value = record["train/first_step/grad_norm"]
         bound = cfg.ci_grad_norm_threshold
         checks.append(_check("grad_norm_finite", value, f"finite, < {bound:g}", math.isfinite(value) and value < bound))
+    if rollout_id is not None and "rollout/weight_version" in record:  # after the log-prob check: it says more
+        version = record["rollout/weight_version"]
+        checks.append(_check("weight_version_served", version, f"== {rollout_id} (the weights pushed after "
+                             f"{rollout_id} trained rollouts)", version == rollout_id, VERSION_CAUSE))
     return checks
+
+
+VERSION_CAUSE = ("the engine generated this rollout with older weights than the trainer last pushed: the push was "
+                 "skipped or went to another engine (check the weight push; --check-weight-update-equal)")
+
+
+def logprob_diff_threshold(cfg: CiConfig) -> tuple[float, str]:
+    """The bound on train/train_rollout_logprob_abs_diff in use, and why: the flag, else the default for the
+    precision engine and trainer compute in (the tighter one when they differ)."""
+    if cfg.ci_logprob_diff_threshold is not None:
+        return cfg.ci_logprob_diff_threshold, "set by --ci-logprob-diff-threshold"
+    engine, trainer = dtype_name(cfg, "engine"), dtype_name(cfg, "trainer")
+    if engine == trainer:
+        return LOGPROB_DIFF_BY_DTYPE[engine], f"the default for {engine} engine and trainer"
+    tight = min((engine, trainer), key=LOGPROB_DIFF_BY_DTYPE.__getitem__)
+    return LOGPROB_DIFF_BY_DTYPE[tight], (f"engine {engine}, trainer {trainer}: the {tight} default, since a dtype "
+                                          "mismatch is itself a fault")
+
+
+def with_engine_dtype(cfg: CiConfig, urls: list[str]) -> CiConfig:
+    """``cfg`` with ``engine_dtype`` "auto" replaced by the dtype the first engine reports (its /get_server_info):
+    the driver may not see the engines' GPUs, so it cannot tell their precision itself."""
+    if cfg.engine_dtype != "auto" or not urls:
+        return cfg
+    from slime_lite.engine_client import request_json
+
+    try:
+        info = request_json(urls[0], "/get_server_info", timeout=30.0, method="GET")
+    except Exception:  # an engine without the route: the precision is then derived from the flags
+        return cfg
+    reported = str((info or {}).get("dtype", "")).removeprefix("torch.") if isinstance(info, dict) else ""
+    return replace(cfg, engine_dtype=reported) if reported in LOGPROB_DIFF_BY_DTYPE else cfg
 
 
 class CiCheckFailed(SlimeLiteError):
@@ -120,7 +157,7 @@ ADVISORY = {"step1_log_probs_small"}  # a heuristic, not enforced by --ci-test (
 
 
 def enforce(cfg: CiConfig, record: dict[str, Any], rollout_id: int, first: bool) -> list[Check]:
-    checks = rollout_checks(cfg, record, first)
+    checks = rollout_checks(cfg, record, first, rollout_id)
     for check in checks:
         if not check.passed and check.name not in ADVISORY:
             raise CiCheckFailed(check, rollout_id)
@@ -235,7 +272,7 @@ def version_check(run: TrainRun) -> Check:
                   "the checkpoint it loaded, or an older push); check the weight push")
 
 
-def iteration2(run: TrainRun, args: Any) -> Check:
+def iteration2(run: TrainRun, cfg: CiConfig) -> Check:
     """The second iteration ran on reloaded weights: its train/rollout log-prob diff and first-step ppo_kl."""
     base = iteration2_check(len(run.records))
     if not base.passed:
@@ -244,7 +281,7 @@ def iteration2(run: TrainRun, args: Any) -> Check:
     rec = run.records[max(run.records)]
     diff = rec.get("train/train_rollout_logprob_abs_diff")
     ppo_kl = rec.get("train/first_step/ppo_kl", 0.0)
-    bound = args.ci_logprob_diff_threshold
+    bound = logprob_diff_threshold(cfg)[0]
     passed = diff is not None and diff < bound and ppo_kl == 0.0
     first = run.records[min(run.records)].get("train/train_rollout_logprob_abs_diff")
     if passed:

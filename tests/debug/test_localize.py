@@ -88,3 +88,34 @@ def test_first_mismatch_picks_the_first_sample_past_the_threshold():
     train = [[-1.0, -2.0 + 1e-6], [-1.0, -2.0], [-1.0, -2.0]]
     assert first_mismatch(samples, train, 1e-3) == 1
     assert first_mismatch(samples[:1], train[:1], 1e-3) is None
+
+
+def test_both_sides_in_bf16_are_held_to_the_bf16_tolerance_and_a_broken_layer_still_shows(tiny_model_dir,
+                                                                                        layer2_broken):
+    """Two healthy bf16 forwards part by bf16 rounding at every layer; the bf16 tolerance (calibrated on an H200)
+    passes them and still names a layer that is really broken. A side in float32 keeps the tight float32 bound."""
+    from slime_lite.debug.localize import LAYER_TOL, layer_tol
+
+    healthy = localize(str(tiny_model_dir), "megatron", TOKENS, dtype_a="bfloat16", dtype_b="bfloat16")
+    assert healthy.tol == LAYER_TOL["bfloat16"] and healthy.first_divergent is None, healthy.summary()
+    assert max(d.rel_diff for d in healthy.layers) > LAYER_TOL["float32"]  # bf16 rounding is really there
+    broken = localize(str(tiny_model_dir), f"megatron:{layer2_broken}", TOKENS, dtype_a="bfloat16",
+                      dtype_b="bfloat16")
+    assert broken.first_divergent == "layer 2", broken.summary()
+    assert layer_tol("bfloat16", "float32") == LAYER_TOL["float32"]
+
+
+def test_a_bf16_temperature_mismatch_is_still_named_with_the_bf16_logprob_bound(tiny_model_dir):
+    """The engine side in bf16 (its rollout log-probs at 2.5x the temperature: this small model's logits are flat,
+    so a smaller change stays under the bf16 bound), the trainer in bf16: the fit and the note use the run's
+    log-prob bound, not the float32 one."""
+    from slime_lite.debug.localize import hf_states
+
+    logits = hf_states(str(tiny_model_dir), TOKENS, "bfloat16")["logits"]
+    sample = Sample(tokens=TOKENS, response_length=4,
+                    rollout_log_probs=response_log_probs(logits, TOKENS, 6, temperature=2.5).tolist())
+    loc = localize_sample(sample, str(tiny_model_dir), engine_dtype="bfloat16", trainer_dtype="bfloat16",
+                          temperature=1.0, logprob_tol=5e-2)
+    assert loc.extra["rollout_vs_hf_logprob_mean_diff"] > 5e-2
+    assert loc.first_divergent is None and loc.extra["fitted_temperature"] == pytest.approx(2.5)
+    assert "temperature mismatch" in loc.summary()
