@@ -64,8 +64,10 @@ class DecodePipeline:
     def chains(self, running: dict[int, Request]) -> bool:
         """Whether the next step can be launched before the step in flight is read: the same slots, every row
         samples in the step, and no request is at its last token in the step in flight."""
+        if self._in_flight is None:
+            return False
         slots = sorted(running)
-        if self._in_flight is None or self._in_flight.ticket.slots != slots:
+        if self._in_flight.ticket.slots != slots:
             return False
         reqs = [running[s] for s in slots]
         return self._fused(reqs, lag=1) and all(len(r.output_ids) + 1 < r.max_new for r in reqs)
