@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, EngineConfig
+from slime_lite.debug.faults import FAULTS
 from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout.rewards import RM_TYPES
 
@@ -237,8 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--debug-scramble-engine-weights", action="store_true",
                    help="overwrite engine weights with noise before each push, so a parameter the push skips is "
                         "caught by --check-weight-update-equal even if it equals the old value")
-    g.add_argument("--debug-inject-fault", choices=("skip-weight-push", "swap-pp-layers", "engine-temperature"),
-                   default=None, help="deliberately break one thing, to see the checks catch it (testing only)")
+    g.add_argument("--debug-inject-fault", choices=tuple(FAULTS), default=None,
+                   help="deliberately break one thing, to see the checks catch it (testing only): "
+                        + "; ".join(f"{k}: {v}" for k, v in FAULTS.items()))
 
     g = p.add_argument_group("CI", "precision checks of --ci-test (slime-lite doctor shows the same checks)")
     g.add_argument("--ci-test", action="store_true",

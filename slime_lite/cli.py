@@ -11,7 +11,7 @@ from slime_lite.logging_setup import setup_logging
 
 COMMANDS = {
     "train": ("slime_lite.train", "run the RL driver (GRPO/PPO/REINFORCE++; debug modes)"),
-    "doctor": ("slime_lite.debug.checks", "run the precision-alignment checklist on a short job"),
+    "doctor": ("slime_lite.debug.doctor", "run the precision-alignment checklist on a short job"),
     "serve": ("slime_lite.engine.server", "start one embedded SGLang-compatible engine"),
     "display-rollouts": ("slime_lite.debug.display", "show dumped rollouts and their metrics"),
     "replay-reward": ("slime_lite.debug.replay_reward", "recompute rewards of a dump and report differences"),

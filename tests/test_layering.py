@@ -100,7 +100,8 @@ LAYERS = [
     ("rollout, trainer, placement", ["slime_lite.rollout", "slime_lite.backends", "slime_lite.placement"]),
     ("embedded engine", ["slime_lite.engine"]),
     ("shared helpers", ["slime_lite.engine_client", "slime_lite.weight_transport", "slime_lite.metrics",
-                        "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup"]),
+                        "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup",
+                        "slime_lite.debug.faults"]),  # fault hooks, called by both sides; a leaf in debug/
     ("leaves", ["slime_lite.types", "slime_lite.rl_math", "slime_lite.errors", "slime_lite.config", "slime_lite"]),
 ]
 

@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 from slime_lite.config import RolloutConfig
+from slime_lite.debug.faults import sampling_temperature
 from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.hooks import call_maybe_async, load_function
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
@@ -17,9 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def sampling_params(cfg: RolloutConfig, evaluation: bool = False) -> dict[str, Any]:
-    temperature = cfg.eval_temperature if evaluation else cfg.rollout_temperature
-    if cfg.debug_inject_fault == "engine-temperature" and not evaluation:
-        temperature *= 1.5  # the engine samples at another temperature than the trainer scores with
+    temperature = sampling_temperature(cfg.debug_inject_fault,
+                                       cfg.eval_temperature if evaluation else cfg.rollout_temperature, evaluation)
     return {
         "temperature": temperature,
         "top_p": cfg.rollout_top_p,

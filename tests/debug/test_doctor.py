@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_lite.debug import checks as doctor
+from slime_lite.debug import doctor
 from slime_lite.errors import SlimeLiteError
 from slime_lite.types import Sample
 

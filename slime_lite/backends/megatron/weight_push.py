@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from slime_lite.debug.faults import skips_weight_push
 from slime_lite.engine_client import request_json
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.io import free_port
@@ -55,7 +56,7 @@ def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: in
     if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
         gen = torch.Generator().manual_seed(version)
         _push_tensor({n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in reference.items()}, urls, -1)
-    if args.debug_inject_fault == "skip-weight-push":
+    if skips_weight_push(args.debug_inject_fault):
         log.warning("--debug-inject-fault skip-weight-push: the engines keep their old weights")
     else:
         _transport(args, named, urls, version)
