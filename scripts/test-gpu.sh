@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The GPU test suite: every test marked `gpu` (CUDA-graph decode, the precision checks in bf16, ...), run with the
+# machine's own python3 and torch on a machine with CUDA. Extra arguments go to pytest, e.g. `-k doctor`.
+#   bash scripts/test-gpu.sh [pytest args]
+# On a GPU machine without network (the lent H200): first, on a machine with network, pack Ray and megatron-core
+# with `bash ../shared/tools/gpu-carry.sh` (writes .gpu-carry/site.tar.xz); this script unpacks it when present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -f .gpu-carry/site.tar.xz ]; then
+  mkdir -p /tmp/slime-lite-site && tar -xJf .gpu-carry/site.tar.xz -C /tmp/slime-lite-site
+  export PYTHONPATH=/tmp/slime-lite-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+python=${PYTHON:-python3}  # the machine's own torch with CUDA (not .venv's CPU build)
+"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'test-gpu.sh: no CUDA device here')"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+# only the files that hold gpu tests are collected: the others may import what a GPU image lacks
+mapfile -t files < <(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | sort)
+exec "$python" -m pytest -q -p no:cacheprovider -m gpu --timeout 900 "${files[@]}" "$@"
