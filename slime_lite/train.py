@@ -1,4 +1,6 @@
-"""The driver: parse and check the flags, place the processes, then loop generate -> train -> save -> push -> eval.
+"""The driver: parse and check the flags, place the processes, then loop generate -> (onload) -> train -> save ->
+push weights -> (offload) -> eval -> log. Training is PPO's order when there is a critic: the critic's values, then
+the actor's log-probs, advantages and policy steps, then the critic's value steps toward the returns.
 
 The debug modes are the visible branches below: ``--debug-rollout-only`` never builds (or imports) the trainer,
 ``--debug-train-only`` / ``--load-debug-rollout-data`` start no engine.
@@ -9,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from slime_lite.args import parse_args
 from slime_lite.errors import SlimeLiteError
@@ -56,7 +60,7 @@ def run(args) -> int:
     from slime_lite.placement import create_placement_group, init_ray, plan_layout
     from slime_lite.rollout.engines import engine_memory, start_engines
     from slime_lite.config import CiConfig
-    from slime_lite.debug.ci_checks import CiCheckFailed, enforce, iteration2_check
+    from slime_lite.debug.ci_checks import CiCheckFailed, enforce, iteration2_check, with_engine_dtype
     from slime_lite.rollout.manager import RolloutManager
 
     layout = plan_layout(args)
@@ -78,10 +82,10 @@ def run(args) -> int:
     actor = critic = None
     start_rollout_id = 0
     if not args.debug_rollout_only:
-        from slime_lite.backends.megatron.group import TrainGroup  # the trainer is imported only here
+        from slime_lite.backends.megatron.group import ActorGroup, CriticGroup  # the trainer is imported only here
 
-        actor = TrainGroup(args, pg, layout.actor, role="actor")
-        critic = TrainGroup(args, pg, layout.critic, role="critic") if args.advantage_estimator == "ppo" else None
+        actor = ActorGroup(args, pg, layout.actor)
+        critic = CriticGroup(args, pg, layout.critic) if args.advantage_estimator == "ppo" else None
         start_rollout_id, data_state = actor.init()
         if critic is not None:
             critic.init()
@@ -91,61 +95,44 @@ def run(args) -> int:
             t0 = time.monotonic()
             actor.update_weights(urls, version=start_rollout_id)
             log.info("initial weights pushed to %d engine(s) in %.2fs", len(urls), time.monotonic() - t0)
-        if args.offload_train:
-            for group in (actor, critic):
-                if group is not None:
-                    group.offload()
+    trainers = [g for g in (actor, critic) if g is not None]
+    if args.offload_train:
+        for group in trainers:
+            group.offload()
 
     evaluate = bool(urls and args.eval_interval)
     if evaluate and start_rollout_id == 0:  # eval ids count the rollouts trained so far: 0 = before training
         metrics.log(ray.get(manager.evaluate.remote(0)), -1)
-    ci = CiConfig.from_args(args)
+    ci = with_engine_dtype(CiConfig.from_args(args), urls)  # the log-prob bound follows the engines' precision
     watch = LogprobDiffWatch(ci.logprob_diff_jump_factor)
     done = 0
     for rollout_id in range(start_rollout_id, args.num_rollout):
         step_t0 = time.monotonic()
         samples, record = wait_with_progress(manager, manager.generate.remote(rollout_id), rollout_id)
         if actor is not None:
-            groups = [g for g in (actor, critic) if g is not None]
-            t_swap = time.monotonic()
-            if args.offload_rollout and urls:  # colocated: engines hand their memory to the trainer
-                engine_memory(urls, "release")
-                record.update(memory_record("engine_released", ray.get([e.memory.remote() for e in engines])))
-            if args.offload_train:
-                for g in groups:
-                    g.onload()
-            swap = time.monotonic() - t_swap
-            t0 = time.monotonic()
-            record.update(actor.train(rollout_id, samples, critic))
-            record["perf/train_time"] = time.monotonic() - t0
+            onload_phase(args, urls, engines, trainers, record)
+            with timed(record, "perf/train_time"):
+                data = ray.put(samples)
+                # PPO: critic values -> actor (log-probs, advantages, policy steps) -> critic steps toward the returns
+                values = critic.compute_values(data) if critic is not None else None
+                train_metrics, returns = actor.train(rollout_id, data, values)
+                record.update(train_metrics)
+                if critic is not None:
+                    record.update(critic.train(rollout_id, data, values, returns))
             if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
                 actor.save(rollout_id, ray.get(manager.state.remote()))
                 if critic is not None:
                     critic.save(rollout_id, None)
             if urls:
-                t0 = time.monotonic()
-                if args.offload_rollout:
-                    engine_memory(urls, "resume", ["weights"])
-                actor.update_weights(urls, version=rollout_id + 1)
-                record["perf/update_weights_time"] = time.monotonic() - t0
-            t_swap = time.monotonic()
-            if args.offload_train:
-                for g in groups:
-                    g.offload()
-                record.update(memory_record("actor_offloaded", actor.memory()))
-            if args.offload_rollout and urls:
-                engine_memory(urls, "resume", ["kv_cache"])
-            if args.offload_train or args.offload_rollout:
-                record["perf/offload_time"] = swap + time.monotonic() - t_swap
+                with timed(record, "perf/update_weights_time"):
+                    if args.offload_rollout:  # colocated: room for the weights now, for the KV cache after offload
+                        engine_memory(urls, "resume", ["weights"])
+                    actor.update_weights(urls, version=rollout_id + 1)
+            offload_phase(args, urls, trainers, record)
         if evaluate and ((rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout):
             record.update(ray.get(manager.evaluate.remote(rollout_id + 1)))
         record["perf/step_time"] = time.monotonic() - step_t0
-        record.update(memory_record("rollout_manager", [ray.get(manager.memory.remote())]))
-        if engines:
-            record.update(memory_record("engine", ray.get([e.memory.remote() for e in engines])))
-        for name, group in (("actor", actor), ("critic", critic)):
-            if group is not None:
-                record.update(memory_record(name, group.memory()))
+        record.update(memory_records(manager, engines, actor, critic))
         metrics.log(record, rollout_id)
         if actor is not None:
             watch.update(record)
@@ -164,6 +151,61 @@ def run(args) -> int:
     if router is not None:
         router.stop()
     return 0
+
+
+@contextmanager
+def timed(record: dict, key: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``record[key]``."""
+    t0 = time.monotonic()
+    yield
+    record[key] = record.get(key, 0.0) + time.monotonic() - t0
+
+
+def onload_phase(args, urls: list[str], engines: list, trainers: list, record: dict) -> None:
+    """Before training, colocated: the engines release their memory (--offload-rollout) and the train groups take
+    theirs back (--offload-train). Counted in perf/offload_time, with offload_phase."""
+    if not (args.offload_train or args.offload_rollout):
+        return
+    import ray
+
+    from slime_lite.rollout.engines import engine_memory
+
+    with timed(record, "perf/offload_time"):
+        if args.offload_rollout and urls:
+            engine_memory(urls, "release")
+            record.update(memory_record("engine_released", ray.get([e.memory.remote() for e in engines])))
+        if args.offload_train:
+            for group in trainers:
+                group.onload()
+
+
+def offload_phase(args, urls: list[str], trainers: list, record: dict) -> None:
+    """After the weight push: the train groups free their memory (--offload-train) and the engines get their KV
+    cache back (--offload-rollout)."""
+    if not (args.offload_train or args.offload_rollout):
+        return
+    from slime_lite.rollout.engines import engine_memory
+
+    with timed(record, "perf/offload_time"):
+        if args.offload_train:
+            for group in trainers:
+                group.offload()
+            record.update(memory_record("actor_offloaded", trainers[0].memory()))
+        if args.offload_rollout and urls:
+            engine_memory(urls, "resume", ["kv_cache"])
+
+
+def memory_records(manager, engines: list, actor, critic) -> dict[str, float]:
+    """perf/memory/<process group>/...: the rollout manager, the engines and the train groups, after a step."""
+    import ray
+
+    out = memory_record("rollout_manager", [ray.get(manager.memory.remote())])
+    if engines:
+        out.update(memory_record("engine", ray.get([e.memory.remote() for e in engines])))
+    for name, group in (("actor", actor), ("critic", critic)):
+        if group is not None:
+            out.update(memory_record(name, group.memory()))
+    return out
 
 
 def wait_with_progress(manager, ref, rollout_id: int):

@@ -1,4 +1,6 @@
-"""One Megatron-core train worker (a Ray actor per logical GPU): model, optimizer, log-probs, RL steps, checkpoints.
+"""Megatron-core train workers (a Ray actor per logical GPU): ``TrainWorker`` holds what the policy and the critic
+share (model, optimizer, forward passes, optimizer steps, offload, checkpoints); ``TrainActor`` is the policy
+(log-probs, advantages, policy steps, weights out). The critic is ``critic.CriticActor``.
 
 All ranks of a group run the same calls in lockstep. Results are reported by the *reporter* rank: the last
 pipeline stage, TP rank 0, DP rank 0, after the per-sample results of every DP rank were gathered to it.
@@ -14,29 +16,25 @@ from typing import Any
 import torch
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.backends.megatron.loss import response_slices, rl_loss, token_log_probs_and_entropy, value_rl_loss
+from slime_lite.backends.megatron.loss import response_slices, rl_loss, token_log_probs_and_entropy
 from slime_lite.config import LossConfig
+from slime_lite.debug.faults import breaks_sent_weights, sent_stage_weights
 
 log = logging.getLogger(__name__)
 
 
-class ValueHead(torch.nn.Module):
-    """The critic's output layer: hidden -> one value, replicated on every TP rank (inputs are identical there)."""
+class TrainWorker:
+    """What every train role shares. A role sets ``role`` (its checkpoint folder; "actor" = the top folder) and
+    ``metric_prefix``, and may override ``_lr`` and ``_adapt_model``."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+    role = ""
+    metric_prefix = ""
 
-    def forward(self, x: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
-        return torch.nn.functional.linear(x, self.weight), None
-
-
-class TrainActor:
-    def __init__(self, args: Any, role: str, rank: int, world_size: int, master_addr: str) -> None:
+    def __init__(self, args: Any, rank: int, world_size: int, master_addr: str) -> None:
         from slime_lite.logging_setup import setup_logging
 
         setup_logging(args.log_level)
-        self.args, self.role, self.rank, self.world_size = args, role, rank, world_size
+        self.args, self.rank, self.world_size = args, rank, world_size
         self.master_addr = master_addr
         self._store = None
         torch.set_num_threads(max(1, int(os.environ.get("SLIME_LITE_TRAIN_THREADS", "1"))))
@@ -70,21 +68,12 @@ class TrainActor:
         dtype = torch.bfloat16 if a.bf16 else torch.float32
         model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl)
         load_hf_weights(model, a.hf_checkpoint, self.hf_config)
-        if self.role == "critic" and ps.is_pipeline_last_stage():
-            model.output_layer = ValueHead(self.hf_config.hidden_size, dtype)
-            model.share_embeddings_and_output_weights = False
-        self.ref_state = None
-        if self.role == "actor" and (a.use_kl_loss or a.kl_coef > 0 or a.ref_load):
-            if a.ref_load:
-                load_hf_weights(model, a.ref_load, self.hf_config)
-            self.ref_state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-            if a.ref_load:
-                load_hf_weights(model, a.hf_checkpoint, self.hf_config)
+        self._adapt_model(model, dtype)
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
         self.model = DistributedDataParallel(config, ddp_config, model)
-        lr = a.critic_lr if self.role == "critic" else a.lr
+        lr = self._lr()
         opt_config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=a.weight_decay,
                                      adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, clip_grad=a.clip_grad,
                                      bf16=a.bf16, params_dtype=dtype, use_distributed_optimizer=False)
@@ -101,6 +90,12 @@ class TrainActor:
         if a.load and checkpoint.latest(a.load) is not None:
             state = checkpoint.load(self, a.load)
         return state
+
+    def _lr(self) -> float:
+        return self.args.lr
+
+    def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Role-specific changes to the freshly loaded model, before DDP wraps it and a checkpoint is loaded."""
 
     def gpt(self) -> torch.nn.Module:
         from slime_lite.backends.megatron.model import unwrap
@@ -126,22 +121,13 @@ class TrainActor:
             seq_length=length, micro_batch_size=len(mbs[0]), forward_only=forward_only,
         )
 
-    def _per_sample(self, mb: B.MicroBatch, output: torch.Tensor, what: str) -> list[torch.Tensor]:
-        """Response-token log-probs (or values) of each sample of a micro-batch, from the model output."""
-        if what == "values":
-            per_pos = output[..., :-1, 0].float()
-        else:
-            temp = self.args.rollout_temperature if self.args.rollout_temperature > 1e-6 else 1.0
-            logits = output[..., : self.gpt().hf_vocab_size] if what == "logp" else output
-            per_pos, _ = token_log_probs_and_entropy(logits, mb.tokens.to(output.device), temp)
-        return response_slices(per_pos, mb.prompt_lengths, mb.response_lengths, packed=False)
-
-    def _forward_all(self, samples: list, steps: list, length: int, what: str) -> dict[int, torch.Tensor]:
-        """Forward-only pass over every micro-batch of this rank; {sample index: per-token tensor} (last stage)."""
+    def _forward_all(self, samples: list, steps: list, length: int, per_sample: Any) -> dict[int, torch.Tensor]:
+        """Forward-only pass over every micro-batch of this rank; {sample index: per_sample(mb, output)[k]} (last
+        stage)."""
         results: dict[int, torch.Tensor] = {}
 
         def collect(mb: B.MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> tuple:
-            for i, t in zip(mb.indices, self._per_sample(mb, output, what)):
+            for i, t in zip(mb.indices, per_sample(mb, output)):
                 results[i] = t.detach().cpu()
             return torch.zeros((), device=output.device), {}
 
@@ -160,6 +146,96 @@ class TrainActor:
         dist.all_gather_object(parts, local, group=self.ps.get_data_parallel_group())
         return {k: v for p in parts for k, v in p.items()}
 
+    def _train_steps(self, samples: list, loss_fn: Any) -> dict[str, float]:
+        """Run the optimizer steps of one rollout; metrics averaged over steps (reporter's view)."""
+        import torch.distributed as dist
+
+        a = self.args
+        length = B.padded_length(samples)
+        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
+        per_rank = a.global_batch_size // self.dp_size
+        sums: dict[str, float] = {}
+        first: dict[str, float] = {}
+        self.model.train()
+        for k, mbs in enumerate(steps):
+            self._num_mb = len(mbs)
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            fn = partial(loss_fn, normalizer=per_rank) if loss_fn is not None else _no_loss
+            reported = self._run(samples, mbs, length, False, _keyword_output(fn))
+            ok, grad_norm, _ = self.optimizer.step()
+            step: dict[str, float] = {}
+            for m in reported:
+                for key, v in m.items():
+                    step[key] = step.get(key, 0.0) + v
+            if self.last_stage and self.dp_size > 1:
+                keys = sorted(step)
+                t = torch.tensor([step[x] for x in keys], dtype=torch.float64)
+                dist.all_reduce(t, group=self.ps.get_data_parallel_group(with_context_parallel=False))
+                step = {x: float(v) / self.dp_size for x, v in zip(keys, t)}
+            step["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            if k == 0:
+                first = dict(step)
+            for key, v in step.items():
+                sums[key] = sums.get(key, 0.0) + v
+        prefix = self.metric_prefix
+        out = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
+        for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
+            if key in first:
+                out[f"{prefix}/first_step/{key}"] = first[key]
+        return out
+
+    def offload(self) -> None:
+        """Free this worker's GPU memory while engines run (--offload-train): grads, params, optimizer state."""
+        if not torch.cuda.is_available():
+            return  # nothing to free on CPU: a correct no-op
+        self.model.offload_grad_buffers()
+        self.optimizer.offload_to_cpu()
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if not torch.cuda.is_available():
+            return
+        self.optimizer.restore_from_cpu()
+        self.model.restore_grad_buffers()
+
+    def memory(self) -> dict[str, float]:
+        from slime_lite.metrics import process_memory
+
+        return process_memory()
+
+    def save(self, rollout_id: int, data_state: Any) -> None:
+        from slime_lite.backends.megatron import checkpoint
+
+        checkpoint.save(self, self.args.save, rollout_id, data_state)
+
+
+class TrainActor(TrainWorker):
+    """The policy: log-probs (and the reference's), advantages, policy steps; sends its weights to the engines."""
+
+    role = "actor"
+    metric_prefix = "train"
+
+    def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Keep a CPU copy of the reference weights when a KL term needs them (--ref-load, else the start weights)."""
+        from slime_lite.backends.megatron.convert import load_hf_weights
+
+        a = self.args
+        self.ref_state = None
+        if a.use_kl_loss or a.kl_coef > 0 or a.ref_load:
+            if a.ref_load:
+                load_hf_weights(model, a.ref_load, self.hf_config)
+            self.ref_state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+            if a.ref_load:
+                load_hf_weights(model, a.hf_checkpoint, self.hf_config)
+
+    def _log_probs(self, mb: B.MicroBatch, output: torch.Tensor) -> list[torch.Tensor]:
+        """Response-token log-probs of each sample of a micro-batch, from the model output."""
+        temp = self.args.rollout_temperature if self.args.rollout_temperature > 1e-6 else 1.0
+        logits = output[..., : self.gpt().hf_vocab_size]
+        per_pos, _ = token_log_probs_and_entropy(logits, mb.tokens.to(output.device), temp)
+        return response_slices(per_pos, mb.prompt_lengths, mb.response_lengths, packed=False)
+
     def _with_ref_weights(self, fn: Any) -> Any:
         params = dict(self.gpt().named_parameters())
         saved = {n: p.detach().clone() for n, p in params.items()}
@@ -173,27 +249,6 @@ class TrainActor:
                 for n, p in params.items():
                     p.copy_(saved[n])
 
-    # ----------------------------------------------------------------- critic
-    def compute_values(self, samples: list) -> dict[int, torch.Tensor] | None:
-        a = self.args
-        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
-        values = self._forward_all(samples, steps, B.padded_length(samples), "values")
-        values = self._gather(values) if self.last_stage else values
-        return values if self.reporter else None
-
-    def train_critic(self, rollout_id: int, samples: list, old_values: dict, returns: dict) -> dict[str, float] | None:
-        masks = B.loss_masks(samples)
-
-        def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
-            vals, dev = self._per_sample(mb, output, "values"), output.device
-            loss, m = value_rl_loss(vals, [old_values[i].to(dev) for i in mb.indices],
-                                    [returns[i].to(dev) for i in mb.indices],
-                                    [masks[i].to(dev) for i in mb.indices], self.args.value_clip, normalizer)
-            return loss * self._num_mb, m
-
-        return self._train_steps(samples, loss_fn, "critic")
-
-    # ----------------------------------------------------------------- actor
     def train(self, rollout_id: int, samples: list, values: dict | None) -> tuple[dict[str, float], Any] | None:
         """Log-probs, advantages and ``--num-steps-per-rollout`` optimizer steps on one rollout."""
         from slime_lite import rl_math
@@ -204,12 +259,12 @@ class TrainActor:
         t0 = time.monotonic()
         length = B.padded_length(samples)
         steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
-        old = self._forward_all(samples, steps, length, "logp")
-        ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, "logp")) \
+        old = self._forward_all(samples, steps, length, self._log_probs)
+        ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, self._log_probs)) \
             if self.ref_state is not None else None
         log_probs_time = time.monotonic() - t0
         if not self.last_stage:
-            self._train_steps(samples, None, "actor")
+            self._train_steps(samples, None)
             return None
         old, ref = self._gather(old), (self._gather(ref) if ref is not None else None)
         n = len(samples)
@@ -243,7 +298,7 @@ class TrainActor:
             )
             return loss * self._num_mb, m
 
-        metrics = self._train_steps(samples, loss_fn, "actor")
+        metrics = self._train_steps(samples, loss_fn)
         if not self.reporter:
             return None
         metrics["perf/log_probs_time"] = log_probs_time
@@ -254,45 +309,6 @@ class TrainActor:
         if a.dump_details:
             self._dump_train_details(rollout_id, samples, details, rollout_lp if has_rollout_lp else None)
         return metrics, {i: r for i, r in enumerate(returns)}
-
-    def _train_steps(self, samples: list, loss_fn: Any, role: str) -> dict[str, float]:
-        """Run the optimizer steps of one rollout; metrics averaged over steps (reporter's view)."""
-        import torch.distributed as dist
-
-        a = self.args
-        length = B.padded_length(samples)
-        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
-        per_rank = a.global_batch_size // self.dp_size
-        sums: dict[str, float] = {}
-        first: dict[str, float] = {}
-        self.model.train()
-        for k, mbs in enumerate(steps):
-            self._num_mb = len(mbs)
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            fn = partial(loss_fn, normalizer=per_rank) if loss_fn is not None else _no_loss
-            reported = self._run(samples, mbs, length, False, _keyword_output(fn))
-            ok, grad_norm, _ = self.optimizer.step()
-            step: dict[str, float] = {}
-            for m in reported:
-                for key, v in m.items():
-                    step[key] = step.get(key, 0.0) + v
-            if self.last_stage and self.dp_size > 1:
-                keys = sorted(step)
-                t = torch.tensor([step[x] for x in keys], dtype=torch.float64)
-                dist.all_reduce(t, group=self.ps.get_data_parallel_group(with_context_parallel=False))
-                step = {x: float(v) / self.dp_size for x, v in zip(keys, t)}
-            step["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-            if k == 0:
-                first = dict(step)
-            for key, v in step.items():
-                sums[key] = sums.get(key, 0.0) + v
-        prefix = "critic" if role == "critic" else "train"
-        out = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
-        for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
-            if key in first:
-                out[f"{prefix}/first_step/{key}"] = first[key]
-        return out
 
     def _rollout_stats(self, samples, logp, ref_logp, rollout_lp, advantages, masks, values) -> dict[str, float]:
         from slime_lite import rl_math
@@ -326,25 +342,6 @@ class TrainActor:
         payload = {k: ([t.tolist() for t in v] if isinstance(v, list) else v) for k, v in payload.items()}
         atomic_torch_save(payload, os.path.join(self.args.dump_details, "train_data", f"{rollout_id}.pt"))
 
-    def offload(self) -> None:
-        """Free this worker's GPU memory while engines run (--offload-train): grads, params, optimizer state."""
-        if not torch.cuda.is_available():
-            return  # nothing to free on CPU: a correct no-op
-        self.model.offload_grad_buffers()
-        self.optimizer.offload_to_cpu()
-        torch.cuda.empty_cache()
-
-    def onload(self) -> None:
-        if not torch.cuda.is_available():
-            return
-        self.optimizer.restore_from_cpu()
-        self.model.restore_grad_buffers()
-
-    def memory(self) -> dict[str, float]:
-        from slime_lite.metrics import process_memory
-
-        return process_memory()
-
     # ----------------------------------------------------------------- weights out
     def hf_weights(self, for_push: bool = False) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors of the whole model on global rank 0 (None elsewhere); TP gathered, PP collected."""
@@ -354,8 +351,8 @@ class TrainActor:
 
         ps = self.ps
         mine = {name: t.detach().cpu().clone() for name, t in iter_hf_weights(self.model, self.hf_config)}
-        if for_push and self.args.debug_inject_fault == "swap-pp-layers" and ps.get_pipeline_model_parallel_rank() > 0:
-            mine = _drop_layer_offset(mine)  # the PP layer-id bug the seed warns about, on purpose
+        if for_push:
+            mine = sent_stage_weights(self.args.debug_inject_fault, mine, ps.get_pipeline_model_parallel_rank())
         if ps.get_pipeline_model_parallel_world_size() > 1:
             parts: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
             dist.all_gather_object(parts, mine if ps.get_tensor_model_parallel_rank() == 0 else {},
@@ -367,25 +364,9 @@ class TrainActor:
         from slime_lite.backends.megatron.weight_push import push
 
         named = self.hf_weights()
-        sent = self.hf_weights(for_push=True) if self.args.debug_inject_fault == "swap-pp-layers" else named
+        sent = self.hf_weights(for_push=True) if breaks_sent_weights(self.args.debug_inject_fault) else named
         if self.rank == 0:
             push(self.args, sent, urls, version, reference=named)
-
-    def save(self, rollout_id: int, data_state: Any) -> None:
-        from slime_lite.backends.megatron import checkpoint
-
-        checkpoint.save(self, self.args.save, rollout_id, data_state)
-
-
-def _drop_layer_offset(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Fault injection: name a later PP stage's layers by their local ids (the stage's layer offset forgotten)."""
-    import re
-
-    ids = sorted({int(m.group(1)) for n in named for m in [re.search(r"layers\.(\d+)\.", n)] if m})
-    if not ids:
-        return named
-    first = ids[0]
-    return {re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) - first}.", n): t for n, t in named.items()}
 
 
 def _keyword_output(fn: Any) -> Any:

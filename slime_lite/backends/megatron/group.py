@@ -1,4 +1,5 @@
-"""Driver-side handle of one train group (actor or critic): N Ray actors forming one Megatron-core job."""
+"""Driver-side handles of the train groups: N Ray workers forming one Megatron-core job, running every call in
+lockstep; a call's result is the reporter rank's. ``ActorGroup`` is the policy, ``CriticGroup`` the PPO critic."""
 
 from __future__ import annotations
 
@@ -8,20 +9,19 @@ from slime_lite.errors import SlimeLiteError
 
 
 class TrainGroup:
-    def __init__(self, args: Any, pg: Any, bundles: list[int], role: str) -> None:
+    def __init__(self, args: Any, pg: Any, bundles: list[int], worker: type) -> None:
         import ray
 
-        from slime_lite.backends.megatron.actor import TrainActor
         from slime_lite.placement import bundle_options
 
-        self.args, self.role = args, role
+        self.args = args
         world = len(bundles)
         if world == 0:
-            raise SlimeLiteError(f"no GPUs placed for the {role} group")
+            raise SlimeLiteError(f"no GPUs placed for the {worker.role} group")
         share = 0.4 if args.colocate else 1.0
-        cls = ray.remote(TrainActor)
+        cls = ray.remote(worker)
         self.workers = [
-            cls.options(**bundle_options(pg, b, share)).remote(args, role, rank, world, "127.0.0.1")
+            cls.options(**bundle_options(pg, b, share)).remote(args, rank, world, "127.0.0.1")
             for rank, b in enumerate(bundles)
         ]
 
@@ -30,9 +30,9 @@ class TrainGroup:
 
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])
 
-    @staticmethod
-    def _one(results: list[Any]) -> Any:
-        return next(r for r in results if r is not None)
+    def _reported(self, method: str, *args: Any) -> Any:
+        """Run ``method`` on every rank; the reporter's result (the only one that is not None)."""
+        return next(r for r in self._all(method, *args) if r is not None)
 
     def init(self) -> tuple[int, Any]:
         import ray
@@ -41,16 +41,6 @@ class TrainGroup:
         port = ray.get(self.workers[0].open_store.remote())
         state = self._all("init", port)[0]
         return state["next_rollout_id"], state["data_state"]
-
-    def train(self, rollout_id: int, samples: list, critic: "TrainGroup | None") -> dict[str, float]:
-        import ray
-
-        ref = ray.put(samples)
-        values = self._one(critic._all("compute_values", ref)) if critic is not None else None
-        metrics, returns = self._one(self._all("train", rollout_id, ref, values))
-        if critic is not None:
-            metrics.update(self._one(critic._all("train_critic", rollout_id, ref, values, returns)))
-        return metrics
 
     def memory(self) -> list[dict[str, float]]:
         return self._all("memory")
@@ -64,5 +54,32 @@ class TrainGroup:
     def save(self, rollout_id: int, data_state: Any) -> None:
         self._all("save", rollout_id, data_state)
 
+
+class ActorGroup(TrainGroup):
+    def __init__(self, args: Any, pg: Any, bundles: list[int]) -> None:
+        from slime_lite.backends.megatron.actor import TrainActor
+
+        super().__init__(args, pg, bundles, TrainActor)
+
+    def train(self, rollout_id: int, samples: Any, values: dict | None = None) -> tuple[dict[str, float], dict]:
+        """Log-probs, advantages (GAE over the critic's ``values`` under PPO) and the policy steps of one rollout;
+        returns the metrics and the per-sample returns (the critic's targets)."""
+        return self._reported("train", rollout_id, samples, values)
+
     def update_weights(self, urls: list[str], version: int) -> None:
         self._all("push_weights", urls, version)
+
+
+class CriticGroup(TrainGroup):
+    def __init__(self, args: Any, pg: Any, bundles: list[int]) -> None:
+        from slime_lite.backends.megatron.critic import CriticActor
+
+        super().__init__(args, pg, bundles, CriticActor)
+
+    def compute_values(self, samples: Any) -> dict:
+        """Per-sample response-token values of one rollout."""
+        return self._reported("compute_values", samples)
+
+    def train(self, rollout_id: int, samples: Any, values: dict, returns: dict) -> dict[str, float]:
+        """The value steps of one rollout, toward ``returns``; returns the metrics."""
+        return self._reported("train", rollout_id, samples, values, returns)

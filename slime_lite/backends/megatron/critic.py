@@ -1,0 +1,63 @@
+"""The PPO critic: the policy's Megatron model with a value head; its values feed the actor's advantages (GAE), and
+it trains toward the returns that step produced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slime_lite.backends.megatron import batch as B
+from slime_lite.backends.megatron.actor import TrainWorker
+from slime_lite.backends.megatron.loss import response_slices, value_rl_loss
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's output layer: hidden -> one value, replicated on every TP rank (inputs are identical there)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+class CriticActor(TrainWorker):
+    role = "critic"
+    metric_prefix = "critic"
+
+    def _lr(self) -> float:
+        return self.args.critic_lr
+
+    def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        from megatron.core import parallel_state as ps
+
+        if ps.is_pipeline_last_stage():
+            model.output_layer = ValueHead(self.hf_config.hidden_size, dtype)
+            model.share_embeddings_and_output_weights = False
+
+    def _values(self, mb: B.MicroBatch, output: torch.Tensor) -> list[torch.Tensor]:
+        """Response-token values of each sample of a micro-batch (the value at a position predicts what follows)."""
+        return response_slices(output[..., :-1, 0].float(), mb.prompt_lengths, mb.response_lengths, packed=False)
+
+    def compute_values(self, samples: list) -> dict[int, torch.Tensor] | None:
+        a = self.args
+        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
+        values = self._forward_all(samples, steps, B.padded_length(samples), self._values)
+        values = self._gather(values) if self.last_stage else values
+        return values if self.reporter else None
+
+    def train(self, rollout_id: int, samples: list, old_values: dict, returns: dict) -> dict[str, float] | None:
+        """``--num-steps-per-rollout`` value steps toward the returns (clipped around the values of this rollout)."""
+        masks = B.loss_masks(samples)
+
+        def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
+            vals, dev = self._values(mb, output), output.device
+            loss, m = value_rl_loss(vals, [old_values[i].to(dev) for i in mb.indices],
+                                    [returns[i].to(dev) for i in mb.indices],
+                                    [masks[i].to(dev) for i in mb.indices], self.args.value_clip, normalizer)
+            return loss * self._num_mb, m
+
+        metrics = self._train_steps(samples, loss_fn)
+        return metrics if self.reporter else None
