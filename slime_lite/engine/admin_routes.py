@@ -10,8 +10,9 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from slime_lite.engine.scheduler import EngineBusy
+from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
+from slime_lite.engine.scheduler import EngineBusy
 from slime_lite.engine.weights import WeightError
 
 if TYPE_CHECKING:
@@ -20,6 +21,29 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GROUP = "weight_update_group"
+
+
+def _field(fn: Callable[..., Any], body: dict[str, Any], key: str, default: Any, *args: Any) -> Any:
+    """``fn(body[key], key, *args)`` (a ``validate`` check), ``default`` when absent or null; BadRequest if wrong."""
+    value = body.get(key)
+    if value is None:
+        return default
+    try:
+        return fn(value, key, *args)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _strings(value: Any, name: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ValueError(f"{name} must be a list of strings")
+    return value
+
+
+def _shapes(value: Any, name: str) -> list[list[int]]:
+    if not isinstance(value, list) or not all(isinstance(s, list) for s in value):
+        raise ValueError(f"{name} must be a list of shapes (lists of sizes)")
+    return [[check.integer(d, name, 0) for d in shape] for shape in value]
 
 
 def add_admin_routes(app: Any, scheduler: Scheduler) -> None:
@@ -84,17 +108,18 @@ class _Admin:
         from aiohttp import web
 
         body = await read_body(request)
-        if body.get("abort_all"):
+        rid = _field(check.string, body, "rid", "")
+        if _field(check.boolean, body, "abort_all", False):
             self.scheduler.abort(None)
-        elif body.get("rid"):
-            self.scheduler.abort(str(body["rid"]))
+        elif rid:
+            self.scheduler.abort(rid)
         else:
             raise BadRequest("send {'rid': ...} or {'abort_all': true}")
         return web.Response(status=200)
 
     async def pause_generation(self, request):
         body = await read_body(request)
-        mode = body.get("mode") or "abort"
+        mode = _field(check.string, body, "mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode {mode!r}: expected abort, retract or in_place")
         await self.run_in_model_thread(self.scheduler.pause, mode)
@@ -115,7 +140,7 @@ class _Admin:
     # ---- weights -------------------------------------------------------------------------------------------
     async def update_weights_from_disk(self, request):
         body = await read_body(request)
-        path = body.get("model_path")
+        path = _field(check.string, body, "model_path", "")
         if not path:
             raise BadRequest("'model_path' is required")
         self._maybe_abort(body)
@@ -147,35 +172,45 @@ class _Admin:
 
     async def init_weights_update_group(self, request):
         body = await read_body(request)
-        try:
-            args = (str(body["master_address"]), int(body["master_port"]), int(body.get("rank_offset", 1)),
-                    int(body["world_size"]), str(body.get("group_name") or GROUP), str(body.get("backend") or "nccl"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BadRequest(f"init_weights_update_group needs master_address, master_port, world_size: {exc}")
+        missing = [k for k in ("master_address", "master_port", "world_size") if body.get(k) is None]
+        if missing:
+            raise BadRequest(f"init_weights_update_group needs {', '.join(missing)}")
+        world_size = _field(check.integer, body, "world_size", 0, 2, 1 << 16)
+        args = (_field(check.string, body, "master_address", ""),
+                _field(check.integer, body, "master_port", 0, 1, 65535),
+                _field(check.integer, body, "rank_offset", 1, 1, world_size - 1), world_size,
+                _field(check.string, body, "group_name", GROUP), _field(check.string, body, "backend", "nccl"))
         return await self._weight_op(self.scheduler.weights.init_group, *args)
 
     async def update_weights_from_distributed(self, request):
         body = await read_body(request)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise BadRequest("'names', 'dtypes' and 'shapes' must be lists")
+        names, dtypes = _field(_strings, body, "names", None), _field(_strings, body, "dtypes", None)
+        shapes = _field(_shapes, body, "shapes", None)
+        if names is None or dtypes is None or shapes is None:
+            raise BadRequest("'names', 'dtypes' and 'shapes' are required")
         if body.get("load_format") not in (None, "direct"):
             raise BadRequest(f"load_format {body['load_format']!r} is not supported (use null or 'direct')")
         self._maybe_abort(body)
-        return await self._weight_op(self.scheduler.weights.update_from_distributed, names, dtypes, shapes,
-                                     str(body.get("group_name") or GROUP), version=body.get("weight_version"))
+        group = _field(check.string, body, "group_name", GROUP)
+        return await self._weight_op(self.scheduler.weights.update_from_distributed, names, dtypes, shapes, group,
+                                     version=body.get("weight_version"))
 
     async def destroy_weights_update_group(self, request):
         body = await read_body(request)
-        return await self._weight_op(self.scheduler.weights.destroy_group, str(body.get("group_name") or GROUP))
+        return await self._weight_op(self.scheduler.weights.destroy_group,
+                                     _field(check.string, body, "group_name", GROUP))
 
     async def get_weights_by_name(self, request):
         body = await read_body(request)
-        if not body.get("name"):
+        name = _field(check.string, body, "name", "")
+        if not name:
             raise BadRequest("'name' is required")
+        size = body.get("truncate_size")
+        if isinstance(size, str) and size.isdigit():  # a GET query parameter
+            size = int(size)
+        size = _field(check.integer, {"truncate_size": size}, "truncate_size", 100, 0)
         try:
-            values = await self.run_in_model_thread(self.scheduler.weights.get_by_name, str(body["name"]),
-                                                    int(body.get("truncate_size", 100)))
+            values = await self.run_in_model_thread(self.scheduler.weights.get_by_name, name, size)
         except WeightError as exc:
             raise BadRequest(str(exc)) from None
         return json_response(values)
@@ -184,14 +219,15 @@ class _Admin:
         """``{hf_name: sha256}`` of every parameter (or of ``names``), in the engine's dtype."""
         body = await read_body(request)
         try:
-            sums = await self.run_in_model_thread(self.scheduler.weights.checksums, body.get("names"))
+            sums = await self.run_in_model_thread(self.scheduler.weights.checksums,
+                                                  _field(_strings, body, "names", None))
         except WeightError as exc:
             raise BadRequest(str(exc)) from None
         return json_response(sums)
 
     # ---- memory --------------------------------------------------------------------------------------------
     async def release_memory(self, request):
-        tags = (await read_body(request)).get("tags")
+        tags = _field(_strings, await read_body(request), "tags", None)
         try:
             await self.run_in_model_thread(self.scheduler.release_memory, tags)
         except EngineBusy as exc:
@@ -199,5 +235,6 @@ class _Admin:
         return json_response(None)
 
     async def resume_memory(self, request):
-        await self.run_in_model_thread(self.scheduler.resume_memory, (await read_body(request)).get("tags"))
+        tags = _field(_strings, await read_body(request), "tags", None)
+        await self.run_in_model_thread(self.scheduler.resume_memory, tags)
         return json_response(None)

@@ -41,6 +41,13 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
     return sp
 
 
+def _stream(body: dict[str, Any]) -> Any:
+    """``stream`` as sent (new_requests checks it is a boolean); ``stream_options`` must be an object."""
+    if not isinstance(body.get("stream_options") or {}, dict):
+        raise BadRequest("stream_options must be an object")
+    return False if body.get("stream") is None else body["stream"]
+
+
 def _finish(out: Any) -> str | None:
     return None if out.finish_reason is None else out.finish_reason["type"]
 
@@ -68,13 +75,15 @@ class _OpenAI:
         prompt = body.get("prompt")
         if body.get("echo"):
             raise BadRequest("echo is not supported by the embedded engine")
+        if prompt is None:
+            raise BadRequest("'prompt' is required")
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
             prompts, _ = self.server.encode_prompts(text=prompt)
         else:
             prompts, _ = self.server.encode_prompts(input_ids=prompt)
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
         reqs = self.server.new_requests(prompts, _sampling(body, 16), return_logprob=want_lp,
-                                        stream=bool(body.get("stream")))
+                                        stream=_stream(body))
 
         def choice(i: int, out: Any, text: str) -> dict[str, Any]:
             lp = None
@@ -105,7 +114,7 @@ class _OpenAI:
         prompts, _ = self.server.encode_prompts(text=text)
         want_lp = bool(body.get("logprobs"))
         reqs = self.server.new_requests(prompts, _sampling(body, None), return_logprob=want_lp,
-                                        stream=bool(body.get("stream")))
+                                        stream=_stream(body))
 
         def choice(i: int, out: Any, text: str, delta: bool = False) -> dict[str, Any]:
             lp = None
@@ -123,7 +132,7 @@ class _OpenAI:
         from aiohttp import web
 
         sch = self.server.scheduler
-        if not body.get("stream"):
+        if not reqs[0].stream:
             outs = await self.server.run_requests(reqs)
             choices = [choice(i, o, sch.output_text(o)) for i, o in enumerate(outs)]
             return json_response({**head, "choices": choices, "usage": self._usage(prompts, outs)})

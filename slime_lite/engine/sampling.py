@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from slime_lite.engine import block_stats
+from slime_lite.engine import validate as check
 
 GREEDY_EPS = 1e-6
 _MASK64 = (1 << 64) - 1
@@ -84,39 +85,46 @@ class SamplingParams:
         return frozenset(self.stop_token_ids)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, d: Any) -> "SamplingParams":
         """Validate SGLang-style ``sampling_params``; ``ValueError`` names the bad field."""
-        d = dict(d or {})
-        for k in _IGNORED:
-            d.pop(k, None)
+        if d is not None and not isinstance(d, dict):
+            raise ValueError("sampling_params must be an object (or a list of them, one per prompt)")
+        d = {k: x for k, x in (d or {}).items() if x is not None and k not in _IGNORED}
         for k, neutral in _NEUTRAL.items():
             val = d.pop(k, None)
-            if val is not None and float(val) != neutral:
+            if val is not None and check.number(val, f"sampling_params.{k}") != neutral:
                 raise ValueError(f"sampling_params.{k}={val} is not supported by the embedded engine "
                                  f"(only {neutral})")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unsupported sampling_params field(s): {', '.join(unknown)}")
-        d = {k: v for k, v in d.items() if v is not None}
-        stop = d.get("stop", [])
-        d["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        d["stop_token_ids"] = [int(t) for t in d.get("stop_token_ids", [])]
-        p = cls(**d)
-        if not all(isinstance(s, str) and s for s in p.stop):
-            raise ValueError("sampling_params.stop must be a non-empty string or a list of them")
-        if int(p.max_new_tokens) < 0:
-            raise ValueError(f"sampling_params.max_new_tokens={p.max_new_tokens} must be >= 0")
-        if p.temperature < 0:
-            raise ValueError(f"sampling_params.temperature={p.temperature} must be >= 0")
-        if not 0 < p.top_p <= 1:
-            raise ValueError(f"sampling_params.top_p={p.top_p} must be in (0, 1]")
-        if p.top_k == 0 or p.top_k < -1:
-            raise ValueError(f"sampling_params.top_k={p.top_k} must be -1 (all) or >= 1")
-        if not 0 <= p.min_p <= 1:
-            raise ValueError(f"sampling_params.min_p={p.min_p} must be in [0, 1]")
-        p.max_new_tokens, p.min_new_tokens, p.top_k = int(p.max_new_tokens), int(p.min_new_tokens), int(p.top_k)
-        return p
+        stop = check.string_list(d.get("stop", []), "sampling_params.stop")
+        if not all(stop) or len(stop) > check.MAX_STOP:
+            raise ValueError(f"sampling_params.stop: at most {check.MAX_STOP} strings, none empty")
+        stop_ids = d.get("stop_token_ids", [])
+        if not isinstance(stop_ids, list):
+            raise ValueError("sampling_params.stop_token_ids must be a list of token ids")
+        f = "sampling_params."
+        top_k = check.integer(d.get("top_k", -1), f + "top_k", -1)
+        if top_k == 0:
+            raise ValueError("sampling_params.top_k=0 must be -1 (all) or >= 1")
+        seed = d.get("sampling_seed")
+        if seed is not None:
+            seed = check.integer(seed, f + "sampling_seed", check.INT64_MIN, check.UINT64_MAX)
+        return cls(
+            max_new_tokens=check.integer(d.get("max_new_tokens", 128), f + "max_new_tokens", 0),
+            min_new_tokens=check.integer(d.get("min_new_tokens", 0), f + "min_new_tokens", 0),
+            temperature=check.number(d.get("temperature", 1.0), f + "temperature", 0.0),
+            top_p=check.number(d.get("top_p", 1.0), f + "top_p", 0.0, 1.0, lo_open=True),
+            top_k=top_k,
+            min_p=check.number(d.get("min_p", 0.0), f + "min_p", 0.0, 1.0),
+            stop=stop,
+            stop_token_ids=[check.integer(t, f + "stop_token_ids", 0) for t in stop_ids],
+            ignore_eos=check.boolean(d.get("ignore_eos", False), f + "ignore_eos"),
+            skip_special_tokens=check.boolean(d.get("skip_special_tokens", True), f + "skip_special_tokens"),
+            no_stop_trim=check.boolean(d.get("no_stop_trim", False), f + "no_stop_trim"),
+            sampling_seed=seed,
+        )
 
 
 BLOCK = 1024  # the inverse CDF is searched block sums first, then one block: no full-vocabulary cumsum

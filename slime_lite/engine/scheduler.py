@@ -80,7 +80,7 @@ class Scheduler:
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.tokenizer_lock = threading.Lock()
         self.max_running = int(max_running_requests)
-        context = int(getattr(self.hf.config, "max_position_embeddings", 1 << 30))
+        self.context_len = context = int(getattr(self.hf.config, "max_position_embeddings", 1 << 30))
         kv_cache_tokens = int(kv_cache_tokens or self.max_running * min(context, 4096))
         self.slot_len = min(context, kv_cache_tokens // self.max_running)
         if self.slot_len < 2:
@@ -216,10 +216,7 @@ class Scheduler:
             self._abort_all("aborted by /pause_generation")
         elif mode == "retract":
             for slot in sorted(self.running, reverse=True):
-                req = self.running.pop(slot)
-                heapq.heappush(self._free_slots, slot)
-                req.slot = -1
-                self.waiting.appendleft(req)
+                self._retract(slot)
             self.pipeline.free_cache()
         self.paused = True
         logger.info("generation paused (%s): %d running, %d waiting", mode, len(self.running), len(self.waiting))
@@ -296,9 +293,8 @@ class Scheduler:
                     continue
                 try:
                     self._step()
-                except Exception as exc:  # noqa: BLE001 - keep serving; fail the requests of this step
-                    logger.exception("engine step failed")
-                    self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
+                except Exception as exc:  # noqa: BLE001 - keep serving; fail the requests to blame
+                    self._fail_step(exc)
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -315,15 +311,44 @@ class Scheduler:
         elif kind == "call":
             try:
                 self._collect()  # calls (weight updates, memory, pause) see no step in flight
-            except Exception as exc:  # noqa: BLE001 - the step failed: fail its requests, keep serving
-                logger.exception("engine step failed")
-                self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the step failed: fail the requests to blame, keep serving
+                self._fail_step(exc)
             _, fn, args, fut = msg
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(*args))
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(exc)
+
+    def _fail_step(self, exc: Exception) -> None:
+        """A step raised: end the requests the sampler fails on alone (on neutral logits) with the error, send
+        requests still in their prefill (no token yet) back to the queue, and go on with the others; abort
+        everything only when no request is to blame (the model itself failed)."""
+        logger.exception("engine step failed")
+        self.pipeline.drop()
+        reason = {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"}
+        blamed = [r for r in [*self.running.values(), *self.waiting] if not self._samples_alone(r)]
+        if not blamed:
+            self._abort_all(reason["message"])
+            return
+        for r in blamed:
+            self._finish(r, reason)
+        for slot in [s for s in sorted(self.running, reverse=True) if not self.running[s].output_ids]:
+            self._retract(slot)
+
+    def _samples_alone(self, req: Request) -> bool:
+        try:
+            self._sample([req], torch.zeros((1, self.lm.vocab_size), device=self.lm.device))
+        except Exception:  # noqa: BLE001 - this request is to blame
+            return False
+        return True
+
+    def _retract(self, slot: int) -> None:
+        """The request in ``slot`` goes back to the front of the queue (re-prefilled with what it generated)."""
+        req = self.running.pop(slot)
+        heapq.heappush(self._free_slots, slot)
+        req.slot = -1
+        self.waiting.appendleft(req)
 
     def _abort_all(self, message: str) -> None:
         self.pipeline.drop()

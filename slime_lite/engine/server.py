@@ -17,6 +17,7 @@ import threading
 import uuid
 from typing import Any, AsyncIterator
 
+from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
 from slime_lite.errors import SlimeLiteError
 from slime_lite.logging_setup import setup_logging
@@ -24,6 +25,15 @@ from slime_lite.logging_setup import setup_logging
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+MAX_REQUEST_BYTES = 8 << 20  # default body limit of every route but the weight upload
+WEIGHTS_BODY_LIMIT = 1 << 34
+WEIGHTS_ROUTES = ("/update_weights_from_tensor",)
+
+
+def _rid(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise BadRequest(f"rid={value!r} must be a string (or a list of them, one per prompt)")
+    return str(value)
 
 
 def _as_list(value: Any, n: int, name: str) -> list[Any]:
@@ -42,10 +52,13 @@ class EngineServer:
                  max_running_requests: int = 64, kv_cache_tokens: int | None = None, api_key: str | None = None,
                  served_model_name: str | None = None, cpu_threads: int | None = None,
                  cuda_graph: bool | None = None, cuda_graph_max_bs: int | None = None,
-                 enable_torch_compile: bool = False) -> None:
+                 enable_torch_compile: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         from slime_lite.engine.scheduler import Scheduler
 
         self.host, self.port, self.api_key = host, int(port), api_key
+        if max_request_bytes < 1:
+            raise SlimeLiteError(f"--max-request-bytes {max_request_bytes}: must be >= 1.")
+        self.max_request_bytes = int(max_request_bytes)
         self.scheduler = Scheduler(model_path, tokenizer_path=tokenizer_path, dtype=dtype, device=device,
                                    seed=seed, max_running_requests=max_running_requests,
                                    kv_cache_tokens=kv_cache_tokens, cpu_threads=cpu_threads,
@@ -91,7 +104,8 @@ class EngineServer:
     async def _start_site(self) -> None:
         from aiohttp import web
 
-        self._runner = web.AppRunner(self.make_app(), access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -127,7 +141,7 @@ class EngineServer:
         from slime_lite.engine.admin_routes import add_admin_routes
         from slime_lite.engine.openai_api import add_openai_routes
 
-        app = web.Application(client_max_size=1 << 34, middlewares=[self._middleware])
+        app = web.Application(client_max_size=WEIGHTS_BODY_LIMIT, middlewares=[self._middleware])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
@@ -150,10 +164,17 @@ class EngineServer:
         async def middleware(request, handler):
             if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
                 return error_response("missing or wrong API key (Authorization: Bearer ...)", 401)
+            limit = WEIGHTS_BODY_LIMIT if request.path in WEIGHTS_ROUTES else self.max_request_bytes
+            too_large = (f"request body over {limit} bytes (the limit of {request.path}; "
+                         "'slime-lite serve --max-request-bytes' sets it)")
+            if (request.content_length or 0) > limit:
+                return error_response(too_large, 413)
             try:
-                return await handler(request)
+                return await handler(request.clone(client_max_size=limit))
             except BadRequest as exc:
                 return error_response(str(exc))
+            except web.HTTPRequestEntityTooLarge:
+                return error_response(too_large, 413)
             except web.HTTPException:
                 raise
             except Exception as exc:  # noqa: BLE001 - answer, log, keep serving
@@ -165,44 +186,52 @@ class EngineServer:
     # ---- generation ----------------------------------------------------------------------------------------
     def new_requests(self, prompts: list[list[int]], sampling_params: Any, *, rid: Any = None,
                      return_logprob: Any = False, logprob_start_len: Any = -1,
-                     return_text_in_logprobs: bool = False, stream: bool = False) -> list[Any]:
-        """Validated ``Request`` objects: one per prompt and sample (``n``), in prompt-major order."""
-        from slime_lite.engine.sampling import SamplingParams
+                     return_text_in_logprobs: Any = False, stream: Any = False) -> list[Any]:
+        """Validated ``Request`` objects: one per prompt and sample (``n``), in prompt-major order. ``BadRequest``
+        names the field that is wrong; nothing is submitted."""
+        try:
+            return self._new_requests(prompts, sampling_params, rid, return_logprob, logprob_start_len,
+                                      return_text_in_logprobs, stream)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def _new_requests(self, prompts, sampling_params, rid, return_logprob, logprob_start_len,
+                      return_text_in_logprobs, stream) -> list[Any]:
         from slime_lite.engine.request import Request
+        from slime_lite.engine.sampling import SamplingParams
 
         n_prompts = len(prompts)
-        sps = _as_list(sampling_params or {}, n_prompts, "sampling_params")
-        lps = _as_list(return_logprob, n_prompts, "return_logprob")
-        starts = _as_list(logprob_start_len if logprob_start_len is not None else -1, n_prompts,
-                          "logprob_start_len")
+        sps = _as_list(sampling_params if sampling_params is not None else {}, n_prompts, "sampling_params")
+        lps = [check.boolean(x, "return_logprob") for x in _as_list(return_logprob, n_prompts, "return_logprob")]
+        starts = [check.integer(-1 if x is None else x, "logprob_start_len", -1)
+                  for x in _as_list(logprob_start_len, n_prompts, "logprob_start_len")]
+        text_lp = check.boolean(return_text_in_logprobs, "return_text_in_logprobs")
+        stream = check.boolean(stream, "stream")
         if isinstance(rid, list):
-            rids = _as_list(rid, n_prompts, "rid")
+            rids = [None if r is None else _rid(r) for r in _as_list(rid, n_prompts, "rid")]
         elif rid is not None:
-            rids = [str(rid)] if n_prompts == 1 else [f"{rid}_{i}" for i in range(n_prompts)]
+            rids = [_rid(rid)] if n_prompts == 1 else [f"{_rid(rid)}_{i}" for i in range(n_prompts)]
         else:
             rids = [None] * n_prompts
+        ns = [check.integer(sp.get("n") or 1, "sampling_params.n", 1, check.MAX_N) if isinstance(sp, dict) else 1
+              for sp in sps]
+        if sum(ns) > check.MAX_SEQUENCES:
+            raise BadRequest(f"{n_prompts} prompts x sampling_params.n make {sum(ns)} sequences; at most "
+                             f"{check.MAX_SEQUENCES} per request")
         reqs = []
-        for ids, sp, user_rid, lp, start in zip(prompts, sps, rids, lps, starts):
-            if not isinstance(sp, dict):
-                raise BadRequest("sampling_params must be an object (or a list of them, one per prompt)")
-            n = int(sp.get("n", 1) or 1)
-            try:
-                params = SamplingParams.from_dict(sp)
-            except (TypeError, ValueError) as exc:
-                raise BadRequest(str(exc)) from None
-            base = str(user_rid) if user_rid is not None else uuid.uuid4().hex
+        for ids, sp, n, user_rid, lp, start in zip(prompts, sps, ns, rids, lps, starts):
+            params = SamplingParams.from_dict(sp)
+            base = user_rid if user_rid is not None else uuid.uuid4().hex
             for j in range(n):
                 req = Request(
-                    rid=base if n == 1 else f"{base}_{j}", input_ids=[int(t) for t in ids], params=params,
-                    seed=self.scheduler.derive_seed(params.sampling_seed, user_rid, j),
-                    return_logprob=bool(lp), logprob_start_len=int(start),
-                    return_text_in_logprobs=bool(return_text_in_logprobs), stream=stream,
+                    rid=base if n == 1 else f"{base}_{j}", input_ids=ids, params=params,
+                    seed=self.scheduler.derive_seed(params.sampling_seed, user_rid, j), return_logprob=lp,
+                    logprob_start_len=start, return_text_in_logprobs=text_lp, stream=stream,
                 )
-                try:
-                    self.scheduler.prepare(req)
-                except ValueError as exc:
-                    raise BadRequest(str(exc)) from None
+                self.scheduler.prepare(req)
                 reqs.append(req)
+            check.fits_context(len(ids), params.max_new_tokens if sp.get("max_new_tokens") is not None else None,
+                               self.scheduler.context_len)
         return reqs
 
     def encode_prompts(self, text: Any = None, input_ids: Any = None) -> tuple[list[list[int]], bool]:
@@ -212,15 +241,22 @@ class EngineServer:
         if text is not None:
             single = isinstance(text, str)
             texts = [text] if single else text
-            if not texts or not all(isinstance(t, str) for t in texts):
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
                 raise BadRequest("'text' must be a string or a non-empty list of strings")
+            if len(texts) > check.MAX_SEQUENCES:
+                raise BadRequest(f"'text': {len(texts)} prompts; at most {check.MAX_SEQUENCES} per request")
             return [self.scheduler.encode(t) for t in texts], single
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest("'input_ids' must be a non-empty list of token ids (or a list of such lists)")
         single = not isinstance(input_ids[0], list)
         prompts = [input_ids] if single else input_ids
-        if not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
-            raise BadRequest("'input_ids' must hold integers")
+        if len(prompts) > check.MAX_SEQUENCES:
+            raise BadRequest(f"'input_ids': {len(prompts)} prompts; at most {check.MAX_SEQUENCES} per request")
+        for i, p in enumerate(prompts):
+            try:
+                check.token_ids(p, "input_ids" if single else f"input_ids[{i}]", self.scheduler.lm.vocab_size)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
         return prompts, single
 
     async def iter_outputs(self, reqs: list[Any]) -> AsyncIterator[tuple[int, Any]]:
@@ -274,12 +310,16 @@ class EngineServer:
 
         body = await read_body(request)
         prompts, single = self.encode_prompts(body.get("text"), body.get("input_ids"))
-        stream = bool(body.get("stream", False))
+
+        def opt(key: str, default: Any) -> Any:
+            return default if body.get(key) is None else body[key]
+
         reqs = self.new_requests(
-            prompts, body.get("sampling_params"), rid=body.get("rid"), return_logprob=body.get("return_logprob", False),
-            logprob_start_len=body.get("logprob_start_len", -1),
-            return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)), stream=stream,
+            prompts, body.get("sampling_params"), rid=body.get("rid"), return_logprob=opt("return_logprob", False),
+            logprob_start_len=opt("logprob_start_len", -1),
+            return_text_in_logprobs=opt("return_text_in_logprobs", False), stream=opt("stream", False),
         )
+        stream = reqs[0].stream
         single = single and len(reqs) == 1
         if not stream:
             outs = await self.run_requests(reqs)
@@ -368,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the layers of the CUDA-graph decode step (fused kernels; compiles at start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                   help="largest request body, in bytes, on every route but /update_weights_from_tensor "
+                        f"(default {MAX_REQUEST_BYTES >> 20} MiB); larger ones get HTTP 413")
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: --model-path)")
     p.add_argument("--log-level", default="info")
     return p
@@ -395,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, seed=args.random_seed, max_running_requests=args.max_running_requests,
         kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key, served_model_name=args.served_model_name,
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        enable_torch_compile=args.enable_torch_compile,
+        enable_torch_compile=args.enable_torch_compile, max_request_bytes=args.max_request_bytes,
     )
     server.run_forever()
     return 0
