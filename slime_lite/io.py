@@ -1,30 +1,161 @@
-"""Small file and socket helpers shared by rollout and training: atomic ``torch.save`` and a free TCP port."""
+"""Small file and socket helpers shared by rollout and training: safe ``torch.load``, atomic writes that report a
+full disk as such, the probe of an output folder, and a free TCP port."""
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
+import re
 import socket
 import tempfile
-from typing import Any
+import zipfile
+from collections.abc import Callable
+from typing import IO, Any
+
+from slime_lite.errors import SlimeLiteError
+
+# a full disk, or a full quota: the same problem for the user
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename: readers never see a partial file."""
+def no_space_error(exc: OSError, path: str) -> SlimeLiteError | None:
+    """The user-facing error for a write that failed because the disk (or quota) is full; None for other errors."""
+    if exc.errno in _NO_SPACE:
+        return SlimeLiteError(f"no space left writing {path} ({os.strerror(exc.errno)}). Free space on that disk or "
+                              "point the flag at another one; nothing partial was left behind.")
+    return None
+
+
+def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteError) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU: tensors and plain containers only, so nothing in the file
+    runs. A missing, empty, truncated or unsafe file raises ``error`` naming the file and what is wrong."""
     import torch
 
+    if not os.path.exists(path):
+        raise error(f"{what} {path} does not exist.")
+    if os.path.isdir(path):
+        raise error(f"{what} {path} is a folder, not a file.")
+    if os.path.getsize(path) == 0:
+        raise error(f"{what} {path} is empty (0 bytes): it was not written completely; re-create it.")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        found = re.search(r"GLOBAL (\S+)", text)
+        if found:  # a pickle that names a function or class to call: the shape of every code-running payload
+            raise error(
+                f"{what} {path} is not a plain-tensor file: it asks to load {found.group(1)}, so it was refused "
+                "(loaded with weights_only=True; nothing in it ran). Only tensors, dicts, lists, numbers and "
+                "strings are accepted; re-create the file with slime_lite, or convert it where you trust its source."
+            ) from None
+        raise error(f"{what} {path} is truncated, corrupt or not a torch file (not a plain-tensor file: "
+                    f"{_first_line(text)}). Re-create it.") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, KeyError, IndexError,
+            TypeError, AttributeError, UnicodeDecodeError) as exc:  # what torch raises on garbage input
+        raise error(f"{what} {path} is truncated, corrupt or not a torch file ({type(exc).__name__}: "
+                    f"{_first_line(str(exc))}). Re-create it.") from None
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[0][:200] if lines else ""
+
+
+class _WriteErrors:
+    """A file that remembers the OSError of a failed write: ``torch.save`` turns it into a RuntimeError."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+def atomic_write(path: str, write: Callable[[Any], None]) -> None:
+    """``write(f)`` to a temporary file in the same folder, fsync, then rename: readers never see a partial file, a
+    failure leaves no temporary file, and a full disk is a SlimeLiteError "no space left writing PATH"."""
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=folder)
+    except OSError as exc:
+        raise (no_space_error(exc, path) or exc) from None
+    out = None
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            out = _WriteErrors(f)
+            write(out)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        cause = out.error if out is not None and out.error is not None else exc
+        full = no_space_error(cause, path) if isinstance(cause, OSError) else None
+        if full is not None:
+            raise full from None
         raise
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """``torch.save`` through ``atomic_write``."""
+    import torch
+
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_text(text: str, path: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line (a metrics record); a full disk is a SlimeLiteError naming the file."""
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError as exc:
+        raise (no_space_error(exc, path) or exc) from None
+
+
+def probe_folder(folder: str, flag: str) -> None:
+    """Create ``folder`` (and its parents) and write, fsync and remove a small file in it, so that a missing,
+    unwritable or full output location is found before any work starts. SlimeLiteError naming ``flag`` (the flag
+    and its value) and the folder."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except FileExistsError:
+        raise SlimeLiteError(f"{flag}: {folder} exists but is not a folder; choose another path.") from None
+    except OSError as exc:
+        raise SlimeLiteError(f"{flag}: cannot create the folder {folder} ({exc.strerror or exc}); choose a path you "
+                             "can write to.") from None
+    if not os.path.isdir(folder):
+        raise SlimeLiteError(f"{flag}: {folder} exists but is not a folder; choose another path.")
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".slime-lite-probe-", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.errno in _NO_SPACE:
+            raise SlimeLiteError(f"{flag}: no space left writing {folder} ({os.strerror(exc.errno)}). Free space "
+                                 "on that disk or point the flag at another one.") from None
+        raise SlimeLiteError(f"{flag}: the folder {folder} is not writable ({exc.strerror or exc}); choose a path "
+                             "you can write to.") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -8,6 +8,9 @@ import math
 import os
 from typing import Any
 
+from slime_lite.errors import SlimeLiteError
+from slime_lite.io import append_line, atomic_write_text
+
 log = logging.getLogger("slime_lite.metrics")
 
 # short names for the one-line summary, in print order
@@ -67,8 +70,7 @@ class MetricsLogger:
                     parts.append(f"{name}={_fmt(record[key])}")
             log.info(" ".join(parts))
         if self.path:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(full, default=_json_default) + "\n")
+            append_line(self.path, json.dumps(full, default=_json_default))
         for key, value in record.items():
             if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
                 continue
@@ -117,6 +119,16 @@ def _plain_args(args: Any) -> dict[str, Any]:
 
 
 def write_args_json(args: Any, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(_plain_args(args), f, indent=2, sort_keys=True)
+    atomic_write_text(json.dumps(_plain_args(args), indent=2, sort_keys=True), path)
+
+
+def check_finite_losses(record: dict[str, Any], rollout_id: int) -> None:
+    """Stop the run when a training step reported a NaN or infinite loss (before a checkpoint saves the weights)."""
+    bad = {k: v for k, v in record.items()
+           if k.rsplit("/", 1)[-1].endswith("loss") and isinstance(v, float) and not math.isfinite(v)}
+    if bad:
+        raise SlimeLiteError(
+            f"rollout {rollout_id}: the training loss is not finite ({', '.join(f'{k}={v}' for k, v in bad.items())}). "
+            "The weights are no longer usable, so the run stops here. Usual causes: a learning rate too high "
+            "(--lr), NaN/inf in the rollout log-probs or rewards (slime-lite display-rollouts), or an overflow in "
+            "low precision; replay the rollout with --load-debug-rollout-data to reproduce it.")

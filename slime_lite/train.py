@@ -16,7 +16,8 @@ from contextlib import contextmanager
 
 from slime_lite.args import parse_args
 from slime_lite.errors import SlimeLiteError
-from slime_lite.metrics import MetricsLogger, memory_record, write_args_json
+from slime_lite.metrics import MetricsLogger, check_finite_losses, memory_record, write_args_json
+from slime_lite.preflight import preflight
 
 log = logging.getLogger("slime_lite.train")
 
@@ -24,8 +25,7 @@ log = logging.getLogger("slime_lite.train")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger().setLevel(args.log_level.upper())
-    if args.load_debug_rollout_data:
-        check_replay_dump(args)
+    preflight(args)  # outputs writable, every replay dump valid: before Ray starts
     import ray
 
     try:
@@ -36,22 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         ray.shutdown()
-
-
-def check_replay_dump(args) -> None:
-    """Before anything starts: the first dump exists, loads, and was made with this run's settings."""
-    from slime_lite.rollout.dumps import check_replay_meta, dump_path, load_rollout_dump, make_meta
-    from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
-
-    dump = load_rollout_dump(dump_path(args.load_debug_rollout_data, 0 if args.load is None else _resume_id(args)))
-    check_replay_meta(dump, make_meta(args, tokenizer_fingerprint(load_tokenizer(args.hf_checkpoint))))
-
-
-def _resume_id(args) -> int:
-    from slime_lite.backends.megatron.checkpoint import latest
-
-    path = latest(args.load)
-    return int(path.rsplit("_", 1)[1]) + 1 if path else 0
 
 
 def run(args) -> int:
@@ -119,6 +103,7 @@ def run(args) -> int:
                 record.update(train_metrics)
                 if critic is not None:
                     record.update(critic.train(rollout_id, data, values, returns))
+            check_finite_losses(record, rollout_id)
             if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
                 actor.save(rollout_id, ray.get(manager.state.remote()))
                 if critic is not None:

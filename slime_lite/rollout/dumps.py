@@ -7,19 +7,19 @@ File format (SPEC 4): ``torch.save`` of ``{"rollout_id", "samples": [Sample.to_d
 
 from __future__ import annotations
 
+import math
 import os
-import pickle
 import time
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from slime_lite import __version__
 from slime_lite.errors import DumpError, SlimeLiteError
-from slime_lite.io import atomic_torch_save
-from slime_lite.types import Sample
+from slime_lite.io import atomic_torch_save, load_plain
+from slime_lite.types import RewardError, Sample, Status
 
 FORMAT_VERSION = 1
+STATUSES = tuple(s.value for s in Status)
 # meta keys that must agree between a dump and the flags of the run replaying it: (meta key, flag)
 REPLAY_CHECKS = (
     ("n_samples_per_prompt", "--n-samples-per-prompt"),
@@ -95,49 +95,122 @@ def save_rollout_dump(
 
 
 def load_rollout_dump(path: str) -> RolloutDump:
-    """Load a dump (ours or slime's) safely; errors name the file and what is wrong."""
-    import torch
-
-    if not os.path.exists(path):
-        raise DumpError(f"rollout dump {path} does not exist. Check --load-debug-rollout-data and the rollout id.")
-    if os.path.getsize(path) == 0:
-        raise DumpError(f"rollout dump {path} is empty (0 bytes): it was not written completely; re-create it.")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise DumpError(
-            f"rollout dump {path} needs arbitrary pickled objects to load, so it was refused (weights_only=True; "
-            f"nothing in it ran). Dumps must hold plain data only. Details: {str(exc).splitlines()[0]}"
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise DumpError(
-            f"rollout dump {path} is truncated or not a torch file ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}). Re-create it."
-        ) from None
+    """Load a dump (ours or slime's) safely; errors name the file, the sample and the field that is wrong."""
+    data = load_plain(path, "rollout dump", DumpError)
     if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
         raise DumpError(
             f"rollout dump {path} has the wrong schema: expected a dict with a 'samples' list, "
-            f"got {type(data).__name__}{' with keys ' + str(sorted(data)) if isinstance(data, dict) else ''}."
+            f"got {type(data).__name__}{' with keys ' + str(sorted(map(str, data))) if isinstance(data, dict) else ''}."
         )
     samples = []
     for i, item in enumerate(data["samples"]):
         if not isinstance(item, dict):
             raise DumpError(f"rollout dump {path}: samples[{i}] is a {type(item).__name__}, expected a dict.")
+        problem = _field_problem(item)
+        if problem is not None:
+            raise DumpError(f"rollout dump {path}: samples[{i}].{problem}")
         try:
             sample = Sample.from_dict(item)
             sample.check()
         except (TypeError, ValueError) as exc:
             raise DumpError(f"rollout dump {path}: samples[{i}] is not a valid Sample: {exc}") from None
         samples.append(sample)
+    rollout_id = data.get("rollout_id", -1)
+    if isinstance(rollout_id, bool) or not isinstance(rollout_id, int):
+        raise DumpError(f"rollout dump {path}: rollout_id is {rollout_id!r}, expected an int.")
+    meta = data.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise DumpError(f"rollout dump {path}: meta is a {type(meta).__name__}, expected a dict.")
     known = {"rollout_id", "samples", "format_version", "meta"}
     return RolloutDump(
-        rollout_id=int(data.get("rollout_id", -1)),
+        rollout_id=rollout_id,
         samples=samples,
-        meta=data.get("meta"),
+        meta=meta,
         format_version=data.get("format_version"),
         path=path,
         extra={k: v for k, v in data.items() if k not in known},
     )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_list(value: Any) -> Any:
+    """A 1-D tensor as a list (slime's dumps may hold per-token tensors); anything else unchanged."""
+    import torch
+
+    return value.tolist() if isinstance(value, torch.Tensor) and value.dim() == 1 else value
+
+
+def _field_problem(item: dict[str, Any]) -> str | None:
+    """What is wrong with the fields of one raw sample that training and the tools read, as 'field: problem'."""
+    tokens = _as_list(item.get("tokens", []))
+    if not isinstance(tokens, (list, tuple)):
+        return f"tokens: expected a list of token ids, got {type(tokens).__name__}"
+    for k, t in enumerate(tokens):
+        if not _is_int(t) or t < 0:
+            return f"tokens[{k}]: {t!r} is not a token id (a non-negative int)"
+    length = item.get("response_length", 0)
+    if not _is_int(length) or length < 0:
+        return f"response_length: {length!r} is not a non-negative int"
+    if length > len(tokens):
+        return f"response_length: {length} is more than len(tokens) = {len(tokens)}"
+    for name in ("loss_mask", "rollout_log_probs"):
+        value = _as_list(item.get(name))
+        if value is None:
+            continue
+        if not isinstance(value, (list, tuple)):
+            return f"{name}: expected a list of numbers or None, got {type(value).__name__}"
+        if len(value) != length:
+            return f"{name}: has {len(value)} entries but response_length is {length}"
+        bad = next((k for k, v in enumerate(value) if not isinstance(v, (int, float))), None)
+        if bad is not None:
+            return f"{name}[{bad}]: {value[bad]!r} is not a number"
+    reward = item.get("reward")
+    if reward is not None and not isinstance(reward, (int, float, dict)):
+        return f"reward: expected a number, a dict or None, got {type(reward).__name__} {reward!r}"
+    for name in ("index", "group_index"):
+        value = item.get(name)
+        if value is not None and not _is_int(value):
+            return f"{name}: expected an int or None, got {type(value).__name__} {value!r}"
+    status = item.get("status", Status.PENDING.value)
+    if not isinstance(status, (str, Status)) or str(getattr(status, "value", status)) not in STATUSES:
+        return f"status: {status!r} is not one of {', '.join(STATUSES)}"
+    return None
+
+
+def check_rewards(samples: list[Sample], reward_key: str | None, where: str, strict: bool) -> None:
+    """Every reward is a finite number (SlimeLiteError naming ``where``, the sample and its reward). ``strict``: a
+    sample with no usable scalar reward is an error too (a replay trains on every sample)."""
+    for i, s in enumerate(samples):
+        try:
+            reward = s.scalar_reward(reward_key)
+        except RewardError as exc:
+            if strict:
+                raise DumpError(f"{where}: samples[{i}].reward: {exc}") from None
+            continue
+        if not math.isfinite(reward):
+            raise SlimeLiteError(
+                f"{where}: samples[{i}].reward is {reward} (sample index {s.index}, prompt group {s.group_index}). "
+                "Rewards must be finite numbers: a NaN or infinite reward makes the advantages and the loss NaN. "
+                "Fix the reward function (--rm-type / --custom-rm-path) or the dump."
+            )
+
+
+def check_replay_samples(dump: RolloutDump, vocab_size: int, reward_key: str | None) -> None:
+    """What training on a dump needs beyond its schema: samples, token ids inside the model's vocab, finite
+    rewards."""
+    if not dump.samples:
+        raise DumpError(f"rollout dump {dump.path} has no samples: there is nothing to train on. Re-create it.")
+    for i, s in enumerate(dump.samples):
+        bad = next((k for k, t in enumerate(s.tokens) if t >= vocab_size), None)
+        if bad is not None:
+            raise DumpError(
+                f"rollout dump {dump.path}: samples[{i}].tokens[{bad}] = {s.tokens[bad]} is not below the model's "
+                f"vocab size {vocab_size} (--hf-checkpoint): the dump was made with another tokenizer or model."
+            )
+    check_rewards(dump.samples, reward_key, f"rollout dump {dump.path}", strict=True)
 
 
 def check_replay_meta(dump: RolloutDump, expected: dict[str, Any]) -> None:

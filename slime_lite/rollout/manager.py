@@ -69,6 +69,7 @@ class RolloutManager:
             path = dumps.dump_path(a.save_debug_rollout_data, rollout_id)
             dumps.save_rollout_dump(path, rollout_id, samples, self._meta())
             log.info("saved rollout %d (%d samples) to %s", rollout_id, len(samples), path)
+        dumps.check_rewards(samples, a.reward_key, f"rollout {rollout_id}", strict=False)  # after the dump: inspect it
         metrics = rollout_metrics(samples, a.reward_key)
         metrics.update(extra)
         versions = [int(v) for s in samples for v in s.weight_versions[-1:] if str(v).isdigit()]

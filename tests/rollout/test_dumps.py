@@ -9,6 +9,8 @@ import torch
 from slime_lite.errors import DumpError, SlimeLiteError
 from slime_lite.rollout.dumps import (
     check_replay_meta,
+    check_replay_samples,
+    check_rewards,
     check_template,
     dump_path,
     find_dumps,
@@ -102,7 +104,7 @@ class _Evil:
 def test_unsafe_pickle_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     path, marker = tmp_path / "evil_0.pt", tmp_path / "marker"
     torch.save({"rollout_id": 0, "samples": [_Evil(str(marker))]}, path)
-    with pytest.raises(DumpError, match=r"evil_0\.pt.*refused"):
+    with pytest.raises(DumpError, match=r"evil_0\.pt is not a plain-tensor file.*_write_marker.*nothing in it ran"):
         load_rollout_dump(str(path))
     assert not marker.exists()
     # the file really would run code with an unsafe load, so the refusal above is what protected us
@@ -174,3 +176,82 @@ def test_check_replay_meta_names_both_values(tmp_path: Path) -> None:
         check_replay_meta(dump, {"n_samples_per_prompt": 4})
     with pytest.raises(DumpError, match=r"'abc'.*'xyz'"):
         check_replay_meta(dump, {"tokenizer_fingerprint": "xyz"})
+
+
+def _raw(**changes) -> dict:
+    """The raw dict of a good sample (response of 2 tokens), with ``changes`` applied (None deletes a key)."""
+    item = _samples(1, 1)[0].to_dict()
+    for key, value in changes.items():
+        item[key] = value
+    return item
+
+
+# (case, fields of the second sample, what the error names after 'samples[1].')
+MALFORMED = [
+    ("tokens-str", {"tokens": "5 6 7 8"}, r"tokens: expected a list of token ids, got str"),
+    ("token-float", {"tokens": [5, 6, 7.5, 8]}, r"tokens\[2\]: 7\.5 is not a token id"),
+    ("token-negative", {"tokens": [5, -6, 7, 8]}, r"tokens\[1\]: -6 is not a token id"),
+    ("length-str", {"response_length": "2"}, r"response_length: '2' is not a non-negative int"),
+    ("length-negative", {"response_length": -3, "loss_mask": None, "rollout_log_probs": None},
+     r"response_length: -3 is not a non-negative int"),
+    ("length-too-long", {"response_length": 9, "loss_mask": None, "rollout_log_probs": None},
+     r"response_length: 9 is more than len\(tokens\) = 4"),
+    ("mask-length", {"loss_mask": [1, 1, 1]}, r"loss_mask: has 3 entries but response_length is 2"),
+    ("mask-type", {"loss_mask": "11"}, r"loss_mask: expected a list of numbers or None, got str"),
+    ("logprobs-length", {"rollout_log_probs": [-0.1]}, r"rollout_log_probs: has 1 entries but response_length is 2"),
+    ("logprobs-item", {"rollout_log_probs": [-0.1, "x"]}, r"rollout_log_probs\[1\]: 'x' is not a number"),
+    ("reward-str", {"reward": "high"}, r"reward: expected a number, a dict or None, got str 'high'"),
+    ("index-str", {"index": "1"}, r"index: expected an int or None, got str '1'"),
+    ("status", {"status": "done"}, r"status: 'done' is not one of pending, completed"),
+]
+
+
+@pytest.mark.parametrize("case,fields,needle", MALFORMED, ids=[c[0] for c in MALFORMED])
+def test_malformed_sample_names_file_sample_and_field(tmp_path: Path, case: str, fields: dict, needle: str) -> None:
+    path = tmp_path / f"{case}_0.pt"
+    torch.save({"rollout_id": 0, "samples": [_raw(), _raw(**fields)]}, path)
+    with pytest.raises(DumpError, match=rf"rollout dump .*{case}_0\.pt: samples\[1\]\.{needle}"):
+        load_rollout_dump(str(path))
+
+
+def test_text_file_named_pt_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "notes_0.pt"
+    path.write_text("these are my notes, not a dump\n")
+    with pytest.raises(DumpError, match=r"notes_0\.pt is truncated, corrupt or not a torch file"):
+        load_rollout_dump(str(path))
+
+
+def test_slime_dump_with_tensor_tokens_loads(tmp_path: Path) -> None:
+    path = tmp_path / "t_0.pt"
+    torch.save({"samples": [_raw(tokens=torch.tensor([5, 6, 7, 8]), loss_mask=torch.ones(2))]}, path)
+    assert load_rollout_dump(str(path)).samples[0].response_length == 2
+
+
+def test_replay_checks_vocab_samples_and_rewards(tmp_path: Path) -> None:
+    path = tmp_path / "r_0.pt"
+    save_rollout_dump(str(path), 0, _samples())
+    check_replay_samples(load_rollout_dump(str(path)), vocab_size=11, reward_key="acc")  # tokens < 11: fine
+    with pytest.raises(DumpError, match=r"r_0\.pt: samples\[3\]\.tokens\[2\] = 10 is not below the model's vocab "
+                                        r"size 10"):
+        check_replay_samples(load_rollout_dump(str(path)), vocab_size=10, reward_key="acc")
+    with pytest.raises(DumpError, match=r"r_0\.pt: samples\[0\]\.reward: .*pass --reward-key"):
+        check_replay_samples(load_rollout_dump(str(path)), vocab_size=11, reward_key=None)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        samples = _samples()
+        samples[2].reward = {"acc": bad}
+        save_rollout_dump(str(path), 0, samples)
+        with pytest.raises(SlimeLiteError, match=rf"r_0\.pt: samples\[2\]\.reward is {bad} \(sample index 2, "
+                                                 r"prompt group 1\)\. Rewards must be finite"):
+            check_replay_samples(load_rollout_dump(str(path)), vocab_size=11, reward_key="acc")
+    torch.save({"rollout_id": 0, "samples": []}, path)
+    with pytest.raises(DumpError, match=r"r_0\.pt has no samples"):
+        check_replay_samples(load_rollout_dump(str(path)), vocab_size=11, reward_key="acc")
+
+
+def test_generated_rollout_with_nan_reward_stops_but_missing_rewards_are_left_to_the_trainer() -> None:
+    samples = _samples()
+    samples[1].reward = None  # e.g. an aborted sample: the trainer reports it if it is trained on
+    check_rewards(samples, "acc", "rollout 4", strict=False)
+    samples[3].reward = {"acc": float("nan")}
+    with pytest.raises(SlimeLiteError, match=r"rollout 4: samples\[3\]\.reward is nan"):
+        check_rewards(samples, "acc", "rollout 4", strict=False)

@@ -2,11 +2,14 @@
 
 Layout: ``SAVE/iter_0000007/rank_000.pt`` (+ ``hf/`` for the actor) and ``SAVE/latest`` naming the newest complete
 iteration. A crash mid-save leaves only a ``.tmp-*`` folder: ``latest`` still names the previous good checkpoint.
+Everything saved is plain data (tensors, dicts, lists, tuples, numbers, strings), and loading uses
+``weights_only=True``: a crafted checkpoint is refused and nothing in it runs.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Any
 
@@ -14,20 +17,46 @@ import torch
 
 from slime_lite.errors import SlimeLiteError
 
+_PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
+
 
 def latest(root: str) -> str | None:
+    """The newest complete iteration folder named by ``root/latest``, or None when there is none."""
     path = os.path.join(root, "latest")
     if not os.path.exists(path):
         return None
-    name = open(path).read().strip()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        name = f.read().strip()
+    if not re.fullmatch(r"iter_\d{7}", name):
+        raise SlimeLiteError(f"--load {root}: {path} names {name[:80]!r}, not an iteration folder like "
+                             "iter_0000007; write the name of the iteration to resume from into it.")
     return os.path.join(root, name)
+
+
+def iteration(path: str) -> int:
+    """The rollout id of an iteration folder ``.../iter_0000007`` (7)."""
+    return int(os.path.basename(path).rsplit("_", 1)[1])
+
+
+def plain_state(value: Any, where: str = "state") -> Any:
+    """``value`` as containers ``torch.load(weights_only=True)`` reads back: dicts, lists, tuples, tensors, numbers,
+    strings. Anything else is a bug in what we save (TypeError naming where it sits), found at save time rather than
+    as an unloadable checkpoint."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, dict):  # OrderedDict too: model.load_state_dict takes a plain dict
+        return {k: plain_state(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [plain_state(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    raise TypeError(f"checkpoint {where} is a {type(value).__name__}, which a weights_only load cannot read")
 
 
 def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     import torch.distributed as dist
 
     from slime_lite.backends.megatron.weight_push import write_hf_folder
-    from slime_lite.io import atomic_torch_save
+    from slime_lite.io import atomic_torch_save, atomic_write_text, no_space_error
 
     name = f"iter_{rollout_id:07d}"
     final = os.path.join(root, actor.role, name) if actor.role != "actor" else os.path.join(root, name)
@@ -45,35 +74,40 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         "data_state": data_state,
         "layout": {"world": actor.world_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size},
     }
-    atomic_torch_save(state, os.path.join(tmp, f"rank_{actor.rank:03d}.pt"))
+    atomic_torch_save(plain_state(state), os.path.join(tmp, f"rank_{actor.rank:03d}.pt"))
     named = actor.hf_weights() if actor.role == "actor" else None
     if actor.rank == 0 and named is not None:
-        write_hf_folder(named, a.hf_checkpoint, os.path.join(tmp, "hf"))
+        try:
+            write_hf_folder(named, a.hf_checkpoint, os.path.join(tmp, "hf"))
+        except OSError as exc:  # the folder is renamed into place only when complete
+            raise (no_space_error(exc, os.path.join(final, "hf")) or exc) from None
     dist.barrier()
     if actor.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        pointer = os.path.join(os.path.dirname(final), "latest")
-        with open(pointer + ".tmp", "w") as f:
-            f.write(name)
-        os.replace(pointer + ".tmp", pointer)
+        atomic_write_text(name, os.path.join(os.path.dirname(final), "latest"))
     dist.barrier()
 
 
 def load(actor: Any, root: str) -> dict[str, Any]:
+    from slime_lite.io import load_plain
+
     folder = os.path.join(root, actor.role) if actor.role != "actor" else root
     path = latest(folder)
     if path is None:
         return {"next_rollout_id": 0, "data_state": None}
     file = os.path.join(path, f"rank_{actor.rank:03d}.pt")
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
+    if not os.path.exists(file):
         raise SlimeLiteError(f"--load {root}: {file} is missing; the checkpoint was made with another GPU count "
-                             "or is incomplete.") from None
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user-facing problem
-        raise SlimeLiteError(f"--load {root}: {file} is corrupt or truncated ({type(exc).__name__}). "
-                             "Delete that iteration folder and fix 'latest' to resume from the one before.") from None
+                             "or is incomplete.")
+    try:
+        state = load_plain(file, f"--load {root}: checkpoint")
+    except SlimeLiteError as exc:
+        raise SlimeLiteError(f"{exc} To resume from the iteration before, delete {path} and write that iteration's "
+                             f"name into {os.path.join(folder, 'latest')}.") from None
+    if not isinstance(state, dict) or not {"model", "optimizer", "rng", "next_rollout_id"} <= set(state):
+        raise SlimeLiteError(f"--load {root}: {file} is not a slime_lite checkpoint (expected a dict with model, "
+                             "optimizer, rng and next_rollout_id).")
     a = actor.args
     want = {"world": actor.world_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size}
     if state.get("layout") != want:

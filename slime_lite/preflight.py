@@ -1,0 +1,113 @@
+"""Checks that read or write files, run by the driver after the flags are valid and before Ray starts: every output
+location is created and probed for writing, and every dump a replay will read is loaded and validated. A problem
+found here costs seconds; found later it costs a rollout (or a whole run) and ends in a traceback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from slime_lite.errors import SlimeLiteError
+
+log = logging.getLogger("slime_lite.preflight")
+
+
+def preflight(args: Any) -> None:
+    check_outputs(args)
+    if args.load_debug_rollout_data:
+        check_replay_dumps(args)
+
+
+def output_folders(args: Any) -> list[tuple[str, str]]:
+    """(flag and its value, folder) for every location this run writes to."""
+    from slime_lite.rollout.dumps import dump_path
+
+    out = []
+    if args.save:
+        out.append((f"--save {args.save}", args.save))
+    if args.save_debug_rollout_data:  # eval dumps share the train dumps' folder
+        flag = f"--dump-details {args.dump_details}" if args.dump_details else \
+            f"--save-debug-rollout-data {args.save_debug_rollout_data}"
+        out.append((flag, os.path.dirname(os.path.abspath(dump_path(args.save_debug_rollout_data, 0)))))
+    if args.dump_details:
+        out.append((f"--dump-details {args.dump_details}", args.dump_details))
+        if not args.debug_rollout_only:
+            out.append((f"--dump-details {args.dump_details}", os.path.join(args.dump_details, "train_data")))
+    if args.metrics_path:
+        out.append((f"--metrics-path {args.metrics_path}", os.path.dirname(os.path.abspath(args.metrics_path))))
+    if args.use_tensorboard:
+        folder = args.tensorboard_dir or os.path.join(args.save or ".", "tensorboard")
+        out.append((f"--tensorboard-dir {folder}" if args.tensorboard_dir else "--use-tensorboard", folder))
+    if args.use_wandb and args.wandb_dir:
+        out.append((f"--wandb-dir {args.wandb_dir}", args.wandb_dir))
+    return out
+
+
+def check_outputs(args: Any) -> None:
+    """Create every output folder and write a probe file in it: SlimeLiteError naming the flag and the path."""
+    from slime_lite.io import probe_folder
+
+    for flag, folder in output_folders(args):
+        probe_folder(folder, flag)
+    if args.metrics_path and os.path.isdir(args.metrics_path):
+        raise SlimeLiteError(f"--metrics-path {args.metrics_path} is a folder; give a file name, e.g. "
+                             f"{os.path.join(args.metrics_path, 'metrics.jsonl')}.")
+    if args.metrics_path and os.path.exists(args.metrics_path) and not os.access(args.metrics_path, os.W_OK):
+        raise SlimeLiteError(f"--metrics-path {args.metrics_path} is not writable; choose another file.")
+
+
+def replay_ids(args: Any) -> range:
+    """The rollout ids a replay reads: from 0 (or the rollout after the checkpoint of --load) to --num-rollout."""
+    from slime_lite.backends.megatron.checkpoint import iteration, latest
+
+    start = 0
+    if args.load is not None:
+        path = latest(args.load)
+        start = iteration(path) + 1 if path else 0
+    return range(start, args.num_rollout)
+
+
+def check_replay_dumps(args: Any) -> None:
+    """Every dump of the replay loads, has the schema and types of a Sample list, token ids inside the model's
+    vocab, consistent lengths, finite rewards, samples that split into the run's steps, and was made with this
+    run's settings. Errors name the file, the sample and the field."""
+    from slime_lite.rollout.dumps import (
+        check_replay_meta,
+        check_replay_samples,
+        dump_path,
+        load_rollout_dump,
+        make_meta,
+        subsample_groups,
+    )
+    from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    tokenizer = load_tokenizer(args.hf_checkpoint)
+    expected = make_meta(args, tokenizer_fingerprint(tokenizer))
+    vocab = model_vocab_size(args.hf_checkpoint) or len(tokenizer)
+    ids = replay_ids(args)
+    for rollout_id in ids:
+        dump = load_rollout_dump(dump_path(args.load_debug_rollout_data, rollout_id))
+        check_replay_meta(dump, expected)
+        check_replay_samples(dump, vocab, args.reward_key)
+        samples = dump.samples
+        if args.load_debug_rollout_data_subsample is not None:
+            samples = subsample_groups(samples, args.load_debug_rollout_data_subsample, args.n_samples_per_prompt)
+        if len(samples) % args.global_batch_size:
+            kept = "" if len(samples) == len(dump.samples) else (
+                f" ({len(samples)} kept by --load-debug-rollout-data-subsample "
+                f"{args.load_debug_rollout_data_subsample})")
+            raise SlimeLiteError(
+                f"rollout dump {dump.path} has {len(dump.samples)} samples{kept}, which do not split into steps "
+                f"of --global-batch-size {args.global_batch_size}: replay it with --rollout-batch-size x "
+                "--n-samples-per-prompt as the dump was made, or a --global-batch-size that divides it.")
+    log.info("replay: checked %d dump(s) of %s (rollouts %d..%d)", len(ids), args.load_debug_rollout_data,
+             ids.start, ids.stop - 1)
+
+
+def model_vocab_size(hf_checkpoint: str) -> int | None:
+    """The embedding rows of the model (config.json's vocab_size): every token id must be below it."""
+    with open(os.path.join(hf_checkpoint, "config.json"), encoding="utf-8") as f:
+        value = json.load(f).get("vocab_size")
+    return value if isinstance(value, int) and value > 0 else None

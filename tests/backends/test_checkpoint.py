@@ -1,0 +1,82 @@
+"""Checkpoints hold plain data only and load with weights_only=True: a crafted checkpoint never runs code."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from slime_lite.backends.megatron import checkpoint
+from slime_lite.errors import SlimeLiteError
+
+
+def _write_marker(path: str) -> str:
+    Path(path).write_text("code ran")
+    return path
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (_write_marker, (self.marker,))
+
+
+def _actor(model: torch.nn.Module | None = None, optimizer=None) -> SimpleNamespace:
+    args = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    return SimpleNamespace(role="actor", rank=0, world_size=1, args=args, model=model, optimizer=optimizer)
+
+
+def _checkpoint(root: Path, payload) -> Path:
+    (root / "iter_0000000").mkdir(parents=True)
+    torch.save(payload, root / "iter_0000000" / "rank_000.pt")
+    (root / "latest").write_text("iter_0000000")
+    return root / "iter_0000000" / "rank_000.pt"
+
+
+def test_crafted_checkpoint_is_refused_and_its_payload_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    file = _checkpoint(tmp_path / "ckpt", {"model": {}, "optimizer": _Evil(str(marker)), "rng": {},
+                                           "next_rollout_id": 1})
+    with pytest.raises(SlimeLiteError, match=rf"--load .*: checkpoint {file} is not a plain-tensor file.*"
+                                             r"_write_marker.*nothing in it ran"):
+        checkpoint.load(_actor(), str(tmp_path / "ckpt"))
+    assert not marker.exists()
+    torch.load(file, weights_only=False)  # the file really runs code when loaded unsafely
+    assert marker.exists()
+
+
+def test_saved_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": {"cpu": torch.get_rng_state(),
+             "cuda": None}, "next_rollout_id": 5, "data_state": {"source": {"epoch": 1, "offset": 3}},
+             "layout": {"world": 1, "tp": 1, "pp": 1}}
+    root = tmp_path / "ckpt"
+    _checkpoint(root, checkpoint.plain_state(state))
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
+    out = checkpoint.load(_actor(model2, opt2), str(root))
+    assert out == {"next_rollout_id": 5, "data_state": {"source": {"epoch": 1, "offset": 3}}}
+    assert torch.equal(model2.weight, model.weight)
+    assert opt2.state_dict()["param_groups"][0]["betas"] == (0.8, 0.9)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_plain_state_names_what_a_weights_only_load_could_not_read() -> None:
+    assert checkpoint.plain_state(collections.OrderedDict(a=(1, torch.zeros(1)))) == {"a": (1, torch.zeros(1))}
+    with pytest.raises(TypeError, match=r"checkpoint state\['optimizer'\]\[0\] is a object"):
+        checkpoint.plain_state({"optimizer": [object()]})
+
+
+def test_latest_must_name_an_iteration_folder(tmp_path: Path) -> None:
+    (tmp_path / "latest").write_text("../../etc")
+    with pytest.raises(SlimeLiteError, match=r"latest names '\.\./\.\./etc', not an iteration folder"):
+        checkpoint.latest(str(tmp_path))

@@ -1,0 +1,121 @@
+"""File helpers: loading never runs code, a full disk is reported as such, atomic writes leave no partial files."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_lite.errors import SlimeLiteError
+from slime_lite.io import append_line, atomic_torch_save, load_plain, probe_folder
+from slime_lite.metrics import MetricsLogger, check_finite_losses
+from slime_lite.args import parser_defaults
+
+
+def _write_marker(path: str) -> str:
+    Path(path).write_text("code ran")
+    return path
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (_write_marker, (self.marker,))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_never_runs(tmp_path: Path) -> None:
+    path, marker = tmp_path / "model.pt", tmp_path / "marker"
+    torch.save({"weights": torch.zeros(2), "x": _Evil(str(marker))}, path)
+    with pytest.raises(SlimeLiteError, match=r"checkpoint .*model\.pt is not a plain-tensor file.*nothing in it ran"):
+        load_plain(str(path), "checkpoint")
+    assert not marker.exists()
+
+
+def test_plain_data_loads(tmp_path: Path) -> None:
+    path = tmp_path / "ok.pt"
+    atomic_torch_save({"t": torch.arange(3), "n": [1, 2.5, "s", None, (1, 2)]}, str(path))
+    out = load_plain(str(path), "file")
+    assert out["n"] == [1, 2.5, "s", None, (1, 2)] and out["t"].tolist() == [0, 1, 2]
+
+
+def _no_space(*_a, **_k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_full_disk_while_saving_is_reported_and_leaves_the_old_file(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "d_0.pt"
+    atomic_torch_save({"v": 1}, str(path))
+    monkeypatch.setattr(os, "fsync", _no_space)  # the disk fills while the new version is written
+    with pytest.raises(SlimeLiteError, match=rf"no space left writing {path}"):
+        atomic_torch_save({"v": torch.zeros(1000)}, str(path))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["d_0.pt"] and load_plain(str(path), "file") == {"v": 1}
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path):
+    """A real 64 KiB file system (tmpfs; needs root), so the disk is really full."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_really_full_disk_is_no_space_left_and_no_partial_file(tiny_disk: Path) -> None:
+    path = tiny_disk / "ckpt" / "rank_000.pt"
+    with pytest.raises(SlimeLiteError, match=rf"no space left writing {path}"):
+        atomic_torch_save({"w": torch.zeros(100_000)}, str(path))
+    assert os.listdir(tiny_disk / "ckpt") == []
+    fd = os.open(tiny_disk / "filler", os.O_WRONLY | os.O_CREAT)
+    with pytest.raises(OSError):  # take every block that is left
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+    with pytest.raises(SlimeLiteError, match="--save: no space left writing"):
+        probe_folder(str(tiny_disk / "out"), "--save")
+
+
+def test_metrics_on_a_full_disk_name_the_file() -> None:
+    with pytest.raises(SlimeLiteError, match="no space left writing /dev/full"):
+        append_line("/dev/full", "{}")
+    logger = MetricsLogger(parser_defaults(metrics_path="/dev/full"))
+    with pytest.raises(SlimeLiteError, match="no space left writing /dev/full"):
+        logger.log({"train/loss": 1.0}, 0, quiet=True)
+
+
+def test_probe_creates_missing_folders_and_names_the_flag(tmp_path: Path) -> None:
+    probe_folder(str(tmp_path / "a" / "b"), "--save")
+    assert (tmp_path / "a" / "b").is_dir() and os.listdir(tmp_path / "a" / "b") == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SlimeLiteError, match=rf"--save: {tmp_path}/file exists but is not a folder"):
+        probe_folder(str(tmp_path / "file"), "--save")
+    with pytest.raises(SlimeLiteError, match=rf"--dump-details: cannot create the folder {tmp_path}/file/sub"):
+        probe_folder(str(tmp_path / "file" / "sub"), "--dump-details")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")
+def test_probe_of_a_read_only_folder(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(SlimeLiteError, match=rf"--metrics-path: the folder {ro} is not writable"):
+        probe_folder(str(ro), "--metrics-path")
+
+
+def test_non_finite_loss_stops_the_run_naming_the_rollout() -> None:
+    check_finite_losses({"train/loss": 0.5, "train/grad_norm": float("nan"), "rollout/raw_reward": 1.0}, 3)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(SlimeLiteError, match=rf"rollout 3: the training loss is not finite \(train/pg_loss={bad}"):
+            check_finite_losses({"train/loss": 0.5, "train/pg_loss": bad}, 3)
+    with pytest.raises(SlimeLiteError, match=r"critic/value_loss=nan"):
+        check_finite_losses({"critic/value_loss": float("nan")}, 0)

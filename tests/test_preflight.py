@@ -1,0 +1,138 @@
+"""Before Ray starts: every output location is created and writable, every dump of a replay is valid."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_lite.args import parse_args
+from slime_lite.errors import SlimeLiteError
+from slime_lite.preflight import check_outputs, preflight
+from slime_lite.rollout.dumps import make_meta, save_rollout_dump
+from slime_lite.types import Sample, Status
+
+RUN = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "3"]
+
+
+def _samples(vocab_ok: bool = True) -> list[Sample]:
+    return [Sample(group_index=i // 2, index=i, prompt="1+1=", tokens=[5, 6, 7, 8 if vocab_ok else 5000],
+                   response_length=2, reward=float(i % 2), loss_mask=[1, 1], rollout_log_probs=[-0.5, -0.5],
+                   status=Status.COMPLETED) for i in range(4)]
+
+
+@pytest.fixture
+def replay(tiny_model_dir, tmp_path) -> str:
+    """Three good dumps of 2 prompts x 2 samples, made for the tiny model; returns the template."""
+    from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    meta_args = type("A", (), {"n_samples_per_prompt": 2, "rollout_batch_size": 2,
+                               "hf_checkpoint": str(tiny_model_dir)})
+    meta = make_meta(meta_args, tokenizer_fingerprint(load_tokenizer(str(tiny_model_dir))))
+    for rid in range(3):
+        save_rollout_dump(str(tmp_path / f"d_{rid}.pt"), rid, _samples(), meta)
+    return str(tmp_path / "d_{rollout_id}.pt")
+
+
+def _args(model, template: str, *extra: str):
+    return parse_args(["--load-debug-rollout-data", template, "--hf-checkpoint", str(model), *RUN, *extra])
+
+
+def test_good_replay_passes(tiny_model_dir, replay) -> None:
+    preflight(_args(tiny_model_dir, replay))
+
+
+@pytest.mark.parametrize("rollout", [1, 2])
+def test_every_dump_of_the_replay_is_checked_not_only_the_first(tiny_model_dir, replay, tmp_path, rollout) -> None:
+    bad = _samples()
+    bad[3].reward = float("nan")
+    save_rollout_dump(str(tmp_path / f"d_{rollout}.pt"), rollout, bad)
+    with pytest.raises(SlimeLiteError, match=rf"d_{rollout}\.pt: samples\[3\]\.reward is nan"):
+        preflight(_args(tiny_model_dir, replay))
+
+
+def test_out_of_vocab_missing_and_empty_dumps(tiny_model_dir, replay, tmp_path) -> None:
+    save_rollout_dump(str(tmp_path / "d_1.pt"), 1, _samples(vocab_ok=False))
+    with pytest.raises(SlimeLiteError, match=r"d_1\.pt: samples\[0\]\.tokens\[3\] = 5000 is not below the model's "
+                                             r"vocab size"):
+        preflight(_args(tiny_model_dir, replay))
+    torch.save({"rollout_id": 1, "samples": []}, tmp_path / "d_1.pt")
+    with pytest.raises(SlimeLiteError, match=r"d_1\.pt has no samples"):
+        preflight(_args(tiny_model_dir, replay))
+    (tmp_path / "d_1.pt").unlink()
+    with pytest.raises(SlimeLiteError, match=r"d_1\.pt does not exist"):
+        preflight(_args(tiny_model_dir, replay))
+    preflight(_args(tiny_model_dir, replay, "--num-rollout", "1"))  # a replay of rollout 0 only never reads it
+
+
+def test_a_resumed_replay_checks_the_dumps_it_will_read(tiny_model_dir, replay, tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text("iter_0000000")
+    (tmp_path / "d_0.pt").write_text("rollout 0 is done; this file is never read again")
+    preflight(_args(tiny_model_dir, replay, "--load", str(ckpt)))
+    (tmp_path / "d_2.pt").write_text("not a dump")
+    with pytest.raises(SlimeLiteError, match=r"d_2\.pt is truncated, corrupt or not a torch file"):
+        preflight(_args(tiny_model_dir, replay, "--load", str(ckpt)))
+
+
+def test_sample_count_must_split_into_the_run_steps(tiny_model_dir, replay, tmp_path) -> None:
+    save_rollout_dump(str(tmp_path / "d_2.pt"), 2, _samples()[:3])  # slime dump: no meta to compare
+    with pytest.raises(SlimeLiteError, match=r"d_2\.pt has 3 samples, which do not split into steps of "
+                                             r"--global-batch-size 4"):
+        preflight(_args(tiny_model_dir, replay))
+
+
+@pytest.mark.parametrize("flag,value,problem", [
+    ("--save", "blocker/ckpt", "cannot create the folder {t}/blocker/ckpt (Not a directory)"),
+    ("--metrics-path", "blocker/m.jsonl", "{t}/blocker exists but is not a folder"),
+    ("--dump-details", "blocker", "{t}/blocker exists but is not a folder"),
+    ("--tensorboard-dir", "blocker/tb", "cannot create the folder {t}/blocker/tb (Not a directory)"),
+])
+def test_unwritable_outputs_name_the_flag_and_path(tiny_model_dir, replay, tmp_path, flag, value, problem) -> None:
+    (tmp_path / "blocker").write_text("a file where a folder is needed")
+    extra = [flag, str(tmp_path / value)] + (["--use-tensorboard"] if flag == "--tensorboard-dir" else [])
+    want = f"{flag} {tmp_path / value}: " + problem.format(t=tmp_path)
+    with pytest.raises(SlimeLiteError, match=re.escape(want)):
+        check_outputs(_args(tiny_model_dir, replay, *extra))
+
+
+def test_rollout_dump_folder_is_probed(tiny_model_dir, tmp_path) -> None:
+    (tmp_path / "blocker").write_text("x")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    template = str(tmp_path / "blocker" / "d_{rollout_id}.pt")
+    args = parse_args(["--debug-rollout-only", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data),
+                       "--rm-type", "addition", "--save-debug-rollout-data", template])
+    with pytest.raises(SlimeLiteError, match=re.escape(f"--save-debug-rollout-data {template}: {tmp_path}/blocker "
+                                                       "exists but is not a folder")):
+        check_outputs(args)
+
+
+def test_missing_output_folders_are_created(tiny_model_dir, replay, tmp_path) -> None:
+    args = _args(tiny_model_dir, replay, "--save", str(tmp_path / "new" / "ckpt"), "--metrics-path",
+                 str(tmp_path / "new" / "logs" / "m.jsonl"), "--dump-details", str(tmp_path / "new" / "details"))
+    check_outputs(args)
+    for sub in ("ckpt", "logs", "details/train_data"):
+        assert (tmp_path / "new" / sub).is_dir(), sub
+    (tmp_path / "metrics_dir").mkdir()
+    with pytest.raises(SlimeLiteError, match=r"--metrics-path .*metrics_dir is a folder"):
+        check_outputs(_args(tiny_model_dir, replay, "--metrics-path", str(tmp_path / "metrics_dir")))
+
+
+def test_cli_stops_before_ray_with_one_message(tiny_model_dir, replay, tmp_path) -> None:
+    """A bad second dump ends `slime-lite train` in seconds, exit 2, the message and no traceback."""
+    bad = _samples()
+    bad[1].reward = float("inf")
+    save_rollout_dump(str(tmp_path / "d_1.pt"), 1, bad)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", "--load-debug-rollout-data", replay,
+                           "--hf-checkpoint", str(tiny_model_dir), *RUN], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "d_1.pt: samples[1].reward is inf" in proc.stderr and "Traceback" not in proc.stderr
+    assert "Ray" not in proc.stderr and time.monotonic() - t0 < 60
