@@ -30,8 +30,8 @@ async def read_body(request) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bad JSON or encoding; nesting deeper than the parser goes
+        raise BadRequest(f"body is not valid JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequest("body must be a JSON object")
     return data

@@ -213,8 +213,8 @@ class EngineServer:
             rids = [_rid(rid)] if n_prompts == 1 else [f"{_rid(rid)}_{i}" for i in range(n_prompts)]
         else:
             rids = [None] * n_prompts
-        ns = [check.integer(sp.get("n") or 1, "sampling_params.n", 1, check.MAX_N) if isinstance(sp, dict) else 1
-              for sp in sps]
+        ns = [check.integer(1 if sp.get("n") is None else sp["n"], "sampling_params.n", 1, check.MAX_N)
+              if isinstance(sp, dict) else 1 for sp in sps]
         if sum(ns) > check.MAX_SEQUENCES:
             raise BadRequest(f"{n_prompts} prompts x sampling_params.n make {sum(ns)} sequences; at most "
                              f"{check.MAX_SEQUENCES} per request")
@@ -245,7 +245,7 @@ class EngineServer:
                 raise BadRequest("'text' must be a string or a non-empty list of strings")
             if len(texts) > check.MAX_SEQUENCES:
                 raise BadRequest(f"'text': {len(texts)} prompts; at most {check.MAX_SEQUENCES} per request")
-            return [self.scheduler.encode(t) for t in texts], single
+            return [self._encode(t, "text" if single else f"text[{i}]") for i, t in enumerate(texts)], single
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest("'input_ids' must be a non-empty list of token ids (or a list of such lists)")
         single = not isinstance(input_ids[0], list)
@@ -258,6 +258,15 @@ class EngineServer:
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
         return prompts, single
+
+    def _encode(self, text: str, name: str) -> list[int]:
+        """Token ids of ``text``; a text whose first 64 characters per slot token already overflow the slot is
+        refused without tokenizing the rest (tokenizing megabytes holds the tokenizer, and this thread, for seconds)."""
+        slot, cut = self.scheduler.slot_len, 64 * self.scheduler.slot_len
+        if len(text) > cut and len(self.scheduler.encode(text[:cut])) >= slot:
+            raise BadRequest(f"{name}: more than {slot} tokens; the batch slot holds {slot} (model context or "
+                             "--kv-cache-tokens / --max-running-requests)")
+        return self.scheduler.encode(text)
 
     async def iter_outputs(self, reqs: list[Any]) -> AsyncIterator[tuple[int, Any]]:
         """Submit ``reqs``; yield ``(index, RequestOutput)`` as they come; abort what is left if the consumer stops."""

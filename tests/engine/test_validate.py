@@ -1,0 +1,149 @@
+"""Requests are isolated: a bad value gets HTTP 400 naming its field before anything is admitted, a request that
+fails while decoding ends alone, big bodies are refused, and a client that leaves cancels its work."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from engine_helpers import generate, http, in_thread
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+NAN, INF = float("nan"), float("inf")
+
+BAD_GENERATE = [  # (body, the field the error names)
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": NAN}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": INF}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": "0.5"}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": NAN}}, "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"min_p": 2}}, "min_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 2**70}}, "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2**64}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1.5}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 511}}, "max_new_tokens"),  # 2 + 511 >= 512
+    ({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": "3"}}, "min_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": -(2**64)}}, "sampling_seed"),
+    ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}}, "sampling_seed"),
+    ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"input_ids": [1, 2], "sampling_params": {"n": 10**6}}, "sampling_params.n"),
+    ({"input_ids": [[1, 2]] * 20, "sampling_params": {"n": 256}}, "sequences"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": [1]}}, "stop"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": ""}}, "stop"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": 5}}, "stop_token_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos"),
+    ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": NAN}}, "frequency_penalty"),
+    ({"input_ids": [1, 2], "sampling_params": "greedy"}, "sampling_params"),
+    ({"input_ids": [1, 2], "sampling_params": [{}, {}]}, "sampling_params"),
+    ({"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
+    ({"input_ids": [1, 2], "logprob_start_len": -2}, "logprob_start_len"),
+    ({"input_ids": [1, 2], "logprob_start_len": 2**63}, "logprob_start_len"),
+    ({"input_ids": [1, 2], "stream": "no"}, "stream"),
+    ({"input_ids": [1, 2], "rid": {"a": 1}}, "rid"),
+    ({"input_ids": [True, 2]}, "input_ids"),
+    ({"input_ids": [1, 2.0]}, "input_ids"),
+    ({"input_ids": [1, 2**64]}, "input_ids"),
+    ({"input_ids": [[1], []]}, "input_ids[1]"),
+    ({"text": {"a": 1}}, "text"),
+    ({"text": ["a", 1]}, "text"),
+    ({"text": ["a", "b" * 40_000]}, "text[1]"),  # refused before the whole text is tokenized
+]
+
+
+@pytest.mark.parametrize("body,field", BAD_GENERATE, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_GENERATE)])
+def test_bad_generate_values_answer_400_naming_the_field(engine, body, field):
+    status, out = http(engine.url, "/generate", body)
+    assert status == 400, out
+    assert field in out["error"]["message"]
+
+
+@pytest.mark.parametrize("route,body,field", [
+    ("/v1/completions", {"prompt": "ab", "max_tokens": NAN}, "max_new_tokens"),
+    ("/v1/completions", {"prompt": "ab", "n": 1000}, "sampling_params.n"),
+    ("/v1/completions", {"prompt": "ab", "stream_options": "x", "stream": True}, "stream_options"),
+    ("/v1/completions", {"max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "ab", "seed": 1.5}, "sampling_seed"),
+    ("/abort_request", {"rid": ["a"]}, "rid"),
+    ("/pause_generation", {"mode": ["abort"]}, "mode"),
+    ("/update_weights_from_disk", {"model_path": 5}, "model_path"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 70000, "world_size": 2},
+     "master_port"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]]}, "shapes"),
+    ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": "abc"}, "truncate_size"),
+    ("/get_weights_checksum", {"names": [["x"]]}, "names"),
+    ("/release_memory_occupation", {"tags": 5}, "tags"),
+    ("/resume_memory_occupation", {"tags": [None]}, "tags"),
+])
+def test_bad_values_on_other_routes_answer_400_naming_the_field(engine, route, body, field):
+    status, out = http(engine.url, route, body)
+    assert status == 400, out
+    assert field in out["error"]["message"]
+
+
+def test_values_at_the_limits_are_still_accepted(engine):
+    sp = {"max_new_tokens": 4.0, "temperature": 0, "top_p": 1, "top_k": 2**63 - 1, "min_p": 0,
+          "sampling_seed": 2**64 - 1, "n": 2, "stop_token_ids": [2**63 - 1], "ignore_eos": 1}
+    outs = generate(engine.url, input_ids=[1, 2], sampling_params=sp, return_logprob=None, stream=None)
+    assert [len(o["output_ids"]) for o in outs] == [4, 4]
+    assert generate(engine.url, input_ids=[1] * 500, sampling_params={"max_new_tokens": 11})  # 511 < 512
+
+
+def test_a_body_over_the_limit_gets_413_and_the_server_keeps_serving(engine):
+    big = {"text": "a" * (9 << 20)}  # over the 8 MiB default of the generate routes
+    status, out = http(engine.url, "/generate", big)
+    assert status == 413 and "--max-request-bytes" in out["error"]["message"]
+    assert generate(engine.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+
+
+def test_a_request_that_fails_while_decoding_ends_alone(engine):
+    """A request that makes the sampler raise (here: one put in the scheduler without the server's checks) ends
+    with an abort naming the error; the request decoding next to it finishes exactly as it does alone."""
+    from slime_lite.engine.request import Request
+    from slime_lite.engine.sampling import SamplingParams
+
+    witness = {"input_ids": [5, 6, 7], "return_logprob": True, "sampling_params": {"max_new_tokens": 40, **GREEDY}}
+    alone = generate(engine.url, **witness)
+    done = threading.Event()
+    bad_out: list = []
+    bad = Request(rid="poisoned", input_ids=[1, 2], params=SamplingParams(top_k=2**70, max_new_tokens=400), seed=1,
+                  on_output=lambda o: (bad_out.append(o), done.set()))
+    engine.scheduler.prepare(bad)
+    t, box = in_thread(generate, engine.url, **witness)
+    deadline = time.monotonic() + 10
+    while not engine.scheduler.num_running:
+        assert time.monotonic() < deadline, "request never started"
+        time.sleep(0.005)
+    engine.scheduler.submit(bad)
+    t.join(60)
+    assert done.wait(10)
+    assert bad_out[-1].finish_reason["type"] == "abort" and "engine error" in bad_out[-1].finish_reason["message"]
+    out = box["result"]
+    assert out["output_ids"] == alone["output_ids"]
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    assert http(engine.url, "/health_generate")[0] == 200
+
+
+def test_client_disconnect_aborts_non_streaming_request(engine):
+    body = json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 500, **GREEDY}})
+    host, port = engine.url.removeprefix("http://").split(":")
+    before = http(engine.url, "/get_server_info")[1]["num_generated_tokens"]
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 10
+        while not http(engine.url, "/get_server_info")[1]["num_running_reqs"]:
+            assert time.monotonic() < deadline, "request never started"
+            time.sleep(0.01)
+    deadline = time.monotonic() + 10
+    while http(engine.url, "/get_server_info")[1]["num_running_reqs"]:
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.02)
+    assert http(engine.url, "/get_server_info")[1]["num_generated_tokens"] - before < 500
