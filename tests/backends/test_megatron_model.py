@@ -231,7 +231,7 @@ def _spawned_rank(rank: int, world: int, tp: int, pp: int, port: int, model_dir:
     from slime_lite.backends.megatron.convert import iter_hf_weights, load_hf_weights
     from slime_lite.backends.megatron.model import build_gpt_model, forward_logits
 
-    ref = torch.load(ref_path)
+    ref = torch.load(ref_path, weights_only=True)
     cfg = AutoConfig.from_pretrained(model_dir)
     parallel.init_distributed(tp, pp, rank, world, "127.0.0.1", port)
     try:
@@ -284,7 +284,7 @@ def test_tp_pp_layouts_build_load_and_match_hf(tiny_model_dir, tmp_path, tp, pp,
     torch.save({"state": state, "tokens": x, "logits": logits}, ref_path)
     mp.spawn(_spawned_rank, args=(tp * pp, tp, pp, free_port(), model_dir, ref_path), nprocs=tp * pp)
     # ranks are numbered tp-fastest: rank = pp_rank * tp + tp_rank; every TP rank of a stage yields the same names
-    stages = [[torch.load(f"{ref_path}.names{p * tp + t}") for t in range(tp)] for p in range(pp)]
+    stages = [[torch.load(f"{ref_path}.names{p * tp + t}", weights_only=True) for t in range(tp)] for p in range(pp)]
     assert all(names == stage[0] for stage in stages for names in stage)
     everything = [n for stage in stages for n in stage[0]]
     assert sorted(everything) == sorted(state)  # each weight from exactly one stage, nothing missing

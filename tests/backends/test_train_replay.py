@@ -99,13 +99,56 @@ def test_parallel_sizes_must_divide_model(tiny_model_dir, replay_dumps, tmp_path
     assert proc.returncode == 2 and "--pipeline-model-parallel-size" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_corrupt_checkpoint_is_a_clear_error(tiny_model_dir, replay_dumps, tmp_path, train_cli):
+class _RunsCode:
+    """A pickle payload that would create ``marker`` when loaded unsafely."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "crafted"])
+def test_corrupt_or_crafted_checkpoint_is_a_clear_error(tiny_model_dir, replay_dumps, tmp_path, train_cli, kind):
+    import torch
+
     ckpt = tmp_path / "ckpt" / "iter_0000000"
     ckpt.mkdir(parents=True)
-    (ckpt / "rank_000.pt").write_bytes(b"not a checkpoint")
+    marker = tmp_path / "marker"
+    if kind == "corrupt":
+        (ckpt / "rank_000.pt").write_bytes(b"not a checkpoint")
+    else:
+        torch.save({"model": {}, "optimizer": _RunsCode(str(marker)), "rng": {}, "next_rollout_id": 1},
+                   ckpt / "rank_000.pt")
     (tmp_path / "ckpt" / "latest").write_text("iter_0000000")
     proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "bad", "--load", str(tmp_path / "ckpt")))
-    assert proc.returncode == 2 and "--load" in proc.stderr and "corrupt" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"--load {tmp_path / 'ckpt'}: checkpoint {ckpt / 'rank_000.pt'}" in proc.stderr, proc.stderr[-2000:]
+    if kind == "corrupt":
+        assert "corrupt" in proc.stderr
+    else:
+        assert "is not a plain-tensor file: it asks to load posix.system" in proc.stderr, proc.stderr[-2000:]
+        assert not marker.exists()
+
+
+def test_non_finite_loss_stops_the_run_before_the_checkpoint(tiny_model_dir, replay_dumps, tmp_path, train_cli):
+    """NaN rollout log-probs under --use-tis make the loss NaN: exit 2 naming the rollout, no checkpoint saved."""
+    import torch
+
+    for rid in (0, 1):
+        data = torch.load(replay_dumps.format(rollout_id=rid), weights_only=True)
+        data["samples"][3]["rollout_log_probs"][0] = float("nan")
+        torch.save(data, tmp_path / f"nan_{rid}.pt")
+    ckpt = tmp_path / "ckpt"
+    proc = train_cli(args_for(tiny_model_dir, str(tmp_path / "nan_{rollout_id}.pt"), tmp_path, "nan", "--use-tis",
+                              "--save", str(ckpt), "--save-interval", "1"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "rollout 0: the training loss is not finite (" in proc.stderr, proc.stderr[-3000:]
+    assert "train/loss=nan" in proc.stderr
+    assert not (ckpt / "latest").exists()
 
 
 @pytest.mark.parametrize("estimator", ["ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
@@ -123,7 +166,7 @@ def test_estimators_train(tiny_model_dir, replay_dumps, tmp_path, train_cli, met
     else:  # advantages are whitened over the batch's tokens
         import torch
 
-        adv = torch.tensor([a for s in torch.load(tmp_path / "d" / "train_data" / "0.pt")["advantages"] for a in s])
+        adv = torch.tensor([a for s in torch.load(tmp_path / "d" / "train_data" / "0.pt", weights_only=True)["advantages"] for a in s])
         assert abs(float(adv.mean())) < 1e-5 and abs(float(adv.std()) - 1) < 1e-3
 
 
