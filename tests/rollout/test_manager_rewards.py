@@ -1,0 +1,49 @@
+"""The rollout manager stops a run whose reward function returned NaN or inf, after saving the rollout's dump."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slime_lite.args import parser_defaults
+from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.types import Sample, Status
+
+
+class _Generator:
+    """Stands in for the engines: one rollout of 4 samples, sample 2 with the given reward."""
+
+    def __init__(self, reward: float) -> None:
+        self.reward = reward
+        self.progress = [0, 0]
+
+    async def rollout(self, rollout_id: int, source) -> tuple[list[Sample], dict[str, float]]:  # noqa: ANN001
+        samples = [Sample(group_index=i // 2, index=i, tokens=[5, 6, 7], response_length=1, loss_mask=[1],
+                          reward=self.reward if i == 2 else 1.0, status=Status.COMPLETED) for i in range(4)]
+        return samples, {}
+
+
+def _manager(tiny_model_dir: Path, tmp_path: Path, reward: float):
+    from slime_lite.rollout.manager import RolloutManager
+
+    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), debug_rollout_only=True,
+                           save_debug_rollout_data=str(tmp_path / "d_{rollout_id}.pt"))
+    manager = RolloutManager(args, [])
+    manager.generator, manager.source = _Generator(reward), object()
+    return manager
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf")])
+def test_non_finite_reward_stops_the_rollout_naming_rollout_and_sample(tiny_model_dir, tmp_path, reward) -> None:
+    manager = _manager(tiny_model_dir, tmp_path, reward)
+    with pytest.raises(SlimeLiteError, match=rf"rollout 3: samples\[2\]\.reward is {reward} \(sample index 2, "
+                                             r"prompt group 1\)"):
+        manager.generate(3)
+    assert str(load_rollout_dump(str(tmp_path / "d_3.pt")).samples[2].reward) == str(reward)  # kept to inspect
+
+
+def test_finite_rewards_pass(tiny_model_dir, tmp_path) -> None:
+    samples, metrics = _manager(tiny_model_dir, tmp_path, 0.0).generate(0)
+    assert len(samples) == 4 and metrics["rollout/raw_reward"] == 0.75
