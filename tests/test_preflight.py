@@ -136,3 +136,17 @@ def test_cli_stops_before_ray_with_one_message(tiny_model_dir, replay, tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "d_1.pt: samples[1].reward is inf" in proc.stderr and "Traceback" not in proc.stderr
     assert "Ray" not in proc.stderr and time.monotonic() - t0 < 60
+
+
+def test_cli_unwritable_output_stops_before_ray(tiny_model_dir, tmp_path) -> None:
+    """A rollout-only run whose --metrics-path cannot be created ends at once, not after a rollout."""
+    (tmp_path / "blocker").write_text("x")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    metrics = tmp_path / "blocker" / "logs" / "m.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", "--debug-rollout-only", "--hf-checkpoint",
+                           str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition", "--metrics-path",
+                           str(metrics)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"--metrics-path {metrics}: cannot create the folder {metrics.parent}" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Ray" not in proc.stderr
