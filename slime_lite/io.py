@@ -38,6 +38,11 @@ def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteErro
         raise error(f"{what} {path} is a folder, not a file.")
     if os.path.getsize(path) == 0:
         raise error(f"{what} {path} is empty (0 bytes): it was not written completely; re-create it.")
+    with open(path, "rb") as f:
+        head = f.read(12)
+    if not head.startswith((b"PK\x03\x04", b"\x80")):  # neither torch.save's zip nor its legacy pickle format
+        raise error(f"{what} {path} is not a torch file (corrupt, or another format: it starts with {head!r}); "
+                    "a file written by torch.save was expected. Re-create it.")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -217,7 +217,7 @@ def test_malformed_sample_names_file_sample_and_field(tmp_path: Path, case: str,
 def test_text_file_named_pt_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "notes_0.pt"
     path.write_text("these are my notes, not a dump\n")
-    with pytest.raises(DumpError, match=r"notes_0\.pt is truncated, corrupt or not a torch file"):
+    with pytest.raises(DumpError, match=r"notes_0\.pt is not a torch file \(corrupt, or another format: it starts with b'these are my'\)"):
         load_rollout_dump(str(path))
 
 
