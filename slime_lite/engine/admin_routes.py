@@ -75,8 +75,9 @@ class _Admin:
         return await asyncio.wrap_future(self.scheduler.call(fn, *args))
 
     async def _weight_op(self, fn: Callable[..., Any], *args: Any, version: Any = None,
-                         extra: dict[str, Any] | None = None):
-        """Run a weight operation in the model thread, then set ``weight_version`` if given."""
+                         extra: dict[str, Any] | None = None, model_thread: bool = True):
+        """Run a weight operation in the model thread (or, ``model_thread=False``, in a worker thread: an operation
+        that touches no weights and may wait), then set ``weight_version`` if given."""
 
         def op():
             result = fn(*args)
@@ -85,7 +86,10 @@ class _Admin:
             return result
 
         try:
-            result = await self.run_in_model_thread(op)
+            if model_thread:
+                result = await self.run_in_model_thread(op)
+            else:
+                result = await asyncio.get_running_loop().run_in_executor(None, op)
         except (WeightError, ValueError, RuntimeError) as exc:
             logger.error("weight operation refused: %s", exc)
             return json_response({"success": False, "message": str(exc)}, 400)
@@ -180,7 +184,7 @@ class _Admin:
                 _field(check.integer, body, "master_port", 0, 1, 65535),
                 _field(check.integer, body, "rank_offset", 1, 1, world_size - 1), world_size,
                 _field(check.string, body, "group_name", GROUP), _field(check.string, body, "backend", "nccl"))
-        return await self._weight_op(self.scheduler.weights.init_group, *args)
+        return await self._weight_op(self.scheduler.weights.init_group, *args, model_thread=False)
 
     async def update_weights_from_distributed(self, request):
         body = await read_body(request)

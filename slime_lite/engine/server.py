@@ -146,7 +146,7 @@ class EngineServer:
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/health_generate", self.health)
         for path in ("/get_model_info", "/model_info"):
             r.add_get(path, self.model_info)
         for path in ("/get_server_info", "/server_info"):
@@ -269,23 +269,36 @@ class EngineServer:
         return self.scheduler.encode(text)
 
     async def iter_outputs(self, reqs: list[Any]) -> AsyncIterator[tuple[int, Any]]:
-        """Submit ``reqs``; yield ``(index, RequestOutput)`` as they come; abort what is left if the consumer stops."""
+        """Submit ``reqs``; yield ``(index, RequestOutput)`` as they come; abort what is left if the consumer stops.
+
+        Admission by token budget: the requests of one HTTP request hold at most the KV cache's tokens (prompt plus
+        max new tokens each) in the engine at a time, queued or running; the rest are submitted as those finish, so
+        a big batch takes turns with other clients' requests instead of queueing ahead of them all."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         for i, req in enumerate(reqs):
             req.on_output = lambda out, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, out))
-        for req in reqs:
-            self.scheduler.submit(req)
-        remaining = len(reqs)
+        cost = [len(r.input_ids) + r.max_new for r in reqs]
+        budget, held, submitted, remaining = self.scheduler.kv_cache_tokens, 0, 0, len(reqs)
         try:
             while remaining:
+                while submitted < len(reqs) and (held == 0 or held + cost[submitted] <= budget):
+                    self.scheduler.submit(reqs[submitted])
+                    held += cost[submitted]
+                    submitted += 1
                 i, out = await q.get()
                 if out.finish_reason is not None:
                     remaining -= 1
+                    held -= cost[i]
+                    if out.finish_reason["type"] == "abort":  # aborted (pause, abort_all, ...): so is the rest
+                        for j in range(submitted, len(reqs)):
+                            reqs[j].finish_reason = out.finish_reason
+                            q.put_nowait((j, reqs[j].snapshot(self.scheduler.weight_version)))
+                        held, submitted = held + sum(cost[submitted:]), len(reqs)
                 yield i, out
         finally:
             if remaining:
-                for req in reqs:
+                for req in reqs[:submitted]:
                     self.scheduler.abort(req.rid, "client disconnected")
 
     async def run_requests(self, reqs: list[Any]) -> list[Any]:
@@ -351,20 +364,29 @@ class EngineServer:
 
     # ---- health and info -----------------------------------------------------------------------------------
     async def health(self, request):
+        """``/health`` and ``/health_generate`` (SGLang's semantics): 200 when a one-token generation answers, or
+        when the engine produced any token since the check began (a busy engine is alive); 503 when it does not
+        within ``HEALTH_GENERATE_TIMEOUT_S`` (a model thread stuck in a call), and at once when the model thread is
+        down or generation is paused or its weights are released."""
         from aiohttp import web
 
-        return web.Response(status=200 if self.scheduler.alive else 503)
-
-    async def health_generate(self, request):
-        from aiohttp import web
-
-        token = min(self.scheduler.eos_ids) if self.scheduler.eos_ids else 0
-        reqs = self.new_requests([[token]], {"max_new_tokens": 1, "temperature": 0.0},
-                                 rid=f"health_{uuid.uuid4().hex}")
+        s = self.scheduler
+        if not s.alive or not s.may_generate:
+            why = ("the model thread is not running" if not s.alive else "generation is paused" if s.paused
+                   else "the weights are released (/resume_memory_occupation)")
+            return web.Response(status=503, text=why)
+        token = min(s.eos_ids) if s.eos_ids else 0
+        reqs = self.new_requests([[token]], {"max_new_tokens": 1, "temperature": 0.0}, rid=f"health_{uuid.uuid4().hex}")
+        generated, loop = s.num_generated, asyncio.get_running_loop()
+        deadline = loop.time() + HEALTH_GENERATE_TIMEOUT_S
+        task = asyncio.ensure_future(self.run_requests(reqs))
         try:
-            await asyncio.wait_for(self.run_requests(reqs), HEALTH_GENERATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return web.Response(status=503, text="generation did not answer in time")
+            while not task.done() and s.num_generated == generated:
+                if loop.time() > deadline:
+                    return web.Response(status=503, text=f"generation did not answer in {HEALTH_GENERATE_TIMEOUT_S}s")
+                await asyncio.wait({task}, timeout=0.05)
+        finally:
+            task.cancel()  # aborts the check's request if it is still queued
         return web.Response(status=200)
 
     async def model_info(self, request):

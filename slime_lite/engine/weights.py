@@ -18,6 +18,8 @@ from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name, tens
 
 logger = logging.getLogger(__name__)
 
+GROUP_TIMEOUT_S = 300.0  # joining a weight update group (every member), and each receive on it
+
 
 class WeightError(ValueError):
     """A weight update or query that cannot be applied (unknown name, wrong shape, missing files)."""
@@ -84,7 +86,8 @@ class Weights:
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> None:
-        """Join the trainer's broadcast group as rank ``rank_offset`` (blocks until every member joined)."""
+        """Join the trainer's broadcast group as rank ``rank_offset``: blocks until every member joined, at most
+        ``GROUP_TIMEOUT_S``. It touches no weights, so it runs outside the model thread (generation goes on)."""
         if group_name in self.groups:
             raise WeightError(f"weight update group {group_name!r} already exists; destroy it first")
         device = self.model.get_input_embeddings().weight.device
@@ -92,8 +95,13 @@ class Weights:
             raise WeightError("backend 'nccl' needs the engine on CUDA; use 'gloo' for a CPU engine")
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # NCCL works on the current device
-        self.groups[group_name] = WeightUpdateGroup(master_address, int(master_port), int(rank_offset),
-                                                    int(world_size), backend, group_name)
+        try:
+            group = WeightUpdateGroup(master_address, int(master_port), int(rank_offset), int(world_size), backend,
+                                      group_name, timeout_s=GROUP_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a timeout, a refused connection: the group is not formed
+            raise WeightError(f"could not join weight update group {group_name!r} at {master_address}:{master_port} "
+                              f"within {GROUP_TIMEOUT_S:g}s: {type(exc).__name__}: {exc}") from None
+        self.groups[group_name] = group
 
     def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                 group_name: str) -> int:
@@ -104,11 +112,16 @@ class Weights:
         if not len(names) == len(dtypes) == len(shapes):
             raise WeightError("names, dtypes and shapes must have the same length")
         device = "cuda" if group.backend == "nccl" else "cpu"
-        received: dict[str, torch.Tensor] = {}
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            t = torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=device)
-            group.broadcast(t, src=0)  # receive everything first so the sender never hangs on a bad name
-            received[name] = t
+        received = {name: torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=device)
+                    for name, dtype, shape in zip(names, dtypes, shapes)}
+        try:
+            for t in received.values():  # receive everything first so the sender never hangs on a bad name
+                group.broadcast(t, src=0)  # at most GROUP_TIMEOUT_S each (the group's timeout)
+        except Exception as exc:  # noqa: BLE001 - the group is out of step with the sender: it cannot be reused
+            self.groups.pop(group_name, None)
+            group.destroy()
+            raise WeightError(f"receiving from weight update group {group_name!r} failed ({type(exc).__name__}: "
+                              f"{exc}); the group was destroyed: initialise it again") from None
         return self.load_named(received)
 
     def destroy_group(self, group_name: str) -> None:

@@ -147,3 +147,27 @@ def test_client_disconnect_aborts_non_streaming_request(engine):
         assert time.monotonic() < deadline, "the request kept running after its client left"
         time.sleep(0.02)
     assert http(engine.url, "/get_server_info")[1]["num_generated_tokens"] - before < 500
+
+
+def test_a_big_batch_takes_turns_with_a_later_small_request(tiny_model_dir):
+    """Admission by token budget: a batch larger than the KV cache (12 x 63 tokens for 2 x 128) is submitted a
+    cache-full at a time, so a request sent after it starts finishes long before the batch does."""
+    from engine_helpers import start_engine
+
+    server = start_engine(tiny_model_dir, max_running_requests=2, kv_cache_tokens=256)
+    try:
+        url = server.url
+        big_sp = {"max_new_tokens": 60, **GREEDY}
+        t_big, big = in_thread(generate, url, input_ids=[[1, 2, 3]] * 12, sampling_params=big_sp)
+        deadline = time.monotonic() + 10
+        while not server.scheduler.num_running:
+            assert time.monotonic() < deadline, "batch never started"
+            time.sleep(0.005)
+        assert server.scheduler.num_waiting <= 2  # 4 of the 12 submitted: 2 running, 2 queued
+        small = generate(url, input_ids=[4, 5], sampling_params={"max_new_tokens": 5, **GREEDY})
+        assert len(small["output_ids"]) == 5
+        assert t_big.is_alive()
+        t_big.join(60)
+        assert [len(o["output_ids"]) for o in big["result"]] == [60] * 12
+    finally:
+        server.stop()
