@@ -1,8 +1,8 @@
-"""Command-line flags of ``slime-lite train`` (slime's names), ``validate_args`` and ``parser_defaults``; nothing
+"""Command-line flags of ``slime-lite train`` (slime's names), ``parse_args`` and ``parser_defaults``; nothing
 else parses ``train`` flags.
 
-Every rule is checked here, before Ray or any heavy import starts, and a broken rule is a SlimeLiteError that
-names the flags and the fix. A flag's default lives only in the parser: code that needs a group of flags takes
+``parse_args`` checks every rule between flags (args_check.py) before Ray or any heavy import starts; a broken rule
+is a SlimeLiteError that names the flags and the fix. A flag's default lives only in the parser: code that needs a group of flags takes
 the frozen config built from the parsed namespace (``LossConfig.from_args(args)``, ...; slime_lite/config.py),
 never ``getattr(args, name, default)``. ``parser_defaults()`` gives the namespace of a run with no flags (for tests
 and tools that build one without a command line).
@@ -11,16 +11,13 @@ and tools that build one without a command line).
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 from typing import Any
 
-from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, EngineConfig
+from slime_lite.args_check import fill_implied, validate_args
+from slime_lite.config import LOGPROB_DIFF_BY_DTYPE
 from slime_lite.debug.faults import FAULTS
-from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout.rewards import RM_TYPES
 
-log = logging.getLogger(__name__)
 
 
 def _rl_math_names() -> dict[str, tuple[str, ...]]:
@@ -338,221 +335,7 @@ def parser_defaults(**overrides: Any) -> argparse.Namespace:
     if unknown:
         raise TypeError(f"not flags of slime-lite train: {unknown}")
     vars(args).update(overrides)
-    _fill_implied(args)
+    fill_implied(args)
     if args.num_steps_per_rollout is None and args.global_batch_size is None:
         args.num_steps_per_rollout = 1
     return args
-
-
-# ---- validation ------------------------------------------------------------------------------------------------
-def _need_file(path: str | None, flag: str) -> None:
-    if path is not None and not os.path.exists(path):
-        raise SlimeLiteError(f"{flag} {path}: no such file or folder.")
-
-
-def _fill_implied(args: argparse.Namespace) -> None:
-    """Flags whose default is another flag's value."""
-    if args.eps_clip_high is None:
-        args.eps_clip_high = args.eps_clip
-    if args.critic_lr is None:
-        args.critic_lr = args.lr
-    if args.eval_temperature is None:
-        args.eval_temperature = args.rollout_temperature
-    if args.eval_max_response_len is None:
-        args.eval_max_response_len = args.rollout_max_response_len
-    if args.critic_num_nodes is None:
-        args.critic_num_nodes = args.actor_num_nodes
-    if args.critic_num_gpus_per_node is None:
-        args.critic_num_gpus_per_node = args.actor_num_gpus_per_node
-
-
-def validate_args(args: argparse.Namespace) -> None:
-    """Enforce SPEC section 3 and 5 rules; set implied flags (with a log line)."""
-    from slime_lite.rollout.dumps import check_template
-
-    if args.debug_rollout_only and args.debug_train_only:
-        raise SlimeLiteError(
-            "--debug-rollout-only and --debug-train-only cannot be used together: one runs only the engines, "
-            "the other only the trainer. Pick one."
-        )
-    if (
-        args.save_debug_rollout_data
-        and args.load_debug_rollout_data
-        and os.path.abspath(args.save_debug_rollout_data) == os.path.abspath(args.load_debug_rollout_data)
-    ):
-        raise SlimeLiteError("--save-debug-rollout-data and --load-debug-rollout-data must be different paths.")
-    if args.load_debug_rollout_data:
-        if args.debug_rollout_only:
-            raise SlimeLiteError(
-                "--load-debug-rollout-data replays dumps into the trainer, so it cannot be combined with "
-                "--debug-rollout-only."
-            )
-        check_template(args.load_debug_rollout_data, "--load-debug-rollout-data")
-        if not args.debug_train_only:
-            log.info("--load-debug-rollout-data given: turning on --debug-train-only (no engines are started)")
-            args.debug_train_only = True
-    if args.load_debug_rollout_data_subsample is not None:
-        if not args.load_debug_rollout_data:
-            raise SlimeLiteError("--load-debug-rollout-data-subsample needs --load-debug-rollout-data.")
-        if not 0 < args.load_debug_rollout_data_subsample <= 1:
-            raise SlimeLiteError(
-                f"--load-debug-rollout-data-subsample {args.load_debug_rollout_data_subsample} must be in (0, 1]."
-            )
-    if args.dump_details:
-        if args.save_debug_rollout_data:
-            raise SlimeLiteError("--dump-details sets the rollout dump path itself; drop --save-debug-rollout-data.")
-        if not args.debug_train_only:
-            args.save_debug_rollout_data = os.path.join(args.dump_details, "rollout_data", "{rollout_id}.pt")
-    if args.save_debug_rollout_data:
-        check_template(args.save_debug_rollout_data, "--save-debug-rollout-data")
-        if args.debug_train_only:
-            raise SlimeLiteError(
-                "--save-debug-rollout-data has nothing to save under --debug-train-only/--load-debug-rollout-data "
-                "(no rollouts are generated)."
-            )
-    if args.colocate and not args.debug_rollout_only and not (args.offload_train and args.offload_rollout):
-        log.info("--colocate: turning on --offload-train and --offload-rollout (trainer and engines share GPUs)")
-        args.offload_train = args.offload_rollout = True
-    if args.debug_rollout_only:
-        changed = [f for f in ("colocate", "offload_train", "offload_rollout") if getattr(args, f)]
-        for f in changed:
-            setattr(args, f, False)
-        log.info(
-            "--debug-rollout-only: no trainer is built and no training memory is reserved%s",
-            f"; turned off {', '.join('--' + f.replace('_', '-') for f in changed)}" if changed else "",
-        )
-
-    if args.hf_checkpoint is None:
-        raise SlimeLiteError("--hf-checkpoint is required (tokenizer, architecture and initial weights).")
-    _need_file(args.hf_checkpoint, "--hf-checkpoint")
-    if not os.path.exists(os.path.join(args.hf_checkpoint, "config.json")):
-        raise SlimeLiteError(
-            f"--hf-checkpoint {args.hf_checkpoint} has no config.json: not a Hugging Face model folder.")
-    _need_file(args.ref_load, "--ref-load")
-    if not args.debug_train_only:
-        if args.prompt_data is None and not args.custom_generate_function_path:
-            raise SlimeLiteError("--prompt-data is required to generate rollouts (a JSONL file of prompts).")
-        _need_file(args.prompt_data, "--prompt-data")
-        if args.rm_type is None and args.custom_rm_path is None:
-            raise SlimeLiteError("a reward is needed: give --rm-type or --custom-rm-path.")
-    if args.eval_prompt_data is not None:
-        if len(args.eval_prompt_data) % 2:
-            raise SlimeLiteError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...].")
-        for path in args.eval_prompt_data[1::2]:
-            _need_file(path, "--eval-prompt-data")
-    if args.eval_interval is not None and args.eval_prompt_data is None:
-        raise SlimeLiteError("--eval-interval needs --eval-prompt-data NAME PATH.")
-    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
-        raise SlimeLiteError(
-            f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
-            f"{args.rollout_batch_size}."
-        )
-    if not 0 < args.rollout_top_p <= 1:
-        raise SlimeLiteError(f"--rollout-top-p {args.rollout_top_p} must be in (0, 1].")
-    if args.eps_clip_c is not None and args.eps_clip_c <= 1:
-        raise SlimeLiteError(f"--eps-clip-c {args.eps_clip_c} must be > 1 (dual-clip bound).")
-    _fill_implied(args)
-    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
-        raise SlimeLiteError(
-            f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
-            f"{args.rollout_num_gpus_per_engine}."
-        )
-    if args.rollout_backend == "embedded" and args.rollout_num_gpus_per_engine != 1:
-        raise SlimeLiteError("--rollout-backend embedded runs one GPU per engine: use --rollout-num-gpus-per-engine 1.")
-    if args.sglang_args and args.rollout_backend != "sglang":
-        raise SlimeLiteError(
-            f"{args.sglang_args[0].replace('--', '--sglang-', 1)} is passed to SGLang servers, but "
-            "--rollout-backend is embedded. Use --rollout-backend sglang or drop the --sglang-* flags."
-        )
-    if args.engine_enable_torch_compile and (args.engine_disable_cuda_graph or args.rollout_device == "cpu"):
-        raise SlimeLiteError(
-            "--engine-enable-torch-compile compiles the embedded engine's CUDA-graph decode step; it cannot be "
-            + ("combined with --engine-disable-cuda-graph. Drop one of them." if args.engine_disable_cuda_graph
-               else "used with --rollout-device cpu. Drop it."))
-    if args.use_tis and args.tis_clip <= 0:
-        raise SlimeLiteError("--tis-clip must be > 0 with --use-tis.")
-    for flag in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
-        value = getattr(args, flag)
-        if value is not None and "." not in value:
-            raise SlimeLiteError(f"--{flag.replace('_', '-')} {value!r}: expected a dotted path 'module.function'.")
-    if args.save_interval is not None and args.save is None:
-        raise SlimeLiteError("--save-interval needs --save DIR.")
-    if args.load is not None:
-        _need_file(args.load, "--load")
-    if args.use_wandb:
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise SlimeLiteError("--use-wandb needs the wandb package: .venv/bin/pip install wandb (it logs offline "
-                                 "without a network).")
-    if not args.debug_rollout_only:
-        validate_train_args(args)
-    elif args.num_steps_per_rollout is None:
-        args.num_steps_per_rollout = 1
-    from slime_lite.backends.sglang.launcher import check_sglang_args
-
-    check_sglang_args(EngineConfig.from_args(args))
-
-
-def world_size(args: Any) -> int:
-    return args.actor_num_nodes * args.actor_num_gpus_per_node
-
-
-def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
-    import json
-
-    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    heads = cfg.get("num_attention_heads")
-    kv = cfg.get("num_key_value_heads", heads)
-    layers = cfg.get("num_hidden_layers")
-    for what, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if value and value % tp:
-            raise SlimeLiteError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({value}).")
-    if layers and layers % pp:
-        raise SlimeLiteError(
-            f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({layers}).")
-
-
-def validate_train_args(args: argparse.Namespace) -> None:
-    """Parallel sizes and batch sizes that must divide (trainer side)."""
-    world = world_size(args)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _check_model_split(args, tp, pp)
-    if world % (tp * pp):
-        raise SlimeLiteError(
-            f"--actor-num-nodes x --actor-num-gpus-per-node = {world} is not divisible by "
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}."
-        )
-    dp = world // (tp * pp)
-    samples = args.rollout_batch_size * args.n_samples_per_prompt
-    steps = args.num_steps_per_rollout
-    if args.global_batch_size is None:
-        steps = 1 if steps is None else steps
-        if samples % steps:
-            raise SlimeLiteError(
-                f"one rollout has {samples} samples (--rollout-batch-size x --n-samples-per-prompt), not divisible "
-                f"by --num-steps-per-rollout {steps}."
-            )
-        args.global_batch_size = samples // steps
-    elif samples % args.global_batch_size:
-        raise SlimeLiteError(
-            f"--global-batch-size {args.global_batch_size} does not divide one rollout's {samples} samples "
-            "(--rollout-batch-size x --n-samples-per-prompt)."
-        )
-    elif steps is not None and steps != samples // args.global_batch_size:
-        raise SlimeLiteError(
-            f"--global-batch-size {args.global_batch_size} and --num-steps-per-rollout {steps} disagree: one "
-            f"rollout has {samples} samples (--rollout-batch-size {args.rollout_batch_size} x "
-            f"--n-samples-per-prompt {args.n_samples_per_prompt}), so --global-batch-size {args.global_batch_size} "
-            f"means {samples // args.global_batch_size} steps per rollout. Give only one of the two flags."
-        )
-    args.num_steps_per_rollout = samples // args.global_batch_size
-    if args.global_batch_size % (dp * args.micro_batch_size):
-        raise SlimeLiteError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by data-parallel size {dp} x "
-            f"--micro-batch-size {args.micro_batch_size}."
-        )
-    if args.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline") and args.n_samples_per_prompt < 2:
-        log.warning("--advantage-estimator %s with --n-samples-per-prompt 1 gives zero advantages",
-                    args.advantage_estimator)
