@@ -19,7 +19,6 @@ from slime_lite.debug.faults import FAULTS
 from slime_lite.rollout.rewards import RM_TYPES
 
 
-
 def _rl_math_names() -> dict[str, tuple[str, ...]]:
     """``ESTIMATORS`` and ``KL_TYPES`` as rl_math.py defines them (their one definition), read from its source:
     importing rl_math loads torch, and ``--help`` and flag errors must stay instant."""
