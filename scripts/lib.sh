@@ -10,3 +10,21 @@ run_train() {
     .venv/bin/slime-lite train "$@"
   fi
 }
+
+# The value the train line will get for a flag: its last occurrence in the given arguments, as --flag VALUE or
+# --flag=VALUE (argparse's rule: the last one wins), else the default. Scripts read their output paths with it
+# from the arguments they pass on, so `bash scripts/run-tiny-grpo.sh --metrics-path m.jsonl` plots m.jsonl.
+# Usage: arg_value --metrics-path DEFAULT "${ARGS[@]}"
+arg_value() {
+  local flag=$1 value=$2
+  shift 2
+  while [ $# -gt 0 ]; do
+    case $1 in
+      "$flag")
+        if [ $# -ge 2 ]; then value=$2; shift; fi ;;
+      "$flag"=*) value=${1#*=} ;;
+    esac
+    shift
+  done
+  printf '%s\n' "$value"
+}

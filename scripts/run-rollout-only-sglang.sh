@@ -2,7 +2,8 @@
 # Rollout-only debugging with real SGLang engines (no trainer: Megatron is never imported), rollouts dumped and then
 # shown. With ENGINE_ADDRS=host:port[,host:port...] it starts no engine and rolls out against SGLang servers that
 # are already running (zero GPUs placed by the job). With RAY_ADDRESS (the head's dashboard, http://HEAD_IP:8265)
-# the job goes through `ray job submit`. Extra arguments are appended to the `slime-lite train` line.
+# the job goes through `ray job submit`. Extra arguments are appended to the `slime-lite train` line; the dumps
+# shown are those it wrote.
 # For an illegal memory access, run the same flags through `slime-lite ima-bisect` instead of `train`:
 #   IMA_BISECT=1 bash scripts/run-rollout-only-sglang.sh --core-dump /shared/cuda-dumps
 #
@@ -17,6 +18,7 @@ OUT=${OUT:-runs/rollout-only-sglang}
 NUM_GPUS=${NUM_GPUS:-8}
 GPUS_PER_ENGINE=${GPUS_PER_ENGINE:-1}
 SLIME_LITE=${SLIME_LITE:-slime-lite}
+source "$(dirname "$0")/lib.sh"
 
 MODEL_ARGS=(--hf-checkpoint "$HF_CHECKPOINT")
 ROLLOUT_ARGS=(
@@ -45,4 +47,5 @@ if [ -n "${RAY_ADDRESS:-}" ]; then
 else
   "${CMD[@]}"
 fi
-"$SLIME_LITE" display-rollouts --load-debug-rollout-data "$OUT/data_{rollout_id}.pt" --max-samples 4
+"$SLIME_LITE" display-rollouts --load-debug-rollout-data "$(arg_value --save-debug-rollout-data "" "${CMD[@]}")" \
+  --max-samples 4

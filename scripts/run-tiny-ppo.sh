@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # PPO (actor + critic, GAE) on the tiny addition model, CPU only: Ray driver, one embedded engine, one Megatron trainer.
-# Extra arguments are appended to the `slime-lite train` line (e.g. --metrics-path m.jsonl, --num-rollout 5).
+# Extra arguments are appended to the `slime-lite train` line (e.g. --metrics-path m.jsonl, --num-rollout 5);
+# the plot is drawn from the metrics file the train line writes, next to it (reward.png).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
 bash scripts/prepare-tiny.sh
 OUT=${OUT:-runs/tiny/ppo}
-rm -f "$OUT/metrics.jsonl"
 
 MODEL_ARGS=(--hf-checkpoint runs/tiny/model)
 CKPT_ARGS=(--save "$OUT/ckpt" --save-interval 50)
@@ -22,6 +22,9 @@ OPTIMIZER_ARGS=(--lr 1e-4 --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98 
 PERF_ARGS=(--actor-num-gpus-per-node 1 --rollout-num-gpus 1 --micro-batch-size 64 --num-steps-per-rollout 2)
 LOG_ARGS=(--metrics-path "$OUT/metrics.jsonl" --ci-test)
 
-run_train "${MODEL_ARGS[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${PPO_ARGS[@]}" \
-  "${OPTIMIZER_ARGS[@]}" "${PERF_ARGS[@]}" "${LOG_ARGS[@]}" "$@"
-.venv/bin/slime-lite plot-metrics --metrics-path "$OUT/metrics.jsonl" --out "$OUT/reward.png" --title "tiny PPO (addition)"
+ARGS=("${MODEL_ARGS[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${PPO_ARGS[@]}" \
+      "${OPTIMIZER_ARGS[@]}" "${PERF_ARGS[@]}" "${LOG_ARGS[@]}" "$@")
+METRICS=$(arg_value --metrics-path "" "${ARGS[@]}")
+rm -f "$METRICS"
+run_train "${ARGS[@]}"
+.venv/bin/slime-lite plot-metrics --metrics-path "$METRICS" --out "$(dirname "$METRICS")/reward.png" --title "tiny PPO (addition)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rollout-only debugging on the tiny model: engines only (Megatron is never imported), rollouts dumped to disk.
-# Extra arguments are appended to the `slime-lite train` line.
+# Extra arguments are appended to the `slime-lite train` line; the dumps shown are those it wrote.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
@@ -17,6 +17,8 @@ EVAL_ARGS=(--eval-interval 1 --eval-prompt-data addition runs/tiny/data/addition
 CLUSTER_ARGS=(--rollout-num-gpus 1 --rollout-num-gpus-per-engine 1)
 DEBUG_ARGS=(--debug-rollout-only --save-debug-rollout-data "$OUT/data_{rollout_id}.pt")
 
-run_train "${MODEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${DEBUG_ARGS[@]}" \
-  --metrics-path "$OUT/metrics.jsonl" "$@"
-.venv/bin/slime-lite display-rollouts --load-debug-rollout-data "$OUT/data_{rollout_id}.pt" --max-samples 4
+ARGS=("${MODEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${DEBUG_ARGS[@]}" \
+      --metrics-path "$OUT/metrics.jsonl" "$@")
+run_train "${ARGS[@]}"
+.venv/bin/slime-lite display-rollouts --load-debug-rollout-data "$(arg_value --save-debug-rollout-data "" "${ARGS[@]}")" \
+  --max-samples 4

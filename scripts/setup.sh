@@ -9,6 +9,9 @@ want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+if [ -z "$extra" ] && [ -f "$stamp-dev" ] && [ "$(cat "$stamp-dev")" = "$want" ]; then
+  exit 0  # the dev install has everything the plain one installs
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # the CPU build of torch first: an unpinned torch pulls several GB of CUDA wheels
