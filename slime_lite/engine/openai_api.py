@@ -41,6 +41,10 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
     return sp
 
 
+_FIELD_NAMES = (("sampling_params.max_new_tokens", "max_tokens"), ("sampling_params.min_new_tokens", "min_tokens"),
+                ("sampling_params.sampling_seed", "seed"), ("sampling_params.", ""))
+
+
 def _stream(body: dict[str, Any]) -> Any:
     """``stream`` as sent (new_requests checks it is a boolean); ``stream_options`` must be an object."""
     if not isinstance(body.get("stream_options") or {}, dict):
@@ -67,6 +71,19 @@ class _OpenAI:
         completion = sum(len(o.output_ids) for o in outs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def _requests(self, prompts: list[list[int]], body: dict[str, Any], default_max_tokens: int | None,
+                  want_lp: bool) -> list[Any]:
+        """``new_requests`` for an OpenAI body; an error names the OpenAI field (``max_tokens``, not
+        ``sampling_params.max_new_tokens``)."""
+        try:
+            return self.server.new_requests(prompts, _sampling(body, default_max_tokens), return_logprob=want_lp,
+                                            stream=_stream(body))
+        except BadRequest as exc:
+            message = str(exc)
+            for ours, theirs in _FIELD_NAMES:
+                message = message.replace(ours, theirs)
+            raise BadRequest(message) from None
+
     def _token_texts(self, ids: list[int]) -> list[str]:
         return [self.server.scheduler.decode([t], False) for t in ids]
 
@@ -78,12 +95,11 @@ class _OpenAI:
         if prompt is None:
             raise BadRequest("'prompt' is required")
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
-            prompts, _ = self.server.encode_prompts(text=prompt)
+            prompts, _ = await self.server.encode_prompts(text=prompt)
         else:
-            prompts, _ = self.server.encode_prompts(input_ids=prompt)
+            prompts, _ = await self.server.encode_prompts(input_ids=prompt)
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
-        reqs = self.server.new_requests(prompts, _sampling(body, 16), return_logprob=want_lp,
-                                        stream=_stream(body))
+        reqs = self._requests(prompts, body, 16, want_lp)
 
         def choice(i: int, out: Any, text: str) -> dict[str, Any]:
             lp = None
@@ -111,10 +127,9 @@ class _OpenAI:
                 text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise BadRequest(f"cannot apply the chat template: {exc}") from None
-        prompts, _ = self.server.encode_prompts(text=text)
+        prompts, _ = await self.server.encode_prompts(text=text)
         want_lp = bool(body.get("logprobs"))
-        reqs = self.server.new_requests(prompts, _sampling(body, None), return_logprob=want_lp,
-                                        stream=_stream(body))
+        reqs = self._requests(prompts, body, None, want_lp)
 
         def choice(i: int, out: Any, text: str, delta: bool = False) -> dict[str, Any]:
             lp = None

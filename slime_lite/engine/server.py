@@ -234,8 +234,9 @@ class EngineServer:
                                self.scheduler.context_len)
         return reqs
 
-    def encode_prompts(self, text: Any = None, input_ids: Any = None) -> tuple[list[list[int]], bool]:
-        """``text`` or ``input_ids`` (one or a list) -> (token id lists, whether the input was a single prompt)."""
+    async def encode_prompts(self, text: Any = None, input_ids: Any = None) -> tuple[list[list[int]], bool]:
+        """``text`` or ``input_ids`` (one or a list) -> (token id lists, whether the input was a single prompt).
+        Texts are tokenized in a worker thread: a big batch of them leaves the other requests' HTTP alone."""
         if (text is None) == (input_ids is None):
             raise BadRequest("send exactly one of 'text' and 'input_ids'")
         if text is not None:
@@ -245,7 +246,9 @@ class EngineServer:
                 raise BadRequest("'text' must be a string or a non-empty list of strings")
             if len(texts) > check.MAX_SEQUENCES:
                 raise BadRequest(f"'text': {len(texts)} prompts; at most {check.MAX_SEQUENCES} per request")
-            return [self._encode(t, "text" if single else f"text[{i}]") for i, t in enumerate(texts)], single
+            ids = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: [self._encode(t, "text" if single else f"text[{i}]") for i, t in enumerate(texts)])
+            return ids, single
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest("'input_ids' must be a non-empty list of token ids (or a list of such lists)")
         single = not isinstance(input_ids[0], list)
@@ -331,7 +334,7 @@ class EngineServer:
         from aiohttp import web
 
         body = await read_body(request)
-        prompts, single = self.encode_prompts(body.get("text"), body.get("input_ids"))
+        prompts, single = await self.encode_prompts(body.get("text"), body.get("input_ids"))
 
         def opt(key: str, default: Any) -> Any:
             return default if body.get(key) is None else body[key]

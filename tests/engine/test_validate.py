@@ -66,11 +66,12 @@ def test_bad_generate_values_answer_400_naming_the_field(engine, body, field):
 
 
 @pytest.mark.parametrize("route,body,field", [
-    ("/v1/completions", {"prompt": "ab", "max_tokens": NAN}, "max_new_tokens"),
-    ("/v1/completions", {"prompt": "ab", "n": 1000}, "sampling_params.n"),
+    ("/v1/completions", {"prompt": "ab", "max_tokens": NAN}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "ab", "n": 1000}, "n="),
     ("/v1/completions", {"prompt": "ab", "stream_options": "x", "stream": True}, "stream_options"),
     ("/v1/completions", {"max_tokens": 2}, "prompt"),
-    ("/v1/completions", {"prompt": "ab", "seed": 1.5}, "sampling_seed"),
+    ("/v1/completions", {"prompt": "ab", "seed": 1.5}, "seed"),
     ("/abort_request", {"rid": ["a"]}, "rid"),
     ("/pause_generation", {"mode": ["abort"]}, "mode"),
     ("/update_weights_from_disk", {"model_path": 5}, "model_path"),
