@@ -1,7 +1,9 @@
 """Control, weight and memory routes of the embedded engine (SGLang's names and shapes).
 
-Every operation runs in the model thread between two generation steps (``Scheduler.call``). Weight routes answer
-SGLang's ``{"success": bool, "message": str}``, with HTTP 400 when the update was refused (nothing changed then).
+Every operation runs in the model thread between two generation steps (``Scheduler.call``), except joining a weight
+update group, which waits for the trainer in a worker thread. Weight routes answer SGLang's
+``{"success": bool, "message": str}``, with HTTP 400 when the update was refused (nothing changed then). Fields
+are checked (``validate``) before anything runs: a wrong type or range is a 400 naming the field.
 """
 
 from __future__ import annotations

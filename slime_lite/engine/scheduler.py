@@ -34,7 +34,7 @@ from slime_lite.engine.cuda_graph import PaddedDecoder
 from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.request import Request, RequestOutput
-from slime_lite.engine.sampling import mix64, sample, uniforms
+from slime_lite.engine.sampling import mix64, sample
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
 

@@ -3,6 +3,11 @@
 ``slime-lite serve --model-path DIR --port P`` runs it from the shell; ``EngineServer(...).start()`` runs it inside
 a process (a Ray actor, a test) on a background thread with its own event loop. Routes and fields follow
 ``shared/reference/sglang-api.md``; generation happens in the ``Scheduler``'s model thread.
+
+No request can stall or poison the others: every field is checked before admission (``validate``: a 400 naming
+the field), bodies are limited (``--max-request-bytes``; 413), one HTTP request holds at most the KV cache's
+tokens in the engine at a time (the rest wait their turn), a client that disconnects cancels its requests, and
+``/health`` answers 503 when generation is paused or stuck.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Weight updates of the embedded engine, by Hugging Face parameter name.
 
-Every method runs in the engine's model thread between forward steps (``Scheduler.call``), so a generation step
-never sees half-updated weights. Updates are checked in full (names, shapes) before any parameter is written.
+Every method but ``init_group`` (which touches no weights and may wait for the trainer) runs in the engine's model
+thread between forward steps (``Scheduler.call``), so a generation step never sees half-updated weights. Updates are
+checked in full (names, shapes) before any parameter is written. Joining a group and each receive on it end within
+``GROUP_TIMEOUT_S``; a receive that fails destroys the group (it is out of step with the sender).
 A tied LM head (``tie_word_embeddings``) is the embedding's parameter: writing either name writes both.
 """
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 from engine_helpers import generate, http, in_thread
 
 from slime_lite.io import free_port
@@ -28,7 +27,7 @@ def test_health_is_503_at_once_while_paused_and_200_after_continue(engine):
 
 
 def test_health_is_503_while_the_model_thread_is_stuck(engine, monkeypatch):
-    import slime_lite.engine.server as server
+    from slime_lite.engine import server
 
     monkeypatch.setattr(server, "HEALTH_GENERATE_TIMEOUT_S", 1.0)
     release = threading.Event()
@@ -55,7 +54,7 @@ def test_health_is_200_while_the_engine_is_busy(engine):
 
 
 def test_a_weight_group_that_never_forms_times_out_while_generation_goes_on(engine, monkeypatch):
-    import slime_lite.engine.weights as weights
+    from slime_lite.engine import weights
 
     monkeypatch.setattr(weights, "GROUP_TIMEOUT_S", 3.0)
     init = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
@@ -71,7 +70,7 @@ def test_a_weight_group_that_never_forms_times_out_while_generation_goes_on(engi
 
 
 def test_a_receive_that_never_comes_times_out_and_destroys_the_group(engine, monkeypatch):
-    import slime_lite.engine.weights as weights
+    from slime_lite.engine import weights
 
     monkeypatch.setattr(weights, "GROUP_TIMEOUT_S", 2.0)
     port = free_port()

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-
 from engine_helpers import generate, http, in_thread
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
