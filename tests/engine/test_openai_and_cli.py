@@ -77,6 +77,8 @@ def test_serve_rejects_unknown_flags_and_tp_size(tiny_model_dir):
         main(["--model-path", str(tiny_model_dir), "--cuda-graph-max-bs", "0", "--port", "0"])
     with pytest.raises(SlimeLiteError, match="--enable-torch-compile .*this engine runs on CPU"):
         main(["--model-path", str(tiny_model_dir), "--device", "cpu", "--enable-torch-compile", "--port", "0"])
+    with pytest.raises(SlimeLiteError, match="--max-request-bytes 0"):
+        main(["--model-path", str(tiny_model_dir), "--max-request-bytes", "0", "--port", "0"])
 
 
 @pytest.mark.slow
