@@ -53,6 +53,7 @@ SKIP = {
         "starts a standalone Ray cluster that outlives the command",
     "RAY_AUTH_MODE=disabled RAY_ADDRESS=http://127.0.0.1:8265 bash scripts/run-tiny-grpo.sh":
         "needs the Ray cluster started by the command before it",
+    "bash scripts/test-gpu.sh": "the gpu-marked tests, on a CUDA machine",
     "slime-lite ima-bisect [train flags]": "placeholder flags; SGLang on a GPU (tests/debug/test_ima_bisect.py)",
     "scripts/run-qwen2.5-0.5B-grpo.sh": "a GPU node with SGLang and the Qwen2.5-0.5B weights",
     "scripts/run-rollout-only-sglang.sh": "a GPU node with SGLang",
