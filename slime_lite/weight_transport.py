@@ -33,6 +33,42 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+WILDCARD_ENV = "SLIME_LITE_WEIGHT_GROUP_ALLOW_WILDCARD"  # "1": a weight group may listen on 0.0.0.0 / ::
+
+
+def is_wildcard(address: str) -> bool:
+    """Whether ``address`` means every interface (``0.0.0.0``, ``::``, empty)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_unspecified
+    except ValueError:
+        return address.strip() == ""
+
+
+def wildcard_allowed() -> bool:
+    import os
+
+    return os.environ.get(WILDCARD_ENV, "") == "1"
+
+
+def check_group_address(address: str) -> None:
+    """Refuse a wildcard weight-group address unless the user set ``SLIME_LITE_WEIGHT_GROUP_ALLOW_WILDCARD=1``."""
+    if is_wildcard(address) and not wildcard_allowed():
+        raise ValueError(f"master_address {address!r} would listen on every interface; give the address to bind "
+                         f"(e.g. 127.0.0.1 or this host's cluster address), or set {WILDCARD_ENV}=1 to allow it")
+
+
+def _local_address_towards(address: str, port: int) -> str:
+    """This host's address on the route to ``address`` (the address itself when it is local): what gloo binds."""
+    import socket
+
+    if is_wildcard(address):
+        return "0.0.0.0"
+    info = socket.getaddrinfo(address, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+        s.connect(info[4])  # UDP: no packet is sent, only the route is chosen
+        return s.getsockname()[0]
 
 
 def serialize_named_tensors(named: Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]) -> str:
@@ -81,6 +117,10 @@ class WeightUpdateGroup:
     Every member must be constructed at the same time (construction blocks until all ``world_size`` members
     joined, or ``timeout_s`` passed). ``backend`` is ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors, the
     current CUDA device).
+
+    Every socket binds to one address, never every interface: rank 0's store listens on ``master_address`` only,
+    and gloo's pairs on this host's address towards it. A wildcard ``master_address`` (``0.0.0.0``, ``::``) is
+    refused unless ``SLIME_LITE_WEIGHT_GROUP_ALLOW_WILDCARD=1``.
     """
 
     def __init__(
@@ -99,15 +139,36 @@ class WeightUpdateGroup:
             raise ValueError(f"backend {backend!r}: expected 'gloo' or 'nccl'")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        check_group_address(master_address)
         self.rank, self.world_size, self.backend, self.group_name = rank, world_size, backend, group_name
         timeout = datetime.timedelta(seconds=timeout_s)
         url = f"tcp://{master_address}:{int(master_port)}"
-        store, _, _ = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+        if rank == 0:  # torch's TCPStore server binds every interface: hand it a socket bound to the address asked
+            import socket
+
+            info = socket.getaddrinfo(master_address.strip("[]"), int(master_port), type=socket.SOCK_STREAM)[0]
+            listener = socket.socket(info[0], socket.SOCK_STREAM)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(info[4])
+                listener.listen(max(64, world_size))
+            except OSError:
+                listener.close()
+                raise
+            # the store owns the socket from here (it closes it when it goes)
+            store = dist.TCPStore(master_address, int(master_port), world_size, True, timeout,
+                                  master_listen_fd=listener.detach(), use_libuv=False)
+        else:
+            store = dist.TCPStore(master_address, int(master_port), world_size, False, timeout)
         store.set_timeout(timeout)
         device = "cuda" if backend == "nccl" else "cpu"
         store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
         if backend == "gloo":
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            local = master_address if rank == 0 else _local_address_towards(master_address, int(master_port))
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
+            self._pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout

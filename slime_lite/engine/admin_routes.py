@@ -16,6 +16,7 @@ from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
 from slime_lite.engine.scheduler import EngineBusy
 from slime_lite.engine.weights import WeightError
+from slime_lite.weight_transport import check_group_address
 
 if TYPE_CHECKING:
     from slime_lite.engine.scheduler import Scheduler
@@ -182,7 +183,12 @@ class _Admin:
         if missing:
             raise BadRequest(f"init_weights_update_group needs {', '.join(missing)}")
         world_size = _field(check.integer, body, "world_size", 0, 2, 1 << 16)
-        args = (_field(check.string, body, "master_address", ""),
+        address = _field(check.string, body, "master_address", "")
+        try:
+            check_group_address(address)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        args = (address,
                 _field(check.integer, body, "master_port", 0, 1, 65535),
                 _field(check.integer, body, "rank_offset", 1, 1, world_size - 1), world_size,
                 _field(check.string, body, "group_name", GROUP), _field(check.string, body, "backend", "nccl"))

@@ -27,14 +27,38 @@ class WeightError(ValueError):
     """A weight update or query that cannot be applied (unknown name, wrong shape, missing files)."""
 
 
+def _inside(path: Path, entry: Any) -> Path:
+    """``path / entry`` when it names a file inside ``path`` (after symlinks); WeightError naming the entry otherwise."""
+    where = f"{path / 'model.safetensors.index.json'}: weight_map entry {entry!r}"
+    if not isinstance(entry, str) or not entry or "\x00" in entry:
+        raise WeightError(f"{where} is not a file name")
+    rel = Path(entry)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise WeightError(f"{where} leaves the model folder (absolute paths and '..' are refused)")
+    target = (path / rel).resolve()
+    if not target.is_relative_to(path.resolve()):
+        raise WeightError(f"{where} leads out of the model folder (a symlink to {target})")
+    if not target.is_file():
+        raise WeightError(f"{where}: no such file in the model folder")
+    return target
+
+
 def _safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's files, each inside ``path``: index entries and symlinks may not lead out of the folder."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            entries = set(weight_map.values())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+        return [_inside(path, e) for e in sorted(entries, key=str)]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightError(f"{path}: no *.safetensors files (the engine loads safetensors checkpoints only)")
+    for f in files:
+        if not f.resolve().is_relative_to(path.resolve()):
+            raise WeightError(f"{f} leads out of the model folder (a symlink to {f.resolve()})")
     return files
 
 
@@ -65,8 +89,11 @@ class Weights:
         """Copy ``{hf_name: tensor}`` into the model (any subset of parameters); returns how many were written."""
         self._check({n: tuple(t.shape) for n, t in named.items()})
         params = self.params
-        for name, tensor in named.items():
-            params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+        # every tensor converted first: a failure here (memory, a bad dtype) leaves the weights as they were
+        staged = {name: tensor.to(device=params[name].device, dtype=params[name].dtype)
+                  for name, tensor in named.items()}
+        for name, tensor in staged.items():
+            params[name].copy_(tensor)
         return len(named)
 
     def load_from_disk(self, model_path: str) -> int:
@@ -113,18 +140,28 @@ class Weights:
             raise WeightError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
         if not len(names) == len(dtypes) == len(shapes):
             raise WeightError("names, dtypes and shapes must have the same length")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise WeightError(f"names: {dupes[:5]} named more than once")
         device = "cuda" if group.backend == "nccl" else "cpu"
-        received = {name: torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=device)
-                    for name, dtype, shape in zip(names, dtypes, shapes)}
+        # staging buffers: the parameters are written only once every named tensor arrived (load_named); a receive
+        # that ends early (timeout, sender gone) leaves the weights as they were and the buffers are dropped
+        staging = [(name, torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=device))
+                   for name, dtype, shape in zip(names, dtypes, shapes)]
+        arrived = 0
         try:
-            for t in received.values():  # receive everything first so the sender never hangs on a bad name
+            for _, t in staging:  # receive everything first so the sender never hangs on a bad name
                 group.broadcast(t, src=0)  # at most GROUP_TIMEOUT_S each (the group's timeout)
+                arrived += 1
         except Exception as exc:  # noqa: BLE001 - the group is out of step with the sender: it cannot be reused
             self.groups.pop(group_name, None)
             group.destroy()
-            raise WeightError(f"receiving from weight update group {group_name!r} failed ({type(exc).__name__}: "
-                              f"{exc}); the group was destroyed: initialise it again") from None
-        return self.load_named(received)
+            raise WeightError(f"receiving from weight update group {group_name!r} failed after {arrived} of "
+                              f"{len(staging)} tensor(s) ({type(exc).__name__}: {exc}); no weight was changed; "
+                              f"the group was destroyed: initialise it again") from None
+        if arrived != len(staging):  # never reached today; the guard keeps unfilled buffers out of the model
+            raise WeightError(f"only {arrived} of {len(staging)} tensor(s) arrived; no weight was changed")
+        return self.load_named(dict(staging))
 
     def destroy_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)

@@ -91,12 +91,16 @@ def _push_tensor(named: dict[str, torch.Tensor], urls: list[str], version: int) 
 
 def _group(urls: list[str], backend: str) -> Any:
     """One broadcast group trainer(rank 0) + engines, made on the first push and kept for the later ones."""
-    from slime_lite.weight_transport import WeightUpdateGroup
+    from slime_lite.weight_transport import WeightUpdateGroup, check_group_address
 
     key = tuple(urls)
     if key in _groups:
         return _groups[key]
     host = os.environ.get("SLIME_LITE_WEIGHT_MASTER_ADDR", "127.0.0.1")
+    try:
+        check_group_address(host)  # the group's store listens on this address only; never every interface
+    except ValueError as exc:
+        raise SlimeLiteError(f"SLIME_LITE_WEIGHT_MASTER_ADDR: {exc}") from None
     port = free_port()
     world = 1 + len(urls)
     with ThreadPoolExecutor(max_workers=len(urls) + 1) as pool:

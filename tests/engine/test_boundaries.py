@@ -1,0 +1,169 @@
+"""Network and file boundaries of weight updates (issue 15 item 5): weight groups listen on the address asked for
+only (a wildcard is refused unless the user allows it), a distributed receive that ends early changes no weight,
+and a disk load stays inside its folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from engine_helpers import http, in_thread
+
+from slime_lite.io import free_port
+from slime_lite.weight_transport import WILDCARD_ENV, WeightUpdateGroup
+
+NAMES = ["model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"]
+
+
+def _message(out: dict) -> str:
+    """The error text of a refused request: a 400 before any work ({"error": {...}}) or a failed weight op."""
+    return out["error"]["message"] if "error" in out else out["message"]
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net shows them) of the sockets listening on ``port`` on this host."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:
+                    out.append(addr)
+    return out
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0", "::", "[::]"])
+def test_a_wildcard_group_address_is_a_400_naming_the_field(engine, address, monkeypatch):
+    monkeypatch.delenv(WILDCARD_ENV, raising=False)
+    init = {"master_address": address, "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "wild", "backend": "gloo"}
+    status, out = http(engine.url, "/init_weights_update_group", init)
+    assert status == 400 and "master_address" in _message(out) and WILDCARD_ENV in _message(out)
+    assert http(engine.url, "/health")[0] == 200
+
+
+def test_the_trainer_refuses_a_wildcard_master_address_before_asking_the_engines(monkeypatch):
+    from slime_lite.backends.megatron import weight_push
+    from slime_lite.errors import SlimeLiteError
+
+    monkeypatch.delenv(WILDCARD_ENV, raising=False)
+    monkeypatch.setenv("SLIME_LITE_WEIGHT_MASTER_ADDR", "0.0.0.0")
+    asked = []
+    monkeypatch.setattr(weight_push, "request_json", lambda *a, **k: asked.append(a))
+    with pytest.raises(SlimeLiteError, match="SLIME_LITE_WEIGHT_MASTER_ADDR.*every interface"):
+        weight_push._group(["http://127.0.0.1:1"], "gloo")
+    assert asked == []
+    with pytest.raises(ValueError, match=WILDCARD_ENV):
+        WeightUpdateGroup("0.0.0.0", free_port(), rank=0, world_size=2)
+
+
+def test_a_weight_group_listens_on_loopback_only(engine):
+    port = free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "lo", "backend": "gloo"}
+    t, box = in_thread(http, engine.url, "/init_weights_update_group", init)
+    trainer = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", group_name="lo",
+                                timeout_s=30)
+    t.join(30)
+    try:
+        assert box["result"][0] == 200
+        assert _listening(port) == ["0100007F"]  # 127.0.0.1, not 00000000 (every interface)
+    finally:
+        http(engine.url, "/destroy_weights_update_group", {"group_name": "lo"})
+        trainer.destroy()
+
+
+def test_a_receive_that_ends_half_way_changes_no_weight(engine, monkeypatch):
+    import torch
+
+    from slime_lite.engine import weights
+
+    monkeypatch.setattr(weights, "GROUP_TIMEOUT_S", 2.0)
+    port = free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "half", "backend": "gloo"}
+    t, box = in_thread(http, engine.url, "/init_weights_update_group", init)
+    trainer = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", group_name="half",
+                                timeout_s=30)
+    t.join(30)
+    assert box["result"][0] == 200
+    try:
+        before = http(engine.url, "/get_weights_checksum", {"names": NAMES})[1]
+        body = {"names": NAMES, "dtypes": ["float32"] * 3, "shapes": [[128]] * 3, "group_name": "half"}
+        t, box = in_thread(http, engine.url, "/update_weights_from_distributed", body)
+        for _ in NAMES[:2]:  # two of three tensors arrive, then the trainer goes quiet
+            trainer.broadcast(torch.full((128,), 7.0), src=0)
+        t.join(30)
+        status, out = box["result"]
+        assert status == 400 and "after 2 of 3" in out["message"] and "no weight was changed" in out["message"]
+        assert http(engine.url, "/get_weights_checksum", {"names": NAMES})[1] == before
+        assert http(engine.url, "/get_weights_by_name", {"name": NAMES[0], "truncate_size": 2})[1] != [7.0, 7.0]
+    finally:
+        trainer.destroy()
+
+
+def test_duplicate_names_in_a_receive_are_a_400(engine):
+    port = free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "dup", "backend": "gloo"}
+    t, box = in_thread(http, engine.url, "/init_weights_update_group", init)
+    trainer = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", group_name="dup",
+                                timeout_s=30)
+    t.join(30)
+    try:
+        body = {"names": [NAMES[0], NAMES[0]], "dtypes": ["float32"] * 2, "shapes": [[128]] * 2,
+                "group_name": "dup"}
+        status, out = http(engine.url, "/update_weights_from_distributed", body)
+        assert status == 400 and "more than once" in _message(out)
+    finally:
+        http(engine.url, "/destroy_weights_update_group", {"group_name": "dup"})
+        trainer.destroy()
+
+
+@pytest.fixture
+def sharded_copy(tiny_model_dir, tmp_path):
+    """The tiny model's folder with an index file naming its one safetensors file, and a folder beside it."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(files) == 1
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(folder / files[0], outside / "stolen.safetensors")
+    return folder, files[0], outside
+
+
+def _write_index(folder, entry) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": entry}}))
+
+
+@pytest.mark.parametrize("entry", ["../outside/stolen.safetensors", "ABSOLUTE", "link.safetensors"])
+def test_disk_loads_stay_inside_the_folder(engine, sharded_copy, entry):
+    folder, _, outside = sharded_copy
+    if entry == "ABSOLUTE":
+        entry = str(outside / "stolen.safetensors")
+    if entry == "link.safetensors":
+        (folder / entry).symlink_to(outside / "stolen.safetensors")
+    _write_index(folder, entry)
+    before = http(engine.url, "/get_weights_checksum", {"names": NAMES})[1]
+    status, out = http(engine.url, "/update_weights_from_disk", {"model_path": str(folder)})
+    assert status == 400 and repr(entry) in _message(out) and "model folder" in _message(out)
+    assert http(engine.url, "/get_weights_checksum", {"names": NAMES})[1] == before
+
+
+def test_a_symlinked_shard_without_an_index_may_not_lead_out(engine, sharded_copy):
+    folder, name, outside = sharded_copy
+    (folder / name).unlink()
+    (folder / name).symlink_to(outside / "stolen.safetensors")
+    status, out = http(engine.url, "/update_weights_from_disk", {"model_path": str(folder)})
+    assert status == 400 and name in _message(out) and "leads out of the model folder" in _message(out)
+
+
+def test_an_index_inside_the_folder_still_loads(engine, sharded_copy, tiny_model_dir):
+    folder, name, _ = sharded_copy
+    _write_index(folder, name)
+    status, out = http(engine.url, "/update_weights_from_disk", {"model_path": str(folder)})
+    assert status == 200 and out["success"] is True, out
+    assert http(engine.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir)})[0] == 200
