@@ -97,6 +97,10 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_i
     if "train/first_step/ppo_kl" in record:
         value = record["train/first_step/ppo_kl"]
         checks.append(_check("first_step_ppo_kl_zero", value, "== 0", value == 0.0))
+    if rollout_id is not None and "rollout/weight_version" in record:  # stale weights: the root cause of a log-prob gap
+        version = record["rollout/weight_version"]
+        checks.append(_check("weight_version_served", version, f"== {rollout_id} (the weights pushed after "
+                             f"{rollout_id} trained rollouts)", version == rollout_id, VERSION_CAUSE))
     if "train/train_rollout_logprob_abs_diff" in record:
         value = record["train/train_rollout_logprob_abs_diff"]
         bound, why = logprob_diff_threshold(cfg)
@@ -105,10 +109,6 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_i
         value = record["train/first_step/grad_norm"]
         bound = cfg.ci_grad_norm_threshold
         checks.append(_check("grad_norm_finite", value, f"finite, < {bound:g}", math.isfinite(value) and value < bound))
-    if rollout_id is not None and "rollout/weight_version" in record:  # after the log-prob check: it says more
-        version = record["rollout/weight_version"]
-        checks.append(_check("weight_version_served", version, f"== {rollout_id} (the weights pushed after "
-                             f"{rollout_id} trained rollouts)", version == rollout_id, VERSION_CAUSE))
     return checks
 
 

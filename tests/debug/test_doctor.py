@@ -234,3 +234,20 @@ def test_ci_test_passes_a_healthy_bf16_run_of_a_half_billion_shape_on_a_gpu(warm
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in rows if r["rollout_id"] >= 0]
     assert len(diffs) == 2 and all(1e-3 < d < 5e-2 for d in diffs)  # over the float32 bound: bf16 noise is real
+
+
+@pytest.mark.parametrize("fault, check", [
+    pytest.param("engine-temperature", "train_rollout_logprob_diff", marks=gpu),
+    pytest.param("skip-weight-push", "weight_version_served", marks=gpu),  # caught whatever the learning rate
+])
+def test_ci_test_stops_a_bf16_run_on_a_gpu_at_each_fault(warm, tmp_path, fault, check):
+    import subprocess
+    import sys
+
+    model, data = warm
+    argv = ["--hf-checkpoint", model, "--prompt-data", data, "--rm-type", "addition", "--rollout-max-response-len",
+            "6", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--use-kl-loss", "--kl-loss-coef",
+            "0.01", "--lr", "1e-6", "--num-rollout", "2", "--ci-test", "--debug-inject-fault", fault, *BF16]
+    proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", *argv], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0 and f"check {check} failed" in proc.stderr, proc.stderr[-3000:]
