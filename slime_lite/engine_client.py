@@ -17,6 +17,30 @@ from slime_lite.errors import EngineError
 
 log = logging.getLogger(__name__)
 
+API_KEY_ENV = "SLIME_LITE_ENGINE_API_KEY"  # the engines' API key (never on a command line)
+API_KEY_FILE_ENV = "SLIME_LITE_ENGINE_API_KEY_FILE"  # or a file holding it
+
+
+def api_key() -> str | None:
+    """The engines' API key: $SLIME_LITE_ENGINE_API_KEY, else the first line of $SLIME_LITE_ENGINE_API_KEY_FILE."""
+    import os
+
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    path = os.environ.get(API_KEY_FILE_ENV, "")
+    if not key and path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as exc:
+            raise EngineError(f"{API_KEY_FILE_ENV}={path}: cannot read the API key ({exc.strerror})") from None
+    return key or None
+
+
+def auth_headers() -> dict[str, str]:
+    """``Authorization: Bearer KEY`` when an API key is set (engines without a key ignore it)."""
+    key = api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
 
 def _describe(body: Any) -> str:
     text = json.dumps(body, default=str) if body is not None else ""
@@ -30,7 +54,7 @@ def request_json(url: str, route: str, body: Any = None, *, timeout: float = 60.
         url.rstrip("/") + route,
         data=data,
         method=method or ("GET" if body is None else "POST"),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **auth_headers()},
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -69,6 +93,7 @@ class AsyncEngineClient:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 connector=aiohttp.TCPConnector(limit=0),
+                headers=auth_headers(),
             )
         return self._session
 

@@ -47,6 +47,7 @@ def gpu_resource() -> str:
 def init_ray(args: Any, num_slots: int) -> None:
     """Join the cluster named by RAY_ADDRESS (ray job submit) or start a local one sized for this run."""
     import os
+    import secrets
 
     import ray
 
@@ -54,6 +55,11 @@ def init_ray(args: Any, num_slots: int) -> None:
         return
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}}
     env["env_vars"].update(kv.split("=", 1) for kv in args.debug_env)  # --debug-env
+    # engines on non-loopback addresses require this run's API key; every Ray process gets it by environment
+    from slime_lite.engine_client import API_KEY_ENV, api_key
+
+    os.environ[API_KEY_ENV] = api_key() or secrets.token_urlsafe(32)
+    env["env_vars"][API_KEY_ENV] = os.environ[API_KEY_ENV]
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", runtime_env=env, log_to_driver=True)
         return

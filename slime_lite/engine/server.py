@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import json
+import os
 import logging
 import signal
 import threading
@@ -33,6 +35,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 MAX_REQUEST_BYTES = 8 << 20  # default body limit of every route but the weight upload
 WEIGHTS_BODY_LIMIT = 1 << 34
 WEIGHTS_ROUTES = ("/update_weights_from_tensor",)
+OPEN_ROUTES = ("/health", "/health_generate")  # answered without the API key (liveness probes)
 
 
 def _rid(value: Any) -> str:
@@ -167,7 +170,8 @@ class EngineServer:
 
         @web.middleware
         async def middleware(request, handler):
-            if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            if self.api_key and request.path not in OPEN_ROUTES and not hmac.compare_digest(
+                    request.headers.get("Authorization", "").encode(), f"Bearer {self.api_key}".encode()):
                 return error_response("missing or wrong API key (Authorization: Bearer ...)", 401)
             limit = WEIGHTS_BODY_LIMIT if request.path in WEIGHTS_ROUTES else self.max_request_bytes
             too_large = (f"request body over {limit} bytes (the limit of {request.path}; "
@@ -425,6 +429,15 @@ class EngineServer:
 
 
 # ---- command line -------------------------------------------------------------------------------------------
+def _env_api_key() -> str | None:
+    key = os.environ.get("SLIME_LITE_ENGINE_API_KEY", "").strip()
+    path = os.environ.get("SLIME_LITE_ENGINE_API_KEY_FILE", "")
+    if not key and path:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    return key or None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slime-lite serve", description="Start the embedded SGLang-compatible engine.")
     p.add_argument("--model-path", required=True, help="Hugging Face model folder (Llama/Qwen2 family)")
@@ -446,7 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest batch decoded through CUDA graphs (default: --max-running-requests)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the layers of the CUDA-graph decode step (fused kernels; compiles at start)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /health_generate "
+                        "(default: $SLIME_LITE_ENGINE_API_KEY, else the first line of "
+                        "$SLIME_LITE_ENGINE_API_KEY_FILE; those keep the key off the command line)")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="largest request body, in bytes, on every route but /update_weights_from_tensor "
                         f"(default {MAX_REQUEST_BYTES >> 20} MiB); larger ones get HTTP 413")
@@ -475,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     server = EngineServer(
         args.model_path, tokenizer_path=args.tokenizer_path, host=args.host, port=args.port, dtype=args.dtype,
         device=args.device, seed=args.random_seed, max_running_requests=args.max_running_requests,
-        kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key, served_model_name=args.served_model_name,
+        kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key or _env_api_key(),
+        served_model_name=args.served_model_name,
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
         enable_torch_compile=args.enable_torch_compile, max_request_bytes=args.max_request_bytes,
     )

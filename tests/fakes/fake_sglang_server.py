@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--api-key", default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--speculative-algorithm", default=None)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             return await super().generate(request)
 
     server = FakeSGLangEngine(args.model_path, host=args.host, port=args.port, device="cpu",
-                              seed=args.random_seed, cpu_threads=1)
+                              seed=args.random_seed, cpu_threads=1, api_key=args.api_key)
     server.run_forever()
     return 0
 

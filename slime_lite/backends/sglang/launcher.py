@@ -115,6 +115,31 @@ def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> None
 
 
 # ---- command line ------------------------------------------------------------------------------------------
+# Runs the server module with --api-key taken from the environment: the key reaches SGLang's argument parser
+# without being on any command line (/proc/PID/cmdline shows the argv given to exec, not sys.argv after this).
+KEYED_LAUNCH = ("import os, runpy, sys; key = os.environ.pop('SLIME_LITE_ENGINE_API_KEY'); "
+                "os.environ.pop('SLIME_LITE_ENGINE_API_KEY_FILE', None); module = sys.argv[1]; "
+                "sys.argv = [module] + sys.argv[2:] + ['--api-key', key]; "
+                "runpy.run_module(module, run_name='__main__', alter_sys=True)")
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def keyed_command(cmd: list[str]) -> list[str]:
+    """``cmd`` (``python -m MODULE ARGS``) run so that the server gets ``--api-key`` from the environment."""
+    assert cmd[1] == "-m", cmd
+    return [cmd[0], "-c", KEYED_LAUNCH, cmd[2], *cmd[3:]]
+
+
 def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.1") -> list[str]:
     """The engine's command line: model, address, TP size, per-engine seed, memory saver under colocate, then
     every passthrough flag in the order given (so a passthrough --random-seed overrides ours)."""
@@ -300,6 +325,15 @@ class SGLangServer(_ManagedProcess):
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         cmd = build_command(self.config, self.rank, port, host)
+        if not is_loopback(host):  # reachable from other hosts: every route but health needs the run's API key
+            from slime_lite.engine_client import API_KEY_ENV, api_key
+
+            key = api_key()
+            if not key:
+                raise EngineError(f"{self.what} would listen on {host} (not loopback) without an API key: set "
+                                  f"{API_KEY_ENV} or SLIME_LITE_ENGINE_API_KEY_FILE (slime-lite train sets one)")
+            env[API_KEY_ENV] = key
+            cmd = keyed_command(cmd)
         return self._launch(cmd, env, f"sglang_engine{self.rank}_{port}.log", self.start_timeout)
 
 
