@@ -72,9 +72,9 @@ class RolloutManager:
         dumps.check_rewards(samples, a.reward_key, f"rollout {rollout_id}", strict=False)  # after the dump: inspect it
         metrics = rollout_metrics(samples, a.reward_key)
         metrics.update(extra)
-        versions = [int(v) for s in samples for v in s.weight_versions[-1:] if str(v).isdigit()]
-        if versions:
-            metrics["rollout/weight_version"] = float(max(versions))
+        served = [str(v) for s in samples for v in s.weight_versions[-1:]]
+        if served:  # -1: the engine still serves what it loaded itself ("default"): no push ever reached it
+            metrics["rollout/weight_version"] = float(max((int(v) if v.isdigit() else -1) for v in served))
         if not a.load_debug_rollout_data:
             metrics["perf/rollout_time"] = elapsed
             tokens = sum(s.response_length for s in samples)
