@@ -266,7 +266,7 @@ def version_check(run: TrainRun) -> Check:
         return _check(name, None, threshold, False, f"no rollout finished: {run.stopped}")
     bad = [r for r, v in seen.items() if v is None or int(v) != r]
     last = seen[max(seen)]
-    shown = ", ".join(f"rollout {r}: {'none' if v is None else int(v)}" for r, v in seen.items())
+    shown = ", ".join(f"rollout {r}: {'none' if v is None or v < 0 else int(v)}" for r, v in seen.items())
     return _check(name, None if last is None else float(last), threshold, not bad,
                   f"engine weight versions {shown}: the engine never received the pushed weights (it still serves "
                   "the checkpoint it loaded, or an older push); check the weight push")

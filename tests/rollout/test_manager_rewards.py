@@ -47,3 +47,23 @@ def test_non_finite_reward_stops_the_rollout_naming_rollout_and_sample(tiny_mode
 def test_finite_rewards_pass(tiny_model_dir, tmp_path) -> None:
     samples, metrics = _manager(tiny_model_dir, tmp_path, 0.0).generate(0)
     assert len(samples) == 4 and metrics["rollout/raw_reward"] == 0.75
+
+
+@pytest.mark.parametrize("served, expected", [(["default"], -1.0), (["0", "default"], -1.0), (["2"], 2.0),
+                                              ([], None)])
+def test_the_weight_version_served_is_reported_and_never_pushed_is_minus_one(tiny_model_dir, tmp_path, served,
+                                                                            expected) -> None:
+    """An engine that never got a push serves "default": the version is -1, so --ci-test's version check fails
+    (before, the metric was left out and a run whose every push was skipped passed that check)."""
+    manager = _manager(tiny_model_dir, tmp_path, 0.0)
+    rollout = manager.generator.rollout
+
+    async def with_versions(rollout_id, source):  # noqa: ANN001
+        samples, extra = await rollout(rollout_id, source)
+        for s in samples:
+            s.weight_versions = list(served)
+        return samples, extra
+
+    manager.generator.rollout = with_versions
+    metrics = manager.generate(0)[1]
+    assert metrics.get("rollout/weight_version") == expected
