@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -13,9 +15,6 @@ from slime_lite.errors import EngineError
 
 
 def _status(url: str, route: str, key: str | None, body: dict | None = None) -> int:
-    import json
-    import urllib.error
-
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(url + route, data=None if body is None else json.dumps(body).encode(),
                                  headers=headers)

@@ -112,6 +112,7 @@ def test_duplicate_names_in_a_receive_are_a_400(engine):
     trainer = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", group_name="dup",
                                 timeout_s=30)
     t.join(30)
+    assert box["result"][0] == 200
     try:
         body = {"names": [NAMES[0], NAMES[0]], "dtypes": ["float32"] * 2, "shapes": [[128]] * 2,
                 "group_name": "dup"}
