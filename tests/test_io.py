@@ -14,24 +14,13 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.io import append_line, atomic_torch_save, load_plain, probe_folder
 from slime_lite.metrics import MetricsLogger, check_finite_losses
 from slime_lite.args import parser_defaults
+from tests.fakes.evil_pickle import Evil
 
-
-def _write_marker(path: str) -> str:
-    Path(path).write_text("code ran")
-    return path
-
-
-class _Evil:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # noqa: ANN204
-        return (_write_marker, (self.marker,))
 
 
 def test_a_pickle_that_would_run_code_is_refused_and_never_runs(tmp_path: Path) -> None:
     path, marker = tmp_path / "model.pt", tmp_path / "marker"
-    torch.save({"weights": torch.zeros(2), "x": _Evil(str(marker))}, path)
+    torch.save({"weights": torch.zeros(2), "x": Evil(str(marker))}, path)
     with pytest.raises(SlimeLiteError, match=r"checkpoint .*model\.pt is not a plain-tensor file.*nothing in it ran"):
         load_plain(str(path), "checkpoint")
     assert not marker.exists()

@@ -11,19 +11,8 @@ import torch
 
 from slime_lite.backends.megatron import checkpoint
 from slime_lite.errors import SlimeLiteError
+from tests.fakes.evil_pickle import Evil
 
-
-def _write_marker(path: str) -> str:
-    Path(path).write_text("code ran")
-    return path
-
-
-class _Evil:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # noqa: ANN204
-        return (_write_marker, (self.marker,))
 
 
 def _actor(model: torch.nn.Module | None = None, optimizer=None) -> SimpleNamespace:
@@ -40,10 +29,10 @@ def _checkpoint(root: Path, payload) -> Path:
 
 def test_crafted_checkpoint_is_refused_and_its_payload_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
-    file = _checkpoint(tmp_path / "ckpt", {"model": {}, "optimizer": _Evil(str(marker)), "rng": {},
+    file = _checkpoint(tmp_path / "ckpt", {"model": {}, "optimizer": Evil(str(marker)), "rng": {},
                                            "next_rollout_id": 1})
     with pytest.raises(SlimeLiteError, match=rf"--load .*: checkpoint {file} is not a plain-tensor file.*"
-                                             r"_write_marker.*nothing in it ran"):
+                                             r"write_marker.*nothing in it ran"):
         checkpoint.load(_actor(), str(tmp_path / "ckpt"))
     assert not marker.exists()
     torch.load(file, weights_only=False)  # the file really runs code when loaded unsafely

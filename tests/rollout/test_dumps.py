@@ -19,6 +19,7 @@ from slime_lite.rollout.dumps import (
     subsample_groups,
 )
 from slime_lite.types import Sample, Status
+from tests.fakes.evil_pickle import Evil
 
 
 def _samples(n_groups: int = 2, group_size: int = 2) -> list[Sample]:
@@ -88,23 +89,11 @@ def test_failed_save_leaves_old_file_intact_and_no_temp_files(tmp_path: Path) ->
     assert sorted(os.listdir(tmp_path)) == ["d_0.pt"]
 
 
-def _write_marker(path: str) -> str:
-    Path(path).write_text("code ran")
-    return path
-
-
-class _Evil:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # noqa: ANN204
-        return (_write_marker, (self.marker,))
-
 
 def test_unsafe_pickle_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     path, marker = tmp_path / "evil_0.pt", tmp_path / "marker"
-    torch.save({"rollout_id": 0, "samples": [_Evil(str(marker))]}, path)
-    with pytest.raises(DumpError, match=r"evil_0\.pt is not a plain-tensor file.*_write_marker.*nothing in it ran"):
+    torch.save({"rollout_id": 0, "samples": [Evil(str(marker))]}, path)
+    with pytest.raises(DumpError, match=r"evil_0\.pt is not a plain-tensor file.*write_marker.*nothing in it ran"):
         load_rollout_dump(str(path))
     assert not marker.exists()
     # the file really would run code with an unsafe load, so the refusal above is what protected us
