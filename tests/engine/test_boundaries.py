@@ -21,17 +21,25 @@ def _message(out: dict) -> str:
     return out["error"]["message"] if "error" in out else out["message"]
 
 
-def _listening(port: int) -> list[str]:
-    """Local addresses (hex, as /proc/net shows them) of the sockets listening on ``port`` on this host."""
+def _listeners() -> list[tuple[str, int]]:
+    """(local address in hex, as /proc/net shows it; port) of every listening TCP socket on this host."""
     out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 local, state = line.split()[1], line.split()[3]
                 addr, p = local.rsplit(":", 1)
-                if state == "0A" and int(p, 16) == port:
-                    out.append(addr)
+                if state == "0A":
+                    out.append((addr, int(p, 16)))
     return out
+
+
+def _listening(port: int) -> list[str]:
+    return [addr for addr, p in _listeners() if p == port]
+
+
+def _wildcard_listeners() -> set[tuple[str, int]]:
+    return {(a, p) for a, p in _listeners() if set(a) == {"0"}}
 
 
 @pytest.mark.parametrize("address", ["0.0.0.0", "::", "[::]"])
@@ -60,6 +68,7 @@ def test_the_trainer_refuses_a_wildcard_master_address_before_asking_the_engines
 
 
 def test_a_weight_group_listens_on_loopback_only(engine):
+    wildcard_before = _wildcard_listeners()
     port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "lo", "backend": "gloo"}
@@ -69,7 +78,8 @@ def test_a_weight_group_listens_on_loopback_only(engine):
     t.join(30)
     try:
         assert box["result"][0] == 200
-        assert _listening(port) == ["0100007F"]  # 127.0.0.1, not 00000000 (every interface)
+        assert _listening(port) == ["0100007F"]  # the store on 127.0.0.1, not 00000000 (every interface)
+        assert _wildcard_listeners() <= wildcard_before  # nor any gloo pair of either side
     finally:
         http(engine.url, "/destroy_weights_update_group", {"group_name": "lo"})
         trainer.destroy()
