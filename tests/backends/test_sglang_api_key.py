@@ -1,11 +1,10 @@
-"""An SGLang engine that train launches on a non-loopback address gets the run's API key by environment, never on
-its command line, and refuses requests without it (issue 15 item 5). The server is tests/fakes/fake_sglang_server
+"""An SGLang engine that train launches on a non-loopback address (simulated on loopback) gets the run's API key by
+environment, never on its command line, and refuses requests without it (issue 15 item 5). The server is tests/fakes/fake_sglang_server
 (a fake: SGLang cannot be installed here) with SGLang's --api-key flag."""
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,23 +17,16 @@ from slime_lite.errors import EngineError
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _non_loopback_address() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # no packet is sent: only the route (and so this host's address) is chosen
-        except OSError:
-            pytest.skip("this host has no non-loopback IPv4 address")
-        address = s.getsockname()[0]
-    if address.startswith("127."):
-        pytest.skip("this host has no non-loopback IPv4 address")
-    return address
-
-
 @pytest.fixture()
 def remote_host(tmp_path, monkeypatch):
+    """The launcher treats the engine's address as reachable from other hosts (a stand-in: the test's traffic
+    stays on 127.0.0.1, as every test's here must)."""
+    from slime_lite.backends.sglang import launcher
+
     monkeypatch.setenv("SLIME_LITE_ENGINE_LOG_DIR", str(tmp_path / "engine_logs"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("SLIME_LITE_ENGINE_HOST", _non_loopback_address())
+    monkeypatch.setenv("SLIME_LITE_ENGINE_HOST", "127.0.0.1")
+    monkeypatch.setattr(launcher, "is_loopback", lambda host: False)
     monkeypatch.delenv(API_KEY_FILE_ENV, raising=False)
 
 
