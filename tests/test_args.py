@@ -222,7 +222,7 @@ FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w-])")
 # flags of other programs the package names, by module: SGLang's server/router (set by the launcher), pip's
 EXTERNAL = {
     "slime_lite.backends.sglang.launcher": {"--model-path", "--model", "--host", "--port", "--tp-size", "--tp",
-                                            "--random-seed", "--enable-memory-saver", "--worker-urls"},
+                                            "--random-seed", "--enable-memory-saver", "--worker-urls", "--api-key"},
     "slime_lite.backends.megatron.model": {"--no-build-isolation"},
 }
 PLACEHOLDERS = {"--name", "--f"}  # "--<name>"-style placeholders in docstrings
