@@ -4,6 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra=${1:-}
+# dev: the browser test of `slime-lite explain --html` renders the page with Debian's Chromium; installed quietly,
+# only as root with apt-get and only when missing (else that test skips and says how to install it)
+if [ "$extra" = dev ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-liberation; }
+  { apt_install || { apt-get update -qq && apt_install; }; } >/dev/null 2>&1 \
+    || echo "setup.sh: could not install chromium (apt-get install chromium); the HTML page test will be skipped" >&2
+fi
 stamp=.venv/.slime-lite-installed${extra:+-$extra}
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
