@@ -1,0 +1,131 @@
+"""Next-token log-probs and entropy from (vocab-parallel) logits, chunk by chunk: never a float32 [tokens, vocab].
+
+The output layer of a TP group leaves each rank with its slice of the vocabulary. Log-softmax over the whole
+vocabulary needs, per token, the max and the sum of exp over every slice: each rank reduces its slice and the
+results are all-reduced over the TP group (Megatron's vocab-parallel cross-entropy does the same). The target's
+logit lives on one rank (the others add 0). The sums are all-reduced with an identity backward (as Megatron's
+``reduce_from_tensor_model_parallel_region``: every TP rank holds the same loss, so each back-propagates its own
+slice only); the max is a constant for autograd (log-sum-exp does not depend on it). Pure torch: no Megatron import.
+
+Tokens are processed in chunks of ``chunk_tokens`` rows; the float32 work of a chunk is recomputed in the backward
+pass (activation checkpointing of the chunk), so only the model's own logits stay alive between forward and backward.
+Every row is reduced on its own, so a token's result does not depend on the chunk or micro-batch it sits in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_TOKENS = 1024
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
+def _tp_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    if group is None:
+        return x
+    if op == "max":
+        import torch.distributed as dist
+
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        return x
+    return _SumOverGroup.apply(x, group)
+
+
+def _chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, vocab_start: int,
+           vocab_limit: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    valid = vocab_limit - vocab_start  # columns past the real vocabulary (TP padding) take no probability
+    if valid < z.shape[-1]:
+        z = z[..., :valid]
+    width = z.shape[-1]
+    m = z.detach().max(dim=-1).values
+    m = _tp_reduce(m, group, "max")
+    shifted = z - m.unsqueeze(-1)
+    e = shifted.exp()
+    sum_exp = _tp_reduce(e.sum(-1), group)
+    lse = sum_exp.log()  # log-sum-exp minus m
+    local = targets - vocab_start
+    inside = (local >= 0) & (local < width)
+    picked = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+    picked = _tp_reduce(torch.where(inside, picked, torch.zeros_like(picked)), group)
+    logp = picked - lse
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    # H = lse - E_p[shifted] (shifted <= 0: two non-negative terms, no cancellation). Every global quantity is a
+    # sum of per-slice terms that depend on the slice alone (and the constant m), so identity backward is exact.
+    weighted = _tp_reduce((e * shifted).sum(-1), group)
+    entropy = lse - weighted / sum_exp
+    return logp, entropy
+
+
+def token_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    *,
+    vocab_start: int = 0,
+    vocab_limit: int | None = None,
+    tp_group=None,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets[n] | logits[n]) and the entropy of softmax(logits[n] / temperature), float32, for rows n.
+
+    logits [N, V_local]: this rank's vocabulary columns [vocab_start, vocab_start + V_local) (all of them with
+    tp_group None); vocab_limit: the real vocabulary size (columns at or past it are padding); targets [N] global ids.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != targets.shape or logits.dim() != 2:
+        raise ValueError(f"logits {tuple(logits.shape)} must be [N, V] for targets [N], got {tuple(targets.shape)}")
+    limit = vocab_start + logits.shape[-1] if vocab_limit is None else vocab_limit
+    targets = targets.to(logits.device).long()
+    outs_lp, outs_ent = [], []
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    for lo in range(0, logits.shape[0], chunk_tokens):
+        args = (logits[lo : lo + chunk_tokens], targets[lo : lo + chunk_tokens], temperature, with_entropy,
+                vocab_start, limit, tp_group)
+        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+        outs_lp.append(lp)
+        outs_ent.append(ent)
+    if not outs_lp:
+        empty = logits.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(outs_lp), (torch.cat(outs_ent) if with_entropy else None)
+
+
+def next_token_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, *,
+    vocab_limit: int, tp: bool = False, chunk_tokens: int = CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model output of one row of positions [1, T, V_local] (or [T, V_local]) and its tokens [T] -> [T-1]
+    outputs: out[t] = log p(tokens[t+1] | logits[t]). tp=True: the logits are this rank's TP vocabulary slice."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    tokens = tokens.reshape(-1)
+    group, start = None, 0
+    if tp:
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            group = ps.get_tensor_model_parallel_group()
+            start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+    return token_log_probs(logits[:-1], tokens[1:], temperature, with_entropy, vocab_start=start,
+                           vocab_limit=vocab_limit, tp_group=group, chunk_tokens=chunk_tokens)
