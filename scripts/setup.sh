@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install slime_lite with what it needs (idempotent: re-runs only when pyproject.toml changed).
+# Create .venv and install slime_lite with what it needs (idempotent: re-runs only when pyproject.toml changed, or
+# for dev, when .venv lacks the SGLang version the launcher pins).
 # Usage: bash scripts/setup.sh [dev]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,14 @@ if [ "$extra" = dev ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" =
 fi
 stamp=.venv/.slime-lite-installed${extra:+-$extra}
 want=$(sha256sum pyproject.toml | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+sglang_version= sglang_have=
+if [ "$extra" = dev ]; then
+  # the SGLang release the launcher targets (pinned once, in the launcher); the dev install puts it in .venv as the
+  # tests' oracle (tests/sglang_oracle.py), without its GPU dependencies
+  sglang_version=$(sed -n 's/^SGLANG_VERSION = "\(.*\)"$/\1/p' slime_lite/backends/sglang/launcher.py)
+  sglang_have=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null || true)
+fi
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "$sglang_have" = "$sglang_version" ]; then
   exit 0
 fi
 if [ -z "$extra" ] && [ -f "$stamp-dev" ] && [ "$(cat "$stamp-dev")" = "$want" ]; then
@@ -23,5 +31,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # the CPU build of torch first: an unpinned torch pulls several GB of CUDA wheels
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".${extra:+[$extra]}"
+.venv/bin/python -m pip install -q --no-warn-conflicts -e ".${extra:+[$extra]}"
+if [ "$extra" = dev ]; then
+  # SGLang's own code, without its GPU stack (torch pins, CUDA kernels): the small packages its modules import are
+  # in the dev extra; the GPU/notebook modules it imports are faked by the tests' harness only
+  .venv/bin/python -m pip install -q --no-deps "sglang==$sglang_version"
+fi
 echo "$want" > "$stamp"

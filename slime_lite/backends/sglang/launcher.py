@@ -26,7 +26,10 @@ from slime_lite.io import free_port
 log = logging.getLogger(__name__)
 
 ROUTER_MODULE = "sglang_router.launch_router"
-INSTALL_HINT = 'pip install "sglang[all]"'
+# The SGLang release the launcher, its flag checks and the weight wire format target (the one place it is pinned:
+# scripts/setup.sh installs it for the tests' SGLang oracle, tests/sglang_oracle.py).
+SGLANG_VERSION = "0.5.23"
+INSTALL_HINT = f'pip install "sglang[all]=={SGLANG_VERSION}"'
 # flags the launcher sets itself, with the slime-lite flag that controls each
 OWNED_FLAGS = {
     "--model-path": "--hf-checkpoint", "--model": "--hf-checkpoint", "--host": "(chosen by slime-lite)",
