@@ -304,7 +304,7 @@ def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
             sglang.append("--" + name[len("--sglang-"):])
             if eq:
                 sglang.append(value)
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            while not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 sglang.append(argv[i + 1])
                 i += 1
         else:

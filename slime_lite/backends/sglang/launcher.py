@@ -100,21 +100,41 @@ def _raising_parser():
             raise SlimeLiteError(f"SGLang rejects the --sglang-* flags: {message} (each --sglang-<name> is passed to "
                                  "SGLang as --<name>; see python -m sglang.launch_server --help).")
 
-    return Parser(prog="sglang.launch_server", add_help=False, allow_abbrev=False)
+    return Parser(prog="sglang.launch_server", add_help=False)
+
+
+# ServerArgs fields the launcher sets itself (build_command), with the slime-lite flag that controls each
+OWNED_DESTS = {"model_path": "--hf-checkpoint", "host": "(chosen by slime-lite)",
+               "port": "(a free port, chosen by slime-lite)", "tp_size": "--rollout-num-gpus-per-engine"}
 
 
 def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> None:
-    """Parse the passthrough flags with SGLang's own ``ServerArgs.add_cli_args``; unknown flags are errors."""
-    from sglang.srt.server_args import ServerArgs  # only reached when SGLang is installed
+    """Parse the passthrough flags with SGLang's own ``ServerArgs.add_cli_args`` (the flag set of the installed
+    release, never a copied list): unknown or ambiguous flags, bad values and flags that set what the launcher
+    owns (also through a prefix such as ``--sglang-po``) are errors."""
+    try:
+        from sglang.srt.server_args import ServerArgs  # only reached when SGLang is installed
+    except ImportError as exc:
+        raise SlimeLiteError(
+            f"--rollout-backend sglang: SGLang is installed in this Python ({sys.executable}) but its "
+            f"sglang.srt.server_args does not import ({exc}); the --sglang-* flags are checked with it before "
+            f"anything starts. Install SGLang with its dependencies ({INSTALL_HINT}) where slime-lite train runs."
+        ) from None
 
     parser = _raising_parser()
     ServerArgs.add_cli_args(parser)
-    _, unknown = parser.parse_known_args(["--model-path", str(model_path), *sglang_args])
+    base = ["--model-path", str(model_path)]
+    ours = vars(parser.parse_known_args(base)[0])
+    parsed, unknown = parser.parse_known_args([*base, *sglang_args])
     if unknown:
         names = [_user_flag(u) for u in unknown if u.startswith("-")] or unknown
         raise SlimeLiteError(f"SGLang does not know {' '.join(names)}: every --sglang-<name> must be a flag of "
                              "python -m sglang.launch_server (as --<name>). Check the spelling against your "
                              "SGLang version's --help.")
+    for dest, controlled_by in OWNED_DESTS.items():
+        if dest in ours and getattr(parsed, dest) != ours[dest]:
+            raise SlimeLiteError(f"the --sglang-* flags set SGLang's {dest} ({getattr(parsed, dest)!r}), which "
+                                 f"slime-lite sets for each server itself from {controlled_by}; drop that flag.")
 
 
 # ---- command line ------------------------------------------------------------------------------------------

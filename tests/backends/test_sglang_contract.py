@@ -1,0 +1,147 @@
+"""What slime-lite sends to SGLang, checked by SGLang's own code (the pinned release, tests/sglang_oracle.py):
+the launcher's --sglang-* passthrough parsed by SGLang's ServerArgs parser, and every /generate body the rollout and
+`slime-lite send-to-engine` send validated as SGLang's server validates it (GenerateReqInput, the JSON contract,
+normalize_batch_and_arguments, SamplingParams(...).verify)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from slime_lite.args import parse_args, parser_defaults
+from slime_lite.backends.sglang.launcher import build_command
+from slime_lite.config import EngineConfig, RolloutConfig
+from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout import generate
+from slime_lite.types import Sample
+from tests import sglang_oracle as oracle
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_server_args():
+    """SGLang's server_args imported once under the oracle's fakes: the launcher's own ``from
+    sglang.srt.server_args import ServerArgs`` then finds the real module (on a GPU node it imports directly)."""
+    oracle.require_sglang()
+    return oracle.sglang_module("sglang.srt.server_args")
+
+
+@pytest.fixture()
+def flags(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rm-type", "addition",
+            "--rollout-backend", "sglang", "--debug-rollout-only"]
+
+
+# ---- the --sglang-* passthrough -------------------------------------------------------------------------------
+def test_passthrough_with_several_values_reaches_sglang_whole(flags):
+    args = parse_args(flags + ["--sglang-cuda-graph-bs-decode", "2", "4", "8", "--sglang-mem-fraction-static",
+                               "0.7", "--sglang-disable-cuda-graph", "--sglang-log-level=debug", "--seed", "3"])
+    assert args.seed == 3  # the flag after the multi-value one is still slime-lite's
+    cmd = build_command(EngineConfig.from_args(args), rank=1, port=31000)
+    served = oracle.parse_server_args(cmd[3:])  # what the launched server itself would parse
+    assert served.cuda_graph_bs_decode == [2, 4, 8]
+    assert served.mem_fraction_static == 0.7 and served.disable_cuda_graph and served.log_level == "debug"
+    assert served.port == 31000 and served.tp_size == 1 and served.random_seed == args.rollout_seed + 1
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--sglang-cuda-graph-bs", "2", "4"], "ambiguous option: --cuda-graph-bs"),  # renamed upstream
+    (["--sglang-not-a-flag", "3"], "--sglang-not-a-flag"),
+    (["--sglang-mem-fraction-static", "lots"], "mem-fraction-static"),
+    (["--sglang-po", "1234"], "port"),  # a prefix of a flag the launcher owns, as SGLang's parser resolves it
+])
+def test_passthrough_refused_by_sglangs_own_parser(flags, extra, expected):
+    with pytest.raises(SlimeLiteError, match=expected):
+        parse_args(flags + extra)
+
+
+# ---- /generate bodies ---------------------------------------------------------------------------------------
+class CapturingClient:
+    """Records the /generate bodies and answers in SGLang's response shape (no server)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    async def generate(self, body: dict):
+        self.bodies.append(json.loads(json.dumps(body)))  # exactly what goes on the wire
+        one = {"text": "2", "output_ids": [5], "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 5}, "prompt_tokens": 3, "completion_tokens": 1,
+            "cached_tokens": 0, "output_token_logprobs": [[-0.1, 5, None]]}}
+        return [one] * len(body["input_ids"]) if isinstance(body["input_ids"][0], list) else one
+
+
+def _rollout_params() -> list[dict]:
+    variants = [
+        {},
+        {"rollout_temperature": 0.0, "rollout_top_k": 5, "rollout_top_p": 0.9, "rollout_stop": ["\n", "END"]},
+        {"rollout_max_response_len": 1, "eval_temperature": 0.6, "eval_max_response_len": 7},
+    ]
+    out = []
+    for v in variants:
+        cfg = RolloutConfig.from_args(parser_defaults(**v))
+        out += [generate.sampling_params(cfg), generate.sampling_params(cfg, evaluation=True)]
+    return out
+
+
+def _check(body: dict) -> object:
+    req = oracle.validate_generate(body)
+    params = body["sampling_params"]
+    for p in params if isinstance(params, list) else [params]:
+        oracle.verify_sampling_params(p, VOCAB)
+    return req
+
+
+def test_every_rollout_body_is_accepted_by_sglang():
+    client = CapturingClient()
+    args = SimpleNamespace(engine_client=client)
+    for i, params in enumerate(_rollout_params()):
+        group = [Sample(index=j, tokens=[1, 2, 3]) for j in range(3)]
+        per_sample = [dict(params, sampling_seed=100 * i + s.index) for s in group]  # as Generator._run_group
+        asyncio.run(generate.generate_group(args, group, per_sample))
+        asyncio.run(generate.default_generate(args, Sample(index=0, tokens=[4, 5]), per_sample[0]))
+    assert len(client.bodies) == 12
+    for body in client.bodies:
+        req = _check(body)
+        if isinstance(body["input_ids"][0], list):  # a group: SGLang sees one request per prompt, in order
+            assert req.batch_size == 3 and [p["sampling_seed"] for p in req.sampling_params] == \
+                [p["sampling_seed"] for p in body["sampling_params"]]
+        assert req.return_logprob in (True, [True] * 3)
+
+
+def test_send_to_engine_bodies_are_accepted_by_sglang(monkeypatch):
+    from slime_lite import engine_client
+    from slime_lite.debug import send_to_engine
+
+    sent = []
+
+    def fake_request_json(url, route, body=None, **kw):
+        sent.append((route, body))
+        return {"meta_info": {}}
+
+    monkeypatch.setattr(engine_client, "request_json", fake_request_json)
+    sample = Sample(index=0, tokens=[1, 2, 3, 4, 5], response_length=2,
+                    metadata={"sampling_params": dict(_rollout_params()[0], sampling_seed=9)})
+    flags = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=None)
+    params = send_to_engine.sampling_params(sample, flags)
+    send_to_engine.teacher_forced("http://unused", sample, params, timeout=1)
+    assert [route for route, _ in sent] == ["/generate"]
+    req = _check(sent[0][1])
+    assert req.logprob_start_len == 2  # SGLang reads the scoring window where send-to-engine puts it
+
+
+def test_sglang_refuses_what_it_should():
+    """The oracle is not a rubber stamp: SGLang's checks catch a bad body and bad sampling values."""
+    with pytest.raises(Exception):
+        oracle.validate_generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "bogus_key": 1}})
+    with pytest.raises(ValueError):
+        oracle.verify_sampling_params({"top_p": 0.0}, VOCAB)
+    with pytest.raises(TypeError):
+        oracle.verify_sampling_params({"not_a_param": 1}, VOCAB)
