@@ -16,6 +16,7 @@ from typing import Any
 from slime_lite.args_check import fill_implied, validate_args
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE
 from slime_lite.debug.faults import FAULTS
+from slime_lite.profiling import PROFILE_TARGETS
 from slime_lite.rollout.rewards import RM_TYPES
 
 
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: %(default)s)")
     g.add_argument("--adam-beta2", type=float, default=0.98, help="Adam beta2 (default: %(default)s)")
     g.add_argument("--seed", type=int, default=1234, help="trainer random seed (default: %(default)s)")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise-reproducible runs: deterministic torch algorithms in trainer and engines, each "
+                        "rollout sent to the engines in one fixed order, no wall-clock values in dumps (two runs "
+                        "with the same seeds give identical metrics and dumps on CPU; GPU: BENCHMARKS.md)")
     g.add_argument("--update-weight-transport", choices=("tensor", "distributed", "disk"), default="tensor",
                    help="how new weights reach the engines: HTTP tensors, a torch.distributed broadcast, or files "
                         "(default: %(default)s)")
@@ -249,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
                         + "; the tighter one when they differ)")
     g.add_argument("--ci-grad-norm-threshold", type=_nonneg_float, default=100.0,
                    help="bound on the first step's grad norm (default: %(default)s)")
+    g.add_argument("--ci-save-grad-norm", default=None, metavar="PATH",
+                   help="write every optimizer step's grad-norm as JSON to PATH (slime's placeholders {role}, "
+                        "{rollout_id}, {step_id} split it into files)")
+    g.add_argument("--ci-load-grad-norm", default=None, metavar="PATH",
+                   help="stop at the first step whose grad-norm differs from the one --ci-save-grad-norm wrote "
+                        "to PATH by more than --ci-grad-norm-rtol")
+    g.add_argument("--ci-grad-norm-rtol", type=_nonneg_float, default=None,
+                   help="relative tolerance of --ci-load-grad-norm (default: 1e-4 in float32, 2e-2 with --bf16)")
     g.add_argument("--logprob-diff-jump-factor", type=_nonneg_float, default=10.0,
                    help="warn when train_rollout_logprob_abs_diff grows by more than this factor between rollouts "
                         "(default: %(default)s)")
@@ -262,6 +275,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", default="slime_lite", help="wandb project (default: %(default)s)")
     g.add_argument("--wandb-dir", default=None, help="wandb folder (default: wandb's)")
     g.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
+
+    g = p.add_argument_group("profiling", "traces and snapshots go to --tensorboard-dir (as in slime)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="PyTorch profiler traces of --profile-target (default target: train)")
+    g.add_argument("--profile-target", nargs="+", choices=PROFILE_TARGETS, default=None,
+                   help="what to profile from --profile-step-start to --profile-step-end: train (every train "
+                        "worker; slime's train_overall), rollout (every engine, SGLang's /start_profile), driver "
+                        "(a timeline of the driver's phases, every rollout); Chrome trace JSON, open in Perfetto")
+    g.add_argument("--profile-step-start", type=int, default=0,
+                   help="first rollout id profiled (default: %(default)s)")
+    g.add_argument("--profile-step-end", type=int, default=1,
+                   help="profiling stops before this rollout id (default: %(default)s)")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="record the CUDA allocator's history in every train worker and dump a snapshot "
+                        "(torch.cuda.memory._dump_snapshot; view at pytorch.org/memory_viz) after "
+                        "--memory-snapshot-num-steps rollouts, and at a CUDA out-of-memory; CUDA only")
+    g.add_argument("--memory-snapshot-dir", default=".",
+                   help="folder of the --record-memory-history snapshots (default: %(default)s)")
+    g.add_argument("--memory-snapshot-num-steps", type=_positive_int, default=1,
+                   help="dump the snapshot after this many trained rollouts (default: %(default)s)")
 
     g = p.add_argument_group(
         "SGLang and engines",

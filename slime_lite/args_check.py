@@ -146,6 +146,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise SlimeLiteError(f"--{flag.replace('_', '-')} {value!r}: expected a dotted path 'module.function'.")
     if args.save_interval is not None and args.save is None:
         raise SlimeLiteError("--save-interval needs --save DIR.")
+    check_debug_tool_args(args)
     if args.load is not None:
         _need_file(args.load, "--load")
     if args.use_wandb:
@@ -225,3 +226,39 @@ def validate_train_args(args: argparse.Namespace) -> None:
     if args.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline") and args.n_samples_per_prompt < 2:
         log.warning("--advantage-estimator %s with --n-samples-per-prompt 1 gives zero advantages",
                     args.advantage_estimator)
+
+def check_debug_tool_args(args: Any) -> None:
+    """Grad-norm regression (--ci-save-grad-norm, --ci-load-grad-norm), profiling and memory snapshots: each
+    needs the part of the run it reads (trainer, engines) and a window that exists."""
+    from slime_lite.profiling import profile_targets
+
+    grad = [f for f in ("ci_save_grad_norm", "ci_load_grad_norm") if getattr(args, f)]
+    if grad and args.debug_rollout_only:
+        raise SlimeLiteError(f"--{grad[0].replace('_', '-')} records training steps; --debug-rollout-only trains "
+                             "nothing. Drop one of them.")
+    if args.ci_save_grad_norm and args.ci_save_grad_norm == args.ci_load_grad_norm:
+        raise SlimeLiteError("--ci-save-grad-norm and --ci-load-grad-norm name the same file: the run would check "
+                             "against what it is writing. Give the saved run's file to --ci-load-grad-norm only.")
+    if args.ci_grad_norm_rtol is not None and not args.ci_load_grad_norm:
+        raise SlimeLiteError("--ci-grad-norm-rtol has no effect without --ci-load-grad-norm: add it or drop the flag.")
+    targets = profile_targets(args)
+    if "train" in targets and args.debug_rollout_only:
+        raise SlimeLiteError("--profile-target train: --debug-rollout-only starts no trainer. Profile 'rollout'.")
+    if "rollout" in targets and args.debug_train_only:
+        raise SlimeLiteError("--profile-target rollout: --debug-train-only / --load-debug-rollout-data start no "
+                             "engine. Profile 'train'.")
+    if targets - {"driver"}:
+        start, end = args.profile_step_start, args.profile_step_end
+        if not 0 <= start < end:
+            raise SlimeLiteError(f"--profile-step-start {start} and --profile-step-end {end}: need 0 <= start < end "
+                                 "(rollout ids start..end-1 are profiled).")
+        if start >= args.num_rollout:
+            raise SlimeLiteError(f"--profile-step-start {start} is past the last rollout (--num-rollout "
+                                 f"{args.num_rollout}): nothing would be profiled.")
+    if args.record_memory_history:
+        if args.debug_rollout_only:
+            raise SlimeLiteError("--record-memory-history records the train workers; --debug-rollout-only starts "
+                                 "none.")
+        if args.memory_snapshot_num_steps > args.num_rollout:
+            raise SlimeLiteError(f"--memory-snapshot-num-steps {args.memory_snapshot_num_steps} is more than "
+                                 f"--num-rollout {args.num_rollout}: no snapshot would be written.")

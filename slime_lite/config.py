@@ -78,6 +78,7 @@ class RolloutConfig(_FromArgs):
     n_samples_per_eval_prompt: int
     rollout_seed: int
     debug_inject_fault: str | None
+    deterministic_mode: bool
 
 
 @dataclass(frozen=True)

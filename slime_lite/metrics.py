@@ -31,6 +31,16 @@ _SHORT = [
 ]
 
 
+# Metrics that measure the machine rather than the run's numbers (wall-clock times, throughput, memory): they
+# differ between two runs that compute the same thing, so comparisons of runs leave them out (slime-lite
+# compare-runs, --deterministic-mode's byte-identity). Every one of them, and nothing else, is under perf/.
+TIMING_PREFIX = "perf/"
+
+
+def is_timing_metric(key: str) -> bool:
+    return key.startswith(TIMING_PREFIX)
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):

@@ -45,6 +45,8 @@ def run(args) -> int:
     from slime_lite.rollout.engines import engine_memory, start_engines
     from slime_lite.config import CiConfig
     from slime_lite.debug.ci_checks import CiCheckFailed, enforce, iteration2_check, with_engine_dtype
+    from slime_lite.debug.grad_norm import STEP_GRAD_NORMS, GradNormCI
+    from slime_lite.profiling import DRIVER_TIMELINE, RunProfiler
     from slime_lite.rollout.manager import RolloutManager
 
     layout = plan_layout(args)
@@ -89,25 +91,35 @@ def run(args) -> int:
         metrics.log(ray.get(manager.evaluate.remote(0)), -1)
     ci = with_engine_dtype(CiConfig.from_args(args), urls)  # the log-prob bound follows the engines' precision
     watch = LogprobDiffWatch(ci.logprob_diff_jump_factor)
+    grad_ci = GradNormCI.from_args(args, start_rollout_id)  # --ci-save-grad-norm / --ci-load-grad-norm
+    profiler = RunProfiler(args, trainers, urls)  # --use-pytorch-profiler / --profile-target, memory snapshots
     done = 0
     for rollout_id in range(start_rollout_id, args.num_rollout):
         step_t0 = time.monotonic()
-        samples, record = wait_with_progress(manager, manager.generate.remote(rollout_id), rollout_id)
+        profiler.before(rollout_id)
+        with DRIVER_TIMELINE.span("rollout"):
+            samples, record = wait_with_progress(manager, manager.generate.remote(rollout_id), rollout_id)
         if actor is not None:
             onload_phase(args, urls, engines, trainers, record)
             with timed(record, "perf/train_time"):
+                train_t0 = time.monotonic()
                 data = ray.put(samples)
                 # PPO: critic values -> actor (log-probs, advantages, policy steps) -> critic steps toward the returns
                 values = critic.compute_values(data) if critic is not None else None
                 train_metrics, returns = actor.train(rollout_id, data, values)
+                step_norms = {"actor": train_metrics.pop(STEP_GRAD_NORMS)}
+                DRIVER_TIMELINE.add("log_probs", train_t0, train_metrics.get("perf/log_probs_time", 0.0))
                 record.update(train_metrics)
                 if critic is not None:
-                    record.update(critic.train(rollout_id, data, values, returns))
+                    critic_metrics = critic.train(rollout_id, data, values, returns)
+                    step_norms["critic"] = critic_metrics.pop(STEP_GRAD_NORMS)
+                    record.update(critic_metrics)
             check_finite_losses(record, rollout_id)
             if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
-                actor.save(rollout_id, ray.get(manager.state.remote()))
-                if critic is not None:
-                    critic.save(rollout_id, None)
+                with DRIVER_TIMELINE.span("save"):
+                    actor.save(rollout_id, ray.get(manager.state.remote()))
+                    if critic is not None:
+                        critic.save(rollout_id, None)
             if urls:
                 with timed(record, "perf/update_weights_time"):
                     if args.offload_rollout:  # colocated: room for the weights now, for the KV cache after offload
@@ -115,14 +127,19 @@ def run(args) -> int:
                     actor.update_weights(urls, version=rollout_id + 1)
             offload_phase(args, urls, trainers, record)
         if evaluate and ((rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout):
-            record.update(ray.get(manager.evaluate.remote(rollout_id + 1)))
+            with DRIVER_TIMELINE.span("eval"):
+                record.update(ray.get(manager.evaluate.remote(rollout_id + 1)))
         record["perf/step_time"] = time.monotonic() - step_t0
         record.update(memory_records(manager, engines, actor, critic))
         metrics.log(record, rollout_id)
+        profiler.after(rollout_id)
         if actor is not None:
             watch.update(record)
             if args.ci_test:
                 enforce(ci, record, rollout_id, first=rollout_id == start_rollout_id)
+            if grad_ci is not None:  # after the metrics are written: compare-runs can show the failing rollout
+                for role, norms in step_norms.items():
+                    grad_ci.update(role, rollout_id, norms)
         done += 1
     if args.ci_test and actor is not None and args.num_rollout - start_rollout_id >= 2:
         check = iteration2_check(done)
@@ -140,10 +157,13 @@ def run(args) -> int:
 
 @contextmanager
 def timed(record: dict, key: str) -> Iterator[None]:
-    """Add the seconds the block takes to ``record[key]``."""
+    """Add the seconds the block takes to ``record[key]`` (and a span to the driver timeline)."""
+    from slime_lite.profiling import DRIVER_TIMELINE
+
     t0 = time.monotonic()
     yield
     record[key] = record.get(key, 0.0) + time.monotonic() - t0
+    DRIVER_TIMELINE.add(key.removeprefix("perf/").removesuffix("_time"), t0, time.monotonic() - t0)
 
 
 def onload_phase(args, urls: list[str], engines: list, trainers: list, record: dict) -> None:

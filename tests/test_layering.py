@@ -101,7 +101,9 @@ LAYERS = [
     ("embedded engine", ["slime_lite.engine"]),
     ("shared helpers", ["slime_lite.engine_client", "slime_lite.weight_transport", "slime_lite.metrics",
                         "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup",
-                        "slime_lite.debug.faults"]),  # fault hooks, called by both sides; a leaf in debug/
+                        "slime_lite.debug.faults",  # fault hooks, called by both sides; a leaf in debug/
+                        "slime_lite.debug.grad_norm",  # the trainer's per-step grad-norms and their check
+                        "slime_lite.profiling", "slime_lite.determinism"]),
     ("leaves", ["slime_lite.types", "slime_lite.rl_math", "slime_lite.errors", "slime_lite.config", "slime_lite"]),
 ]
 

@@ -61,6 +61,7 @@ def add_admin_routes(app: Any, scheduler: Scheduler) -> None:
         "/update_weights_from_distributed": admin.update_weights_from_distributed,
         "/destroy_weights_update_group": admin.destroy_weights_update_group,
         "/release_memory_occupation": admin.release_memory, "/resume_memory_occupation": admin.resume_memory,
+        "/start_profile": admin.start_profile, "/stop_profile": admin.stop_profile,
     }
     for path, handler in posts.items():
         app.router.add_post(path, handler)
@@ -72,7 +73,11 @@ def add_admin_routes(app: Any, scheduler: Scheduler) -> None:
 
 class _Admin:
     def __init__(self, scheduler: Scheduler) -> None:
+        from slime_lite.profiling import TorchProfile
+
         self.scheduler = scheduler
+        self.profile = TorchProfile()  # /start_profile .. /stop_profile, in the model thread
+        self.profile_path = ""
 
     async def run_in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, *args))
@@ -250,3 +255,34 @@ class _Admin:
         tags = _field(_strings, await read_body(request), "tags", None)
         await self.run_in_model_thread(self.scheduler.resume_memory, tags)
         return json_response(None)
+
+    # ---- profiling (SGLang's routes; a PyTorch profiler trace of the model thread) ------------------------------
+    async def start_profile(self, request):
+        import os
+        import time
+
+        from aiohttp import web
+
+        body = await read_body(request)
+        for key in ("num_steps", "start_step"):
+            if body.get(key) is not None:
+                raise BadRequest(f"{key}: the embedded engine profiles until /stop_profile; leave {key} out")
+        folder = _field(check.string, body, "output_dir", "") or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        prefix = _field(check.string, body, "profile_prefix", "") or "engine"
+        if "/" in prefix or prefix.startswith("."):
+            raise BadRequest("profile_prefix must be a plain file-name prefix")
+        shapes = _field(check.boolean, body, "record_shapes", True)
+        stack = _field(check.boolean, body, "with_stack", False)
+        if self.profile.prof is not None:
+            raise BadRequest("a profile is already running: call /stop_profile first")
+        self.profile_path = os.path.join(folder, f"{prefix}-{int(time.time())}.trace.json")
+        await self.run_in_model_thread(self.profile.start, shapes, stack)
+        return web.Response(text="Start profiling.\n")
+
+    async def stop_profile(self, request):
+        from aiohttp import web
+
+        if self.profile.prof is None:
+            raise BadRequest("no profile is running: call /start_profile first")
+        path = await self.run_in_model_thread(self.profile.stop, self.profile_path)
+        return web.Response(text=f"Stop profiling. Trace written to {path}\n")

@@ -28,6 +28,10 @@ class EngineActor:
         c = self.config
         import torch
 
+        if self.args.deterministic_mode:
+            from slime_lite.determinism import set_deterministic
+
+            set_deterministic()
         device = c.rollout_device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -111,8 +111,9 @@ class Generator:
         async def reward(sample: Sample, t0: float) -> Sample:
             t1 = time.monotonic()
             sample.reward = await compute_reward(self.args, sample)
-            sample.non_generation_time = time.monotonic() - t1
-            sample.metadata["generation_time"] = t1 - t0
+            if not self.config.deterministic_mode:  # wall-clock values would tell two identical dumps apart
+                sample.non_generation_time = time.monotonic() - t1
+                sample.metadata["generation_time"] = t1 - t0
             self.progress[0] += 1
             return sample
 
@@ -144,7 +145,10 @@ class Generator:
                 text, ids = self._encode(prompt)
                 groups.append(new_group(prompt, a.n_samples_per_prompt, 0, next_index, text, ids))
                 next_index += a.n_samples_per_prompt
-            results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
+            if a.deterministic_mode and self.generate_fn is default_generate:
+                results = await self._run_together(groups, params, seed_base)
+            else:
+                results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
             for group in results:
                 generated += 1
                 if self.filter_fn is None or self.filter_fn(self.args, group):
@@ -171,6 +175,15 @@ class Generator:
                  "rollout/dynamic_filter/dropped_groups": float(dropped)} if self.filter_fn else {}
         return samples, stats
 
+    async def _run_together(self, groups: list[list[Sample]], params: dict[str, Any],
+                            seed_base: int) -> list[list[Sample]]:
+        """--deterministic-mode: the whole wave in one /generate call, so the engine admits and batches the same
+        sequences in the same order every run (concurrent group requests arrive in a different order each time,
+        and batch composition changes the numerics)."""
+        flat = await self._run_group([s for g in groups for s in g], params, seed_base)
+        sizes = [len(g) for g in groups]
+        return [flat[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(groups))]
+
     async def evaluate(self, name: str, prompts: list[Prompt], rollout_id: int) -> list[Sample]:
         a = self.config
         params = sampling_params(a, evaluation=True)
@@ -180,5 +193,8 @@ class Generator:
             text, ids = self._encode(prompt)
             groups.append(new_group(prompt, n, gi, gi * n, text, ids))
         seed_base = a.rollout_seed * 1_000_003 + 7_919 + rollout_id * 100_003
-        results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
+        if a.deterministic_mode and self.generate_fn is default_generate:
+            results = await self._run_together(groups, params, seed_base)
+        else:
+            results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
         return [s for g in results for s in g]

@@ -46,7 +46,10 @@ class RolloutManager:
                 self.eval_sets[name] = read_prompts(path, args.input_key, args.label_key, "--eval-prompt-data")
 
     def _meta(self) -> dict[str, Any]:
-        return dumps.make_meta(self.args, self.fingerprint)
+        meta = dumps.make_meta(self.args, self.fingerprint)
+        if self.args.deterministic_mode:  # the same run twice writes the same bytes
+            meta.pop("created_at", None)
+        return meta
 
     def _run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)

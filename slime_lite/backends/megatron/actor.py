@@ -19,6 +19,7 @@ from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron.loss import response_slices, rl_loss, token_log_probs_and_entropy
 from slime_lite.config import LossConfig
 from slime_lite.debug.faults import breaks_sent_weights, sent_stage_weights
+from slime_lite.debug.grad_norm import STEP_GRAD_NORMS
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,11 @@ class TrainWorker:
         self.master_addr = master_addr
         self._store = None
         torch.set_num_threads(max(1, int(os.environ.get("SLIME_LITE_TRAIN_THREADS", "1"))))
-        if not torch.cuda.is_available():
+        if args.deterministic_mode:
+            from slime_lite.determinism import set_deterministic
+
+            set_deterministic()
+        elif not torch.cuda.is_available():
             torch.use_deterministic_algorithms(True, warn_only=True)
 
     # ----------------------------------------------------------------- setup
@@ -61,6 +66,10 @@ class TrainWorker:
         from slime_lite.backends.megatron.parallel import init_distributed, open_store
 
         a = self.args
+        if a.record_memory_history:  # before the model exists: its allocations are in the snapshot
+            from slime_lite.profiling import start_memory_history
+
+            start_memory_history()
         store = self._store or open_store(self.master_addr, master_port, self.rank, self.world_size)
         init_distributed(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, self.rank, self.world_size,
                          self.master_addr, master_port, seed=a.seed, store=store)
@@ -146,8 +155,9 @@ class TrainWorker:
         dist.all_gather_object(parts, local, group=self.ps.get_data_parallel_group())
         return {k: v for p in parts for k, v in p.items()}
 
-    def _train_steps(self, samples: list, loss_fn: Any) -> dict[str, float]:
-        """Run the optimizer steps of one rollout; metrics averaged over steps (reporter's view)."""
+    def _train_steps(self, samples: list, loss_fn: Any) -> dict[str, Any]:
+        """Run the optimizer steps of one rollout; metrics averaged over steps (reporter's view), and under
+        ``STEP_GRAD_NORMS`` the grad-norm of each step."""
         import torch.distributed as dist
 
         a = self.args
@@ -156,6 +166,7 @@ class TrainWorker:
         per_rank = a.global_batch_size // self.dp_size
         sums: dict[str, float] = {}
         first: dict[str, float] = {}
+        norms: list[float] = []  # every step's grad-norm, for --ci-save-grad-norm / --ci-load-grad-norm
         self.model.train()
         for k, mbs in enumerate(steps):
             self._num_mb = len(mbs)
@@ -174,12 +185,14 @@ class TrainWorker:
                 dist.all_reduce(t, group=self.ps.get_data_parallel_group(with_context_parallel=False))
                 step = {x: float(v) / self.dp_size for x, v in zip(keys, t)}
             step["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            norms.append(step["grad_norm"])
             if k == 0:
                 first = dict(step)
             for key, v in step.items():
                 sums[key] = sums.get(key, 0.0) + v
         prefix = self.metric_prefix
-        out = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
+        out: dict[str, Any] = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
+        out[STEP_GRAD_NORMS] = norms  # not a metric: the driver pops it (debug/grad_norm.py)
         for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
             if key in first:
                 out[f"{prefix}/first_step/{key}"] = first[key]
@@ -203,6 +216,23 @@ class TrainWorker:
         from slime_lite.metrics import process_memory
 
         return process_memory()
+
+    # ----------------------------------------------------------------- profiling (driven by profiling.RunProfiler)
+    def start_profile(self) -> None:
+        from slime_lite.profiling import TorchProfile
+
+        self._profile = TorchProfile()
+        self._profile.start()
+
+    def stop_profile(self, folder: str) -> None:
+        self._profile.stop(os.path.join(folder, f"train_{self.role}_rank{self.rank}.trace.json"))
+
+    def memory_snapshot(self, folder: str, rollout_id: int) -> None:
+        from slime_lite.profiling import dump_memory_snapshot, stop_memory_history
+
+        dump_memory_snapshot(os.path.join(folder, f"memory_snapshot_{self.role}_rank{self.rank}_"
+                                                  f"rollout{rollout_id}.pickle"))
+        stop_memory_history()
 
     def save(self, rollout_id: int, data_state: Any) -> None:
         from slime_lite.backends.megatron import checkpoint

@@ -54,6 +54,16 @@ class TrainGroup:
     def save(self, rollout_id: int, data_state: Any) -> None:
         self._all("save", rollout_id, data_state)
 
+    def start_profile(self) -> None:
+        self._all("start_profile")
+
+    def stop_profile(self, folder: str) -> None:
+        """Each worker writes its PyTorch profiler trace into ``folder``."""
+        self._all("stop_profile", folder)
+
+    def memory_snapshot(self, folder: str, rollout_id: int) -> None:
+        self._all("memory_snapshot", folder, rollout_id)
+
 
 class ActorGroup(TrainGroup):
     def __init__(self, args: Any, pg: Any, bundles: list[int]) -> None:

@@ -1,0 +1,60 @@
+"""slime-lite compare-runs: the metrics of two --metrics-path files that differ, where they first do, and an exit
+status a script can test."""
+
+from __future__ import annotations
+
+import json
+
+from slime_lite.debug.compare_runs import compare, main
+
+ROWS = [
+    {"rollout_id": -1, "eval/add": 0.25, "perf/eval_time": 0.7},
+    {"rollout_id": 0, "train/loss": 0.5, "train/grad_norm": 1.25, "perf/step_time": 3.0},
+    {"rollout_id": 1, "train/loss": 0.4, "train/grad_norm": 1.5, "perf/step_time": 2.0},
+    {"rollout_id": 1, "eval/add": 0.5, "perf/eval_time": 0.9},
+]
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_identical_runs_with_other_timings_agree(tmp_path, capsys):
+    other = [{k: (v * 2 if k.startswith("perf/") else v) for k, v in r.items()} for r in ROWS]
+    assert main([write(tmp_path / "a.jsonl", ROWS), write(tmp_path / "b.jsonl", other)]) == 0
+    assert "no metric differs" in capsys.readouterr().out
+    assert main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--include-timings"]) == 1
+
+
+def test_reports_first_differing_step_both_values_and_relative_diff(tmp_path, capsys):
+    other = [dict(r) for r in ROWS]
+    other[2]["train/grad_norm"] = 1.5 * (1 + 1e-3)  # a changed lr shows up in step 1's grad-norm
+    other[3]["eval/add"] = 0.75
+    diffs = compare(ROWS, other)
+    assert [(d.key, d.step, d.a, d.b) for d in diffs] == [("eval/add", 1, 0.5, 0.75),
+                                                         ("train/grad_norm", 1, 1.5, 1.5 * (1 + 1e-3))]
+    assert abs(diffs[1].rel - 1e-3 / (1 + 1e-3)) < 1e-9
+    assert [d.key for d in compare(ROWS, other, rtol=1e-2)] == ["eval/add"]
+    assert main([write(tmp_path / "a.jsonl", ROWS), write(tmp_path / "b.jsonl", other), "--rtol", "1e-2"]) == 1
+    out = capsys.readouterr().out
+    assert "eval/add" in out and "0.75" in out and "train/grad_norm" not in out
+
+
+def test_missing_metric_and_a_run_that_stopped_early(tmp_path, capsys):
+    short = [dict(r) for r in ROWS[:2]]
+    del short[1]["train/grad_norm"]
+    assert [(d.key, d.a, d.b) for d in compare(ROWS, short)] == [("train/grad_norm", 1.25, None)]
+    assert main([write(tmp_path / "a.jsonl", ROWS), write(tmp_path / "b.jsonl", short)]) == 1
+    out = capsys.readouterr().out
+    assert "rollout_id only in A (1 step(s)): 1" in out and "missing" in out
+
+
+def test_not_a_metrics_file_is_a_clear_error(tmp_path):
+    import pytest
+
+    from slime_lite.errors import SlimeLiteError
+
+    (tmp_path / "bad.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(SlimeLiteError, match="bad.jsonl: not a metrics JSONL file"):
+        main([str(tmp_path / "bad.jsonl"), str(tmp_path / "bad.jsonl")])
