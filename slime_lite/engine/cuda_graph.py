@@ -6,7 +6,8 @@ is captured on first use and replayed after, a few microseconds of host time per
 
 Row ``i`` of a padded step is batch slot ``i``: a step over running slots ``S`` runs rows ``0..B-1``, ``B`` the
 smallest batch bucket above ``max(S)``, and attends over the first ``L`` cache positions, ``L`` the smallest length
-bucket above the longest position. Idle rows decode token 0 at position 0 of their own, unused, slot. Every tensor a
+bucket above the longest position. Idle rows decode token 0 at position ``L - 1`` of their own, unused, slot
+(``idle_write`` says which: the prefix cache keeps what such a slot holds before that position). Every tensor a
 step touches (the static inputs and output, the KV cache, the weights, the rotary table) keeps its address while
 graphs live: weight updates copy into the parameters in place and need no new capture. When the cache or the weight
 storage is replaced (the cache grows to a larger bucket, memory release and resume, cache flush), the graphs are
@@ -117,6 +118,7 @@ class PaddedDecoder:
         self._index, self._rows, self._flip, self._done = None, None, 0, [None, None]
         self._pool = None
         self.capture_seconds = 0.0
+        self.idle_write: tuple[list[int], int] | None = None  # the last step's idle rows and the position they wrote
 
     def compile(self) -> None:
         """``torch.compile`` the layer pieces of captured steps (fuses their norm, rotary and activation kernels),
@@ -185,6 +187,8 @@ class PaddedDecoder:
             self._done[self._flip].synchronize()  # the step that last used these host buffers has copied them
         host = self._host_in[self._flip].numpy()
         host[:, :bs] = _IDLE_COLUMN
+        host[_FIELDS.index("position"), :bs] = kv_len - 1
+        self.idle_write = (sorted(set(range(bs)) - set(slots)), kv_len - 1)
         host[:, slots] = [getattr(inputs, name) for name in _FIELDS] + [[float(chain)] * len(slots)]
         # Whole buffers both ways: a copy of a non-contiguous slice is staged through a temporary, which is not safe
         # while the copy is in flight.

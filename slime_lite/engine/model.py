@@ -294,6 +294,35 @@ class CausalLM:
                 h = self._finish_layer(ly, h, out.transpose(1, 2).reshape(b, t, -1))
         return _rms(h, self.norm.weight, self.eps)
 
+    def prefill_extend(self, tokens: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                       cache: KVCache) -> torch.Tensor:
+        """Like ``prefill``, for prompts whose first ``starts[i]`` tokens already have K/V in their slot (the prefix
+        cache): ``tokens [B, T]`` are the rest, right-padded (``lengths [B]`` real tokens each), placed from position
+        ``starts[i]``; they attend to the cached prefix and to each other. Returns hidden [B, T, H].
+
+        Padding writes its K/V at the row's first position past its prompt (overwritten by decode before anything
+        attends to it), so no row writes past its own prompt plus one token."""
+        b, t = tokens.shape
+        steps = torch.arange(t, device=tokens.device)[None, :]
+        ends = starts + lengths  # first position after each prompt
+        pos = torch.minimum(starts[:, None] + steps, ends[:, None])  # [B, T]
+        kv_len = int(ends.max()) + 1
+        h = F.embedding(tokens, self.embed.weight)
+        cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]
+        index = cache.flat_index(slots, pos)
+        mask = (torch.arange(kv_len, device=tokens.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
+        with _sdpa_without_plans(h.device):
+            for i, ly in enumerate(self.layers):
+                q, kv = self._qkv(ly, h, cos, sin)
+                cache.write(i, index, kv.transpose(1, 2))
+                k = cache.k[i][:, :, :kv_len].index_select(0, slots)
+                v = cache.v[i][:, :, :kv_len].index_select(0, slots)
+                if self.n_rep > 1:
+                    k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scaling)
+                h = self._finish_layer(ly, h, out.transpose(1, 2).reshape(b, t, -1))
+        return _rms(h, self.norm.weight, self.eps)
+
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                kv_len: int, slot_range: tuple[int, int] | None = None, same_length: bool = False,
                graphed: bool = False) -> torch.Tensor:

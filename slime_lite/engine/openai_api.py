@@ -1,7 +1,10 @@
-"""OpenAI-compatible routes of the embedded engine: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible routes of the embedded engine: /v1/models (and /v1/models/{id}), /v1/completions,
+/v1/chat/completions.
 
-They map onto the same requests as ``/generate``. ``finish_reason`` is ``stop``, ``length`` or ``abort``; log-probs
-are those of the sampled tokens (``top_logprobs`` alternatives are not computed: empty).
+They map onto the same requests as ``/generate``. ``finish_reason`` is ``stop``, ``length`` or ``abort``. Log-probs
+follow SGLang's OpenAI server: completions take ``logprobs: k`` (``top_logprobs`` maps of the k best tokens) and
+``echo`` (the prompt before the text; with ``logprobs`` > 0 also the prompt's log-probs, the first one null);
+chat takes ``logprobs: true`` and ``top_logprobs: k``. Stream chunks carry the log-probs of the tokens they add.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ def add_openai_routes(app: Any, server: Any) -> None:
     ``encode_prompts`` / ``new_requests`` / ``run_requests`` / ``iter_outputs`` they use."""
     api = _OpenAI(server)
     app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model:.+}", api.retrieve_model)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
 
@@ -60,10 +64,20 @@ class _OpenAI:
     def __init__(self, server: Any) -> None:
         self.server = server
 
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.server.served_model_name, "object": "model", "created": 0, "owned_by": "slime_lite",
+                "root": self.server.scheduler.model_path, "max_model_len": self.server.scheduler.slot_len}
+
     async def models(self, request):
-        return json_response({"object": "list", "data": [{
-            "id": self.server.served_model_name, "object": "model", "created": 0, "owned_by": "slime_lite",
-            "root": self.server.scheduler.model_path, "max_model_len": self.server.scheduler.slot_len}]})
+        return json_response({"object": "list", "data": [self._card()]})
+
+    async def retrieve_model(self, request):
+        model = request.match_info["model"]
+        if model != self.server.served_model_name:
+            return json_response({"error": {"message": f"The model '{model}' does not exist",
+                                            "type": "invalid_request_error", "param": "model",
+                                            "code": "model_not_found"}}, 404)
+        return json_response(self._card())
 
     @staticmethod
     def _usage(prompts: list[list[int]], outs: list[Any]) -> dict[str, int]:
@@ -72,11 +86,12 @@ class _OpenAI:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _requests(self, prompts: list[list[int]], body: dict[str, Any], default_max_tokens: int | None,
-                  want_lp: bool) -> list[Any]:
+                  want_lp: bool, top: int = 0, logprob_start_len: int = -1) -> list[Any]:
         """``new_requests`` for an OpenAI body; an error names the OpenAI field (``max_tokens``, not
         ``sampling_params.max_new_tokens``)."""
         try:
             return self.server.new_requests(prompts, _sampling(body, default_max_tokens), return_logprob=want_lp,
+                                            top_logprobs_num=top, logprob_start_len=logprob_start_len,
                                             stream=_stream(body))
         except BadRequest as exc:
             message = str(exc)
@@ -84,35 +99,65 @@ class _OpenAI:
                 message = message.replace(ours, theirs)
             raise BadRequest(message) from None
 
-    def _token_texts(self, ids: list[int]) -> list[str]:
-        return [self.server.scheduler.decode([t], False) for t in ids]
+    def _text(self, token: int) -> str:
+        return self.server.scheduler.decode([token], False)
+
+    @staticmethod
+    def _count(body: dict[str, Any], key: str, lo: int, hi: int) -> int:
+        value = body.get(key)
+        if value is None or value is False:
+            return 0
+        if value is True:
+            return 1 if key == "logprobs" else 0
+        if not isinstance(value, int) or not lo <= value <= hi:
+            raise BadRequest(f"{key}={value!r} must be an integer in [{lo}, {hi}]")
+        return value
 
     async def completions(self, request):
         body = await read_body(request)
         prompt = body.get("prompt")
-        if body.get("echo"):
-            raise BadRequest("echo is not supported by the embedded engine")
         if prompt is None:
             raise BadRequest("'prompt' is required")
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        texts = [prompt] if isinstance(prompt, str) else None
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            texts = prompt
+        if texts is not None:
             prompts, _ = await self.server.encode_prompts(text=prompt)
         else:
             prompts, _ = await self.server.encode_prompts(input_ids=prompt)
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
-        reqs = self._requests(prompts, body, 16, want_lp)
+        top = self._count(body, "logprobs", 0, 20)
+        echo = bool(body.get("echo"))
+        reqs = self._requests(prompts, body, 16, want_lp, top, 0 if echo and top else -1)
+        n = len(reqs) // len(prompts)
+        sch = self.server.scheduler
+        echo_texts = [texts[i] if texts is not None else sch.decode(p) for i, p in enumerate(prompts)]
 
-        def choice(i: int, out: Any, text: str) -> dict[str, Any]:
+        def choice(i: int, out: Any, text: str, lo: int = 0, first: bool = True) -> dict[str, Any]:
+            with_prompt = echo and first
+            if with_prompt:
+                text = echo_texts[i // n] + text
             lp = None
             if want_lp:
-                toks = self._token_texts(out.output_ids)
-                offsets = [sum(len(t) for t in toks[:k]) for k in range(len(toks))]
-                lp = {"tokens": toks, "token_logprobs": out.output_logprobs,
-                      "top_logprobs": [{} for _ in toks], "text_offset": offsets}
+                pairs = list(zip(out.output_logprobs[lo:], out.output_ids[lo:]))
+                tops = (out.output_top or [])[lo:]
+                if with_prompt and top:
+                    pairs = list(zip(out.input_logprobs or [], out.input_ids_for_logprobs or [])) + pairs
+                    tops = list(out.input_top or []) + tops
+                toks = [self._text(t) for _, t in pairs]
+                offsets, at = [], 0
+                for t in toks:
+                    offsets.append(at)
+                    at += len(t)
+                lp = {"tokens": toks, "token_logprobs": [v for v, _ in pairs],
+                      "top_logprobs": [({self._text(t): v for v, t in row} if row else None) for row in tops]
+                      if top else [None] * len(toks),
+                      "text_offset": offsets}
             return {"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(out)}
 
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.server.served_model_name}
-        return await self._respond(request, body, prompts, reqs, head, choice)
+        return await self._respond(request, body, prompts, reqs, head, choice, n)
 
     async def chat_completions(self, request):
         body = await read_body(request)
@@ -129,21 +174,30 @@ class _OpenAI:
             raise BadRequest(f"cannot apply the chat template: {exc}") from None
         prompts, _ = await self.server.encode_prompts(text=text)
         want_lp = bool(body.get("logprobs"))
-        reqs = self._requests(prompts, body, None, want_lp)
+        top = self._count(body, "top_logprobs", 0, 20)
+        if top and not want_lp:
+            raise BadRequest("top_logprobs needs logprobs: true")
+        reqs = self._requests(prompts, body, None, want_lp, top)
 
-        def choice(i: int, out: Any, text: str, delta: bool = False) -> dict[str, Any]:
+        def entry(v: float, t: int) -> dict[str, Any]:
+            s = self._text(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+        def choice(i: int, out: Any, text: str, lo: int = 0, first: bool = True, delta: bool = False):
             lp = None
             if want_lp:
-                lp = {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-                                  for t, v in zip(self._token_texts(out.output_ids), out.output_logprobs)]}
+                tops = (out.output_top or [])[lo:] if top else [None] * (len(out.output_ids) - lo)
+                lp = {"content": [{**entry(v, t), "top_logprobs": [entry(*x) for x in (row or [])]}
+                                  for v, t, row in zip(out.output_logprobs[lo:], out.output_ids[lo:], tops)]}
             msg = {"role": "assistant", "content": text}
             return {"index": i, ("delta" if delta else "message"): msg, "logprobs": lp, "finish_reason": _finish(out)}
 
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.server.served_model_name}
-        return await self._respond(request, body, prompts, reqs, head, choice)
+        return await self._respond(request, body, prompts, reqs, head, choice, len(reqs))
 
-    async def _respond(self, request, body: dict[str, Any], prompts: list[list[int]], reqs: list[Any], head: dict[str, Any], choice):
+    async def _respond(self, request, body: dict[str, Any], prompts: list[list[int]], reqs: list[Any],
+                       head: dict[str, Any], choice, n: int):
         from aiohttp import web
 
         sch = self.server.scheduler
@@ -156,6 +210,7 @@ class _OpenAI:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         sent = [""] * len(reqs)
+        sent_tokens = [0] * len(reqs)
         outs: list[Any] = [None] * len(reqs)
         try:
             async with contextlib.aclosing(self.server.iter_outputs(reqs)) as stream:
@@ -163,8 +218,9 @@ class _OpenAI:
                     text = sch.output_text(out)
                     delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
                     sent[i] = text if text.startswith(sent[i]) else sent[i]
-                    c = choice(i, out, delta, True) if chat else choice(i, out, delta)
-                    c["logprobs"] = None
+                    lo, first = sent_tokens[i], sent_tokens[i] == 0
+                    sent_tokens[i] = len(out.output_ids)
+                    c = choice(i, out, delta, lo, first, True) if chat else choice(i, out, delta, lo, first)
                     await resp.write(b"data: " + json.dumps({**chunk_head, "choices": [c]}).encode() + b"\n\n")
                     if out.finish_reason is not None:
                         outs[i] = out

@@ -5,8 +5,8 @@ The scheduler owns the requests and their slots; it asks the pipeline for one de
 
 - dynamic: the batch's own shapes (no ``PaddedDecoder``, or a slot at or above its ``max_bs``); its tokens are read
   at once, drawn by the scheduler's sampler;
-- padded, general sampler: some row truncates (top-k/p, min-p) or bans tokens (``min_new_tokens``); the step's
-  logits go to the scheduler's sampler at once;
+- padded, general sampler: some row truncates (top-k/p, min-p), bans tokens (``min_new_tokens``), has a logit bias
+  or asks for other tokens' log-probs (``Request.host_sampled``); the step's logits go to the scheduler's sampler;
 - padded, sampled in the step (every row plain): its tokens are read one step late. The step stays in flight
   while the next one is launched, chained to its draws on the device (same slots, no request at its last token),
   so the host's bookkeeping of one step overlaps the GPU's work on the next; a request that finishes meanwhile
@@ -28,8 +28,9 @@ from slime_lite.engine.model import CausalLM, KVCache
 from slime_lite.engine.request import Request
 from slime_lite.engine.sampling import uniforms
 
-Drawn = tuple[list[Request], list[int], list[float]]  # requests and the token and log-prob each drew
-Sampler = Callable[[list[Request], torch.Tensor], tuple[list[int], list[float]]]  # (requests, float32 logits)
+# requests and the token and log-prob each drew (and, from the general sampler, their top / token-id log-probs)
+Drawn = tuple
+Sampler = Callable[[list[Request], torch.Tensor], tuple]  # (requests, float32 logits) -> tokens, log-probs, extras
 
 
 @dataclass
@@ -120,7 +121,7 @@ class DecodePipeline:
     def _fused(reqs: list[Request], lag: int) -> bool:
         """Every row can be drawn by the sampler inside the step: no truncation, no banned tokens (``min_new_tokens``)
         at the step's token index (``lag`` tokens after those appended)."""
-        return not any(r.params.truncates or len(r.output_ids) + lag < r.params.min_new_tokens for r in reqs)
+        return not any(r.host_sampled or len(r.output_ids) + lag < r.params.min_new_tokens for r in reqs)
 
     def _dynamic(self, slots: list[int], reqs: list[Request]) -> Drawn:
         dev = self.lm.device

@@ -23,6 +23,13 @@ class RequestOutput:
     weight_version: str
     e2e_latency: float
     params: SamplingParams
+    cached_tokens: int = 0
+    # per position, ``[(logprob, token_id), ...]`` or None (SGLang's first input position): top_logprobs_num
+    # alternatives and the token_ids_logprob tokens, of the output tokens and of the prompt from logprob_start_len
+    output_top: list[Any] | None = None
+    output_ids_lp: list[Any] | None = None
+    input_top: list[Any] | None = None
+    input_ids_lp: list[Any] | None = None
 
 
 @dataclass(eq=False)
@@ -34,15 +41,29 @@ class Request:
     return_logprob: bool = False
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     stream: bool = False
     on_output: Callable[[RequestOutput], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
+    output_top: list[Any] = field(default_factory=list)
+    output_ids_lp: list[Any] = field(default_factory=list)
+    input_top: list[Any] | None = None
+    input_ids_lp: list[Any] | None = None
     finish_reason: dict[str, Any] | None = None
     max_new: int = 0  # max_new_tokens capped to what the slot holds
     slot: int = -1
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     created: float = field(default_factory=time.monotonic)
+
+    @property
+    def host_sampled(self) -> bool:
+        """Its tokens need the step's logits on the host side sampler: truncation, a logit bias, or log-probs of
+        other tokens than the sampled one."""
+        return (self.params.truncates or bool(self.params.logit_bias) or self.top_logprobs_num > 0
+                or self.token_ids_logprob is not None)
 
     def snapshot(self, weight_version: str) -> RequestOutput:
         start = self.logprob_start_len
@@ -52,5 +73,9 @@ class Request:
             input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
             input_ids_for_logprobs=None if self.input_logprobs is None else self.input_ids[start:],
             finish_reason=self.finish_reason, weight_version=weight_version,
-            e2e_latency=time.monotonic() - self.created, params=self.params,
+            e2e_latency=time.monotonic() - self.created, params=self.params, cached_tokens=self.cached_tokens,
+            output_top=list(self.output_top) if self.top_logprobs_num else None,
+            output_ids_lp=list(self.output_ids_lp) if self.token_ids_logprob is not None else None,
+            input_top=None if self.input_top is None else list(self.input_top),
+            input_ids_lp=None if self.input_ids_lp is None else list(self.input_ids_lp),
         )

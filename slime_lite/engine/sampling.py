@@ -27,7 +27,7 @@ _MASK64 = (1 << 64) - 1
 
 # Fields SGLang accepts that the embedded engine takes at their neutral value only.
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
-_IGNORED = {"spaces_between_special_tokens", "n", "logit_bias", "custom_params", "stream_interval"}
+_IGNORED = {"spaces_between_special_tokens", "n", "stream_interval"}
 
 
 def mix64(a: int, b: int) -> int:
@@ -59,7 +59,7 @@ def uniforms(seeds: Sequence[int], steps: Sequence[int]) -> list[float]:
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128  # None (JSON null): up to the context limit (the batch slot)
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -71,6 +71,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling (and its log-probs)
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +90,7 @@ class SamplingParams:
         """Validate SGLang-style ``sampling_params``; ``ValueError`` names the bad field."""
         if d is not None and not isinstance(d, dict):
             raise ValueError("sampling_params must be an object (or a list of them, one per prompt)")
+        to_limit = d is not None and "max_new_tokens" in d and d["max_new_tokens"] is None
         d = {k: x for k, x in (d or {}).items() if x is not None and k not in _IGNORED}
         for k, neutral in _NEUTRAL.items():
             val = d.pop(k, None)
@@ -112,7 +114,7 @@ class SamplingParams:
         if seed is not None:
             seed = check.integer(seed, f + "sampling_seed", check.INT64_MIN, check.UINT64_MAX)
         return cls(
-            max_new_tokens=check.integer(d.get("max_new_tokens", 128), f + "max_new_tokens", 0),
+            max_new_tokens=None if to_limit else check.integer(d.get("max_new_tokens", 128), f + "max_new_tokens", 0),
             min_new_tokens=check.integer(d.get("min_new_tokens", 0), f + "min_new_tokens", 0),
             temperature=check.number(d.get("temperature", 1.0), f + "temperature", 0.0),
             top_p=check.number(d.get("top_p", 1.0), f + "top_p", 0.0, 1.0, lo_open=True),
@@ -124,7 +126,26 @@ class SamplingParams:
             skip_special_tokens=check.boolean(d.get("skip_special_tokens", True), f + "skip_special_tokens"),
             no_stop_trim=check.boolean(d.get("no_stop_trim", False), f + "no_stop_trim"),
             sampling_seed=seed,
+            logit_bias=_logit_bias(d.get("logit_bias")),
         )
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """SGLang's ``logit_bias``: ``{"token_id": bias}`` (keys are strings in JSON); the vocabulary range is checked
+    by the scheduler."""
+    if value is None:
+        return None
+    name = "sampling_params.logit_bias"
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object {{token_id: bias}}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: key {key!r} is not a token id") from None
+        out[tid] = check.number(bias, f"{name}[{key}]")
+    return out or None
 
 
 BLOCK = 1024  # the inverse CDF is searched block sums first, then one block: no full-vocabulary cumsum

@@ -18,6 +18,7 @@ Seeds: a request's seed is its ``sampling_seed`` if given, else derived from ``-
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -30,9 +31,12 @@ from typing import Any, Callable
 
 import torch
 
+from slime_lite.engine import logprobs as lpx
+from slime_lite.engine.admission import AdmissionMixin
 from slime_lite.engine.cuda_graph import PaddedDecoder
 from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.pipeline import DecodePipeline
+from slime_lite.engine.prefix_cache import PrefixCache
 from slime_lite.engine.request import Request, RequestOutput
 from slime_lite.engine.sampling import mix64, sample
 from slime_lite.engine.weights import Weights
@@ -40,20 +44,19 @@ from slime_lite.errors import SlimeLiteError
 
 logger = logging.getLogger(__name__)
 
-PREFILL_MAX_TOKENS = 8192  # padded tokens per prefill batch
-
 
 class EngineBusy(RuntimeError):
     """An operation that needs an idle engine (no running or waiting requests)."""
 
 
-class Scheduler:
+class Scheduler(AdmissionMixin):
     """Loads the model and runs the generation loop in a background thread (``start``/``stop``)."""
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
                  device: str | None = None, seed: int = 0, max_running_requests: int = 64,
                  kv_cache_tokens: int | None = None, cpu_threads: int | None = None, cuda_graph: bool | None = None,
-                 cuda_graph_max_bs: int | None = None, enable_torch_compile: bool = False) -> None:
+                 cuda_graph_max_bs: int | None = None, enable_torch_compile: bool = False,
+                 disable_radix_cache: bool = False) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -89,6 +92,7 @@ class Scheduler:
         self.kv_cache_tokens = kv_cache_tokens
         self.lm = CausalLM(self.hf, self.slot_len)
         self.weights = Weights(self.hf)
+        self.prefix = PrefixCache(lambda: self.weights.version, enabled=not disable_radix_cache)
         self.cache = self.lm.new_cache(self.max_running, self.slot_len)
         # Padded decode steps (CUDA graphs on CUDA): on by default on CUDA; cuda_graph=True on CPU runs them eagerly.
         if cuda_graph is None:
@@ -164,10 +168,19 @@ class Scheduler:
         if n >= self.slot_len:
             raise ValueError(f"prompt of {n} tokens does not fit a batch slot of {self.slot_len} tokens "
                              "(model context or --kv-cache-tokens / --max-running-requests)")
-        req.max_new = min(req.params.max_new_tokens, self.slot_len - n + 1)
-        if req.max_new < req.params.max_new_tokens:
-            logger.debug("request %s: max_new_tokens %d capped to %d by the slot size", req.rid,
-                         req.params.max_new_tokens, req.max_new)
+        asked = req.params.max_new_tokens
+        if asked is None:  # up to the context (SGLang's bound: input + output <= context - 2) or the slot
+            asked = max(0, self.context_len - n - 2)
+            req.params = dataclasses.replace(req.params, max_new_tokens=asked)
+        req.max_new = min(asked, self.slot_len - n + 1)
+        if asked is not None and req.max_new < asked:
+            logger.debug("request %s: max_new_tokens %d capped to %d by the slot size", req.rid, asked, req.max_new)
+        for name, ids in (("sampling_params.logit_bias", list(req.params.logit_bias or ())),
+                          ("token_ids_logprob", req.token_ids_logprob or [])):
+            bad = [t for t in ids if not 0 <= t < self.lm.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token id(s) {bad[:5]} outside the vocabulary [0, {self.lm.vocab_size})")
+        req.logprob_start_len = lpx.resolve_start(req.logprob_start_len, n, req.token_ids_logprob)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self.tokenizer_lock:
@@ -217,7 +230,7 @@ class Scheduler:
         elif mode == "retract":
             for slot in sorted(self.running, reverse=True):
                 self._retract(slot)
-            self.pipeline.free_cache()
+            self._free_cache()
         self.paused = True
         logger.info("generation paused (%s): %d running, %d waiting", mode, len(self.running), len(self.waiting))
 
@@ -229,6 +242,11 @@ class Scheduler:
         if self.running or self.waiting:
             raise EngineBusy(f"cannot flush the cache with {len(self.running)} running and "
                              f"{len(self.waiting)} waiting requests")
+        self._free_cache()
+
+    def _free_cache(self) -> None:
+        """Free the KV cache (with what the prefix cache points at in it)."""
+        self.prefix.clear()
         self.pipeline.free_cache()
 
     def release_memory(self, tags: list[str] | None) -> str:
@@ -242,7 +260,7 @@ class Scheduler:
         if "weights" in tags and "weights" not in self.released:
             self.lm.layers, self.lm.cos, self.lm.sin = [], None, None  # drop the fused tensors' GPU memory
             self.hf.to("cpu")
-        self.pipeline.free_cache()
+        self._free_cache()
         torch.cuda.empty_cache()
         self.released |= tags
         logger.info("released GPU memory %s", sorted(tags))
@@ -347,6 +365,7 @@ class Scheduler:
         """The request in ``slot`` goes back to the front of the queue (re-prefilled with what it generated)."""
         req = self.running.pop(slot)
         heapq.heappush(self._free_slots, slot)
+        self.prefix.release(slot, None)  # its prefill may be half done
         req.slot = -1
         self.waiting.appendleft(req)
 
@@ -367,8 +386,11 @@ class Scheduler:
         if req.slot >= 0:
             del self.running[req.slot]
             heapq.heappush(self._free_slots, req.slot)
+            # the slot keeps the K/V of what went through the model (the prefix cache); not after a failed prefill
+            done = req.output_ids or reason == {"type": "length", "length": 0}
+            self.prefix.release(req.slot, self._prefill_seq(req) if done else None)
             req.slot = -1
-            if not self.running and not self.pipeline.holds_cache:
+            if not self.running and not self.pipeline.holds_cache and not len(self.prefix):
                 self.cache.free()  # memory does not grow from batch to batch
         else:
             try:
@@ -389,88 +411,56 @@ class Scheduler:
         else:
             self._collect()
 
-    def _admitting(self) -> bool:
-        """Admit in groups (each admission is one prefill forward) unless the queue fits or the batch is empty."""
-        free = len(self._free_slots)
-        return bool(self.waiting) and free > 0 and (
-            free >= self._admit_group or len(self.waiting) <= free or not self.running)
-
-    def _need_len(self, req: Request) -> int:
-        return len(req.input_ids) + max(req.max_new - 1, len(req.output_ids))
-
-    def _admit(self) -> None:
-        batch: list[Request] = []
-        width = 0
-        while self.waiting and self._free_slots:
-            req = self.waiting[0]
-            n = len(req.input_ids) + max(0, len(req.output_ids) - 1)
-            if batch and (len(batch) + 1) * max(width, n) > PREFILL_MAX_TOKENS:
-                break
-            self.waiting.popleft()
-            width = max(width, n)
-            req.slot = heapq.heappop(self._free_slots)
-            self.running[req.slot] = req
-            batch.append(req)
-        need = max(self._need_len(r) for r in self.running.values())
-        self.cache.ensure(max(self.running) + 1, need)
-        self._prefill(batch)
-
-    def _prefill(self, batch: list[Request]) -> None:
-        # A request retracted by pause(mode="retract") is re-prefilled with what it generated so far.
-        seqs = [r.input_ids + r.output_ids[:-1] for r in batch]
-        width = max(len(s) for s in seqs)
-        tokens = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tokens[i, : len(s)] = torch.tensor(s)
-        dev = self.lm.device
-        slots = torch.tensor([r.slot for r in batch], device=dev)
-        hidden = self.lm.prefill(tokens.to(dev), slots, self.cache)
-        for i, r in enumerate(batch):
-            if r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None:
-                self._input_logprobs(r, hidden[i], tokens[i].to(dev))
-        fresh = [i for i, r in enumerate(batch) if not r.output_ids]
-        for i in [i for i in fresh if batch[i].max_new == 0]:
-            self._finish(batch[i], {"type": "length", "length": 0})
-        fresh = [i for i in fresh if batch[i].max_new > 0]
-        if fresh:
-            last = torch.tensor([len(seqs[i]) - 1 for i in fresh], device=dev)
-            logits = self.lm.logits(hidden[torch.tensor(fresh, device=dev), last])
-            reqs = [batch[i] for i in fresh]
-            self._append(reqs, *self._sample(reqs, logits))
-
-    def _input_logprobs(self, req: Request, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Log-probs of prompt tokens from ``logprob_start_len`` (the first prompt token has none)."""
-        n, start = len(req.input_ids), min(req.logprob_start_len, len(req.input_ids) - 1)
-        first = max(start, 1)
-        t = 1.0 if req.params.greedy else req.params.temperature
-        logp = torch.log_softmax(self.lm.logits(hidden[first - 1 : n - 1]) / t, dim=-1)
-        vals = logp.gather(1, tokens[first:n, None])[:, 0].tolist()
-        req.input_logprobs = [None] * (first - start) + vals
-        req.logprob_start_len = start
-
     def _decode(self) -> None:
         if not self.pipeline.chains(self.running):
             self._collect()  # read the step in flight first: its finished requests leave the batch
             if not self.running:
                 return
-        self._append(*self.pipeline.launch(self.running))
+        drawn = self.pipeline.launch(self.running)
+        if self.decoder is not None and self.decoder.idle_write is not None:  # a padded step wrote in free slots
+            idle, position = self.decoder.idle_write
+            self.decoder.idle_write = None
+            for slot in idle:
+                self.prefix.truncate(slot, position)
+        self._append(*drawn)
 
     def _collect(self) -> None:
         self._append(*self.pipeline.collect(self.running))
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """The general sampler (truncation, ``min_new_tokens`` bans) over float32 ``logits`` of ``reqs``."""
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float], list[Any]]:
+        """The general sampler (logit bias, truncation, ``min_new_tokens`` bans) over float32 ``logits`` of
+        ``reqs``; also each request's top / token-id log-probs (``logprobs.extras``; None when it asks none)."""
+        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased:
+            logits = logits.clone()
+            for i in biased:
+                bias = reqs[i].params.logit_bias
+                logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
         banned = [self._banned(r) for r in reqs]
         tokens, logprobs = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
                                   [len(r.output_ids) for r in reqs], banned if any(banned) else None)
         tokens, logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()  # one device sync
-        return [int(t) for t in tokens], logprobs
+        extra: list[Any] = [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if r.top_logprobs_num or r.token_ids_logprob is not None:
+                t = 1.0 if r.params.greedy else r.params.temperature
+                top, ids = lpx.extras(torch.log_softmax(logits[i : i + 1].float() / t, dim=-1), r.top_logprobs_num,
+                                      r.token_ids_logprob)
+                extra[i] = (top and top[0], ids and ids[0])
+        return [int(t) for t in tokens], logprobs, extra
 
-    def _append(self, reqs: list[Request], tokens: list[int], logprobs: list[float]) -> None:
+    def _append(self, reqs: list[Request], tokens: list[int], logprobs: list[float],
+                extra: list[Any] | None = None) -> None:
         self.num_generated += len(reqs)
-        for r, tok, lp in zip(reqs, tokens, logprobs):
+        for i, (r, tok, lp) in enumerate(zip(reqs, tokens, logprobs)):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
+            if extra is not None and extra[i] is not None:
+                top, ids = extra[i]
+                if top is not None:
+                    r.output_top.append(top)
+                if ids is not None:
+                    r.output_ids_lp.append(ids)
             reason = self._check_finished(r, tok)
             if reason is not None:
                 self._finish(r, reason)

@@ -24,6 +24,7 @@ import threading
 import uuid
 from typing import Any, AsyncIterator
 
+from slime_lite.engine import logprobs as lpx
 from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
 from slime_lite.errors import SlimeLiteError
@@ -31,7 +32,6 @@ from slime_lite.logging_setup import setup_logging
 
 logger = logging.getLogger(__name__)
 
-HEALTH_GENERATE_TIMEOUT_S = 20.0
 MAX_REQUEST_BYTES = 8 << 20  # default body limit of every route but the weight upload
 WEIGHTS_BODY_LIMIT = 1 << 34
 WEIGHTS_ROUTES = ("/update_weights_from_tensor",)
@@ -60,7 +60,8 @@ class EngineServer:
                  max_running_requests: int = 64, kv_cache_tokens: int | None = None, api_key: str | None = None,
                  served_model_name: str | None = None, cpu_threads: int | None = None,
                  cuda_graph: bool | None = None, cuda_graph_max_bs: int | None = None,
-                 enable_torch_compile: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+                 enable_torch_compile: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES,
+                 disable_radix_cache: bool = False, enable_memory_saver: bool = False) -> None:
         from slime_lite.engine.scheduler import Scheduler
 
         self.host, self.port, self.api_key = host, int(port), api_key
@@ -71,7 +72,9 @@ class EngineServer:
                                    seed=seed, max_running_requests=max_running_requests,
                                    kv_cache_tokens=kv_cache_tokens, cpu_threads=cpu_threads,
                                    cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
-                                   enable_torch_compile=enable_torch_compile)
+                                   enable_torch_compile=enable_torch_compile,
+                                   disable_radix_cache=disable_radix_cache)
+        self.enable_memory_saver = enable_memory_saver
         self.served_model_name = served_model_name or model_path
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -147,20 +150,18 @@ class EngineServer:
         from aiohttp import web
 
         from slime_lite.engine.admin_routes import add_admin_routes
+        from slime_lite.engine.info_routes import add_info_routes
         from slime_lite.engine.openai_api import add_openai_routes
 
         app = web.Application(client_max_size=WEIGHTS_BODY_LIMIT, middlewares=[self._middleware])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
-        r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health)
-        for path in ("/get_model_info", "/model_info"):
-            r.add_get(path, self.model_info)
-        for path in ("/get_server_info", "/server_info"):
-            r.add_get(path, self.server_info)
-        r.add_get("/get_weight_version", self.get_weight_version)
+        add_info_routes(app, self)
         add_admin_routes(app, self.scheduler)
+        # /flush_cache answers GET too (SGLang takes both; slime sends GET)
+        r.add_get("/flush_cache", next(x.handler for x in r.routes()
+                                       if x.method == "POST" and x.resource.canonical == "/flush_cache"))
         add_openai_routes(app, self)
         return app
 
@@ -194,18 +195,19 @@ class EngineServer:
 
     # ---- generation ----------------------------------------------------------------------------------------
     def new_requests(self, prompts: list[list[int]], sampling_params: Any, *, rid: Any = None,
-                     return_logprob: Any = False, logprob_start_len: Any = -1,
-                     return_text_in_logprobs: Any = False, stream: Any = False) -> list[Any]:
+                     return_logprob: Any = False, logprob_start_len: Any = -1, top_logprobs_num: Any = 0,
+                     token_ids_logprob: Any = None, return_text_in_logprobs: Any = False,
+                     stream: Any = False) -> list[Any]:
         """Validated ``Request`` objects: one per prompt and sample (``n``), in prompt-major order. ``BadRequest``
         names the field that is wrong; nothing is submitted."""
         try:
             return self._new_requests(prompts, sampling_params, rid, return_logprob, logprob_start_len,
-                                      return_text_in_logprobs, stream)
+                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
-    def _new_requests(self, prompts, sampling_params, rid, return_logprob, logprob_start_len,
-                      return_text_in_logprobs, stream) -> list[Any]:
+    def _new_requests(self, prompts, sampling_params, rid, return_logprob, logprob_start_len, top_logprobs_num,
+                      token_ids_logprob, return_text_in_logprobs, stream) -> list[Any]:
         from slime_lite.engine.request import Request
         from slime_lite.engine.sampling import SamplingParams
 
@@ -214,6 +216,13 @@ class EngineServer:
         lps = [check.boolean(x, "return_logprob") for x in _as_list(return_logprob, n_prompts, "return_logprob")]
         starts = [check.integer(-1 if x is None else x, "logprob_start_len", -1)
                   for x in _as_list(logprob_start_len, n_prompts, "logprob_start_len")]
+        tops = [check.integer(0 if x is None else x, "top_logprobs_num", 0, self.scheduler.lm.vocab_size)
+                for x in _as_list(top_logprobs_num, n_prompts, "top_logprobs_num")]
+        if isinstance(token_ids_logprob, list) and token_ids_logprob and isinstance(token_ids_logprob[0], list):
+            id_lists = _as_list(token_ids_logprob, n_prompts, "token_ids_logprob")
+        else:
+            id_lists = [token_ids_logprob] * n_prompts
+        id_lists = [None if x is None else check.token_id_list(x, "token_ids_logprob") for x in id_lists]
         text_lp = check.boolean(return_text_in_logprobs, "return_text_in_logprobs")
         stream = check.boolean(stream, "stream")
         if isinstance(rid, list):
@@ -228,14 +237,15 @@ class EngineServer:
             raise BadRequest(f"{n_prompts} prompts x sampling_params.n make {sum(ns)} sequences; at most "
                              f"{check.MAX_SEQUENCES} per request")
         reqs = []
-        for ids, sp, n, user_rid, lp, start in zip(prompts, sps, ns, rids, lps, starts):
+        for ids, sp, n, user_rid, lp, start, top, tids in zip(prompts, sps, ns, rids, lps, starts, tops, id_lists):
             params = SamplingParams.from_dict(sp)
             base = user_rid if user_rid is not None else uuid.uuid4().hex
             for j in range(n):
                 req = Request(
                     rid=base if n == 1 else f"{base}_{j}", input_ids=ids, params=params,
                     seed=self.scheduler.derive_seed(params.sampling_seed, user_rid, j), return_logprob=lp,
-                    logprob_start_len=start, return_text_in_logprobs=text_lp, stream=stream,
+                    logprob_start_len=start if lp else -1, top_logprobs_num=top if lp else 0,
+                    token_ids_logprob=tids if lp else None, return_text_in_logprobs=text_lp, stream=stream,
                 )
                 self.scheduler.prepare(req)
                 reqs.append(req)
@@ -326,23 +336,22 @@ class EngineServer:
         sch = self.scheduler
         meta: dict[str, Any] = {
             "id": out.rid, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": len(out.output_ids), "cached_tokens": 0, "weight_version": out.weight_version,
-            "e2e_latency": round(out.e2e_latency, 6),
+            "completion_tokens": len(out.output_ids), "cached_tokens": out.cached_tokens,
+            "weight_version": out.weight_version, "e2e_latency": round(out.e2e_latency, 6),
         }
         if req.return_logprob:
-            def triples(lps, ids):
-                return [[lp, t, sch.decode([t], False) if req.return_text_in_logprobs else None]
-                        for lp, t in zip(lps, ids)]
-
-            meta["output_token_logprobs"] = triples(out.output_logprobs, out.output_ids)
-            if out.input_logprobs is not None:
-                meta["input_token_logprobs"] = triples(out.input_logprobs, out.input_ids_for_logprobs)
+            text = (lambda t: sch.decode([t], False)) if req.return_text_in_logprobs else None
+            meta.update(lpx.meta_info(out, req.top_logprobs_num, req.token_ids_logprob, text))
         return {"text": sch.output_text(out), "output_ids": out.output_ids, "meta_info": meta}
 
     async def generate(self, request):
         from aiohttp import web
 
         body = await read_body(request)
+        try:
+            check.generate_fields(body)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         prompts, single = await self.encode_prompts(body.get("text"), body.get("input_ids"))
 
         def opt(key: str, default: Any) -> Any:
@@ -350,8 +359,8 @@ class EngineServer:
 
         reqs = self.new_requests(
             prompts, body.get("sampling_params"), rid=body.get("rid"), return_logprob=opt("return_logprob", False),
-            logprob_start_len=opt("logprob_start_len", -1),
-            return_text_in_logprobs=opt("return_text_in_logprobs", False), stream=opt("stream", False),
+            logprob_start_len=opt("logprob_start_len", -1), top_logprobs_num=opt("top_logprobs_num", 0),
+            token_ids_logprob=body.get("token_ids_logprob"), return_text_in_logprobs=opt("return_text_in_logprobs", False), stream=opt("stream", False),
         )
         stream = reqs[0].stream
         single = single and len(reqs) == 1
@@ -373,59 +382,6 @@ class EngineServer:
         except ConnectionResetError:
             logger.info("stream client left; aborted %s", reqs[0].rid if len(reqs) == 1 else f"{len(reqs)} requests")
         return resp
-
-    # ---- health and info -----------------------------------------------------------------------------------
-    async def health(self, request):
-        """``/health`` and ``/health_generate`` (SGLang's semantics): 200 when a one-token generation answers, or
-        when the engine produced any token since the check began (a busy engine is alive); 503 when it does not
-        within ``HEALTH_GENERATE_TIMEOUT_S`` (a model thread stuck in a call), and at once when the model thread is
-        down or generation is paused or its weights are released."""
-        from aiohttp import web
-
-        s = self.scheduler
-        if not s.alive or not s.may_generate:
-            why = ("the model thread is not running" if not s.alive else "generation is paused" if s.paused
-                   else "the weights are released (/resume_memory_occupation)")
-            return web.Response(status=503, text=why)
-        token = min(s.eos_ids) if s.eos_ids else 0
-        reqs = self.new_requests([[token]], {"max_new_tokens": 1, "temperature": 0.0}, rid=f"health_{uuid.uuid4().hex}")
-        generated, loop = s.num_generated, asyncio.get_running_loop()
-        deadline = loop.time() + HEALTH_GENERATE_TIMEOUT_S
-        task = asyncio.ensure_future(self.run_requests(reqs))
-        try:
-            while not task.done() and s.num_generated == generated:
-                if loop.time() > deadline:
-                    return web.Response(status=503, text=f"generation did not answer in {HEALTH_GENERATE_TIMEOUT_S}s")
-                await asyncio.wait({task}, timeout=0.05)
-        finally:
-            task.cancel()  # aborts the check's request if it is still queued
-        return web.Response(status=200)
-
-    async def model_info(self, request):
-        s = self.scheduler
-        return json_response({"model_path": s.model_path, "tokenizer_path": s.tokenizer_path, "is_generation": True,
-                               "preferred_sampling_params": None, "weight_version": s.weight_version})
-
-    async def server_info(self, request):
-        from slime_lite import __version__
-
-        s = self.scheduler
-        return json_response({
-            "engine": "slime_lite.embedded", "version": __version__, "model_path": s.model_path,
-            "tokenizer_path": s.tokenizer_path, "host": self.host, "port": self.url and int(self.url.rsplit(":", 1)[1]),
-            "device": str(s.device), "dtype": str(s.lm.dtype).removeprefix("torch."), "tp_size": 1,
-            "random_seed": s.seed, "max_running_requests": s.max_running, "kv_cache_tokens": s.kv_cache_tokens,
-            "context_length": s.slot_len, "num_running_reqs": s.num_running, "num_waiting_reqs": s.num_waiting,
-            "paused": s.paused, "released_memory": sorted(s.released), "weight_version": s.weight_version,
-            "num_generated_tokens": s.num_generated, "kv_cache_allocated": list(s.cache.allocated),
-            "disable_cuda_graph": s.decoder is None or not s.decoder.capture,
-            "cuda_graph_max_bs": s.decoder.max_bs if s.decoder else None,
-            "enable_torch_compile": s.decoder is not None and s.lm.graph_fns is not s.lm.fns,
-            "num_cuda_graphs": len(s.decoder.graphs) if s.decoder else 0,
-        })
-
-    async def get_weight_version(self, request):
-        return json_response({"weight_version": self.scheduler.weight_version})
 
 
 # ---- command line -------------------------------------------------------------------------------------------
@@ -466,6 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="largest request body, in bytes, on every route but /update_weights_from_tensor "
                         f"(default {MAX_REQUEST_BYTES >> 20} MiB); larger ones get HTTP 413")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix cache: every prompt is prefilled in full (meta_info.cached_tokens stays 0)")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="reported in /get_server_info for SGLang parity (slime compares it); memory release works "
+                        "either way")
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: --model-path)")
     p.add_argument("--log-level", default="info")
     return p
@@ -495,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name,
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
         enable_torch_compile=args.enable_torch_compile, max_request_bytes=args.max_request_bytes,
+        disable_radix_cache=args.disable_radix_cache, enable_memory_saver=args.enable_memory_saver,
     )
     server.run_forever()
     return 0

@@ -86,3 +86,54 @@ def fits_context(prompt_tokens: int, max_new_tokens: int | None, context: int) -
         raise ValueError(f"sampling_params.max_new_tokens: {prompt_tokens} input tokens + max_new_tokens "
                          f"{max_new_tokens} = {prompt_tokens + max_new_tokens} tokens exceeds the model's context "
                          f"length ({context} tokens); lower max_new_tokens or shorten the input")
+
+
+def token_id_list(value: Any, name: str) -> list[int]:
+    """A list of non-negative token ids (possibly empty; the vocabulary range is the scheduler's check)."""
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list of token ids")
+    return [integer(t, name, 0) for t in value]
+
+
+# /generate fields (SGLang's GenerateReqInput) the engine implements.
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream"}
+# Fields that only label, route or log a request: any value is accepted and changes nothing in the output.
+GENERATE_LABELS = {"log_metrics", "no_logs", "custom_labels", "received_time", "external_trace_header",
+                   "routing_key", "conversation_id", "priority", "extra_key", "cache_salt", "http_worker_ipc"}
+# SGLang's other fields: accepted at their default (absent, null, false, 0 or the values listed), else a 400.
+GENERATE_DEFAULTS: dict[str, tuple[Any, ...]] = {name: () for name in (
+    "session_id", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
+    "use_audio_in_video", "video_config", "watermark", "return_sampling_mask", "sampling_logprobs_mode",
+    "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+    "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "return_indexer_topk",
+    "modalities", "session_params", "lora_path", "lora_id", "custom_logit_processor", "positional_embed_overrides",
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
+    "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank", "background", "require_reasoning",
+    "max_thinking_tokens", "return_bytes", "return_entropy", "return_prompt_token_ids", "need_wait_for_mm_inputs",
+    "num_items_assigned", "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+    "video_max_dynamic_patch", "images_config", "mm_processor_kwargs", "multi_item_delimiter_indices",
+    "token_indices_to_pool", "kv_hints")}
+
+
+def _is_default(value: Any, allowed: tuple[Any, ...]) -> bool:
+    if value is None or value is False or value in allowed:
+        return True
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)) and value == 0:
+        return True
+    return isinstance(value, (list, dict, str)) and not value  # [], {}, ""
+
+
+def generate_fields(body: dict[str, Any]) -> None:
+    """A ``/generate`` body asks only for what the engine does: a field of SGLang's it does not implement, at a value
+    other than its default, is a ValueError naming it; so is a field SGLang does not have."""
+    for key, value in body.items():
+        if key in GENERATE_FIELDS or key in GENERATE_LABELS:
+            continue
+        if key not in GENERATE_DEFAULTS:
+            raise ValueError(f"{key}: not a /generate field (SGLang's GenerateReqInput has no such field)")
+        if not _is_default(value, GENERATE_DEFAULTS[key]):
+            raise ValueError(f"{key}={value!r:.80}: not supported by the embedded engine (only its default, "
+                             "absent or null, is accepted); use --rollout-backend sglang for it")

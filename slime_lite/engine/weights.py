@@ -2,8 +2,8 @@
 
 Every method but ``init_group`` (which touches no weights and may wait for the trainer) runs in the engine's model
 thread between forward steps (``Scheduler.call``), so a generation step never sees half-updated weights. Updates are
-checked in full (names, shapes) before any parameter is written. Joining a group and each receive on it end within
-``GROUP_TIMEOUT_S``; a receive that fails destroys the group (it is out of step with the sender).
+checked in full (names, shapes, dtypes) before any parameter is written. Joining a group and each receive on it end
+within ``GROUP_TIMEOUT_S``; a receive that fails destroys the group (it is out of step with the sender).
 A tied LM head (``tie_word_embeddings``) is the embedding's parameter: writing either name writes both.
 """
 
@@ -68,32 +68,45 @@ class Weights:
     def __init__(self, hf_model: Any) -> None:
         self.model = hf_model
         self.groups: dict[str, WeightUpdateGroup] = {}
+        self.version = 0  # counts weight writes: the prefix cache drops its K/V when it changes
 
     @property
     def params(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters(remove_duplicate=False))
 
-    def _check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+    def check_update(self, named: dict[str, torch.Tensor]) -> None:
+        """Names, shapes and dtypes of an update against the model, before any byte is copied: WeightError naming
+        the first mismatch. A floating-point tensor loads into a floating-point parameter of any precision (cast,
+        as SGLang's loaders do); any other dtype must be the parameter's own."""
         params = self.params
-        unknown = sorted(n for n in shapes if n not in params)
+        unknown = sorted(n for n in named if n not in params)
         if unknown:
             raise WeightError(f"unknown parameter name(s) {unknown[:5]} (expected Hugging Face names such as "
                               f"{next(iter(params))!r})")
-        for name, shape in shapes.items():
-            if tuple(params[name].shape) != tuple(shape):
-                raise WeightError(f"parameter {name!r}: shape {tuple(shape)} does not match the model's "
-                                  f"{tuple(params[name].shape)}")
+        for name, t in named.items():
+            p = params[name]
+            if tuple(p.shape) != tuple(t.shape):
+                raise WeightError(f"parameter {name!r}: shape {tuple(t.shape)} does not match the model's "
+                                  f"{tuple(p.shape)}")
+            if t.dtype != p.dtype and not (t.dtype.is_floating_point and p.dtype.is_floating_point):
+                raise WeightError(f"parameter {name!r}: dtype {str(t.dtype).removeprefix('torch.')} cannot be "
+                                  f"loaded into the model's {str(p.dtype).removeprefix('torch.')}")
 
     @torch.no_grad()
     def load_named(self, named: dict[str, torch.Tensor]) -> int:
-        """Copy ``{hf_name: tensor}`` into the model (any subset of parameters); returns how many were written."""
-        self._check({n: tuple(t.shape) for n, t in named.items()})
+        """Copy ``{hf_name: tensor}`` into the model (any subset of parameters); returns how many were written.
+        On CUDA it returns once the copies are done, so the sender may reuse or free its buffers (CUDA IPC)."""
+        self.check_update(named)
         params = self.params
         # every tensor converted first: a failure here (memory, a bad dtype) leaves the weights as they were
         staged = {name: tensor.to(device=params[name].device, dtype=params[name].dtype)
                   for name, tensor in named.items()}
+        self.version += 1
         for name, tensor in staged.items():
             params[name].copy_(tensor)
+        if torch.cuda.is_available() and (any(p.is_cuda for p in params.values())
+                                          or any(t.is_cuda for t in named.values())):
+            torch.cuda.synchronize()
         return len(named)
 
     def load_from_disk(self, model_path: str) -> int:

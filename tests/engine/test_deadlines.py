@@ -27,9 +27,9 @@ def test_health_is_503_at_once_while_paused_and_200_after_continue(engine):
 
 
 def test_health_is_503_while_the_model_thread_is_stuck(engine, monkeypatch):
-    from slime_lite.engine import server
+    from slime_lite.engine import info_routes
 
-    monkeypatch.setattr(server, "HEALTH_GENERATE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(info_routes, "HEALTH_GENERATE_TIMEOUT_S", 1.0)
     release = threading.Event()
     stuck = engine.scheduler.call(release.wait, 30)  # a call that holds the model thread
     try:

@@ -15,6 +15,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 def test_single_text_prompt_returns_sglang_fields(engine):
+    assert http(engine.url, "/flush_cache", {})[0] == 200
     out = generate(engine.url, text="12+34=", sampling_params={"max_new_tokens": 6, **GREEDY})
     meta = out["meta_info"]
     assert len(out["output_ids"]) == 6 and meta["completion_tokens"] == 6
@@ -62,8 +63,9 @@ def test_input_token_logprobs_equal_hf_forward(engine, hf_model):
     assert out["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
     triples = meta["input_token_logprobs"]
     assert [t[1] for t in triples] == prompt[2:]
-    ref = hf_logprobs(hf_model, prompt[:2], prompt[2:])
-    assert max(abs(a[0] - b) for a, b in zip(triples, ref)) < 1e-5
+    assert triples[0][0] is None  # SGLang: the first entry has no log-prob, whatever logprob_start_len is
+    ref = hf_logprobs(hf_model, prompt[:3], prompt[3:])
+    assert max(abs(a[0] - b) for a, b in zip(triples[1:], ref)) < 1e-5
     first = generate(engine.url, input_ids=prompt, return_logprob=True, logprob_start_len=0,
                      sampling_params={"max_new_tokens": 1})["meta_info"]["input_token_logprobs"]
     assert first[0][0] is None and len(first) == len(prompt)
@@ -245,9 +247,12 @@ def test_health_info_and_weight_version_routes(engine):
     assert http(engine.url, "/get_weight_version")[1] == {"weight_version": "default"}
 
 
-def test_kv_cache_is_freed_when_idle(engine):
+def test_kv_cache_is_freed_when_idle_and_flushed(engine):
     generate(engine.url, input_ids=[[1, 2, 3]] * 3, sampling_params={"max_new_tokens": 20, **GREEDY})
-    assert http(engine.url, "/get_server_info")[1]["kv_cache_allocated"] == [0, 0]
+    assert http(engine.url, "/get_server_info")[1]["prefix_cache"]["entries"] > 0  # the prefix cache holds it
+    assert http(engine.url, "/flush_cache")[0] == 200  # GET, as slime sends it
+    info = http(engine.url, "/get_server_info")[1]
+    assert info["kv_cache_allocated"] == [0, 0] and info["prefix_cache"]["entries"] == 0
 
 
 def test_client_disconnect_aborts_streaming_request(engine):

@@ -67,6 +67,61 @@ def test_v1_chat_completions_stream(engine):
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == full["choices"][0]["message"]["content"]
 
 
+def _sglang_protocol():
+    """SGLang's OpenAI protocol models (tests/sglang_oracle.py), or None where the pinned sglang is not installed."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from sglang_oracle import openai_protocol, sglang_available
+
+    return openai_protocol() if sglang_available() else None
+
+
+def test_official_openai_client_models_logprobs_echo_and_streams(engine):
+    """The official ``openai`` client against the engine: models.retrieve (and its 404), completions with top
+    log-probs and echo, chat with top_logprobs, log-probs in stream chunks; each response is also one SGLang's own
+    protocol models accept."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    name = engine.served_model_name
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+    native = http(engine.url, "/generate", {"text": "1+1=", "return_logprob": True, "top_logprobs_num": 2,
+                                            "sampling_params": {"max_new_tokens": 4, "temperature": 0}})[1]
+    meta = native["meta_info"]
+    done = client.completions.create(model=name, prompt="1+1=", max_tokens=4, temperature=0, logprobs=2, echo=True)
+    lp = done.choices[0].logprobs
+    assert done.choices[0].text == "1+1=" + native["text"]
+    assert len(lp.tokens) == 4 + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # prompt first
+    assert lp.token_logprobs[4:] == [t[0] for t in meta["output_token_logprobs"]]
+    text = engine.scheduler.decode
+    assert lp.top_logprobs[4:] == [{text([t[1]], False): t[0] for t in row} for row in meta["output_top_logprobs"]]
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)
+    chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for ch in chunks for c in (ch.choices[0].logprobs.content if ch.choices[0].logprobs else [])]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    text_chunks = list(client.completions.create(model=name, prompt="ab", max_tokens=3, temperature=0, logprobs=1,
+                                                 stream=True))
+    assert sum(len(ch.choices[0].logprobs.tokens) for ch in text_chunks) == 3
+
+    proto = _sglang_protocol()
+    if proto is not None:
+        proto.ModelCard.model_validate(client.models.retrieve(name).model_dump())
+        proto.CompletionResponse.model_validate(done.model_dump())
+        proto.ChatCompletionResponse.model_validate(chat.model_dump())
+        for ch in chunks:
+            proto.ChatCompletionStreamResponse.model_validate(ch.model_dump())
+        for ch in text_chunks:
+            proto.CompletionStreamResponse.model_validate(ch.model_dump())
+
+
 def test_serve_rejects_unknown_flags_and_tp_size(tiny_model_dir):
     with pytest.raises(SlimeLiteError, match="--enable-foo"):
         main(["--model-path", str(tiny_model_dir), "--enable-foo", "1"])
@@ -84,7 +139,8 @@ def test_serve_rejects_unknown_flags_and_tp_size(tiny_model_dir):
 @pytest.mark.slow
 def test_serve_command_starts_answers_and_stops_on_sigterm(tiny_model_dir):
     cmd = [sys.executable, "-m", "slime_lite.cli", "serve", "--model-path", str(tiny_model_dir), "--port", "0",
-           "--device", "cpu", "--mem-fraction-static", "0.5", "--random-seed", "3"]
+           "--device", "cpu", "--mem-fraction-static", "0.5", "--random-seed", "3", "--disable-radix-cache",
+           "--enable-memory-saver"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -95,9 +151,11 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tiny_model_dir):
                 break
         assert url, "server never said it was ready"
         assert http(url, "/health")[0] == 200
-        out = http(url, "/generate", {"text": "ab", "sampling_params": {"max_new_tokens": 3}})[1]
-        assert out["meta_info"]["completion_tokens"] == 3
-        assert http(url, "/get_server_info")[1]["random_seed"] == 3
+        for _ in range(2):  # --disable-radix-cache: the repeat reuses nothing
+            out = http(url, "/generate", {"text": "ab", "sampling_params": {"max_new_tokens": 3}})[1]
+            assert out["meta_info"]["completion_tokens"] == 3 and out["meta_info"]["cached_tokens"] == 0
+        info = http(url, "/get_server_info")[1]
+        assert info["random_seed"] == 3 and info["disable_radix_cache"] is True and info["enable_memory_saver"] is True
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:

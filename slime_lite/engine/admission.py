@@ -1,0 +1,115 @@
+"""Admission of the embedded engine's scheduler: waiting requests get a batch slot (the prefix cache picks it) and
+are prefilled together; their prompt log-probs and first token come out of that prefill.
+
+A mixin of ``Scheduler`` (scheduler.py): these methods run in its model thread and use its state (``waiting``,
+``running``, ``_free_slots``, ``cache``, ``prefix``, ``lm``).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from slime_lite.engine import logprobs as lpx
+from slime_lite.engine.request import Request
+
+PREFILL_MAX_TOKENS = 8192  # padded tokens per prefill batch
+
+
+class AdmissionMixin:
+    def _admitting(self) -> bool:
+        """Admit in groups (each admission is one prefill forward) unless the queue fits or the batch is empty."""
+        free = len(self._free_slots)
+        return bool(self.waiting) and free > 0 and (
+            free >= self._admit_group or len(self.waiting) <= free or not self.running)
+
+    def _need_len(self, req: Request) -> int:
+        return len(req.input_ids) + max(req.max_new - 1, len(req.output_ids))
+
+    @staticmethod
+    def _prefill_seq(req: Request) -> list[int]:
+        """What a prefill runs: the prompt, plus what it generated when it comes back from a retraction."""
+        return req.input_ids + req.output_ids[:-1]
+
+    @staticmethod
+    def _reuse_limit(req: Request, seq_len: int) -> int:
+        """How many leading tokens may come from the prefix cache: all but the last (its logits pick the next
+        token), and none from where prompt log-probs are asked."""
+        limit = seq_len - 1
+        if req.return_logprob and req.input_logprobs is None and req.logprob_start_len < len(req.input_ids):
+            limit = min(limit, req.logprob_start_len)
+        return limit
+
+    def _admit(self) -> None:
+        if self.cache.kv is None:
+            self.prefix.clear()  # the K/V it pointed at is gone
+        batch: list[Request] = []
+        reused: list[int] = []
+        width = 0
+        while self.waiting and self._free_slots:
+            req = self.waiting[0]
+            seq = self._prefill_seq(req)
+            slot, hit = self.prefix.match(self._free_slots, seq, self._reuse_limit(req, len(seq)))
+            n = len(seq) - hit
+            if batch and (len(batch) + 1) * max(width, n) > PREFILL_MAX_TOKENS:
+                break
+            self.waiting.popleft()
+            self.prefix.take(slot, len(seq), hit)
+            self._free_slots.remove(slot)
+            heapq.heapify(self._free_slots)
+            width = max(width, n)
+            req.slot = slot
+            self.running[slot] = req
+            batch.append(req)
+            reused.append(hit)
+        need = max(self._need_len(r) for r in self.running.values())
+        if any(reused):  # prefill_extend's padding writes one position past each prompt
+            need = max(need, min(self.slot_len, max(len(r.input_ids) + len(r.output_ids) for r in batch) + 1))
+        self.cache.ensure(max(self.running) + 1, need)
+        self._prefill(batch, reused)
+
+    def _prefill(self, batch: list[Request], reused: list[int]) -> None:
+        # A request retracted by pause(mode="retract") is re-prefilled with what it generated so far.
+        seqs = [self._prefill_seq(r)[p:] for r, p in zip(batch, reused)]
+        width = max(len(s) for s in seqs)
+        tokens = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = torch.tensor(s)
+        dev = self.lm.device
+        slots = torch.tensor([r.slot for r in batch], device=dev)
+        if any(reused):
+            hidden = self.lm.prefill_extend(tokens.to(dev), torch.tensor(reused, device=dev),
+                                            torch.tensor([len(s) for s in seqs], device=dev), slots, self.cache)
+        else:
+            hidden = self.lm.prefill(tokens.to(dev), slots, self.cache)
+        for i, r in enumerate(batch):
+            if not r.output_ids:
+                r.cached_tokens = reused[i]
+            if r.return_logprob and r.input_logprobs is None:
+                self._input_logprobs(r, hidden[i], reused[i])
+        fresh = [i for i, r in enumerate(batch) if not r.output_ids]
+        for i in [i for i in fresh if batch[i].max_new == 0]:
+            self._finish(batch[i], {"type": "length", "length": 0})
+        fresh = [i for i in fresh if batch[i].max_new > 0]
+        if fresh:
+            last = torch.tensor([len(seqs[i]) - 1 for i in fresh], device=dev)
+            logits = self.lm.logits(hidden[torch.tensor(fresh, device=dev), last])
+            reqs = [batch[i] for i in fresh]
+            self._append(reqs, *self._sample(reqs, logits))
+
+    def _input_logprobs(self, req: Request, hidden: torch.Tensor, offset: int) -> None:
+        """Prompt log-probs from ``logprob_start_len`` (``lpx``'s conventions); ``hidden`` row ``k`` is position
+        ``offset + k``."""
+        n, start = len(req.input_ids), req.logprob_start_len
+        if start >= n:
+            req.input_logprobs, req.input_top, req.input_ids_lp = [], [], []
+            return
+        t = 1.0 if req.params.greedy else req.params.temperature
+        rows = hidden[start - offset : n - 1 - offset]
+        logp = torch.log_softmax(self.lm.logits(rows) / t, dim=-1)
+        targets = torch.tensor(req.input_ids[start + 1 : n], device=logp.device)
+        req.input_logprobs = [None] + logp.gather(1, targets[:, None])[:, 0].tolist()
+        top, ids = lpx.extras(logp, req.top_logprobs_num, req.token_ids_logprob)
+        req.input_top = [None] + top if top is not None else None
+        req.input_ids_lp = [None] + ids if ids is not None else None

@@ -1,0 +1,105 @@
+"""The embedded engine's prefix cache: a finished request's KV stays in its batch slot for the next prompt that
+starts the same way.
+
+The KV cache is one region per batch slot (``model.KVCache``). When a request leaves its slot, the slot remembers
+the tokens whose K/V it holds (prompt plus generated tokens but the last). A new request is admitted into the free
+slot whose remembered tokens share the longest prefix with its prompt; only the rest of the prompt is prefilled
+(``CausalLM.prefill_extend``), and ``meta_info.cached_tokens`` says how many tokens were reused. With no match it
+takes a slot that remembers nothing, else the least recently used one (eviction: the number of cached prefixes is
+the number of free slots, so KV pressure, i.e. many running requests, leaves fewer of them).
+
+What is cached is dropped whole (``clear``) by ``/flush_cache``, whenever the KV cache is freed, and by every
+weight update: entries carry the weights' write counter (``Weights.version``), and a lookup under another counter
+clears everything first, so no route that writes weights can leave stale KV behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """Which free slot holds the K/V of which tokens. All calls come from the model thread."""
+
+    def __init__(self, weights_version: Callable[[], int], enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._version = weights_version
+        self._seen_version = weights_version()
+        self._tokens: dict[int, list[int]] = {}  # free slot -> tokens whose K/V it holds, positions 0..len-1
+        self._used: dict[int, int] = {}  # free slot -> last use (LRU)
+        self._clock = itertools.count()
+        self.hits = self.lookups = self.hit_tokens = self.prompt_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(len(t) for t in self._tokens.values())
+
+    def clear(self) -> None:
+        self._tokens.clear()
+        self._used.clear()
+
+    def _check_version(self) -> None:
+        version = self._version()
+        if version != self._seen_version:
+            self.clear()
+            self._seen_version = version
+
+    def release(self, slot: int, tokens: list[int] | None) -> None:
+        """``slot`` is free again and holds the K/V of ``tokens`` (None: nothing reusable)."""
+        self._check_version()
+        if self.enabled and tokens:
+            self._tokens[slot] = list(tokens)
+            self._used[slot] = next(self._clock)
+        else:
+            self.forget(slot)
+
+    def truncate(self, slot: int, n: int) -> None:
+        """Position ``n`` of ``slot`` was written over (an idle row of a padded decode step): keep what precedes it."""
+        held = self._tokens.get(slot)
+        if held is not None and len(held) > n:
+            if n > 0:
+                self._tokens[slot] = held[:n]
+            else:
+                self.forget(slot)
+
+    def forget(self, slot: int) -> None:
+        self._tokens.pop(slot, None)
+        self._used.pop(slot, None)
+
+    def match(self, free: list[int], prompt: list[int], limit: int) -> tuple[int, int]:
+        """``(slot, reused)``: the free slot for ``prompt`` and how many of its first tokens already have K/V there
+        (at most ``limit``); with no match, a slot that holds nothing, else the least recently used one."""
+        self._check_version()
+        best, best_len = -1, 0
+        if self.enabled and limit > 0:
+            for slot in free:
+                held = self._tokens.get(slot)
+                if held:
+                    n = min(common_prefix(held, prompt), limit)
+                    if n > best_len:
+                        best, best_len = slot, n
+        if best < 0:
+            empty = [s for s in free if s not in self._tokens]
+            best = min(empty) if empty else min(free, key=lambda s: self._used[s])
+        return best, best_len
+
+    def take(self, slot: int, prompt_len: int, reused: int) -> None:
+        """A request got ``slot`` (from ``match``): its entry goes (the request writes over what follows)."""
+        self.forget(slot)
+        self.lookups += 1
+        self.prompt_tokens += prompt_len
+        if reused:
+            self.hits += 1
+            self.hit_tokens += reused
