@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from slime_lite.args_check import fill_implied, validate_args
+from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE
 from slime_lite.debug.faults import FAULTS
 from slime_lite.profiling import PROFILE_TARGETS
@@ -210,10 +210,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--value-clip", type=_nonneg_float, default=0.2,
                    help="PPO critic: clip of the value change (default: %(default)s)")
     g.add_argument("--use-tis", action="store_true",
-                   help="truncated importance sampling: weight the policy loss by exp(old - rollout log-prob), "
-                        "capped at --tis-clip")
+                   help="importance sampling against the engine's policy: weight the policy loss by the ratio "
+                        "exp(old - rollout log-prob) at --tis-level, bounded by --tis-mode (default: truncated "
+                        "at --tis-clip)")
     g.add_argument("--tis-clip", type=_nonneg_float, default=2.0,
-                   help="cap of the TIS weight (default: %(default)s)")
+                   help="upper bound of the IS weight (default: %(default)s)")
+    g.add_argument("--tis-clip-low", type=_nonneg_float, default=UNDER_SWITCH["use_tis"]["tis_clip_low"],
+                   help="lower bound of the IS weight: a floor in truncate mode (default: none), the lower "
+                        "rejection bound in mask mode (default: 1/--tis-clip)")
+    g.add_argument("--tis-level", choices=("token", "sequence", "geometric"),
+                   default=UNDER_SWITCH["use_tis"]["tis_level"],
+                   help="IS ratio per token, per sample (product over its tokens), or per sample as the geometric "
+                        "mean of its token ratios (default: %(default)s)")
+    g.add_argument("--tis-mode", choices=("truncate", "mask"), default=UNDER_SWITCH["use_tis"]["tis_mode"],
+                   help="truncate: cap the weight at --tis-clip (TIS); mask: tokens (or samples) whose ratio is "
+                        "outside [--tis-clip-low, --tis-clip] leave the loss (MIS) (default: %(default)s)")
+    g.add_argument("--use-rs", action="store_true",
+                   help="rejection sampling: tokens (or samples) whose ratio at --rs-level is outside "
+                        "[--rs-lower-bound, --rs-upper-bound] leave the loss, with or without --use-tis")
+    g.add_argument("--rs-level", choices=("token", "sequence", "geometric"), default=UNDER_SWITCH["use_rs"]["rs_level"],
+                   help="level of the --use-rs ratio (default: %(default)s)")
+    g.add_argument("--rs-lower-bound", type=_nonneg_float, default=UNDER_SWITCH["use_rs"]["rs_lower_bound"],
+                   help="--use-rs lower bound (default: 1/--rs-upper-bound)")
+    g.add_argument("--rs-upper-bound", type=_nonneg_float, default=UNDER_SWITCH["use_rs"]["rs_upper_bound"],
+                   help="--use-rs upper bound (default: --tis-clip)")
+    g.add_argument("--rs-veto-threshold", type=_nonneg_float,
+                   default=UNDER_SWITCH["use_rs"]["rs_veto_threshold"],
+                   help="--use-rs: reject a whole sample with any token ratio below this, e.g. 1e-4 (default: off)")
+    g.add_argument("--get-mismatch-metrics", action="store_true",
+                   help="log train vs rollout log-prob mismatch metrics per rollout (mismatch/*: token and "
+                        "sequence importance ratios, k3 KL, the worst tokens; with --dump-details also "
+                        "DIR/mismatch/<rollout_id>.jsonl)")
+    g.add_argument("--mismatch-ratio-bound", type=float,
+                   default=UNDER_SWITCH["get_mismatch_metrics"]["mismatch_ratio_bound"],
+                   help="--get-mismatch-metrics: count ratios outside [1/c, c] for this c > 1 (default: "
+                        "%(default)s)")
+    g.add_argument("--mismatch-top-k", type=int, default=UNDER_SWITCH["get_mismatch_metrics"]["mismatch_top_k"],
+                   help="--get-mismatch-metrics: how many worst tokens to report (default: %(default)s)")
 
     g = p.add_argument_group("reward model")
     g.add_argument("--rm-type", choices=RM_TYPES, default=None, help="built-in reward (or give --custom-rm-path)")

@@ -138,8 +138,7 @@ def validate_args(args: argparse.Namespace) -> None:
             "--engine-enable-torch-compile compiles the embedded engine's CUDA-graph decode step; it cannot be "
             + ("combined with --engine-disable-cuda-graph. Drop one of them." if args.engine_disable_cuda_graph
                else "used with --rollout-device cpu. Drop it."))
-    if args.use_tis and args.tis_clip <= 0:
-        raise SlimeLiteError("--tis-clip must be > 0 with --use-tis.")
+    check_correction_args(args)
     for flag in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
         value = getattr(args, flag)
         if value is not None and "." not in value:
@@ -162,6 +161,53 @@ def validate_args(args: argparse.Namespace) -> None:
     from slime_lite.backends.sglang.launcher import check_sglang_args
 
     check_sglang_args(EngineConfig.from_args(args))
+
+
+# Flags that mean something only under a switch, with their defaults (the parser's, args.py): one given while its
+# switch is off is refused.
+UNDER_SWITCH: dict[str, dict[str, Any]] = {
+    "use_tis": {"tis_clip_low": None, "tis_level": "token", "tis_mode": "truncate"},
+    "use_rs": {"rs_level": "token", "rs_lower_bound": None, "rs_upper_bound": None, "rs_veto_threshold": None},
+    "get_mismatch_metrics": {"mismatch_ratio_bound": 2.0, "mismatch_top_k": 10},
+}
+
+
+def check_correction_args(args: Any) -> None:
+    """Rollout correction (--use-tis, --use-rs) and --get-mismatch-metrics: bounds that make sense, and no flag of
+    a switch that is off."""
+    for switch, flags in UNDER_SWITCH.items():
+        for flag, default in flags.items():
+            if not getattr(args, switch) and getattr(args, flag) != default:
+                raise SlimeLiteError(f"--{flag.replace('_', '-')} has no effect without "
+                                     f"--{switch.replace('_', '-')}: add it or drop the flag.")
+    if args.use_tis:
+        high, low = args.tis_clip, args.tis_clip_low
+        if high <= 0:
+            raise SlimeLiteError("--tis-clip must be > 0 with --use-tis.")
+        if low is not None and low >= high:
+            raise SlimeLiteError(f"--tis-clip-low {low} must be below --tis-clip {high}.")
+        if args.tis_mode == "mask" and low is None and high <= 1:
+            raise SlimeLiteError(f"--tis-mode mask keeps ratios in [1/--tis-clip, --tis-clip]: --tis-clip {high} "
+                                 "must be > 1 (or give --tis-clip-low).")
+    if args.use_rs:
+        high = args.rs_upper_bound if args.rs_upper_bound is not None else args.tis_clip
+        low = args.rs_lower_bound if args.rs_lower_bound is not None else (1.0 / high if high > 0 else 0.0)
+        if high <= 0 or low >= high:
+            raise SlimeLiteError(f"--use-rs keeps ratios in [--rs-lower-bound, --rs-upper-bound] = [{low:g}, "
+                                 f"{high:g}]: the lower bound must be below the upper one (an upper bound > 1 "
+                                 "when the lower one is its default 1/upper).")
+        if args.rs_veto_threshold is not None and not 0 < args.rs_veto_threshold < 1:
+            raise SlimeLiteError(f"--rs-veto-threshold {args.rs_veto_threshold} must be in (0, 1), e.g. 1e-4.")
+    if args.get_mismatch_metrics:
+        if not args.mismatch_ratio_bound > 1:
+            raise SlimeLiteError(f"--mismatch-ratio-bound {args.mismatch_ratio_bound} must be > 1 (ratios outside "
+                                 "[1/c, c] are counted).")
+        if args.mismatch_top_k < 0:
+            raise SlimeLiteError(f"--mismatch-top-k {args.mismatch_top_k} must be >= 0.")
+    on = [f for f in ("use_tis", "use_rs", "get_mismatch_metrics") if getattr(args, f)]
+    if on and args.debug_rollout_only:
+        raise SlimeLiteError(f"--{on[0].replace('_', '-')} needs the trainer's log-probs; --debug-rollout-only "
+                             "trains nothing. Drop one of them.")
 
 
 def world_size(args: Any) -> int:

@@ -34,6 +34,14 @@ class LossConfig(_FromArgs):
     kl_loss_type: str
     use_tis: bool
     tis_clip: float
+    tis_clip_low: float | None
+    tis_level: str
+    tis_mode: str
+    use_rs: bool
+    rs_level: str
+    rs_lower_bound: float | None
+    rs_upper_bound: float | None  # None: --tis-clip
+    rs_veto_threshold: float | None
 
 
 # The default bound on train/train_rollout_logprob_abs_diff (mean |train - rollout| log-prob per response token) by

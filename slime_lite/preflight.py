@@ -38,6 +38,8 @@ def output_folders(args: Any) -> list[tuple[str, str]]:
         out.append((f"--dump-details {args.dump_details}", args.dump_details))
         if not args.debug_rollout_only:
             out.append((f"--dump-details {args.dump_details}", os.path.join(args.dump_details, "train_data")))
+        if args.get_mismatch_metrics:
+            out.append((f"--dump-details {args.dump_details}", os.path.join(args.dump_details, "mismatch")))
     if args.metrics_path:
         out.append((f"--metrics-path {args.metrics_path}", os.path.dirname(os.path.abspath(args.metrics_path))))
     if args.use_tensorboard:

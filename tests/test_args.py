@@ -134,6 +134,29 @@ def test_cli_user_error_has_no_traceback(base):
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["--tis-mode", "mask"], "--use-tis"),  # a correction flag without its switch would silently do nothing
+    (["--rs-veto-threshold", "1e-4"], "--use-rs"),
+    (["--mismatch-top-k", "3"], "--get-mismatch-metrics"),
+    (["--use-tis", "--tis-clip-low", "3"], "--tis-clip-low"),
+    (["--use-tis", "--tis-mode", "mask", "--tis-clip", "1.0"], "--tis-clip"),
+    (["--use-rs", "--rs-upper-bound", "0.5"], "--rs-lower-bound"),
+    (["--use-rs", "--rs-veto-threshold", "2"], "--rs-veto-threshold"),
+    (["--get-mismatch-metrics", "--mismatch-ratio-bound", "1"], "--mismatch-ratio-bound"),
+    (["--get-mismatch-metrics", "--debug-rollout-only"], "--debug-rollout-only"),
+])
+def test_correction_and_mismatch_flags_refused(base, argv, named):
+    assert named in err(base + argv)
+
+
+def test_correction_flags_accepted(base):
+    args = parse_args(base + ["--use-tis", "--tis-level", "geometric", "--tis-mode", "mask", "--use-rs",
+                              "--rs-level", "sequence", "--rs-veto-threshold", "1e-4", "--get-mismatch-metrics"])
+    cfg = config.LossConfig.from_args(args)
+    assert (cfg.tis_level, cfg.tis_mode, cfg.rs_level, cfg.rs_veto_threshold) == ("geometric", "mask", "sequence",
+                                                                                    1e-4)
+
+
 def test_sglang_passthrough_split():
     rest, sg = split_sglang_args(["--lr", "1e-6", "--sglang-disable-cuda-graph", "--sglang-mem-fraction-static",
                                   "0.7", "--sglang-log-level=debug"])

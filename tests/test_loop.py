@@ -46,6 +46,10 @@ def rows(out: Path) -> list[dict]:
 def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
     extra = ["--advantage-estimator", estimator, "--num-rollout", "3", "--ci-test", "--check-weight-update-equal",
              "--eval-interval", "2", "--eval-prompt-data", "add", str(data.with_name("addition_eval.jsonl"))]
+    # rollout correction on (issue 17): every variant must pass --ci-test, since train == rollout here
+    extra += ["--get-mismatch-metrics", "--use-tis", "--tis-level", "sequence"] if estimator == "ppo" else [
+        "--get-mismatch-metrics", "--use-tis", "--tis-level", "geometric", "--tis-mode", "mask", "--use-rs",
+        "--rs-level", "sequence", "--rs-veto-threshold", "1e-4"]
     if estimator == "ppo":
         extra += ["--kl-coef", "0.01"]
     else:  # the other logging sinks, next to --metrics-path
@@ -58,6 +62,11 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
     assert [x["rollout_id"] for x in trained] == [0, 1, 2]
     assert trained[0]["rollout/kl"] == 0.0 and trained[0]["train/first_step/ppo_kl"] == 0.0
     assert all(x["train/train_rollout_logprob_abs_diff"] < 1e-5 for x in trained)
+    for x in trained:  # float32 engine and trainer agree: ratios 1, nothing truncated or rejected
+        assert abs(x["mismatch/token_ratio_max"] - 1) < 1e-4 and x["mismatch/seq_ratio_outside_frac"] == 0.0
+        assert x["train/tis_clipfrac"] == 0.0 and x.get("train/rejected_frac", 0.0) == 0.0
+        assert len(x["mismatch/worst_tokens"]) == 10 and isinstance(x["mismatch/worst_tokens"][0]["token"], str)
+    assert ("train/rejected_frac" in trained[0]) == (estimator == "grpo")
     assert [x["rollout_id"] for x in r if "eval/add" in x] == [-1, 1, 2]
     if estimator == "ppo":
         assert "critic/value_loss" in trained[0]

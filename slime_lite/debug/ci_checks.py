@@ -112,6 +112,35 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_i
     return checks
 
 
+# --get-mismatch-metrics in the doctor's table: shown for reading, not pass/fail (healthy low-precision runs have a
+# few tokens past any fixed ratio bound; train_rollout_logprob_diff is the check).
+MISMATCH_ROWS = (
+    ("token_ratio_max", "info: largest exp(train - rollout) over loss tokens (1 when they agree)"),
+    ("token_ratio_min", "info: smallest token ratio (1 when they agree)"),
+    ("token_ratio_outside_frac", "info: share of loss tokens with a ratio outside [1/c, c], c = "
+                                 "--mismatch-ratio-bound"),
+    ("seq_ratio_max", "info: largest per-sample ratio (product over its tokens)"),
+    ("seq_ratio_outside_frac", "info: share of samples with a ratio outside [1/c, c]"),
+    ("k3_kl", "info: k3 estimate of KL(rollout || train) per token"),
+)
+
+
+def mismatch_checks(record: dict[str, Any]) -> list[Check]:
+    """The --get-mismatch-metrics values of one metrics record as informational rows (mismatch_<name>)."""
+    return [make_check(f"mismatch_{name}", record[f"mismatch/{name}"], what, True)
+            for name, what in MISMATCH_ROWS if f"mismatch/{name}" in record]
+
+
+def describe_worst_tokens(worst: list[dict[str, Any]], n: int = 3) -> str:
+    """'worst tokens: '7' (sample 3, position 1): train -0.12 vs rollout -2.3; ...' from mismatch/worst_tokens."""
+    parts = []
+    for w in worst[:n]:
+        token = w["token"] if w.get("token") is not None else f"id {w['token_id']}"
+        parts.append(f"{token!r} (sample {w['sample']}, position {w['position']}): train {w['train_log_prob']:.3g} "
+                     f"vs rollout {w['rollout_log_prob']:.3g}")
+    return "worst tokens: " + "; ".join(parts) if parts else ""
+
+
 VERSION_CAUSE = ("the engine generated this rollout with older weights than the trainer last pushed: the push was "
                  "skipped or went to another engine (check the weight push; --check-weight-update-equal)")
 

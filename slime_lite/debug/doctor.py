@@ -25,8 +25,8 @@ from typing import Any, Iterator
 
 from slime_lite.config import CiConfig
 from slime_lite.debug.ci_checks import (
-    Check, TrainRun, cuda_available, dtype_name, iteration2, logprob_diff_threshold, make_check as _c, memory_checks,
-    precision_check, rollout_checks, version_check, weight_check,
+    Check, TrainRun, cuda_available, describe_worst_tokens, dtype_name, iteration2, logprob_diff_threshold,
+    make_check as _c, memory_checks, mismatch_checks, precision_check, rollout_checks, version_check, weight_check,
 )
 from slime_lite.errors import SlimeLiteError
 
@@ -91,6 +91,8 @@ def train_argv(user_argv: list[str], out: str, weight_check: bool = True) -> lis
     for name, value in FORCED.items():
         argv += [name, value]
     argv += ["--metrics-path", os.path.join(out, "metrics.jsonl"), "--dump-details", out]
+    if not given(argv, "--get-mismatch-metrics"):
+        argv.append("--get-mismatch-metrics")  # the table's mismatch rows, the worst tokens of a log-prob failure
     return argv + (WEIGHT_FLAGS if weight_check else [])
 
 
@@ -98,7 +100,7 @@ def _clean(out: str) -> None:
     for name in ("metrics.jsonl", "args.json", "train.log", "doctor.json"):
         if os.path.exists(os.path.join(out, name)):
             os.unlink(os.path.join(out, name))
-    for name in ("rollout_data", "train_data", "rerun"):
+    for name in ("rollout_data", "train_data", "mismatch", "rerun"):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     os.makedirs(out, exist_ok=True)
 
@@ -302,10 +304,12 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
         bound, why = logprob_diff_threshold(ci)
         checks.append(_c("train_rollout_logprob_diff", None, f"< {bound:g} ({why})", False,
                          f"not measured: {measured.stopped if measured.error else 'no rollout log-probs'}"))
+    checks += mismatch_checks(first)
     checks += [precision_check(args), weight_check(run, args), version_check(measured), iteration2(measured, ci)]
     checks += memory_checks(measured, args)
     runs = [run] if measured is run else [run, measured]
-    report: dict[str, Any] = {"out": out, "runs": [_run_info(r) for r in runs]}
+    report: dict[str, Any] = {"out": out, "runs": [_run_info(r) for r in runs],
+                              "worst_tokens": first.get("mismatch/worst_tokens", [])}
     by = {c.name: c for c in checks}
     lp = by["train_rollout_logprob_diff"]
     if localize and not lp.passed and lp.value is not None:
@@ -315,7 +319,7 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
         except Exception as exc:  # a diagnosis aid: never hide the table behind it
             log.warning("doctor: localisation failed: %s", exc)
             report["localization"] = {"summary": f"localisation failed: {exc}"}
-    _refine(by, report.get("localization"))
+    _refine(by, report.get("localization"), report["worst_tokens"])
     report["checks"] = [c.as_dict() for c in checks]
     report["passed"] = all(c.passed for c in checks)
     with open(os.path.join(out, "doctor.json"), "w", encoding="utf-8") as f:
@@ -328,8 +332,9 @@ def _run_info(run: TrainRun) -> dict[str, Any]:
             "log": run.log_path}
 
 
-def _refine(by: dict[str, Check], loc: dict[str, Any] | None) -> None:
-    """Put the evidence other checks found first in the causes of the checks it explains."""
+def _refine(by: dict[str, Check], loc: dict[str, Any] | None, worst: list[dict[str, Any]] = ()) -> None:
+    """Put the evidence other checks found first in the causes of the checks it explains (and name the worst
+    tokens of a log-prob failure)."""
     weights_bad = not by["weights_equal_after_push"].passed
     lp = by["train_rollout_logprob_diff"]
     if not lp.passed and lp.value is not None:
@@ -340,6 +345,8 @@ def _refine(by: dict[str, Check], loc: dict[str, Any] | None) -> None:
             evidence.append("the engine holds other weights than the trainer (see weights_equal_after_push)")
         if evidence:
             lp.cause = "; ".join(evidence)
+        if worst:
+            lp.cause = f"{lp.cause} [{describe_worst_tokens(worst)}]"
     for name in ("on_task_nll", "on_task_repetition", "on_task_valid_chars"):
         if not by[name].passed and weights_bad and by[name].value is not None:
             by[name].cause = "the engine generated with other weights than the trainer's (see weights_equal_after_push)"
@@ -378,6 +385,15 @@ def print_report(report: dict[str, Any]) -> None:
                 style = "red" if d["name"] == loc.get("first_divergent") else ""
                 lt.add_row(d["name"], f"{d['max_abs_diff']:.2e}", f"{d['rel_diff']:.2e}", style=style)
             console.print(lt)
+    lp = next((c for c in report["checks"] if c["name"] == "train_rollout_logprob_diff"), None)
+    if lp is not None and not lp["passed"] and report.get("worst_tokens"):
+        wt = Table(title="worst tokens of rollout 0 (--get-mismatch-metrics; all: mismatch/0.jsonl)")
+        for col in ("sample", "position", "token", "train log-prob", "rollout log-prob", "abs diff"):
+            wt.add_column(col)
+        for w in report["worst_tokens"]:
+            wt.add_row(str(w["sample"]), str(w["position"]), repr(w["token"]), f"{w['train_log_prob']:.4g}",
+                       f"{w['rollout_log_prob']:.4g}", f"{w['abs_diff']:.3g}")
+        console.print(wt)
     failed = [c["name"] for c in report["checks"] if not c["passed"]]
     console.print(f"{'all checks passed' if not failed else 'FAILED: ' + ', '.join(failed)}; "
                   f"report: {os.path.join(report['out'], 'doctor.json')}")

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from slime_lite import rl_math
 from slime_lite.args import parser_defaults
 from slime_lite.backends.megatron import loss as L
 from slime_lite.config import LossConfig
@@ -117,13 +118,14 @@ def batch(seed=3, dtype=torch.float64):
 
 ARGS = LossConfig(
     eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1,
-    kl_loss_type="low_var_kl", use_tis=True, tis_clip=1.5,
+    kl_loss_type="low_var_kl", use_tis=True, tis_clip=1.5, tis_clip_low=None, tis_level="token", tis_mode="truncate",
+    use_rs=False, rs_level="token", rs_lower_bound=None, rs_upper_bound=None, rs_veto_threshold=None,
 )
 
 
 def ref_rl_loss(b, a):
     """Float64 loops: per-sample token means averaged over samples, every term."""
-    sums = dict(pg=0.0, clip=0.0, ppo_kl=0.0, kl=0.0, ent=0.0, diff=0.0)
+    sums = dict(pg=0.0, clip=0.0, ppo_kl=0.0, kl=0.0, ent=0.0, diff=0.0, tis=0.0, tis_abs=0.0, tis_clip=0.0)
     n = len(LENGTHS)
     for i in range(n):
         den = max(sum(b["masks"][i].tolist()), 1)
@@ -139,6 +141,9 @@ def ref_rl_loss(b, a):
             if A < 0:
                 pg = min(pg, -a.eps_clip_c * A)
             pg *= min(math.exp(old - ro), a.tis_clip)
+            acc["tis"] += math.exp(old - ro)
+            acc["tis_abs"] += abs(math.exp(old - ro) - 1)
+            acc["tis_clip"] += 1.0 if math.exp(old - ro) > a.tis_clip else 0.0
             d = lp - rf
             acc["pg"] += pg
             acc["clip"] += 1.0 if l2 > l1 else 0.0
@@ -152,6 +157,7 @@ def ref_rl_loss(b, a):
     return dict(
         pg_loss=sums["pg"], pg_clipfrac=sums["clip"], ppo_kl=sums["ppo_kl"], kl_loss=sums["kl"],
         entropy_loss=sums["ent"], train_rollout_logprob_abs_diff=sums["diff"], loss=loss,
+        tis=sums["tis"], tis_abs=sums["tis_abs"], tis_clipfrac=sums["tis_clip"],
     )
 
 
@@ -182,6 +188,81 @@ def test_tis_and_kl_switches_change_the_loss():
     assert m_tis["pg_loss"] != pytest.approx(m0["pg_loss"])
     assert m0["loss"] == pytest.approx(m0["pg_loss"] - base.entropy_coef * m0["entropy_loss"])
     assert m_kl["loss"] == pytest.approx(m0["loss"] + base.kl_loss_coef * m0["kl_loss"])
+
+
+CORRECTIONS = [  # every rollout-correction variant, as LossConfig fields
+    dict(use_tis=True),
+    dict(use_tis=True, tis_clip_low=0.8),
+    dict(use_tis=True, tis_mode="mask"),
+    dict(use_tis=True, tis_level="sequence", tis_clip=3.0),
+    dict(use_tis=True, tis_level="sequence", tis_mode="mask", tis_clip=3.0),
+    dict(use_tis=True, tis_level="geometric", tis_clip=1.1),
+    dict(use_tis=True, tis_level="geometric", tis_mode="mask", tis_clip=1.1),
+    dict(use_rs=True, tis_clip=1.5),
+    dict(use_tis=True, use_rs=True, rs_level="geometric", rs_upper_bound=1.1),
+    dict(use_rs=True, rs_level="sequence", rs_upper_bound=1e9, rs_veto_threshold=0.5),
+]
+
+
+@pytest.mark.parametrize("fields", CORRECTIONS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_corrections_weight_and_reject_tokens_in_every_term(fields):
+    """The policy loss of a token is multiplied by its IS weight; a rejected token leaves the numerator of every
+    term (pg, entropy, KL, metrics) while each sample's denominator stays its loss-mask count."""
+    b = batch()
+    cfg = replace(replace(ARGS, use_tis=False), **fields)
+    loss, m = run(b, cfg)
+    rs_high = cfg.rs_upper_bound if cfg.rs_upper_bound is not None else cfg.tis_clip
+    weights, keeps, _ = rl_math.rollout_correction(
+        b["old"], b["rollout"], b["masks"], tis=cfg.use_tis, tis_level=cfg.tis_level, tis_mode=cfg.tis_mode,
+        tis_low=cfg.tis_clip_low, tis_high=cfg.tis_clip, rs=cfg.use_rs, rs_level=cfg.rs_level,
+        rs_low=cfg.rs_lower_bound, rs_high=rs_high, rs_veto=cfg.rs_veto_threshold)
+    rejecting = cfg.use_rs or cfg.tis_mode == "mask"
+    pg = ent = kl = rejected = 0.0
+    for i in range(len(LENGTHS)):
+        den = max(sum(b["masks"][i].tolist()), 1)
+        for t in range(LENGTHS[i]):
+            if b["masks"][i][t] == 0:
+                continue
+            keep = keeps[i][t].item() if rejecting else 1.0
+            rejected += (1.0 - keep) / den / len(LENGTHS)
+            lp, old = b["logp"][i][t].item(), b["old"][i][t].item()
+            A = b["adv"][i][t].item()
+            ratio = math.exp(lp - old)
+            l1, l2 = -A * ratio, -A * min(max(ratio, 1 - cfg.eps_clip), 1 + cfg.eps_clip_high)
+            tok = min(max(l1, l2), -cfg.eps_clip_c * A) if A < 0 else max(l1, l2)
+            d = lp - b["ref"][i][t].item()
+            pg += keep * tok * weights[i][t].item() / den / len(LENGTHS)
+            ent += keep * b["ent"][i][t].item() / den / len(LENGTHS)
+            kl += keep * min(max(math.exp(-d) - 1 + d, -10), 10) / den / len(LENGTHS)
+    assert m["pg_loss"] == pytest.approx(pg, abs=1e-12)
+    assert m["entropy_loss"] == pytest.approx(ent, abs=1e-12) and m["kl_loss"] == pytest.approx(kl, abs=1e-12)
+    assert loss.item() == pytest.approx(pg - cfg.entropy_coef * ent + cfg.kl_loss_coef * kl, abs=1e-12)
+    assert ("rejected_frac" in m) == rejecting and ("tis" in m) == cfg.use_tis
+    if rejecting:
+        assert m["rejected_frac"] == pytest.approx(rejected, abs=1e-12) and 0 < rejected < 1
+    _, plain = run(b, replace(ARGS, use_tis=False))
+    assert m["pg_loss"] != pytest.approx(plain["pg_loss"])  # each variant changes this batch's loss
+
+
+def test_corrections_at_step_one_change_nothing():
+    """--ci-test step 1: the engine sampled with the trainer's weights (rollout == old log-probs), so every
+    correction leaves the loss, its gradient and the first-step ppo_kl (0 on-policy) as they are without it."""
+    b = batch()
+    b["old"] = [x.detach().clone() for x in b["logp"]]  # the first step: old log-probs are this forward's
+    b["rollout"] = [o.clone() for o in b["old"]]
+    base = replace(ARGS, use_tis=False)
+
+    def loss_and_grad(cfg):
+        leaves = [x.detach().clone().requires_grad_(True) for x in b["logp"]]
+        loss, m = run({**b, "logp": leaves}, cfg)
+        return loss, torch.autograd.grad(loss, leaves), m
+
+    want, want_g, want_m = loss_and_grad(base)
+    for fields in CORRECTIONS:
+        loss, grads, m = loss_and_grad(replace(base, **fields))
+        assert loss.item() == want.item(), fields
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_g)), fields
+        assert m["ppo_kl"] == 0.0 and m.get("tis_clipfrac", 0.0) == 0.0 and m.get("rejected_frac", 0.0) == 0.0
 
 
 def test_rl_loss_on_policy_defaults_and_missing_inputs():

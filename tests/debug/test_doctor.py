@@ -30,6 +30,8 @@ def test_the_doctor_forces_its_short_run_and_keeps_the_users_other_flags(tmp_pat
     assert "--rollout-stop a b --lr 1e-4" in joined
     assert f"--dump-details {tmp_path}" in joined and f"--metrics-path {tmp_path / 'metrics.jsonl'}" in joined
     assert "--check-weight-update-equal" in argv and "--debug-scramble-engine-weights" in argv
+    assert argv.count("--get-mismatch-metrics") == 1  # the mismatch rows and worst tokens
+    assert doctor.train_argv(user + ["--get-mismatch-metrics"], str(tmp_path)).count("--get-mismatch-metrics") == 1
     rerun = doctor.train_argv(user, str(tmp_path), weight_check=False)
     assert "--check-weight-update-equal" not in rerun and "--debug-scramble-engine-weights" not in rerun
 
@@ -37,6 +39,29 @@ def test_the_doctor_forces_its_short_run_and_keeps_the_users_other_flags(tmp_pat
 def test_the_doctor_refuses_half_a_loop(tmp_path):
     with pytest.raises(SlimeLiteError, match="--debug-rollout-only"):
         doctor.train_argv(["--debug-rollout-only"], str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------ mismatch rows (fast)
+WORST = [{"sample": 5, "position": 2, "token_id": 7, "token": "4", "train_log_prob": -0.1, "rollout_log_prob": -2.5,
+          "abs_diff": 2.4}, {"sample": 1, "position": 0, "token_id": 3, "token": None, "train_log_prob": -1.0,
+                             "rollout_log_prob": -0.2, "abs_diff": 0.8}]
+
+
+def test_a_failed_logprob_check_names_the_worst_tokens_and_the_table_shows_them(capsys):
+    from slime_lite.debug.ci_checks import Check, mismatch_checks
+
+    rows = mismatch_checks({"mismatch/token_ratio_max": 11.0, "mismatch/k3_kl": 0.3, "rollout/kl": 0.0})
+    assert [(c.name, c.value, c.passed) for c in rows] == [("mismatch_token_ratio_max", 11.0, True),
+                                                             ("mismatch_k3_kl", 0.3, True)]
+    by = {n: Check(n, 1.0, "", True) for n in ("weights_equal_after_push", "precision_match", "on_task_nll",
+                                               "on_task_repetition", "on_task_valid_chars")}
+    by["train_rollout_logprob_diff"] = Check("train_rollout_logprob_diff", 0.4, "< 0.001", False, "some cause")
+    doctor._refine(by, None, WORST)
+    cause = by["train_rollout_logprob_diff"].cause
+    assert "'4' (sample 5, position 2): train -0.1 vs rollout -2.5" in cause and "'id 3' (sample 1" in cause
+    doctor.print_report({"out": "/x", "worst_tokens": WORST, "checks": [c.as_dict() for c in [*by.values(), *rows]]})
+    table = capsys.readouterr().out
+    assert "worst tokens of rollout 0" in table and "mismatch_token_ratio_max" in table and "-2.5" in table
 
 
 # ------------------------------------------------------------------------------------------ gibberish score (fast)
@@ -105,6 +130,10 @@ def test_a_healthy_run_passes_every_check_and_keeps_its_dumps(warm, tmp_path):
     for path in ("rollout_data/0.pt", "rollout_data/1.pt", "train_data/0.pt", "args.json", "metrics.jsonl"):
         assert (tmp_path / path).is_file(), path
     assert "localization" not in checks["_report"]
+    assert checks["mismatch_token_ratio_max"]["value"] == pytest.approx(1.0, abs=1e-4)  # float32: they agree
+    assert checks["mismatch_token_ratio_outside_frac"]["value"] == 0.0 and checks["mismatch_k3_kl"]["passed"]
+    worst = [json.loads(line) for line in (tmp_path / "mismatch" / "0.jsonl").read_text().splitlines()]
+    assert len(worst) == 10 and all(w["rollout_id"] == 0 and isinstance(w["token"], str) for w in worst)
 
 
 @pytest.mark.slow
@@ -140,6 +169,8 @@ def test_a_temperature_mismatch_fails_the_logprob_check_and_is_localised_to_samp
     checks = run_doctor(warm, tmp_path, "--debug-inject-fault", "engine-temperature", expect_rc=1)
     assert "train_rollout_logprob_diff" in failed(checks)
     assert "temperature mismatch" in checks["train_rollout_logprob_diff"]["cause"]
+    assert "worst tokens: '" in checks["train_rollout_logprob_diff"]["cause"]  # named, with their text
+    assert checks["mismatch_token_ratio_max"]["value"] > 1.01 and checks["mismatch_k3_kl"]["value"] > 0
     loc = checks["_report"]["localization"]
     assert loc["first_divergent"] is None and loc["extra"]["fitted_temperature"] == pytest.approx(1.5)
     assert checks["weights_equal_after_push"]["passed"] and checks["precision_match"]["passed"]
@@ -181,6 +212,8 @@ def test_a_temperature_mismatch_in_bf16_on_a_gpu_is_caught_and_localised_on_cuda
     checks = run_doctor(warm, tmp_path, *BF16, "--debug-inject-fault", "engine-temperature", expect_rc=1)
     assert "train_rollout_logprob_diff" in failed(checks)
     assert "temperature mismatch" in checks["train_rollout_logprob_diff"]["cause"]
+    assert "worst tokens: '" in checks["train_rollout_logprob_diff"]["cause"]  # named, with their text
+    assert checks["mismatch_token_ratio_max"]["value"] > 1.01 and checks["mismatch_k3_kl"]["value"] > 0
     loc = checks["_report"]["localization"]
     assert loc["first_divergent"] is None and loc["extra"]["fitted_temperature"] == pytest.approx(1.5)
 

@@ -334,11 +334,39 @@ class TrainActor(TrainWorker):
         metrics["perf/log_probs_time"] = log_probs_time
         metrics.update(self._rollout_stats(samples, logp, ref_logp, rollout_lp if has_rollout_lp else None,
                                            advantages, masks, values))
+        if a.get_mismatch_metrics:
+            metrics.update(self._mismatch(rollout_id, samples, logp, rollout_lp if has_rollout_lp else None, masks))
         details = {"log_probs": logp, "ref_log_probs": ref_logp, "advantages": advantages, "returns": returns,
                    "values": [values[i] for i in range(n)] if values is not None else None}
         if a.dump_details:
             self._dump_train_details(rollout_id, samples, details, rollout_lp if has_rollout_lp else None)
         return metrics, {i: r for i, r in enumerate(returns)}
+
+    def _mismatch(self, rollout_id: int, samples: list, logp: list, rollout_lp: Any, masks: list) -> dict[str, Any]:
+        """--get-mismatch-metrics: mismatch/* scalars and mismatch/worst_tokens (token text decoded here, where the
+        checkpoint's tokenizer loads); with --dump-details also DIR/mismatch/<rollout_id>.jsonl, a token a line."""
+        import json
+
+        from slime_lite.backends.megatron.loss import mismatch_report
+        from slime_lite.io import atomic_write_text
+        from slime_lite.tokenizer import load_tokenizer
+
+        a = self.args
+        if rollout_lp is None:
+            raise ValueError("--get-mismatch-metrics needs the rollout log-probs of every sample (a replayed dump "
+                             "without them has nothing to compare)")
+        if getattr(self, "_tokenizer", None) is None:
+            self._tokenizer = load_tokenizer(a.hf_checkpoint)
+        out, worst = mismatch_report(samples, logp, rollout_lp, masks, a.mismatch_ratio_bound, a.mismatch_top_k,
+                                     self._tokenizer.decode)
+        if worst:
+            w = worst[0]
+            log.info("mismatch: rollout %d, worst token %r (sample %s, position %d): train %.4g, rollout %.4g",
+                     rollout_id, w["token"], w["sample"], w["position"], w["train_log_prob"], w["rollout_log_prob"])
+        if a.dump_details:
+            atomic_write_text("".join(json.dumps({"rollout_id": rollout_id, **w}) + "\n" for w in worst),
+                              os.path.join(a.dump_details, "mismatch", f"{rollout_id}.jsonl"))
+        return {**out, "mismatch/worst_tokens": worst}
 
     def _rollout_stats(self, samples, logp, ref_logp, rollout_lp, advantages, masks, values) -> dict[str, float]:
         from slime_lite import rl_math

@@ -9,6 +9,7 @@ global per-sample mean, so the sums over micro-batches equal the single-batch va
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -93,28 +94,45 @@ def rl_loss(
     """Policy loss = pg_loss - entropy_coef*entropy + kl_loss_coef*kl (KL only with use_kl_loss), ``cfg``'s flags.
 
     Each term is aggregated as per-sample token means divided by `normalizer` (default: samples here).
-    `old_logp` None means on-policy (old = logp detached). TIS (use_tis) weights the per-token policy loss by
-    min(exp(old - rollout_logp), tis_clip). Metrics (SPEC 8 names, floats): pg_loss, pg_clipfrac, ppo_kl,
-    entropy_loss, kl_loss (when ref_logp is given), train_rollout_logprob_abs_diff (when rollout_logp is given,
-    aggregated the same way), loss.
+    `old_logp` None means on-policy (old = logp detached). Rollout correction (use_tis / use_rs, rl_math
+    ``rollout_correction`` on old vs rollout_logp): the per-token policy loss is multiplied by the IS weight, and a
+    rejected token (tis_mode mask, use_rs) is taken out of every loss term's numerator while the per-sample
+    denominators stay the loss-mask counts (as in slime). Metrics (SPEC 8 names, floats): pg_loss, pg_clipfrac,
+    ppo_kl, entropy_loss, kl_loss (when ref_logp is given), train_rollout_logprob_abs_diff (when rollout_logp is
+    given, aggregated the same way), loss; with use_tis tis, tis_abs, tis_clipfrac (slime's names); with a
+    rejecting correction rejected_frac. Correction metrics count every loss token, rejected or not.
     """
     lp = _cat(logp)
     old = lp.detach() if old_logp is None else _cat(old_logp)
     mask = _cat(masks).to(lp.dtype)
     adv = _cat(advantages).to(lp.dtype)
+    keep: torch.Tensor | None = None
 
-    def agg(x: torch.Tensor) -> torch.Tensor:
-        return rl_math.aggregate_loss(x, masks, normalizer)
+    def agg(x: torch.Tensor, kept: bool = True) -> torch.Tensor:
+        return rl_math.aggregate_loss(x * keep if kept and keep is not None else x, masks, normalizer)
 
     pg, clipfrac, ppo_kl = rl_math.policy_loss(lp, old, adv, mask, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
     metrics: dict[str, torch.Tensor] = {}
     if rollout_logp is not None:
         rollout = _cat(rollout_logp).to(lp.dtype)
         metrics["train_rollout_logprob_abs_diff"] = agg((old - rollout).abs())
-        if cfg.use_tis:
-            pg = pg * rl_math.tis_weights(old, rollout, cfg.tis_clip)
-    elif cfg.use_tis:
-        raise ValueError("--use-tis needs the rollout log-probs of every sample")
+        if cfg.use_tis or cfg.use_rs:
+            sizes = [m.numel() for m in masks]
+            weights, keeps, stats = rl_math.rollout_correction(
+                torch.split(old, sizes), torch.split(rollout, sizes), masks, tis=cfg.use_tis,
+                tis_level=cfg.tis_level, tis_mode=cfg.tis_mode, tis_low=cfg.tis_clip_low, tis_high=cfg.tis_clip,
+                rs=cfg.use_rs, rs_level=cfg.rs_level, rs_low=cfg.rs_lower_bound,
+                rs_high=cfg.rs_upper_bound if cfg.rs_upper_bound is not None else cfg.tis_clip,
+                rs_veto=cfg.rs_veto_threshold)
+            pg = pg * _cat(weights).to(lp.dtype)
+            names = ("tis", "tis_abs", "tis_clipfrac") if cfg.use_tis else ()
+            if cfg.use_rs or (cfg.use_tis and cfg.tis_mode == "mask"):
+                names += ("rejected",)
+                keep = _cat(keeps).to(lp.dtype)
+            metrics.update({("rejected_frac" if k == "rejected" else k): agg(stats[k].to(lp.dtype), kept=False)
+                            for k in names})
+    elif cfg.use_tis or cfg.use_rs:
+        raise ValueError("--use-tis / --use-rs need the rollout log-probs of every sample")
 
     pg_loss = agg(pg)
     loss = pg_loss
@@ -153,3 +171,21 @@ def value_rl_loss(
     loss = rl_math.aggregate_loss(per_token, masks, normalizer)
     clip = rl_math.aggregate_loss(clipfrac, masks, normalizer)
     return loss, {"value_loss": float(loss.detach()), "value_clipfrac": float(clip)}
+
+
+def mismatch_report(
+    samples: Sequence, train_logp: Tensors, rollout_logp: Tensors, masks: Tensors, bound: float, top_k: int,
+    decode: Any = None,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """--get-mismatch-metrics of one rollout: ``mismatch/<name>`` scalars (rl_math ``mismatch_metrics``) and the
+    ``top_k`` worst tokens as dicts: sample (the rollout sample index), position (in the response), token_id,
+    token (``decode([token_id])`` when given), train_log_prob, rollout_log_prob, abs_diff."""
+    scalars, worst = rl_math.mismatch_metrics(train_logp, rollout_logp, masks, bound, top_k)
+    rows = []
+    for i, pos, t, r in worst:
+        s = samples[i]
+        token_id = int(s.tokens[len(s.tokens) - s.response_length + pos])
+        rows.append({"sample": s.index if s.index is not None else i, "position": pos, "token_id": token_id,
+                     "token": decode([token_id]) if decode is not None else None, "train_log_prob": t,
+                     "rollout_log_prob": r, "abs_diff": abs(t - r)})
+    return {f"mismatch/{k}": v for k, v in scalars.items()}, rows
