@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'slime_lite.rollout.filters.check_reward_nonzero_std' drops groups whose rewards agree")
     g.add_argument("--rollout-request-timeout", type=float, default=300.0,
                    help="seconds per engine request (default: %(default)s)")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="restart an engine that dies during the run (same placement, same launch), push it the "
+                        "current weights and check them, and send the unfinished requests again; logged, and counted "
+                        "in rollout/engine_restarts (default: a dead engine stops the run)")
 
     g = p.add_argument_group("data", "prompts and batch sizes")
     g.add_argument("--prompt-data", default=None, help="JSONL file of prompts (required unless --debug-train-only)")

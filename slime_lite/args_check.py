@@ -109,6 +109,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise SlimeLiteError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...].")
         for path in args.eval_prompt_data[1::2]:
             _need_file(path, "--eval-prompt-data")
+    check_fault_tolerance(args)
     if args.eval_interval is not None and args.eval_prompt_data is None:
         raise SlimeLiteError("--eval-interval needs --eval-prompt-data NAME PATH.")
     if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
@@ -208,6 +209,19 @@ def check_correction_args(args: Any) -> None:
     if on and args.debug_rollout_only:
         raise SlimeLiteError(f"--{on[0].replace('_', '-')} needs the trainer's log-probs; --debug-rollout-only "
                              "trains nothing. Drop one of them.")
+
+
+def check_fault_tolerance(args: argparse.Namespace) -> None:
+    """--use-fault-tolerance restarts engines this job started; --debug-inject-fault kill-engine kills one."""
+    for flag, on in (("--use-fault-tolerance", args.use_fault_tolerance),
+                     ("--debug-inject-fault kill-engine", args.debug_inject_fault == "kill-engine")):
+        if on and args.rollout_external_engine_addrs:
+            raise SlimeLiteError(
+                f"{flag} needs engines this job starts: the servers of --rollout-external-engine-addrs are not "
+                "restarted (or killed) by slime-lite. Drop one of the two, and keep external servers up yourself.")
+        if on and args.debug_train_only:
+            raise SlimeLiteError(f"{flag} acts on rollout engines, and --debug-train-only / "
+                                 "--load-debug-rollout-data start none: drop it.")
 
 
 def world_size(args: Any) -> int:

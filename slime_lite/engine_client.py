@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "SLIME_LITE_ENGINE_API_KEY"  # the engines' API key (never on a command line)
 API_KEY_FILE_ENV = "SLIME_LITE_ENGINE_API_KEY_FILE"  # or a file holding it
+REPLACEMENT_WAIT_S = 3600.0  # --use-fault-tolerance: the longest a request waits for a restarted engine
 
 
 def api_key() -> str | None:
@@ -76,12 +78,16 @@ def request_json(url: str, route: str, body: Any = None, *, timeout: float = 60.
 class AsyncEngineClient:
     """Sends /generate requests to a set of engines, least-loaded first, retrying on the others if one dies."""
 
-    def __init__(self, urls: list[str], timeout: float = 300.0, max_retries: int = 2) -> None:
+    def __init__(self, urls: list[str], timeout: float = 300.0, max_retries: int = 2,
+                 wait_for_replacement: bool = False) -> None:
         if not urls:
             raise EngineError("no engine URLs to send requests to")
         self.urls = list(urls)
         self.timeout = timeout
         self.max_retries = max_retries
+        # --use-fault-tolerance: the driver restarts a failed engine and calls replace(); a request that failed is
+        # retried on the live engines, and waits for a replacement when none is left
+        self.wait_for_replacement = wait_for_replacement
         self.inflight = {u: 0 for u in self.urls}
         self.dead: dict[str, str] = {}
         self._session = None
@@ -108,6 +114,30 @@ class AsyncEngineClient:
             raise EngineError("all engines failed: " + "; ".join(f"{u}: {why}" for u, why in self.dead.items()))
         return min(alive, key=lambda u: self.inflight[u])
 
+    async def _pick_or_wait(self) -> str:
+        """``_pick``; under ``wait_for_replacement`` a request with no live engine waits until one is replaced."""
+        deadline = time.monotonic() + REPLACEMENT_WAIT_S
+        while self.wait_for_replacement and all(u in self.dead for u in self.urls):
+            if time.monotonic() > deadline:
+                raise EngineError(f"no engine was replaced within {REPLACEMENT_WAIT_S:.0f}s: "
+                                  + "; ".join(f"{u}: {why}" for u, why in self.dead.items()))
+            await asyncio.sleep(0.1)
+        return self._pick()
+
+    def failed(self) -> list[str]:
+        """The current engine URLs whose requests failed (to be replaced); safe to call from another thread."""
+        dead = dict(self.dead)
+        return [u for u in list(self.urls) if u in dead]
+
+    def replace(self, old: str, new: str) -> None:
+        """``new`` (a restarted engine, or a restarted router) serves in place of ``old``; requests waiting for a
+        live engine go on. Safe to call from another thread (the waiters poll)."""
+        i = self.urls.index(old)
+        self.inflight.setdefault(new, 0)  # old's entry stays: its requests still in flight decrement it
+        self.dead.pop(new, None)
+        self.urls[i] = new
+        self.dead.pop(old, None)
+
     async def post(self, url: str, route: str, body: Any) -> Any:
         import aiohttp
 
@@ -127,17 +157,18 @@ class AsyncEngineClient:
         """POST /generate on the least-loaded live engine; on a dead engine, retry on another."""
         attempts = 0
         while True:
-            url = self._pick()
+            url = await self._pick_or_wait()
             self.inflight[url] += 1
             try:
                 return await self.post(url, "/generate", body)
             except EngineError as exc:
                 if "answered HTTP 4" in str(exc):
                     raise  # the request itself is bad; another engine would refuse it too
-                self.dead[url] = str(exc)
+                if url in self.urls:  # not already replaced while this request was in flight
+                    self.dead[url] = str(exc)
                 log.error("engine %s failed and is taken out of rotation: %s", url, exc)
                 attempts += 1
-                if attempts > self.max_retries:
-                    raise
+                if attempts > self.max_retries and not self.wait_for_replacement:
+                    raise  # under wait_for_replacement the driver bounds the restarts instead
             finally:
                 self.inflight[url] -= 1

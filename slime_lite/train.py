@@ -62,8 +62,15 @@ def run(args) -> int:
         from slime_lite.backends.sglang.launcher import SGLangRouter
 
         router = SGLangRouter(urls)
+    fault_engine = engines[0] if args.debug_inject_fault == "kill-engine" and engines else None
     manager = ray.remote(RolloutManager).options(num_cpus=0.5, max_concurrency=2).remote(
-        args, [router.start()] if router else urls)
+        args, [router.start()] if router else urls, fault_engine)
+    recovery = None  # --use-fault-tolerance: dead engines are restarted (rollout/recovery.py)
+    if args.use_fault_tolerance and engines:
+        from slime_lite.rollout.recovery import EngineRecovery
+
+        recovery = EngineRecovery(args, pg, layout.rollout, engines, urls, manager, router)
+    get = recovery.wait if recovery is not None else ray.get
 
     actor = critic = None
     start_rollout_id = 0
@@ -81,6 +88,9 @@ def run(args) -> int:
             t0 = time.monotonic()
             actor.update_weights(urls, version=start_rollout_id)
             log.info("initial weights pushed to %d engine(s) in %.2fs", len(urls), time.monotonic() - t0)
+        if recovery is not None:  # a restarted engine gets the weights the others serve, always checked
+            recovery.push = lambda new_urls, version: actor.update_weights(new_urls, version, check=True)
+            recovery.version = start_rollout_id
     trainers = [g for g in (actor, critic) if g is not None]
     if args.offload_train:
         for group in trainers:
@@ -88,7 +98,7 @@ def run(args) -> int:
 
     evaluate = bool(urls and args.eval_interval)
     if evaluate and start_rollout_id == 0:  # eval ids count the rollouts trained so far: 0 = before training
-        metrics.log(ray.get(manager.evaluate.remote(0)), -1)
+        metrics.log(get(manager.evaluate.remote(0)), -1)
     ci = with_engine_dtype(CiConfig.from_args(args), urls)  # the log-prob bound follows the engines' precision
     watch = LogprobDiffWatch(ci.logprob_diff_jump_factor)
     grad_ci = GradNormCI.from_args(args, start_rollout_id)  # --ci-save-grad-norm / --ci-load-grad-norm
@@ -98,7 +108,7 @@ def run(args) -> int:
         step_t0 = time.monotonic()
         profiler.before(rollout_id)
         with DRIVER_TIMELINE.span("rollout"):
-            samples, record = wait_with_progress(manager, manager.generate.remote(rollout_id), rollout_id)
+            samples, record = wait_with_progress(manager, manager.generate.remote(rollout_id), rollout_id, recovery)
         if actor is not None:
             onload_phase(args, urls, engines, trainers, record)
             with timed(record, "perf/train_time"):
@@ -124,11 +134,17 @@ def run(args) -> int:
                 with timed(record, "perf/update_weights_time"):
                     if args.offload_rollout:  # colocated: room for the weights now, for the KV cache after offload
                         engine_memory(urls, "resume", ["weights"])
+                    if recovery is not None:  # an engine that died since the rollout is replaced first
+                        recovery.check()
                     actor.update_weights(urls, version=rollout_id + 1)
+                    if recovery is not None:
+                        recovery.version = rollout_id + 1
             offload_phase(args, urls, trainers, record)
         if evaluate and ((rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout):
             with DRIVER_TIMELINE.span("eval"):
-                record.update(ray.get(manager.evaluate.remote(rollout_id + 1)))
+                record.update(get(manager.evaluate.remote(rollout_id + 1)))
+        if recovery is not None:
+            record["rollout/engine_restarts"] = float(recovery.take_restarts())
         record["perf/step_time"] = time.monotonic() - step_t0
         record.update(memory_records(manager, engines, actor, critic))
         metrics.log(record, rollout_id)
@@ -213,22 +229,29 @@ def memory_records(manager, engines: list, actor, critic) -> dict[str, float]:
     return out
 
 
-def wait_with_progress(manager, ref, rollout_id: int):
-    """ray.get, with a progress bar of the rollout's finished samples when stderr is a terminal."""
+def wait_with_progress(manager, ref, rollout_id: int, recovery=None):
+    """ray.get (``recovery.wait`` under --use-fault-tolerance: dead engines are restarted meanwhile), with a progress
+    bar of the rollout's finished samples when stderr is a terminal."""
     import sys
 
     import ray
 
     if not sys.stderr.isatty():
-        return ray.get(ref)
+        return recovery.wait(ref) if recovery is not None else ray.get(ref)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn(f"rollout {rollout_id}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, transient=True) as bar:
         task = bar.add_task("generate", total=None)
-        while not ray.wait([ref], timeout=0.2)[0]:
+
+        def show() -> None:
             done, total = ray.get(manager.progress.remote())
             bar.update(task, completed=done, total=total or None)
+
+        if recovery is not None:
+            return recovery.wait(ref, on_poll=show)
+        while not ray.wait([ref], timeout=0.2)[0]:
+            show()
     return ray.get(ref)
 
 

@@ -157,6 +157,16 @@ def test_correction_flags_accepted(base):
                                                                                     1e-4)
 
 
+@pytest.mark.parametrize("argv", [
+    ["--use-fault-tolerance", "--rollout-external-engine-addrs", "127.0.0.1:30000"],
+    ["--use-fault-tolerance", "--debug-train-only"],
+    ["--debug-inject-fault", "kill-engine", "--rollout-external-engine-addrs", "127.0.0.1:1"],
+])
+def test_fault_tolerance_needs_engines_this_job_starts(base, argv):
+    msg = err(base + argv)  # before Ray starts
+    assert all(flag in msg for flag in (argv[0], argv[-2] if argv[-1][0].isdigit() else argv[-1]))
+
+
 def test_sglang_passthrough_split():
     rest, sg = split_sglang_args(["--lr", "1e-6", "--sglang-disable-cuda-graph", "--sglang-mem-fraction-static",
                                   "0.7", "--sglang-log-level=debug"])

@@ -1,10 +1,12 @@
 """The full RL loop through Ray on CPU: GRPO and PPO with --ci-test, every weight transport (the engine then
-samples from the new weights), colocate, and kill-and-resume reproducing an uninterrupted run."""
+samples from the new weights), colocate, kill-and-resume reproducing an uninterrupted run, and an engine killed
+mid-rollout under --use-fault-tolerance."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,3 +134,22 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, data, tmp_path):
         assert got[key] == want[key], key  # same prompts, same sampled tokens
     for key in ("train/loss", "train/grad_norm", "rollout/log_probs"):
         assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
+
+
+def test_fault_tolerance_restarts_an_engine_killed_mid_rollout(tiny_model_dir, data, tmp_path):
+    """kill -9 of the engine's process while rollout 1 is generated, after its first group finished
+    (--debug-inject-fault kill-engine): under --use-fault-tolerance the engine is restarted on its bundle, gets the
+    trained weights (version 1, checked equal), the requests that did not finish are sent again, and the run ends."""
+    proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "2", "--use-fault-tolerance",
+                      "--debug-inject-fault", "kill-engine", "--update-weight-transport", "distributed"))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "failed and is taken out of rotation" in log  # requests were in flight when it died
+    assert re.search(r"engine 0 \(http://[\d.:]+\) is dead: ", log)
+    assert re.search(r"engine 0 restarted at http://[\d.:]+ in [\d.]+s \(weights version 1 pushed, weight check "
+                     r"passed\)", log)
+    r = rows(tmp_path)
+    assert [x["rollout/engine_restarts"] for x in r] == [0.0, 1.0]
+    # rollout 1's samples, the retried ones included, were sampled from the trained weights the trainer scores with
+    assert r[1]["rollout/weight_version"] == 1.0 and r[1]["rollout/kl"] > 0
+    assert r[1]["train/train_rollout_logprob_abs_diff"] < 1e-5

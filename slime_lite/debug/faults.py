@@ -1,6 +1,7 @@
 """Fault injection (``--debug-inject-fault``): each fault breaks the loop the way a real bug does, at the place the
-bug would sit, so the doctor and ``--ci-test`` can be seen catching it. Every fault is defined here; the loop calls
-one hook per place (sampling, the trainer's weights out, the push). Imports nothing of the project, so both the
+bug would sit, so the doctor and ``--ci-test`` can be seen catching it (and ``kill-engine`` the way a crash does, so
+``--use-fault-tolerance`` can be seen recovering). Every fault is defined here; the loop calls one hook per place
+(sampling, the trainer's weights out, the push, the rollout's requests). Imports nothing of the project, so both the
 rollout and the train side may call it.
 """
 
@@ -13,8 +14,11 @@ FAULTS = {
     "skip-weight-push": "the trainer never sends its weights: engines keep generating with the old ones",
     "swap-pp-layers": "a later pipeline stage names its layers by local ids (the PP layer offset forgotten)",
     "engine-temperature": "the engine samples at 1.5x the temperature the trainer scores with",
+    "kill-engine": "engine 0's server process is SIGKILLed while rollout 1 is generated, once its first group has "
+                   "finished and before its last group is sent (see --use-fault-tolerance)",
 }
 ENGINE_TEMPERATURE_FACTOR = 1.5
+KILL_ENGINE_ROLLOUT = 1  # the second rollout: the trainer's weights then differ from the checkpoint's
 
 
 def sampling_temperature(fault: str | None, temperature: float, evaluation: bool) -> float:
@@ -42,3 +46,8 @@ def sent_stage_weights(fault: str | None, named: dict[str, Any], pp_rank: int) -
 
 def skips_weight_push(fault: str | None) -> bool:
     return fault == "skip-weight-push"
+
+
+def kills_engine(fault: str | None, rollout_id: int) -> bool:
+    """Whether engine 0 is to be killed during this rollout's generation (once per run)."""
+    return fault == "kill-engine" and rollout_id == KILL_ENGINE_ROLLOUT

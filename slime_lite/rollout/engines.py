@@ -54,6 +54,21 @@ class EngineActor:
         log.info("engine %d ready at %s", self.rank, url)
         return url
 
+    def alive(self) -> bool:
+        """Whether the engine's server process runs (this actor's own process for the embedded engine: it answers)."""
+        if self.config.rollout_backend != "sglang":
+            return self.server is not None
+        proc = self.server.proc if self.server is not None else None
+        return proc is not None and proc.poll() is None
+
+    def kill_server(self) -> None:
+        """--debug-inject-fault kill-engine: SIGKILL the process serving this engine, as a crash would (the SGLang
+        server's for the launcher path, this actor's own for the embedded engine)."""
+        import signal
+
+        proc = getattr(self.server, "proc", None)
+        os.kill(proc.pid if proc is not None else os.getpid(), signal.SIGKILL)
+
     def memory(self) -> dict[str, float]:
         from slime_lite.metrics import process_memory
 
@@ -74,20 +89,37 @@ def start_engines(args: Any, pg: Any, bundles: list[int]) -> tuple[list[Any], li
     """Start one engine actor per engine's first bundle; returns (actors, urls). External addresses start none."""
     import ray
 
-    from slime_lite.placement import bundle_options
-
     if args.rollout_external_engine_addrs:
         urls = [a if a.startswith("http") else f"http://{a}" for a in args.rollout_external_engine_addrs.split(",")]
         return [], urls
     per = args.rollout_num_gpus_per_engine
-    share = 0.2 if args.colocate else 1.0
-    cls = ray.remote(EngineActor)
-    actors = [
-        cls.options(**bundle_options(pg, bundles[i], share), name=None).remote(args, i // per)
-        for i in range(0, len(bundles), per)
-    ]
+    actors = [engine_actor(args, pg, bundles[i], i // per) for i in range(0, len(bundles), per)]
     urls = ray.get([a.start.remote() for a in actors])
     return actors, urls
+
+
+def engine_actor(args: Any, pg: Any, bundle: int, rank: int) -> Any:
+    """The Ray actor of engine ``rank`` on its first placement-group bundle (not started yet)."""
+    import ray
+
+    from slime_lite.placement import bundle_options
+
+    share = 0.2 if args.colocate else 1.0
+    return ray.remote(EngineActor).options(**bundle_options(pg, bundle, share), name=None).remote(args, rank)
+
+
+def restart_engine(args: Any, pg: Any, bundles: list[int], old: Any, rank: int) -> tuple[Any, str]:
+    """--use-fault-tolerance: stop what is left of engine ``rank`` (its server, its actor) and start a new one on
+    the same bundle, the same way (embedded engine or SGLang launcher); returns (actor, url)."""
+    import ray
+
+    try:
+        ray.get(old.stop.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - the actor died with its engine (or hangs): killed below either way
+        pass
+    ray.kill(old, no_restart=True)
+    actor = engine_actor(args, pg, bundles[rank * args.rollout_num_gpus_per_engine], rank)
+    return actor, ray.get(actor.start.remote())
 
 
 def engine_memory(urls: list[str], action: str, tags: list[str] | None = None) -> None:

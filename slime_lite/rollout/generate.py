@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable
 
 from slime_lite.config import RolloutConfig
-from slime_lite.debug.faults import sampling_temperature
+from slime_lite.debug.faults import kills_engine, sampling_temperature
 from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.hooks import call_maybe_async, load_function
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
@@ -95,6 +95,7 @@ class Generator:
         path = args.dynamic_sampling_filter_path
         self.filter_fn = load_function(path, "--dynamic-sampling-filter-path") if path else None
         self.progress = [0, 0]  # samples finished, samples wanted (read by the driver's progress bar)
+        self.kill_engine: Callable[[], Any] | None = None  # --debug-inject-fault kill-engine (set by the manager)
 
     def _encode(self, prompt: Prompt) -> tuple[str, list[int]]:
         text = render_prompt(prompt.prompt, self.tokenizer, self.args.apply_chat_template)
@@ -148,7 +149,7 @@ class Generator:
             if a.deterministic_mode and self.generate_fn is default_generate:
                 results = await self._run_together(groups, params, seed_base)
             else:
-                results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
+                results = await self._run_concurrently(groups, params, seed_base, rollout_id)
             for group in results:
                 generated += 1
                 if self.filter_fn is None or self.filter_fn(self.args, group):
@@ -183,6 +184,24 @@ class Generator:
         flat = await self._run_group([s for g in groups for s in g], params, seed_base)
         sizes = [len(g) for g in groups]
         return [flat[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(groups))]
+
+    async def _run_concurrently(self, groups: list[list[Sample]], params: dict[str, Any], seed_base: int,
+                                rollout_id: int) -> list[list[Sample]]:
+        """One /generate call per group, all in flight together (the engines batch them as they arrive)."""
+        runs = [self._run_group(g, params, seed_base) for g in groups]
+        if self.kill_engine is not None and kills_engine(self.config.debug_inject_fault, rollout_id):
+            runs[-1] = self._kill_engine_before(runs[-1], wait_for_a_group=len(runs) > 1)
+        return list(await asyncio.gather(*runs))
+
+    async def _kill_engine_before(self, run: Any, wait_for_a_group: bool) -> list[Sample]:
+        """--debug-inject-fault kill-engine: once a group has finished (the others are in flight), kill engine 0,
+        then send this group: its request and the unfinished ones fail (retried under --use-fault-tolerance)."""
+        kill, self.kill_engine = self.kill_engine, None  # once per run: the restarted engine is left alone
+        deadline = time.monotonic() + 60
+        while wait_for_a_group and self.progress[0] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await kill()
+        return await run
 
     async def evaluate(self, name: str, prompts: list[Prompt], rollout_id: int) -> list[Sample]:
         a = self.config

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class RolloutManager:
-    def __init__(self, args: Any, engine_urls: list[str]) -> None:
+    def __init__(self, args: Any, engine_urls: list[str], fault_engine: Any = None) -> None:
         from slime_lite.engine_client import AsyncEngineClient
         from slime_lite.logging_setup import setup_logging
         from slime_lite.rollout.data import PromptSource, read_prompts
@@ -35,8 +35,11 @@ class RolloutManager:
         self.eval_sets: dict[str, list[Any]] = {}
         self.generator = None
         if engine_urls:
-            client = AsyncEngineClient(engine_urls, timeout=args.rollout_request_timeout)
+            client = AsyncEngineClient(engine_urls, timeout=args.rollout_request_timeout,
+                                       wait_for_replacement=args.use_fault_tolerance)
             self.generator = Generator(args, self.tokenizer, client)
+            if fault_engine is not None:  # --debug-inject-fault kill-engine: engine 0's actor, to kill its server
+                self.generator.kill_engine = lambda: kill_engine(fault_engine, engine_urls[0])
         if args.prompt_data and not args.debug_train_only:
             prompts = read_prompts(args.prompt_data, args.input_key, args.label_key)
             self.source = PromptSource(prompts, args.rollout_shuffle, args.rollout_seed)
@@ -115,6 +118,17 @@ class RolloutManager:
         metrics["perf/eval_time"] = time.monotonic() - t0
         return metrics
 
+    # ---- --use-fault-tolerance: the driver reads the failed engines and hands in their replacements, from a second
+    # thread of this actor while generate/evaluate runs
+    def failed_engines(self) -> list[str]:
+        return self.args.engine_client.failed() if self.generator is not None else []
+
+    def replace_engine(self, old_url: str, new_url: str) -> None:
+        client = self.args.engine_client
+        client.replace(old_url, new_url)
+        host, _, port = client.urls[0].rsplit("/", 1)[-1].partition(":")  # slime's hooks read the address from args
+        self.args.sglang_router_ip, self.args.sglang_router_port = host, int(port)
+
     def progress(self) -> list[int]:
         return list(self.generator.progress) if self.generator is not None else [0, 0]
 
@@ -138,3 +152,20 @@ class RolloutManager:
         import sys
 
         return sorted(sys.modules)
+
+
+async def kill_engine(engine: Any, url: str) -> None:
+    """--debug-inject-fault kill-engine: SIGKILL the engine's server process and wait until its URL stops answering."""
+    from slime_lite.engine_client import request_json
+    from slime_lite.errors import EngineError
+
+    log.warning("--debug-inject-fault kill-engine: killing the server process of engine 0 (%s) with SIGKILL", url)
+    engine.kill_server.remote()  # the embedded engine's actor kills itself: no reply to wait for
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.to_thread(request_json, url, "/health", timeout=1)
+        except EngineError:
+            return
+        await asyncio.sleep(0.05)
+    raise SlimeLiteError(f"--debug-inject-fault kill-engine: engine 0 at {url} still answers 30 s after SIGKILL")

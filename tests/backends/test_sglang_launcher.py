@@ -263,22 +263,28 @@ def rollout_argv(model, data, out) -> list[str]:
 @pytest.mark.slow
 def test_rollout_only_through_launcher_path_with_embedded_server_module(tiny_model_dir, task_data, tmp_path):
     """--rollout-backend sglang with the embedded engine's CLI as the server module: Ray actors launch it as a
-    subprocess through SGLangServer, and a rollout runs through two such engines."""
+    subprocess through SGLangServer, and two rollouts run through two such engines. Engine 0's server process is
+    killed (SIGKILL) while rollout 1 is generated (--debug-inject-fault kill-engine): under --use-fault-tolerance
+    its unfinished requests go to engine 1, and engine 0 is launched again the same way (same rank and seed)."""
     from slime_lite.rollout.dumps import load_rollout_dump
 
     argv = rollout_argv(tiny_model_dir, task_data, tmp_path) + [
         "--rollout-backend", "sglang", "--sglang-server-module", "slime_lite.engine.server",
-        "--rollout-num-gpus", "2", "--debug-env", f"SLIME_LITE_ENGINE_LOG_DIR={tmp_path / 'logs'}"]
+        "--rollout-num-gpus", "2", "--debug-env", f"SLIME_LITE_ENGINE_LOG_DIR={tmp_path / 'logs'}",
+        "--num-rollout", "2", "--use-fault-tolerance", "--debug-inject-fault", "kill-engine"]
     code = ("from slime_lite.cli import main\n"
             f"raise SystemExit(main(['train', *{argv!r}]))\n")
     proc = run_driver(code)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    dump = load_rollout_dump(str(tmp_path / "data_0.pt"))
-    assert len(dump.samples) == 8 and all(s.response_length > 0 for s in dump.samples)
-    logs = sorted(os.listdir(tmp_path / "logs"))
-    assert len(logs) == 2 and all(name.startswith("sglang_engine") for name in logs)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for rid in (0, 1):
+        dump = load_rollout_dump(str(tmp_path / f"data_{rid}.pt"))
+        assert len(dump.samples) == 8 and all(s.response_length > 0 for s in dump.samples)
+    assert "engine 0 restarted at http://" in out and "no trainer: it serves --hf-checkpoint's weights" in out
+    logs = sorted(os.listdir(tmp_path / "logs"))  # one log per launch: engines 0 and 1, then engine 0 again
+    assert len(logs) == 3 and all(name.startswith("sglang_engine") for name in logs)
     cmds = [(tmp_path / "logs" / n).read_text().splitlines()[0] for n in logs]
-    assert sorted(c.split("--random-seed ")[1].split()[0] for c in cmds) == ["42", "43"]
+    assert sorted(c.split("--random-seed ")[1].split()[0] for c in cmds) == ["42", "42", "43"]
 
 
 @pytest.mark.slow

@@ -418,13 +418,13 @@ class TrainActor(TrainWorker):
             mine = {k: v for p in parts for k, v in p.items()}
         return mine if self.rank == 0 else None
 
-    def push_weights(self, urls: list[str], version: int) -> None:
+    def push_weights(self, urls: list[str], version: int, check: bool = False) -> None:
         from slime_lite.backends.megatron.weight_push import push
 
         named = self.hf_weights()
         sent = self.hf_weights(for_push=True) if breaks_sent_weights(self.args.debug_inject_fault) else named
         if self.rank == 0:
-            push(self.args, sent, urls, version, reference=named)
+            push(self.args, sent, urls, version, reference=named, check=check)
 
 
 def _keyword_output(fn: Any) -> Any:

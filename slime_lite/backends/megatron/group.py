@@ -76,8 +76,10 @@ class ActorGroup(TrainGroup):
         returns the metrics and the per-sample returns (the critic's targets)."""
         return self._reported("train", rollout_id, samples, values)
 
-    def update_weights(self, urls: list[str], version: int) -> None:
-        self._all("push_weights", urls, version)
+    def update_weights(self, urls: list[str], version: int, check: bool = False) -> None:
+        """Push the weights to ``urls`` as ``version``; ``check`` runs the weight-equality check even without
+        --check-weight-update-equal (an engine restarted by --use-fault-tolerance)."""
+        self._all("push_weights", urls, version, check)
 
 
 class CriticGroup(TrainGroup):

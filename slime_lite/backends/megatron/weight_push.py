@@ -49,9 +49,9 @@ def _check(reply: Any, url: str, route: str) -> None:
 
 
 def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int,
-         reference: dict[str, torch.Tensor] | None = None) -> None:
-    """Send ``named`` to every engine; with --check-weight-update-equal compare against ``reference`` (the trainer's
-    true weights; ``named`` itself unless a fault was injected into what is sent)."""
+         reference: dict[str, torch.Tensor] | None = None, check: bool = False) -> None:
+    """Send ``named`` to every engine; with --check-weight-update-equal (or ``check``) compare against ``reference``
+    (the trainer's true weights; ``named`` itself unless a fault was injected into what is sent)."""
     reference = reference if reference is not None else named
     if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
         gen = torch.Generator().manual_seed(version)
@@ -60,7 +60,7 @@ def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: in
         log.warning("--debug-inject-fault skip-weight-push: the engines keep their old weights")
     else:
         _transport(args, named, urls, version)
-    if args.check_weight_update_equal:
+    if args.check_weight_update_equal or check:
         check_weights_equal(reference, urls)
 
 
@@ -96,6 +96,8 @@ def _group(urls: list[str], backend: str) -> Any:
     key = tuple(urls)
     if key in _groups:
         return _groups[key]
+    for old in list(_groups):  # the engine set changed (--use-fault-tolerance restarted one): one group at a time
+        _drop_group(old)
     host = os.environ.get("SLIME_LITE_WEIGHT_MASTER_ADDR", "127.0.0.1")
     try:
         check_group_address(host)  # the group's store listens on this address only; never every interface
@@ -115,6 +117,17 @@ def _group(urls: list[str], backend: str) -> Any:
             _check(f.result(), u, "/init_weights_update_group")
     _groups[key] = group
     return group
+
+
+def _drop_group(key: tuple[str, ...]) -> None:
+    """Destroy a broadcast group on the trainer's side and on each of its engines still answering."""
+    group = _groups.pop(key)
+    for url in key:
+        try:
+            request_json(url, "/destroy_weights_update_group", {"group_name": "weight_update_group"}, timeout=30)
+        except EngineError as exc:  # a dead engine took its side of the group with it
+            log.info("weight update group of %s not destroyed there: %s", url, exc)
+    group.destroy()
 
 
 def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int, colocated: bool = False) -> None:

@@ -347,17 +347,22 @@ class SGLangServer(_ManagedProcess):
         gpus = self.gpu_ids if self.gpu_ids is not None else engine_gpu_ids(self.args, self.rank)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        cmd = build_command(self.config, self.rank, port, host)
-        if not is_loopback(host):  # reachable from other hosts: every route but health needs the run's API key
-            from slime_lite.engine_client import API_KEY_ENV, api_key
-
-            key = api_key()
-            if not key:
-                raise EngineError(f"{self.what} would listen on {host} (not loopback) without an API key: set "
-                                  f"{API_KEY_ENV} or SLIME_LITE_ENGINE_API_KEY_FILE (slime-lite train sets one)")
-            env[API_KEY_ENV] = key
-            cmd = keyed_command(cmd)
+        cmd, env = with_api_key(build_command(self.config, self.rank, port, host), env, host, self.what)
         return self._launch(cmd, env, f"sglang_engine{self.rank}_{port}.log", self.start_timeout)
+
+
+def with_api_key(cmd: list[str], env: dict[str, str], host: str, what: str) -> tuple[list[str], dict[str, str]]:
+    """A server reachable from other hosts (``host`` not loopback) gets the run's API key through its environment
+    (``keyed_command``), never on its command line; without a key it is refused before launch."""
+    if is_loopback(host):
+        return cmd, env
+    from slime_lite.engine_client import API_KEY_ENV, API_KEY_FILE_ENV, api_key
+
+    key = api_key()
+    if not key:
+        raise EngineError(f"{what} would listen on {host} (not loopback) without an API key: set {API_KEY_ENV} or "
+                          f"{API_KEY_FILE_ENV} (slime-lite train sets one)")
+    return keyed_command(cmd), {**env, API_KEY_ENV: key}
 
 
 def build_router_command(worker_urls: list[str], port: int, host: str = "127.0.0.1",
@@ -367,7 +372,9 @@ def build_router_command(worker_urls: list[str], port: int, host: str = "127.0.0
 
 class SGLangRouter(_ManagedProcess):
     """SGLang's router in front of the engines; the rollout sends /generate to ``start()``'s URL.
-    Weight updates still go to each engine's own URL."""
+    Weight updates still go to each engine's own URL. Off loopback it gets the run's API key as the engines do
+    (sglang_router's ``--api-key``: the key it sends to the workers, and in newer releases also the one its
+    clients must send)."""
 
     what = "SGLang router"
 
@@ -383,5 +390,6 @@ class SGLangRouter(_ManagedProcess):
         host = engine_host()
         port = free_port(host)
         self.url = f"http://{host}:{port}"
-        cmd = build_router_command(self.worker_urls, port, host, self.module)
-        return self._launch(cmd, dict(os.environ), f"sglang_router_{port}.log", self.start_timeout)
+        cmd, env = with_api_key(build_router_command(self.worker_urls, port, host, self.module), dict(os.environ),
+                                host, self.what)
+        return self._launch(cmd, env, f"sglang_router_{port}.log", self.start_timeout)

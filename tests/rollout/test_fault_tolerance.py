@@ -1,0 +1,86 @@
+"""--use-fault-tolerance in the rollout's engine client: without the flag a dead engine stops the rollout with the
+client's error (today's clean stop); with it, a request whose engine died waits for the engine the driver restarts,
+then goes to it. The engines here are FAKE /generate servers on 127.0.0.1 (an aiohttp app each): only the client's
+behaviour is under test; tests/test_loop.py kills a real engine mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from slime_lite.engine_client import AsyncEngineClient
+from slime_lite.errors import EngineError
+from slime_lite.io import free_port
+
+BODY = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+
+
+async def fake_engine(name: str):
+    """A FAKE engine answering /generate with its name; returns (url, runner)."""
+    from aiohttp import web
+
+    async def generate(request):
+        return web.json_response({"text": name, "output_ids": [3], "meta_info": {}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return f"http://127.0.0.1:{port}", runner
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused, as after kill -9
+
+
+def test_without_the_flag_a_dead_engine_stops_the_rollout():
+    async def run():
+        client = AsyncEngineClient([dead_url()], timeout=5)
+        try:
+            with pytest.raises(EngineError, match="all engines failed"):
+                await client.generate(BODY)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_with_the_flag_a_request_waits_for_the_restarted_engine_and_goes_to_it():
+    async def run():
+        dead = dead_url()
+        client = AsyncEngineClient([dead], timeout=5, wait_for_replacement=True)
+        url, runner = await fake_engine("restarted")
+        try:
+            request = asyncio.ensure_future(client.generate(BODY))
+            for _ in range(100):  # the driver sees the failed engine...
+                if client.failed() == [dead]:
+                    break
+                await asyncio.sleep(0.02)
+            assert client.failed() == [dead] and not request.done()  # ...while the request waits
+            client.replace(dead, url)  # the driver restarted it
+            out = await asyncio.wait_for(request, 10)
+            assert out["text"] == "restarted" and client.failed() == [] and client.urls == [url]
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_with_the_flag_requests_of_a_dead_engine_go_to_a_live_one_at_once():
+    async def run():
+        dead = dead_url()
+        url, runner = await fake_engine("live")
+        client = AsyncEngineClient([dead, url], timeout=5, wait_for_replacement=True)
+        client.inflight[url] = 1  # the least-loaded pick goes to the dead engine first
+        try:
+            out = await asyncio.wait_for(client.generate(BODY), 10)
+            assert out["text"] == "live" and client.failed() == [dead]
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(run())
