@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--update-weight-transport", choices=("tensor", "distributed", "disk"), default="tensor",
                    help="how new weights reach the engines: HTTP tensors, a torch.distributed broadcast, or files "
                         "(default: %(default)s)")
+    g.add_argument("--update-weight-buffer-size", type=_positive_int, default=512 * 1024**2,
+                   help="bytes of weights per bucket of a tensor or distributed push (default: %(default)s)")
 
     g = p.add_argument_group("rollout", "sampling and generation")
     g.add_argument("--rollout-temperature", type=_nonneg_float, default=1.0,

@@ -3,10 +3,8 @@
 Two transports, both used by the trainer side and by ``slime_lite.engine`` (this module imports neither the engine
 nor Megatron, so either side can use it):
 
-- **Serialized tensors** (``/update_weights_from_tensor``): ``serialize_named_tensors`` turns ``{name: tensor}``
-  into one ASCII string, base64 of ``torch.save`` of a dict of CPU tensors; ``deserialize_named_tensors`` loads it
-  with ``weights_only=True`` (no pickled code runs). The request carries a list with one such string per engine
-  TP rank.
+- **Serialized tensors** (``/update_weights_from_tensor``): SGLang's payload format, in ``slime_lite.weight_wire``
+  (CUDA IPC or shared-memory handles on one host, tensors by value across hosts; a restricted unpickler reads it).
 - **A broadcast group** (``/init_weights_update_group`` + ``/update_weights_from_distributed``):
   ``WeightUpdateGroup`` is one member of a torch.distributed group built directly from a TCPStore, without the
   default process group (the trainer already has Megatron's). Rank 0 is the trainer and hosts the store; the
@@ -20,12 +18,10 @@ bytes (contiguous, on CPU, in its own dtype), so compare tensors in the same dty
 
 from __future__ import annotations
 
-import base64
 import datetime
 import hashlib
-import io
 import logging
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -69,28 +65,6 @@ def _local_address_towards(address: str, port: int) -> str:
     with socket.socket(info[0], socket.SOCK_DGRAM) as s:
         s.connect(info[4])  # UDP: no packet is sent, only the route is chosen
         return s.getsockname()[0]
-
-
-def serialize_named_tensors(named: Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]) -> str:
-    """Encode ``{name: tensor}`` (or ``(name, tensor)`` pairs) as base64 text for a JSON body."""
-    import torch
-
-    items = named.items() if isinstance(named, Mapping) else named
-    payload = {name: t.detach().to("cpu").contiguous() for name, t in items}
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def deserialize_named_tensors(data: str) -> dict[str, "torch.Tensor"]:
-    """Decode what ``serialize_named_tensors`` produced (only tensors load: ``weights_only=True``)."""
-    import torch
-
-    raw = base64.b64decode(data.encode("ascii") if isinstance(data, str) else data)
-    out = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
-        raise ValueError("serialized tensors must be a dict of name -> tensor")
-    return out
 
 
 def tensor_sha256(t: "torch.Tensor") -> str:

@@ -99,7 +99,8 @@ LAYERS = [
                           "slime_lite.preflight", "slime_lite.debug", "slime_lite.plot", "slime_lite.tiny_model", "slime_lite.tasks"]),
     ("rollout, trainer, placement", ["slime_lite.rollout", "slime_lite.backends", "slime_lite.placement"]),
     ("embedded engine", ["slime_lite.engine"]),
-    ("shared helpers", ["slime_lite.engine_client", "slime_lite.weight_transport", "slime_lite.metrics",
+    ("shared helpers", ["slime_lite.engine_client", "slime_lite.weight_transport", "slime_lite.weight_wire",
+                        "slime_lite.metrics",
                         "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup",
                         "slime_lite.debug.faults",  # fault hooks, called by both sides; a leaf in debug/
                         "slime_lite.debug.grad_norm",  # the trainer's per-step grad-norms and their check
@@ -139,7 +140,8 @@ def test_the_cycle_finder_reports_a_cycle():
 
 
 @pytest.mark.parametrize("path", files("rollout") + files("engine") + [PKG / "engine_client.py",
-                                                                        PKG / "weight_transport.py"],
+                                                                        PKG / "weight_transport.py",
+                                                                        PKG / "weight_wire.py"],
                          ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_rollout_side_never_imports_megatron(path):
     bad = [n for n in imports(path) if n.split(".")[0] == "megatron" or n.startswith("slime_lite.backends.megatron")]

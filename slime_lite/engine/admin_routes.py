@@ -60,6 +60,7 @@ def add_admin_routes(app: Any, scheduler: Scheduler) -> None:
         "/init_weights_update_group": admin.init_weights_update_group,
         "/update_weights_from_distributed": admin.update_weights_from_distributed,
         "/destroy_weights_update_group": admin.destroy_weights_update_group,
+        "/begin_weight_update": admin.begin_weight_update, "/end_weight_update": admin.end_weight_update,
         "/release_memory_occupation": admin.release_memory, "/resume_memory_occupation": admin.resume_memory,
         "/start_profile": admin.start_profile, "/stop_profile": admin.stop_profile,
     }
@@ -76,6 +77,7 @@ class _Admin:
         from slime_lite.profiling import TorchProfile
 
         self.scheduler = scheduler
+        self.weight_session = False  # between /begin_weight_update and /end_weight_update (SGLang's session)
         self.profile = TorchProfile()  # /start_profile .. /stop_profile, in the model thread
         self.profile_path = ""
 
@@ -165,22 +167,52 @@ class _Admin:
         return await self._weight_op(load, version=body.get("weight_version"), extra={"num_paused_requests": 0})
 
     async def update_weights_from_tensor(self, request):
-        from slime_lite.weight_transport import deserialize_named_tensors
+        """SGLang's payloads (``slime_lite.weight_wire``): CUDA IPC / shared-memory handles or tensors by value,
+        read by a restricted unpickler (any global but the tensor-rebuild ones is a 400 naming it); names, shapes
+        and dtypes are checked against the model before a byte is copied."""
+        from slime_lite import weight_wire
 
         body = await read_body(request)
         data = body.get("serialized_named_tensors")
         if isinstance(data, str):
             data = [data]
-        if not isinstance(data, list) or len(data) != 1:
-            raise BadRequest("'serialized_named_tensors' must be a list with one entry per TP rank (tp_size is 1)")
-        if body.get("load_format") not in (None, "direct"):
-            raise BadRequest(f"load_format {body['load_format']!r} is not supported (use null or 'direct')")
+        if not isinstance(data, list) or len(data) != 1 or not isinstance(data[0], str):
+            raise BadRequest("'serialized_named_tensors' must be a list with one base64 string per TP rank "
+                             "(tp_size is 1)")
+        load_format = body.get("load_format")
+        if load_format not in weight_wire.LOAD_FORMATS:
+            raise BadRequest(f"load_format {load_format!r} is not supported (use null, 'direct' or "
+                             "'flattened_bucket')")
+
+        def read() -> dict:
+            return dict(weight_wire.named_tensors(weight_wire.deserialize(data[0]), load_format))
+
         try:
-            named = await asyncio.get_running_loop().run_in_executor(None, deserialize_named_tensors, data[0])
-        except Exception as exc:  # noqa: BLE001 - any decoding failure is the sender's
-            raise BadRequest(f"cannot decode serialized_named_tensors: {exc}") from None
+            named = await asyncio.get_running_loop().run_in_executor(None, read)
+            self.scheduler.weights.check_update(named)
+        except (ValueError, RuntimeError) as exc:  # UnsafePayload, a malformed payload, a mismatch with the model
+            logger.error("update_weights_from_tensor refused: %s", exc)
+            return json_response({"success": False, "message": f"serialized_named_tensors: {exc}"}, 400)
         self._maybe_abort(body)
         return await self._weight_op(self.scheduler.weights.load_named, named, version=body.get("weight_version"))
+
+    async def begin_weight_update(self, request):
+        """SGLang's weight-update session. The embedded engine needs none (updates apply between two steps of the
+        model thread either way), but it keeps SGLang's rules: one session at a time, end only after begin."""
+        await read_body(request)
+        if self.weight_session:
+            return json_response({"success": False, "message": "a weight-update session is already open; call "
+                                  "end_weight_update() first"}, 400)
+        self.weight_session = True
+        return json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request):
+        await read_body(request)
+        if not self.weight_session:
+            return json_response({"success": False, "message": "no weight-update session is open; call "
+                                  "begin_weight_update() first"}, 400)
+        self.weight_session = False
+        return json_response({"success": True, "message": "Success"})
 
     async def init_weights_update_group(self, request):
         body = await read_body(request)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from engine_helpers import generate, hf_logprobs, http, in_thread, start_engine
 
+from slime_lite import weight_wire
 from slime_lite.io import free_port
-from slime_lite.weight_transport import WeightUpdateGroup, serialize_named_tensors, tensor_sha256
+from slime_lite.weight_transport import WeightUpdateGroup, tensor_sha256
 
 PROMPT = [10, 11, 12, 13]
 
@@ -73,21 +74,32 @@ def test_update_weights_from_disk(fresh_engine, hf_model, new_model, new_model_d
 
 
 def test_update_weights_from_tensor(fresh_engine, new_model):
+    """SGLang's payloads in both load formats (shared-memory handles and by value), inside SGLang's session."""
     url = fresh_engine.url
-    named = dict(new_model.named_parameters())
+    named = {n: p.detach().clone() for n, p in new_model.named_parameters()}
     half = list(named)[: len(named) // 2]
-    for names, version in ((half, "v1"), ([n for n in named if n not in half], "v2")):  # two buckets
-        body = {"serialized_named_tensors": [serialize_named_tensors({n: named[n] for n in names})],
-                "load_format": None, "flush_cache": True, "weight_version": version}
+    generate(url, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})  # the old weights' K/V, cached
+    assert http(url, "/begin_weight_update", {})[1]["success"] is True
+    assert http(url, "/begin_weight_update", {})[0] == 400  # one session at a time, as in SGLang
+    payloads = (("direct", weight_wire.serialize([(n, named[n]) for n in half]), "v1"),
+                ("flattened_bucket", weight_wire.serialize(weight_wire.flatten_bucket(
+                    [(n, named[n]) for n in named if n not in half]), by_value=True), "v2"))
+    for load_format, payload, version in payloads:  # two buckets
+        body = {"serialized_named_tensors": [payload], "load_format": load_format, "flush_cache": True,
+                "weight_version": version}
         status, out = http(url, "/update_weights_from_tensor", body)
         assert status == 200 and out["success"] is True, out
+    assert http(url, "/end_weight_update", {})[1]["success"] is True
+    assert http(url, "/end_weight_update", {})[0] == 400
     assert_serves(url, new_model, "v2")
-    bad = {"serialized_named_tensors": [serialize_named_tensors({"model.nope.weight": torch.zeros(2)})]}
-    status, out = http(url, "/update_weights_from_tensor", bad)
-    assert status == 400 and "model.nope.weight" in out["message"]
-    wrong_shape = {"serialized_named_tensors": [serialize_named_tensors({"model.norm.weight": torch.zeros(3)})]}
-    assert http(url, "/update_weights_from_tensor", wrong_shape)[0] == 400
-    assert_serves(url, new_model, "v2")  # refused updates change nothing
+    bad = [("model.nope.weight", torch.zeros(2), "model.nope.weight"),
+           ("model.norm.weight", torch.zeros(3), "shape (3,)"),
+           ("model.norm.weight", torch.zeros(named["model.norm.weight"].shape, dtype=torch.int32), "dtype int32")]
+    for name, t, said in bad:  # refused before a byte is copied
+        status, out = http(url, "/update_weights_from_tensor",
+                           {"serialized_named_tensors": [weight_wire.serialize([(name, t)])]})
+        assert status == 400 and out["success"] is False and said in out["message"], out
+    assert_serves(url, new_model, "v2", cached=len(PROMPT) - 1)  # refused updates change nothing, cache included
 
 
 def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):

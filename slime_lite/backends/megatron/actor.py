@@ -401,14 +401,16 @@ class TrainActor(TrainWorker):
         atomic_torch_save(payload, os.path.join(self.args.dump_details, "train_data", f"{rollout_id}.pt"))
 
     # ----------------------------------------------------------------- weights out
-    def hf_weights(self, for_push: bool = False) -> dict[str, torch.Tensor] | None:
-        """Full HF-named tensors of the whole model on global rank 0 (None elsewhere); TP gathered, PP collected."""
+    def hf_weights(self, for_push: bool = False, on_device: bool = False) -> dict[str, torch.Tensor] | None:
+        """Full HF-named tensors of the whole model on global rank 0 (None elsewhere); TP gathered, PP collected.
+        CPU copies, or with ``on_device`` copies on the trainer's device (for a CUDA IPC push; PP=1 only)."""
         import torch.distributed as dist
 
         from slime_lite.backends.megatron.convert import iter_hf_weights
 
         ps = self.ps
-        mine = {name: t.detach().cpu().clone() for name, t in iter_hf_weights(self.model, self.hf_config)}
+        mine = {name: (t.detach().clone() if on_device else t.detach().cpu().clone())
+                for name, t in iter_hf_weights(self.model, self.hf_config)}
         if for_push:
             mine = sent_stage_weights(self.args.debug_inject_fault, mine, ps.get_pipeline_model_parallel_rank())
         if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -421,8 +423,12 @@ class TrainActor(TrainWorker):
     def push_weights(self, urls: list[str], version: int, check: bool = False) -> None:
         from slime_lite.backends.megatron.weight_push import push
 
-        named = self.hf_weights()
-        sent = self.hf_weights(for_push=True) if breaks_sent_weights(self.args.debug_inject_fault) else named
+        a = self.args  # colocated on a GPU, a tensor push hands the engine CUDA IPC handles of GPU copies
+        ipc = (a.update_weight_transport == "tensor" and a.colocate and torch.cuda.is_available()
+               and self.ps.get_pipeline_model_parallel_world_size() == 1)
+        named = self.hf_weights(on_device=ipc)
+        sent = (self.hf_weights(for_push=True, on_device=ipc) if breaks_sent_weights(a.debug_inject_fault)
+                else named)
         if self.rank == 0:
             push(self.args, sent, urls, version, reference=named, check=check)
 

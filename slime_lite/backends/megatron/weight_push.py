@@ -2,10 +2,18 @@
 
 Runs on the trainer's global rank 0, which holds the full tensors (``TrainActor.hf_weights``). Every push carries
 a ``weight_version`` that the engines report in their responses and that ends up in each Sample.
+
+``tensor`` speaks SGLang's ``update_weights_from_tensor`` (``slime_lite.weight_wire``): buckets of
+``--update-weight-buffer-size`` bytes in the ``flattened_bucket`` format, one payload per engine TP rank. An engine on
+this host gets handles: CUDA IPC when the trainer's tensors are on the GPU it shares (``--colocate``: the engine
+copies on the device, nothing goes through the host), shared memory for CPU tensors; an engine on another host gets
+the tensors by value. ``tensor`` and ``distributed`` pushes run inside SGLang's weight-update session
+(``/begin_weight_update`` ... ``/end_weight_update``, which SGLang 0.5.23 requires for both).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -21,7 +29,7 @@ from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.io import free_port
 
 log = logging.getLogger(__name__)
-BUCKET_BYTES = 64 << 20
+BUCKET_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
 _groups: dict[tuple[str, ...], Any] = {}
 
 
@@ -55,7 +63,9 @@ def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: in
     reference = reference if reference is not None else named
     if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
         gen = torch.Generator().manual_seed(version)
-        _push_tensor({n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in reference.items()}, urls, -1)
+        with weight_update_session(urls):
+            _push_tensor(args, {n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in reference.items()},
+                         urls, -1)
     if skips_weight_push(args.debug_inject_fault):
         log.warning("--debug-inject-fault skip-weight-push: the engines keep their old weights")
     else:
@@ -66,27 +76,117 @@ def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: in
 
 def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
     transport = args.update_weight_transport
+    limit = getattr(args, "update_weight_buffer_size", BUCKET_BYTES)
     if transport == "tensor":
-        _push_tensor(named, urls, version)
+        with weight_update_session(urls):
+            _push_tensor(args, named, urls, version)
     elif transport == "distributed":
-        _push_distributed(named, urls, version, colocated=args.colocate)
+        with weight_update_session(urls):
+            _push_distributed(named, urls, version, colocated=args.colocate, limit=limit)
     else:
         _push_disk(args, named, urls, version)
 
 
-def _push_tensor(named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
-    from slime_lite.weight_transport import serialize_named_tensors
+def _begin(url: str) -> bool:
+    """Open SGLang's weight-update session on ``url``; False for an engine without the route (SGLang before the
+    session existed). A session left open by a push that died half way is closed and opened again."""
+    for attempt in range(2):
+        try:
+            _check(request_json(url, "/begin_weight_update", {}, timeout=300), url, "/begin_weight_update")
+            return True
+        except EngineError as exc:
+            if "HTTP 404" in str(exc):
+                log.info("%s has no /begin_weight_update (an SGLang before the session): pushing without one", url)
+                return False
+            if attempt or "already open" not in str(exc):
+                raise
+            log.warning("%s: a weight-update session was left open (an earlier push failed): closing it", url)
+            request_json(url, "/end_weight_update", {}, timeout=300)
+    return False
 
-    groups = buckets(named)
+
+@contextlib.contextmanager
+def weight_update_session(urls: list[str]):
+    """``/begin_weight_update`` on every engine, then ``/end_weight_update`` on those that opened one (also when the
+    push fails, so the engine is not left in a session)."""
+    opened = [u for u, ok in zip(urls, _all(urls, _begin)) if ok]
+    try:
+        yield
+    except BaseException:
+        for u in opened:
+            with contextlib.suppress(EngineError):
+                request_json(u, "/end_weight_update", {}, timeout=300)
+        raise
+    for u, reply in zip(opened, _all(opened, lambda u: request_json(u, "/end_weight_update", {}, timeout=300))):
+        _check(reply, u, "/end_weight_update")
+
+
+def _is_local(url: str) -> bool:
+    """Whether the engine at ``url`` runs on this host (loopback, or an address this host can bind)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _shm_room(nbytes: int) -> bool:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize > 2 * nbytes
+
+
+def payload_mode(url: str, named: dict[str, torch.Tensor], colocated: bool, bucket_bytes: int) -> str:
+    """``"cuda_ipc"``, ``"shared_memory"`` or ``"by_value"``: how tensors reach the engine at ``url``. Handles need
+    the engine on this host; CUDA handles also need it on the trainer's GPU (``--colocate``); shared memory needs
+    room in /dev/shm for a bucket."""
+    local = _is_local(url)
+    if any(t.is_cuda for t in named.values()):
+        return "cuda_ipc" if local and colocated else "by_value"
+    return "shared_memory" if local and _shm_room(bucket_bytes) else "by_value"
+
+
+def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
+    from slime_lite.weight_wire import flatten_bucket, serialize
+
+    limit = getattr(args, "update_weight_buffer_size", BUCKET_BYTES)
+    ranks = args.rollout_num_gpus_per_engine if getattr(args, "rollout_backend", "") == "sglang" else 1
+    modes = {u: payload_mode(u, named, bool(getattr(args, "colocate", False)), limit) for u in urls}
+    if any(m == "by_value" for m in modes.values()):
+        log.info("weight push by value (host copies) to %s: handles reach only engines on this host%s",
+                 [u for u, m in modes.items() if m == "by_value"],
+                 "; GPU engines elsewhere: --update-weight-transport distributed" if torch.cuda.is_available() else "")
+    groups = buckets(named, limit)
     for k, names in enumerate(groups):
-        body = {
-            "serialized_named_tensors": [serialize_named_tensors({n: named[n] for n in names})],
+        bucket = flatten_bucket([(n, named[n]) for n in names])
+        by_value = serialize(bucket, by_value=True) if "by_value" in modes.values() else None
+        bodies = {u: {
+            # a handle is read once, by one rank: one payload each; bytes may be read by every rank
+            "serialized_named_tensors": [by_value] * ranks if modes[u] == "by_value" else
+            [serialize(bucket) for _ in range(ranks)],
+            "load_format": "flattened_bucket",
             "flush_cache": k == len(groups) - 1,
             "weight_version": str(version),
-        }
-        for url, reply in zip(urls, _all(urls, lambda u: request_json(u, "/update_weights_from_tensor", body,
-                                                                      timeout=600))):
+        } for u in urls}
+        replies = _all(urls, lambda u, b=bodies: request_json(u, "/update_weights_from_tensor", b[u], timeout=600))
+        for url, reply in zip(urls, replies):
             _check(reply, url, "/update_weights_from_tensor")
+        del bucket, bodies  # the engines answered after their copies: the bucket can go
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # CUDA IPC blocks the engines have closed
 
 
 def _group(urls: list[str], backend: str) -> Any:
@@ -130,12 +230,13 @@ def _drop_group(key: tuple[str, ...]) -> None:
     group.destroy()
 
 
-def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int, colocated: bool = False) -> None:
+def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int, colocated: bool = False,
+                      limit: int = BUCKET_BYTES) -> None:
     # NCCL needs one GPU per rank: colocated engines share the trainer's GPU, so they use gloo (host memory)
     backend = "nccl" if torch.cuda.is_available() and not colocated else "gloo"
     group = _group(urls, backend)
     device = "cuda" if backend == "nccl" else "cpu"
-    for names in buckets(named):
+    for names in buckets(named, limit):
         body = {
             "names": names,
             "dtypes": [str(named[n].dtype).removeprefix("torch.") for n in names],

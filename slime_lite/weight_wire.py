@@ -1,0 +1,368 @@
+"""SGLang's ``update_weights_from_tensor`` payloads: written by the trainer, read by the embedded engine.
+
+The wire format is SGLang's (checked against sglang 0.5.23): ``serialized_named_tensors`` is a list with one entry
+per engine TP rank, each the base64 text of a pickle (SGLang's ``MultiprocessingSerializer``) of either
+
+- a list of ``(name, tensor)`` pairs (``load_format`` null or ``"direct"``; SGLang's own engine may wrap each tensor
+  in ``LocalSerializedTensor(values=[per-rank payload bytes])``), or
+- ``{"flattened_tensor": uint8 tensor, "metadata": [FlattenedTensorMetadata, ...]}``
+  (``load_format: "flattened_bucket"``): the tensors viewed as bytes and concatenated.
+
+A tensor travels in one of three ways (``serialize``):
+
+- **CUDA IPC handle** (tensor on a GPU): the engine maps the trainer's memory and copies on the device; no host copy.
+  The device is named by its UUID (as SGLang's patched reductions do), so processes with different
+  ``CUDA_VISIBLE_DEVICES`` agree on it.
+- **shared-memory handle** (CPU tensor, engine on the same host): torch's ``file_system`` sharing (a named segment
+  in /dev/shm), the only strategy an unrelated process can open (``file_descriptor`` needs the sender's
+  multiprocessing authkey). A handle is meant to be read once, by one engine rank.
+- **by value** (``by_value=True``, any host): a plain pickle whose tensors carry their bytes (``torch.save`` of each
+  storage). SGLang's unpickler reads it too; it is the fallback for an engine on another host.
+
+``RestrictedUnpickler`` is the engine's reader: it allows only the globals that rebuild tensors (torch's
+multiprocessing rebuild functions, storage and dtype classes, ``torch.Size``) and SGLang's two data classes, which
+it maps to the equivalents here (sglang is never imported); any other global is refused with ``UnsafePayload``
+naming it, before it is looked up. Nothing from the payload is called except those rebuild functions, each
+checking its arguments first.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import io
+import pickle
+import re
+import threading
+from dataclasses import dataclass, fields
+from typing import Any, Iterable
+
+import torch
+import torch.multiprocessing as torch_mp
+from torch.multiprocessing import reductions as _red
+
+LOAD_FORMATS = (None, "direct", "flattened_bucket")
+_SGLANG_BUCKET = "sglang.srt.weight_sync.tensor_bucket"
+_SGLANG_LOCAL = ("sglang.srt.model_executor.model_runner_components.weight_updater",
+                 "sglang.srt.model_executor.model_runner")
+
+
+class UnsafePayload(ValueError):
+    """A payload that names a global outside the allow-list (nothing of it ran)."""
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """One tensor inside a flattened bucket: ``flattened_tensor[start_idx:end_idx]`` viewed as ``dtype``, ``shape``.
+    Same fields and order as SGLang's class of the same name (pickled under SGLang's module path)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int  # bytes (the uint8 slice's length), as in SGLang
+
+    def __setstate__(self, state: Any) -> None:  # a payload sets fields through pickle's BUILD: these fields only
+        names = {f.name for f in fields(self)}
+        if not isinstance(state, dict) or set(state) != names:
+            raise ValueError(f"FlattenedTensorMetadata state must have exactly the fields {sorted(names)}")
+        self.__dict__.update(state)
+
+
+@dataclass
+class LocalSerializedTensor:
+    """SGLang's per-rank wrapper: ``values[r]`` is the payload (bytes) of TP rank r's tensor."""
+
+    values: list
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict) or set(state) != {"values"}:
+            raise ValueError("LocalSerializedTensor state must be {'values': [...]}")
+        self.__dict__.update(state)
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+def flatten_bucket(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """``{"flattened_tensor", "metadata"}`` of SGLang's ``flattened_bucket`` format (a new tensor, on the tensors'
+    device; mixed dtypes allowed, each tensor aligned to its element size). An empty input gives an empty bucket."""
+    parts, metadata, offset = [], [], 0
+    device = None
+    for name, t in named:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pad = -offset % t.element_size()  # each tensor starts aligned to its dtype, so the reader can view it
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
+            offset += pad
+        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + flat.numel(), flat.numel()))
+        parts.append(flat)
+        offset += flat.numel()
+        device = t.device
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+_WIRE_NAMES = {FlattenedTensorMetadata: (_SGLANG_BUCKET, "FlattenedTensorMetadata"),
+               LocalSerializedTensor: (_SGLANG_LOCAL[0], "LocalSerializedTensor")}
+_strategy_lock = threading.Lock()
+
+
+class _WirePickler(pickle._Pickler):  # the Python pickler: it lets save_global write SGLang's class paths
+    def __init__(self, file: io.BytesIO, by_value: bool) -> None:
+        super().__init__(file, protocol=4)
+        self.by_value = by_value
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        alias = _WIRE_NAMES.get(obj)
+        if alias is None:
+            return super().save_global(obj, name)
+        self.save(alias[0])
+        self.save(alias[1])
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(obj)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if self.by_value:
+            return NotImplemented  # tensors pickle themselves with their bytes (torch.save of the storage)
+        if isinstance(obj, torch.Tensor):
+            fn, args = _red.reduce_tensor(obj)
+            if obj.is_cuda:  # the device by UUID (SGLang's convention): CUDA_VISIBLE_DEVICES differs per process
+                args = (*args[:6], device_uuid(args[6]), *args[7:])
+            return fn, args
+        if isinstance(obj, torch.UntypedStorage):
+            return _red.reduce_storage(obj)
+        if isinstance(obj, torch.TypedStorage):
+            return _red.reduce_typed_storage(obj)
+        return NotImplemented
+
+
+def serialize(obj: Any, by_value: bool = False) -> str:
+    """Base64 text of ``obj`` as SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` reads it.
+
+    Tensors go as CUDA IPC / shared-memory handles (the default: same host only; each result is for one reader),
+    or with their bytes (``by_value``: CPU copies; any host)."""
+    if by_value:
+        obj = _to_cpu(obj)
+    buf = io.BytesIO()
+    with _strategy_lock:
+        old = torch_mp.get_sharing_strategy()
+        torch_mp.set_sharing_strategy("file_system")  # a named segment another process can open
+        try:
+            _WirePickler(buf, by_value).dump(obj)
+        finally:
+            torch_mp.set_sharing_strategy(old)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu").contiguous()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def _tensor_class(cls: Any) -> None:
+    if cls not in (torch.Tensor, torch.nn.Parameter):
+        raise ValueError(f"tensor class {cls!r}: expected torch.Tensor or torch.nn.Parameter")
+
+
+def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> torch.Tensor:
+    _tensor_class(cls)
+    if not isinstance(storage, (torch.UntypedStorage, torch.TypedStorage)):
+        raise ValueError("rebuild_tensor: not a storage")
+    return _red.rebuild_tensor(torch.Tensor, storage, metadata).detach()
+
+
+def _local_device(device: Any) -> int:
+    """The local index of the CUDA device a payload names (an index, or a UUID as SGLang writes it)."""
+    if not torch.cuda.is_available():
+        raise ValueError("the payload holds CUDA IPC handles but this engine has no CUDA device (CUDA IPC works "
+                         "only between processes on one host that see the same GPU)")
+    if isinstance(device, int) and not isinstance(device, bool) and 0 <= device < torch.cuda.device_count():
+        return device
+    if isinstance(device, str):
+        for i in range(torch.cuda.device_count()):
+            if device_uuid(i) == device:
+                return i
+        raise ValueError(f"CUDA device {device} (by UUID) is not visible to this engine; CUDA IPC needs the "
+                         "trainer's GPU visible in the engine's process")
+    raise ValueError(f"CUDA device {device!r}: expected a device index or UUID")
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    if len(args) != 15:
+        raise ValueError(f"rebuild_cuda_tensor takes 15 arguments, got {len(args)}")
+    _tensor_class(args[0])
+    if args[4] not in (torch.UntypedStorage, torch.TypedStorage) or not isinstance(args[5], torch.dtype):
+        raise ValueError("rebuild_cuda_tensor: unexpected storage class or dtype")
+    args = (torch.Tensor, *args[1:6], _local_device(args[6]), *args[7:10], False, *args[11:])
+    return _red.rebuild_cuda_tensor(*args)
+
+
+_SHM_HANDLE = re.compile(rb"/torch_\d+_\d+_\d+")
+_SHM_MANAGER = re.compile(rb"/[\w./-]*/torch-shm-[\w.-]+/manager\.sock")
+
+
+def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: Any, dtype: Any = None) -> Any:
+    """A CPU shared-memory segment by name: only names torch's ``file_system`` sharing makes."""
+    if cls is not torch.UntypedStorage and cls is not torch.TypedStorage:
+        raise ValueError(f"storage class {cls!r} is not accepted")
+    if not (isinstance(handle, bytes) and _SHM_HANDLE.fullmatch(handle)):
+        raise ValueError(f"shared-memory handle {handle!r} is not one torch makes (/torch_<pid>_<n>_<n>)")
+    if not (isinstance(manager, bytes) and _SHM_MANAGER.fullmatch(manager) and b".." not in manager):
+        raise ValueError(f"shared-memory manager {manager!r} is not torch's manager socket")
+    if not isinstance(size, int) or size < 0 or (dtype is not None and not isinstance(dtype, torch.dtype)):
+        raise ValueError("shared-memory size/dtype malformed")
+    return _red.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+
+def _rebuild_storage_empty(cls: Any) -> Any:
+    if cls is not torch.UntypedStorage:
+        raise ValueError(f"storage class {cls!r} is not accepted")
+    return torch.UntypedStorage()
+
+
+def _rebuild_typed_storage(storage: Any, dtype: Any) -> Any:
+    if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
+        raise ValueError("rebuild_typed_storage: expected an untyped storage and a dtype")
+    return _red.rebuild_typed_storage(storage, dtype)
+
+
+def _load_from_bytes(data: Any) -> Any:
+    """A by-value storage: ``torch.save`` bytes, read with ``weights_only`` (no code runs)."""
+    if not isinstance(data, bytes):
+        raise ValueError("_load_from_bytes: expected bytes")
+    storage = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if not isinstance(storage, (torch.UntypedStorage, torch.TypedStorage)):
+        raise ValueError(f"expected a storage, got {type(storage).__name__}")
+    return storage
+
+
+def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+                       hooks: Any = None, metadata: Any = None) -> torch.Tensor:
+    if not isinstance(storage, (torch.UntypedStorage, torch.TypedStorage)):
+        raise ValueError("_rebuild_tensor_v2: not a storage")
+    if hooks or metadata:
+        raise ValueError("_rebuild_tensor_v2: tensors with hooks or metadata are not accepted")
+    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, collections.OrderedDict())
+
+
+_FD_GLOBALS = {("torch.multiprocessing.reductions", "rebuild_storage_fd"), ("multiprocessing.resource_sharer", "DupFd")}
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch", "Tensor"): torch.Tensor,
+    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+    ("torch", "Size"): torch.Size,
+    ("torch", "UntypedStorage"): torch.UntypedStorage,
+    ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+    ("torch.storage", "TypedStorage"): torch.TypedStorage,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch.multiprocessing.reductions", "rebuild_tensor"): _rebuild_tensor,
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _rebuild_storage_filename,
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"): _rebuild_storage_empty,
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"): _rebuild_typed_storage,
+    ("torch.storage", "_load_from_bytes"): _load_from_bytes,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    (_SGLANG_BUCKET, "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+    **{(m, "LocalSerializedTensor"): LocalSerializedTensor for m in _SGLANG_LOCAL},
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Rebuilds tensors (and SGLang's two payload classes) only; any other global is an ``UnsafePayload``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _ALLOWED.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _FD_GLOBALS:
+            raise UnsafePayload(f"refused global {module}.{name}: file-descriptor shared memory (torch's default "
+                                "sharing strategy) cannot be opened by another process; serialize with "
+                                "torch.multiprocessing.set_sharing_strategy('file_system')")
+        raise UnsafePayload(f"refused global {module}.{name} in the payload: only tensor-rebuild globals are "
+                            "accepted (nothing of the payload ran)")
+
+
+def deserialize(data: str | bytes) -> Any:
+    """Read one ``MultiprocessingSerializer`` payload (base64 text or raw pickle bytes) with the restricted reader."""
+    if isinstance(data, str):
+        try:
+            data = binascii.a2b_base64(data.encode("ascii"), strict_mode=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"not base64: {exc}") from None
+    if not isinstance(data, (bytes, bytearray)):
+        raise ValueError(f"a payload is base64 text or bytes, not {type(data).__name__}")
+    try:
+        return RestrictedUnpickler(io.BytesIO(bytes(data))).load()
+    except UnsafePayload:
+        raise
+    except ValueError as exc:  # a rebuild function's check
+        raise ValueError(f"malformed payload: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any other unpickling failure is the sender's
+        raise ValueError(f"malformed payload: {type(exc).__name__}: {exc}") from None
+
+
+def _tensor(value: Any, name: str, tp_rank: int) -> torch.Tensor:
+    if isinstance(value, LocalSerializedTensor):
+        if not isinstance(value.values, list) or not tp_rank < len(value.values):
+            raise ValueError(f"{name!r}: LocalSerializedTensor has no value for TP rank {tp_rank}")
+        value = deserialize(value.values[tp_rank])
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        raise ValueError(f"{name!r}: expected a dense tensor, got {type(value).__name__}")
+    return value
+
+
+def named_tensors(obj: Any, load_format: str | None, tp_rank: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs a deserialized payload holds, its structure checked (ValueError otherwise).
+    For a flattened bucket the tensors are views into the bucket (nothing is copied)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported (use null, 'direct' or 'flattened_bucket')")
+    if load_format == "flattened_bucket":
+        if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
+            raise ValueError("a flattened_bucket payload is {'flattened_tensor': ..., 'metadata': [...]}")
+        flat, metadata = obj["flattened_tensor"], obj["metadata"]
+        if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.uint8 and flat.dim() == 1):
+            raise ValueError("flattened_tensor must be a 1-D uint8 tensor")
+        if not isinstance(metadata, list) or not all(isinstance(m, FlattenedTensorMetadata) for m in metadata):
+            raise ValueError("metadata must be a list of FlattenedTensorMetadata")
+        out = []
+        for m in metadata:
+            shape = tuple(m.shape) if isinstance(m.shape, (tuple, list)) else None
+            if (not isinstance(m.name, str) or shape is None or not all(isinstance(d, int) and d >= 0 for d in shape)
+                    or not isinstance(m.dtype, torch.dtype) or not all(isinstance(x, int) for x in
+                                                                        (m.start_idx, m.end_idx, m.numel))):
+                raise ValueError(f"metadata entry {m.name!r} is malformed")
+            nbytes = torch.Size(shape).numel() * m.dtype.itemsize
+            if not (0 <= m.start_idx <= m.end_idx <= flat.numel() and m.end_idx - m.start_idx == m.numel == nbytes):
+                raise ValueError(f"{m.name!r}: bytes [{m.start_idx}, {m.end_idx}) do not hold shape {shape} of "
+                                 f"{m.dtype} within the bucket's {flat.numel()} bytes")
+            part = flat[m.start_idx:m.end_idx]
+            if m.start_idx % m.dtype.itemsize:  # SGLang's own buckets do not pad: an unaligned slice is copied
+                part = part.clone()
+            out.append((m.name, part.view(m.dtype).reshape(shape)))
+    else:
+        if not isinstance(obj, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in obj):
+            raise ValueError("a direct payload is a list of (name, tensor) pairs")
+        out = []
+        for name, value in obj:
+            if not isinstance(name, str):
+                raise ValueError(f"tensor name {name!r} is not a string")
+            out.append((name, _tensor(value, name, tp_rank)))
+    dupes = sorted(n for n, c in collections.Counter(n for n, _ in out).items() if c > 1)
+    if dupes:
+        raise ValueError(f"{dupes[:5]} named more than once")
+    return out

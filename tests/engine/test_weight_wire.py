@@ -1,0 +1,186 @@
+"""SGLang's update_weights_from_tensor wire format, proven against SGLang's own code (tests/sglang_oracle.py): the
+embedded engine applies payloads made by SGLang's MultiprocessingSerializer and FlattenedTensorBucket exactly, SGLang
+reads the trainer's payloads back to the same tensors, a payload that names any other global is a 400 and runs
+nothing. (Shared-memory handles crossing into another process, an engine in a Ray actor: tests/test_loop.py's
+tensor-transport run, with --check-weight-update-equal.)"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from engine_helpers import http, start_engine
+
+from slime_lite import weight_wire
+from slime_lite.weight_transport import tensor_sha256
+from tests import sglang_oracle
+from tests.fakes.evil_pickle import Evil
+
+NAMED = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.randn(5).to(torch.bfloat16)),
+         ("c.count", torch.arange(4, dtype=torch.int64)), ("d.weight", torch.randn(2, 2).to(torch.float16))]
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    """SGLang's MultiprocessingSerializer and FlattenedTensorBucket (skips when the pinned sglang is missing)."""
+    bucket, _ = sglang_oracle.flattened_tensor_bucket()
+    return SimpleNamespace(serializer=sglang_oracle.serializer(), bucket=bucket)
+
+
+@pytest.fixture(scope="module")
+def wire_engine(tiny_model_dir):
+    server = start_engine(tiny_model_dir, max_running_requests=2)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def file_system_sharing():
+    """SGLang's producers share CPU tensors as torch does by default (file descriptors, readable only by a child);
+    a producer for another process sets file_system, as the trainer does."""
+    import torch.multiprocessing as mp
+
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    yield
+    mp.set_sharing_strategy(old)
+
+
+def _same(got, want) -> bool:
+    return [n for n, _ in got] == [n for n, _ in want] and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def base_weights(tiny_model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+
+
+def test_sglang_payloads_update_the_engine_exactly(sgl, wire_engine, base_weights, file_system_sharing):
+    url = wire_engine.url
+    gen = torch.Generator().manual_seed(3)
+    new = {n: t + torch.randn(t.shape, generator=gen) * 0.01 for n, t in base_weights.items()}
+    names = sorted(new)
+    direct, flat, wrapped = names[: len(names) // 2], names[len(names) // 2: -1], names[-1]
+    ms = sgl.serializer
+    bucket = sgl.bucket(named_tensors=[(n, new[n]) for n in flat])
+    bodies = [
+        (None, ms.serialize([(n, new[n]) for n in direct], output_str=True)),
+        ("flattened_bucket", ms.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
+                                           "metadata": bucket.get_metadata()}, output_str=True)),
+        # SGLang's own engine wraps each rank's tensor in LocalSerializedTensor (raw payload bytes per TP rank)
+        ("direct", weight_wire.serialize([(wrapped, weight_wire.LocalSerializedTensor(
+            values=[ms.serialize(new[wrapped])]))])),
+    ]
+    for load_format, payload in bodies:
+        status, out = http(url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
+                                                               "load_format": load_format})
+        assert status == 200 and out["success"] is True, out
+    got = http(url, "/get_weights_checksum", {})[1]
+    assert {n: got[n] for n in new} == {n: tensor_sha256(t) for n, t in new.items()}
+
+
+def test_our_payloads_are_read_by_sglang(sgl):
+    ms = sgl.serializer
+    for by_value in (False, True):  # handles (shared memory here) and tensors by value
+        assert _same(ms.deserialize(weight_wire.serialize([(n, t.clone()) for n, t in NAMED], by_value=by_value)),
+                     NAMED)
+        data = ms.deserialize(weight_wire.serialize(weight_wire.flatten_bucket(NAMED), by_value=by_value))
+        assert type(data["metadata"][0]).__module__ == "sglang.srt.weight_sync.tensor_bucket"
+        rebuilt = sgl.bucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]).reconstruct_tensors()
+        assert _same(rebuilt, NAMED)
+    empty = ms.deserialize(weight_wire.serialize(weight_wire.flatten_bucket([])))  # slime sends these for idle ranks
+    assert empty["metadata"] == [] and empty["flattened_tensor"].numel() == 0
+
+
+def test_unaligned_sglang_bucket_is_read(sgl):
+    """SGLang's FlattenedTensorBucket does not pad: an int64 after 10 bytes of bf16 is read all the same."""
+    named = [("x", torch.randn(5).to(torch.bfloat16)), ("y", torch.arange(3, dtype=torch.int64))]
+    b = sgl.bucket(named_tensors=named)
+    obj = {"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()}
+    got = weight_wire.named_tensors(weight_wire.deserialize(pickle.dumps(obj)), "flattened_bucket")
+    assert _same(got, named)
+
+
+def _pickled(obj) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+class _ForgedShm:
+    """A shared-memory handle naming a file torch never made."""
+
+    def __reduce__(self):  # noqa: ANN204
+        from torch.multiprocessing.reductions import rebuild_storage_filename
+
+        return (rebuild_storage_filename, (torch.UntypedStorage, b"/tmp/torch-shm-dir-x/manager.sock",
+                                           b"/../../etc/passwd", 16))
+
+
+def test_hostile_payloads_are_400_and_run_nothing(wire_engine, tmp_path):
+    url = wire_engine.url
+    before = http(url, "/get_weights_checksum", {})[1]
+    marker = tmp_path / "marker"
+    evil = [("model.norm.weight", Evil(str(marker)))]
+    import os
+
+    cases = [
+        (None, _pickled(evil), "tests.fakes.evil_pickle.write_marker"),
+        ("flattened_bucket", _pickled({"flattened_tensor": Evil(str(marker)), "metadata": []}),
+         "tests.fakes.evil_pickle.write_marker"),
+        (None, weight_wire.serialize([("model.norm.weight", weight_wire.LocalSerializedTensor(  # nested payload
+            values=[pickle.dumps(Evil(str(marker)))]))]), "tests.fakes.evil_pickle.write_marker"),
+        (None, _pickled([("model.norm.weight", os.system)]), "posix.system"),
+        (None, _pickled([("model.norm.weight", _ForgedShm())]), "not one torch makes"),
+        ("flattened_bucket", weight_wire.serialize({"flattened_tensor": torch.zeros(4, dtype=torch.uint8),
+                                                    "metadata": [weight_wire.FlattenedTensorMetadata(
+                                                        "model.norm.weight", torch.Size([8]), torch.float32, 0, 32,
+                                                        32)]}), "do not hold"),
+        ("pickle", _pickled([]), "load_format"),
+    ]
+    for load_format, payload, said in cases:
+        status, out = http(url, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
+                                                               "load_format": load_format})
+        assert status == 400 and said in str(out), (said, out)
+    assert not marker.exists()
+    assert http(url, "/get_weights_checksum", {})[1] == before
+
+
+def test_file_descriptor_sharing_is_refused_with_the_fix():
+    import torch.multiprocessing as mp
+    from multiprocessing.reduction import ForkingPickler
+
+    assert mp.get_sharing_strategy() == "file_descriptor"
+    payload = ForkingPickler.dumps([("w", torch.ones(3))]).tobytes()
+    with pytest.raises(weight_wire.UnsafePayload, match="file_system"):
+        weight_wire.deserialize(payload)
+
+
+def test_trainer_push_in_sglang_format_inside_a_session(wire_engine, base_weights, monkeypatch):
+    """weight_push's tensor transport: several flattened buckets, begin/end session, scramble first, then the
+    equality check; the engine holds exactly the trainer's tensors."""
+    from slime_lite.backends.megatron import weight_push
+
+    url = wire_engine.url
+    named = {n: t + 0.125 for n, t in base_weights.items()}
+    routes = []
+    real = weight_push.request_json
+    monkeypatch.setattr(weight_push, "request_json", lambda u, r, *a, **k: routes.append(r) or real(u, r, *a, **k))
+    args = SimpleNamespace(update_weight_transport="tensor", colocate=False, rollout_backend="embedded",
+                           rollout_num_gpus_per_engine=1, update_weight_buffer_size=64 << 10,
+                           debug_scramble_engine_weights=True, debug_inject_fault=None,
+                           check_weight_update_equal=True)
+    weight_push.push(args, named, [url], 5)
+    assert weight_push.payload_mode(url, named, False, 64 << 10) == "shared_memory"
+    tensor_posts = routes.count("/update_weights_from_tensor")
+    assert tensor_posts >= 4  # two pushes (noise, then the weights) of at least two buckets each
+    assert routes[0] == "/begin_weight_update" and routes.count("/end_weight_update") == 2
+    got = http(url, "/get_weights_checksum", {})[1]
+    assert {n: got[n] for n in named} == {n: tensor_sha256(t) for n, t in named.items()}
+    assert http(url, "/get_weight_version")[1]["weight_version"] == "5"
+    assert weight_push.payload_mode("http://192.0.2.1:1", named, False, 1) == "by_value"  # TEST-NET: not here
