@@ -18,6 +18,7 @@ COMMANDS = {
     "send-to-engine": ("slime_lite.debug.send_to_engine", "resend dumped prompts to an engine and compare"),
     "diff-rollouts": ("slime_lite.debug.diff", "compare two dumps sample by sample"),
     "compare-runs": ("slime_lite.debug.compare_runs", "which metrics of two runs differ, and from which step"),
+    "explain": ("slime_lite.debug.explain", "one sample token by token: rollout vs train log-probs (terminal, HTML page)"),
     "ima-bisect": ("slime_lite.debug.ima_bisect", "triage an SGLang illegal memory access over CUDA graph/spec/DeepEP"),
     "make-tiny-model": ("slime_lite.tiny_model", "build the tiny warm-started HF model"),
     "make-data": ("slime_lite.tasks", "write task prompt/label JSONL (train and eval)"),

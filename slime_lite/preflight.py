@@ -40,6 +40,14 @@ def output_folders(args: Any) -> list[tuple[str, str]]:
             out.append((f"--dump-details {args.dump_details}", os.path.join(args.dump_details, "train_data")))
         if args.get_mismatch_metrics:
             out.append((f"--dump-details {args.dump_details}", os.path.join(args.dump_details, "mismatch")))
+    if args.save_debug_train_data:  # after --dump-details: it may have set this flag
+        from slime_lite.args_check import world_size
+        from slime_lite.backends.megatron.train_dump import train_dump_path
+
+        flag = f"--save-debug-train-data {args.save_debug_train_data}"
+        folders = {os.path.dirname(os.path.abspath(train_dump_path(args.save_debug_train_data, 0, rank)))
+                   for rank in range(world_size(args))}  # {rank} may name a folder
+        out += [(flag, folder) for folder in sorted(folders)]
     if args.metrics_path:
         out.append((f"--metrics-path {args.metrics_path}", os.path.dirname(os.path.abspath(args.metrics_path))))
     if args.use_tensorboard:
@@ -126,6 +134,7 @@ def check_replay_dumps(args: Any) -> None:
         check_replay_meta(dump, expected)
         check_replay_samples(dump, vocab, args.reward_key)
         samples = dump.samples
+        check_token_budget(args, samples, dump.path)
         if args.load_debug_rollout_data_subsample is not None:
             samples = subsample_groups(samples, args.load_debug_rollout_data_subsample, args.n_samples_per_prompt)
         if len(samples) % args.global_batch_size:
@@ -138,6 +147,22 @@ def check_replay_dumps(args: Any) -> None:
                 "--n-samples-per-prompt as the dump was made, or a --global-batch-size that divides it.")
     log.info("replay: checked %d dump(s) of %s (rollouts %d..%d)", len(ids), args.load_debug_rollout_data,
              ids.start, ids.stop - 1)
+
+
+def check_token_budget(args: Any, samples: list, path: str) -> None:
+    """--use-dynamic-batch-size: the longest dumped prompt + response must fit --max-tokens-per-gpu (and the
+    log-prob budget)."""
+    if not getattr(args, "use_dynamic_batch_size", False) or not samples:
+        return
+    longest = max(range(len(samples)), key=lambda i: len(samples[i].tokens))
+    n = len(samples[longest].tokens)
+    for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+        budget = getattr(args, flag) or args.max_tokens_per_gpu
+        if budget < n:
+            raise SlimeLiteError(
+                f"rollout dump {path}: sample {longest} has {n} tokens (prompt + response), more than "
+                f"--{flag.replace('_', '-')} {budget} with --use-dynamic-batch-size; raise --{flag.replace('_', '-')} "
+                f"to at least {n}.")
 
 
 def model_vocab_size(hf_checkpoint: str) -> int | None:

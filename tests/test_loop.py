@@ -97,13 +97,25 @@ def test_skipped_push_is_visible_in_logprob_diff(tiny_model_dir, data, tmp_path)
     assert rows(tmp_path)[1]["train/train_rollout_logprob_abs_diff"] > 1e-3
 
 
-def test_colocate_second_iteration(tiny_model_dir, data, tmp_path):
+def test_colocate_second_iteration(tiny_model_dir, data, tmp_path, capsys):
     proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "2", "--colocate", "--ci-test",
-                      "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--global-batch-size", "8"))
+                      "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--global-batch-size", "8",
+                      "--save-debug-rollout-data", str(tmp_path / "d" / "data_{rollout_id}.pt"),
+                      "--save-debug-train-data", str(tmp_path / "d" / "train_{rollout_id}_{rank}.pt")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = rows(tmp_path)
     assert len(r) == 2 and r[1]["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert "perf/memory/engine_released/rss_mb" in r[1] and "perf/offload_time" in r[1]
+    # each of the 2 data-parallel ranks dumped its samples; together they join 1:1 with the rollout dump
+    from slime_lite.backends.megatron.train_dump import load_train_dumps
+    from slime_lite.cli import main as cli
+
+    ranks = [str(tmp_path / "d" / f"train_1_{rank}.pt") for rank in (0, 1)]
+    joined = load_train_dumps(ranks)
+    assert sorted(joined.rows) == list(range(16)) and set(joined.rows[0]) >= {"ref_log_probs", "entropy", "returns"}
+    assert cli(["explain", "--rollout-dump", str(tmp_path / "d" / "data_1.pt"), "--train-dump", *ranks,
+                "--sample", "13"]) == 0
+    assert "0 token(s) with |diff| > 0.05" in capsys.readouterr().out
 
 
 def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, data, tmp_path):
@@ -153,3 +165,43 @@ def test_fault_tolerance_restarts_an_engine_killed_mid_rollout(tiny_model_dir, d
     # rollout 1's samples, the retried ones included, were sampled from the trained weights the trainer scores with
     assert r[1]["rollout/weight_version"] == 1.0 and r[1]["rollout/kl"] > 0
     assert r[1]["train/train_rollout_logprob_abs_diff"] < 1e-5
+
+
+def test_deterministic_mode_two_runs_are_byte_identical_and_profiling_writes_traces(tiny_model_dir, data,
+                                                                                   tmp_path):
+    """--deterministic-mode: the same run twice gives the same metrics (timings excluded) and byte-identical
+    dumps on CPU. The second run also profiles (train workers, engine, driver timeline): it must not change a
+    number, and its traces are Chrome trace JSON with the events of their process."""
+    import filecmp
+
+    from slime_lite.debug.compare_runs import main as compare_runs
+    from slime_lite.metrics import is_timing_metric
+
+    def run(name: str, *extra: str) -> Path:
+        out = tmp_path / name
+        proc = train(base(tiny_model_dir, data, out, "--num-rollout", "2", "--deterministic-mode", "--eval-interval",
+                          "2", "--eval-prompt-data", "add", str(data.with_name("addition_eval.jsonl")),
+                          "--save-debug-rollout-data", str(out / "dumps" / "{rollout_id}.pt"), *extra))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+
+    a = run("a")
+    b = run("b", "--profile-target", "train", "rollout", "driver", "--profile-step-start", "1",
+            "--profile-step-end", "2", "--tensorboard-dir", str(tmp_path / "traces"))
+    assert compare_runs([str(a / "m.jsonl"), str(b / "m.jsonl")]) == 0
+    lines = [[json.dumps({k: v for k, v in json.loads(line).items() if not is_timing_metric(k)})
+              for line in (out / "m.jsonl").read_text().splitlines()] for out in (a, b)]
+    assert lines[0] == lines[1] and len(lines[0]) == 3  # eval before training, rollouts 0 and 1
+    names = sorted(p.name for p in (a / "dumps").iterdir())
+    assert names == sorted(p.name for p in (b / "dumps").iterdir()) and len(names) == 4  # 2 rollouts, 2 evals
+    assert all(filecmp.cmp(a / "dumps" / n, b / "dumps" / n, shallow=False) for n in names)
+
+    traces = tmp_path / "traces"
+    train_trace = json.loads((traces / "train_actor_rank0.trace.json").read_text())
+    engine_trace = json.loads(next(traces.glob("rollout_engine0-*.trace.json")).read_text())
+    for trace in (train_trace, engine_trace):  # the model's matmuls ran inside the window
+        assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    assert any("backward" in e.get("name", "").lower() for e in train_trace["traceEvents"])
+    spans = [e for e in json.loads((traces / "driver_timeline.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {(e["name"], e["args"]["rollout_id"]) for e in spans} >= {
+        (phase, rid) for phase in ("rollout", "log_probs", "train", "update_weights") for rid in (0, 1)} | {("eval", 1)}
