@@ -29,13 +29,6 @@ def fill_implied(args: argparse.Namespace) -> None:
         args.eval_temperature = args.rollout_temperature
     if args.eval_max_response_len is None:
         args.eval_max_response_len = args.rollout_max_response_len
-    if args.eval_top_p is None:
-        args.eval_top_p = args.rollout_top_p
-    if args.eval_top_k is None:
-        args.eval_top_k = args.rollout_top_k
-    if args.rollout_num_gpus is None:  # slime: under --colocate the engines take the actor's GPUs
-        args.rollout_num_gpus = (args.actor_num_nodes * args.actor_num_gpus_per_node
-                                 if args.colocate and not args.debug_rollout_only else 1)
     if args.critic_num_nodes is None:
         args.critic_num_nodes = args.actor_num_nodes
     if args.critic_num_gpus_per_node is None:
@@ -115,9 +108,6 @@ def validate_args(args: argparse.Namespace) -> None:
     if not os.path.exists(os.path.join(args.hf_checkpoint, "config.json")):
         raise SlimeLiteError(
             f"--hf-checkpoint {args.hf_checkpoint} has no config.json: not a Hugging Face model folder.")
-    from slime_lite.slime_flags import check as check_slime_flags
-
-    check_slime_flags(args)
     _need_file(args.ref_load, "--ref-load")
     if not args.debug_train_only:
         if args.prompt_data is None and not args.custom_generate_function_path:
@@ -143,8 +133,6 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:
         raise SlimeLiteError(f"--eps-clip-c {args.eps_clip_c} must be > 1 (dual-clip bound).")
     fill_implied(args)
-    if not 0 < args.eval_top_p <= 1:
-        raise SlimeLiteError(f"--eval-top-p {args.eval_top_p} must be in (0, 1].")
     if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
         raise SlimeLiteError(
             f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
@@ -170,14 +158,8 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.save_interval is not None and args.save is None:
         raise SlimeLiteError("--save-interval needs --save DIR.")
     check_debug_tool_args(args)
-    if args.load is not None and not os.path.exists(os.path.join(args.load, "latest")):
-        # as slime: a --load folder without a checkpoint yet (missing or empty; --save usually names the same one)
-        # is a fresh start from the initial weights, not an error
-        if os.path.exists(args.load) and not os.path.isdir(args.load):
-            raise SlimeLiteError(f"--load {args.load}: not a folder (a checkpoint folder written by --save).")
-        log.info("--load %s has no checkpoint yet: a fresh start (actor from --hf-checkpoint, reference from %s), "
-                 "as slime starts from --ref-load", args.load, args.ref_load or "--hf-checkpoint")
-        args.load = None
+    if args.load is not None:
+        _need_file(args.load, "--load")
     if args.use_wandb:
         import importlib.util
 
@@ -273,32 +255,6 @@ def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
             f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({layers}).")
 
 
-def _check_dynamic_batch(args: argparse.Namespace, dp: int, pp: int) -> None:
-    """--use-dynamic-batch-size and its token budgets (SPEC: packing); sets --log-probs-max-tokens-per-gpu."""
-    if not args.use_dynamic_batch_size:
-        for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
-            if getattr(args, flag) is not None:
-                raise SlimeLiteError(f"--{flag.replace('_', '-')} is the token budget of packed micro-batches; it "
-                                     "needs --use-dynamic-batch-size (or drop it and use --micro-batch-size).")
-        return
-    if args.max_tokens_per_gpu is None:
-        raise SlimeLiteError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (tokens per packed micro-batch).")
-    if pp > 1:
-        raise SlimeLiteError(f"--use-dynamic-batch-size does not work with --pipeline-model-parallel-size {pp} yet "
-                             "(packed micro-batches of different lengths between stages); use PP 1 or "
-                             "--micro-batch-size.")
-    if args.log_probs_max_tokens_per_gpu is None:
-        args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
-    if not args.debug_train_only:  # replays: preflight checks the longest dumped sample
-        longest = args.rollout_max_response_len + 1
-        for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
-            if getattr(args, flag) < longest:
-                raise SlimeLiteError(
-                    f"--{flag.replace('_', '-')} {getattr(args, flag)} is smaller than one prompt token plus "
-                    f"--rollout-max-response-len {args.rollout_max_response_len}: a full-length sample could never "
-                    f"be packed. Raise --{flag.replace('_', '-')} to at least the longest prompt + response.")
-
-
 def validate_train_args(args: argparse.Namespace) -> None:
     """Parallel sizes and batch sizes that must divide (trainer side)."""
     world = world_size(args)
@@ -333,17 +289,14 @@ def validate_train_args(args: argparse.Namespace) -> None:
             f"means {samples // args.global_batch_size} steps per rollout. Give only one of the two flags."
         )
     args.num_steps_per_rollout = samples // args.global_batch_size
-    _check_dynamic_batch(args, dp, pp)
-    micro = 1 if args.use_dynamic_batch_size else args.micro_batch_size
-    if args.global_batch_size % (dp * micro):
+    if args.global_batch_size % (dp * args.micro_batch_size):
         raise SlimeLiteError(
             f"--global-batch-size {args.global_batch_size} is not divisible by data-parallel size {dp} x "
-            f"--micro-batch-size {micro}."
+            f"--micro-batch-size {args.micro_batch_size}."
         )
     if args.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline") and args.n_samples_per_prompt < 2:
         log.warning("--advantage-estimator %s with --n-samples-per-prompt 1 gives zero advantages",
                     args.advantage_estimator)
-
 
 def check_debug_tool_args(args: Any) -> None:
     """Grad-norm regression (--ci-save-grad-norm, --ci-load-grad-norm), profiling and memory snapshots: each

@@ -134,7 +134,6 @@ def check_replay_dumps(args: Any) -> None:
         check_replay_meta(dump, expected)
         check_replay_samples(dump, vocab, args.reward_key)
         samples = dump.samples
-        check_token_budget(args, samples, dump.path)
         if args.load_debug_rollout_data_subsample is not None:
             samples = subsample_groups(samples, args.load_debug_rollout_data_subsample, args.n_samples_per_prompt)
         if len(samples) % args.global_batch_size:
@@ -147,22 +146,6 @@ def check_replay_dumps(args: Any) -> None:
                 "--n-samples-per-prompt as the dump was made, or a --global-batch-size that divides it.")
     log.info("replay: checked %d dump(s) of %s (rollouts %d..%d)", len(ids), args.load_debug_rollout_data,
              ids.start, ids.stop - 1)
-
-
-def check_token_budget(args: Any, samples: list, path: str) -> None:
-    """--use-dynamic-batch-size: the longest dumped prompt + response must fit --max-tokens-per-gpu (and the
-    log-prob budget)."""
-    if not getattr(args, "use_dynamic_batch_size", False) or not samples:
-        return
-    longest = max(range(len(samples)), key=lambda i: len(samples[i].tokens))
-    n = len(samples[longest].tokens)
-    for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
-        budget = getattr(args, flag) or args.max_tokens_per_gpu
-        if budget < n:
-            raise SlimeLiteError(
-                f"rollout dump {path}: sample {longest} has {n} tokens (prompt + response), more than "
-                f"--{flag.replace('_', '-')} {budget} with --use-dynamic-batch-size; raise --{flag.replace('_', '-')} "
-                f"to at least {n}.")
 
 
 def model_vocab_size(hf_checkpoint: str) -> int | None:
