@@ -231,6 +231,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+class PerTokenNormalizer(float):
+    """A normalizer under which `aggregate_loss` divides the sum over all masked tokens (not the per-sample token
+    means) by it: --calculate-per-token-loss, with the step's token count as the normalizer."""
+
+
 def aggregate_loss(
     per_token: Tensors | torch.Tensor, masks: Tensors, normalizer: float | None = None
 ) -> torch.Tensor:
@@ -246,6 +251,8 @@ def aggregate_loss(
     n = len(masks) if normalizer is None else normalizer
     if len(masks) == 0:
         return torch.zeros(())
+    if isinstance(normalizer, PerTokenNormalizer):
+        return torch.stack([(x * m.to(x.dtype)).sum() for x, m in zip(per_token, masks)]).sum() / max(n, 1.0)
     means = torch.stack([masked_mean(x, m.to(x.dtype)) for x, m in zip(per_token, masks)])
     return means.sum() / max(n, 1)
 

@@ -4,6 +4,12 @@ Every DP rank sees the same global order: optimizer step k takes samples [k*G, (
 rank d takes a contiguous 1/dp share of that, split into micro-batches. All micro-batches of a rollout are padded
 to one length so pipeline stages exchange tensors of one shape, and so the forward-only pass (old log-probs) and
 the training pass see identical shapes (KL and ppo_kl are then exactly 0 at the first step).
+
+With ``--use-dynamic-batch-size`` a step's samples are instead packed without padding into micro-batches of at
+most ``--max-tokens-per-gpu`` tokens (one row, per-sample positions and ``cu_seqlens``; a longer sample gets a
+micro-batch of its own), and every DP rank gets the same number of micro-batches with the tokens balanced.
+Which micro-batch a sample lands in changes nothing but speed: attention stays inside each sample and the loss is
+normalised per step, not per micro-batch (loss.py).
 """
 
 from __future__ import annotations
@@ -24,6 +30,12 @@ class MicroBatch:
     position_ids: torch.Tensor  # [B, T]
     prompt_lengths: list[int]
     response_lengths: list[int]
+    cu_seqlens: torch.Tensor | None = None  # packed: [n+1] int32 sample boundaries in the one row
+    max_seqlen: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
 
 
 def step_shards(num_samples: int, global_batch: int, dp_rank: int, dp_size: int, micro: int) -> list[list[list[int]]]:
@@ -57,6 +69,79 @@ def make_micro_batch(samples: list[Any], indices: list[int], length: int) -> Mic
         prompt_lengths=[len(samples[i].tokens) - samples[i].response_length for i in indices],
         response_lengths=[samples[i].response_length for i in indices],
     )
+
+
+def make_packed_micro_batch(samples: list[Any], indices: list[int]) -> MicroBatch:
+    """The samples concatenated into one row [1, T] with positions restarting at 0 for each sample."""
+    lens = [len(samples[i].tokens) for i in indices]
+    tokens = torch.cat([torch.as_tensor(samples[i].tokens, dtype=torch.long) for i in indices]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens]).unsqueeze(0)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    return MicroBatch(
+        indices=list(indices), tokens=tokens, position_ids=positions,
+        prompt_lengths=[len(samples[i].tokens) - samples[i].response_length for i in indices],
+        response_lengths=[samples[i].response_length for i in indices], cu_seqlens=cu, max_seqlen=max(lens),
+    )
+
+
+def _first_fit(order: list[int], lengths: dict[int, int], max_tokens: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    load: list[int] = []
+    for i in order:
+        for b in range(len(bins)):
+            if load[b] + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                load[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            load.append(lengths[i])
+    return bins
+
+
+def _balanced_bins(order: list[int], lengths: dict[int, int], count: int, max_tokens: int) -> list[list[int]] | None:
+    """Longest-first into the least-loaded of `count` bins; None if a bin would pass max_tokens with 2+ samples."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    load = [0] * count
+    for i in order:
+        b = min(range(count), key=lambda k: (load[k], k))
+        if bins[b] and load[b] + lengths[i] > max_tokens:
+            return None
+        bins[b].append(i)
+        load[b] += lengths[i]
+    return bins if all(bins) else None
+
+
+def dynamic_step_shards(lengths: list[int], global_batch: int, dp_rank: int, dp_size: int,
+                        max_tokens: int) -> list[list[list[int]]]:
+    """Like `step_shards` with micro-batches packed by token count: sample indices per optimizer step, per
+    micro-batch, for one DP rank. Every rank computes the same plan (no communication) and gets the same number of
+    micro-batches per step; a sample longer than max_tokens is alone in its micro-batch."""
+    n = len(lengths)
+    if n % global_batch or global_batch % dp_size:
+        raise ValueError(f"{n} samples do not split into steps of {global_batch} over dp={dp_size}")
+    steps = []
+    for start in range(0, n, global_batch):
+        idx = list(range(start, start + global_batch))
+        ln = {i: lengths[i] for i in idx}
+        order = sorted(idx, key=lambda i: (-ln[i], i))
+        # as many micro-batches as first-fit needs, rounded up to a multiple of dp (never more than the samples)
+        count = -(-len(_first_fit(order, ln, max_tokens)) // dp_size) * dp_size
+        bins = _balanced_bins(order, ln, count, max_tokens)
+        while bins is None:
+            count += dp_size
+            bins = _balanced_bins(order, ln, count, max_tokens) if count < global_batch else [[i] for i in order]
+        # deal the micro-batches to ranks: heaviest first to the lightest rank with room
+        per_rank = len(bins) // dp_size
+        ranks: list[list[list[int]]] = [[] for _ in range(dp_size)]
+        load = [0] * dp_size
+        for b in sorted(bins, key=lambda b: (-sum(ln[i] for i in b), min(b))):
+            r = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
+            ranks[r].append(sorted(b))
+            load[r] += sum(ln[i] for i in b)
+        steps.append(sorted(ranks[dp_rank], key=min))
+    return steps
 
 
 def loss_masks(samples: list[Any]) -> list[torch.Tensor]:

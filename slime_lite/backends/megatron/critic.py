@@ -39,12 +39,13 @@ class CriticActor(TrainWorker):
 
     def _values(self, mb: B.MicroBatch, output: torch.Tensor) -> list[torch.Tensor]:
         """Response-token values of each sample of a micro-batch (the value at a position predicts what follows)."""
-        return response_slices(output[..., :-1, 0].float(), mb.prompt_lengths, mb.response_lengths, packed=False)
+        per_pos = output[..., :-1, 0].float()
+        return response_slices(per_pos[0] if mb.packed else per_pos, mb.prompt_lengths, mb.response_lengths,
+                               packed=mb.packed)
 
     def compute_values(self, samples: list) -> dict[int, torch.Tensor] | None:
-        a = self.args
-        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
-        values = self._forward_all(samples, steps, B.padded_length(samples), self._values)
+        values = self._forward_all(samples, self._plan(samples, log_probs=True), B.padded_length(samples),
+                                   self._values)
         values = self._gather(values) if self.last_stage else values
         return values if self.reporter else None
 

@@ -129,3 +129,27 @@ def next_token_log_probs(
             start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
     return token_log_probs(logits[:-1], tokens[1:], temperature, with_entropy, vocab_start=start,
                            vocab_limit=vocab_limit, tp_group=group, chunk_tokens=chunk_tokens)
+
+
+def sample_log_probs(output: torch.Tensor, mb, temperature: float, vocab_limit: int, with_entropy: bool = False,
+                     tp: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Each sample's response-token log-probs (and entropies) from a micro-batch's model output [B, T, V_local]
+    (padded rows, or one packed row: ``mb.packed``), chunked and over TP vocabulary slices (tp=True)."""
+    from slime_lite.backends.megatron.loss import response_slices
+
+    rows, width = output.shape[0], output.shape[-1]
+    tokens = mb.tokens.to(output.device)
+    group, start = None, 0
+    if tp:
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            group, start = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() * width
+    lp, ent = token_log_probs(output[:, :-1].reshape(-1, width), tokens[:, 1:].reshape(-1), temperature,
+                             with_entropy, vocab_start=start, vocab_limit=vocab_limit, tp_group=group)
+
+    def pick(x: torch.Tensor) -> list[torch.Tensor]:
+        x = x.view(rows, -1)
+        return response_slices(x[0] if mb.packed else x, mb.prompt_lengths, mb.response_lengths, packed=mb.packed)
+
+    return pick(lp), (pick(ent) if ent is not None else None)

@@ -177,11 +177,16 @@ def transformer_config_from_hf(
 
 
 def layer_spec(arch: HFArch, transformer_impl: str = "local"):
-    """Megatron's layer spec: local (pure PyTorch, the default) or Transformer Engine."""
+    """Megatron's layer spec: local (pure PyTorch, the default; its core attention is attention.py's
+    FastCoreAttention: no [T, T] scores, packed samples) or Transformer Engine."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_impl == "local":
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+        from slime_lite.backends.megatron.attention import FastCoreAttention
+
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+        spec.submodules.self_attention.submodules.core_attention = FastCoreAttention
+        return spec
     if transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -273,3 +278,12 @@ def forward_logits(
         attention_mask = attention_mask.to(device)
     logits = model(tokens, expected, attention_mask, runtime_gather_output=True)
     return logits[..., : unwrap(model).hf_vocab_size]
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device: Any = None):
+    """Megatron's PackedSeqParams ("thd") for samples packed back to back in one row (cu_seqlens [n+1] int32)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
+                           max_seqlen_kv=int(max_seqlen))

@@ -1,0 +1,311 @@
+"""Trainer throughput (issue 12 "Measured"): the actor's log-prob and train phases vs a plain PyTorch step.
+
+One process, no Ray: the Megatron worker code (backends/megatron/actor.py ``TrainActor``) is driven directly with a
+torch.distributed world of 1, on rollouts of random tokens: 512 samples, prompt 128, responses spread evenly over
+64..2048 tokens, packed (``--use-dynamic-batch-size``). Models: Qwen2.5-0.5B and Qwen2.5-1.5B shapes with the real
+151,936-token vocabulary and random weights, bf16. The baseline in the same run is a plain HF transformers + torch
+bf16 step on the same tokens (SDPA attention, fused AdamW, grad clip 1.0; samples sorted by length into padded
+micro-batches of at most the same token budget; loss on the response tokens).
+
+FLOPs (stated so MFU can be checked): N = parameters of every matmul (all but the input embedding; the output
+projection counts even when tied), T = real tokens, L layers, A = heads x head_dim, s_i = length of sample i.
+forward = 2 N T + 2 L A sum(s_i^2) (causal QK^T and AV: 4 A s^2 halved); train = 3 x forward; the log-prob phase
+is two forwards (actor + reference). MFU = FLOPs / time / peak (H200 bf16 dense: 989 TFLOP/s; CPU: not given).
+Tokens/s count real tokens only (padding excluded) in both.
+
+Usage (GPU: about 5-6 minutes on one H200; --quick: the CPU tiny model in well under a minute):
+    python bench/bench_train_gpu.py [--models 0.5b,1.5b] [--samples 512] [--max-tokens 16384] [--long]
+    python bench/bench_train_gpu.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from functools import partial
+
+import torch
+
+SHAPES = {  # hidden, layers, heads, kv heads, ffn, tied embeddings
+    "0.5b": (896, 24, 14, 2, 4864, True),
+    "1.5b": (1536, 28, 12, 2, 8960, True),
+}
+VOCAB = 151936
+PEAK = {"cuda": 989e12}  # H200 SXM bf16 dense
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # process max RSS (CPU)
+
+
+def make_checkpoint(shape: str, out: str) -> str:
+    """An HF Qwen2 checkpoint of the shape with random weights (bf16 safetensors)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    hidden, layers, heads, kv, ffn, tied = SHAPES[shape]
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, intermediate_size=ffn, tie_word_embeddings=tied,
+                      max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    return out
+
+
+def make_samples(n: int, prompt: int, lo: int, hi: int, vocab: int, group: int, seed: int = 0) -> list:
+    from slime_lite.types import Sample, Status
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        resp = lo + (hi - lo) * i // max(n - 1, 1)  # evenly spread
+        toks = torch.randint(0, vocab, (prompt + resp,), generator=g).tolist()
+        out.append(Sample(group_index=i // group, index=i, tokens=toks, response_length=resp, loss_mask=[1] * resp,
+                          reward=float(torch.rand((), generator=g) < 0.5), status=Status.COMPLETED))
+    if n % group:
+        return out
+    groups = [out[k * group:(k + 1) * group] for k in range(n // group)]  # one prompt's samples stay adjacent
+    return [s for k in torch.randperm(n // group, generator=g).tolist() for s in groups[k]]
+
+
+def flops(arch, samples: list, passes: int) -> float:
+    """passes: 1 = forward, 3 = forward + backward."""
+    h, L = arch.hidden_size, arch.num_layers
+    a = arch.num_heads * arch.head_dim
+    kv = arch.num_kv_heads * arch.head_dim
+    per_layer = h * a + 2 * h * kv + a * h + 3 * h * arch.ffn_hidden_size
+    n = L * per_layer + arch.vocab_size * h
+    tokens = sum(len(s.tokens) for s in samples)
+    attn = 2 * L * a * sum(len(s.tokens) ** 2 for s in samples)
+    return passes * (2 * n * tokens + attn)
+
+
+# ----------------------------------------------------------------------------------------------- ours (Megatron)
+def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, bf16: bool) -> dict:
+    from slime_lite.args import parser_defaults
+    from slime_lite.backends.megatron.actor import TrainActor
+    from slime_lite.backends.megatron.parallel import destroy
+    from slime_lite.io import free_port
+
+    n = len(samples)
+    args = parser_defaults(hf_checkpoint=ckpt, bf16=bf16, use_dynamic_batch_size=True, max_tokens_per_gpu=max_tokens,
+                           log_probs_max_tokens_per_gpu=lp_tokens, use_kl_loss=True, kl_loss_coef=0.001,
+                           rollout_batch_size=n // 8, n_samples_per_prompt=8, global_batch_size=n, lr=1e-6)
+    w = TrainActor(args, 0, 1, "127.0.0.1")
+    w.init(free_port())
+    res: dict = {}
+    try:
+        for name, batch in (("warmup", warm), ("measured", samples)):
+            w.args.rollout_batch_size, w.args.global_batch_size = len(batch) // 8, len(batch)
+            length = max(len(s.tokens) for s in batch)
+            reset_peak()
+            t0 = time.perf_counter()
+            plan = w._plan(batch, log_probs=True)
+            w._forward_all(batch, plan, length, w._log_probs)
+            w._with_ref_weights(partial(w._forward_all, batch, plan, length, w._log_probs))
+            sync()
+            lp_time, lp_peak = time.perf_counter() - t0, peak_gib()
+            reset_peak()
+            t0 = time.perf_counter()
+            metrics, _ = w.train(0, batch, None)
+            sync()
+            total = time.perf_counter() - t0
+            res = {"logprob_s": lp_time, "logprob_peak": lp_peak,
+                   "train_s": total - metrics["perf/log_probs_time"], "train_peak": peak_gib(),
+                   "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}
+            print(f"  ours {name}: " + json.dumps({k: round(v, 4) for k, v in res.items()}), flush=True)
+    finally:
+        destroy()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return res
+
+
+# ------------------------------------------------------------------------------------------- baseline (plain HF)
+def baseline(ckpt: str, samples: list, warm: list, max_tokens: int, bf16: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="sdpa", torch_dtype=dtype).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=dev == "cuda")
+
+    def batches(batch: list) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        order = sorted(batch, key=lambda s: len(s.tokens))
+        groups, cur = [], []
+        for s in order:  # padded micro-batches of at most max_tokens (rows x longest)
+            if cur and (len(cur) + 1) * len(s.tokens) > max_tokens:
+                groups.append(cur)
+                cur = []
+            cur.append(s)
+        groups.append(cur)
+        out = []
+        for grp in groups:
+            t = max(len(s.tokens) for s in grp)
+            ids = torch.zeros(len(grp), t, dtype=torch.long)
+            att = torch.zeros(len(grp), t, dtype=torch.long)
+            labels = torch.full((len(grp), t), -100, dtype=torch.long)
+            for r, s in enumerate(grp):
+                ids[r, : len(s.tokens)] = torch.tensor(s.tokens)
+                att[r, : len(s.tokens)] = 1
+                p = len(s.tokens) - s.response_length
+                labels[r, p:len(s.tokens)] = ids[r, p:len(s.tokens)]
+            out.append((ids.to(dev), att.to(dev), labels.to(dev)))
+        return out
+
+    res: dict = {}
+    for name, batch in (("warmup", warm), ("measured", samples)):
+        mbs = batches(batch)
+        reset_peak()
+        t0 = time.perf_counter()
+        model.eval()
+        with torch.no_grad():
+            for _ in range(2):  # actor + reference
+                for ids, att, _ in mbs:
+                    logits = model(input_ids=ids, attention_mask=att).logits
+                    torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])
+                    del logits
+        sync()
+        lp_time, lp_peak = time.perf_counter() - t0, peak_gib()
+        reset_peak()
+        t0 = time.perf_counter()
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        for ids, att, labels in mbs:
+            loss = model(input_ids=ids, attention_mask=att, labels=labels).loss / len(mbs)
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sync()
+        res = {"logprob_s": lp_time, "logprob_peak": lp_peak, "train_s": time.perf_counter() - t0,
+               "train_peak": peak_gib(), "grad_norm": float(norm)}
+        print(f"  baseline {name}: " + json.dumps({k: round(v, 4) for k, v in res.items()}), flush=True)
+    del model, opt
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+# ------------------------------------------------------------------------------------------ attention backends
+def attention_microbench(lengths: list[int], heads: int, kv: int, dim: int, dtype: torch.dtype) -> dict[str, float]:
+    """Forward + backward of one layer's packed causal attention over these sample lengths, per backend (ms)."""
+    from slime_lite.backends.megatron import attention as A
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t = sum(lengths)
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(t, heads, dim, device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(t, kv, dim, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(t, kv, dim, device=dev, dtype=dtype, requires_grad=True)
+    backends = ["sdpa"] + (["varlen"] if dev == "cuda" and A._varlen() is not None and dtype != torch.float32 else [])
+    out = {}
+    for b in backends:
+        for rep in range(3):
+            sync()
+            t0 = time.perf_counter()
+            o = A.packed_causal_attention(q, k, v, cu, max(lengths), dim ** -0.5, b)
+            o.float().sum().backward()
+            sync()
+            out[b] = (time.perf_counter() - t0) * 1e3
+    return out
+
+
+def report(shape: str, arch, samples: list, o: dict, b: dict, device: str) -> None:
+    tokens = sum(len(s.tokens) for s in samples)
+    peak = PEAK.get(device)
+
+    def row(name: str, r: dict) -> None:
+        lp_fl, tr_fl = 2 * flops(arch, samples, 1), flops(arch, samples, 3)
+        mfu = (lambda f, s: f"{100 * f / s / peak:5.1f}%") if peak else (lambda f, s: "  -  ")
+        print(f"| {shape} {name:9s} | {2 * tokens / r['logprob_s']:10.0f} | {mfu(lp_fl, r['logprob_s'])} | "
+              f"{r['logprob_peak']:7.1f} | {tokens / r['train_s']:10.0f} | {mfu(tr_fl, r['train_s'])} | "
+              f"{r['train_peak']:7.1f} |")
+
+    print(f"\n{shape}: {len(samples)} samples, {tokens} tokens; log-prob tok/s counts actor + reference tokens")
+    print("| run | log-prob tok/s | MFU | peak GiB | train tok/s | MFU | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    row("ours", o)
+    row("baseline", b)
+    print(f"ratios: train {b['train_s'] / o['train_s']:.2f}x baseline, log-prob {b['logprob_s'] / o['logprob_s']:.2f}x "
+          f"baseline; ours log-prob/train tok/s {2 * o['train_s'] / o['logprob_s']:.2f}x (target >= 2)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="CPU tiny model, small rollout (a smoke test of this script)")
+    p.add_argument("--models", default="0.5b,1.5b")
+    p.add_argument("--samples", type=int, default=512)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--min-response", type=int, default=64)
+    p.add_argument("--max-response", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=16384, help="--max-tokens-per-gpu of the train pass")
+    p.add_argument("--log-probs-max-tokens", type=int, default=32768)
+    p.add_argument("--long", action="store_true", help="also: 0.5B on 16,384-token and 1.5B on 8,192-token samples")
+    a = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"packed attention backend {os.environ.get('SLIME_LITE_PACKED_ATTENTION', 'auto')}", flush=True)
+    from slime_lite.backends.megatron.model import hf_arch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.quick:
+            from slime_lite.tiny_model import make_tiny_model
+
+            ckpt = os.path.join(tmp, "tiny")
+            make_tiny_model(ckpt, warm_start_steps=0)
+            plan = [("tiny", ckpt, make_samples(32, 8, 4, 48, 60, 8), make_samples(8, 8, 4, 16, 60, 8, seed=1),
+                     256, 512)]
+            bf16 = False
+        else:
+            plan = []
+            for shape in a.models.split(","):
+                ckpt = make_checkpoint(shape, os.path.join(tmp, shape))
+                samples = make_samples(a.samples, a.prompt, a.min_response, a.max_response, VOCAB, 8)
+                warm = make_samples(16, a.prompt, a.min_response, a.max_response, VOCAB, 8, seed=1)
+                plan.append((shape, ckpt, samples, warm, a.max_tokens, a.log_probs_max_tokens))
+            bf16 = True
+        for shape, ckpt, samples, warm, mt, lpt in plan:
+            from transformers import AutoConfig
+
+            arch = hf_arch(AutoConfig.from_pretrained(ckpt))
+            lens = [len(s.tokens) for s in samples[:64]]
+            print(f"\n{shape}: packed attention fwd+bwd of one layer over {len(lens)} samples (ms): "
+                  f"{attention_microbench(lens, arch.num_heads, arch.num_kv_heads, arch.head_dim, torch.bfloat16 if bf16 else torch.float32)}",
+                  flush=True)
+            o = ours(ckpt, samples, warm, mt, lpt, bf16)
+            b = baseline(ckpt, samples, warm, mt, bf16)
+            report(shape, arch, samples, o, b, device)
+            if a.long and not a.quick:
+                n_tok = {"0.5b": 16384, "1.5b": 8192}[shape]
+                long = make_samples(8, a.prompt, n_tok - a.prompt, n_tok - a.prompt, VOCAB, 8, seed=2)
+                lo = ours(ckpt, long, long[:8], n_tok, n_tok, bf16)
+                print(f"{shape} long samples ({n_tok} tokens x 8): train {8 * n_tok / lo['train_s']:.0f} tok/s, "
+                      f"peak {lo['train_peak']:.1f} GiB; log-prob {16 * n_tok / lo['logprob_s']:.0f} tok/s, "
+                      f"peak {lo['logprob_peak']:.1f} GiB", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Packed micro-batches (--use-dynamic-batch-size): the plan (batch.py) and the model's packed forward
+(attention.py): a sample's logits are those of the sample alone, whatever it is packed with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime_lite.backends.megatron import batch as B
+from slime_lite.io import free_port
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("max_tokens", [7, 30, 1000])
+def test_dynamic_plan_covers_each_sample_once_within_the_budget(dp, max_tokens):
+    g = torch.Generator().manual_seed(dp * 1000 + max_tokens)
+    lengths = torch.randint(2, 20, (32,), generator=g).tolist()
+    plans = [B.dynamic_step_shards(lengths, 16, r, dp, max_tokens) for r in range(dp)]
+    for step in range(2):
+        counts = {len(p[step]) for p in plans}
+        assert len(counts) == 1  # every DP rank runs the same number of micro-batches
+        seen = sorted(i for p in plans for mb in p[step] for i in mb)
+        assert seen == list(range(step * 16, step * 16 + 16))
+        for p in plans:
+            for mb in p[step]:
+                assert len(mb) == 1 or sum(lengths[i] for i in mb) <= max_tokens
+    if max_tokens == 1000:  # everything fits: one micro-batch per rank, tokens balanced within the longest sample
+        loads = [sum(lengths[i] for i in p[0][0]) for p in plans]
+        assert all(len(p[0]) == 1 for p in plans) and max(loads) - min(loads) <= max(lengths)
+
+
+def _sample(tokens, response_length):
+    from slime_lite.types import Sample
+
+    return Sample(tokens=list(tokens), response_length=response_length)
+
+
+def test_packed_micro_batch_restarts_positions():
+    s = [_sample([5, 6, 7], 1), _sample([8, 9], 1)]
+    mb = B.make_packed_micro_batch(s, [0, 1])
+    assert mb.tokens.tolist() == [[5, 6, 7, 8, 9]] and mb.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    assert mb.cu_seqlens.tolist() == [0, 3, 5] and mb.max_seqlen == 3 and mb.packed
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt(tiny_model_dir):
+    from transformers import AutoConfig
+
+    from slime_lite.backends.megatron import parallel
+    from slime_lite.backends.megatron.convert import load_hf_weights
+    from slime_lite.backends.megatron.model import build_gpt_model
+
+    parallel.init_distributed(1, 1, 0, 1, "127.0.0.1", free_port(), seed=3)
+    hf = AutoConfig.from_pretrained(tiny_model_dir)
+    model = build_gpt_model(hf)
+    load_hf_weights(model, str(tiny_model_dir), hf)
+    yield model.eval()
+    parallel.destroy()
+
+
+def _packed_logits(model, seqs):
+    from slime_lite.backends.megatron.model import packed_seq_params
+
+    mb = B.make_packed_micro_batch([_sample(s, 1) for s in seqs], list(range(len(seqs))))
+    with torch.no_grad():
+        out = model(mb.tokens, mb.position_ids, None, packed_seq_params=packed_seq_params(mb.cu_seqlens, mb.max_seqlen))
+    return torch.split(out[0], [len(s) for s in seqs])
+
+
+def test_packed_forward_equals_each_sample_alone_and_is_batch_invariant(tiny_gpt):
+    from slime_lite.backends.megatron.model import forward_logits
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 60, (n,), generator=g).tolist() for n in (9, 23, 5, 16)]
+    packed = _packed_logits(tiny_gpt, seqs)
+    vocab = tiny_gpt.hf_vocab_size
+    for s, got in zip(seqs, packed):
+        with torch.no_grad():
+            alone = forward_logits(tiny_gpt, torch.tensor([s]))[0]
+        torch.testing.assert_close(got[:, :vocab], alone, rtol=1e-5, atol=1e-5)
+    # the same sample packed with other neighbours at another offset: bitwise the same logits
+    again = _packed_logits(tiny_gpt, [seqs[3], seqs[1][:7], seqs[0]])
+    assert torch.equal(again[0], packed[3]) and torch.equal(again[2], packed[0])
+
+
+# ------------------------------------------------------------------------- bad input, refused before Ray starts
+@pytest.fixture()
+def base(tmp_path):
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rm-type", "addition"]
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["--max-tokens-per-gpu", "64"], ["--max-tokens-per-gpu", "--use-dynamic-batch-size"]),
+    (["--use-dynamic-batch-size"], ["--use-dynamic-batch-size", "--max-tokens-per-gpu"]),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16", "--rollout-max-response-len", "32"],
+     ["--max-tokens-per-gpu 16", "--rollout-max-response-len 32"]),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--log-probs-max-tokens-per-gpu", "8"],
+     ["--log-probs-max-tokens-per-gpu 8", "--rollout-max-response-len"]),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--actor-num-gpus-per-node", "2",
+      "--pipeline-model-parallel-size", "2"], ["--use-dynamic-batch-size", "--pipeline-model-parallel-size 2"]),
+])
+def test_bad_token_budgets_are_refused_naming_both_flags(base, extra, named):
+    from slime_lite.args import parse_args
+    from slime_lite.errors import SlimeLiteError
+
+    with pytest.raises(SlimeLiteError) as info:
+        parse_args(base + extra)
+    assert all(n in str(info.value) for n in named), str(info.value)
+
+
+def test_log_probs_budget_defaults_to_the_train_budget(base):
+    from slime_lite.args import parse_args
+
+    args = parse_args(base + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"])
+    assert args.log_probs_max_tokens_per_gpu == 64
+
+
+def test_replay_sample_longer_than_the_budget_is_refused_naming_the_dump():
+    from types import SimpleNamespace
+
+    from slime_lite.errors import SlimeLiteError
+    from slime_lite.preflight import check_token_budget
+
+    args = SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=10, log_probs_max_tokens_per_gpu=40)
+    with pytest.raises(SlimeLiteError) as info:
+        check_token_budget(args, [_sample(range(8), 2), _sample(range(12), 4)], "d/0.pt")
+    assert "d/0.pt" in str(info.value) and "sample 1 has 12 tokens" in str(info.value)
+    assert "--max-tokens-per-gpu 10" in str(info.value)
+    args.max_tokens_per_gpu = 12
+    check_token_budget(args, [_sample(range(8), 2), _sample(range(12), 4)], "d/0.pt")
