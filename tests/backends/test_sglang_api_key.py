@@ -60,3 +60,37 @@ def test_a_non_loopback_engine_without_a_key_is_refused_before_launch(tiny_model
     with pytest.raises(EngineError, match=f"without an API key.*{API_KEY_ENV}"):
         server.start()
     assert server.proc is None
+
+
+def test_a_non_loopback_router_gets_the_key_by_environment_and_checks_it_fake(tiny_model_dir, remote_host,
+                                                                               monkeypatch):
+    """--use-sglang-router: the router (tests/fakes/fake_sglang_router, a fake taking sglang_router's --api-key) is
+    launched like the engines: the key reaches it through the environment, never its command line."""
+    from slime_lite.backends.sglang.launcher import SGLangRouter
+    from slime_lite.engine.server import EngineServer
+
+    monkeypatch.setenv(API_KEY_ENV, "r0uter-k3y")
+    engine = EngineServer(str(tiny_model_dir), device="cpu", cpu_threads=1)
+    router = SGLangRouter([engine.start()], module="tests.fakes.fake_sglang_router", start_timeout=60)
+    try:
+        url = router.start()
+        with open(f"/proc/{router.proc.pid}/cmdline", "rb") as f:
+            assert "r0uter-k3y" not in f.read().decode() and "r0uter-k3y" not in " ".join(router.command)
+        out = request_json(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        assert out["meta_info"]["completion_tokens"] == 2  # sent with the run's key
+        monkeypatch.delenv(API_KEY_ENV)
+        with pytest.raises(EngineError, match="401"):
+            request_json(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+    finally:
+        router.stop()
+        engine.stop()
+
+
+def test_a_non_loopback_router_without_a_key_is_refused_before_launch(remote_host, monkeypatch):
+    from slime_lite.backends.sglang.launcher import SGLangRouter
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    router = SGLangRouter(["http://127.0.0.1:1"], module="tests.fakes.fake_sglang_router")
+    with pytest.raises(EngineError, match=f"SGLang router would listen .* without an API key.*{API_KEY_ENV}"):
+        router.start()
+    assert router.proc is None
