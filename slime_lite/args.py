@@ -174,6 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps per rollout (default: 1, or as --global-batch-size implies)")
     g.add_argument("--micro-batch-size", type=_positive_int, default=1,
                    help="samples per forward/backward pass on one data-parallel rank (default: %(default)s)")
+    g.add_argument("--use-dynamic-batch-size", action="store_true",
+                   help="pack samples without padding into micro-batches of at most --max-tokens-per-gpu tokens "
+                        "(balanced over data-parallel ranks; --micro-batch-size is then unused)")
+    g.add_argument("--max-tokens-per-gpu", type=_positive_int, default=None,
+                   help="token budget of one packed train micro-batch (with --use-dynamic-batch-size; a longer "
+                        "sample gets a micro-batch of its own)")
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=_positive_int, default=None,
+                   help="token budget of one packed micro-batch of the log-prob passes (default: --max-tokens-per-gpu)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="average the loss over all response tokens of a step instead of per-sample token means")
 
     g = p.add_argument_group("eval")
     g.add_argument("--eval-interval", type=_positive_int, default=None,

@@ -79,6 +79,17 @@ def validate_args(args: argparse.Namespace) -> None:
                 "--save-debug-rollout-data has nothing to save under --debug-train-only/--load-debug-rollout-data "
                 "(no rollouts are generated)."
             )
+    if args.dump_details and not args.save_debug_train_data and not args.debug_rollout_only:  # as slime does
+        args.save_debug_train_data = os.path.join(args.dump_details, "train_data", "{rollout_id}_{rank}.pt")
+    if args.save_debug_train_data:
+        if args.debug_rollout_only:
+            raise SlimeLiteError("--save-debug-train-data has nothing to save under --debug-rollout-only (nothing "
+                                 "is trained); drop one of them.")
+        from slime_lite.backends.megatron.train_dump import check_train_template
+
+        model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        check_train_template(args.save_debug_train_data, args.save_debug_rollout_data,
+                             max(1, world_size(args) // model_parallel))
     if args.colocate and not args.debug_rollout_only and not (args.offload_train and args.offload_rollout):
         log.info("--colocate: turning on --offload-train and --offload-rollout (trainer and engines share GPUs)")
         args.offload_train = args.offload_rollout = True
@@ -109,6 +120,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise SlimeLiteError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...].")
         for path in args.eval_prompt_data[1::2]:
             _need_file(path, "--eval-prompt-data")
+    check_fault_tolerance(args)
     if args.eval_interval is not None and args.eval_prompt_data is None:
         raise SlimeLiteError("--eval-interval needs --eval-prompt-data NAME PATH.")
     if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
@@ -145,6 +157,7 @@ def validate_args(args: argparse.Namespace) -> None:
             raise SlimeLiteError(f"--{flag.replace('_', '-')} {value!r}: expected a dotted path 'module.function'.")
     if args.save_interval is not None and args.save is None:
         raise SlimeLiteError("--save-interval needs --save DIR.")
+    check_debug_tool_args(args)
     if args.load is not None:
         _need_file(args.load, "--load")
     if args.use_wandb:
@@ -207,6 +220,19 @@ def check_correction_args(args: Any) -> None:
     if on and args.debug_rollout_only:
         raise SlimeLiteError(f"--{on[0].replace('_', '-')} needs the trainer's log-probs; --debug-rollout-only "
                              "trains nothing. Drop one of them.")
+
+
+def check_fault_tolerance(args: argparse.Namespace) -> None:
+    """--use-fault-tolerance restarts engines this job started; --debug-inject-fault kill-engine kills one."""
+    for flag, on in (("--use-fault-tolerance", args.use_fault_tolerance),
+                     ("--debug-inject-fault kill-engine", args.debug_inject_fault == "kill-engine")):
+        if on and args.rollout_external_engine_addrs:
+            raise SlimeLiteError(
+                f"{flag} needs engines this job starts: the servers of --rollout-external-engine-addrs are not "
+                "restarted (or killed) by slime-lite. Drop one of the two, and keep external servers up yourself.")
+        if on and args.debug_train_only:
+            raise SlimeLiteError(f"{flag} acts on rollout engines, and --debug-train-only / "
+                                 "--load-debug-rollout-data start none: drop it.")
 
 
 def world_size(args: Any) -> int:
@@ -299,3 +325,39 @@ def validate_train_args(args: argparse.Namespace) -> None:
     if args.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline") and args.n_samples_per_prompt < 2:
         log.warning("--advantage-estimator %s with --n-samples-per-prompt 1 gives zero advantages",
                     args.advantage_estimator)
+
+def check_debug_tool_args(args: Any) -> None:
+    """Grad-norm regression (--ci-save-grad-norm, --ci-load-grad-norm), profiling and memory snapshots: each
+    needs the part of the run it reads (trainer, engines) and a window that exists."""
+    from slime_lite.profiling import profile_targets
+
+    grad = [f for f in ("ci_save_grad_norm", "ci_load_grad_norm") if getattr(args, f)]
+    if grad and args.debug_rollout_only:
+        raise SlimeLiteError(f"--{grad[0].replace('_', '-')} records training steps; --debug-rollout-only trains "
+                             "nothing. Drop one of them.")
+    if args.ci_save_grad_norm and args.ci_save_grad_norm == args.ci_load_grad_norm:
+        raise SlimeLiteError("--ci-save-grad-norm and --ci-load-grad-norm name the same file: the run would check "
+                             "against what it is writing. Give the saved run's file to --ci-load-grad-norm only.")
+    if args.ci_grad_norm_rtol is not None and not args.ci_load_grad_norm:
+        raise SlimeLiteError("--ci-grad-norm-rtol has no effect without --ci-load-grad-norm: add it or drop the flag.")
+    targets = profile_targets(args)
+    if "train" in targets and args.debug_rollout_only:
+        raise SlimeLiteError("--profile-target train: --debug-rollout-only starts no trainer. Profile 'rollout'.")
+    if "rollout" in targets and args.debug_train_only:
+        raise SlimeLiteError("--profile-target rollout: --debug-train-only / --load-debug-rollout-data start no "
+                             "engine. Profile 'train'.")
+    if targets - {"driver"}:
+        start, end = args.profile_step_start, args.profile_step_end
+        if not 0 <= start < end:
+            raise SlimeLiteError(f"--profile-step-start {start} and --profile-step-end {end}: need 0 <= start < end "
+                                 "(rollout ids start..end-1 are profiled).")
+        if start >= args.num_rollout:
+            raise SlimeLiteError(f"--profile-step-start {start} is past the last rollout (--num-rollout "
+                                 f"{args.num_rollout}): nothing would be profiled.")
+    if args.record_memory_history:
+        if args.debug_rollout_only:
+            raise SlimeLiteError("--record-memory-history records the train workers; --debug-rollout-only starts "
+                                 "none.")
+        if args.memory_snapshot_num_steps > args.num_rollout:
+            raise SlimeLiteError(f"--memory-snapshot-num-steps {args.memory_snapshot_num_steps} is more than "
+                                 f"--num-rollout {args.num_rollout}: no snapshot would be written.")

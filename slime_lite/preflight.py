@@ -10,12 +10,15 @@ import os
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.profiling import profile_targets, trace_dir
 
 log = logging.getLogger("slime_lite.preflight")
 
 
 def preflight(args: Any) -> None:
     check_outputs(args)
+    check_profiling_device(args)
+    check_grad_norm_file(args)
     if args.load_debug_rollout_data:
         check_replay_dumps(args)
 
@@ -37,6 +40,14 @@ def output_folders(args: Any) -> list[tuple[str, str]]:
             out.append((f"--dump-details {args.dump_details}", os.path.join(args.dump_details, "train_data")))
         if args.get_mismatch_metrics:
             out.append((f"--dump-details {args.dump_details}", os.path.join(args.dump_details, "mismatch")))
+    if args.save_debug_train_data:  # after --dump-details: it may have set this flag
+        from slime_lite.args_check import world_size
+        from slime_lite.backends.megatron.train_dump import train_dump_path
+
+        flag = f"--save-debug-train-data {args.save_debug_train_data}"
+        folders = {os.path.dirname(os.path.abspath(train_dump_path(args.save_debug_train_data, 0, rank)))
+                   for rank in range(world_size(args))}  # {rank} may name a folder
+        out += [(flag, folder) for folder in sorted(folders)]
     if args.metrics_path:
         out.append((f"--metrics-path {args.metrics_path}", os.path.dirname(os.path.abspath(args.metrics_path))))
     if args.use_tensorboard:
@@ -44,6 +55,16 @@ def output_folders(args: Any) -> list[tuple[str, str]]:
         out.append((f"--tensorboard-dir {folder}" if args.tensorboard_dir else "--use-tensorboard", folder))
     if args.use_wandb and args.wandb_dir:
         out.append((f"--wandb-dir {args.wandb_dir}", args.wandb_dir))
+    if profile_targets(args):
+        folder = trace_dir(args)
+        out.append((f"--tensorboard-dir {folder}" if args.tensorboard_dir else "--profile-target", folder))
+    if args.record_memory_history:
+        out.append((f"--memory-snapshot-dir {args.memory_snapshot_dir}", args.memory_snapshot_dir))
+    if args.ci_save_grad_norm:
+        from slime_lite.debug.grad_norm import grad_norm_path
+
+        path = grad_norm_path(args.ci_save_grad_norm, "actor", 0, 0)
+        out.append((f"--ci-save-grad-norm {args.ci_save_grad_norm}", os.path.dirname(os.path.abspath(path))))
     return out
 
 
@@ -58,6 +79,25 @@ def check_outputs(args: Any) -> None:
                              f"{os.path.join(args.metrics_path, 'metrics.jsonl')}.")
     if args.metrics_path and os.path.exists(args.metrics_path) and not os.access(args.metrics_path, os.W_OK):
         raise SlimeLiteError(f"--metrics-path {args.metrics_path} is not writable; choose another file.")
+
+
+def check_grad_norm_file(args: Any) -> None:
+    """--ci-load-grad-norm names a file that exists (a path with placeholders is checked step by step)."""
+    path = args.ci_load_grad_norm
+    if path and "{" not in path and not os.path.isfile(path):
+        raise SlimeLiteError(f"--ci-load-grad-norm {path}: no such file (write it with --ci-save-grad-norm).")
+
+
+def check_profiling_device(args: Any) -> None:
+    """--record-memory-history needs CUDA: refused on a machine without it (not a silent no-op)."""
+    if not args.record_memory_history:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SlimeLiteError(
+            "--record-memory-history records the CUDA allocator, and this machine has no CUDA device; drop the "
+            "flag on CPU (each process's memory is in the metrics: perf/memory/*).")
 
 
 def replay_ids(args: Any) -> range:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.backends.megatron.loss import response_slices, rl_loss, token_log_probs_and_entropy
+from slime_lite.backends.megatron.logprobs import sample_log_probs
+from slime_lite.backends.megatron.loss import rl_loss
 from slime_lite.config import LossConfig
 from slime_lite.debug.faults import breaks_sent_weights, sent_stage_weights
 from slime_lite.debug.grad_norm import STEP_GRAD_NORMS
@@ -116,19 +117,51 @@ class TrainWorker:
         """Megatron's schedule over this rank's micro-batches; returns what loss_fn reported per micro-batch."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batches = [B.make_micro_batch(samples, idx, length) for idx in mbs]
+        from slime_lite.backends.megatron.model import packed_seq_params
+
+        packed = self.args.use_dynamic_batch_size
+        batches = [B.make_packed_micro_batch(samples, idx) if packed else B.make_micro_batch(samples, idx, length)
+                   for idx in mbs]
         it = iter(batches)
 
         def forward_step(data_iterator: Any, model: Any) -> tuple:
             mb = next(data_iterator)
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-            out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, runtime_gather_output=True)
+            extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
+            # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
+            out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, runtime_gather_output=False, **extra)
             return out, partial(loss_fn, mb)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=it, model=[self.model], num_microbatches=len(batches),
-            seq_length=length, micro_batch_size=len(mbs[0]), forward_only=forward_only,
+            seq_length=max(b.tokens.shape[1] for b in batches), micro_batch_size=batches[0].tokens.shape[0],
+            forward_only=forward_only,
         )
+
+    def _plan(self, samples: list, log_probs: bool = False) -> list[list[list[int]]]:
+        """Sample indices per optimizer step, per micro-batch, for this DP rank: fixed --micro-batch-size, or
+        packed by --max-tokens-per-gpu (--log-probs-max-tokens-per-gpu for the forward-only passes, which pack
+        the whole rollout as one step)."""
+        a = self.args
+        if not a.use_dynamic_batch_size:
+            return B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
+        budget = a.log_probs_max_tokens_per_gpu if log_probs else a.max_tokens_per_gpu
+        return B.dynamic_step_shards([len(s.tokens) for s in samples], len(samples) if log_probs
+                                     else a.global_batch_size, self.dp_rank, self.dp_size, budget)
+
+    def _normalizer(self, samples: list, step: int) -> float:
+        """What a step's micro-batch losses are divided by, so they add up (over micro-batches and the DP mean) to
+        the step's loss: samples per DP rank, or with --calculate-per-token-loss the step's loss-mask tokens per
+        DP rank. Independent of how the step is cut into micro-batches."""
+        from slime_lite.rl_math import PerTokenNormalizer
+
+        a = self.args
+        g = a.global_batch_size
+        if not a.calculate_per_token_loss:
+            return g / self.dp_size
+        step_samples = samples[step * g : (step + 1) * g]
+        tokens = sum(float(m.sum()) for m in B.loss_masks(step_samples))
+        return PerTokenNormalizer(tokens / self.dp_size)
 
     def _forward_all(self, samples: list, steps: list, length: int, per_sample: Any) -> dict[int, torch.Tensor]:
         """Forward-only pass over every micro-batch of this rank; {sample index: per_sample(mb, output)[k]} (last
@@ -160,10 +193,8 @@ class TrainWorker:
         ``STEP_GRAD_NORMS`` the grad-norm of each step."""
         import torch.distributed as dist
 
-        a = self.args
         length = B.padded_length(samples)
-        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
-        per_rank = a.global_batch_size // self.dp_size
+        steps = self._plan(samples)
         sums: dict[str, float] = {}
         first: dict[str, float] = {}
         norms: list[float] = []  # every step's grad-norm, for --ci-save-grad-norm / --ci-load-grad-norm
@@ -172,7 +203,7 @@ class TrainWorker:
             self._num_mb = len(mbs)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            fn = partial(loss_fn, normalizer=per_rank) if loss_fn is not None else _no_loss
+            fn = partial(loss_fn, normalizer=self._normalizer(samples, k)) if loss_fn is not None else _no_loss
             reported = self._run(samples, mbs, length, False, _keyword_output(fn))
             ok, grad_norm, _ = self.optimizer.step()
             step: dict[str, float] = {}
@@ -263,12 +294,8 @@ class TrainActor(TrainWorker):
         """Response-token log-probs of each sample of a micro-batch, from the model output ([2, R]: log-probs and
         entropy, with ``entropy``)."""
         temp = self.args.rollout_temperature if self.args.rollout_temperature > 1e-6 else 1.0
-        logits = output[..., : self.gpt().hf_vocab_size]
-        per_pos, ent = token_log_probs_and_entropy(logits, mb.tokens.to(output.device), temp, with_entropy=entropy)
-        if entropy:  # [B, T-1, 2]: each position's (log-prob, entropy)
-            per_pos = torch.stack([per_pos, ent], dim=-1)
-        out = response_slices(per_pos, mb.prompt_lengths, mb.response_lengths, packed=False)
-        return [x.T for x in out] if entropy else out
+        lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size, with_entropy=entropy)
+        return [torch.stack([x, e]) for x, e in zip(lp, ent)] if entropy else lp
 
     def _with_ref_weights(self, fn: Any) -> Any:
         params = dict(self.gpt().named_parameters())
@@ -292,7 +319,7 @@ class TrainActor(TrainWorker):
         a = self.args
         t0 = time.monotonic()
         length = B.padded_length(samples)
-        steps = B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
+        steps = self._plan(samples, log_probs=True)
         dump = a.save_debug_train_data  # the old forward also gives each token's entropy for the train dump
         old = self._forward_all(samples, steps, length, partial(self._log_probs, entropy=bool(dump)))
         entropy = {i: t[1] for i, t in old.items()} if dump else None
@@ -328,17 +355,13 @@ class TrainActor(TrainWorker):
 
         def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
             temp = a.rollout_temperature if a.rollout_temperature > 1e-6 else 1.0
-            logits = output[..., : self.gpt().hf_vocab_size]
-            lp_pos, ent_pos = token_log_probs_and_entropy(logits, mb.tokens.to(output.device), temp,
-                                                          with_entropy=a.entropy_coef > 0)
-            pick = partial(response_slices, prompt_lengths=mb.prompt_lengths, response_lengths=mb.response_lengths,
-                           packed=False)
+            lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size, with_entropy=a.entropy_coef > 0)
             idx, dev = mb.indices, output.device
             on = lambda xs: [xs[i].to(dev) for i in idx]  # noqa: E731 - per-sample inputs of this micro-batch
             loss, m = rl_loss(
-                pick(lp_pos), on(old), on(ref) if ref is not None else None,
+                lp, on(old), on(ref) if ref is not None else None,
                 on(rollout_lp) if has_rollout_lp else None, on(advantages),
-                on(masks), pick(ent_pos) if ent_pos is not None else None, loss_cfg, normalizer,
+                on(masks), ent, loss_cfg, normalizer,
             )
             return loss * self._num_mb, m
 
