@@ -152,7 +152,7 @@ def check_replay_dumps(args: Any) -> None:
 def check_token_budget(args: Any, samples: list, path: str) -> None:
     """--use-dynamic-batch-size: the longest dumped prompt + response must fit --max-tokens-per-gpu (and the
     log-prob budget)."""
-    if not getattr(args, "use_dynamic_batch_size", False) or not samples:
+    if not args.use_dynamic_batch_size or not samples:
         return
     longest = max(range(len(samples)), key=lambda i: len(samples[i].tokens))
     n = len(samples[longest].tokens)
