@@ -3,7 +3,7 @@
 Conventions for the whole module
 - A batch of samples is a list of 1-D tensors, one per sample, each of length = that sample's response length
   (ragged). The loss mask travels alongside as a list of the same shapes (1 = trained token, 0 = not trained, e.g.
-  a tool output in a multi-turn response). Element-wise functions (KL, policy/value loss, TIS) take tensors of any
+  a tool output in a multi-turn response). Element-wise functions (KL, policy/value loss) take tensors of any
   shape, so a flat concatenation of the list works as well.
 - Values at mask-0 positions are computed like any other and carry no meaning: every consumer (loss aggregation,
   whitening statistics, metrics) masks them. The KL penalty that enters token rewards (PPO, REINFORCE++,
@@ -85,11 +85,6 @@ def value_loss(
     plain = (values - returns) ** 2
     clipped = (v_clip - returns) ** 2
     return torch.maximum(plain, clipped), (clipped > plain).to(values.dtype)
-
-
-def tis_weights(old: torch.Tensor, rollout_logp: torch.Tensor, tis_clip: float) -> torch.Tensor:
-    """Truncated importance-sampling weight per token: min(exp(old - rollout_logp), tis_clip), no gradient."""
-    return torch.exp(old - rollout_logp).clamp(max=tis_clip).detach()
 
 
 # ---------------------------------------------------------------- rollout correction (train vs rollout policy)

@@ -227,13 +227,6 @@ def test_value_loss_matches_reference():
     assert 0 < clipfrac.sum() < 200
 
 
-def test_tis_weights_are_clipped_ratio():
-    old = torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64)
-    rollout = torch.tensor([-1.0, -1.5, -4.0], dtype=torch.float64)
-    w = rl_math.tis_weights(old, rollout, 2.0)
-    assert w.tolist() == pytest.approx([1.0, math.exp(0.5), 2.0])
-
-
 # ---------------------------------------------------------------- rollout correction and mismatch metrics
 
 def ref_level_logs(d, m, level):
