@@ -92,7 +92,10 @@ class Scheduler(AdmissionMixin):
         self.kv_cache_tokens = kv_cache_tokens
         self.lm = CausalLM(self.hf, self.slot_len)
         self.weights = Weights(self.hf)
-        self.prefix = PrefixCache(lambda: self.weights.version, enabled=not disable_radix_cache)
+        # --deterministic-mode (torch's deterministic algorithms on) turns it off: whether a prompt hits the cache
+        # depends on timing (which slots are free), and a hit's prefill sums in another order than a full one
+        self.prefix = PrefixCache(lambda: self.weights.version, enabled=not (
+            disable_radix_cache or torch.are_deterministic_algorithms_enabled()))
         self.cache = self.lm.new_cache(self.max_running, self.slot_len)
         # Padded decode steps (CUDA graphs on CUDA): on by default on CUDA; cuda_graph=True on CPU runs them eagerly.
         if cuda_graph is None:

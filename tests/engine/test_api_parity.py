@@ -214,3 +214,12 @@ def test_loads_get_load_and_server_info_fields_slime_reads(engine):
                        "encoder_only": False, "enable_return_routed_experts": False, "dtype": "float32",
                        "enable_memory_saver": False}.items():
         assert info[key] == value, key
+
+
+def test_deterministic_mode_turns_the_prefix_cache_off(tiny_model_dir, monkeypatch):
+    """A hit depends on timing (which slots are free) and sums a prefill in another order: --deterministic-mode's
+    torch setting switches the cache off."""
+    from slime_lite.engine.scheduler import Scheduler
+
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert Scheduler(str(tiny_model_dir), device="cpu", max_running_requests=2).prefix.enabled is False
