@@ -1,5 +1,5 @@
-"""Weight push throughput per transport (MB/s) into a live embedded engine, next to an in-process tensor copy of
-the same bytes (the baseline), all in one run.
+"""Weight push throughput per transport (MB/s) into a live embedded engine (``slime-lite serve`` in another process),
+next to an in-process tensor copy of the same bytes (the baseline), all in one run.
 
     .venv/bin/python bench/bench_weight_push.py [--hidden 512 --layers 8 --repeat 3]
 """
@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from types import SimpleNamespace
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -25,7 +28,8 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from slime_lite.backends.megatron import weight_push as wp
-    from slime_lite.engine.server import EngineServer
+    from bench_weight_ipc import _wait
+    from slime_lite.io import free_port
     from slime_lite.tiny_model import make_tiny_model
 
     tmp = tempfile.mkdtemp()
@@ -34,19 +38,26 @@ def main() -> None:
                     intermediate_size=a.hidden * 3, warm_start_steps=0)
     named = {k: v + 0.01 for k, v in load_file(os.path.join(model, "model.safetensors")).items()}
     mb = sum(t.numel() * t.element_size() for t in named.values()) / 2**20
-    server = EngineServer(model, device="cpu")
-    url = server.start()
+    port = free_port()  # the engine in its own process, as a rollout engine runs (a Ray actor)
+    proc = subprocess.Popen([sys.executable, "-m", "slime_lite.cli", "serve", "--model-path", model, "--port",
+                             str(port), "--device", "cpu"])
+    url = f"http://127.0.0.1:{port}"
     try:
+        _wait(url, proc)
         targets = {k: torch.empty_like(v) for k, v in named.items()}
 
         def copy() -> None:
             for k, v in named.items():
                 targets[k].copy_(v)
 
-        args = SimpleNamespace(save=tmp, hf_checkpoint=model, colocate=False)
+        args = SimpleNamespace(save=tmp, hf_checkpoint=model, colocate=False, rollout_backend="embedded",
+                               rollout_num_gpus_per_engine=1, update_weight_buffer_size=512 << 20)
+        by_value = SimpleNamespace(**vars(args))
+        wp_mode = wp.payload_mode  # an engine on another host gets the tensors by value
         runs = {
             "in-process tensor copy (baseline)": copy,
-            "tensor (HTTP, serialized)": lambda: wp._push_tensor(named, [url], 1),
+            "tensor (SGLang payload, shared-memory handles)": lambda: wp._push_tensor(args, named, [url], 1),
+            "tensor (SGLang payload, by value: base64 in JSON)": lambda: _by_value(wp, wp_mode, by_value, named, url),
             "distributed (gloo broadcast)": lambda: wp._push_distributed(named, [url], 1),
             "disk (HF folder + update_weights_from_disk)": lambda: wp._push_disk(args, named, [url], 1),
         }
@@ -57,13 +68,23 @@ def main() -> None:
             rows.append((name, best))
         wp.check_weights_equal(named, [url])
     finally:
-        server.stop()
+        proc.terminate()
+        proc.wait(60)
     base = rows[0][1]
-    print(f"{mb:.1f} MB of fp32 weights ({len(named)} tensors), one engine on loopback, best of {a.repeat}")
+    print(f"{mb:.1f} MB of fp32 weights ({len(named)} tensors), one engine in another process on loopback, best of "
+          f"{a.repeat}")
     print("| transport | s | MB/s | time vs copy |")
     print("|---|---|---|---|")
     for name, t in rows:
         print(f"| {name} | {t:.3f} | {mb / t:.0f} | {t / base:.1f}x |")
+
+
+def _by_value(wp, mode, args, named, url) -> None:
+    wp.payload_mode = lambda *a: "by_value"
+    try:
+        wp._push_tensor(args, named, [url], 1)
+    finally:
+        wp.payload_mode = mode
 
 
 def _timed(fn) -> float:

@@ -84,22 +84,34 @@ class LocalSerializedTensor:
 
 
 # ---------------------------------------------------------------------------------------------------- writing
-def flatten_bucket(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """``{"flattened_tensor", "metadata"}`` of SGLang's ``flattened_bucket`` format (a new tensor, on the tensors'
-    device; mixed dtypes allowed, each tensor aligned to its element size). An empty input gives an empty bucket."""
-    parts, metadata, offset = [], [], 0
-    device = None
+_strategy_lock = threading.Lock()  # torch's sharing strategy is process-wide: switched only under this lock
+
+
+def flatten_bucket(named: Iterable[tuple[str, torch.Tensor]], shared: bool = False) -> dict[str, Any]:
+    """``{"flattened_tensor", "metadata"}`` of SGLang's ``flattened_bucket`` format: one new uint8 tensor on the
+    tensors' device (mixed dtypes allowed, each tensor aligned to its element size, so a reader can view it in
+    place). ``shared``: a CPU bucket is made in shared memory at once (no second copy when it is sent as a handle).
+    An empty input gives an empty bucket."""
+    named = list(named)
+    metadata, offset = [], 0
     for name, t in named:
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        pad = -offset % t.element_size()  # each tensor starts aligned to its dtype, so the reader can view it
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
-            offset += pad
-        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + flat.numel(), flat.numel()))
-        parts.append(flat)
-        offset += flat.numel()
-        device = t.device
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        offset += -offset % t.element_size()
+        nbytes = t.numel() * t.element_size()
+        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + nbytes, nbytes))
+        offset += nbytes
+    device = named[0][1].device if named else torch.device("cpu")
+    flat = torch.zeros(offset, dtype=torch.uint8, device=device) if offset != sum(m.numel for m in metadata) else \
+        torch.empty(offset, dtype=torch.uint8, device=device)  # padding bytes are zeros
+    if shared and device.type == "cpu" and offset:
+        with _strategy_lock:
+            old = torch_mp.get_sharing_strategy()
+            torch_mp.set_sharing_strategy("file_system")
+            try:
+                flat.share_memory_()
+            finally:
+                torch_mp.set_sharing_strategy(old)
+    for (_, t), m in zip(named, metadata):
+        flat[m.start_idx:m.end_idx].view(t.dtype).view(t.shape).copy_(t.detach())
     return {"flattened_tensor": flat, "metadata": metadata}
 
 
@@ -109,7 +121,6 @@ def device_uuid(index: int) -> str:
 
 _WIRE_NAMES = {FlattenedTensorMetadata: (_SGLANG_BUCKET, "FlattenedTensorMetadata"),
                LocalSerializedTensor: (_SGLANG_LOCAL[0], "LocalSerializedTensor")}
-_strategy_lock = threading.Lock()
 
 
 class _WirePickler(pickle._Pickler):  # the Python pickler: it lets save_global write SGLang's class paths

@@ -171,7 +171,7 @@ def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], ver
                  "; GPU engines elsewhere: --update-weight-transport distributed" if torch.cuda.is_available() else "")
     groups = buckets(named, limit)
     for k, names in enumerate(groups):
-        bucket = flatten_bucket([(n, named[n]) for n in names])
+        bucket = flatten_bucket([(n, named[n]) for n in names], shared="shared_memory" in modes.values())
         by_value = serialize(bucket, by_value=True) if "by_value" in modes.values() else None
         bodies = {u: {
             # a handle is read once, by one rank: one payload each; bytes may be read by every rank
