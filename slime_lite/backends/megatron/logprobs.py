@@ -145,11 +145,13 @@ def sample_log_probs(output: torch.Tensor, mb, temperature: float, vocab_limit: 
 
         if ps.get_tensor_model_parallel_world_size() > 1:
             group, start = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() * width
-    lp, ent = token_log_probs(output[:, :-1].reshape(-1, width), tokens[:, 1:].reshape(-1), temperature,
+    # every position against the next token (the last one's target wraps and is dropped): the logits stay a view,
+    # never a sliced copy of [T, V]
+    lp, ent = token_log_probs(output.reshape(-1, width), tokens.roll(-1, dims=1).reshape(-1), temperature,
                              with_entropy, vocab_start=start, vocab_limit=vocab_limit, tp_group=group)
 
     def pick(x: torch.Tensor) -> list[torch.Tensor]:
-        x = x.view(rows, -1)
+        x = x.view(rows, -1)[:, :-1]
         return response_slices(x[0] if mb.packed else x, mb.prompt_lengths, mb.response_lengths, packed=mb.packed)
 
     return pick(lp), (pick(ent) if ent is not None else None)
