@@ -43,11 +43,15 @@ def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def _varlen():
+    """torch's varlen flash attention when this torch has it with the arguments used here, else None."""
+    import inspect
+
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if {"window_size", "enable_gqa", "scale"} <= set(params) else None
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
