@@ -118,3 +118,14 @@ def test_triton_block_stats_equal_the_eager_passes(dtype):
         assert torch.equal(m, want_m) and torch.equal(top, x.argmax(-1)) and top[2].item() == 1500
         want = _block_sums((x - want_m).mul_(inv_t).exp_())
         assert ((sums / want) - 1).abs().max().item() < 1e-5
+
+
+def test_prefix_cache_hits_under_graph_replay_match_cold_runs(pair):
+    """The same requests again: their prompts' K/V come from the prefix cache (idle rows of padded steps must not
+    overwrite what free slots hold) and they decode exactly as the cold run did."""
+    s = pair[True]
+    s.call(s.flush_cache).result(60)
+    cold = run_requests(s, SPECS)
+    warm = run_requests(s, SPECS)
+    assert any(o.cached_tokens for o in warm) and not any(o.cached_tokens for o in cold)
+    assert_same(warm, cold)
