@@ -18,6 +18,7 @@ from slime_lite.config import LOGPROB_DIFF_BY_DTYPE
 from slime_lite.debug.faults import FAULTS
 from slime_lite.profiling import PROFILE_TARGETS
 from slime_lite.rollout.rewards import RM_TYPES
+from slime_lite.slime_flags import add_args as add_slime_flags
 
 
 def _rl_math_names() -> dict[str, tuple[str, ...]]:
@@ -77,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nodes of the PPO critic (default: as --actor-num-nodes)")
     g.add_argument("--critic-num-gpus-per-node", type=_positive_int, default=None,
                    help="GPUs per node of the PPO critic (default: as --actor-num-gpus-per-node)")
-    g.add_argument("--rollout-num-gpus", type=_positive_int, default=1,
-                   help="GPUs of all rollout engines together (default: %(default)s)")
+    g.add_argument("--rollout-num-gpus", type=_positive_int, default=None,
+                   help="GPUs of all rollout engines together (default: 1; under --colocate, the actor's GPUs)")
     g.add_argument("--rollout-num-gpus-per-engine", type=_positive_int, default=1,
                    help="GPUs per engine, SGLang's tp_size (default: %(default)s; the embedded engine takes 1)")
     g.add_argument("--colocate", action="store_true",
@@ -197,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-max-response-len", type=_positive_int, default=None,
                    help="max new tokens per eval response (default: --rollout-max-response-len)")
 
+    g.add_argument("--eval-top-p", type=float, default=None, help="eval nucleus sampling (default: --rollout-top-p)")
+    g.add_argument("--eval-top-k", type=int, default=None, help="eval top-k sampling (default: --rollout-top-k)")
     g = p.add_argument_group("algorithm", "advantages and losses")
     g.add_argument("--advantage-estimator", choices=rl["ESTIMATORS"], default="grpo",
                    help="(default: %(default)s; ppo trains a critic)")
@@ -328,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-wandb", action="store_true", help="also log metrics to wandb (offline unless WANDB_MODE)")
     g.add_argument("--wandb-project", default="slime_lite", help="wandb project (default: %(default)s)")
     g.add_argument("--wandb-dir", default=None, help="wandb folder (default: wandb's)")
+    g.add_argument("--wandb-group", default=None, help="wandb run group")
+    g.add_argument("--wandb-team", default=None, help="wandb entity (team) the run belongs to")
+    g.add_argument("--wandb-host", default=None, help="wandb server URL (WANDB_BASE_URL)")
     g.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
 
     g = p.add_argument_group("profiling", "traces and snapshots go to --tensorboard-dir (as in slime)")
@@ -373,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--rollout-backend sglang: put SGLang's router (sglang_router) in front of the engines")
     g.add_argument("--sglang-server-module", default="sglang.launch_server",
                    help="module run as 'python -m MODULE' for each SGLang engine (not passed to SGLang)")
+    add_slime_flags(p)  # Megatron architecture flags and slime flags (slime_lite/slime_flags.py)
     return p
 
 
@@ -380,7 +387,9 @@ NOT_PASSTHROUGH = ("--sglang-server-module",)  # slime_lite's own flags that sha
 
 
 def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Take ``--sglang-<name> [value]`` out of argv; returns (rest, passthrough as ``--<name> [value]``)."""
+    """Take ``--sglang-<name> [value ...]`` out of argv; returns (rest, passthrough as ``--<name> [value ...]``).
+    Every word up to the next flag is a value (``--sglang-cuda-graph-bs-decode 2 4``): ``train`` takes no
+    positional arguments, so a word after a flag always belongs to that flag."""
     rest: list[str] = []
     sglang: list[str] = []
     i = 0

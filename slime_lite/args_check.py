@@ -29,6 +29,13 @@ def fill_implied(args: argparse.Namespace) -> None:
         args.eval_temperature = args.rollout_temperature
     if args.eval_max_response_len is None:
         args.eval_max_response_len = args.rollout_max_response_len
+    if args.eval_top_p is None:
+        args.eval_top_p = args.rollout_top_p
+    if args.eval_top_k is None:
+        args.eval_top_k = args.rollout_top_k
+    if args.rollout_num_gpus is None:  # slime: under --colocate the engines take the actor's GPUs
+        args.rollout_num_gpus = (args.actor_num_nodes * args.actor_num_gpus_per_node
+                                 if args.colocate and not args.debug_rollout_only else 1)
     if args.critic_num_nodes is None:
         args.critic_num_nodes = args.actor_num_nodes
     if args.critic_num_gpus_per_node is None:
@@ -108,6 +115,9 @@ def validate_args(args: argparse.Namespace) -> None:
     if not os.path.exists(os.path.join(args.hf_checkpoint, "config.json")):
         raise SlimeLiteError(
             f"--hf-checkpoint {args.hf_checkpoint} has no config.json: not a Hugging Face model folder.")
+    from slime_lite.slime_flags import check as check_slime_flags
+
+    check_slime_flags(args)
     _need_file(args.ref_load, "--ref-load")
     if not args.debug_train_only:
         if args.prompt_data is None and not args.custom_generate_function_path:
@@ -133,6 +143,8 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:
         raise SlimeLiteError(f"--eps-clip-c {args.eps_clip_c} must be > 1 (dual-clip bound).")
     fill_implied(args)
+    if not 0 < args.eval_top_p <= 1:
+        raise SlimeLiteError(f"--eval-top-p {args.eval_top_p} must be in (0, 1].")
     if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
         raise SlimeLiteError(
             f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
@@ -158,8 +170,14 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.save_interval is not None and args.save is None:
         raise SlimeLiteError("--save-interval needs --save DIR.")
     check_debug_tool_args(args)
-    if args.load is not None:
-        _need_file(args.load, "--load")
+    if args.load is not None and not os.path.exists(os.path.join(args.load, "latest")):
+        # as slime: a --load folder without a checkpoint yet (missing or empty; --save usually names the same one)
+        # is a fresh start from the initial weights, not an error
+        if os.path.exists(args.load) and not os.path.isdir(args.load):
+            raise SlimeLiteError(f"--load {args.load}: not a folder (a checkpoint folder written by --save).")
+        log.info("--load %s has no checkpoint yet: a fresh start (actor from --hf-checkpoint, reference from %s), "
+                 "as slime starts from --ref-load", args.load, args.ref_load or "--hf-checkpoint")
+        args.load = None
     if args.use_wandb:
         import importlib.util
 

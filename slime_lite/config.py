@@ -80,6 +80,8 @@ class RolloutConfig(_FromArgs):
     rollout_stop: list[str] | None
     eval_temperature: float
     eval_max_response_len: int
+    eval_top_p: float
+    eval_top_k: int
     rollout_batch_size: int
     n_samples_per_prompt: int
     over_sampling_batch_size: int | None

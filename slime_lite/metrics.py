@@ -64,7 +64,10 @@ class MetricsLogger:
             import wandb  # validate_args checked that it is installed
 
             os.environ.setdefault("WANDB_MODE", "offline")
-            self.wandb = wandb.init(project=args.wandb_project, dir=args.wandb_dir, config=_plain_args(args))
+            if args.wandb_host:
+                os.environ["WANDB_BASE_URL"] = args.wandb_host
+            self.wandb = wandb.init(project=args.wandb_project, dir=args.wandb_dir, group=args.wandb_group,
+                                    entity=args.wandb_team, config=_plain_args(args))
 
     def log(self, record: dict[str, Any], step: int, step_key: str = "rollout_id", quiet: bool = False) -> None:
         record = {k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, bool)) else v)

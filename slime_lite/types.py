@@ -19,37 +19,30 @@ class RewardError(ValueError):
     Callers that face the user turn it into a ``SlimeLiteError`` (this module imports nothing of the project)."""
 
 
-class Status(Enum):
-    PENDING = "pending"
-    COMPLETED = "completed"
-    TRUNCATED = "truncated"
-    ABORTED = "aborted"
-    FAILED = "failed"
+def _int32s(meta_info: dict[str, Any], keys: tuple[str, ...]) -> list[int] | None:
+    """An int32 array SGLang puts in meta_info (base64 of little-endian int32, bytes, or a list), as slime decodes
+    it; None when none of ``keys`` is there."""
+    import array
+    import base64
 
-    @classmethod
-    def from_finish_reason(cls, finish_type: str | None) -> "Status":
-        """Map an engine finish reason type (``stop``/``length``/``abort``) to a status."""
-        return {"stop": cls.COMPLETED, "length": cls.TRUNCATED, "abort": cls.ABORTED}.get(
-            finish_type or "", cls.FAILED
-        )
-
-
-@dataclass
-class SpecInfo:
-    """Speculative-decoding statistics of one sample (zeros when not used)."""
-
-    spec_accept_token_num: int = 0
-    spec_draft_token_num: int = 0
-    spec_verify_ct: int = 0
-    completion_token_num: int = 0
+    value = next((meta_info[k] for k in keys if k in meta_info), None)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = base64.b64decode(value.encode("ascii"))
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        out = array.array("i")
+        out.frombytes(bytes(value))
+        return out.tolist()
+    return [int(v) for v in (value.reshape(-1).tolist() if hasattr(value, "reshape") else value)]
 
 
-@dataclass
-class PrefixCacheInfo:
-    """How much of the prompt the engine found in its prefix cache."""
-
-    cached_tokens: int = 0
-    total_prompt_tokens: int = 0
+def _as_list(values: Any, kind: type) -> list | None:
+    if values is None:
+        return None
+    if hasattr(values, "tolist"):
+        values = values.reshape(-1).tolist() if hasattr(values, "reshape") else values.tolist()
+    return [kind(v) for v in values]
 
 
 def _known(cls: type, data: dict[str, Any] | None) -> Any:
@@ -63,11 +56,17 @@ def _known(cls: type, data: dict[str, Any] | None) -> Any:
 
 @dataclass
 class Sample:
+    """One prompt's sample: slime's ``Sample`` fields in slime's order (positional construction matches)."""
+
     group_index: int | None = None
     index: int | None = None
+    rollout_id: int | None = None  # samples split from one rollout share it; None: ``index``
     prompt: str | list[dict[str, str]] = ""
     tokens: list[int] = field(default_factory=list)
     multimodal_inputs: dict[str, Any] | None = None
+    multimodal_train_inputs: dict[str, Any] | None = None
+    multimodal_train_input_id: str | None = None
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
     response: str = ""
     response_length: int = 0
     label: str | None = None
@@ -75,19 +74,89 @@ class Sample:
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
+    rollout_top_p_token_ids: list[int] | None = None  # ragged: token i keeps ids[offsets[i]:offsets[i + 1]]
+    rollout_top_p_token_offsets: list[int] | None = None
     rollout_routed_experts: Any = None
     remove_sample: bool = False
     teacher_log_probs: list[float] | None = None
+
+    class Status(Enum):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+        ABORTED = "aborted"
+        FAILED = "failed"  # recoverable failure (tool call, parsing): partial output may be kept
+
+        @classmethod
+        def from_finish_reason(cls, finish_type: str | None) -> "Sample.Status":
+            """Map an engine finish reason type (``stop``/``length``/``abort``) to a status."""
+            return {"stop": cls.COMPLETED, "length": cls.TRUNCATED, "abort": cls.ABORTED}.get(
+                finish_type or "", cls.FAILED
+            )
+
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
-    train_metadata: dict[str, Any] | None = None
     generate_function_path: str | None = None
+    custom_rm_path: str | None = None
+    train_metadata: dict[str, Any] | None = None
     session_id: str | None = None
     non_generation_time: float = 0.0
-    spec_info: SpecInfo = field(default_factory=SpecInfo)
-    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
 
-    Status = Status  # slime spells it Sample.Status
+    @dataclass
+    class SpecInfo:
+        """Speculative-decoding statistics of one sample (zeros when not used)."""
+
+        spec_accept_token_num: int = 0
+        spec_draft_token_num: int = 0
+        spec_verify_ct: int = 0
+        completion_token_num: int = 0
+
+        @property
+        def spec_accept_rate(self) -> float:
+            return self.spec_accept_token_num / self.spec_draft_token_num if self.spec_draft_token_num > 0 else 0.0
+
+        @property
+        def spec_accept_length(self) -> float:
+            return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct > 0 else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.spec_accept_token_num += meta_info.get("spec_accept_token_num", 0)
+            self.spec_draft_token_num += meta_info.get("spec_draft_token_num", 0)
+            self.spec_verify_ct += meta_info.get("spec_verify_ct", 0)
+            self.completion_token_num += meta_info.get("completion_tokens", 0)
+
+        def to_dict(self) -> dict[str, int]:
+            return dataclasses.asdict(self)
+
+        @staticmethod
+        def from_dict(data: dict) -> "Sample.SpecInfo":
+            return _known(Sample.SpecInfo, data)
+
+    spec_info: SpecInfo = field(default_factory=SpecInfo)
+
+    @dataclass
+    class PrefixCacheInfo:
+        """How much of the prompt the engine found in its prefix cache."""
+
+        cached_tokens: int = 0
+        total_prompt_tokens: int = 0
+
+        @property
+        def prefix_cache_hit_rate(self) -> float:
+            return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens > 0 else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.cached_tokens += meta_info.get("cached_tokens", 0)
+            self.total_prompt_tokens += meta_info.get("prompt_tokens", 0)
+
+        def to_dict(self) -> dict[str, int]:
+            return dataclasses.asdict(self)
+
+        @staticmethod
+        def from_dict(data: dict) -> "Sample.PrefixCacheInfo":
+            return _known(Sample.PrefixCacheInfo, data)
+
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
 
     @property
     def prompt_length(self) -> int:
@@ -139,6 +208,109 @@ class Sample:
                 setattr(sample, key, value)
         return sample
 
+    def get_reward_value(self, args: Any) -> Any:
+        """slime's accessor: the reward, or its ``args.reward_key`` entry."""
+        return self.reward if not args.reward_key else self.reward[args.reward_key]
+
+    @property
+    def effective_response_length(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def append_response_tokens(self, args: Any = None, *, tokens: Any = None, log_probs: Any = None,
+                               trainable: bool = True, meta_info: dict | None = None, text: str | None = None,
+                               update_terminal_info: bool = True) -> None:
+        """Append response tokens keeping loss mask, log-probs and top-p spans aligned (slime's method): model tokens
+        with ``trainable=True`` and their log-probs; tool/environment tokens with ``trainable=False`` (mask 0)."""
+        tokens = _as_list(tokens, int) or []
+        log_probs = _as_list(log_probs, float)
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise ValueError(f"log_probs length {len(log_probs)} != tokens length {len(tokens)}")
+        if tokens and trainable and log_probs is None:
+            raise ValueError("trainable response tokens require rollout log probabilities.")
+        if tokens and not trainable:
+            if log_probs is not None:
+                raise ValueError("non-trainable response tokens should not pass rollout log probabilities.")
+            log_probs = [0.0] * len(tokens)
+        if text is not None:
+            self.response += text
+        before = self.response_length
+        if tokens:
+            self.tokens = list(self.tokens) + tokens
+            self.response_length += len(tokens)
+            self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * before) + \
+                [1 if trainable else 0] * len(tokens)
+        if log_probs is not None:
+            if self.rollout_log_probs is None:
+                if trainable and before:
+                    raise ValueError("Cannot append trainable rollout log probabilities to a sample with existing "
+                                     "response tokens but no existing rollout_log_probs.")
+                self.rollout_log_probs = [0.0] * before
+            self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
+        pad_top_p = bool(tokens and not trainable)
+        if meta_info is not None or pad_top_p:
+            self._apply_meta_info(args, meta_info or {}, new_token_count=len(tokens), pad_missing_top_p=pad_top_p,
+                                  update_terminal_info=update_terminal_info)
+        self._validate_response_metadata_lengths()
+
+    def _apply_meta_info(self, args: Any, meta_info: dict, *, new_token_count: int = 0,
+                         pad_missing_top_p: bool = False, update_terminal_info: bool = True) -> None:
+        applied = False
+        ids = _int32s(meta_info, ("top_p_token_ids", "top_p_kept_token_ids")) if new_token_count else None
+        offsets = _int32s(meta_info, ("top_p_token_offsets", "top_p_kept_token_offsets")) if new_token_count else None
+        if ids is not None or offsets is not None:
+            if ids is None or offsets is None or not offsets or offsets[0] != 0 or offsets[-1] != len(ids) \
+                    or len(offsets) != new_token_count + 1:
+                raise ValueError("SGLang top-p token replay needs token ids and offsets (starting at 0, ending at "
+                                 "the id count, one per generated token + 1).")
+            applied = True
+            if self.rollout_top_p_token_ids is None and self.rollout_top_p_token_offsets is None:
+                self.rollout_top_p_token_ids, self.rollout_top_p_token_offsets = ids, offsets
+            else:
+                base = list(self.rollout_top_p_token_offsets or [0])
+                self.rollout_top_p_token_ids = list(self.rollout_top_p_token_ids or []) + ids
+                self.rollout_top_p_token_offsets = base + [o + base[-1] for o in offsets[1:]]
+        if pad_missing_top_p and new_token_count and self.rollout_top_p_token_offsets is not None and not applied:
+            offsets = list(self.rollout_top_p_token_offsets)
+            self.rollout_top_p_token_offsets = offsets + [offsets[-1]] * new_token_count
+        experts = _int32s(meta_info, ("routed_experts",))
+        if experts is not None:
+            if args is None:
+                raise ValueError("args is required to decode routed experts metadata.")
+            start = int(meta_info.get("routed_experts_start_len", 0) or 0)
+            rows = max(0, len(self.tokens) - 1 - start)
+            per_row = args.num_layers * args.moe_router_topk
+            if len(experts) != rows * per_row:
+                raise ValueError(f"SGLang routed_experts has {len(experts)} values, expected {rows * per_row}.")
+            table = [[experts[(r * args.num_layers + layer) * args.moe_router_topk:
+                              (r * args.num_layers + layer + 1) * args.moe_router_topk]
+                      for layer in range(args.num_layers)] for r in range(rows)]
+            old = self.rollout_routed_experts
+            self.rollout_routed_experts = table if start == 0 else list(old.tolist() if hasattr(old, "tolist")
+                                                                         else old or [])[:start] + table
+        if not update_terminal_info or "finish_reason" not in meta_info:
+            return
+        if getattr(args, "sglang_speculative_algorithm", False):
+            self.spec_info.add(meta_info=meta_info)
+        self.prefix_cache_info.add(meta_info=meta_info)
+        if "weight_version" in meta_info:
+            self.weight_versions.append(meta_info["weight_version"])
+        finish = (meta_info["finish_reason"] or {}).get("type")
+        if finish in ("length", "abort", "stop"):
+            self.status = Sample.Status.from_finish_reason(finish)
+
+    def _validate_response_metadata_lengths(self) -> None:
+        if self.loss_mask is not None and len(self.loss_mask) != self.response_length:
+            raise ValueError(f"loss_mask length {len(self.loss_mask)} != response_length {self.response_length}")
+        if self.rollout_log_probs is not None and len(self.rollout_log_probs) != self.response_length:
+            raise ValueError(f"rollout_log_probs length {len(self.rollout_log_probs)} != response_length "
+                             f"{self.response_length}")
+        ids, offsets = self.rollout_top_p_token_ids, self.rollout_top_p_token_offsets
+        if ids is None and offsets is None:
+            return
+        if ids is None or offsets is None or len(offsets) != self.response_length + 1 or offsets[-1] != len(ids):
+            raise ValueError("rollout top-p replay: offsets must have response_length + 1 entries ending at the "
+                             "number of token ids.")
+
     def check(self) -> None:
         """Raise ValueError when per-token lists disagree with ``response_length``."""
         for name in ("rollout_log_probs", "loss_mask"):
@@ -149,3 +321,9 @@ class Sample:
                 )
         if self.response_length > len(self.tokens):
             raise ValueError(f"sample {self.index}: response_length {self.response_length} > len(tokens)")
+
+
+# slime spells these Sample.Status, Sample.SpecInfo, Sample.PrefixCacheInfo; the short names are the same classes
+Status = Sample.Status
+SpecInfo = Sample.SpecInfo
+PrefixCacheInfo = Sample.PrefixCacheInfo

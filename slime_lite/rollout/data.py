@@ -1,4 +1,4 @@
-"""Prompt data: a JSONL file read once, served in a reproducible (optionally shuffled) order with a resumable cursor."""
+"""Prompt data: a JSONL or Parquet file read once, served in a reproducible (optionally shuffled) order with a resumable cursor."""
 
 from __future__ import annotations
 
@@ -18,19 +18,35 @@ class Prompt:
     metadata: dict[str, Any]
 
 
-def read_prompts(path: str, input_key: str, label_key: str | None, flag: str = "--prompt-data") -> list[Prompt]:
-    prompts = []
+def _rows(path: str, flag: str) -> Any:
+    """(line or row number, row) of a JSONL file, or of a Parquet file (``.parquet``, as slime reads them)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
+            raise SlimeLiteError(f"{flag} {path}: cannot read it as Parquet ({exc}).") from None
+        yield from enumerate(rows, 1)
+        return
     try:
         lines = open(path, encoding="utf-8").read().splitlines()
     except OSError as exc:
         raise SlimeLiteError(f"{flag} {path}: cannot read ({exc.strerror}).") from None
+    except UnicodeDecodeError:
+        raise SlimeLiteError(f"{flag} {path}: not a UTF-8 JSONL file (Parquet files must end in .parquet).") from None
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield lineno, json.loads(line)
         except json.JSONDecodeError as exc:
             raise SlimeLiteError(f"{flag} {path}:{lineno}: not valid JSON ({exc.msg}).") from None
+
+
+def read_prompts(path: str, input_key: str, label_key: str | None, flag: str = "--prompt-data") -> list[Prompt]:
+    prompts = []
+    for lineno, row in _rows(path, flag):
         if not isinstance(row, dict) or input_key not in row:
             raise SlimeLiteError(
                 f"{flag} {path}:{lineno}: no {input_key!r} key (set --input-key to the prompt's key; "

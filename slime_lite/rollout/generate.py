@@ -22,8 +22,8 @@ def sampling_params(cfg: RolloutConfig, evaluation: bool = False) -> dict[str, A
                                        cfg.eval_temperature if evaluation else cfg.rollout_temperature, evaluation)
     return {
         "temperature": temperature,
-        "top_p": cfg.rollout_top_p,
-        "top_k": cfg.rollout_top_k,
+        "top_p": cfg.eval_top_p if evaluation else cfg.rollout_top_p,
+        "top_k": cfg.eval_top_k if evaluation else cfg.rollout_top_k,
         "max_new_tokens": cfg.eval_max_response_len if evaluation else cfg.rollout_max_response_len,
         "stop": cfg.rollout_stop,
         "skip_special_tokens": False,

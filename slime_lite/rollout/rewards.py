@@ -1,4 +1,6 @@
-"""Reward functions: ``--rm-type {addition,math}`` or ``--custom-rm-path module.fn`` (slime's signature).
+"""Reward functions: ``--rm-type {addition,math,boxed_math,deepscaler}`` or ``--custom-rm-path module.fn`` (slime's
+signature). ``deepscaler`` and ``boxed_math`` follow slime's rm_hub rules (the answer after the reasoning, in
+``\\boxed{}``), graded by the same number-or-text comparison as ``math``.
 
 A custom reward model is ``async def rm(args, sample, **kwargs) -> float | dict`` (a plain ``def`` works too).
 A dict reward is stored whole in ``sample.reward`` and ``--reward-key`` picks the scalar the trainer uses.
@@ -18,7 +20,7 @@ from slime_lite.hooks import call_maybe_async, load_function
 from slime_lite.rollout.stats import scalar_rewards
 from slime_lite.types import Sample
 
-RM_TYPES = ("addition", "math")
+RM_TYPES = ("addition", "math", "boxed_math", "deepscaler")
 # End-of-text markers an engine may leave in the response text when it does not skip special tokens.
 _EOS_STRINGS = ("<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
@@ -96,7 +98,37 @@ def math_reward(response: str, label: str) -> float:
     return 1.0 if got == want else 0.0
 
 
-_BUILTIN: dict[str, Callable[[str, str], float]] = {"addition": addition_reward, "math": math_reward}
+def _same_answer(answer: str, label: str) -> float:
+    got, want = _to_number(answer), _to_number(label)
+    if got is None or want is None:
+        return 1.0 if answer.strip() == label.strip() else 0.0
+    return 1.0 if got == want else 0.0
+
+
+def boxed_math_reward(response: str, label: str) -> float:
+    """slime's ``boxed_math``: only the last ``\\boxed{...}`` of the response counts (none: 0.0)."""
+    answer = _last_boxed(strip_response(response))
+    return 0.0 if answer is None else _same_answer(answer, label)
+
+
+def deepscaler_reward(response: str, label: str) -> float:
+    """slime's ``deepscaler`` rule: the solution is what follows ``</think>`` (or ``###Response``); 1.0 when its last
+    ``\\boxed{...}`` equals the label (itself unboxed if it is boxed), else 0.0; no reasoning end marker is 0.0."""
+    if "</think>" in response:
+        solution = response.split("</think>")[-1]
+    elif "###Response" in response:
+        solution = response.split("###Response")[1]
+    else:
+        return 0.0
+    answer = _last_boxed(solution)
+    label = _last_boxed(label) or label if "\\boxed" in label else label
+    if answer is None or not label.strip():
+        return 0.0
+    return _same_answer(answer, label)
+
+
+_BUILTIN: dict[str, Callable[[str, str], float]] = {"addition": addition_reward, "math": math_reward,
+                                                    "boxed_math": boxed_math_reward, "deepscaler": deepscaler_reward}
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,226 @@
+"""slime's (and Megatron's) flags that slime-lite takes so that slime's example scripts run as written.
+
+Three kinds, each in one table here (args.py adds them to the ``train`` parser, ``check`` runs in validate_args):
+
+- ``ARCH_FLAGS``: Megatron's model-architecture flags. slime-lite builds the model from ``--hf-checkpoint``'s
+  config.json, so each given flag is checked against it: a contradiction is an error naming the flag, both values
+  and the file.
+- ``AS_SLIME_LITE_DOES``: flags whose only supported values are what slime-lite always does (``--optimizer adam``,
+  ``--context-parallel-size 1``, dropout 0, no RoPE fusion, ...): honoured, and any other value is refused.
+- ``NOT_SUPPORTED``: flags slime has and slime-lite does not implement yet: parsed (never argparse's "unrecognized
+  arguments"), and refused all together by ``check`` with the reason for each. A flag that gets implemented moves
+  out of this table (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import Any
+
+from slime_lite.errors import SlimeLiteError
+
+STORE_TRUE = {"action": "store_true", "default": None}
+
+
+def _value(kind: type = str, **kw: Any) -> dict[str, Any]:
+    return {"type": kind, "default": None, **kw}
+
+
+# ---- Megatron architecture flags: flag -> (argparse kwargs, config.json key(s) it is checked against) --------------
+ARCH_FLAGS: dict[str, tuple[dict[str, Any], str]] = {
+    "--num-layers": (_value(int), "num_hidden_layers"),
+    "--hidden-size": (_value(int), "hidden_size"),
+    "--ffn-hidden-size": (_value(int), "intermediate_size"),
+    "--num-attention-heads": (_value(int), "num_attention_heads"),
+    "--group-query-attention": (STORE_TRUE, "num_key_value_heads"),
+    "--num-query-groups": (_value(int), "num_key_value_heads"),
+    "--kv-channels": (_value(int), "head_dim (or hidden_size / num_attention_heads)"),
+    "--vocab-size": (_value(int), "vocab_size"),
+    "--swiglu": (STORE_TRUE, "hidden_act"),
+    "--normalization": (_value(choices=("LayerNorm", "RMSNorm")), "rms_norm_eps / layer_norm_eps"),
+    "--norm-epsilon": (_value(float), "rms_norm_eps (or layer_norm_eps)"),
+    "--use-rotary-position-embeddings": (STORE_TRUE, "rope_theta"),
+    "--position-embedding-type": (_value(choices=("learned_absolute", "rope", "mrope", "relative", "none")),
+                                  "rope_theta"),
+    "--rotary-base": (_value(float), "rope_theta"),
+    "--rotary-percent": (_value(float), "partial_rotary_factor"),
+    "--rotary-interleaved": (STORE_TRUE, "model_type"),
+    "--untie-embeddings-and-output-weights": (STORE_TRUE, "tie_word_embeddings"),
+    "--qk-layernorm": (STORE_TRUE, "model_type"),
+    "--disable-bias-linear": (STORE_TRUE, "mlp_bias"),
+    "--add-qkv-bias": (STORE_TRUE, "attention_bias (or model_type)"),
+    "--post-self-attn-layernorm": (STORE_TRUE, "model_type"),
+    "--post-mlp-layernorm": (STORE_TRUE, "model_type"),
+    "--spec": (_value(nargs=2, metavar=("MODULE", "FUNCTION")), "model_type"),
+}
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "olmo2", "gemma3")
+NO_QK_NORM_TYPES = ("llama", "qwen2", "qwen2_moe", "mistral", "glm4", "glm")
+INTERLEAVED_ROPE_TYPES = ("glm4", "glm", "chatglm")
+POST_NORM_TYPES = ("glm4",)  # extra layernorms after attention and MLP
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
+
+# ---- honoured with these values only: flag -> (argparse kwargs, allowed values, what slime-lite does) ---------------
+AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
+    "--context-parallel-size": (_value(int), (1,), "no context parallelism"),
+    "--expert-model-parallel-size": (_value(int), (1,), "dense models only, no expert parallelism"),
+    "--expert-tensor-parallel-size": (_value(int), (1,), "dense models only, no expert parallelism"),
+    "--optimizer": (_value(), ("adam",), "Megatron's Adam"),
+    "--lr-decay-style": (_value(), ("constant",), "a constant learning rate"),
+    "--attention-dropout": (_value(float), (0.0,), "no dropout"),
+    "--hidden-dropout": (_value(float), (0.0,), "no dropout"),
+    "--attention-backend": (_value(), ("flash", "auto"),
+                            "PyTorch SDPA (flash kernels on CUDA) in the local layer spec"),
+    "--no-rope-fusion": (STORE_TRUE, (True,), "no fused RoPE kernel"),
+    "--accumulate-allreduce-grads-in-fp32": (STORE_TRUE, (True,), "gradients reduced in float32"),
+    "--attention-softmax-in-fp32": (STORE_TRUE, (True,), "softmax accumulated in float32 (SDPA)"),
+}
+
+# ---- not supported yet: flag -> (argparse kwargs, reason) -------------------------------------------------------
+_PERF = "a Megatron performance option slime-lite does not wire up yet; drop it"
+_MOE = "MoE models are not supported yet (the Megatron backend builds dense Llama/Qwen2/Qwen3 models)"
+NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
+    "--sequence-parallel": (STORE_TRUE, _PERF),
+    "--recompute-granularity": (_value(), _PERF + " (activation recomputation)"),
+    "--recompute-method": (_value(), _PERF + " (activation recomputation)"),
+    "--recompute-num-layers": (_value(int), _PERF + " (activation recomputation)"),
+    "--optimizer-cpu-offload": (STORE_TRUE, _PERF + " (the optimizer state stays on the GPU; --offload-train "
+                                                    "moves it off between steps)"),
+    "--overlap-cpu-optimizer-d2h-h2d": (STORE_TRUE, _PERF + " (goes with --optimizer-cpu-offload)"),
+    "--use-precision-aware-optimizer": (STORE_TRUE, _PERF),
+    "--balance-data": (STORE_TRUE, "balancing tokens over data-parallel ranks is not implemented yet; samples are "
+                                   "split in order"),
+    "--num-experts": (_value(int), _MOE),
+    "--moe-ffn-hidden-size": (_value(int), _MOE),
+    "--moe-router-topk": (_value(int), _MOE),
+    "--moe-router-score-function": (_value(), _MOE),
+    "--moe-token-dispatcher-type": (_value(), _MOE),
+    "--moe-layer-freq": (_value(), _MOE),
+    "--moe-grouped-gemm": (STORE_TRUE, _MOE),
+    "--moe-token-drop-policy": (_value(), _MOE),
+    "--moe-router-dtype": (_value(), _MOE),
+    "--moe-permute-fusion": (STORE_TRUE, _MOE),
+    "--moe-aux-loss-coeff": (_value(float), _MOE),
+}
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Megatron model architecture",
+                                  "optional: slime-lite reads the architecture from --hf-checkpoint's config.json; a "
+                                  "flag given here is checked against it")
+    for flag, (kw, key) in ARCH_FLAGS.items():
+        g.add_argument(flag, help=f"checked against config.json {key}", **kw)
+    g = parser.add_argument_group("slime flags honoured as slime-lite always runs", "any other value is refused")
+    for flag, (kw, allowed, what) in AS_SLIME_LITE_DOES.items():
+        shown = "" if allowed == (True,) else f" ({'/'.join(str(a) for a in allowed)} only)"
+        g.add_argument(flag, help=f"{what}{shown}", **kw)
+    g = parser.add_argument_group("slime flags not supported yet", "parsed, then refused with the reason")
+    for flag, (kw, reason) in NOT_SUPPORTED.items():
+        g.add_argument(flag, help=f"not supported yet: {reason}", **kw)
+
+
+def refused(args: argparse.Namespace) -> list[str]:
+    """One line per flag given that slime-lite refuses (not supported yet, or a value it does not support)."""
+    out = []
+    for flag, (_, reason) in NOT_SUPPORTED.items():
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            out.append(f"{flag}: not supported yet: {reason}")
+    for flag, (_, allowed, what) in AS_SLIME_LITE_DOES.items():
+        value = getattr(args, _dest(flag))
+        if value is not None and value not in allowed:
+            out.append(f"{flag} {value}: not supported yet: slime-lite runs with {what} "
+                       f"({flag} {' or '.join(str(a) for a in allowed)})")
+    return out
+
+
+def hf_values(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What each architecture flag would have to say for this config.json (None: the config does not tell)."""
+    mt = cfg.get("model_type") or ""
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    rope = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
+    norm = "RMSNorm" if "rms_norm_eps" in cfg else "LayerNorm" if "layer_norm_eps" in cfg else None
+    known = mt in QK_NORM_TYPES + NO_QK_NORM_TYPES
+    return {
+        "num_layers": cfg.get("num_hidden_layers"),
+        "hidden_size": hidden,
+        "ffn_hidden_size": cfg.get("intermediate_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": cfg.get("num_key_value_heads", heads),
+        "kv_channels": cfg.get("head_dim") or (hidden // heads if hidden and heads else None),
+        "vocab_size": cfg.get("vocab_size"),
+        "swiglu": cfg["hidden_act"] in ("silu", "swish") if "hidden_act" in cfg else None,
+        "normalization": norm,
+        "norm_epsilon": cfg.get("rms_norm_eps", cfg.get("layer_norm_eps")),
+        "use_rotary_position_embeddings": theta is not None or None,
+        "position_embedding_type": "rope" if theta is not None else None,
+        "rotary_base": theta,
+        "rotary_percent": cfg.get("partial_rotary_factor", 1.0),
+        "rotary_interleaved": mt in INTERLEAVED_ROPE_TYPES if mt else None,
+        "untie_embeddings_and_output_weights": (not cfg["tie_word_embeddings"]) if "tie_word_embeddings" in cfg
+        else None,
+        "qk_layernorm": mt in QK_NORM_TYPES if known else None,
+        "disable_bias_linear": not cfg.get("mlp_bias", False),
+        "add_qkv_bias": bool(cfg["attention_bias"]) if "attention_bias" in cfg else (mt in QKV_BIAS_TYPES if mt
+                                                                                      else None),
+        "post_self_attn_layernorm": mt in POST_NORM_TYPES if mt else None,
+        "post_mlp_layernorm": mt in POST_NORM_TYPES if mt else None,
+    }
+
+
+def _same(given: Any, want: Any) -> bool:
+    if isinstance(given, float) or isinstance(want, float):
+        return math.isclose(float(given), float(want), rel_tol=1e-6)
+    return given == want
+
+
+def check_architecture(args: argparse.Namespace) -> None:
+    """Every architecture flag given agrees with --hf-checkpoint's config.json; else an error naming the flag, both
+    values and the file."""
+    given = {_dest(f): getattr(args, _dest(f)) for f in ARCH_FLAGS if getattr(args, _dest(f)) is not None}
+    if not given:
+        return
+    path = os.path.join(args.hf_checkpoint, "config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    want = hf_values(cfg)
+    model_type = cfg.get("model_type")
+    problems = []
+    for dest, value in given.items():
+        flag = "--" + dest.replace("_", "-")
+        key = ARCH_FLAGS[flag][1]
+        if dest == "spec":
+            spec_type = value[0].rsplit(".", 1)[-1]
+            if model_type and not (model_type.startswith(spec_type) or spec_type.startswith(model_type)):
+                problems.append(f"{flag} {' '.join(value)} is a {spec_type} layer spec, but {path} has model_type "
+                                f"{model_type!r}")
+            continue
+        if dest == "group_query_attention":
+            continue  # a switch; --num-query-groups carries the number and is checked
+        expected = want.get(dest)
+        if expected is None:
+            continue  # the config does not say
+        if not _same(value, expected):
+            shown = "given" if value is True else value
+            problems.append(f"{flag} {shown} contradicts {path}: {key} means {flag} "
+                            f"{'not given' if expected is False else expected}"
+                            + (f" (model_type {model_type!r})" if key == "model_type" else ""))
+    if problems:
+        raise SlimeLiteError("Megatron architecture flags disagree with the checkpoint (slime-lite builds the model "
+                             "from config.json; fix or drop the flag):\n  " + "\n  ".join(problems))
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refused flags (all of them, with reasons), then the architecture flags against config.json."""
+    lines = refused(args)
+    if lines:
+        raise SlimeLiteError("slime flags that slime-lite does not support yet (drop them or use slime itself):\n  "
+                             + "\n  ".join(lines))
+    check_architecture(args)
