@@ -119,6 +119,13 @@ def validate_args(args: argparse.Namespace) -> None:
 
     check_slime_flags(args)
     _need_file(args.ref_load, "--ref-load")
+    if args.ref_load is not None and not os.path.exists(os.path.join(args.ref_load, "config.json")):
+        megatron = os.path.exists(os.path.join(args.ref_load, "latest_checkpointed_iteration.txt"))
+        raise SlimeLiteError(
+            f"--ref-load {args.ref_load} is "
+            + ("a Megatron checkpoint (slime's torch_dist format)" if megatron else "not a Hugging Face model folder")
+            + ": slime-lite reads the reference model from a Hugging Face folder (config.json and weights). Point "
+            "--ref-load at one, or drop it (the reference is then --hf-checkpoint).")
     if not args.debug_train_only:
         if args.prompt_data is None and not args.custom_generate_function_path:
             raise SlimeLiteError("--prompt-data is required to generate rollouts (a JSONL file of prompts).")

@@ -38,7 +38,6 @@ CONFIGS = {  # the config.json fields of the checkpoints the scripts name (no we
                                             "num_attention_heads": 14, "num_key_value_heads": 2,
                                             "tie_word_embeddings": True},
 }
-PATH_FLAGS = ("--hf-checkpoint", "--ref-load", "--load", "--save", "--prompt-data")
 # --sglang-* flags that the pinned SGLang itself refuses (its parser says why): renamed upstream since the scripts
 SGLANG_REFUSES = {"--sglang-cuda-graph-bs": "ambiguous in SGLang 0.5.23 (now --cuda-graph-bs-decode/-prefill)"}
 # what a script then still trips over, because of a refused flag: (error, flag, value that passes)
@@ -137,6 +136,17 @@ def test_architecture_contradiction_names_flag_values_and_file(tmp_path, sglang_
     with pytest.raises(SlimeLiteError, match="--qk-layernorm given contradicts .*model_type 'qwen2'"):
         (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIGS["run-qwen2.5-0.5B-reproducibility.sh"]))
         parse_args(["--hf-checkpoint", str(tmp_path / "model"), "--debug-train-only", "--qk-layernorm"])
+
+
+def test_a_megatron_ref_load_is_refused_with_the_way_out(tmp_path):
+    """slime's scripts pass a torch_dist conversion as --ref-load; slime-lite reads HF folders and says so."""
+    model, dist = tmp_path / "model", tmp_path / "Qwen3-4B_torch_dist"
+    model.mkdir()
+    dist.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIGS["run-qwen3-4B.sh"]))
+    (dist / "latest_checkpointed_iteration.txt").write_text("release")
+    with pytest.raises(SlimeLiteError, match="Megatron checkpoint .*torch_dist.*Hugging Face folder"):
+        parse_args(["--hf-checkpoint", str(model), "--ref-load", str(dist), "--debug-train-only"])
 
 
 def compat_counts() -> dict[str, int]:
