@@ -371,6 +371,8 @@ def print_report(report: dict[str, Any]) -> None:
         table.add_column(col, overflow="fold")
     for c in report["checks"]:
         mark = "[green]PASS[/green]" if c["passed"] else "[red]FAIL[/red]"
+        if c["threshold"].startswith("info:"):  # a value to read (mismatch rows), not a check
+            mark = "info"
         table.add_row(c["name"], _fmt(c["value"]), c["threshold"], mark, c["cause"])
     console.print(table)
     loc = report.get("localization")
