@@ -37,7 +37,7 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
     for key in ("top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
-                "frequency_penalty", "presence_penalty", "repetition_penalty"):
+                "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"):
         if body.get(key) is not None:
             sp[key] = body[key]
     if body.get("min_tokens") is not None:
@@ -49,8 +49,25 @@ _FIELD_NAMES = (("sampling_params.max_new_tokens", "max_tokens"), ("sampling_par
                 ("sampling_params.sampling_seed", "seed"), ("sampling_params.", ""))
 
 
+# OpenAI (and SGLang-extension) fields that change the output and that the engine does not implement: a 400.
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "response_format", "suffix", "regex",
+                "json_schema", "ebnf", "structural_tag", "lora_path", "return_hidden_states", "continue_final_message")
+
+
+def _unsupported(body: dict[str, Any]) -> None:
+    for key in _UNSUPPORTED:
+        value = body.get(key)
+        if value in (None, False, "", [], {}, "none", "auto", {"type": "text"}):
+            continue
+        raise BadRequest(f"{key}: not supported by the embedded engine's OpenAI routes")
+    if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n", 1):
+        raise BadRequest("best_of: only best_of == n is supported by the embedded engine")
+
+
 def _stream(body: dict[str, Any]) -> Any:
-    """``stream`` as sent (new_requests checks it is a boolean); ``stream_options`` must be an object."""
+    """``stream`` as sent (new_requests checks it is a boolean); ``stream_options`` must be an object. Fields the
+    engine does not implement are refused here (every route builds its requests through this)."""
+    _unsupported(body)
     if not isinstance(body.get("stream_options") or {}, dict):
         raise BadRequest("stream_options must be an object")
     return False if body.get("stream") is None else body["stream"]

@@ -122,6 +122,18 @@ def test_official_openai_client_models_logprobs_echo_and_streams(engine):
             proto.CompletionStreamResponse.model_validate(ch.model_dump())
 
 
+@pytest.mark.parametrize("route,extra,field", [
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"suffix": "x"}, "suffix"),
+    ("/v1/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
+])
+def test_openai_fields_the_engine_does_not_implement_are_a_400(engine, route, extra, field):
+    body = {"prompt": "ab", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, **extra}
+    status, out = http(engine.url, route, body)
+    assert status == 400 and field in out["error"]["message"], out
+
+
 def test_serve_rejects_unknown_flags_and_tp_size(tiny_model_dir):
     with pytest.raises(SlimeLiteError, match="--enable-foo"):
         main(["--model-path", str(tiny_model_dir), "--enable-foo", "1"])
