@@ -1,6 +1,6 @@
 """The full RL loop through Ray on CPU: GRPO and PPO with --ci-test, every weight transport (the engine then
-samples from the new weights), colocate, kill-and-resume reproducing an uninterrupted run, and an engine killed
-mid-rollout under --use-fault-tolerance."""
+samples from the new weights; with distributed, an engine killed mid-rollout under --use-fault-tolerance too),
+colocate, and kill-and-resume reproducing an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -81,13 +81,26 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
 def test_weight_transport_engine_samples_new_weights(tiny_model_dir, data, tmp_path, transport):
     # lr 3e-3 moves the weights a lot: had the push failed, the engine's log-probs of rollout 1 (sampled from the
     # pushed weights) would disagree with the trainer's by far more than fp32 noise.
+    # The distributed run also carries the fault-tolerance case (one run instead of two): kill -9 of the engine's
+    # process while rollout 1 is generated, after its first group finished (--debug-inject-fault kill-engine). Under
+    # --use-fault-tolerance the engine is restarted on its bundle, gets the trained weights (version 1, through a
+    # new broadcast group, checked equal), the requests that did not finish are sent again, and the run ends.
+    fault = ["--use-fault-tolerance", "--debug-inject-fault", "kill-engine"] if transport == "distributed" else []
     proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "2", "--update-weight-transport", transport,
-                      "--check-weight-update-equal", "--debug-scramble-engine-weights"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+                      "--check-weight-update-equal", "--debug-scramble-engine-weights", *fault))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
     r = rows(tmp_path)
+    # rollout 1's samples (the retried ones included) came from the pushed weights the trainer scores with
     assert r[1]["rollout/weight_version"] == 1.0
     assert r[1]["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert r[1]["rollout/kl"] > 0  # the policy really moved away from the reference
+    if fault:
+        assert "failed and is taken out of rotation" in log  # requests were in flight when it died
+        assert re.search(r"engine 0 \(http://[\d.:]+\) is dead: ", log)
+        assert re.search(r"engine 0 restarted at http://[\d.:]+ in [\d.]+s \(weights version 1 pushed, weight "
+                         r"check passed\)", log)
+        assert [x["rollout/engine_restarts"] for x in r] == [0.0, 1.0]
 
 
 def test_skipped_push_is_visible_in_logprob_diff(tiny_model_dir, data, tmp_path):
@@ -146,22 +159,3 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, data, tmp_path):
         assert got[key] == want[key], key  # same prompts, same sampled tokens
     for key in ("train/loss", "train/grad_norm", "rollout/log_probs"):
         assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
-
-
-def test_fault_tolerance_restarts_an_engine_killed_mid_rollout(tiny_model_dir, data, tmp_path):
-    """kill -9 of the engine's process while rollout 1 is generated, after its first group finished
-    (--debug-inject-fault kill-engine): under --use-fault-tolerance the engine is restarted on its bundle, gets the
-    trained weights (version 1, checked equal), the requests that did not finish are sent again, and the run ends."""
-    proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "2", "--use-fault-tolerance",
-                      "--debug-inject-fault", "kill-engine", "--update-weight-transport", "distributed"))
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
-    assert "failed and is taken out of rotation" in log  # requests were in flight when it died
-    assert re.search(r"engine 0 \(http://[\d.:]+\) is dead: ", log)
-    assert re.search(r"engine 0 restarted at http://[\d.:]+ in [\d.]+s \(weights version 1 pushed, weight check "
-                     r"passed\)", log)
-    r = rows(tmp_path)
-    assert [x["rollout/engine_restarts"] for x in r] == [0.0, 1.0]
-    # rollout 1's samples, the retried ones included, were sampled from the trained weights the trainer scores with
-    assert r[1]["rollout/weight_version"] == 1.0 and r[1]["rollout/kl"] > 0
-    assert r[1]["train/train_rollout_logprob_abs_diff"] < 1e-5

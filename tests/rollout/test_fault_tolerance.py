@@ -84,3 +84,39 @@ def test_with_the_flag_requests_of_a_dead_engine_go_to_a_live_one_at_once():
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+# ---- on a GPU (scripts/test-gpu.sh): colocated, engine and trainer on one GPU, the engine killed mid-rollout -------
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs CUDA")
+def test_a_colocated_engine_killed_on_a_gpu_is_restarted_there_with_the_trained_weights(tiny_model_dir, tmp_path):
+    """The GPU case of tests/test_loop.py's fault test: the engine shares the trainer's GPU (--colocate, so the
+    trainer is offloaded while it generates); the new engine starts on that GPU, gets weights version 1 (checked
+    equal) and the run ends with rollout 1 sampled from them."""
+    import json
+    import subprocess
+    import sys
+
+    from slime_lite.tasks import make_data
+
+    data = tmp_path / "addition.jsonl"
+    make_data("addition", str(data), n_train=64, n_eval=8, seed=0)
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
+            "--lr", "3e-3", "--entropy-coef", "0.01", "--num-rollout", "2", "--colocate", "--use-fault-tolerance",
+            "--debug-inject-fault", "kill-engine", "--metrics-path", str(tmp_path / "m.jsonl")]
+    proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", *argv], capture_output=True, text=True,
+                          timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "engine 0 restarted at http://" in log and "weights version 1 pushed, weight check passed" in log
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0]
+    assert rows[1]["rollout/weight_version"] == 1.0 and rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-3
