@@ -79,7 +79,7 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
 }
 
 # ---- not supported yet: flag -> (argparse kwargs, reason) -------------------------------------------------------
-_PERF = "a Megatron performance option slime-lite does not wire up yet; drop it"
+_PERF = "a Megatron performance option that slime-lite does not wire up"
 _MOE = "MoE models are not supported yet (the Megatron backend builds dense Llama/Qwen2/Qwen3 models)"
 NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
     "--sequence-parallel": (STORE_TRUE, _PERF),
@@ -90,8 +90,8 @@ NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
                                                     "moves it off between steps)"),
     "--overlap-cpu-optimizer-d2h-h2d": (STORE_TRUE, _PERF + " (goes with --optimizer-cpu-offload)"),
     "--use-precision-aware-optimizer": (STORE_TRUE, _PERF),
-    "--balance-data": (STORE_TRUE, "balancing tokens over data-parallel ranks is not implemented yet; samples are "
-                                   "split in order"),
+    "--balance-data": (STORE_TRUE, "slime's token balancing over data-parallel ranks (slime-lite splits the "
+                                   "samples in order)"),
     "--num-experts": (_value(int), _MOE),
     "--moe-ffn-hidden-size": (_value(int), _MOE),
     "--moe-router-topk": (_value(int), _MOE),
