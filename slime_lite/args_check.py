@@ -34,8 +34,7 @@ def fill_implied(args: argparse.Namespace) -> None:
     if args.eval_top_k is None:
         args.eval_top_k = args.rollout_top_k
     if args.rollout_num_gpus is None:  # slime: under --colocate the engines take the actor's GPUs
-        args.rollout_num_gpus = (args.actor_num_nodes * args.actor_num_gpus_per_node
-                                 if args.colocate and not args.debug_rollout_only else 1)
+        args.rollout_num_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node if args.colocate else 1
     if args.critic_num_nodes is None:
         args.critic_num_nodes = args.actor_num_nodes
     if args.critic_num_gpus_per_node is None:
@@ -101,6 +100,8 @@ def validate_args(args: argparse.Namespace) -> None:
         log.info("--colocate: turning on --offload-train and --offload-rollout (trainer and engines share GPUs)")
         args.offload_train = args.offload_rollout = True
     if args.debug_rollout_only:
+        if args.colocate and args.rollout_num_gpus is None:  # slime: the engines still get the actor's GPUs
+            args.rollout_num_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
         changed = [f for f in ("colocate", "offload_train", "offload_rollout") if getattr(args, f)]
         for f in changed:
             setattr(args, f, False)

@@ -188,3 +188,15 @@ def test_parquet_and_jsonl_prompts_read_alike_and_slime_reward_rules(tmp_path):
     assert deepscaler_reward("The answer is \\boxed{5}.", "5") == 0.0  # no end of reasoning: slime scores 0
     assert deepscaler_reward("</think>\\boxed{\\frac{1}{2}}", "\\boxed{0.5}") == 1.0
     assert boxed_math_reward("5", "5") == 0.0 and boxed_math_reward("so \\boxed{5}", "5") == 1.0
+
+
+@pytest.mark.parametrize("extra, engines", [([], 4), (["--debug-rollout-only"], 4), (["--rollout-num-gpus", "2"], 2)])
+def test_colocate_gives_the_engines_the_actors_gpus_unless_told(tmp_path, extra, engines):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIGS["run-qwen3-4B.sh"]))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    args = parse_args(["--hf-checkpoint", str(model), "--prompt-data", str(tmp_path / "p.jsonl"), "--rm-type", "math",
+                       "--colocate", "--actor-num-gpus-per-node", "4", "--rollout-batch-size", "4",
+                       "--n-samples-per-prompt", "2", *extra])
+    assert args.rollout_num_gpus == engines
