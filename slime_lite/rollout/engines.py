@@ -115,8 +115,8 @@ def restart_engine(args: Any, pg: Any, bundles: list[int], old: Any, rank: int) 
 
     try:
         ray.get(old.stop.remote(), timeout=60)
-    except Exception:  # noqa: BLE001 - the actor died with its engine (or hangs): killed below either way
-        pass
+    except Exception as exc:  # noqa: BLE001 - the actor died with its engine (or hangs): killed below either way
+        log.info("engine %d: stopping what was left of it: %s", rank, type(exc).__name__)
     ray.kill(old, no_restart=True)
     actor = engine_actor(args, pg, bundles[rank * args.rollout_num_gpus_per_engine], rank)
     return actor, ray.get(actor.start.remote())

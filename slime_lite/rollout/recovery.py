@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from slime_lite.errors import EngineError
 
@@ -63,7 +64,7 @@ class EngineRecovery:
         import ray
 
         failed = set(ray.get(self.manager.failed_engines.remote()))
-        dead = {i: f"requests to it failed" for i, url in enumerate(self.urls) if url in failed}
+        dead = {i: "requests to it failed" for i, url in enumerate(self.urls) if url in failed}
         for i, why in self._not_running().items():
             dead.setdefault(i, why)
         router_failed = self.router is not None and self.router.url in failed

@@ -113,7 +113,7 @@ def test_a_colocated_engine_killed_on_a_gpu_is_restarted_there_with_the_trained_
             "--lr", "3e-3", "--entropy-coef", "0.01", "--num-rollout", "2", "--colocate", "--use-fault-tolerance",
             "--debug-inject-fault", "kill-engine", "--metrics-path", str(tmp_path / "m.jsonl")]
     proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", *argv], capture_output=True, text=True,
-                          timeout=900)
+                          timeout=900, check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "engine 0 restarted at http://" in log and "weights version 1 pushed, weight check passed" in log
