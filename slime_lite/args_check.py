@@ -352,6 +352,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
         log.warning("--advantage-estimator %s with --n-samples-per-prompt 1 gives zero advantages",
                     args.advantage_estimator)
 
+
 def check_debug_tool_args(args: Any) -> None:
     """Grad-norm regression (--ci-save-grad-norm, --ci-load-grad-norm), profiling and memory snapshots: each
     needs the part of the run it reads (trainer, engines) and a window that exists."""

@@ -157,13 +157,15 @@ class RunProfiler:
         self.targets = profile_targets(args)
         self.dir = trace_dir(args)
         self.trained = 0
+        self.active = False  # a torch-profiler window is open (a resumed run may start past its start)
         DRIVER_TIMELINE.__init__(os.path.join(self.dir, "driver_timeline.json") if "driver" in self.targets
                                  else None)
 
     def before(self, rollout_id: int) -> None:
         DRIVER_TIMELINE.rollout_id = rollout_id
-        if not profiled(self.args, rollout_id)[0]:
+        if not profiled(self.args, rollout_id)[0] or not self.targets - {"driver"}:
             return
+        self.active = True
         if "train" in self.targets:
             for group in self.trainers:
                 group.start_profile()
@@ -175,7 +177,8 @@ class RunProfiler:
                                                      "profile_prefix": f"rollout_engine{i}"}, timeout=300)
 
     def after(self, rollout_id: int) -> None:
-        if profiled(self.args, rollout_id)[1]:
+        if self.active and profiled(self.args, rollout_id)[1]:
+            self.active = False
             if "train" in self.targets:
                 for group in self.trainers:
                     group.stop_profile(os.path.abspath(self.dir))

@@ -159,3 +159,43 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, data, tmp_path):
         assert got[key] == want[key], key  # same prompts, same sampled tokens
     for key in ("train/loss", "train/grad_norm", "rollout/log_probs"):
         assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
+
+
+def test_deterministic_mode_two_runs_are_byte_identical_and_profiling_writes_traces(tiny_model_dir, data,
+                                                                                   tmp_path):
+    """--deterministic-mode: the same run twice gives the same metrics (timings excluded) and byte-identical
+    dumps on CPU. The second run also profiles (train workers, engine, driver timeline): it must not change a
+    number, and its traces are Chrome trace JSON with the events of their process."""
+    import filecmp
+
+    from slime_lite.debug.compare_runs import main as compare_runs
+    from slime_lite.metrics import is_timing_metric
+
+    def run(name: str, *extra: str) -> Path:
+        out = tmp_path / name
+        proc = train(base(tiny_model_dir, data, out, "--num-rollout", "2", "--deterministic-mode", "--eval-interval",
+                          "2", "--eval-prompt-data", "add", str(data.with_name("addition_eval.jsonl")),
+                          "--save-debug-rollout-data", str(out / "dumps" / "{rollout_id}.pt"), *extra))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+
+    a = run("a")
+    b = run("b", "--profile-target", "train", "rollout", "driver", "--profile-step-start", "1",
+            "--profile-step-end", "2", "--tensorboard-dir", str(tmp_path / "traces"))
+    assert compare_runs([str(a / "m.jsonl"), str(b / "m.jsonl")]) == 0
+    lines = [[json.dumps({k: v for k, v in json.loads(line).items() if not is_timing_metric(k)})
+              for line in (out / "m.jsonl").read_text().splitlines()] for out in (a, b)]
+    assert lines[0] == lines[1] and len(lines[0]) == 3  # eval before training, rollouts 0 and 1
+    names = sorted(p.name for p in (a / "dumps").iterdir())
+    assert names == sorted(p.name for p in (b / "dumps").iterdir()) and len(names) == 4  # 2 rollouts, 2 evals
+    assert all(filecmp.cmp(a / "dumps" / n, b / "dumps" / n, shallow=False) for n in names)
+
+    traces = tmp_path / "traces"
+    train_trace = json.loads((traces / "train_actor_rank0.trace.json").read_text())
+    engine_trace = json.loads(next(traces.glob("rollout_engine0-*.trace.json")).read_text())
+    for trace in (train_trace, engine_trace):  # the model's matmuls ran inside the window
+        assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    assert any("backward" in e.get("name", "").lower() for e in train_trace["traceEvents"])
+    spans = [e for e in json.loads((traces / "driver_timeline.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {(e["name"], e["args"]["rollout_id"]) for e in spans} >= {
+        (phase, rid) for phase in ("rollout", "log_probs", "train", "update_weights") for rid in (0, 1)} | {("eval", 1)}

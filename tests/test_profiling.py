@@ -65,3 +65,34 @@ def test_memory_history_is_refused_without_cuda(tmp_path):
     with pytest.raises(SlimeLiteError, match="--record-memory-history records the CUDA allocator, and this "
                                              "machine has no CUDA device"):
         check_profiling_device(args)
+
+
+class FakeGroup:
+    """Records the profiling calls the driver makes on a train group (the real one forwards them to Ray actors)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def start_profile(self) -> None:
+        self.calls.append(("start",))
+
+    def stop_profile(self, folder: str) -> None:
+        self.calls.append(("stop", folder))
+
+
+@pytest.mark.parametrize("first", [0, 2])  # 2: a run resumed past --profile-step-start never opens the window
+def test_the_driver_opens_the_window_once_and_closes_it(tmp_path, first):
+    from slime_lite.profiling import DRIVER_TIMELINE, RunProfiler
+
+    args = parser_defaults(hf_checkpoint=".", profile_target=["train", "driver"], profile_step_start=1,
+                           profile_step_end=3, num_rollout=4, tensorboard_dir=str(tmp_path))
+    group = FakeGroup()
+    prof = RunProfiler(args, [group], [])
+    for rid in range(first, 4):
+        prof.before(rid)
+        with DRIVER_TIMELINE.span("rollout"):
+            pass
+        prof.after(rid)
+    assert group.calls == ([("start",), ("stop", str(tmp_path))] if first == 0 else [])
+    spans = json.loads((tmp_path / "driver_timeline.json").read_text())["traceEvents"]
+    assert [e["args"]["rollout_id"] for e in spans if e["ph"] == "X"] == list(range(first, 4))

@@ -49,6 +49,8 @@ SKIP = {
     "slime-lite display-rollouts --load-debug-rollout-data T": "placeholder T; run-tiny-rollout-only.sh, run here, "
                                                                "calls it on its dumps",
     "slime-lite replay-reward": "named without its flags (tests/debug/test_replay_reward.py)",
+    "slime-lite compare-runs A.jsonl B.jsonl": "placeholder files; tests/debug/test_compare_runs.py runs it on "
+                                               "written files, tests/test_loop.py on two real runs' metrics",
     "slime-lite explain --rollout-dump out/data_3.pt --train-dump out/train_3_*.pt --sample 5":
         "placeholder dumps; tests/debug/test_explain.py runs it on written dumps, tests/test_loop.py on a real run's",
     "RAY_AUTH_MODE=disabled .venv/bin/ray start --head --num-cpus 8 --resources '{\"slot\": 4}'":

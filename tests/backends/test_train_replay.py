@@ -30,22 +30,29 @@ def test_step1_invariants(tiny_model_dir, replay_dumps, tmp_path, train_cli, met
     assert first["train/train_rollout_logprob_abs_diff"] < 1e-5
 
 
+TWO_STEPS = ["--num-rollout", "1", "--num-steps-per-rollout", "2"]  # the second step's grad-norm sees the lr
+
+
 @pytest.fixture(scope="module")
 def single_gpu_metrics(tiny_model_dir, replay_dumps, tmp_path_factory, train_cli, metrics_of):
+    """The (TP, PP, DP) = (1, 1, 1) replay; it saves every step's grad-norm (--ci-save-grad-norm) for the others."""
     out = tmp_path_factory.mktemp("ref")
-    ref = train_cli(args_for(tiny_model_dir, replay_dumps, out, "ref", "--num-rollout", "1"))
+    ref = train_cli(args_for(tiny_model_dir, replay_dumps, out, "ref", *TWO_STEPS,
+                             "--ci-save-grad-norm", str(out / "grad_norms.json")))
     assert ref.returncode == 0, ref.stderr[-3000:]
-    return metrics_of(out / "ref.jsonl")[0]
+    return metrics_of(out / "ref.jsonl")[0], out / "grad_norms.json"
 
 
 @pytest.mark.parametrize("tp,pp,gpus", [(2, 1, 2), (1, 2, 2), (1, 1, 2)])
 def test_parallelism_invariance(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of, single_gpu_metrics,
                                 tp, pp, gpus):
-    proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "par", "--num-rollout", "1",
+    """Each re-layout passes --ci-load-grad-norm of the (1, 1, 1) run at the float32 default rtol, step by step."""
+    ref, grad_norms = single_gpu_metrics
+    proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "par", *TWO_STEPS,
                               "--actor-num-gpus-per-node", str(gpus), "--tensor-model-parallel-size", str(tp),
-                              "--pipeline-model-parallel-size", str(pp)))
+                              "--pipeline-model-parallel-size", str(pp), "--ci-load-grad-norm", str(grad_norms)))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = single_gpu_metrics, metrics_of(tmp_path / "par.jsonl")[0]
+    a, b = ref, metrics_of(tmp_path / "par.jsonl")[0]
     for key in ("train/loss", "train/grad_norm", "train/entropy_loss", "rollout/log_probs"):
         assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-6), (key, a[key], b[key])
 
