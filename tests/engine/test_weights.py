@@ -44,8 +44,10 @@ def fresh_engine(tiny_model_dir):
     server.stop()
 
 
-def assert_serves(url: str, model, version: str) -> None:
-    """The engine's weights are ``model``'s and its samples' log-probs come from ``model``."""
+def assert_serves(url: str, model, version: str, cached: int = 0) -> None:
+    """The engine's weights are ``model``'s and its samples' log-probs come from ``model``. ``cached``: prompt tokens
+    the prefix cache holds for PROMPT (0 after a weight update: an update drops the cache, or stale K/V of the old
+    weights would make these log-probs wrong)."""
     name = "model.layers.1.self_attn.q_proj.weight"
     status, values = http(url, "/get_weights_by_name", {"name": name, "truncate_size": 3})
     assert status == 200
@@ -58,6 +60,7 @@ def assert_serves(url: str, model, version: str) -> None:
     lps = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
     ref = hf_logprobs(model, PROMPT, out["output_ids"], 0.8)
     assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-5
+    assert out["meta_info"]["cached_tokens"] == cached
     assert out["meta_info"]["weight_version"] == version
     assert http(url, "/get_weight_version")[1]["weight_version"] == version
 
@@ -99,7 +102,7 @@ def test_update_weights_from_tensor(fresh_engine, new_model):
         status, out = http(url, "/update_weights_from_tensor",
                            {"serialized_named_tensors": [weight_wire.serialize([(name, t)])]})
         assert status == 400 and out["success"] is False and said in out["message"], out
-    assert_serves(url, new_model, "v2")  # refused updates change nothing
+    assert_serves(url, new_model, "v2", cached=len(PROMPT) - 1)  # refused updates change nothing, cache included
 
 
 def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
@@ -111,6 +114,7 @@ def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
     trainer = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", group_name="wu")
     t.join(30)
     assert box["result"][0] == 200 and box["result"][1]["success"] is True
+    generate(url, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})  # the old weights' K/V, cached
     named = list(new_model.named_parameters())
     body = {"names": [n for n, _ in named], "dtypes": [str(p.dtype).removeprefix("torch.") for _, p in named],
             "shapes": [list(p.shape) for _, p in named], "group_name": "wu", "weight_version": "v7"}
