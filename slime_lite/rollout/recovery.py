@@ -50,7 +50,9 @@ class EngineRecovery:
             self.check()
             if on_poll is not None:
                 on_poll()
-        return ray.get(ref)
+        result = ray.get(ref)
+        self.check()  # an engine that died near the end (its requests went elsewhere) is replaced within this step
+        return result
 
     def take_restarts(self) -> int:
         """Restarts since the last call (the step's ``rollout/engine_restarts``); the per-engine bound resets."""
