@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs per engine, SGLang's tp_size (default: %(default)s; the embedded engine takes 1)")
     g.add_argument("--colocate", action="store_true",
                    help="engines and trainers share the same GPUs; turns on --offload-train and --offload-rollout")
+    g.add_argument("--async", dest="async_train", action="store_true",
+                   help="one-step-off training (slime's train_async.py): rollout r + 1 generates while rollout r "
+                        "trains; needs disaggregated placement (not --colocate)")
     g.add_argument("--offload-train", action="store_true",
                    help="move the trainer's weights and optimizer state off the GPU while engines generate")
     g.add_argument("--offload-rollout", action="store_true",
@@ -109,6 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron pipeline-parallel size (default: %(default)s)")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
                    help="Megatron transformer implementation (default: %(default)s)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="activation recompute (Megatron's): full re-runs whole transformer layers in the backward "
+                        "pass (needs --recompute-method and --recompute-num-layers); selective only the core "
+                        "attention (default: none)")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with --recompute-granularity full: uniform recomputes every chunk of "
+                        "--recompute-num-layers layers; block the first --recompute-num-layers layers of each "
+                        "pipeline stage")
+    g.add_argument("--recompute-num-layers", type=_positive_int, default=None,
+                   help="layers per recomputed chunk (uniform) or recomputed layers per pipeline stage (block)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism: norms and residuals split along the sequence over the "
+                        "tensor-parallel ranks (less activation memory; ignored with a warning at "
+                        "--tensor-model-parallel-size 1, as in Megatron)")
     g.add_argument("--bf16", action="store_true", help="train in bfloat16 (default: float32)")
     g.add_argument("--lr", type=_nonneg_float, default=1e-6, help="actor learning rate (default: %(default)s)")
     g.add_argument("--critic-lr", type=_nonneg_float, default=None, help="critic learning rate (default: --lr)")

@@ -50,6 +50,7 @@ def validate_args(args: argparse.Namespace) -> None:
             "--debug-rollout-only and --debug-train-only cannot be used together: one runs only the engines, "
             "the other only the trainer. Pick one."
         )
+    check_async_train(args)
     if (
         args.save_debug_rollout_data
         and args.load_debug_rollout_data
@@ -261,6 +262,29 @@ def check_fault_tolerance(args: argparse.Namespace) -> None:
                                  "--load-debug-rollout-data start none: drop it.")
 
 
+def check_async_train(args: argparse.Namespace) -> None:
+    """--async overlaps generation with training: it needs both, on different GPUs, and engines that stay up."""
+    if not args.async_train:
+        return
+    refuse = None
+    if args.colocate:
+        refuse = ("--colocate puts the engines on the trainer's GPUs, so there is nothing to overlap: drop --async, "
+                  "or drop --colocate and give the engines their own GPUs (--rollout-num-gpus)")
+    elif args.debug_rollout_only:
+        refuse = "--debug-rollout-only builds no trainer, so there is no training to overlap with: drop --async"
+    elif args.debug_train_only or args.load_debug_rollout_data:
+        refuse = ("--debug-train-only / --load-debug-rollout-data start no engine, so nothing generates while the "
+                  "trainer trains: drop --async")
+    elif args.offload_rollout:
+        refuse = ("--offload-rollout releases the engines' memory while the trainer trains, and under --async they "
+                  "generate then: drop --offload-rollout")
+    elif args.use_fault_tolerance or args.debug_inject_fault == "kill-engine":
+        refuse = ("--use-fault-tolerance / --debug-inject-fault kill-engine are not supported with --async yet "
+                  "(an engine restart mid-overlap is untested): drop one of them")
+    if refuse:
+        raise SlimeLiteError(f"--async: {refuse}.")
+
+
 def world_size(args: Any) -> int:
     return args.actor_num_nodes * args.actor_num_gpus_per_node
 
@@ -279,6 +303,36 @@ def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
     if layers and layers % pp:
         raise SlimeLiteError(
             f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({layers}).")
+    check_recompute(args, layers // pp if layers else None)
+
+
+def check_recompute(args: argparse.Namespace, layers_per_stage: int | None) -> None:
+    """--recompute-granularity / --recompute-method / --recompute-num-layers and --sequence-parallel, with
+    Megatron's rules (model.memory_overrides passes them to the TransformerConfig)."""
+    g, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    given = [(f, v) for f, v in (("--recompute-method", method), ("--recompute-num-layers", n)) if v is not None]
+    if g is None and given:
+        flag, value = given[0]
+        raise SlimeLiteError(f"{flag} {value} does nothing without --recompute-granularity full: add "
+                             f"--recompute-granularity full or drop {flag}.")
+    if g == "selective" and given:
+        flag, value = given[0]
+        raise SlimeLiteError(f"--recompute-granularity selective recomputes the core attention of every layer; "
+                             f"{flag} {value} is for --recompute-granularity full (drop {flag}).")
+    if g == "full":
+        if method is None or n is None:
+            raise SlimeLiteError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                                 "--recompute-num-layers N (e.g. --recompute-method uniform --recompute-num-layers 1).")
+        if layers_per_stage and n > layers_per_stage:
+            raise SlimeLiteError(f"--recompute-num-layers {n} is more than the {layers_per_stage} layers of a "
+                                 "pipeline stage (num_hidden_layers / --pipeline-model-parallel-size).")
+        if method == "uniform" and layers_per_stage and layers_per_stage % n:
+            raise SlimeLiteError(f"--recompute-method uniform recomputes chunks of --recompute-num-layers {n} layers, "
+                                 f"which must divide the {layers_per_stage} layers of a pipeline stage; pick a "
+                                 "divisor or --recompute-method block.")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        log.warning("--sequence-parallel is ignored at --tensor-model-parallel-size 1 (Megatron turns it off too: "
+                    "it splits activations over the tensor-parallel ranks)")
 
 
 def _check_dynamic_batch(args: argparse.Namespace, dp: int, pp: int) -> None:

@@ -48,6 +48,7 @@ def run(args) -> int:
     from slime_lite.debug.grad_norm import STEP_GRAD_NORMS, GradNormCI
     from slime_lite.profiling import DRIVER_TIMELINE, RunProfiler
     from slime_lite.rollout.manager import RolloutManager
+    from slime_lite.train_async import RolloutSchedule, record_lag
 
     layout = plan_layout(args)
     init_ray(args, layout.num_bundles)
@@ -103,16 +104,21 @@ def run(args) -> int:
     watch = LogprobDiffWatch(ci.logprob_diff_jump_factor)
     grad_ci = GradNormCI.from_args(args, start_rollout_id)  # --ci-save-grad-norm / --ci-load-grad-norm
     profiler = RunProfiler(args, trainers, urls)  # --use-pytorch-profiler / --profile-target, memory snapshots
+    # when each rollout is generated: before its training (default), or during the previous one's (--async)
+    rollouts = RolloutSchedule(args, manager, lambda ref, r: wait_with_progress(manager, ref, r, recovery),
+                               start_rollout_id)
     done = 0
     for rollout_id in range(start_rollout_id, args.num_rollout):
         step_t0 = time.monotonic()
         profiler.before(rollout_id)
         with DRIVER_TIMELINE.span("rollout"):
-            samples, record = wait_with_progress(manager, manager.generate.remote(rollout_id), rollout_id, recovery)
+            samples, record = rollouts.get(rollout_id)  # --async: rollout_id + 1 starts generating here
         if actor is not None:
+            record_lag(rollouts, samples, rollout_id, record)  # rollout/off_policy_lag
             onload_phase(args, urls, engines, trainers, record)
             with timed(record, "perf/train_time"):
                 train_t0 = time.monotonic()
+                rollouts.train_started()
                 data = ray.put(samples)
                 # PPO: critic values -> actor (log-probs, advantages, policy steps) -> critic steps toward the returns
                 values = critic.compute_values(data) if critic is not None else None
@@ -124,13 +130,15 @@ def run(args) -> int:
                     critic_metrics = critic.train(rollout_id, data, values, returns)
                     step_norms["critic"] = critic_metrics.pop(STEP_GRAD_NORMS)
                     record.update(critic_metrics)
+                rollouts.train_finished(record)
             check_finite_losses(record, rollout_id)
             if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
                 with DRIVER_TIMELINE.span("save"):
-                    actor.save(rollout_id, ray.get(manager.state.remote()))
+                    actor.save(rollout_id, rollouts.data_state(rollout_id))
                     if critic is not None:
                         critic.save(rollout_id, None)
             if urls:
+                rollouts.before_push(record)  # --async: the generation ahead finishes first
                 with timed(record, "perf/update_weights_time"):
                     if args.offload_rollout:  # colocated: room for the weights now, for the KV cache after offload
                         engine_memory(urls, "resume", ["weights"])
@@ -150,9 +158,11 @@ def run(args) -> int:
         metrics.log(record, rollout_id)
         profiler.after(rollout_id)
         if actor is not None:
-            watch.update(record)
+            if rollouts.on_policy(rollout_id):  # --async: off-policy rollouts differ from the trainer by design
+                watch.update(record)
             if args.ci_test:
-                enforce(ci, record, rollout_id, first=rollout_id == start_rollout_id)
+                enforce(ci, record, rollout_id, first=rollout_id == start_rollout_id,
+                        expected_version=rollouts.expected_version(rollout_id))
             if grad_ci is not None:  # after the metrics are written: compare-runs can show the failing rollout
                 for role, norms in step_norms.items():
                     grad_ci.update(role, rollout_id, norms)

@@ -1,6 +1,6 @@
 """The full RL loop through Ray on CPU: GRPO and PPO with --ci-test, every weight transport (the engine then
 samples from the new weights; with distributed, an engine killed mid-rollout under --use-fault-tolerance too),
-colocate, and kill-and-resume reproducing an uninterrupted run."""
+colocate, --async (one-step-off), and kill-and-resume reproducing an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -108,6 +108,25 @@ def test_skipped_push_is_visible_in_logprob_diff(tiny_model_dir, data, tmp_path)
                       "skip-weight-push"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert rows(tmp_path)[1]["train/train_rollout_logprob_abs_diff"] > 1e-3
+
+
+def test_async_overlaps_generation_with_training(tiny_model_dir, data, tmp_path):
+    # --async (slime's train_async.py), disaggregated (engine and trainer in their own slots): rollout r + 1 is
+    # generated while rollout r trains, with the weights from before that training (lag 1), and --ci-test passes
+    # with the off-policy checks relaxed (and says so)
+    proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "3", "--async", "--ci-test",
+                      "--check-weight-update-equal"))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "--ci-test with --async: rollouts after the first are generated with weights one version older" in log
+    r = rows(tmp_path)
+    assert [x["rollout/off_policy_lag"] for x in r] == [0.0, 1.0, 1.0]
+    assert [x["rollout/weight_version"] for x in r] == [0.0, 0.0, 1.0]  # pushes land between generations
+    for prev, nxt in zip(r, r[1:]):  # launched before the previous rollout's training started, so they overlap
+        assert nxt["timeline/generate_start"] <= prev["timeline/train_start"] < prev["timeline/train_end"]
+        assert "perf/async_overlap_time" in prev
+    assert r[0]["train/train_rollout_logprob_abs_diff"] < 1e-5  # on-policy: rollout 0 only
+    assert r[2]["train/train_rollout_logprob_abs_diff"] > 1e-3  # one step off: the trainer has moved since
 
 
 def test_colocate_second_iteration(tiny_model_dir, data, tmp_path, capsys):

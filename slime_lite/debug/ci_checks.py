@@ -83,10 +83,14 @@ def make_check(name: str, value: float | None, threshold: str, passed: bool, cau
 _check = make_check
 
 
-def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_id: int | None = None) -> list[Check]:
+def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_id: int | None = None,
+                   expected_version: int | None = None) -> list[Check]:
     """Checks for one iteration's metrics record; ``first`` marks the run's first trained rollout. With
-    ``rollout_id`` the engine's weight version is checked too (the doctor checks it over the whole run instead)."""
+    ``rollout_id`` the engine's weight version is checked too (the doctor checks it over the whole run instead):
+    it must be ``expected_version`` (default rollout_id; --async: rollout_id - 1 after the first rollout). A rollout
+    generated with older weights than the trainer's (off-policy) skips the train/rollout log-prob check."""
     checks: list[Check] = []
+    expected = rollout_id if expected_version is None else expected_version
     if first and "rollout/log_probs_ref_max_abs_diff" in record:
         diff = record["rollout/log_probs_ref_max_abs_diff"]
         checks.append(_check("step1_kl_zero", diff, "== 0 (log_probs == ref_log_probs)", diff == 0.0))
@@ -99,9 +103,9 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_i
         checks.append(_check("first_step_ppo_kl_zero", value, "== 0", value == 0.0))
     if rollout_id is not None and "rollout/weight_version" in record:  # stale weights: the root cause of a log-prob gap
         version = record["rollout/weight_version"]
-        checks.append(_check("weight_version_served", version, f"== {rollout_id} (the weights pushed after "
-                             f"{rollout_id} trained rollouts)", version == rollout_id, VERSION_CAUSE))
-    if "train/train_rollout_logprob_abs_diff" in record:
+        checks.append(_check("weight_version_served", version, f"== {expected} (the weights pushed after "
+                             f"{expected} trained rollouts)", version == expected, VERSION_CAUSE))
+    if "train/train_rollout_logprob_abs_diff" in record and expected == rollout_id:
         value = record["train/train_rollout_logprob_abs_diff"]
         bound, why = logprob_diff_threshold(cfg)
         checks.append(_check("train_rollout_logprob_diff", value, f"< {bound:g} ({why})", value < bound))
@@ -185,8 +189,9 @@ class CiCheckFailed(SlimeLiteError):
 ADVISORY = {"step1_log_probs_small"}  # a heuristic, not enforced by --ci-test (the doctor shows on_task_nll)
 
 
-def enforce(cfg: CiConfig, record: dict[str, Any], rollout_id: int, first: bool) -> list[Check]:
-    checks = rollout_checks(cfg, record, first, rollout_id)
+def enforce(cfg: CiConfig, record: dict[str, Any], rollout_id: int, first: bool,
+            expected_version: int | None = None) -> list[Check]:
+    checks = rollout_checks(cfg, record, first, rollout_id, expected_version)
     for check in checks:
         if not check.passed and check.name not in ADVISORY:
             raise CiCheckFailed(check, rollout_id)
