@@ -76,7 +76,7 @@ def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: in
 
 def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
     transport = args.update_weight_transport
-    limit = getattr(args, "update_weight_buffer_size", BUCKET_BYTES)
+    limit = args.update_weight_buffer_size
     if transport == "tensor":
         with weight_update_session(urls):
             _push_tensor(args, named, urls, version)
@@ -162,9 +162,9 @@ def payload_mode(url: str, named: dict[str, torch.Tensor], colocated: bool, buck
 def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
     from slime_lite.weight_wire import flatten_bucket, serialize
 
-    limit = getattr(args, "update_weight_buffer_size", BUCKET_BYTES)
-    ranks = args.rollout_num_gpus_per_engine if getattr(args, "rollout_backend", "") == "sglang" else 1
-    modes = {u: payload_mode(u, named, bool(getattr(args, "colocate", False)), limit) for u in urls}
+    limit = args.update_weight_buffer_size
+    ranks = args.rollout_num_gpus_per_engine if args.rollout_backend == "sglang" else 1
+    modes = {u: payload_mode(u, named, args.colocate, limit) for u in urls}
     if any(m == "by_value" for m in modes.values()):
         log.info("weight push by value (host copies) to %s: handles reach only engines on this host%s",
                  [u for u, m in modes.items() if m == "by_value"],
