@@ -43,16 +43,25 @@ def single_gpu_metrics(tiny_model_dir, replay_dumps, tmp_path_factory, train_cli
     return metrics_of(out / "ref.jsonl")[0], out / "grad_norms.json"
 
 
-@pytest.mark.parametrize("tp,pp,gpus", [(2, 1, 2), (1, 2, 2), (1, 1, 2)])
+PACKED = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "48", "--log-probs-max-tokens-per-gpu", "80")
+
+
+@pytest.mark.parametrize("tp,pp,gpus,extra", [(2, 1, 2, ()), (1, 2, 2, ()), (1, 1, 2, PACKED)],
+                         ids=["tp2", "pp2", "dp2-packed"])
 def test_parallelism_invariance(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of, single_gpu_metrics,
-                                tp, pp, gpus):
-    """Each re-layout passes --ci-load-grad-norm of the (1, 1, 1) run at the float32 default rtol, step by step."""
+                                tp, pp, gpus, extra):
+    """Each re-layout passes --ci-load-grad-norm of the (1, 1, 1) run at the float32 default rtol, step by step;
+    the DP=2 one also packs its micro-batches by token budget (other budgets for the log-prob passes) against the
+    padded reference, so packing and the per-step loss normalisation across DP ranks change nothing."""
     ref, grad_norms = single_gpu_metrics
     proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "par", *TWO_STEPS,
                               "--actor-num-gpus-per-node", str(gpus), "--tensor-model-parallel-size", str(tp),
-                              "--pipeline-model-parallel-size", str(pp), "--ci-load-grad-norm", str(grad_norms)))
+                              "--pipeline-model-parallel-size", str(pp), "--ci-load-grad-norm", str(grad_norms),
+                              *extra))
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = ref, metrics_of(tmp_path / "par.jsonl")[0]
+    if extra:
+        assert b["train/first_step/ppo_kl"] == 0.0 and b["rollout/kl"] == 0.0
     for key in ("train/loss", "train/grad_norm", "train/entropy_loss", "rollout/log_probs"):
         assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-6), (key, a[key], b[key])
 
