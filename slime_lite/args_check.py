@@ -442,3 +442,10 @@ def check_debug_tool_args(args: Any) -> None:
         if args.memory_snapshot_num_steps > args.num_rollout:
             raise SlimeLiteError(f"--memory-snapshot-num-steps {args.memory_snapshot_num_steps} is more than "
                                  f"--num-rollout {args.num_rollout}: no snapshot would be written.")
+    if args.deterministic_mode and args.custom_generate_function_path:
+        log.warning("--deterministic-mode with --custom-generate-function-path: the hook's requests go to the "
+                    "engines concurrently, so their batches (and log-probs) may differ between runs")
+    if (args.deterministic_mode and args.rollout_backend == "sglang"
+            and "enable-deterministic-inference" not in [x.lstrip("-") for x in args.sglang_args]):
+        log.warning("--deterministic-mode with SGLang engines: add --sglang-enable-deterministic-inference (and a "
+                    "deterministic attention backend) for reproducible rollouts")
