@@ -289,7 +289,7 @@ class Sample:
                                                                          else old or [])[:start] + table
         if not update_terminal_info or "finish_reason" not in meta_info:
             return
-        if getattr(args, "sglang_speculative_algorithm", False):
+        if args is not None and vars(args).get("sglang_speculative_algorithm"):  # SGLang flag slime forwards
             self.spec_info.add(meta_info=meta_info)
         self.prefix_cache_info.add(meta_info=meta_info)
         if "weight_version" in meta_info:
