@@ -13,8 +13,10 @@ forward = 2 N T + 2 L A sum(s_i^2) (causal QK^T and AV: 4 A s^2 halved); train =
 is two forwards (actor + reference). MFU = FLOPs / time / peak (H200 bf16 dense: 989 TFLOP/s; CPU: not given).
 Tokens/s count real tokens only (padding excluded) in both.
 
-Usage (GPU: about 5-6 minutes on one H200; --quick: the CPU tiny model in well under a minute):
+Usage (GPU: about 5-6 minutes on one H200, estimated; --quick: the CPU tiny model in about a minute, 15 s of CPU):
     python bench/bench_train_gpu.py [--models 0.5b,1.5b] [--samples 512] [--max-tokens 16384] [--long]
+                                    [--with-padded MBS]  # also the unpacked path, padded micro-batches of MBS
+    SLIME_LITE_PACKED_ATTENTION=sdpa|varlen python bench/bench_train_gpu.py ...  # pin the packed attention
     python bench/bench_train_gpu.py --quick
 """
 
@@ -102,15 +104,18 @@ def flops(arch, samples: list, passes: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- ours (Megatron)
-def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, bf16: bool) -> dict:
+def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, bf16: bool,
+         padded_mbs: int = 0) -> dict:
+    """The worker's phases on these samples: packed (padded_mbs 0) or padded micro-batches of padded_mbs samples."""
     from slime_lite.args import parser_defaults
     from slime_lite.backends.megatron.actor import TrainActor
     from slime_lite.backends.megatron.parallel import destroy
     from slime_lite.io import free_port
 
     n = len(samples)
-    args = parser_defaults(hf_checkpoint=ckpt, bf16=bf16, use_dynamic_batch_size=True, max_tokens_per_gpu=max_tokens,
-                           log_probs_max_tokens_per_gpu=lp_tokens, use_kl_loss=True, kl_loss_coef=0.001,
+    budgets = {"micro_batch_size": padded_mbs} if padded_mbs else {
+        "use_dynamic_batch_size": True, "max_tokens_per_gpu": max_tokens, "log_probs_max_tokens_per_gpu": lp_tokens}
+    args = parser_defaults(hf_checkpoint=ckpt, bf16=bf16, **budgets, use_kl_loss=True, kl_loss_coef=0.001,
                            rollout_batch_size=n // 8, n_samples_per_prompt=8, global_batch_size=n, lr=1e-6)
     w = TrainActor(args, 0, 1, "127.0.0.1")
     w.init(free_port())
@@ -134,7 +139,7 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             res = {"logprob_s": lp_time, "logprob_peak": lp_peak,
                    "train_s": total - metrics["perf/log_probs_time"], "train_peak": peak_gib(),
                    "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}
-            print(f"  ours {name}: " + json.dumps({k: round(v, 4) for k, v in res.items()}), flush=True)
+            print(f"  ours{' padded' if padded_mbs else ''} {name}: " + json.dumps({k: round(v, 4) for k, v in res.items()}), flush=True)
     finally:
         destroy()
         gc.collect()
@@ -264,6 +269,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16384, help="--max-tokens-per-gpu of the train pass")
     p.add_argument("--log-probs-max-tokens", type=int, default=32768)
     p.add_argument("--long", action="store_true", help="also: 0.5B on 16,384-token and 1.5B on 8,192-token samples")
+    p.add_argument("--with-padded", type=int, default=0, metavar="MBS",
+                   help="also run the worker without packing, padded micro-batches of MBS samples (the old path)")
     a = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
@@ -298,6 +305,11 @@ def main() -> None:
             o = ours(ckpt, samples, warm, mt, lpt, bf16)
             b = baseline(ckpt, samples, warm, mt, bf16)
             report(shape, arch, samples, o, b, device)
+            if a.with_padded:
+                pd = ours(ckpt, samples, warm, mt, lpt, bf16, padded_mbs=a.with_padded)
+                print(f"{shape} padded micro-batches of {a.with_padded}: train {pd['train_s'] / o['train_s']:.2f}x "
+                      f"and log-prob {pd['logprob_s'] / o['logprob_s']:.2f}x the packed time; peak train "
+                      f"{pd['train_peak']:.1f} GiB, log-prob {pd['logprob_peak']:.1f} GiB", flush=True)
             if a.long and not a.quick:
                 n_tok = {"0.5b": 16384, "1.5b": 8192}[shape]
                 long = make_samples(8, a.prompt, n_tok - a.prompt, n_tok - a.prompt, VOCAB, 8, seed=2)
