@@ -139,7 +139,8 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             res = {"logprob_s": lp_time, "logprob_peak": lp_peak,
                    "train_s": total - metrics["perf/log_probs_time"], "train_peak": peak_gib(),
                    "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}
-            print(f"  ours{' padded' if padded_mbs else ''} {name}: " + json.dumps({k: round(v, 4) for k, v in res.items()}), flush=True)
+            rounded = {k: round(v, 4) for k, v in res.items()}
+            print(f"  ours{' padded' if padded_mbs else ''} {name}: {json.dumps(rounded)}", flush=True)
     finally:
         destroy()
         gc.collect()
@@ -299,9 +300,9 @@ def main() -> None:
 
             arch = hf_arch(AutoConfig.from_pretrained(ckpt))
             lens = [len(s.tokens) for s in samples[:64]]
-            print(f"\n{shape}: packed attention fwd+bwd of one layer over {len(lens)} samples (ms): "
-                  f"{attention_microbench(lens, arch.num_heads, arch.num_kv_heads, arch.head_dim, torch.bfloat16 if bf16 else torch.float32)}",
-                  flush=True)
+            ms = attention_microbench(lens, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                      torch.bfloat16 if bf16 else torch.float32)
+            print(f"\n{shape}: packed attention fwd+bwd of one layer over {len(lens)} samples (ms): {ms}", flush=True)
             o = ours(ckpt, samples, warm, mt, lpt, bf16)
             b = baseline(ckpt, samples, warm, mt, bf16)
             report(shape, arch, samples, o, b, device)
