@@ -235,7 +235,7 @@ def attention_microbench(lengths: list[int], heads: int, kv: int, dim: int, dtyp
             o = A.packed_causal_attention(q, k, v, cu, max(lengths), dim ** -0.5, b)
             o.float().sum().backward()
             sync()
-            out[b] = (time.perf_counter() - t0) * 1e3
+            out[b] = min(out.get(b, float("inf")), (time.perf_counter() - t0) * 1e3)  # best of 3
     return out
 
 
