@@ -82,10 +82,6 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
 _PERF = "a Megatron performance option that slime-lite does not wire up"
 _MOE = "MoE models are not supported yet (the Megatron backend builds dense Llama/Qwen2/Qwen3 models)"
 NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
-    "--sequence-parallel": (STORE_TRUE, _PERF),
-    "--recompute-granularity": (_value(), _PERF + " (activation recomputation)"),
-    "--recompute-method": (_value(), _PERF + " (activation recomputation)"),
-    "--recompute-num-layers": (_value(int), _PERF + " (activation recomputation)"),
     "--optimizer-cpu-offload": (STORE_TRUE, _PERF + " (the optimizer state stays on the GPU; --offload-train "
                                                     "moves it off between steps)"),
     "--overlap-cpu-optimizer-d2h-h2d": (STORE_TRUE, _PERF + " (goes with --optimizer-cpu-offload)"),

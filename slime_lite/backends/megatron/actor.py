@@ -63,7 +63,7 @@ class TrainWorker:
 
         from slime_lite.backends.megatron import checkpoint
         from slime_lite.backends.megatron.convert import load_hf_weights
-        from slime_lite.backends.megatron.model import build_gpt_model
+        from slime_lite.backends.megatron.model import build_gpt_model, memory_overrides
         from slime_lite.backends.megatron.parallel import init_distributed, open_store
 
         a = self.args
@@ -76,7 +76,8 @@ class TrainWorker:
                          self.master_addr, master_port, seed=a.seed, store=store)
         self.hf_config = AutoConfig.from_pretrained(a.hf_checkpoint)
         dtype = torch.bfloat16 if a.bf16 else torch.float32
-        model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl)
+        model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl,
+                                **memory_overrides(a))
         load_hf_weights(model, a.hf_checkpoint, self.hf_config)
         self._adapt_model(model, dtype)
         config = model.config
@@ -117,11 +118,14 @@ class TrainWorker:
         """Megatron's schedule over this rank's micro-batches; returns what loss_fn reported per micro-batch."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from slime_lite.backends.megatron.model import packed_seq_params
+        from slime_lite.backends.megatron.model import packed_seq_params, sequence_parallel
 
         packed = self.args.use_dynamic_batch_size
-        batches = [B.make_packed_micro_batch(samples, idx) if packed else B.make_micro_batch(samples, idx, length)
-                   for idx in mbs]
+        # --sequence-parallel splits each row's tokens over the TP ranks: the length must divide by TP
+        m = self.args.tensor_model_parallel_size if sequence_parallel(self.args) else 1
+        length = -(-length // m) * m
+        batches = [B.make_packed_micro_batch(samples, idx, multiple=m) if packed
+                   else B.make_micro_batch(samples, idx, length) for idx in mbs]
         it = iter(batches)
 
         def forward_step(data_iterator: Any, model: Any) -> tuple:

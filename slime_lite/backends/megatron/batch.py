@@ -71,17 +71,22 @@ def make_micro_batch(samples: list[Any], indices: list[int], length: int) -> Mic
     )
 
 
-def make_packed_micro_batch(samples: list[Any], indices: list[int]) -> MicroBatch:
-    """The samples concatenated into one row [1, T] with positions restarting at 0 for each sample."""
+def make_packed_micro_batch(samples: list[Any], indices: list[int], multiple: int = 1) -> MicroBatch:
+    """The samples concatenated into one row [1, T] with positions restarting at 0 for each sample. With
+    ``multiple`` > 1 (--sequence-parallel: T must divide by TP) the row ends with a segment of padding tokens of
+    its own (its own entry in cu_seqlens, so no sample attends to it; nothing reads its outputs)."""
     lens = [len(samples[i].tokens) for i in indices]
-    tokens = torch.cat([torch.as_tensor(samples[i].tokens, dtype=torch.long) for i in indices]).unsqueeze(0)
-    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lens]).unsqueeze(0)
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    pad = -sum(lens) % multiple
+    seqs = [torch.as_tensor(samples[i].tokens, dtype=torch.long) for i in indices]
+    tokens = torch.cat(seqs + [torch.zeros(pad, dtype=torch.long)]).unsqueeze(0)
+    segs = lens + ([pad] if pad else [])
+    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in segs]).unsqueeze(0)
+    cu = torch.zeros(len(segs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(segs, dtype=torch.int32), 0)
     return MicroBatch(
         indices=list(indices), tokens=tokens, position_ids=positions,
         prompt_lengths=[len(samples[i].tokens) - samples[i].response_length for i in indices],
-        response_lengths=[samples[i].response_length for i in indices], cu_seqlens=cu, max_seqlen=max(lens),
+        response_lengths=[samples[i].response_length for i in indices], cu_seqlens=cu, max_seqlen=max(segs),
     )
 
 

@@ -9,7 +9,8 @@ What it changes, and only inside Megatron:
 2. Four Megatron functions call CUDA-only Tensor methods (`.cuda()`, `.type() == "torch.cuda.FloatTensor"`); they run
    with those methods answering as if the CPU tensor were on CUDA, for the duration of the call only.
 3. Megatron's RNG tracker is created in its inference flavour (fork() is a no-op), because the training flavour saves
-   and restores CUDA generator states. Seed the CPU generator with `torch.manual_seed` (parallel.py does).
+   and restores CUDA generator states; activation recompute's save/restore of the CUDA generator state does nothing.
+   Seed the CPU generator with `torch.manual_seed` (parallel.py does).
 """
 
 from __future__ import annotations
@@ -187,6 +188,9 @@ def apply() -> bool:
     _run_as_cuda(mcore_optimizer, "clip_grad_by_total_norm_fp32")
     # The training RNG tracker snapshots CUDA generator states; the inference tracker's fork() is a no-op.
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # Activation recompute (CheckpointFunction) saves and restores the CUDA generator next to the CPU one: none here.
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
     _applied = True
     logger.info("megatron-core CPU compatibility applied (%d modules redirected)", len(_MODULES_ON_CPU))

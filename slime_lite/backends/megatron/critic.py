@@ -13,13 +13,20 @@ from slime_lite.backends.megatron.loss import response_slices, value_rl_loss
 
 
 class ValueHead(torch.nn.Module):
-    """The critic's output layer: hidden -> one value, replicated on every TP rank (inputs are identical there)."""
+    """The critic's output layer: hidden -> one value, replicated on every TP rank (inputs are identical there;
+    under --sequence-parallel each rank holds a slice of the sequence, gathered first as Megatron's output layer
+    does)."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, dtype: torch.dtype, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(x, self.weight), None
 
 
@@ -34,7 +41,7 @@ class CriticActor(TrainWorker):
         from megatron.core import parallel_state as ps
 
         if ps.is_pipeline_last_stage():
-            model.output_layer = ValueHead(self.hf_config.hidden_size, dtype)
+            model.output_layer = ValueHead(self.hf_config.hidden_size, dtype, model.config.sequence_parallel)
             model.share_embeddings_and_output_weights = False
 
     def _values(self, mb: B.MicroBatch, output: torch.Tensor) -> list[torch.Tensor]:

@@ -176,6 +176,26 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
+def memory_overrides(args: Any) -> dict[str, Any]:
+    """The TransformerConfig fields of Megatron's activation-memory flags: ``--recompute-granularity`` (full: whole
+    layers re-run in the backward pass; selective: only the core attention), ``--recompute-method`` (uniform: every
+    chunk of ``--recompute-num-layers`` layers; block: the first N layers of each PP stage) and
+    ``--sequence-parallel`` (norms and residuals split along the sequence over the TP group; as in Megatron, off at
+    TP=1). args_check.check_recompute refuses the combinations Megatron would."""
+    get = getattr
+    return dict(
+        recompute_granularity=get(args, "recompute_granularity", None),
+        recompute_method=get(args, "recompute_method", None),
+        recompute_num_layers=get(args, "recompute_num_layers", None),
+        sequence_parallel=sequence_parallel(args),
+    )
+
+
+def sequence_parallel(args: Any) -> bool:
+    """--sequence-parallel in effect (Megatron turns it off at --tensor-model-parallel-size 1)."""
+    return bool(getattr(args, "sequence_parallel", False)) and getattr(args, "tensor_model_parallel_size", 1) > 1
+
+
 def layer_spec(arch: HFArch, transformer_impl: str = "local"):
     """Megatron's layer spec: local (pure PyTorch, the default; its core attention is attention.py's
     FastCoreAttention: no [T, T] scores, packed samples) or Transformer Engine."""
@@ -194,6 +214,33 @@ def layer_spec(arch: HFArch, transformer_impl: str = "local"):
             raise SlimeLiteError(TE_INSTALL_HINT) from e
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     raise SlimeLiteError(f"--transformer-impl {transformer_impl!r} is unknown; use local or transformer_engine.")
+
+
+class SequenceParallelNorm(torch.nn.RMSNorm):
+    """Megatron's WrappedTorchNorm (torch's RMSNorm) for --sequence-parallel, which Megatron's own wrapper refuses:
+    the input is this rank's slice of the sequence, so the weight's gradient is partial; marked ``sequence_parallel``,
+    Megatron's finalize_model_grads sums it over the TP group."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = True
+
+
+def _sequence_parallel_spec(spec: Any, config: Any):
+    """The local layer spec as a block spec whose norms (the layers' and the final one) take sequence slices."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec = copy.deepcopy(spec)
+    subs = [spec.submodules, spec.submodules.self_attention.submodules]
+    for sub in subs:
+        for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
+            if getattr(sub, name, None) is WrappedTorchNorm:
+                setattr(sub, name, SequenceParallelNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelNorm)
 
 
 def build_gpt_model(
@@ -224,6 +271,8 @@ def build_gpt_model(
     config = transformer_config_from_hf(
         hf_config, tp=tp, pp=pp, params_dtype=params_dtype, transformer_impl=transformer_impl, **config_overrides
     )
+    if config.sequence_parallel and transformer_impl == "local":
+        spec = _sequence_parallel_spec(spec, config)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

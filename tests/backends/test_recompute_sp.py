@@ -1,0 +1,111 @@
+"""Activation recompute and sequence parallelism (issue 12 item 4) change memory, not results: one replayed rollout
+trained by a TP=2 Megatron job (two spawned CPU ranks, gloo, float32) with --recompute-granularity full (uniform
+and block), selective, and --sequence-parallel (padded rows and packed rows whose length is padded to a multiple
+of TP) gives the loss, grad-norm and log-probs of the plain run; step-1 ppo_kl and KL stay exactly 0. The bad
+combinations are refused before Ray starts, naming the flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slime_lite.errors import SlimeLiteError
+from slime_lite.io import free_port
+
+RECOMPUTE_FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "2"]
+RECOMPUTE_FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"]
+PACKED = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "41"]  # odd budget: packed rows of odd length
+CONFIGS = {
+    "plain": [],
+    "full uniform 2": RECOMPUTE_FULL_UNIFORM,
+    "full block 3": RECOMPUTE_FULL_BLOCK,
+    "selective": ["--recompute-granularity", "selective"],
+    "sequence parallel": ["--sequence-parallel"],
+    "sequence parallel + full uniform": ["--sequence-parallel", *RECOMPUTE_FULL_UNIFORM],
+    "packed": PACKED,
+    "packed sequence parallel + selective": [*PACKED, "--sequence-parallel", "--recompute-granularity", "selective"],
+}
+KEYS = ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy_loss", "rollout/log_probs")
+
+
+def _args(model_dir: str, dumps: str, extra: list[str]):
+    from slime_lite.args import parse_args
+
+    return parse_args(["--load-debug-rollout-data", dumps, "--hf-checkpoint", model_dir, "--rollout-batch-size", "4",
+                       "--n-samples-per-prompt", "2", "--use-kl-loss", "--kl-loss-coef", "0.1", "--entropy-coef",
+                       "0.01", "--lr", "1e-4", "--seed", "7", "--tensor-model-parallel-size", "2",
+                       "--actor-num-gpus-per-node", "2", *extra])
+
+
+def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str) -> None:
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    from slime_lite.backends.megatron.actor import TrainActor
+    from slime_lite.backends.megatron.parallel import destroy
+    from slime_lite.rollout.dumps import dump_path, load_rollout_dump
+
+    samples = load_rollout_dump(dump_path(dumps, 0)).samples
+    results, store = {}, None
+    try:
+        for name, extra in CONFIGS.items():  # one process group; Megatron's groups and the model built per config
+            worker = TrainActor(_args(model_dir, dumps, extra), rank, 2, "127.0.0.1")
+            worker._store = store  # None the first time: init opens it; later the process group already exists
+            worker.init(port)
+            store = store or worker._store or True
+            cfg = worker.gpt().config
+            assert cfg.sequence_parallel == ("--sequence-parallel" in extra), name
+            assert cfg.recompute_granularity == (extra[extra.index("--recompute-granularity") + 1]
+                                                 if "--recompute-granularity" in extra else None), name
+            reported = worker.train(0, samples, None)  # the metrics on the reporting rank (0), None elsewhere
+            results[name] = reported and reported[0]
+            parallel_state.destroy_model_parallel()
+    finally:
+        destroy()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+@pytest.mark.slow
+def test_recompute_and_sequence_parallel_change_nothing_but_memory(tiny_model_dir, replay_dumps, tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "metrics.json"
+    mp.spawn(_rank, args=(free_port(), str(tiny_model_dir), replay_dumps, str(out)), nprocs=2)
+    runs = json.loads(out.read_text())
+    assert set(runs) == set(CONFIGS)
+    ref = runs["plain"]
+    for name, m in runs.items():
+        assert m["rollout/kl"] == 0.0 and m["train/first_step/ppo_kl"] == 0.0, name
+        for key in KEYS:
+            rel = abs(m[key] - ref[key]) / max(abs(ref[key]), 1e-12)
+            assert rel <= 1e-6, (name, key, m[key], ref[key])
+    assert ref["train/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+    (["--recompute-method", "block", "--recompute-num-layers", "1"], "--recompute-method block does nothing without"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     "selective .*--recompute-num-layers 1 is for --recompute-granularity full"),
+    ([*RECOMPUTE_FULL_UNIFORM[:4], "--recompute-num-layers", "3"], "--recompute-method uniform .* 3 layers.* 4 layers"),
+    ([*RECOMPUTE_FULL_BLOCK[:4], "--recompute-num-layers", "5"], "--recompute-num-layers 5 is more than the 4 layers"),
+])
+def test_bad_recompute_flags_are_refused_naming_them(tiny_model_dir, replay_dumps, extra, named):
+    with pytest.raises(SlimeLiteError, match=named):
+        _args(str(tiny_model_dir), replay_dumps, extra)
+
+
+def test_sequence_parallel_is_off_at_tp_1_as_in_megatron(tiny_model_dir, replay_dumps, caplog):
+    from slime_lite.args import parse_args
+    from slime_lite.backends.megatron.model import memory_overrides
+
+    args = parse_args(["--load-debug-rollout-data", replay_dumps, "--hf-checkpoint", str(tiny_model_dir),
+                       "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--sequence-parallel"])
+    assert "--sequence-parallel is ignored at --tensor-model-parallel-size 1" in caplog.text
+    assert memory_overrides(args)["sequence_parallel"] is False
+    assert memory_overrides(_args(str(tiny_model_dir), replay_dumps, ["--sequence-parallel"]))["sequence_parallel"]
