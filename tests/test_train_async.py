@@ -120,3 +120,38 @@ def test_async_is_refused_where_nothing_can_overlap(extra, says):
     with pytest.raises(SlimeLiteError) as info:  # before the model is even looked at: no --hf-checkpoint needed
         parse_args(["--async", *extra])
     assert str(info.value).startswith("--async: ") and says in str(info.value)
+
+
+# ---- on 2 GPUs (scripts/test-gpu.sh): trainer and engine each on its own GPU, the disaggregated layout --async is for
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA devices (trainer and engine on their own GPUs)")
+def test_async_on_two_gpus_keeps_the_lag_at_one_and_passes_ci_test(tiny_model_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from slime_lite.tasks import make_data
+
+    data = tmp_path / "addition.jsonl"
+    make_data("addition", str(data), n_train=64, n_eval=8, seed=0)
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
+            "--lr", "3e-3", "--entropy-coef", "0.01", "--num-rollout", "3", "--async", "--ci-test",
+            "--check-weight-update-equal", "--metrics-path", str(tmp_path / "m.jsonl")]
+    proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", *argv], capture_output=True, text=True,
+                          timeout=900, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "--ci-test with --async" in log
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["rollout/off_policy_lag"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["rollout/weight_version"] for r in rows] == [0.0, 0.0, 1.0]
+    for prev, nxt in zip(rows, rows[1:]):
+        assert nxt["timeline/generate_start"] <= prev["timeline/train_start"]
