@@ -18,10 +18,16 @@ def args_for(model, dumps, tmp_path, name, *extra):
             "--metrics-path", str(tmp_path / f"{name}.jsonl"), *extra]
 
 
-def test_step1_invariants(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of):
-    proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "m", "--num-steps-per-rollout", "1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first = metrics_of(tmp_path / "m.jsonl")[0]
+def test_step1_invariants(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of, single_gpu_metrics):
+    """Step 1's invariants; and the same dump in one step per rollout, not the (1, 1, 1) run's two, is stopped by
+    --ci-load-grad-norm at its first step, after that rollout's metrics were written."""
+    proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "m", "--num-steps-per-rollout", "1",
+                              "--ci-load-grad-norm", str(single_gpu_metrics[1])))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "grad-norm check failed: actor rollout 0 step 0: grad_norm " in proc.stderr, proc.stderr[-3000:]
+    rows = metrics_of(tmp_path / "m.jsonl")
+    assert len(rows) == 1  # rollout 1 never ran
+    first = rows[0]
     assert first["rollout/log_probs"] == first["rollout/ref_log_probs"]
     assert first["rollout/log_probs_ref_max_abs_diff"] == 0.0 and first["rollout/kl"] == 0.0
     assert first["train/ppo_kl"] == 0.0 and first["train/kl_loss"] == 0.0
