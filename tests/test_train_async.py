@@ -155,3 +155,11 @@ def test_async_on_two_gpus_keeps_the_lag_at_one_and_passes_ci_test(tiny_model_di
     assert [r["rollout/weight_version"] for r in rows] == [0.0, 0.0, 1.0]
     for prev, nxt in zip(rows, rows[1:]):
         assert nxt["timeline/generate_start"] <= prev["timeline/train_start"]
+
+
+def test_the_doctor_runs_synchronously_when_given_async():
+    # its iteration-2 reload check needs rollout 1 generated from the trained weights, which --async never does
+    from slime_lite.debug.doctor import train_argv
+
+    argv = train_argv(["--async", "--hf-checkpoint", "m", "--lr", "1e-4"], "/tmp/doctor-out")
+    assert "--async" not in argv and argv[:4] == ["--hf-checkpoint", "m", "--lr", "1e-4"]

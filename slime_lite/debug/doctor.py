@@ -38,7 +38,8 @@ WEIGHT_FLAGS = ["--check-weight-update-equal", "--debug-scramble-engine-weights"
 # set by the doctor itself, or not wanted in a short diagnostic run (checkpoints, resume, eval, loggers)
 DROPPED = ("--ci-test", "--metrics-path", "--dump-details", "--save-debug-rollout-data", "--global-batch-size",
            "--save", "--save-interval", "--load", "--eval-interval", "--use-wandb", "--use-tensorboard",
-           *FORCED, *WEIGHT_FLAGS)
+           *FORCED, *WEIGHT_FLAGS,
+           "--async")  # the doctor's run is synchronous: its iteration-2 check needs rollout 1 from the trained weights
 INCOMPATIBLE = ("--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data")
 TASK_CHARS = {"addition": set("0123456789"), "math": set("0123456789-")}
 
