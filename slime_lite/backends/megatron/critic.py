@@ -24,7 +24,9 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
         if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+            from megatron.core.tensor_parallel import (
+                gather_from_sequence_parallel_region,
+            )
 
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(x, self.weight), None

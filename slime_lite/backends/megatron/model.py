@@ -182,13 +182,12 @@ def memory_overrides(args: Any) -> dict[str, Any]:
     chunk of ``--recompute-num-layers`` layers; block: the first N layers of each PP stage) and
     ``--sequence-parallel`` (norms and residuals split along the sequence over the TP group; as in Megatron, off at
     TP=1). args_check.check_recompute refuses the combinations Megatron would."""
-    get = getattr
-    return dict(
-        recompute_granularity=get(args, "recompute_granularity", None),
-        recompute_method=get(args, "recompute_method", None),
-        recompute_num_layers=get(args, "recompute_num_layers", None),
-        sequence_parallel=sequence_parallel(args),
-    )
+    return {
+        "recompute_granularity": getattr(args, "recompute_granularity", None),
+        "recompute_method": getattr(args, "recompute_method", None),
+        "recompute_num_layers": getattr(args, "recompute_num_layers", None),
+        "sequence_parallel": sequence_parallel(args),
+    }
 
 
 def sequence_parallel(args: Any) -> bool:
@@ -231,7 +230,10 @@ def _sequence_parallel_spec(spec: Any, config: Any):
     import copy
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     spec = copy.deepcopy(spec)
     subs = [spec.submodules, spec.submodules.self_attention.submodules]
