@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/breakdown.py runs/tiny/grpo/metrics.jsonl
 Parts: rollout (generation + rewards), log-probs (actor/ref forward), train steps, weight push, eval, and the rest
-(driver, Ray calls, memory probes, checkpoints) = step time minus the parts.
+(driver, Ray calls, memory probes, checkpoints) = step time minus the parts. Under --async the rollout part is the
+time the driver waited for generation (the rest of it ran during the previous rollout's training).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ def main(path: str) -> None:
         return sum(r.get(key, 0.0) for r in rows)
 
     step = total("perf/step_time")
+    overlapped = any("perf/async_overlap_time" in r for r in rows)  # --async
     parts = {
-        "rollout": total("perf/rollout_time"),
+        "rollout (waited for)" if overlapped else "rollout":
+            total("perf/rollout_wait_time") if overlapped else total("perf/rollout_time"),
         "log-probs (actor + ref)": total("perf/log_probs_time"),
         "train steps": total("perf/train_time") - total("perf/log_probs_time"),
         "weight push": total("perf/update_weights_time"),
@@ -34,6 +37,9 @@ def main(path: str) -> None:
     print("|---|---|---|")
     for name, value in parts.items():
         print(f"| {name} | {value / n:.3f} | {100 * value / step:.1f}% |")
+    if overlapped:
+        print(f"--async: generation took {total('perf/rollout_time') / n:.3f} s / iteration, "
+              f"{total('perf/async_overlap_time') / n:.3f} s of it during the previous rollout's training")
     for key in sorted(k for k in rows[0] if k.startswith("perf/memory/") and k.endswith("/rss_mb")):
         first, last = rows[0][key], rows[-1][key]
         print(f"{key}: {first:.0f} MB at iteration 0 -> {last:.0f} MB at iteration {n - 1} "
