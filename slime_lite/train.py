@@ -1,6 +1,7 @@
 """The driver: parse and check the flags, place the processes, then loop generate -> (onload) -> train -> save ->
 push weights -> (offload) -> eval -> log. Training is PPO's order when there is a critic: the critic's values, then
-the actor's log-probs, advantages and policy steps, then the critic's value steps toward the returns.
+the actor's log-probs, advantages and policy steps, then the critic's value steps toward the returns. With
+``--async`` (train_async.py) rollout r + 1 generates while rollout r trains, and the push waits for it.
 
 The debug modes are the visible branches below: ``--debug-rollout-only`` never builds (or imports) the trainer,
 ``--debug-train-only`` / ``--load-debug-rollout-data`` start no engine.
