@@ -4,6 +4,7 @@ colocate, --async (one-step-off), and kill-and-resume reproducing an uninterrupt
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -122,7 +123,7 @@ def test_async_overlaps_generation_with_training(tiny_model_dir, data, tmp_path)
     r = rows(tmp_path)
     assert [x["rollout/off_policy_lag"] for x in r] == [0.0, 1.0, 1.0]
     assert [x["rollout/weight_version"] for x in r] == [0.0, 0.0, 1.0]  # pushes land between generations
-    for prev, nxt in zip(r, r[1:]):  # launched before the previous rollout's training started, so they overlap
+    for prev, nxt in itertools.pairwise(r):  # launched before the previous rollout's training started, so they overlap
         assert nxt["timeline/generate_start"] <= prev["timeline/train_start"] < prev["timeline/train_end"]
         assert "perf/async_overlap_time" in prev
     assert r[0]["train/train_rollout_logprob_abs_diff"] < 1e-5  # on-policy: rollout 0 only

@@ -4,6 +4,8 @@ calls (the real run is test_loop.py::test_async_overlaps_generation_with_trainin
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from slime_lite.args import parse_args, parser_defaults
@@ -153,7 +155,7 @@ def test_async_on_two_gpus_keeps_the_lag_at_one_and_passes_ci_test(tiny_model_di
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["rollout/off_policy_lag"] for r in rows] == [0.0, 1.0, 1.0]
     assert [r["rollout/weight_version"] for r in rows] == [0.0, 0.0, 1.0]
-    for prev, nxt in zip(rows, rows[1:]):
+    for prev, nxt in itertools.pairwise(rows):
         assert nxt["timeline/generate_start"] <= prev["timeline/train_start"]
 
 
