@@ -40,7 +40,7 @@ def _args(model_dir: str, dumps: str, extra: list[str]):
                        "--actor-num-gpus-per-node", "2", *extra])
 
 
-def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str) -> None:
+def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str, common: tuple = ()) -> None:
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
@@ -55,7 +55,7 @@ def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str) -> None:
     try:
         for name, extra in {**CONFIGS, **critic}.items():  # one process group; Megatron's groups and model per config
             if name in critic:
-                worker = CriticActor(_args(model_dir, dumps, extra), rank, 2, "127.0.0.1")
+                worker = CriticActor(_args(model_dir, dumps, [*extra, *common]), rank, 2, "127.0.0.1")
                 worker._store = store
                 worker.init(port)
                 old = {i: torch.zeros(s.response_length) for i, s in enumerate(samples)}
@@ -65,7 +65,7 @@ def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str) -> None:
                 results[name] = metrics and {**metrics, "values": sum(float(v.abs().sum()) for v in values.values())}
                 parallel_state.destroy_model_parallel()
                 continue
-            worker = TrainActor(_args(model_dir, dumps, extra), rank, 2, "127.0.0.1")
+            worker = TrainActor(_args(model_dir, dumps, [*extra, *common]), rank, 2, "127.0.0.1")
             worker._store = store  # None the first time: init opens it; later the process group already exists
             worker.init(port)
             store = store or worker._store or True
@@ -73,8 +73,12 @@ def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str) -> None:
             assert cfg.sequence_parallel == ("--sequence-parallel" in extra), name
             assert cfg.recompute_granularity == (extra[extra.index("--recompute-granularity") + 1]
                                                  if "--recompute-granularity" in extra else None), name
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             reported = worker.train(0, samples, None)  # the metrics on the reporting rank (0), None elsewhere
             results[name] = reported and reported[0]
+            if reported and torch.cuda.is_available():
+                results[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             parallel_state.destroy_model_parallel()
     finally:
         destroy()
@@ -141,3 +145,21 @@ def test_packed_row_is_padded_to_a_multiple_of_tp_with_a_segment_of_its_own():
     assert [t.tolist() for t in response_slices(per_position, mb.prompt_lengths, mb.response_lengths)] == [
         [1.0, 2.0], [5.0]]  # the padding segment is never read
     assert make_packed_micro_batch(samples, [0, 1]).tokens.shape == (1, 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_recompute_and_sequence_parallel_in_bf16_on_two_gpus(tiny_model_dir, replay_dumps, tmp_path):
+    """The same four configs on NCCL in bf16: printed spread and peak memory; equal within bf16 tolerance."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "metrics.json"
+    mp.spawn(_rank, args=(free_port(), str(tiny_model_dir), replay_dumps, str(out), ("--bf16",)), nprocs=2)
+    runs = json.loads(out.read_text())
+    ref = runs["plain"]
+    for name in CONFIGS:
+        m = runs[name]
+        rels = {key: abs(m[key] - ref[key]) / max(abs(ref[key]), 1e-12) for key in ("train/loss", "train/grad_norm")}
+        print(f"bf16 {name}: ppo_kl {m['train/first_step/ppo_kl']:.3g} peak {m['peak_gib']:.3f} GiB",
+              {k: f"{v:.1e}" for k, v in rels.items()})
+        assert abs(m["train/first_step/ppo_kl"]) < 1e-3 and max(rels.values()) < 3e-2, (name, rels)
