@@ -31,14 +31,15 @@ _SHORT = [
 ]
 
 
-# Metrics that measure the machine rather than the run's numbers (wall-clock times, throughput, memory): they
-# differ between two runs that compute the same thing, so comparisons of runs leave them out (slime-lite
-# compare-runs, --deterministic-mode's byte-identity). Every one of them, and nothing else, is under perf/.
-TIMING_PREFIX = "perf/"
+# Metrics that measure the machine rather than the run's numbers (wall-clock times and clock readings, throughput,
+# memory): they differ between two runs that compute the same thing, so comparisons of runs leave them out
+# (slime-lite compare-runs, --deterministic-mode's byte-identity). Every one of them, and nothing else, is under
+# one of these prefixes: perf/ (durations, throughput, memory), timeline/ (--async's clock readings per rollout).
+TIMING_PREFIXES = ("perf/", "timeline/")
 
 
 def is_timing_metric(key: str) -> bool:
-    return key.startswith(TIMING_PREFIX)
+    return key.startswith(TIMING_PREFIXES)
 
 
 def _fmt(value: Any) -> str:

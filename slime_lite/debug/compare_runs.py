@@ -1,7 +1,8 @@
 """``slime-lite compare-runs METRICS_A METRICS_B``: which metrics of two runs (their ``--metrics-path`` JSONL files)
 differ, and where each first does: the step, both values and the relative difference. Exit status 0 when every
-metric agrees within ``--rtol``, 1 when some differ. Timing metrics (``perf/``: metrics.is_timing_metric) are left
-out unless ``--include-timings``. Rows are matched by their step key (``rollout_id``; eval records share it).
+metric agrees within ``--rtol``, 1 when some differ. Timing metrics (``perf/``, ``timeline/``:
+metrics.is_timing_metric) are left out unless ``--include-timings``. Rows are matched by their step key
+(``rollout_id``; eval records share it).
 """
 
 from __future__ import annotations
@@ -107,14 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("metrics_b", help="--metrics-path JSONL of run B")
     p.add_argument("--rtol", type=float, default=0.0,
                    help="relative difference under which two values agree (default: %(default)s, exact)")
-    p.add_argument("--include-timings", action="store_true", help="also compare perf/ (times, throughput, memory)")
+    p.add_argument("--include-timings", action="store_true", help="also compare the timing metrics (perf/, timeline/)")
     p.add_argument("--step-key", default="rollout_id", help="the key that matches rows (default: %(default)s)")
     args = p.parse_args(argv)
     if args.rtol < 0:
         raise SlimeLiteError(f"--rtol {args.rtol} must be >= 0.")
     rows_a, rows_b = read_metrics(args.metrics_a), read_metrics(args.metrics_b)
     diffs = compare(rows_a, rows_b, args.rtol, args.include_timings, args.step_key)
-    scope = "" if args.include_timings else ", timings (perf/) left out"
+    scope = "" if args.include_timings else ", timings (perf/, timeline/) left out"
     extra = [(name, only_in(mine, theirs, args.step_key)) for name, mine, theirs in
              (("A", rows_a, rows_b), ("B", rows_b, rows_a))]
     for name, steps in extra:
