@@ -104,6 +104,9 @@ def flops(arch, samples: list, passes: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- ours (Megatron)
+MEMORY_FLAGS: dict = {}  # --recompute: the worker's --recompute-* flags
+
+
 def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, bf16: bool,
          padded_mbs: int = 0) -> dict:
     """The worker's phases on these samples: packed (padded_mbs 0) or padded micro-batches of padded_mbs samples."""
@@ -116,7 +119,8 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
     budgets = {"micro_batch_size": padded_mbs} if padded_mbs else {
         "use_dynamic_batch_size": True, "max_tokens_per_gpu": max_tokens, "log_probs_max_tokens_per_gpu": lp_tokens}
     args = parser_defaults(hf_checkpoint=ckpt, bf16=bf16, **budgets, use_kl_loss=True, kl_loss_coef=0.001,
-                           rollout_batch_size=n // 8, n_samples_per_prompt=8, global_batch_size=n, lr=1e-6)
+                           rollout_batch_size=n // 8, n_samples_per_prompt=8, global_batch_size=n, lr=1e-6,
+                           **MEMORY_FLAGS)
     w = TrainActor(args, 0, 1, "127.0.0.1")
     w.init(free_port())
     res: dict = {}
@@ -272,7 +276,13 @@ def main() -> None:
     p.add_argument("--long", action="store_true", help="also: 0.5B on 16,384-token and 1.5B on 8,192-token samples")
     p.add_argument("--with-padded", type=int, default=0, metavar="MBS",
                    help="also run the worker without packing, padded micro-batches of MBS samples (the old path)")
+    p.add_argument("--recompute", choices=("full", "selective"), default=None,
+                   help="activation recompute in our worker: full (uniform, 1 layer per chunk) or selective")
     a = p.parse_args()
+    if a.recompute == "full":
+        MEMORY_FLAGS.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif a.recompute == "selective":
+        MEMORY_FLAGS.update(recompute_granularity="selective")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
           f"packed attention backend {os.environ.get('SLIME_LITE_PACKED_ATTENTION', 'auto')}", flush=True)
