@@ -183,16 +183,16 @@ def memory_overrides(args: Any) -> dict[str, Any]:
     ``--sequence-parallel`` (norms and residuals split along the sequence over the TP group; as in Megatron, off at
     TP=1). args_check.check_recompute refuses the combinations Megatron would."""
     return {
-        "recompute_granularity": getattr(args, "recompute_granularity", None),
-        "recompute_method": getattr(args, "recompute_method", None),
-        "recompute_num_layers": getattr(args, "recompute_num_layers", None),
+        "recompute_granularity": args.recompute_granularity,
+        "recompute_method": args.recompute_method,
+        "recompute_num_layers": args.recompute_num_layers,
         "sequence_parallel": sequence_parallel(args),
     }
 
 
 def sequence_parallel(args: Any) -> bool:
     """--sequence-parallel in effect (Megatron turns it off at --tensor-model-parallel-size 1)."""
-    return bool(getattr(args, "sequence_parallel", False)) and getattr(args, "tensor_model_parallel_size", 1) > 1
+    return bool(args.sequence_parallel) and args.tensor_model_parallel_size > 1
 
 
 def layer_spec(arch: HFArch, transformer_impl: str = "local"):
