@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
 export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=25 "$@"
