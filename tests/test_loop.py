@@ -151,14 +151,24 @@ def test_colocate_second_iteration(tiny_model_dir, data, tmp_path, capsys):
     assert "0 token(s) with |diff| > 0.05" in capsys.readouterr().out
 
 
-def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, data, tmp_path):
-    full = tmp_path / "full"
-    proc = train(base(tiny_model_dir, data, full, "--num-rollout", "3"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+DETERMINISTIC = ("--num-rollout", "3", "--deterministic-mode")
 
+
+@pytest.fixture(scope="module")
+def full_run(tiny_model_dir, data, tmp_path_factory) -> Path:
+    """An uninterrupted 3-rollout --deterministic-mode run with its rollout dumps; two tests compare with it."""
+    full = tmp_path_factory.mktemp("full")
+    proc = train(base(tiny_model_dir, data, full, *DETERMINISTIC, "--save-debug-rollout-data",
+                      str(full / "dumps" / "{rollout_id}.pt")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return full
+
+
+def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, data, tmp_path, full_run):
+    full = full_run
     part = tmp_path / "part"
     ckpt = part / "ckpt"
-    argv = base(tiny_model_dir, data, part, "--num-rollout", "3", "--save", str(ckpt), "--save-interval", "1")
+    argv = base(tiny_model_dir, data, part, *DETERMINISTIC, "--save", str(ckpt), "--save-interval", "1")
     job = subprocess.Popen([sys.executable, "-m", "slime_lite.cli", "train", *argv], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
@@ -169,7 +179,7 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, data, tmp_path):
     os.killpg(job.pid, signal.SIGKILL)  # the whole job, driver and Ray, at once
     job.wait()
 
-    resumed = train(base(tiny_model_dir, data, part, "--num-rollout", "3", "--load", str(ckpt)))
+    resumed = train(base(tiny_model_dir, data, part, *DETERMINISTIC, "--load", str(ckpt)))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     last = [x for x in rows(part) if x["rollout_id"] == 2]
     assert len(last) == 1, "the resumed run did not start at rollout 2"
@@ -182,32 +192,27 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, data, tmp_path):
 
 
 def test_deterministic_mode_two_runs_are_byte_identical_and_profiling_writes_traces(tiny_model_dir, data,
-                                                                                   tmp_path):
+                                                                                   tmp_path, full_run):
     """--deterministic-mode: the same run twice gives the same metrics (timings excluded) and byte-identical
-    dumps on CPU. The second run also profiles (train workers, engine, driver timeline): it must not change a
-    number, and its traces are Chrome trace JSON with the events of their process."""
+    rollout dumps on CPU. The second run also profiles (train workers, engine, driver timeline): it must not change
+    a number, and its traces are Chrome trace JSON with the events of their process."""
     import filecmp
 
     from slime_lite.debug.compare_runs import main as compare_runs
     from slime_lite.metrics import is_timing_metric
 
-    def run(name: str, *extra: str) -> Path:
-        out = tmp_path / name
-        proc = train(base(tiny_model_dir, data, out, "--num-rollout", "2", "--deterministic-mode", "--eval-interval",
-                          "2", "--eval-prompt-data", "add", str(data.with_name("addition_eval.jsonl")),
-                          "--save-debug-rollout-data", str(out / "dumps" / "{rollout_id}.pt"), *extra))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return out
-
-    a = run("a")
-    b = run("b", "--profile-target", "train", "rollout", "driver", "--profile-step-start", "1",
-            "--profile-step-end", "2", "--tensorboard-dir", str(tmp_path / "traces"))
+    a, b = full_run, tmp_path / "b"
+    proc = train(base(tiny_model_dir, data, b, *DETERMINISTIC, "--save-debug-rollout-data",
+                      str(b / "dumps" / "{rollout_id}.pt"), "--profile-target", "train", "rollout", "driver",
+                      "--profile-step-start", "1", "--profile-step-end", "2", "--tensorboard-dir",
+                      str(tmp_path / "traces")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert compare_runs([str(a / "m.jsonl"), str(b / "m.jsonl")]) == 0
     lines = [[json.dumps({k: v for k, v in json.loads(line).items() if not is_timing_metric(k)})
               for line in (out / "m.jsonl").read_text().splitlines()] for out in (a, b)]
-    assert lines[0] == lines[1] and len(lines[0]) == 3  # eval before training, rollouts 0 and 1
+    assert lines[0] == lines[1] and len(lines[0]) == 3
     names = sorted(p.name for p in (a / "dumps").iterdir())
-    assert names == sorted(p.name for p in (b / "dumps").iterdir()) and len(names) == 4  # 2 rollouts, 2 evals
+    assert names == sorted(p.name for p in (b / "dumps").iterdir()) == ["0.pt", "1.pt", "2.pt"]
     assert all(filecmp.cmp(a / "dumps" / n, b / "dumps" / n, shallow=False) for n in names)
 
     traces = tmp_path / "traces"
@@ -218,4 +223,4 @@ def test_deterministic_mode_two_runs_are_byte_identical_and_profiling_writes_tra
     assert any("backward" in e.get("name", "").lower() for e in train_trace["traceEvents"])
     spans = [e for e in json.loads((traces / "driver_timeline.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert {(e["name"], e["args"]["rollout_id"]) for e in spans} >= {
-        (phase, rid) for phase in ("rollout", "log_probs", "train", "update_weights") for rid in (0, 1)} | {("eval", 1)}
+        (phase, rid) for phase in ("rollout", "log_probs", "train", "update_weights") for rid in (0, 1, 2)}
