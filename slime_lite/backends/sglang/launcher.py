@@ -92,7 +92,8 @@ def check_sglang_args(cfg: EngineConfig) -> None:
 
 
 def _raising_parser():
-    """An argparse parser whose errors raise SlimeLiteError instead of printing usage and exiting."""
+    """An argparse parser whose errors raise SlimeLiteError instead of printing usage and exiting. Prefix matching
+    stays on, as in SGLang's own launch parser (``--tp`` means ``--tp-size``; an ambiguous prefix is an error)."""
     import argparse
 
     class Parser(argparse.ArgumentParser):
