@@ -92,10 +92,9 @@ class Scheduler(AdmissionMixin):
         self.kv_cache_tokens = kv_cache_tokens
         self.lm = CausalLM(self.hf, self.slot_len)
         self.weights = Weights(self.hf)
-        # --deterministic-mode (torch's deterministic algorithms on) turns it off: whether a prompt hits the cache
-        # depends on timing (which slots are free), and a hit's prefill sums in another order than a full one
-        self.prefix = PrefixCache(lambda: self.weights.version, enabled=not (
-            disable_radix_cache or torch.are_deterministic_algorithms_enabled()))
+        # off with --disable-radix-cache, and under --deterministic-mode (rollout/engines.py passes it): whether a
+        # prompt hits the cache depends on timing (which slots are free), and a hit's prefill sums in another order
+        self.prefix = PrefixCache(lambda: self.weights.version, enabled=not disable_radix_cache)
         self.cache = self.lm.new_cache(self.max_running, self.slot_len)
         # Padded decode steps (CUDA graphs on CUDA): on by default on CUDA; cuda_graph=True on CPU runs them eagerly.
         if cuda_graph is None:

@@ -49,6 +49,7 @@ class EngineActor:
                 max_running_requests=c.engine_max_running_requests, kv_cache_tokens=c.engine_kv_cache_tokens,
                 cuda_graph=False if c.engine_disable_cuda_graph else None,
                 enable_torch_compile=c.engine_enable_torch_compile,
+                disable_radix_cache=self.args.deterministic_mode,  # a cache hit depends on timing
             )
         url = self.server.start()
         log.info("engine %d ready at %s", self.rank, url)

@@ -217,9 +217,29 @@ def test_loads_get_load_and_server_info_fields_slime_reads(engine):
 
 
 def test_deterministic_mode_turns_the_prefix_cache_off(tiny_model_dir, monkeypatch):
-    """A hit depends on timing (which slots are free) and sums a prefill in another order: --deterministic-mode's
-    torch setting switches the cache off."""
+    """A hit depends on timing (which slots are free) and sums a prefill in another order: a --deterministic-mode
+    run's engines start without the cache, and only because of the flag (torch's process-wide deterministic
+    setting, which CPU train workers turn on, leaves an engine's cache alone)."""
+    from slime_lite import determinism
+    from slime_lite.args import parser_defaults
+    from slime_lite.engine import server
     from slime_lite.engine.scheduler import Scheduler
+    from slime_lite.rollout.engines import EngineActor
 
+    monkeypatch.setattr(determinism, "set_deterministic", lambda: None)  # leave this test process's torch alone
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    made = []
+
+    class Recorder:  # a stand-in for the server: records how the engine actor builds it
+        def __init__(self, *a, **kw):
+            made.append(kw)
+
+        def start(self):
+            return "http://127.0.0.1:1"
+
+    monkeypatch.setattr(server, "EngineServer", Recorder)
+    for flag in (True, False):
+        EngineActor(parser_defaults(hf_checkpoint=str(tiny_model_dir), deterministic_mode=flag), 0).start()
+    assert [kw["disable_radix_cache"] for kw in made] == [True, False]
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert Scheduler(str(tiny_model_dir), device="cpu", max_running_requests=2).prefix.enabled is False
+    assert Scheduler(str(tiny_model_dir), device="cpu", max_running_requests=2).prefix.enabled
