@@ -49,7 +49,7 @@ class TorchProfile:
     def __init__(self) -> None:
         self.prof = None
 
-    def start(self, record_shapes: bool = True, with_stack: bool = False) -> None:
+    def start(self, record_shapes: bool = True, with_stack: bool = False, profile_memory: bool = True) -> None:
         import torch
 
         if self.prof is not None:
@@ -58,7 +58,7 @@ class TorchProfile:
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = torch.profiler.profile(activities=activities, record_shapes=record_shapes,
-                                           with_stack=with_stack, profile_memory=True)
+                                           with_stack=with_stack, profile_memory=profile_memory)
         self.prof.start()
 
     def stop(self, path: str) -> str | None:
@@ -75,15 +75,18 @@ class TorchProfile:
 
 
 def start_memory_history() -> None:
-    """Record the CUDA caching allocator's events (with stacks) in this process; a snapshot is dumped at an
-    out-of-memory and by ``dump_memory_snapshot``."""
+    """Record the CUDA caching allocator's events in this process, with the Python stack of each allocation; a
+    snapshot is dumped at an out-of-memory and by ``dump_memory_snapshot``. Stacks of allocations only
+    (context="alloc"): with stacks recorded at frees too (torch's default context="all") the first backward of a
+    Megatron train step failed on an H200 (torch 2.11) with "run_backward returned NULL without setting an
+    exception", with Python or C++ stacks alike; "alloc", "state" and no context passed there."""
     import torch
 
     if not torch.cuda.is_available():
         raise SlimeLiteError(
             "--record-memory-history records the CUDA allocator, and this train worker has no CUDA device; "
             "drop the flag on CPU (memory per process is in the metrics: perf/memory/*).")
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="all")
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
 
 
 def dump_memory_snapshot(path: str) -> str:

@@ -257,7 +257,8 @@ class TrainWorker:
         from slime_lite.profiling import TorchProfile
 
         self._profile = TorchProfile()
-        self._profile.start()
+        # with --record-memory-history the allocator's own history already has every allocation
+        self._profile.start(profile_memory=not self.args.record_memory_history)
 
     def stop_profile(self, folder: str) -> None:
         self._profile.stop(os.path.join(folder, f"train_{self.role}_rank{self.rank}.trace.json"))
