@@ -66,8 +66,11 @@ def add_admin_routes(app: Any, scheduler: Scheduler) -> None:
     }
     for path, handler in posts.items():
         app.router.add_post(path, handler)
+    for path in ("/release_memory_occupation", "/resume_memory_occupation", "/start_profile", "/stop_profile"):
+        app.router.add_get(path, posts[path])  # SGLang takes GET too (a GET's JSON body or its query parameters)
     for path, handler in (("/get_weights_by_name", admin.get_weights_by_name),
-                          ("/get_weights_checksum", admin.get_weights_checksum)):
+                          ("/get_weights_checksum", admin.get_weights_checksum),
+                          ("/weights_checker", admin.weights_checker)):
         app.router.add_get(path, handler)
         app.router.add_post(path, handler)
 
@@ -80,6 +83,7 @@ class _Admin:
         self.weight_session = False  # between /begin_weight_update and /end_weight_update (SGLang's session)
         self.profile = TorchProfile()  # /start_profile .. /stop_profile, in the model thread
         self.profile_path = ""
+        self.weights_snapshot: dict[str, str] | None = None  # /weights_checker action=snapshot
 
     async def run_in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, *args))
@@ -273,6 +277,45 @@ class _Admin:
         except WeightError as exc:
             raise BadRequest(str(exc)) from None
         return json_response(sums)
+
+    async def weights_checker(self, request):
+        """SGLang's ``/weights_checker`` over the engine's per-parameter checksums (HF names; sha256 of the bytes,
+        ``weights.checksums``): ``action`` ``checksum`` (one rank's ``ChecksumInfo`` plus ``per_engine_checksum``,
+        combined as SGLang does), ``snapshot`` (remember the checksums) or ``compare`` (the weights against the
+        snapshot; a 400 naming the changed parameters). ``skip_tensor_list``: name substrings left out.
+        ``reset_tensors`` (overwrite every weight with noise) is refused; there is no draft model."""
+        import hashlib
+
+        body = await read_body(request)
+        action = _field(check.string, body, "action", "checksum")
+        skip = _field(_strings, body, "skip_tensor_list", None) or []
+        _field(check.boolean, body, "allow_quant_error", False)  # no quantized weights: nothing to allow
+        selector = _field(check.string, body, "selector", "all")
+        if selector not in ("target", "draft", "all"):
+            raise BadRequest(f"selector={selector!r}: expected target, draft or all")
+        if action not in ("checksum", "snapshot", "compare") or selector == "draft":
+            why = (f"action={action!r} is not supported by the embedded engine (checksum, snapshot, compare)"
+                   if selector != "draft" else "selector='draft': the embedded engine has no draft model")
+            return json_response({"success": False, "message": why}, 400)
+        sums = await self.run_in_model_thread(self.scheduler.weights.checksums)
+        sums = {n: h for n, h in sums.items() if not any(p in n for p in skip)}
+        if action == "snapshot":
+            self.weights_snapshot = sums
+        elif action == "compare":
+            if self.weights_snapshot is None:
+                return json_response({"success": False, "message": "no snapshot: send action=snapshot first"}, 400)
+            changed = sorted(n for n in sums if n in self.weights_snapshot and sums[n] != self.weights_snapshot[n])
+            if changed:
+                return json_response({"success": False, "message": f"{len(changed)} parameter(s) differ from the "
+                                      f"snapshot: {changed[:5]}"}, 400)
+        if action != "checksum":
+            return json_response({"success": True, "message": "Success."})
+        per_gpu = hashlib.sha256(b"".join(n.encode() + sums[n].encode() for n in sorted(sums))).hexdigest()
+        placement = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                     "pp_size": 1, "rank": 0, "size": 1}
+        ranks = [{"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": [placement]}]
+        return json_response({"success": True, "message": "Success.", "ranks": ranks,
+                              "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest()})
 
     # ---- memory --------------------------------------------------------------------------------------------
     async def release_memory(self, request):

@@ -22,10 +22,10 @@ def error_response(message: str, status: int = 400):
 
 
 async def read_body(request) -> dict[str, Any]:
-    """The request's JSON object (the query parameters of a GET); an empty body is ``{}``."""
-    if request.method == "GET":
-        return dict(request.query)
+    """The request's JSON object (a GET without a body: its query parameters); an empty body is ``{}``."""
     raw = await request.read()
+    if request.method == "GET" and not raw.strip():
+        return dict(request.query)
     if not raw.strip():
         return {}
     try:

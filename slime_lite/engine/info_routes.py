@@ -1,6 +1,6 @@
 """Health, info and load routes of the embedded engine (SGLang's names and shapes).
 
-- ``/health``, ``/health_generate``: SGLang's semantics (see ``health``).
+- ``/``, ``/ready`` (the model thread runs), ``/health``, ``/health_generate``: SGLang's semantics (see ``health``).
 - ``/get_model_info`` (``/model_info``), ``/get_server_info`` (``/server_info``), ``/get_weight_version``.
   ``/get_server_info`` carries the ``ServerArgs`` fields slime reads or compares for an external engine
   (``tp_size``, ``dp_size``, ``pp_size``, ``ep_size``, ``dtype``, ``enable_memory_saver``,
@@ -28,6 +28,8 @@ def add_info_routes(app: Any, server: Any) -> None:
     """``server`` is the ``EngineServer`` (server.py imports this module)."""
     info = _Info(server)
     r = app.router
+    r.add_get("/", info.root)
+    r.add_get("/ready", info.ready)
     r.add_get("/health", info.health)
     r.add_get("/health_generate", info.health)
     for path in ("/get_model_info", "/model_info"):
@@ -42,6 +44,16 @@ def add_info_routes(app: Any, server: Any) -> None:
 class _Info:
     def __init__(self, server: Any) -> None:
         self.server = server
+
+    async def root(self, request):
+        return json_response("slime_lite embedded engine (SGLang API) is running")  # SGLang: "SGLang is running"
+
+    async def ready(self, request):
+        """SGLang's ``/ready``: 200 once the engine takes requests (its model thread runs), else 503. Unlike
+        ``/health`` it generates nothing, and paused generation or released weights still count as ready."""
+        from aiohttp import web
+
+        return web.Response(status=200 if self.server.scheduler.alive else 503)
 
     async def health(self, request):
         """``/health`` and ``/health_generate`` (SGLang's semantics): 200 when a one-token generation answers, or

@@ -1,5 +1,5 @@
 """OpenAI-compatible routes of the embedded engine: /v1/models (and /v1/models/{id}), /v1/completions,
-/v1/chat/completions.
+/v1/chat/completions, and SGLang's /tokenize and /detokenize (also under /v1).
 
 They map onto the same requests as ``/generate``. ``finish_reason`` is ``stop``, ``length`` or ``abort``. Log-probs
 follow SGLang's OpenAI server: completions take ``logprobs: k`` (``top_logprobs`` maps of the k best tokens) and
@@ -9,12 +9,14 @@ chat takes ``logprobs: true`` and ``top_logprobs: k``. Stream chunks carry the l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
 import uuid
 from typing import Any
 
+from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, json_response, read_body
 
 
@@ -26,6 +28,9 @@ def add_openai_routes(app: Any, server: Any) -> None:
     app.router.add_get("/v1/models/{model:.+}", api.retrieve_model)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
+    for prefix in ("", "/v1"):  # SGLang serves both spellings
+        app.router.add_post(f"{prefix}/tokenize", api.tokenize)
+        app.router.add_post(f"{prefix}/detokenize", api.detokenize)
 
 
 def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
@@ -176,9 +181,7 @@ class _OpenAI:
                 "model": self.server.served_model_name}
         return await self._respond(request, body, prompts, reqs, head, choice, n)
 
-    async def chat_completions(self, request):
-        body = await read_body(request)
-        messages = body.get("messages")
+    def _render_chat(self, messages: Any, add_generation_prompt: bool) -> str:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
         tok = self.server.scheduler.tokenizer
@@ -186,9 +189,66 @@ class _OpenAI:
             raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")
         try:
             with self.server.scheduler.tokenizer_lock:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                return tok.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise BadRequest(f"cannot apply the chat template: {exc}") from None
+
+    async def tokenize(self, request):
+        """SGLang's ``/tokenize`` (``/v1/tokenize``): ``prompt`` (a string or a list of strings) or ``messages``
+        (rendered with the chat template, ``add_generation_prompt`` default true) -> ``{tokens, count,
+        max_model_len}``. ``add_special_tokens`` (default true) is passed to the tokenizer for a ``prompt``."""
+        body = await read_body(request)
+        _unsupported(body)
+        prompt, messages = body.get("prompt"), body.get("messages")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise BadRequest(f"add_special_tokens={special!r} must be true or false")
+        sch = self.server.scheduler
+        if (prompt is None) == (messages is None):
+            raise BadRequest("send exactly one of 'prompt' and 'messages'")
+        if messages is not None:
+            gen = body.get("add_generation_prompt")
+            texts, special = [self._render_chat(messages, True if gen is None else bool(gen))], False
+        elif isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)):
+            texts = [prompt] if isinstance(prompt, str) else prompt
+        else:
+            raise BadRequest("'prompt' must be a string or a list of strings")
+
+        def encode() -> list[list[int]]:
+            with sch.tokenizer_lock:
+                return [sch.tokenizer.encode(t, add_special_tokens=special) for t in texts]
+
+        ids = await asyncio.get_running_loop().run_in_executor(None, encode)
+        one = not isinstance(prompt, list)
+        return json_response({"tokens": ids[0] if one else ids, "count": len(ids[0]) if one else [len(x) for x in ids],
+                              "max_model_len": sch.slot_len})
+
+    async def detokenize(self, request):
+        """SGLang's ``/detokenize`` (``/v1/detokenize``): ``tokens`` (a list of ids or a list of such lists) ->
+        ``{text}`` (a string or a list); ``skip_special_tokens`` default true."""
+        body = await read_body(request)
+        tokens, skip = body.get("tokens"), body.get("skip_special_tokens", True)
+        if not isinstance(skip, bool):
+            raise BadRequest(f"skip_special_tokens={skip!r} must be true or false")
+        if not isinstance(tokens, list):
+            raise BadRequest("'tokens' must be a list of token ids or a list of such lists")
+        if not tokens:
+            return json_response({"text": ""})
+        many = isinstance(tokens[0], list)
+        sch = self.server.scheduler
+        texts = []
+        for i, ids in enumerate(tokens if many else [tokens]):
+            try:
+                check.token_ids(ids, f"tokens[{i}]" if many else "tokens", sch.lm.vocab_size)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+            texts.append(sch.decode(ids, skip))
+        return json_response({"text": texts if many else texts[0]})
+
+    async def chat_completions(self, request):
+        body = await read_body(request)
+        text = self._render_chat(body.get("messages"), True)
         prompts, _ = await self.server.encode_prompts(text=text)
         want_lp = bool(body.get("logprobs"))
         top = self._count(body, "top_logprobs", 0, 20)

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 8 << 20  # default body limit of every route but the weight upload
 WEIGHTS_BODY_LIMIT = 1 << 34
 WEIGHTS_ROUTES = ("/update_weights_from_tensor",)
-OPEN_ROUTES = ("/health", "/health_generate")  # answered without the API key (liveness probes)
+OPEN_ROUTES = ("/health", "/health_generate", "/ready")  # answered without the API key (liveness probes)
 
 
 def _rid(value: Any) -> str:

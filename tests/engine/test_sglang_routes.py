@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from tests import sglang_oracle as oracle
+from tests.engine.engine_helpers import http
 
 # SGLang routes the embedded engine leaves out on purpose, by reason ("METHOD /path", path parameters as {}).
 ABSENT_BY_DESIGN = {
@@ -43,14 +44,13 @@ ABSENT_BY_DESIGN = {
         "POST /set_internal_state", "PUT /set_internal_state", "POST /slow_down", "GET /slow_down",
         "POST /freeze_gc", "GET /freeze_gc", "POST /configure_logging", "GET /configure_logging",
         "POST /set_trace_level", "GET /set_trace_level"],
+    "checkpoint-engine's push (ZMQ sockets per GPU UUID handing over CUDA IPC buffers; slime pushes through "
+    "/update_weights_from_tensor, which takes CUDA IPC handles too, or /update_weights_from_distributed)": [
+        "POST /update_weights_from_ipc"],
 }
 
 # SGLang routes a slime user could reach that the embedded engine does not serve yet.
-MISSING = [
-    "GET /", "GET /ready", "POST /tokenize", "POST /detokenize", "POST /v1/tokenize", "POST /v1/detokenize",
-    "GET /release_memory_occupation", "GET /resume_memory_occupation", "GET /start_profile", "GET /stop_profile",
-    "GET /weights_checker", "POST /weights_checker", "POST /update_weights_from_ipc",
-]
+MISSING: list[str] = []
 
 
 def _norm(method: str, path: str) -> str:
@@ -99,3 +99,83 @@ def test_routes_slime_calls_are_served_with_slimes_method(engine):
                   "POST /update_weights_from_distributed", "POST /init_weights_update_group",
                   "POST /release_memory_occupation", "POST /resume_memory_occupation", "GET /v1/loads"):
         assert route in ours, route
+
+
+def test_tokenize_and_detokenize_speak_sglangs_protocol(engine):
+    """/tokenize and /detokenize (and their /v1 spellings): requests and responses SGLang's own protocol models
+    accept, token ids the engine's tokenizer gives, and a round trip back to the text."""
+    oracle.require_sglang()
+    proto = oracle.openai_protocol()
+    tok = engine.scheduler.tokenizer
+    for prefix in ("", "/v1"):
+        for body in ({"prompt": "1+1=2"}, {"prompt": ["ab", "1+1"], "add_special_tokens": False}):
+            proto.TokenizeRequest.model_validate(body)
+            status, out = http(engine.url, f"{prefix}/tokenize", body)
+            assert status == 200, out
+            proto.TokenizeResponse.model_validate(out)
+            prompts = [body["prompt"]] if isinstance(body["prompt"], str) else body["prompt"]
+            ids = [tok.encode(p, add_special_tokens=body.get("add_special_tokens", True)) for p in prompts]
+            assert out["tokens"] == (ids[0] if isinstance(body["prompt"], str) else ids)
+            assert out["count"] == (len(ids[0]) if isinstance(body["prompt"], str) else [len(x) for x in ids])
+            assert out["max_model_len"] == engine.scheduler.slot_len
+            back = {"tokens": out["tokens"]}
+            proto.DetokenizeRequest.model_validate(back)
+            status, text = http(engine.url, f"{prefix}/detokenize", back)
+            assert status == 200, text
+            proto.DetokenizeResponse.model_validate(text)
+            assert text["text"] == (prompts[0] if isinstance(body["prompt"], str) else prompts)
+    messages = [{"role": "user", "content": "hi"}]
+    proto.TokenizeRequest.model_validate({"messages": messages})
+    out = http(engine.url, "/tokenize", {"messages": messages})[1]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    for route, body, field in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
+                               ("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+                               ("/detokenize", {"tokens": [[1], ["x"]]}, "tokens[1]")):
+        status, err = http(engine.url, route, body)
+        assert status == 400 and field in err["error"]["message"], (route, body, err)
+    assert http(engine.url, "/detokenize", {"tokens": []}) == (200, {"text": ""})
+
+
+def test_root_ready_and_get_variants_of_control_routes(engine):
+    assert http(engine.url, "/") == (200, "slime_lite embedded engine (SGLang API) is running")
+    assert http(engine.url, "/ready")[0] == 200
+    # GET with SGLang's JSON body (FastAPI reads a GET's body): release and resume the KV cache
+    assert http(engine.url, "/release_memory_occupation", {"tags": ["kv_cache"]}, method="GET")[0] == 200
+    assert "kv_cache" in http(engine.url, "/get_server_info")[1]["released_memory"]
+    assert http(engine.url, "/ready")[0] == 200  # ready still: /health would say 503 only for released weights
+    assert http(engine.url, "/resume_memory_occupation", method="GET")[0] == 200
+    assert http(engine.url, "/get_server_info")[1]["released_memory"] == []
+    assert http(engine.url, "/stop_profile")[0] == 400  # GET reaches the handler: none is running
+
+
+def test_weights_checker_checksums_snapshot_and_compare(engine):
+    """/weights_checker: SGLang's request object accepts each body; the checksum answer has SGLang's ChecksumInfo
+    shape and carries the engine's own per-parameter checksums; snapshot then compare succeeds on unchanged
+    weights; a compare against a snapshot that differs names the parameter."""
+    import msgspec
+
+    oracle.require_sglang()
+    io = oracle.sglang_module("sglang.srt.managers.io_struct")
+    for body in ({}, {"action": "checksum", "skip_tensor_list": ["embed"]}, {"action": "snapshot"},
+                 {"action": "compare"}):
+        io.CheckWeightsReqInput(**body)  # a kw_only struct: an unknown field is a TypeError
+    status, out = http(engine.url, "/weights_checker", method="GET")
+    assert status == 200 and out["success"], out
+    msgspec.convert(out["ranks"][0], io.ChecksumInfo)
+    assert out["ranks"][0]["checksums"] == http(engine.url, "/get_weights_checksum", {})[1]
+    assert len(out["per_engine_checksum"]) == 64
+    skipped = http(engine.url, "/weights_checker", {"skip_tensor_list": ["embed"]})[1]["ranks"][0]["checksums"]
+    assert skipped and not any("embed" in n for n in skipped) and len(skipped) < len(out["ranks"][0]["checksums"])
+    assert http(engine.url, "/weights_checker", {"action": "compare"})[0] in (200, 400)  # depends on test order
+    assert http(engine.url, "/weights_checker", {"action": "snapshot"}) == (200, {"success": True,
+                                                                                "message": "Success."})
+    assert http(engine.url, "/weights_checker", {"action": "compare"})[0] == 200
+    name = next(iter(out["ranks"][0]["checksums"]))
+    checker = next(r.handler for r in engine._runner.app.router.routes() if r.resource.canonical == "/weights_checker")
+    checker.__self__.weights_snapshot[name] = "0" * 64  # as if the weights had changed since the snapshot
+    status, bad = http(engine.url, "/weights_checker", {"action": "compare"})
+    assert status == 400 and not bad["success"] and name in bad["message"]
+    for body in ({"action": "reset_tensors"}, {"selector": "draft"}):
+        status, bad = http(engine.url, "/weights_checker", body)
+        assert status == 400 and not bad["success"], bad
