@@ -269,7 +269,8 @@ class _Admin:
         return json_response(values)
 
     async def get_weights_checksum(self, request):
-        """``{hf_name: sha256}`` of every parameter (or of ``names``), in the engine's dtype."""
+        """``{hf_name: digest}`` of every parameter (or of ``names``), in the engine's dtype: our route (SGLang has
+        none by this name); each digest is ``weight_transport.tensor_checksums``'s (32 hex digits)."""
         body = await read_body(request)
         try:
             sums = await self.run_in_model_thread(self.scheduler.weights.checksums,
@@ -279,8 +280,8 @@ class _Admin:
         return json_response(sums)
 
     async def weights_checker(self, request):
-        """SGLang's ``/weights_checker`` over the engine's per-parameter checksums (HF names; sha256 of the bytes,
-        ``weights.checksums``): ``action`` ``checksum`` (one rank's ``ChecksumInfo`` plus ``per_engine_checksum``,
+        """SGLang's ``/weights_checker`` over the engine's per-parameter checksums (HF names; ``weights.checksums``,
+        a checksum of the bytes): ``action`` ``checksum`` (one rank's ``ChecksumInfo`` plus ``per_engine_checksum``,
         combined as SGLang does), ``snapshot`` (remember the checksums) or ``compare`` (the weights against the
         snapshot; a 400 naming the changed parameters). ``skip_tensor_list``: name substrings left out.
         ``reset_tensors`` (overwrite every weight with noise) is refused; there is no draft model."""

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name, tensor_sha256
+from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name, tensor_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -190,13 +190,16 @@ class Weights:
         return param.detach()[: int(truncate_size)].float().cpu().tolist()
 
     def checksums(self, names: Iterable[str] | None = None) -> dict[str, str]:
-        """``{hf_name: sha256 of the parameter's bytes}`` in the engine's dtype (all parameters by default)."""
+        """``{hf_name: weight_transport.tensor_checksums digest of the parameter's bytes}`` in the engine's dtype (all
+        parameters by default), computed on the parameters' device; a tied parameter is hashed once."""
         params = self.params
         names = list(params) if names is None else list(names)
         unknown = [n for n in names if n not in params]
         if unknown:
             raise WeightError(f"unknown parameter name(s) {unknown[:5]}")
-        return {n: tensor_sha256(params[n]) for n in names}
+        unique = {id(params[n]): params[n] for n in names}
+        digests = dict(zip(unique, tensor_checksums(list(unique.values()))))
+        return {n: digests[id(params[n])] for n in names}
 
     def destroy_all(self) -> None:
         for name in list(self.groups):

@@ -1,6 +1,6 @@
 """The colocated CUDA-IPC weight push on a GPU (skipped without CUDA): the trainer's tensor transport hands an engine
 in another process on the same GPU CUDA IPC handles in SGLang's flattened_bucket format (payloads of a few hundred
-bytes, no tensor bytes on the wire); the engine then holds exactly the trainer's tensors (SHA-256) and samples with
+bytes, no tensor bytes on the wire); the engine then holds exactly the trainer's tensors (checksums) and samples with
 them (its log-probs are those of an HF forward of the new weights)."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_colocated_push_by_cuda_ipc(gpu_engine, tiny_model_dir, monkeypatch):
     args = SimpleNamespace(update_weight_transport="tensor", colocate=True, rollout_backend="embedded",
                            rollout_num_gpus_per_engine=1, update_weight_buffer_size=1 << 20,
                            debug_scramble_engine_weights=False, debug_inject_fault=None,
-                           check_weight_update_equal=True)  # the SHA-256 check of every parameter, after the push
+                           check_weight_update_equal=True)  # the checksum of every parameter, after the push
     weight_push.push(args, named, [url], 3)
     posts = [b for r, b in sent if r == "/update_weights_from_tensor"]
     bucket_bytes = sum(t.numel() * t.element_size() for t in cpu.values()) / len(posts)

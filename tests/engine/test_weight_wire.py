@@ -16,7 +16,7 @@ import torch
 from engine_helpers import http, start_engine
 
 from slime_lite import weight_wire
-from slime_lite.weight_transport import tensor_sha256
+from slime_lite.weight_transport import tensor_checksums
 from tests import sglang_oracle
 from tests.fakes.evil_pickle import Evil
 
@@ -83,7 +83,7 @@ def test_sglang_payloads_update_the_engine_exactly(sgl, wire_engine, base_weight
                                                                "load_format": load_format})
         assert status == 200 and out["success"] is True, out
     got = http(url, "/get_weights_checksum", {})[1]
-    assert {n: got[n] for n in new} == {n: tensor_sha256(t) for n, t in new.items()}
+    assert {n: got[n] for n in new} == dict(zip(new, tensor_checksums(list(new.values()))))
 
 
 def test_our_payloads_are_read_by_sglang(sgl):
@@ -181,6 +181,28 @@ def test_trainer_push_in_sglang_format_inside_a_session(wire_engine, base_weight
     assert tensor_posts >= 4  # two pushes (noise, then the weights) of at least two buckets each
     assert routes[0] == "/begin_weight_update" and routes.count("/end_weight_update") == 2
     got = http(url, "/get_weights_checksum", {})[1]
-    assert {n: got[n] for n in named} == {n: tensor_sha256(t) for n, t in named.items()}
+    assert {n: got[n] for n in named} == dict(zip(named, tensor_checksums(list(named.values()))))
     assert http(url, "/get_weight_version")[1]["weight_version"] == "5"
     assert weight_push.payload_mode("http://192.0.2.1:1", named, False, 1) == "by_value"  # TEST-NET: not here
+
+
+def test_weight_check_names_a_changed_parameter_and_accepts_a_cast(wire_engine, base_weights, caplog):
+    """check_weights_equal: equal weights pass; one parameter off by one bit is named; the trainer's bf16 tensors
+    against the engine's float32 parameters are equal after the cast (done on the tensors' device) and reported."""
+    from slime_lite.backends.megatron import weight_push
+    from slime_lite.errors import SlimeLiteError
+
+    url = wire_engine.url
+    named = {n: (t + 0.5).to(torch.bfloat16) for n, t in base_weights.items()}  # values a float32 holds exactly
+    args = SimpleNamespace(colocate=False, rollout_backend="embedded", rollout_num_gpus_per_engine=1,
+                           update_weight_buffer_size=1 << 20)
+    weight_push._push_tensor(args, {n: t.float() for n, t in named.items()}, [url], 6)
+    weight_push.check_weights_equal({n: t.float() for n, t in named.items()}, [url])
+    with caplog.at_level("WARNING", logger=weight_push.__name__):
+        weight_push.check_weights_equal(named, [url])
+    assert f"{len(http(url, '/get_weights_checksum', {})[1])} parameter(s) equal only after a dtype cast" in caplog.text
+    changed = "model.layers.0.mlp.up_proj.weight"
+    off = {n: t.float() for n, t in named.items()}
+    off[changed].view(torch.int32).view(-1)[-1] ^= 1  # the lowest bit of the last element
+    with pytest.raises(SlimeLiteError, match=rf"1 differ \['{changed}'\]; 0 never pushed"):
+        weight_push.check_weights_equal(off, [url])

@@ -10,7 +10,7 @@ from engine_helpers import generate, hf_logprobs, http, in_thread, start_engine
 
 from slime_lite import weight_wire
 from slime_lite.io import free_port
-from slime_lite.weight_transport import WeightUpdateGroup, tensor_sha256
+from slime_lite.weight_transport import WeightUpdateGroup, tensor_checksums
 
 PROMPT = [10, 11, 12, 13]
 
@@ -54,7 +54,8 @@ def assert_serves(url: str, model, version: str, cached: int = 0) -> None:
     assert torch.allclose(torch.tensor(values), model.get_parameter(name)[:3], atol=0)
     status, sums = http(url, "/get_weights_checksum", {})
     assert status == 200
-    assert sums == {n: tensor_sha256(p) for n, p in model.named_parameters()}
+    named = dict(model.named_parameters())
+    assert sums == dict(zip(named, tensor_checksums(list(named.values()))))
     out = generate(url, input_ids=PROMPT, return_logprob=True,
                    sampling_params={"max_new_tokens": 8, "temperature": 0.8, "ignore_eos": True})
     lps = [t[0] for t in out["meta_info"]["output_token_logprobs"]]

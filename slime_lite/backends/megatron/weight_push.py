@@ -286,26 +286,28 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
 
 
 def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None:
-    """Every parameter the engines hold equals the trainer's (SHA-256 of the bytes). A tensor that matches only
-    after a cast to another float dtype is equal in the engine's precision: counted apart and reported."""
-    from slime_lite.weight_transport import tensor_sha256
+    """Every parameter the engines hold equals the trainer's: ``weight_transport.tensor_checksums`` of the bytes on
+    both sides, computed where the tensors live (the trainer's while the engines compute theirs). A tensor that
+    matches only after a cast to another float dtype (cast on its device) is equal in the engine's precision:
+    counted apart and reported."""
+    from slime_lite.weight_transport import tensor_checksums
 
     alias = {"lm_head.weight": "model.embed_tokens.weight"}  # tied embeddings: the engine lists both names
-    for url in urls:
-        engine = request_json(url, "/get_weights_checksum", {}, timeout=300)
-        missing = sorted(n for n in engine if n not in named and alias.get(n) not in named)
-        differ, cast = [], []
-        for name, digest in engine.items():
-            if name not in named and alias.get(name) not in named:
-                continue
-            t = named[name] if name in named else named[alias[name]]
-            if tensor_sha256(t) == digest:
-                continue
-            if any(tensor_sha256(t.to(dt)) == digest for dt in (torch.bfloat16, torch.float16, torch.float32)
-                   if dt != t.dtype):
-                cast.append(name)
-            else:
-                differ.append(name)
+    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+        replies = [pool.submit(request_json, url, "/get_weights_checksum", {}, timeout=300) for url in urls]
+        ours = dict(zip(named, tensor_checksums(list(named.values()))))
+        engines = [f.result() for f in replies]
+    for url, engine in zip(urls, engines):
+        source = {n: n if n in named else alias.get(n) for n in engine}  # engine name -> the trainer's name
+        missing = sorted(n for n, s in source.items() if s not in named)
+        unequal = [n for n, s in source.items() if s in named and ours[s] != engine[n]]
+        cast: list[str] = []
+        for dt in (torch.bfloat16, torch.float16, torch.float32):  # one batch per dtype, only the unequal ones
+            retry = [n for n in unequal if n not in cast and named[source[n]].dtype != dt]
+            if retry:
+                sums = tensor_checksums([named[source[n]] for n in retry], dtype=dt)
+                cast += [n for n, digest in zip(retry, sums) if digest == engine[n]]
+        differ = [n for n in unequal if n not in cast]
         if differ or missing:
             raise SlimeLiteError(
                 f"--check-weight-update-equal: engine {url} holds weights that differ from the trainer's: "
