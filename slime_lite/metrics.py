@@ -115,6 +115,8 @@ def process_memory() -> dict[str, float]:
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
         out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        # after an offload or a release: the share of the peak still held (issue 13's aim: <= 0.05)
+        out["cuda_allocated_of_peak"] = torch.cuda.memory_allocated() / max(1, torch.cuda.max_memory_allocated())
     return out
 
 

@@ -41,6 +41,7 @@ import torch
 
 from slime_lite.engine.model import CausalLM, KVCache
 from slime_lite.engine.sampling import sample_rows
+from slime_lite.offload import clear_cublas_workspaces  # process-wide: every thread's, stream's and device's
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +61,6 @@ def length_buckets(max_len: int) -> list[int]:
         sizes.append(n)
         n *= 2
     return sizes + [max_len]
-
-
-def _clear_cublas_workspaces() -> None:
-    """Process-wide (every thread's and device's workspaces), as torch.compile's CUDA graphs do; safe with one engine
-    per process, which is how the engine runs (``serve`` and the rollout actors)."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
 
 
 def _ceil(buckets: list[int], n: int) -> int:
@@ -241,11 +234,11 @@ class PaddedDecoder:
         # captured with it breaks when anything in the process clears those workspaces (torch.compile's CUDA graphs
         # do, at every recording: on an H200 the engine then died with an illegal memory access). Cleared here, the
         # capture makes its own workspace in the graph's pool; cleared after, no eager call is handed that memory.
-        _clear_cublas_workspaces()
+        clear_cublas_workspaces()
         # Our own capture stream, on the engine's device (torch's default one is per process, on the first device).
         with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             self._step(bs, kv_len)
-        _clear_cublas_workspaces()
+        clear_cublas_workspaces()
         self.graphs[(bs, kv_len)] = graph
         took = time.perf_counter() - start
         self.capture_seconds += took

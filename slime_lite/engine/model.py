@@ -230,6 +230,12 @@ class CausalLM:
         self.cos = cos[0]
         self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # rotate_half's sign folded in
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the forward pass reads: the HF model's parameters and buffers, the fused weights (whose
+        storages the q/k/v and gate/up parameters view) and the rotary table (--offload-rollout moves them)."""
+        fused = [t for ly in self.layers for t in (ly.qkv_w, ly.qkv_b, ly.gu_w, ly.gu_b) if t is not None]
+        return [*self.hf.parameters(), *self.hf.buffers(), *fused, self.cos, self.sin]
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device

@@ -41,6 +41,7 @@ from slime_lite.engine.request import Request, RequestOutput
 from slime_lite.engine.sampling import mix64, sample
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
+from slime_lite.offload import TensorStash, clear_cublas_workspaces
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class Scheduler(AdmissionMixin):
         self.weight_version = "default"
         self.paused = False
         self.released: set[str] = set()
+        self._stash = TensorStash(self.device)  # the weights while released (release_memory)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self._free_slots = list(range(self.max_running))
@@ -259,10 +261,11 @@ class Scheduler(AdmissionMixin):
             logger.info("release_memory_occupation %s: no-op on CPU", sorted(tags))
             self.released |= tags
             return "no-op on CPU"
+        self._free_cache()  # with the CUDA graphs, which hold the addresses of the cache and the weights
         if "weights" in tags and "weights" not in self.released:
-            self.lm.layers, self.lm.cos, self.lm.sin = [], None, None  # drop the fused tensors' GPU memory
-            self.hf.to("cpu")
-        self._free_cache()
+            # one pinned host block; the weights stay readable and writable there (updates, checksums) until resumed
+            self._stash.offload(self.lm.device_tensors(), keep_on_host=True)
+        clear_cublas_workspaces()
         torch.cuda.empty_cache()
         self.released |= tags
         logger.info("released GPU memory %s", sorted(tags))
@@ -271,8 +274,8 @@ class Scheduler(AdmissionMixin):
     def resume_memory(self, tags: list[str] | None) -> str:
         tags = set(tags or ("weights", "kv_cache"))
         if self.device.type != "cpu" and "weights" in tags and "weights" in self.released:
-            self.hf.to(self.device)
-            self.lm.refresh()
+            self._stash.onload()  # one device block again, every weight a view of it
+            self.lm.storage_version += 1  # new addresses: CUDA graphs are captured again
         self.released -= tags
         logger.info("resumed memory %s", sorted(tags))
         return "resumed"
