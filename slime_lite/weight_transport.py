@@ -95,13 +95,13 @@ def checksum_multipliers(kind: str, index: np.ndarray) -> np.ndarray:
     return _splitmix64(np.asarray(index, dtype=np.uint64) + np.uint64(salt)) | np.uint64(1)
 
 
-@functools.lru_cache(maxsize=8)
-def _word_multipliers(device: str) -> torch.Tensor:
+@functools.lru_cache(maxsize=16)
+def _multipliers_on(device: str, kind: str, count: int) -> torch.Tensor:
+    """``checksum_multipliers(kind, range(count))`` as int64 on ``device``: made once per process."""
     import numpy as np
     import torch
 
-    words = checksum_multipliers("word", np.arange(CHECKSUM_BLOCK_WORDS, dtype=np.uint64))
-    return torch.from_numpy(words.view(np.int64)).to(device)
+    return torch.from_numpy(checksum_multipliers(kind, np.arange(count)).view(np.int64)).to(device)
 
 
 def tensor_checksums(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[str]:
@@ -127,7 +127,7 @@ def tensor_checksums(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None 
 
     Sums of integers do not depend on their order, so the digest is deterministic on GPUs and CPUs alike. All
     tensors on one device are hashed together in batches of about CHECKSUM_BATCH_BYTES (a few kernels per batch,
-    not per tensor) and their per-block sums come to the host in one transfer per device.
+    not per tensor) and their digests come to the host in one transfer per device.
     """
     out: list[str] = [""] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
@@ -145,7 +145,7 @@ def _checksums_on(device: torch.device, tensors: list[torch.Tensor], dtype: torc
 
     block = 8 * CHECKSUM_BLOCK_WORDS  # bytes
     per_batch = max(1, CHECKSUM_BATCH_BYTES // block)
-    mult = _word_multipliers(str(device))
+    mult = _multipliers_on(str(device), "word", CHECKSUM_BLOCK_WORDS)
     zeros = torch.zeros(block, dtype=torch.uint8, device=device)
     sums: list[torch.Tensor] = []  # (2, blocks of one batch): the per-block sums of p and p * (p >> 32)
     pieces: list[torch.Tensor] = []
@@ -183,16 +183,19 @@ def _checksums_on(device: torch.device, tensors: list[torch.Tensor], dtype: torc
                     pieces, filled = [], 0
         if pieces:
             flush()
-        host = (torch.cat(sums, 1).cpu().numpy() if sums else np.zeros((2, 0), np.int64)).view(np.uint64)
-    counts = np.asarray(nblocks, dtype=np.int64)
-    ends = np.cumsum(counts)
-    place = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) - np.repeat(ends - counts, counts)
-    halves = []
-    for row, kind in ((0, "block_a"), (1, "block_b")):
-        running = np.concatenate([np.zeros(1, np.uint64), np.cumsum(host[row] * checksum_multipliers(kind, place),
-                                                                    dtype=np.uint64)])
-        halves.append(running[ends] - running[ends - counts])
-    halves[1] = halves[1] + np.asarray(nbytes, dtype=np.uint64) * np.uint64(_LENGTH_MULT)
+        halves = np.zeros((2, len(tensors)), np.uint64)
+        if sums:  # per tensor: the sum of its blocks' sums, each times its block's multiplier, on the device
+            counts = np.asarray(nblocks, dtype=np.int64)
+            ends = np.cumsum(counts)
+            place = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)  # each block's place in its tensor
+            bound = 1 << int(counts.max() - 1).bit_length()  # a power of two: few sizes to keep
+            weights = torch.stack([_multipliers_on(str(device), kind, bound) for kind in ("block_a", "block_b")])
+            at = torch.from_numpy(np.concatenate([place, ends - counts, ends])).to(device)
+            running = torch.cumsum(torch.cat(sums, 1) * weights[:, at[: len(place)]], dim=1)
+            running = torch.cat([torch.zeros_like(running[:, :1]), running], dim=1)
+            per_tensor = running[:, at[len(place) + len(ends):]] - running[:, at[len(place): len(place) + len(ends)]]
+            halves = per_tensor.cpu().numpy().view(np.uint64)
+    halves[1] += np.asarray(nbytes, dtype=np.uint64) * np.uint64(_LENGTH_MULT)
     return [f"{int(a):016x}{int(c):016x}" for a, c in zip(*halves)]
 
 
