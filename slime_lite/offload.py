@@ -37,6 +37,8 @@ class TensorStash:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" in a device comparison
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.host: torch.Tensor | None = None
         self.places: list[_Place] = []
         self.nbytes = 0
