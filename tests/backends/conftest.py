@@ -73,3 +73,15 @@ def train_cli():
 @pytest.fixture(scope="session")
 def metrics_of():
     return read_metrics
+
+
+@pytest.fixture(scope="module")
+def medium_model(tmp_path_factory) -> tuple[Path, str]:
+    """A ~20M-parameter model (hidden 512, 8 layers, tied embeddings) and replay dumps of it: big enough that fixed
+    costs do not hide a leak in the GPU memory tests."""
+    from slime_lite.tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("medium_model")
+    make_tiny_model(out, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
+                    warm_start_steps=0, tie_word_embeddings=True)
+    return out, make_replay_dumps(out, tmp_path_factory.mktemp("medium_replay"))
