@@ -73,6 +73,8 @@ class TensorStash:
             total += -(-(u[2] - u[1]) // ALIGN) * ALIGN
         if self.host is None or self.host.numel() < total:
             self.host = None  # the old pinned buffer goes before the new one is made
+            if self.device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
+                torch._C._host_emptyCache()  # torch's pinned-memory cache would keep it (sizes round to powers of 2)
             self.host = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         for key, (st, start, end) in units.items():
             self.host[where[key] : where[key] + end - start].copy_(_byte_view(st, start, end), non_blocking=True)
