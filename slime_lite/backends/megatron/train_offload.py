@@ -5,7 +5,7 @@
   one host buffer and come back as one device block (``slime_lite.offload.TensorStash``);
 - the DDP grad buffers are freed and come back zeroed (Megatron's own offload; every step zeroes them anyway);
 - caches that hold device memory between steps are dropped: the optimizer's grads, Megatron's rotary-embedding
-  cache and global memory buffer, cuBLAS workspaces.
+  cache and global memory buffer, cuBLAS workspaces, weight copies sent by CUDA IPC that the engine has released.
 
 The same path runs on CPU (where it frees nothing but is tested).
 """
@@ -49,6 +49,7 @@ def offload(model: Any, optimizer: Any, stash: TensorStash) -> int:
         buffers.buffer.clear()  # Megatron's scratch tensors (sequence parallel), re-made on use
     if torch.cuda.is_available():
         clear_cublas_workspaces()
+        torch.cuda.ipc_collect()  # copies handed to a colocated engine by CUDA IPC, once the engine let them go
         torch.cuda.empty_cache()
     return moved
 
