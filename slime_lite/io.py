@@ -27,9 +27,10 @@ def no_space_error(exc: OSError, path: str) -> SlimeLiteError | None:
     return None
 
 
-def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteError) -> Any:
+def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteError, mmap: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU: tensors and plain containers only, so nothing in the file
-    runs. A missing, empty, truncated or unsafe file raises ``error`` naming the file and what is wrong."""
+    runs. A missing, empty, truncated or unsafe file raises ``error`` naming the file and what is wrong. ``mmap``:
+    tensors of a zip-format file are mapped, not read (a cheap check of a large file)."""
     import torch
 
     if not os.path.exists(path):
@@ -44,7 +45,7 @@ def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteErro
         raise error(f"{what} {path} is not a torch file (corrupt, or another format: it starts with {head!r}); "
                     "a file written by torch.save was expected. Re-create it.")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and head.startswith(b"PK"))
     except pickle.UnpicklingError as exc:
         text = str(exc)
         found = re.search(r"GLOBAL (\S+)", text)

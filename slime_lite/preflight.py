@@ -19,6 +19,10 @@ def preflight(args: Any) -> None:
     check_outputs(args)
     check_profiling_device(args)
     check_grad_norm_file(args)
+    if args.load and not args.debug_rollout_only:  # a corrupt or crafted checkpoint: refused before Ray starts
+        from slime_lite.backends.megatron.checkpoint import check_loadable
+
+        check_loadable(args.load)
     if args.load_debug_rollout_data:
         check_replay_dumps(args)
 

@@ -14,7 +14,6 @@ from slime_lite.errors import SlimeLiteError
 from tests.fakes.evil_pickle import Evil
 
 
-
 def _actor(model: torch.nn.Module | None = None, optimizer=None) -> SimpleNamespace:
     args = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     return SimpleNamespace(role="actor", rank=0, world_size=1, args=args, model=model, optimizer=optimizer)
@@ -34,6 +33,8 @@ def test_crafted_checkpoint_is_refused_and_its_payload_never_runs(tmp_path: Path
     with pytest.raises(SlimeLiteError, match=rf"--load .*: checkpoint {file} is not a plain-tensor file.*"
                                              r"write_marker.*nothing in it ran"):
         checkpoint.load(_actor(), str(tmp_path / "ckpt"))
+    with pytest.raises(SlimeLiteError, match=rf"--load .*: checkpoint {file} is not a plain-tensor file"):
+        checkpoint.check_loadable(str(tmp_path / "ckpt"))  # preflight's check, before Ray starts
     assert not marker.exists()
     torch.load(file, weights_only=False)  # the file really runs code when loaded unsafely
     assert marker.exists()
@@ -50,6 +51,11 @@ def test_saved_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> 
              "layout": {"world": 1, "tp": 1, "pp": 1}}
     root = tmp_path / "ckpt"
     _checkpoint(root, checkpoint.plain_state(state))
+    _checkpoint(root / "critic", {"a": 1})
+    checkpoint.check_loadable(str(root))  # preflight passes a good checkpoint (memory-mapped, critic folder too)
+    (root / "critic" / "iter_0000000" / "rank_000.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(SlimeLiteError, match=r"--load .*critic/iter_0000000/rank_000.pt is not a torch file"):
+        checkpoint.check_loadable(str(root))
     model2 = torch.nn.Linear(3, 2)
     opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
     out = checkpoint.load(_actor(model2, opt2), str(root))

@@ -89,9 +89,29 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     dist.barrier()
 
 
-def load(actor: Any, root: str) -> dict[str, Any]:
+def _load_rank_file(root: str, folder: str, file: str, mmap: bool = False) -> Any:
     from slime_lite.io import load_plain
 
+    try:
+        return load_plain(file, f"--load {root}: checkpoint", mmap=mmap)
+    except SlimeLiteError as exc:
+        raise SlimeLiteError(f"{exc} To resume from the iteration before, delete {os.path.dirname(file)} and write "
+                             f"that iteration's name into {os.path.join(folder, 'latest')}.") from None
+
+
+def check_loadable(root: str) -> None:
+    """Before Ray starts (preflight): every rank file of the newest iteration under ``root`` (and ``root/critic``)
+    is a plain-tensor torch file. Memory-mapped, so only the pickle is read, not the tensors' bytes."""
+    for folder in (root, os.path.join(root, "critic")):
+        path = latest(folder)
+        if path is None or not os.path.isdir(path):
+            continue
+        for name in sorted(os.listdir(path)):
+            if re.fullmatch(r"rank_\d{3}\.pt", name):
+                _load_rank_file(root, folder, os.path.join(path, name), mmap=True)
+
+
+def load(actor: Any, root: str) -> dict[str, Any]:
     folder = os.path.join(root, actor.role) if actor.role != "actor" else root
     path = latest(folder)
     if path is None:
@@ -100,11 +120,7 @@ def load(actor: Any, root: str) -> dict[str, Any]:
     if not os.path.exists(file):
         raise SlimeLiteError(f"--load {root}: {file} is missing; the checkpoint was made with another GPU count "
                              "or is incomplete.")
-    try:
-        state = load_plain(file, f"--load {root}: checkpoint")
-    except SlimeLiteError as exc:
-        raise SlimeLiteError(f"{exc} To resume from the iteration before, delete {path} and write that iteration's "
-                             f"name into {os.path.join(folder, 'latest')}.") from None
+    state = _load_rank_file(root, folder, file)
     if not isinstance(state, dict) or not {"model", "optimizer", "rng", "next_rollout_id"} <= set(state):
         raise SlimeLiteError(f"--load {root}: {file} is not a slime_lite checkpoint (expected a dict with model, "
                              "optimizer, rng and next_rollout_id).")
