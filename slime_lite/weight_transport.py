@@ -104,9 +104,11 @@ def _multipliers_on(device: str, kind: str, count: int) -> torch.Tensor:
     return torch.from_numpy(checksum_multipliers(kind, np.arange(count)).view(np.int64)).to(device)
 
 
-def tensor_checksums(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[str]:
+def tensor_checksums(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> list[str]:
     """A 128-bit checksum (32 hex digits) of each tensor's raw bytes (after a cast to ``dtype``, done on the tensor's
-    device, when given). A checksum for finding weight-sync bugs, NOT a cryptographic hash: anyone can forge a
+    device, when given). With ``device``, every tensor is hashed there (host tensors on a GPU: copied a batch at a
+    time); the digests are the same wherever they are computed. A checksum for finding weight-sync bugs, NOT a cryptographic hash: anyone can forge a
     collision on purpose.
 
     Definition (all arithmetic modulo 2**64): the bytes, zero-padded to a multiple of 8, are read as little-endian
@@ -129,12 +131,14 @@ def tensor_checksums(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None 
     tensors on one device are hashed together in batches of about CHECKSUM_BATCH_BYTES (a few kernels per batch,
     not per tensor) and their digests come to the host in one transfer per device.
     """
+    import torch
+
     out: list[str] = [""] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    for device, idx in by_device.items():
-        for i, digest in zip(idx, _checksums_on(device, [tensors[i] for i in idx], dtype)):
+        by_device.setdefault(torch.device(device) if device is not None else t.device, []).append(i)
+    for where, idx in by_device.items():
+        for i, digest in zip(idx, _checksums_on(where, [tensors[i] for i in idx], dtype)):
             out[i] = digest
     return out
 
@@ -171,9 +175,9 @@ def _checksums_on(device: torch.device, tensors: list[torch.Tensor], dtype: torc
                 take = min(nblocks[-1] - b, per_batch - filled)
                 start, end = b * block, min((b + take) * block, n)
                 if dtype is None or dtype == flat.dtype:
-                    pieces.append(flat.view(torch.uint8)[start:end])
+                    pieces.append(flat.view(torch.uint8)[start:end].to(device))
                 else:  # block boundaries fall on element boundaries: element sizes divide the block size
-                    pieces.append(flat[start // size: end // size].to(dtype).view(torch.uint8))
+                    pieces.append(flat[start // size: end // size].to(device).to(dtype).view(torch.uint8))
                 if (b + take) * block > end:
                     pieces.append(zeros[: (b + take) * block - end])
                 b += take

@@ -101,6 +101,12 @@ def test_digest_is_of_the_bytes():
     assert tensor_checksums([swapped])[0] != tensor_checksums([x.reshape(-1)])[0]
 
 
+def test_digests_do_not_depend_on_where_they_are_computed():
+    x = [random_tensor(torch.bfloat16, (3 * wt.CHECKSUM_BLOCK_WORDS + 5,)), random_tensor(torch.float32, (7, 3)).t()]
+    assert tensor_checksums(x, device="cpu") == tensor_checksums(x)
+    assert tensor_checksums(x, dtype=torch.float16, device="cpu") == tensor_checksums(x, dtype=torch.float16)
+
+
 def test_cast_is_done_before_hashing():
     x = random_tensor(torch.float32, (3 * wt.CHECKSUM_BLOCK_WORDS + 1,))  # more than one block per cast piece
     for dt in (torch.bfloat16, torch.float16, torch.float32):
@@ -118,6 +124,8 @@ def test_cuda_digests_equal_the_cpu_digests():
     assert tensor_checksums(cuda) == want
     mixed = [t if i % 2 else t.cuda() for i, t in enumerate(cpu)]  # both devices in one call
     assert tensor_checksums(mixed) == want
+    assert tensor_checksums(mixed, device="cuda") == want  # host tensors hashed on the GPU (the trainer's check)
+    assert tensor_checksums(cuda, device="cpu") == want
     x = random_tensor(torch.float32, (1000, 333))
     for dt in (torch.bfloat16, torch.float16):  # the dtype fallback's cast, on the GPU
         assert tensor_checksums([x.cuda()], dtype=dt) == tensor_checksums([x.to(dt)])

@@ -287,15 +287,17 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
 
 def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None:
     """Every parameter the engines hold equals the trainer's: ``weight_transport.tensor_checksums`` of the bytes on
-    both sides, computed where the tensors live (the trainer's while the engines compute theirs). A tensor that
+    both sides, on the GPU where there is one (the trainer's host copies go there a batch at a time; the trainer
+    computes its digests while the engines compute theirs). A tensor that
     matches only after a cast to another float dtype (cast on its device) is equal in the engine's precision:
     counted apart and reported."""
     from slime_lite.weight_transport import tensor_checksums
 
     alias = {"lm_head.weight": "model.embed_tokens.weight"}  # tied embeddings: the engine lists both names
+    device = "cuda" if torch.cuda.is_available() else None  # hashing on the host is ~10x slower than a push
     with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
         replies = [pool.submit(request_json, url, "/get_weights_checksum", {}, timeout=300) for url in urls]
-        ours = dict(zip(named, tensor_checksums(list(named.values()))))
+        ours = dict(zip(named, tensor_checksums(list(named.values()), device=device)))
         engines = [f.result() for f in replies]
     for url, engine in zip(urls, engines):
         source = {n: n if n in named else alias.get(n) for n in engine}  # engine name -> the trainer's name
@@ -305,7 +307,7 @@ def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None
         for dt in (torch.bfloat16, torch.float16, torch.float32):  # one batch per dtype, only the unequal ones
             retry = [n for n in unequal if n not in cast and named[source[n]].dtype != dt]
             if retry:
-                sums = tensor_checksums([named[source[n]] for n in retry], dtype=dt)
+                sums = tensor_checksums([named[source[n]] for n in retry], dtype=dt, device=device)
                 cast += [n for n, digest in zip(retry, sums) if digest == engine[n]]
         differ = [n for n in unequal if n not in cast]
         if differ or missing:
