@@ -39,6 +39,15 @@ def fill_implied(args: argparse.Namespace) -> None:
         args.critic_num_nodes = args.actor_num_nodes
     if args.critic_num_gpus_per_node is None:
         args.critic_num_gpus_per_node = args.actor_num_gpus_per_node
+    # slime: with no checkpoint to resume (--load unset, missing or empty), the actor starts from --ref-load; a
+    # --load checkpoint replaces these weights when there is one. Not a flag: derived here only.
+    args.actor_init_checkpoint = args.ref_load or args.hf_checkpoint
+
+
+def _actor_start(args: argparse.Namespace) -> str:
+    if args.ref_load is None:
+        return f"--hf-checkpoint {args.hf_checkpoint}"
+    return f"--ref-load {args.ref_load}, as slime (--hf-checkpoint gives the architecture and tokenizer)"
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -184,9 +193,10 @@ def validate_args(args: argparse.Namespace) -> None:
         # is a fresh start from the initial weights, not an error
         if os.path.exists(args.load) and not os.path.isdir(args.load):
             raise SlimeLiteError(f"--load {args.load}: not a folder (a checkpoint folder written by --save).")
-        log.info("--load %s has no checkpoint yet: a fresh start (actor from --hf-checkpoint, reference from %s), "
-                 "as slime starts from --ref-load", args.load, args.ref_load or "--hf-checkpoint")
+        log.info("--load %s has no checkpoint yet: a fresh start, the actor from %s", args.load, _actor_start(args))
         args.load = None
+    elif args.load is None and args.ref_load is not None and not args.debug_rollout_only:
+        log.info("no --load checkpoint to resume: the actor starts from %s", _actor_start(args))
     if args.use_wandb:
         import importlib.util
 

@@ -50,6 +50,25 @@ def test_load_implies_train_only_and_logs(base, caplog):
     assert "--debug-train-only" in caplog.text
 
 
+def test_load_without_a_checkpoint_starts_the_actor_from_ref_load(base, tmp_path, caplog):
+    """slime's rule: with no checkpoint to resume (--load missing, empty or unset), the actor starts from --ref-load
+    (said once in the log); without --ref-load, from --hf-checkpoint. tests/test_loop.py runs it."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (tmp_path / "empty").mkdir()
+    for load in (["--load", str(tmp_path / "empty")], ["--load", str(tmp_path / "missing")], []):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            args = parse_args(base + load + ["--ref-load", str(ref)])
+        assert args.load is None and args.actor_init_checkpoint == str(ref)
+        assert len([r for r in caplog.records if f"the actor from --ref-load {ref}" in r.getMessage()
+                    or f"the actor starts from --ref-load {ref}" in r.getMessage()]) == 1, caplog.text
+    args = parse_args(base + ["--load", str(tmp_path / "empty")])
+    assert args.load is None and args.actor_init_checkpoint == base[1]
+    assert parser_defaults(hf_checkpoint="m", ref_load="r").actor_init_checkpoint == "r"
+
+
 @pytest.mark.parametrize("flag", ["--save-debug-rollout-data", "--load-debug-rollout-data"])
 def test_template_needs_rollout_id(base, flag):
     extra = ["--debug-rollout-only"] if flag.startswith("--save") else []

@@ -86,12 +86,27 @@ def test_weight_transport_engine_samples_new_weights(tiny_model_dir, data, tmp_p
     # process while rollout 1 is generated, after its first group finished (--debug-inject-fault kill-engine). Under
     # --use-fault-tolerance the engine is restarted on its bundle, gets the trained weights (version 1, through a
     # new broadcast group, checked equal), the requests that did not finish are sent again, and the run ends.
+    # The tensor run also carries slime's --load fallback: --load names no checkpoint yet and --ref-load a model
+    # with other weights than --hf-checkpoint's (same architecture), so the actor starts from --ref-load and the
+    # initial push before rollout 0 gives the engines those weights.
     fault = ["--use-fault-tolerance", "--debug-inject-fault", "kill-engine"] if transport == "distributed" else []
+    ref_load = []
+    if transport == "tensor":
+        from slime_lite.tiny_model import make_tiny_model
+
+        make_tiny_model(tmp_path / "ref", warm_start_steps=0, seed=1)
+        ref_load = ["--load", str(tmp_path / "ckpt"), "--ref-load", str(tmp_path / "ref")]
     proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "2", "--update-weight-transport", transport,
-                      "--check-weight-update-equal", "--debug-scramble-engine-weights", *fault))
+                      "--check-weight-update-equal", "--debug-scramble-engine-weights", *fault, *ref_load))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     r = rows(tmp_path)
+    if ref_load:
+        assert log.count(f"the actor from --ref-load {tmp_path / 'ref'}") == 1, log[-3000:]
+        assert r[0]["rollout/kl"] == 0.0  # the actor starts with the reference's weights
+        # rollout 0 was sampled from the pushed --ref-load weights: the trainer's log-probs agree (an engine left
+        # with --hf-checkpoint's, or scrambled, weights would disagree by far more)
+        assert r[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
     # rollout 1's samples (the retried ones included) came from the pushed weights the trainer scores with
     assert r[1]["rollout/weight_version"] == 1.0
     assert r[1]["train/train_rollout_logprob_abs_diff"] < 1e-5

@@ -78,7 +78,7 @@ class TrainWorker:
         dtype = torch.bfloat16 if a.bf16 else torch.float32
         model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl,
                                 **memory_overrides(a))
-        load_hf_weights(model, a.hf_checkpoint, self.hf_config)
+        load_hf_weights(model, self._init_checkpoint(), self.hf_config)
         self._adapt_model(model, dtype)
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -104,6 +104,10 @@ class TrainWorker:
 
     def _lr(self) -> float:
         return self.args.lr
+
+    def _init_checkpoint(self) -> str:
+        """The HF folder the model starts from (a --load checkpoint, if any, replaces it)."""
+        return self.args.hf_checkpoint
 
     def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Role-specific changes to the freshly loaded model, before DDP wraps it and a checkpoint is loaded."""
@@ -282,18 +286,16 @@ class TrainActor(TrainWorker):
     role = "actor"
     metric_prefix = "train"
 
-    def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        """Keep a CPU copy of the reference weights when a KL term needs them (--ref-load, else the start weights)."""
-        from slime_lite.backends.megatron.convert import load_hf_weights
+    def _init_checkpoint(self) -> str:
+        return self.args.actor_init_checkpoint  # --ref-load when given (slime), else --hf-checkpoint
 
+    def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Keep a CPU copy of the reference weights when a KL term needs them: the start weights, which are the
+        reference's (--ref-load, else --hf-checkpoint), before a --load checkpoint replaces them."""
         a = self.args
         self.ref_state = None
         if a.use_kl_loss or a.kl_coef > 0 or a.ref_load:
-            if a.ref_load:
-                load_hf_weights(model, a.ref_load, self.hf_config)
             self.ref_state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-            if a.ref_load:
-                load_hf_weights(model, a.hf_checkpoint, self.hf_config)
 
     def _log_probs(self, mb: B.MicroBatch, output: torch.Tensor, entropy: bool = False) -> list[torch.Tensor]:
         """Response-token log-probs of each sample of a micro-batch, from the model output ([2, R]: log-probs and
