@@ -99,6 +99,9 @@ NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
     "--moe-router-dtype": (_value(), _MOE),
     "--moe-permute-fusion": (STORE_TRUE, _MOE),
     "--moe-aux-loss-coeff": (_value(float), _MOE),
+    "--custom-tis-function-path": (_value(), "slime's hook for a custom importance-sampling weight (the built-in "
+                                             "ones: --use-tis with --tis-mode truncate|mask and --tis-level "
+                                             "token|sequence|geometric)"),
 }
 
 

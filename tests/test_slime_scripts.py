@@ -201,3 +201,12 @@ def test_colocate_gives_the_engines_the_actors_gpus_unless_told(tmp_path, extra,
                        "--colocate", "--actor-num-gpus-per-node", "4", "--rollout-batch-size", "4",
                        "--n-samples-per-prompt", "2", *extra])
     assert args.rollout_num_gpus == engines
+
+
+def test_a_slime_flag_outside_the_example_scripts_is_refused_by_name(tiny_model_dir, tmp_path):
+    """--custom-tis-function-path (slime's custom importance-sampling hook) parses and is refused with the built-in
+    alternatives, never argparse's "unrecognized arguments"."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    with pytest.raises(SlimeLiteError, match=r"--custom-tis-function-path: not supported yet.*--tis-mode"):
+        parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(tmp_path / "p.jsonl"),
+                    "--custom-tis-function-path", "my_tis.py"])
