@@ -58,6 +58,12 @@ def run(args) -> int:
         write_args_json(args, os.path.join(args.dump_details, "args.json"))
     metrics = MetricsLogger(args)
 
+    actor = critic = None
+    if not args.debug_rollout_only:  # created now, so their processes start while the engines load; init below
+        from slime_lite.backends.megatron.group import ActorGroup, CriticGroup  # the trainer is imported only here
+
+        actor = ActorGroup(args, pg, layout.actor)
+        critic = CriticGroup(args, pg, layout.critic) if args.advantage_estimator == "ppo" else None
     engines, urls = ([], []) if args.debug_train_only else start_engines(args, pg, layout.rollout)
     router = None
     if args.use_sglang_router and urls:  # generation goes through the router; weights still to each engine
@@ -74,13 +80,8 @@ def run(args) -> int:
         recovery = EngineRecovery(args, pg, layout.rollout, engines, urls, manager, router)
     get = recovery.wait if recovery is not None else ray.get
 
-    actor = critic = None
     start_rollout_id = 0
-    if not args.debug_rollout_only:
-        from slime_lite.backends.megatron.group import ActorGroup, CriticGroup  # the trainer is imported only here
-
-        actor = ActorGroup(args, pg, layout.actor)
-        critic = CriticGroup(args, pg, layout.critic) if args.advantage_estimator == "ppo" else None
+    if actor is not None:
         start_rollout_id, data_state = actor.init()
         if critic is not None:
             critic.init()
