@@ -238,18 +238,20 @@ class TrainWorker:
         return out
 
     def offload(self) -> None:
-        """Free this worker's GPU memory while engines run (--offload-train): grads, params, optimizer state."""
-        if not torch.cuda.is_available():
-            return  # nothing to free on CPU: a correct no-op
-        self.model.offload_grad_buffers()
-        self.optimizer.offload_to_cpu()
-        torch.cuda.empty_cache()
+        """Free this worker's GPU memory while engines run (--offload-train): weights, optimizer state, grad buffers
+        and caches (backends/megatron/train_offload.py)."""
+        from slime_lite.backends.megatron import train_offload
+        from slime_lite.offload import TensorStash
+
+        if getattr(self, "_stash", None) is None:
+            self._stash = TensorStash(train_offload.device())
+        train_offload.offload(self.model, self.optimizer, self._stash)
 
     def onload(self) -> None:
-        if not torch.cuda.is_available():
-            return
-        self.optimizer.restore_from_cpu()
-        self.model.restore_grad_buffers()
+        from slime_lite.backends.megatron import train_offload
+
+        if getattr(self, "_stash", None) is not None:
+            train_offload.onload(self.model, self._stash)
 
     def memory(self) -> dict[str, float]:
         from slime_lite.metrics import process_memory
@@ -470,11 +472,21 @@ class TrainActor(TrainWorker):
         a = self.args  # colocated on a GPU, a tensor push hands the engine CUDA IPC handles of GPU copies
         ipc = (a.update_weight_transport == "tensor" and a.colocate and torch.cuda.is_available()
                and self.ps.get_pipeline_model_parallel_world_size() == 1)
-        named = self.hf_weights(on_device=ipc)
-        sent = (self.hf_weights(for_push=True, on_device=ipc) if breaks_sent_weights(a.debug_inject_fault)
-                else named)
-        if self.rank == 0:
-            push(self.args, sent, urls, version, reference=named, check=check)
+        # offloaded (--offload-train) while an engine restarted by --use-fault-tolerance needs the weights: the
+        # weights come back for the push and leave again after it
+        offloaded = getattr(self, "_stash", None) is not None and self._stash.offloaded
+        if offloaded:
+            self.onload()
+        try:
+            named = self.hf_weights(on_device=ipc)
+            sent = (self.hf_weights(for_push=True, on_device=ipc) if breaks_sent_weights(a.debug_inject_fault)
+                    else named)
+            if self.rank == 0:
+                push(self.args, sent, urls, version, reference=named, check=check)
+        finally:
+            if offloaded:
+                named = sent = None
+                self.offload()
 
 
 def _keyword_output(fn: Any) -> Any:
