@@ -103,8 +103,8 @@ def main() -> None:
     if not a.quick:
         common += ["--bf16", "--engine-dtype", "bfloat16"]
     runs = {"colocate": ["--colocate"]} if a.layout == "colocate" or a.quick else {
-        "disagg_sync": ["--update-weight-transport", "distributed"],
-        "disagg_async": ["--update-weight-transport", "distributed", "--async"]}
+        "disagg_sync": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed"],
+        "disagg_async": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed", "--async"]}
     results: dict = {"layout": a.layout, "quick": a.quick, "runs": {}}
     for name, extra in runs.items():
         metrics = os.path.join(out, f"{name}.jsonl")
