@@ -18,6 +18,7 @@ Usage (GPU: about 5-6 minutes on one H200, estimated; --quick: the CPU tiny mode
                                     [--with-padded MBS]  # also the unpacked path, padded micro-batches of MBS
     SLIME_LITE_PACKED_ATTENTION=sdpa|varlen python bench/bench_train_gpu.py ...  # pin the packed attention
     python bench/bench_train_gpu.py --quick
+    python bench/bench_train_gpu.py --models 0.5b --samples 128 --profile 64  # where our worker's time goes
 """
 
 from __future__ import annotations
@@ -105,6 +106,28 @@ def flops(arch, samples: list, passes: int) -> float:
 
 # ----------------------------------------------------------------------------------------------- ours (Megatron)
 MEMORY_FLAGS: dict = {}  # --recompute: the worker's --recompute-* flags
+PROFILE: dict = {}  # --profile: {"n": samples profiled, "rows": table rows}
+
+
+def profiled(fn, label: str) -> None:
+    """Run fn under torch's profiler and print where the time goes: device-kernel time vs wall time, then the top
+    operators by self device time and by self host time (a host-bound phase has kernel time << wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        sync()
+    wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    dev_key = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+    kernels = sum(getattr(e, dev_key) for e in ev) / 1e6
+    print(f"\n== profile {label}: wall {wall:.2f} s (under the profiler), device-kernel time {kernels:.2f} s "
+          f"({100 * kernels / wall:.0f}% busy)", flush=True)
+    for key in (dev_key, "self_cpu_time_total", "cpu_time_total"):
+        print(ev.table(sort_by=key, row_limit=PROFILE["rows"], max_name_column_width=70), flush=True)
 
 
 def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, bf16: bool,
@@ -145,6 +168,12 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
                    "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}
             rounded = {k: round(v, 4) for k, v in res.items()}
             print(f"  ours{' padded' if padded_mbs else ''} {name}: {json.dumps(rounded)}", flush=True)
+        if PROFILE:
+            part = samples[: PROFILE["n"]]
+            w.args.rollout_batch_size, w.args.global_batch_size = len(part) // 8, len(part)
+            plan, length = w._plan(part, log_probs=True), max(len(s.tokens) for s in part)
+            profiled(lambda: w._forward_all(part, plan, length, w._log_probs), f"actor log-probs, {len(part)} samples")
+            profiled(lambda: w.train(0, part, None), f"train (log-probs + step), {len(part)} samples")
     finally:
         destroy()
         gc.collect()
@@ -278,7 +307,13 @@ def main() -> None:
                    help="also run the worker without packing, padded micro-batches of MBS samples (the old path)")
     p.add_argument("--recompute", choices=("full", "selective"), default=None,
                    help="activation recompute in our worker: full (uniform, 1 layer per chunk) or selective")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="only our worker (no baseline): after the measured run, profile the log-prob and train "
+                        "phases on the first N samples and print the top operators by device and by host time")
+    p.add_argument("--profile-rows", type=int, default=25)
     a = p.parse_args()
+    if a.profile:
+        PROFILE.update(n=a.profile, rows=a.profile_rows)
     if a.recompute == "full":
         MEMORY_FLAGS.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif a.recompute == "selective":
@@ -314,6 +349,8 @@ def main() -> None:
                                       torch.bfloat16 if bf16 else torch.float32)
             print(f"\n{shape}: packed attention fwd+bwd of one layer over {len(lens)} samples (ms): {ms}", flush=True)
             o = ours(ckpt, samples, warm, mt, lpt, bf16)
+            if PROFILE:
+                continue
             b = baseline(ckpt, samples, warm, mt, bf16)
             report(shape, arch, samples, o, b, device)
             if a.with_padded:
