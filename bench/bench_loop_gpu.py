@@ -1,13 +1,30 @@
-"""Issue 13's loop benchmark (first cut): the real `slime-lite train` loop as a subprocess, per-phase times and
-memory from its metrics jsonl, plus a raw device copy / NCCL broadcast of the same weight bytes, and the issue's
-target ratios where the parts are measured. Each subprocess has a timeout; a failed part prints and the rest goes on.
+"""Issue 13's loop benchmark: the real `slime-lite train` loop next to its parts measured alone, in one run.
 
-  python3 bench/bench_loop_gpu.py --layout colocate       # 1 GPU
-  python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs: sync, then --async
-  .venv/bin/python bench/bench_loop_gpu.py --quick        # CPU, tiny model, < 2 min
+Workload (inputs and hooks: bench/loop_parts.py): a Qwen2.5-0.5B-shaped model, random bf16 weights, the real
+151,936-token vocabulary with a synthetic tokenizer that decodes every id; 64 prompts x 8 samples per rollout,
+prompts of 128 tokens; responses sampled at temperature 1 up to 1,024 tokens, stopping on an eos set sized for a
+mean of about --mean-response tokens (geometric lengths: the random model's next token is near uniform); reward
+hook ``bench.loop_parts.reward`` (share of even token ids: varied within each group, so the train step has
+non-zero advantages). Training: packed micro-batches (16,384 tokens; log-probs 32,768), KL loss, as
+bench/bench_train_gpu.py. Every rollout is saved (--save-debug-rollout-data) for the standalone parts.
 
-Not yet: the 151,936-vocab synthetic tokenizer, 64-1,024-token varied responses, and the standalone engine /
-train-step parts (targets needing them print "n/a").
+1. The loop as a subprocess with a timeout: ``--layout colocate`` (1 GPU, --colocate), or ``--layout disagg``
+   (2 GPUs: synchronous with NCCL push, then --async). Per-phase means over rollouts >= 1 (rollout 0 is warm-up)
+   from the metrics jsonl: time, tokens/s (rollout: response tokens; log-probs: actor + reference tokens; train:
+   all tokens), memory (perf/memory/<group>/*: allocated and peak, after offload/release too).
+2. Standalone, each a subprocess with a timeout, after the loop (the GPU free): the engine alone replaying the last
+   rollout's requests (same prompt ids, sampling params and seeds; warm-up on rollout 0's); the train step alone
+   (bench_train_gpu.ours: log-probs then train) on the last rollout's samples; a raw copy (colocate) or a raw NCCL
+   broadcast GPU 0 -> GPU 1 (disagg) of the checkpoint's weight bytes.
+3. Targets (issue 13) as ratios: colocated iteration <= 1.25x (rollout + train + log-probs alone); disagg async
+   iteration <= 1.15x max(rollout, train + log-probs) alone; rollout tok/s in the loop >= 0.7x the engine alone;
+   offload + onload <= 0.15 of the iteration; memory left after offload/release <= 5% of peak; push >= 0.5x the
+   raw broadcast. A part that fails or times out prints its log tail; its ratios print "n/a".
+
+  python3 bench/bench_loop_gpu.py --layout colocate       # 1 GPU, about 5-6 minutes (estimated)
+  python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs
+  .venv/bin/python bench/bench_loop_gpu.py --quick        # CPU, tiny model (vocab 128), 4 x 8 samples, < 2 min
+Output: text and JSON under $OUT (default /tmp/bench_loop_gpu), with each subprocess's log.
 """
 from __future__ import annotations
 
@@ -19,33 +36,44 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "bench")
 
 
 def run(cmd: list[str], timeout: int, log: str) -> int:
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.time()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     try:
         with open(log, "w") as f:
-            rc = subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
+            rc = subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
+                                env=env).returncode
     except subprocess.TimeoutExpired:
         rc = 124
     print(f"  rc={rc} in {time.time() - t0:.1f} s (log {log})", flush=True)
     if rc:
-        with open(log) as f:
-            print("".join(f.readlines()[-15:]))
+        with open(log, errors="replace") as f:
+            print("".join(line for line in f.readlines()[-15:]), flush=True)
     return rc
 
 
+def part(name: str, args: list[str], timeout: int, out: str) -> dict:
+    path = os.path.join(out, f"part_{name}.json")
+    rc = run([sys.executable, os.path.join(HERE, "loop_parts.py"), name.split("_")[0], "--json", path, *args],
+             timeout, os.path.join(out, f"part_{name}.log"))
+    if rc or not os.path.exists(path):
+        return {"rc": rc}
+    with open(path) as f:
+        return {"rc": rc, **json.load(f)}
+
+
 def phases(path: str) -> dict:
-    """Mean per-iteration phase times over rollouts >= 1 (rollout 0 is warm-up), plus memory keys."""
+    """Mean of every numeric perf/* key over rollouts >= 1 (rollout 0 is warm-up)."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         rows = [json.loads(x) for x in f if x.strip()]
     rows = [r for r in rows if r.get("rollout_id", -1) >= 0 and "perf/step_time" in r]
     rows = rows[1:] or rows
-    if not rows:
-        return {}
     out = {}
     for k in sorted({k for r in rows for k in r if k.startswith("perf/")}):
         vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
@@ -54,90 +82,152 @@ def phases(path: str) -> dict:
     return out
 
 
-def raw_copy_s(nbytes: int, device: str) -> float:
-    import torch
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(2):
-        dst.copy_(src)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    dst.copy_(src)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+def dump_stats(template: str, ids: range) -> dict:
+    """Mean tokens of the saved rollouts ``ids``: all tokens, response tokens; response length spread; rewards."""
+    sys.path.insert(0, ROOT)
+    from slime_lite.rollout.dumps import load_rollout_dump
+
+    tot, resp, lens, rewards = [], [], [], []
+    for i in ids:
+        path = template.format(rollout_id=i)
+        if not os.path.exists(path):
+            continue
+        samples = load_rollout_dump(path).samples
+        tot.append(sum(len(s.tokens) for s in samples))
+        resp.append(sum(s.response_length for s in samples))
+        lens += sorted(s.response_length for s in samples)
+        rewards += [float(s.reward) for s in samples]
+    if not tot:
+        return {}
+    lens.sort()
+    mean_r = sum(rewards) / len(rewards)
+    return {"tokens": sum(tot) / len(tot), "response_tokens": sum(resp) / len(resp), "resp_min": lens[0],
+            "resp_p50": lens[len(lens) // 2], "resp_max": lens[-1], "reward_mean": mean_r,
+            "reward_std": (sum((r - mean_r) ** 2 for r in rewards) / len(rewards)) ** 0.5}
 
 
-def ratio(name: str, num, den, target: str) -> str:
+def ratio(name: str, num, den, op: str, target: float) -> str:
     if not num or not den:
-        return f"{name}: n/a ({target})"
-    return f"{name}: {num / den:.2f} ({target})"
+        return f"  {name}: n/a (target {op} {target})"
+    r = num / den
+    ok = r <= target if op == "<=" else r >= target
+    return f"  {name}: {r:.2f} (target {op} {target}: {'met' if ok else 'NOT met'})"
+
+
+def report(res: dict) -> list[str]:
+    eng, tr, raw = res["engine_alone"], res["train_alone"], res["raw"]
+    alone_lp, alone_train, alone_roll = tr.get("logprob_s"), tr.get("train_s"), eng.get("rollout_s")
+    lines = [f"workload (saved rollouts >= 1): {json.dumps({k: round(v, 3) for k, v in res['workload'].items()})}",
+             f"engine alone: {json.dumps({k: round(v, 3) for k, v in eng.items()})}",
+             f"train step alone: {json.dumps({k: round(v, 3) for k, v in tr.items()})}",
+             f"raw transfer of the weight bytes: {json.dumps(raw)}"]
+    tok = res["workload"].get("tokens")
+    for name, r in res["runs"].items():
+        p = r["phases"]
+        lp, step = p.get("perf/log_probs_time"), p.get("perf/step_time")
+        train = p["perf/train_time"] - lp if "perf/train_time" in p and lp is not None else None
+        lines.append(f"== {name} (rc {r['rc']}), mean over rollouts >= 1")
+        rows = [("iteration", step, None), ("rollout", p.get("perf/rollout_time"), p.get("perf/rollout_tokens_per_s")),
+                ("log-probs", lp, 2 * tok / lp if tok and lp else None),
+                ("train (without log-probs)", train, tok / train if tok and train else None),
+                ("weight push", p.get("perf/update_weights_time"), None),
+                ("offload + onload", p.get("perf/offload_time"), None)]
+        for label, secs, tps in rows:
+            if secs is not None:
+                lines.append(f"  {label:28s} {secs:8.3f} s" + (f"  {tps:10.0f} tok/s" if tps else ""))
+        for k, v in p.items():
+            if k.startswith("perf/memory/") and "rss" not in k:
+                lines.append(f"  {k.removeprefix('perf/memory/'):40s} {v:12.3f}")
+        lines.append("  targets (issue 13):")
+        if name == "colocate":
+            alone = alone_roll + alone_train + alone_lp if alone_roll and alone_train and alone_lp else None
+            lines.append(ratio("iteration / (rollout + train + log-probs alone)", step, alone, "<=", 1.25))
+        if name == "disagg_async":
+            alone = max(alone_roll, alone_train + alone_lp) if alone_roll and alone_train and alone_lp else None
+            lines.append(ratio("iteration / max(rollout, train + log-probs) alone", step, alone, "<=", 1.15))
+        lines.append(ratio("rollout tok/s in loop / engine alone", p.get("perf/rollout_tokens_per_s"),
+                           eng.get("tok_per_s"), ">=", 0.7))
+        if "perf/offload_time" in p:
+            lines.append(ratio("offload + onload / iteration", p["perf/offload_time"], step, "<=", 0.15))
+        for group in ("actor_offloaded", "engine_released"):
+            key = f"perf/memory/{group}/cuda_allocated_of_peak"
+            if key in p:
+                lines.append(f"  {group} residual / peak: {p[key]:.3f} (target <= 0.05: "
+                             f"{'met' if p[key] <= 0.05 else 'NOT met'})")
+        push = p.get("perf/update_weights_time")
+        if "raw_broadcast_s" in raw:
+            lines.append(ratio("raw NCCL broadcast / push", raw["raw_broadcast_s"], push, ">=", 0.5))
+        elif "raw_copy_s" in raw and push:
+            lines.append(f"  raw device copy / push: {raw['raw_copy_s'] / push:.3f} (information; no target)")
+    return lines
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", choices=["colocate", "disagg"], default="colocate")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model, few prompts")
-    ap.add_argument("--num-rollout", type=int, default=3)
-    ap.add_argument("--timeout", type=int, default=200, help="seconds per train subprocess")
+    ap.add_argument("--num-rollout", type=int, default=3, help="rollout 0 is warm-up (default: %(default)s)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per rollout (default 64; --quick 4)")
+    ap.add_argument("--mean-response", type=int, default=None, help="eos set sized for this mean (default 256)")
+    ap.add_argument("--timeout", type=int, default=None, help="seconds per train run (default 270; --quick 150)")
+    ap.add_argument("--part-timeout", type=int, default=None, help="seconds per standalone part (default 120)")
     a = ap.parse_args()
     out = os.environ.get("OUT") or "/tmp/bench_loop_gpu"
-    os.makedirs(out, exist_ok=True)
-    py = sys.executable
+    os.makedirs(os.path.join(out, "dumps"), exist_ok=True)
     sys.path.insert(0, ROOT)
-    from slime_lite.tasks import make_data
-    from slime_lite.tiny_model import make_tiny_model
-    model, data = os.path.join(out, "model"), os.path.join(out, "addition.jsonl")
-    if a.quick:
-        make_tiny_model(model)
-    else:
-        make_tiny_model(model, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-                        intermediate_size=4864, warm_start_steps=0, tie_word_embeddings=True)
-    make_data("addition", data, n_train=2048, n_eval=64)
-    batch, n, resp = (4, 4, 16) if a.quick else (64, 8, 64)
-    common = [py, "-m", "slime_lite.cli", "train", "--hf-checkpoint", model, "--prompt-data", data,
-              "--rm-type", "addition", "--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(n),
-              "--rollout-max-response-len", str(resp), "--num-rollout", str(a.num_rollout),
-              "--micro-batch-size", str(batch * n), "--lr", "1e-6"]
-    if not a.quick:
+    sys.path.insert(0, HERE)
+    from loop_parts import make_inputs
+
+    q = a.quick
+    prompts, n, plen, max_resp = (a.prompts or (4 if q else 64)), 8, (16 if q else 128), (32 if q else 1024)
+    mean = a.mean_response or (8 if q else 256)
+    max_tok, lp_tok = (512, 1024) if q else (16384, 32768)
+    timeout, part_timeout = a.timeout or (150 if q else 270), a.part_timeout or 120
+    t0 = time.time()
+    model, data = make_inputs(out, q, mean, prompts * a.num_rollout, plen)
+    print(f"inputs in {time.time() - t0:.1f} s: {model}, {data}", flush=True)
+    kv = prompts * n * (plen + max_resp + 16)
+    common = [sys.executable, "-m", "slime_lite.cli", "train", "--hf-checkpoint", model, "--prompt-data", data,
+              "--custom-rm-path", "bench.loop_parts.reward", "--rollout-batch-size", str(prompts),
+              "--n-samples-per-prompt", str(n), "--rollout-max-response-len", str(max_resp),
+              "--num-rollout", str(a.num_rollout), "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tok),
+              "--log-probs-max-tokens-per-gpu", str(lp_tok), "--use-kl-loss", "--kl-loss-coef", "0.001",
+              "--lr", "1e-6", "--engine-max-running-requests", str(prompts * n), "--engine-kv-cache-tokens", str(kv)]
+    if not q:
         common += ["--bf16", "--engine-dtype", "bfloat16"]
-    runs = {"colocate": ["--colocate"]} if a.layout == "colocate" or a.quick else {
+    runs = {"colocate": ["--colocate"]} if a.layout == "colocate" or q else {
         "disagg_sync": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed"],
         "disagg_async": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed", "--async"]}
-    results: dict = {"layout": a.layout, "quick": a.quick, "runs": {}}
+    res: dict = {"layout": a.layout, "quick": q, "runs": {}}
+    first = None
     for name, extra in runs.items():
-        metrics = os.path.join(out, f"{name}.jsonl")
-        rc = run(common + extra + ["--metrics-path", metrics], a.timeout, os.path.join(out, f"{name}.log"))
-        results["runs"][name] = {"rc": rc, "phases": phases(metrics)}
-    try:
-        import torch
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        nbytes = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
-        results["raw_copy_s"] = raw_copy_s(nbytes, dev)
-        results["weight_bytes"] = nbytes
-    except Exception as e:  # noqa: BLE001 - partial results over dying
-        print(f"raw copy failed: {e!r}")
-    lines = []
-    for name, r in results["runs"].items():
-        lines.append(f"== {name} (rc {r['rc']}), mean over rollouts >= 1")
-        for k, v in r["phases"].items():
-            lines.append(f"  {k:40s} {v:10.3f}")
-        p = r["phases"]
-        if "perf/offload_time" in p:
-            lines.append("  " + ratio("offload+onload / iteration", p.get("perf/offload_time"),
-                                      p.get("perf/step_time"), "target <= 0.15"))
-        if "perf/update_weights_time" in p and results.get("raw_copy_s"):
-            lines.append("  " + ratio("raw copy / push", results["raw_copy_s"], p["perf/update_weights_time"],
-                                      "item 3 target >= 0.5 vs raw NCCL broadcast"))
-    lines.append(f"weight bytes {results.get('weight_bytes')}, raw device copy {results.get('raw_copy_s')} s")
-    lines.append("engine-alone and standalone train parts: not measured yet (iteration/rollout targets n/a)")
-    text = "\n".join(lines)
+        metrics, dumps = os.path.join(out, f"{name}.jsonl"), os.path.join(out, "dumps", name + "_{rollout_id}.pt")
+        rc = run(common + extra + ["--metrics-path", metrics, "--save-debug-rollout-data", dumps], timeout,
+                 os.path.join(out, f"{name}.log"))
+        res["runs"][name] = {"rc": rc, "phases": phases(metrics)}
+        first = first or dumps
+    last = a.num_rollout - 1
+    res["workload"] = dump_stats(first, range(1, a.num_rollout))
+    warm, dump = first.format(rollout_id=0), first.format(rollout_id=last)
+    if os.path.exists(dump):
+        res["engine_alone"] = part("engine", ["--model", model, "--warm", warm, "--dump", dump, "--max-running",
+                                              str(prompts * n), "--kv-tokens", str(kv)], part_timeout, out)
+        res["train_alone"] = part("train", ["--model", model, "--warm", warm, "--dump", dump, "--max-tokens",
+                                            str(max_tok), "--log-probs-max-tokens", str(lp_tok)], part_timeout, out)
+    else:
+        print(f"no rollout dump {dump}: the standalone engine and train parts are skipped", flush=True)
+        res["engine_alone"] = res["train_alone"] = {}
+    nbytes = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
+    gpus = "2" if a.layout == "disagg" and not q else "1"
+    res["raw"] = part("bcast" if gpus == "2" else "bcast_copy", ["--bytes", str(nbytes), "--gpus", gpus],
+                      part_timeout, out)
+    text = "\n".join(report(res))
     print(text)
     with open(os.path.join(out, "bench_loop_gpu.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump(res, f, indent=1)
     with open(os.path.join(out, "bench_loop_gpu.txt"), "w") as f:
         f.write(text + "\n")
+    print(f"total {time.time() - t0:.0f} s; output under {out}")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def manager_rollout(model: str, data: str, prompts: int, n: int, max_len: int, r
             out.append({"wall": wall, "tokens": sum(s.response_length for s in samples),
                         "engine": ray.get(engines[0].memory.remote()), "manager": ray.get(manager.memory.remote()),
                         "prompts": [s.tokens[: len(s.tokens) - s.response_length] for s in samples[::n]],
-                        "params": samples[0].metadata["sampling_params"]})
+                        "params": samples[0].metadata["sampling_params"],
+                        "parts": {k: v for k, v in metrics.items() if k.startswith("perf/rollout")}})
         return out
     finally:
         ray.shutdown()
@@ -135,6 +136,9 @@ def main() -> None:
     print(f"| in-process engine scheduler (baseline) | {base_wall:.3f} | {base_tokens} | {base_tokens / base_wall:.0f} |")
     print(f"| Ray rollout manager -> HTTP -> engine (best of {len(steady)}) | {http_wall:.3f} | {http_tokens} | "
           f"{http_tokens / http_wall:.0f} |")
+    print("\nperf/rollout/* of the steady rollouts (rollout/timing.py):")
+    for key in sorted(steady[0]["parts"]):
+        print(f"  {key:45s} " + " ".join(f"{r['parts'][key]:9.3f}" for r in steady))
     print(f"\nHTTP path / in-process, per token: {(http_wall / http_tokens) / (base_wall / base_tokens):.3f}x")
     print(f"time from `slime-lite train --debug-rollout-only` to the first dump: "
           f"{time_to_first_dump(model, data, os.path.join(tmp, 'ttfd')):.1f} s")

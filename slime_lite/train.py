@@ -143,7 +143,9 @@ def run(args) -> int:
                 rollouts.before_push(record)  # --async: the generation ahead finishes first
                 with timed(record, "perf/update_weights_time"):
                     if args.offload_rollout:  # colocated: room for the weights now, for the KV cache after offload
+                        resume_t0 = time.monotonic()
                         engine_memory(urls, "resume", ["weights"])
+                        add_time(record, "perf/offload/engine_resume_time", resume_t0)
                     if recovery is not None:  # an engine that died since the rollout is replaced first
                         recovery.check()
                     actor.update_weights(urls, version=rollout_id + 1)
@@ -183,6 +185,13 @@ def run(args) -> int:
     return 0
 
 
+def add_time(record: dict, key: str, t0: float) -> None:
+    """perf/offload/engine_{release,resume}_time: the engines' memory calls, parts of perf/offload_time (the weights'
+    resume is in perf/update_weights_time). What a resume leaves for later (CUDA-graph captures on the first decode
+    steps) is in perf/rollout/engine_capture_time."""
+    record[key] = record.get(key, 0.0) + time.monotonic() - t0
+
+
 @contextmanager
 def timed(record: dict, key: str) -> Iterator[None]:
     """Add the seconds the block takes to ``record[key]`` (and a span to the driver timeline)."""
@@ -205,7 +214,9 @@ def onload_phase(args, urls: list[str], engines: list, trainers: list, record: d
 
     with timed(record, "perf/offload_time"):
         if args.offload_rollout and urls:
+            t0 = time.monotonic()
             engine_memory(urls, "release")
+            add_time(record, "perf/offload/engine_release_time", t0)
             record.update(memory_record("engine_released", ray.get([e.memory.remote() for e in engines])))
         if args.offload_train:
             for group in trainers:
@@ -225,7 +236,9 @@ def offload_phase(args, urls: list[str], trainers: list, record: dict) -> None:
                 group.offload()
             record.update(memory_record("actor_offloaded", trainers[0].memory()))
         if args.offload_rollout and urls:
+            t0 = time.monotonic()
             engine_memory(urls, "resume", ["kv_cache"])
+            add_time(record, "perf/offload/engine_resume_time", t0)
 
 
 def memory_records(manager, engines: list, actor, critic) -> dict[str, float]:

@@ -147,6 +147,9 @@ def test_colocate_second_iteration(tiny_model_dir, data, tmp_path, capsys):
     r = rows(tmp_path)
     assert len(r) == 2 and r[1]["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert "perf/memory/engine_released/rss_mb" in r[1] and "perf/offload_time" in r[1]
+    for key in ("perf/offload/engine_release_time", "perf/offload/engine_resume_time", "perf/rollout/generate_time",
+                "perf/rollout/engine_busy_time", "perf/rollout/engine_idle_time"):
+        assert key in r[1], key
     # each of the 2 data-parallel ranks dumped its samples; together they join 1:1 with the rollout dump
     from slime_lite.backends.megatron.train_dump import load_train_dumps
     from slime_lite.cli import main as cli

@@ -110,7 +110,8 @@ class PaddedDecoder:
         self._inputs = self._slots = self._out = self._sampled = None
         self._index, self._rows, self._flip, self._done = None, None, 0, [None, None]
         self._pool = None
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # all captures so far (warm-up included), and how many: /get_server_info
+        self.num_captures = 0
         self.idle_write: tuple[list[int], int] | None = None  # the last step's idle rows and the position they wrote
 
     def compile(self) -> None:
@@ -242,6 +243,7 @@ class PaddedDecoder:
         self.graphs[(bs, kv_len)] = graph
         took = time.perf_counter() - start
         self.capture_seconds += took
+        self.num_captures += 1
         logger.info("captured a decode CUDA graph for batch %d x %d positions in %.0f ms (%d graphs)", bs, kv_len,
                     took * 1000, len(self.graphs))
         return graph

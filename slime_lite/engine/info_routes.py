@@ -112,6 +112,11 @@ class _Info:
             "cuda_graph_max_bs": s.decoder.max_bs if s.decoder else None,
             "enable_torch_compile": s.decoder is not None and s.lm.graph_fns is not s.lm.fns,
             "num_cuda_graphs": len(s.decoder.graphs) if s.decoder else 0,
+            # counters since start (the rollout manager logs their growth per rollout as perf/rollout/engine_*)
+            "step_stats": {"busy_seconds": s.busy_seconds, "prefill_seconds": s.prefill_seconds,
+                           "num_decode_steps": s.num_decode_steps, "num_generated_tokens": s.num_generated,
+                           "cuda_graph_captures": s.decoder.num_captures if s.decoder else 0,
+                           "cuda_graph_capture_seconds": s.decoder.capture_seconds if s.decoder else 0.0},
         })
 
     async def get_weight_version(self, request):

@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import zlib
 from collections import deque
 from typing import Any, Callable
@@ -124,6 +125,12 @@ class Scheduler(AdmissionMixin):
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
         self.num_generated = 0
+        # Work counters, only ever growing (the rollout manager reads /get_server_info before and after a rollout and
+        # logs the differences as perf/rollout/engine_*): model-thread seconds spent stepping (prefill and decode,
+        # CUDA-graph captures included) and in prefill alone, and decode steps launched.
+        self.busy_seconds = 0.0
+        self.prefill_seconds = 0.0
+        self.num_decode_steps = 0
         logger.info("engine: %s on %s (%s), %d slots x %d tokens", self.model_path, self.device, self.lm.dtype,
                     self.max_running, self.slot_len)
 
@@ -314,10 +321,12 @@ class Scheduler(AdmissionMixin):
                         msg = None
                 if not self._can_step():
                     continue
+                t0 = time.perf_counter()
                 try:
                     self._step()
                 except Exception as exc:  # noqa: BLE001 - keep serving; fail the requests to blame
                     self._fail_step(exc)
+                self.busy_seconds += time.perf_counter() - t0
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -410,7 +419,9 @@ class Scheduler(AdmissionMixin):
             return
         if self._admitting():
             self._collect()  # the step in flight first: its finished requests free slots
+            t0 = time.perf_counter()
             self._admit()
+            self.prefill_seconds += time.perf_counter() - t0
         if self.running:
             self._decode()
         else:
@@ -422,6 +433,7 @@ class Scheduler(AdmissionMixin):
             if not self.running:
                 return
         drawn = self.pipeline.launch(self.running)
+        self.num_decode_steps += 1
         if self.decoder is not None and self.decoder.idle_write is not None:  # a padded step wrote in free slots
             idle, position = self.decoder.idle_write
             self.decoder.idle_write = None

@@ -96,6 +96,16 @@ class Generator:
         self.filter_fn = load_function(path, "--dynamic-sampling-filter-path") if path else None
         self.progress = [0, 0]  # samples finished, samples wanted (read by the driver's progress bar)
         self.kill_engine: Callable[[], Any] | None = None  # --debug-inject-fault kill-engine (set by the manager)
+        # monotonic times of this rollout's first request sent and last response back (perf/rollout/generate_time)
+        self.first_sent: float | None = None
+        self.last_back: float | None = None
+
+    def _sent(self) -> None:
+        if self.first_sent is None:
+            self.first_sent = time.monotonic()
+
+    def _back(self) -> None:
+        self.last_back = time.monotonic()
 
     def _encode(self, prompt: Prompt) -> tuple[str, list[int]]:
         text = render_prompt(prompt.prompt, self.tokenizer, self.args.apply_chat_template)
@@ -119,12 +129,15 @@ class Generator:
             return sample
 
         t0 = time.monotonic()
+        self._sent()
         if self.generate_fn is default_generate:
             group = await generate_group(self.args, group, per_sample)
+            self._back()
             return list(await asyncio.gather(*(reward(s, t0) for s in group)))
 
         async def one(sample: Sample, p: dict[str, Any]) -> Sample:
             sample = await call_maybe_async(self.generate_fn, self.args, sample, p)
+            self._back()
             return await reward(sample, t0)
 
         return list(await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample))))
@@ -138,6 +151,7 @@ class Generator:
         generated = dropped = 0
         next_index = 0  # per rollout, so sampling seeds depend only on (seed, rollout id, position): resumable
         self.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
+        self.first_sent = self.last_back = None
         seed_base = a.rollout_seed * 1_000_003 + rollout_id * 100_003
         for _ in range(100):  # bounded: a filter that never keeps a group stops the run, not hangs it
             prompts = source.next_batch(wave)

@@ -60,17 +60,25 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """One rollout's samples (generated, or loaded from ``--load-debug-rollout-data``) and its metrics."""
         from slime_lite.rollout.stats import rollout_metrics
+        from slime_lite.rollout.timing import engine_step_stats, phase_metrics
 
         a = self.args
-        t0 = time.monotonic()
         if a.load_debug_rollout_data:
+            t0 = time.monotonic()
             samples = self._load(rollout_id)
             extra: dict[str, float] = {}
+            elapsed = time.monotonic() - t0
         else:
             if self.generator is None or self.source is None:
                 raise SlimeLiteError("no engines or prompts to generate from (check --prompt-data and the engines).")
+            urls = list(a.engine_client.urls)
+            before = self._run(engine_step_stats(urls))  # outside perf/rollout_time, as the read after it
+            t0 = time.monotonic()
             samples, extra = self._run(self.generator.rollout(rollout_id, self.source))
-        elapsed = time.monotonic() - t0
+            t1 = time.monotonic()
+            elapsed = t1 - t0
+            g = self.generator
+            extra.update(phase_metrics(t0, g.first_sent, g.last_back, t1, before, self._run(engine_step_stats(urls))))
         if a.save_debug_rollout_data:
             path = dumps.dump_path(a.save_debug_rollout_data, rollout_id)
             dumps.save_rollout_dump(path, rollout_id, samples, self._meta())
