@@ -3,10 +3,12 @@
 Workload (inputs and hooks: bench/loop_parts.py): a Qwen2.5-0.5B-shaped model, random bf16 weights, the real
 151,936-token vocabulary with a synthetic tokenizer that decodes every id; 64 prompts x 8 samples per rollout,
 prompts of 128 tokens; responses sampled at temperature 1 up to 1,024 tokens, stopping on an eos set sized for a
-mean of about --mean-response tokens (geometric lengths: the random model's next token is near uniform); reward
+mean of about --mean-response tokens (geometric lengths: the random model's next token is near uniform; no 64-token
+floor as in the issue, since the rollout's sampling params have no min_new_tokens); reward
 hook ``bench.loop_parts.reward`` (share of even token ids: varied within each group, so the train step has
 non-zero advantages). Training: packed micro-batches (16,384 tokens; log-probs 32,768), KL loss, as
-bench/bench_train_gpu.py. Every rollout is saved (--save-debug-rollout-data) for the standalone parts.
+bench/bench_train_gpu.py. Every rollout is saved (--save-debug-rollout-data) for the standalone parts (the save
+is in the iteration's time, outside perf/rollout_time).
 
 1. The loop as a subprocess with a timeout: ``--layout colocate`` (1 GPU, --colocate), or ``--layout disagg``
    (2 GPUs: synchronous with NCCL push, then --async). Per-phase means over rollouts >= 1 (rollout 0 is warm-up)
@@ -24,6 +26,7 @@ bench/bench_train_gpu.py. Every rollout is saved (--save-debug-rollout-data) for
   python3 bench/bench_loop_gpu.py --layout colocate       # 1 GPU, about 5-6 minutes (estimated)
   python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs
   .venv/bin/python bench/bench_loop_gpu.py --quick        # CPU, tiny model (vocab 128), 4 x 8 samples, < 2 min
+--budget (default 360 s colocate, 570 s disagg): no subprocess runs past it (each also has its own timeout).
 Output: text and JSON under $OUT (default /tmp/bench_loop_gpu), with each subprocess's log.
 """
 from __future__ import annotations
@@ -39,8 +42,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "bench")
 
 
+DEADLINE = [float("inf")]  # --budget: no subprocess runs past it
+
+
 def run(cmd: list[str], timeout: int, log: str) -> int:
-    print("$ " + " ".join(cmd), flush=True)
+    timeout = min(timeout, int(DEADLINE[0] - time.time()))
+    if timeout < 5:
+        print(f"skipped (--budget spent): {' '.join(cmd[:4])} ...", flush=True)
+        return 125
+    print(f"$ {' '.join(cmd)}  (timeout {timeout} s)", flush=True)
     t0 = time.time()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     try:
@@ -171,9 +181,14 @@ def main() -> None:
     ap.add_argument("--mean-response", type=int, default=None, help="eos set sized for this mean (default 256)")
     ap.add_argument("--timeout", type=int, default=None, help="seconds per train run (default 270; --quick 150)")
     ap.add_argument("--part-timeout", type=int, default=None, help="seconds per standalone part (default 120)")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="seconds for the whole bench; no subprocess runs past it (default: colocate 360, "
+                         "disagg 570, --quick 170)")
     a = ap.parse_args()
     out = os.environ.get("OUT") or "/tmp/bench_loop_gpu"
     os.makedirs(os.path.join(out, "dumps"), exist_ok=True)
+    for f in os.listdir(os.path.join(out, "dumps")):  # an earlier run's rollouts would pass for this one's
+        os.remove(os.path.join(out, "dumps", f))
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
     from loop_parts import make_inputs
@@ -184,6 +199,7 @@ def main() -> None:
     max_tok, lp_tok = (512, 1024) if q else (16384, 32768)
     timeout, part_timeout = a.timeout or (150 if q else 270), a.part_timeout or 120
     t0 = time.time()
+    DEADLINE[0] = t0 + (a.budget or (170 if q else 360 if a.layout == "colocate" else 570))
     model, data = make_inputs(out, q, mean, prompts * a.num_rollout, plen)
     print(f"inputs in {time.time() - t0:.1f} s: {model}, {data}", flush=True)
     kv = prompts * n * (plen + max_resp + 16)
@@ -202,6 +218,8 @@ def main() -> None:
     first = None
     for name, extra in runs.items():
         metrics, dumps = os.path.join(out, f"{name}.jsonl"), os.path.join(out, "dumps", name + "_{rollout_id}.pt")
+        if os.path.exists(metrics):  # --metrics-path appends
+            os.remove(metrics)
         rc = run(common + extra + ["--metrics-path", metrics, "--save-debug-rollout-data", dumps], timeout,
                  os.path.join(out, f"{name}.log"))
         res["runs"][name] = {"rc": rc, "phases": phases(metrics)}
@@ -212,8 +230,6 @@ def main() -> None:
     if os.path.exists(dump):
         res["engine_alone"] = part("engine", ["--model", model, "--warm", warm, "--dump", dump, "--max-running",
                                               str(prompts * n), "--kv-tokens", str(kv)], part_timeout, out)
-        res["train_alone"] = part("train", ["--model", model, "--warm", warm, "--dump", dump, "--max-tokens",
-                                            str(max_tok), "--log-probs-max-tokens", str(lp_tok)], part_timeout, out)
     else:
         print(f"no rollout dump {dump}: the standalone engine and train parts are skipped", flush=True)
         res["engine_alone"] = res["train_alone"] = {}
@@ -221,6 +237,9 @@ def main() -> None:
     gpus = "2" if a.layout == "disagg" and not q else "1"
     res["raw"] = part("bcast" if gpus == "2" else "bcast_copy", ["--bytes", str(nbytes), "--gpus", gpus],
                       part_timeout, out)
+    if os.path.exists(dump):  # last: the longest part
+        res["train_alone"] = part("train", ["--model", model, "--warm", warm, "--dump", dump, "--max-tokens",
+                                            str(max_tok), "--log-probs-max-tokens", str(lp_tok)], part_timeout, out)
     text = "\n".join(report(res))
     print(text)
     with open(os.path.join(out, "bench_loop_gpu.json"), "w") as f:
