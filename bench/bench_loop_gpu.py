@@ -53,6 +53,8 @@ def run(cmd: list[str], timeout: int, log: str) -> int:
     print(f"$ {' '.join(cmd)}  (timeout {timeout} s)", flush=True)
     t0 = time.time()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):  # NVLink multicast stays off
+        env.setdefault(k, v)
     try:
         with open(log, "w") as f:
             rc = subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
@@ -145,6 +147,9 @@ def report(res: dict) -> list[str]:
         for label, secs, tps in rows:
             if secs is not None:
                 lines.append(f"  {label:28s} {secs:8.3f} s" + (f"  {tps:10.0f} tok/s" if tps else ""))
+        for k, v in p.items():  # where the rollout's time goes (rollout/timing.py), then memory
+            if k.startswith(("perf/rollout/", "perf/offload/")):
+                lines.append(f"  {k.removeprefix('perf/'):40s} {v:12.3f}")
         for k, v in p.items():
             if k.startswith("perf/memory/") and "rss" not in k:
                 lines.append(f"  {k.removeprefix('perf/memory/'):40s} {v:12.3f}")
