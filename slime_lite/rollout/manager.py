@@ -71,14 +71,15 @@ class RolloutManager:
         else:
             if self.generator is None or self.source is None:
                 raise SlimeLiteError("no engines or prompts to generate from (check --prompt-data and the engines).")
-            urls = list(a.engine_client.urls)
+            client = getattr(a, "engine_client", None)
+            urls = list(client.urls) if client is not None else []
             before = self._run(engine_step_stats(urls))  # outside perf/rollout_time, as the read after it
             t0 = time.monotonic()
             samples, extra = self._run(self.generator.rollout(rollout_id, self.source))
             t1 = time.monotonic()
             elapsed = t1 - t0
-            g = self.generator
-            extra.update(phase_metrics(t0, g.first_sent, g.last_back, t1, before, self._run(engine_step_stats(urls))))
+            sent, back = (getattr(self.generator, k, None) for k in ("first_sent", "last_back"))
+            extra.update(phase_metrics(t0, sent, back, t1, before, self._run(engine_step_stats(urls))))
         if a.save_debug_rollout_data:
             path = dumps.dump_path(a.save_debug_rollout_data, rollout_id)
             dumps.save_rollout_dump(path, rollout_id, samples, self._meta())
