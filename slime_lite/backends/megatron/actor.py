@@ -177,8 +177,10 @@ class TrainWorker:
         results: dict[int, torch.Tensor] = {}
 
         def collect(mb: B.MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> tuple:
-            for i, t in zip(mb.indices, per_sample(mb, output)):
-                results[i] = t.detach().cpu()
+            outs = [t.detach() for t in per_sample(mb, output)]  # to the host in one copy, not one per sample
+            host = torch.cat([t.reshape(-1) for t in outs]).cpu().split([t.numel() for t in outs])
+            for i, t, h in zip(mb.indices, outs, host):
+                results[i] = h.view(t.shape)
             return torch.zeros((), device=output.device), {}
 
         with torch.no_grad():
@@ -298,6 +300,8 @@ class TrainActor(TrainWorker):
         self.ref_state = None
         if a.use_kl_loss or a.kl_coef > 0 or a.ref_load:
             self.ref_state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+            if torch.cuda.is_available():  # pinned: each rollout's copy to the GPU runs at full speed
+                self.ref_state = {n: t.pin_memory() for n, t in self.ref_state.items()}
 
     def _log_probs(self, mb: B.MicroBatch, output: torch.Tensor, entropy: bool = False) -> list[torch.Tensor]:
         """Response-token log-probs of each sample of a micro-batch, from the model output ([2, R]: log-probs and
@@ -366,7 +370,9 @@ class TrainActor(TrainWorker):
             temp = a.rollout_temperature if a.rollout_temperature > 1e-6 else 1.0
             lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size, with_entropy=a.entropy_coef > 0)
             idx, dev = mb.indices, output.device
-            on = lambda xs: [xs[i].to(dev) for i in idx]  # noqa: E731 - per-sample inputs of this micro-batch
+            def on(xs: list) -> list[torch.Tensor]:  # per-sample inputs of this micro-batch: one host->device copy
+                return list(torch.cat([xs[i] for i in idx]).to(dev).split([xs[i].numel() for i in idx]))
+
             loss, m = rl_loss(
                 lp, on(old), on(ref) if ref is not None else None,
                 on(rollout_lp) if has_rollout_lp else None, on(advantages),

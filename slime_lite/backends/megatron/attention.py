@@ -18,6 +18,7 @@ GQA key/value heads are shared with ``enable_gqa`` (no repeated copies).
 
 from __future__ import annotations
 
+import inspect
 import os
 from itertools import pairwise
 
@@ -43,15 +44,14 @@ def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def _varlen():
-    """torch's varlen flash attention when this torch has it with the arguments used here, else None."""
-    import inspect
-
+    """torch's varlen flash attention when this torch has it with a scale and a causal window, else None (torch
+    2.11 has no ``enable_gqa``: the key/value heads are then repeated, see ``packed_causal_attention``)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if {"window_size", "enable_gqa", "scale"} <= set(params) else None
+    return varlen_attn if {"window_size", "scale"} <= set(params) else None
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -61,14 +61,24 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     gqa = q.shape[1] != k.shape[1]
     if backend == "varlen":
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return _varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
-    bounds = cu_seqlens.tolist()
+        fn = _varlen()
+        extra = {}
+        if "enable_gqa" in inspect.signature(fn).parameters:
+            extra["enable_gqa"] = gqa
+        elif gqa:  # query head h reads key/value head h // (hq / hkv)
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **extra)
+    # one split per tensor, not a slice per sample: the backward of a split is one concatenation, where each
+    # slice's backward would write its gradient into a zeroed copy of the whole packed tensor (O(samples x T))
+    lengths = [hi - lo for lo, hi in pairwise(cu_seqlens.tolist())]
+    if not lengths:
+        return q.new_zeros(q.shape)
     out = []
-    for lo, hi in pairwise(bounds):
-        qs, ks, vs = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    for qs, ks, vs in zip(*(x.split(lengths) for x in (q, k, v))):
+        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         out.append(o.squeeze(0).transpose(0, 1))
-    return torch.cat(out) if out else q.new_zeros(q.shape)
+    return torch.cat(out)
 
 
 class FastCoreAttention(DotProductAttention):

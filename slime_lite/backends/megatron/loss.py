@@ -154,7 +154,8 @@ def rl_loss(
         raise ValueError("--use-kl-loss needs reference log-probs")
 
     metrics["loss"] = loss
-    return loss, {k: float(v.detach()) for k, v in metrics.items()}
+    values = torch.stack([v.detach().double().reshape(()) for v in metrics.values()]).tolist()  # one device sync
+    return loss, dict(zip(metrics, values))
 
 
 def value_rl_loss(
