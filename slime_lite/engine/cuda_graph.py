@@ -112,6 +112,7 @@ class PaddedDecoder:
         self._pool = None
         self.capture_seconds = 0.0  # all captures so far (warm-up included), and how many: /get_server_info
         self.num_captures = 0
+        self.num_graph_resets = 0  # graphs dropped by ``run`` (on CUDA all are captured again); not a release
         self.idle_write: tuple[list[int], int] | None = None  # the last step's idle rows and the position they wrote
 
     def compile(self) -> None:
@@ -172,6 +173,7 @@ class PaddedDecoder:
         self.cache.ensure(bs, kv_len)  # grows only to what steps use; a new allocation means new captures
         key = self._storage_key()
         if key != self._storage:
+            self.num_graph_resets += self._storage is not None  # a KV-cache growth or new weight storage mid-serving
             self.reset()
             self._storage = key
         if self._inputs is None:

@@ -116,7 +116,8 @@ class _Info:
             "step_stats": {"busy_seconds": s.busy_seconds, "prefill_seconds": s.prefill_seconds,
                            "num_decode_steps": s.num_decode_steps, "num_generated_tokens": s.num_generated,
                            "cuda_graph_captures": s.decoder.num_captures if s.decoder else 0,
-                           "cuda_graph_capture_seconds": s.decoder.capture_seconds if s.decoder else 0.0},
+                           "cuda_graph_capture_seconds": s.decoder.capture_seconds if s.decoder else 0.0,
+                           "cuda_graph_resets": s.decoder.num_graph_resets if s.decoder else 0},
         })
 
     async def get_weight_version(self, request):

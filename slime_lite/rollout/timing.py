@@ -13,6 +13,7 @@ just before and just after the rollout, over all engines (busy/prefill/capture t
   engine_prefill_time     prefill steps (admission) alone
   engine_capture_time     CUDA-graph captures (after a memory release or a KV cache growth they happen again)
   engine_cuda_graph_captures, engine_decode_steps
+  engine_cuda_graph_resets  times live graphs were dropped mid-serving (the KV cache grew: all captured again)
   engine_tokens_per_s     tokens the engines generated / engine_busy_time
 Engines without ``step_stats`` (SGLang) give only the manager-side keys.
 """
@@ -65,6 +66,7 @@ def phase_metrics(start: float, first_sent: float | None, last_back: float | Non
             "engine_prefill_time": max(grown("prefill_seconds")),
             "engine_capture_time": max(grown("cuda_graph_capture_seconds")),
             "engine_cuda_graph_captures": sum(grown("cuda_graph_captures")),
+            "engine_cuda_graph_resets": sum(grown("cuda_graph_resets")),
             "engine_decode_steps": sum(grown("num_decode_steps")),
             "engine_tokens_per_s": tokens / busy if busy > 0 else 0.0,
         })

@@ -170,5 +170,10 @@ def test_padded_decode_grows_the_cache_only_to_the_buckets_it_uses(tiny_model_di
         assert keys and max(keys) <= (4, 128)  # 3 slots, 23 positions: bucket 4 x 64, allocated in 128s
         out = run_requests(s, [([1, 2, 3], 200, 9)], ignore_eos=True)[0]  # crosses length buckets: regrows
         assert len(out.output_ids) == 200 and max(k[1] for k in keys) == 256
+        # the /get_server_info step_stats counters (perf/rollout/engine_*): more slots than allocated while the
+        # decoder holds a layout is a reset (on CUDA every graph is captured again)
+        resets = s.decoder.num_graph_resets
+        run_requests(s, [([1, 2, 3], 4, i) for i in range(8)])
+        assert s.decoder.num_graph_resets > resets and s.num_decode_steps >= 200 and s.busy_seconds > 0
     finally:
         s.stop()
