@@ -260,7 +260,7 @@ def attention_microbench(lengths: list[int], heads: int, kv: int, dim: int, dtyp
     k = torch.randn(t, kv, dim, device=dev, dtype=dtype, requires_grad=True)
     v = torch.randn(t, kv, dim, device=dev, dtype=dtype, requires_grad=True)
     backends = ["sdpa"] + (["varlen"] if dev == "cuda" and A._varlen() is not None and dtype != torch.float32 else [])
-    out = {}
+    out, first = {}, None
     for b in backends:
         for rep in range(3):
             sync()
@@ -269,6 +269,9 @@ def attention_microbench(lengths: list[int], heads: int, kv: int, dim: int, dtyp
             o.float().sum().backward()
             sync()
             out[b] = min(out.get(b, float("inf")), (time.perf_counter() - t0) * 1e3)  # best of 3
+        first = o.detach() if first is None else first
+        if b != backends[0]:  # the same attention: its output next to the first backend's
+            out[f"{b} max abs diff vs {backends[0]}"] = float((o.detach().float() - first.float()).abs().max())
     return out
 
 
