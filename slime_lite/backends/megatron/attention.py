@@ -44,14 +44,14 @@ def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def _varlen():
-    """torch's varlen flash attention when this torch has it with a scale and a causal window, else None (torch
-    2.11 has no ``enable_gqa``: the key/value heads are then repeated, see ``packed_causal_attention``)."""
+    """torch's varlen flash attention when this torch has it with the arguments used here (torch >= 2.12), else
+    None (torch 2.11's has no ``enable_gqa``)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if {"window_size", "scale"} <= set(params) else None
+    return varlen_attn if {"window_size", "enable_gqa", "scale"} <= set(params) else None
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -61,13 +61,7 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     gqa = q.shape[1] != k.shape[1]
     if backend == "varlen":
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        fn = _varlen()
-        extra = {}
-        if "enable_gqa" in inspect.signature(fn).parameters:
-            extra["enable_gqa"] = gqa
-        elif gqa:  # query head h reads key/value head h // (hq / hkv)
-            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **extra)
+        return _varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
     # one split per tensor, not a slice per sample: the backward of a split is one concatenation, where each
     # slice's backward would write its gradient into a zeroed copy of the whole packed tensor (O(samples x T))
     lengths = [hi - lo for lo, hi in pairwise(cu_seqlens.tolist())]
