@@ -53,7 +53,9 @@ def phase_metrics(start: float, first_sent: float | None, last_back: float | Non
     back = max(last_back, sent) if last_back is not None else sent
     m = {"prepare_time": sent - start, "generate_time": back - sent, "reward_time": end - back}
     m["overhead_time"] = total - sum(m.values())
-    pairs = [(b, a) for b, a in zip(before, after) if b is not None and a is not None]
+    # an engine restarted during the rollout (--use-fault-tolerance) counts from zero again: left out
+    pairs = [(b, a) for b, a in zip(before, after) if b is not None and a is not None
+             and all(float(a.get(k, 0.0)) >= float(b.get(k, 0.0)) for k in b)]
     if pairs:
         def grown(key: str) -> list[float]:
             return [float(a.get(key, 0.0)) - float(b.get(key, 0.0)) for b, a in pairs]
