@@ -383,8 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device of embedded engines (auto: cuda when available)")
     g.add_argument("--engine-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="dtype of embedded engines (auto: the checkpoint's)")
-    g.add_argument("--engine-max-running-requests", type=_positive_int, default=64,
-                   help="embedded engine: requests decoded together (default: %(default)s)")
+    g.add_argument("--engine-max-running-requests", type=_positive_int, default=None,
+                   help="embedded engine: requests decoded together (default: on CUDA every request of a rollout "
+                        "at once, at least 64, as many as fit with min(context, 4096) tokens each in 30%% of the "
+                        "GPU's memory or in --engine-kv-cache-tokens; on CPU 64)")
     g.add_argument("--engine-kv-cache-tokens", type=_positive_int, default=None,
                    help="embedded engine: KV-cache size in tokens (default: max running requests x "
                         "min(context, 4096))")

@@ -42,6 +42,11 @@ def fill_implied(args: argparse.Namespace) -> None:
     # slime: with no checkpoint to resume (--load unset, missing or empty), the actor starts from --ref-load; a
     # --load checkpoint replaces these weights when there is one. Not a flag: derived here only.
     args.actor_init_checkpoint = args.ref_load or args.hf_checkpoint
+    # requests one engine gets at once in a rollout (generate.py submits a whole wave): the embedded engine's batch
+    # slots when --engine-max-running-requests is not given (engine/scheduler.py auto_max_running)
+    engines = max(1, args.rollout_num_gpus // max(1, args.rollout_num_gpus_per_engine))
+    wave = (args.over_sampling_batch_size or args.rollout_batch_size) * args.n_samples_per_prompt
+    args.engine_requests_per_rollout = -(-wave // engines)
 
 
 def _actor_start(args: argparse.Namespace) -> str:

@@ -100,7 +100,7 @@ class EngineConfig(_FromArgs):
     rollout_backend: str
     rollout_device: str
     engine_dtype: str
-    engine_max_running_requests: int
+    engine_max_running_requests: int | None
     engine_kv_cache_tokens: int | None
     engine_disable_cuda_graph: bool
     engine_enable_torch_compile: bool

@@ -319,3 +319,24 @@ def test_every_flag_named_in_the_package_exists(monkeypatch):
                     if flag not in known and not flag.startswith("--sglang-"):  # --sglang-*: passed to SGLang
                         bad.append(f"{path.relative_to(PKG)}:{node.lineno}: {flag}")
     assert not bad, "strings name flags that do not exist:\n" + "\n".join(bad)
+
+
+def test_engine_batch_slots_default_to_a_whole_rollout_on_cuda_within_memory():
+    """--engine-max-running-requests unset: the embedded engine gets every request of a rollout at once on CUDA
+    (a colocated 32 x 8 rollout decoded in 4 waves of 64 with the old fixed default), bounded by memory."""
+    from slime_lite.engine.scheduler import AUTO_KV_MEMORY_FRACTION, auto_max_running
+
+    a = parser_defaults(rollout_batch_size=32, n_samples_per_prompt=8)
+    assert a.engine_max_running_requests is None and a.engine_requests_per_rollout == 256
+    two = parser_defaults(rollout_batch_size=32, n_samples_per_prompt=8, over_sampling_batch_size=40,
+                          rollout_num_gpus=4, rollout_num_gpus_per_engine=2)
+    assert two.engine_requests_per_rollout == 160  # 40 x 8 prompts' samples over 2 engines
+    kv = 2 * 24 * 2 * 64 * 2  # bytes per token: Qwen2.5-0.5B shape, bf16
+    h200 = 141 * 2**30
+    assert auto_max_running(None, 256, 4096, kv) == 64  # CPU: as before
+    assert auto_max_running(h200, 256, 4096, kv) == 256
+    assert auto_max_running(h200, 8, 4096, kv) == 64  # never below the old default where it fits
+    big = 2 * 80 * 8 * 128 * 2  # a 70B-like model: memory bounds the slots
+    fit = int(AUTO_KV_MEMORY_FRACTION * h200) // (4096 * big)
+    assert auto_max_running(h200, 256, 4096, big) == fit < 64
+    assert auto_max_running(h200, 256, 4096, kv, kv_cache_tokens=100 * 4096) == 100  # the given cache bounds them

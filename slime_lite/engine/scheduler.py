@@ -51,12 +51,29 @@ class EngineBusy(RuntimeError):
     """An operation that needs an idle engine (no running or waiting requests)."""
 
 
+AUTO_KV_MEMORY_FRACTION = 0.3  # of the GPU's memory, for the KV cache of automatically sized batch slots
+
+
+def auto_max_running(device_memory: int | None, requests_hint: int | None, slot_tokens: int, kv_bytes_per_token: int,
+                     kv_cache_tokens: int | None = None) -> int:
+    """Batch slots when --max-running-requests is not given: 64 on CPU; on CUDA every request of a rollout at once
+    (``requests_hint``, at least 64), as many as fit with ``slot_tokens`` each in --kv-cache-tokens when given, else
+    in AUTO_KV_MEMORY_FRACTION of the GPU's memory (the cache grows only to what running requests use)."""
+    if device_memory is None:
+        return 64
+    if kv_cache_tokens:
+        fit = kv_cache_tokens // slot_tokens
+    else:
+        fit = int(AUTO_KV_MEMORY_FRACTION * device_memory) // (slot_tokens * kv_bytes_per_token)
+    return max(1, min(max(64, requests_hint or 0), fit))
+
+
 class Scheduler(AdmissionMixin):
     """Loads the model and runs the generation loop in a background thread (``start``/``stop``)."""
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
-                 device: str | None = None, seed: int = 0, max_running_requests: int = 64,
-                 kv_cache_tokens: int | None = None, cpu_threads: int | None = None, cuda_graph: bool | None = None,
+                 device: str | None = None, seed: int = 0, max_running_requests: int | None = 64,
+                 requests_hint: int | None = None, kv_cache_tokens: int | None = None, cpu_threads: int | None = None, cuda_graph: bool | None = None,
                  cuda_graph_max_bs: int | None = None, enable_torch_compile: bool = False,
                  disable_radix_cache: bool = False) -> None:
         if device is None:
@@ -67,7 +84,7 @@ class Scheduler(AdmissionMixin):
             raise SlimeLiteError("--device cuda: CUDA is not available on this machine; use --device cpu.")
         if cuda_graph_max_bs is not None and cuda_graph_max_bs < 1:
             raise SlimeLiteError(f"--cuda-graph-max-bs {cuda_graph_max_bs}: must be >= 1 (or --disable-cuda-graph).")
-        if max_running_requests < 1:
+        if max_running_requests is not None and max_running_requests < 1:
             raise SlimeLiteError(f"--max-running-requests {max_running_requests}: must be >= 1.")
         self.device = torch.device(device)
         if self.device.type == "cpu":
@@ -84,8 +101,18 @@ class Scheduler(AdmissionMixin):
 
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.tokenizer_lock = threading.Lock()
-        self.max_running = int(max_running_requests)
         self.context_len = context = int(getattr(self.hf.config, "max_position_embeddings", 1 << 30))
+        if max_running_requests is None:
+            cfg = self.hf.config
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            kv_bytes = (2 * cfg.num_hidden_layers * getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+                        * head_dim * next(self.hf.parameters()).dtype.itemsize)
+            memory = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+            max_running_requests = auto_max_running(memory, requests_hint, min(context, 4096), kv_bytes,
+                                                    kv_cache_tokens)
+            logger.info("engine: %d batch slots (requests of a rollout: %s; set --max-running-requests to choose)",
+                        max_running_requests, requests_hint)
+        self.max_running = int(max_running_requests)
         kv_cache_tokens = int(kv_cache_tokens or self.max_running * min(context, 4096))
         self.slot_len = min(context, kv_cache_tokens // self.max_running)
         if self.slot_len < 2:

@@ -57,7 +57,8 @@ class EngineServer:
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, dtype: str = "auto", device: str | None = None, seed: int = 0,
-                 max_running_requests: int = 64, kv_cache_tokens: int | None = None, api_key: str | None = None,
+                 max_running_requests: int | None = 64, requests_hint: int | None = None,
+                 kv_cache_tokens: int | None = None, api_key: str | None = None,
                  served_model_name: str | None = None, cpu_threads: int | None = None,
                  cuda_graph: bool | None = None, cuda_graph_max_bs: int | None = None,
                  enable_torch_compile: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES,
@@ -70,7 +71,7 @@ class EngineServer:
         self.max_request_bytes = int(max_request_bytes)
         self.scheduler = Scheduler(model_path, tokenizer_path=tokenizer_path, dtype=dtype, device=device,
                                    seed=seed, max_running_requests=max_running_requests,
-                                   kv_cache_tokens=kv_cache_tokens, cpu_threads=cpu_threads,
+                                   requests_hint=requests_hint, kv_cache_tokens=kv_cache_tokens, cpu_threads=cpu_threads,
                                    cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
                                    enable_torch_compile=enable_torch_compile,
                                    disable_radix_cache=disable_radix_cache)

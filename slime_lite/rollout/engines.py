@@ -46,7 +46,8 @@ class EngineActor:
 
             self.server = EngineServer(
                 c.hf_checkpoint, device=device, dtype=c.engine_dtype, seed=c.rollout_seed + self.rank,
-                max_running_requests=c.engine_max_running_requests, kv_cache_tokens=c.engine_kv_cache_tokens,
+                max_running_requests=c.engine_max_running_requests, requests_hint=self.args.engine_requests_per_rollout,
+                kv_cache_tokens=c.engine_kv_cache_tokens,
                 cuda_graph=False if c.engine_disable_cuda_graph else None,
                 enable_torch_compile=c.engine_enable_torch_compile,
                 disable_radix_cache=self.args.deterministic_mode,  # a cache hit depends on timing
