@@ -123,7 +123,8 @@ def profiled(fn, label: str) -> None:
     wall = time.perf_counter() - t0
     ev = prof.key_averages()
     dev_key = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
-    kernels = sum(getattr(e, dev_key) for e in ev) / 1e6
+    # the kernels' own rows only (the operators that launched them carry the same time again)
+    kernels = sum(getattr(e, dev_key) for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
     print(f"\n== profile {label}: wall {wall:.2f} s (under the profiler), device-kernel time {kernels:.2f} s "
           f"({100 * kernels / wall:.0f}% busy)", flush=True)
     for key in (dev_key, "self_cpu_time_total", "cpu_time_total"):
