@@ -55,16 +55,17 @@ def _varlen():
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int, scale: float, backend: str = "sdpa") -> torch.Tensor:
+                            max_seqlen: int, scale: float, backend: str = "sdpa",
+                            bounds: list[int] | None = None) -> torch.Tensor:
     """q [t, hq, d], k/v [t, hkv, d] of samples packed back to back (cu_seqlens [n+1]) -> [t, hq, d], each sample
-    attending causally to itself only."""
+    attending causally to itself only. ``bounds``: cu_seqlens as a host list, when the caller has it."""
     gqa = q.shape[1] != k.shape[1]
     if backend == "varlen":
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return _varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
     # one split per tensor, not a slice per sample: the backward of a split is one concatenation, where each
     # slice's backward would write its gradient into a zeroed copy of the whole packed tensor (O(samples x T))
-    lengths = [hi - lo for lo, hi in pairwise(cu_seqlens.tolist())]
+    lengths = [hi - lo for lo, hi in pairwise(bounds if bounds is not None else cu_seqlens.tolist())]
     if not lengths:
         return q.new_zeros(q.shape)
     out = []
@@ -89,7 +90,8 @@ class FastCoreAttention(DotProductAttention):
                 raise ValueError("packed sequences need qkv_format='thd', no attention bias, window or dropout")
             cu = packed_seq_params.cu_seqlens_q
             out = packed_causal_attention(query, key, value, cu, int(packed_seq_params.max_seqlen_q),
-                                          self.softmax_scale, packed_backend(query.device, query.dtype))
+                                          self.softmax_scale, packed_backend(query.device, query.dtype),
+                                          getattr(packed_seq_params, "cu_seqlens_host", None))
             return out.reshape(out.shape[0], -1)
         if not plain or attention_mask is not None or mask_type != AttnMaskType.causal:
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,

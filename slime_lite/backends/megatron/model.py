@@ -336,5 +336,7 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device: Any = N
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
-                           max_seqlen_kv=int(max_seqlen))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
+                             max_seqlen_kv=int(max_seqlen))
+    params.cu_seqlens_host = cu_seqlens.tolist()  # attention.py splits by it: no device sync per layer
+    return params
