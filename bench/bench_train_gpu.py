@@ -260,7 +260,8 @@ def attention_microbench(lengths: list[int], heads: int, kv: int, dim: int, dtyp
     q = torch.randn(t, heads, dim, device=dev, dtype=dtype, requires_grad=True)
     k = torch.randn(t, kv, dim, device=dev, dtype=dtype, requires_grad=True)
     v = torch.randn(t, kv, dim, device=dev, dtype=dtype, requires_grad=True)
-    backends = ["sdpa"] + (["varlen"] if dev == "cuda" and A._varlen() is not None and dtype != torch.float32 else [])
+    backends = ["sdpa", "bucketed"] + (["varlen"] if dev == "cuda" and A._varlen() is not None and dtype != torch.float32
+                                      else [])
     out, first = {}, None
     for b in backends:
         for rep in range(3):

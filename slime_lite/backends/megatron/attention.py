@@ -8,9 +8,11 @@ spec (model.py ``layer_spec``) with the same constructor:
   flash / memory-efficient kernels on CUDA, the fused CPU kernel on CPU); right padding never reaches a real token;
 - packed rows (``packed_seq_params.qkv_format == "thd"``, [t, heads, dim] and ``cu_seqlens``): causal attention
   inside each sample only, with one of two backends (``SLIME_LITE_PACKED_ATTENTION``):
-  ``sdpa`` (per sample, any device and dtype; the default on CPU) or ``varlen`` (``torch.nn.attention.varlen``'s
-  flash kernel, CUDA bf16/fp16; the default there when present). Both compute each sample on its own, so a
-  sample's result does not depend on what else is packed with it (batch invariance, tests/backends/test_packing.py);
+  ``sdpa`` (per sample, any device and dtype; the default on CPU), ``varlen`` (``torch.nn.attention.varlen``'s
+  flash kernel, CUDA bf16/fp16; the default there when present) or ``bucketed`` (opt-in: samples padded to a
+  length fixed by their own (``bucket_length``), one batched causal SDPA call per length, a few calls per layer
+  instead of one per sample, for a torch without the varlen kernel; not yet measured on a GPU). Each computes a sample's rows from that
+  sample alone, so its result does not depend on what else is packed with it (tests/backends/test_packing.py);
 - anything else (an explicit mask, other mask types): Megatron's own implementation.
 
 GQA key/value heads are shared with ``enable_gqa`` (no repeated copies).
@@ -18,6 +20,7 @@ GQA key/value heads are shared with ``enable_gqa`` (no repeated copies).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from itertools import pairwise
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-BACKENDS = ("auto", "sdpa", "varlen")
+BACKENDS = ("auto", "sdpa", "varlen", "bucketed")
 
 
 def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -63,6 +66,17 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if backend == "varlen":
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return _varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
+    if backend == "bucketed":
+        host = tuple(bounds if bounds is not None else cu_seqlens.tolist())
+        if len(host) < 2:
+            return q.new_zeros(q.shape)
+        groups, order = _bucket_plan(host, str(q.device))
+        pieces = []
+        for idx, valid in groups:  # idx [b, L]: packed row of each (sample, position); pads repeat the last row
+            qs, ks, vs = (x[idx].transpose(1, 2) for x in (q, k, v))  # [b, heads, L, d]
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            pieces.append(o.transpose(1, 2)[valid])  # the real rows, sample by sample
+        return torch.cat(pieces).index_select(0, order)
     # one split per tensor, not a slice per sample: the backward of a split is one concatenation, where each
     # slice's backward would write its gradient into a zeroed copy of the whole packed tensor (O(samples x T))
     lengths = [hi - lo for lo, hi in pairwise(bounds if bounds is not None else cu_seqlens.tolist())]
@@ -74,6 +88,36 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         out.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(out)
+
+
+def bucket_length(n: int) -> int:
+    """The padded length of a sample of n tokens in the bucketed backend: n rounded up to its top 4 bits (under
+    12.5% padding). It depends on n alone, so a sample's attention is computed with the same shapes whatever it is
+    packed with (a kernel's rounding may depend on the padded length: batch invariance needs it fixed per sample)."""
+    step = 1 << max(0, n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+@functools.lru_cache(maxsize=16)
+def _bucket_plan(bounds: tuple[int, ...], device: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Samples (cu_seqlens ``bounds``) grouped by ``bucket_length``: per group the gather index [b, L] into the
+    packed rows (a pad repeats the sample's last row: as a key it sits after every real query, so causality masks
+    it) and the mask of real rows; and the permutation that puts the groups' real rows back in packed order.
+    Cached: every layer of a micro-batch uses the same plan."""
+    starts, lengths = list(bounds[:-1]), [hi - lo for lo, hi in pairwise(bounds)]
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n:
+            groups.setdefault(bucket_length(n), []).append(i)
+    plan, rows = [], []
+    for size, g in sorted(groups.items()):
+        pos = torch.arange(size)
+        lens = torch.tensor([lengths[i] for i in g])
+        idx = torch.tensor([starts[i] for i in g])[:, None] + torch.minimum(pos[None, :], (lens - 1)[:, None])
+        valid = pos[None, :] < lens[:, None]
+        rows.append(idx[valid])
+        plan.append((idx.to(device), valid.to(device)))
+    return plan, torch.argsort(torch.cat(rows)).to(device)
 
 
 class FastCoreAttention(DotProductAttention):
