@@ -16,7 +16,7 @@ Tokens/s count real tokens only (padding excluded) in both.
 Usage (GPU: about 5-6 minutes on one H200, estimated; --quick: the CPU tiny model in about a minute, 15 s of CPU):
     python bench/bench_train_gpu.py [--models 0.5b,1.5b] [--samples 512] [--max-tokens 16384] [--long]
                                     [--with-padded MBS]  # also the unpacked path, padded micro-batches of MBS
-    SLIME_LITE_PACKED_ATTENTION=sdpa|varlen python bench/bench_train_gpu.py ...  # pin the packed attention
+    SLIME_LITE_PACKED_ATTENTION=sdpa|varlen|bucketed python bench/bench_train_gpu.py ...  # pin the packed attention
     python bench/bench_train_gpu.py --quick
     python bench/bench_train_gpu.py --models 0.5b --samples 128 --profile 64  # where our worker's time goes
 """
