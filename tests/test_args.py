@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from slime_lite import config
-from slime_lite.args import RM_TYPES, build_parser, parse_args, parser_defaults, split_sglang_args
+from slime_lite.args import (
+    RM_TYPES,
+    build_parser,
+    parse_args,
+    parser_defaults,
+    split_sglang_args,
+)
 from slime_lite.errors import SlimeLiteError
 
 PKG = Path(__file__).resolve().parents[1] / "slime_lite"
@@ -324,7 +330,15 @@ def test_every_flag_named_in_the_package_exists(monkeypatch):
 def test_engine_batch_slots_default_to_a_whole_rollout_on_cuda_within_memory():
     """--engine-max-running-requests unset: the embedded engine gets every request of a rollout at once on CUDA
     (a colocated 32 x 8 rollout decoded in 4 waves of 64 with the old fixed default), bounded by memory."""
-    from slime_lite.engine.scheduler import AUTO_KV_MEMORY_FRACTION, auto_max_running
+    from types import SimpleNamespace
+
+    import torch
+
+    from slime_lite.engine.model import (
+        AUTO_KV_MEMORY_FRACTION,
+        auto_max_running,
+        kv_bytes_per_token,
+    )
 
     a = parser_defaults(rollout_batch_size=32, n_samples_per_prompt=8)
     assert a.engine_max_running_requests is None and a.engine_requests_per_rollout == 256
@@ -332,6 +346,10 @@ def test_engine_batch_slots_default_to_a_whole_rollout_on_cuda_within_memory():
                           rollout_num_gpus=4, rollout_num_gpus_per_engine=2)
     assert two.engine_requests_per_rollout == 160  # 40 x 8 prompts' samples over 2 engines
     kv = 2 * 24 * 2 * 64 * 2  # bytes per token: Qwen2.5-0.5B shape, bf16
+    qwen05 = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=24, num_attention_heads=14,
+                                                    num_key_value_heads=2, hidden_size=896),
+                             parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)]))
+    assert kv_bytes_per_token(qwen05) == kv
     h200 = 141 * 2**30
     assert auto_max_running(None, 256, 4096, kv) == 64  # CPU: as before
     assert auto_max_running(h200, 256, 4096, kv) == 256

@@ -59,6 +59,31 @@ def load_hf_model(model_path: str, dtype: str, device: torch.device):
     return model.to(device=device, dtype=torch_dtype).eval()  # .to(dtype): older transformers ignore dtype=
 
 
+def kv_bytes_per_token(hf: Any) -> int:
+    """Bytes of KV cache one token takes in this HF model (keys and values of every layer, in its dtype)."""
+    cfg = hf.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * next(hf.parameters()).dtype.itemsize
+
+
+AUTO_KV_MEMORY_FRACTION = 0.3  # of the GPU's memory, for the KV cache of automatically sized batch slots
+
+
+def auto_max_running(device_memory: int | None, requests_hint: int | None, slot_tokens: int, kv_bytes_per_token: int,
+                     kv_cache_tokens: int | None = None) -> int:
+    """Batch slots when --max-running-requests is not given: 64 on CPU; on CUDA every request of a rollout at once
+    (``requests_hint``, at least 64), as many as fit with ``slot_tokens`` each in --kv-cache-tokens when given, else
+    in AUTO_KV_MEMORY_FRACTION of the GPU's memory (the cache grows only to what running requests use)."""
+    if device_memory is None:
+        return 64
+    if kv_cache_tokens:
+        fit = kv_cache_tokens // slot_tokens
+    else:
+        fit = int(AUTO_KV_MEMORY_FRACTION * device_memory) // (slot_tokens * kv_bytes_per_token)
+    return max(1, min(max(64, requests_hint or 0), fit))
+
+
 class KVCache:
     """Per-slot K/V in one tensor ``kv [layers, slots, 2 * kv_heads, length, head_dim]`` (K heads first, then V),
     grown on demand and freed when idle; ``k`` and ``v`` are views of its halves.

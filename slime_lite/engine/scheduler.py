@@ -35,7 +35,12 @@ import torch
 from slime_lite.engine import logprobs as lpx
 from slime_lite.engine.admission import AdmissionMixin
 from slime_lite.engine.cuda_graph import PaddedDecoder
-from slime_lite.engine.model import CausalLM, load_hf_model
+from slime_lite.engine.model import (
+    CausalLM,
+    auto_max_running,
+    kv_bytes_per_token,
+    load_hf_model,
+)
 from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.prefix_cache import PrefixCache
 from slime_lite.engine.request import Request, RequestOutput
@@ -49,23 +54,6 @@ logger = logging.getLogger(__name__)
 
 class EngineBusy(RuntimeError):
     """An operation that needs an idle engine (no running or waiting requests)."""
-
-
-AUTO_KV_MEMORY_FRACTION = 0.3  # of the GPU's memory, for the KV cache of automatically sized batch slots
-
-
-def auto_max_running(device_memory: int | None, requests_hint: int | None, slot_tokens: int, kv_bytes_per_token: int,
-                     kv_cache_tokens: int | None = None) -> int:
-    """Batch slots when --max-running-requests is not given: 64 on CPU; on CUDA every request of a rollout at once
-    (``requests_hint``, at least 64), as many as fit with ``slot_tokens`` each in --kv-cache-tokens when given, else
-    in AUTO_KV_MEMORY_FRACTION of the GPU's memory (the cache grows only to what running requests use)."""
-    if device_memory is None:
-        return 64
-    if kv_cache_tokens:
-        fit = kv_cache_tokens // slot_tokens
-    else:
-        fit = int(AUTO_KV_MEMORY_FRACTION * device_memory) // (slot_tokens * kv_bytes_per_token)
-    return max(1, min(max(64, requests_hint or 0), fit))
 
 
 class Scheduler(AdmissionMixin):
@@ -103,13 +91,9 @@ class Scheduler(AdmissionMixin):
         self.tokenizer_lock = threading.Lock()
         self.context_len = context = int(getattr(self.hf.config, "max_position_embeddings", 1 << 30))
         if max_running_requests is None:
-            cfg = self.hf.config
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            kv_bytes = (2 * cfg.num_hidden_layers * getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-                        * head_dim * next(self.hf.parameters()).dtype.itemsize)
             memory = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-            max_running_requests = auto_max_running(memory, requests_hint, min(context, 4096), kv_bytes,
-                                                    kv_cache_tokens)
+            max_running_requests = auto_max_running(memory, requests_hint, min(context, 4096),
+                                                    kv_bytes_per_token(self.hf), kv_cache_tokens)
             logger.info("engine: %d batch slots (requests of a rollout: %s; set --max-running-requests to choose)",
                         max_running_requests, requests_hint)
         self.max_running = int(max_running_requests)
