@@ -93,7 +93,7 @@ def test_bucketed_attention_equals_per_sample_attention_forward_and_backward():
     from slime_lite.backends.megatron.attention import packed_causal_attention
 
     g = torch.Generator().manual_seed(1)
-    lengths = [37, 5, 40, 1, 12, 33, 11, 64, 38]  # padded to 40, 5, 40, 1, 12, 36, 11, 64, 40
+    lengths = [37, 5, 40, 1, 12, 33, 11, 64, 38]  # padded to 40, 5, 40, 1, 12, 40, 12, 64, 40
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     t = sum(lengths)
     base = [torch.randn(t, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
@@ -114,6 +114,57 @@ def test_bucketed_attention_equals_per_sample_attention_forward_and_backward():
     both = packed_causal_attention(*(torch.cat([b, a]) for a, b in zip(x, y)), torch.tensor([0, 51, 101]), 51, 0.25,
                                    "bucketed")
     assert torch.equal(both[51:], alone)
+
+
+def test_packed_rope_equals_megatrons_per_sample_rope():
+    """attention.py's RoPE for packed rows (frequencies gathered once per micro-batch by position) gives bitwise
+    what Megatron's own thd RoPE gives (one split per sample); rows not tagged with positions go to Megatron's."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention as megatron_attention
+
+    from slime_lite.backends.megatron.attention import install_packed_rope, mark_packed_positions
+
+    install_packed_rope()
+    rope = megatron_attention.apply_rotary_pos_emb
+    assert rope.slime_lite
+    g = torch.Generator().manual_seed(2)
+    bounds = [0, 7, 8, 30, 41]
+    t = torch.randn(41, 3, 16, generator=g)
+    freqs = torch.randn(30, 1, 1, 16, generator=g)
+    config = type("C", (), dict(apply_rope_fusion=False, context_parallel_size=1, rotary_interleaved=False,
+                                multi_latent_attention=False))()
+    group = type("G", (), dict(size=lambda self: 1, rank=lambda self: 0))()
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    want = rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=group)
+    assert torch.equal(rope(t, freqs, config, cu_seqlens=cu, cp_group=group), want)  # untagged: Megatron's
+    mark_packed_positions(cu, bounds)
+    got = rope(t, freqs, config, cu_seqlens=cu, cp_group=group)
+    assert torch.equal(got, want) and len(cu.slime_freqs) == 1
+    assert torch.equal(rope(t, freqs, config, cu_seqlens=cu, cp_group=group), want)  # from the cache
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_attention_backends_agree_on_cuda_in_bf16():
+    """On CUDA in bf16 every packed backend this torch has (varlen, bucketed) gives per-sample SDPA's outputs and
+    gradients within bf16 rounding, GQA included; prints each backend's largest difference."""
+    from slime_lite.backends.megatron.attention import _varlen, packed_causal_attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lengths = [300, 17, 1025, 64, 511, 2048, 5]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    base = [torch.randn(sum(lengths), h, 64, generator=g, device="cuda", dtype=torch.bfloat16) for h in (14, 2, 2)]
+    weight = torch.randn(sum(lengths), 14, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+    res = {}
+    for backend in ["sdpa", "bucketed"] + (["varlen"] if _varlen() is not None else []):
+        q, k, v = (x.clone().requires_grad_() for x in base)
+        o = packed_causal_attention(q, k, v, cu, max(lengths), 0.125, backend)
+        (o.float() * weight.float()).sum().backward()
+        res[backend] = [o.detach().float()] + [x.grad.float() for x in (q, k, v)]
+    for backend, got in res.items():
+        diffs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, res["sdpa"])]
+        print(f"{backend}: max |diff| / max |sdpa| of out, dq, dk, dv: {diffs}")
+        assert max(diffs) < 2e-2, (backend, diffs)
 
 
 # ------------------------------------------------------------------------- bad input, refused before Ray starts

@@ -7,15 +7,20 @@ spec (model.py ``layer_spec``) with the same constructor:
 - padded rows ([s, b, heads, dim]) with no explicit mask: ``scaled_dot_product_attention(is_causal=True)`` (the
   flash / memory-efficient kernels on CUDA, the fused CPU kernel on CPU); right padding never reaches a real token;
 - packed rows (``packed_seq_params.qkv_format == "thd"``, [t, heads, dim] and ``cu_seqlens``): causal attention
-  inside each sample only, with one of two backends (``SLIME_LITE_PACKED_ATTENTION``):
-  ``sdpa`` (per sample, any device and dtype; the default on CPU), ``varlen`` (``torch.nn.attention.varlen``'s
-  flash kernel, CUDA bf16/fp16; the default there when present) or ``bucketed`` (opt-in: samples padded to a
-  length fixed by their own (``bucket_length``), one batched causal SDPA call per length, a few calls per layer
-  instead of one per sample, for a torch without the varlen kernel; not yet measured on a GPU). Each computes a sample's rows from that
-  sample alone, so its result does not depend on what else is packed with it (tests/backends/test_packing.py);
+  inside each sample only, with one of three backends (``SLIME_LITE_PACKED_ATTENTION``, auto by default):
+  ``varlen`` (``torch.nn.attention.varlen``'s flash kernel, CUDA bf16/fp16; auto's choice where torch has it),
+  ``bucketed`` (samples padded to a length fixed by their own, ``bucket_length``, one batched causal SDPA call
+  per length: a few calls per layer instead of one per sample; auto's choice on CUDA otherwise) or ``sdpa`` (one
+  call per sample, any device and dtype; auto's choice on CPU). Each computes a sample's rows from that sample
+  alone, so its result does not depend on what else is packed with it (tests/backends/test_packing.py);
 - anything else (an explicit mask, other mask types): Megatron's own implementation.
 
-GQA key/value heads are shared with ``enable_gqa`` (no repeated copies).
+GQA key/value heads are shared with ``enable_gqa`` (no repeated copies) where the kernel has it.
+
+Packed rows also get their RoPE here (``install_packed_rope``): Megatron's unfused RoPE for packed rows syncs with
+the device, splits the rows per sample and concatenates the frequencies again, for q and for k of every layer
+(rope_utils ``_apply_rotary_pos_emb_thd``); rows packed by ``packed_seq_params`` carry their positions, so the
+frequencies are gathered once per micro-batch and applied in one call: the same values.
 """
 
 from __future__ import annotations
@@ -41,20 +46,44 @@ def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
     varlen_ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen() is not None
     if want == "varlen" and not varlen_ok:
         raise ValueError("SLIME_LITE_PACKED_ATTENTION=varlen needs CUDA, bf16/fp16 and torch.nn.attention.varlen")
-    if want == "auto":
-        return "varlen" if varlen_ok else "sdpa"
+    if want == "auto":  # measured on an H200 (BENCHMARKS.md): bucketed 2x per-sample sdpa in the train phase
+        return "varlen" if varlen_ok else "bucketed" if device.type == "cuda" else "sdpa"
     return want
 
 
+@functools.cache
 def _varlen():
-    """torch's varlen flash attention when this torch has it with the arguments used here (torch >= 2.12), else
-    None (torch 2.11's has no ``enable_gqa``)."""
+    """torch's varlen flash attention as ``f(q, k, v, cu_seqlens, max_seqlen, scale)`` (causal), or None where this
+    torch has none. Its arguments changed between releases: causality is ``window_size=(-1, 0)`` (torch >= 2.11) or
+    ``is_causal=True`` (2.10); without ``enable_gqa`` (before 2.12) the key/value heads are repeated to the query
+    heads (a copy of k and v per layer, small next to the activations); without ``scale`` q is pre-scaled."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if {"window_size", "enable_gqa", "scale"} <= set(params) else None
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+
+    def run(q, k, v, cu, max_seqlen, scale):
+        kw = dict(causal)
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in params:
+                kw["enable_gqa"] = True
+            else:
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if "scale" in params:
+            kw["scale"] = scale
+        elif scale != q.shape[-1] ** -0.5:
+            q = q * (scale * q.shape[-1] ** 0.5)
+        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+
+    return run
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -64,19 +93,20 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     attending causally to itself only. ``bounds``: cu_seqlens as a host list, when the caller has it."""
     gqa = q.shape[1] != k.shape[1]
     if backend == "varlen":
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return _varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
+        return _varlen()(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen, scale)
     if backend == "bucketed":
         host = tuple(bounds if bounds is not None else cu_seqlens.tolist())
-        if len(host) < 2:
+        if len(host) < 2 or host[-1] == 0:
             return q.new_zeros(q.shape)
-        groups, order = _bucket_plan(host, str(q.device))
+        shapes, gather, scatter = _bucket_plan(host, str(q.device))
+        # one gather per tensor for every bucket (index_select: its backward adds, where advanced indexing sorts)
+        qs, ks, vs = (x.index_select(0, gather).split([b * n for b, n in shapes]) for x in (q, k, v))
         pieces = []
-        for idx, valid in groups:  # idx [b, L]: packed row of each (sample, position); pads repeat the last row
-            qs, ks, vs = (x[idx].transpose(1, 2) for x in (q, k, v))  # [b, heads, L, d]
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-            pieces.append(o.transpose(1, 2)[valid])  # the real rows, sample by sample
-        return torch.cat(pieces).index_select(0, order)
+        for (b, n), qb, kb, vb in zip(shapes, qs, ks, vs):
+            qb, kb, vb = (x.view(b, n, *x.shape[1:]).transpose(1, 2) for x in (qb, kb, vb))  # [b, heads, n, d]
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+            pieces.append(o.transpose(1, 2).reshape(b * n, o.shape[1], o.shape[3]))
+        return torch.cat(pieces).index_select(0, scatter)  # the real rows back in packed order
     # one split per tensor, not a slice per sample: the backward of a split is one concatenation, where each
     # slice's backward would write its gradient into a zeroed copy of the whole packed tensor (O(samples x T))
     lengths = [hi - lo for lo, hi in pairwise(bounds if bounds is not None else cu_seqlens.tolist())]
@@ -91,33 +121,35 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def bucket_length(n: int) -> int:
-    """The padded length of a sample of n tokens in the bucketed backend: n rounded up to its top 4 bits (under
-    12.5% padding). It depends on n alone, so a sample's attention is computed with the same shapes whatever it is
-    packed with (a kernel's rounding may depend on the padded length: batch invariance needs it fixed per sample)."""
-    step = 1 << max(0, n.bit_length() - 4)
+    """The padded length of a sample of n tokens in the bucketed backend: n rounded up to its top 3 bits (under 25%
+    padding, four lengths per power of two). It depends on n alone, so a sample's attention is computed with the
+    same shapes whatever it is packed with (a kernel's rounding may depend on the padded length: batch invariance
+    needs it fixed per sample)."""
+    step = 1 << max(0, n.bit_length() - 3)
     return -(-n // step) * step
 
 
 @functools.lru_cache(maxsize=16)
-def _bucket_plan(bounds: tuple[int, ...], device: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """Samples (cu_seqlens ``bounds``) grouped by ``bucket_length``: per group the gather index [b, L] into the
-    packed rows (a pad repeats the sample's last row: as a key it sits after every real query, so causality masks
-    it) and the mask of real rows; and the permutation that puts the groups' real rows back in packed order.
-    Cached: every layer of a micro-batch uses the same plan."""
+def _bucket_plan(bounds: tuple[int, ...], device: str) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
+    """Samples (cu_seqlens ``bounds``) grouped by ``bucket_length``: the [samples, length] shape of each group, the
+    packed row of each padded position of every group back to back (a pad repeats its sample's last row: as a key
+    it sits after every real query, so causality masks it; its gradient is zero) and, per packed row, its position
+    among the padded ones. Cached: every layer of a micro-batch uses the same plan."""
     starts, lengths = list(bounds[:-1]), [hi - lo for lo, hi in pairwise(bounds)]
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         if n:
             groups.setdefault(bucket_length(n), []).append(i)
-    plan, rows = [], []
+    shapes, gather, scatter = [], [], torch.empty(bounds[-1], dtype=torch.long)
+    offset = 0
     for size, g in sorted(groups.items()):
         pos = torch.arange(size)
-        lens = torch.tensor([lengths[i] for i in g])
-        idx = torch.tensor([starts[i] for i in g])[:, None] + torch.minimum(pos[None, :], (lens - 1)[:, None])
-        valid = pos[None, :] < lens[:, None]
-        rows.append(idx[valid])
-        plan.append((idx.to(device), valid.to(device)))
-    return plan, torch.argsort(torch.cat(rows)).to(device)
+        for i in g:
+            gather.append(starts[i] + pos.clamp(max=lengths[i] - 1))
+            scatter[starts[i]:starts[i] + lengths[i]] = offset + pos[: lengths[i]]
+            offset += size
+        shapes.append((len(g), size))
+    return shapes, torch.cat(gather).to(device), scatter.to(device)
 
 
 class FastCoreAttention(DotProductAttention):
@@ -145,3 +177,38 @@ class FastCoreAttention(DotProductAttention):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                            enable_gqa=q.shape[1] != k.shape[1])
         return o.permute(2, 0, 1, 3).reshape(o.shape[2], o.shape[0], -1)
+
+
+def mark_packed_positions(cu_seqlens: torch.Tensor, bounds: list[int]) -> None:
+    """Tag a micro-batch's cu_seqlens with the position of each packed row (0.. per sample, from the host copy
+    ``bounds``) and a cache of the frequencies gathered for it (install_packed_rope)."""
+    pos = torch.cat([torch.arange(hi - lo) for lo, hi in pairwise(bounds)]) if len(bounds) > 1 else torch.zeros(0)
+    cu_seqlens.slime_positions = pos.to(device=cu_seqlens.device, dtype=torch.long, non_blocking=True)
+    cu_seqlens.slime_freqs = {}
+
+
+def install_packed_rope() -> None:
+    """Route Megatron's attention RoPE through ``_packed_rope`` (once; every other call is passed through)."""
+    from megatron.core.transformer import attention as megatron_attention
+
+    if getattr(megatron_attention.apply_rotary_pos_emb, "slime_lite", False):
+        return
+    original = megatron_attention.apply_rotary_pos_emb
+
+    def _packed_rope(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        pos = getattr(cu_seqlens, "slime_positions", None)
+        if (pos is None or config.apply_rope_fusion or config.context_parallel_size > 1
+                or (cp_group is not None and cp_group.size() > 1)):
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+        key = (freqs.data_ptr(), tuple(freqs.shape))
+        packed = cu_seqlens.slime_freqs.get(key)
+        if packed is None:  # the frequencies of each row's own position: [t, 1, 1, d], once per micro-batch
+            packed = cu_seqlens.slime_freqs[key] = freqs.index_select(0, pos)
+        return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=config.rotary_interleaved,
+                                          multi_latent_attention=config.multi_latent_attention,
+                                          mscale=mscale).squeeze(1)
+
+    _packed_rope.slime_lite = True
+    megatron_attention.apply_rotary_pos_emb = _packed_rope

@@ -197,11 +197,14 @@ def sequence_parallel(args: Any) -> bool:
 
 def layer_spec(arch: HFArch, transformer_impl: str = "local"):
     """Megatron's layer spec: local (pure PyTorch, the default; its core attention is attention.py's
-    FastCoreAttention: no [T, T] scores, packed samples) or Transformer Engine."""
+    FastCoreAttention: no [T, T] scores, packed samples) or Transformer Engine. Either way packed rows get their
+    RoPE in one call per layer (attention.py install_packed_rope)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from slime_lite.backends.megatron.attention import FastCoreAttention, install_packed_rope
+
+    install_packed_rope()
     if transformer_impl == "local":
-        from slime_lite.backends.megatron.attention import FastCoreAttention
 
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
         spec.submodules.self_attention.submodules.core_attention = FastCoreAttention
@@ -335,8 +338,11 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device: Any = N
     """Megatron's PackedSeqParams ("thd") for samples packed back to back in one row (cu_seqlens [n+1] int32)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from slime_lite.backends.megatron.attention import mark_packed_positions
+
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
                              max_seqlen_kv=int(max_seqlen))
     params.cu_seqlens_host = cu_seqlens.tolist()  # attention.py splits by it: no device sync per layer
+    mark_packed_positions(cu, params.cu_seqlens_host)  # RoPE of packed rows in one call per layer (attention.py)
     return params
