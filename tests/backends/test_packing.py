@@ -122,7 +122,10 @@ def test_packed_rope_equals_megatrons_per_sample_rope():
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import attention as megatron_attention
 
-    from slime_lite.backends.megatron.attention import install_packed_rope, mark_packed_positions
+    from slime_lite.backends.megatron.attention import (
+        install_packed_rope,
+        mark_packed_positions,
+    )
 
     install_packed_rope()
     rope = megatron_attention.apply_rotary_pos_emb
@@ -131,9 +134,9 @@ def test_packed_rope_equals_megatrons_per_sample_rope():
     bounds = [0, 7, 8, 30, 41]
     t = torch.randn(41, 3, 16, generator=g)
     freqs = torch.randn(30, 1, 1, 16, generator=g)
-    config = type("C", (), dict(apply_rope_fusion=False, context_parallel_size=1, rotary_interleaved=False,
-                                multi_latent_attention=False))()
-    group = type("G", (), dict(size=lambda self: 1, rank=lambda self: 0))()
+    config = type("C", (), {"apply_rope_fusion": False, "context_parallel_size": 1, "rotary_interleaved": False,
+                                "multi_latent_attention": False})()
+    group = type("G", (), {"size": lambda self: 1, "rank": lambda self: 0})()
     cu = torch.tensor(bounds, dtype=torch.int32)
     want = rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=group)
     assert torch.equal(rope(t, freqs, config, cu_seqlens=cu, cp_group=group), want)  # untagged: Megatron's

@@ -200,7 +200,9 @@ def install_packed_rope() -> None:
         if (pos is None or config.apply_rope_fusion or config.context_parallel_size > 1
                 or (cp_group is not None and cp_group.size() > 1)):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+        from megatron.core.models.common.embeddings.rope_utils import (
+            _apply_rotary_pos_emb_bshd,
+        )
 
         key = (freqs.data_ptr(), tuple(freqs.shape))
         packed = cu_seqlens.slime_freqs.get(key)

@@ -201,7 +201,10 @@ def layer_spec(arch: HFArch, transformer_impl: str = "local"):
     RoPE in one call per layer (attention.py install_packed_rope)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from slime_lite.backends.megatron.attention import FastCoreAttention, install_packed_rope
+    from slime_lite.backends.megatron.attention import (
+        FastCoreAttention,
+        install_packed_rope,
+    )
 
     install_packed_rope()
     if transformer_impl == "local":
