@@ -8,7 +8,7 @@ cost); then ``--check-weight-update-equal``'s check (``weight_push.check_weights
 ``/get_weights_checksum`` and the trainer's ``tensor_checksums``, both on the GPU) alone and after an IPC push, and
 the trainer's checksums alone. The last line is what the check adds to a push (issue 13 item 4: at most 20%).
 
-    python bench/bench_weight_ipc.py [--config qwen2-0.5b --bucket-mb 512 --repeat 3]
+    python bench/bench_weight_ipc.py [--config qwen2-0.5b --bucket-mb 512 --repeat 3] [--skip-by-value]
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ def main() -> None:
     p.add_argument("--config", default="qwen2-0.5b", help="a bench_engine.CONFIGS name or a JSON Qwen2 shape")
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--skip-by-value", action="store_true", help="leave out the push by value (about a minute)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
+    from bench_engine import make_model_dir
     from safetensors.torch import load_file
 
-    from bench_engine import make_model_dir
     from slime_lite.backends.megatron import weight_push as wp
     from slime_lite.io import free_port
     from slime_lite.weight_transport import tensor_checksums
@@ -96,8 +97,9 @@ def main() -> None:
                 IPC: push(True),
                 IPC_CHECK: push_and_check,
                 CHECK: check,
-                "trainer's tensor_checksums alone (on the GPU)": lambda: tensor_checksums(list(named.values())),
-                "tensor push by value (host copy + base64 + HTTP)": push(False)}
+                "trainer's tensor_checksums alone (on the GPU)": lambda: tensor_checksums(list(named.values()))}
+        if not a.skip_by_value:
+            runs["tensor push by value (host copy + base64 + HTTP)"] = push(False)
         rows = []
         for name, fn in runs.items():
             fn()  # warm-up
