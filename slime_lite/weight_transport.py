@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -105,41 +104,6 @@ def _multipliers_on(device: str, kind: str, count: int) -> torch.Tensor:
     return torch.from_numpy(checksum_multipliers(kind, np.arange(count)).view(np.int64)).to(device)
 
 
-def _block_sums(w: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
-    """Per block (row of w, int64 words): the sums of ``p = w * mult`` and of ``p * (p >> 32)``, [2, blocks]."""
-    import torch
-
-    p = w * mult
-    mixed = p >> 32
-    mixed *= p
-    return torch.stack([p.sum(1), mixed.sum(1)])
-
-
-@functools.cache
-def _block_sums_for(device: torch.device):
-    """``_block_sums`` for a device: on CUDA compiled into one pass over the words (eager takes five: the check was
-    half the time of a colocated push), once checked equal to eager on random words; eager elsewhere, where the
-    compiler is missing or fails. SLIME_LITE_CHECKSUM_COMPILE=0 keeps eager everywhere, =1 compiles on any device."""
-    import torch
-
-    mode = os.environ.get("SLIME_LITE_CHECKSUM_COMPILE", "auto")
-    if mode == "0" or (mode != "1" and torch.device(device).type != "cuda"):
-        return _block_sums
-    try:
-        fused = torch.compile(_block_sums, dynamic=True, fullgraph=True)
-        g = torch.Generator(device=device).manual_seed(0)
-        mult = _multipliers_on(str(device), "word", CHECKSUM_BLOCK_WORDS)
-        for rows in (3, 17):  # two sizes: the dynamic-shape kernel, not one specialised to the first
-            w = torch.randint(-2**63, 2**63 - 1, (rows, CHECKSUM_BLOCK_WORDS), generator=g, device=device,
-                              dtype=torch.int64)
-            if not torch.equal(fused(w, mult), _block_sums(w, mult)):
-                raise ArithmeticError("the compiled checksum differs from eager")
-        return fused
-    except Exception as exc:  # noqa: BLE001 (no compiler here, or it rounds differently: eager is the definition)
-        logger.warning("weight checksum: the compiled kernel is not used (%s); eager torch ops instead", exc)
-        return _block_sums
-
-
 def tensor_checksums(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
                      device: torch.device | str | None = None) -> list[str]:
     """A 128-bit checksum (32 hex digits) of each tensor's raw bytes (after a cast to ``dtype``, done on the tensor's
@@ -191,10 +155,12 @@ def _checksums_on(device: torch.device, tensors: list[torch.Tensor], dtype: torc
     pieces: list[torch.Tensor] = []
     filled = 0
 
-    block_sums = _block_sums_for(device)
-
     def flush() -> None:
-        sums.append(block_sums(torch.cat(pieces).view(torch.int64).view(-1, CHECKSUM_BLOCK_WORDS), mult))
+        w = torch.cat(pieces).view(torch.int64).view(-1, CHECKSUM_BLOCK_WORDS)
+        p = w * mult
+        mixed = p >> 32
+        mixed *= p
+        sums.append(torch.stack([p.sum(1), mixed.sum(1)]))
 
     nbytes, nblocks = [], []
     with torch.no_grad():
@@ -237,7 +203,7 @@ def _checksums_on(device: torch.device, tensors: list[torch.Tensor], dtype: torc
     return [f"{int(a):016x}{int(c):016x}" for a, c in zip(*halves)]
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str) -> "torch.dtype":
     """``"bfloat16"`` or ``"torch.bfloat16"`` -> ``torch.bfloat16``; a clear error for anything else."""
     import torch
 
@@ -312,7 +278,7 @@ class WeightUpdateGroup:
         self._store = store
         logger.info("weight update group %r: joined as rank %d/%d (%s, %s)", group_name, rank, world_size, backend, url)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def broadcast(self, tensor: "torch.Tensor", src: int = 0) -> None:
         """Broadcast ``tensor`` in place from rank ``src`` to every member (blocks until done)."""
         import torch.distributed as dist
 
@@ -329,7 +295,7 @@ class WeightUpdateGroup:
         if pg is not None and self.backend == "nccl":
             try:
                 pg.shutdown()
-            except Exception:
+            except Exception:  # noqa: BLE001 - best effort on teardown
                 logger.warning("weight update group %r: NCCL shutdown failed", self.group_name, exc_info=True)
         self._store = None
         logger.info("weight update group %r: destroyed (rank %d)", self.group_name, self.rank)
