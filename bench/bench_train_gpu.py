@@ -277,6 +277,37 @@ def attention_microbench(lengths: list[int], heads: int, kv: int, dim: int, dtyp
     return out
 
 
+def logprob_microbench(tokens: int, vocab: int = VOCAB) -> dict[str, float]:
+    """Forward + backward of the log-probs and entropy of ``tokens`` rows of bf16 logits over the vocabulary (ms,
+    best of 3): ours (logprobs.token_log_probs: chunked, hand-written backward) against plain autograd through a
+    float32 log-softmax (what the baseline's loss does)."""
+    from slime_lite.backends.megatron.logprobs import token_log_probs
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(0)
+    base = torch.randn(tokens, vocab, generator=g, device=dev).mul_(3).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens,), generator=g, device=dev)
+
+    def ours(x):
+        lp, ent = token_log_probs(x, target, 1.0, True)
+        return lp.sum() + 0.01 * ent.sum()
+
+    def plain(x):
+        logp = torch.log_softmax(x.float(), -1)
+        return logp.gather(-1, target[:, None]).sum() - 0.01 * (logp.exp() * logp).sum()
+
+    out = {}
+    for name, fn in (("ours", ours), ("plain autograd", plain)):
+        for _ in range(3):
+            x = base.clone().requires_grad_(True)
+            sync()
+            t0 = time.perf_counter()
+            fn(x).backward()
+            sync()
+            out[name] = min(out.get(name, float("inf")), (time.perf_counter() - t0) * 1e3)
+    return out
+
+
 def report(shape: str, arch, samples: list, o: dict, b: dict, device: str) -> None:
     tokens = sum(len(s.tokens) for s in samples)
     peak = PEAK.get(device)
@@ -353,6 +384,10 @@ def main() -> None:
             ms = attention_microbench(lens, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                       torch.bfloat16 if bf16 else torch.float32)
             print(f"\n{shape}: packed attention fwd+bwd of one layer over {len(lens)} samples (ms): {ms}", flush=True)
+            if shape == plan[0][0]:
+                n = 512 if a.quick else 8192
+                print(f"log-probs + entropy fwd+bwd, {n} tokens x {VOCAB} vocabulary (ms): {logprob_microbench(n)}",
+                      flush=True)
             o = ours(ckpt, samples, warm, mt, lpt, bf16)
             if PROFILE:
                 continue
