@@ -72,3 +72,13 @@ def test_tp2_vocab_parallel_equals_full(tmp_path):
         torch.testing.assert_close(p["lp"], ref_lp, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(p["ent"], ref_ent, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.cat([p["grad"] for p in parts], -1), ref_grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_tp_slice_of_padding_only_adds_nothing():
+    """A TP rank whose vocabulary slice lies wholly past the real vocabulary (a tiny vocabulary split many ways)
+    contributes nothing: no error, and a zero gradient."""
+    x = torch.randn(3, 16, requires_grad=True)
+    lp, ent = token_log_probs(x, torch.tensor([1, 2, 3]), 1.0, True, vocab_start=32, vocab_limit=20)
+    assert lp.shape == ent.shape == (3,)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))

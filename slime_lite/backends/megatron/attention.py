@@ -10,7 +10,7 @@ spec (model.py ``layer_spec``) with the same constructor:
   inside each sample only, with one of three backends (``SLIME_LITE_PACKED_ATTENTION``, auto by default):
   ``varlen`` (``torch.nn.attention.varlen``'s flash kernel, CUDA bf16/fp16; auto's choice where torch has it),
   ``bucketed`` (samples padded to a length fixed by their own, ``bucket_length``, one batched causal SDPA call
-  per length: a few calls per layer instead of one per sample; auto's choice on CUDA otherwise) or ``sdpa`` (one
+  per length: a few calls per layer instead of one per sample; auto's choice on CUDA in bf16/fp16 otherwise) or ``sdpa`` (one
   call per sample, any device and dtype; auto's choice on CPU). Each computes a sample's rows from that sample
   alone, so its result does not depend on what else is packed with it (tests/backends/test_packing.py);
 - anything else (an explicit mask, other mask types): Megatron's own implementation.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 from itertools import pairwise
 
@@ -43,11 +44,12 @@ def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
     want = os.environ.get("SLIME_LITE_PACKED_ATTENTION", "auto")
     if want not in BACKENDS:
         raise ValueError(f"SLIME_LITE_PACKED_ATTENTION={want!r}: use one of {', '.join(BACKENDS)}")
-    varlen_ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen() is not None
+    half = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)  # flash kernels, no score matrix
+    varlen_ok = half and _varlen() is not None
     if want == "varlen" and not varlen_ok:
         raise ValueError("SLIME_LITE_PACKED_ATTENTION=varlen needs CUDA, bf16/fp16 and torch.nn.attention.varlen")
     if want == "auto":  # measured on an H200 (BENCHMARKS.md): bucketed 2x per-sample sdpa in the train phase
-        return "varlen" if varlen_ok else "bucketed" if device.type == "cuda" else "sdpa"
+        return "varlen" if varlen_ok else "bucketed" if half else "sdpa"
     return want
 
 
@@ -79,7 +81,7 @@ def _varlen():
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if "scale" in params:
             kw["scale"] = scale
-        elif scale != q.shape[-1] ** -0.5:
+        elif not math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6):
             q = q * (scale * q.shape[-1] ** 0.5)
         return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
 

@@ -40,13 +40,14 @@ def _scaled(logits: torch.Tensor, temperature: float, width: int) -> torch.Tenso
 def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
                    vocab_start: int, vocab_limit: int, group) -> tuple[torch.Tensor, ...]:
     """Per row: log p(target), entropy (zeros without with_entropy), the max and the log-sum-exp minus it."""
-    width = min(logits.shape[-1], vocab_limit - vocab_start)  # columns past the real vocabulary: TP padding
+    width = max(0, min(logits.shape[-1], vocab_limit - vocab_start))  # columns past the real vocabulary: padding
     s = _scaled(logits, temperature, width)
-    m = _all_reduce(s.max(dim=-1).values, group, "max")
+    m = s.max(dim=-1).values if width else s.new_full(s.shape[:-1], -torch.inf)  # a slice of padding only: no max
+    m = _all_reduce(m, group, "max")
     s.sub_(m.unsqueeze(-1))  # shifted logits, <= 0
     local = targets - vocab_start
     inside = (local >= 0) & (local < width)
-    picked = s.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+    picked = s.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) if width else torch.zeros_like(m)
     picked = _all_reduce(torch.where(inside, picked, torch.zeros_like(picked)), group)
     e = s.exp()
     sum_exp = _all_reduce(e.sum(-1), group)
@@ -78,7 +79,9 @@ class _ChunkLogProbs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         logits, targets, m, lse, ent = ctx.saved_tensors
         temperature, with_entropy, vocab_start, vocab_limit = ctx.args
-        width = min(logits.shape[-1], vocab_limit - vocab_start)
+        width = max(0, min(logits.shape[-1], vocab_limit - vocab_start))
+        if width == 0:  # all padding: no gradient
+            return torch.zeros_like(logits), None, None, None, None, None, None
         s = _scaled(logits, temperature, width).sub_(m.unsqueeze(-1))
         p = (s - lse.unsqueeze(-1)).exp_()  # log p = s - lse
         if with_entropy and g_ent is not None:  # -p * (g_logp + g_ent * (s - lse + H))
@@ -123,9 +126,9 @@ def token_log_probs(
     targets = targets.to(logits.device).long()
     outs_lp, outs_ent = [], []
     grad = torch.is_grad_enabled() and logits.requires_grad
-    for lo in range(0, logits.shape[0], chunk_tokens):
-        args = (logits[lo : lo + chunk_tokens], targets[lo : lo + chunk_tokens], temperature, with_entropy,
-                vocab_start, limit, tp_group)
+    # split, not a slice per chunk: a slice's backward writes into a zeroed copy of the whole logits (O(chunks x N))
+    for part, target in zip(logits.split(chunk_tokens), targets.split(chunk_tokens)):
+        args = (part, target, temperature, with_entropy, vocab_start, limit, tp_group)
         lp, ent = _ChunkLogProbs.apply(*args) if grad else _chunk_forward(*args)[:2]
         outs_lp.append(lp)
         outs_ent.append(ent)
