@@ -1,6 +1,7 @@
 """Run megatron-core 0.16.1 on a machine without CUDA (CPU tensors, gloo process groups).
 
-`apply()` is the only place slime_lite patches Megatron. It does nothing when CUDA is available and is idempotent.
+`apply()` is where slime_lite patches Megatron for CPU (the one other patch, on every device, is attention.py's
+`install_packed_rope`: RoPE of packed rows). It does nothing when CUDA is available and is idempotent.
 What it changes, and only inside Megatron:
 
 1. The modules listed in `_MODULES_ON_CPU` see a stand-in for their global name `torch`: identical to torch except
