@@ -6,7 +6,8 @@ Measured in one run: a raw device copy of the same bytes (the floor), the push b
 push by value (host copy + base64 + HTTP, what an engine on another host gets, and about what the old byte format
 cost); then ``--check-weight-update-equal``'s check (``weight_push.check_weights_equal``: the engine's
 ``/get_weights_checksum`` and the trainer's ``tensor_checksums``, both on the GPU) alone and after an IPC push, and
-the trainer's checksums alone. The last line is what the check adds to a push (issue 13 item 4: at most 20%).
+the trainer's checksums alone (Triton kernel on CUDA) and by torch ops. The last line is what the check adds to a
+push (issue 13 item 4: at most 20%).
 
     python bench/bench_weight_ipc.py [--config qwen2-0.5b --bucket-mb 512 --repeat 3] [--skip-by-value]
 """
@@ -60,7 +61,7 @@ def main() -> None:
 
     from slime_lite.backends.megatron import weight_push as wp
     from slime_lite.io import free_port
-    from slime_lite.weight_transport import tensor_checksums
+    from slime_lite.weight_checksum import tensor_checksums
 
     tmp = tempfile.mkdtemp()
     model = make_model_dir(a.config, os.path.join(tmp, "model"))
@@ -97,7 +98,8 @@ def main() -> None:
                 IPC: push(True),
                 IPC_CHECK: push_and_check,
                 CHECK: check,
-                "trainer's tensor_checksums alone (on the GPU)": lambda: tensor_checksums(list(named.values()))}
+                "trainer's tensor_checksums alone (on the GPU)": lambda: tensor_checksums(list(named.values())),
+                "the same by torch ops (the path without Triton)": lambda: torch_ops(tensor_checksums, named)}
         if not a.skip_by_value:
             runs["tensor push by value (host copy + base64 + HTTP)"] = push(False)
         rows = []
@@ -123,6 +125,18 @@ def main() -> None:
     added = best[IPC_CHECK] - best[IPC]
     print(f"the check found every parameter equal; it adds {added * 1e3:.1f} ms to the {best[IPC] * 1e3:.1f} ms IPC "
           f"push ({added / best[IPC]:.0%}; target <= 20%); alone it takes {best[CHECK] * 1e3:.1f} ms")
+
+
+def torch_ops(tensor_checksums, named: dict) -> list[str]:
+    """The checksums with the fused Triton kernel switched off (what a machine without Triton runs)."""
+    from slime_lite import weight_checksum as wc
+
+    fused = wc._fused_block_sums
+    wc._fused_block_sums = lambda *_: None
+    try:
+        return tensor_checksums(list(named.values()))
+    finally:
+        wc._fused_block_sums = fused
 
 
 if __name__ == "__main__":

@@ -270,7 +270,7 @@ class _Admin:
 
     async def get_weights_checksum(self, request):
         """``{hf_name: digest}`` of every parameter (or of ``names``), in the engine's dtype: our route (SGLang has
-        none by this name); each digest is ``weight_transport.tensor_checksums``'s (32 hex digits)."""
+        none by this name); each digest is ``weight_checksum.tensor_checksums``'s (32 hex digits)."""
         body = await read_body(request)
         try:
             sums = await self.run_in_model_thread(self.scheduler.weights.checksums,

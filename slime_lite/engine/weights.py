@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 import torch
 
-from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name, tensor_checksums
+from slime_lite.weight_checksum import tensor_checksums
+from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class Weights:
         return param.detach()[: int(truncate_size)].float().cpu().tolist()
 
     def checksums(self, names: Iterable[str] | None = None) -> dict[str, str]:
-        """``{hf_name: weight_transport.tensor_checksums digest of the parameter's bytes}`` in the engine's dtype (all
+        """``{hf_name: weight_checksum.tensor_checksums digest of the parameter's bytes}`` in the engine's dtype (all
         parameters by default), computed on the parameters' device; a tied parameter is hashed once."""
         params = self.params
         names = list(params) if names is None else list(names)

@@ -16,7 +16,7 @@ import torch
 from engine_helpers import http, start_engine
 
 from slime_lite import weight_wire
-from slime_lite.weight_transport import tensor_checksums
+from slime_lite.weight_checksum import tensor_checksums
 from tests import sglang_oracle
 from tests.fakes.evil_pickle import Evil
 

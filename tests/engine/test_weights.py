@@ -10,7 +10,8 @@ from engine_helpers import generate, hf_logprobs, http, in_thread, start_engine
 
 from slime_lite import weight_wire
 from slime_lite.io import free_port
-from slime_lite.weight_transport import WeightUpdateGroup, tensor_checksums
+from slime_lite.weight_checksum import tensor_checksums
+from slime_lite.weight_transport import WeightUpdateGroup
 
 PROMPT = [10, 11, 12, 13]
 

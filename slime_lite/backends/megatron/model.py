@@ -299,6 +299,12 @@ def build_gpt_model(
         rope_scaling=arch.rope_llama3_factor is not None,
         rope_scaling_factor=arch.rope_llama3_factor or 8.0,
     )
+    # torch's norms are built in float32 whatever params_dtype is: cast them like every other weight (Megatron's
+    # Float16Module does the same), so the optimizer keeps their float32 master copy, the forward uses the bf16
+    # values the engine gets, and torch's fused rms_norm kernel applies (it needs the input's dtype)
+    for m in model.modules():
+        if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            m.to(params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.hf_vocab_size = arch.vocab_size

@@ -286,12 +286,12 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
 
 
 def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None:
-    """Every parameter the engines hold equals the trainer's: ``weight_transport.tensor_checksums`` of the bytes on
+    """Every parameter the engines hold equals the trainer's: ``weight_checksum.tensor_checksums`` of the bytes on
     both sides, on the GPU where there is one (the trainer's host copies go there a batch at a time; the trainer
     computes its digests while the engines compute theirs). A tensor that
     matches only after a cast to another float dtype (cast on its device) is equal in the engine's precision:
     counted apart and reported."""
-    from slime_lite.weight_transport import tensor_checksums
+    from slime_lite.weight_checksum import tensor_checksums
 
     alias = {"lm_head.weight": "model.embed_tokens.weight"}  # tied embeddings: the engine lists both names
     device = "cuda" if torch.cuda.is_available() else None  # hashing on the host is ~10x slower than a push

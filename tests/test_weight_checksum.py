@@ -1,4 +1,4 @@
-"""weight_transport.tensor_checksums: the weight-equality check's digest. Its definition (in the docstring) is
+"""weight_checksum.tensor_checksums: the weight-equality check's digest. Its definition (in the docstring) is
 re-computed here in plain Python integers; single changed bits in any word are always seen; the digest depends on
 the bytes only, on any device (the GPU test: CUDA digests equal the CPU's)."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from slime_lite import weight_transport as wt
-from slime_lite.weight_transport import tensor_checksums
+from slime_lite import weight_checksum as wt
+from slime_lite.weight_checksum import tensor_checksums
 
 M64 = (1 << 64) - 1
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8]
@@ -129,3 +129,26 @@ def test_cuda_digests_equal_the_cpu_digests():
     x = random_tensor(torch.float32, (1000, 333))
     for dt in (torch.bfloat16, torch.float16):  # the dtype fallback's cast, on the GPU
         assert tensor_checksums([x.cuda()], dtype=dt) == tensor_checksums([x.to(dt)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fused_kernel_gives_the_torch_block_sums():
+    """The Triton kernel (one read of each byte) against the torch ops on the same CUDA tensors, block by block:
+    short last blocks, byte counts that are not whole words, a misaligned view, empty tensors, many blocks."""
+    pytest.importorskip("triton")
+    words = wt.CHECKSUM_BLOCK_WORDS
+    base = random_tensor(torch.uint8, (8 * words + 11,)).cuda()
+    tensors = [random_tensor(torch.bfloat16, (896, 4864), seed=1).cuda(),    # 4.4 MB: 533 blocks
+               random_tensor(torch.float32, (2 * words + 5,), seed=2).cuda(),  # a short last block
+               random_tensor(torch.bfloat16, (3,), seed=3).cuda(),             # 6 bytes: not a whole word
+               base[1:],                                                       # not 8-byte aligned
+               torch.zeros(0, device="cuda"),                                  # no blocks
+               random_tensor(torch.int64, (words,), seed=4).cuda().t()]        # exactly one block
+    device = tensors[0].device
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    nblocks = [-(-n // (8 * words)) for n in nbytes]
+    fused = wt._fused_block_sums(device, tensors, None, nbytes, nblocks)
+    assert fused is not None, "Triton is installed but the fused path was not taken"
+    assert torch.equal(fused, wt._torch_block_sums(device, tensors, None, nbytes, nblocks))
+    assert tensor_checksums(tensors) == [reference(t.cpu()) for t in tensors]
