@@ -172,15 +172,17 @@ def _fused_block_sums(device: torch.device, tensors: list[torch.Tensor], dtype: 
         return None
     if any(t.device != device or (dtype is not None and t.dtype != dtype) for t in tensors):
         return None
-    keep, starts = [], []  # word-aligned contiguous bytes of each tensor (a padded copy of the rare others)
-    for t, n in zip(tensors, nbytes):
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        if n % 8 or flat.data_ptr() % 8:
+    keep, starts = [], []  # where each tensor's bytes start: its own (few host calls per tensor: this loop is most
+    for t, n in zip(tensors, nbytes):  # of the cost), or a contiguous copy, word-aligned and zero-padded if need be
+        src = t if t.is_contiguous() else t.contiguous()
+        start = src.data_ptr()
+        if n % 8 or start % 8:
             padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=device)
-            padded[:n] = flat
-            flat = padded
-        keep.append(flat)
-        starts.append(flat.data_ptr())
+            padded[:n] = src.reshape(-1).view(torch.uint8)
+            src, start = padded, padded.data_ptr()
+        if src is not t:
+            keep.append(src)
+        starts.append(start)
     counts = np.asarray(nblocks, dtype=np.int64)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     place = np.arange(int(counts.sum())) - first  # each block's place in its tensor
