@@ -2,12 +2,12 @@
 
 The trainer side is ``weight_push``'s tensor transport (SGLang's ``update_weights_from_tensor``, flattened buckets of
 ``--bucket-mb``); the engine is ``slime-lite serve`` on the same GPU (as a colocated engine runs, in its own process).
-Measured in one run: a raw device copy of the same bytes (the floor), the push by CUDA IPC (``--colocate``), and the
-push by value (host copy + base64 + HTTP, what an engine on another host gets, and about what the old byte format
-cost); then ``--check-weight-update-equal``'s check (``weight_push.check_weights_equal``: the engine's
-``/get_weights_checksum`` and the trainer's ``tensor_checksums``, both on the GPU) alone and after an IPC push, and
-the trainer's checksums alone (Triton kernel on CUDA) and by torch ops. The last line is what the check adds to a
-push (issue 13 item 4: at most 20%).
+Measured in one run: a raw device copy of the same bytes (the floor); the push by CUDA IPC (``--colocate``; the
+train worker's ``weight_push.push``, with its weight-update session) without and with ``--check-weight-update-equal``
+(the trainer's digests computed while the push waits, then the engine's ``/get_weights_checksum``); the push by value
+(host copy + base64 + HTTP, what an engine on another host gets); the check alone (``weight_push.check_weights_equal``:
+the engine's digests and the trainer's, both on the GPU); the trainer's checksums alone (Triton kernel on CUDA) and by
+torch ops. The last line is what the check adds to a push (issue 13 item 4: at most 20%).
 
     python bench/bench_weight_ipc.py [--config qwen2-0.5b --bucket-mb 512 --repeat 3] [--skip-by-value]
 """
@@ -81,22 +81,20 @@ def main() -> None:
                 targets[n].copy_(t)
             torch.cuda.synchronize()
 
-        def push(colocate: bool):
+        def push(colocate: bool, check: bool = False):  # weight_push.push: what the train worker calls
             args = SimpleNamespace(colocate=colocate, rollout_backend="embedded", rollout_num_gpus_per_engine=1,
-                                   update_weight_buffer_size=a.bucket_mb << 20)
-            return lambda: wp._push_tensor(args, named, [url], 1)
+                                   update_weight_buffer_size=a.bucket_mb << 20, update_weight_transport="tensor",
+                                   check_weight_update_equal=check, debug_scramble_engine_weights=False,
+                                   debug_inject_fault=None)
+            return lambda: wp.push(args, named, [url], 1)
 
         def check() -> None:
             wp.check_weights_equal(named, [url])  # raises unless every parameter is equal
 
-        def push_and_check() -> None:
-            push(True)()
-            check()
-
         assert wp.payload_mode(url, named, True, a.bucket_mb << 20) == "cuda_ipc"
         runs = {"device copy of the same bytes (floor)": copy,
                 IPC: push(True),
-                IPC_CHECK: push_and_check,
+                IPC_CHECK: push(True, check=True),
                 CHECK: check,
                 "trainer's tensor_checksums alone (on the GPU)": lambda: tensor_checksums(list(named.values())),
                 "the same by torch ops (the path without Triton)": lambda: torch_ops(tensor_checksums, named)}

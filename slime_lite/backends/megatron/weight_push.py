@@ -61,17 +61,21 @@ def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: in
     """Send ``named`` to every engine; with --check-weight-update-equal (or ``check``) compare against ``reference``
     (the trainer's true weights; ``named`` itself unless a fault was injected into what is sent)."""
     reference = reference if reference is not None else named
-    if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
-        gen = torch.Generator().manual_seed(version)
-        with weight_update_session(urls):
-            _push_tensor(args, {n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in reference.items()},
-                         urls, -1)
-    if skips_weight_push(args.debug_inject_fault):
-        log.warning("--debug-inject-fault skip-weight-push: the engines keep their old weights")
-    else:
-        _transport(args, named, urls, version)
-    if args.check_weight_update_equal or check:
-        check_weights_equal(reference, urls)
+    checking = bool(args.check_weight_update_equal or check)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-digests") as pool:
+        # the trainer's digests are computed while the push waits on the engines
+        ours = pool.submit(_digests, reference, _hash_device()) if checking else None
+        if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
+            gen = torch.Generator().manual_seed(version)
+            with weight_update_session(urls):
+                _push_tensor(args, {n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in reference.items()},
+                             urls, -1)
+        if skips_weight_push(args.debug_inject_fault):
+            log.warning("--debug-inject-fault skip-weight-push: the engines keep their old weights")
+        else:
+            _transport(args, named, urls, version)
+        if ours is not None:
+            check_weights_equal(reference, urls, ours.result())
 
 
 def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
@@ -285,19 +289,28 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
         shutil.rmtree(old, ignore_errors=True)
 
 
-def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None:
-    """Every parameter the engines hold equals the trainer's: ``weight_checksum.tensor_checksums`` of the bytes on
-    both sides, on the GPU where there is one (the trainer's host copies go there a batch at a time; the trainer
-    computes its digests while the engines compute theirs). A tensor that
-    matches only after a cast to another float dtype (cast on its device) is equal in the engine's precision:
-    counted apart and reported."""
+def _hash_device() -> torch.device | None:
+    """Where the trainer hashes: this thread's GPU where there is one (host copies go there a batch at a time: hashing
+    on the host is ~10x slower than a push). Asked in the caller's thread: another thread's current GPU is GPU 0."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def _digests(named: dict[str, torch.Tensor], device: torch.device | None, dtype: torch.dtype | None = None) -> list[str]:
+    """``weight_checksum.tensor_checksums`` of the trainer's tensors, on ``device``."""
     from slime_lite.weight_checksum import tensor_checksums
 
+    return tensor_checksums(list(named.values()), dtype=dtype, device=device)
+
+
+def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str], digests: list[str] | None = None) -> None:
+    """Every parameter the engines hold equals the trainer's: ``weight_checksum.tensor_checksums`` of the bytes on
+    both sides (``digests``: the trainer's, if already computed; else computed while the engines compute theirs). A
+    tensor that matches only after a cast to another float dtype (cast on its device) is equal in the engine's
+    precision: counted apart and reported."""
     alias = {"lm_head.weight": "model.embed_tokens.weight"}  # tied embeddings: the engine lists both names
-    device = "cuda" if torch.cuda.is_available() else None  # hashing on the host is ~10x slower than a push
     with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
         replies = [pool.submit(request_json, url, "/get_weights_checksum", {}, timeout=300) for url in urls]
-        ours = dict(zip(named, tensor_checksums(list(named.values()), device=device)))
+        ours = dict(zip(named, digests if digests is not None else _digests(named, _hash_device())))
         engines = [f.result() for f in replies]
     for url, engine in zip(urls, engines):
         source = {n: n if n in named else alias.get(n) for n in engine}  # engine name -> the trainer's name
@@ -307,7 +320,7 @@ def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None
         for dt in (torch.bfloat16, torch.float16, torch.float32):  # one batch per dtype, only the unequal ones
             retry = [n for n in unequal if n not in cast and named[source[n]].dtype != dt]
             if retry:
-                sums = tensor_checksums([named[source[n]] for n in retry], dtype=dt, device=device)
+                sums = _digests({n: named[source[n]] for n in retry}, _hash_device(), dt)
                 cast += [n for n, digest in zip(retry, sums) if digest == engine[n]]
         differ = [n for n in unequal if n not in cast]
         if differ or missing:
