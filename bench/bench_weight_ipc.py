@@ -129,12 +129,12 @@ def torch_ops(tensor_checksums, named: dict) -> list[str]:
     """The checksums with the fused Triton kernel switched off (what a machine without Triton runs)."""
     from slime_lite import weight_checksum as wc
 
-    fused = wc._fused_block_sums
-    wc._fused_block_sums = lambda *_: None
+    fused = wc._fused_digests
+    wc._fused_digests = lambda *_: None
     try:
         return tensor_checksums(list(named.values()))
     finally:
-        wc._fused_block_sums = fused
+        wc._fused_digests = fused
 
 
 if __name__ == "__main__":

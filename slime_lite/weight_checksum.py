@@ -97,23 +97,35 @@ def _checksums_on(device: torch.device, tensors: list[torch.Tensor], dtype: torc
     nbytes = [t.numel() * (dtype or t.dtype).itemsize for t in tensors]
     nblocks = [-(-n // block) for n in nbytes]
     with torch.no_grad():
-        sums = _fused_block_sums(device, tensors, dtype, nbytes, nblocks)
-        if sums is None:
+        per_tensor = _fused_digests(device, tensors, dtype, nbytes, nblocks)
+        if per_tensor is None:
             sums = _torch_block_sums(device, tensors, dtype, nbytes, nblocks)
-        halves = np.zeros((2, len(tensors)), np.uint64)
-        if sums is not None:  # per tensor: the sum of its blocks' sums, each times its block's multiplier
-            counts = np.asarray(nblocks, dtype=np.int64)
-            ends = np.cumsum(counts)
-            place = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)  # each block's place in its tensor
-            bound = 1 << int(counts.max() - 1).bit_length()  # a power of two: few sizes to keep
-            weights = torch.stack([_multipliers_on(str(device), kind, bound) for kind in ("block_a", "block_b")])
-            at = torch.from_numpy(np.concatenate([place, ends - counts, ends])).to(device)
-            running = torch.cumsum(sums * weights[:, at[: len(place)]], dim=1)
-            running = torch.cat([torch.zeros_like(running[:, :1]), running], dim=1)
-            per_tensor = running[:, at[len(place) + len(ends):]] - running[:, at[len(place): len(place) + len(ends)]]
-            halves = per_tensor.cpu().numpy().view(np.uint64)
+            per_tensor = None if sums is None else _combine(device, sums, nblocks)
+        halves = (np.zeros((2, len(tensors)), np.uint64) if per_tensor is None
+                  else per_tensor.cpu().numpy().view(np.uint64))
     halves[1] += np.asarray(nbytes, dtype=np.uint64) * np.uint64(_LENGTH_MULT)
     return [f"{int(a):016x}{int(c):016x}" for a, c in zip(*halves)]
+
+
+def _combine(device: torch.device, sums: torch.Tensor, nblocks: list[int]) -> torch.Tensor:
+    """(2, tensors) int64: per tensor, the sum of its blocks' sums (``sums``, (2, all blocks)) each times its block's
+    multiplier."""
+    import numpy as np
+    import torch
+
+    counts = np.asarray(nblocks, dtype=np.int64)
+    ends = np.cumsum(counts)
+    place = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)  # each block's place in its tensor
+    weights = torch.stack([_block_multipliers(device, kind, max(nblocks)) for kind in ("block_a", "block_b")])
+    at = torch.from_numpy(np.concatenate([place, ends - counts, ends])).to(device)
+    running = torch.cumsum(sums * weights[:, at[: len(place)]], dim=1)
+    running = torch.cat([torch.zeros_like(running[:, :1]), running], dim=1)
+    return running[:, at[len(place) + len(ends):]] - running[:, at[len(place): len(place) + len(ends)]]
+
+
+def _block_multipliers(device: torch.device, kind: str, count: int) -> torch.Tensor:
+    """At least ``count`` of the ``kind`` block multipliers on ``device`` (a power of two of them: few sizes kept)."""
+    return _multipliers_on(str(device), kind, 1 << int(count - 1).bit_length())
 
 
 def _torch_block_sums(device: torch.device, tensors: list[torch.Tensor], dtype: torch.dtype | None,
@@ -160,20 +172,21 @@ def _torch_block_sums(device: torch.device, tensors: list[torch.Tensor], dtype: 
     return torch.cat(sums, 1) if sums else None
 
 
-def _fused_block_sums(device: torch.device, tensors: list[torch.Tensor], dtype: torch.dtype | None,
-                      nbytes: list[int], nblocks: list[int]) -> torch.Tensor | None:
-    """``_torch_block_sums``'s result from one Triton kernel launch (each byte read once, no copies of contiguous
-    tensors): only on CUDA with Triton installed, every tensor already on ``device`` and no cast asked for; None
-    otherwise (the caller falls back to torch ops), or when there are no blocks."""
-    import numpy as np
+def _fused_digests(device: torch.device, tensors: list[torch.Tensor], dtype: torch.dtype | None,
+                   nbytes: list[int], nblocks: list[int]) -> torch.Tensor | None:
+    """``_combine``'s result from one Triton kernel (each byte read once, no copies of contiguous tensors; each block's
+    sums times its block multipliers) and a running sum on the device; only a few host calls per tensor. Only on
+    CUDA with Triton installed, every tensor already on ``device`` and no cast asked for; None otherwise (the caller
+    falls back to torch ops), or when there are no blocks."""
     import torch
 
-    if device.type != "cuda" or _block_sums_kernel() is None or sum(nblocks) == 0:
+    total = sum(nblocks)
+    if device.type != "cuda" or _block_sums_kernel() is None or total == 0:
         return None
     if any(t.device != device or (dtype is not None and t.dtype != dtype) for t in tensors):
         return None
-    keep, starts = [], []  # where each tensor's bytes start: its own (few host calls per tensor: this loop is most
-    for t, n in zip(tensors, nbytes):  # of the cost), or a contiguous copy, word-aligned and zero-padded if need be
+    keep, starts = [], []  # where each tensor's bytes start: its own, or a contiguous copy, word-aligned and
+    for t, n in zip(tensors, nbytes):  # zero-padded if need be
         src = t if t.is_contiguous() else t.contiguous()
         start = src.data_ptr()
         if n % 8 or start % 8:
@@ -183,23 +196,27 @@ def _fused_block_sums(device: torch.device, tensors: list[torch.Tensor], dtype: 
         if src is not t:
             keep.append(src)
         starts.append(start)
-    counts = np.asarray(nblocks, dtype=np.int64)
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    place = np.arange(int(counts.sum())) - first  # each block's place in its tensor
-    words = np.repeat(-(-np.asarray(nbytes, dtype=np.int64) // 8), counts)  # the tensor's words, per block
-    table = np.stack([np.repeat(np.asarray(starts, dtype=np.int64), counts) + place * 8 * CHECKSUM_BLOCK_WORDS,
-                      np.minimum(words - place * CHECKSUM_BLOCK_WORDS, CHECKSUM_BLOCK_WORDS)])
-    table = torch.from_numpy(table).to(device)  # per block: its address, its words (the last block's may be fewer)
-    out = torch.empty(2, table.shape[1], dtype=torch.int64, device=device)
-    mult = _multipliers_on(str(device), "word", CHECKSUM_BLOCK_WORDS)
+    firsts, at = [], 0
+    for c in nblocks:
+        firsts.append(at)
+        at += c
+    # per tensor: its address, its words, its first block, the block after its last
+    meta = torch.tensor([starts, [-(-n // 8) for n in nbytes], firsts, [f + c for f, c in zip(firsts, nblocks)]],
+                        dtype=torch.int64).to(device)
+    owner = torch.repeat_interleave(torch.arange(len(tensors), device=device), meta[3] - meta[2], output_size=total)
+    out = torch.empty(2, total, dtype=torch.int64, device=device)
     with torch.cuda.device(device):
-        _block_sums_kernel()[(table.shape[1],)](table, mult, out, table.shape[1], CHECKSUM_BLOCK_WORDS, num_warps=8)
-    return out  # ``keep`` may go now: its memory is reused only by work queued after the kernel on this stream
+        _block_sums_kernel()[(total,)](
+            meta, owner, _multipliers_on(str(device), "word", CHECKSUM_BLOCK_WORDS),
+            _block_multipliers(device, "block_a", max(nblocks)), _block_multipliers(device, "block_b", max(nblocks)),
+            out, len(tensors), total, CHECKSUM_BLOCK_WORDS, num_warps=8)
+    running = torch.cat([torch.zeros_like(out[:, :1]), torch.cumsum(out, dim=1)], dim=1)  # wraps, as every sum here
+    return running[:, meta[3]] - running[:, meta[2]]  # ``keep`` may go: its memory is reused only after the kernel
 
 
 @functools.lru_cache(maxsize=1)
 def _block_sums_kernel():
-    """The Triton kernel behind ``_fused_block_sums``, or None where Triton is not installed (the CPU build)."""
+    """The Triton kernel behind ``_fused_digests``, or None where Triton is not installed (the CPU build)."""
     try:
         import triton
         import triton.language as tl
@@ -207,14 +224,16 @@ def _block_sums_kernel():
         return None
 
     @triton.jit
-    def block_sums(table, mult, out, blocks, words: tl.constexpr):
+    def block_sums(meta, owner, mult, mult_a, mult_b, out, tensors, blocks, words: tl.constexpr):
         k = tl.program_id(0)
-        base = tl.load(table + k).to(tl.pointer_type(tl.int64))  # int64 words of this block
-        valid = tl.load(table + blocks + k)
+        t = tl.load(owner + k)  # the tensor this block belongs to, and the block's place in it
+        place = k - tl.load(meta + 2 * tensors + t)
+        base = (tl.load(meta + t) + place * words * 8).to(tl.pointer_type(tl.int64))
         r = tl.arange(0, words)
-        w = tl.load(base + r, mask=r < valid, other=0)  # the short last block: zero words, as the definition pads
+        valid = tl.load(meta + tensors + t) - place * words  # the short last block: zero words, as the definition pads
+        w = tl.load(base + r, mask=r < valid, other=0)
         p = w * tl.load(mult + r)  # wrapping int64 arithmetic, as in torch
-        tl.store(out + k, tl.sum(p, axis=0))
-        tl.store(out + blocks + k, tl.sum(p * (p >> 32), axis=0))  # >> on int64: arithmetic, as torch's
+        tl.store(out + k, tl.sum(p, axis=0) * tl.load(mult_a + place))
+        tl.store(out + blocks + k, tl.sum(p * (p >> 32), axis=0) * tl.load(mult_b + place))  # >>: arithmetic
 
     return block_sums

@@ -133,8 +133,8 @@ def test_cuda_digests_equal_the_cpu_digests():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_fused_kernel_gives_the_torch_block_sums():
-    """The Triton kernel (one read of each byte) against the torch ops on the same CUDA tensors, block by block:
+def test_the_fused_kernel_gives_the_torch_ops_sums():
+    """The Triton kernel (one read of each byte) against the torch ops on the same CUDA tensors, tensor by tensor:
     short last blocks, byte counts that are not whole words, a misaligned view, empty tensors, many blocks."""
     pytest.importorskip("triton")
     words = wt.CHECKSUM_BLOCK_WORDS
@@ -144,11 +144,13 @@ def test_the_fused_kernel_gives_the_torch_block_sums():
                random_tensor(torch.bfloat16, (3,), seed=3).cuda(),             # 6 bytes: not a whole word
                base[1:],                                                       # not 8-byte aligned
                torch.zeros(0, device="cuda"),                                  # no blocks
-               random_tensor(torch.int64, (words,), seed=4).cuda().t()]        # exactly one block
+               random_tensor(torch.int64, (words,), seed=4).cuda(),            # exactly one block
+               base[8:],                                                       # a view at an offset: no copy
+               random_tensor(torch.bfloat16, (64, 300), seed=5).cuda().t()]    # not contiguous: a copy
     device = tensors[0].device
     nbytes = [t.numel() * t.element_size() for t in tensors]
     nblocks = [-(-n // (8 * words)) for n in nbytes]
-    fused = wt._fused_block_sums(device, tensors, None, nbytes, nblocks)
+    fused = wt._fused_digests(device, tensors, None, nbytes, nblocks)
     assert fused is not None, "Triton is installed but the fused path was not taken"
-    assert torch.equal(fused, wt._torch_block_sums(device, tensors, None, nbytes, nblocks))
+    assert torch.equal(fused, wt._combine(device, wt._torch_block_sums(device, tensors, None, nbytes, nblocks), nblocks))
     assert tensor_checksums(tensors) == [reference(t.cpu()) for t in tensors]
