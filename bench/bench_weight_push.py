@@ -59,7 +59,10 @@ def main() -> None:
             "tensor (SGLang payload, shared-memory handles)": lambda: wp._push_tensor(args, named, [url], 1),
             "tensor (SGLang payload, by value: base64 in JSON)": lambda: _by_value(wp, wp_mode, by_value, named, url),
             # colocated=True keeps gloo on a CUDA machine too: the engine here is on the CPU
-            "distributed (gloo broadcast)": lambda: wp._push_distributed(named, [url], 1, colocated=True),
+            "distributed (gloo, one broadcast per bucket: flattened_bucket)":
+                lambda: wp._push_distributed(named, [url], 1, colocated=True),
+            "distributed (gloo, one broadcast per tensor: what SGLang servers get)":
+                lambda: wp._push_distributed(named, [url], 1, colocated=True, flattened=False),
             "disk (HF folder + update_weights_from_disk)": lambda: wp._push_disk(args, named, [url], 1),
         }
         rows = []

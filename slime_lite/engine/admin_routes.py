@@ -241,12 +241,14 @@ class _Admin:
         shapes = _field(_shapes, body, "shapes", None)
         if names is None or dtypes is None or shapes is None:
             raise BadRequest("'names', 'dtypes' and 'shapes' are required")
-        if body.get("load_format") not in (None, "direct"):
-            raise BadRequest(f"load_format {body['load_format']!r} is not supported (use null or 'direct')")
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise BadRequest(f"load_format {load_format!r} is not supported (use null, 'direct' or "
+                             "'flattened_bucket')")
         self._maybe_abort(body)
         group = _field(check.string, body, "group_name", GROUP)
         return await self._weight_op(self.scheduler.weights.update_from_distributed, names, dtypes, shapes, group,
-                                     version=body.get("weight_version"))
+                                     load_format == "flattened_bucket", version=body.get("weight_version"))
 
     async def destroy_weights_update_group(self, request):
         body = await read_body(request)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -147,8 +148,10 @@ class Weights:
         self.groups[group_name] = group
 
     def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                group_name: str) -> int:
-        """Receive ``names`` in order from rank 0 of ``group_name`` and load them."""
+                                group_name: str, flattened: bool = False) -> int:
+        """Receive ``names`` in order from rank 0 of ``group_name`` and load them: one broadcast per tensor, or
+        (``flattened``, SGLang's ``load_format="flattened_bucket"``) one broadcast of their bytes back to back, each
+        tensor starting at a multiple of its element size (SGLang's rule: no padding)."""
         group = self.groups.get(group_name)
         if group is None:
             raise WeightError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
@@ -158,24 +161,34 @@ class Weights:
         if dupes:
             raise WeightError(f"names: {dupes[:5]} named more than once")
         device = "cuda" if group.backend == "nccl" else "cpu"
+        dts = [dtype_from_name(dtype) for dtype in dtypes]
         # staging buffers: the parameters are written only once every named tensor arrived (load_named); a receive
         # that ends early (timeout, sender gone) leaves the weights as they were and the buffers are dropped
-        staging = [(name, torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=device))
-                   for name, dtype, shape in zip(names, dtypes, shapes)]
+        starts = [0]
+        for dt, shape in zip(dts, shapes):
+            starts.append(starts[-1] + math.prod(shape) * dt.itemsize)
+        buffers = ([torch.empty(starts[-1], dtype=torch.uint8, device=device)] if flattened else
+                   [torch.empty(tuple(shape), dtype=dt, device=device) for dt, shape in zip(dts, shapes)])
         arrived = 0
         try:
-            for _, t in staging:  # receive everything first so the sender never hangs on a bad name
+            for t in buffers:  # receive everything first so the sender never hangs on a bad name
                 group.broadcast(t, src=0)  # at most GROUP_TIMEOUT_S each (the group's timeout)
                 arrived += 1
         except Exception as exc:  # noqa: BLE001 - the group is out of step with the sender: it cannot be reused
             self.groups.pop(group_name, None)
             group.destroy()
             raise WeightError(f"receiving from weight update group {group_name!r} failed after {arrived} of "
-                              f"{len(staging)} tensor(s) ({type(exc).__name__}: {exc}); no weight was changed; "
+                              f"{len(buffers)} broadcast(s) ({type(exc).__name__}: {exc}); no weight was changed; "
                               f"the group was destroyed: initialise it again") from None
-        if arrived != len(staging):  # never reached today; the guard keeps unfilled buffers out of the model
-            raise WeightError(f"only {arrived} of {len(staging)} tensor(s) arrived; no weight was changed")
-        return self.load_named(dict(staging))
+        if not flattened:
+            return self.load_named(dict(zip(names, buffers)))
+        staging = {}
+        for name, dt, shape, start, end in zip(names, dts, shapes, starts, starts[1:]):
+            if start % dt.itemsize:
+                raise WeightError(f"load_format 'flattened_bucket': {name!r} starts at byte {start}, not a multiple "
+                                  f"of its {dt} element size (the bucket has no padding); no weight was changed")
+            staging[name] = buffers[0][start:end].view(dt).view(tuple(shape))
+        return self.load_named(staging)
 
     def destroy_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)

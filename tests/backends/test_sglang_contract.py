@@ -145,3 +145,28 @@ def test_sglang_refuses_what_it_should():
         oracle.verify_sampling_params({"top_p": 0.0}, VOCAB)
     with pytest.raises(TypeError):
         oracle.verify_sampling_params({"not_a_param": 1}, VOCAB)
+
+
+def test_distributed_push_bodies_are_accepted_by_sglang(monkeypatch):
+    """weight_push's /update_weights_from_distributed bodies validate as SGLang's UpdateWeightsFromDistributedReqInput;
+    a bucket goes as one broadcast ("flattened_bucket", for the embedded engine) unless a tensor would need
+    padding, and tensor by tensor for SGLang servers. Fakes: the engine's HTTP answer and the broadcast group (this
+    test checks what is sent, not a transfer: tests/engine/test_weights.py receives both forms for real)."""
+    import pydantic
+    import torch
+
+    from slime_lite.backends.megatron import weight_push as wp
+
+    req = pydantic.TypeAdapter(oracle.sglang_module("sglang.srt.managers.io_struct").UpdateWeightsFromDistributedReqInput)
+    bodies, casts = [], []
+    monkeypatch.setattr(wp, "_group", lambda urls, backend: SimpleNamespace(
+        broadcast=lambda t, src: casts.append(t.numel() * t.element_size())))
+    monkeypatch.setattr(wp, "request_json", lambda url, route, body, timeout: bodies.append(body) or {"success": True})
+    named = {"a": torch.zeros(4, 3, dtype=torch.bfloat16), "b": torch.ones(5), "c": torch.zeros(3, dtype=torch.bfloat16)}
+    for flattened, want_format, want_casts in ((True, "flattened_bucket", [50]), (False, None, [24, 20, 6])):
+        bodies.clear(), casts.clear()
+        wp._push_distributed(named, ["http://engine"], 3, flattened=flattened)
+        assert [req.validate_python(b).load_format for b in bodies] == [want_format] and casts == want_casts
+    bodies.clear(), casts.clear()
+    wp._push_distributed({"c": named["c"], "b": named["b"]}, ["http://engine"], 4)  # b would start at byte 6
+    assert "load_format" not in bodies[0] and casts == [6, 20]

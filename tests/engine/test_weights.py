@@ -3,7 +3,6 @@ weights (get_weights_by_name, checksums, log-probs equal to an HF forward of the
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from engine_helpers import generate, hf_logprobs, http, in_thread, start_engine
@@ -132,6 +131,50 @@ def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
                                                                  "dtypes": body["dtypes"][:1],
                                                                  "shapes": body["shapes"][:1]})
     assert status == 400 and "init_weights_update_group" in out["message"]
+
+
+def test_update_weights_from_distributed_flattened_bucket(fresh_engine, new_model):
+    """load_format "flattened_bucket": one broadcast of the bucket's bytes back to back (weight_push._packed), read
+    as SGLang's own FlattenedTensorBucket reads it; a layout that would need padding is refused after the bytes
+    arrived (the sender is never left hanging) and the group keeps working."""
+    from slime_lite.backends.megatron.weight_push import _packed
+    from tests import sglang_oracle as oracle
+
+    url = fresh_engine.url
+    port = free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "wu", "backend": "gloo"}
+    t, box = in_thread(http, url, "/init_weights_update_group", init)
+    trainer = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", group_name="wu")
+    t.join(30)
+    named = [(n, p.detach()) for n, p in new_model.named_parameters()]
+    body = {"names": [n for n, _ in named], "dtypes": [str(p.dtype).removeprefix("torch.") for _, p in named],
+            "shapes": [list(p.shape) for _, p in named], "group_name": "wu", "weight_version": "v8",
+            "load_format": "flattened_bucket"}
+    packed = _packed([p for _, p in named], "cpu")
+    bucket_cls, _ = oracle.flattened_tensor_bucket()  # SGLang's reader of the same request gets the same tensors
+    theirs = bucket_cls.empty(body["names"], body["dtypes"], body["shapes"], "cpu")
+    theirs.get_flattened_tensor().copy_(packed)
+    assert all(a == n and torch.equal(b, p) for (a, b), (n, p) in zip(theirs.reconstruct_tensors(), named))
+    t, box = in_thread(http, url, "/update_weights_from_distributed", body)
+    trainer.broadcast(packed, src=0)
+    t.join(30)
+    assert box["result"][0] == 200 and box["result"][1]["success"] is True, box
+    assert_serves(url, new_model, "v8")
+    odd = [torch.ones(3, dtype=torch.bfloat16), named[0][1]]  # 6 bytes, then a float32 tensor: needs padding
+    assert _packed(odd, "cpu") is None  # the trainer sends such a bucket tensor by tensor
+    bad = {**body, "names": ["x", named[0][0]], "dtypes": ["bfloat16", "float32"],
+           "shapes": [[3], list(named[0][1].shape)], "weight_version": "v9"}
+    t, box = in_thread(http, url, "/update_weights_from_distributed", bad)
+    trainer.broadcast(torch.zeros(6 + named[0][1].numel() * 4, dtype=torch.uint8), src=0)
+    t.join(30)
+    assert box["result"][0] == 400 and f"{named[0][0]!r} starts at byte 6" in box["result"][1]["message"], box
+    assert_serves(url, new_model, "v8", cached=len(PROMPT) - 1)  # nothing changed: version, cache
+    t, box = in_thread(http, url, "/update_weights_from_distributed", body)  # the group still works
+    trainer.broadcast(packed, src=0)
+    t.join(30)
+    assert box["result"][0] == 200, box
+    trainer.destroy()
 
 
 def test_get_weights_by_name_unknown_name_is_400(engine):

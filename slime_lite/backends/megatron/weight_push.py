@@ -86,7 +86,8 @@ def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
             _push_tensor(args, named, urls, version)
     elif transport == "distributed":
         with weight_update_session(urls):
-            _push_distributed(named, urls, version, colocated=args.colocate, limit=limit)
+            _push_distributed(named, urls, version, colocated=args.colocate, limit=limit,
+                              flattened=args.rollout_backend != "sglang")
     else:
         _push_disk(args, named, urls, version)
 
@@ -235,12 +236,17 @@ def _drop_group(key: tuple[str, ...]) -> None:
 
 
 def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int, colocated: bool = False,
-                      limit: int = BUCKET_BYTES) -> None:
+                      limit: int = BUCKET_BYTES, flattened: bool = True) -> None:
+    """Buckets of at most ``limit`` bytes, each one ``/update_weights_from_distributed`` request; ``flattened``: a
+    bucket goes as one broadcast of its tensors' bytes back to back (SGLang's ``load_format="flattened_bucket"``)
+    when no tensor would need padding, else (and for SGLang servers: not every version reads it) one broadcast per
+    tensor."""
     # NCCL needs one GPU per rank: colocated engines share the trainer's GPU, so they use gloo (host memory)
     backend = "nccl" if torch.cuda.is_available() and not colocated else "gloo"
     group = _group(urls, backend)
     device = "cuda" if backend == "nccl" else "cpu"
     for names in buckets(named, limit):
+        flat = _packed([named[n] for n in names], device) if flattened else None
         body = {
             "names": names,
             "dtypes": [str(named[n].dtype).removeprefix("torch.") for n in names],
@@ -248,14 +254,29 @@ def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: 
             "group_name": "weight_update_group",
             "weight_version": str(version),
             "flush_cache": True,
+            **({"load_format": "flattened_bucket"} if flat is not None else {}),
         }
         with ThreadPoolExecutor(max_workers=len(urls)) as pool:
             futures = [pool.submit(request_json, u, "/update_weights_from_distributed", body, timeout=600)
                        for u in urls]
-            for n in names:
-                group.broadcast(named[n].to(device).contiguous(), src=0)
+            if flat is not None:
+                group.broadcast(flat, src=0)
+            else:
+                for n in names:
+                    group.broadcast(named[n].to(device).contiguous(), src=0)
             for u, f in zip(urls, futures):
                 _check(f.result(), u, "/update_weights_from_distributed")
+
+
+def _packed(tensors: list[torch.Tensor], device: str) -> torch.Tensor | None:
+    """The tensors' bytes back to back on ``device`` (one copy), or None when one would start at an offset that is
+    not a multiple of its element size (SGLang's flattened bucket has no padding)."""
+    offset = 0
+    for t in tensors:
+        if offset % t.element_size():
+            return None
+        offset += t.numel() * t.element_size()
+    return torch.cat([t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
 def write_hf_folder(named: dict[str, torch.Tensor], hf_checkpoint: str, out_dir: str) -> None:
