@@ -13,8 +13,13 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from slime_lite.engine import validate as check
-from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
-from slime_lite.engine.scheduler import EngineBusy
+from slime_lite.engine.control import EngineBusy
+from slime_lite.engine.http_json import (
+    BadRequest,
+    error_response,
+    json_response,
+    read_body,
+)
 from slime_lite.engine.weights import WeightError
 from slime_lite.weight_transport import check_group_address
 

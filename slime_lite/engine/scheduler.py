@@ -6,10 +6,10 @@ refilled at the next step, so short and long generations share the batch without
 
 Everything that touches the model (generation, weight updates, memory release) runs in the model thread; other
 threads talk to it through ``submit``/``abort`` and ``call(fn)``, which runs ``fn`` between two steps and returns a
-``concurrent.futures.Future``; the control operations (``pause``, ``flush_cache``, ``release_memory``, ...) run
-that way. Decode steps are launched and read back by a ``DecodePipeline`` (engine/pipeline.py). Results leave
-through each request's ``on_output`` callback, called in the model thread with a ``RequestOutput`` snapshot (after
-every token for streaming requests, else once at the end).
+``concurrent.futures.Future``; the control operations (``pause``, ``flush_cache``, ``release_memory``, ...;
+engine/control.py) run that way. Decode steps are launched and read back by a ``DecodePipeline``
+(engine/pipeline.py). Results leave through each request's ``on_output`` callback, called in the model thread with
+a ``RequestOutput`` snapshot (after every token for streaming requests, else once at the end).
 
 Seeds: a request's seed is its ``sampling_seed`` if given, else derived from ``--random-seed`` and its ``rid``
 (or, without a rid, from the order the server received requests in), so a fixed seed reproduces a run.
@@ -34,6 +34,7 @@ import torch
 
 from slime_lite.engine import logprobs as lpx
 from slime_lite.engine.admission import AdmissionMixin
+from slime_lite.engine.control import ControlMixin
 from slime_lite.engine.cuda_graph import PaddedDecoder
 from slime_lite.engine.model import (
     CausalLM,
@@ -47,16 +48,12 @@ from slime_lite.engine.request import Request, RequestOutput
 from slime_lite.engine.sampling import mix64, sample
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
-from slime_lite.offload import TensorStash, clear_cublas_workspaces
+from slime_lite.offload import TensorStash
 
 logger = logging.getLogger(__name__)
 
 
-class EngineBusy(RuntimeError):
-    """An operation that needs an idle engine (no running or waiting requests)."""
-
-
-class Scheduler(AdmissionMixin):
+class Scheduler(AdmissionMixin, ControlMixin):
     """Loads the model and runs the generation loop in a background thread (``start``/``stop``)."""
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
@@ -240,63 +237,6 @@ class Scheduler(AdmissionMixin):
     def may_generate(self) -> bool:
         """Requests may be admitted and decoded: generation is not paused and the weights are not released."""
         return not self.paused and "weights" not in self.released
-
-    # ---- control operations: run in the model thread through ``call``, with no step in flight ----------------
-    def pause(self, mode: str = "abort") -> None:
-        """``abort``: abort everything; ``retract``: running requests go back to the queue (recomputed later);
-        ``in_place``: keep them (and their cache) as they are. New requests queue until ``resume``."""
-        if mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause mode {mode!r}: expected abort, retract or in_place")
-        if mode == "abort":
-            self._abort_all("aborted by /pause_generation")
-        elif mode == "retract":
-            for slot in sorted(self.running, reverse=True):
-                self._retract(slot)
-            self._free_cache()
-        self.paused = True
-        logger.info("generation paused (%s): %d running, %d waiting", mode, len(self.running), len(self.waiting))
-
-    def resume(self) -> None:
-        self.paused = False
-        logger.info("generation continued")
-
-    def flush_cache(self) -> None:
-        if self.running or self.waiting:
-            raise EngineBusy(f"cannot flush the cache with {len(self.running)} running and "
-                             f"{len(self.waiting)} waiting requests")
-        self._free_cache()
-
-    def _free_cache(self) -> None:
-        """Free the KV cache (with what the prefix cache points at in it)."""
-        self.prefix.clear()
-        self.pipeline.free_cache()
-
-    def release_memory(self, tags: list[str] | None) -> str:
-        tags = set(tags or ("weights", "kv_cache"))
-        if self.running or self.waiting:
-            raise EngineBusy("release_memory_occupation needs an idle engine (requests are in flight)")
-        if self.device.type == "cpu":
-            logger.info("release_memory_occupation %s: no-op on CPU", sorted(tags))
-            self.released |= tags
-            return "no-op on CPU"
-        self._free_cache()  # with the CUDA graphs, which hold the addresses of the cache and the weights
-        if "weights" in tags and "weights" not in self.released:
-            # one pinned host block; the weights stay readable and writable there (updates, checksums) until resumed
-            self._stash.offload(self.lm.device_tensors(), keep_on_host=True)
-        clear_cublas_workspaces()
-        torch.cuda.empty_cache()
-        self.released |= tags
-        logger.info("released GPU memory %s", sorted(tags))
-        return "released"
-
-    def resume_memory(self, tags: list[str] | None) -> str:
-        tags = set(tags or ("weights", "kv_cache"))
-        if self.device.type != "cpu" and "weights" in tags and "weights" in self.released:
-            self._stash.onload()  # one device block again, every weight a view of it
-            self.lm.storage_version += 1  # new addresses: CUDA graphs are captured again
-        self.released -= tags
-        logger.info("resumed memory %s", sorted(tags))
-        return "resumed"
 
     # ---- model thread --------------------------------------------------------------------------------------
     def _eos_ids(self) -> set[int]:

@@ -1,9 +1,5 @@
-"""Megatron-core train workers (a Ray actor per logical GPU): ``TrainWorker`` holds what the policy and the critic
-share (model, optimizer, forward passes, optimizer steps, offload, checkpoints); ``TrainActor`` is the policy
-(log-probs, advantages, policy steps, weights out). The critic is ``critic.CriticActor``.
-
-All ranks of a group run the same calls in lockstep. Results are reported by the *reporter* rank: the last
-pipeline stage, TP rank 0, DP rank 0, after the per-sample results of every DP rank were gathered to it.
+"""The policy's train worker (a Ray actor per logical GPU): log-probs (and the reference's), advantages, policy
+steps, weights out to the engines. What it shares with the critic is worker.py's ``TrainWorker``.
 """
 
 from __future__ import annotations
@@ -18,270 +14,11 @@ import torch
 from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron.logprobs import sample_log_probs
 from slime_lite.backends.megatron.loss import rl_loss
+from slime_lite.backends.megatron.worker import TrainWorker
 from slime_lite.config import LossConfig
 from slime_lite.debug.faults import breaks_sent_weights, sent_stage_weights
-from slime_lite.debug.grad_norm import STEP_GRAD_NORMS
 
 log = logging.getLogger(__name__)
-
-
-class TrainWorker:
-    """What every train role shares. A role sets ``role`` (its checkpoint folder; "actor" = the top folder) and
-    ``metric_prefix``, and may override ``_lr`` and ``_adapt_model``."""
-
-    role = ""
-    metric_prefix = ""
-
-    def __init__(self, args: Any, rank: int, world_size: int, master_addr: str) -> None:
-        from slime_lite.logging_setup import setup_logging
-
-        setup_logging(args.log_level)
-        self.args, self.rank, self.world_size = args, rank, world_size
-        self.master_addr = master_addr
-        self._store = None
-        torch.set_num_threads(max(1, int(os.environ.get("SLIME_LITE_TRAIN_THREADS", "1"))))
-        if args.deterministic_mode:
-            from slime_lite.determinism import set_deterministic
-
-            set_deterministic()
-        elif not torch.cuda.is_available():
-            torch.use_deterministic_algorithms(True, warn_only=True)
-
-    # ----------------------------------------------------------------- setup
-    def open_store(self) -> int:
-        """Rank 0: serve the group's rendezvous store on a port the OS picks; returns the port."""
-        from slime_lite.backends.megatron.parallel import open_store
-
-        self._store = open_store(self.master_addr, 0, self.rank, self.world_size)
-        return self._store.port
-
-    def init(self, master_port: int) -> dict[str, Any]:
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from transformers import AutoConfig
-
-        from slime_lite.backends.megatron import checkpoint
-        from slime_lite.backends.megatron.convert import load_hf_weights
-        from slime_lite.backends.megatron.model import build_gpt_model, memory_overrides
-        from slime_lite.backends.megatron.parallel import init_distributed, open_store
-
-        a = self.args
-        if a.record_memory_history:  # before the model exists: its allocations are in the snapshot
-            from slime_lite.profiling import start_memory_history
-
-            start_memory_history()
-        store = self._store or open_store(self.master_addr, master_port, self.rank, self.world_size)
-        init_distributed(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, self.rank, self.world_size,
-                         self.master_addr, master_port, seed=a.seed, store=store)
-        self.hf_config = AutoConfig.from_pretrained(a.hf_checkpoint)
-        dtype = torch.bfloat16 if a.bf16 else torch.float32
-        model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl,
-                                **memory_overrides(a))
-        load_hf_weights(model, self._init_checkpoint(), self.hf_config)
-        self._adapt_model(model, dtype)
-        config = model.config
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
-        self.model = DistributedDataParallel(config, ddp_config, model)
-        lr = self._lr()
-        opt_config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=a.weight_decay,
-                                     adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, clip_grad=a.clip_grad,
-                                     bf16=a.bf16, params_dtype=dtype, use_distributed_optimizer=False)
-        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
-        config.finalize_model_grads_func = finalize_model_grads
-        config.grad_scale_func = self.optimizer.scale_loss
-        config.no_sync_func = self.model.no_sync
-        self.ps = ps
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.last_stage = ps.is_pipeline_last_stage()
-        self.reporter = self.last_stage and ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
-        state = {"next_rollout_id": 0, "data_state": None}
-        if a.load and checkpoint.latest(a.load) is not None:
-            state = checkpoint.load(self, a.load)
-        return state
-
-    def _lr(self) -> float:
-        return self.args.lr
-
-    def _init_checkpoint(self) -> str:
-        """The HF folder the model starts from (a --load checkpoint, if any, replaces it)."""
-        return self.args.hf_checkpoint
-
-    def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        """Role-specific changes to the freshly loaded model, before DDP wraps it and a checkpoint is loaded."""
-
-    def gpt(self) -> torch.nn.Module:
-        from slime_lite.backends.megatron.model import unwrap
-
-        return unwrap(self.model)
-
-    # ----------------------------------------------------------------- forward passes
-    def _run(self, samples: list, mbs: list[list[int]], length: int, forward_only: bool, loss_fn: Any) -> list:
-        """Megatron's schedule over this rank's micro-batches; returns what loss_fn reported per micro-batch."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from slime_lite.backends.megatron.model import packed_seq_params, sequence_parallel
-
-        packed = self.args.use_dynamic_batch_size
-        # --sequence-parallel splits each row's tokens over the TP ranks: the length must divide by TP
-        m = self.args.tensor_model_parallel_size if sequence_parallel(self.args) else 1
-        length = -(-length // m) * m
-        batches = [B.make_packed_micro_batch(samples, idx, multiple=m) if packed
-                   else B.make_micro_batch(samples, idx, length) for idx in mbs]
-        it = iter(batches)
-
-        def forward_step(data_iterator: Any, model: Any) -> tuple:
-            mb = next(data_iterator)
-            dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-            extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
-            # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
-            out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, runtime_gather_output=False, **extra)
-            return out, partial(loss_fn, mb)
-
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=it, model=[self.model], num_microbatches=len(batches),
-            seq_length=max(b.tokens.shape[1] for b in batches), micro_batch_size=batches[0].tokens.shape[0],
-            forward_only=forward_only,
-        )
-
-    def _plan(self, samples: list, log_probs: bool = False) -> list[list[list[int]]]:
-        """Sample indices per optimizer step, per micro-batch, for this DP rank: fixed --micro-batch-size, or
-        packed by --max-tokens-per-gpu (--log-probs-max-tokens-per-gpu for the forward-only passes, which pack
-        the whole rollout as one step)."""
-        a = self.args
-        if not a.use_dynamic_batch_size:
-            return B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
-        budget = a.log_probs_max_tokens_per_gpu if log_probs else a.max_tokens_per_gpu
-        return B.dynamic_step_shards([len(s.tokens) for s in samples], len(samples) if log_probs
-                                     else a.global_batch_size, self.dp_rank, self.dp_size, budget)
-
-    def _normalizer(self, samples: list, step: int) -> float:
-        """What a step's micro-batch losses are divided by, so they add up (over micro-batches and the DP mean) to
-        the step's loss: samples per DP rank, or with --calculate-per-token-loss the step's loss-mask tokens per
-        DP rank. Independent of how the step is cut into micro-batches."""
-        from slime_lite.rl_math import PerTokenNormalizer
-
-        a = self.args
-        g = a.global_batch_size
-        if not a.calculate_per_token_loss:
-            return g / self.dp_size
-        step_samples = samples[step * g : (step + 1) * g]
-        tokens = sum(float(m.sum()) for m in B.loss_masks(step_samples))
-        return PerTokenNormalizer(tokens / self.dp_size)
-
-    def _forward_all(self, samples: list, steps: list, length: int, per_sample: Any) -> dict[int, torch.Tensor]:
-        """Forward-only pass over every micro-batch of this rank; {sample index: per_sample(mb, output)[k]} (last
-        stage)."""
-        results: dict[int, torch.Tensor] = {}
-
-        def collect(mb: B.MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> tuple:
-            outs = [t.detach() for t in per_sample(mb, output)]  # to the host in one copy, not one per sample
-            host = torch.cat([t.reshape(-1) for t in outs]).cpu().split([t.numel() for t in outs])
-            for i, t, h in zip(mb.indices, outs, host):
-                results[i] = h.view(t.shape)
-            return torch.zeros((), device=output.device), {}
-
-        with torch.no_grad():
-            for mbs in steps:
-                self._run(samples, mbs, length, True, collect)
-        return results
-
-    def _gather(self, local: dict[int, Any]) -> dict[int, Any]:
-        """Union of per-sample dicts over the DP group (last-stage ranks only)."""
-        import torch.distributed as dist
-
-        if self.dp_size == 1:
-            return local
-        parts: list[Any] = [None] * self.dp_size
-        dist.all_gather_object(parts, local, group=self.ps.get_data_parallel_group())
-        return {k: v for p in parts for k, v in p.items()}
-
-    def _train_steps(self, samples: list, loss_fn: Any) -> dict[str, Any]:
-        """Run the optimizer steps of one rollout; metrics averaged over steps (reporter's view), and under
-        ``STEP_GRAD_NORMS`` the grad-norm of each step."""
-        import torch.distributed as dist
-
-        length = B.padded_length(samples)
-        steps = self._plan(samples)
-        sums: dict[str, float] = {}
-        first: dict[str, float] = {}
-        norms: list[float] = []  # every step's grad-norm, for --ci-save-grad-norm / --ci-load-grad-norm
-        self.model.train()
-        for k, mbs in enumerate(steps):
-            self._num_mb = len(mbs)
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            fn = partial(loss_fn, normalizer=self._normalizer(samples, k)) if loss_fn is not None else _no_loss
-            reported = self._run(samples, mbs, length, False, _keyword_output(fn))
-            ok, grad_norm, _ = self.optimizer.step()
-            step: dict[str, float] = {}
-            for m in reported:
-                for key, v in m.items():
-                    step[key] = step.get(key, 0.0) + v
-            if self.last_stage and self.dp_size > 1:
-                keys = sorted(step)
-                t = torch.tensor([step[x] for x in keys], dtype=torch.float64)
-                dist.all_reduce(t, group=self.ps.get_data_parallel_group(with_context_parallel=False))
-                step = {x: float(v) / self.dp_size for x, v in zip(keys, t)}
-            step["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-            norms.append(step["grad_norm"])
-            if k == 0:
-                first = dict(step)
-            for key, v in step.items():
-                sums[key] = sums.get(key, 0.0) + v
-        prefix = self.metric_prefix
-        out: dict[str, Any] = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
-        out[STEP_GRAD_NORMS] = norms  # not a metric: the driver pops it (debug/grad_norm.py)
-        for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
-            if key in first:
-                out[f"{prefix}/first_step/{key}"] = first[key]
-        return out
-
-    def offload(self) -> None:
-        """Free this worker's GPU memory while engines run (--offload-train): weights, optimizer state, grad buffers
-        and caches (backends/megatron/train_offload.py)."""
-        from slime_lite.backends.megatron import train_offload
-        from slime_lite.offload import TensorStash
-
-        if getattr(self, "_stash", None) is None:
-            self._stash = TensorStash(train_offload.device())
-        train_offload.offload(self.model, self.optimizer, self._stash)
-
-    def onload(self) -> None:
-        from slime_lite.backends.megatron import train_offload
-
-        if getattr(self, "_stash", None) is not None:
-            train_offload.onload(self.model, self._stash)
-
-    def memory(self) -> dict[str, float]:
-        from slime_lite.metrics import process_memory
-
-        return process_memory()
-
-    # ----------------------------------------------------------------- profiling (driven by profiling.RunProfiler)
-    def start_profile(self) -> None:
-        from slime_lite.profiling import TorchProfile
-
-        self._profile = TorchProfile()
-        # with --record-memory-history the allocator's own history already has every allocation
-        self._profile.start(profile_memory=not self.args.record_memory_history)
-
-    def stop_profile(self, folder: str) -> None:
-        self._profile.stop(os.path.join(folder, f"train_{self.role}_rank{self.rank}.trace.json"))
-
-    def memory_snapshot(self, folder: str, rollout_id: int) -> None:
-        from slime_lite.profiling import dump_memory_snapshot, stop_memory_history
-
-        dump_memory_snapshot(os.path.join(folder, f"memory_snapshot_{self.role}_rank{self.rank}_"
-                                                  f"rollout{rollout_id}.pickle"))
-        stop_memory_history()
-
-    def save(self, rollout_id: int, data_state: Any) -> None:
-        from slime_lite.backends.megatron import checkpoint
-
-        checkpoint.save(self, self.args.save, rollout_id, data_state)
 
 
 class TrainActor(TrainWorker):
@@ -325,9 +62,9 @@ class TrainActor(TrainWorker):
 
     def train(self, rollout_id: int, samples: list, values: dict | None) -> tuple[dict[str, float], Any] | None:
         """Log-probs, advantages and ``--num-steps-per-rollout`` optimizer steps on one rollout."""
-        from slime_lite import rl_math
-
         import time
+
+        from slime_lite import rl_math
 
         a = self.args
         t0 = time.monotonic()
@@ -493,14 +230,3 @@ class TrainActor(TrainWorker):
             if offloaded:
                 named = sent = None
                 self.offload()
-
-
-def _keyword_output(fn: Any) -> Any:
-    def wrapped(mb: Any, output: torch.Tensor, non_loss_data: bool = False) -> tuple:
-        return fn(mb, output)
-
-    return wrapped
-
-
-def _no_loss(mb: Any, output: torch.Tensor) -> tuple:
-    return output.sum() * 0.0, {}

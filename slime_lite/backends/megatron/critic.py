@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.backends.megatron.actor import TrainWorker
 from slime_lite.backends.megatron.loss import response_slices, value_rl_loss
+from slime_lite.backends.megatron.worker import TrainWorker
 
 
 class ValueHead(torch.nn.Module):

@@ -1,0 +1,79 @@
+"""Control operations of the embedded engine's scheduler: pause and resume generation, flush the KV cache, release
+and resume GPU memory.
+
+A mixin of ``Scheduler`` (scheduler.py): these run in its model thread through ``Scheduler.call``, with no step in
+flight, and use its state (``running``, ``waiting``, ``paused``, ``released``, ``prefix``, ``pipeline``, ``lm``,
+``_stash``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from slime_lite.offload import clear_cublas_workspaces
+
+logger = logging.getLogger(__name__)
+
+
+class EngineBusy(RuntimeError):
+    """An operation that needs an idle engine (no running or waiting requests)."""
+
+
+class ControlMixin:
+    def pause(self, mode: str = "abort") -> None:
+        """``abort``: abort everything; ``retract``: running requests go back to the queue (recomputed later);
+        ``in_place``: keep them (and their cache) as they are. New requests queue until ``resume``."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r}: expected abort, retract or in_place")
+        if mode == "abort":
+            self._abort_all("aborted by /pause_generation")
+        elif mode == "retract":
+            for slot in sorted(self.running, reverse=True):
+                self._retract(slot)
+            self._free_cache()
+        self.paused = True
+        logger.info("generation paused (%s): %d running, %d waiting", mode, len(self.running), len(self.waiting))
+
+    def resume(self) -> None:
+        self.paused = False
+        logger.info("generation continued")
+
+    def flush_cache(self) -> None:
+        if self.running or self.waiting:
+            raise EngineBusy(f"cannot flush the cache with {len(self.running)} running and "
+                             f"{len(self.waiting)} waiting requests")
+        self._free_cache()
+
+    def _free_cache(self) -> None:
+        """Free the KV cache (with what the prefix cache points at in it)."""
+        self.prefix.clear()
+        self.pipeline.free_cache()
+
+    def release_memory(self, tags: list[str] | None) -> str:
+        tags = set(tags or ("weights", "kv_cache"))
+        if self.running or self.waiting:
+            raise EngineBusy("release_memory_occupation needs an idle engine (requests are in flight)")
+        if self.device.type == "cpu":
+            logger.info("release_memory_occupation %s: no-op on CPU", sorted(tags))
+            self.released |= tags
+            return "no-op on CPU"
+        self._free_cache()  # with the CUDA graphs, which hold the addresses of the cache and the weights
+        if "weights" in tags and "weights" not in self.released:
+            # one pinned host block; the weights stay readable and writable there (updates, checksums) until resumed
+            self._stash.offload(self.lm.device_tensors(), keep_on_host=True)
+        clear_cublas_workspaces()
+        torch.cuda.empty_cache()
+        self.released |= tags
+        logger.info("released GPU memory %s", sorted(tags))
+        return "released"
+
+    def resume_memory(self, tags: list[str] | None) -> str:
+        tags = set(tags or ("weights", "kv_cache"))
+        if self.device.type != "cpu" and "weights" in tags and "weights" in self.released:
+            self._stash.onload()  # one device block again, every weight a view of it
+            self.lm.storage_version += 1  # new addresses: CUDA graphs are captured again
+        self.released -= tags
+        logger.info("resumed memory %s", sorted(tags))
+        return "resumed"
