@@ -106,8 +106,8 @@ def test_update_weights_from_tensor(fresh_engine, new_model):
     assert_serves(url, new_model, "v2", cached=len(PROMPT) - 1)  # refused updates change nothing, cache included
 
 
-def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
-    url = fresh_engine.url
+def join_group(url: str) -> WeightUpdateGroup:
+    """The trainer's side (rank 0, gloo) of a weight update group "wu" the engine joins."""
     port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "wu", "backend": "gloo"}
@@ -115,6 +115,12 @@ def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
     trainer = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", group_name="wu")
     t.join(30)
     assert box["result"][0] == 200 and box["result"][1]["success"] is True
+    return trainer
+
+
+def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
+    url = fresh_engine.url
+    trainer = join_group(url)
     generate(url, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})  # the old weights' K/V, cached
     named = list(new_model.named_parameters())
     body = {"names": [n for n, _ in named], "dtypes": [str(p.dtype).removeprefix("torch.") for _, p in named],
@@ -141,12 +147,7 @@ def test_update_weights_from_distributed_flattened_bucket(fresh_engine, new_mode
     from tests import sglang_oracle as oracle
 
     url = fresh_engine.url
-    port = free_port()
-    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": "wu", "backend": "gloo"}
-    t, box = in_thread(http, url, "/init_weights_update_group", init)
-    trainer = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", group_name="wu")
-    t.join(30)
+    trainer = join_group(url)
     named = [(n, p.detach()) for n, p in new_model.named_parameters()]
     body = {"names": [n for n, _ in named], "dtypes": [str(p.dtype).removeprefix("torch.") for _, p in named],
             "shapes": [list(p.shape) for _, p in named], "group_name": "wu", "weight_version": "v8",
