@@ -46,6 +46,24 @@ def test_chunked_equals_full(chunk):
     assert torch.equal(lp2, lp.detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_gradient_of_the_log_probs_alone_and_in_the_logits_dtype(with_entropy, dtype):
+    """Log-probs only (no entropy output; or entropy returned but left out of the loss), in float32 and bf16 logits:
+    the gradient (written in the logits' dtype, one rounding) matches float64 autograd of the same values."""
+    logits, tokens = _data()
+    logits = logits.to(dtype)
+    x = logits[:, :VOCAB].double().requires_grad_(True)
+    torch.log_softmax(x[:-1] / 0.7, -1).gather(-1, tokens[1:, None]).sum().backward()
+    ref = torch.cat([x.grad, torch.zeros(x.shape[0], PADDED - VOCAB, dtype=torch.float64)], -1)
+    y = logits.clone().requires_grad_(True)
+    lp, _ = token_log_probs(y[:-1], tokens[1:], 0.7, with_entropy, vocab_limit=VOCAB, chunk_tokens=4)
+    lp.sum().backward()
+    assert y.grad.dtype == dtype
+    tol = {"rtol": 1e-6, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2 ** -8, "atol": 1e-6}
+    torch.testing.assert_close(y.grad.double(), ref, **tol)
+
+
 def _tp_rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
