@@ -63,6 +63,10 @@ def test_saved_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> 
     assert torch.equal(model2.weight, model.weight)
     assert opt2.state_dict()["param_groups"][0]["betas"] == (0.8, 0.9)
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    bf16 = torch.nn.Linear(3, 2).to(torch.bfloat16)  # another --bf16 (or float32 norms of an older bf16 save)
+    with pytest.raises(SlimeLiteError, match=r"--load .*2 weight\(s\) in another dtype .*weight: float32 saved, "
+                                             r"bfloat16 here.*--hf-checkpoint .*iter_0000000/hf"):
+        checkpoint.load(_actor(bf16, torch.optim.Adam(bf16.parameters())), str(root))
 
 
 def test_plain_state_names_what_a_weights_only_load_could_not_read() -> None:

@@ -129,6 +129,17 @@ def load(actor: Any, root: str) -> dict[str, Any]:
     if state.get("layout") != want:
         raise SlimeLiteError(f"--load {root}: the checkpoint was saved with {state.get('layout')} but this run uses "
                              f"{want}; resume with the same --actor-num-gpus-per-node, TP and PP.")
+    current = actor.model.state_dict()
+    other = [(k, v.dtype, current[k].dtype) for k, v in state["model"].items()
+             if torch.is_tensor(v) and torch.is_tensor(current.get(k)) and v.dtype != current[k].dtype]
+    if other:  # the optimizer state would not match either (which parameters have float32 master copies)
+        k, saved, now = other[0]
+        raise SlimeLiteError(
+            f"--load {root}: {file} holds {len(other)} weight(s) in another dtype than this run's model (e.g. {k}: "
+            f"{str(saved).removeprefix('torch.')} saved, {str(now).removeprefix('torch.')} here): it was saved with "
+            "another --bf16 setting, or by a slime-lite from before 2026-12-01 whose bf16 models kept their norms in "
+            f"float32. Resume with the same --bf16, or start from its HF export: --hf-checkpoint {path}/hf "
+            "(weights only; the optimizer starts afresh).")
     actor.model.load_state_dict(state["model"])
     actor.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["cpu"])
