@@ -279,8 +279,9 @@ def attention_microbench(lengths: list[int], heads: int, kv: int, dim: int, dtyp
 
 def logprob_microbench(tokens: int, vocab: int = VOCAB) -> dict[str, float]:
     """Forward + backward of the log-probs and entropy of ``tokens`` rows of bf16 logits over the vocabulary (ms,
-    best of 3): ours (logprobs.token_log_probs: chunked, hand-written backward) against plain autograd through a
-    float32 log-softmax (what the baseline's loss does)."""
+    best of 3): ours (logprobs.token_log_probs: the Triton kernels on CUDA, one read of the logits forward and one
+    read + write backward), ours by chunked torch ops (hand-written backward; the CPU path), and plain autograd
+    through a float32 log-softmax (what the baseline's loss does)."""
     from slime_lite.backends.megatron.logprobs import token_log_probs
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -288,8 +289,8 @@ def logprob_microbench(tokens: int, vocab: int = VOCAB) -> dict[str, float]:
     base = torch.randn(tokens, vocab, generator=g, device=dev).mul_(3).to(torch.bfloat16)
     target = torch.randint(0, vocab, (tokens,), generator=g, device=dev)
 
-    def ours(x):
-        lp, ent = token_log_probs(x, target, 1.0, True)
+    def ours(x, fused=None):
+        lp, ent = token_log_probs(x, target, 1.0, True, fused=fused)
         return lp.sum() + 0.01 * ent.sum()
 
     def plain(x):
@@ -297,7 +298,8 @@ def logprob_microbench(tokens: int, vocab: int = VOCAB) -> dict[str, float]:
         return logp.gather(-1, target[:, None]).sum() - 0.01 * (logp.exp() * logp).sum()
 
     out = {}
-    for name, fn in (("ours", ours), ("plain autograd", plain)):
+    runs = [("ours", ours), ("ours, torch ops", lambda x: ours(x, False)), ("plain autograd", plain)]
+    for name, fn in runs if dev == "cuda" else [runs[0], runs[2]]:
         for _ in range(3):
             x = base.clone().requires_grad_(True)
             sync()

@@ -100,3 +100,107 @@ def test_a_tp_slice_of_padding_only_adds_nothing():
     assert lp.shape == ent.shape == (3,)
     (lp.sum() + ent.sum()).backward()
     assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def _float64_reference(logits, targets, temp, vocab, g_ent):
+    """log p, entropy and d(sum log p + g_ent * sum H)/d logits in float64 over the real vocabulary."""
+    x = logits.double().requires_grad_(True)
+    logp = torch.log_softmax(x[:, :vocab] / temp, -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    (lp.sum() + g_ent * ent.sum()).backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+@pytest.mark.parametrize(
+    "dtype,vocab,columns,temp,with_entropy",
+    [(torch.bfloat16, 151936, 151936, 1.0, True),    # Qwen2.5's vocabulary: 38 blocks of 4,096 per row
+     (torch.bfloat16, 151900, 151936, 0.7, False),   # padding columns, a temperature, log-probs only
+     (torch.float32, 5000, 5003, 0.7, True),         # float32 logits, a short last block
+     (torch.float16, 37, 38, 1.3, True)],            # one block narrower than the row
+)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_kernels_match_float64_and_the_torch_path(dtype, vocab, columns, temp, with_entropy):
+    pytest.importorskip("triton")
+    from slime_lite.backends.megatron import logprobs_fused
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = (torch.randn(67, columns, generator=g, device="cuda") * 3).to(dtype)
+    targets = torch.randint(0, vocab, (67,), generator=g, device="cuda")
+    assert logprobs_fused.available(logits)
+    ref_lp, ref_ent, ref_grad = _float64_reference(logits, targets, temp, vocab, 0.3 if with_entropy else 0.0)
+    out = {}
+    for fused in (True, False):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = token_log_probs(x, targets, temp, with_entropy, vocab_limit=vocab, fused=fused)
+        (lp.sum() + (0.3 * ent.sum() if with_entropy else 0)).backward()
+        assert x.grad.dtype == dtype
+        out[fused] = (lp.detach(), ent, x.grad)
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=2e-5)
+        if with_entropy:
+            torch.testing.assert_close(ent.detach().double(), ref_ent, rtol=1e-5, atol=2e-5)
+        tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-6}
+        torch.testing.assert_close(x.grad.double(), ref_grad, **tol)
+    assert torch.equal(out[True][2][:, vocab:], torch.zeros_like(out[True][2][:, vocab:]))  # padding: no gradient
+    with torch.no_grad():  # the log-prob pass (no grad) gives the train pass's values, bit for bit
+        lp_nograd, _ = token_log_probs(logits, targets, temp, False, vocab_limit=vocab)
+    assert torch.equal(lp_nograd, out[True][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_rows_kernel_result_does_not_depend_on_its_batch():
+    """Each row is reduced on its own: the same row alone, at another place or in a larger batch gives the same bits
+    (log-probs, entropy, gradient), as the log-prob and train passes need when their micro-batches differ."""
+    pytest.importorskip("triton")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    logits = (torch.randn(300, 151936, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    targets = torch.randint(0, 151936, (300,), generator=g, device="cuda")
+
+    def run(rows):
+        x = logits[rows].clone().requires_grad_(True)
+        lp, ent = token_log_probs(x, targets[rows], 1.0, True, vocab_limit=151936)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        return lp.detach(), ent.detach(), x.grad
+
+    whole = run(torch.arange(300, device="cuda"))
+    for rows in (torch.arange(7, 9, device="cuda"), torch.tensor([299, 5, 42], device="cuda")):
+        for a, b in zip(run(rows), whole):
+            assert torch.equal(a, b[rows])
+
+
+def _tp_rank_cuda(rank: int, port: int, out: str) -> None:
+    """A TP=2 rank on the one GPU (gloo all-reduces CUDA tensors through the host): the kernels on its vocabulary
+    slice, combined over the group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    logits = (torch.randn(41, 2 * 8192, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    targets = torch.randint(0, 16000, (41,), generator=g, device="cuda")
+    x = logits[:, rank * 8192: (rank + 1) * 8192].clone().requires_grad_(True)
+    lp, ent = token_log_probs(x, targets, 0.7, True, vocab_start=rank * 8192, vocab_limit=16000,
+                              tp_group=dist.group.WORLD, fused=True)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    torch.save({"lp": lp.detach().cpu(), "ent": ent.detach().cpu(), "grad": x.grad.cpu(), "logits": logits.cpu(),
+                "targets": targets.cpu()}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_kernels_over_two_tp_vocabulary_slices(tmp_path):
+    """TP=2 vocab-parallel with the kernels (two processes on one GPU, the second slice partly padding) equals the
+    float64 computation over the whole vocabulary on every rank, and the slices' gradients join into the whole one."""
+    pytest.importorskip("triton")
+    import torch.multiprocessing as mp
+
+    mp.spawn(_tp_rank_cuda, args=(free_port(), str(tmp_path)), nprocs=2)
+    parts = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    ref_lp, ref_ent, ref_grad = _float64_reference(parts[0]["logits"], parts[0]["targets"], 0.7, 16000, 0.3)
+    for p in parts:
+        torch.testing.assert_close(p["lp"].double(), ref_lp, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(p["ent"].double(), ref_ent, rtol=1e-5, atol=2e-5)
+    grad = torch.cat([p["grad"] for p in parts], -1).double()
+    torch.testing.assert_close(grad, ref_grad, rtol=2 ** -7, atol=1e-6)

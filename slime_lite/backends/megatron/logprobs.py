@@ -12,23 +12,18 @@ max, the log-sum-exp, the entropy) next to the model's own logits; its backward 
 writes the gradient of the logits in a few passes over the chunk (an autograd graph of the forward's ops, recomputed
 by checkpointing, took about twice as many passes over the float32 [chunk, vocab] tensors: on an H200 these passes
 were a large part of a 0.5B model's train step). Every row is reduced on its own, so a token's result does not
-depend on the chunk or micro-batch it sits in.
+depend on the chunk or micro-batch it sits in. On CUDA with Triton, ``logprobs_fused`` does the same in one read of
+the logits forward and one backward (this module stays the reference and the CPU path).
 """
 
 from __future__ import annotations
 
 import torch
 
+from slime_lite.backends.megatron import logprobs_fused
+from slime_lite.backends.megatron.logprobs_fused import all_reduce as _all_reduce
+
 CHUNK_TOKENS = 1024
-
-
-def _all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    """In place over the TP group (a no-op without one)."""
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
-    return x
 
 
 def _scaled(logits: torch.Tensor, temperature: float, width: int) -> torch.Tensor:
@@ -112,11 +107,14 @@ def token_log_probs(
     vocab_limit: int | None = None,
     tp_group=None,
     chunk_tokens: int = CHUNK_TOKENS,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets[n] | logits[n]) and the entropy of softmax(logits[n] / temperature), float32, for rows n.
 
     logits [N, V_local]: this rank's vocabulary columns [vocab_start, vocab_start + V_local) (all of them with
     tp_group None); vocab_limit: the real vocabulary size (columns at or past it are padding); targets [N] global ids.
+    fused: the Triton kernels of ``logprobs_fused`` (None: wherever they can run, i.e. CUDA with Triton), else the
+    chunked torch ops below (chunk_tokens rows at a time).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -124,6 +122,8 @@ def token_log_probs(
         raise ValueError(f"logits {tuple(logits.shape)} must be [N, V] for targets [N], got {tuple(targets.shape)}")
     limit = vocab_start + logits.shape[-1] if vocab_limit is None else vocab_limit
     targets = targets.to(logits.device).long()
+    if fused or (fused is None and logprobs_fused.available(logits)):
+        return logprobs_fused.token_log_probs(logits, targets, temperature, with_entropy, vocab_start, limit, tp_group)
     outs_lp, outs_ent = [], []
     grad = torch.is_grad_enabled() and logits.requires_grad
     # split, not a slice per chunk: a slice's backward writes into a zeroed copy of the whole logits (O(chunks x N))
