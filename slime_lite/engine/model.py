@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slime_lite.engine import decode_attention
 from slime_lite.errors import SlimeLiteError
 
 logger = logging.getLogger(__name__)
@@ -368,7 +369,9 @@ class CausalLM:
         h = F.embedding(tokens[:, None], self.embed.weight)
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
         mask = None
-        if not same_length:  # [B, 1, 1, L]: broadcast over kv heads and their grouped queries
+        # captured steps on CUDA: each row reads its own cache prefix (decode_attention), no mask, no length padding
+        own_length = graphed and slot_range == (0, b) and decode_attention.available(h.device, h.dtype, self.head_dim)
+        if not same_length and not own_length:  # [B, 1, 1, L]: broadcast over kv heads and their grouped queries
             mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
             if graphed:  # additive, built once per step (SDPA would convert a boolean mask in every layer)
                 mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
@@ -383,7 +386,9 @@ class CausalLM:
                 keys, values = kc[:, :, :kv_len].index_select(0, slots), vc[:, :, :kv_len].index_select(0, slots)
             # Group the query heads of each kv head ([B, kv, n_rep, D]) instead of repeating K/V.
             qg = q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
-            if qg.is_cuda and not graphed:
+            if own_length:
+                out = decode_attention.decode_attention(qg, keys, values, positions, self.scaling)
+            elif qg.is_cuda and not graphed:
                 out = self._eager_attention(qg, keys, values, mask)
             else:
                 with _sdpa_without_plans(qg.device):

@@ -129,3 +129,24 @@ def test_prefix_cache_hits_under_graph_replay_match_cold_runs(pair):
     warm = run_requests(s, SPECS)
     assert any(o.cached_tokens for o in warm) and not any(o.cached_tokens for o in cold)
     assert_same(warm, cold)
+
+
+def test_captured_steps_attend_by_each_rows_own_length(pair, monkeypatch):
+    """Captured steps call the own-length attention kernels (engine/decode_attention.py), and still give what eager
+    decode gives; with them switched off the step goes back to masked SDPA over the bucket, with the same results."""
+    from slime_lite.engine import decode_attention as da
+
+    calls = []
+    real = da.decode_attention
+    monkeypatch.setattr(da, "decode_attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    s = pair[True]
+    s.decoder.reset()  # captured again below: a capture runs the step's Python once
+    with_kernels = run_requests(s, SPECS)
+    assert calls, "a captured step did not use decode_attention"
+    assert_same(with_kernels, run_requests(pair[False], SPECS))
+    monkeypatch.setattr(da, "ENABLED", False)
+    calls.clear()
+    s.decoder.reset()
+    assert_same(run_requests(s, SPECS), with_kernels)
+    assert not calls
+    s.decoder.reset()

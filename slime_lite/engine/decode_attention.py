@@ -1,0 +1,138 @@
+"""Decode attention over each row's own length, by Triton kernels (CUDA graph steps).
+
+A padded decode step attends over the first ``L`` cache positions, ``L`` its length bucket, with a mask per row:
+SDPA then reads ``L`` positions of K and V for every row, though a row needs only ``position + 1`` of them. In an
+RL rollout lengths spread widely (a few long answers set the bucket), so most of that read is wasted. Here each
+row reads its own prefix only:
+
+- ``partial``: one program per (row, KV head, split of ``CHUNK`` positions); it skips splits past the row's length
+  and, for the others, keeps the query heads of its KV head together (GQA: K and V read once for all of them) with
+  a running max and sum of exponentials (flash-decoding);
+- ``combine``: one program per (row, KV head) joins the splits in order.
+
+Splits sit at fixed positions (multiples of ``CHUNK``), and splits past a row's length add exact zeros, so a row's
+result does not depend on its batch, its slot or the length bucket. Lengths are read on the device: a captured
+graph serves any lengths up to its bucket. Used for captured steps on CUDA with Triton, for head sizes that are
+powers of two; elsewhere the step keeps SDPA with a mask.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+CHUNK = 256  # positions per split: part of the result's definition (the splits' sums are joined in order)
+BLOCK_N = 64  # positions per step inside a split
+
+
+ENABLED = True  # False: captured steps keep SDPA with a mask (benchmarks compare the two in one process)
+
+
+def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """The kernels serve this model's captured steps: CUDA, Triton installed, a power-of-two head size >= 16."""
+    return (ENABLED and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _kernels() is not None)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def partial(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st, n_rep, heads,
+                splits, scale, R: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                IEEE: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        length = tl.load(pos_ptr + b).to(tl.int32) + 1
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, length)
+        rows = tl.arange(0, R)
+        dims = tl.arange(0, D)
+        live = rows < n_rep
+        q = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sr + dims[None, :], mask=live[:, None], other=0.0)
+        m = tl.full((R,), -float("inf"), tl.float32)
+        l_sum = tl.zeros((R,), tl.float32)
+        acc = tl.zeros((R, D), tl.float32)
+        base = b * c_sb + h * c_sh
+        for t0 in tl.range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            valid = t < end
+            off = base + t[:, None].to(tl.int64) * c_st + dims[None, :]
+            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.where(valid[None, :], sc * scale, -float("inf"))
+            new = tl.maximum(m, tl.max(sc, axis=1))  # finite: every step has a valid position
+            alpha = tl.exp(m - new)
+            p = tl.exp(sc - new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = new
+        at = ((b * heads + h) * splits + s) * n_rep  # this split's rows: [rows, D] floats, then max and sum
+        tl.store(o_ptr + (at + rows[:, None]) * D + dims[None, :], acc, mask=live[:, None])
+        tl.store(ml_ptr + 2 * (at + rows), m, mask=live)
+        tl.store(ml_ptr + 2 * (at + rows) + 1, l_sum, mask=live)
+
+    @triton.jit
+    def combine(o_ptr, ml_ptr, out_ptr, out_sb, out_sh, out_sr, n_rep, heads, splits, R: tl.constexpr,
+                D: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        rows = tl.arange(0, R)
+        dims = tl.arange(0, D)
+        live = rows < n_rep
+        first = (b * heads + h) * splits * n_rep
+        top = tl.full((R,), -float("inf"), tl.float32)
+        for s in range(splits):
+            top = tl.maximum(top, tl.load(ml_ptr + 2 * (first + s * n_rep + rows), mask=live, other=0.0))
+        total = tl.zeros((R,), tl.float32)
+        acc = tl.zeros((R, D), tl.float32)
+        for s in range(splits):
+            at = first + s * n_rep + rows
+            w = tl.exp(tl.load(ml_ptr + 2 * at, mask=live, other=0.0) - top)  # 0 for an empty split (max -inf)
+            total += w * tl.load(ml_ptr + 2 * at + 1, mask=live, other=0.0)
+            acc += w[:, None] * tl.load(o_ptr + at[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+        out = acc / total[:, None]
+        tl.store(out_ptr + b * out_sb + h * out_sh + rows[:, None] * out_sr + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    return partial, combine
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of one query per row over cache positions ``0..positions[b]`` of its own slot.
+
+    q [B, kv_heads, n_rep, D] (the query heads grouped by their KV head); keys, values [B, kv_heads, L, D] with the
+    last dimension contiguous (views of the cache: row b is slot b); positions [B], each < L. Returns
+    [B, kv_heads, n_rep, D] in q's dtype."""
+    b, heads, n_rep, d = q.shape
+    if keys.stride() != values.stride() or keys.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("decode_attention: keys and values must share strides, with contiguous head dimensions")
+    splits = -(-keys.shape[2] // CHUNK)
+    out = torch.empty_like(q)
+    parts = torch.empty(b * heads * splits * n_rep, d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(b * heads * splits * n_rep, 2, dtype=torch.float32, device=q.device)
+    r = max(16, 1 << (n_rep - 1).bit_length())
+    partial, combine = _kernels()
+    with torch.cuda.device(q.device):
+        partial[(b, heads, splits)](q, keys, values, positions, parts, stats, q.stride(0), q.stride(1), q.stride(2),
+                                    keys.stride(0), keys.stride(1), keys.stride(2), n_rep, heads, splits, float(scale),
+                                    R=r, D=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+                                    num_warps=4)
+        combine[(b, heads)](parts, stats, out, out.stride(0), out.stride(1), out.stride(2), n_rep, heads, splits,
+                            R=r, D=d, num_warps=4)
+    return out

@@ -1,0 +1,64 @@
+"""engine/decode_attention.py on a GPU (skipped without CUDA): each row's attention over its own cache prefix
+equals masked attention over the whole length bucket (float64 reference), and a row's result does not depend on
+its batch, its neighbours' lengths or the bucket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _cache(slots, kv_heads, length, dim, dtype, seed=0):
+    """A cache laid out as the engine's (K heads then V heads of one layer), keys/values as the step slices them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv = torch.randn(slots, 2 * kv_heads, length, dim, generator=g, device="cuda").to(dtype)
+    return kv, kv[:, :kv_heads], kv[:, kv_heads:]
+
+
+def _reference(q, keys, values, positions, scale):
+    mask = (torch.arange(keys.shape[2], device="cuda")[None, :] <= positions[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("dtype,kv_heads,n_rep,dim,bucket", [
+    (torch.bfloat16, 2, 7, 64, 2048),   # Qwen2.5-0.5B's attention: 14 query heads on 2 KV heads
+    (torch.bfloat16, 2, 6, 128, 1024),  # Qwen2.5-1.5B's
+    (torch.float16, 4, 1, 64, 300),     # no grouping; a bucket that is not a multiple of the split
+    (torch.float32, 2, 2, 32, 640),     # the float32 engine (the tiny test models)
+])
+def test_own_length_attention_matches_masked_attention(dtype, kv_heads, n_rep, dim, bucket):
+    from slime_lite.engine.decode_attention import CHUNK, available, decode_attention
+
+    assert available(torch.device("cuda"), dtype, dim), "Triton should come with CUDA torch"
+    rows = 40
+    _, keys, values = _cache(rows + 3, kv_heads, bucket + 64, dim, dtype)
+    keys, values = keys[:rows, :, :bucket], values[:rows, :, :bucket]  # rows 0..B-1 of a larger cache, as a step
+    q = torch.randn(rows, kv_heads, n_rep, dim, device="cuda").to(dtype)
+    edges = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, bucket - 1]
+    positions = torch.tensor(edges + torch.randint(0, bucket, (rows - len(edges),)).tolist(), device="cuda")
+    out = decode_attention(q, keys, values, positions, dim ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.double(), _reference(q, keys, values, positions, dim ** -0.5), rtol=tol, atol=tol)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_or_bucket():
+    """The same row (query, cache prefix, position) alone, with other neighbours, or under a larger length bucket
+    gives the same bits: splits sit at fixed positions and empty ones add exact zeros."""
+    from slime_lite.engine.decode_attention import decode_attention
+
+    _, keys, values = _cache(64, 2, 2048, 64, torch.bfloat16)
+    q = torch.randn(64, 2, 7, 64, device="cuda").to(torch.bfloat16)
+    positions = torch.randint(0, 600, (64,), device="cuda")
+    whole = decode_attention(q, keys[:, :, :1024], values[:, :, :1024], positions, 0.125)
+    wider = decode_attention(q, keys, values, positions, 0.125)
+    assert torch.equal(whole, wider)
+    others = positions.clone()
+    others[1::2] = 2047  # neighbours at the bucket's end
+    mixed = decode_attention(q, keys, values, others, 0.125)
+    assert torch.equal(mixed[0::2], whole[0::2])
+    alone = decode_attention(q[5:6], keys[5:6, :, :640], values[5:6, :, :640], positions[5:6], 0.125)
+    assert torch.equal(alone, whole[5:6])
