@@ -36,5 +36,9 @@ if [ "$extra" = dev ]; then
   # SGLang's own code, without its GPU stack (torch pins, CUDA kernels): the small packages its modules import are
   # in the dev extra; the GPU/notebook modules it imports are faked by the tests' harness only
   .venv/bin/python -m pip install -q --no-deps "sglang==$sglang_version"
+  # Triton for its interpreter: the CPU tests run the project's Triton kernels with TRITON_INTERPRET=1 in child
+  # processes (tests/triton_interpreter.py). Kept out of site-packages, in its own folder on those processes' path
+  # only: the tests' own process stays a machine without Triton (the SGLang oracle fakes it).
+  .venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/triton-interpreter "triton==3.9.0"
 fi
 echo "$want" > "$stamp"

@@ -128,7 +128,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     stats = torch.empty(b * heads * splits * n_rep, 2, dtype=torch.float32, device=q.device)
     r = max(16, 1 << (n_rep - 1).bit_length())
     partial, combine = _kernels()
-    with torch.cuda.device(q.device):
+    with torch.cuda.device(q.device if q.is_cuda else -1):  # -1: a CPU tensor under the Triton interpreter (tests)
         partial[(b, heads, splits)](q, keys, values, positions, parts, stats, q.stride(0), q.stride(1), q.stride(2),
                                     keys.stride(0), keys.stride(1), keys.stride(2), n_rep, heads, splits, float(scale),
                                     R=r, D=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,

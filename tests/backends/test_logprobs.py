@@ -204,3 +204,43 @@ def test_the_kernels_over_two_tp_vocabulary_slices(tmp_path):
         torch.testing.assert_close(p["ent"].double(), ref_ent, rtol=1e-5, atol=2e-5)
     grad = torch.cat([p["grad"] for p in parts], -1).double()
     torch.testing.assert_close(grad, ref_grad, rtol=2 ** -7, atol=1e-6)
+
+
+def _kernels_on_cpu() -> None:
+    """Run by ``test_the_kernels_in_the_triton_interpreter`` in a process with TRITON_INTERPRET=1: the kernels on CPU
+    tensors (float32 and float16 logits; several blocks per row, padding columns, a temperature) against float64
+    and against the torch path, values and gradients; a row alone gives the bits it gives in its batch."""
+    from slime_lite.backends.megatron import logprobs_fused
+
+    for dtype, vocab, columns, temp, with_entropy in [(torch.float32, 9000, 9003, 0.7, True),
+                                                        (torch.float16, 37, 38, 1.0, False)]:
+        g = torch.Generator().manual_seed(4)
+        logits = (torch.randn(6, columns, generator=g) * 3).to(dtype)
+        targets = torch.randint(0, vocab, (6,), generator=g)
+        ref_lp, ref_ent, ref_grad = _float64_reference(logits, targets, temp, vocab, 0.3 if with_entropy else 0.0)
+        grads = {}
+        for fused in (True, False):
+            x = logits.clone().requires_grad_(True)
+            if fused:
+                lp, ent = logprobs_fused.token_log_probs(x, targets, temp, with_entropy, 0, vocab, None)
+            else:
+                lp, ent = token_log_probs(x, targets, temp, with_entropy, vocab_limit=vocab, fused=False)
+            (lp.sum() + (0.3 * ent.sum() if with_entropy else 0)).backward()
+            torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=2e-5)
+            if with_entropy:
+                torch.testing.assert_close(ent.detach().double(), ref_ent, rtol=1e-5, atol=2e-5)
+            tol = 1e-5 if dtype == torch.float32 else 2e-3
+            torch.testing.assert_close(x.grad.double(), ref_grad, rtol=tol, atol=1e-7)
+            grads[fused] = x.grad
+        assert torch.equal(grads[True][:, vocab:], torch.zeros_like(grads[True][:, vocab:]))
+        alone, _ = logprobs_fused.token_log_probs(logits[3:4], targets[3:4], temp, False, 0, vocab, None)
+        batch, _ = logprobs_fused.token_log_probs(logits, targets, temp, False, 0, vocab, None)
+        assert torch.equal(alone, batch[3:4])
+
+
+def test_the_kernels_in_the_triton_interpreter():
+    """The Triton kernels' logic runs in CI too (on the CPU, in Triton's interpreter); the GPU tests above add bf16,
+    the real compiler and TP over a process group."""
+    from tests.triton_interpreter import run_interpreted
+
+    run_interpreted("tests.backends.test_logprobs:_kernels_on_cpu")

@@ -62,3 +62,4 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_bucket():
     assert torch.equal(mixed[0::2], whole[0::2])
     alone = decode_attention(q[5:6], keys[5:6, :, :640], values[5:6, :, :640], positions[5:6], 0.125)
     assert torch.equal(alone, whole[5:6])
+

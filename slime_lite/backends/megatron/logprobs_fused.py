@@ -107,6 +107,12 @@ def _kernels():
     return row_stats, row_grad
 
 
+def _device(x: torch.Tensor):
+    """The tensor's CUDA device as the current one while a kernel launches (-1, no switch: a CPU tensor under the Triton
+    interpreter, ``TRITON_INTERPRET=1``, which the CPU tests use)."""
+    return torch.cuda.device(x.device if x.is_cuda else -1)
+
+
 def _block(width: int) -> int:
     return max(16, min(_MAX_BLOCK, 1 << max(0, width - 1).bit_length()))
 
@@ -119,7 +125,7 @@ def _forward(logits: torch.Tensor, local: torch.Tensor, temperature: float, widt
         stats[0].fill_(-torch.inf)
         stats[1:].zero_()
     elif rows:
-        with torch.cuda.device(logits.device):
+        with _device(logits):
             _kernels()[0][(rows,)](logits, logits.stride(0), local, stats, rows, width, float(temperature),
                                    BLOCK=_block(width), num_warps=8)
     m, s_sum, w_sum, picked = stats
@@ -162,7 +168,7 @@ class FusedLogProbs(torch.autograd.Function):
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float()
         parts = [big_m, lse, ent, g_logp] + ([g_ent.float()] if has_ent else [])
         stats = torch.stack(parts).contiguous()
-        with torch.cuda.device(logits.device):
+        with _device(logits):
             _kernels()[1][(rows,)](logits, logits.stride(0), grad, local, stats, rows, width, columns,
                                    float(temperature), HAS_ENT=has_ent, BLOCK=_block(width), num_warps=8)
         return grad, None, None, None, None, None, None

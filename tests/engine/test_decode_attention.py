@@ -1,0 +1,36 @@
+"""engine/decode_attention.py on the CPU, in Triton's interpreter (tests/triton_interpreter.py): the kernels' logic
+in CI; tests/engine/test_decode_attention_gpu.py runs them compiled on a GPU, in bf16 too."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _kernels_on_cpu() -> None:
+    """Run by ``test_the_kernels_in_the_triton_interpreter`` with TRITON_INTERPRET=1: the kernels on CPU tensors
+    (float32 and float16; lengths at the split edges; rows of a larger cache) against float64 masked attention, and
+    the same bits for a row alone under a smaller bucket."""
+    from slime_lite.engine.decode_attention import CHUNK, decode_attention
+
+    for dtype, kv_heads, n_rep, dim, bucket, tol in [(torch.float32, 2, 7, 32, 600, 1e-5),
+                                                    (torch.float16, 1, 2, 16, 300, 2e-3)]:
+        g = torch.Generator().manual_seed(5)
+        kv = torch.randn(7, 2 * kv_heads, bucket + 64, dim, generator=g).to(dtype)
+        keys, values = kv[:5, :kv_heads, :bucket], kv[:5, kv_heads:, :bucket]
+        q = torch.randn(5, kv_heads, n_rep, dim, generator=g).to(dtype)
+        positions = torch.tensor([0, CHUNK - 1, CHUNK, bucket - 1, 17])
+        out = decode_attention(q, keys, values, positions, dim ** -0.5)
+        mask = (torch.arange(bucket)[None, :] <= positions[:, None])[:, None, None, :]
+        want = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask,
+                                              scale=dim ** -0.5)
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+        alone = decode_attention(q[4:5], kv[4:5, :kv_heads, :64], kv[4:5, kv_heads:, :64], positions[4:5], dim ** -0.5)
+        assert torch.equal(alone, out[4:5])
+
+
+def test_the_kernels_in_the_triton_interpreter():
+    """The kernels' logic runs in CI too (CPU, Triton's interpreter); the GPU tests above add bf16 and the compiler."""
+    from tests.triton_interpreter import run_interpreted
+
+    run_interpreted("tests.engine.test_decode_attention:_kernels_on_cpu")
