@@ -83,8 +83,9 @@ class StepInputs:
 
 IDLE = StepInputs(token=0, position=0, temperature=1.0, uniform=0.0, greedy=True)  # token 0 at position 0, greedy
 _FIELDS = [f.name for f in fields(StepInputs)]
-# The buffer's rows: the fields of ``StepInputs`` in order, then the ``chained`` flag (``run(chain=True)``).
-_IDLE_COLUMN = np.array([float(v) for v in astuple(IDLE)] + [0.0])[:, None]
+# The buffer's rows: the fields of ``StepInputs`` in order, then the ``chained`` flag (``run(chain=True)``) and the
+# ``live`` flag (1 for the rows of ``run``'s slots, 0 for idle rows: they attend to one position, not the bucket).
+_IDLE_COLUMN = np.array([float(v) for v in astuple(IDLE)] + [0.0, 0.0])[:, None]
 
 
 @dataclass
@@ -134,13 +135,15 @@ class PaddedDecoder:
         return (tuple(self.cache.kv.shape), self.cache.kv.data_ptr(), self.lm.storage_version)
 
     def _step(self, bs: int, kv_len: int) -> None:
-        *rows, chained = self._inputs[:, :bs]
+        *rows, chained, live = self._inputs[:, :bs]
         x = StepInputs(*rows)
         # Chained rows take the token the last step drew, still on the device (``run`` copies it to ``_prev``
         # outside the graph: the step stays the same when run twice, as warm-up and capture do).
         tokens = torch.where(chained > 0, self._prev[:bs], x.token).long()
-        hidden = self.lm.decode(tokens, x.position.long(), self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
-                                graphed=True)
+        position = x.position.long()
+        attend = torch.where(live > 0, position, torch.zeros_like(position))  # idle rows: their slot's position 0
+        hidden = self.lm.decode(tokens, position, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
+                                graphed=True, attend_positions=attend)
         self.lm.logits(hidden, out=self._out[:bs])
         drawn, logprobs = sample_rows(self._out[:bs], x.temperature, x.uniform, x.greedy > 0)
         self._sampled[0, :bs].copy_(drawn)
@@ -185,7 +188,7 @@ class PaddedDecoder:
         host[:, :bs] = _IDLE_COLUMN
         host[_FIELDS.index("position"), :bs] = kv_len - 1
         self.idle_write = (sorted(set(range(bs)) - set(slots)), kv_len - 1)
-        host[:, slots] = [getattr(inputs, name) for name in _FIELDS] + [[float(chain)] * len(slots)]
+        host[:, slots] = [getattr(inputs, name) for name in _FIELDS] + [[float(chain)] * len(slots), [1.0] * len(slots)]
         # Whole buffers both ways: a copy of a non-contiguous slice is staged through a temporary, which is not safe
         # while the copy is in flight.
         self._inputs.copy_(self._host_in[self._flip], non_blocking=True)

@@ -357,13 +357,15 @@ class CausalLM:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                kv_len: int, slot_range: tuple[int, int] | None = None, same_length: bool = False,
-               graphed: bool = False) -> torch.Tensor:
+               graphed: bool = False, attend_positions: torch.Tensor | None = None) -> torch.Tensor:
         """One token per running request: ``tokens``, ``positions``, ``slots`` are ``[B]``; returns hidden [B, H].
 
         ``kv_len`` is ``max(positions) + 1``; ``slot_range=(a, b)`` says ``slots`` is exactly ``a..b-1`` in order,
         so the cache is read as a view; ``same_length`` says every position is ``kv_len - 1`` (no mask needed).
         ``graphed``: a padded step (captured as a CUDA graph on CUDA, where SDPA's per-shape setup is paid once, at
-        capture); it uses the compiled layer pieces when ``enable_compile`` was called.
+        capture); it uses the compiled layer pieces when ``enable_compile`` was called. ``attend_positions``: row b
+        attends to cache positions ``0..attend_positions[b]`` (default ``positions``; a padded step's idle rows, whose
+        results are dropped, attend to one position instead of the whole bucket).
         """
         b = tokens.shape[0]
         h = F.embedding(tokens[:, None], self.embed.weight)
@@ -371,8 +373,9 @@ class CausalLM:
         mask = None
         # captured steps on CUDA: each row reads its own cache prefix (decode_attention), no mask, no length padding
         own_length = graphed and slot_range == (0, b) and decode_attention.available(h.device, h.dtype, self.head_dim)
+        attend = positions if attend_positions is None else attend_positions
         if not same_length and not own_length:  # [B, 1, 1, L]: broadcast over kv heads and their grouped queries
-            mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+            mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= attend[:, None])[:, None, None, :]
             if graphed:  # additive, built once per step (SDPA would convert a boolean mask in every layer)
                 mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         index = cache.flat_index(slots, positions[:, None])
@@ -387,7 +390,7 @@ class CausalLM:
             # Group the query heads of each kv head ([B, kv, n_rep, D]) instead of repeating K/V.
             qg = q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
             if own_length:
-                out = decode_attention.decode_attention(qg, keys, values, positions, self.scaling)
+                out = decode_attention.decode_attention(qg, keys, values, attend, self.scaling)
             elif qg.is_cuda and not graphed:
                 out = self._eager_attention(qg, keys, values, mask)
             else:

@@ -83,6 +83,33 @@ def test_padded_decode_matches_dynamic_decode_under_continuous_batching(schedule
         assert max(abs(a - b) for a, b in zip(g.output_logprobs, w.output_logprobs)) < 1e-4
 
 
+def test_idle_rows_attend_to_one_position_and_live_rows_to_their_own(schedulers):
+    """A padded step's idle rows (slots below the batch bucket without a request) attend to their slot's position 0,
+    not to the whole length bucket (on CUDA the own-length kernels then skip the rest); the live rows attend to
+    their positions, and the outputs stay those of dynamic decode."""
+    padded = schedulers[True]
+    seen = []
+    real_run, real_decode = padded.decoder.run, padded.lm.decode
+
+    def decode(tokens, positions, *a, attend_positions=None, **kw):
+        seen[-1].append((positions.tolist(), None if attend_positions is None else attend_positions.tolist()))
+        return real_decode(tokens, positions, *a, attend_positions=attend_positions, **kw)
+
+    padded.decoder.run = lambda slots, *a, **kw: (seen.append([list(slots)]), real_run(slots, *a, **kw))[1]
+    padded.lm.decode = decode
+    try:
+        got = run_requests(padded, SPECS)
+    finally:
+        del padded.decoder.run, padded.lm.decode
+    assert_same(got, run_requests(schedulers[False], SPECS))
+    holes = 0
+    for slots, (positions, attend) in (step for step in seen if len(step) == 2):
+        for row, (p, a) in enumerate(zip(positions, attend)):
+            assert a == (p if row in slots else 0), (slots, positions, attend)
+        holes += len(positions) > len(slots)
+    assert holes, "no step ran with idle rows"
+
+
 def test_abort_and_calls_between_chained_steps_leave_the_other_requests_exact(schedulers):
     # An abort and a call() arrive while a chained step is in flight: the aborted request drops its extra token,
     # the call runs with no step in flight, and every other request's tokens are those of dynamic decode.
