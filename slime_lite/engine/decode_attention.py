@@ -122,6 +122,10 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     b, heads, n_rep, d = q.shape
     if keys.stride() != values.stride() or keys.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention: keys and values must share strides, with contiguous head dimensions")
+    if keys.shape != values.shape or keys.shape[:2] != (b, heads) or keys.shape[3] != d or positions.shape != (b,):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values "
+                         f"{tuple(values.shape)} and positions {tuple(positions.shape)} do not fit together "
+                         "(q [B, kv_heads, n_rep, D], keys/values [B, kv_heads, L, D], positions [B])")
     splits = -(-keys.shape[2] // CHUNK)
     out = torch.empty_like(q)
     parts = torch.empty(b * heads * splits * n_rep, d, dtype=torch.float32, device=q.device)

@@ -3,6 +3,7 @@ in CI; tests/engine/test_decode_attention_gpu.py runs them compiled on a GPU, in
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -34,3 +35,18 @@ def test_the_kernels_in_the_triton_interpreter():
     from tests.triton_interpreter import run_interpreted
 
     run_interpreted("tests.engine.test_decode_attention:_kernels_on_cpu")
+
+
+def test_shapes_that_do_not_fit_are_refused_before_any_kernel():
+    """The kernels trust their shapes (a position past the keys' length would read another slot's memory): keys,
+    values, queries and positions that do not fit together are refused with the shapes named."""
+    from slime_lite.engine.decode_attention import decode_attention
+
+    kv = torch.zeros(4, 4, 64, 16)
+    q, keys, values = torch.zeros(3, 2, 2, 16), kv[:3, :2], kv[:3, 2:]
+    with pytest.raises(ValueError, match="do not fit together"):
+        decode_attention(q, kv[:2, :2], kv[:2, 2:], torch.zeros(3, dtype=torch.long), 0.25)  # 2 rows of keys for 3
+    with pytest.raises(ValueError, match="do not fit together"):
+        decode_attention(q, keys, values, torch.zeros(2, dtype=torch.long), 0.25)  # 2 positions for 3 rows
+    with pytest.raises(ValueError, match="share strides"):
+        decode_attention(q, keys, values.contiguous(), torch.zeros(3, dtype=torch.long), 0.25)
