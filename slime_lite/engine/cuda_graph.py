@@ -4,10 +4,12 @@ A decode step of the eager engine launches ~30 small kernels per layer from Pyth
 sets the pace. Here a step runs with fixed shapes so that, as SGLang's CUDA-graph runner does, one graph per shape
 is captured on first use and replayed after, a few microseconds of host time per step.
 
-Row ``i`` of a padded step is batch slot ``i``: a step over running slots ``S`` runs rows ``0..B-1``, ``B`` the
-smallest batch bucket above ``max(S)``, and attends over the first ``L`` cache positions, ``L`` the smallest length
-bucket above the longest position. Idle rows decode token 0 at position ``L - 1`` of their own, unused, slot
-(``idle_write`` says which: the prefix cache keeps what such a slot holds before that position). Every tensor a
+A step over ``n`` running slots runs ``B`` rows, ``B`` the smallest batch bucket of at least ``n``: row ``i < n``
+decodes the request in the ``i``-th running slot (the slot of each row is a step input, read on the device), so
+the batch shrinks with the number of running requests however scattered their slots are (a rollout's tail). The
+step reads the first ``L`` cache positions, ``L`` the smallest length bucket above the longest position (on CUDA
+with Triton each row reads only its own prefix: ``decode_attention``). Idle rows decode token 0 at position 0 of
+the cache's scratch slot, which no request holds: what free slots hold stays for the prefix cache. Every tensor a
 step touches (the static inputs and output, the KV cache, the weights, the rotary table) keeps its address while
 graphs live: weight updates copy into the parameters in place and need no new capture. When the cache or the weight
 storage is replaced (the cache grows to a larger bucket, memory release and resume, cache flush), the graphs are
@@ -84,14 +86,15 @@ class StepInputs:
 IDLE = StepInputs(token=0, position=0, temperature=1.0, uniform=0.0, greedy=True)  # token 0 at position 0, greedy
 _FIELDS = [f.name for f in fields(StepInputs)]
 # The buffer's rows: the fields of ``StepInputs`` in order, then the ``chained`` flag (``run(chain=True)``) and the
-# ``live`` flag (1 for the rows of ``run``'s slots, 0 for idle rows: they attend to one position, not the bucket).
+# row's slot (the cache's scratch slot for idle rows, set by ``run``).
 _IDLE_COLUMN = np.array([float(v) for v in astuple(IDLE)] + [0.0, 0.0])[:, None]
+_SLOT = len(_IDLE_COLUMN) - 1
 
 
 @dataclass
 class Ticket:
     """A launched step's results: a host buffer the device copies them into, the event after that copy (CUDA),
-    and the slots of its rows."""
+    and the slots of its rows (rows ``0..len(slots)-1``)."""
 
     host: torch.Tensor
     done: "torch.cuda.Event | None"
@@ -99,7 +102,7 @@ class Ticket:
 
 
 class PaddedDecoder:
-    """Fixed-shape decode steps for batch slots ``0..max_bs-1``, with the common sampler inside the step."""
+    """Fixed-shape decode steps for up to ``max_bs`` running slots, with the common sampler inside the step."""
 
     def __init__(self, lm: CausalLM, cache: KVCache, max_bs: int, capture: bool) -> None:
         self.lm, self.cache, self.capture = lm, cache, capture
@@ -108,13 +111,12 @@ class PaddedDecoder:
         self.len_buckets = length_buckets(cache.max_len)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._storage: tuple | None = None
-        self._inputs = self._slots = self._out = self._sampled = None
-        self._index, self._rows, self._flip, self._done = None, None, 0, [None, None]
+        self._inputs = self._out = self._sampled = None
+        self._rows, self._flip, self._done = 0, 0, [None, None]
         self._pool = None
         self.capture_seconds = 0.0  # all captures so far (warm-up included), and how many: /get_server_info
         self.num_captures = 0
         self.num_graph_resets = 0  # graphs dropped by ``run`` (on CUDA all are captured again); not a release
-        self.idle_write: tuple[list[int], int] | None = None  # the last step's idle rows and the position they wrote
 
     def compile(self) -> None:
         """``torch.compile`` the layer pieces of captured steps (fuses their norm, rotary and activation kernels),
@@ -126,7 +128,7 @@ class PaddedDecoder:
     def reset(self) -> None:
         """Drop the graphs and the device buffers they use (before the cache or the weights' storage is freed)."""
         self.graphs.clear()
-        self._inputs = self._slots = self._out = self._sampled = self._prev = None
+        self._inputs = self._out = self._sampled = self._prev = None
         self._pool = None
         self._storage = None
 
@@ -135,15 +137,12 @@ class PaddedDecoder:
         return (tuple(self.cache.kv.shape), self.cache.kv.data_ptr(), self.lm.storage_version)
 
     def _step(self, bs: int, kv_len: int) -> None:
-        *rows, chained, live = self._inputs[:, :bs]
+        *rows, chained, slot = self._inputs[:, :bs]
         x = StepInputs(*rows)
         # Chained rows take the token the last step drew, still on the device (``run`` copies it to ``_prev``
         # outside the graph: the step stays the same when run twice, as warm-up and capture do).
         tokens = torch.where(chained > 0, self._prev[:bs], x.token).long()
-        position = x.position.long()
-        attend = torch.where(live > 0, position, torch.zeros_like(position))  # idle rows: their slot's position 0
-        hidden = self.lm.decode(tokens, position, self._slots[:bs], self.cache, kv_len, slot_range=(0, bs),
-                                graphed=True, attend_positions=attend)
+        hidden = self.lm.decode(tokens, x.position.long(), slot.long(), self.cache, kv_len, graphed=True)
         self.lm.logits(hidden, out=self._out[:bs])
         drawn, logprobs = sample_rows(self._out[:bs], x.temperature, x.uniform, x.greedy > 0)
         self._sampled[0, :bs].copy_(drawn)
@@ -151,7 +150,6 @@ class PaddedDecoder:
 
     def _buffers(self, dev: torch.device) -> None:
         self._inputs = torch.zeros(len(_IDLE_COLUMN), self.max_bs, dtype=torch.float64, device=dev)
-        self._slots = torch.arange(self.max_bs, device=dev)
         self._out = torch.empty(self.max_bs, self.lm.vocab_size, dtype=self.lm.dtype, device=dev)
         self._sampled = torch.zeros(2, self.max_bs, dtype=torch.float64, device=dev)
         self._prev = torch.zeros(self.max_bs, dtype=torch.float64, device=dev)
@@ -161,19 +159,20 @@ class PaddedDecoder:
         self._host_out = [torch.zeros(self._sampled.shape, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
 
     def run(self, slots: list[int], inputs: StepInputs, chain: bool = False) -> Ticket:
-        """Launch one decode step for the running slots (``slots`` sorted, all below ``max_bs``; ``inputs`` one value
-        per slot) and its sampling as ``sample_rows`` does: one host-to-device copy in, one device-to-host copy
+        """Launch one decode step for the running slots (``slots`` sorted, at most ``max_bs`` of them; ``inputs`` one
+        value per slot) and its sampling as ``sample_rows`` does: one host-to-device copy in, one device-to-host copy
         out, and no wait for this step (only for the step two runs back, whose host buffers this one reuses; a new
         capture syncs). ``chain``: the step decodes the tokens the previous ``run`` drew for the same ``slots``
         (``inputs.token`` is ignored), so it can be launched before that step's results are read. Read the results
         with ``sampled(ticket)``, or the logits (general sampler) with ``logits()`` before the next ``run``."""
-        bs = _ceil(self.bs_buckets, slots[-1] + 1)
+        n = len(slots)
+        bs = _ceil(self.bs_buckets, n)
         kv_len = _ceil(self.len_buckets, max(inputs.position) + 1)
         dev = self.lm.device
         if chain and self._sampled is None:
             raise RuntimeError("chain=True needs a previous run")
         drawn = self._sampled[0].clone() if chain else None  # kept across a reset of the buffers below
-        self.cache.ensure(bs, kv_len)  # grows only to what steps use; a new allocation means new captures
+        self.cache.ensure(slots[-1] + 1, kv_len)  # grows only to what steps use; a new allocation: new captures
         key = self._storage_key()
         if key != self._storage:
             self.num_graph_resets += self._storage is not None  # a KV-cache growth or new weight storage mid-serving
@@ -185,10 +184,9 @@ class PaddedDecoder:
         if self._done[self._flip] is not None:
             self._done[self._flip].synchronize()  # the step that last used these host buffers has copied them
         host = self._host_in[self._flip].numpy()
-        host[:, :bs] = _IDLE_COLUMN
-        host[_FIELDS.index("position"), :bs] = kv_len - 1
-        self.idle_write = (sorted(set(range(bs)) - set(slots)), kv_len - 1)
-        host[:, slots] = [getattr(inputs, name) for name in _FIELDS] + [[float(chain)] * len(slots), [1.0] * len(slots)]
+        host[:, n:bs] = _IDLE_COLUMN
+        host[_SLOT, n:bs] = self.cache.scratch
+        host[:, :n] = [getattr(inputs, name) for name in _FIELDS] + [[float(chain)] * n, slots]
         # Whole buffers both ways: a copy of a non-contiguous slice is staged through a temporary, which is not safe
         # while the copy is in flight.
         self._inputs.copy_(self._host_in[self._flip], non_blocking=True)
@@ -208,22 +206,19 @@ class PaddedDecoder:
             done = torch.cuda.Event()
             done.record()
         self._done[self._flip] = done
-        self._rows = len(slots) if len(slots) == bs else None
-        self._index = slots
+        self._rows = n
         return Ticket(out, done, slots)
 
     def sampled(self, ticket: Ticket) -> tuple[list[int], list[float]]:
         """Tokens and log-probs a ``run`` drew for its slots, in order (waits for that step only)."""
         if ticket.done is not None:
             ticket.done.synchronize()
-        tokens, logprobs = ticket.host.numpy()[:, ticket.slots].tolist()
+        tokens, logprobs = ticket.host.numpy()[:, : len(ticket.slots)].tolist()
         return [int(t) for t in tokens], logprobs
 
     def logits(self) -> torch.Tensor:
         """Float32 logits of the last ``run``'s slots."""
-        if self._rows is not None:
-            return self._out[: self._rows].float()
-        return self._out.index_select(0, torch.tensor(self._index, device=self._out.device)).float()
+        return self._out[: self._rows].float()
 
     def _capture(self, bs: int, kv_len: int) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()

@@ -11,8 +11,8 @@ row reads its own prefix only:
 - ``combine``: one program per (row, KV head) joins the splits in order.
 
 Splits sit at fixed positions (multiples of ``CHUNK``), and splits past a row's length add exact zeros, so a row's
-result does not depend on its batch, its slot or the length bucket. Lengths are read on the device: a captured
-graph serves any lengths up to its bucket. Used for captured steps on CUDA with Triton, for head sizes that are
+result does not depend on its batch, its slot or the length bucket. Each row's slot and length are read on the
+device: a captured graph serves any slots, and any lengths up to its bucket. Used for captured steps on CUDA with Triton, for head sizes that are
 powers of two; elsewhere the step keeps SDPA with a mask.
 """
 
@@ -44,12 +44,13 @@ def _kernels():
         return None
 
     @triton.jit
-    def partial(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st, n_rep, heads,
+    def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st, n_rep, heads,
                 splits, scale, R: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
                 IEEE: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
         length = tl.load(pos_ptr + b).to(tl.int32) + 1
         start = s * CHUNK
         end = tl.minimum(start + CHUNK, length)
@@ -60,7 +61,7 @@ def _kernels():
         m = tl.full((R,), -float("inf"), tl.float32)
         l_sum = tl.zeros((R,), tl.float32)
         acc = tl.zeros((R, D), tl.float32)
-        base = b * c_sb + h * c_sh
+        base = slot * c_sb + h * c_sh
         for t0 in tl.range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             valid = t < end
@@ -112,20 +113,23 @@ def _kernels():
     return partial, combine
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Attention of one query per row over cache positions ``0..positions[b]`` of its own slot.
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query per row over cache positions ``0..positions[b]`` of slot ``slots[b]``.
 
-    q [B, kv_heads, n_rep, D] (the query heads grouped by their KV head); keys, values [B, kv_heads, L, D] with the
-    last dimension contiguous (views of the cache: row b is slot b); positions [B], each < L. Returns
-    [B, kv_heads, n_rep, D] in q's dtype."""
+    q [B, kv_heads, n_rep, D] (the query heads grouped by their KV head); keys, values [S, kv_heads, L, D] with the
+    last dimension contiguous (views of one layer's cache over its S slots and the step's L positions); slots and
+    positions [B], each below S and L (read on the device, not checked). Returns [B, kv_heads, n_rep, D] in q's
+    dtype."""
     b, heads, n_rep, d = q.shape
     if keys.stride() != values.stride() or keys.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention: keys and values must share strides, with contiguous head dimensions")
-    if keys.shape != values.shape or keys.shape[:2] != (b, heads) or keys.shape[3] != d or positions.shape != (b,):
+    if (keys.shape != values.shape or keys.shape[1] != heads or keys.shape[3] != d or slots.shape != (b,)
+            or positions.shape != (b,)):
         raise ValueError(f"decode_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values "
-                         f"{tuple(values.shape)} and positions {tuple(positions.shape)} do not fit together "
-                         "(q [B, kv_heads, n_rep, D], keys/values [B, kv_heads, L, D], positions [B])")
+                         f"{tuple(values.shape)}, slots {tuple(slots.shape)} and positions {tuple(positions.shape)} "
+                         "do not fit together (q [B, kv_heads, n_rep, D], keys/values [S, kv_heads, L, D], slots and "
+                         "positions [B])")
     splits = -(-keys.shape[2] // CHUNK)
     out = torch.empty_like(q)
     parts = torch.empty(b * heads * splits * n_rep, d, dtype=torch.float32, device=q.device)
@@ -133,10 +137,10 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     r = max(16, 1 << (n_rep - 1).bit_length())
     partial, combine = _kernels()
     with torch.cuda.device(q.device if q.is_cuda else -1):  # -1: a CPU tensor under the Triton interpreter (tests)
-        partial[(b, heads, splits)](q, keys, values, positions, parts, stats, q.stride(0), q.stride(1), q.stride(2),
-                                    keys.stride(0), keys.stride(1), keys.stride(2), n_rep, heads, splits, float(scale),
-                                    R=r, D=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-                                    num_warps=4)
+        partial[(b, heads, splits)](q, keys, values, slots, positions, parts, stats, q.stride(0), q.stride(1),
+                                    q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), n_rep, heads, splits,
+                                    float(scale), R=r, D=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N,
+                                    IEEE=q.dtype == torch.float32, num_warps=4)
         combine[(b, heads)](parts, stats, out, out.stride(0), out.stride(1), out.stride(2), n_rep, heads, splits,
                             R=r, D=d, num_warps=4)
     return out

@@ -86,8 +86,9 @@ def auto_max_running(device_memory: int | None, requests_hint: int | None, slot_
 
 
 class KVCache:
-    """Per-slot K/V in one tensor ``kv [layers, slots, 2 * kv_heads, length, head_dim]`` (K heads first, then V),
-    grown on demand and freed when idle; ``k`` and ``v`` are views of its halves.
+    """Per-slot K/V in one tensor ``kv [layers, slots + 1, 2 * kv_heads, length, head_dim]`` (K heads first, then V),
+    grown on demand and freed when idle; ``k`` and ``v`` are views of its halves. The last slot, ``scratch``, holds
+    no request: padded decode steps' idle rows write there, so what free slots hold stays (the prefix cache).
 
     ``slots`` and ``max_len`` are the budget (``--max-running-requests`` and
     ``--kv-cache-tokens // --max-running-requests``); memory is allocated only up to what running requests need.
@@ -110,7 +111,13 @@ class KVCache:
 
     @property
     def allocated(self) -> tuple[int, int]:
-        return (0, 0) if self.kv is None else (self.kv.shape[1], self.kv.shape[3])
+        """(slots, positions) allocated for requests (the scratch slot not counted)."""
+        return (0, 0) if self.kv is None else (self.kv.shape[1] - 1, self.kv.shape[3])
+
+    @property
+    def scratch(self) -> int:
+        """The index of the slot that holds no request (allocated with the others)."""
+        return self.kv.shape[1] - 1
 
     def ensure(self, slots: int, length: int) -> None:
         """Make room for slot indices < ``slots`` and positions < ``length`` (keeps what is stored)."""
@@ -119,10 +126,10 @@ class KVCache:
             return
         new_s = min(self.slots, max(have_s, 1 << max(0, slots - 1).bit_length()))
         new_l = min(self.max_len, max(have_l, -(-length // 128) * 128))
-        shape = (self.num_layers, new_s, 2 * self.kv_heads, new_l, self.head_dim)
+        shape = (self.num_layers, new_s + 1, 2 * self.kv_heads, new_l, self.head_dim)
         kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.kv is not None:
-            kv[:, :have_s, :, :have_l] = self.kv
+            kv[:, :have_s, :, :have_l] = self.kv[:, :have_s]
         self.kv = kv
         logger.debug("kv cache: %d slots x %d tokens", new_s, new_l)
 
@@ -357,44 +364,42 @@ class CausalLM:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                kv_len: int, slot_range: tuple[int, int] | None = None, same_length: bool = False,
-               graphed: bool = False, attend_positions: torch.Tensor | None = None) -> torch.Tensor:
+               graphed: bool = False) -> torch.Tensor:
         """One token per running request: ``tokens``, ``positions``, ``slots`` are ``[B]``; returns hidden [B, H].
 
         ``kv_len`` is ``max(positions) + 1``; ``slot_range=(a, b)`` says ``slots`` is exactly ``a..b-1`` in order,
         so the cache is read as a view; ``same_length`` says every position is ``kv_len - 1`` (no mask needed).
         ``graphed``: a padded step (captured as a CUDA graph on CUDA, where SDPA's per-shape setup is paid once, at
-        capture); it uses the compiled layer pieces when ``enable_compile`` was called. ``attend_positions``: row b
-        attends to cache positions ``0..attend_positions[b]`` (default ``positions``; a padded step's idle rows, whose
-        results are dropped, attend to one position instead of the whole bucket).
+        capture); it uses the compiled layer pieces when ``enable_compile`` was called.
         """
         b = tokens.shape[0]
         h = F.embedding(tokens[:, None], self.embed.weight)
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
         mask = None
-        # captured steps on CUDA: each row reads its own cache prefix (decode_attention), no mask, no length padding
-        own_length = graphed and slot_range == (0, b) and decode_attention.available(h.device, h.dtype, self.head_dim)
-        attend = positions if attend_positions is None else attend_positions
+        # captured steps on CUDA: each row reads its own slot's prefix (decode_attention): no gather, mask or padding
+        own_length = graphed and decode_attention.available(h.device, h.dtype, self.head_dim)
         if not same_length and not own_length:  # [B, 1, 1, L]: broadcast over kv heads and their grouped queries
-            mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= attend[:, None])[:, None, None, :]
+            mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
             if graphed:  # additive, built once per step (SDPA would convert a boolean mask in every layer)
                 mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         index = cache.flat_index(slots, positions[:, None])
         for i, ly in enumerate(self.layers):
             q, kv = self._qkv(ly, h, cos, sin, graphed)
             cache.write(i, index, kv)
-            kc, vc = cache.k[i], cache.v[i]
-            if slot_range is not None:
-                keys, values = kc[slot_range[0] : slot_range[1], :, :kv_len], vc[slot_range[0] : slot_range[1], :, :kv_len]
-            else:
-                keys, values = kc[:, :, :kv_len].index_select(0, slots), vc[:, :, :kv_len].index_select(0, slots)
+            kc, vc = cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len]
             # Group the query heads of each kv head ([B, kv, n_rep, D]) instead of repeating K/V.
             qg = q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
             if own_length:
-                out = decode_attention.decode_attention(qg, keys, values, attend, self.scaling)
-            elif qg.is_cuda and not graphed:
-                out = self._eager_attention(qg, keys, values, mask)
+                out = decode_attention.decode_attention(qg, kc, vc, slots, positions, self.scaling)
             else:
-                with _sdpa_without_plans(qg.device):
-                    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
+                if slot_range is not None:
+                    keys, values = kc[slot_range[0] : slot_range[1]], vc[slot_range[0] : slot_range[1]]
+                else:
+                    keys, values = kc.index_select(0, slots), vc.index_select(0, slots)
+                if qg.is_cuda and not graphed:
+                    out = self._eager_attention(qg, keys, values, mask)
+                else:
+                    with _sdpa_without_plans(qg.device):
+                        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
             h = self._finish_layer(ly, h, out.reshape(b, 1, -1), graphed)
         return _rms(h, self.norm.weight, self.eps)[:, 0]

@@ -3,7 +3,7 @@
 The scheduler owns the requests and their slots; it asks the pipeline for one decode step over the running batch
 (``{slot: Request}``) at a time. A step is one of:
 
-- dynamic: the batch's own shapes (no ``PaddedDecoder``, or a slot at or above its ``max_bs``); its tokens are read
+- dynamic: the batch's own shapes (no ``PaddedDecoder``, or more running slots than its ``max_bs``); its tokens are read
   at once, drawn by the scheduler's sampler;
 - padded, general sampler: some row truncates (top-k/p, min-p), bans tokens (``min_new_tokens``), has a logit bias
   or asks for other tokens' log-probs (``Request.host_sampled``); the step's logits go to the scheduler's sampler;
@@ -78,7 +78,7 @@ class DecodePipeline:
         the previous step's (chained), or none. With a step in flight, call it only when ``chains(running)``."""
         slots = sorted(running)
         reqs = [running[s] for s in slots]
-        if self.decoder is None or slots[-1] >= self.decoder.max_bs:
+        if self.decoder is None or len(slots) > self.decoder.max_bs:
             return self._dynamic(slots, reqs)
         chain = self._in_flight is not None
         lag = int(chain)  # tokens drawn by the step in flight, not appended yet

@@ -65,15 +65,6 @@ class PrefixCache:
         else:
             self.forget(slot)
 
-    def truncate(self, slot: int, n: int) -> None:
-        """Position ``n`` of ``slot`` was written over (an idle row of a padded decode step): keep what precedes it."""
-        held = self._tokens.get(slot)
-        if held is not None and len(held) > n:
-            if n > 0:
-                self._tokens[slot] = held[:n]
-            else:
-                self.forget(slot)
-
     def forget(self, slot: int) -> None:
         self._tokens.pop(slot, None)
         self._used.pop(slot, None)

@@ -385,11 +385,6 @@ class Scheduler(AdmissionMixin, ControlMixin):
                 return
         drawn = self.pipeline.launch(self.running)
         self.num_decode_steps += 1
-        if self.decoder is not None and self.decoder.idle_write is not None:  # a padded step wrote in free slots
-            idle, position = self.decoder.idle_write
-            self.decoder.idle_write = None
-            for slot in idle:
-                self.prefix.truncate(slot, position)
         self._append(*drawn)
 
     def _collect(self) -> None:

@@ -10,23 +10,25 @@ import torch.nn.functional as F
 
 def _kernels_on_cpu() -> None:
     """Run by ``test_the_kernels_in_the_triton_interpreter`` with TRITON_INTERPRET=1: the kernels on CPU tensors
-    (float32 and float16; lengths at the split edges; rows of a larger cache) against float64 masked attention, and
-    the same bits for a row alone under a smaller bucket."""
+    (float32 and float16; lengths at the split edges; rows reading scattered slots of a larger cache) against float64
+    masked attention, and the same bits for a row alone under a smaller bucket."""
     from slime_lite.engine.decode_attention import CHUNK, decode_attention
 
     for dtype, kv_heads, n_rep, dim, bucket, tol in [(torch.float32, 2, 7, 32, 600, 1e-5),
                                                     (torch.float16, 1, 2, 16, 300, 2e-3)]:
         g = torch.Generator().manual_seed(5)
         kv = torch.randn(7, 2 * kv_heads, bucket + 64, dim, generator=g).to(dtype)
-        keys, values = kv[:5, :kv_heads, :bucket], kv[:5, kv_heads:, :bucket]
+        keys, values = kv[:, :kv_heads, :bucket], kv[:, kv_heads:, :bucket]
         q = torch.randn(5, kv_heads, n_rep, dim, generator=g).to(dtype)
+        slots = torch.tensor([6, 2, 0, 3, 5])
         positions = torch.tensor([0, CHUNK - 1, CHUNK, bucket - 1, 17])
-        out = decode_attention(q, keys, values, positions, dim ** -0.5)
+        out = decode_attention(q, keys, values, slots, positions, dim ** -0.5)
         mask = (torch.arange(bucket)[None, :] <= positions[:, None])[:, None, None, :]
-        want = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask,
-                                              scale=dim ** -0.5)
+        want = F.scaled_dot_product_attention(q.double(), keys[slots].double(), values[slots].double(),
+                                              attn_mask=mask, scale=dim ** -0.5)
         torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
-        alone = decode_attention(q[4:5], kv[4:5, :kv_heads, :64], kv[4:5, kv_heads:, :64], positions[4:5], dim ** -0.5)
+        alone = decode_attention(q[4:5], kv[5:6, :kv_heads, :64], kv[5:6, kv_heads:, :64], torch.tensor([0]),
+                                 positions[4:5], dim ** -0.5)
         assert torch.equal(alone, out[4:5])
 
 
@@ -39,14 +41,17 @@ def test_the_kernels_in_the_triton_interpreter():
 
 def test_shapes_that_do_not_fit_are_refused_before_any_kernel():
     """The kernels trust their shapes (a position past the keys' length would read another slot's memory): keys,
-    values, queries and positions that do not fit together are refused with the shapes named."""
+    values, queries, slots and positions that do not fit together are refused with the shapes named."""
     from slime_lite.engine.decode_attention import decode_attention
 
     kv = torch.zeros(4, 4, 64, 16)
-    q, keys, values = torch.zeros(3, 2, 2, 16), kv[:3, :2], kv[:3, 2:]
+    q, keys, values = torch.zeros(3, 2, 2, 16), kv[:, :2], kv[:, 2:]
+    rows = torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match="do not fit together"):
-        decode_attention(q, kv[:2, :2], kv[:2, 2:], torch.zeros(3, dtype=torch.long), 0.25)  # 2 rows of keys for 3
+        decode_attention(q, kv[:, :1], kv[:, 2:3], rows, rows, 0.25)  # 1 kv head of keys for 2 of queries
     with pytest.raises(ValueError, match="do not fit together"):
-        decode_attention(q, keys, values, torch.zeros(2, dtype=torch.long), 0.25)  # 2 positions for 3 rows
+        decode_attention(q, keys, values, rows, rows[:2], 0.25)  # 2 positions for 3 rows
+    with pytest.raises(ValueError, match="do not fit together"):
+        decode_attention(q, keys, values, rows[:1], rows, 0.25)  # 1 slot for 3 rows
     with pytest.raises(ValueError, match="share strides"):
-        decode_attention(q, keys, values.contiguous(), torch.zeros(3, dtype=torch.long), 0.25)
+        decode_attention(q, keys, values.contiguous(), rows, rows, 0.25)

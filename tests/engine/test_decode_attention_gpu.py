@@ -35,31 +35,39 @@ def test_own_length_attention_matches_masked_attention(dtype, kv_heads, n_rep, d
     assert available(torch.device("cuda"), dtype, dim), "Triton should come with CUDA torch"
     rows = 40
     _, keys, values = _cache(rows + 3, kv_heads, bucket + 64, dim, dtype)
-    keys, values = keys[:rows, :, :bucket], values[:rows, :, :bucket]  # rows 0..B-1 of a larger cache, as a step
+    keys, values = keys[:, :, :bucket], values[:, :, :bucket]  # the step's positions of a larger cache
+    slots = torch.randperm(rows + 3, device="cuda")[:rows]  # rows read scattered slots
     q = torch.randn(rows, kv_heads, n_rep, dim, device="cuda").to(dtype)
     edges = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, bucket - 1]
     positions = torch.tensor(edges + torch.randint(0, bucket, (rows - len(edges),)).tolist(), device="cuda")
-    out = decode_attention(q, keys, values, positions, dim ** -0.5)
+    out = decode_attention(q, keys, values, slots, positions, dim ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-    torch.testing.assert_close(out.double(), _reference(q, keys, values, positions, dim ** -0.5), rtol=tol, atol=tol)
+    want = _reference(q, keys[slots], values[slots], positions, dim ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
 def test_a_rows_result_does_not_depend_on_its_batch_or_bucket():
-    """The same row (query, cache prefix, position) alone, with other neighbours, or under a larger length bucket
-    gives the same bits: splits sit at fixed positions and empty ones add exact zeros."""
+    """The same row (query, cache prefix, position) alone, with other neighbours, in another slot or under a larger
+    length bucket gives the same bits: splits sit at fixed positions and empty ones add exact zeros."""
     from slime_lite.engine.decode_attention import decode_attention
 
     _, keys, values = _cache(64, 2, 2048, 64, torch.bfloat16)
     q = torch.randn(64, 2, 7, 64, device="cuda").to(torch.bfloat16)
     positions = torch.randint(0, 600, (64,), device="cuda")
-    whole = decode_attention(q, keys[:, :, :1024], values[:, :, :1024], positions, 0.125)
-    wider = decode_attention(q, keys, values, positions, 0.125)
+    slots = torch.arange(64, device="cuda")
+    whole = decode_attention(q, keys[:, :, :1024], values[:, :, :1024], slots, positions, 0.125)
+    wider = decode_attention(q, keys, values, slots, positions, 0.125)
     assert torch.equal(whole, wider)
     others = positions.clone()
     others[1::2] = 2047  # neighbours at the bucket's end
-    mixed = decode_attention(q, keys, values, others, 0.125)
+    mixed = decode_attention(q, keys, values, slots, others, 0.125)
     assert torch.equal(mixed[0::2], whole[0::2])
-    alone = decode_attention(q[5:6], keys[5:6, :, :640], values[5:6, :, :640], positions[5:6], 0.125)
+    alone = decode_attention(q[5:6], keys[:, :, :640], values[:, :, :640], slots[5:6], positions[5:6], 0.125)
     assert torch.equal(alone, whole[5:6])
+    moved = keys.clone(), values.clone()
+    for t in moved:
+        t[9] = t[5]  # row 5's cache copied to slot 9
+    elsewhere = decode_attention(q[5:6], moved[0], moved[1], slots[9:10], positions[5:6], 0.125)
+    assert torch.equal(elsewhere, whole[5:6])
 

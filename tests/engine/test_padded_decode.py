@@ -83,31 +83,39 @@ def test_padded_decode_matches_dynamic_decode_under_continuous_batching(schedule
         assert max(abs(a - b) for a, b in zip(g.output_logprobs, w.output_logprobs)) < 1e-4
 
 
-def test_idle_rows_attend_to_one_position_and_live_rows_to_their_own(schedulers):
-    """A padded step's idle rows (slots below the batch bucket without a request) attend to their slot's position 0,
-    not to the whole length bucket (on CUDA the own-length kernels then skip the rest); the live rows attend to
-    their positions, and the outputs stay those of dynamic decode."""
+def test_steps_have_a_row_per_running_request_and_idle_rows_write_only_the_scratch_slot(schedulers):
+    """A padded step runs as many rows as the batch bucket of its running requests (not of their highest slot, which
+    stays high in a rollout's tail): row i decodes the i-th running slot. Idle rows decode in the cache's scratch
+    slot at position 0, so a step writes the K/V of its live rows' (slot, position) and nothing in free slots (the
+    prefix cache keeps them); the outputs stay those of dynamic decode."""
     padded = schedulers[True]
-    seen = []
+    steps = []
     real_run, real_decode = padded.decoder.run, padded.lm.decode
 
-    def decode(tokens, positions, *a, attend_positions=None, **kw):
-        seen[-1].append((positions.tolist(), None if attend_positions is None else attend_positions.tolist()))
-        return real_decode(tokens, positions, *a, attend_positions=attend_positions, **kw)
+    def decode(tokens, positions, slots, cache, *a, **kw):
+        before = cache.kv.clone()
+        out = real_decode(tokens, positions, slots, cache, *a, **kw)
+        changed = (cache.kv != before).any(-1).any(2).nonzero()  # [layer, slot, position] entries written
+        steps[-1].append((positions.tolist(), slots.tolist(), cache.scratch, {tuple(x) for x in changed.tolist()}))
+        return out
 
-    padded.decoder.run = lambda slots, *a, **kw: (seen.append([list(slots)]), real_run(slots, *a, **kw))[1]
+    padded.decoder.run = lambda slots, *a, **kw: (steps.append([list(slots)]), real_run(slots, *a, **kw))[1]
     padded.lm.decode = decode
     try:
         got = run_requests(padded, SPECS)
     finally:
         del padded.decoder.run, padded.lm.decode
     assert_same(got, run_requests(schedulers[False], SPECS))
-    holes = 0
-    for slots, (positions, attend) in (step for step in seen if len(step) == 2):
-        for row, (p, a) in enumerate(zip(positions, attend)):
-            assert a == (p if row in slots else 0), (slots, positions, attend)
-        holes += len(positions) > len(slots)
-    assert holes, "no step ran with idle rows"
+    compacted = idle = 0
+    for running, (positions, slots, scratch, changed) in (step for step in steps if len(step) == 2):
+        n = len(running)
+        assert slots[:n] == running and slots[n:] == [scratch] * (len(slots) - n), (running, slots)
+        assert all(p == 0 for p in positions[n:]), positions
+        allowed = {(s, p) for s, p in zip(slots, positions)}
+        assert {(s, p) for _, s, p in changed} <= allowed, (running, positions, changed)
+        compacted += running[-1] + 1 > len(slots)
+        idle += len(slots) > n
+    assert compacted and idle, "no step ran with fewer rows than its highest slot, or with idle rows"
 
 
 def test_abort_and_calls_between_chained_steps_leave_the_other_requests_exact(schedulers):
