@@ -121,12 +121,17 @@ def engine_alone(model: str, warm: str, dump: str, max_running: int, kv_tokens: 
     warm_s, _ = replay(warm)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    captures = (sch.decoder.num_captures, sch.decoder.capture_seconds) if sch.decoder else (0, 0.0)
     secs, tokens = replay(dump)
     res = {"warmup_s": warm_s, "rollout_s": secs, "tokens": tokens, "tok_per_s": tokens / secs,
            "loop_tokens": sum(s.response_length for s in _samples(dump))}
+    if sch.decoder:  # shapes the warm-up did not capture
+        res.update(captures=sch.decoder.num_captures - captures[0], capture_s=sch.decoder.capture_seconds - captures[1])
     if cuda:
-        res.update(cuda_allocated_mb=torch.cuda.memory_allocated() / 2**20,
-                   cuda_peak_mb=torch.cuda.max_memory_allocated() / 2**20)
+        from slime_lite.metrics import process_memory
+
+        mem = process_memory()  # torch's allocator and the engine's mapped buffers
+        res.update(cuda_allocated_mb=mem["cuda_allocated_mb"], cuda_peak_mb=mem["cuda_peak_mb"])
     server.stop()
     return res
 

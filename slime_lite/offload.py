@@ -93,12 +93,14 @@ class TensorStash:
         self.nbytes, self.offloaded = total, True
         return total
 
-    def onload(self) -> None:
-        """One device block for every offloaded tensor, filled from the host buffer; each tensor is a view of it."""
+    def onload(self, block: torch.Tensor | None = None) -> None:
+        """One device block for every offloaded tensor, filled from the host buffer; each tensor is a view of it.
+        ``block``: that block (uint8, on the device, at least ``nbytes``) instead of a new allocation."""
         if not self.offloaded:
             return
-        block = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        block.copy_(self.host[: self.nbytes], non_blocking=True)
+        if block is None:
+            block = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        block[: self.nbytes].copy_(self.host[: self.nbytes], non_blocking=True)
         self._point_into(block)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

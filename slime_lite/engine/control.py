@@ -3,7 +3,7 @@ and resume GPU memory.
 
 A mixin of ``Scheduler`` (scheduler.py): these run in its model thread through ``Scheduler.call``, with no step in
 flight, and use its state (``running``, ``waiting``, ``paused``, ``released``, ``prefix``, ``pipeline``, ``lm``,
-``_stash``).
+``_stash``, ``_weight_buffer``, ``_weights_at``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from slime_lite.engine import vmm
 from slime_lite.offload import clear_cublas_workspaces
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,17 @@ class ControlMixin:
             logger.info("release_memory_occupation %s: no-op on CPU", sorted(tags))
             self.released |= tags
             return "no-op on CPU"
-        self._free_cache()  # with the CUDA graphs, which hold the addresses of the cache and the weights
+        # The CUDA graphs hold the cache's and the weights' addresses: they stay valid when both come back where they
+        # were (mapped buffers, engine/vmm.py); otherwise they go with the cache and are captured again on use.
+        self.prefix.clear()  # the K/V it points at is lost either way
+        if not self.cache.release():
+            self._free_cache()
         if "weights" in tags and "weights" not in self.released:
+            self._weights_at = [t.data_ptr() for t in self.lm.device_tensors()]
             # one pinned host block; the weights stay readable and writable there (updates, checksums) until resumed
             self._stash.offload(self.lm.device_tensors(), keep_on_host=True)
+            if self._weight_buffer is not None:
+                self._weight_buffer.unmap()
         clear_cublas_workspaces()
         torch.cuda.empty_cache()
         self.released |= tags
@@ -72,8 +80,29 @@ class ControlMixin:
     def resume_memory(self, tags: list[str] | None) -> str:
         tags = set(tags or ("weights", "kv_cache"))
         if self.device.type != "cpu" and "weights" in tags and "weights" in self.released:
-            self._stash.onload()  # one device block again, every weight a view of it
-            self.lm.storage_version += 1  # new addresses: CUDA graphs are captured again
+            self._onload_weights()
+            if [t.data_ptr() for t in self.lm.device_tensors()] != self._weights_at:
+                self.lm.storage_version += 1  # new addresses: CUDA graphs are captured again
         self.released -= tags
         logger.info("resumed memory %s", sorted(tags))
         return "resumed"
+
+    def _onload_weights(self) -> None:
+        """The offloaded weights back on the device as one block: a mapped buffer where the device supports it
+        (the same addresses at every resume), else a new allocation."""
+        block = None
+        if vmm.available(self.device):
+            if self._weight_buffer is None or self._weight_buffer.nbytes < self._stash.nbytes:
+                self._weight_buffer = None
+                self._weight_buffer = vmm.MappedBuffer(self._stash.nbytes, self.device)
+            self._weight_buffer.map()
+            block = self._weight_buffer.view()
+        self._stash.onload(block)  # every weight a view of the block
+
+    def _map_weights(self) -> None:
+        """At start, on CUDA: move the weights into their mapped buffer (through the host), so that the first
+        resume brings them back where the first CUDA graphs saw them."""
+        if vmm.available(self.device):
+            self._stash.offload(self.lm.device_tensors(), keep_on_host=True)
+            self._onload_weights()
+            self._stash.host = None  # pinned memory only while released

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from slime_lite.engine import decode_attention
+from slime_lite.engine import decode_attention, vmm
 from slime_lite.errors import SlimeLiteError
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,9 @@ def auto_max_running(device_memory: int | None, requests_hint: int | None, slot_
 class KVCache:
     """Per-slot K/V in one tensor ``kv [layers, slots + 1, 2 * kv_heads, length, head_dim]`` (K heads first, then V),
     grown on demand and freed when idle; ``k`` and ``v`` are views of its halves. The last slot, ``scratch``, holds
-    no request: padded decode steps' idle rows write there, so what free slots hold stays (the prefix cache).
+    no request: padded decode steps' idle rows write there, so what free slots hold stays (the prefix cache). On CUDA
+    it lives in a ``vmm.MappedBuffer``: ``release`` gives its memory back and keeps its addresses (captured graphs
+    stay valid); the next ``ensure`` maps memory there again.
 
     ``slots`` and ``max_len`` are the budget (``--max-running-requests`` and
     ``--kv-cache-tokens // --max-running-requests``); memory is allocated only up to what running requests need.
@@ -100,6 +103,7 @@ class KVCache:
         self.num_layers, self.slots, self.max_len = num_layers, slots, max_len
         self.dtype, self.device = dtype, device
         self.kv: torch.Tensor | None = None
+        self._buffer: vmm.MappedBuffer | None = None
 
     @property
     def k(self) -> torch.Tensor | None:
@@ -120,21 +124,39 @@ class KVCache:
         return self.kv.shape[1] - 1
 
     def ensure(self, slots: int, length: int) -> None:
-        """Make room for slot indices < ``slots`` and positions < ``length`` (keeps what is stored)."""
+        """Make room for slot indices < ``slots`` and positions < ``length`` (keeps what is stored; after a
+        ``release``, maps memory again, zeroed)."""
+        if self._buffer is not None and not self._buffer.mapped:
+            self._buffer.map()
+            self.kv.zero_()  # fresh memory: masked attention must not meet NaN bit patterns
         have_s, have_l = self.allocated
         if slots <= have_s and length <= have_l:
             return
         new_s = min(self.slots, max(have_s, 1 << max(0, slots - 1).bit_length()))
         new_l = min(self.max_len, max(have_l, -(-length // 128) * 128))
         shape = (self.num_layers, new_s + 1, 2 * self.kv_heads, new_l, self.head_dim)
-        kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        buffer = None
+        if vmm.available(self.device):
+            nbytes = math.prod(shape) * self.dtype.itemsize
+            buffer = vmm.MappedBuffer(nbytes, self.device)
+            kv = buffer.view()[:nbytes].view(self.dtype).view(shape).zero_()
+        else:
+            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.kv is not None:
             kv[:, :have_s, :, :have_l] = self.kv[:, :have_s]
-        self.kv = kv
+        self.kv, self._buffer = kv, buffer
         logger.debug("kv cache: %d slots x %d tokens", new_s, new_l)
 
+    def release(self) -> bool:
+        """Give the memory back and keep the addresses (what it holds is lost): True; False when the cache cannot
+        (not allocated, or not a mapped buffer)."""
+        if self._buffer is None:
+            return False
+        self._buffer.unmap()
+        return True
+
     def free(self) -> None:
-        self.kv = None
+        self.kv = self._buffer = None
 
     def flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Row indices into a layer's cache viewed as ``[-1, head_dim]`` for ``slots [B]`` x K and V heads x

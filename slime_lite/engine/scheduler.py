@@ -125,6 +125,9 @@ class Scheduler(AdmissionMixin, ControlMixin):
         self.paused = False
         self.released: set[str] = set()
         self._stash = TensorStash(self.device)  # the weights while released (release_memory)
+        self._weight_buffer = None  # a vmm.MappedBuffer the weights come back into at each resume (CUDA)
+        self._weights_at: list[int] = []  # the weights' addresses before the last release
+        self._map_weights()
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self._free_slots = list(range(self.max_running))
