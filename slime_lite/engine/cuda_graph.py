@@ -11,10 +11,12 @@ step reads the first ``L`` cache positions, ``L`` the smallest length bucket abo
 with Triton each row reads only its own prefix: ``decode_attention``). Idle rows decode token 0 at position 0 of
 the cache's scratch slot, which no request holds: what free slots hold stays for the prefix cache. Every tensor a
 step touches (the static inputs and output, the KV cache, the weights, the rotary table) keeps its address while
-graphs live: weight updates copy into the parameters in place and need no new capture. When the cache or the weight
-storage is replaced (the cache grows to a larger bucket, memory release and resume, cache flush), the graphs are
-dropped and captured again on use (a capture costs about one eager step). While graphs live, the cache is kept
-when the engine goes idle instead of being freed, so it grows to what the workload needs and no further.
+graphs live: weight updates copy into the parameters in place and need no new capture; on CUDA the cache and the
+weights live in mapped buffers (``vmm``), so memory release and resume give their memory back and bring it again at
+the same addresses, and the graphs are kept. When the cache or the weight storage is replaced (the cache grows to a
+larger size, a cache flush, or a release without mapped buffers), the graphs are dropped and captured again on use
+(a capture costs about one eager step). While graphs live, the cache is kept when the engine goes idle instead of
+being freed, so it grows to what the workload needs and no further.
 
 Hugging Face's static cache does not fit here: it holds one position for the whole batch (continuous batching has a
 position per request); and compiling the whole step per (batch, length) shape would cost tens of seconds per shape.
