@@ -90,11 +90,11 @@ class ControlMixin:
     def _onload_weights(self) -> None:
         """The offloaded weights back on the device as one block: a mapped buffer where the device supports it
         (the same addresses at every resume), else a new allocation."""
+        if self._weight_buffer is None or self._weight_buffer.nbytes < self._stash.nbytes:
+            self._weight_buffer = None
+            self._weight_buffer = vmm.buffer(self._stash.nbytes, self.device)
         block = None
-        if vmm.available(self.device):
-            if self._weight_buffer is None or self._weight_buffer.nbytes < self._stash.nbytes:
-                self._weight_buffer = None
-                self._weight_buffer = vmm.MappedBuffer(self._stash.nbytes, self.device)
+        if self._weight_buffer is not None:
             self._weight_buffer.map()
             block = self._weight_buffer.view()
         self._stash.onload(block)  # every weight a view of the block

@@ -135,10 +135,9 @@ class KVCache:
         new_s = min(self.slots, max(have_s, 1 << max(0, slots - 1).bit_length()))
         new_l = min(self.max_len, max(have_l, -(-length // 128) * 128))
         shape = (self.num_layers, new_s + 1, 2 * self.kv_heads, new_l, self.head_dim)
-        buffer = None
-        if vmm.available(self.device):
-            nbytes = math.prod(shape) * self.dtype.itemsize
-            buffer = vmm.MappedBuffer(nbytes, self.device)
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        buffer = vmm.buffer(nbytes, self.device)
+        if buffer is not None:
             kv = buffer.view()[:nbytes].view(self.dtype).view(shape).zero_()
         else:
             kv = torch.zeros(shape, dtype=self.dtype, device=self.device)

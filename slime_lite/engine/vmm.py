@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 ENABLED = True  # False: callers allocate with torch (graphs are then captured again after a release)
 
-_PINNED, _DEVICE, _READ_WRITE, _VMM_SUPPORTED = 1, 1, 3, 102  # CUDA driver enum values
+_PINNED, _DEVICE, _READ_WRITE, _VMM_SUPPORTED, _OUT_OF_MEMORY = 1, 1, 3, 102, 2  # CUDA driver enum values
 _lock = threading.Lock()
 _mapped = {"now": 0, "peak": 0}
+_failed: set[int] = set()  # devices where a buffer could not be made (callers allocate with torch there)
 
 
 class _Location(ctypes.Structure):
@@ -83,7 +84,24 @@ def available(device: torch.device) -> bool:
         return False
     flag = ctypes.c_int(0)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _driver().cuDeviceGetAttribute(ctypes.byref(flag), _VMM_SUPPORTED, index) == 0 and bool(flag.value)
+    return (index not in _failed and _driver().cuDeviceGetAttribute(ctypes.byref(flag), _VMM_SUPPORTED, index) == 0
+            and bool(flag.value))
+
+
+def buffer(nbytes: int, device: torch.device) -> MappedBuffer | None:
+    """A ``MappedBuffer``, or None where they are not available or cannot be made (a driver error other than out of
+    memory: logged, and the device is not tried again); the caller then allocates with torch."""
+    if not available(device):
+        return None
+    try:
+        return MappedBuffer(nbytes, device)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:
+        _failed.add(device.index if device.index is not None else torch.cuda.current_device())
+        logger.warning("mapped device memory unavailable (%s): allocating with torch; CUDA graphs will be captured "
+                       "again after each memory release", e)
+        return None
 
 
 def mapped_bytes() -> tuple[int, int]:
@@ -130,7 +148,15 @@ class MappedBuffer:
         drv, index = _driver(), self.device.index
         handle = ctypes.c_ulonglong(0)
         with torch.cuda.device(self.device):
-            _check(drv.cuMemCreate(ctypes.byref(handle), self.nbytes, ctypes.byref(_prop(index)), 0), "cuMemCreate")
+            result = drv.cuMemCreate(ctypes.byref(handle), self.nbytes, ctypes.byref(_prop(index)), 0)
+            if result == _OUT_OF_MEMORY:  # torch's cache may hold what is free: give it back and try once more
+                torch.cuda.empty_cache()
+                result = drv.cuMemCreate(ctypes.byref(handle), self.nbytes, ctypes.byref(_prop(index)), 0)
+            if result == _OUT_OF_MEMORY:
+                free, total = torch.cuda.mem_get_info(self.device)
+                raise torch.OutOfMemoryError(f"CUDA out of memory mapping {self.nbytes / 2**30:.2f} GiB on "
+                                             f"{self.device} ({free / 2**30:.2f} of {total / 2**30:.2f} GiB free)")
+            _check(result, "cuMemCreate")
             try:
                 _check(drv.cuMemMap(self.ptr.value, self.nbytes, 0, handle.value, 0), "cuMemMap")
                 access = _AccessDesc()
