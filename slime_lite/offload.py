@@ -50,7 +50,8 @@ class TensorStash:
         way: autograd's grad accumulators stay valid) and must not be used until ``onload``. ``keep_on_host``: they
         become views of the host buffer instead (for tensors without autograd), so they can be read and written
         while offloaded and ``onload`` brings what was written; a device storage that something outside
-        ``tensors`` still views then stays allocated (visible in the measured residual) rather than dangling."""
+        ``tensors`` still views then stays allocated (visible in the measured residual) rather than dangling (unless
+        the caller unmaps it: the engine's mapped weight buffer, whose every view is in ``tensors``)."""
         if self.offloaded:
             raise RuntimeError("offload called twice without an onload in between")
         seen: set[int] = set()
@@ -72,9 +73,7 @@ class TensorStash:
             where[key] = total
             total += -(-(u[2] - u[1]) // ALIGN) * ALIGN
         if self.host is None or self.host.numel() < total:
-            self.host = None  # the old pinned buffer goes before the new one is made
-            if self.device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
-                torch._C._host_emptyCache()  # torch's pinned-memory cache would keep it (sizes round to powers of 2)
+            self.drop_host()  # the old pinned buffer goes before the new one is made
             self.host = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         for key, (st, start, end) in units.items():
             self.host[where[key] : where[key] + end - start].copy_(_byte_view(st, start, end), non_blocking=True)
@@ -105,6 +104,12 @@ class TensorStash:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.offloaded = False
+
+    def drop_host(self) -> None:
+        """Free the host buffer (with no offload in progress), torch's pinned-memory cache included."""
+        self.host = None
+        if self.device.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # it would keep the block (sizes round to powers of 2)
 
     def _point_into(self, buffer: torch.Tensor) -> None:
         storage = buffer.untyped_storage()

@@ -2,7 +2,7 @@
 and resume GPU memory.
 
 A mixin of ``Scheduler`` (scheduler.py): these run in its model thread through ``Scheduler.call``, with no step in
-flight, and use its state (``running``, ``waiting``, ``paused``, ``released``, ``prefix``, ``pipeline``, ``lm``,
+flight (``_map_weights``: in its constructor), and use its state (``running``, ``waiting``, ``paused``, ``released``, ``prefix``, ``pipeline``, ``lm``,
 ``_stash``, ``_weight_buffer``, ``_weights_at``).
 """
 
@@ -100,9 +100,12 @@ class ControlMixin:
         self._stash.onload(block)  # every weight a view of the block
 
     def _map_weights(self) -> None:
-        """At start, on CUDA: move the weights into their mapped buffer (through the host), so that the first
-        resume brings them back where the first CUDA graphs saw them."""
+        """At start (in the constructor), on CUDA: move the weights into their mapped buffer (through the host), so
+        that the first resume brings them back where the first CUDA graphs saw them."""
         if vmm.available(self.device):
             self._stash.offload(self.lm.device_tensors(), keep_on_host=True)
+            torch.cuda.empty_cache()  # the weights' old blocks: the mapped buffer cannot use torch's cached memory
             self._onload_weights()
-            self._stash.host = None  # pinned memory only while released
+            self._stash.drop_host()  # pinned memory only while released
+            # the loaded weights were counted by torch's peak, and now by the mapped bytes: count them once
+            torch.cuda.reset_peak_memory_stats(self.device)

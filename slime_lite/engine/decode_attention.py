@@ -12,8 +12,9 @@ row reads its own prefix only:
 
 Splits sit at fixed positions (multiples of ``CHUNK``), and splits past a row's length add exact zeros, so a row's
 result does not depend on its batch, its slot or the length bucket. Each row's slot and length are read on the
-device: a captured graph serves any slots, and any lengths up to its bucket. Used for captured steps on CUDA with Triton, for head sizes that are
-powers of two; elsewhere the step keeps SDPA with a mask.
+device: a captured graph serves any slots, and any lengths up to its bucket. Used for captured steps on CUDA with
+Triton (head sizes up to 256; one that is not a power of two is padded inside the kernels); elsewhere the step keeps
+SDPA with a mask over K/V gathered from the rows' slots (a copy per layer: the CPU and the fallback path).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ ENABLED = True  # False: captured steps keep SDPA with a mask (benchmarks compar
 
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """The kernels serve this model's captured steps: CUDA, Triton installed, a power-of-two head size >= 16."""
+    """The kernels serve this model's captured steps: CUDA, Triton installed, a head size up to 256 (padded to a
+    power of two >= 16 inside the kernels)."""
     return (ENABLED and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _kernels() is not None)
+            and 0 < head_dim <= 256 and _kernels() is not None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,8 +47,8 @@ def _kernels():
 
     @triton.jit
     def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st, n_rep, heads,
-                splits, scale, R: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                IEEE: tl.constexpr):
+                splits, scale, R: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)
@@ -55,9 +57,11 @@ def _kernels():
         start = s * CHUNK
         end = tl.minimum(start + CHUNK, length)
         rows = tl.arange(0, R)
-        dims = tl.arange(0, D)
+        dims = tl.arange(0, D)  # D: the head size DH padded to a power of two (the padding reads and adds zeros)
         live = rows < n_rep
-        q = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sr + dims[None, :], mask=live[:, None], other=0.0)
+        head = dims < DH
+        q = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sr + dims[None, :],
+                    mask=live[:, None] & head[None, :], other=0.0)
         m = tl.full((R,), -float("inf"), tl.float32)
         l_sum = tl.zeros((R,), tl.float32)
         acc = tl.zeros((R, D), tl.float32)
@@ -66,7 +70,7 @@ def _kernels():
             t = t0 + tl.arange(0, BLOCK_N)
             valid = t < end
             off = base + t[:, None].to(tl.int64) * c_st + dims[None, :]
-            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+            k = tl.load(k_ptr + off, mask=valid[:, None] & head[None, :], other=0.0)
             if IEEE:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -76,7 +80,7 @@ def _kernels():
             alpha = tl.exp(m - new)
             p = tl.exp(sc - new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + off, mask=valid[:, None] & head[None, :], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -89,7 +93,7 @@ def _kernels():
 
     @triton.jit
     def combine(o_ptr, ml_ptr, out_ptr, out_sb, out_sh, out_sr, n_rep, heads, splits, R: tl.constexpr,
-                D: tl.constexpr):
+                D: tl.constexpr, DH: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         rows = tl.arange(0, R)
@@ -108,7 +112,7 @@ def _kernels():
             acc += w[:, None] * tl.load(o_ptr + at[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
         out = acc / total[:, None]
         tl.store(out_ptr + b * out_sb + h * out_sh + rows[:, None] * out_sr + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None] & (dims < DH)[None, :])
 
     return partial, combine
 
@@ -131,16 +135,17 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                          "do not fit together (q [B, kv_heads, n_rep, D], keys/values [S, kv_heads, L, D], slots and "
                          "positions [B])")
     splits = -(-keys.shape[2] // CHUNK)
+    dp = max(16, 1 << (d - 1).bit_length())
     out = torch.empty_like(q)
-    parts = torch.empty(b * heads * splits * n_rep, d, dtype=torch.float32, device=q.device)
+    parts = torch.empty(b * heads * splits * n_rep, dp, dtype=torch.float32, device=q.device)
     stats = torch.empty(b * heads * splits * n_rep, 2, dtype=torch.float32, device=q.device)
     r = max(16, 1 << (n_rep - 1).bit_length())
     partial, combine = _kernels()
     with torch.cuda.device(q.device if q.is_cuda else -1):  # -1: a CPU tensor under the Triton interpreter (tests)
         partial[(b, heads, splits)](q, keys, values, slots, positions, parts, stats, q.stride(0), q.stride(1),
                                     q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), n_rep, heads, splits,
-                                    float(scale), R=r, D=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N,
+                                    float(scale), R=r, D=dp, DH=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N,
                                     IEEE=q.dtype == torch.float32, num_warps=4)
         combine[(b, heads)](parts, stats, out, out.stride(0), out.stride(1), out.stride(2), n_rep, heads, splits,
-                            R=r, D=d, num_warps=4)
+                            R=r, D=dp, DH=d, num_warps=4)
     return out

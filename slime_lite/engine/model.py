@@ -94,7 +94,8 @@ class KVCache:
     stay valid); the next ``ensure`` maps memory there again.
 
     ``slots`` and ``max_len`` are the budget (``--max-running-requests`` and
-    ``--kv-cache-tokens // --max-running-requests``); memory is allocated only up to what running requests need.
+    ``--kv-cache-tokens // --max-running-requests``; the scratch slot comes on top); memory is allocated only up to
+    what running requests need.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int, max_len: int,
@@ -126,9 +127,14 @@ class KVCache:
     def ensure(self, slots: int, length: int) -> None:
         """Make room for slot indices < ``slots`` and positions < ``length`` (keeps what is stored; after a
         ``release``, maps memory again, zeroed)."""
-        if self._buffer is not None and not self._buffer.mapped:
-            self._buffer.map()
-            self.kv.zero_()  # fresh memory: masked attention must not meet NaN bit patterns
+        if self._buffer is not None and not self._buffer.mapped:  # released: what it held is lost
+            have_s, have_l = self.allocated
+            if slots <= have_s and length <= have_l:
+                self._buffer.map()
+                self.kv.zero_()  # fresh memory: masked attention must not meet NaN bit patterns
+            else:  # growing: map only the new size
+                slots, length = max(slots, have_s), max(length, have_l)
+                self.kv = self._buffer = None
         have_s, have_l = self.allocated
         if slots <= have_s and length <= have_l:
             return

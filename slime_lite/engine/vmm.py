@@ -29,6 +29,7 @@ _PINNED, _DEVICE, _READ_WRITE, _VMM_SUPPORTED, _OUT_OF_MEMORY = 1, 1, 3, 102, 2 
 _lock = threading.Lock()
 _mapped = {"now": 0, "peak": 0}
 _failed: set[int] = set()  # devices where a buffer could not be made (callers allocate with torch there)
+_deferred: list[MappedBuffer] = []  # buffers collected during a CUDA graph capture: closed at the next buffer made
 
 
 class _Location(ctypes.Structure):
@@ -110,6 +111,12 @@ def mapped_bytes() -> tuple[int, int]:
         return _mapped["now"], _mapped["peak"]
 
 
+def reset_peak() -> None:
+    """Start the peak of ``mapped_bytes`` from now (as ``torch.cuda.reset_peak_memory_stats``)."""
+    with _lock:
+        _mapped["peak"] = _mapped["now"]
+
+
 def _count(delta: int) -> None:
     with _lock:
         _mapped["now"] += delta
@@ -122,6 +129,8 @@ class MappedBuffer:
     Views keep the buffer alive; it is closed when the last one goes."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
+        while _deferred:
+            _deferred.pop().close()
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         drv, index = _driver(), self.device.index
         grain = ctypes.c_size_t(0)
@@ -190,7 +199,13 @@ class MappedBuffer:
             self.ptr = ctypes.c_ulonglong(0)
 
     def __del__(self) -> None:
+        ptr = getattr(self, "ptr", None)  # None: the constructor failed before reserving
+        if ptr is None or not ptr.value:
+            return
         try:
+            if torch.cuda.is_current_stream_capturing():  # collected inside a capture: no synchronize there
+                _deferred.append(self)  # kept alive until the next buffer is made, then closed
+                return
             self.close()
         except Exception:  # noqa: BLE001, S110 (interpreter shutdown: the driver may be gone)
             pass

@@ -1,5 +1,6 @@
 """CUDA-graph decode on a GPU (skipped without CUDA): replayed graphs give what eager decode gives, see in-place
-weight updates without a new capture, and are dropped and captured again across memory release and resume."""
+weight updates without a new capture, and are kept across memory release and resume (mapped memory, engine/vmm.py),
+or dropped and captured again without it."""
 
 from __future__ import annotations
 
@@ -93,6 +94,18 @@ def test_release_and_resume_keep_the_graphs_in_mapped_memory(pair, monkeypatch):
         assert_same(run_requests(s, SPECS), want)
         assert s.decoder.num_graph_resets == resets, round_
         assert all(s.decoder.graphs.get(k) is g for k, g in graphs.items()), round_
+    # A cache that must grow after a release maps only its new size (what it held is lost anyway).
+    s.call(s.release_memory, ["weights", "kv_cache"]).result(60)
+    s.call(s.resume_memory, ["weights", "kv_cache"]).result(60)
+    held = s.cache.allocated
+    assert held[1] < s.cache.max_len
+    vmm.reset_peak()
+    s.call(s.cache.ensure, held[0], held[1] + 1).result(60)
+    assert s.cache.allocated[0] >= held[0] and s.cache.allocated[1] > held[1]
+    now, peak = vmm.mapped_bytes()
+    assert peak == now, "the old cache was mapped again before the new one"
+    longer = [(p, 150 - len(p), seed) for p, _, seed in SPECS[:3]]
+    assert_same(run_requests(s, longer, ignore_eos=True), run_requests(pair[False], longer, ignore_eos=True))
     monkeypatch.setattr(vmm, "ENABLED", False)
     s.call(s.flush_cache).result(60)  # the cache is allocated again, by torch
     run_requests(s, SPECS)

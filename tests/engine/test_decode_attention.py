@@ -10,12 +10,14 @@ import torch.nn.functional as F
 
 def _kernels_on_cpu() -> None:
     """Run by ``test_the_kernels_in_the_triton_interpreter`` with TRITON_INTERPRET=1: the kernels on CPU tensors
-    (float32 and float16; lengths at the split edges; rows reading scattered slots of a larger cache) against float64
-    masked attention, and the same bits for a row alone under a smaller bucket."""
+    (float32 and float16; a head size that is not a power of two; lengths at the split edges; rows reading scattered
+    slots of a larger cache) against float64 masked attention, and the same bits for a row alone under a smaller
+    bucket."""
     from slime_lite.engine.decode_attention import CHUNK, decode_attention
 
     for dtype, kv_heads, n_rep, dim, bucket, tol in [(torch.float32, 2, 7, 32, 600, 1e-5),
-                                                    (torch.float16, 1, 2, 16, 300, 2e-3)]:
+                                                    (torch.float16, 1, 2, 16, 300, 2e-3),
+                                                    (torch.float32, 1, 3, 24, 300, 1e-5)]:  # head size padded to 32
         g = torch.Generator().manual_seed(5)
         kv = torch.randn(7, 2 * kv_heads, bucket + 64, dim, generator=g).to(dtype)
         keys, values = kv[:, :kv_heads, :bucket], kv[:, kv_heads:, :bucket]

@@ -28,6 +28,7 @@ def _reference(q, keys, values, positions, scale):
     (torch.bfloat16, 2, 6, 128, 1024),  # Qwen2.5-1.5B's
     (torch.float16, 4, 1, 64, 300),     # no grouping; a bucket that is not a multiple of the split
     (torch.float32, 2, 2, 32, 640),     # the float32 engine (the tiny test models)
+    (torch.bfloat16, 4, 2, 80, 512),    # a head size that is not a power of two (padded to 128 in the kernels)
 ])
 def test_own_length_attention_matches_masked_attention(dtype, kv_heads, n_rep, dim, bucket):
     from slime_lite.engine.decode_attention import CHUNK, available, decode_attention

@@ -109,6 +109,7 @@ def test_steps_have_a_row_per_running_request_and_idle_rows_write_only_the_scrat
     compacted = idle = 0
     for running, (positions, slots, scratch, changed) in (step for step in steps if len(step) == 2):
         n = len(running)
+        assert scratch > running[-1], (scratch, running)  # past every slot a request can hold in this cache
         assert slots[:n] == running and slots[n:] == [scratch] * (len(slots) - n), (running, slots)
         assert all(p == 0 for p in positions[n:]), positions
         allowed = {(s, p) for s, p in zip(slots, positions)}
