@@ -120,7 +120,10 @@ def engine_alone(model: str, warm: str, dump: str, max_running: int, kv_tokens: 
 
     warm_s, _ = replay(warm)
     if cuda:
+        from slime_lite.engine import vmm
+
         torch.cuda.reset_peak_memory_stats()
+        vmm.reset_peak()
     captures = (sch.decoder.num_captures, sch.decoder.capture_seconds) if sch.decoder else (0, 0.0)
     secs, tokens = replay(dump)
     res = {"warmup_s": warm_s, "rollout_s": secs, "tokens": tokens, "tok_per_s": tokens / secs,
