@@ -105,7 +105,12 @@ class ControlMixin:
         if vmm.available(self.device):
             self._stash.offload(self.lm.device_tensors(), keep_on_host=True)
             torch.cuda.empty_cache()  # the weights' old blocks: the mapped buffer cannot use torch's cached memory
-            self._onload_weights()
+            try:
+                self._onload_weights()
+            except torch.OutOfMemoryError as e:  # where they were, by torch (graphs are captured again after resumes)
+                logger.warning("weights not moved into mapped memory (%s)", e)
+                self._weight_buffer = None
+                self._stash.onload()
             self._stash.drop_host()  # pinned memory only while released
             # the loaded weights were counted by torch's peak, and now by the mapped bytes: count them once
             torch.cuda.reset_peak_memory_stats(self.device)
