@@ -186,6 +186,8 @@ def main() -> None:
     ap.add_argument("--mean-response", type=int, default=None, help="eos set sized for this mean (default 256)")
     ap.add_argument("--timeout", type=int, default=None, help="seconds per train run (default 270; --quick 150)")
     ap.add_argument("--part-timeout", type=int, default=None, help="seconds per standalone part (default 120)")
+    ap.add_argument("--engine-compile", action="store_true",
+                    help="the engine (in the loop and alone) with --engine-enable-torch-compile")
     ap.add_argument("--budget", type=int, default=None,
                     help="seconds for the whole bench; no subprocess runs past it (default: colocate 360, "
                          "disagg 570, --quick 170)")
@@ -216,6 +218,8 @@ def main() -> None:
               "--lr", "1e-6", "--engine-max-running-requests", str(prompts * n), "--engine-kv-cache-tokens", str(kv)]
     if not q:
         common += ["--bf16", "--engine-dtype", "bfloat16"]
+    if a.engine_compile:
+        common += ["--engine-enable-torch-compile"]
     runs = {"colocate": ["--colocate"]} if a.layout == "colocate" or q else {
         "disagg_sync": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed"],
         "disagg_async": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed", "--async"]}
@@ -234,7 +238,8 @@ def main() -> None:
     warm, dump = first.format(rollout_id=0), first.format(rollout_id=last)
     if os.path.exists(dump):
         res["engine_alone"] = part("engine", ["--model", model, "--warm", warm, "--dump", dump, "--max-running",
-                                              str(prompts * n), "--kv-tokens", str(kv)], part_timeout, out)
+                                              str(prompts * n), "--kv-tokens", str(kv)] + ["--compile"] * a.engine_compile,
+                                  part_timeout, out)
     else:
         print(f"no rollout dump {dump}: the standalone engine and train parts are skipped", flush=True)
         res["engine_alone"] = res["train_alone"] = {}

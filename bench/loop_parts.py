@@ -85,7 +85,8 @@ def _samples(path: str) -> list:
     return load_rollout_dump(path).samples
 
 
-def engine_alone(model: str, warm: str, dump: str, max_running: int, kv_tokens: int, seed: int) -> dict:
+def engine_alone(model: str, warm: str, dump: str, max_running: int, kv_tokens: int, seed: int,
+                 compile: bool = False) -> dict:
     """The engine alone on a saved rollout's requests (warm-up on ``warm``): wall time, tokens, memory."""
     import threading
 
@@ -97,7 +98,7 @@ def engine_alone(model: str, warm: str, dump: str, max_running: int, kv_tokens: 
 
     cuda = torch.cuda.is_available()
     server = EngineServer(model, device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "auto", seed=seed,
-                          max_running_requests=max_running, kv_cache_tokens=kv_tokens)
+                          max_running_requests=max_running, kv_cache_tokens=kv_tokens, enable_torch_compile=compile)
     server.start()
     sch = server.scheduler
 
@@ -213,6 +214,7 @@ def main() -> None:
     ap.add_argument("--dump", help="rollout dump to time")
     ap.add_argument("--max-running", type=int, default=512)
     ap.add_argument("--kv-tokens", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="the engine with --enable-torch-compile")
     ap.add_argument("--seed", type=int, default=42, help="the engine's seed (--rollout-seed of engine 0)")
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--log-probs-max-tokens", type=int, default=32768)
@@ -221,7 +223,7 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(HERE))
     if a.part == "engine":
-        res = engine_alone(a.model, a.warm, a.dump, a.max_running, a.kv_tokens, a.seed)
+        res = engine_alone(a.model, a.warm, a.dump, a.max_running, a.kv_tokens, a.seed, a.compile)
     elif a.part == "train":
         res = train_alone(a.model, a.warm, a.dump, a.max_tokens, a.log_probs_max_tokens)
     else:
