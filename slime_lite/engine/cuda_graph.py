@@ -15,8 +15,9 @@ graphs live: weight updates copy into the parameters in place and need no new ca
 weights live in mapped buffers (``vmm``), so memory release and resume give their memory back and bring it again at
 the same addresses, and the graphs are kept. When the cache or the weight storage is replaced (the cache grows to a
 larger size, a cache flush, or a release without mapped buffers), the graphs are dropped and captured again on use
-(a capture costs about one eager step). While graphs live, the cache is kept when the engine goes idle instead of
-being freed, so it grows to what the workload needs and no further.
+(a capture costs about one eager step). So while graphs are captured, the cache holds every position of a slot
+from the start (it grows in slots only, to what the workload needs), and it is kept when the engine goes idle instead
+of being freed.
 
 Hugging Face's static cache does not fit here: it holds one position for the whole batch (continuous batching has a
 position per request); and compiling the whole step per (batch, length) shape would cost tens of seconds per shape.
@@ -174,7 +175,9 @@ class PaddedDecoder:
         if chain and self._sampled is None:
             raise RuntimeError("chain=True needs a previous run")
         drawn = self._sampled[0].clone() if chain else None  # kept across a reset of the buffers below
-        self.cache.ensure(slots[-1] + 1, kv_len)  # grows only to what steps use; a new allocation: new captures
+        # Grows only to the slots steps use. With graphs every position is allocated at once: a new allocation drops
+        # them all, and lengths grow at every step of a rollout (RL answers reach the longest length anyway).
+        self.cache.ensure(slots[-1] + 1, self.cache.max_len if self.capture else kv_len)
         key = self._storage_key()
         if key != self._storage:
             self.num_graph_resets += self._storage is not None  # a KV-cache growth or new weight storage mid-serving
