@@ -7,6 +7,7 @@ timed alone, each with a device synchronize: ``run`` (host input prep, replay of
 sampled tokens to the host), ``replay`` (the graph alone). What is left of a step is the scheduler's Python.
 ``prefill_ms``: one prefill of all ``B`` prompts (eager; it runs when requests join).
 
+``--compare-fused``: also timed with the eager layer pieces instead of ``fused_layer``'s kernels, ``*_unfused`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
 where a few long answers set the length bucket) instead of all at the middle; ``--compare-attention``: the step is
 also timed with the own-length attention kernels switched off (masked SDPA over the bucket), ``*_sdpa`` keys.
@@ -69,11 +70,13 @@ def main() -> None:
     ap.add_argument("--spread", action="store_true", help="timed step: rows at positions spread over the length")
     ap.add_argument("--compare-attention", action="store_true",
                     help="also time the step with masked SDPA instead of the own-length attention kernels")
+    ap.add_argument("--compare-fused", action="store_true",
+                    help="also time the step with the eager layer pieces instead of the fused kernels, *_unfused keys")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
 
-    from slime_lite.engine import decode_attention
+    from slime_lite.engine import decode_attention, fused_layer
     from slime_lite.engine.cuda_graph import StepInputs
     from slime_lite.engine.scheduler import Scheduler
 
@@ -95,14 +98,15 @@ def main() -> None:
             pos = [(i + 1) * (args.prompt_len + args.max_new_tokens - 1) // b for i in range(b)]
         row = {"batch": b, "tok_s": round(n / (step / 1000 * args.max_new_tokens)), "step_ms": step}
         one = StepInputs(token=toks, position=pos, temperature=[1.0] * b, uniform=[0.5] * b, greedy=[False] * b)
-        for suffix in ("", "_sdpa") if args.compare_attention else ("",):
-            decode_attention.ENABLED = not suffix
+        variants = [""] + ["_sdpa"] * args.compare_attention + ["_unfused"] * args.compare_fused
+        for suffix in variants:
+            decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             s.decoder.reset()
             row["run_ms" + suffix] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
-        decode_attention.ENABLED = True
+        decode_attention.ENABLED = fused_layer.ENABLED = True
         row["python_ms"] = row["step_ms"] - row["run_ms"]
         dev = s.lm.device
         ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)

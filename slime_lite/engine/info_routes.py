@@ -110,7 +110,7 @@ class _Info:
                              "lookups": s.prefix.lookups, "hit_tokens": s.prefix.hit_tokens},
             "disable_cuda_graph": s.decoder is None or not s.decoder.capture,
             "cuda_graph_max_bs": s.decoder.max_bs if s.decoder else None,
-            "enable_torch_compile": s.decoder is not None and s.lm.graph_fns is not s.lm.fns,
+            "enable_torch_compile": s.decoder is not None and s.lm.compiled,
             "num_cuda_graphs": len(s.decoder.graphs) if s.decoder else 0,
             # counters since start (the rollout manager logs their growth per rollout as perf/rollout/engine_*)
             "step_stats": {"busy_seconds": s.busy_seconds, "prefill_seconds": s.prefill_seconds,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slime_lite.engine import decode_attention, vmm
+from slime_lite.engine import decode_attention, fused_layer, vmm
 from slime_lite.errors import SlimeLiteError
 
 logger = logging.getLogger(__name__)
@@ -267,7 +267,10 @@ class CausalLM:
         self.inter = cfg.intermediate_size
         self.max_len = max_len
         self.fns = layer_functions(self.eps, self.num_heads, self.kv_heads, self.head_dim, self.inter, self.act)
-        self.graph_fns = self.fns
+        # captured steps on CUDA: the same pieces in fewer kernels (fused_layer); enable_compile replaces them
+        self.graph_fns = fused_layer.layer_functions(self.fns, self.eps, self.num_heads, self.kv_heads,
+                                                     self.head_dim, getattr(cfg, "hidden_act", None) == "silu")
+        self.compiled = False
         self.refresh()
 
     def refresh(self) -> None:
@@ -327,6 +330,7 @@ class CausalLM:
         """``torch.compile`` the per-layer pieces of decode steps that are captured as CUDA graphs (fuses the
         norms, rotary and activation kernels); shapes are dynamic, so one compile serves every batch bucket."""
         self.graph_fns = tuple(torch.compile(fn, dynamic=True) for fn in self.fns)
+        self.compiled = True
 
     def _eager_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
@@ -397,7 +401,7 @@ class CausalLM:
         ``kv_len`` is ``max(positions) + 1``; ``slot_range=(a, b)`` says ``slots`` is exactly ``a..b-1`` in order,
         so the cache is read as a view; ``same_length`` says every position is ``kv_len - 1`` (no mask needed).
         ``graphed``: a padded step (captured as a CUDA graph on CUDA, where SDPA's per-shape setup is paid once, at
-        capture); it uses the compiled layer pieces when ``enable_compile`` was called.
+        capture); it uses the fused layer pieces (``fused_layer``), or the compiled ones after ``enable_compile``.
         """
         b = tokens.shape[0]
         h = F.embedding(tokens[:, None], self.embed.weight)
