@@ -7,7 +7,8 @@ is captured on first use and replayed after, a few microseconds of host time per
 A step over ``n`` running slots runs ``B`` rows, ``B`` the smallest batch bucket of at least ``n``: row ``i < n``
 decodes the request in the ``i``-th running slot (the slot of each row is a step input, read on the device), so
 the batch shrinks with the number of running requests however scattered their slots are (a rollout's tail). The
-step reads the first ``L`` cache positions, ``L`` the smallest length bucket above the longest position (on CUDA
+step reads the first ``L`` cache positions, ``L`` the smallest length bucket above the longest position, or the
+cache's allocated length where that is shorter and holds every position (on CUDA
 with Triton each row reads only its own prefix: ``decode_attention``). Idle rows decode token 0 at position 0 of
 the cache's scratch slot, which no request holds: what free slots hold stays for the prefix cache. Every tensor a
 step touches (the static inputs and output, the KV cache, the weights, the rotary table) keeps its address while
@@ -15,9 +16,10 @@ graphs live: weight updates copy into the parameters in place and need no new ca
 weights live in mapped buffers (``vmm``), so memory release and resume give their memory back and bring it again at
 the same addresses, and the graphs are kept. When the cache or the weight storage is replaced (the cache grows to a
 larger size, a cache flush, or a release without mapped buffers), the graphs are dropped and captured again on use
-(a capture costs about one eager step). So while graphs are captured, the cache holds every position of a slot
-from the start (it grows in slots only, to what the workload needs), and it is kept when the engine goes idle instead
-of being freed.
+(a capture costs about one eager step). Admission allocates what its requests can reach (prompt plus
+max_new_tokens), so a step whose length bucket passes that reads the allocated length instead of growing the cache
+mid-rollout. While graphs live, the cache is kept when the engine goes idle instead of being freed, so it grows to
+what the workload needs and no further.
 
 Hugging Face's static cache does not fit here: it holds one position for the whole batch (continuous batching has a
 position per request); and compiling the whole step per (batch, length) shape would cost tens of seconds per shape.
@@ -170,14 +172,16 @@ class PaddedDecoder:
         with ``sampled(ticket)``, or the logits (general sampler) with ``logits()`` before the next ``run``."""
         n = len(slots)
         bs = _ceil(self.bs_buckets, n)
-        kv_len = _ceil(self.len_buckets, max(inputs.position) + 1)
+        top = max(inputs.position) + 1
+        kv_len = _ceil(self.len_buckets, top)
+        have = self.cache.allocated[1]
+        if top <= have < kv_len:  # admission allocated the requests' whole need: read that, do not grow to the bucket
+            kv_len = have
         dev = self.lm.device
         if chain and self._sampled is None:
             raise RuntimeError("chain=True needs a previous run")
         drawn = self._sampled[0].clone() if chain else None  # kept across a reset of the buffers below
-        # Grows only to the slots steps use. With graphs every position is allocated at once: a new allocation drops
-        # them all, and lengths grow at every step of a rollout (RL answers reach the longest length anyway).
-        self.cache.ensure(slots[-1] + 1, self.cache.max_len if self.capture else kv_len)
+        self.cache.ensure(slots[-1] + 1, kv_len)  # grows only to what steps use; a new allocation: new captures
         key = self._storage_key()
         if key != self._storage:
             self.num_graph_resets += self._storage is not None  # a KV-cache growth or new weight storage mid-serving

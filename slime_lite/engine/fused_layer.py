@@ -101,6 +101,8 @@ def _pow2(n: int) -> int:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """``weight * rmsnorm(x)`` over the last dimension; with ``residual``: ``(x + residual, weight *
     rmsnorm(x + residual))``. ``x`` (and ``residual``) contiguous, in the model dtype."""
+    if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+        raise ValueError("rms_norm: x and residual must be contiguous")
     n = x.shape[-1]
     rows = x.numel() // n
     y = torch.empty_like(x)
@@ -114,6 +116,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
     """``qkv [R, (heads + 2 kv_heads) * head_dim]`` (rows contiguous), ``cos``/``sin`` ``[R, head_dim]`` (contiguous)
     -> roped q ``[R, heads, head_dim]`` and ``[R, 2 kv_heads, head_dim]``: roped k heads, then the v heads."""
+    if head_dim % 2 or qkv.stride(-1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rotary: an even head size, rows of qkv with a contiguous last dimension, contiguous cos/sin")
     rows = qkv.shape[0]
     q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     kv = torch.empty(rows, 2 * kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -125,6 +129,8 @@ def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, 
 
 def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gu = [..., 2 * inter]`` (gate first), contiguous."""
+    if not gu.is_contiguous():
+        raise ValueError("silu_and_mul: gu must be contiguous")
     inter = gu.shape[-1] // 2
     rows = gu.numel() // gu.shape[-1]
     out = torch.empty(*gu.shape[:-1], inter, dtype=gu.dtype, device=gu.device)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-HEADS, KV_HEADS, EPS = 3, 1, 1e-6
+HEADS, KV_HEADS, EPS = 4, 2, 1e-6  # 2 KV heads: a KV-head index that is off shows
 
 
 def _pieces(head_dim: int, inter: int):
@@ -42,6 +42,7 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
     """The fused pieces against the eager ones: the rotary and the residual add bit for bit on the same input (no
     sum in them); the norm and what follows it within ``tol`` (the norm's float32 sum runs in another order)."""
     from slime_lite.engine import fused_layer
+    from slime_lite.engine.model import _rms, layer_functions
 
     eager, fused = _pieces(head_dim, inter)
     (h, ln, qkv_w, qkv_b, cos, sin), mlp_args = _inputs(5, head_dim, inter, dtype, device)
@@ -79,6 +80,12 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
     gu = torch.randn(5, 1, 2 * inter, generator=torch.Generator().manual_seed(2)).to(dtype).to(device) * 4
     torch.testing.assert_close(fused_layer.silu_and_mul(gu), F.silu(gu[..., :inter]) * gu[..., inter:], rtol=tol,
                                atol=tol)
+    small = x * 1e-3  # where eps matters
+    torch.testing.assert_close(fused_layer.rms_norm(small, mlp_args[4], 1e-2), _rms(small, mlp_args[4], 1e-2),
+                               rtol=tol, atol=tol)
+    gelu = layer_functions(EPS, HEADS, KV_HEADS, head_dim, inter, F.gelu)  # another activation: the eager MLP
+    assert torch.equal(fused_layer.layer_functions(gelu, EPS, HEADS, KV_HEADS, head_dim, silu=False)[1](*mlp_args),
+                       gelu[1](*mlp_args))
 
 
 def _kernels_on_cpu() -> None:
@@ -86,7 +93,7 @@ def _kernels_on_cpu() -> None:
     from slime_lite.engine import fused_layer
 
     fused_layer.usable = lambda x: True
-    _check(torch.float32, 32, 80, "cpu", 1e-5)
+    _check(torch.float32, 32, 1100, "cpu", 1e-5)  # gate/up wider than one block of silu_mul
     _check(torch.float16, 24, 40, "cpu", 2e-3)  # a head size that is not a power of two
 
 
@@ -97,9 +104,8 @@ def test_the_kernels_in_the_triton_interpreter():
 
 
 def test_the_eager_pieces_run_where_the_kernels_cannot():
-    """On CPU (or with ENABLED off, or another activation) the fused functions are the eager ones, bit for bit."""
+    """On CPU (and with ENABLED off) the fused functions are the eager ones, bit for bit."""
     from slime_lite.engine import fused_layer
-    from slime_lite.engine.model import layer_functions
 
     eager, fused = _pieces(32, 80)
     qkv_args, mlp_args = _inputs(4, 32, 80, torch.float32)
@@ -107,9 +113,6 @@ def test_the_eager_pieces_run_where_the_kernels_cannot():
     for a, b in zip(fused[0](*qkv_args), eager[0](*qkv_args)):
         assert torch.equal(a, b)
     assert torch.equal(fused[1](*mlp_args), eager[1](*mlp_args))
-    gelu = layer_functions(EPS, HEADS, KV_HEADS, 32, 80, F.gelu)
-    assert torch.equal(fused_layer.layer_functions(gelu, EPS, HEADS, KV_HEADS, 32, silu=False)[1](*mlp_args),
-                       gelu[1](*mlp_args))
 
 
 @pytest.mark.gpu

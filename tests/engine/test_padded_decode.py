@@ -211,5 +211,11 @@ def test_padded_decode_grows_the_cache_only_to_the_buckets_it_uses(tiny_model_di
         resets = s.decoder.num_graph_resets
         run_requests(s, [([1, 2, 3], 4, i) for i in range(8)])
         assert s.decoder.num_graph_resets > resets and s.num_decode_steps >= 200 and s.busy_seconds > 0
+        # Admission allocates a request's whole need (3 + 299 positions: 384); steps past bucket 256 read those 384
+        # instead of growing the cache to bucket 512 (a growth drops every captured graph on CUDA).
+        s.call(s.flush_cache).result(30)
+        keys.clear()
+        out = run_requests(s, [([1, 2, 3], 300, 9)], ignore_eos=True)[0]
+        assert len(out.output_ids) == 300 and [k[1] for k in keys] == [384]
     finally:
         s.stop()
