@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 import time
 
 import torch
 
-from bench_engine import make_model_dir, run_engine_inprocess
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: slime_lite
+from bench_engine import make_model_dir, run_engine_inprocess  # noqa: E402
 
 
 def sync() -> None:
