@@ -13,8 +13,9 @@ about a thousand such steps with a few rows each. Three kernels replace most of 
 Each computes in float32 and rounds to the model dtype where eager PyTorch does (after the norm, after each
 product, after the add). In Triton's interpreter the rotary and the residual add then give eager's bits; compiled
 (H200), about a fifth of the rotary's elements differ from eager's by one rounding step (the compiler may fuse a
-product into the sum), and the norm's float32 sum runs in another order. The matrix products stay with cuBLAS. Used by captured steps on CUDA with Triton for models with a SiLU MLP
-(``layer_functions``); elsewhere, and with ``ENABLED = False`` (benchmarks compare), the eager pieces run.
+product into the sum), and the norm's float32 sum runs in another order. The matrix products stay with cuBLAS.
+Used by captured steps on CUDA with Triton for models with a SiLU MLP (``layer_functions``); elsewhere, and with
+``ENABLED = False`` (benchmarks compare), the eager pieces run.
 ``--enable-torch-compile`` replaces both with compiled ones.
 """
 
