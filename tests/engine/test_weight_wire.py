@@ -88,15 +88,31 @@ def test_sglang_payloads_update_the_engine_exactly(sgl, wire_engine, base_weight
 
 def test_our_payloads_are_read_by_sglang(sgl):
     ms = sgl.serializer
+    unpadded = [NAMED[i] for i in (2, 0, 3, 1)]  # int64, fp32, fp16, bf16: each starts aligned, one copy fills it
+    assert weight_wire.flatten_bucket(unpadded)["flattened_tensor"].numel() == sum(
+        t.numel() * t.element_size() for _, t in NAMED)
     for by_value in (False, True):  # handles (shared memory here) and tensors by value
         assert _same(ms.deserialize(weight_wire.serialize([(n, t.clone()) for n, t in NAMED], by_value=by_value)),
                      NAMED)
-        data = ms.deserialize(weight_wire.serialize(weight_wire.flatten_bucket(NAMED), by_value=by_value))
-        assert type(data["metadata"][0]).__module__ == "sglang.srt.weight_sync.tensor_bucket"
-        rebuilt = sgl.bucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]).reconstruct_tensors()
-        assert _same(rebuilt, NAMED)
+        for named in (NAMED, unpadded):  # a bucket with padding (the int64 after 58 bytes) and one without
+            data = ms.deserialize(weight_wire.serialize(weight_wire.flatten_bucket(named), by_value=by_value))
+            assert type(data["metadata"][0]).__module__ == "sglang.srt.weight_sync.tensor_bucket"
+            rebuilt = sgl.bucket(flattened_tensor=data["flattened_tensor"],
+                                 metadata=data["metadata"]).reconstruct_tensors()
+            assert _same(rebuilt, named)
     empty = ms.deserialize(weight_wire.serialize(weight_wire.flatten_bucket([])))  # slime sends these for idle ranks
     assert empty["metadata"] == [] and empty["flattened_tensor"].numel() == 0
+
+
+def test_a_name_holding_the_class_line_is_refused():
+    """The writer renames our class's pickled GLOBAL line to SGLang's path; a tensor name holding that very line
+    would make the rename ambiguous: refused with a clear error, never a payload naming the wrong class."""
+    line = f"c{weight_wire.__name__}\nFlattenedTensorMetadata\n"
+    with pytest.raises(ValueError, match="class path.*2 times"):
+        weight_wire.serialize(weight_wire.flatten_bucket([(line, torch.zeros(2))]))
+    ok = weight_wire.deserialize(weight_wire.serialize(weight_wire.flatten_bucket([("x\nFlattenedTensorMetadata\n",
+                                                                                      torch.ones(2))])))
+    assert weight_wire.named_tensors(ok, "flattened_bucket")[0][0] == "x\nFlattenedTensorMetadata\n"
 
 
 def test_unaligned_sglang_bucket_is_read(sgl):
