@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from slime_lite.args import parse_args
 from slime_lite.errors import SlimeLiteError
@@ -109,73 +109,78 @@ def run(args) -> int:
     # when each rollout is generated: before its training (default), or during the previous one's (--async)
     rollouts = RolloutSchedule(args, manager, lambda ref, r: wait_with_progress(manager, ref, r, recovery),
                                start_rollout_id)
-    done = 0
-    for rollout_id in range(start_rollout_id, args.num_rollout):
-        step_t0 = time.monotonic()
-        profiler.before(rollout_id)
-        with DRIVER_TIMELINE.span("rollout"):
-            samples, record = rollouts.get(rollout_id)  # --async: rollout_id + 1 starts generating here
-        if actor is not None:
-            record_lag(rollouts, samples, rollout_id, record)  # rollout/off_policy_lag
-            onload_phase(args, urls, engines, trainers, record)
-            with timed(record, "perf/train_time"):
-                train_t0 = time.monotonic()
-                rollouts.train_started()
-                data = ray.put(samples)
-                # PPO: critic values -> actor (log-probs, advantages, policy steps) -> critic steps toward the returns
-                values = critic.compute_values(data) if critic is not None else None
-                train_metrics, returns = actor.train(rollout_id, data, values)
-                step_norms = {"actor": train_metrics.pop(STEP_GRAD_NORMS)}
-                DRIVER_TIMELINE.add("log_probs", train_t0, train_metrics.get("perf/log_probs_time", 0.0))
-                record.update(train_metrics)
-                if critic is not None:
-                    critic_metrics = critic.train(rollout_id, data, values, returns)
-                    step_norms["critic"] = critic_metrics.pop(STEP_GRAD_NORMS)
-                    record.update(critic_metrics)
-                rollouts.train_finished(record)
-            check_finite_losses(record, rollout_id)
-            if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
-                with DRIVER_TIMELINE.span("save"):
-                    actor.save(rollout_id, rollouts.data_state(rollout_id))
+    try:
+        done = 0
+        for rollout_id in range(start_rollout_id, args.num_rollout):
+            step_t0 = time.monotonic()
+            profiler.before(rollout_id)
+            with DRIVER_TIMELINE.span("rollout"):
+                samples, record = rollouts.get(rollout_id)  # --async: rollout_id + 1 starts generating here
+            if actor is not None:
+                record_lag(rollouts, samples, rollout_id, record)  # rollout/off_policy_lag
+                onload_phase(args, urls, engines, trainers, record)
+                with timed(record, "perf/train_time"):
+                    train_t0 = time.monotonic()
+                    rollouts.train_started()
+                    data = ray.put(samples)
+                    # PPO: critic values -> actor (log-probs, advantages, policy steps) -> critic steps to the returns
+                    values = critic.compute_values(data) if critic is not None else None
+                    train_metrics, returns = actor.train(rollout_id, data, values)
+                    step_norms = {"actor": train_metrics.pop(STEP_GRAD_NORMS)}
+                    DRIVER_TIMELINE.add("log_probs", train_t0, train_metrics.get("perf/log_probs_time", 0.0))
+                    record.update(train_metrics)
                     if critic is not None:
-                        critic.save(rollout_id, None)
-            if urls:
-                rollouts.before_push(record)  # --async: the generation ahead finishes first
-                with timed(record, "perf/update_weights_time"):
-                    if args.offload_rollout:  # colocated: room for the weights now, for the KV cache after offload
-                        resume_t0 = time.monotonic()
-                        engine_memory(urls, "resume", ["weights"])
-                        add_time(record, "perf/offload/engine_resume_time", resume_t0)
-                    if recovery is not None:  # an engine that died since the rollout is replaced first
-                        recovery.check()
-                    actor.update_weights(urls, version=rollout_id + 1)
-                    if recovery is not None:
-                        recovery.version = rollout_id + 1
-            offload_phase(args, urls, trainers, record)
-        if evaluate and ((rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout):
-            with DRIVER_TIMELINE.span("eval"):
-                record.update(get(manager.evaluate.remote(rollout_id + 1)))
-        if recovery is not None:
-            record["rollout/engine_restarts"] = float(recovery.take_restarts())
-        record["perf/step_time"] = time.monotonic() - step_t0
-        record.update(memory_records(manager, engines, actor, critic))
-        metrics.log(record, rollout_id)
-        profiler.after(rollout_id)
-        if actor is not None:
-            if rollouts.on_policy(rollout_id):  # --async: off-policy rollouts differ from the trainer by design
-                watch.update(record)
-            if args.ci_test:
-                enforce(ci, record, rollout_id, first=rollout_id == start_rollout_id,
-                        expected_version=rollouts.expected_version(rollout_id))
-            if grad_ci is not None:  # after the metrics are written: compare-runs can show the failing rollout
-                for role, norms in step_norms.items():
-                    grad_ci.update(role, rollout_id, norms)
-        done += 1
-    if args.ci_test and actor is not None and args.num_rollout - start_rollout_id >= 2:
-        check = iteration2_check(done)
-        if not check.passed:
-            raise CiCheckFailed(check, start_rollout_id + done)
+                        critic_metrics = critic.train(rollout_id, data, values, returns)
+                        step_norms["critic"] = critic_metrics.pop(STEP_GRAD_NORMS)
+                        record.update(critic_metrics)
+                    rollouts.train_finished(record)
+                check_finite_losses(record, rollout_id)
+                if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
+                    with DRIVER_TIMELINE.span("save"):
+                        actor.save(rollout_id, rollouts.data_state(rollout_id))
+                        if critic is not None:
+                            critic.save(rollout_id, None)
+                if urls:
+                    rollouts.before_push(record)  # --async: the generation ahead finishes first
+                    with timed(record, "perf/update_weights_time"):
+                        if args.offload_rollout:  # colocated: room for the weights now, for the KV cache after offload
+                            resume_t0 = time.monotonic()
+                            engine_memory(urls, "resume", ["weights"])
+                            add_time(record, "perf/offload/engine_resume_time", resume_t0)
+                        if recovery is not None:  # an engine that died since the rollout is replaced first
+                            recovery.check()
+                        actor.update_weights(urls, version=rollout_id + 1)
+                        if recovery is not None:
+                            recovery.version = rollout_id + 1
+                offload_phase(args, urls, trainers, record)
+            if evaluate and ((rollout_id + 1) % args.eval_interval == 0 or rollout_id + 1 == args.num_rollout):
+                with DRIVER_TIMELINE.span("eval"):
+                    record.update(get(manager.evaluate.remote(rollout_id + 1)))
+            if recovery is not None:
+                record["rollout/engine_restarts"] = float(recovery.take_restarts())
+            record["perf/step_time"] = time.monotonic() - step_t0
+            record.update(memory_records(manager, engines, actor, critic))
+            metrics.log(record, rollout_id)
+            profiler.after(rollout_id)
+            if actor is not None:
+                if rollouts.on_policy(rollout_id):  # --async: off-policy rollouts differ from the trainer by design
+                    watch.update(record)
+                if args.ci_test:
+                    enforce(ci, record, rollout_id, first=rollout_id == start_rollout_id,
+                            expected_version=rollouts.expected_version(rollout_id))
+                if grad_ci is not None:  # after the metrics are written: compare-runs can show the failing rollout
+                    for role, norms in step_norms.items():
+                        grad_ci.update(role, rollout_id, norms)
+            done += 1
+        if args.ci_test and actor is not None and args.num_rollout - start_rollout_id >= 2:
+            check = iteration2_check(done)
+            if not check.passed:
+                raise CiCheckFailed(check, start_rollout_id + done)
 
+    except BaseException:  # the dumps of the rollouts so far are what the user debugs this failure with
+        with suppress(Exception):
+            ray.get(manager.wait_dumps.remote(), timeout=600)
+        raise
     metrics.close()
     ray.get(manager.close.remote())
     for engine in engines:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
@@ -31,6 +33,10 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.loop = asyncio.new_event_loop()
+        # debug dumps are written by one background thread, in order, while the driver trains on the rollout
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dump-writer")
+        self._writing: list[Future] = []
+        self._writing_lock = threading.Lock()  # the driver's wait_dumps may come from the actor's second thread
         self.source = None
         self.eval_sets: dict[str, list[Any]] = {}
         self.generator = None
@@ -57,6 +63,30 @@ class RolloutManager:
     def _run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
 
+    def _save(self, path: str, rollout_id: int, samples: list[Sample], **extra: Any) -> None:
+        """Write a dump in the background (a rollout's dump takes ~0.3-2 s: off the loop's critical path). A write
+        that failed is raised here, at the next save, or by ``wait_dumps``."""
+        import torch  # noqa: F401 - imported in this thread: a first import in the writer, racing one here, breaks
+
+        self._reap(block=False)
+        meta = self._meta()
+
+        def write() -> None:
+            dumps.save_rollout_dump(path, rollout_id, samples, meta, **extra)
+            log.info("saved rollout %d (%d samples) to %s", rollout_id, len(samples), path)
+
+        with self._writing_lock:
+            self._writing.append(self._writer.submit(write))
+
+    def _reap(self, block: bool) -> None:
+        with self._writing_lock:
+            while self._writing and (block or self._writing[0].done()):
+                self._writing.pop(0).result()  # re-raises a failed write (e.g. a full disk, naming the file)
+
+    def wait_dumps(self) -> None:
+        """Block until every dump asked for is on disk (the end of a run, or a failure the user will debug)."""
+        self._reap(block=True)
+
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """One rollout's samples (generated, or loaded from ``--load-debug-rollout-data``) and its metrics."""
         from slime_lite.rollout.stats import rollout_metrics
@@ -81,10 +111,12 @@ class RolloutManager:
             sent, back = (getattr(self.generator, k, None) for k in ("first_sent", "last_back"))
             extra.update(phase_metrics(t0, sent, back, t1, before, self._run(engine_step_stats(urls))))
         if a.save_debug_rollout_data:
-            path = dumps.dump_path(a.save_debug_rollout_data, rollout_id)
-            dumps.save_rollout_dump(path, rollout_id, samples, self._meta())
-            log.info("saved rollout %d (%d samples) to %s", rollout_id, len(samples), path)
-        dumps.check_rewards(samples, a.reward_key, f"rollout {rollout_id}", strict=False)  # after the dump: inspect it
+            self._save(dumps.dump_path(a.save_debug_rollout_data, rollout_id), rollout_id, samples)
+        try:
+            dumps.check_rewards(samples, a.reward_key, f"rollout {rollout_id}", strict=False)
+        except SlimeLiteError:
+            self.wait_dumps()  # the rollout's dump is on disk before the user reads the error: inspect it
+            raise
         metrics = rollout_metrics(samples, a.reward_key)
         metrics.update(extra)
         served = [str(v) for s in samples for v in s.weight_versions[-1:]]
@@ -123,7 +155,7 @@ class RolloutManager:
                 if len(self.eval_sets) > 1:
                     root, ext = os.path.splitext(path)
                     path = f"{root}_{name}{ext}"
-                dumps.save_rollout_dump(path, rollout_id, samples, self._meta(), eval_name=name)
+                self._save(path, rollout_id, samples, eval_name=name)
         metrics["perf/eval_time"] = time.monotonic() - t0
         return metrics
 
@@ -142,6 +174,7 @@ class RolloutManager:
         return list(self.generator.progress) if self.generator is not None else [0, 0]
 
     def close(self) -> None:
+        self.wait_dumps()
         if self.generator is not None and self.args.engine_client is not None:
             self._run(self.args.engine_client.close())
 

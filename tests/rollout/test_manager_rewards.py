@@ -67,3 +67,36 @@ def test_the_weight_version_served_is_reported_and_never_pushed_is_minus_one(tin
     manager.generator.rollout = with_versions
     metrics = manager.generate(0)[1]
     assert metrics.get("rollout/weight_version") == expected
+
+
+def test_dumps_are_written_in_the_background_and_a_failed_write_is_raised(tiny_model_dir, tmp_path,
+                                                                           monkeypatch) -> None:
+    """generate returns while its dump is still being written (the driver trains meanwhile); wait_dumps (and
+    close) return once it is on disk; a write that failed is raised by wait_dumps (or a later generate), naming
+    its error."""
+    import threading
+
+    from slime_lite.rollout import dumps
+
+    manager = _manager(tiny_model_dir, tmp_path, 0.0)
+    release, save = threading.Event(), dumps.save_rollout_dump
+
+    def slow_save(*args, **kwargs):  # noqa: ANN002, ANN003
+        assert release.wait(30)
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(dumps, "save_rollout_dump", slow_save)
+    samples, _ = manager.generate(0)
+    assert len(samples) == 4 and not (tmp_path / "d_0.pt").exists()  # returned before the write
+    release.set()
+    manager.wait_dumps()
+    assert len(load_rollout_dump(str(tmp_path / "d_0.pt")).samples) == 4
+
+    def full_disk(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        raise SlimeLiteError(f"no space left on the device to write {path}")
+
+    monkeypatch.setattr(dumps, "save_rollout_dump", full_disk)
+    manager.generate(1)
+    with pytest.raises(SlimeLiteError, match=r"no space left .*d_1\.pt"):
+        manager.wait_dumps()
+    manager.wait_dumps()  # raised once: nothing left to write
