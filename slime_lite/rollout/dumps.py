@@ -65,6 +65,9 @@ def make_meta(args: Any, tokenizer_fingerprint: str | None, **extra: Any) -> dic
     return meta
 
 
+_SCALARS = frozenset((int, float, bool, str, type(None)))
+
+
 def _to_plain(value: Any) -> Any:
     """Reduce a value to what ``torch.load(weights_only=True)`` accepts (plain containers, scalars, tensors)."""
     import torch
@@ -74,6 +77,8 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k) if not isinstance(k, (int, str)) else k: _to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _SCALARS for v in value):  # token ids, log-probs, masks: kept as they are, not walked
+            return list(value)
         return [_to_plain(v) for v in value]
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
         return value.item()
