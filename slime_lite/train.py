@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 
 from slime_lite.args import parse_args
 from slime_lite.errors import SlimeLiteError
@@ -178,15 +178,21 @@ def run(args) -> int:
                 raise CiCheckFailed(check, start_rollout_id + done)
 
     except BaseException:  # the dumps of the rollouts so far are what the user debugs this failure with
-        with suppress(Exception):
-            ray.get(manager.wait_dumps.remote(), timeout=600)
+        if args.save_debug_rollout_data:
+            log.info("the run failed: waiting for the debug rollout dumps to be written")
+            try:
+                ray.get(manager.wait_dumps.remote(), timeout=600)
+            except Exception as exc:  # noqa: BLE001 - the run's own error is the one to raise
+                log.warning("a debug rollout dump was not written: %s", exc)
         raise
     metrics.close()
-    ray.get(manager.close.remote())
-    for engine in engines:
-        ray.get(engine.stop.remote())
-    if router is not None:
-        router.stop()
+    try:
+        ray.get(manager.close.remote())  # raises a dump write that failed
+    finally:
+        for engine in engines:
+            ray.get(engine.stop.remote())
+        if router is not None:
+            router.stop()
     return 0
 
 

@@ -112,7 +112,7 @@ def flatten_bucket(named: Iterable[tuple[str, torch.Tensor]], shared: bool = Fal
                 torch_mp.set_sharing_strategy(old)
     if named and not padded and all(t.device == device for _, t in named):
         # no padding: one copy of every tensor's bytes, back to back (not one copy per tensor)
-        torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named], out=flat)
+        torch.cat([t.detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8) for _, t in named], out=flat)
     else:
         for (_, t), m in zip(named, metadata):
             flat[m.start_idx:m.end_idx].view(t.dtype).view(t.shape).copy_(t.detach())
@@ -127,15 +127,24 @@ _WIRE_NAMES = {FlattenedTensorMetadata: (_SGLANG_BUCKET, "FlattenedTensorMetadat
                LocalSerializedTensor: (_SGLANG_LOCAL[0], "LocalSerializedTensor")}
 
 
+_CLASSES = list(_WIRE_NAMES)  # memo slots 0, 1, ... of every payload we write
+
+
 class _WirePickler(pickle.Pickler):
-    """The C pickler (a bucket's hundreds of metadata entries pickle ~15x faster than with ``pickle._Pickler``), at
-    protocol 3: a class is written as one ``GLOBAL`` text line, which ``_sglang_paths`` then renames."""
+    """The C pickler (a bucket's hundreds of metadata entries pickle ~15x faster than with ``pickle._Pickler``).
+    sglang is never imported here, so the pickler cannot write SGLang's class paths itself: its memo starts with
+    our classes in slots 0, 1, ..., so it only refers to them (``BINGET``), and ``_header`` defines those slots."""
 
     def __init__(self, file: io.BytesIO, by_value: bool) -> None:
-        super().__init__(file, protocol=3)
+        super().__init__(file, protocol=4)
         self.by_value = by_value
+        self.used: set[type] = set()
+        self.memo = {id(cls): (i, cls) for i, cls in enumerate(_CLASSES)}
 
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj) in _WIRE_NAMES:
+            self.used.add(type(obj))
+            return NotImplemented
         if self.by_value:
             return NotImplemented  # tensors pickle themselves with their bytes (torch.save of the storage)
         if isinstance(obj, torch.Tensor):
@@ -150,21 +159,15 @@ class _WirePickler(pickle.Pickler):
         return NotImplemented
 
 
-# our class's GLOBAL line -> SGLang's (sglang is never imported here, so the pickler cannot name it itself)
-_RENAMES = [(f"c{cls.__module__}\n{cls.__qualname__}\n".encode(), f"c{module}\n{name}\n".encode())
-            for cls, (module, name) in _WIRE_NAMES.items()]
-
-
-def _sglang_paths(data: bytes) -> bytes:
-    """Write SGLang's module paths for ``_WIRE_NAMES``' classes. A class is pickled once (memoised), so its line
-    appears at most once; a second match would be inside a name or the tensor bytes, and is refused."""
-    for ours, theirs in _RENAMES:
-        count = data.count(ours)
-        if count > 1:
-            raise ValueError(f"cannot write SGLang's class path: the payload holds {ours!r} {count} times (a tensor "
-                             "name containing it?)")
-        data = data.replace(ours, theirs)
-    return data
+def _header(used: set[type]) -> bytes:
+    """Pickle opcodes that put SGLang's class for each of ``_CLASSES`` in its memo slot (``None`` for one the
+    payload does not use: a reader never imports it) and leave the stack empty; the pickler's output follows."""
+    out = [pickle.PROTO + bytes([4])]
+    for i, cls in enumerate(_CLASSES):
+        module, name = _WIRE_NAMES[cls]
+        out += [pickle.GLOBAL + f"{module}\n{name}\n".encode() if cls in used else pickle.NONE,
+                pickle.BINPUT + bytes([i]), pickle.POP]
+    return b"".join(out)
 
 
 def serialize(obj: Any, by_value: bool = False) -> str:
@@ -179,10 +182,11 @@ def serialize(obj: Any, by_value: bool = False) -> str:
         old = torch_mp.get_sharing_strategy()
         torch_mp.set_sharing_strategy("file_system")  # a named segment another process can open
         try:
-            _WirePickler(buf, by_value).dump(obj)
+            pickler = _WirePickler(buf, by_value)
+            pickler.dump(obj)
         finally:
             torch_mp.set_sharing_strategy(old)
-    return base64.b64encode(_sglang_paths(buf.getvalue())).decode("ascii")
+    return base64.b64encode(_header(pickler.used) + buf.getvalue()).decode("ascii")
 
 
 def _to_cpu(obj: Any) -> Any:

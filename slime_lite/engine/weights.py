@@ -103,6 +103,8 @@ class Weights:
         # every tensor converted first: a failure here (memory, a bad dtype) leaves the weights as they were
         staged = {name: tensor.to(device=params[name].device, dtype=params[name].dtype)
                   for name, tensor in named.items()}
+        if not staged:  # an empty bucket (slime sends them for idle ranks): nothing changes, the cache stays
+            return 0
         self.version += 1
         # one multi-tensor copy (a few kernels) rather than one copy per tensor: a bucket holds hundreds
         torch._foreach_copy_([params[name] for name in staged], list(staged.values()))

@@ -68,7 +68,7 @@ class RolloutManager:
         that failed is raised here, at the next save, or by ``wait_dumps``."""
         import torch  # noqa: F401 - imported in this thread: a first import in the writer, racing one here, breaks
 
-        self._reap(block=False)
+        self._reap(keep=1)  # one write queued behind the one running at most: each holds a rollout's samples
         meta = self._meta()
 
         def write() -> None:
@@ -78,14 +78,16 @@ class RolloutManager:
         with self._writing_lock:
             self._writing.append(self._writer.submit(write))
 
-    def _reap(self, block: bool) -> None:
+    def _reap(self, keep: int) -> None:
+        """Raise the failure of a finished write (e.g. a full disk, naming the file); wait until at most ``keep``
+        writes are pending."""
         with self._writing_lock:
-            while self._writing and (block or self._writing[0].done()):
-                self._writing.pop(0).result()  # re-raises a failed write (e.g. a full disk, naming the file)
+            while self._writing and (self._writing[0].done() or len(self._writing) > keep):
+                self._writing.pop(0).result()
 
     def wait_dumps(self) -> None:
         """Block until every dump asked for is on disk (the end of a run, or a failure the user will debug)."""
-        self._reap(block=True)
+        self._reap(keep=0)
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """One rollout's samples (generated, or loaded from ``--load-debug-rollout-data``) and its metrics."""
@@ -115,7 +117,10 @@ class RolloutManager:
         try:
             dumps.check_rewards(samples, a.reward_key, f"rollout {rollout_id}", strict=False)
         except SlimeLiteError:
-            self.wait_dumps()  # the rollout's dump is on disk before the user reads the error: inspect it
+            try:
+                self.wait_dumps()  # the rollout's dump is on disk before the user reads the error: inspect it
+            except Exception:  # noqa: BLE001 - the reward error is the one to report
+                log.exception("writing a debug dump failed too")
             raise
         metrics = rollout_metrics(samples, a.reward_key)
         metrics.update(extra)

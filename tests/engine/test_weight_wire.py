@@ -104,15 +104,20 @@ def test_our_payloads_are_read_by_sglang(sgl):
     assert empty["metadata"] == [] and empty["flattened_tensor"].numel() == 0
 
 
-def test_a_name_holding_the_class_line_is_refused():
-    """The writer renames our class's pickled GLOBAL line to SGLang's path; a tensor name holding that very line
-    would make the rename ambiguous: refused with a clear error, never a payload naming the wrong class."""
+def test_names_and_bytes_that_look_like_pickle_opcodes_travel_as_they_are(sgl):
+    """SGLang's class paths come from a header that fills the pickler's memo slots, not from rewriting bytes: a
+    tensor name or tensor bytes spelling a class's GLOBAL line reach both readers unchanged."""
     line = f"c{weight_wire.__name__}\nFlattenedTensorMetadata\n"
-    with pytest.raises(ValueError, match="class path.*2 times"):
-        weight_wire.serialize(weight_wire.flatten_bucket([(line, torch.zeros(2))]))
-    ok = weight_wire.deserialize(weight_wire.serialize(weight_wire.flatten_bucket([("x\nFlattenedTensorMetadata\n",
-                                                                                      torch.ones(2))])))
-    assert weight_wire.named_tensors(ok, "flattened_bucket")[0][0] == "x\nFlattenedTensorMetadata\n"
+    odd = [(line, torch.ones(2)), ("w", torch.tensor(list(line.encode()), dtype=torch.uint8))]
+    for by_value in (False, True):
+        for payload, load_format in ((odd, None), (weight_wire.flatten_bucket(odd), "flattened_bucket")):
+            text = weight_wire.serialize(payload, by_value=by_value)
+            ours = weight_wire.named_tensors(weight_wire.deserialize(text), load_format)
+            theirs = sgl.serializer.deserialize(text)
+            if load_format:
+                theirs = sgl.bucket(flattened_tensor=theirs["flattened_tensor"],
+                                    metadata=theirs["metadata"]).reconstruct_tensors()
+            assert _same(ours, odd) and _same(theirs, odd)
 
 
 def test_unaligned_sglang_bucket_is_read(sgl):

@@ -104,6 +104,11 @@ def test_update_weights_from_tensor(fresh_engine, new_model):
                            {"serialized_named_tensors": [weight_wire.serialize([(name, t)])]})
         assert status == 400 and out["success"] is False and said in out["message"], out
     assert_serves(url, new_model, "v2", cached=len(PROMPT) - 1)  # refused updates change nothing, cache included
+    empty = {"serialized_named_tensors": [weight_wire.serialize(weight_wire.flatten_bucket([]))],
+             "load_format": "flattened_bucket", "weight_version": "v3"}  # slime sends these for idle TP ranks
+    status, out = http(url, "/update_weights_from_tensor", empty)
+    assert status == 200 and out["success"] is True, out
+    assert_serves(url, new_model, "v3", cached=len(PROMPT) - 1)  # nothing written: the cache stays
 
 
 def join_group(url: str) -> WeightUpdateGroup:
