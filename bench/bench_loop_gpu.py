@@ -7,8 +7,8 @@ mean of about --mean-response tokens (geometric lengths: the random model's next
 floor as in the issue, since the rollout's sampling params have no min_new_tokens); reward
 hook ``bench.loop_parts.reward`` (share of even token ids: varied within each group, so the train step has
 non-zero advantages). Training: packed micro-batches (16,384 tokens; log-probs 32,768), KL loss, as
-bench/bench_train_gpu.py. Every rollout is saved (--save-debug-rollout-data) for the standalone parts (the save
-is in the iteration's time, outside perf/rollout_time).
+bench/bench_train_gpu.py. Every rollout is saved (--save-debug-rollout-data) for the standalone parts (written in
+the background while the trainer trains).
 
 1. The loop as a subprocess with a timeout: ``--layout colocate`` (1 GPU, --colocate), or ``--layout disagg``
    (2 GPUs: synchronous with NCCL push, then --async). Per-phase means over rollouts >= 1 (rollout 0 is warm-up)
@@ -26,6 +26,7 @@ is in the iteration's time, outside perf/rollout_time).
   python3 bench/bench_loop_gpu.py --layout colocate       # 1 GPU, about 5-6 minutes (estimated)
   python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs
   .venv/bin/python bench/bench_loop_gpu.py --quick        # CPU, tiny model (vocab 128), 4 x 8 samples, < 2 min
+  .venv/bin/python bench/bench_loop_gpu.py --quick --layout disagg   # both disaggregated loops on CPU (a check)
 --budget (default 360 s colocate, 570 s disagg): no subprocess runs past it (each also has its own timeout).
 Output: text and JSON under $OUT (default /tmp/bench_loop_gpu), with each subprocess's log.
 """
@@ -220,7 +221,7 @@ def main() -> None:
         common += ["--bf16", "--engine-dtype", "bfloat16"]
     if a.engine_compile:
         common += ["--engine-enable-torch-compile"]
-    runs = {"colocate": ["--colocate"]} if a.layout == "colocate" or q else {
+    runs = {"colocate": ["--colocate"]} if a.layout == "colocate" else {
         "disagg_sync": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed"],
         "disagg_async": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed", "--async"]}
     res: dict = {"layout": a.layout, "quick": q, "runs": {}}
