@@ -192,7 +192,7 @@ class TrainActor(TrainWorker):
     # ----------------------------------------------------------------- weights out
     def hf_weights(self, for_push: bool = False, on_device: bool = False) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors of the whole model on global rank 0 (None elsewhere); TP gathered, PP collected.
-        CPU copies, or with ``on_device`` copies on the trainer's device (for a CUDA IPC push; PP=1 only)."""
+        CPU copies, or with ``on_device`` copies on the trainer's device (``_push_on_device``; PP=1 only)."""
         import torch.distributed as dist
 
         from slime_lite.backends.megatron.convert import iter_hf_weights
@@ -209,20 +209,33 @@ class TrainActor(TrainWorker):
             mine = {k: v for p in parts for k, v in p.items()}
         return mine if self.rank == 0 else None
 
+    def _push_on_device(self) -> bool:
+        """Whether a push's HF copies stay on the trainer's GPU (PP=1 only): a colocated tensor push (CUDA IPC
+        handles of them), or a broadcast to engines on other GPUs (NCCL sends from the GPU: host copies would cost a
+        round trip through pageable memory) when the copy fits in half the free GPU memory (else host copies)."""
+        a = self.args
+        if not torch.cuda.is_available() or self.ps.get_pipeline_model_parallel_world_size() != 1:
+            return False
+        if a.update_weight_transport == "tensor":
+            return bool(a.colocate)
+        if a.update_weight_transport != "distributed" or a.colocate:  # colocated engines receive by gloo (host)
+            return False
+        full = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return full * self.ps.get_tensor_model_parallel_world_size() < torch.cuda.mem_get_info()[0] // 2
+
     def push_weights(self, urls: list[str], version: int, check: bool = False) -> None:
         from slime_lite.backends.megatron.weight_push import push
 
-        a = self.args  # colocated on a GPU, a tensor push hands the engine CUDA IPC handles of GPU copies
-        ipc = (a.update_weight_transport == "tensor" and a.colocate and torch.cuda.is_available()
-               and self.ps.get_pipeline_model_parallel_world_size() == 1)
+        a = self.args
         # offloaded (--offload-train) while an engine restarted by --use-fault-tolerance needs the weights: the
         # weights come back for the push and leave again after it
         offloaded = getattr(self, "_stash", None) is not None and self._stash.offloaded
         if offloaded:
             self.onload()
         try:
-            named = self.hf_weights(on_device=ipc)
-            sent = (self.hf_weights(for_push=True, on_device=ipc) if breaks_sent_weights(a.debug_inject_fault)
+            on_device = self._push_on_device()  # after an onload: the free memory it leaves
+            named = self.hf_weights(on_device=on_device)
+            sent = (self.hf_weights(for_push=True, on_device=on_device) if breaks_sent_weights(a.debug_inject_fault)
                     else named)
             if self.rank == 0:
                 push(self.args, sent, urls, version, reference=named, check=check)

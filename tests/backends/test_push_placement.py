@@ -1,0 +1,36 @@
+"""Where a push's HF copies live (``TrainActor._push_on_device``): on the trainer's GPU for a colocated CUDA-IPC
+push and for an NCCL broadcast that fits in half the free memory, else on the host. Fakes: the CUDA device (this
+machine has none), its free memory, and Megatron's parallel state."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from slime_lite.backends.megatron.actor import TrainActor
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("transport, colocate, pp, tp, free_mb, cuda, expected", [
+    ("tensor", True, 1, 1, 1, True, True),  # CUDA IPC hands out handles of device tensors, whatever the room
+    ("tensor", False, 1, 1, 1000, True, False),  # by value to another host: host copies
+    ("distributed", False, 1, 1, 100, True, True),  # NCCL from the GPU: 4 MB fits in half of 100 MB
+    ("distributed", False, 1, 2, 15, True, False),  # 2 x 4 MB gathered does not fit in half of 15 MB
+    ("distributed", True, 1, 1, 1000, True, False),  # colocated engines receive by gloo, on the host
+    ("disk", False, 1, 1, 1000, True, False),
+    ("distributed", False, 2, 1, 1000, True, False),  # PP stages meet through host objects
+    ("distributed", False, 1, 1, 1000, False, False),  # no GPU
+])
+def test_push_copies_on_the_gpu_only_where_they_are_sent_from_it_and_fit(monkeypatch, transport, colocate, pp, tp,
+                                                                          free_mb, cuda, expected) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (free_mb * MB, 2 * free_mb * MB))
+    actor = SimpleNamespace(
+        args=SimpleNamespace(update_weight_transport=transport, colocate=colocate),
+        ps=SimpleNamespace(get_pipeline_model_parallel_world_size=lambda: pp,
+                           get_tensor_model_parallel_world_size=lambda: tp),
+        model=torch.nn.Linear(1024, 1024, bias=False))  # 4 MB of float32
+    assert TrainActor._push_on_device(actor) is expected
