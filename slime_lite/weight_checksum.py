@@ -8,6 +8,8 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from slime_lite.triton_build import triton_kernels
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -104,7 +106,8 @@ def _checksums_on(device: torch.device, tensors: list[torch.Tensor], dtype: torc
         halves = (np.zeros((2, len(tensors)), np.uint64) if per_tensor is None
                   else per_tensor.cpu().numpy().view(np.uint64))
     halves[1] += np.asarray(nbytes, dtype=np.uint64) * np.uint64(_LENGTH_MULT)
-    return [f"{int(a):016x}{int(c):016x}" for a, c in zip(*halves)]
+    text = halves.T.astype(">u8").tobytes().hex()  # big-endian: each half as "%016x"; per tensor, first then second
+    return [text[i: i + 32] for i in range(0, len(text), 32)]
 
 
 def _combine(device: torch.device, sums: torch.Tensor, nblocks: list[int]) -> torch.Tensor:
@@ -178,31 +181,26 @@ def _fused_digests(device: torch.device, tensors: list[torch.Tensor], dtype: tor
     sums times its block multipliers) and a running sum on the device; only a few host calls per tensor. Only on
     CUDA with Triton installed, every tensor already on ``device`` and no cast asked for; None otherwise (the caller
     falls back to torch ops), or when there are no blocks."""
+    import numpy as np
     import torch
 
     total = sum(nblocks)
     if device.type != "cuda" or _block_sums_kernel() is None or total == 0:
         return None
-    if any(t.device != device or (dtype is not None and t.dtype != dtype) for t in tensors):
+    if (dtype is not None and any(t.dtype != dtype for t in tensors)) or any(t.device != device for t in tensors):
         return None
-    keep, starts = [], []  # where each tensor's bytes start: its own, or a contiguous copy, word-aligned and
-    for t, n in zip(tensors, nbytes):  # zero-padded if need be
-        src = t if t.is_contiguous() else t.contiguous()
-        start = src.data_ptr()
-        if n % 8 or start % 8:
-            padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=device)
-            padded[:n] = src.reshape(-1).view(torch.uint8)
-            src, start = padded, padded.data_ptr()
-        if src is not t:
-            keep.append(src)
-        starts.append(start)
-    firsts, at = [], 0
-    for c in nblocks:
-        firsts.append(at)
-        at += c
+    starts = [t.data_ptr() for t in tensors]  # where each tensor's bytes start: word-aligned, a whole number of words
+    keep = []  # zero-padded contiguous copies of the tensors that are not so (rare: parameters are)
+    for i in [i for i, (t, s, n) in enumerate(zip(tensors, starts, nbytes)) if s % 8 or n % 8 or not t.is_contiguous()]:
+        padded = torch.zeros(-(-nbytes[i] // 8) * 8, dtype=torch.uint8, device=device)
+        padded[: nbytes[i]] = tensors[i].contiguous().reshape(-1).view(torch.uint8)
+        keep.append(padded)
+        starts[i] = padded.data_ptr()
+    counts = np.asarray(nblocks, dtype=np.int64)
+    ends = np.cumsum(counts)
     # per tensor: its address, its words, its first block, the block after its last
-    meta = torch.tensor([starts, [-(-n // 8) for n in nbytes], firsts, [f + c for f, c in zip(firsts, nblocks)]],
-                        dtype=torch.int64).to(device)
+    meta = torch.from_numpy(np.stack([np.asarray(starts, dtype=np.int64), (np.asarray(nbytes, dtype=np.int64) + 7) // 8,
+                                      ends - counts, ends])).to(device)
     owner = torch.repeat_interleave(torch.arange(len(tensors), device=device), meta[3] - meta[2], output_size=total)
     out = torch.empty(2, total, dtype=torch.int64, device=device)
     with torch.cuda.device(device):
@@ -214,15 +212,9 @@ def _fused_digests(device: torch.device, tensors: list[torch.Tensor], dtype: tor
     return running[:, meta[3]] - running[:, meta[2]]  # ``keep`` may go: its memory is reused only after the kernel
 
 
-@functools.lru_cache(maxsize=1)
-def _block_sums_kernel():
+@triton_kernels
+def _block_sums_kernel(triton, tl):
     """The Triton kernel behind ``_fused_digests``, or None where Triton is not installed (the CPU build)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
     @triton.jit
     def block_sums(meta, owner, mult, mult_a, mult_b, out, tensors, blocks, words: tl.constexpr):
         k = tl.program_id(0)

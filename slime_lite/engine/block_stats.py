@@ -10,19 +10,13 @@ It is used on CUDA when Triton is importable; elsewhere (CPU) the eager ``plain_
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from slime_lite.triton_build import triton_kernels
 
-@functools.lru_cache(maxsize=1)
-def _kernel():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
+@triton_kernels
+def _kernel(triton, tl):
     @triton.jit
     def block_stats_kernel(logits, inv_t, out_max, out_sum, out_arg, vocab, row_stride, blocks,
                            BLOCK: tl.constexpr):

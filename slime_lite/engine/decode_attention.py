@@ -19,9 +19,9 @@ SDPA with a mask over K/V gathered from the rows' slots (a copy per layer: the C
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from slime_lite.triton_build import triton_kernels
 
 CHUNK = 256  # positions per split: part of the result's definition (the splits' sums are joined in order)
 BLOCK_N = 64  # positions per step inside a split
@@ -37,14 +37,8 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
             and 0 < head_dim <= 256 and _kernels() is not None)
 
 
-@functools.lru_cache(maxsize=1)
-def _kernels():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@triton_kernels
+def _kernels(triton, tl):
     @triton.jit
     def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st, n_rep, heads,
                 splits, scale, R: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr,

@@ -21,22 +21,16 @@ Used by captured steps on CUDA with Triton for models with a SiLU MLP (``layer_f
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
+
+from slime_lite.triton_build import triton_kernels
 
 ENABLED = True
 
 
-@functools.lru_cache(maxsize=1)
-def _kernels():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@triton_kernels
+def _kernels(triton, tl):
     @triton.jit
     def rms(x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)

@@ -202,3 +202,24 @@ def test_update_weight_version_shows_in_generate(fresh_engine):
     assert status == 200 and out["success"] is True
     meta = generate(fresh_engine.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 1})["meta_info"]
     assert meta["weight_version"] == "step-3"
+
+
+def test_checksums_follow_swapped_storage_and_tied_names():
+    """``Weights.params`` is made once: a parameter whose ``.data`` is swapped (the engine's fusing, offload) is
+    hashed from its new storage; tied names share one digest; a subset of names gets the same digests."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from slime_lite.engine.weights import Weights
+
+    cfg = Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64, tie_word_embeddings=True)
+    weights = Weights(Qwen2ForCausalLM(cfg))
+    before = weights.checksums()
+    assert before["lm_head.weight"] == before["model.embed_tokens.weight"]
+    name = "model.layers.0.mlp.up_proj.weight"
+    param = weights.params[name]
+    param.data = param.data + 1
+    after = weights.checksums()
+    assert after[name] == tensor_checksums([param])[0] != before[name]
+    assert {n: d for n, d in after.items() if n != name} == {n: d for n, d in before.items() if n != name}
+    assert weights.checksums([name, "lm_head.weight"]) == {name: after[name], "lm_head.weight": after["lm_head.weight"]}

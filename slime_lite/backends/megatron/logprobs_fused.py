@@ -20,9 +20,9 @@ autotuning: a different block per batch size would change the sums' order).
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from slime_lite.triton_build import triton_kernels
 
 _MAX_BLOCK = 4096  # columns per step of a row: 16 float32 per thread at 8 warps
 
@@ -42,15 +42,9 @@ def available(logits: torch.Tensor) -> bool:
             and _kernels() is not None)
 
 
-@functools.lru_cache(maxsize=1)
-def _kernels():
+@triton_kernels
+def _kernels(triton, tl):
     """(forward, backward) Triton kernels, or None where Triton is not installed (the CPU build)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
     @triton.jit
     def row_stats(x_ptr, stride, target_ptr, out_ptr, rows, width, temperature, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
