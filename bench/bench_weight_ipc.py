@@ -4,7 +4,7 @@ The trainer side is ``weight_push``'s tensor transport (SGLang's ``update_weight
 ``--bucket-mb``); the engine is ``slime-lite serve`` on the same GPU (as a colocated engine runs, in its own process).
 Measured in one run: a raw device copy of the same bytes (the floor); the push by CUDA IPC (``--colocate``; the
 train worker's ``weight_push.push``, with its weight-update session) without and with ``--check-weight-update-equal``
-(the trainer's digests computed while the push waits, then the engine's ``/get_weights_checksum``); the push by value
+(after the push, the engine's ``/get_weights_checksum``, the trainer's digests computed meanwhile); the push by value
 (host copy + base64 + HTTP, what an engine on another host gets); the check alone (``weight_push.check_weights_equal``:
 the engine's digests and the trainer's, both on the GPU); the trainer's checksums alone (Triton kernel on CUDA) and by
 torch ops. The last line is what the check adds to a push (issue 13 item 4: at most 20%).

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from engine_helpers import http, start_engine
 
-from slime_lite.engine_client import API_KEY_ENV, API_KEY_FILE_ENV, request_json
+from slime_lite.engine_client import API_KEY_ENV, API_KEY_FILE_ENV, SentRequest, request_json
 from slime_lite.errors import EngineError
 
 
@@ -58,3 +58,22 @@ def test_clients_send_the_key_from_the_environment_or_a_file(keyed_engine, monke
     key_file.write_text("s3cret\n")
     monkeypatch.setenv(API_KEY_FILE_ENV, str(key_file))
     assert "model_path" in request_json(url, "/get_model_info")
+
+
+def test_a_sent_request_answers_and_fails_as_request_json(keyed_engine, monkeypatch):
+    """``SentRequest`` (the weight check's request, read after the trainer hashed its tensors): the key from the
+    environment, the parsed answer, an HTTP error and an engine that is not there, each as ``request_json`` says."""
+    from slime_lite.io import free_port
+
+    url = keyed_engine.url
+    monkeypatch.setenv(API_KEY_ENV, "s3cret")
+    sent = SentRequest(url, "/get_weights_checksum", {})
+    assert sent.result() == request_json(url, "/get_weights_checksum", {})
+    with pytest.raises(EngineError, match=r"/get_weights_checksum answered HTTP 400: .*unknown parameter name"):
+        SentRequest(url, "/get_weights_checksum", {"names": ["nope"]}).result()
+    monkeypatch.setenv(API_KEY_ENV, "wrong")
+    with pytest.raises(EngineError, match="answered HTTP 401"):
+        SentRequest(url, "/get_weights_checksum", {}).result()
+    gone = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineError, match=rf"engine {gone}/get_weights_checksum did not answer"):
+        SentRequest(gone, "/get_weights_checksum", {}).result()

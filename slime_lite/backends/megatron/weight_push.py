@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from slime_lite.debug.faults import skips_weight_push
-from slime_lite.engine_client import request_json
+from slime_lite.engine_client import SentRequest, request_json
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.io import free_port
 
@@ -61,21 +61,17 @@ def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: in
     """Send ``named`` to every engine; with --check-weight-update-equal (or ``check``) compare against ``reference``
     (the trainer's true weights; ``named`` itself unless a fault was injected into what is sent)."""
     reference = reference if reference is not None else named
-    checking = bool(args.check_weight_update_equal or check)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-digests") as pool:
-        # the trainer's digests are computed while the push waits on the engines
-        ours = pool.submit(_digests, reference, _hash_device()) if checking else None
-        if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
-            gen = torch.Generator().manual_seed(version)
-            with weight_update_session(urls):
-                _push_tensor(args, {n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in reference.items()},
-                             urls, -1)
-        if skips_weight_push(args.debug_inject_fault):
-            log.warning("--debug-inject-fault skip-weight-push: the engines keep their old weights")
-        else:
-            _transport(args, named, urls, version)
-        if ours is not None:
-            check_weights_equal(reference, urls, ours.result())
+    if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
+        gen = torch.Generator().manual_seed(version)
+        with weight_update_session(urls):
+            _push_tensor(args, {n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in reference.items()},
+                         urls, -1)
+    if skips_weight_push(args.debug_inject_fault):
+        log.warning("--debug-inject-fault skip-weight-push: the engines keep their old weights")
+    else:
+        _transport(args, named, urls, version)
+    if args.check_weight_update_equal or check:
+        check_weights_equal(reference, urls)
 
 
 def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
@@ -323,16 +319,21 @@ def _digests(named: dict[str, torch.Tensor], device: torch.device | None, dtype:
     return tensor_checksums(list(named.values()), dtype=dtype, device=device)
 
 
-def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str], digests: list[str] | None = None) -> None:
+def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None:
     """Every parameter the engines hold equals the trainer's: ``weight_checksum.tensor_checksums`` of the bytes on
-    both sides (``digests``: the trainer's, if already computed; else computed while the engines compute theirs). A
-    tensor that matches only after a cast to another float dtype (cast on its device) is equal in the engine's
-    precision: counted apart and reported."""
+    both sides, the trainer's computed while the engines compute theirs. A tensor that matches only after a cast to
+    another float dtype (cast on its device) is equal in the engine's precision: counted apart and reported."""
     alias = {"lm_head.weight": "model.embed_tokens.weight"}  # tied embeddings: the engine lists both names
-    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
-        replies = [pool.submit(request_json, url, "/get_weights_checksum", {}, timeout=300) for url in urls]
-        ours = dict(zip(named, digests if digests is not None else _digests(named, _hash_device())))
-        engines = [f.result() for f in replies]
+    sent: list[SentRequest] = []
+    try:
+        for url in urls:
+            sent.append(SentRequest(url, "/get_weights_checksum", {}, timeout=300))
+        ours = dict(zip(named, _digests(named, _hash_device())))
+    except BaseException:
+        for request in sent:
+            request.close()
+        raise
+    engines = [request.result() for request in sent]
     for url, engine in zip(urls, engines):
         source = {n: n if n in named else alias.get(n) for n in engine}  # engine name -> the trainer's name
         missing = sorted(n for n, s in source.items() if s not in named)
