@@ -79,11 +79,16 @@ class SentRequest:
 
         self.url, self.route, self.body = url, route, body
         parts = urlsplit(url.rstrip("/") + route)
-        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._conn = kind(parts.hostname or "", parts.port, timeout=timeout)
+        https = parts.scheme == "https"
         try:
-            self._conn.request("POST", parts.path, json.dumps(body).encode(),
-                               {"Content-Type": "application/json", **auth_headers()})
+            port = parts.port or (443 if https else 80)
+        except ValueError as exc:  # a port out of range
+            raise _no_answer(url, route, exc, body) from None
+        kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+        self._conn = kind(parts.hostname or "", port, timeout=timeout)
+        try:
+            self._conn.request("POST", parts.path + (f"?{parts.query}" if parts.query else ""),
+                               json.dumps(body).encode(), {"Content-Type": "application/json", **auth_headers()})
         except OSError as exc:
             self._conn.close()
             raise _no_answer(url, route, exc, body) from None
@@ -103,6 +108,7 @@ class SentRequest:
         return _parse(raw)
 
     def close(self) -> None:
+        """Drop the connection without reading the answer (safe after ``result()``)."""
         self._conn.close()
 
 

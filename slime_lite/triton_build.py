@@ -22,5 +22,4 @@ def triton_kernels(build: Callable[[Any, Any], Any]) -> Callable[[], Any]:
             return None
         return build(triton, tl)
 
-    kernels.__doc__ = build.__doc__
-    return kernels
+    return functools.update_wrapper(kernels, build)

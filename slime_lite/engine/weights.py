@@ -13,8 +13,9 @@ import functools
 import json
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -75,11 +76,12 @@ class Weights:
         self.version = 0  # counts weight writes: the prefix cache drops its K/V when it changes
 
     @functools.cached_property
-    def params(self) -> dict[str, torch.nn.Parameter]:
-        """``{hf_name: parameter}``, tied ones under each name; read-only. Made once (a walk of the modules costs
+    def params(self) -> Mapping[str, torch.nn.Parameter]:
+        """``{hf_name: parameter}``, tied ones under each name (read-only). Made once (a walk of the modules costs
         ~0.4 ms, paid per bucket and per check before): the engine swaps a parameter's ``.data`` (fusing, offload)
-        but never the parameter objects themselves."""
-        return dict(self.model.named_parameters(remove_duplicate=False))
+        but never the parameter objects themselves. Code that ever replaces one must drop this cache and
+        ``_distinct`` (``del weights.params``), or updates and checksums would reach the old object."""
+        return MappingProxyType(dict(self.model.named_parameters(remove_duplicate=False)))
 
     @functools.cached_property
     def _distinct(self) -> tuple[list[torch.nn.Parameter], list[int]]:

@@ -77,3 +77,5 @@ def test_a_sent_request_answers_and_fails_as_request_json(keyed_engine, monkeypa
     gone = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(EngineError, match=rf"engine {gone}/get_weights_checksum did not answer"):
         SentRequest(gone, "/get_weights_checksum", {}).result()
+    with pytest.raises(EngineError, match="did not answer .*Port out of range"):
+        SentRequest("http://127.0.0.1:99999", "/get_weights_checksum", {})

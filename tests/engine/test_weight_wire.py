@@ -227,3 +227,16 @@ def test_weight_check_names_a_changed_parameter_and_accepts_a_cast(wire_engine, 
     off[changed].view(torch.int32).view(-1)[-1] ^= 1  # the lowest bit of the last element
     with pytest.raises(SlimeLiteError, match=rf"1 differ \['{changed}'\]; 0 never pushed"):
         weight_push.check_weights_equal(off, [url])
+
+
+def test_weight_check_names_an_engine_that_is_gone(wire_engine, base_weights):
+    """check_weights_equal over two engines, one not there: an EngineError naming it (the other's answer is dropped
+    and its connection closed), not a comparison against a partial answer."""
+    from slime_lite.backends.megatron import weight_push
+    from slime_lite.errors import EngineError
+    from slime_lite.io import free_port
+
+    gone = f"http://127.0.0.1:{free_port()}"
+    for urls in ([wire_engine.url, gone], [gone, wire_engine.url]):
+        with pytest.raises(EngineError, match=rf"engine {gone}/get_weights_checksum did not answer"):
+            weight_push.check_weights_equal(base_weights, urls)

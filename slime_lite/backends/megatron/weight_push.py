@@ -329,11 +329,10 @@ def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None
         for url in urls:
             sent.append(SentRequest(url, "/get_weights_checksum", {}, timeout=300))
         ours = dict(zip(named, _digests(named, _hash_device())))
-    except BaseException:
+        engines = [request.result() for request in sent]
+    finally:  # the connections not read yet (a failure on the way), closed now rather than by the garbage collector
         for request in sent:
             request.close()
-        raise
-    engines = [request.result() for request in sent]
     for url, engine in zip(urls, engines):
         source = {n: n if n in named else alias.get(n) for n in engine}  # engine name -> the trainer's name
         missing = sorted(n for n, s in source.items() if s not in named)
