@@ -22,6 +22,8 @@ the background while the trainer trains).
    iteration <= 1.15x max(rollout, train + log-probs) alone; rollout tok/s in the loop >= 0.7x the engine alone;
    offload + onload <= 0.15 of the iteration; memory left after offload/release <= 5% of peak; push >= 0.5x the
    raw broadcast. A part that fails or times out prints its log tail; its ratios print "n/a".
+4. Where nvidia-smi is found, each subprocess runs with it sampling every 200 ms; the report gives, per GPU, the SM
+   clock, power and temperature while busy (utilization >= 50%), so the loop's GPU and the parts' can be compared.
 
   python3 bench/bench_loop_gpu.py --layout colocate       # 1 GPU, about 5-6 minutes (estimated)
   python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -44,6 +47,29 @@ HERE = os.path.join(ROOT, "bench")
 
 
 DEADLINE = [float("inf")]  # --budget: no subprocess runs past it
+GPU_FIELDS = ("index", "clocks.sm", "power.draw", "utilization.gpu", "temperature.gpu")
+GPU_BUSY = {}  # log name -> per GPU, its samples while busy (gpu_busy): is the GPU itself slower in the loop?
+
+
+def gpu_busy(csv: str) -> dict:
+    """Per GPU index, over nvidia-smi's samples with utilization >= 50%: mean and 10th-percentile SM clock (MHz),
+    mean power (W), highest temperature (C), and how many samples."""
+    per: dict = {}
+    with open(csv) as f:
+        for line in f:
+            try:
+                idx, clock, power, util, temp = (float(x) for x in line.split(","))
+            except ValueError:  # a partial last line, "[N/A]"
+                continue
+            if util >= 50:
+                per.setdefault(int(idx), []).append((clock, power, temp))
+    out = {}
+    for idx, rows in sorted(per.items()):
+        clocks = sorted(r[0] for r in rows)
+        out[idx] = {"sm_mhz": round(sum(clocks) / len(clocks)), "sm_mhz_p10": round(clocks[len(clocks) // 10]),
+                    "power_w": round(sum(r[1] for r in rows) / len(rows)), "temp_max": max(r[2] for r in rows),
+                    "samples": len(rows)}
+    return out
 
 
 def run(cmd: list[str], timeout: int, log: str) -> int:
@@ -56,12 +82,24 @@ def run(cmd: list[str], timeout: int, log: str) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):  # NVLink multicast stays off
         env.setdefault(k, v)
+    csv, sampler = log + ".gpu.csv", None
+    if shutil.which("nvidia-smi"):  # every 200 ms while the command runs (GPU_BUSY)
+        with open(csv, "w") as f:
+            sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}",
+                                        "--format=csv,noheader,nounits", "-lms", "200"], stdout=f,
+                                       stderr=subprocess.DEVNULL)
     try:
         with open(log, "w") as f:
             rc = subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
                                 env=env).returncode
     except subprocess.TimeoutExpired:
         rc = 124
+    finally:
+        if sampler is not None:
+            sampler.terminate()
+            sampler.wait(10)
+    if sampler is not None:
+        GPU_BUSY[os.path.basename(log).removesuffix(".log")] = gpu_busy(csv)
     print(f"  rc={rc} in {time.time() - t0:.1f} s (log {log})", flush=True)
     if rc:
         with open(log, errors="replace") as f:
@@ -175,6 +213,9 @@ def report(res: dict) -> list[str]:
             lines.append(ratio("raw NCCL broadcast / push", raw["raw_broadcast_s"], push, ">=", 0.5))
         elif "raw_copy_s" in raw and push:
             lines.append(f"  raw device copy / push: {raw['raw_copy_s'] / push:.3f} (information; no target)")
+    if GPU_BUSY:  # the same GPU in the loop and in the parts alone: clocks, power (no target)
+        lines.append("GPU while busy (nvidia-smi every 200 ms, samples with utilization >= 50%):")
+        lines += [f"  {name:16s} GPU {idx}: {json.dumps(v)}" for name, per in GPU_BUSY.items() for idx, v in per.items()]
     return lines
 
 
@@ -254,7 +295,7 @@ def main() -> None:
     text = "\n".join(report(res))
     print(text)
     with open(os.path.join(out, "bench_loop_gpu.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        json.dump({**res, "gpu_busy": GPU_BUSY}, f, indent=1)
     with open(os.path.join(out, "bench_loop_gpu.txt"), "w") as f:
         f.write(text + "\n")
     print(f"total {time.time() - t0:.0f} s; output under {out}")
