@@ -175,6 +175,11 @@ def _torch_block_sums(device: torch.device, tensors: list[torch.Tensor], dtype: 
     return torch.cat(sums, 1) if sums else None
 
 
+def _fused_usable(device: torch.device) -> bool:
+    """The fused kernel serves tensors on ``device``: CUDA with Triton installed."""
+    return device.type == "cuda" and _block_sums_kernel() is not None
+
+
 def _fused_digests(device: torch.device, tensors: list[torch.Tensor], dtype: torch.dtype | None,
                    nbytes: list[int], nblocks: list[int]) -> torch.Tensor | None:
     """``_combine``'s result from one Triton kernel (each byte read once, no copies of contiguous tensors; each block's
@@ -185,7 +190,7 @@ def _fused_digests(device: torch.device, tensors: list[torch.Tensor], dtype: tor
     import torch
 
     total = sum(nblocks)
-    if device.type != "cuda" or _block_sums_kernel() is None or total == 0:
+    if total == 0 or not _fused_usable(device):
         return None
     if (dtype is not None and any(t.dtype != dtype for t in tensors)) or any(t.device != device for t in tensors):
         return None
@@ -203,7 +208,7 @@ def _fused_digests(device: torch.device, tensors: list[torch.Tensor], dtype: tor
                                       ends - counts, ends])).to(device)
     owner = torch.repeat_interleave(torch.arange(len(tensors), device=device), meta[3] - meta[2], output_size=total)
     out = torch.empty(2, total, dtype=torch.int64, device=device)
-    with torch.cuda.device(device):
+    with torch.cuda.device(device if device.type == "cuda" else -1):  # -1: the Triton interpreter (tests)
         _block_sums_kernel()[(total,)](
             meta, owner, _multipliers_on(str(device), "word", CHECKSUM_BLOCK_WORDS),
             _block_multipliers(device, "block_a", max(nblocks)), _block_multipliers(device, "block_b", max(nblocks)),

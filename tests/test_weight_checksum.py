@@ -131,6 +131,35 @@ def test_cuda_digests_equal_the_cpu_digests():
         assert tensor_checksums([x.cuda()], dtype=dt) == tensor_checksums([x.to(dt)])
 
 
+def _fused_kernel_on_cpu() -> None:
+    """Run by ``test_the_fused_kernel_in_the_triton_interpreter`` with TRITON_INTERPRET=1 (CPU tensors count as
+    usable): the kernel against the torch ops and the definition, on the GPU test's kinds of tensors, smaller."""
+    wt._fused_usable = lambda device: wt._block_sums_kernel() is not None
+    words = wt.CHECKSUM_BLOCK_WORDS
+    base = random_tensor(torch.uint8, (8 * words + 11,))
+    tensors = [random_tensor(torch.bfloat16, (64, 700), seed=1),   # 89.6 KB: 6 blocks
+               random_tensor(torch.float32, (2 * words + 5,), seed=2),  # a short last block
+               random_tensor(torch.bfloat16, (3,), seed=3),             # 6 bytes: not a whole word
+               base[1:],                                                # not 8-byte aligned
+               torch.zeros(0),                                          # no blocks
+               random_tensor(torch.int64, (words,), seed=4),            # exactly one block
+               base[8:],                                                # a view at an offset: no copy
+               random_tensor(torch.bfloat16, (64, 300), seed=5).t()]    # not contiguous: a copy
+    device = torch.device("cpu")
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    nblocks = [-(-n // (8 * words)) for n in nbytes]
+    fused = wt._fused_digests(device, tensors, None, nbytes, nblocks)
+    assert fused is not None, "the fused path was not taken"
+    assert torch.equal(fused, wt._combine(device, wt._torch_block_sums(device, tensors, None, nbytes, nblocks), nblocks))
+    assert tensor_checksums(tensors) == [reference(t) for t in tensors]
+
+
+def test_the_fused_kernel_in_the_triton_interpreter():
+    from tests.triton_interpreter import run_interpreted
+
+    run_interpreted("tests.test_weight_checksum:_fused_kernel_on_cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_fused_kernel_gives_the_torch_ops_sums():

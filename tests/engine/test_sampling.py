@@ -75,3 +75,33 @@ def test_vectorized_uniforms_and_tensor_sampler_equal_the_scalar_ones():
                       torch.tensor([p.greedy for p in params]))
     assert torch.equal(got[0], want[0])
     assert torch.allclose(got[1], want[1], atol=1e-6)
+
+
+def _block_stats_on_cpu() -> None:
+    """Run by ``test_the_block_stats_kernel_in_the_triton_interpreter`` with TRITON_INTERPRET=1: the sampler's
+    one-pass kernel against the eager passes (the GPU test's checks, in float32 and float16: the interpreter keeps
+    bf16 as raw integers)."""
+    from slime_lite.engine import block_stats
+    from slime_lite.engine.sampling import BLOCK, _block_sums
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float16):
+        for vocab in (5000, 3072):  # a partial last block; whole blocks
+            logits = (torch.randn(7, vocab, generator=gen) * 3).to(dtype)
+            logits[2, 1500] = logits[2, 2600] = 50  # a tie across blocks: the first index, as torch.argmax
+            logits[5, 10] = logits[5, 20] = 60  # and a tie inside one block
+            logits[4, :BLOCK] = float("-inf")  # a block of -inf logits sums to 0, not NaN
+            inv_t = torch.tensor([1.0, 1 / 0.7, 1.0, 2.0, 1.0, 0.5, 1 / 1.3])[:, None]
+            m, sums, top = block_stats.triton_stats(logits, inv_t, BLOCK)
+            x = logits.float()
+            want_m = x.amax(-1, keepdim=True)
+            assert torch.equal(m, want_m) and torch.equal(top, x.argmax(-1)) and top[2].item() == 1500
+            assert top[5].item() == 10
+            want = _block_sums((x - want_m).mul_(inv_t).exp_())
+            assert not sums.isnan().any() and ((sums - want).abs() <= 1e-5 * want).all()
+
+
+def test_the_block_stats_kernel_in_the_triton_interpreter():
+    from tests.triton_interpreter import run_interpreted
+
+    run_interpreted("tests.engine.test_sampling:_block_stats_on_cpu")
