@@ -48,6 +48,7 @@ HERE = os.path.join(ROOT, "bench")
 
 DEADLINE = [float("inf")]  # --budget: no subprocess runs past it
 GPU_FIELDS = ("index", "clocks.sm", "power.draw", "utilization.gpu", "temperature.gpu")
+PER_ROLLOUT = ("perf/step_time", "perf/rollout_time", "perf/log_probs_time", "perf/actor_train_time")
 GPU_BUSY = {}  # log name -> per GPU, its samples while busy (gpu_busy): is the GPU itself slower in the loop?
 
 
@@ -118,14 +119,15 @@ def part(name: str, args: list[str], timeout: int, out: str) -> dict:
 
 
 def phases(path: str) -> dict:
-    """Mean of every numeric perf/* key over rollouts >= 1 (rollout 0 is warm-up)."""
+    """Mean of every numeric perf/* key over rollouts >= 1 (rollout 0 is warm-up); under "each", the values of
+    PER_ROLLOUT keys rollout by rollout (does the loop still warm up after rollout 0?)."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         rows = [json.loads(x) for x in f if x.strip()]
     rows = [r for r in rows if r.get("rollout_id", -1) >= 0 and "perf/step_time" in r]
     rows = rows[1:] or rows
-    out = {}
+    out: dict = {"each": {k: [round(r[k], 3) for r in rows if k in r] for k in PER_ROLLOUT}}
     for k in sorted({k for r in rows for k in r if k.startswith("perf/")}):
         vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
         if vals:
@@ -181,11 +183,15 @@ def report(res: dict) -> list[str]:
         rows = [("iteration", step, None), ("rollout", p.get("perf/rollout_time"), p.get("perf/rollout_tokens_per_s")),
                 ("log-probs", lp, 2 * tok / lp if tok and lp else None),
                 ("train (without log-probs)", train, tok / train if tok and train else None),
+                ("  of it in the actor's call", p["perf/actor_train_time"] - lp
+                 if "perf/actor_train_time" in p and lp is not None else None, None),
                 ("weight push", p.get("perf/update_weights_time"), None),
                 ("offload + onload", p.get("perf/offload_time"), None)]
         for label, secs, tps in rows:
             if secs is not None:
                 lines.append(f"  {label:28s} {secs:8.3f} s" + (f"  {tps:10.0f} tok/s" if tps else ""))
+        for k, v in p.get("each", {}).items():
+            lines.append(f"  {k.removeprefix('perf/'):28s} {v} (rollout by rollout)")
         for k, v in p.items():  # where the rollout's time goes (rollout/timing.py), then memory
             if k.startswith(("perf/rollout/", "perf/offload/")):
                 lines.append(f"  {k.removeprefix('perf/'):40s} {v:12.3f}")

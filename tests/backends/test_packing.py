@@ -222,3 +222,22 @@ def test_replay_sample_longer_than_the_budget_is_refused_naming_the_dump():
     assert "--max-tokens-per-gpu 10" in str(info.value)
     args.max_tokens_per_gpu = 12
     check_token_budget(args, [_sample(range(8), 2), _sample(range(12), 4)], "d/0.pt")
+
+
+def test_sample_tensors_pickle_as_one_buffer_and_come_back_equal():
+    import pickle
+
+    g = torch.Generator().manual_seed(0)
+    d = B.SampleTensors((i, torch.randn(int(n), generator=g)) for i, n in enumerate(torch.randint(1, 40, (512,))))
+    d[600] = torch.randn(2, 5, generator=g)  # [log-prob; entropy] rows keep their shape
+    d[7] = torch.empty(0)  # a sample with no response token
+    back = pickle.loads(pickle.dumps(d))
+    assert isinstance(back, B.SampleTensors) and list(back) == list(d)
+    for k in d:
+        assert back[k].shape == d[k].shape and back[k].dtype == d[k].dtype and torch.equal(back[k], d[k])
+    # one flat tensor, not 512 pickled tensors (each carries ~200 bytes of its own)
+    assert len(pickle.dumps(d)) < len(pickle.dumps(dict(d))) / 2
+    mixed = B.SampleTensors({0: torch.ones(2), 1: torch.ones(3, dtype=torch.float64)})
+    back = pickle.loads(pickle.dumps(mixed))
+    assert isinstance(back, B.SampleTensors) and back[1].dtype == torch.float64 and torch.equal(back[0], mixed[0])
+    assert pickle.loads(pickle.dumps(B.SampleTensors())) == {}

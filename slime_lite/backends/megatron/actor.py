@@ -73,7 +73,7 @@ class TrainActor(TrainWorker):
         dump = a.save_debug_train_data  # the old forward also gives each token's entropy for the train dump
         old = self._forward_all(samples, steps, length, partial(self._log_probs, entropy=bool(dump)))
         entropy = {i: t[1] for i, t in old.items()} if dump else None
-        old = {i: t[0] for i, t in old.items()} if dump else old
+        old = B.SampleTensors((i, t[0]) for i, t in old.items()) if dump else old
         ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, self._log_probs)) \
             if self.ref_state is not None else None
         log_probs_time = time.monotonic() - t0
@@ -129,7 +129,9 @@ class TrainActor(TrainWorker):
                    "values": [values[i] for i in range(n)] if values is not None else None}
         if a.dump_details:
             self._dump_train_details(rollout_id, samples, details, rollout_lp if has_rollout_lp else None)
-        return metrics, {i: r for i, r in enumerate(returns)}
+        # this call inside the actor: the driver's perf/train_time less this is Ray's share (samples in, results out)
+        metrics["perf/actor_train_time"] = time.monotonic() - t0
+        return metrics, B.SampleTensors(enumerate(returns))
 
     def _mismatch(self, rollout_id: int, samples: list, logp: list, rollout_lp: Any, masks: list) -> dict[str, Any]:
         """--get-mismatch-metrics: mismatch/* scalars and mismatch/worst_tokens (token text decoded here, where the

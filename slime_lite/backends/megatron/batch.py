@@ -23,6 +23,24 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.types import RewardError, Sample
 
 
+class SampleTensors(dict):
+    """``{sample index: tensor}`` (log-probs, values, returns of a rollout) that pickles as one flat tensor and the
+    shapes: what crosses Ray or ``all_gather_object`` is one buffer, not one pickled tensor per sample (512 small
+    tensors took 0.1-0.2 s a call that way on CPU). Mixed dtypes pickle as a plain dict."""
+
+    def __reduce__(self) -> tuple:
+        dtypes = {t.dtype for t in self.values()}
+        if len(dtypes) != 1:
+            return SampleTensors, (dict(self),)
+        flat = torch.cat([t.detach().reshape(-1).cpu() for t in self.values()])
+        return _unflatten, (list(self), [tuple(t.shape) for t in self.values()], flat)
+
+
+def _unflatten(keys: list, shapes: list, flat: torch.Tensor) -> SampleTensors:
+    parts = flat.split([int(torch.Size(s).numel()) for s in shapes])
+    return SampleTensors((k, p.view(s)) for k, s, p in zip(keys, shapes, parts))
+
+
 @dataclass
 class MicroBatch:
     indices: list[int]  # positions of the samples in the rollout

@@ -174,10 +174,10 @@ class TrainWorker:
         tokens = sum(float(m.sum()) for m in B.loss_masks(step_samples))
         return PerTokenNormalizer(tokens / self.dp_size)
 
-    def _forward_all(self, samples: list, steps: list, length: int, per_sample: Any) -> dict[int, torch.Tensor]:
+    def _forward_all(self, samples: list, steps: list, length: int, per_sample: Any) -> B.SampleTensors:
         """Forward-only pass over every micro-batch of this rank; {sample index: per_sample(mb, output)[k]} (last
         stage)."""
-        results: dict[int, torch.Tensor] = {}
+        results = B.SampleTensors()
 
         def collect(mb: B.MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> tuple:
             outs = [t.detach() for t in per_sample(mb, output)]  # to the host in one copy, not one per sample
@@ -191,15 +191,15 @@ class TrainWorker:
                 self._run(samples, mbs, length, True, collect)
         return results
 
-    def _gather(self, local: dict[int, Any]) -> dict[int, Any]:
-        """Union of per-sample dicts over the DP group (last-stage ranks only)."""
+    def _gather(self, local: B.SampleTensors) -> B.SampleTensors:
+        """Union of per-sample tensors over the DP group (last-stage ranks only)."""
         import torch.distributed as dist
 
         if self.dp_size == 1:
             return local
         parts: list[Any] = [None] * self.dp_size
         dist.all_gather_object(parts, local, group=self.ps.get_data_parallel_group())
-        return {k: v for p in parts for k, v in p.items()}
+        return B.SampleTensors((k, v) for p in parts for k, v in p.items())
 
     def _train_steps(self, samples: list, loss_fn: Any) -> dict[str, Any]:
         """Run the optimizer steps of one rollout; metrics averaged over steps (reporter's view), and under
