@@ -220,7 +220,7 @@ def _fused_digests(device: torch.device, tensors: list[torch.Tensor], dtype: tor
 @triton_kernels
 def _block_sums_kernel(triton, tl):
     """The Triton kernel behind ``_fused_digests``, or None where Triton is not installed (the CPU build)."""
-    @triton.jit
+    @triton.jit(do_not_specialize=["tensors", "blocks"])  # counts that vary by call: no variant compiled per count
     def block_sums(meta, owner, mult, mult_a, mult_b, out, tensors, blocks, words: tl.constexpr):
         k = tl.program_id(0)
         t = tl.load(owner + k)  # the tensor this block belongs to, and the block's place in it

@@ -39,7 +39,7 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 
 @triton_kernels
 def _kernels(triton, tl):
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits"])  # not a variant per split count (compiled mid-rollout)
     def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st, n_rep, heads,
                 splits, scale, R: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -85,7 +85,7 @@ def _kernels(triton, tl):
         tl.store(ml_ptr + 2 * (at + rows), m, mask=live)
         tl.store(ml_ptr + 2 * (at + rows) + 1, l_sum, mask=live)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits"])
     def combine(o_ptr, ml_ptr, out_ptr, out_sb, out_sh, out_sr, n_rep, heads, splits, R: tl.constexpr,
                 D: tl.constexpr, DH: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)

@@ -44,8 +44,10 @@ def available(logits: torch.Tensor) -> bool:
 
 @triton_kernels
 def _kernels(triton, tl):
-    """(forward, backward) Triton kernels, or None where Triton is not installed (the CPU build)."""
-    @triton.jit
+    """(forward, backward) Triton kernels, or None where Triton is not installed (the CPU build). ``rows`` (the
+    micro-batch's tokens) is not specialised on: Triton would compile a variant of each kernel for a count divisible
+    by 16 (and for 1), mid-training, whenever a micro-batch first has one."""
+    @triton.jit(do_not_specialize=["rows"])
     def row_stats(x_ptr, stride, target_ptr, out_ptr, rows, width, temperature, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
@@ -72,7 +74,7 @@ def _kernels(triton, tl):
         tl.store(out_ptr + 2 * rows + row, w_sum)
         tl.store(out_ptr + 3 * rows + row, picked)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows"])
     def row_grad(x_ptr, stride, g_ptr, target_ptr, stats_ptr, rows, width, columns, temperature,
                  HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
