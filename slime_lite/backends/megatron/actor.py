@@ -200,7 +200,11 @@ class TrainActor(TrainWorker):
         from slime_lite.backends.megatron.convert import iter_hf_weights
 
         ps = self.ps
-        mine = {name: (t.detach().clone() if on_device else t.detach().cpu().clone())
+        # one copy of each tensor: a view of a parameter is copied, a tensor the merge made (q, k, v; TP>1 gathers)
+        # only moved to the host where it is not already there
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        device = None if on_device else "cpu"
+        mine = {name: t.detach().to(device or t.device, copy=t.untyped_storage().data_ptr() in params)
                 for name, t in iter_hf_weights(self.model, self.hf_config)}
         if for_push:
             mine = sent_stage_weights(self.args.debug_inject_fault, mine, ps.get_pipeline_model_parallel_rank())

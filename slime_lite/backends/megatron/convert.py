@@ -121,21 +121,26 @@ def _split(kind: str, hf: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_siz
     raise ValueError(kind)
 
 
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat``, except that one part (TP=1) is returned as it is: the caller copies what it keeps, once."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def _merge(kind: str, shards: list[torch.Tensor], arch: HFArch) -> list[torch.Tensor]:
-    """All TP ranks' Megatron shards (in TP order) -> the full HF tensor(s)."""
+    """All TP ranks' Megatron shards (in TP order) -> the full HF tensor(s), views of the shards where they can be."""
     if kind == "copy":
         return [shards[0]]
     if kind == "row":
-        return [torch.cat(shards, dim=1)]
+        return [_cat(shards, dim=1)]
     if kind == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+        return [_cat([h[0] for h in halves], dim=0), _cat([h[1] for h in halves], dim=0)]
     if kind == "vocab":
-        return [torch.cat(shards, dim=0)[: arch.vocab_size]]
+        return [_cat(shards, dim=0)[: arch.vocab_size]]
     if kind == "qkv":
         per_group, hd = arch.num_heads // arch.num_kv_heads, arch.head_dim
         rest = shards[0].shape[1:]
-        fused = torch.cat([s.reshape(-1, (per_group + 2) * hd, *rest) for s in shards], dim=0)
+        fused = _cat([s.reshape(-1, (per_group + 2) * hd, *rest) for s in shards], dim=0)
         q, k, v = fused.split([per_group * hd, hd, hd], dim=1)
         return [t.reshape(-1, *rest) for t in (q, k, v)]
     raise ValueError(kind)
@@ -166,7 +171,10 @@ def hf_to_megatron_shard(
 
 
 def megatron_to_hf(shards: list[list[Mapping[str, torch.Tensor]]], hf_config: Any) -> dict[str, torch.Tensor]:
-    """Full HF state dict from every rank's Megatron parameters, `shards[pp_rank][tp_rank]`."""
+    """Full HF state dict from every rank's Megatron parameters, `shards[pp_rank][tp_rank]`.
+
+    Returned tensors may share memory with `shards`.
+    """
     arch = hf_arch(hf_config)
     pp_size, tp_size = len(shards), len(shards[0])
     check_parallel_sizes(arch, tp_size, pp_size)
@@ -252,7 +260,7 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
     Collective over the TP group: all TP ranks of a stage must iterate together, and every one of them yields the
     same full (TP-gathered) tensors. Each PP stage yields only its own layers (the first stage the embedding, the
     last stage the final norm and lm_head), so a consumer wanting the whole model takes one TP rank per stage.
-    Tensors are detached views of the parameters when TP=1: copy them before changing the model.
+    Tensors may be views of the parameters (TP=1: all but q, k and v): copy them before changing the model.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
