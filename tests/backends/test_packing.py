@@ -241,3 +241,6 @@ def test_sample_tensors_pickle_as_one_buffer_and_come_back_equal():
     back = pickle.loads(pickle.dumps(mixed))
     assert isinstance(back, B.SampleTensors) and back[1].dtype == torch.float64 and torch.equal(back[0], mixed[0])
     assert pickle.loads(pickle.dumps(B.SampleTensors())) == {}
+    odd = B.SampleTensors({0: torch.ones(2, requires_grad=True), 1: None})  # kept as they are, not flattened
+    back = pickle.loads(pickle.dumps(odd))
+    assert back[0].requires_grad and back[1] is None

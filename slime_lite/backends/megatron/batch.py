@@ -26,14 +26,17 @@ from slime_lite.types import RewardError, Sample
 class SampleTensors(dict):
     """``{sample index: tensor}`` (log-probs, values, returns of a rollout) that pickles as one flat tensor and the
     shapes: what crosses Ray or ``all_gather_object`` is one buffer, not one pickled tensor per sample (512 small
-    tensors took 0.1-0.2 s a call that way on CPU). Mixed dtypes pickle as a plain dict."""
+    tensors took 0.1-0.2 s a call that way on CPU). Anything else (mixed dtypes, a device tensor, one that needs a
+    gradient, a value that is not a tensor) pickles as a plain dict. ``copy.copy`` of a flattened one copies the
+    tensors too."""
 
     def __reduce__(self) -> tuple:
-        dtypes = {t.dtype for t in self.values()}
-        if len(dtypes) != 1:
+        values = list(self.values())
+        if (not values or any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.requires_grad
+                              for t in values) or len({t.dtype for t in values}) != 1):
             return SampleTensors, (dict(self),)
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in self.values()])
-        return _unflatten, (list(self), [tuple(t.shape) for t in self.values()], flat)
+        flat = torch.cat([t.reshape(-1) for t in values])
+        return _unflatten, (list(self), [tuple(t.shape) for t in values], flat)
 
 
 def _unflatten(keys: list, shapes: list, flat: torch.Tensor) -> SampleTensors:
