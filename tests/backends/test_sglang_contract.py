@@ -161,7 +161,15 @@ def test_distributed_push_bodies_are_accepted_by_sglang(monkeypatch):
     bodies, casts = [], []
     monkeypatch.setattr(wp, "_group", lambda urls, backend: SimpleNamespace(
         broadcast=lambda t, src: casts.append(t.numel() * t.element_size())))
-    monkeypatch.setattr(wp, "request_json", lambda url, route, body, timeout: bodies.append(body) or {"success": True})
+
+    class FakeSent:  # the engine's HTTP answer
+        def __init__(self, url, route, body, timeout):
+            bodies.append(body)
+
+        result = lambda self: {"success": True}  # noqa: E731
+        close = lambda self: None  # noqa: E731
+
+    monkeypatch.setattr(wp, "SentRequest", FakeSent)
     named = {"a": torch.zeros(4, 3, dtype=torch.bfloat16), "b": torch.ones(5), "c": torch.zeros(3, dtype=torch.bfloat16)}
     for flattened, want_format, want_casts in ((True, "flattened_bucket", [50]), (False, None, [24, 20, 6])):
         bodies.clear(), casts.clear()
@@ -170,3 +178,33 @@ def test_distributed_push_bodies_are_accepted_by_sglang(monkeypatch):
     bodies.clear(), casts.clear()
     wp._push_distributed({"c": named["c"], "b": named["b"]}, ["http://engine"], 4)  # b would start at byte 6
     assert "load_format" not in bodies[0] and casts == [6, 20]
+
+
+def test_a_failed_distributed_push_drops_the_broadcast_group(monkeypatch):
+    """An engine that fails a bucket may have left the broadcast group (a receive that ended early destroys its
+    side), so the trainer drops the group (asking every engine to destroy theirs) and the next push forms a new
+    one, instead of broadcasting into a group nobody listens to. Fakes: the group and the engine's HTTP answers."""
+    import torch
+
+    from slime_lite.backends.megatron import weight_push as wp
+    from slime_lite.errors import EngineError
+
+    key, calls = ("http://engine",), []
+    monkeypatch.setitem(wp._groups, key, SimpleNamespace(broadcast=lambda t, src: calls.append("broadcast"),
+                                                         destroy=lambda: calls.append("trainer side destroyed")))
+    monkeypatch.setattr(wp, "request_json", lambda url, route, body, timeout: calls.append(route) or {})
+
+    class FailingSent:  # the engine answers the bucket with an error, after the broadcast
+        def __init__(self, url, route, body, timeout):
+            pass
+
+        def result(self):
+            raise EngineError("engine http://engine/update_weights_from_distributed answered HTTP 400: receiving failed")
+
+        close = lambda self: None  # noqa: E731
+
+    monkeypatch.setattr(wp, "SentRequest", FailingSent)
+    with pytest.raises(EngineError, match="receiving failed"):
+        wp._push_distributed({"a": torch.ones(4)}, list(key), 1)
+    assert key not in wp._groups
+    assert calls == ["broadcast", "/destroy_weights_update_group", "trainer side destroyed"]

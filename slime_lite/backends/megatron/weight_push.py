@@ -241,27 +241,38 @@ def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: 
     backend = "nccl" if torch.cuda.is_available() and not colocated else "gloo"
     group = _group(urls, backend)
     device = "cuda" if backend == "nccl" else "cpu"
-    for names in buckets(named, limit):
-        flat = _packed([named[n] for n in names], device) if flattened else None
-        body = {
-            "names": names,
-            "dtypes": [str(named[n].dtype).removeprefix("torch.") for n in names],
-            "shapes": [list(named[n].shape) for n in names],
-            "group_name": "weight_update_group",
-            "weight_version": str(version),
-            "flush_cache": True,
-            **({"load_format": "flattened_bucket"} if flat is not None else {}),
-        }
-        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-            futures = [pool.submit(request_json, u, "/update_weights_from_distributed", body, timeout=600)
-                       for u in urls]
-            if flat is not None:
-                group.broadcast(flat, src=0)
-            else:
-                for n in names:
-                    group.broadcast(named[n].to(device).contiguous(), src=0)
-            for u, f in zip(urls, futures):
-                _check(f.result(), u, "/update_weights_from_distributed")
+    route = "/update_weights_from_distributed"
+    try:
+        for names in buckets(named, limit):
+            flat = _packed([named[n] for n in names], device) if flattened else None
+            body = {
+                "names": names,
+                "dtypes": [str(named[n].dtype).removeprefix("torch.") for n in names],
+                "shapes": [list(named[n].shape) for n in names],
+                "group_name": "weight_update_group",
+                "weight_version": str(version),
+                "flush_cache": True,
+                **({"load_format": "flattened_bucket"} if flat is not None else {}),
+            }
+            sent: list[SentRequest] = []
+            try:  # the requests first (each engine then joins the broadcast), the answers after it, in one thread
+                for u in urls:
+                    sent.append(SentRequest(u, route, body, timeout=600))
+                if flat is not None:
+                    group.broadcast(flat, src=0)
+                else:
+                    for n in names:
+                        group.broadcast(named[n].to(device).contiguous(), src=0)
+                replies = [request.result() for request in sent]
+            finally:
+                for request in sent:
+                    request.close()
+            for u, reply in zip(urls, replies):
+                _check(reply, u, route)
+    except BaseException:  # an engine that missed a broadcast left the group: the next push forms it again
+        if tuple(urls) in _groups:
+            _drop_group(tuple(urls))
+        raise
 
 
 def _packed(tensors: list[torch.Tensor], device: str) -> torch.Tensor | None:
