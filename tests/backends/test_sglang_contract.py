@@ -166,8 +166,8 @@ def test_distributed_push_bodies_are_accepted_by_sglang(monkeypatch):
         def __init__(self, url, route, body, timeout):
             bodies.append(body)
 
-        result = lambda self: {"success": True}  # noqa: E731
-        close = lambda self: None  # noqa: E731
+        result = lambda self: {"success": True}
+        close = lambda self: None
 
     monkeypatch.setattr(wp, "SentRequest", FakeSent)
     named = {"a": torch.zeros(4, 3, dtype=torch.bfloat16), "b": torch.ones(5), "c": torch.zeros(3, dtype=torch.bfloat16)}
@@ -201,7 +201,7 @@ def test_a_failed_distributed_push_drops_the_broadcast_group(monkeypatch):
         def result(self):
             raise EngineError("engine http://engine/update_weights_from_distributed answered HTTP 400: receiving failed")
 
-        close = lambda self: None  # noqa: E731
+        close = lambda self: None
 
     monkeypatch.setattr(wp, "SentRequest", FailingSent)
     with pytest.raises(EngineError, match="receiving failed"):
