@@ -269,7 +269,7 @@ def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: 
                     request.close()
             for u, reply in zip(urls, replies):
                 _check(reply, u, route)
-    except BaseException:  # an engine that missed a broadcast left the group: the next push forms it again
+    except Exception:  # an engine that missed a broadcast left the group: the next push forms it again
         if tuple(urls) in _groups:
             _drop_group(tuple(urls))
         raise
