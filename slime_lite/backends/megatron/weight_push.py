@@ -51,6 +51,20 @@ def _all(urls: list[str], fn: Any) -> list[Any]:
         return list(pool.map(fn, urls))
 
 
+@contextlib.contextmanager
+def _sent(urls: list[str], route: str, body: Any, timeout: float):
+    """The same POST sent to every engine now (``SentRequest``s, read by the caller while or after it works, in one
+    thread); on the way out every connection is closed, also those not read after a failure."""
+    sent: list[SentRequest] = []
+    try:
+        for url in urls:
+            sent.append(SentRequest(url, route, body, timeout=timeout))
+        yield sent
+    finally:
+        for request in sent:
+            request.close()
+
+
 def _check(reply: Any, url: str, route: str) -> None:
     if isinstance(reply, dict) and reply.get("success") is False:
         raise EngineError(f"engine {url}{route} refused the weights: {reply.get('message')}")
@@ -254,19 +268,13 @@ def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: 
                 "flush_cache": True,
                 **({"load_format": "flattened_bucket"} if flat is not None else {}),
             }
-            sent: list[SentRequest] = []
-            try:  # the requests first (each engine then joins the broadcast), the answers after it, in one thread
-                for u in urls:
-                    sent.append(SentRequest(u, route, body, timeout=600))
+            with _sent(urls, route, body, 600) as sent:  # each engine joins the broadcast on its request
                 if flat is not None:
                     group.broadcast(flat, src=0)
                 else:
                     for n in names:
                         group.broadcast(named[n].to(device).contiguous(), src=0)
                 replies = [request.result() for request in sent]
-            finally:
-                for request in sent:
-                    request.close()
             for u, reply in zip(urls, replies):
                 _check(reply, u, route)
     except Exception:  # an engine that missed a broadcast left the group: the next push forms it again
@@ -335,15 +343,9 @@ def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None
     both sides, the trainer's computed while the engines compute theirs. A tensor that matches only after a cast to
     another float dtype (cast on its device) is equal in the engine's precision: counted apart and reported."""
     alias = {"lm_head.weight": "model.embed_tokens.weight"}  # tied embeddings: the engine lists both names
-    sent: list[SentRequest] = []
-    try:
-        for url in urls:
-            sent.append(SentRequest(url, "/get_weights_checksum", {}, timeout=300))
+    with _sent(urls, "/get_weights_checksum", {}, 300) as sent:
         ours = dict(zip(named, _digests(named, _hash_device())))
         engines = [request.result() for request in sent]
-    finally:  # the connections not read yet (a failure on the way), closed now rather than by the garbage collector
-        for request in sent:
-            request.close()
     for url, engine in zip(urls, engines):
         source = {n: n if n in named else alias.get(n) for n in engine}  # engine name -> the trainer's name
         missing = sorted(n for n, s in source.items() if s not in named)
