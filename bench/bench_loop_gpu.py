@@ -193,7 +193,7 @@ def report(res: dict) -> list[str]:
         for k, v in p.get("each", {}).items():
             lines.append(f"  {k.removeprefix('perf/'):28s} {v} (rollout by rollout)")
         for k, v in p.items():  # where the rollout's time goes (rollout/timing.py), then memory
-            if k.startswith(("perf/rollout/", "perf/offload/")):
+            if k.startswith(("perf/rollout/", "perf/offload/", "perf/update_weights/")):
                 lines.append(f"  {k.removeprefix('perf/'):40s} {v:12.3f}")
         for k, v in p.items():
             if k.startswith("perf/memory/") and "rss" not in k:

@@ -149,7 +149,7 @@ def run(args) -> int:
                             add_time(record, "perf/offload/engine_resume_time", resume_t0)
                         if recovery is not None:  # an engine that died since the rollout is replaced first
                             recovery.check()
-                        actor.update_weights(urls, version=rollout_id + 1)
+                        record.update(actor.update_weights(urls, version=rollout_id + 1))
                         if recovery is not None:
                             recovery.version = rollout_id + 1
                 offload_phase(args, urls, trainers, record)

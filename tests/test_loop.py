@@ -111,6 +111,9 @@ def test_weight_transport_engine_samples_new_weights(tiny_model_dir, data, tmp_p
     assert r[1]["rollout/weight_version"] == 1.0
     assert r[1]["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert r[1]["rollout/kl"] > 0  # the policy really moved away from the reference
+    # the push's parts, timed in the actor: each within the driver's time of the whole push
+    parts = [r[1][f"perf/update_weights/{p}_time"] for p in ("gather", "send", "check")]
+    assert all(t > 0 for t in parts) and sum(parts) < r[1]["perf/update_weights_time"], parts
     if fault:
         assert "failed and is taken out of rotation" in log  # requests were in flight when it died
         assert re.search(r"engine 0 \(http://[\d.:]+\) is dead: ", log)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from functools import partial
 from typing import Any
 
@@ -62,8 +63,6 @@ class TrainActor(TrainWorker):
 
     def train(self, rollout_id: int, samples: list, values: dict | None) -> tuple[dict[str, float], Any] | None:
         """Log-probs, advantages and ``--num-steps-per-rollout`` optimizer steps on one rollout."""
-        import time
-
         from slime_lite import rl_math
 
         a = self.args
@@ -229,7 +228,9 @@ class TrainActor(TrainWorker):
         full = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return full * self.ps.get_tensor_model_parallel_world_size() < torch.cuda.mem_get_info()[0] // 2
 
-    def push_weights(self, urls: list[str], version: int, check: bool = False) -> None:
+    def push_weights(self, urls: list[str], version: int, check: bool = False) -> dict[str, float] | None:
+        """Push to ``urls`` (rank 0 sends); rank 0 returns the push's parts in seconds: the HF gather
+        (``perf/update_weights/gather_time``), the transport and the check (``weight_push.push``)."""
         from slime_lite.backends.megatron.weight_push import push
 
         a = self.args
@@ -239,12 +240,18 @@ class TrainActor(TrainWorker):
         if offloaded:
             self.onload()
         try:
+            t0 = time.perf_counter()
             on_device = self._push_on_device()  # after an onload: the free memory it leaves
             named = self.hf_weights(on_device=on_device)
             sent = (self.hf_weights(for_push=True, on_device=on_device) if breaks_sent_weights(a.debug_inject_fault)
                     else named)
-            if self.rank == 0:
-                push(self.args, sent, urls, version, reference=named, check=check)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the copies' kernels, so that the gather's time is theirs
+            gather = time.perf_counter() - t0
+            if self.rank != 0:
+                return None
+            return {"perf/update_weights/gather_time": gather,
+                    **push(self.args, sent, urls, version, reference=named, check=check)}
         finally:
             if offloaded:
                 named = sent = None

@@ -76,10 +76,11 @@ class ActorGroup(TrainGroup):
         returns the metrics and the per-sample returns (the critic's targets)."""
         return self._reported("train", rollout_id, samples, values)
 
-    def update_weights(self, urls: list[str], version: int, check: bool = False) -> None:
+    def update_weights(self, urls: list[str], version: int, check: bool = False) -> dict[str, float]:
         """Push the weights to ``urls`` as ``version``; ``check`` runs the weight-equality check even without
-        --check-weight-update-equal (an engine restarted by --use-fault-tolerance)."""
-        self._all("push_weights", urls, version, check)
+        --check-weight-update-equal (an engine restarted by --use-fault-tolerance). Returns the push's parts in
+        seconds (``perf/update_weights/*``)."""
+        return self._reported("push_weights", urls, version, check)
 
 
 class CriticGroup(TrainGroup):

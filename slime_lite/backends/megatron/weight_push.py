@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -71,10 +72,12 @@ def _check(reply: Any, url: str, route: str) -> None:
 
 
 def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int,
-         reference: dict[str, torch.Tensor] | None = None, check: bool = False) -> None:
+         reference: dict[str, torch.Tensor] | None = None, check: bool = False) -> dict[str, float]:
     """Send ``named`` to every engine; with --check-weight-update-equal (or ``check``) compare against ``reference``
-    (the trainer's true weights; ``named`` itself unless a fault was injected into what is sent)."""
+    (the trainer's true weights; ``named`` itself unless a fault was injected into what is sent). Returns the
+    seconds of the transport and of the check (``perf/update_weights/{send,check}_time``)."""
     reference = reference if reference is not None else named
+    times: dict[str, float] = {}
     if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
         gen = torch.Generator().manual_seed(version)
         with weight_update_session(urls):
@@ -83,9 +86,14 @@ def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: in
     if skips_weight_push(args.debug_inject_fault):
         log.warning("--debug-inject-fault skip-weight-push: the engines keep their old weights")
     else:
+        t0 = time.perf_counter()
         _transport(args, named, urls, version)
+        times["perf/update_weights/send_time"] = time.perf_counter() - t0
     if args.check_weight_update_equal or check:
+        t0 = time.perf_counter()
         check_weights_equal(reference, urls)
+        times["perf/update_weights/check_time"] = time.perf_counter() - t0
+    return times
 
 
 def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
