@@ -51,13 +51,21 @@ def _round_trip_then_same_step(model_dir, dumps, *extra) -> dict:
                 t.copy_(s)
         expected = worker.hf_weights()
         own = {t.untyped_storage().data_ptr() for t in expected.values()}  # a copy each, none of them a parameter
-        out["own_storage"] = len(own) == len(expected) and not own & {t.untyped_storage().data_ptr() for t in tensors}
+        params = {t.untyped_storage().data_ptr() for t in tensors}
+        out["own_storage"] = len(own) == len(expected) and not own & params
+        # a push's views (no copy): a parameter itself, e.g. the final norm, is passed as is
+        views = worker.hf_weights(views=True)
+        out["views"] = all(torch.equal(views[k], expected[k]) for k in expected) and (
+            views["model.norm.weight"].untyped_storage().data_ptr() in params)
+        del views
         worker.offload()
         out["residual"] = (torch.cuda.memory_allocated() - base) if cuda else 0
         # a push while offloaded (an engine restarted by --use-fault-tolerance); the transport is faked: no engine
         sent: dict = {}
         real_push = weight_push.push
-        weight_push.push = lambda args, named, *rest, **kw: sent.update(named)
+        # the fake copies what it is sent during the call, as a transport copies into its buckets: the push's
+        # tensors may be views of the parameters, which the offload after the push empties
+        weight_push.push = lambda args, named, *rest, **kw: sent.update({k: v.clone() for k, v in named.items()}) or {}
         try:
             worker.push_weights([], 2)
         finally:
@@ -80,7 +88,7 @@ def _round_trip_then_same_step(model_dir, dumps, *extra) -> dict:
 
 def test_offload_round_trip_on_cpu(tiny_model_dir, replay_dumps):
     r = _round_trip_then_same_step(tiny_model_dir, replay_dumps)
-    assert r["pushed"] and r["emptied"] and r["exact"] and r["blocks"] == 1 and r["own_storage"]
+    assert r["pushed"] and r["emptied"] and r["exact"] and r["blocks"] == 1 and r["own_storage"] and r["views"]
     for key in ("train/loss", "train/grad_norm", "train/pg_loss", "train/kl_loss"):
         assert r["again"][key] == r["plain"][key], key  # CPU: the same step, bit for bit
     assert r["step_diff"] == 0.0  # and the same update: the Adam state came back too
@@ -93,7 +101,7 @@ def test_offload_frees_the_gpu_and_comes_back_the_same(medium_model):
     r = _round_trip_then_same_step(model_dir, dumps, "--bf16")
     print(f"train worker: peak {r['peak'] / 2**20:.1f} MB in a step, {r['residual'] / 2**20:.2f} MB after offload "
           f"({r['residual'] / r['peak']:.2%})")
-    assert r["pushed"] and r["emptied"] and r["exact"] and r["blocks"] == 1 and r["own_storage"]
+    assert r["pushed"] and r["emptied"] and r["exact"] and r["blocks"] == 1 and r["own_storage"] and r["views"]
     assert r["residual"] <= 0.05 * r["peak"]
     assert r["again"]["train/loss"] == r["plain"]["train/loss"]  # the forward before the step: same kernels, same bits
     # the backward may sum in another order (atomics), so the grad-norm is compared loosely

@@ -191,17 +191,20 @@ class TrainActor(TrainWorker):
         atomic_torch_save(payload, os.path.join(self.args.dump_details, "train_data", f"{rollout_id}.pt"))
 
     # ----------------------------------------------------------------- weights out
-    def hf_weights(self, for_push: bool = False, on_device: bool = False) -> dict[str, torch.Tensor] | None:
+    def hf_weights(self, for_push: bool = False, on_device: bool = False,
+                   views: bool = False) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors of the whole model on global rank 0 (None elsewhere); TP gathered, PP collected.
-        CPU copies, or with ``on_device`` copies on the trainer's device (``_push_on_device``; PP=1 only)."""
+        CPU copies, or with ``on_device`` copies on the trainer's device (``_push_on_device``; PP=1 only).
+        ``views`` (PP=1): where a tensor is a parameter or a view of one on the target device, that view, no copy
+        (for a caller that is done with them before the model changes)."""
         import torch.distributed as dist
 
         from slime_lite.backends.megatron.convert import iter_hf_weights
 
         ps = self.ps
-        # one copy of each tensor: a view of a parameter is copied, a tensor the merge made (q, k, v; TP>1 gathers)
-        # only moved to the host where it is not already there
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        # one copy of each tensor: a view of a parameter is copied (unless ``views``), a tensor the merge made (q, k,
+        # v; TP>1 gathers) only moved to the host where it is not already there
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()} if not views else set()
         device = None if on_device else "cpu"
         mine = {name: t.detach().to(device or t.device, copy=t.untyped_storage().data_ptr() in params)
                 for name, t in iter_hf_weights(self.model, self.hf_config)}
@@ -242,9 +245,13 @@ class TrainActor(TrainWorker):
         try:
             t0 = time.perf_counter()
             on_device = self._push_on_device()  # after an onload: the free memory it leaves
-            named = self.hf_weights(on_device=on_device)
-            sent = (self.hf_weights(for_push=True, on_device=on_device) if breaks_sent_weights(a.debug_inject_fault)
-                    else named)
+            # the tensor and distributed transports copy into their buckets and are done before this call returns:
+            # views of the parameters are enough (PP=1: nothing is pickled). A folder for the disk push must not
+            # hold two tensors sharing memory (safetensors refuses them)
+            views = a.update_weight_transport != "disk" and self.ps.get_pipeline_model_parallel_world_size() == 1
+            named = self.hf_weights(on_device=on_device, views=views)
+            sent = (self.hf_weights(for_push=True, on_device=on_device, views=views)
+                    if breaks_sent_weights(a.debug_inject_fault) else named)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the copies' kernels, so that the gather's time is theirs
             gather = time.perf_counter() - t0
