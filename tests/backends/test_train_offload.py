@@ -53,9 +53,9 @@ def _round_trip_then_same_step(model_dir, dumps, *extra) -> dict:
         own = {t.untyped_storage().data_ptr() for t in expected.values()}  # a copy each, none of them a parameter
         params = {t.untyped_storage().data_ptr() for t in tensors}
         out["own_storage"] = len(own) == len(expected) and not own & params
-        # a push's views (no copy): a parameter itself, e.g. the final norm, is passed as is
-        views = worker.hf_weights(views=True)
-        out["views"] = all(torch.equal(views[k], expected[k]) for k in expected) and (
+        # a push's views (no copy) on the trainer's device: a parameter itself, e.g. the final norm, is passed as is
+        views = worker.hf_weights(on_device=cuda, views=True)
+        out["views"] = all(torch.equal(views[k].cpu(), expected[k]) for k in expected) and (
             views["model.norm.weight"].untyped_storage().data_ptr() in params)
         del views
         worker.offload()
