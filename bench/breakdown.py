@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/breakdown.py runs/tiny/grpo/metrics.jsonl
 Parts: rollout (generation + rewards), log-probs (actor/ref forward), train steps, weight push, eval, and the rest
-(driver, Ray calls, memory probes, checkpoints) = step time minus the parts; then the parts of the rollout and of the
-colocated memory swap (perf/rollout/*, perf/offload/*). Under --async the rollout part is the
+(driver, Ray calls, memory probes, checkpoints) = step time minus the parts; then the parts of the rollout, of the
+colocated memory swap and of the weight push (perf/rollout/*, perf/offload/*, perf/update_weights/*). Under --async the rollout part is the
 time the driver waited for generation (the rest of it ran during the previous rollout's training).
 """
 
@@ -41,9 +41,10 @@ def main(path: str) -> None:
     if overlapped:
         print(f"--async: generation took {total('perf/rollout_time') / n:.3f} s / iteration, "
               f"{total('perf/async_overlap_time') / n:.3f} s of it during the previous rollout's training")
-    rollout_parts = sorted({k for r in rows for k in r if k.startswith(("perf/rollout/", "perf/offload/"))})
-    if rollout_parts:  # slime_lite/rollout/timing.py says what each is
-        print("| rollout / offload part (per iteration) | iteration 0 | mean of the rest |")
+    prefixes = ("perf/rollout/", "perf/offload/", "perf/update_weights/")
+    rollout_parts = sorted({k for r in rows for k in r if k.startswith(prefixes)})
+    if rollout_parts:  # slime_lite/rollout/timing.py says what each rollout part is
+        print("| rollout / offload / push part (per iteration) | iteration 0 | mean of the rest |")
         print("|---|---|---|")
         for key in rollout_parts:
             rest = [r[key] for r in rows[1:] if key in r]
