@@ -3,8 +3,9 @@
     .venv/bin/python bench/breakdown.py runs/tiny/grpo/metrics.jsonl
 Parts: rollout (generation + rewards), log-probs (actor/ref forward), train steps, weight push, eval, and the rest
 (driver, Ray calls, memory probes, checkpoints) = step time minus the parts; then the parts of the rollout, of the
-colocated memory swap and of the weight push (perf/rollout/*, perf/offload/*, perf/update_weights/*). Under --async the rollout part is the
-time the driver waited for generation (the rest of it ran during the previous rollout's training).
+colocated memory swap and of the weight push (perf/rollout/*, perf/offload/*, perf/update_weights/*). Under --async
+the rollout part is the time the driver waited for generation (the rest of it ran during the previous rollout's
+training).
 """
 
 from __future__ import annotations
