@@ -5,7 +5,7 @@ The trainer side is ``weight_push``'s tensor transport (SGLang's ``update_weight
 Measured in one run: a raw device copy of the same bytes (the floor); the push by CUDA IPC (``--colocate``; the
 train worker's ``weight_push.push``, with its weight-update session) without and with ``--check-weight-update-equal``
 (after the push, the engine's ``/get_weights_checksum``, the trainer's digests computed meanwhile); the push by value
-(host copy + base64 + HTTP, what an engine on another host gets); the check alone (``weight_push.check_weights_equal``:
+(host copy + base64 + HTTP, what an engine on another host gets); the check alone (``checks.weight_check.check_weights_equal``:
 the engine's digests and the trainer's, both on the GPU); the trainer's checksums alone (Triton kernel on CUDA) and by
 torch ops. The last line is what the check adds to a push (issue 13 item 4: at most 20%).
 
@@ -60,6 +60,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from slime_lite.backends.megatron import weight_push as wp
+    from slime_lite.checks.weight_check import check_weights_equal
     from slime_lite.io import free_port
     from slime_lite.weight_checksum import tensor_checksums
 
@@ -89,7 +90,7 @@ def main() -> None:
             return lambda: wp.push(args, named, [url], 1)
 
         def check() -> None:
-            wp.check_weights_equal(named, [url])  # raises unless every parameter is equal
+            check_weights_equal(named, [url])  # raises unless every parameter is equal
 
         assert wp.payload_mode(url, named, True, a.bucket_mb << 20) == "cuda_ipc"
         runs = {"device copy of the same bytes (floor)": copy,

@@ -28,6 +28,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from slime_lite.backends.megatron import weight_push as wp
+    from slime_lite.checks.weight_check import check_weights_equal
     from bench_weight_ipc import _wait
     from slime_lite.io import free_port
     from slime_lite.tiny_model import make_tiny_model
@@ -70,7 +71,7 @@ def main() -> None:
             fn()  # warm-up (the broadcast group is created here)
             best = min(_timed(fn) for _ in range(a.repeat))
             rows.append((name, best))
-        wp.check_weights_equal(named, [url])
+        check_weights_equal(named, [url])
     finally:
         proc.terminate()
         proc.wait(60)

@@ -13,30 +13,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from slime_lite import rl_math
 from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args
+from slime_lite.checks.faults import FAULTS
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE
-from slime_lite.debug.faults import FAULTS
 from slime_lite.profiling import PROFILE_TARGETS
 from slime_lite.rollout.rewards import RM_TYPES
 from slime_lite.slime_flags import add_args as add_slime_flags
-
-
-def _rl_math_names() -> dict[str, tuple[str, ...]]:
-    """``ESTIMATORS`` and ``KL_TYPES`` as rl_math.py defines them (their one definition), read from its source:
-    importing rl_math loads torch, and ``--help`` and flag errors must stay instant."""
-    import ast
-    import importlib.util
-
-    spec = importlib.util.find_spec("slime_lite.rl_math")
-    assert spec is not None and spec.origin is not None
-    with open(spec.origin, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    names = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("ESTIMATORS", "KL_TYPES"):
-                names[node.targets[0].id] = tuple(ast.literal_eval(node.value))
-    return names
 
 
 def _positive_int(text: str) -> int:
@@ -62,7 +45,6 @@ def _key_value(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``train`` flags, grouped as slime's documentation groups them."""
-    rl = _rl_math_names()
     p = argparse.ArgumentParser(
         prog="slime-lite train",
         usage="%(prog)s [flags]   (any --sglang-<name> [value] goes to the SGLang servers as --<name> [value])",
@@ -218,13 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-top-p", type=float, default=None, help="eval nucleus sampling (default: --rollout-top-p)")
     g.add_argument("--eval-top-k", type=int, default=None, help="eval top-k sampling (default: --rollout-top-k)")
     g = p.add_argument_group("algorithm", "advantages and losses")
-    g.add_argument("--advantage-estimator", choices=rl["ESTIMATORS"], default="grpo",
-                   help="(default: %(default)s; ppo trains a critic)")
+    critics = ", ".join(e.name for e in rl_math.ESTIMATORS.values() if e.needs_critic)
+    g.add_argument("--advantage-estimator", choices=tuple(rl_math.ESTIMATORS), default="grpo",
+                   help=f"(default: %(default)s; {critics} train(s) a critic)")
+    g.add_argument("--loss-type", choices=tuple(rl_math.POLICY_LOSSES), default="policy_loss",
+                   help="the policy loss: policy_loss is PPO's clipped surrogate (default: %(default)s)")
     g.add_argument("--use-kl-loss", action="store_true",
                    help="add --kl-loss-coef x KL(actor || reference) to the policy loss")
     g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0,
                    help="weight of the KL loss (default: %(default)s)")
-    g.add_argument("--kl-loss-type", choices=rl["KL_TYPES"], default="low_var_kl",
+    g.add_argument("--kl-loss-type", choices=rl_math.KL_TYPES, default="low_var_kl",
                    help="KL estimator of the KL loss and the reward penalty (default: %(default)s)")
     g.add_argument("--kl-coef", type=_nonneg_float, default=0.0,
                    help="KL penalty in the reward, PPO/REINFORCE++ only (default: %(default)s)")
@@ -254,17 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tis-clip-low", type=_nonneg_float, default=UNDER_SWITCH["use_tis"]["tis_clip_low"],
                    help="lower bound of the IS weight: a floor in truncate mode (default: none), the lower "
                         "rejection bound in mask mode (default: 1/--tis-clip)")
-    g.add_argument("--tis-level", choices=("token", "sequence", "geometric"),
+    g.add_argument("--tis-level", choices=rl_math.IS_LEVELS,
                    default=UNDER_SWITCH["use_tis"]["tis_level"],
                    help="IS ratio per token, per sample (product over its tokens), or per sample as the geometric "
                         "mean of its token ratios (default: %(default)s)")
-    g.add_argument("--tis-mode", choices=("truncate", "mask"), default=UNDER_SWITCH["use_tis"]["tis_mode"],
+    g.add_argument("--tis-mode", choices=rl_math.TIS_MODES, default=UNDER_SWITCH["use_tis"]["tis_mode"],
                    help="truncate: cap the weight at --tis-clip (TIS); mask: tokens (or samples) whose ratio is "
                         "outside [--tis-clip-low, --tis-clip] leave the loss (MIS) (default: %(default)s)")
     g.add_argument("--use-rs", action="store_true",
                    help="rejection sampling: tokens (or samples) whose ratio at --rs-level is outside "
                         "[--rs-lower-bound, --rs-upper-bound] leave the loss, with or without --use-tis")
-    g.add_argument("--rs-level", choices=("token", "sequence", "geometric"), default=UNDER_SWITCH["use_rs"]["rs_level"],
+    g.add_argument("--rs-level", choices=rl_math.IS_LEVELS, default=UNDER_SWITCH["use_rs"]["rs_level"],
                    help="level of the --use-rs ratio (default: %(default)s)")
     g.add_argument("--rs-lower-bound", type=_nonneg_float, default=UNDER_SWITCH["use_rs"]["rs_lower_bound"],
                    help="--use-rs lower bound (default: 1/--rs-upper-bound)")

@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+from slime_lite import rl_math
 from slime_lite.config import EngineConfig
 from slime_lite.errors import SlimeLiteError
 
@@ -39,14 +40,6 @@ def fill_implied(args: argparse.Namespace) -> None:
         args.critic_num_nodes = args.actor_num_nodes
     if args.critic_num_gpus_per_node is None:
         args.critic_num_gpus_per_node = args.actor_num_gpus_per_node
-    # slime: with no checkpoint to resume (--load unset, missing or empty), the actor starts from --ref-load; a
-    # --load checkpoint replaces these weights when there is one. Not a flag: derived here only.
-    args.actor_init_checkpoint = args.ref_load or args.hf_checkpoint
-    # requests one engine gets at once in a rollout (generate.py submits a whole wave): the embedded engine's batch
-    # slots when --engine-max-running-requests is not given (engine/scheduler.py auto_max_running)
-    engines = max(1, args.rollout_num_gpus // max(1, args.rollout_num_gpus_per_engine))
-    wave = (args.over_sampling_batch_size or args.rollout_batch_size) * args.n_samples_per_prompt
-    args.engine_requests_per_rollout = -(-wave // engines)
 
 
 def _actor_start(args: argparse.Namespace) -> str:
@@ -417,9 +410,13 @@ def validate_train_args(args: argparse.Namespace) -> None:
             f"--global-batch-size {args.global_batch_size} is not divisible by data-parallel size {dp} x "
             f"--micro-batch-size {micro}."
         )
-    if args.advantage_estimator in ("grpo", "reinforce_plus_plus_baseline") and args.n_samples_per_prompt < 2:
-        log.warning("--advantage-estimator %s with --n-samples-per-prompt 1 gives zero advantages",
-                    args.advantage_estimator)
+    spec = rl_math.estimator(args.advantage_estimator)
+    if spec.needs_groups and args.n_samples_per_prompt < 2:
+        log.warning("--advantage-estimator %s compares the samples of a prompt: --n-samples-per-prompt 1 gives zero "
+                    "advantages", spec.name)
+    if not spec.kl_in_reward and args.kl_coef > 0:
+        log.warning("--kl-coef %g has no effect with --advantage-estimator %s (its KL goes into the loss: "
+                    "--use-kl-loss --kl-loss-coef)", args.kl_coef, spec.name)
 
 
 def check_debug_tool_args(args: Any) -> None:

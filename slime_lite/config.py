@@ -2,16 +2,41 @@
 
 ``XConfig.from_args(args)`` copies the group's flags from a namespace made by ``slime_lite.args.parse_args`` (or
 ``parser_defaults`` in tests and tools); a flag missing from the namespace is an AttributeError, not a silent
-default: every default lives in the parser (slime_lite/args.py) only. Field names are the flags' dest names.
-This module imports nothing of the project, so both the train and the rollout side may use it.
+default: every default lives in the parser (slime_lite/args.py) only. Field names are the flags' dest names; a
+value derived from flags (not itself a flag) is a property of the group that needs it, computed in one place here.
+
+``parse_args`` returns the flags frozen (``FrozenFlags``): nothing writes to them after validation. Runtime state
+(engine clients, URLs, the router's address) lives in the objects that own it. Imports only rl_math (a leaf), so
+both the train and the rollout side may use this module.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from slime_lite import rl_math
+
 Config = TypeVar("Config")
+
+
+class FrozenFlags(argparse.Namespace):
+    """The parsed and validated ``train`` flags, read-only. Pickles (to Ray actors) and copies like a Namespace."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"the train flags are read-only after validation (tried to set {name!r}): runtime "
+                             "state belongs to the object that owns it, derived values to a config section")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"the train flags are read-only after validation (tried to delete {name!r})")
+
+
+def freeze(args: argparse.Namespace) -> FrozenFlags:
+    """``args`` as read-only flags (the same values)."""
+    frozen = FrozenFlags.__new__(FrozenFlags)
+    frozen.__dict__.update(vars(args))
+    return frozen
 
 
 class _FromArgs:
@@ -25,6 +50,7 @@ class _FromArgs:
 class LossConfig(_FromArgs):
     """The actor's policy loss (backends/megatron/loss.py ``rl_loss``)."""
 
+    loss_type: str
     eps_clip: float
     eps_clip_high: float | None
     eps_clip_c: float | None
@@ -48,15 +74,15 @@ class LossConfig(_FromArgs):
 # the precision engine and trainer compute in. Healthy float32 CPU runs stay near 1e-7; on an H200 healthy bfloat16
 # runs gave 0.005-0.009 and an engine sampling at 1.5x the trainer's temperature 0.11 (bench/gpu_doctor.sh,
 # BENCHMARKS.md). float16 keeps 3 more mantissa bits than bfloat16. Engine and trainer in different precisions are
-# held to the tighter bound: the dtype mismatch is itself a fault (debug/ci_checks.py logprob_diff_threshold).
+# held to the tighter bound: the dtype mismatch is itself a fault (checks/ci.py logprob_diff_threshold).
 LOGPROB_DIFF_BY_DTYPE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
 
 
 @dataclass(frozen=True)
 class CiConfig(_FromArgs):
-    """The precision checks of ``--ci-test`` and the doctor (debug/ci_checks.py). ``bf16``, ``engine_dtype``,
+    """The precision checks of ``--ci-test`` and the doctor (checks/ci.py). ``bf16``, ``engine_dtype``,
     ``rollout_device`` and ``hf_checkpoint`` tell the precisions in use (``engine_dtype`` "auto" is resolved from the
-    engines once they run: debug/ci_checks.py ``with_engine_dtype``)."""
+    engines once they run: checks/ci.py ``with_engine_dtype``)."""
 
     ci_test: bool
     ci_nll_threshold: float
@@ -111,3 +137,69 @@ class EngineConfig(_FromArgs):
     use_sglang_router: bool
     sglang_server_module: str
     sglang_args: list[str]
+    rollout_num_gpus: int
+    rollout_batch_size: int
+    over_sampling_batch_size: int | None
+    n_samples_per_prompt: int
+
+    @property
+    def requests_per_engine(self) -> int:
+        """Requests one engine gets at once in a rollout (the generator submits a whole wave): the embedded
+        engine's batch slots when --engine-max-running-requests is not given (engine/scheduler.py)."""
+        engines = max(1, self.rollout_num_gpus // max(1, self.rollout_num_gpus_per_engine))
+        wave = (self.over_sampling_batch_size or self.rollout_batch_size) * self.n_samples_per_prompt
+        return -(-wave // engines)
+
+
+@dataclass(frozen=True)
+class TrainSideConfig(_FromArgs):
+    """What the driver's train side (backends/megatron/side.py) decides from: which train groups exist, where the
+    actor starts, when it saves, whether it gives up its memory between phases."""
+
+    debug_rollout_only: bool
+    advantage_estimator: str
+    hf_checkpoint: str
+    ref_load: str | None
+    save: str | None
+    save_interval: int | None
+    offload_train: bool
+
+    @property
+    def trains(self) -> bool:
+        """--debug-rollout-only builds (and imports) no trainer."""
+        return not self.debug_rollout_only
+
+    @property
+    def has_critic(self) -> bool:
+        """The estimator takes a critic's values (rl_math's registry): a critic group is placed and trained."""
+        return self.trains and rl_math.estimator(self.advantage_estimator).needs_critic
+
+    @property
+    def init_checkpoint(self) -> str:
+        """The HF folder the actor starts from: --ref-load when given (as slime), else --hf-checkpoint; a --load
+        checkpoint, when there is one, replaces these weights."""
+        return self.ref_load or self.hf_checkpoint
+
+    def saves_after(self, rollout_id: int) -> bool:
+        return bool(self.save and self.save_interval and (rollout_id + 1) % self.save_interval == 0)
+
+
+@dataclass(frozen=True)
+class RolloutSideConfig(_FromArgs):
+    """What the driver's rollout side (rollout/side.py) decides from: engines or none, the router, fault-tolerant
+    restarts, memory release/resume, eval, and the engine-side fault."""
+
+    debug_train_only: bool
+    use_sglang_router: bool
+    use_fault_tolerance: bool
+    offload_rollout: bool
+    eval_interval: int | None
+    eval_prompt_data: list[str] | None
+    num_rollout: int
+    debug_inject_fault: str | None
+
+    def evaluates_after(self, rollout_id: int) -> bool:
+        """Eval after rollout_id trained (and at the end): every --eval-interval rollouts, given eval sets."""
+        if not (self.eval_prompt_data and self.eval_interval):
+            return False
+        return (rollout_id + 1) % self.eval_interval == 0 or rollout_id + 1 == self.num_rollout

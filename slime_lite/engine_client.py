@@ -7,11 +7,14 @@ Imports nothing heavy, so the driver, the trainer and the debug tools all use it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from slime_lite.errors import EngineError
@@ -110,6 +113,26 @@ class SentRequest:
     def close(self) -> None:
         """Drop the connection without reading the answer (safe after ``result()``)."""
         self._conn.close()
+
+
+def on_all(urls: list[str], fn: Callable[[str], Any]) -> list[Any]:
+    """``fn(url)`` for every engine at once (a thread each); the results in the order of ``urls``."""
+    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+        return list(pool.map(fn, urls))
+
+
+@contextlib.contextmanager
+def sent_to_all(urls: list[str], route: str, body: Any, timeout: float) -> Iterator[list[SentRequest]]:
+    """The same POST sent to every engine now (``SentRequest``s, read by the caller while or after it works, in one
+    thread); on the way out every connection is closed, also those not read after a failure."""
+    sent: list[SentRequest] = []
+    try:
+        for url in urls:
+            sent.append(SentRequest(url, route, body, timeout=timeout))
+        yield sent
+    finally:
+        for request in sent:
+            request.close()
 
 
 def _http_error(url: str, route: str, code: int, raw: bytes, body: Any) -> EngineError:

@@ -1,5 +1,5 @@
 """Small file and socket helpers shared by rollout and training: safe ``torch.load``, atomic writes that report a
-full disk as such, the probe of an output folder, and a free TCP port."""
+full disk as such (files, and Hugging Face model folders), the probe of an output folder, and a free TCP port."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import errno
 import os
 import pickle
 import re
+import shutil
 import socket
 import tempfile
 import zipfile
@@ -169,3 +170,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def write_hf_folder(named: dict[str, Any], hf_checkpoint: str, out_dir: str) -> None:
+    """A Hugging Face model folder: ``named`` tensors as model.safetensors, with the config and tokenizer files of
+    ``hf_checkpoint``. Written to a temporary folder beside ``out_dir``, then renamed: a failed write (a full disk)
+    leaves neither a partial folder nor the temporary one."""
+    from safetensors.torch import save_file  # torch: only the trainer's processes write weights
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
+    try:
+        for name in os.listdir(hf_checkpoint):
+            src = os.path.join(hf_checkpoint, name)
+            if os.path.isfile(src) and not name.endswith((".safetensors", ".bin")) \
+                    and name != "model.safetensors.index.json":
+                shutil.copy2(src, tmp)
+        save_file({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise no_space_error(exc, out_dir) or exc

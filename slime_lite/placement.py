@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_lite.config import TrainSideConfig
+
 
 @dataclass
 class Layout:
@@ -21,7 +23,8 @@ class Layout:
 def plan_layout(args: Any) -> Layout:
     """The bundle indices of each group for the run's mode (SPEC 3 table)."""
     actor_n = args.actor_num_nodes * args.actor_num_gpus_per_node
-    critic_n = args.critic_num_nodes * args.critic_num_gpus_per_node if args.advantage_estimator == "ppo" else 0
+    critic_n = args.critic_num_nodes * args.critic_num_gpus_per_node if TrainSideConfig.from_args(args).has_critic \
+        else 0
     external = bool(args.rollout_external_engine_addrs)
     rollout_n = 0 if (args.debug_train_only or external) else args.rollout_num_gpus
     if args.debug_rollout_only:

@@ -65,7 +65,7 @@ def output_folders(args: Any) -> list[tuple[str, str]]:
     if args.record_memory_history:
         out.append((f"--memory-snapshot-dir {args.memory_snapshot_dir}", args.memory_snapshot_dir))
     if args.ci_save_grad_norm:
-        from slime_lite.debug.grad_norm import grad_norm_path
+        from slime_lite.checks.grad_norm import grad_norm_path
 
         path = grad_norm_path(args.ci_save_grad_norm, "actor", 0, 0)
         out.append((f"--ci-save-grad-norm {args.ci_save_grad_norm}", os.path.dirname(os.path.abspath(path))))

@@ -16,14 +16,107 @@ Conventions for the whole module
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+else:
+    class _Torch:
+        """torch, imported on the first attribute read: the flag parser reads the registries below, and
+        ``slime-lite train --help`` and flag errors must not wait for torch to load."""
+
+        def __getattr__(self, name: str) -> Any:
+            import torch as loaded
+
+            globals()["torch"] = loaded
+            return getattr(loaded, name)
+
+    torch = _Torch()
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-ESTIMATORS = ("grpo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
-Tensors = Sequence[torch.Tensor]
+Tensors = Sequence["torch.Tensor"]
+
+
+# ---------------------------------------------------------------- registries (advantage estimators, policy losses)
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator gets, per sample: scalar ``rewards`` [N] (groups of ``group_size`` adjacent), the
+    old-policy ``log_probs``, the critic's ``values`` (None without a critic), the ``loss_masks`` and the per-token
+    ``kl`` to the reference (zeros without one or with ``kl_coef`` 0)."""
+
+    rewards: torch.Tensor
+    log_probs: Tensors
+    values: Tensors | None
+    loss_masks: Tensors
+    kl: list[torch.Tensor]
+    group_size: int
+    kl_coef: float
+    gamma: float
+    lambd: float
+    std_normalization: bool
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator: ``fn(AdvantageInputs) -> (advantages, returns)``, per sample. ``needs_critic``:
+    it takes the critic's values (a critic group is placed and trained). ``needs_groups``: it compares the samples
+    of one prompt (--n-samples-per-prompt 1 gives zero advantages). ``kl_in_reward``: --kl-coef enters its token
+    rewards (otherwise the KL goes into the loss: --use-kl-loss). ``whitened``: its advantages are always whitened
+    (--normalize-advantages adds nothing)."""
+
+    name: str
+    fn: Callable[[AdvantageInputs], tuple[list[torch.Tensor], list[torch.Tensor]]]
+    needs_critic: bool = False
+    needs_groups: bool = False
+    kl_in_reward: bool = True
+    whitened: bool = False
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss (``--loss-type``): ``fn(logp, old, advantages, mask, eps_clip, eps_clip_high,
+    eps_clip_c) -> (loss, clipfrac, ppo_kl)``, per token."""
+
+    name: str
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_estimator(name: str, **properties: Any) -> Callable:
+    """Decorator: register ``fn(AdvantageInputs)`` as ``--advantage-estimator name`` with ``Estimator``'s
+    properties. The flag's choices, the placement's critic and the group-size rule read the registry."""
+
+    def register(fn: Callable) -> Callable:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ESTIMATORS[name] = Estimator(name, fn, **properties)
+        return fn
+
+    return register
+
+
+def register_policy_loss(name: str) -> Callable:
+    """Decorator: register a per-token policy loss as ``--loss-type name``."""
+
+    def register(fn: Callable) -> Callable:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice")
+        POLICY_LOSSES[name] = PolicyLoss(name, fn)
+        return fn
+
+    return register
+
+
+def estimator(name: str) -> Estimator:
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; expected one of {tuple(ESTIMATORS)}")
+    return ESTIMATORS[name]
 
 
 def compute_kl(logp: torch.Tensor, ref: torch.Tensor, kl_type: str) -> torch.Tensor:
@@ -39,6 +132,7 @@ def compute_kl(logp: torch.Tensor, ref: torch.Tensor, kl_type: str) -> torch.Ten
     raise ValueError(f"unknown kl type {kl_type!r}; expected one of {KL_TYPES}")
 
 
+@register_policy_loss("policy_loss")
 def policy_loss(
     logp: torch.Tensor,
     old: torch.Tensor,
@@ -357,8 +451,47 @@ def whiten(values: Tensors, masks: Tensors, eps: float = 1e-8) -> list[torch.Ten
     return list(torch.split(out, [v.numel() for v in values]))
 
 
+@register_estimator("grpo", needs_groups=True, kl_in_reward=False)
+def _grpo(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The group-normalised reward on every token; returns = advantages. As in slime, GRPO puts the KL into the
+    loss (--use-kl-loss), not into the reward."""
+    per_sample = grpo_advantages(x.rewards, x.group_size, x.std_normalization)
+    advantages = [torch.ones_like(lp) * a for lp, a in zip(x.log_probs, per_sample)]
+    return advantages, list(advantages)
+
+
+@register_estimator("ppo", needs_critic=True)
+def _ppo(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """KL-penalised token rewards with R on the last response token, GAE over the critic's values; returns =
+    advantages + values."""
+    if x.values is None:
+        raise ValueError("the ppo estimator needs critic values")
+    token_rewards = []
+    for R, k in zip(x.rewards, _masked_kl_rewards(x.kl, x.loss_masks, x.kl_coef)):
+        if k.numel():
+            bonus = torch.zeros_like(k)
+            bonus[-1] = R
+            k = k + bonus
+        token_rewards.append(k)
+    return gae(token_rewards, x.values, x.gamma, x.lambd)
+
+
+@register_estimator("reinforce_plus_plus", whitened=True)
+def _reinforce_plus_plus(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Discounted returns of the KL-penalised token rewards; advantages = whitened returns."""
+    returns = reinforce_plus_plus_returns(x.rewards, x.kl, x.loss_masks, x.kl_coef, x.gamma)
+    return whiten(returns, x.loss_masks), returns
+
+
+@register_estimator("reinforce_plus_plus_baseline", needs_groups=True, whitened=True)
+def _reinforce_plus_plus_baseline(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Group-centred R minus the KL penalty; advantages whitened, returns unwhitened."""
+    returns = reinforce_plus_plus_baseline(x.rewards, x.kl, x.loss_masks, x.kl_coef, x.group_size)
+    return whiten(returns, x.loss_masks), returns
+
+
 def compute_advantages_and_returns(
-    estimator: str,
+    estimator_name: str,
     rewards: Sequence[float] | torch.Tensor,
     log_probs: Tensors,
     ref_log_probs: Tensors | None,
@@ -373,19 +506,13 @@ def compute_advantages_and_returns(
     std_normalization: bool = True,
     normalize_advantages: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Advantages and returns per sample (lists of per-token tensors) for the SPEC 7 estimators.
+    """Advantages and returns per sample (lists of per-token tensors) by the registered estimator ``estimator_name``.
 
     `log_probs` are the old-policy log-probs of each response token, `ref_log_probs` the reference model's (None:
-    KL is zero), `values` the critic's (PPO only), `rewards` one scalar per sample, groups of `group_size` adjacent.
-    - grpo: the group-normalised reward on every token; returns = advantages. `kl_coef` is not used: as in slime,
-      GRPO puts the KL into the loss (--use-kl-loss), not into the reward.
-    - reinforce_plus_plus: discounted returns of the KL-penalised token rewards; advantages = whitened returns.
-    - reinforce_plus_plus_baseline: group-centred R minus the KL penalty; advantages whitened, returns unwhitened.
-    - ppo: KL-penalised token rewards with R on the last response token, GAE; returns = advantages + values.
-    `normalize_advantages` whitens the advantages of grpo and ppo too (the REINFORCE++ variants always are).
+    KL is zero), `values` the critic's (estimators that need a critic only), `rewards` one scalar per sample, groups
+    of `group_size` adjacent. `normalize_advantages` whitens the advantages of estimators that do not always do it.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
+    spec = estimator(estimator_name)
     n = len(log_probs)
     if len(loss_masks) != n:
         raise ValueError(f"{len(loss_masks)} loss masks for {n} samples")
@@ -398,28 +525,8 @@ def compute_advantages_and_returns(
         kl = [torch.zeros_like(lp) for lp in log_probs]
     else:
         kl = [compute_kl(lp, rl, kl_type) for lp, rl in zip(log_probs, ref_log_probs)]
-
-    if estimator == "grpo":
-        per_sample = grpo_advantages(r, group_size, std_normalization)
-        advantages = [torch.ones_like(lp) * a for lp, a in zip(log_probs, per_sample)]
-        returns = list(advantages)
-    elif estimator == "reinforce_plus_plus":
-        returns = reinforce_plus_plus_returns(r, kl, loss_masks, kl_coef, gamma)
-        return whiten(returns, loss_masks), returns
-    elif estimator == "reinforce_plus_plus_baseline":
-        returns = reinforce_plus_plus_baseline(r, kl, loss_masks, kl_coef, group_size)
-        return whiten(returns, loss_masks), returns
-    else:  # ppo
-        if values is None:
-            raise ValueError("the ppo estimator needs critic values")
-        token_rewards = []
-        for R, k in zip(r, _masked_kl_rewards(kl, loss_masks, kl_coef)):
-            if k.numel():
-                bonus = torch.zeros_like(k)
-                bonus[-1] = R
-                k = k + bonus
-            token_rewards.append(k)
-        advantages, returns = gae(token_rewards, values, gamma, lambd)
-    if normalize_advantages:
+    advantages, returns = spec.fn(AdvantageInputs(r, log_probs, values, loss_masks, kl, group_size, kl_coef, gamma,
+                                                  lambd, std_normalization))
+    if normalize_advantages and not spec.whitened:
         advantages = whiten(advantages, loss_masks)
     return advantages, returns

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from slime_lite import config
+from slime_lite.config import EngineConfig, TrainSideConfig
 from slime_lite.args import (
     RM_TYPES,
     build_parser,
@@ -67,12 +68,12 @@ def test_load_without_a_checkpoint_starts_the_actor_from_ref_load(base, tmp_path
         caplog.clear()
         with caplog.at_level(logging.INFO):
             args = parse_args(base + load + ["--ref-load", str(ref)])
-        assert args.load is None and args.actor_init_checkpoint == str(ref)
+        assert args.load is None and TrainSideConfig.from_args(args).init_checkpoint == str(ref)
         assert len([r for r in caplog.records if f"the actor from --ref-load {ref}" in r.getMessage()
                     or f"the actor starts from --ref-load {ref}" in r.getMessage()]) == 1, caplog.text
     args = parse_args(base + ["--load", str(tmp_path / "empty")])
-    assert args.load is None and args.actor_init_checkpoint == base[1]
-    assert parser_defaults(hf_checkpoint="m", ref_load="r").actor_init_checkpoint == "r"
+    assert args.load is None and TrainSideConfig.from_args(args).init_checkpoint == base[1]
+    assert TrainSideConfig.from_args(parser_defaults(hf_checkpoint="m", ref_load="r")).init_checkpoint == "r"
 
 
 @pytest.mark.parametrize("flag", ["--save-debug-rollout-data", "--load-debug-rollout-data"])
@@ -241,8 +242,38 @@ def test_estimator_and_kl_names_come_from_rl_math():
     from slime_lite import rl_math
 
     actions = build_parser()._option_string_actions
-    assert tuple(actions["--advantage-estimator"].choices) == rl_math.ESTIMATORS
+    assert tuple(actions["--advantage-estimator"].choices) == tuple(rl_math.ESTIMATORS)
+    assert tuple(actions["--loss-type"].choices) == tuple(rl_math.POLICY_LOSSES)
     assert tuple(actions["--kl-loss-type"].choices) == rl_math.KL_TYPES
+    assert tuple(actions["--tis-level"].choices) == rl_math.IS_LEVELS
+
+
+def test_an_estimator_registered_in_a_test_module_is_a_choice_places_its_critic_and_runs(base, monkeypatch, caplog):
+    """Adding an estimator is one decorated function: the flag accepts it, the placement gives it a critic when it
+    needs one, the group-size rule warns for it, and the advantages are its own."""
+    import torch
+
+    from slime_lite import rl_math
+    from slime_lite.placement import plan_layout
+
+    monkeypatch.setattr(rl_math, "ESTIMATORS", dict(rl_math.ESTIMATORS))  # the registration ends with the test
+
+    @rl_math.register_estimator("sign_baseline", needs_critic=True, needs_groups=True)
+    def sign_baseline(x):
+        adv = [torch.full_like(lp, float(torch.sign(r - x.rewards.mean()))) for lp, r in zip(x.log_probs, x.rewards)]
+        return adv, adv
+
+    with caplog.at_level(logging.WARNING, logger="slime_lite.args"):
+        args = parse_args(base + ["--advantage-estimator", "sign_baseline", "--n-samples-per-prompt", "1"])
+    assert "compares the samples of a prompt" in caplog.text
+    assert plan_layout(args).critic and TrainSideConfig.from_args(args).has_critic
+    logp = [torch.zeros(2), torch.zeros(3)]
+    adv, _ = rl_math.compute_advantages_and_returns("sign_baseline", [1.0, 0.0], logp, None, None,
+                                                    [torch.ones(2), torch.ones(3)], group_size=2)
+    assert [a.tolist() for a in adv] == [[1.0, 1.0], [-1.0, -1.0, -1.0]]
+    with pytest.raises(SystemExit):  # not registered outside this test: an unknown choice
+        monkeypatch.undo()
+        parse_args(base + ["--advantage-estimator", "sign_baseline"])
 
 
 @pytest.mark.parametrize("cls", [config.LossConfig, config.CiConfig, config.RolloutConfig, config.EngineConfig])
@@ -341,10 +372,10 @@ def test_engine_batch_slots_default_to_a_whole_rollout_on_cuda_within_memory():
     )
 
     a = parser_defaults(rollout_batch_size=32, n_samples_per_prompt=8)
-    assert a.engine_max_running_requests is None and a.engine_requests_per_rollout == 256
+    assert a.engine_max_running_requests is None and EngineConfig.from_args(a).requests_per_engine == 256
     two = parser_defaults(rollout_batch_size=32, n_samples_per_prompt=8, over_sampling_batch_size=40,
                           rollout_num_gpus=4, rollout_num_gpus_per_engine=2)
-    assert two.engine_requests_per_rollout == 160  # 40 x 8 prompts' samples over 2 engines
+    assert EngineConfig.from_args(two).requests_per_engine == 160  # 40 x 8 prompts' samples over 2 engines
     kv = 2 * 24 * 2 * 64 * 2  # bytes per token: Qwen2.5-0.5B shape, bf16
     qwen05 = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=24, num_attention_heads=14,
                                                     num_key_value_heads=2, hidden_size=896),

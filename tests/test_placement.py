@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
+from slime_lite.args import parser_defaults
 from slime_lite.placement import plan_layout
 
 
@@ -14,7 +13,7 @@ def make(**kw):
                 rollout_num_gpus=2, advantage_estimator="grpo", debug_rollout_only=False, debug_train_only=False,
                 colocate=False, rollout_external_engine_addrs=None)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return parser_defaults(**base)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 
 from slime_lite.args import parse_args, parser_defaults
 from slime_lite.config import CiConfig
-from slime_lite.debug import ci_checks as cc
+from slime_lite.checks import ci as cc
 from slime_lite.errors import SlimeLiteError
 from slime_lite.train_async import RolloutSchedule, off_policy_lag, record_lag
 from slime_lite.types import Sample

@@ -24,9 +24,11 @@ import time
 from typing import Any, Iterator
 
 from slime_lite.config import CiConfig
-from slime_lite.debug.ci_checks import (
-    Check, TrainRun, cuda_available, describe_worst_tokens, dtype_name, iteration2, logprob_diff_threshold,
-    make_check as _c, memory_checks, mismatch_checks, precision_check, rollout_checks, version_check, weight_check,
+from slime_lite.checks.ci import Check, cuda_available, dtype_name, logprob_diff_threshold, rollout_checks
+from slime_lite.checks.ci import make_check as _c
+from slime_lite.debug.run_checks import (
+    TrainRun, describe_worst_tokens, iteration2, memory_checks, mismatch_checks, precision_check, version_check,
+    weight_check,
 )
 from slime_lite.errors import SlimeLiteError
 

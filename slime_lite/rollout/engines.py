@@ -46,7 +46,7 @@ class EngineActor:
 
             self.server = EngineServer(
                 c.hf_checkpoint, device=device, dtype=c.engine_dtype, seed=c.rollout_seed + self.rank,
-                max_running_requests=c.engine_max_running_requests, requests_hint=self.args.engine_requests_per_rollout,
+                max_running_requests=c.engine_max_running_requests, requests_hint=c.requests_per_engine,
                 kv_cache_tokens=c.engine_kv_cache_tokens,
                 cuda_graph=False if c.engine_disable_cuda_graph else None,
                 enable_torch_compile=c.engine_enable_torch_compile,

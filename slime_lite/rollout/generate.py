@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable
 
 from slime_lite.config import RolloutConfig
-from slime_lite.debug.faults import kills_engine, sampling_temperature
+from slime_lite.checks.faults import kills_engine, sampling_temperature
 from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.hooks import call_maybe_async, load_function
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt

@@ -117,7 +117,7 @@ def batch(seed=3, dtype=torch.float64):
 
 
 ARGS = LossConfig(
-    eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+    loss_type="policy_loss", eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1,
     kl_loss_type="low_var_kl", use_tis=True, tis_clip=1.5, tis_clip_low=None, tis_level="token", tis_mode="truncate",
     use_rs=False, rs_level="token", rs_lower_bound=None, rs_upper_bound=None, rs_veto_threshold=None,
 )

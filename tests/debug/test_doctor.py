@@ -48,7 +48,8 @@ WORST = [{"sample": 5, "position": 2, "token_id": 7, "token": "4", "train_log_pr
 
 
 def test_a_failed_logprob_check_names_the_worst_tokens_and_the_table_shows_them(capsys):
-    from slime_lite.debug.ci_checks import Check, mismatch_checks
+    from slime_lite.checks.ci import Check
+    from slime_lite.debug.run_checks import mismatch_checks
 
     rows = mismatch_checks({"mismatch/token_ratio_max": 11.0, "mismatch/k3_kl": 0.3, "rollout/kl": 0.0})
     assert [(c.name, c.value, c.passed) for c in rows] == [("mismatch_token_ratio_max", 11.0, True),

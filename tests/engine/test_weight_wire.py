@@ -211,6 +211,7 @@ def test_weight_check_names_a_changed_parameter_and_accepts_a_cast(wire_engine, 
     """check_weights_equal: equal weights pass; one parameter off by one bit is named; the trainer's bf16 tensors
     against the engine's float32 parameters are equal after the cast (done on the tensors' device) and reported."""
     from slime_lite.backends.megatron import weight_push
+    from slime_lite.checks import weight_check
     from slime_lite.errors import SlimeLiteError
 
     url = wire_engine.url
@@ -218,25 +219,25 @@ def test_weight_check_names_a_changed_parameter_and_accepts_a_cast(wire_engine, 
     args = SimpleNamespace(colocate=False, rollout_backend="embedded", rollout_num_gpus_per_engine=1,
                            update_weight_buffer_size=1 << 20)
     weight_push._push_tensor(args, {n: t.float() for n, t in named.items()}, [url], 6)
-    weight_push.check_weights_equal({n: t.float() for n, t in named.items()}, [url])
-    with caplog.at_level("WARNING", logger=weight_push.__name__):
-        weight_push.check_weights_equal(named, [url])
+    weight_check.check_weights_equal({n: t.float() for n, t in named.items()}, [url])
+    with caplog.at_level("WARNING", logger=weight_check.__name__):
+        weight_check.check_weights_equal(named, [url])
     assert f"{len(http(url, '/get_weights_checksum', {})[1])} parameter(s) equal only after a dtype cast" in caplog.text
     changed = "model.layers.0.mlp.up_proj.weight"
     off = {n: t.float() for n, t in named.items()}
     off[changed].view(torch.int32).view(-1)[-1] ^= 1  # the lowest bit of the last element
     with pytest.raises(SlimeLiteError, match=rf"1 differ \['{changed}'\]; 0 never pushed"):
-        weight_push.check_weights_equal(off, [url])
+        weight_check.check_weights_equal(off, [url])
 
 
 def test_weight_check_names_an_engine_that_is_gone(wire_engine, base_weights):
     """check_weights_equal over two engines, one not there: an EngineError naming it (the other's answer is dropped
     and its connection closed), not a comparison against a partial answer."""
-    from slime_lite.backends.megatron import weight_push
+    from slime_lite.checks.weight_check import check_weights_equal
     from slime_lite.errors import EngineError
     from slime_lite.io import free_port
 
     gone = f"http://127.0.0.1:{free_port()}"
     for urls in ([wire_engine.url, gone], [gone, wire_engine.url]):
         with pytest.raises(EngineError, match=rf"engine {gone}/get_weights_checksum did not answer"):
-            weight_push.check_weights_equal(base_weights, urls)
+            check_weights_equal(base_weights, urls)

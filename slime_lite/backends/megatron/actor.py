@@ -16,8 +16,8 @@ from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron.logprobs import sample_log_probs
 from slime_lite.backends.megatron.loss import rl_loss
 from slime_lite.backends.megatron.worker import TrainWorker
-from slime_lite.config import LossConfig
-from slime_lite.debug.faults import breaks_sent_weights, sent_stage_weights
+from slime_lite.config import LossConfig, TrainSideConfig
+from slime_lite.checks.faults import breaks_sent_weights, sent_stage_weights
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class TrainActor(TrainWorker):
     metric_prefix = "train"
 
     def _init_checkpoint(self) -> str:
-        return self.args.actor_init_checkpoint  # --ref-load when given (slime), else --hf-checkpoint
+        return TrainSideConfig.from_args(self.args).init_checkpoint  # --ref-load when given (slime), else the HF one
 
     def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Keep a CPU copy of the reference weights when a KL term needs them: the start weights, which are the

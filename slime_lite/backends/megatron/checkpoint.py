@@ -55,8 +55,7 @@ def plain_state(value: Any, where: str = "state") -> Any:
 def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     import torch.distributed as dist
 
-    from slime_lite.backends.megatron.weight_push import write_hf_folder
-    from slime_lite.io import atomic_torch_save, atomic_write_text, no_space_error
+    from slime_lite.io import atomic_torch_save, atomic_write_text, no_space_error, write_hf_folder
 
     name = f"iter_{rollout_id:07d}"
     final = os.path.join(root, actor.role, name) if actor.role != "actor" else os.path.join(root, name)

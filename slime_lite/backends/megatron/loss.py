@@ -111,7 +111,8 @@ def rl_loss(
     def agg(x: torch.Tensor, kept: bool = True) -> torch.Tensor:
         return rl_math.aggregate_loss(x * keep if kept and keep is not None else x, masks, normalizer)
 
-    pg, clipfrac, ppo_kl = rl_math.policy_loss(lp, old, adv, mask, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
+    pg, clipfrac, ppo_kl = rl_math.POLICY_LOSSES[cfg.loss_type].fn(lp, old, adv, mask, cfg.eps_clip, cfg.eps_clip_high,
+                                                                   cfg.eps_clip_c)
     metrics: dict[str, torch.Tensor] = {}
     if rollout_logp is not None:
         rollout = _cat(rollout_logp).to(lp.dtype)

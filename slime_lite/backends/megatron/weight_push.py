@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from slime_lite.debug.faults import skips_weight_push
-from slime_lite.engine_client import SentRequest, request_json
+from slime_lite.checks.faults import skips_weight_push
+from slime_lite.checks.weight_check import check_weights_equal
+from slime_lite.engine_client import on_all, request_json, sent_to_all
 from slime_lite.errors import EngineError, SlimeLiteError
-from slime_lite.io import free_port
+from slime_lite.io import free_port, write_hf_folder
 
 log = logging.getLogger(__name__)
 BUCKET_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
@@ -45,25 +46,6 @@ def buckets(named: dict[str, torch.Tensor], limit: int = BUCKET_BYTES) -> list[l
         out[-1].append(name)
         size += nbytes
     return out
-
-
-def _all(urls: list[str], fn: Any) -> list[Any]:
-    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
-        return list(pool.map(fn, urls))
-
-
-@contextlib.contextmanager
-def _sent(urls: list[str], route: str, body: Any, timeout: float):
-    """The same POST sent to every engine now (``SentRequest``s, read by the caller while or after it works, in one
-    thread); on the way out every connection is closed, also those not read after a failure."""
-    sent: list[SentRequest] = []
-    try:
-        for url in urls:
-            sent.append(SentRequest(url, route, body, timeout=timeout))
-        yield sent
-    finally:
-        for request in sent:
-            request.close()
 
 
 def _check(reply: Any, url: str, route: str) -> None:
@@ -132,7 +114,7 @@ def _begin(url: str) -> bool:
 def weight_update_session(urls: list[str]):
     """``/begin_weight_update`` on every engine, then ``/end_weight_update`` on those that opened one (also when the
     push fails, so the engine is not left in a session)."""
-    opened = [u for u, ok in zip(urls, _all(urls, _begin)) if ok]
+    opened = [u for u, ok in zip(urls, on_all(urls, _begin)) if ok]
     try:
         yield
     except BaseException:
@@ -140,7 +122,7 @@ def weight_update_session(urls: list[str]):
             with contextlib.suppress(EngineError):
                 request_json(u, "/end_weight_update", {}, timeout=300)
         raise
-    for u, reply in zip(opened, _all(opened, lambda u: request_json(u, "/end_weight_update", {}, timeout=300))):
+    for u, reply in zip(opened, on_all(opened, lambda u: request_json(u, "/end_weight_update", {}, timeout=300))):
         _check(reply, u, "/end_weight_update")
 
 
@@ -204,7 +186,7 @@ def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], ver
             "flush_cache": k == len(groups) - 1,
             "weight_version": str(version),
         } for u in urls}
-        replies = _all(urls, lambda u, b=bodies: request_json(u, "/update_weights_from_tensor", b[u], timeout=600))
+        replies = on_all(urls, lambda u, b=bodies: request_json(u, "/update_weights_from_tensor", b[u], timeout=600))
         for url, reply in zip(urls, replies):
             _check(reply, url, "/update_weights_from_tensor")
         del bucket, bodies  # the engines answered after their copies: the bucket can go
@@ -276,7 +258,7 @@ def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: 
                 "flush_cache": True,
                 **({"load_format": "flattened_bucket"} if flat is not None else {}),
             }
-            with _sent(urls, route, body, 600) as sent:  # each engine joins the broadcast on its request
+            with sent_to_all(urls, route, body, 600) as sent:  # each engine joins the broadcast on its request
                 if flat is not None:
                     group.broadcast(flat, src=0)
                 else:
@@ -302,77 +284,14 @@ def _packed(tensors: list[torch.Tensor], device: str) -> torch.Tensor | None:
     return torch.cat([t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
-def write_hf_folder(named: dict[str, torch.Tensor], hf_checkpoint: str, out_dir: str) -> None:
-    """An HF checkpoint folder (config, tokenizer files of ``hf_checkpoint``, model.safetensors), written atomically."""
-    from safetensors.torch import save_file
-
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
-    for name in os.listdir(hf_checkpoint):
-        src = os.path.join(hf_checkpoint, name)
-        if os.path.isfile(src) and not name.endswith((".safetensors", ".bin")) and name != "model.safetensors.index.json":
-            shutil.copy2(src, tmp)
-    save_file({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, "model.safetensors"),
-              metadata={"format": "pt"})
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-
-
 def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
     root = os.path.join(args.save, "weight_push") if args.save else os.path.join(tempfile.gettempdir(),
                                                                               f"slime_lite_push_{os.getpid()}")
     out = os.path.join(root, f"v{version}")
     write_hf_folder(named, args.hf_checkpoint, out)
     body = {"model_path": out, "weight_version": str(version)}
-    for url, reply in zip(urls, _all(urls, lambda u: request_json(u, "/update_weights_from_disk", body, timeout=600))):
+    for url, reply in zip(urls, on_all(urls, lambda u: request_json(u, "/update_weights_from_disk", body, timeout=600))):
         _check(reply, url, "/update_weights_from_disk")
     old = os.path.join(root, f"v{version - 1}")
     if os.path.isdir(old):
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _hash_device() -> torch.device | None:
-    """Where the trainer hashes: this thread's GPU where there is one (host copies go there a batch at a time: hashing
-    on the host is ~10x slower than a push). Asked in the caller's thread: another thread's current GPU is GPU 0."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-
-
-def _digests(named: dict[str, torch.Tensor], device: torch.device | None, dtype: torch.dtype | None = None) -> list[str]:
-    """``weight_checksum.tensor_checksums`` of the trainer's tensors, on ``device``."""
-    from slime_lite.weight_checksum import tensor_checksums
-
-    return tensor_checksums(list(named.values()), dtype=dtype, device=device)
-
-
-def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None:
-    """Every parameter the engines hold equals the trainer's: ``weight_checksum.tensor_checksums`` of the bytes on
-    both sides, the trainer's computed while the engines compute theirs. A tensor that matches only after a cast to
-    another float dtype (cast on its device) is equal in the engine's precision: counted apart and reported."""
-    alias = {"lm_head.weight": "model.embed_tokens.weight"}  # tied embeddings: the engine lists both names
-    with _sent(urls, "/get_weights_checksum", {}, 300) as sent:
-        ours = dict(zip(named, _digests(named, _hash_device())))
-        engines = [request.result() for request in sent]
-    for url, engine in zip(urls, engines):
-        source = {n: n if n in named else alias.get(n) for n in engine}  # engine name -> the trainer's name
-        missing = sorted(n for n, s in source.items() if s not in named)
-        unequal = [n for n, s in source.items() if s in named and ours[s] != engine[n]]
-        cast: list[str] = []
-        for dt in (torch.bfloat16, torch.float16, torch.float32):  # one batch per dtype, only the unequal ones
-            retry = [n for n in unequal if n not in cast and named[source[n]].dtype != dt]
-            if retry:
-                sums = _digests({n: named[source[n]] for n in retry}, _hash_device(), dt)
-                cast += [n for n, digest in zip(retry, sums) if digest == engine[n]]
-        differ = [n for n in unequal if n not in cast]
-        if differ or missing:
-            raise SlimeLiteError(
-                f"--check-weight-update-equal: engine {url} holds weights that differ from the trainer's: "
-                f"{len(differ)} differ {differ[:8]}{'...' if len(differ) > 8 else ''}; {len(missing)} never pushed "
-                f"{missing[:8]}. Likely causes: a name or layer-id mapping error under PP (layer ids offset per "
-                "stage), a parameter the push skipped, or a dtype cast on the way."
-            )
-        if cast:
-            log.warning("weight check: %d parameter(s) equal only after a dtype cast (engine precision differs from "
-                        "the trainer's), e.g. %s", len(cast), cast[:3])
-    log.info("weight check: %d parameters equal on %d engine(s)", len(named), len(urls))

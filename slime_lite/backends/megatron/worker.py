@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.debug.grad_norm import STEP_GRAD_NORMS
+from slime_lite.checks.grad_norm import STEP_GRAD_NORMS
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slime_lite.debug import faults
+from slime_lite.checks import faults
 
 
 def test_the_temperature_fault_changes_rollouts_only():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from slime_lite.args import parser_defaults
-from slime_lite.debug.grad_norm import GradNormCI, GradNormMismatch
+from slime_lite.checks.grad_norm import GradNormCI, GradNormMismatch
 
 
 def ci(tmp_path, **kw):

@@ -1,4 +1,5 @@
-"""debug/ci_checks.py: the seed's checks as data, what --ci-test enforces and what the doctor reads from a run."""
+"""checks/ci.py and debug/run_checks.py: the seed's checks as data, what --ci-test enforces and what the doctor reads
+from a run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from slime_lite.args import parser_defaults
 from slime_lite.config import CiConfig
-from slime_lite.debug import ci_checks as cc
+from slime_lite.checks import ci as cc
+from slime_lite.debug import run_checks as rc
 
 HEALTHY = {
     "rollout/log_probs": -0.7, "rollout/log_probs_ref_max_abs_diff": 0.0, "train/first_step/ppo_kl": 0.0,
@@ -17,7 +19,7 @@ HEALTHY = {
     "perf/memory/actor/peak_rss_mb": 500.0, "perf/memory/engine/peak_rss_mb": 450.0,
     "perf/memory/rollout_manager/peak_rss_mb": 300.0,
 }
-# the message weight_push.check_weights_equal raises, as the doctor reads it from the run's stderr
+# the message checks/weight_check.py check_weights_equal raises, as the doctor reads it from the run's stderr
 WEIGHT_ERROR = (
     "--check-weight-update-equal: engine http://127.0.0.1:1 holds weights that differ from the trainer's: "
     "{n} differ {names}; 0 never pushed []. Likely causes: a name or layer-id mapping error under PP"
@@ -63,8 +65,8 @@ def test_a_nan_or_large_grad_norm_fails_and_the_nll_heuristic_is_only_advisory()
 
 def test_the_weight_check_names_a_pp_layer_mapping_error(tiny_model_dir):
     names = "['model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.q_proj.bias']"
-    run = cc.TrainRun("/x", 2, 1.0, error=WEIGHT_ERROR.format(n=48, names=names))
-    check = cc.weight_check(run, make_args(hf_checkpoint=str(tiny_model_dir), pipeline_model_parallel_size=2))
+    run = rc.TrainRun("/x", 2, 1.0, error=WEIGHT_ERROR.format(n=48, names=names))
+    check = rc.weight_check(run, make_args(hf_checkpoint=str(tiny_model_dir), pipeline_model_parallel_size=2))
     assert not check.passed and check.value == 48.0
     assert "layer-id mapping" in check.cause and "--pipeline-model-parallel-size 2" in check.cause
 
@@ -73,49 +75,49 @@ def test_the_weight_check_names_a_push_that_never_arrived(tiny_model_dir):
     from safetensors import safe_open
 
     total = len(list(safe_open(str(tiny_model_dir / "model.safetensors"), framework="pt").keys()))
-    run = cc.TrainRun("/x", 2, 1.0, error=WEIGHT_ERROR.format(n=total, names="['model.embed_tokens.weight']"))
-    check = cc.weight_check(run, make_args(hf_checkpoint=str(tiny_model_dir)))
+    run = rc.TrainRun("/x", 2, 1.0, error=WEIGHT_ERROR.format(n=total, names="['model.embed_tokens.weight']"))
+    check = rc.weight_check(run, make_args(hf_checkpoint=str(tiny_model_dir)))
     assert not check.passed and "never received the pushed weights" in check.cause
-    assert cc.weight_check(cc.TrainRun("/x", 0, 1.0), make_args()).passed
-    other = cc.weight_check(cc.TrainRun("/x", 2, 1.0, error="--prompt-data x: no such file"), make_args())
+    assert rc.weight_check(rc.TrainRun("/x", 0, 1.0), make_args()).passed
+    other = rc.weight_check(rc.TrainRun("/x", 2, 1.0, error="--prompt-data x: no such file"), make_args())
     assert not other.passed and "never ran" in other.cause
 
 
 def test_weight_versions_must_follow_the_rollouts():
-    ok = cc.TrainRun("/x", 0, 1.0, records={0: {"rollout/weight_version": 0.0}, 1: {"rollout/weight_version": 1.0}})
-    assert cc.version_check(ok).passed
-    stale = cc.TrainRun("/x", 0, 1.0, records={0: {"rollout/weight_version": 0.0}, 1: {"rollout/weight_version": 0.0}})
-    check = cc.version_check(stale)
+    ok = rc.TrainRun("/x", 0, 1.0, records={0: {"rollout/weight_version": 0.0}, 1: {"rollout/weight_version": 1.0}})
+    assert rc.version_check(ok).passed
+    stale = rc.TrainRun("/x", 0, 1.0, records={0: {"rollout/weight_version": 0.0}, 1: {"rollout/weight_version": 0.0}})
+    check = rc.version_check(stale)
     assert not check.passed and "rollout 1: 0" in check.cause and "never received" in check.cause
 
 
 def test_iteration2_tells_a_missed_reload_from_a_mismatch_from_the_start():
     lp = "train/train_rollout_logprob_abs_diff"
-    missed = cc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 0.05}})
-    check = cc.iteration2(missed, ci())
+    missed = rc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 0.05}})
+    check = rc.iteration2(missed, ci())
     assert not check.passed and check.value == 0.05 and "did not reload" in check.cause
-    always = cc.iteration2(cc.TrainRun("/x", 0, 1.0, records={0: {lp: 0.2}, 1: {lp: 0.2}}), ci())
+    always = rc.iteration2(rc.TrainRun("/x", 0, 1.0, records={0: {lp: 0.2}, 1: {lp: 0.2}}), ci())
     assert not always.passed and "from the first iteration" in always.cause
-    stopped = cc.iteration2(cc.TrainRun("/x", 2, 1.0, error="boom", records={0: {lp: 1e-7}}), ci())
+    stopped = rc.iteration2(rc.TrainRun("/x", 2, 1.0, error="boom", records={0: {lp: 1e-7}}), ci())
     assert not stopped.passed and stopped.name == "iteration2_ran" and "boom" in stopped.cause
-    assert cc.iteration2(cc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 2e-7}}), ci()).passed
+    assert rc.iteration2(rc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 2e-7}}), ci()).passed
 
 
 def test_memory_rows_per_process_group_and_headroom():
-    run = cc.TrainRun("/x", 0, 1.0, records={0: HEALTHY, 1: dict(HEALTHY, **{"perf/memory/actor/peak_rss_mb": 600.0})})
-    checks = by_name(cc.memory_checks(run, make_args(actor_num_gpus_per_node=2)))
+    run = rc.TrainRun("/x", 0, 1.0, records={0: HEALTHY, 1: dict(HEALTHY, **{"perf/memory/actor/peak_rss_mb": 600.0})})
+    checks = by_name(rc.memory_checks(run, make_args(actor_num_gpus_per_node=2)))
     assert checks["peak_memory/actor"].value == 600.0 and "(x2)" in checks["peak_memory/actor"].threshold
     assert checks["memory_headroom"].passed and 0 < checks["memory_headroom"].value < 1
-    huge = cc.TrainRun("/x", 0, 1.0, records={0: {"perf/memory/actor/peak_rss_mb": 1e9}})
-    low = by_name(cc.memory_checks(huge, make_args()))["memory_headroom"]
+    huge = rc.TrainRun("/x", 0, 1.0, records={0: {"perf/memory/actor/peak_rss_mb": 1e9}})
+    low = by_name(rc.memory_checks(huge, make_args()))["memory_headroom"]
     assert not low.passed and "--offload-train" in low.cause
 
 
 def test_an_engine_in_lower_precision_than_the_trainer_fails_the_precision_check():
-    assert cc.precision_check(make_args()).passed
-    check = cc.precision_check(make_args(engine_dtype="bfloat16"))
+    assert rc.precision_check(make_args()).passed
+    check = rc.precision_check(make_args(engine_dtype="bfloat16"))
     assert not check.passed and "bfloat16" in check.cause and "float32" in check.cause
-    assert cc.precision_check(make_args(engine_dtype="bfloat16", bf16=True)).passed
+    assert rc.precision_check(make_args(engine_dtype="bfloat16", bf16=True)).passed
 
 
 # ------------------------------------------------------------------ the log-prob bound follows the precision in use

@@ -1,0 +1,191 @@
+"""The seed's step-1 / step-2 precision checks as data (each check has a value, a threshold and its likely causes),
+and what ``--ci-test`` does with them during a run: ``enforce`` on every metrics record (the run stops at the first
+failure), the iteration-2 check at the end. ``slime-lite doctor`` shows the same rows as a table. No torch or Ray at
+import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, CiConfig
+from slime_lite.errors import SlimeLiteError
+
+CAUSES = {
+    "step1_kl_zero": (
+        "trainer and reference forwards differ at step 1: a non-deterministic kernel (e.g. Transformer Engine "
+        "fused attention; try --transformer-impl local), reference weights loaded from a different checkpoint "
+        "(--ref-load), or micro-batches padded differently between the two passes"
+    ),
+    "first_step_ppo_kl_zero": (
+        "the old log-probs and the first training forward differ: a Megatron/Transformer Engine numerics bug "
+        "(for MoE models: Megatron's moe_permute_fusion left off), dropout left on, or data reordered between "
+        "the passes"
+    ),
+    "train_rollout_logprob_diff": (
+        "the engine samples from other weights or another distribution than the trainer scores: weights never "
+        "pushed or pushed with a wrong name/layer-id mapping (PP > 1), the engine in a lower precision than the "
+        "trainer, a temperature mismatch (--rollout-temperature vs the engine's sampling), or a chat template "
+        "that the engine and the trainer apply differently"
+    ),
+    "grad_norm_finite": (
+        "training configuration problem: reward scale, KL coefficient, learning rate or data concatenation; with "
+        "--num-steps-per-rollout 1 a large grad-norm at step 1 points to Megatron/TE bugs"
+    ),
+    "step1_log_probs_small": (
+        "log-probs far from the SFT loss level: data that does not follow the model's chat template or its "
+        "warm-start distribution (check --apply-chat-template and the prompt format), or weights not loaded"
+    ),
+    "on_task_nll": (
+        "the trainer finds the rollouts unlikely (gibberish or off-task): weights not loaded (check the Megatron "
+        "checkpoint load in the log), weights pushed wrongly (name/layer-id mapping under PP > 1; see "
+        "--check-weight-update-equal), an engine buffer released too early, or a pretrain model that needs its "
+        "instruct version / the chat template it was trained with"
+    ),
+    "on_task_repetition": (
+        "degenerate, repeating rollouts: broken or partly pushed engine weights, a wrong stop token/eos, or a "
+        "sampling temperature far below the trainer's"
+    ),
+    "on_task_valid_chars": (
+        "rollouts use characters the task never answers with: wrong weights in the engine, a tokenizer that does "
+        "not match the checkpoint, or prompts formatted unlike the model's training data"
+    ),
+    "iteration2_ran": (
+        "the second iteration did not run: weights could not be reloaded into the engines, or memory ran out "
+        "(check the placement: trainer and engines competing for the same GPUs under --colocate)"
+    ),
+}
+
+
+@dataclass
+class Check:
+    name: str
+    value: float | None
+    threshold: str
+    passed: bool
+    cause: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_check(name: str, value: float | None, threshold: str, passed: bool, cause: str | None = None) -> Check:
+    """A Check whose cause is ``cause`` (or the listed causes of ``name``) when it failed, empty when it passed."""
+    return Check(name, value, threshold, passed, "" if passed else (cause or CAUSES.get(name, "")))
+
+
+_check = make_check
+
+
+def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_id: int | None = None,
+                   expected_version: int | None = None) -> list[Check]:
+    """Checks for one iteration's metrics record; ``first`` marks the run's first trained rollout. With
+    ``rollout_id`` the engine's weight version is checked too (the doctor checks it over the whole run instead):
+    it must be ``expected_version`` (default rollout_id; --async: rollout_id - 1 after the first rollout). A rollout
+    generated with older weights than the trainer's (off-policy) skips the train/rollout log-prob check."""
+    checks: list[Check] = []
+    expected = rollout_id if expected_version is None else expected_version
+    if first and "rollout/log_probs_ref_max_abs_diff" in record:
+        diff = record["rollout/log_probs_ref_max_abs_diff"]
+        checks.append(_check("step1_kl_zero", diff, "== 0 (log_probs == ref_log_probs)", diff == 0.0))
+    if first and "rollout/log_probs" in record:
+        lp = -record["rollout/log_probs"]
+        bound = cfg.ci_nll_threshold
+        checks.append(_check("step1_log_probs_small", lp, f"mean NLL < {bound}", lp < bound))
+    if "train/first_step/ppo_kl" in record:
+        value = record["train/first_step/ppo_kl"]
+        checks.append(_check("first_step_ppo_kl_zero", value, "== 0", value == 0.0))
+    if rollout_id is not None and "rollout/weight_version" in record:  # stale weights: the root cause of a log-prob gap
+        version = record["rollout/weight_version"]
+        checks.append(_check("weight_version_served", version, f"== {expected} (the weights pushed after "
+                             f"{expected} trained rollouts)", version == expected, VERSION_CAUSE))
+    if "train/train_rollout_logprob_abs_diff" in record and expected == rollout_id:
+        value = record["train/train_rollout_logprob_abs_diff"]
+        bound, why = logprob_diff_threshold(cfg)
+        checks.append(_check("train_rollout_logprob_diff", value, f"< {bound:g} ({why})", value < bound))
+    if "train/first_step/grad_norm" in record:
+        value = record["train/first_step/grad_norm"]
+        bound = cfg.ci_grad_norm_threshold
+        checks.append(_check("grad_norm_finite", value, f"finite, < {bound:g}", math.isfinite(value) and value < bound))
+    return checks
+
+VERSION_CAUSE = ("the engine generated this rollout with older weights than the trainer last pushed: the push was "
+                 "skipped or went to another engine (check the weight push; --check-weight-update-equal)")
+
+
+def logprob_diff_threshold(cfg: CiConfig) -> tuple[float, str]:
+    """The bound on train/train_rollout_logprob_abs_diff in use, and why: the flag, else the default for the
+    precision engine and trainer compute in (the tighter one when they differ)."""
+    if cfg.ci_logprob_diff_threshold is not None:
+        return cfg.ci_logprob_diff_threshold, "set by --ci-logprob-diff-threshold"
+    engine, trainer = dtype_name(cfg, "engine"), dtype_name(cfg, "trainer")
+    if engine == trainer:
+        return LOGPROB_DIFF_BY_DTYPE[engine], f"the default for {engine} engine and trainer"
+    tight = min((engine, trainer), key=LOGPROB_DIFF_BY_DTYPE.__getitem__)
+    return LOGPROB_DIFF_BY_DTYPE[tight], (f"engine {engine}, trainer {trainer}: the {tight} default, since a dtype "
+                                          "mismatch is itself a fault")
+
+
+def with_engine_dtype(cfg: CiConfig, urls: list[str]) -> CiConfig:
+    """``cfg`` with ``engine_dtype`` "auto" replaced by the dtype the first engine reports (its /get_server_info):
+    the driver may not see the engines' GPUs, so it cannot tell their precision itself."""
+    if cfg.engine_dtype != "auto" or not urls:
+        return cfg
+    from slime_lite.engine_client import request_json
+
+    try:
+        info = request_json(urls[0], "/get_server_info", timeout=30.0, method="GET")
+    except Exception:  # an engine without the route: the precision is then derived from the flags
+        return cfg
+    reported = str((info or {}).get("dtype", "")).removeprefix("torch.") if isinstance(info, dict) else ""
+    return replace(cfg, engine_dtype=reported) if reported in LOGPROB_DIFF_BY_DTYPE else cfg
+
+
+class CiCheckFailed(SlimeLiteError):
+    def __init__(self, check: Check, rollout_id: int) -> None:
+        self.check = check
+        super().__init__(
+            f"--ci-test: check {check.name} failed at rollout {rollout_id}: value {check.value!r}, expected "
+            f"{check.threshold}. Likely causes: {check.cause}."
+        )
+
+
+ADVISORY = {"step1_log_probs_small"}  # a heuristic, not enforced by --ci-test (the doctor shows on_task_nll)
+
+
+def enforce(cfg: CiConfig, record: dict[str, Any], rollout_id: int, first: bool,
+            expected_version: int | None = None) -> list[Check]:
+    checks = rollout_checks(cfg, record, first, rollout_id, expected_version)
+    for check in checks:
+        if not check.passed and check.name not in ADVISORY:
+            raise CiCheckFailed(check, rollout_id)
+    return checks
+
+
+def iteration2_check(rollouts_done: int) -> Check:
+    return _check("iteration2_ran", float(rollouts_done), ">= 2 iterations", rollouts_done >= 2)
+
+
+def dtype_name(args: Any, side: str) -> str:
+    if side == "trainer":
+        return "bfloat16" if args.bf16 else "float32"
+    if args.engine_dtype != "auto":
+        return args.engine_dtype
+    if args.rollout_device == "cpu" or not cuda_available():
+        return "float32"
+    cfg = json.load(open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8"))
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
