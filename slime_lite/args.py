@@ -16,7 +16,7 @@ from typing import Any
 from slime_lite import rl_math
 from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args
 from slime_lite.checks.faults import FAULTS
-from slime_lite.config import LOGPROB_DIFF_BY_DTYPE
+from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, FrozenFlags, freeze
 from slime_lite.profiling import PROFILE_TARGETS
 from slime_lite.rollout.rewards import RM_TYPES
 from slime_lite.slime_flags import add_args as add_slime_flags
@@ -413,7 +413,7 @@ def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return rest, sglang
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> FrozenFlags:
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -421,7 +421,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(rest)
     args.sglang_args = sglang
     validate_args(args)
-    return args
+    return freeze(args)  # read-only from here on: runtime state lives in the objects that own it
 
 
 def parser_defaults(**overrides: Any) -> argparse.Namespace:

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from slime_lite import rl_math
-from slime_lite.config import EngineConfig
+from slime_lite.config import EngineConfig, TokenBudget
 from slime_lite.errors import SlimeLiteError
 
 log = logging.getLogger("slime_lite.args")
@@ -344,7 +344,7 @@ def check_recompute(args: argparse.Namespace, layers_per_stage: int | None) -> N
 
 
 def _check_dynamic_batch(args: argparse.Namespace, dp: int, pp: int) -> None:
-    """--use-dynamic-batch-size and its token budgets (SPEC: packing); sets --log-probs-max-tokens-per-gpu."""
+    """--use-dynamic-batch-size and its token budgets (config.TokenBudget: the one rule for what fits)."""
     if not args.use_dynamic_batch_size:
         for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
             if getattr(args, flag) is not None:
@@ -357,16 +357,10 @@ def _check_dynamic_batch(args: argparse.Namespace, dp: int, pp: int) -> None:
         raise SlimeLiteError(f"--use-dynamic-batch-size does not work with --pipeline-model-parallel-size {pp} yet "
                              "(packed micro-batches of different lengths between stages); use PP 1 or "
                              "--micro-batch-size.")
-    if args.log_probs_max_tokens_per_gpu is None:
-        args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
-    if not args.debug_train_only:  # replays: preflight checks the longest dumped sample
-        longest = args.rollout_max_response_len + 1
-        for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
-            if getattr(args, flag) < longest:
-                raise SlimeLiteError(
-                    f"--{flag.replace('_', '-')} {getattr(args, flag)} is smaller than one prompt token plus "
-                    f"--rollout-max-response-len {args.rollout_max_response_len}: a full-length sample could never "
-                    f"be packed. Raise --{flag.replace('_', '-')} to at least the longest prompt + response.")
+    if not args.debug_train_only:  # a replay's samples are in its dumps: preflight logs the ones packed alone
+        problem = TokenBudget.from_args(args).too_small_for(args.rollout_max_response_len)
+        if problem:
+            raise SlimeLiteError(problem)
 
 
 def validate_train_args(args: argparse.Namespace) -> None:

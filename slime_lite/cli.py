@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Callable
 
-from slime_lite.errors import SlimeLiteError
+from slime_lite.errors import run_main
 from slime_lite.logging_setup import setup_logging
 
 COMMANDS = {
@@ -24,18 +23,6 @@ COMMANDS = {
     "make-data": ("slime_lite.tasks", "write task prompt/label JSONL (train and eval)"),
     "plot-metrics": ("slime_lite.plot", "plot reward and eval curves of a --metrics-path file to PNG"),
 }
-
-
-def run_main(fn: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
-    """Run a tool's main; a SlimeLiteError becomes ``error: ...`` on stderr and exit code 2."""
-    try:
-        return int(fn(argv) or 0)
-    except SlimeLiteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 def _usage() -> str:

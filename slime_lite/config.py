@@ -79,6 +79,50 @@ LOGPROB_DIFF_BY_DTYPE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 5e-2}
 
 
 @dataclass(frozen=True)
+class TokenBudget(_FromArgs):
+    """--use-dynamic-batch-size: the tokens (prompt + response) one packed micro-batch holds, in the train steps
+    (--max-tokens-per-gpu) and in the forward-only log-prob passes (--log-probs-max-tokens-per-gpu, by default the
+    train budget). The one rule, for the flag check, the batch planner (backends/megatron/batch.py) and the replay
+    preflight alike: samples are packed together while their tokens fit; a sample longer than the budget is never
+    refused, cut or dropped: it is a micro-batch of its own (logged). A budget that cannot hold one prompt token
+    plus --rollout-max-response-len is refused (every full-length sample would be alone)."""
+
+    use_dynamic_batch_size: bool
+    max_tokens_per_gpu: int | None
+    log_probs_max_tokens_per_gpu: int | None
+
+    def tokens(self, log_probs: bool = False) -> int:
+        """The budget of a train step's micro-batch, or (``log_probs``) of a log-prob pass's."""
+        assert self.max_tokens_per_gpu is not None, "a token budget needs --use-dynamic-batch-size"
+        if log_probs and self.log_probs_max_tokens_per_gpu is not None:
+            return self.log_probs_max_tokens_per_gpu
+        return self.max_tokens_per_gpu
+
+    def flags(self, log_probs: bool = False) -> str:
+        """The flag and value a budget comes from, for messages."""
+        if log_probs and self.log_probs_max_tokens_per_gpu is not None:
+            return f"--log-probs-max-tokens-per-gpu {self.log_probs_max_tokens_per_gpu}"
+        return f"--max-tokens-per-gpu {self.max_tokens_per_gpu}"
+
+    def alone(self, lengths: list[int], log_probs: bool = False) -> list[int]:
+        """Indices of the samples longer than the budget: each is a micro-batch of its own."""
+        if not self.use_dynamic_batch_size:
+            return []
+        budget = self.tokens(log_probs)
+        return [i for i, n in enumerate(lengths) if n > budget]
+
+    def too_small_for(self, max_response_len: int) -> str | None:
+        """Why the budgets cannot hold a full-length sample (one prompt token + ``max_response_len``), or None."""
+        for log_probs in (False, True):
+            if self.use_dynamic_batch_size and self.tokens(log_probs) < max_response_len + 1:
+                flag = self.flags(log_probs)
+                return (f"{flag} is smaller than one prompt token plus --rollout-max-response-len {max_response_len}:"
+                        f" every full-length sample would be a micro-batch of its own, over the budget. Raise "
+                        f"{flag.split()[0]} to at least the longest prompt + response.")
+        return None
+
+
+@dataclass(frozen=True)
 class CiConfig(_FromArgs):
     """The precision checks of ``--ci-test`` and the doctor (checks/ci.py). ``bf16``, ``engine_dtype``,
     ``rollout_device`` and ``hf_checkpoint`` tell the precisions in use (``engine_dtype`` "auto" is resolved from the

@@ -26,6 +26,12 @@ API_KEY_FILE_ENV = "SLIME_LITE_ENGINE_API_KEY_FILE"  # or a file holding it
 REPLACEMENT_WAIT_S = 3600.0  # --use-fault-tolerance: the longest a request waits for a restarted engine
 
 
+def normalize_url(address: str) -> str:
+    """An engine's base URL from ``host:port`` or a URL: http:// when no scheme is given, no trailing slash."""
+    address = address.strip().rstrip("/")
+    return address if "://" in address else f"http://{address}"
+
+
 def api_key() -> str | None:
     """The engines' API key: $SLIME_LITE_ENGINE_API_KEY, else the first line of $SLIME_LITE_ENGINE_API_KEY_FILE."""
     import os

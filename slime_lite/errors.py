@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class SlimeLiteError(Exception):
     """A problem with the user's input (flag, file, environment) that names what is wrong and the fix."""
@@ -13,3 +16,16 @@ class DumpError(SlimeLiteError):
 
 class EngineError(SlimeLiteError):
     """A rollout engine that failed, died or could not be reached."""
+
+
+def run_main(fn: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run a command's ``main``: a SlimeLiteError becomes ``error: ...`` on stderr and exit code 2, an interrupt
+    exit code 130 (every ``slime-lite`` command, and each module run as ``python -m``)."""
+    try:
+        return int(fn(argv) or 0)
+    except SlimeLiteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

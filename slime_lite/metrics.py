@@ -71,6 +71,8 @@ class MetricsLogger:
                                     entity=args.wandb_team, config=_plain_args(args))
 
     def log(self, record: dict[str, Any], step: int, step_key: str = "rollout_id", quiet: bool = False) -> None:
+        if not record:  # nothing measured (e.g. no eval before training): no line, no row
+            return
         record = {k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, bool)) else v)
                   for k, v in record.items()}
         full = {step_key: step, **record}

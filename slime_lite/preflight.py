@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Any
 
+from slime_lite.config import TokenBudget
 from slime_lite.errors import SlimeLiteError
 from slime_lite.profiling import profile_targets, trace_dir
 
@@ -154,19 +155,16 @@ def check_replay_dumps(args: Any) -> None:
 
 
 def check_token_budget(args: Any, samples: list, path: str) -> None:
-    """--use-dynamic-batch-size: the longest dumped prompt + response must fit --max-tokens-per-gpu (and the
-    log-prob budget)."""
-    if not args.use_dynamic_batch_size or not samples:
-        return
-    longest = max(range(len(samples)), key=lambda i: len(samples[i].tokens))
-    n = len(samples[longest].tokens)
-    for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
-        budget = getattr(args, flag) or args.max_tokens_per_gpu
-        if budget < n:
-            raise SlimeLiteError(
-                f"rollout dump {path}: sample {longest} has {n} tokens (prompt + response), more than "
-                f"--{flag.replace('_', '-')} {budget} with --use-dynamic-batch-size; raise --{flag.replace('_', '-')} "
-                f"to at least {n}.")
+    """--use-dynamic-batch-size: a dumped sample longer than a budget is trained as the run that made the dump trained
+    it, a micro-batch of its own (config.TokenBudget); logged here, before Ray starts."""
+    budget = TokenBudget.from_args(args)
+    lengths = [len(s.tokens) for s in samples]
+    for log_probs in (False, True):
+        alone = budget.alone(lengths, log_probs)
+        if alone:
+            log.info("rollout dump %s: %d sample(s) longer than %s (e.g. sample %d, %d tokens): each is a "
+                     "micro-batch of its own", path, len(alone), budget.flags(log_probs), alone[0],
+                     lengths[alone[0]])
 
 
 def model_vocab_size(hf_checkpoint: str) -> int | None:

@@ -198,3 +198,16 @@ class RunProfiler:
         DRIVER_TIMELINE.write()
 
 
+def add_time(record: dict, key: str, t0: float) -> None:
+    """Add the seconds since ``t0`` to ``record[key]``: the parts of a phase (perf/offload/engine_release_time and
+    engine_resume_time are parts of perf/offload_time; the weights' resume is in perf/update_weights_time)."""
+    record[key] = record.get(key, 0.0) + time.monotonic() - t0
+
+
+@contextmanager
+def timed(record: dict, key: str) -> Iterator[None]:
+    """Add the seconds the block takes to ``record[key]``, and a span to the driver timeline."""
+    t0 = time.monotonic()
+    yield
+    record[key] = record.get(key, 0.0) + time.monotonic() - t0
+    DRIVER_TIMELINE.add(key.removeprefix("perf/").removesuffix("_time"), t0, time.monotonic() - t0)

@@ -389,3 +389,37 @@ def test_engine_batch_slots_default_to_a_whole_rollout_on_cuda_within_memory():
     fit = int(AUTO_KV_MEMORY_FRACTION * h200) // (4096 * big)
     assert auto_max_running(h200, 256, 4096, big) == fit < 64
     assert auto_max_running(h200, 256, 4096, kv, kv_cache_tokens=100 * 4096) == 100  # the given cache bounds them
+
+
+def test_parsed_flags_are_read_only_and_travel_to_ray_actors_as_they_are(base):
+    """Nothing writes to the flags after validation (the loop tests run every mode with them frozen); they pickle
+    (to Ray actors) and copy with their values, and stay read-only there."""
+    import copy
+    import pickle
+
+    args = parse_args(base)
+    with pytest.raises(AttributeError, match="read-only after validation.*'engine_client'"):
+        args.engine_client = object()
+    with pytest.raises(AttributeError, match="read-only"):
+        del args.lr
+    for back in (pickle.loads(pickle.dumps(args)), copy.copy(args), copy.deepcopy(args)):
+        assert vars(back) == vars(args)
+        with pytest.raises(AttributeError):
+            back.lr = 1.0
+
+
+def test_hooks_get_a_read_only_view_with_slimes_router_address():
+    """A slime-style hook reads the flags and sglang_router_ip/port from its args; the address follows the client
+    (a restarted engine), and the view refuses writes."""
+    from types import SimpleNamespace
+
+    from slime_lite.hooks import HookArgs
+
+    client = SimpleNamespace(urls=["http://10.0.0.2:30001", "http://10.0.0.3:30002"])
+    view = HookArgs(parser_defaults(rollout_max_response_len=7), client)
+    assert (view.sglang_router_ip, view.sglang_router_port) == ("10.0.0.2", 30001)
+    assert view.rollout_max_response_len == 7 and view.engine_client is client
+    client.urls[0] = "http://10.0.0.9:31000"
+    assert (view.sglang_router_ip, view.sglang_router_port) == ("10.0.0.9", 31000)
+    with pytest.raises(AttributeError, match="read-only"):
+        view.rollout_max_response_len = 8

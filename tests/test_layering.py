@@ -95,17 +95,16 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # Within a layer, sideways imports are allowed; cycles are caught by test_no_module_cycles.
 # The longest matching prefix names a module's layer.
 LAYERS = [
-    ("driver and tools", ["slime_lite.cli", "slime_lite.train", "slime_lite.train_async", "slime_lite.args",
-                          "slime_lite.args_check",
-                          "slime_lite.slime_flags",
-                          "slime_lite.preflight", "slime_lite.debug", "slime_lite.plot", "slime_lite.tiny_model", "slime_lite.tasks"]),
+    ("CLI and user tools", ["slime_lite.cli", "slime_lite.debug", "slime_lite.plot", "slime_lite.tiny_model",
+                            "slime_lite.tasks"]),
+    ("driver", ["slime_lite.train", "slime_lite.train_async", "slime_lite.args", "slime_lite.args_check",
+                "slime_lite.slime_flags", "slime_lite.preflight"]),
     ("rollout, trainer, placement", ["slime_lite.rollout", "slime_lite.backends", "slime_lite.placement"]),
     ("embedded engine", ["slime_lite.engine"]),
+    ("run checks", ["slime_lite.checks"]),
     ("shared helpers", ["slime_lite.engine_client", "slime_lite.weight_transport", "slime_lite.weight_wire",
-                        "slime_lite.metrics",
+                        "slime_lite.weight_checksum", "slime_lite.triton_build", "slime_lite.metrics",
                         "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup",
-                        "slime_lite.debug.faults",  # fault hooks, called by both sides; a leaf in debug/
-                        "slime_lite.debug.grad_norm",  # the trainer's per-step grad-norms and their check
                         "slime_lite.profiling", "slime_lite.determinism"]),
     ("leaves", ["slime_lite.types", "slime_lite.rl_math", "slime_lite.errors", "slime_lite.config", "slime_lite"]),
 ]
@@ -166,3 +165,12 @@ def test_train_side_imports_nothing_from_rollout(path):
 @pytest.mark.parametrize("name", ["types.py", "rl_math.py"])
 def test_leaf_modules_import_nothing_of_the_project(name):
     assert not [n for n in imports(PKG / name) if n.startswith("slime_lite")]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_the_cli_imports_the_debug_tools(module):
+    """debug/ holds the user-facing tools (the top layer): the run's own checks are in checks/, below the driver."""
+    if module == "slime_lite.cli" or module == "slime_lite.debug" or module.startswith("slime_lite.debug."):
+        return
+    bad = sorted(d for d in project_deps(MODULES[module]) if d == "slime_lite.debug" or d.startswith("slime_lite.debug."))
+    assert not bad, f"{module} imports {bad}"

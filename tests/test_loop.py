@@ -165,7 +165,8 @@ def test_colocate_second_iteration(tiny_model_dir, data, tmp_path, capsys):
     assert "0 token(s) with |diff| > 0.05" in capsys.readouterr().out
 
 
-DETERMINISTIC = ("--num-rollout", "3", "--deterministic-mode")
+# packed by a token budget that some samples (prompt + response) exceed: those are micro-batches of their own
+DETERMINISTIC = ("--num-rollout", "3", "--deterministic-mode", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "10")
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +202,20 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, data, tmp_path, f
     got = last[0]
     for key in ("rollout/raw_reward", "rollout/response_len/mean"):
         assert got[key] == want[key], key  # same prompts, same sampled tokens
+    for key in ("train/loss", "train/grad_norm", "rollout/log_probs"):
+        assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
+
+
+def test_a_runs_dumps_replay_under_its_own_flags(tiny_model_dir, data, tmp_path, full_run):
+    """The token budget is one rule (what fits, and what happens to a longer sample) for batching, flag checks and
+    replay preflight: the run packed its over-budget samples alone, and its dumps replay with the same flags (no
+    engines, --ci-test on) to the run's own numbers."""
+    out = tmp_path / "replay"
+    proc = train(base(tiny_model_dir, data, out, *DETERMINISTIC, "--ci-test", "--load-debug-rollout-data",
+                      str(full_run / "dumps" / "{rollout_id}.pt")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "longer than --max-tokens-per-gpu 10" in proc.stderr, proc.stderr[-3000:]
+    want, got = rows(full_run)[0], rows(out)[0]
     for key in ("train/loss", "train/grad_norm", "rollout/log_probs"):
         assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
 

@@ -7,13 +7,17 @@ import.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from slime_lite.checks.grad_norm import GradNormCI
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, CiConfig
 from slime_lite.errors import SlimeLiteError
+
+log = logging.getLogger("slime_lite.train")
 
 CAUSES = {
     "step1_kl_zero": (
@@ -189,3 +193,59 @@ def cuda_available() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+class LogprobDiffWatch:
+    """Warns when the rollout/train log-prob mismatch jumps between rollouts (names the weight version)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.best: float | None = None
+
+    def update(self, record: dict) -> None:
+        value = record.get("train/train_rollout_logprob_abs_diff")
+        if value is None or not self.factor:
+            return
+        if self.best is not None and value > self.factor * max(self.best, 1e-7):
+            log.warning(
+                "train_rollout_logprob_abs_diff jumped to %.3g (lowest so far %.3g) with engine weight version %s: "
+                "check the last weight push (--check-weight-update-equal) and the engine's precision",
+                value, self.best, record.get("rollout/weight_version", "?"),
+            )
+        self.best = value if self.best is None else min(self.best, value)
+
+
+class RunChecks:
+    """What a training run checks as it goes, after each rollout's metrics are written (so a failing rollout's
+    metrics are on disk for ``slime-lite compare-runs``): the log-prob jump warning (on-policy rollouts), the
+    ``--ci-test`` checks, and every step's grad-norm (--ci-save-grad-norm / --ci-load-grad-norm); at the end,
+    --ci-test's iteration-2 check. A run without a trainer (--debug-rollout-only) checks nothing."""
+
+    def __init__(self, args: Any, urls: list[str], start_rollout_id: int, trains: bool) -> None:
+        self.ci = with_engine_dtype(CiConfig.from_args(args), urls)  # the log-prob bound follows the engines
+        self.enforce = self.ci.ci_test and trains
+        self.trains = trains
+        self.start = start_rollout_id
+        self.watch = LogprobDiffWatch(self.ci.logprob_diff_jump_factor)
+        self.grad = GradNormCI.from_args(args, start_rollout_id)
+        self.done = 0
+
+    def after_rollout(self, rollout_id: int, record: dict[str, Any], grad_norms: dict[str, list[float]],
+                      expected_version: int) -> None:
+        """``expected_version``: the weight version the rollout had to be generated with (--async: one older)."""
+        self.done += 1
+        if not self.trains:
+            return
+        if expected_version == rollout_id:  # off-policy rollouts (--async) differ from the trainer by design
+            self.watch.update(record)
+        if self.enforce:
+            enforce(self.ci, record, rollout_id, first=rollout_id == self.start, expected_version=expected_version)
+        if self.grad is not None:
+            for role, norms in grad_norms.items():
+                self.grad.update(role, rollout_id, norms)
+
+    def at_end(self, num_rollout: int) -> None:
+        if self.enforce and num_rollout - self.start >= 2:
+            check = iteration2_check(self.done)
+            if not check.passed:
+                raise CiCheckFailed(check, self.start + self.done)

@@ -7,7 +7,7 @@ placeholders ``{role}`` (actor, critic), ``{rollout_id}`` and ``{step_id}`` (the
 formatted path is one JSON file ``{"grad_norms": [{"role", "rollout_id", "step", "grad_norm"}, ...]}``, so a plain
 path keeps the whole run in one file and slime's ``dir/{role}_{rollout_id}_{step_id}.json`` keeps one step per file.
 
-The driver checks (the train groups hand it the per-step norms), after the rollout's metrics are written, so the
+The driver checks (each train group's result carries its per-step norms), after the rollout's metrics are written, so the
 metrics of the failing rollout are on disk for ``slime-lite compare-runs``. No torch or Ray at import.
 """
 
@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
-
-STEP_GRAD_NORMS = "step_grad_norms"  # key of the per-step list in a train group's result; the driver pops it
 
 # Default --ci-grad-norm-rtol by training precision. float32, measured on CPU with the tiny replay of
 # tests/backends/test_train_replay.py (2 rollouts x 2 steps, every step compared with TP=PP=DP=1): TP=2 differs by

@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from slime_lite.cli import run_main
+    from slime_lite.errors import run_main
     from slime_lite.logging_setup import setup_logging
 
     setup_logging()

@@ -216,7 +216,7 @@ def _run(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_lite.cli import run_main
+    from slime_lite.errors import run_main
 
     return run_main(_run, argv)
 

@@ -464,6 +464,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from slime_lite.cli import run_main
+    from slime_lite.errors import run_main
 
     raise SystemExit(run_main(main))

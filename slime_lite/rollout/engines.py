@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -87,17 +88,35 @@ class EngineActor:
             self.server = None
 
 
-def start_engines(args: Any, pg: Any, bundles: list[int]) -> tuple[list[Any], list[str]]:
-    """Start one engine actor per engine's first bundle; returns (actors, urls). External addresses start none."""
+@dataclass
+class EngineFleet:
+    """The run's engines: their Ray actors (none for external servers), their URLs in the same order, and the router
+    in front of them (--use-sglang-router). --use-fault-tolerance restarts change the lists in place."""
+
+    engines: list[Any]
+    urls: list[str]
+    router: Any = None
+
+    def stop(self) -> None:
+        import ray
+
+        for engine in self.engines:
+            ray.get(engine.stop.remote())
+        if self.router is not None:
+            self.router.stop()
+
+
+def start_engines(args: Any, pg: Any, bundles: list[int]) -> EngineFleet:
+    """One engine actor per engine's first bundle, started. External addresses start none."""
     import ray
 
+    from slime_lite.engine_client import normalize_url
+
     if args.rollout_external_engine_addrs:
-        urls = [a if a.startswith("http") else f"http://{a}" for a in args.rollout_external_engine_addrs.split(",")]
-        return [], urls
+        return EngineFleet([], [normalize_url(a) for a in args.rollout_external_engine_addrs.split(",")])
     per = args.rollout_num_gpus_per_engine
     actors = [engine_actor(args, pg, bundles[i], i // per) for i in range(0, len(bundles), per)]
-    urls = ray.get([a.start.remote() for a in actors])
-    return actors, urls
+    return EngineFleet(actors, ray.get([a.start.remote() for a in actors]))
 
 
 def engine_actor(args: Any, pg: Any, bundle: int, rank: int) -> Any:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from slime_lite.config import RolloutConfig
 from slime_lite.checks.faults import kills_engine, sampling_temperature
 from slime_lite.engine_client import AsyncEngineClient
-from slime_lite.hooks import call_maybe_async, load_function
+from slime_lite.hooks import HookArgs, call_maybe_async, load_function
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
 from slime_lite.types import Sample, Status
 
@@ -81,13 +81,10 @@ class Generator:
     """Generates groups of samples for a rollout (with dynamic sampling) or for an eval set."""
 
     def __init__(self, args: Any, tokenizer: Any, client: AsyncEngineClient | None) -> None:
-        self.args = args  # passed on to the custom generate/filter/reward hooks, as in slime
+        self.client = client
+        self.args = HookArgs(args, client)  # what the generate/filter/reward hooks get, as in slime
         self.config = RolloutConfig.from_args(args)
         self.tokenizer = tokenizer
-        args.engine_client = client  # custom generate hooks reach the engines through args, as in slime
-        if client is not None:  # slime's hooks read the router address from args
-            host, _, port = client.urls[0].rsplit("/", 1)[-1].partition(":")
-            args.sglang_router_ip, args.sglang_router_port = host, int(port)
         path = args.custom_generate_function_path
         self.generate_fn: Callable[..., Any] = (
             load_function(path, "--custom-generate-function-path") if path else default_generate

@@ -103,8 +103,7 @@ class RolloutManager:
         else:
             if self.generator is None or self.source is None:
                 raise SlimeLiteError("no engines or prompts to generate from (check --prompt-data and the engines).")
-            client = getattr(a, "engine_client", None)
-            urls = list(client.urls) if client is not None else []
+            urls = list(self.generator.client.urls)
             before = self._run(engine_step_stats(urls))  # outside perf/rollout_time, as the read after it
             t0 = time.monotonic()
             samples, extra = self._run(self.generator.rollout(rollout_id, self.source))
@@ -167,21 +166,18 @@ class RolloutManager:
     # ---- --use-fault-tolerance: the driver reads the failed engines and hands in their replacements, from a second
     # thread of this actor while generate/evaluate runs
     def failed_engines(self) -> list[str]:
-        return self.args.engine_client.failed() if self.generator is not None else []
+        return self.generator.client.failed() if self.generator is not None else []
 
     def replace_engine(self, old_url: str, new_url: str) -> None:
-        client = self.args.engine_client
-        client.replace(old_url, new_url)
-        host, _, port = client.urls[0].rsplit("/", 1)[-1].partition(":")  # slime's hooks read the address from args
-        self.args.sglang_router_ip, self.args.sglang_router_port = host, int(port)
+        self.generator.client.replace(old_url, new_url)  # the hooks' sglang_router_ip/port follow the client
 
     def progress(self) -> list[int]:
         return list(self.generator.progress) if self.generator is not None else [0, 0]
 
     def close(self) -> None:
         self.wait_dumps()
-        if self.generator is not None and self.args.engine_client is not None:
-            self._run(self.args.engine_client.close())
+        if self.generator is not None:
+            self._run(self.generator.client.close())
 
     def state(self) -> dict[str, Any]:
         return {"source": self.source.state() if self.source else None}

@@ -26,20 +26,45 @@ ALIVE_TIMEOUT_S = 10.0  # an engine actor that cannot say whether its server run
 MAX_RESTARTS_PER_STEP = 3  # per engine and rollout step: an engine that keeps dying stops the run
 
 
-class EngineRecovery:
-    """Watches the engines of one run and restarts the dead ones. ``engines`` and ``urls`` are the driver's own
-    lists, changed in place, so later weight pushes, offloads and the final stop reach the new engines."""
+class NoRecovery:
+    """Without --use-fault-tolerance: waiting is ``ray.get``, and a dead engine stops the run with the client's
+    error."""
 
-    def __init__(self, args: Any, pg: Any, bundles: list[int], engines: list[Any], urls: list[str], manager: Any,
-                 router: Any = None) -> None:
+    def wait(self, ref: Any, on_poll: Callable[[], None] | None = None) -> Any:
+        import ray
+
+        if on_poll is not None:
+            while not ray.wait([ref], timeout=POLL_S)[0]:
+                on_poll()
+        return ray.get(ref)
+
+    def check(self) -> None:
+        pass
+
+    def pushed(self, version: int) -> None:
+        pass
+
+    def take_restarts(self) -> dict[str, float]:
+        return {}
+
+
+class EngineRecovery:
+    """Watches the engines of one run and restarts the dead ones. It owns the changes to ``fleet`` (the engine
+    actors, their URLs, the router): the lists are changed in place, so later weight pushes, offloads and the final
+    stop reach the new engines. ``push(urls, version)`` gives a restarted engine the trainer's weights, checked
+    (None without a trainer: --debug-rollout-only engines serve the checkpoint's weights, as the old one did)."""
+
+    def __init__(self, args: Any, pg: Any, bundles: list[int], fleet: Any, manager: Any,
+                 push: Callable[[list[str], int], Any] | None) -> None:
         self.args, self.pg, self.bundles = args, pg, bundles
-        self.engines, self.urls, self.manager, self.router = engines, urls, manager, router
-        # push(urls, version): the trainer's weights to these engines, then the weight-equality check (None when
-        # there is no trainer: --debug-rollout-only engines serve the checkpoint's weights, as the old one did)
-        self.push: Callable[[list[str], int], None] | None = None
-        self.version = 0  # the weight version the engines serve (the driver updates it after each push)
+        self.fleet, self.manager, self.push = fleet, manager, push
+        self.version = 0  # the weight version the engines serve (pushed() after each push)
         self.restarts = 0  # in the current step; take_restarts() reads and resets it
-        self._per_engine = [0] * len(engines)
+        self._per_engine = [0] * len(fleet.engines)
+
+    def pushed(self, version: int) -> None:
+        """The engines now serve weight ``version``: what a restarted engine gets."""
+        self.version = version
 
     # ---- waiting ---------------------------------------------------------------------------------------------
     def wait(self, ref: Any, on_poll: Callable[[], None] | None = None) -> Any:
@@ -54,11 +79,11 @@ class EngineRecovery:
         self.check()  # an engine that died near the end (its requests went elsewhere) is replaced within this step
         return result
 
-    def take_restarts(self) -> int:
-        """Restarts since the last call (the step's ``rollout/engine_restarts``); the per-engine bound resets."""
+    def take_restarts(self) -> dict[str, float]:
+        """``rollout/engine_restarts``: restarts since the last call; the per-engine bound resets."""
         n, self.restarts = self.restarts, 0
-        self._per_engine = [0] * len(self.engines)
-        return n
+        self._per_engine = [0] * len(self.fleet.engines)
+        return {"rollout/engine_restarts": float(n)}
 
     # ---- finding the dead ---------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -66,22 +91,22 @@ class EngineRecovery:
         import ray
 
         failed = set(ray.get(self.manager.failed_engines.remote()))
-        dead = {i: "requests to it failed" for i, url in enumerate(self.urls) if url in failed}
+        dead = {i: "requests to it failed" for i, url in enumerate(self.fleet.urls) if url in failed}
         for i, why in self._not_running().items():
             dead.setdefault(i, why)
-        router_failed = self.router is not None and self.router.url in failed
+        router_failed = self.fleet.router is not None and self.fleet.router.url in failed
         if not dead and not router_failed:
             return
         for i, why in sorted(dead.items()):
             self.restart(i, why)
-        if self.router is not None:
+        if self.fleet.router is not None:
             self._restart_router("an engine behind it was restarted" if dead else "requests to it failed")
 
     def _not_running(self) -> dict[int, str]:
         """Engines whose Ray actor died or whose server process exited."""
         import ray
 
-        refs = [e.alive.remote() for e in self.engines]
+        refs = [e.alive.remote() for e in self.fleet.engines]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ALIVE_TIMEOUT_S)
         out = {}
         for i, ref in enumerate(refs):
@@ -102,21 +127,21 @@ class EngineRecovery:
         from slime_lite.rollout.engines import restart_engine
 
         self._per_engine[i] += 1
-        old_url = self.urls[i]
+        old_url = self.fleet.urls[i]
         if self._per_engine[i] > MAX_RESTARTS_PER_STEP:
             raise EngineError(f"--use-fault-tolerance: engine {i} ({old_url}) died {self._per_engine[i]} times in one "
                               f"rollout step ({why}); not restarting it again. Look at the engine's log (for "
                               "SGLang engines: SLIME_LITE_ENGINE_LOG_DIR, or the temp folder's slime_lite_engines).")
         log.warning("engine %d (%s) is dead: %s; restarting it on its placement-group bundle", i, old_url, why)
         t0 = time.monotonic()
-        self.engines[i], new_url = restart_engine(self.args, self.pg, self.bundles, self.engines[i], i)
-        self.urls[i] = new_url
+        self.fleet.engines[i], new_url = restart_engine(self.args, self.pg, self.bundles, self.fleet.engines[i], i)
+        self.fleet.urls[i] = new_url
         if self.push is not None:
             self.push([new_url], self.version)
             weights = f"weights version {self.version} pushed, weight check passed"
         else:
             weights = "no trainer: it serves --hf-checkpoint's weights, as before"
-        if self.router is None:
+        if self.fleet.router is None:
             ray.get(self.manager.replace_engine.remote(old_url, new_url))
         self.restarts += 1
         log.warning("engine %d restarted at %s in %.1fs (%s); the unfinished requests are sent again",
@@ -126,8 +151,8 @@ class EngineRecovery:
         """The router is launched again over the current engines (it has no portable way to swap a worker)."""
         import ray
 
-        old = self.router.url
-        log.warning("router %s: %s; launching it again over %s", old, why, ", ".join(self.urls))
-        self.router.stop()
-        self.router.worker_urls = list(self.urls)
-        ray.get(self.manager.replace_engine.remote(old, self.router.start()))
+        old = self.fleet.router.url
+        log.warning("router %s: %s; launching it again over %s", old, why, ", ".join(self.fleet.urls))
+        self.fleet.router.stop()
+        self.fleet.router.worker_urls = list(self.fleet.urls)
+        ray.get(self.manager.replace_engine.remote(old, self.fleet.router.start()))

@@ -8,7 +8,6 @@ A dict reward is stored whole in ``sample.reward`` and ``--reward-key`` picks th
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import numbers
 import re
@@ -17,7 +16,6 @@ from typing import Any, Callable
 
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import call_maybe_async, load_function
-from slime_lite.rollout.stats import scalar_rewards
 from slime_lite.types import Sample
 
 RM_TYPES = ("addition", "math", "boxed_math", "deepscaler")
@@ -155,11 +153,3 @@ async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | di
             "or give --custom-rm-path module.fn."
         )
     return _BUILTIN[rm_type](sample.response, _label(sample))
-
-
-async def batched_rewards(args: Any, samples: list[Sample]) -> list[float]:
-    """Score samples concurrently; store each raw reward (float or dict) in ``sample.reward``; return the scalars."""
-    rewards = await asyncio.gather(*(compute_reward(args, s) for s in samples))
-    for sample, reward in zip(samples, rewards):
-        sample.reward = reward
-    return list(scalar_rewards(samples, args.reward_key).values())

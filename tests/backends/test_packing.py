@@ -205,23 +205,31 @@ def test_bad_token_budgets_are_refused_naming_both_flags(base, extra, named):
 def test_log_probs_budget_defaults_to_the_train_budget(base):
     from slime_lite.args import parse_args
 
+    from slime_lite.config import TokenBudget
+
     args = parse_args(base + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"])
-    assert args.log_probs_max_tokens_per_gpu == 64
+    assert TokenBudget.from_args(args).tokens(log_probs=True) == 64
+    assert args.log_probs_max_tokens_per_gpu is None  # the flag as given: the default is the budget's rule
 
 
-def test_replay_sample_longer_than_the_budget_is_refused_naming_the_dump():
+def test_a_sample_longer_than_the_budget_is_a_micro_batch_of_its_own_in_runs_and_replays(caplog):
+    """One rule (config.TokenBudget): the planner packs an over-budget sample alone, and the replay preflight
+    accepts the same sample (logging it), so a run's own dumps replay with the same flags."""
+    import logging
     from types import SimpleNamespace
 
-    from slime_lite.errors import SlimeLiteError
+    from slime_lite.config import TokenBudget
     from slime_lite.preflight import check_token_budget
 
     args = SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=10, log_probs_max_tokens_per_gpu=40)
-    with pytest.raises(SlimeLiteError) as info:
+    budget = TokenBudget.from_args(args)
+    lengths = [8, 12, 3, 9]
+    assert budget.alone(lengths) == [1] and budget.alone(lengths, log_probs=True) == []
+    plan = B.dynamic_step_shards(lengths, 4, 0, 1, budget.tokens())
+    assert [1] in plan[0] and all(sum(lengths[i] for i in mb) <= 10 for mb in plan[0] if mb != [1])
+    with caplog.at_level(logging.INFO, logger="slime_lite.preflight"):
         check_token_budget(args, [_sample(range(8), 2), _sample(range(12), 4)], "d/0.pt")
-    assert "d/0.pt" in str(info.value) and "sample 1 has 12 tokens" in str(info.value)
-    assert "--max-tokens-per-gpu 10" in str(info.value)
-    args.max_tokens_per_gpu = 12
-    check_token_budget(args, [_sample(range(8), 2), _sample(range(12), 4)], "d/0.pt")
+    assert "d/0.pt: 1 sample(s) longer than --max-tokens-per-gpu 10 (e.g. sample 1, 12 tokens)" in caplog.text
 
 
 def test_sample_tensors_pickle_as_one_buffer_and_come_back_equal():

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from slime_lite import engine_client
 from slime_lite.args import parse_args, parser_defaults
 from slime_lite.backends.sglang.launcher import build_command
 from slime_lite.config import EngineConfig, RolloutConfig
@@ -169,7 +170,7 @@ def test_distributed_push_bodies_are_accepted_by_sglang(monkeypatch):
         result = lambda self: {"success": True}
         close = lambda self: None
 
-    monkeypatch.setattr(wp, "SentRequest", FakeSent)
+    monkeypatch.setattr(engine_client, "SentRequest", FakeSent)  # what engine_client.sent_to_all sends with
     named = {"a": torch.zeros(4, 3, dtype=torch.bfloat16), "b": torch.ones(5), "c": torch.zeros(3, dtype=torch.bfloat16)}
     for flattened, want_format, want_casts in ((True, "flattened_bucket", [50]), (False, None, [24, 20, 6])):
         bodies.clear(), casts.clear()
@@ -203,7 +204,7 @@ def test_a_failed_distributed_push_drops_the_broadcast_group(monkeypatch):
 
         close = lambda self: None
 
-    monkeypatch.setattr(wp, "SentRequest", FailingSent)
+    monkeypatch.setattr(engine_client, "SentRequest", FailingSent)
     with pytest.raises(EngineError, match="receiving failed"):
         wp._push_distributed({"a": torch.ones(4)}, list(key), 1)
     assert key not in wp._groups

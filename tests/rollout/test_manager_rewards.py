@@ -16,8 +16,11 @@ class _Generator:
     """Stands in for the engines: one rollout of 4 samples, sample 2 with the given reward."""
 
     def __init__(self, reward: float) -> None:
+        from types import SimpleNamespace
+
         self.reward = reward
         self.progress = [0, 0]
+        self.client = SimpleNamespace(urls=[])  # no engine to read step counters from
 
     async def rollout(self, rollout_id: int, source) -> tuple[list[Sample], dict[str, float]]:  # noqa: ANN001
         samples = [Sample(group_index=i // 2, index=i, tokens=[5, 6, 7], response_length=1, loss_mask=[1],

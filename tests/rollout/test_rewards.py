@@ -11,11 +11,21 @@ from slime_lite.args import parser_defaults
 from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout.rewards import (
     RM_TYPES,
-    batched_rewards,
     compute_reward,
     extract_final_answer,
 )
+from slime_lite.rollout.stats import scalar_rewards
 from slime_lite.types import Sample
+
+
+def score(args, samples: list[Sample]) -> list[float]:
+    """As the generator scores a group: every reward at once, stored on its sample; then the scalars."""
+    async def all_rewards():
+        return await asyncio.gather(*(compute_reward(args, s) for s in samples))
+
+    for sample, value in zip(samples, asyncio.run(all_rewards())):
+        sample.reward = value
+    return list(scalar_rewards(samples, args.reward_key).values())
 
 
 def reward(args, response: str, label: str | None) -> float | dict:
@@ -115,7 +125,7 @@ def test_batched_rewards_store_dict_and_return_reward_key(tmp_path, monkeypatch)
     ))
     args = parser_defaults(custom_rm_path=path, reward_key="score")
     samples = [Sample(index=i, response=r, label="12") for i, r in enumerate(["12", "13", "12"])]
-    assert asyncio.run(batched_rewards(args, samples)) == [1.0, 0.0, 1.0]
+    assert score(args, samples) == [1.0, 0.0, 1.0]
     assert samples[1].reward == {"score": 0.0, "length": 2}
     assert samples[0].scalar_reward(args.reward_key) == 1.0
 
@@ -124,11 +134,11 @@ def test_dict_reward_without_reward_key_asks_for_it(tmp_path, monkeypatch):
     path = _write_rm(tmp_path, monkeypatch, "def rm(args, sample, **kwargs):\n    return {'score': 1.0}\n")
     args = parser_defaults(custom_rm_path=path, reward_key=None)
     with pytest.raises(SlimeLiteError, match="--reward-key"):
-        asyncio.run(batched_rewards(args, [Sample(index=0, response="a", label="a")]))
+        score(args, [Sample(index=0, response="a", label="a")])
 
 
 def test_batched_builtin_rewards_in_order():
     args = parser_defaults(rm_type="addition")
     samples = [Sample(index=i, response=r, label="7") for i, r in enumerate(["7", "8", "7<|endoftext|>"])]
-    assert asyncio.run(batched_rewards(args, samples)) == [1.0, 0.0, 1.0]
+    assert score(args, samples) == [1.0, 0.0, 1.0]
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0]

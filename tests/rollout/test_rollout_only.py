@@ -34,7 +34,7 @@ def test_rollout_only_run_dumps_and_never_imports_megatron(tiny_model_dir, task_
     ]
     code = (
         "import sys, json\n"
-        "from slime_lite.cli import run_main\n"
+        "from slime_lite.errors import run_main\n"
         "from slime_lite.logging_setup import setup_logging\n"
         "from slime_lite.train import main\n"
         "setup_logging()\n"
@@ -89,8 +89,9 @@ def test_rollout_processes_do_not_import_megatron(tiny_model_dir, task_data):
     init_ray(args, layout.num_bundles)
     try:
         pg = create_placement_group(layout)
-        engines, urls = start_engines(args, pg, layout.rollout)
-        manager = ray.remote(RolloutManager).remote(args, urls)
+        fleet = start_engines(args, pg, layout.rollout)
+        engines = fleet.engines
+        manager = ray.remote(RolloutManager).remote(args, fleet.urls)
         samples, metrics = ray.get(manager.generate.remote(0))
         assert len(samples) == 4 and "rollout/raw_reward" in metrics
         for actor in [manager, *engines]:

@@ -15,7 +15,7 @@ import torch
 from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron.logprobs import sample_log_probs
 from slime_lite.backends.megatron.loss import rl_loss
-from slime_lite.backends.megatron.worker import TrainWorker
+from slime_lite.backends.megatron.worker import TrainResult, TrainWorker, reported
 from slime_lite.config import LossConfig, TrainSideConfig
 from slime_lite.checks.faults import breaks_sent_weights, sent_stage_weights
 
@@ -61,11 +61,14 @@ class TrainActor(TrainWorker):
                 for n, p in params.items():
                     p.copy_(saved[n])
 
-    def train(self, rollout_id: int, samples: list, values: dict | None) -> tuple[dict[str, float], Any] | None:
-        """Log-probs, advantages and ``--num-steps-per-rollout`` optimizer steps on one rollout."""
+    def train(self, rollout_id: int, samples: list, values: list | None) -> tuple[TrainResult | None, Any]:
+        """Log-probs, advantages and ``--num-steps-per-rollout`` optimizer steps on one rollout. ``values``: the
+        critic ranks' ``compute_values`` refs (None without a critic). Returns (the reporter's result, the
+        per-sample returns the critic trains toward), each None on the other ranks."""
         from slime_lite import rl_math
 
         a = self.args
+        values = reported(values)
         t0 = time.monotonic()
         length = B.padded_length(samples)
         steps = self._plan(samples, log_probs=True)
@@ -78,7 +81,7 @@ class TrainActor(TrainWorker):
         log_probs_time = time.monotonic() - t0
         if not self.last_stage:
             self._train_steps(samples, None)
-            return None
+            return None, None
         old, ref = self._gather(old), (self._gather(ref) if ref is not None else None)
         n = len(samples)
         masks = B.loss_masks(samples)
@@ -116,9 +119,10 @@ class TrainActor(TrainWorker):
             )
             return loss * self._num_mb, m
 
-        metrics = self._train_steps(samples, loss_fn)
+        result = self._train_steps(samples, loss_fn)
         if not self.reporter:
-            return None
+            return None, None
+        metrics = result.metrics
         metrics["perf/log_probs_time"] = log_probs_time
         metrics.update(self._rollout_stats(samples, logp, ref_logp, rollout_lp if has_rollout_lp else None,
                                            advantages, masks, values))
@@ -130,7 +134,7 @@ class TrainActor(TrainWorker):
             self._dump_train_details(rollout_id, samples, details, rollout_lp if has_rollout_lp else None)
         # this call inside the actor: the driver's perf/train_time less this is Ray's share (samples in, results out)
         metrics["perf/actor_train_time"] = time.monotonic() - t0
-        return metrics, B.SampleTensors(enumerate(returns))
+        return result, B.SampleTensors(enumerate(returns))
 
     def _mismatch(self, rollout_id: int, samples: list, logp: list, rollout_lp: Any, masks: list) -> dict[str, Any]:
         """--get-mismatch-metrics: mismatch/* scalars and mismatch/worst_tokens (token text decoded here, where the

@@ -9,7 +9,7 @@ import torch
 
 from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron.loss import response_slices, value_rl_loss
-from slime_lite.backends.megatron.worker import TrainWorker
+from slime_lite.backends.megatron.worker import TrainResult, TrainWorker, reported
 
 
 class ValueHead(torch.nn.Module):
@@ -58,8 +58,10 @@ class CriticActor(TrainWorker):
         values = self._gather(values) if self.last_stage else values
         return values if self.reporter else None
 
-    def train(self, rollout_id: int, samples: list, old_values: dict, returns: dict) -> dict[str, float] | None:
-        """``--num-steps-per-rollout`` value steps toward the returns (clipped around the values of this rollout)."""
+    def train(self, rollout_id: int, samples: list, old_values: list, returns: list) -> TrainResult | None:
+        """``--num-steps-per-rollout`` value steps toward the returns (clipped around the values of this rollout);
+        ``old_values`` and ``returns`` are the refs of the ranks' ``compute_values`` and of the actor's train."""
+        old_values, returns = reported(old_values), reported(returns)
         masks = B.loss_masks(samples)
 
         def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
@@ -69,5 +71,5 @@ class CriticActor(TrainWorker):
                                     [masks[i].to(dev) for i in mb.indices], self.args.value_clip, normalizer)
             return loss * self._num_mb, m
 
-        metrics = self._train_steps(samples, loss_fn)
-        return metrics if self.reporter else None
+        result = self._train_steps(samples, loss_fn)
+        return result if self.reporter else None

@@ -71,10 +71,15 @@ class ActorGroup(TrainGroup):
 
         super().__init__(args, pg, bundles, TrainActor)
 
-    def train(self, rollout_id: int, samples: Any, values: dict | None = None) -> tuple[dict[str, float], dict]:
-        """Log-probs, advantages (GAE over the critic's ``values`` under PPO) and the policy steps of one rollout;
-        returns the metrics and the per-sample returns (the critic's targets)."""
-        return self._reported("train", rollout_id, samples, values)
+    def train(self, rollout_id: int, samples: Any, values: list | None = None) -> tuple[Any, list]:
+        """Log-probs, advantages (over the critic's ``values`` refs, when there is a critic) and the policy steps of
+        one rollout; returns the reporter's ``TrainResult`` and the refs of the per-sample returns (the critic's
+        targets), which stay in Ray's object store."""
+        import ray
+
+        pairs = [w.train.options(num_returns=2).remote(rollout_id, samples, values) for w in self.workers]
+        result = next(r for r in ray.get([p[0] for p in pairs]) if r is not None)
+        return result, [p[1] for p in pairs]
 
     def update_weights(self, urls: list[str], version: int, check: bool = False) -> dict[str, float]:
         """Push the weights to ``urls`` as ``version``; ``check`` runs the weight-equality check even without
@@ -89,10 +94,11 @@ class CriticGroup(TrainGroup):
 
         super().__init__(args, pg, bundles, CriticActor)
 
-    def compute_values(self, samples: Any) -> dict:
-        """Per-sample response-token values of one rollout."""
-        return self._reported("compute_values", samples)
+    def compute_values(self, samples: Any) -> list:
+        """Per-sample response-token values of one rollout, started on every rank: their refs (the actor reads the
+        reporter's, not the driver)."""
+        return [w.compute_values.remote(samples) for w in self.workers]
 
-    def train(self, rollout_id: int, samples: Any, values: dict, returns: dict) -> dict[str, float]:
-        """The value steps of one rollout, toward ``returns``; returns the metrics."""
+    def train(self, rollout_id: int, samples: Any, values: list, returns: list) -> Any:
+        """The value steps of one rollout, toward the ``returns`` refs; returns the reporter's ``TrainResult``."""
         return self._reported("train", rollout_id, samples, values, returns)

@@ -138,25 +138,6 @@ def token_log_probs(
     return torch.cat(outs_lp), (torch.cat(outs_ent) if with_entropy else None)
 
 
-def next_token_log_probs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, *,
-    vocab_limit: int, tp: bool = False, chunk_tokens: int = CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model output of one row of positions [1, T, V_local] (or [T, V_local]) and its tokens [T] -> [T-1]
-    outputs: out[t] = log p(tokens[t+1] | logits[t]). tp=True: the logits are this rank's TP vocabulary slice."""
-    logits = logits.reshape(-1, logits.shape[-1])
-    tokens = tokens.reshape(-1)
-    group, start = None, 0
-    if tp:
-        from megatron.core import parallel_state as ps
-
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            group = ps.get_tensor_model_parallel_group()
-            start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-    return token_log_probs(logits[:-1], tokens[1:], temperature, with_entropy, vocab_start=start,
-                           vocab_limit=vocab_limit, tp_group=group, chunk_tokens=chunk_tokens)
-
-
 def sample_log_probs(output: torch.Tensor, mb, temperature: float, vocab_limit: int, with_entropy: bool = False,
                      tp: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Each sample's response-token log-probs (and entropies) from a micro-batch's model output [B, T, V_local]

@@ -10,15 +10,33 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.checks.grad_norm import STEP_GRAD_NORMS
+from slime_lite.config import TokenBudget
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What one rollout's training reports (the reporter rank's): metrics averaged over the optimizer steps, and
+    every step's grad-norm (--ci-save-grad-norm / --ci-load-grad-norm check them step by step)."""
+
+    metrics: dict[str, Any]
+    grad_norms: list[float]
+
+
+def reported(refs: list[Any] | None) -> Any:
+    """The reporter rank's result among one call's results on every rank of another group (Ray object refs: they
+    pass between the groups without going through the driver); None for None."""
+    import ray
+
+    return None if refs is None else next(r for r in ray.get(refs) if r is not None)
 
 
 class TrainWorker:
@@ -156,9 +174,14 @@ class TrainWorker:
         a = self.args
         if not a.use_dynamic_batch_size:
             return B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
-        budget = a.log_probs_max_tokens_per_gpu if log_probs else a.max_tokens_per_gpu
-        return B.dynamic_step_shards([len(s.tokens) for s in samples], len(samples) if log_probs
-                                     else a.global_batch_size, self.dp_rank, self.dp_size, budget)
+        budget = TokenBudget.from_args(a)
+        lengths = [len(s.tokens) for s in samples]
+        alone = budget.alone(lengths, log_probs)
+        if alone and self.rank == 0:
+            log.info("%d sample(s) longer than %s: each is a micro-batch of its own", len(alone),
+                     budget.flags(log_probs))
+        return B.dynamic_step_shards(lengths, len(samples) if log_probs else a.global_batch_size, self.dp_rank,
+                                     self.dp_size, budget.tokens(log_probs))
 
     def _normalizer(self, samples: list, step: int) -> float:
         """What a step's micro-batch losses are divided by, so they add up (over micro-batches and the DP mean) to
@@ -201,9 +224,9 @@ class TrainWorker:
         dist.all_gather_object(parts, local, group=self.ps.get_data_parallel_group())
         return B.SampleTensors((k, v) for p in parts for k, v in p.items())
 
-    def _train_steps(self, samples: list, loss_fn: Any) -> dict[str, Any]:
-        """Run the optimizer steps of one rollout; metrics averaged over steps (reporter's view), and under
-        ``STEP_GRAD_NORMS`` the grad-norm of each step."""
+    def _train_steps(self, samples: list, loss_fn: Any) -> TrainResult:
+        """Run the optimizer steps of one rollout: metrics averaged over steps (reporter's view), and the grad-norm of
+        each step."""
         import torch.distributed as dist
 
         length = B.padded_length(samples)
@@ -236,11 +259,10 @@ class TrainWorker:
                 sums[key] = sums.get(key, 0.0) + v
         prefix = self.metric_prefix
         out: dict[str, Any] = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
-        out[STEP_GRAD_NORMS] = norms  # not a metric: the driver pops it (debug/grad_norm.py)
         for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
             if key in first:
                 out[f"{prefix}/first_step/{key}"] = first[key]
-        return out
+        return TrainResult(out, norms)
 
     def offload(self) -> None:
         """Free this worker's GPU memory while engines run (--offload-train): weights, optimizer state, grad buffers

@@ -1,0 +1,106 @@
+"""The driver's train side: the actor group and, for an estimator that needs one, the critic group, and everything
+between them. PPO's values and returns pass between the groups as Ray object references (never through the
+driver's memory); advantages are computed inside the actor. Under ``--debug-rollout-only`` there is no group and
+every phase does nothing (nothing of Megatron is imported: the groups import their workers when built).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from slime_lite.backends.megatron.group import ActorGroup, CriticGroup
+from slime_lite.config import TrainSideConfig
+from slime_lite.metrics import check_finite_losses, memory_record
+from slime_lite.profiling import DRIVER_TIMELINE, timed
+
+
+class TrainSide:
+    def __init__(self, args: Any, pg: Any, layout: Any) -> None:
+        """Create the groups' workers (their processes start while the engines load; ``init`` builds the models)."""
+        self.config = c = TrainSideConfig.from_args(args)
+        self.offload_train = c.offload_train
+        self.actor = ActorGroup(args, pg, layout.actor) if c.trains else None
+        self.critic = CriticGroup(args, pg, layout.critic) if c.has_critic else None
+        self.groups = [g for g in (self.actor, self.critic) if g is not None]
+
+    @property
+    def trains(self) -> bool:
+        return self.actor is not None
+
+    def init(self) -> tuple[int, Any]:
+        """Build the models (from the HF checkpoint, or a --load checkpoint): (the first rollout id, the rollout
+        data state saved with that checkpoint)."""
+        if self.actor is None:
+            return 0, None
+        start = self.actor.init()
+        if self.critic is not None:
+            self.critic.init()
+        return start
+
+    def push(self, urls: list[str], version: int, check: bool = False) -> dict[str, float]:
+        """The actor's weights to the engines at ``urls`` as ``version`` (``check``: the weight-equality check
+        whatever --check-weight-update-equal says); the push's parts in seconds."""
+        return self.actor.update_weights(urls, version, check) if self.actor is not None else {}
+
+    def push_checked(self, urls: list[str], version: int) -> dict[str, float]:
+        """What a restarted engine gets (--use-fault-tolerance): the current weights, always checked."""
+        return self.push(urls, version, check=True)
+
+    def train(self, rollout_id: int, samples: list, record: dict) -> dict[str, list[float]]:
+        """One rollout's training, in PPO's order when there is a critic: its values, then the actor (log-probs,
+        advantages, policy steps), then the critic's steps toward the returns. Metrics go into ``record``;
+        returns each role's per-step grad-norms."""
+        if self.actor is None:
+            return {}
+        with timed(record, "perf/train_time"):
+            t0 = time.monotonic()
+            data = ray.put(samples)
+            values = self.critic.compute_values(data) if self.critic is not None else None
+            actor, returns = self.actor.train(rollout_id, data, values)
+            DRIVER_TIMELINE.add("log_probs", t0, actor.metrics.get("perf/log_probs_time", 0.0))
+            record.update(actor.metrics)
+            norms = {"actor": actor.grad_norms}
+            if self.critic is not None:
+                critic = self.critic.train(rollout_id, data, values, returns)
+                record.update(critic.metrics)
+                norms["critic"] = critic.grad_norms
+        check_finite_losses(record, rollout_id)
+        return norms
+
+    def save(self, rollout_id: int, data_state: Any) -> None:
+        """Every --save-interval rollouts: each group's checkpoint (``data_state()``: the actor's copy of the
+        rollout data cursor, read only when a checkpoint is written)."""
+        if self.actor is None or not self.config.saves_after(rollout_id):
+            return
+        with DRIVER_TIMELINE.span("save"):
+            self.actor.save(rollout_id, data_state())
+            if self.critic is not None:
+                self.critic.save(rollout_id, None)
+
+    def onload(self, record: dict) -> None:
+        """--offload-train, before training: the groups take their GPU memory back (perf/offload_time)."""
+        if not (self.offload_train and self.groups):
+            return
+        with timed(record, "perf/offload_time"):
+            for group in self.groups:
+                group.onload()
+
+    def offload(self, record: dict) -> None:
+        """--offload-train, after the push (and once after start-up): the groups free their GPU memory."""
+        if not (self.offload_train and self.groups):
+            return
+        with timed(record, "perf/offload_time"):
+            for group in self.groups:
+                group.offload()
+            record.update(memory_record("actor_offloaded", self.groups[0].memory()))
+
+    def step_records(self) -> dict[str, float]:
+        """The memory of each group's processes after a step."""
+        out: dict[str, float] = {}
+        for name, group in (("actor", self.actor), ("critic", self.critic)):
+            if group is not None:
+                out.update(memory_record(name, group.memory()))
+        return out
