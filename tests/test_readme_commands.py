@@ -20,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = "--num-rollout 2"  # appended to every training script: argparse keeps the last value
 
+REPLAY = ("bash scripts/run-tiny-grpo.sh --load-debug-rollout-data 'runs/tiny/rollout_only/data_{rollout_id}.pt' "
+          "--num-rollout 2 --rollout-batch-size 16 --n-samples-per-prompt 4 --micro-batch-size 32")
 RUN = {  # README command -> the command run in the sandbox
     "bash scripts/quickstart.sh": f"bash scripts/quickstart.sh {SHORT}",  # the .venv install is a no-op here
     "run-tiny-ppo.sh": f"bash scripts/run-tiny-ppo.sh {SHORT}",
@@ -28,6 +30,8 @@ RUN = {  # README command -> the command run in the sandbox
     "bash scripts/run-tiny-grpo.sh --num-rollout 5 --metrics-path m.jsonl":
         f"bash scripts/run-tiny-grpo.sh --num-rollout 5 --metrics-path m.jsonl {SHORT}",
     "bash scripts/run-tiny-rollout-only.sh": f"bash scripts/run-tiny-rollout-only.sh {SHORT}",
+    # the rollout-only dumps just written, replayed through the GRPO script (its --ci-test on): as written
+    REPLAY: REPLAY,
 }
 
 _SAME_AS_QUICKSTART = "quickstart.sh (run above) runs exactly this script with the same arguments"

@@ -86,11 +86,12 @@ _check = make_check
 
 
 def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_id: int | None = None,
-                   expected_version: int | None = None) -> list[Check]:
+                   expected_version: int | None = None, engines: bool = True) -> list[Check]:
     """Checks for one iteration's metrics record; ``first`` marks the run's first trained rollout. With
     ``rollout_id`` the engine's weight version is checked too (the doctor checks it over the whole run instead):
     it must be ``expected_version`` (default rollout_id; --async: rollout_id - 1 after the first rollout). A rollout
-    generated with older weights than the trainer's (off-policy) skips the train/rollout log-prob check."""
+    generated with older weights than the trainer's (off-policy) skips the train/rollout log-prob check. A replay
+    (``engines`` False) has no engine to check: the version is the dump's."""
     checks: list[Check] = []
     expected = rollout_id if expected_version is None else expected_version
     if first and "rollout/log_probs_ref_max_abs_diff" in record:
@@ -103,7 +104,7 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_i
     if "train/first_step/ppo_kl" in record:
         value = record["train/first_step/ppo_kl"]
         checks.append(_check("first_step_ppo_kl_zero", value, "== 0", value == 0.0))
-    if rollout_id is not None and "rollout/weight_version" in record:  # stale weights: the root cause of a log-prob gap
+    if engines and rollout_id is not None and "rollout/weight_version" in record:  # stale weights: a log-prob gap
         version = record["rollout/weight_version"]
         checks.append(_check("weight_version_served", version, f"== {expected} (the weights pushed after "
                              f"{expected} trained rollouts)", version == expected, VERSION_CAUSE))
@@ -162,8 +163,8 @@ ADVISORY = {"step1_log_probs_small"}  # a heuristic, not enforced by --ci-test (
 
 
 def enforce(cfg: CiConfig, record: dict[str, Any], rollout_id: int, first: bool,
-            expected_version: int | None = None) -> list[Check]:
-    checks = rollout_checks(cfg, record, first, rollout_id, expected_version)
+            expected_version: int | None = None, engines: bool = True) -> list[Check]:
+    checks = rollout_checks(cfg, record, first, rollout_id, expected_version, engines)
     for check in checks:
         if not check.passed and check.name not in ADVISORY:
             raise CiCheckFailed(check, rollout_id)
@@ -219,12 +220,16 @@ class RunChecks:
     """What a training run checks as it goes, after each rollout's metrics are written (so a failing rollout's
     metrics are on disk for ``slime-lite compare-runs``): the log-prob jump warning (on-policy rollouts), the
     ``--ci-test`` checks, and every step's grad-norm (--ci-save-grad-norm / --ci-load-grad-norm); at the end,
-    --ci-test's iteration-2 check. A run without a trainer (--debug-rollout-only) checks nothing."""
+    --ci-test's iteration-2 check. A run without a trainer (--debug-rollout-only) checks nothing. A replay
+    (--load-debug-rollout-data) has no engine: a rollout counts as on-policy when its dump was generated with the
+    weights the trainer has at that rollout (the dump's weight version; "default", the checkpoint's own weights, is
+    version 0), and the served-version check is left out."""
 
     def __init__(self, args: Any, urls: list[str], start_rollout_id: int, trains: bool) -> None:
         self.ci = with_engine_dtype(CiConfig.from_args(args), urls)  # the log-prob bound follows the engines
         self.enforce = self.ci.ci_test and trains
         self.trains = trains
+        self.replay = bool(args.load_debug_rollout_data)
         self.start = start_rollout_id
         self.watch = LogprobDiffWatch(self.ci.logprob_diff_jump_factor)
         self.grad = GradNormCI.from_args(args, start_rollout_id)
@@ -236,10 +241,13 @@ class RunChecks:
         self.done += 1
         if not self.trains:
             return
-        if expected_version == rollout_id:  # off-policy rollouts (--async) differ from the trainer by design
+        if self.replay:
+            expected_version = max(int(record.get("rollout/weight_version", rollout_id)), 0)
+        if expected_version == rollout_id:  # off-policy rollouts (--async, replays) differ from the trainer
             self.watch.update(record)
         if self.enforce:
-            enforce(self.ci, record, rollout_id, first=rollout_id == self.start, expected_version=expected_version)
+            enforce(self.ci, record, rollout_id, first=rollout_id == self.start, expected_version=expected_version,
+                    engines=not self.replay)
         if self.grad is not None:
             for role, norms in grad_norms.items():
                 self.grad.update(role, rollout_id, norms)

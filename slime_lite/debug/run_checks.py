@@ -124,9 +124,12 @@ def weight_check(run: TrainRun, args: Any) -> Check:
 
 
 def version_check(run: TrainRun) -> Check:
-    """Rollout r must be generated with the weights pushed after r trained rollouts (weight version r)."""
+    """Rollout r must be generated with the weights pushed after r trained rollouts (weight version r). When the
+    samples carry no versions (a generate hook that records none), the run read them from the engines: said so."""
     name, threshold = "weight_version_served", "rollout r served by version r"
     seen = {r: rec.get("rollout/weight_version") for r, rec in sorted(run.records.items())}
+    if any(rec.get("rollout/weight_version_from_engines") for rec in run.records.values()):
+        threshold += " (read from the engines: the samples carry no weight_versions)"
     if not seen:
         return _check(name, None, threshold, False, f"no rollout finished: {run.stopped}")
     bad = [r for r, v in seen.items() if v is None or int(v) != r]

@@ -38,6 +38,7 @@ class RolloutManager:
         self._writing: list[Future] = []
         self._writing_lock = threading.Lock()  # the driver's wait_dumps may come from the actor's second thread
         self.source = None
+        self._told_engine_version = False
         self.eval_sets: dict[str, list[Any]] = {}
         self.generator = None
         if engine_urls:
@@ -125,12 +126,30 @@ class RolloutManager:
         metrics.update(extra)
         served = [str(v) for s in samples for v in s.weight_versions[-1:]]
         if served:  # -1: the engine still serves what it loaded itself ("default"): no push ever reached it
-            metrics["rollout/weight_version"] = float(max((int(v) if v.isdigit() else -1) for v in served))
+            metrics["rollout/weight_version"] = float(max(_version_number(v) for v in served))
+        elif not a.load_debug_rollout_data and self.generator is not None:
+            metrics.update(self._engine_weight_version(rollout_id))
         if not a.load_debug_rollout_data:
             metrics["perf/rollout_time"] = elapsed
             tokens = sum(s.response_length for s in samples)
             metrics["perf/rollout_tokens_per_s"] = tokens / elapsed if elapsed > 0 else 0.0
         return samples, metrics
+
+    def _engine_weight_version(self, rollout_id: int) -> dict[str, float]:
+        """A generate hook that records no ``weight_versions`` (many slime hooks do not): the version is read from
+        the engines instead (the oldest one any engine serves), so the weight-version check still catches a
+        skipped push. ``rollout/weight_version_from_engines`` marks it."""
+        from slime_lite.engine_client import request_json
+
+        if not self._told_engine_version:
+            log.info("rollout %d: the samples carry no weight_versions (a generate hook that does not record "
+                     "meta_info.weight_version); the weight version is read from the engines instead", rollout_id)
+            self._told_engine_version = True
+        infos = [request_json(u, "/get_model_info", timeout=30.0, method="GET") for u in self.generator.client.urls]
+        versions = [_version_number(str(i.get("weight_version"))) for i in infos if isinstance(i, dict)]
+        if not versions:
+            return {}
+        return {"rollout/weight_version": float(min(versions)), "rollout/weight_version_from_engines": 1.0}
 
     def _load(self, rollout_id: int) -> list[Sample]:
         a = self.args
@@ -195,6 +214,11 @@ class RolloutManager:
         import sys
 
         return sorted(sys.modules)
+
+
+def _version_number(version: str) -> int:
+    """A served weight version as a number: -1 for "default" (the weights the engine loaded itself)."""
+    return int(version) if version.isdigit() else -1
 
 
 async def kill_engine(engine: Any, url: str) -> None:

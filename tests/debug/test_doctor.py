@@ -155,6 +155,48 @@ def test_an_engine_that_never_receives_weights_fails_the_weight_and_iteration2_c
     assert [r["train/train_rollout_logprob_abs_diff"] > 1e-3 for r in rows if r["rollout_id"] >= 0] == [False, True]
 
 
+NO_VERSION_HOOK = """
+from slime_lite.types import Status
+
+
+async def generate(args, sample, sampling_params):
+    # a correct slime-style hook that, like many, does not copy meta_info.weight_version into the sample
+    out = await args.engine_client.generate({"input_ids": sample.tokens, "sampling_params": sampling_params,
+                                             "return_logprob": True})
+    ids = list(out["output_ids"])
+    sample.tokens = sample.tokens + ids
+    sample.response, sample.response_length, sample.loss_mask = out["text"], len(ids), [1] * len(ids)
+    sample.rollout_log_probs = [float(t[0]) for t in out["meta_info"]["output_token_logprobs"]]
+    sample.status = Status.from_finish_reason(out["meta_info"]["finish_reason"]["type"])
+    return sample
+"""
+
+
+@pytest.mark.slow
+def test_a_hook_that_records_no_weight_versions_passes_and_a_skipped_push_is_still_caught(warm, tmp_path,
+                                                                                         monkeypatch):
+    """The weight version is read from the engines when the samples carry none (and the doctor says so): the
+    doctor passes a correct hook, as --ci-test does, and --ci-test still stops a run whose push was skipped."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "no_version_hook.py").write_text(NO_VERSION_HOOK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    hook = ("--custom-generate-function-path", "no_version_hook.generate")
+    checks = run_doctor(warm, tmp_path / "doctor", *hook, expect_rc=0)
+    served = checks["weight_version_served"]
+    assert served["passed"] and "read from the engines" in served["threshold"], served
+    model, data = warm
+    proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", "--hf-checkpoint", model, "--prompt-data",
+                           data, "--rm-type", "addition", "--rollout-max-response-len", "6", "--rollout-batch-size",
+                           "4", "--n-samples-per-prompt", "2", "--num-rollout", "2", "--ci-test", *hook,
+                           "--debug-inject-fault", "skip-weight-push"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    # the skipped pushes leave the engine on the weights it loaded itself (version "default", read as -1)
+    assert "weight_version_served failed at rollout 0: value -1.0, expected == 0" in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_a_swapped_pp_layer_mapping_fails_the_weight_check(warm, tmp_path):
     checks = run_doctor(warm, tmp_path, "--debug-inject-fault", "swap-pp-layers", "--actor-num-gpus-per-node", "2",
