@@ -29,6 +29,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _nonneg_float(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -186,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="average the loss over all response tokens of a step instead of per-sample token means")
 
     g = p.add_argument_group("eval")
-    g.add_argument("--eval-interval", type=_positive_int, default=None,
-                   help="evaluate every N rollouts, before training and at the end (needs --eval-prompt-data)")
+    g.add_argument("--eval-interval", type=_nonneg_int, default=None,
+                   help="evaluate every N rollouts, before training and at the end (needs --eval-prompt-data); 0 "
+                        "turns eval off (e.g. appended to a script's flags)")
     g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
                    help="eval sets as pairs NAME PATH (JSONL, same keys as --prompt-data)")
     g.add_argument("--n-samples-per-eval-prompt", type=_positive_int, default=1,

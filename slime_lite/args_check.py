@@ -147,7 +147,7 @@ def validate_args(args: argparse.Namespace) -> None:
         for path in args.eval_prompt_data[1::2]:
             _need_file(path, "--eval-prompt-data")
     check_fault_tolerance(args)
-    if args.eval_interval is not None and args.eval_prompt_data is None:
+    if args.eval_interval and args.eval_prompt_data is None:
         raise SlimeLiteError("--eval-interval needs --eval-prompt-data NAME PATH.")
     if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
         raise SlimeLiteError(

@@ -423,3 +423,16 @@ def test_hooks_get_a_read_only_view_with_slimes_router_address():
     assert (view.sglang_router_ip, view.sglang_router_port) == ("10.0.0.9", 31000)
     with pytest.raises(AttributeError, match="read-only"):
         view.rollout_max_response_len = 8
+
+
+def test_eval_interval_0_turns_eval_off_even_appended_to_a_scripts_flags(base, tmp_path):
+    from slime_lite.config import RolloutSideConfig
+
+    evals = ["--eval-prompt-data", "add", base[3], "--eval-interval", "5"]
+    on = RolloutSideConfig.from_args(parse_args(base + evals))
+    assert on.evaluates_after(-1) and on.evaluates_after(4) and not on.evaluates_after(3)
+    off = RolloutSideConfig.from_args(parse_args(base + evals + ["--eval-interval", "0"]))
+    assert not any(off.evaluates_after(r) for r in range(-1, 10))
+    parse_args(base + ["--eval-interval", "0"])  # nothing to evaluate, nothing asked for
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--eval-interval", "-1"])
