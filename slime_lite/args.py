@@ -11,6 +11,7 @@ and tools that build one without a command line).
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from slime_lite import rl_math
@@ -422,8 +423,6 @@ def split_sglang_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> FrozenFlags:
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, sglang = split_sglang_args(argv)
     args = build_parser().parse_args(rest)

@@ -4,13 +4,19 @@ starts; and the flags whose default is another flag's value. The parser itself i
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import logging
 import os
 from typing import Any
 
 from slime_lite import rl_math
+from slime_lite.backends.megatron.train_dump import check_train_template
 from slime_lite.config import EngineConfig, TokenBudget
 from slime_lite.errors import SlimeLiteError
+from slime_lite.profiling import profile_targets
+from slime_lite.rollout.dumps import check_template
+from slime_lite.slime_flags import check as check_slime_flags
 
 log = logging.getLogger("slime_lite.args")
 
@@ -50,7 +56,6 @@ def _actor_start(args: argparse.Namespace) -> str:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Enforce SPEC section 3 and 5 rules; set implied flags (with a log line)."""
-    from slime_lite.rollout.dumps import check_template
 
     if args.debug_rollout_only and args.debug_train_only:
         raise SlimeLiteError(
@@ -99,7 +104,6 @@ def validate_args(args: argparse.Namespace) -> None:
         if args.debug_rollout_only:
             raise SlimeLiteError("--save-debug-train-data has nothing to save under --debug-rollout-only (nothing "
                                  "is trained); drop one of them.")
-        from slime_lite.backends.megatron.train_dump import check_train_template
 
         model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
         check_train_template(args.save_debug_train_data, args.save_debug_rollout_data,
@@ -124,7 +128,6 @@ def validate_args(args: argparse.Namespace) -> None:
     if not os.path.exists(os.path.join(args.hf_checkpoint, "config.json")):
         raise SlimeLiteError(
             f"--hf-checkpoint {args.hf_checkpoint} has no config.json: not a Hugging Face model folder.")
-    from slime_lite.slime_flags import check as check_slime_flags
 
     check_slime_flags(args)
     _need_file(args.ref_load, "--ref-load")
@@ -196,8 +199,6 @@ def validate_args(args: argparse.Namespace) -> None:
     elif args.load is None and args.ref_load is not None and not args.debug_rollout_only:
         log.info("no --load checkpoint to resume: the actor starts from %s", _actor_start(args))
     if args.use_wandb:
-        import importlib.util
-
         if importlib.util.find_spec("wandb") is None:
             raise SlimeLiteError("--use-wandb needs the wandb package: .venv/bin/pip install wandb (it logs offline "
                                  "without a network).")
@@ -205,6 +206,7 @@ def validate_args(args: argparse.Namespace) -> None:
         validate_train_args(args)
     elif args.num_steps_per_rollout is None:
         args.num_steps_per_rollout = 1
+    # its module imports ray: flag errors stay instant
     from slime_lite.backends.sglang.launcher import check_sglang_args
 
     check_sglang_args(EngineConfig.from_args(args))
@@ -298,8 +300,6 @@ def world_size(args: Any) -> int:
 
 
 def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
-    import json
-
     with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     heads = cfg.get("num_attention_heads")
@@ -416,7 +416,6 @@ def validate_train_args(args: argparse.Namespace) -> None:
 def check_debug_tool_args(args: Any) -> None:
     """Grad-norm regression (--ci-save-grad-norm, --ci-load-grad-norm), profiling and memory snapshots: each
     needs the part of the run it reads (trainer, engines) and a window that exists."""
-    from slime_lite.profiling import profile_targets
 
     grad = [f for f in ("ci_save_grad_norm", "ci_load_grad_norm") if getattr(args, f)]
     if grad and args.debug_rollout_only:

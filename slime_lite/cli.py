@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from slime_lite import __version__
 from slime_lite.errors import run_main
 from slime_lite.logging_setup import setup_logging
 
@@ -37,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from slime_lite import __version__
-
         print(__version__)
         return 0
     name, rest = argv[0], argv[1:]

@@ -15,7 +15,7 @@ def set_deterministic() -> None:
     without a deterministic implementation raises instead of warning), cuDNN without autotuning, and the cuBLAS
     workspace setting that deterministic cuBLAS needs."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    import torch
+    import torch  # torch: the flag parser reads this module
 
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 from slime_lite.errors import EngineError
 
@@ -34,7 +37,6 @@ def normalize_url(address: str) -> str:
 
 def api_key() -> str | None:
     """The engines' API key: $SLIME_LITE_ENGINE_API_KEY, else the first line of $SLIME_LITE_ENGINE_API_KEY_FILE."""
-    import os
 
     key = os.environ.get(API_KEY_ENV, "").strip()
     path = os.environ.get(API_KEY_FILE_ENV, "")
@@ -83,9 +85,6 @@ class SentRequest:
     theirs, in one thread: no GIL handoffs). A direct connection (no proxy from the environment)."""
 
     def __init__(self, url: str, route: str, body: Any, *, timeout: float = 60.0) -> None:
-        import http.client
-        from urllib.parse import urlsplit
-
         self.url, self.route, self.body = url, route, body
         parts = urlsplit(url.rstrip("/") + route)
         https = parts.scheme == "https"
@@ -103,8 +102,6 @@ class SentRequest:
             raise _no_answer(url, route, exc, body) from None
 
     def result(self) -> Any:
-        import http.client
-
         try:
             resp = self._conn.getresponse()
             raw = resp.read()
@@ -177,7 +174,7 @@ class AsyncEngineClient:
         self._session = None
 
     async def _get_session(self):
-        import aiohttp
+        import aiohttp  # aiohttp: only the async client needs it (the driver, the tools: sync)
 
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
@@ -223,7 +220,7 @@ class AsyncEngineClient:
         self.dead.pop(old, None)
 
     async def post(self, url: str, route: str, body: Any) -> Any:
-        import aiohttp
+        import aiohttp  # aiohttp: only the async client needs it (the driver, the tools: sync)
 
         session = await self._get_session()
         try:

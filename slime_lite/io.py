@@ -32,7 +32,7 @@ def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteErro
     """``torch.load(path, weights_only=True)`` on the CPU: tensors and plain containers only, so nothing in the file
     runs. A missing, empty, truncated or unsafe file raises ``error`` naming the file and what is wrong. ``mmap``:
     tensors of a zip-format file are mapped, not read (a cheap check of a large file)."""
-    import torch
+    import torch  # torch: io is on the CLI start-up path
 
     if not os.path.exists(path):
         raise error(f"{what} {path} does not exist.")
@@ -116,7 +116,7 @@ def atomic_write(path: str, write: Callable[[Any], None]) -> None:
 
 def atomic_torch_save(obj: Any, path: str) -> None:
     """``torch.save`` through ``atomic_write``."""
-    import torch
+    import torch  # torch: io is on the CLI start-up path
 
     atomic_write(path, lambda f: torch.save(obj, f))
 

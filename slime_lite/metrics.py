@@ -6,6 +6,8 @@ import json
 import logging
 import math
 import os
+import resource
+import sys
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
@@ -58,7 +60,7 @@ class MetricsLogger:
         self.tb = None
         self.wandb = None
         if args.use_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # torch, tensorboard: only with --use-tensorboard
 
             self.tb = SummaryWriter(args.tensorboard_dir or os.path.join(args.save or ".", "tensorboard"))
         if args.use_wandb:
@@ -104,8 +106,6 @@ class MetricsLogger:
 
 def process_memory() -> dict[str, float]:
     """This process's resident memory now and at its peak (MB), and CUDA memory when a GPU is in use."""
-    import resource
-    import sys
 
     out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
     try:

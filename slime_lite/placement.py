@@ -6,10 +6,22 @@ give the same tables.
 
 from __future__ import annotations
 
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from slime_lite.config import TrainSideConfig
+from slime_lite.engine_client import API_KEY_ENV, api_key
+from slime_lite.errors import SlimeLiteError
 
 
 @dataclass
@@ -42,24 +54,20 @@ def plan_layout(args: Any) -> Layout:
 
 def gpu_resource() -> str:
     """``GPU`` when CUDA is visible to Ray, else the logical ``slot`` resource."""
-    import torch
+    import torch  # torch: the driver asks only here
 
     return "GPU" if torch.cuda.is_available() else "slot"
 
 
 def init_ray(args: Any, num_slots: int) -> None:
     """Join the cluster named by RAY_ADDRESS (ray job submit) or start a local one sized for this run."""
-    import os
-    import secrets
 
-    import ray
 
     if ray.is_initialized():
         return
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}}
     env["env_vars"].update(kv.split("=", 1) for kv in args.debug_env)  # --debug-env
     # engines on non-loopback addresses require this run's API key; every Ray process gets it by environment
-    from slime_lite.engine_client import API_KEY_ENV, api_key
 
     os.environ[API_KEY_ENV] = api_key() or secrets.token_urlsafe(32)
     env["env_vars"][API_KEY_ENV] = os.environ[API_KEY_ENV]
@@ -79,10 +87,7 @@ def init_ray(args: Any, num_slots: int) -> None:
 
 def create_placement_group(layout: Layout, timeout: float = 120.0):
     """A PACK placement group of ``layout.num_bundles`` one-GPU (or one-slot) bundles; None when empty."""
-    import ray
-    from ray.util.placement_group import placement_group
 
-    from slime_lite.errors import SlimeLiteError
 
     if layout.num_bundles == 0:
         return None
@@ -99,7 +104,6 @@ def create_placement_group(layout: Layout, timeout: float = 120.0):
 
 def bundle_options(pg: Any, bundle: int, share: float = 1.0) -> dict[str, Any]:
     """Ray actor options for a process on ``bundle``; ``share`` < 1 lets colocated processes share it."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     res = gpu_resource()
     opts: dict[str, Any] = {
@@ -121,7 +125,6 @@ WATCH_POLL_S = 0.25
 
 def _proc_table() -> dict[int, tuple[int, int]]:
     """``{pid: (ppid, start time in clock ticks)}`` of every process (Linux /proc)."""
-    import os
 
     table = {}
     for entry in os.listdir("/proc"):
@@ -155,9 +158,6 @@ def watch_driver(driver_pid: int, poll_s: float = WATCH_POLL_S) -> None:
     """Run in a process of its own: follow the driver's process tree and, once the driver is gone (kill -9
     included), SIGKILL every process of it still running (Ray's own, the actors, launched servers). Orphans are
     re-parented away from the driver, so the tree is remembered while the driver lives."""
-    import os
-    import signal
-    import time
 
     me = os.getpid()
     table = _proc_table()
@@ -189,9 +189,6 @@ def watch_driver(driver_pid: int, poll_s: float = WATCH_POLL_S) -> None:
 
 def start_driver_watch() -> None:
     """Start ``watch_driver`` for this process in a detached process (Linux; nothing elsewhere)."""
-    import os
-    import subprocess
-    import sys
 
     if not os.path.isdir("/proc/self"):
         return

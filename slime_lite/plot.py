@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from slime_lite.errors import SlimeLiteError
+from slime_lite.errors import SlimeLiteError, run_main
 
 
 def read_records(path: str) -> list[dict]:
@@ -17,10 +17,10 @@ def read_records(path: str) -> list[dict]:
 
 
 def plot(records: list[dict], out: str, title: str = "") -> None:
-    import matplotlib
+    import matplotlib  # matplotlib: its backend is chosen first
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use
 
     train = [r for r in records if "rollout/raw_reward" in r]
     evals = sorted({k for r in records for k in r if k.startswith("eval/") and k.count("/") == 1})
@@ -58,6 +58,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from slime_lite.errors import run_main
-
     raise SystemExit(run_main(main))

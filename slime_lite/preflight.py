@@ -9,9 +9,15 @@ import logging
 import os
 from typing import Any
 
+from slime_lite.args_check import world_size
+from slime_lite.backends.megatron.train_dump import train_dump_path
+from slime_lite.checks.grad_norm import grad_norm_path
 from slime_lite.config import TokenBudget
 from slime_lite.errors import SlimeLiteError
+from slime_lite.io import probe_folder
 from slime_lite.profiling import profile_targets, trace_dir
+from slime_lite.rollout.dumps import dump_path
+from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger("slime_lite.preflight")
 
@@ -21,7 +27,7 @@ def preflight(args: Any) -> None:
     check_profiling_device(args)
     check_grad_norm_file(args)
     if args.load and not args.debug_rollout_only:  # a corrupt or crafted checkpoint: refused before Ray starts
-        from slime_lite.backends.megatron.checkpoint import check_loadable
+        from slime_lite.backends.megatron.checkpoint import check_loadable  # torch: only with --load
 
         check_loadable(args.load)
     if args.load_debug_rollout_data:
@@ -30,7 +36,6 @@ def preflight(args: Any) -> None:
 
 def output_folders(args: Any) -> list[tuple[str, str]]:
     """(flag and its value, folder) for every location this run writes to."""
-    from slime_lite.rollout.dumps import dump_path
 
     out = []
     if args.save:
@@ -46,8 +51,6 @@ def output_folders(args: Any) -> list[tuple[str, str]]:
         if args.get_mismatch_metrics:
             out.append((f"--dump-details {args.dump_details}", os.path.join(args.dump_details, "mismatch")))
     if args.save_debug_train_data:  # after --dump-details: it may have set this flag
-        from slime_lite.args_check import world_size
-        from slime_lite.backends.megatron.train_dump import train_dump_path
 
         flag = f"--save-debug-train-data {args.save_debug_train_data}"
         folders = {os.path.dirname(os.path.abspath(train_dump_path(args.save_debug_train_data, 0, rank)))
@@ -66,8 +69,6 @@ def output_folders(args: Any) -> list[tuple[str, str]]:
     if args.record_memory_history:
         out.append((f"--memory-snapshot-dir {args.memory_snapshot_dir}", args.memory_snapshot_dir))
     if args.ci_save_grad_norm:
-        from slime_lite.checks.grad_norm import grad_norm_path
-
         path = grad_norm_path(args.ci_save_grad_norm, "actor", 0, 0)
         out.append((f"--ci-save-grad-norm {args.ci_save_grad_norm}", os.path.dirname(os.path.abspath(path))))
     return out
@@ -75,7 +76,6 @@ def output_folders(args: Any) -> list[tuple[str, str]]:
 
 def check_outputs(args: Any) -> None:
     """Create every output folder and write a probe file in it: SlimeLiteError naming the flag and the path."""
-    from slime_lite.io import probe_folder
 
     for flag, folder in output_folders(args):
         probe_folder(folder, flag)
@@ -97,7 +97,7 @@ def check_profiling_device(args: Any) -> None:
     """--record-memory-history needs CUDA: refused on a machine without it (not a silent no-op)."""
     if not args.record_memory_history:
         return
-    import torch
+    import torch  # torch: only when asked about CUDA
 
     if not torch.cuda.is_available():
         raise SlimeLiteError(
@@ -107,7 +107,7 @@ def check_profiling_device(args: Any) -> None:
 
 def replay_ids(args: Any) -> range:
     """The rollout ids a replay reads: from 0 (or the rollout after the checkpoint of --load) to --num-rollout."""
-    from slime_lite.backends.megatron.checkpoint import iteration, latest
+    from slime_lite.backends.megatron.checkpoint import iteration, latest  # torch: only for a replay with --load
 
     start = 0
     if args.load is not None:
@@ -120,6 +120,7 @@ def check_replay_dumps(args: Any) -> None:
     """Every dump of the replay loads, has the schema and types of a Sample list, token ids inside the model's
     vocab, consistent lengths, finite rewards, samples that split into the run's steps, and was made with this
     run's settings. Errors name the file, the sample and the field."""
+    # torch: only for a replay
     from slime_lite.rollout.dumps import (
         check_replay_meta,
         check_replay_samples,
@@ -128,7 +129,6 @@ def check_replay_dumps(args: Any) -> None:
         make_meta,
         subsample_groups,
     )
-    from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     tokenizer = load_tokenizer(args.hf_checkpoint)
     expected = make_meta(args, tokenizer_fingerprint(tokenizer))

@@ -15,7 +15,9 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from slime_lite.engine_client import request_json
 from slime_lite.errors import SlimeLiteError
+from slime_lite.io import atomic_write_text
 
 # train_overall is slime's name of the whole train call (slime's train_actor / train_log_probs split it further)
 PROFILE_TARGETS = ("train", "rollout", "driver", "train_overall")
@@ -50,7 +52,7 @@ class TorchProfile:
         self.prof = None
 
     def start(self, record_shapes: bool = True, with_stack: bool = False, profile_memory: bool = True) -> None:
-        import torch
+        import torch  # torch: the flag parser reads this module
 
         if self.prof is not None:
             raise SlimeLiteError("a profiler is already running in this process; stop it first")
@@ -80,7 +82,7 @@ def start_memory_history() -> None:
     (context="alloc"): with stacks recorded at frees too (torch's default context="all") the first backward of a
     Megatron train step failed on an H200 (torch 2.11) with "run_backward returned NULL without setting an
     exception", with Python or C++ stacks alike; "alloc", "state" and no context passed there."""
-    import torch
+    import torch  # torch: the flag parser reads this module
 
     if not torch.cuda.is_available():
         raise SlimeLiteError(
@@ -90,7 +92,7 @@ def start_memory_history() -> None:
 
 
 def dump_memory_snapshot(path: str) -> str:
-    import torch
+    import torch  # torch: the flag parser reads this module
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     torch.cuda.memory._dump_snapshot(path)
@@ -98,7 +100,7 @@ def dump_memory_snapshot(path: str) -> str:
 
 
 def stop_memory_history() -> None:
-    import torch
+    import torch  # torch: the flag parser reads this module
 
     torch.cuda.memory._record_memory_history(enabled=None)
 
@@ -138,7 +140,6 @@ class Timeline:
     def write(self) -> None:
         if not self.enabled:
             return
-        from slime_lite.io import atomic_write_text
 
         names = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}
                  for name, tid in self._rows.items()]
@@ -173,8 +174,6 @@ class RunProfiler:
             for group in self.trainers:
                 group.start_profile()
         if "rollout" in self.targets:
-            from slime_lite.engine_client import request_json
-
             for i, url in enumerate(self.urls):  # SGLang's route and fields; SGLang servers write .json.gz
                 request_json(url, "/start_profile", {"output_dir": os.path.abspath(self.dir),
                                                      "profile_prefix": f"rollout_engine{i}"}, timeout=300)
@@ -186,8 +185,6 @@ class RunProfiler:
                 for group in self.trainers:
                     group.stop_profile(os.path.abspath(self.dir))
             if "rollout" in self.targets:
-                from slime_lite.engine_client import request_json
-
                 for url in self.urls:
                     request_json(url, "/stop_profile", {}, timeout=300)
         if self.args.record_memory_history and self.trainers:

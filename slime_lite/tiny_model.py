@@ -19,6 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from slime_lite import tasks
 from slime_lite.errors import SlimeLiteError
 from slime_lite.tokenizer import build_tokenizer, save_tokenizer
 
@@ -29,8 +33,6 @@ VOCAB_PAD_MULTIPLE = 64  # the model's vocab_size is padded (as Qwen does) so TP
 
 def _qwen2_config(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                   intermediate_size: int, tie_word_embeddings: bool):
-    from transformers import Qwen2Config
-
     return Qwen2Config(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -62,8 +64,6 @@ def _encode_examples(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]
 
 
 def _batch(examples: list[tuple[list[int], int]], pad_id: int):
-    import torch
-
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
@@ -77,7 +77,6 @@ def _batch(examples: list[tuple[list[int], int]], pad_id: int):
 
 def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 8) -> list[str]:
     """Greedy completions of raw-text prompts (batched by prompt length, so no padding), cut at eos."""
-    import torch
 
     by_len: dict[int, list[int]] = {}
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
@@ -118,9 +117,7 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
     With ``target`` set, keep the checkpoint whose dev accuracy (a slice of the train split held out of the
     fit) is closest to it; with ``target=None`` keep the last weights.
     """
-    import torch
 
-    from slime_lite import tasks
 
     train_rows, eval_rows = tasks.split_problems(task, n_train=tasks.n_problems(task) - tasks.DEFAULT_N_EVAL,
                                                  n_eval=tasks.DEFAULT_N_EVAL, seed=0)
@@ -210,9 +207,7 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
 ) -> dict[str, Any]:
     """Build, warm-start and save the tiny Qwen2 model; return a report (params, steps, seconds, eval accuracy)."""
-    import torch
 
-    from slime_lite import tasks
 
     for name, value in (("--hidden-size", hidden_size), ("--num-layers", num_layers), ("--num-heads", num_heads),
                         ("--num-kv-heads", num_kv_heads), ("--intermediate-size", intermediate_size)):
@@ -233,7 +228,6 @@ def make_tiny_model(
     out = Path(out_dir)
     _check_out_dir(out)
 
-    from transformers import GenerationConfig, Qwen2ForCausalLM
 
     start = time.perf_counter()
     old_threads = torch.get_num_threads()
@@ -265,8 +259,6 @@ def make_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_lite import tasks
-
     parser = argparse.ArgumentParser(
         prog="slime-lite make-tiny-model",
         description="Write a tiny warm-started Qwen2 checkpoint with a character-level tokenizer.",

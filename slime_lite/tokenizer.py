@@ -55,8 +55,9 @@ def _tokenizer_config() -> dict[str, Any]:
 
 def build_tokenizer():
     """The character-level tokenizer: ids 0-2 are the special tokens (0 is eos and pad), then "\\n", then ASCII 32..126."""
+    # tokenizers: only when one is built
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # transformers: only when a tokenizer loads
 
     tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token=None))
     tok.normalizer = normalizers.Replace(Regex(r"[^\n -~]"), "?")  # outside the vocab: "?" (never an error)
@@ -95,13 +96,13 @@ def is_char_tokenizer_dir(path: str | os.PathLike) -> bool:
 def load_tokenizer(path: str | os.PathLike):
     """Load any checkpoint's tokenizer: ours with PreTrainedTokenizerFast (AutoTokenizer would pick Qwen2's), else AutoTokenizer."""
     if is_char_tokenizer_dir(path):
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # transformers: only when a tokenizer loads
 
         tok = PreTrainedTokenizerFast.from_pretrained(str(path))
         if not getattr(tok, "chat_template", None):
             tok.chat_template = CHAT_TEMPLATE
         return tok
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: only when a tokenizer loads
 
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 

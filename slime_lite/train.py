@@ -1,10 +1,14 @@
-"""The driver: parse and check the flags, place the processes, then loop generate -> (onload) -> train -> save ->
-push weights -> (offload) -> eval -> log. Training is PPO's order when there is a critic: the critic's values, then
-the actor's log-probs, advantages and policy steps, then the critic's value steps toward the returns. With
-``--async`` (train_async.py) rollout r + 1 generates while rollout r trains, and the push waits for it.
+"""The driver: parse and check the flags (read-only from then on), place the processes, then run the loop one call
+per phase: generate -> (release engine memory, onload trainer) -> train -> save -> push weights -> (offload
+trainer, resume engines) -> eval -> log -> check.
 
-The debug modes are the visible branches below: ``--debug-rollout-only`` never builds (or imports) the trainer,
-``--debug-train-only`` / ``--load-debug-rollout-data`` start no engine.
+It holds two objects and no other state: a rollout side (rollout/side.py: engines, router, rollout manager,
+fault-tolerant recovery, engine memory) and a train side (backends/megatron/side.py: actor and critic groups; PPO's
+values and returns pass between them as Ray refs). Each decides what its phases do in the run's mode: under
+``--debug-rollout-only`` the train side has no group (Megatron is never imported) and the push does nothing; under
+``--debug-train-only`` / ``--load-debug-rollout-data`` the rollout side starts no engine and the manager loads dumps.
+``--async`` (train_async.py) generates rollout r + 1 while rollout r trains; the push waits for it. What a run
+checks as it goes (--ci-test, grad-norms, the log-prob jump warning) is checks/ci.py's ``RunChecks``.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import os
 import time
 
 from slime_lite.args import parse_args
+from slime_lite.checks.ci import RunChecks
 from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.logging_setup import setup_logging
 from slime_lite.metrics import MetricsLogger, write_args_json
 from slime_lite.preflight import preflight
+from slime_lite.profiling import DRIVER_TIMELINE, RunProfiler
 
 log = logging.getLogger("slime_lite.train")
 
@@ -26,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger().setLevel(args.log_level.upper())
     preflight(args)  # outputs writable, every replay dump valid: before Ray starts
-    import ray
+    import ray  # ray: `train --help` and flag errors stay instant
 
     try:
         return run(args)
@@ -41,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     """The RL loop, one call per phase. Each side decides what its phases do in the run's mode (see the module
     docstring); the parsed flags are read-only here."""
-    from slime_lite.backends.megatron.side import TrainSide  # imports no Megatron until a group is built
-    from slime_lite.checks.ci import RunChecks
+    # these import ray (`train --help` and flag errors stay instant); the train side imports Megatron only when it
+    # builds a group, which --debug-rollout-only never does
+    from slime_lite.backends.megatron.side import TrainSide
     from slime_lite.placement import create_placement_group, init_ray, plan_layout
-    from slime_lite.profiling import DRIVER_TIMELINE, RunProfiler
     from slime_lite.rollout.side import RolloutSide
     from slime_lite.train_async import RolloutSchedule, record_lag
 

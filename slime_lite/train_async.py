@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
+
 from slime_lite.errors import SlimeLiteError
 
 log = logging.getLogger("slime_lite.train")
@@ -37,8 +39,6 @@ class RolloutSchedule:
                  get: Callable[[Any], Any] | None = None) -> None:
         """``wait(ref, rollout_id)`` waits for a generation; ``get`` for the manager's small calls (ray.get)."""
         if get is None:
-            import ray
-
             get = ray.get
         self.args, self.manager, self.wait, self.fetch = args, manager, wait, get
         self.overlap = bool(args.async_train)

@@ -7,6 +7,8 @@ unknown keys as attributes, so dumps from newer code load in older code.
 
 from __future__ import annotations
 
+import array
+import base64
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
@@ -22,8 +24,6 @@ class RewardError(ValueError):
 def _int32s(meta_info: dict[str, Any], keys: tuple[str, ...]) -> list[int] | None:
     """An int32 array SGLang puts in meta_info (base64 of little-endian int32, bytes, or a list), as slime decodes
     it; None when none of ``keys`` is there."""
-    import array
-    import base64
 
     value = next((meta_info[k] for k in keys if k in meta_info), None)
     if value is None:

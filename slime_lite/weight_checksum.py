@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
 
 from slime_lite.triton_build import triton_kernels
-
-if TYPE_CHECKING:
-    import numpy as np
-    import torch
 
 CHECKSUM_BLOCK_WORDS = 2048  # part of the digest's definition (see tensor_checksums): changing it changes every digest
 CHECKSUM_BATCH_BYTES = 64 << 20  # bytes hashed per batch of device ops (transient memory ~3x this); digests unaffected
@@ -21,7 +19,6 @@ _LENGTH_MULT = 0xD6E8FEB86659FD93  # odd: folds the byte length into the second 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser on a uint64 array (wrapping arithmetic): a fixed pseudo-random 64-bit value per x."""
-    import numpy as np
 
     z = x + np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -32,7 +29,6 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 def checksum_multipliers(kind: str, index: np.ndarray) -> np.ndarray:
     """The odd 64-bit multipliers of the checksum, as uint64: ``"word"`` for a word's place inside its block (index
     < CHECKSUM_BLOCK_WORDS), ``"block_a"`` / ``"block_b"`` for the block's place in the tensor, one per half."""
-    import numpy as np
 
     salt = {"word": 0, "block_a": 1 << 40, "block_b": 2 << 40}[kind]
     return _splitmix64(np.asarray(index, dtype=np.uint64) + np.uint64(salt)) | np.uint64(1)
@@ -41,8 +37,6 @@ def checksum_multipliers(kind: str, index: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=16)
 def _multipliers_on(device: str, kind: str, count: int) -> torch.Tensor:
     """``checksum_multipliers(kind, range(count))`` as int64 on ``device``: made once per process."""
-    import numpy as np
-    import torch
 
     return torch.from_numpy(checksum_multipliers(kind, np.arange(count)).view(np.int64)).to(device)
 
@@ -76,7 +70,6 @@ def tensor_checksums(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None 
     CHECKSUM_BATCH_BYTES (a few kernels per batch, not per tensor); the digests come to the host in one transfer
     per device.
     """
-    import torch
 
     out: list[str] = [""] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
@@ -92,9 +85,6 @@ def tensor_checksums(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None 
 
 
 def _checksums_on(device: torch.device, tensors: list[torch.Tensor], dtype: torch.dtype | None) -> list[str]:
-    import numpy as np
-    import torch
-
     block = 8 * CHECKSUM_BLOCK_WORDS  # bytes
     nbytes = [t.numel() * (dtype or t.dtype).itemsize for t in tensors]
     nblocks = [-(-n // block) for n in nbytes]
@@ -113,8 +103,6 @@ def _checksums_on(device: torch.device, tensors: list[torch.Tensor], dtype: torc
 def _combine(device: torch.device, sums: torch.Tensor, nblocks: list[int]) -> torch.Tensor:
     """(2, tensors) int64: per tensor, the sum of its blocks' sums (``sums``, (2, all blocks)) each times its block's
     multiplier."""
-    import numpy as np
-    import torch
 
     counts = np.asarray(nblocks, dtype=np.int64)
     ends = np.cumsum(counts)
@@ -135,7 +123,6 @@ def _torch_block_sums(device: torch.device, tensors: list[torch.Tensor], dtype: 
                       nbytes: list[int], nblocks: list[int]) -> torch.Tensor | None:
     """(2, all blocks) int64: each block's sum of p and of p * (p >> 32), in torch ops over batches of about
     CHECKSUM_BATCH_BYTES (host tensors copied, casts done, a batch at a time); None when there are no blocks."""
-    import torch
 
     block = 8 * CHECKSUM_BLOCK_WORDS
     per_batch = max(1, CHECKSUM_BATCH_BYTES // block)
@@ -186,8 +173,6 @@ def _fused_digests(device: torch.device, tensors: list[torch.Tensor], dtype: tor
     sums times its block multipliers) and a running sum on the device; only a few host calls per tensor. Only on
     CUDA with Triton installed, every tensor already on ``device`` and no cast asked for; None otherwise (the caller
     falls back to torch ops), or when there are no blocks."""
-    import numpy as np
-    import torch
 
     total = sum(nblocks)
     if total == 0 or not _fused_usable(device):

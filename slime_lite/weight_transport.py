@@ -18,11 +18,13 @@ The weight-equality check's checksum, which both sides use too, is ``slime_lite.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
-from typing import TYPE_CHECKING
+import os
+import socket
 
-if TYPE_CHECKING:
-    import torch
+import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,6 @@ WILDCARD_ENV = "SLIME_LITE_WEIGHT_GROUP_ALLOW_WILDCARD"  # "1": a weight group m
 
 def is_wildcard(address: str) -> bool:
     """Whether ``address`` means every interface (``0.0.0.0``, ``::``, empty)."""
-    import ipaddress
 
     try:
         return ipaddress.ip_address(address.strip("[]")).is_unspecified
@@ -41,8 +42,6 @@ def is_wildcard(address: str) -> bool:
 
 
 def wildcard_allowed() -> bool:
-    import os
-
     return os.environ.get(WILDCARD_ENV, "") == "1"
 
 
@@ -55,7 +54,6 @@ def check_group_address(address: str) -> None:
 
 def _local_address_towards(address: str, port: int) -> str:
     """This host's address on the route to ``address`` (the address itself when it is local): what gloo binds."""
-    import socket
 
     if is_wildcard(address):
         return "0.0.0.0"
@@ -67,7 +65,6 @@ def _local_address_towards(address: str, port: int) -> str:
 
 def dtype_from_name(name: str) -> "torch.dtype":
     """``"bfloat16"`` or ``"torch.bfloat16"`` -> ``torch.bfloat16``; a clear error for anything else."""
-    import torch
 
     dt = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
@@ -97,8 +94,6 @@ class WeightUpdateGroup:
         group_name: str = DEFAULT_GROUP_NAME,
         timeout_s: float = 300.0,
     ) -> None:
-        import torch.distributed as dist
-
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: expected 'gloo' or 'nccl'")
         if not 0 <= rank < world_size:
@@ -108,7 +103,6 @@ class WeightUpdateGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         url = f"tcp://{master_address}:{int(master_port)}"
         if rank == 0:  # torch's TCPStore server binds every interface: hand it a socket bound to the address asked
-            import socket
 
             info = socket.getaddrinfo(master_address.strip("[]"), int(master_port), type=socket.SOCK_STREAM)[0]
             listener = socket.socket(info[0], socket.SOCK_STREAM)
@@ -142,7 +136,6 @@ class WeightUpdateGroup:
 
     def broadcast(self, tensor: "torch.Tensor", src: int = 0) -> None:
         """Broadcast ``tensor`` in place from rank ``src`` to every member (blocks until done)."""
-        import torch.distributed as dist
 
         if self._pg is None:
             raise RuntimeError(f"weight update group {self.group_name!r} was destroyed")

@@ -15,6 +15,7 @@ from typing import Any
 
 from slime_lite.checks.grad_norm import GradNormCI
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, CiConfig
+from slime_lite.engine_client import request_json
 from slime_lite.errors import SlimeLiteError
 
 log = logging.getLogger("slime_lite.train")
@@ -140,7 +141,6 @@ def with_engine_dtype(cfg: CiConfig, urls: list[str]) -> CiConfig:
     the driver may not see the engines' GPUs, so it cannot tell their precision itself."""
     if cfg.engine_dtype != "auto" or not urls:
         return cfg
-    from slime_lite.engine_client import request_json
 
     try:
         info = request_json(urls[0], "/get_server_info", timeout=30.0, method="GET")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.io import atomic_write_text
 
 # Default --ci-grad-norm-rtol by training precision. float32, measured on CPU with the tiny replay of
 # tests/backends/test_train_replay.py (2 rollouts x 2 steps, every step compared with TP=PP=DP=1): TP=2 differs by
@@ -119,8 +120,6 @@ class GradNormCI:
         return {_key(r): r for r in _read(path, "--ci-save-grad-norm") if int(r["rollout_id"]) < self.start}
 
     def _write(self, path: str) -> None:
-        from slime_lite.io import atomic_write_text
-
         records = [self._saved[path][k] for k in sorted(self._saved[path])]
         atomic_write_text(json.dumps({"grad_norms": records}, indent=1) + "\n", path)
 

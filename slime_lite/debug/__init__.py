@@ -6,7 +6,10 @@ import os
 import sys
 from typing import Any
 
+from rich.console import Console
+
 from slime_lite.errors import DumpError
+from slime_lite.rollout.dumps import find_dumps
 
 
 def select_dumps(template: str, rollout_id: int | None = None, flag: str = "--load-debug-rollout-data") -> list[
@@ -16,7 +19,6 @@ def select_dumps(template: str, rollout_id: int | None = None, flag: str = "--lo
 
     A path without ``{rollout_id}`` is taken as one dump file (kind 'file', id -1).
     """
-    from slime_lite.rollout.dumps import find_dumps
 
     if "{rollout_id}" not in template:
         if not os.path.exists(template):
@@ -35,7 +37,6 @@ def select_dumps(template: str, rollout_id: int | None = None, flag: str = "--lo
 
 def make_console() -> Any:
     """A rich console; wide when not a terminal, so piped output keeps whole rows."""
-    from rich.console import Console
 
     return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
 

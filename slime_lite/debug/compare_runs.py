@@ -13,6 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from slime_lite.errors import SlimeLiteError
 from slime_lite.metrics import is_timing_metric
 
@@ -128,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     if not diffs:
         print(f"the steps both runs have agree within rtol {args.rtol:g}{scope}")
         return 1
-    from rich.console import Console
-    from rich.table import Table
 
     table = Table(title=f"{len(diffs)} metric(s) differ by more than rtol {args.rtol:g}{scope}")
     for col in ("metric", f"first {args.step_key}", "A", "B", "rel diff", "steps differing"):

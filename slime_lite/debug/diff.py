@@ -9,6 +9,14 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from rich.table import Table
+from rich.text import Text
+
+from slime_lite.debug import make_console
+from slime_lite.debug.replay_reward import rewards_equal
+from slime_lite.errors import run_main
+from slime_lite.rollout.dumps import load_rollout_dump
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -52,8 +60,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def compare_samples(position: int, sa: Any, sb: Any, atol: float) -> SampleDiff:
-    from slime_lite.debug.replay_reward import rewards_equal
-
     ta, tb = [int(t) for t in sa.tokens], [int(t) for t in sb.tokens]
     first = first_difference(ta, tb)
     detail = ""
@@ -79,12 +85,6 @@ def compare_samples(position: int, sa: Any, sb: Any, atol: float) -> SampleDiff:
 
 
 def _run(argv: list[str] | None) -> int:
-    from rich.table import Table
-    from rich.text import Text
-
-    from slime_lite.debug import make_console
-    from slime_lite.rollout.dumps import load_rollout_dump
-
     args = build_parser().parse_args(argv)
     da, db = load_rollout_dump(args.a), load_rollout_dump(args.b)
     console = make_console()
@@ -132,8 +132,6 @@ def _run(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_lite.errors import run_main
-
     return run_main(_run, argv)
 
 

@@ -8,6 +8,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rich.table import Table
+from rich.text import Text
+
+from slime_lite.debug import make_console, select_dumps, shorten
+from slime_lite.errors import SlimeLiteError, run_main
+from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.rollout.stats import rollout_metrics
+
 TEXT_LIMIT = 400
 
 
@@ -26,16 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _value(x: Any) -> Any:
-    from rich.text import Text
-
     return Text(x if isinstance(x, str) else repr(x))
 
 
 def sample_table(sample: Any, position: int, full: bool) -> Any:
-    from rich.table import Table
-
-    from slime_lite.debug import shorten
-
     limit = 0 if full else TEXT_LIMIT
     table = Table(title=f"sample {position}", show_header=False, title_justify="left")
     table.add_column("field", style="bold", no_wrap=True)
@@ -57,8 +59,6 @@ def sample_table(sample: Any, position: int, full: bool) -> Any:
 
 
 def dict_table(title: str, data: dict[str, Any]) -> Any:
-    from rich.table import Table
-
     table = Table(title=title, title_justify="left")
     table.add_column("key", no_wrap=True)
     table.add_column("value", overflow="fold")
@@ -68,13 +68,6 @@ def dict_table(title: str, data: dict[str, Any]) -> Any:
 
 
 def _run(argv: list[str] | None) -> int:
-    from rich.text import Text
-
-    from slime_lite.debug import make_console, select_dumps
-    from slime_lite.errors import SlimeLiteError
-    from slime_lite.rollout.dumps import load_rollout_dump
-    from slime_lite.rollout.stats import rollout_metrics
-
     args = build_parser().parse_args(argv)
     if args.max_samples is not None and args.max_samples < 0:
         raise SlimeLiteError(f"--max-samples {args.max_samples}: must be >= 0.")
@@ -99,8 +92,6 @@ def _run(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_lite.errors import run_main
-
     return run_main(_run, argv)
 
 

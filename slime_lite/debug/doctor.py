@@ -21,16 +21,32 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any, Iterator
 
-from slime_lite.config import CiConfig
+from rich.table import Table
+
+from slime_lite.args import parse_args
 from slime_lite.checks.ci import Check, cuda_available, dtype_name, logprob_diff_threshold, rollout_checks
 from slime_lite.checks.ci import make_check as _c
+from slime_lite.config import CiConfig
+from slime_lite.debug import make_console
+from slime_lite.debug.localize import first_mismatch, localize_sample
 from slime_lite.debug.run_checks import (
-    TrainRun, describe_worst_tokens, iteration2, memory_checks, mismatch_checks, precision_check, version_check,
+    TrainRun,
+    describe_worst_tokens,
+    iteration2,
+    memory_checks,
+    mismatch_checks,
+    precision_check,
+    version_check,
     weight_check,
 )
-from slime_lite.errors import SlimeLiteError
+from slime_lite.errors import SlimeLiteError, run_main
+from slime_lite.logging_setup import setup_logging
+from slime_lite.rollout.data import render_prompt
+from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.tokenizer import load_tokenizer
 
 log = logging.getLogger("slime_lite.doctor")
 
@@ -48,7 +64,7 @@ TASK_CHARS = {"addition": set("0123456789"), "math": set("0123456789-")}
 
 # ----------------------------------------------------------------------------------------------- the run itself
 def _nargs_of() -> dict[str, Any]:
-    from slime_lite.args import build_parser
+    from slime_lite.args import build_parser  # the train parser: only when flags are stripped
 
     return {opt: a.nargs for a in build_parser()._actions for opt in a.option_strings}
 
@@ -152,9 +168,8 @@ def run_train(argv: list[str], out: str, timeout: float, retries: int = 1) -> Tr
 # ----------------------------------------------------------------------------------------------- checks from dumps
 def _load_rollout(out: str, rollout_id: int) -> tuple[list, list | None]:
     """(samples, trainer per-token log-probs per sample or None) of one rollout from the run's dumps."""
-    import torch
+    import torch  # torch: `slime-lite doctor --help` stays instant
 
-    from slime_lite.rollout.dumps import load_rollout_dump
 
     path = os.path.join(out, "rollout_data", f"{rollout_id}.pt")
     if not os.path.exists(path):
@@ -179,7 +194,6 @@ def repetition_rate(ids: list[int]) -> float:
 def on_task_checks(args: Any, samples: list, log_probs: list | None, nll_threshold: float,
                    missing: str = "no rollout dump: the run stopped before its first rollout was saved") -> list[Check]:
     """The gibberish score of step 1: trainer NLL per response token, repetition, share of valid characters."""
-    from slime_lite.tokenizer import load_tokenizer
 
     if not samples:
         return [Check(n, None, t, False, missing)
@@ -219,17 +233,15 @@ def prompt_format_check(args: Any, samples: list, max_prompts: int = 8, margin: 
     """Are the prompts formatted as the model expects? The trainer-side model's NLL per token of the answers
     (labels, else the sampled responses) after the prompt as the run rendered it vs with the chat template toggled.
     A run whose format makes the answers much less likely than the other format fails."""
-    import torch
+    import torch  # torch: `slime-lite doctor --help` stays instant
 
-    from slime_lite.rollout.data import render_prompt
-    from slime_lite.tokenizer import load_tokenizer
 
     name, flag = "on_task_prompt_format", "--apply-chat-template"
     tok = load_tokenizer(args.hf_checkpoint)
     picked = [s for s in samples if isinstance(s.prompt, str)][:: max(1, args.n_samples_per_prompt)][:max_prompts]
     if not picked or not getattr(tok, "chat_template", None) or _checkpoint_bytes(args.hf_checkpoint) > 4 << 30:
         return _c(name, None, "not measured (no text prompts, no chat template, or a model over 4 GB)", True)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: only for the on-task checks
 
     device = "cuda" if cuda_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.hf_checkpoint, dtype=torch.float32).to(device).eval()
@@ -266,7 +278,6 @@ def _checkpoint_bytes(hf_dir: str) -> int:
 def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str, Any] | None:
     """Layer-by-layer localisation of the worst train/rollout mismatch of ``rollout_id`` (weights of the
     checkpoint the run pushed first: ``--hf-checkpoint``)."""
-    from slime_lite.debug.localize import first_mismatch, localize_sample
 
     samples, lps = _load_rollout(run.out, rollout_id)
     if not samples or lps is None:
@@ -285,7 +296,6 @@ def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str
 def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool = True,
              localize: bool = True, nll_threshold: float = 1.5) -> dict[str, Any]:
     """Run the short job(s) and every check; returns the doctor's report (also written to OUT/doctor.json)."""
-    from slime_lite.args import parse_args
 
     argv = train_argv(user_argv, out)
     args = parse_args(argv)  # a flag error stops here, before anything starts
@@ -364,10 +374,6 @@ def _fmt(value: Any) -> str:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    from slime_lite.debug import make_console
-
     console = make_console()
     table = Table(title="slime-lite doctor", show_lines=False)
     for col in ("check", "value", "threshold", "pass", "likely cause"):
@@ -422,9 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """The doctor's own forwards (format check, localisation) without progress bars or Megatron start-up lines."""
-    import warnings
 
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # transformers: only for the on-task checks
 
     loggers = {name: logging.getLogger(name) for name in ("megatron", "slime_lite.backends")}
     levels = {name: lg.level for name, lg in loggers.items()}
@@ -458,8 +463,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from slime_lite.errors import run_main
-    from slime_lite.logging_setup import setup_logging
-
     setup_logging()
     raise SystemExit(run_main(main))

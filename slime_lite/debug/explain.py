@@ -14,8 +14,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.table import Table
+
 from slime_lite.backends.megatron.train_dump import TrainDump, load_train_dumps, sample_key
+from slime_lite.debug import make_console
 from slime_lite.errors import DumpError, SlimeLiteError
+from slime_lite.io import atomic_write_text
+from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.tokenizer import load_tokenizer
 
 DEFAULT_THRESHOLD = 0.05  # the bf16 bound of --ci-logprob-diff-threshold: float32 runs sit far below it
 HOT = "#ff2a6d"  # the highlight colour of a token over the threshold (the browser test looks for it)
@@ -162,8 +168,6 @@ def _cells(r: Row) -> list[str]:
 
 
 def render_terminal(ex: Explained, console: Any) -> None:
-    from rich.table import Table
-
     head = Table(show_header=False, box=None, title=f"explain: {' + '.join(ex.sources)}", title_justify="left")
     head.add_column(style="bold", no_wrap=True)
     head.add_column(overflow="fold")
@@ -223,17 +227,12 @@ def token_texts(checkpoint: str | None) -> Any:
     """``ids -> [text]`` with the checkpoint's tokenizer; None when there is none to load."""
     if not checkpoint or not os.path.isdir(checkpoint):
         return None
-    from slime_lite.tokenizer import load_tokenizer
 
     tok = load_tokenizer(checkpoint)
     return lambda ids: [tok.decode([t]) for t in ids]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_lite.debug import make_console
-    from slime_lite.io import atomic_write_text
-    from slime_lite.rollout.dumps import load_rollout_dump
-
     a = build_parser().parse_args(argv)
     if not a.threshold >= 0:
         raise SlimeLiteError(f"--threshold {a.threshold} must be >= 0.")

@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,12 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from slime_lite.errors import SlimeLiteError
+from rich.console import Console
+from rich.table import Table
+
+from slime_lite.args import NOT_PASSTHROUGH, parse_args
+from slime_lite.errors import SlimeLiteError, run_main
+from slime_lite.logging_setup import setup_logging
 
 TOGGLES = ("cuda-graph", "spec", "deepep")
 TOGGLE_HELP = {
@@ -92,7 +98,6 @@ def parse_bisect_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def _sglang_tokens(argv: list[str]) -> list[tuple[int, int, str, str | None]]:
     """(start, end, name, value) of each --sglang-* flag in argv, split as slime_lite.args.split_sglang_args does."""
-    from slime_lite.args import NOT_PASSTHROUGH
 
     out, i = [], 0
     while i < len(argv):
@@ -286,7 +291,6 @@ def classify(returncode: int | None, timed_out: bool, texts: list[str]) -> tuple
 
 def inspect_core_dump(path: str, timeout: float = 180.0) -> tuple[str | None, str | None]:
     """(exception, kernel) that cuda-gdb reports for a GPU core dump; (None, None) without cuda-gdb or on failure."""
-    import shutil
 
     gdb = shutil.which("cuda-gdb")
     if gdb is None:
@@ -333,8 +337,6 @@ def _core_files(core_dir: str | None) -> set[str]:
 
 # ---- the command ---------------------------------------------------------------------------------------------
 def run_bisect(opts: argparse.Namespace, train_argv: list[str]) -> list[ComboResult]:
-    from slime_lite.args import parse_args
-
     args = parse_args(combination_argv(train_argv, frozenset()))  # user errors now (SGLang flags too), not in every job
     if args.rollout_backend != "sglang" or args.rollout_external_engine_addrs:
         raise SlimeLiteError("ima-bisect restarts SGLang engines with different flags: it needs --rollout-backend "
@@ -382,9 +384,6 @@ def run_bisect(opts: argparse.Namespace, train_argv: list[str]) -> list[ComboRes
 
 
 def report(results: list[ComboResult], toggles: list[str], out: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=max(120, int(os.environ.get("COLUMNS", "0") or 0)))
     table = Table(title="ima-bisect (every job with CUDA_LAUNCH_BLOCKING=1)")
     table.add_column("#", justify="right")
@@ -431,8 +430,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from slime_lite.errors import run_main
-    from slime_lite.logging_setup import setup_logging
-
     setup_logging()
     raise SystemExit(run_main(main))

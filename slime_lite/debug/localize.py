@@ -69,7 +69,7 @@ class Localization:
 
 
 def _torch_dtype(name: str):
-    import torch
+    import torch  # torch, Megatron: only when a mismatch is localised
 
     if name not in _DTYPES:
         raise SlimeLiteError(f"localize: dtype {name!r} unknown; use one of {', '.join(_DTYPES)}.")
@@ -82,8 +82,8 @@ def _first(output: Any) -> Any:
 
 def hf_states(hf_dir: str, tokens: Sequence[int], dtype: str = "float32") -> dict[str, Any]:
     """Hidden states of the transformers model at ``hf_dir``: ordered {name: float32 [T, H or V]}."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # torch, Megatron: only when a mismatch is localised
+    from transformers import AutoModelForCausalLM  # transformers: only when a mismatch is localised
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the engine runs its HF model
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=_torch_dtype(dtype))
@@ -116,13 +116,13 @@ def megatron_states(hf_dir: str, tokens: Sequence[int], dtype: str = "float32") 
 
     Makes this process a one-rank job for the call unless Megatron is already initialised with TP=PP=1 here.
     """
-    import torch
-    from megatron.core import parallel_state
-    from transformers import AutoConfig
+    import torch  # torch, Megatron: only when a mismatch is localised
+    from megatron.core import parallel_state  # Megatron: only when a mismatch is localised
+    from transformers import AutoConfig  # transformers: only when a mismatch is localised
 
-    from slime_lite.backends.megatron import parallel
-    from slime_lite.backends.megatron.convert import load_hf_weights
-    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits
+    from slime_lite.backends.megatron import parallel  # Megatron: only when a mismatch is localised
+    from slime_lite.backends.megatron.convert import load_hf_weights  # Megatron: only when localising
+    from slime_lite.backends.megatron.model import build_gpt_model, forward_logits  # Megatron: only when localising
 
     owned = not parallel_state.model_parallel_is_initialized()
     rng = torch.get_rng_state()
@@ -206,7 +206,7 @@ def localize(hf_dir_a: str, hf_dir_b_or_megatron: str, tokens: Sequence[int], *,
 
 def response_log_probs(logits: Any, tokens: Sequence[int], prompt_len: int, temperature: float = 1.0) -> Any:
     """Log-probs of tokens[prompt_len:] under ``logits`` [T, V] (row t predicts token t+1) at ``temperature``."""
-    import torch
+    import torch  # torch, Megatron: only when a mismatch is localised
 
     t = max(float(temperature), 1e-6)
     lp = torch.log_softmax(logits[prompt_len - 1: len(tokens) - 1].double() / t, dim=-1)
@@ -216,7 +216,7 @@ def response_log_probs(logits: Any, tokens: Sequence[int], prompt_len: int, temp
 def fit_temperature(logits: Any, tokens: Sequence[int], prompt_len: int, rollout_lp: Sequence[float],
                     grid: Sequence[float] | None = None) -> tuple[float, float]:
     """The sampling temperature whose log-probs best match ``rollout_lp``: (temperature, mean abs diff there)."""
-    import torch
+    import torch  # torch, Megatron: only when a mismatch is localised
 
     grid = list(grid) if grid is not None else [round(0.05 * k, 2) for k in range(2, 81)]
     ref = torch.tensor(list(rollout_lp), dtype=torch.float64)
@@ -239,7 +239,7 @@ def localize_sample(sample: Any, weights_dir: str, *, engine_dtype: str = "float
     """Localise a dumped sample's train/rollout mismatch: HF (engine dtype) vs Megatron (trainer dtype) on the
     sample's tokens, then the rollout log-probs against the engine-side logits at the trainer's temperature.
     ``logprob_tol`` is the mean per-token log-prob gap that counts as agreement (the run's log-prob threshold)."""
-    import torch
+    import torch  # torch, Megatron: only when a mismatch is localised
 
     loc = localize(weights_dir, "megatron", sample.tokens, dtype_a=engine_dtype, dtype_b=trainer_dtype, tol=tol)
     logits_a, logits_b = loc.extra.pop("logits_a"), loc.extra.pop("logits_b")

@@ -10,6 +10,14 @@ import asyncio
 import math
 from typing import Any
 
+from rich.table import Table
+from rich.text import Text
+
+from slime_lite.debug import make_console, select_dumps, shorten
+from slime_lite.errors import SlimeLiteError, run_main
+from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.rollout.rewards import compute_reward
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -45,19 +53,10 @@ def _pick(reward: Any, key: str | None) -> Any:
 
 
 async def _recompute(args: argparse.Namespace, samples: list[Any]) -> list[Any]:
-    from slime_lite.rollout.rewards import compute_reward
-
     return list(await asyncio.gather(*(compute_reward(args, s) for s in samples)))
 
 
 def _run(argv: list[str] | None) -> int:
-    from rich.table import Table
-    from rich.text import Text
-
-    from slime_lite.debug import make_console, select_dumps, shorten
-    from slime_lite.errors import SlimeLiteError
-    from slime_lite.rollout.dumps import load_rollout_dump
-
     args = build_parser().parse_args(argv)
     if not args.rm_type and not args.custom_rm_path:
         raise SlimeLiteError("replay-reward needs --rm-type NAME or --custom-rm-path module.function.")
@@ -94,8 +93,6 @@ def _run(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_lite.errors import run_main
-
     return run_main(_run, argv)
 
 

@@ -5,7 +5,6 @@ checks themselves are slime_lite/checks/ci.py's. No torch or Ray at import.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -216,6 +215,6 @@ def _total_ram_mb() -> float | None:
 def _gpu_total_mb() -> float | None:
     if not cuda_available():
         return None
-    import torch
+    import torch  # torch: only where a GPU is asked about
 
     return torch.cuda.get_device_properties(0).total_memory / 2**20

@@ -17,6 +17,14 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.table import Table
+from rich.text import Text
+
+from slime_lite.debug import make_console, select_dumps, shorten
+from slime_lite.engine_client import request_json
+from slime_lite.errors import EngineError, SlimeLiteError, run_main
+from slime_lite.rollout.dumps import load_rollout_dump
+
 GREEDY_TEMPERATURE = 1e-6
 
 
@@ -87,7 +95,6 @@ def _fmt(diffs: list[float]) -> str:
 
 def teacher_forced(url: str, sample: Any, params: dict[str, Any], timeout: float) -> list[float] | None:
     """Engine log-probs of the dumped response tokens given the dumped context; None if the engine gives none."""
-    from slime_lite.engine_client import request_json
 
     prompt_len, response = sample.prompt_length, [int(t) for t in sample.tokens[sample.prompt_length:]]
     body = {
@@ -105,9 +112,6 @@ def teacher_forced(url: str, sample: Any, params: dict[str, Any], timeout: float
 
 
 def check_sample(url: str, position: int, sample: Any, args: argparse.Namespace) -> Report:
-    from slime_lite.engine_client import request_json
-    from slime_lite.errors import EngineError
-
     rep = Report(position, sample, atol=args.atol)
     params = sampling_params(sample, args)
     dumped_lp = sample.rollout_log_probs
@@ -167,13 +171,6 @@ def check_sample(url: str, position: int, sample: Any, args: argparse.Namespace)
 
 
 def _run(argv: list[str] | None) -> int:
-    from rich.table import Table
-    from rich.text import Text
-
-    from slime_lite.debug import make_console, select_dumps, shorten
-    from slime_lite.errors import SlimeLiteError
-    from slime_lite.rollout.dumps import load_rollout_dump
-
     args = build_parser().parse_args(argv)
     kind = "eval" if args.eval else "train"
     found = [d for d in select_dumps(args.load_debug_rollout_data, args.rollout_id) if d[0] in (kind, "file")]
@@ -216,8 +213,6 @@ def _run(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_lite.errors import run_main
-
     return run_main(_run, argv)
 
 

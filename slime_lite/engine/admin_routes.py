@@ -9,9 +9,15 @@ are checked (``validate``) before anything runs: a wrong type or range is a 400 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from aiohttp import web
+
+from slime_lite import weight_wire
 from slime_lite.engine import validate as check
 from slime_lite.engine.control import EngineBusy
 from slime_lite.engine.http_json import (
@@ -21,6 +27,7 @@ from slime_lite.engine.http_json import (
     read_body,
 )
 from slime_lite.engine.weights import WeightError
+from slime_lite.profiling import TorchProfile
 from slime_lite.weight_transport import check_group_address
 
 if TYPE_CHECKING:
@@ -82,8 +89,6 @@ def add_admin_routes(app: Any, scheduler: Scheduler) -> None:
 
 class _Admin:
     def __init__(self, scheduler: Scheduler) -> None:
-        from slime_lite.profiling import TorchProfile
-
         self.scheduler = scheduler
         self.weight_session = False  # between /begin_weight_update and /end_weight_update (SGLang's session)
         self.profile = TorchProfile()  # /start_profile .. /stop_profile, in the model thread
@@ -128,8 +133,6 @@ class _Admin:
         return json_response({"success": True, "message": "Cache flushed."})
 
     async def abort_request(self, request):
-        from aiohttp import web
-
         body = await read_body(request)
         rid = _field(check.string, body, "rid", "")
         if _field(check.boolean, body, "abort_all", False):
@@ -179,7 +182,6 @@ class _Admin:
         """SGLang's payloads (``slime_lite.weight_wire``): CUDA IPC / shared-memory handles or tensors by value,
         read by a restricted unpickler (any global but the tensor-rebuild ones is a 400 naming it); names, shapes
         and dtypes are checked against the model before a byte is copied."""
-        from slime_lite import weight_wire
 
         body = await read_body(request)
         data = body.get("serialized_named_tensors")
@@ -292,7 +294,6 @@ class _Admin:
         combined as SGLang does), ``snapshot`` (remember the checksums) or ``compare`` (the weights against the
         snapshot; a 400 naming the changed parameters). ``skip_tensor_list``: name substrings left out.
         ``reset_tensors`` (overwrite every weight with noise) is refused; there is no draft model."""
-        import hashlib
 
         body = await read_body(request)
         action = _field(check.string, body, "action", "checksum")
@@ -341,11 +342,6 @@ class _Admin:
 
     # ---- profiling (SGLang's routes; a PyTorch profiler trace of the model thread) ------------------------------
     async def start_profile(self, request):
-        import os
-        import time
-
-        from aiohttp import web
-
         body = await read_body(request)
         for key in ("num_steps", "start_step"):
             if body.get(key) is not None:
@@ -363,8 +359,6 @@ class _Admin:
         return web.Response(text="Start profiling.\n")
 
     async def stop_profile(self, request):
-        from aiohttp import web
-
         if self.profile.prof is None:
             raise BadRequest("no profile is running: call /start_profile first")
         path = await self.run_in_model_thread(self.profile.stop, self.profile_path)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from aiohttp import web
+
 
 class BadRequest(ValueError):
     """A request the engine refuses (HTTP 400 with {"error": {"message": ...}})."""
 
 
 def json_response(data: Any, status: int = 200):
-    from aiohttp import web
-
     return web.Response(text=json.dumps(data), status=status, content_type="application/json")
 
 

@@ -18,6 +18,9 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
+from aiohttp import web
+
+from slime_lite import __version__
 from slime_lite.engine.http_json import BadRequest, json_response
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -51,7 +54,6 @@ class _Info:
     async def ready(self, request):
         """SGLang's ``/ready``: 200 once the engine takes requests (its model thread runs), else 503. Unlike
         ``/health`` it generates nothing, and paused generation or released weights still count as ready."""
-        from aiohttp import web
 
         return web.Response(status=200 if self.server.scheduler.alive else 503)
 
@@ -60,7 +62,6 @@ class _Info:
         when the engine produced any token since the check began (a busy engine is alive); 503 when it does not
         within ``HEALTH_GENERATE_TIMEOUT_S`` (a model thread stuck in a call), and at once when the model thread is
         down or generation is paused or its weights are released."""
-        from aiohttp import web
 
         s = self.server.scheduler
         if not s.alive or not s.may_generate:
@@ -88,8 +89,6 @@ class _Info:
                               "preferred_sampling_params": None, "weight_version": s.weight_version})
 
     async def server_info(self, request):
-        from slime_lite import __version__
-
         srv, s = self.server, self.server.scheduler
         return json_response({
             "engine": "slime_lite.embedded", "version": __version__, "model_path": s.model_path,
@@ -137,8 +136,6 @@ class _Info:
                 "cache_hit_rate": s.prefix.hit_tokens / lookups, "utilization": len(running) / s.max_running}
 
     async def loads(self, request):
-        from slime_lite import __version__
-
         include = [x.strip() for x in request.query.get("include", "").split(",") if x.strip()]
         bad = sorted(set(include) - set(LOAD_SECTIONS))
         if bad:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_lite.engine import decode_attention, fused_layer, vmm
 from slime_lite.errors import SlimeLiteError
@@ -41,7 +43,6 @@ def resolve_dtype(dtype: str, config: Any, device: torch.device) -> torch.dtype:
 
 def load_hf_model(model_path: str, dtype: str, device: torch.device):
     """Load an HF causal LM for the engine; a clear error for architectures the engine cannot run."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(model_path)
@@ -179,7 +180,6 @@ def _sdpa_without_plans(device: torch.device):
     """On CUDA, keep SDPA to kernels that need no per-shape plan (cuDNN's costs ~40 ms for each new shape)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 

@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import Any
 
+from aiohttp import web
+
 from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, json_response, read_body
 
@@ -275,8 +277,6 @@ class _OpenAI:
 
     async def _respond(self, request, body: dict[str, Any], prompts: list[list[int]], reqs: list[Any],
                        head: dict[str, Any], choice, n: int):
-        from aiohttp import web
-
         sch = self.server.scheduler
         if not reqs[0].stream:
             outs = await self.server.run_requests(reqs)

@@ -16,6 +16,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +46,6 @@ def uniform(seed: int, step: int) -> float:
 
 def uniforms(seeds: Sequence[int], steps: Sequence[int]) -> list[float]:
     """``[uniform(seed, step) ...]`` computed with wrapping uint64 array arithmetic (same bits, one pass)."""
-    import numpy as np
 
     a = np.array(seeds, dtype=np.uint64)
     b = np.array(steps, dtype=np.uint64)

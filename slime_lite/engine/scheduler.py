@@ -49,6 +49,7 @@ from slime_lite.engine.sampling import mix64, sample
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
 from slime_lite.offload import TensorStash
+from slime_lite.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,6 @@ class Scheduler(AdmissionMixin, ControlMixin):
         self.seed = int(seed)
         self.hf = load_hf_model(self.model_path, dtype, self.device)
         self.hf.requires_grad_(False)
-        from slime_lite.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.tokenizer_lock = threading.Lock()

@@ -17,17 +17,23 @@ import asyncio
 import contextlib
 import hmac
 import json
-import os
 import logging
+import os
 import signal
 import threading
 import uuid
 from typing import Any, AsyncIterator
 
+from aiohttp import web
+
 from slime_lite.engine import logprobs as lpx
 from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
-from slime_lite.errors import SlimeLiteError
+from slime_lite.engine.info_routes import add_info_routes
+from slime_lite.engine.openai_api import add_openai_routes
+from slime_lite.engine.request import Request
+from slime_lite.engine.sampling import SamplingParams
+from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.logging_setup import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -63,6 +69,7 @@ class EngineServer:
                  cuda_graph: bool | None = None, cuda_graph_max_bs: int | None = None,
                  enable_torch_compile: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES,
                  disable_radix_cache: bool = False, enable_memory_saver: bool = False) -> None:
+        # torch, transformers: `slime-lite serve --help` stays instant
         from slime_lite.engine.scheduler import Scheduler
 
         self.host, self.port, self.api_key = host, int(port), api_key
@@ -114,8 +121,6 @@ class EngineServer:
         return self.url
 
     async def _start_site(self) -> None:
-        from aiohttp import web
-
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
         self._runner = web.AppRunner(self.make_app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -148,11 +153,7 @@ class EngineServer:
 
     # ---- plumbing ------------------------------------------------------------------------------------------
     def make_app(self):
-        from aiohttp import web
-
-        from slime_lite.engine.admin_routes import add_admin_routes
-        from slime_lite.engine.info_routes import add_info_routes
-        from slime_lite.engine.openai_api import add_openai_routes
+        from slime_lite.engine.admin_routes import add_admin_routes  # torch, safetensors: when the app is made
 
         app = web.Application(client_max_size=WEIGHTS_BODY_LIMIT, middlewares=[self._middleware])
         r = app.router
@@ -168,8 +169,6 @@ class EngineServer:
 
     @property
     def _middleware(self):
-        from aiohttp import web
-
         @web.middleware
         async def middleware(request, handler):
             if self.api_key and request.path not in OPEN_ROUTES and not hmac.compare_digest(
@@ -209,9 +208,6 @@ class EngineServer:
 
     def _new_requests(self, prompts, sampling_params, rid, return_logprob, logprob_start_len, top_logprobs_num,
                       token_ids_logprob, return_text_in_logprobs, stream) -> list[Any]:
-        from slime_lite.engine.request import Request
-        from slime_lite.engine.sampling import SamplingParams
-
         n_prompts = len(prompts)
         sps = _as_list(sampling_params if sampling_params is not None else {}, n_prompts, "sampling_params")
         lps = [check.boolean(x, "return_logprob") for x in _as_list(return_logprob, n_prompts, "return_logprob")]
@@ -346,8 +342,6 @@ class EngineServer:
         return {"text": sch.output_text(out), "output_ids": out.output_ids, "meta_info": meta}
 
     async def generate(self, request):
-        from aiohttp import web
-
         body = await read_body(request)
         try:
             check.generate_fields(body)
@@ -464,6 +458,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from slime_lite.errors import run_main
-
     raise SystemExit(run_main(main))

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from slime_lite.weight_checksum import tensor_checksums
 from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name
@@ -128,7 +129,6 @@ class Weights:
 
     def load_from_disk(self, model_path: str) -> int:
         """Load every parameter from a safetensors checkpoint folder of the same architecture."""
-        from safetensors.torch import load_file
 
         path = Path(model_path)
         if not path.is_dir():

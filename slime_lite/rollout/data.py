@@ -21,7 +21,7 @@ class Prompt:
 def _rows(path: str, flag: str) -> Any:
     """(line or row number, row) of a JSONL file, or of a Parquet file (``.parquet``, as slime reads them)."""
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # pyarrow: only for parquet prompt files
 
         try:
             rows = pq.read_table(path).to_pylist()

@@ -70,7 +70,7 @@ _SCALARS = frozenset((int, float, bool, str, type(None)))
 
 def _to_plain(value: Any) -> Any:
     """Reduce a value to what ``torch.load(weights_only=True)`` accepts (plain containers, scalars, tensors)."""
-    import torch
+    import torch  # torch: flag checks read this module
 
     if value is None or isinstance(value, (str, bool, int, float, torch.Tensor)):
         return value
@@ -143,7 +143,7 @@ def _is_int(value: Any) -> bool:
 
 def _as_list(value: Any) -> Any:
     """A 1-D tensor as a list (slime's dumps may hold per-token tensors); anything else unchanged."""
-    import torch
+    import torch  # torch: flag checks read this module
 
     return value.tolist() if isinstance(value, torch.Tensor) and value.dim() == 1 else value
 

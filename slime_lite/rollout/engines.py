@@ -8,8 +8,20 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import ray
+
+from slime_lite.backends.sglang.launcher import SGLangServer
+from slime_lite.config import EngineConfig
+from slime_lite.determinism import set_deterministic
+from slime_lite.engine_client import normalize_url, request_json
+from slime_lite.metrics import process_memory
+from slime_lite.placement import bundle_options
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +30,6 @@ class EngineActor:
     """Hosts one engine; ``start()`` returns its base URL."""
 
     def __init__(self, args: Any, rank: int) -> None:
-        from slime_lite.config import EngineConfig
-
         self.args = args  # SGLang servers read the placement from it
         self.config = EngineConfig.from_args(args)
         self.rank = rank
@@ -27,11 +37,9 @@ class EngineActor:
 
     def start(self) -> str:
         c = self.config
-        import torch
+        import torch  # torch: in the engine's process, not the driver's
 
         if self.args.deterministic_mode:
-            from slime_lite.determinism import set_deterministic
-
             set_deterministic()
         device = c.rollout_device
         if device == "auto":
@@ -39,11 +47,9 @@ class EngineActor:
         if device == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("SLIME_LITE_ENGINE_THREADS", "1"))))
         if c.rollout_backend == "sglang":
-            from slime_lite.backends.sglang.launcher import SGLangServer
-
             self.server = SGLangServer(self.args, self.rank)
         else:
-            from slime_lite.engine.server import EngineServer
+            from slime_lite.engine.server import EngineServer  # torch, transformers: in the engine's process
 
             self.server = EngineServer(
                 c.hf_checkpoint, device=device, dtype=c.engine_dtype, seed=c.rollout_seed + self.rank,
@@ -67,19 +73,14 @@ class EngineActor:
     def kill_server(self) -> None:
         """--debug-inject-fault kill-engine: SIGKILL the process serving this engine, as a crash would (the SGLang
         server's for the launcher path, this actor's own for the embedded engine)."""
-        import signal
 
         proc = getattr(self.server, "proc", None)
         os.kill(proc.pid if proc is not None else os.getpid(), signal.SIGKILL)
 
     def memory(self) -> dict[str, float]:
-        from slime_lite.metrics import process_memory
-
         return process_memory()
 
     def imported_modules(self) -> list[str]:
-        import sys
-
         return sorted(sys.modules)
 
     def stop(self) -> None:
@@ -98,8 +99,6 @@ class EngineFleet:
     router: Any = None
 
     def stop(self) -> None:
-        import ray
-
         for engine in self.engines:
             ray.get(engine.stop.remote())
         if self.router is not None:
@@ -108,9 +107,7 @@ class EngineFleet:
 
 def start_engines(args: Any, pg: Any, bundles: list[int]) -> EngineFleet:
     """One engine actor per engine's first bundle, started. External addresses start none."""
-    import ray
 
-    from slime_lite.engine_client import normalize_url
 
     if args.rollout_external_engine_addrs:
         return EngineFleet([], [normalize_url(a) for a in args.rollout_external_engine_addrs.split(",")])
@@ -121,9 +118,7 @@ def start_engines(args: Any, pg: Any, bundles: list[int]) -> EngineFleet:
 
 def engine_actor(args: Any, pg: Any, bundle: int, rank: int) -> Any:
     """The Ray actor of engine ``rank`` on its first placement-group bundle (not started yet)."""
-    import ray
 
-    from slime_lite.placement import bundle_options
 
     share = 0.2 if args.colocate else 1.0
     return ray.remote(EngineActor).options(**bundle_options(pg, bundle, share), name=None).remote(args, rank)
@@ -132,7 +127,6 @@ def engine_actor(args: Any, pg: Any, bundle: int, rank: int) -> Any:
 def restart_engine(args: Any, pg: Any, bundles: list[int], old: Any, rank: int) -> tuple[Any, str]:
     """--use-fault-tolerance: stop what is left of engine ``rank`` (its server, its actor) and start a new one on
     the same bundle, the same way (embedded engine or SGLang launcher); returns (actor, url)."""
-    import ray
 
     try:
         ray.get(old.stop.remote(), timeout=60)
@@ -145,9 +139,7 @@ def restart_engine(args: Any, pg: Any, bundles: list[int], old: Any, rank: int) 
 
 def engine_memory(urls: list[str], action: str, tags: list[str] | None = None) -> None:
     """``release`` or ``resume`` the engines' memory (tags ``weights``, ``kv_cache``; None = all), as SGLang does."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from slime_lite.engine_client import request_json
 
     route = "/release_memory_occupation" if action == "release" else "/resume_memory_occupation"
     body = {"tags": tags} if tags else {}

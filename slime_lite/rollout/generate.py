@@ -7,11 +7,13 @@ import logging
 import time
 from typing import Any, Callable
 
-from slime_lite.config import RolloutConfig
 from slime_lite.checks.faults import kills_engine, sampling_temperature
+from slime_lite.config import RolloutConfig
 from slime_lite.engine_client import AsyncEngineClient
+from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import HookArgs, call_maybe_async, load_function
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
+from slime_lite.rollout.rewards import compute_reward
 from slime_lite.types import Sample, Status
 
 log = logging.getLogger(__name__)
@@ -109,8 +111,6 @@ class Generator:
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     async def _run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int) -> list[Sample]:
-        from slime_lite.rollout.rewards import compute_reward
-
         per_sample = [dict(params, sampling_seed=seed_base + s.index) for s in group]
         for s, p in zip(group, per_sample):
             s.metadata["sampling_params"] = p
@@ -171,8 +171,6 @@ class Generator:
             if len(kept) >= a.rollout_batch_size:
                 break
         else:
-            from slime_lite.errors import SlimeLiteError
-
             raise SlimeLiteError(
                 f"--dynamic-sampling-filter-path kept only {len(kept)} of {generated} groups after 100 waves; "
                 "the filter is too strict for this model/data."

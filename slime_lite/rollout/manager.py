@@ -8,13 +8,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from slime_lite.errors import SlimeLiteError
+from slime_lite.engine_client import AsyncEngineClient, request_json
+from slime_lite.errors import EngineError, SlimeLiteError
+from slime_lite.logging_setup import setup_logging
+from slime_lite.metrics import process_memory
 from slime_lite.rollout import dumps
+from slime_lite.rollout.data import PromptSource, read_prompts
+from slime_lite.rollout.generate import Generator
+from slime_lite.rollout.stats import eval_metrics, rollout_metrics
+from slime_lite.rollout.timing import engine_step_stats, phase_metrics
+from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
 from slime_lite.types import Sample
 
 log = logging.getLogger(__name__)
@@ -22,12 +31,6 @@ log = logging.getLogger(__name__)
 
 class RolloutManager:
     def __init__(self, args: Any, engine_urls: list[str], fault_engine: Any = None) -> None:
-        from slime_lite.engine_client import AsyncEngineClient
-        from slime_lite.logging_setup import setup_logging
-        from slime_lite.rollout.data import PromptSource, read_prompts
-        from slime_lite.rollout.generate import Generator
-        from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
-
         setup_logging(args.log_level)
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
@@ -92,8 +95,6 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """One rollout's samples (generated, or loaded from ``--load-debug-rollout-data``) and its metrics."""
-        from slime_lite.rollout.stats import rollout_metrics
-        from slime_lite.rollout.timing import engine_step_stats, phase_metrics
 
         a = self.args
         if a.load_debug_rollout_data:
@@ -139,7 +140,6 @@ class RolloutManager:
         """A generate hook that records no ``weight_versions`` (many slime hooks do not): the version is read from
         the engines instead (the oldest one any engine serves), so the weight-version check still catches a
         skipped push. ``rollout/weight_version_from_engines`` marks it."""
-        from slime_lite.engine_client import request_json
 
         if not self._told_engine_version:
             log.info("rollout %d: the samples carry no weight_versions (a generate hook that does not record "
@@ -163,8 +163,6 @@ class RolloutManager:
         return samples
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
-        from slime_lite.rollout.stats import eval_metrics
-
         a = self.args
         metrics: dict[str, float] = {}
         if self.generator is None:
@@ -206,13 +204,9 @@ class RolloutManager:
             self.source.load_state(state["source"])
 
     def memory(self) -> dict[str, float]:
-        from slime_lite.metrics import process_memory
-
         return process_memory()
 
     def imported_modules(self) -> list[str]:
-        import sys
-
         return sorted(sys.modules)
 
 
@@ -223,8 +217,6 @@ def _version_number(version: str) -> int:
 
 async def kill_engine(engine: Any, url: str) -> None:
     """--debug-inject-fault kill-engine: SIGKILL the engine's server process and wait until its URL stops answering."""
-    from slime_lite.engine_client import request_json
-    from slime_lite.errors import EngineError
 
     log.warning("--debug-inject-fault kill-engine: killing the server process of engine 0 (%s) with SIGKILL", url)
     engine.kill_server.remote()  # the embedded engine's actor kills itself: no reply to wait for

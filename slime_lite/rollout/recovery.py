@@ -17,7 +17,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
+
 from slime_lite.errors import EngineError
+from slime_lite.rollout.engines import restart_engine
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +34,6 @@ class NoRecovery:
     error."""
 
     def wait(self, ref: Any, on_poll: Callable[[], None] | None = None) -> Any:
-        import ray
-
         if on_poll is not None:
             while not ray.wait([ref], timeout=POLL_S)[0]:
                 on_poll()
@@ -69,7 +70,6 @@ class EngineRecovery:
     # ---- waiting ---------------------------------------------------------------------------------------------
     def wait(self, ref: Any, on_poll: Callable[[], None] | None = None) -> Any:
         """``ray.get(ref)``, looking for dead engines while it runs."""
-        import ray
 
         while not ray.wait([ref], timeout=POLL_S)[0]:
             self.check()
@@ -88,7 +88,6 @@ class EngineRecovery:
     # ---- finding the dead ---------------------------------------------------------------------------------------
     def check(self) -> None:
         """Restart every engine found dead (and the router over them, when there is one)."""
-        import ray
 
         failed = set(ray.get(self.manager.failed_engines.remote()))
         dead = {i: "requests to it failed" for i, url in enumerate(self.fleet.urls) if url in failed}
@@ -104,7 +103,6 @@ class EngineRecovery:
 
     def _not_running(self) -> dict[int, str]:
         """Engines whose Ray actor died or whose server process exited."""
-        import ray
 
         refs = [e.alive.remote() for e in self.fleet.engines]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ALIVE_TIMEOUT_S)
@@ -122,9 +120,7 @@ class EngineRecovery:
     # ---- restarting -----------------------------------------------------------------------------------------------
     def restart(self, i: int, why: str) -> None:
         """Replace engine ``i``: new actor on the same bundle, current weights pushed and checked, URL swapped."""
-        import ray
 
-        from slime_lite.rollout.engines import restart_engine
 
         self._per_engine[i] += 1
         old_url = self.fleet.urls[i]
@@ -149,7 +145,6 @@ class EngineRecovery:
 
     def _restart_router(self, why: str) -> None:
         """The router is launched again over the current engines (it has no portable way to swap a worker)."""
-        import ray
 
         old = self.fleet.router.url
         log.warning("router %s: %s; launching it again over %s", old, why, ", ".join(self.fleet.urls))

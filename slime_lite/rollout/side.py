@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import ray
 
+from slime_lite.backends.sglang.launcher import SGLangRouter
 from slime_lite.config import RolloutSideConfig
 from slime_lite.metrics import memory_record
 from slime_lite.profiling import DRIVER_TIMELINE, add_time, timed
@@ -34,7 +35,6 @@ class RolloutSide:
         self.config = c = RolloutSideConfig.from_args(args)
         self.fleet = EngineFleet([], []) if c.debug_train_only else start_engines(args, pg, bundles)
         if c.use_sglang_router and self.fleet.urls:  # generation goes through the router; weights to each engine
-            from slime_lite.backends.sglang.launcher import SGLangRouter
 
             self.fleet.router = SGLangRouter(self.fleet.urls)
         generate_urls = [self.fleet.router.start()] if self.fleet.router else list(self.fleet.urls)
@@ -65,6 +65,7 @@ class RolloutSide:
         rollout's finished samples when stderr is a terminal."""
         if not sys.stderr.isatty():
             return self.recovery.wait(ref)
+        # rich: only on a terminal
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         columns = (TextColumn(f"rollout {rollout_id}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from slime_lite.engine_client import request_json
+
 log = logging.getLogger(__name__)
 
 PREFIX = "perf/rollout/"
@@ -30,7 +32,6 @@ PREFIX = "perf/rollout/"
 
 async def engine_step_stats(urls: list[str]) -> list[dict[str, float] | None]:
     """Each engine's ``step_stats`` counters (None where it has none or does not answer)."""
-    from slime_lite.engine_client import request_json
 
     async def one(url: str) -> dict[str, float] | None:
         try:

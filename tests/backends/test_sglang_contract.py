@@ -118,7 +118,6 @@ def test_every_rollout_body_is_accepted_by_sglang():
 
 
 def test_send_to_engine_bodies_are_accepted_by_sglang(monkeypatch):
-    from slime_lite import engine_client
     from slime_lite.debug import send_to_engine
 
     sent = []
@@ -127,7 +126,7 @@ def test_send_to_engine_bodies_are_accepted_by_sglang(monkeypatch):
         sent.append((route, body))
         return {"meta_info": {}}
 
-    monkeypatch.setattr(engine_client, "request_json", fake_request_json)
+    monkeypatch.setattr(send_to_engine, "request_json", fake_request_json)
     sample = Sample(index=0, tokens=[1, 2, 3, 4, 5], response_length=2,
                     metadata={"sampling_params": dict(_rollout_params()[0], sampling_seed=9)})
     flags = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=None)

@@ -220,13 +220,13 @@ def test_deterministic_mode_turns_the_prefix_cache_off(tiny_model_dir, monkeypat
     """A hit depends on timing (which slots are free) and sums a prefill in another order: a --deterministic-mode
     run's engines start without the cache, and only because of the flag (torch's process-wide deterministic
     setting, which CPU train workers turn on, leaves an engine's cache alone)."""
-    from slime_lite import determinism
     from slime_lite.args import parser_defaults
     from slime_lite.engine import server
     from slime_lite.engine.scheduler import Scheduler
+    from slime_lite.rollout import engines
     from slime_lite.rollout.engines import EngineActor
 
-    monkeypatch.setattr(determinism, "set_deterministic", lambda: None)  # leave this test process's torch alone
+    monkeypatch.setattr(engines, "set_deterministic", lambda: None)  # leave this test process's torch alone
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     made = []
 

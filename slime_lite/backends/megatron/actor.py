@@ -4,6 +4,7 @@ steps, weights out to the engines. What it shares with the critic is worker.py's
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -11,13 +12,20 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from slime_lite import rl_math
 from slime_lite.backends.megatron import batch as B
+from slime_lite.backends.megatron.convert import iter_hf_weights
 from slime_lite.backends.megatron.logprobs import sample_log_probs
-from slime_lite.backends.megatron.loss import rl_loss
+from slime_lite.backends.megatron.loss import mismatch_report, rl_loss
+from slime_lite.backends.megatron.train_dump import save_train_dump
+from slime_lite.backends.megatron.weight_push import push
 from slime_lite.backends.megatron.worker import TrainResult, TrainWorker, reported
-from slime_lite.config import LossConfig, TrainSideConfig
 from slime_lite.checks.faults import breaks_sent_weights, sent_stage_weights
+from slime_lite.config import LossConfig, TrainSideConfig
+from slime_lite.io import atomic_torch_save, atomic_write_text
+from slime_lite.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +73,6 @@ class TrainActor(TrainWorker):
         """Log-probs, advantages and ``--num-steps-per-rollout`` optimizer steps on one rollout. ``values``: the
         critic ranks' ``compute_values`` refs (None without a critic). Returns (the reporter's result, the
         per-sample returns the critic trains toward), each None on the other ranks."""
-        from slime_lite import rl_math
 
         a = self.args
         values = reported(values)
@@ -97,7 +104,6 @@ class TrainActor(TrainWorker):
         rollout_lp = [torch.tensor(s.rollout_log_probs) if s.rollout_log_probs is not None else None for s in samples]
         has_rollout_lp = all(r is not None for r in rollout_lp)
         if dump and self.ps.get_tensor_model_parallel_rank() == 0:  # this rank's samples, before the update
-            from slime_lite.backends.megatron.train_dump import save_train_dump
 
             save_train_dump(dump, rollout_id, self.rank, samples, list(entropy), {
                 "log_probs": logp, "ref_log_probs": ref_logp, "rollout_log_probs": rollout_lp if has_rollout_lp
@@ -139,11 +145,7 @@ class TrainActor(TrainWorker):
     def _mismatch(self, rollout_id: int, samples: list, logp: list, rollout_lp: Any, masks: list) -> dict[str, Any]:
         """--get-mismatch-metrics: mismatch/* scalars and mismatch/worst_tokens (token text decoded here, where the
         checkpoint's tokenizer loads); with --dump-details also DIR/mismatch/<rollout_id>.jsonl, a token a line."""
-        import json
 
-        from slime_lite.backends.megatron.loss import mismatch_report
-        from slime_lite.io import atomic_write_text
-        from slime_lite.tokenizer import load_tokenizer
 
         a = self.args
         if rollout_lp is None:
@@ -163,8 +165,6 @@ class TrainActor(TrainWorker):
         return {**out, "mismatch/worst_tokens": worst}
 
     def _rollout_stats(self, samples, logp, ref_logp, rollout_lp, advantages, masks, values) -> dict[str, float]:
-        from slime_lite import rl_math
-
         def mean(xs: list) -> float:
             return float(torch.stack([rl_math.masked_mean(x.float(), m) for x, m in zip(xs, masks)]).mean())
 
@@ -184,9 +184,6 @@ class TrainActor(TrainWorker):
         return out
 
     def _dump_train_details(self, rollout_id: int, samples: list, details: dict, rollout_lp: Any) -> None:
-        from slime_lite import rl_math
-        from slime_lite.io import atomic_torch_save
-
         kl = ([rl_math.compute_kl(x, r, self.args.kl_loss_type) for x, r in zip(details["log_probs"],
                                                                                details["ref_log_probs"])]
               if details["ref_log_probs"] is not None else None)
@@ -201,9 +198,7 @@ class TrainActor(TrainWorker):
         CPU copies, or with ``on_device`` copies on the trainer's device (``_push_on_device``; PP=1 only).
         ``views`` (PP=1): where a tensor is a parameter or a view of one on the target device, that view, no copy
         (for a caller that is done with them before the model changes)."""
-        import torch.distributed as dist
 
-        from slime_lite.backends.megatron.convert import iter_hf_weights
 
         ps = self.ps
         # one copy of each tensor: a view of a parameter is copied (unless ``views``), a tensor the merge made (q, k,
@@ -238,7 +233,6 @@ class TrainActor(TrainWorker):
     def push_weights(self, urls: list[str], version: int, check: bool = False) -> dict[str, float] | None:
         """Push to ``urls`` (rank 0 sends); rank 0 returns the push's parts in seconds: the HF gather
         (``perf/update_weights/gather_time``), the transport and the check (``weight_push.push``)."""
-        from slime_lite.backends.megatron.weight_push import push
 
         a = self.args
         # offloaded (--offload-train) while an engine restarted by --use-fault-tolerance needs the weights: the

@@ -33,6 +33,8 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.transformer import attention as megatron_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -191,7 +193,6 @@ def mark_packed_positions(cu_seqlens: torch.Tensor, bounds: list[int]) -> None:
 
 def install_packed_rope() -> None:
     """Route Megatron's attention RoPE through ``_packed_rope`` (once; every other call is passed through)."""
-    from megatron.core.transformer import attention as megatron_attention
 
     if getattr(megatron_attention.apply_rotary_pos_emb, "slime_lite", False):
         return
@@ -202,9 +203,6 @@ def install_packed_rope() -> None:
         if (pos is None or config.apply_rope_fusion or config.context_parallel_size > 1
                 or (cp_group is not None and cp_group.size() > 1)):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-        from megatron.core.models.common.embeddings.rope_utils import (
-            _apply_rotary_pos_emb_bshd,
-        )
 
         key = (freqs.data_ptr(), tuple(freqs.shape))
         packed = cu_seqlens.slime_freqs.get(key)

@@ -14,8 +14,10 @@ import shutil
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.io import atomic_torch_save, atomic_write_text, load_plain, no_space_error, write_hf_folder
 
 _PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
 
@@ -53,10 +55,6 @@ def plain_state(value: Any, where: str = "state") -> Any:
 
 
 def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
-    import torch.distributed as dist
-
-    from slime_lite.io import atomic_torch_save, atomic_write_text, no_space_error, write_hf_folder
-
     name = f"iter_{rollout_id:07d}"
     final = os.path.join(root, actor.role, name) if actor.role != "actor" else os.path.join(root, name)
     tmp = os.path.join(os.path.dirname(final), f".tmp-{name}")
@@ -89,8 +87,6 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
 
 
 def _load_rank_file(root: str, folder: str, file: str, mmap: bool = False) -> Any:
-    from slime_lite.io import load_plain
-
     try:
         return load_plain(file, f"--load {root}: checkpoint", mmap=mmap)
     except SlimeLiteError as exc:

@@ -29,6 +29,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors import safe_open
 
 from slime_lite.backends.megatron.model import HFArch, check_parallel_sizes, hf_arch, padded_vocab_size, unwrap
 from slime_lite.errors import SlimeLiteError
@@ -198,8 +201,6 @@ class _SafetensorsDir(Mapping):
     """Read-on-access view of an HF checkpoint directory's *.safetensors (each rank reads only what it needs)."""
 
     def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:
@@ -226,7 +227,6 @@ class _SafetensorsDir(Mapping):
 
 def load_hf_weights(model: torch.nn.Module, hf_dir_or_state_dict: str | Mapping, hf_config: Any) -> None:
     """Fill this rank's parameters (its TP shard of its PP stage) from an HF checkpoint directory or state dict."""
-    from megatron.core import parallel_state
 
     hf_state = (
         _SafetensorsDir(hf_dir_or_state_dict) if isinstance(hf_dir_or_state_dict, str) else hf_dir_or_state_dict
@@ -262,8 +262,6 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
     last stage the final norm and lm_head), so a consumer wanting the whole model takes one TP rank per stage.
     Tensors may be views of the parameters (TP=1: all but q, k and v): copy them before changing the model.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
 
     arch = hf_arch(hf_config)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()

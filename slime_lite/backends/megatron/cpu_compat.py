@@ -23,6 +23,11 @@ import logging
 from typing import Any, Callable
 
 import torch
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.optimizer import optimizer as mcore_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+from megatron.core.tensor_parallel import random as mcore_random
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +178,6 @@ def apply() -> bool:
     for module_name in _MODULES_ON_CPU:
         importlib.import_module(module_name).torch = _TORCH_ON_CPU
 
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-    from megatron.core.optimizer import optimizer as mcore_optimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-    from megatron.core.tensor_parallel import random as mcore_random
 
     # Tied embeddings with PP > 1: the last stage's copy is moved with `.data.cuda()` before its all-reduce.
     _run_as_cuda(LanguageModule, "setup_embeddings_and_output_layer")

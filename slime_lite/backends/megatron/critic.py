@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron.loss import response_slices, value_rl_loss
@@ -24,10 +26,6 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
         if self.sequence_parallel:
-            from megatron.core.tensor_parallel import (
-                gather_from_sequence_parallel_region,
-            )
-
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(x, self.weight), None
 
@@ -40,8 +38,6 @@ class CriticActor(TrainWorker):
         return self.args.critic_lr
 
     def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        from megatron.core import parallel_state as ps
-
         if ps.is_pipeline_last_stage():
             model.output_layer = ValueHead(self.hf_config.hidden_size, dtype, model.config.sequence_parallel)
             model.share_embeddings_and_output_weights = False

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
+
 from slime_lite.errors import SlimeLiteError
+from slime_lite.placement import bundle_options
 
 
 class TrainGroup:
     def __init__(self, args: Any, pg: Any, bundles: list[int], worker: type) -> None:
-        import ray
-
-        from slime_lite.placement import bundle_options
-
         self.args = args
         world = len(bundles)
         if world == 0:
@@ -26,8 +25,6 @@ class TrainGroup:
         ]
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        import ray
-
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])
 
     def _reported(self, method: str, *args: Any) -> Any:
@@ -35,8 +32,6 @@ class TrainGroup:
         return next(r for r in self._all(method, *args) if r is not None)
 
     def init(self) -> tuple[int, Any]:
-        import ray
-
         # Rank 0 binds the rendezvous port itself (a port chosen here could be taken before it binds).
         port = ray.get(self.workers[0].open_store.remote())
         state = self._all("init", port)[0]
@@ -67,6 +62,7 @@ class TrainGroup:
 
 class ActorGroup(TrainGroup):
     def __init__(self, args: Any, pg: Any, bundles: list[int]) -> None:
+        # Megatron: loaded by the train workers, not the driver
         from slime_lite.backends.megatron.actor import TrainActor
 
         super().__init__(args, pg, bundles, TrainActor)
@@ -75,7 +71,6 @@ class ActorGroup(TrainGroup):
         """Log-probs, advantages (over the critic's ``values`` refs, when there is a critic) and the policy steps of
         one rollout; returns the reporter's ``TrainResult`` and the refs of the per-sample returns (the critic's
         targets), which stay in Ray's object store."""
-        import ray
 
         pairs = [w.train.options(num_returns=2).remote(rollout_id, samples, values) for w in self.workers]
         result = next(r for r in ray.get([p[0] for p in pairs]) if r is not None)
@@ -90,6 +85,7 @@ class ActorGroup(TrainGroup):
 
 class CriticGroup(TrainGroup):
     def __init__(self, args: Any, pg: Any, bundles: list[int]) -> None:
+        # Megatron: loaded by the train workers, not the driver
         from slime_lite.backends.megatron.critic import CriticActor
 
         super().__init__(args, pg, bundles, CriticActor)

@@ -19,9 +19,11 @@ the logits forward and one backward (this module stays the reference and the CPU
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
 
 from slime_lite.backends.megatron import logprobs_fused
 from slime_lite.backends.megatron.logprobs_fused import all_reduce as _all_reduce
+from slime_lite.backends.megatron.loss import response_slices
 
 CHUNK_TOKENS = 1024
 
@@ -142,14 +144,11 @@ def sample_log_probs(output: torch.Tensor, mb, temperature: float, vocab_limit: 
                      tp: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Each sample's response-token log-probs (and entropies) from a micro-batch's model output [B, T, V_local]
     (padded rows, or one packed row: ``mb.packed``), chunked and over TP vocabulary slices (tp=True)."""
-    from slime_lite.backends.megatron.loss import response_slices
 
     rows, width = output.shape[0], output.shape[-1]
     tokens = mb.tokens.to(output.device)
     group, start = None, 0
     if tp:
-        from megatron.core import parallel_state as ps
-
         if ps.get_tensor_model_parallel_world_size() > 1:
             group, start = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() * width
     # every position against the next token (the last one's target wraps and is dropped): the logits stay a view,

@@ -21,6 +21,7 @@ autotuning: a different block per batch size would change the sums' order).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from slime_lite.triton_build import triton_kernels
 
@@ -30,8 +31,6 @@ _MAX_BLOCK = 4096  # columns per step of a row: 16 float32 per thread at 8 warps
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """In place over the TP group (a no-op without one)."""
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return x
 

@@ -11,13 +11,22 @@ Typical use on every train rank (after `parallel.init_distributed`):
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from slime_lite.backends.megatron.attention import FastCoreAttention, install_packed_rope, mark_packed_positions
 from slime_lite.errors import SlimeLiteError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -134,8 +143,6 @@ def transformer_config_from_hf(
     **overrides: Any,
 ):
     """The TransformerConfig of `hf_config` for a TP x PP layout; `overrides` set any other TransformerConfig field."""
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
 
     arch = hf_arch(hf_config)
     check_parallel_sizes(arch, tp, pp)
@@ -199,12 +206,7 @@ def layer_spec(arch: HFArch, transformer_impl: str = "local"):
     """Megatron's layer spec: local (pure PyTorch, the default; its core attention is attention.py's
     FastCoreAttention: no [T, T] scores, packed samples) or Transformer Engine. Either way packed rows get their
     RoPE in one call per layer (attention.py install_packed_rope)."""
-    from megatron.core.models.gpt import gpt_layer_specs
 
-    from slime_lite.backends.megatron.attention import (
-        FastCoreAttention,
-        install_packed_rope,
-    )
 
     install_packed_rope()
     if transformer_impl == "local":
@@ -233,13 +235,7 @@ class SequenceParallelNorm(torch.nn.RMSNorm):
 
 def _sequence_parallel_spec(spec: Any, config: Any):
     """The local layer spec as a block spec whose norms (the layers' and the final one) take sequence slices."""
-    import copy
 
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
 
     spec = copy.deepcopy(spec)
     subs = [spec.submodules, spec.submodules.self_attention.submodules]
@@ -266,10 +262,8 @@ def build_gpt_model(
     pre_process/post_process default to "this rank is the first/last PP stage". The vocabulary is padded to a
     multiple of TP (`padded_vocab_size`); `model.hf_vocab_size` keeps the HF size.
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
-    from slime_lite.backends.megatron import cpu_compat
+    from slime_lite.backends.megatron import cpu_compat  # patches Megatron: applied when a model is built
 
     cpu_compat.apply()
     arch = hf_arch(hf_config)
@@ -345,9 +339,7 @@ def forward_logits(
 
 def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device: Any = None):
     """Megatron's PackedSeqParams ("thd") for samples packed back to back in one row (cu_seqlens [n+1] int32)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
 
-    from slime_lite.backends.megatron.attention import mark_packed_positions
 
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import datetime
 import logging
-
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 
 from slime_lite.errors import SlimeLiteError
 
@@ -34,10 +35,8 @@ def init_distributed(
 
     ``store``: a rendezvous ``TCPStore`` to join through (see ``open_store``) instead of ``master_addr:master_port``.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
 
-    from slime_lite.backends.megatron import cpu_compat
+    from slime_lite.backends.megatron import cpu_compat  # patches Megatron: applied when the groups are made
 
     if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
         raise SlimeLiteError(
@@ -67,7 +66,6 @@ def init_distributed(
 def open_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float = 1800.0) -> Any:
     """The job's rendezvous store. Rank 0 serves it; ``master_port`` 0 lets the OS pick a free port as it binds
     (read it back from ``.port``), so no other process can take the port between choosing and binding it."""
-    import torch.distributed as dist
 
     return dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False)
@@ -75,9 +73,6 @@ def open_store(master_addr: str, master_port: int, rank: int, world_size: int, t
 
 def destroy() -> None:
     """Tear down Megatron's groups and the default process group (safe to call twice)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_lite.errors import DumpError, SlimeLiteError
+from slime_lite.io import atomic_torch_save, load_plain
 
 FORMAT_VERSION = 1
 PER_TOKEN = ("log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns", "values", "loss_masks",
@@ -58,9 +59,8 @@ def save_train_dump(template: str, rollout_id: int, rank: int, samples: list, po
     """Write the samples at ``positions`` of this rollout. ``columns`` maps each PER_TOKEN name to a list over
     *all* samples of the rollout (None when the run has no such value); ``entropy`` may also be a dict holding
     only this rank's positions. Atomic; returns the path."""
-    import torch
+    import torch  # torch: slime-lite explain and flag checks read this module
 
-    from slime_lite.io import atomic_torch_save
 
     rows = sorted(positions)
     data: dict[str, Any] = {
@@ -89,9 +89,8 @@ class TrainDump:
 
 def load_train_dump(path: str) -> TrainDump:
     """Load and check one file; errors name the file, the sample and the column."""
-    import torch
+    import torch  # torch: slime-lite explain and flag checks read this module
 
-    from slime_lite.io import load_plain
 
     raw = load_plain(path, "train dump", DumpError)
     data = raw.get("rollout_data") if isinstance(raw, dict) else None

@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.common.embeddings import rotary_pos_embedding
 
 from slime_lite.offload import TensorStash, clear_cublas_workspaces
 
@@ -37,8 +39,6 @@ def device() -> torch.device:
 
 def offload(model: Any, optimizer: Any, stash: TensorStash) -> int:
     """Free the worker's device memory; returns the bytes moved to the host."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     optimizer.zero_grad(set_to_none=True)  # master weights' grads (views of the grad buffers, or copies)
     model.offload_grad_buffers(synchronize=False, empty_cache=False)

@@ -17,10 +17,12 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -29,6 +31,8 @@ from slime_lite.checks.weight_check import check_weights_equal
 from slime_lite.engine_client import on_all, request_json, sent_to_all
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.io import free_port, write_hf_folder
+from slime_lite.weight_transport import WeightUpdateGroup, check_group_address
+from slime_lite.weight_wire import flatten_bucket, serialize
 
 log = logging.getLogger(__name__)
 BUCKET_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
@@ -128,8 +132,6 @@ def weight_update_session(urls: list[str]):
 
 def _is_local(url: str) -> bool:
     """Whether the engine at ``url`` runs on this host (loopback, or an address this host can bind)."""
-    import socket
-    from urllib.parse import urlsplit
 
     host = urlsplit(url).hostname or ""
     try:
@@ -165,8 +167,6 @@ def payload_mode(url: str, named: dict[str, torch.Tensor], colocated: bool, buck
 
 
 def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
-    from slime_lite.weight_wire import flatten_bucket, serialize
-
     limit = args.update_weight_buffer_size
     ranks = args.rollout_num_gpus_per_engine if args.rollout_backend == "sglang" else 1
     modes = {u: payload_mode(u, named, args.colocate, limit) for u in urls}
@@ -196,7 +196,6 @@ def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], ver
 
 def _group(urls: list[str], backend: str) -> Any:
     """One broadcast group trainer(rank 0) + engines, made on the first push and kept for the later ones."""
-    from slime_lite.weight_transport import WeightUpdateGroup, check_group_address
 
     key = tuple(urls)
     if key in _groups:

@@ -14,10 +14,33 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import ray
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from transformers import AutoConfig
 
 from slime_lite.backends.megatron import batch as B
+from slime_lite.backends.megatron import checkpoint, train_offload
+from slime_lite.backends.megatron.convert import load_hf_weights
+from slime_lite.backends.megatron.model import (
+    build_gpt_model,
+    memory_overrides,
+    packed_seq_params,
+    sequence_parallel,
+    unwrap,
+)
+from slime_lite.backends.megatron.parallel import init_distributed, open_store
 from slime_lite.config import TokenBudget
+from slime_lite.determinism import set_deterministic
+from slime_lite.logging_setup import setup_logging
+from slime_lite.metrics import process_memory
+from slime_lite.offload import TensorStash
+from slime_lite.profiling import TorchProfile, dump_memory_snapshot, start_memory_history, stop_memory_history
+from slime_lite.rl_math import PerTokenNormalizer
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +57,6 @@ class TrainResult:
 def reported(refs: list[Any] | None) -> Any:
     """The reporter rank's result among one call's results on every rank of another group (Ray object refs: they
     pass between the groups without going through the driver); None for None."""
-    import ray
-
     return None if refs is None else next(r for r in ray.get(refs) if r is not None)
 
 
@@ -47,16 +68,12 @@ class TrainWorker:
     metric_prefix = ""
 
     def __init__(self, args: Any, rank: int, world_size: int, master_addr: str) -> None:
-        from slime_lite.logging_setup import setup_logging
-
         setup_logging(args.log_level)
         self.args, self.rank, self.world_size = args, rank, world_size
         self.master_addr = master_addr
         self._store = None
         torch.set_num_threads(max(1, int(os.environ.get("SLIME_LITE_TRAIN_THREADS", "1"))))
         if args.deterministic_mode:
-            from slime_lite.determinism import set_deterministic
-
             set_deterministic()
         elif not torch.cuda.is_available():
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -64,29 +81,14 @@ class TrainWorker:
     # ----------------------------------------------------------------- setup
     def open_store(self) -> int:
         """Rank 0: serve the group's rendezvous store on a port the OS picks; returns the port."""
-        from slime_lite.backends.megatron.parallel import open_store
 
         self._store = open_store(self.master_addr, 0, self.rank, self.world_size)
         return self._store.port
 
     def init(self, master_port: int) -> dict[str, Any]:
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from transformers import AutoConfig
-
-        from slime_lite.backends.megatron import checkpoint
-        from slime_lite.backends.megatron.convert import load_hf_weights
-        from slime_lite.backends.megatron.model import build_gpt_model, memory_overrides
-        from slime_lite.backends.megatron.parallel import init_distributed, open_store
 
         a = self.args
         if a.record_memory_history:  # before the model exists: its allocations are in the snapshot
-            from slime_lite.profiling import start_memory_history
 
             start_memory_history()
         store = self._store or open_store(self.master_addr, master_port, self.rank, self.world_size)
@@ -131,19 +133,12 @@ class TrainWorker:
         """Role-specific changes to the freshly loaded model, before DDP wraps it and a checkpoint is loaded."""
 
     def gpt(self) -> torch.nn.Module:
-        from slime_lite.backends.megatron.model import unwrap
-
         return unwrap(self.model)
 
     # ----------------------------------------------------------------- forward passes
     def _run(self, samples: list, mbs: list[list[int]], length: int, forward_only: bool, loss_fn: Any) -> list:
         """Megatron's schedule over this rank's micro-batches; returns what loss_fn reported per micro-batch."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from slime_lite.backends.megatron.model import (
-            packed_seq_params,
-            sequence_parallel,
-        )
 
         packed = self.args.use_dynamic_batch_size
         # --sequence-parallel splits each row's tokens over the TP ranks: the length must divide by TP
@@ -187,7 +182,6 @@ class TrainWorker:
         """What a step's micro-batch losses are divided by, so they add up (over micro-batches and the DP mean) to
         the step's loss: samples per DP rank, or with --calculate-per-token-loss the step's loss-mask tokens per
         DP rank. Independent of how the step is cut into micro-batches."""
-        from slime_lite.rl_math import PerTokenNormalizer
 
         a = self.args
         g = a.global_batch_size
@@ -216,7 +210,6 @@ class TrainWorker:
 
     def _gather(self, local: B.SampleTensors) -> B.SampleTensors:
         """Union of per-sample tensors over the DP group (last-stage ranks only)."""
-        import torch.distributed as dist
 
         if self.dp_size == 1:
             return local
@@ -227,7 +220,6 @@ class TrainWorker:
     def _train_steps(self, samples: list, loss_fn: Any) -> TrainResult:
         """Run the optimizer steps of one rollout: metrics averaged over steps (reporter's view), and the grad-norm of
         each step."""
-        import torch.distributed as dist
 
         length = B.padded_length(samples)
         steps = self._plan(samples)
@@ -267,28 +259,20 @@ class TrainWorker:
     def offload(self) -> None:
         """Free this worker's GPU memory while engines run (--offload-train): weights, optimizer state, grad buffers
         and caches (backends/megatron/train_offload.py)."""
-        from slime_lite.backends.megatron import train_offload
-        from slime_lite.offload import TensorStash
 
         if getattr(self, "_stash", None) is None:
             self._stash = TensorStash(train_offload.device())
         train_offload.offload(self.model, self.optimizer, self._stash)
 
     def onload(self) -> None:
-        from slime_lite.backends.megatron import train_offload
-
         if getattr(self, "_stash", None) is not None:
             train_offload.onload(self.model, self._stash)
 
     def memory(self) -> dict[str, float]:
-        from slime_lite.metrics import process_memory
-
         return process_memory()
 
     # ----------------------------------------------------------------- profiling (driven by profiling.RunProfiler)
     def start_profile(self) -> None:
-        from slime_lite.profiling import TorchProfile
-
         self._profile = TorchProfile()
         # with --record-memory-history the allocator's own history already has every allocation
         self._profile.start(profile_memory=not self.args.record_memory_history)
@@ -297,15 +281,11 @@ class TrainWorker:
         self._profile.stop(os.path.join(folder, f"train_{self.role}_rank{self.rank}.trace.json"))
 
     def memory_snapshot(self, folder: str, rollout_id: int) -> None:
-        from slime_lite.profiling import dump_memory_snapshot, stop_memory_history
-
         dump_memory_snapshot(os.path.join(folder, f"memory_snapshot_{self.role}_rank{self.rank}_"
                                                   f"rollout{rollout_id}.pickle"))
         stop_memory_history()
 
     def save(self, rollout_id: int, data_state: Any) -> None:
-        from slime_lite.backends.megatron import checkpoint
-
         checkpoint.save(self, self.args.save, rollout_id, data_state)
 
 

@@ -9,7 +9,9 @@ Ray starts) and imports SGLang only when it is installed. Nothing heavy is impor
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import ipaddress
 import logging
 import os
 import signal
@@ -19,9 +21,14 @@ import tempfile
 import time
 from typing import Any
 
+from ray.util import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from slime_lite.config import EngineConfig
+from slime_lite.engine_client import API_KEY_ENV, API_KEY_FILE_ENV, api_key, request_json
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.io import free_port
+from slime_lite.placement import plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +101,6 @@ def check_sglang_args(cfg: EngineConfig) -> None:
 def _raising_parser():
     """An argparse parser whose errors raise SlimeLiteError instead of printing usage and exiting. Prefix matching
     stays on, as in SGLang's own launch parser (``--tp`` means ``--tp-size``; an ambiguous prefix is an error)."""
-    import argparse
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str):
@@ -148,8 +154,6 @@ KEYED_LAUNCH = ("import os, runpy, sys; key = os.environ.pop('SLIME_LITE_ENGINE_
 
 
 def is_loopback(host: str) -> bool:
-    import ipaddress
-
     if host == "localhost":
         return True
     try:
@@ -211,10 +215,7 @@ def engine_gpu_ids(args: Any, rank: int) -> list[int] | None:
     per = int(args.rollout_num_gpus_per_engine)
     if not own or per == 1:
         return own or None
-    from ray.util import get_current_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from slime_lite.placement import plan_layout
 
     pg = get_current_placement_group()
     if pg is None:
@@ -279,8 +280,6 @@ class _ManagedProcess:
         self._log_file = None
 
     def _launch(self, cmd: list[str], env: dict[str, str], log_name: str, timeout: float) -> str:
-        from slime_lite.engine_client import request_json
-
         self.command = cmd
         self.log_path = os.path.join(log_dir(), log_name)
         self._log_file = open(self.log_path, "ab")
@@ -357,7 +356,6 @@ def with_api_key(cmd: list[str], env: dict[str, str], host: str, what: str) -> t
     (``keyed_command``), never on its command line; without a key it is refused before launch."""
     if is_loopback(host):
         return cmd, env
-    from slime_lite.engine_client import API_KEY_ENV, API_KEY_FILE_ENV, api_key
 
     key = api_key()
     if not key:

@@ -1,0 +1,61 @@
+"""Multi-turn samples: a response is model turns with inserted turns (tool or environment output) between them.
+
+``append_turn`` is the one way a rollout (a generate hook, the agent endpoint, the tool task) grows a sample, and it
+keeps every per-token field aligned: ``tokens`` (prompt + response), ``response_length``, ``loss_mask`` (1 on model
+tokens, 0 on inserted ones), ``rollout_log_probs`` (the engine's for model tokens; 0.0 for inserted tokens, which
+the mask keeps out of every loss and metric: never invented values), and the text of each turn. Each turn is
+recorded in ``sample.metadata["turns"]`` as ``{"start", "length", "source", "trainable", "text"}`` (``start`` and
+``length`` in response tokens), which the debug tools show and the token drift check reads.
+
+A turn's tokens are the engine's own ids (model turns) or the tokenizer's ids of the inserted text: training tokens
+are never rebuilt by re-tokenising a model turn's text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slime_lite.types import Sample
+
+SOURCES = ("model", "tool", "env", "user")  # who wrote a turn: only "model" turns come from the engine
+
+
+def append_turn(sample: Sample, tokens: list[int], log_probs: list[float] | None = None, *, trainable: bool = True,
+                source: str = "model", text: str | None = None) -> Sample:
+    """Append one turn to ``sample``'s response (in place; returns the sample).
+
+    Model turns (``source`` "model") carry the engine's ``log_probs``, one per token; a model turn without them is
+    left untrainable (its tokens get mask 0), since a trained token needs its rollout log-prob. Inserted turns get
+    mask 0 and log-prob 0.0 whatever ``trainable`` says: the model did not produce them."""
+    if source not in SOURCES:
+        raise ValueError(f"turn source {source!r}: expected one of {SOURCES}")
+    tokens = [int(t) for t in tokens]
+    if log_probs is not None and len(log_probs) != len(tokens):
+        raise ValueError(f"a turn of {len(tokens)} tokens with {len(log_probs)} log-probs")
+    model = source == "model"
+    trained = bool(trainable and model and log_probs is not None)
+    n_before = sample.response_length
+    if sample.loss_mask is None:
+        sample.loss_mask = [1] * n_before
+    if sample.rollout_log_probs is None and n_before == 0:  # else: earlier tokens have none, and neither does this
+        sample.rollout_log_probs = []
+    sample.tokens = list(sample.tokens) + tokens
+    sample.response_length = n_before + len(tokens)
+    sample.loss_mask = list(sample.loss_mask) + [1 if trained else 0] * len(tokens)
+    if sample.rollout_log_probs is not None:
+        lps = [float(x) for x in log_probs] if (model and log_probs is not None) else [0.0] * len(tokens)
+        sample.rollout_log_probs = list(sample.rollout_log_probs) + lps
+    if text is not None:
+        sample.response = (sample.response or "") + text
+    sample.metadata.setdefault("turns", []).append(
+        {"start": n_before, "length": len(tokens), "source": source, "trainable": trained, "text": text})
+    return sample
+
+
+def turns(sample: Sample) -> list[dict[str, Any]]:
+    """The sample's turns; a single-turn sample (no record) is one model turn over its whole response."""
+    recorded = sample.metadata.get("turns")
+    if recorded:
+        return list(recorded)
+    return [{"start": 0, "length": sample.response_length, "source": "model",
+             "trainable": True, "text": sample.response}]
