@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU test suite: every test marked `gpu` (CUDA-graph decode, the precision checks in bf16, ...), run with the
 # machine's own python3 and torch on a machine with CUDA. Extra arguments go to pytest, e.g. `-k doctor`.
-#   bash scripts/test-gpu.sh [pytest args]
+#   bash scripts/test-gpu.sh [--quick] [--slice K/N] [pytest args]
+# --slice K/N: the K-th of N parts of the suite, the same every time, balanced by the seconds each test took in the
+#   run recorded in tests/gpu_durations.json (`--record-durations FILE` writes them). The default split is
+#   --slice 1/3 .. 3/3, each under 7 minutes on one H200 (BENCHMARKS.md: "The GPU suite in slices").
+# --quick: the engine's captured decode steps and fused kernels, the bf16 precision checks, the colocated loop.
 # On a GPU machine without network (the lent H200): first, on a machine with network, pack Ray and megatron-core
 # with `bash ../shared/tools/gpu-carry.sh` (writes .gpu-carry/site.tar.xz); this script unpacks it when present.
 set -euo pipefail
@@ -17,4 +21,12 @@ python=${PYTHON:-python3}  # the machine's own torch with CUDA (not .venv's CPU 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 # only the files that hold gpu tests are collected: the others may import what a GPU image lacks
 mapfile -t files < <(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | sort)
-exec "$python" -m pytest -q -p no:cacheprovider -m gpu --timeout 900 "${files[@]}" "$@"
+args=()
+for a in "$@"; do
+  if [ "$a" = --quick ]; then
+    args+=(-k "test_cuda_graph_gpu or test_fused_layer or test_decode_attention_gpu or bf16 or colocated or offload_frees")
+  else
+    args+=("$a")
+  fi
+done
+exec "$python" -m pytest -q -p no:cacheprovider -m gpu --timeout 900 "${files[@]}" "${args[@]}"

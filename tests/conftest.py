@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.slices import slice_of
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -15,3 +17,48 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny_model")
     make_tiny_model(out, warm_start_steps=0)
     return out
+
+
+# ---- slices of a test run (scripts/test-gpu.sh --slice K/N): deterministic, balanced by recorded durations
+DURATIONS = Path(__file__).with_name("gpu_durations.json")  # {node id: seconds}, from a --record-durations run
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slice", default=None, metavar="K/N",
+                     help="run the K-th of N parts of the selected tests: the same split every time, balanced by "
+                          f"the durations in {DURATIONS.name} (longest first, each to the lightest part)")
+    parser.addoption("--record-durations", default=None, metavar="PATH",
+                     help="write each test's seconds (setup + call + teardown) to PATH as JSON (for --slice)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    spec = config.getoption("--slice")
+    if not spec:
+        return
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        assert 1 <= k <= n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--slice {spec}: expected K/N with 1 <= K <= N, e.g. --slice 2/3") from None
+    import json
+
+    durations = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    parts = slice_of([item.nodeid for item in items], durations, n)
+    keep = [item for item in items if parts[item.nodeid] == k - 1]
+    config.hook.pytest_deselected(items=[item for item in items if parts[item.nodeid] != k - 1])
+    items[:] = keep
+
+
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("--record-durations")
+    if path:
+        import json
+
+        Path(path).write_text(json.dumps({k: round(v, 2) for k, v in sorted(_SECONDS.items())}, indent=1) + "\n")
