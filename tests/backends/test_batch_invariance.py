@@ -44,19 +44,18 @@ def bf16_worker(tiny_model_dir, replay_dumps):
 
 def run(worker_and_samples, **flags):
     """Step-1 metrics of one train() from the same start weights with these flag values."""
+    import argparse
+
+    from slime_lite.config import freeze
+
     worker, start, samples = worker_and_samples
-    a = worker.args
-    a.use_dynamic_batch_size = "max_tokens_per_gpu" in flags
-    a.micro_batch_size, a.calculate_per_token_loss, a.log_probs_max_tokens_per_gpu = 1, False, None
-    for k, v in flags.items():
-        setattr(a, k, v)
-    if a.use_dynamic_batch_size and a.log_probs_max_tokens_per_gpu is None:
-        a.log_probs_max_tokens_per_gpu = a.max_tokens_per_gpu
+    changed = {"use_dynamic_batch_size": "max_tokens_per_gpu" in flags, "micro_batch_size": 1,
+               "calculate_per_token_loss": False, "log_probs_max_tokens_per_gpu": None, **flags}
+    worker.args = freeze(argparse.Namespace(**{**vars(worker.args), **changed}))  # the same worker, other flags
     with torch.no_grad():
         for n, p in worker.gpt().named_parameters():
             p.copy_(start[n])
-    metrics, _ = worker.train(0, samples, None)
-    return metrics
+    return worker.train(0, samples, None)[0].metrics
 
 
 def close(a: float, b: float, rel: float = 1e-6) -> bool:

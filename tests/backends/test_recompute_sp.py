@@ -60,9 +60,10 @@ def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str, common: tu
                 worker.init(port)
                 old = {i: torch.zeros(s.response_length) for i, s in enumerate(samples)}
                 returns = {i: torch.full((s.response_length,), float(s.reward)) for i, s in enumerate(samples)}
-                metrics = worker.train(0, samples, old, returns)  # values of the trained head: not all 0
+                result = worker.train(0, samples, old, returns)  # values of the trained head: not all 0
                 values = worker.compute_values(samples)
-                results[name] = metrics and {**metrics, "values": sum(float(v.abs().sum()) for v in values.values())}
+                results[name] = result and {**result.metrics,
+                                            "values": sum(float(v.abs().sum()) for v in values.values())}
                 parallel_state.destroy_model_parallel()
                 continue
             worker = TrainActor(_args(model_dir, dumps, [*extra, *common]), rank, 2, "127.0.0.1")
@@ -75,8 +76,8 @@ def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str, common: tu
                                                  if "--recompute-granularity" in extra else None), name
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            reported = worker.train(0, samples, None)  # the metrics on the reporting rank (0), None elsewhere
-            results[name] = reported and reported[0]
+            reported, _ = worker.train(0, samples, None)  # the reporting rank's (0) result, None elsewhere
+            results[name] = reported and reported.metrics
             if reported and torch.cuda.is_available():
                 results[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             parallel_state.destroy_model_parallel()

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -219,10 +218,7 @@ def test_engine_gpu_ids_follow_the_engines_bundles_with_logical_ray_gpus():
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    args = SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=1, critic_num_nodes=1,
-                           critic_num_gpus_per_node=1, advantage_estimator="grpo", debug_train_only=False,
-                           debug_rollout_only=True, colocate=False, rollout_num_gpus=4,
-                           rollout_num_gpus_per_engine=2, rollout_external_engine_addrs=None)
+    args = parser_defaults(debug_rollout_only=True, rollout_num_gpus=4, rollout_num_gpus_per_engine=2)
     ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, logging_level="WARNING")
     try:
         pg = placement_group([{"CPU": 0.5, "GPU": 1} for _ in range(4)], strategy="PACK")

@@ -21,7 +21,7 @@ def _round_trip_then_same_step(model_dir, dumps, *extra) -> dict:
     """Train rollout 0 (the Adam state exists after it), then rollout 1 twice from the same state: once as is,
     once after offload + onload. Returns what was measured."""
     from slime_lite.args import parse_args
-    from slime_lite.backends.megatron import weight_push
+    from slime_lite.backends.megatron import actor
     from slime_lite.backends.megatron.actor import TrainActor
     from slime_lite.backends.megatron.parallel import destroy
     from slime_lite.backends.megatron.train_offload import optimizer_tensors
@@ -43,7 +43,7 @@ def _round_trip_then_same_step(model_dir, dumps, *extra) -> dict:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        plain, _ = worker.train(1, rollouts[1], None)
+        plain = worker.train(1, rollouts[1], None)[0].metrics
         out = {"peak": (torch.cuda.max_memory_allocated() - base) if cuda else 0}
         stepped = host(tensors)  # weights and Adam state after the step
         with torch.no_grad():
@@ -62,21 +62,21 @@ def _round_trip_then_same_step(model_dir, dumps, *extra) -> dict:
         out["residual"] = (torch.cuda.memory_allocated() - base) if cuda else 0
         # a push while offloaded (an engine restarted by --use-fault-tolerance); the transport is faked: no engine
         sent: dict = {}
-        real_push = weight_push.push
+        real_push = actor.push
         # the fake copies what it is sent during the call, as a transport copies into its buckets: the push's
         # tensors may be views of the parameters, which the offload after the push empties
-        weight_push.push = lambda args, named, *rest, **kw: sent.update({k: v.clone() for k, v in named.items()}) or {}
+        actor.push = lambda args, named, *rest, **kw: sent.update({k: v.clone() for k, v in named.items()}) or {}
         try:
             worker.push_weights([], 2)
         finally:
-            weight_push.push = real_push
+            actor.push = real_push
         out["pushed"] = sent.keys() == expected.keys() and all(torch.equal(sent[k], expected[k]) for k in sent)
         out["emptied"] = all(t.untyped_storage().nbytes() == 0 for t in tensors if t.device == worker._stash.device)
         worker.onload()
         out["exact"] = all(torch.equal(t.cpu(), s) for t, s in zip(tensors, start))
         on_device = [t for t in tensors if t.device == worker._stash.device and t.numel()]
         out["blocks"] = len({t.untyped_storage().data_ptr() for t in on_device})
-        again, _ = worker.train(1, rollouts[1], None)
+        again = worker.train(1, rollouts[1], None)[0].metrics
         out["plain"], out["again"] = plain, again
         # over the float32 tensors: the master weights and Adam state (bf16 weights are their rounding)
         out["step_diff"] = max(float((t.cpu() - s).abs().max()) for t, s in zip(tensors, stepped)

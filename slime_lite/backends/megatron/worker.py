@@ -54,10 +54,11 @@ class TrainResult:
     grad_norms: list[float]
 
 
-def reported(refs: list[Any] | None) -> Any:
-    """The reporter rank's result among one call's results on every rank of another group (Ray object refs: they
-    pass between the groups without going through the driver); None for None."""
-    return None if refs is None else next(r for r in ray.get(refs) if r is not None)
+def reported(value: Any) -> Any:
+    """A value handed over from another group: the Ray object refs of one call on each of its ranks (they pass
+    between the groups without going through the driver) give the reporter rank's result; anything else (a value
+    given directly, None) is itself."""
+    return next(r for r in ray.get(value) if r is not None) if isinstance(value, list) else value
 
 
 class TrainWorker:
