@@ -315,6 +315,12 @@ def mismatch_metrics(
     return out, worst
 
 
+def scoring_temperature(rollout_temperature: float) -> float:
+    """The temperature the trainer divides logits by to score a rollout: the rollout's own; 1 for a greedy rollout
+    (temperature 0), whose engine log-probs are those of the unscaled logits."""
+    return rollout_temperature if rollout_temperature > 1e-6 else 1.0
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum(x*m)/sum(m); 0 when the mask is empty (as if the denominator were clamped to 1)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)

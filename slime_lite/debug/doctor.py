@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 from rich.table import Table
 
+from slime_lite import rl_math
 from slime_lite.args import parse_args
 from slime_lite.checks.ci import Check, cuda_available, dtype_name, logprob_diff_threshold, rollout_checks
 from slime_lite.checks.ci import make_check as _c
@@ -287,7 +288,7 @@ def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str
     if i is None:
         return {"rollout_id": rollout_id, "summary": f"no sample of rollout {rollout_id} differs beyond the "
                 f"threshold: the mismatch starts at a later push of trained weights (the push, not the forward)"}
-    temp = args.rollout_temperature if args.rollout_temperature > 1e-6 else 1.0
+    temp = rl_math.scoring_temperature(args.rollout_temperature)
     loc = localize_sample(samples[i], args.hf_checkpoint, engine_dtype=dtype_name(args, "engine"),
                           trainer_dtype=dtype_name(args, "trainer"), temperature=temp, logprob_tol=bound)
     return {"rollout_id": rollout_id, "sample_index": samples[i].index, **loc.as_dict()}

@@ -52,7 +52,7 @@ class TrainActor(TrainWorker):
     def _log_probs(self, mb: B.MicroBatch, output: torch.Tensor, entropy: bool = False) -> list[torch.Tensor]:
         """Response-token log-probs of each sample of a micro-batch, from the model output ([2, R]: log-probs and
         entropy, with ``entropy``)."""
-        temp = self.args.rollout_temperature if self.args.rollout_temperature > 1e-6 else 1.0
+        temp = rl_math.scoring_temperature(self.args.rollout_temperature)
         lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size, with_entropy=entropy)
         return [torch.stack([x, e]) for x, e in zip(lp, ent)] if entropy else lp
 
@@ -75,7 +75,7 @@ class TrainActor(TrainWorker):
         per-sample returns the critic trains toward), each None on the other ranks."""
 
         a = self.args
-        values = reported(values)
+        values = reported(values)  # {sample index: values} of the critic's reporter
         t0 = time.monotonic()
         length = B.padded_length(samples)
         steps = self._plan(samples, log_probs=True)
@@ -94,25 +94,25 @@ class TrainActor(TrainWorker):
         masks = B.loss_masks(samples)
         logp = [old[i] for i in range(n)]
         ref_logp = [ref[i] for i in range(n)] if ref is not None else None
+        values = [values[i] for i in range(n)] if values is not None else None
         advantages, returns = rl_math.compute_advantages_and_returns(
             a.advantage_estimator, B.scalar_rewards(samples, a.reward_key), logp, ref_logp,
-            [values[i] for i in range(n)] if values is not None else None, masks,
+            values, masks,
             group_size=a.n_samples_per_prompt, kl_coef=a.kl_coef, kl_type=a.kl_loss_type, gamma=a.gamma,
             lambd=a.lambd, std_normalization=not a.disable_grpo_std_normalization,
             normalize_advantages=a.normalize_advantages,
         )
-        rollout_lp = [torch.tensor(s.rollout_log_probs) if s.rollout_log_probs is not None else None for s in samples]
-        has_rollout_lp = all(r is not None for r in rollout_lp)
+        rollout_lp = B.rollout_log_probs(samples)
         if dump and self.ps.get_tensor_model_parallel_rank() == 0:  # this rank's samples, before the update
 
             save_train_dump(dump, rollout_id, self.rank, samples, list(entropy), {
-                "log_probs": logp, "ref_log_probs": ref_logp, "rollout_log_probs": rollout_lp if has_rollout_lp
-                else None, "advantages": advantages, "returns": returns, "loss_masks": masks, "entropy": entropy,
-                "values": [values[i] for i in range(n)] if values is not None else None})
+                "log_probs": logp, "ref_log_probs": ref_logp, "rollout_log_probs": rollout_lp,
+                "advantages": advantages, "returns": returns, "loss_masks": masks, "entropy": entropy,
+                "values": values})
         loss_cfg = LossConfig.from_args(a)
 
         def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
-            temp = a.rollout_temperature if a.rollout_temperature > 1e-6 else 1.0
+            temp = rl_math.scoring_temperature(a.rollout_temperature)
             lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size, with_entropy=a.entropy_coef > 0)
             idx, dev = mb.indices, output.device
             def on(xs: list) -> list[torch.Tensor]:  # per-sample inputs of this micro-batch: one host->device copy
@@ -120,7 +120,7 @@ class TrainActor(TrainWorker):
 
             loss, m = rl_loss(
                 lp, on(old), on(ref) if ref is not None else None,
-                on(rollout_lp) if has_rollout_lp else None, on(advantages),
+                on(rollout_lp) if rollout_lp is not None else None, on(advantages),
                 on(masks), ent, loss_cfg, normalizer,
             )
             return loss * self._num_mb, m
@@ -130,14 +130,14 @@ class TrainActor(TrainWorker):
             return None, None
         metrics = result.metrics
         metrics["perf/log_probs_time"] = log_probs_time
-        metrics.update(self._rollout_stats(samples, logp, ref_logp, rollout_lp if has_rollout_lp else None,
+        metrics.update(self._rollout_stats(samples, logp, ref_logp, rollout_lp,
                                            advantages, masks, values))
         if a.get_mismatch_metrics:
-            metrics.update(self._mismatch(rollout_id, samples, logp, rollout_lp if has_rollout_lp else None, masks))
+            metrics.update(self._mismatch(rollout_id, samples, logp, rollout_lp, masks))
         details = {"log_probs": logp, "ref_log_probs": ref_logp, "advantages": advantages, "returns": returns,
-                   "values": [values[i] for i in range(n)] if values is not None else None}
+                   "values": values}
         if a.dump_details:
-            self._dump_train_details(rollout_id, samples, details, rollout_lp if has_rollout_lp else None)
+            self._dump_train_details(rollout_id, samples, details, rollout_lp)
         # this call inside the actor: the driver's perf/train_time less this is Ray's share (samples in, results out)
         metrics["perf/actor_train_time"] = time.monotonic() - t0
         return result, B.SampleTensors(enumerate(returns))
@@ -180,7 +180,7 @@ class TrainActor(TrainWorker):
             out["train/train_rollout_logprob_abs_diff"] = mean(diffs)
             out["train/train_rollout_logprob_abs_diff_max"] = max(float(d.max()) if d.numel() else 0.0 for d in diffs)
         if values is not None:
-            out["rollout/values"] = mean([values[i] for i in range(len(samples))])
+            out["rollout/values"] = mean(values)
         return out
 
     def _dump_train_details(self, rollout_id: int, samples: list, details: dict, rollout_lp: Any) -> None:

@@ -177,6 +177,14 @@ def loss_masks(samples: list[Any]) -> list[torch.Tensor]:
     ]
 
 
+def rollout_log_probs(samples: list[Any]) -> list[torch.Tensor] | None:
+    """The engine's log-probs of each sample's response tokens; None when a sample has none (e.g. a replayed dump
+    made without them): the train/rollout comparisons and rollout correction then have nothing to compare."""
+    if any(s.rollout_log_probs is None for s in samples):
+        return None
+    return [torch.tensor(s.rollout_log_probs) for s in samples]
+
+
 def scalar_rewards(samples: list[Sample], reward_key: str | None) -> list[float]:
     """Each sample's scalar reward (``--reward-key`` picks it from a dict reward); SlimeLiteError if one has none."""
     try:
