@@ -131,7 +131,15 @@ def qwen3_config():
                        num_key_value_heads=2, head_dim=24, intermediate_size=96)
 
 
-@pytest.mark.parametrize("make_config", [llama3_rope_config, qwen3_config], ids=["llama_tied_llama3rope", "qwen3"])
+def glm4_config():  # partial interleaved rotary (a quarter of each head: 6 of 24 dims), qkv bias, post norms
+    from transformers import Glm4Config
+
+    return Glm4Config(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
+                      num_key_value_heads=2, head_dim=24, intermediate_size=96, partial_rotary_factor=0.25)
+
+
+@pytest.mark.parametrize("make_config", [llama3_rope_config, qwen3_config, glm4_config],
+                         ids=["llama_tied_llama3rope", "qwen3", "glm4"])
 def test_other_architectures_logits_equal_hf(single_rank, make_config):
     from slime_lite.backends.megatron.convert import load_hf_weights
     from slime_lite.backends.megatron.model import build_gpt_model, forward_logits
