@@ -66,8 +66,8 @@ def rope_parameters(cfg: Any) -> dict[str, Any]:
 
 def partial_rotary_factor(cfg: Any) -> float:
     """The share of each head the rotary embedding turns: config.json's partial_rotary_factor (else the family's
-    default) in families that read it, 1 in the others (transformers ignores the key there)."""
+    default) in families that read it, 1 in the others of ``FAMILIES`` (transformers ignores the key there)."""
     family = FAMILIES.get(_get(cfg, "model_type"))
-    if family is None or family.partial_rotary is None:
+    if family is not None and family.partial_rotary is None:
         return 1.0
-    return float(rope_parameters(cfg).get("partial_rotary_factor", family.partial_rotary))
+    return float(rope_parameters(cfg).get("partial_rotary_factor", family.partial_rotary if family else 1.0))
