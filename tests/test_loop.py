@@ -78,6 +78,23 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
         assert list((tmp_path / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "glm4"])
+def test_qwen3_and_glm4_train_and_rollout_log_probs_agree_under_ci_test(data, tmp_path, arch):
+    """A tiny Qwen3 (QK-norm, head size 48 of a 128 hidden size over 4 heads) and a tiny GLM4 (partial interleaved
+    rotary, q/k/v biases, post-norms, fused gate/up) through the whole loop: the embedded engine rolls out, Megatron
+    trains, the weights are pushed by HF name and checked equal, and --ci-test's checks pass in float32."""
+    from slime_lite.tiny_model import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", arch=arch, warm_start_steps=0, num_layers=2,
+                    head_dim=48 if arch == "qwen3" else None)
+    proc = train(base(tmp_path / "model", data, tmp_path, "--num-rollout", "2", "--ci-test",
+                      "--check-weight-update-equal", "--debug-scramble-engine-weights"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r = rows(tmp_path)
+    assert [x["rollout_id"] for x in r] == [0, 1] and r[0]["rollout/kl"] == 0.0
+    assert all(x["train/train_rollout_logprob_abs_diff"] < 1e-5 for x in r)  # rollout 1: the pushed weights
+
+
 @pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])
 def test_weight_transport_engine_samples_new_weights(tiny_model_dir, data, tmp_path, transport):
     # lr 3e-3 moves the weights a lot: had the push failed, the engine's log-probs of rollout 1 (sampled from the
