@@ -83,7 +83,7 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
 
 # ---- not supported yet: flag -> (argparse kwargs, reason) -------------------------------------------------------
 _PERF = "a Megatron performance option that slime-lite does not wire up"
-_MOE = "MoE models are not supported yet (the Megatron backend builds dense Llama/Qwen2/Qwen3 models)"
+_MOE = "MoE models are not supported yet (the Megatron backend builds dense Llama/Qwen2/Qwen3/GLM4 models)"
 NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
     "--optimizer-cpu-offload": (STORE_TRUE, _PERF + " (the optimizer state stays on the GPU; --offload-train "
                                                     "moves it off between steps)"),

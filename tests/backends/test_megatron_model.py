@@ -272,17 +272,18 @@ def _spawned_rank(rank: int, world: int, tp: int, pp: int, port: int, model_dir:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,tied", [(2, 1, False), (1, 2, False), (2, 2, True)])
-def test_tp_pp_layouts_build_load_and_match_hf(tiny_model_dir, tmp_path, tp, pp, tied):
+@pytest.mark.parametrize("tp,pp,tied,arch", [(2, 1, False, "qwen2"), (1, 2, False, "qwen2"), (2, 2, True, "qwen2"),
+                                             (2, 1, False, "glm4")])
+def test_tp_pp_layouts_build_load_and_match_hf(tiny_model_dir, tmp_path, tp, pp, tied, arch):
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
     from slime_lite.tiny_model import make_tiny_model
 
     model_dir = str(tiny_model_dir)
-    if tied:
-        model_dir = str(tmp_path / "tied")
-        make_tiny_model(model_dir, warm_start_steps=0, tie_word_embeddings=True)
+    if tied or arch != "qwen2":
+        model_dir = str(tmp_path / "model")
+        make_tiny_model(model_dir, warm_start_steps=0, tie_word_embeddings=tied, arch=arch)
     hf = hf_model(model_dir)
     x = tokens(hf.config.vocab_size)
     with torch.no_grad():
