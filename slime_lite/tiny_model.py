@@ -269,7 +269,8 @@ def make_tiny_model(
         )
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).float()
-        report: dict[str, Any] = {"arch": arch, "task": task, "seed": seed, "max_steps": steps, "steps": 0, "accuracy": None}
+        report: dict[str, Any] = {"arch": arch, "task": task, "seed": seed, "max_steps": steps, "steps": 0,
+                                  "accuracy": None}
         if steps > 0:
             report.update(warm_start(model, tokenizer, task=task, steps=steps, seed=seed, target=warm_start_target))
         out.mkdir(parents=True, exist_ok=True)
