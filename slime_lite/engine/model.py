@@ -25,11 +25,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_lite.engine import decode_attention, fused_layer, vmm
 from slime_lite.errors import SlimeLiteError
-from slime_lite.model_families import FAMILIES, Family, check_family, rope_parameters
+from slime_lite.model_families import Family, check_family, rope_parameters
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
