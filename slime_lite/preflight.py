@@ -1,6 +1,7 @@
-"""Checks that read or write files, run by the driver after the flags are valid and before Ray starts: every output
-location is created and probed for writing, and every dump a replay will read is loaded and validated. A problem
-found here costs seconds; found later it costs a rollout (or a whole run) and ends in a traceback."""
+"""Checks that read or write files, run by the driver after the flags are valid and before Ray starts: the model's
+architecture is one the trainer and the embedded engine build, every output location is created and probed for
+writing, and every dump a replay will read is loaded and validated. A problem found here costs seconds; found
+later it costs a rollout (or a whole run) and ends in a traceback."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from slime_lite.checks.grad_norm import grad_norm_path
 from slime_lite.config import TokenBudget
 from slime_lite.errors import SlimeLiteError
 from slime_lite.io import probe_folder
+from slime_lite.model_families import check_family
 from slime_lite.profiling import profile_targets, trace_dir
 from slime_lite.rollout.dumps import dump_path
 from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -23,6 +25,7 @@ log = logging.getLogger("slime_lite.preflight")
 
 
 def preflight(args: Any) -> None:
+    check_model_family(args)
     check_outputs(args)
     check_profiling_device(args)
     check_grad_norm_file(args)
@@ -32,6 +35,23 @@ def preflight(args: Any) -> None:
         check_loadable(args.load)
     if args.load_debug_rollout_data:
         check_replay_dumps(args)
+
+
+def check_model_family(args: Any) -> None:
+    """--hf-checkpoint's architecture is one the Megatron trainer builds (unless --debug-rollout-only) and the
+    embedded engine serves (when it rolls out): else a SlimeLiteError naming the architecture and the supported
+    ones (the trainer and the engine check the rest of the config when they load the model)."""
+    sides = []
+    if not args.debug_rollout_only:
+        sides.append("the Megatron trainer cannot build it")
+    if args.rollout_backend == "embedded" and not args.debug_train_only and not args.rollout_external_engine_addrs:
+        sides.append("the embedded engine cannot serve it (--rollout-backend sglang can)")
+    if not sides:
+        return
+    path = os.path.join(args.hf_checkpoint, "config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    check_family(cfg, f"--hf-checkpoint {path}", "; ".join(sides))
 
 
 def output_folders(args: Any) -> list[tuple[str, str]]:

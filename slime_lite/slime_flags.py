@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.model_families import FAMILIES, partial_rotary_factor, rope_parameters
 
 STORE_TRUE = {"action": "store_true", "default": None}
 
@@ -56,11 +57,13 @@ ARCH_FLAGS: dict[str, tuple[dict[str, Any], str]] = {
     "--post-mlp-layernorm": (STORE_TRUE, "model_type"),
     "--spec": (_value(nargs=2, metavar=("MODULE", "FUNCTION")), "model_type"),
 }
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "olmo2", "gemma3")
-NO_QK_NORM_TYPES = ("llama", "qwen2", "qwen2_moe", "mistral", "glm4", "glm")
-INTERLEAVED_ROPE_TYPES = ("glm4", "glm", "chatglm")
-POST_NORM_TYPES = ("glm4",)  # extra layernorms after attention and MLP
-QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
+# What the architecture flags mean per config.json model_type: the families slime-lite builds (model_families.py),
+# and others whose configs slime's scripts may name (checked against them too; the trainer refuses to build them).
+QK_NORM_TYPES = tuple(t for t, f in FAMILIES.items() if f.qk_norm) + ("qwen3_moe", "qwen3_next", "olmo2", "gemma3")
+NO_QK_NORM_TYPES = tuple(t for t, f in FAMILIES.items() if not f.qk_norm) + ("qwen2_moe", "mistral", "glm")
+INTERLEAVED_ROPE_TYPES = tuple(t for t, f in FAMILIES.items() if f.rotary_interleaved) + ("glm", "chatglm")
+POST_NORM_TYPES = tuple(t for t, f in FAMILIES.items() if f.post_norms)  # extra norms after attention and MLP
+QKV_BIAS_TYPES = tuple(t for t, f in FAMILIES.items() if f.qkv_bias) + ("qwen2_moe",)  # when config.json is silent
 
 # ---- honoured with these values only: flag -> (argparse kwargs, allowed values, what slime-lite does) ---------------
 AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
@@ -80,7 +83,7 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
 
 # ---- not supported yet: flag -> (argparse kwargs, reason) -------------------------------------------------------
 _PERF = "a Megatron performance option that slime-lite does not wire up"
-_MOE = "MoE models are not supported yet (the Megatron backend builds dense Llama/Qwen2/Qwen3 models)"
+_MOE = "MoE models are not supported yet (the Megatron backend builds dense Llama/Qwen2/Qwen3/GLM4 models)"
 NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
     "--optimizer-cpu-offload": (STORE_TRUE, _PERF + " (the optimizer state stays on the GPU; --offload-train "
                                                     "moves it off between steps)"),
@@ -143,8 +146,7 @@ def hf_values(cfg: dict[str, Any]) -> dict[str, Any]:
     """What each architecture flag would have to say for this config.json (None: the config does not tell)."""
     mt = cfg.get("model_type") or ""
     heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
-    rope = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
+    theta = rope_parameters(cfg).get("rope_theta")
     norm = "RMSNorm" if "rms_norm_eps" in cfg else "LayerNorm" if "layer_norm_eps" in cfg else None
     known = mt in QK_NORM_TYPES + NO_QK_NORM_TYPES
     return {
@@ -161,7 +163,7 @@ def hf_values(cfg: dict[str, Any]) -> dict[str, Any]:
         "use_rotary_position_embeddings": theta is not None or None,
         "position_embedding_type": "rope" if theta is not None else None,
         "rotary_base": theta,
-        "rotary_percent": cfg.get("partial_rotary_factor", 1.0),
+        "rotary_percent": partial_rotary_factor(cfg),
         "rotary_interleaved": mt in INTERLEAVED_ROPE_TYPES if mt else None,
         "untie_embeddings_and_output_weights": (not cfg["tie_word_embeddings"]) if "tie_word_embeddings" in cfg
         else None,

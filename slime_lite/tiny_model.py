@@ -1,4 +1,5 @@
-"""The tiny model: a real Hugging Face Qwen2 checkpoint with a character-level tokenizer, built locally.
+"""The tiny model: a real Hugging Face checkpoint (Qwen2 by default; ``--arch qwen3|glm4`` for the other families)
+with a character-level tokenizer, built locally.
 
 ``slime-lite make-tiny-model --out DIR`` writes config.json, model.safetensors, generation_config.json,
 tokenizer.json and tokenizer_config.json. The weights are warm-started by a short supervised fit on the task
@@ -20,26 +21,37 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, Glm4Config, Qwen2Config, Qwen3Config
 
 from slime_lite import tasks
 from slime_lite.errors import SlimeLiteError
+from slime_lite.model_families import FAMILIES
 from slime_lite.tokenizer import build_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
 VOCAB_PAD_MULTIPLE = 64  # the model's vocab_size is padded (as Qwen does) so TP sizes 1/2/4/8 divide it
+ARCHS = ("qwen2", "qwen3", "glm4")  # --arch: the families of slime_lite/model_families.py with a tiny build here
 
 
-def _qwen2_config(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                  intermediate_size: int, tie_word_embeddings: bool):
-    return Qwen2Config(
+def _config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+            head_dim: int, intermediate_size: int, tie_word_embeddings: bool):
+    """The HF config of a tiny model of family ``arch`` (Qwen3: QK-norm, no biases; GLM4: partial interleaved
+    rotary over half of each head, q/k/v biases, post-attention and post-MLP norms, fused gate/up)."""
+    family = FAMILIES[arch]
+    common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, use_sliding_window=False, max_window_layers=num_layers,
-        architectures=["Qwen2ForCausalLM"],
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, architectures=[family.architecture],
     )
+    if arch != "qwen2" or head_dim != hidden_size // num_heads:  # Qwen3 and GLM4 always store theirs
+        common["head_dim"] = head_dim
+    if arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False, max_window_layers=num_layers)
+    if arch == "qwen3":
+        return Qwen3Config(**common, use_sliding_window=False, attention_bias=False)
+    return Glm4Config(**common, attention_bias=True, partial_rotary_factor=0.5)
 
 
 # Warm start settings. The fit runs at a constant learning rate (after a short warmup) for at most WARM_START_STEPS
@@ -183,10 +195,13 @@ def _check_out_dir(out: Path) -> None:
 
 
 def _fix_config_json(path: Path) -> None:
-    """Add the keys older transformers / SGLang read (rope_theta, torch_dtype) next to the new ones."""
+    """Add the keys older transformers / SGLang read (rope_theta, partial_rotary_factor, torch_dtype) next to the
+    new ones."""
     cfg = json.loads(path.read_text())
     rope = cfg.get("rope_parameters") or {}
     cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    if "partial_rotary_factor" in rope:
+        cfg.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
     cfg["torch_dtype"] = "float32"
     cfg["dtype"] = "float32"
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -200,23 +215,34 @@ def make_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 384,
+    head_dim: int | None = None,
+    arch: str = "qwen2",
     task: str = "addition",
     warm_start_steps: int | None = None,
     warm_start_target: float | None = WARM_START_TARGET,
     seed: int = 0,
     tie_word_embeddings: bool = False,
 ) -> dict[str, Any]:
-    """Build, warm-start and save the tiny Qwen2 model; return a report (params, steps, seconds, eval accuracy)."""
+    """Build, warm-start and save the tiny model of family ``arch``; return a report (params, steps, seconds, eval
+    accuracy). ``head_dim`` defaults to hidden_size / num_heads."""
 
 
     for name, value in (("--hidden-size", hidden_size), ("--num-layers", num_layers), ("--num-heads", num_heads),
                         ("--num-kv-heads", num_kv_heads), ("--intermediate-size", intermediate_size)):
         if value <= 0:
             raise SlimeLiteError(f"{name} {value}: must be a positive integer.")
-    if hidden_size % num_heads or num_heads % num_kv_heads or (hidden_size // num_heads) % 2:
+    if arch not in ARCHS:
+        raise SlimeLiteError(f"--arch {arch!r}: choose one of {', '.join(ARCHS)}.")
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise SlimeLiteError(f"--hidden-size {hidden_size} / --num-heads {num_heads}: the hidden size must split "
+                                 "into the heads, or give --head-dim.")
+        head_dim = hidden_size // num_heads
+    # GLM4 turns half of each head in pairs: a multiple of 4
+    if num_heads % num_kv_heads or head_dim <= 0 or head_dim % (4 if arch == "glm4" else 2):
         raise SlimeLiteError(
-            f"--hidden-size {hidden_size} / --num-heads {num_heads} / --num-kv-heads {num_kv_heads}: "
-            "hidden size must split into an even head size and heads must be a multiple of kv heads."
+            f"--num-heads {num_heads} / --num-kv-heads {num_kv_heads} / head size {head_dim}: heads must be a "
+            f"multiple of kv heads and the head size a positive multiple of {4 if arch == 'glm4' else 2}."
         )
     if task not in tasks.TASKS:
         raise SlimeLiteError(f"--task {task!r}: unknown task; choose one of {', '.join(tasks.TASKS)}.")
@@ -236,13 +262,15 @@ def make_tiny_model(
     try:
         tokenizer = build_tokenizer()
         vocab_size = math.ceil(len(tokenizer) / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-        config = _qwen2_config(
-            vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-            num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
+        config = _config(
+            arch, vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+            tie_word_embeddings=tie_word_embeddings,
         )
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).float()
-        report: dict[str, Any] = {"task": task, "seed": seed, "max_steps": steps, "steps": 0, "accuracy": None}
+        model = AutoModelForCausalLM.from_config(config).float()
+        report: dict[str, Any] = {"arch": arch, "task": task, "seed": seed, "max_steps": steps, "steps": 0,
+                                  "accuracy": None}
         if steps > 0:
             report.update(warm_start(model, tokenizer, task=task, steps=steps, seed=seed, target=warm_start_target))
         out.mkdir(parents=True, exist_ok=True)
@@ -261,7 +289,7 @@ def make_tiny_model(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="slime-lite make-tiny-model",
-        description="Write a tiny warm-started Qwen2 checkpoint with a character-level tokenizer.",
+        description="Write a tiny warm-started checkpoint (Qwen2, Qwen3 or GLM4) with a character-level tokenizer.",
     )
     parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier tiny model)")
     parser.add_argument("--hidden-size", type=int, default=128)
@@ -269,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--intermediate-size", type=int, default=384)
+    parser.add_argument("--head-dim", type=int, default=None, help="default: --hidden-size / --num-heads")
+    parser.add_argument("--arch", default="qwen2", choices=ARCHS,
+                        help="the model family: qwen2 (default), qwen3 (QK-norm) or glm4 (partial interleaved "
+                             "rotary, post-attention and post-MLP norms)")
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--task", default="addition", choices=tasks.TASKS)
     parser.add_argument("--warm-start-steps", type=int, default=None,
@@ -282,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = make_tiny_model(
             args.out, hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size, task=args.task,
+            num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size, head_dim=args.head_dim,
+            arch=args.arch, task=args.task,
             warm_start_steps=args.warm_start_steps,
             warm_start_target=args.warm_start_target, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings,
         )

@@ -106,7 +106,8 @@ LAYERS = [
                         "slime_lite.weight_checksum", "slime_lite.triton_build", "slime_lite.metrics",
                         "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup",
                         "slime_lite.profiling", "slime_lite.determinism"]),
-    ("leaves", ["slime_lite.types", "slime_lite.rl_math", "slime_lite.errors", "slime_lite.config", "slime_lite"]),
+    ("leaves", ["slime_lite.types", "slime_lite.rl_math", "slime_lite.errors", "slime_lite.config",
+                "slime_lite.model_families", "slime_lite"]),
 ]
 
 

@@ -149,3 +149,48 @@ def test_cli_unwritable_output_stops_before_ray(tiny_model_dir, tmp_path) -> Non
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"--metrics-path {metrics}: cannot create the folder {metrics.parent}" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Ray" not in proc.stderr
+
+
+@pytest.fixture
+def mistral_model(tiny_model_dir, tmp_path):
+    """The tiny model's folder with a config.json of an architecture slime-lite does not build."""
+    import json
+    import shutil
+
+    out = tmp_path / "mistral"
+    shutil.copytree(tiny_model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg | {"model_type": "mistral",
+                                                       "architectures": ["MistralForCausalLM"]}))
+    return out
+
+
+@pytest.mark.parametrize("extra, sides", [
+    ([], ["the Megatron trainer cannot build it", "the embedded engine cannot serve it"]),
+    (["--debug-rollout-only"], ["the embedded engine cannot serve it"]),
+    (["--debug-train-only"], ["the Megatron trainer cannot build it"]),
+])
+def test_an_architecture_slime_lite_cannot_build_is_refused_naming_it_and_the_supported_ones(
+        mistral_model, tmp_path, extra, sides) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    args = parse_args(["--hf-checkpoint", str(mistral_model), "--prompt-data", str(data), "--rm-type", "addition",
+                       *RUN, *extra])
+    with pytest.raises(SlimeLiteError) as info:
+        preflight(args)
+    msg = str(info.value)
+    assert f"--hf-checkpoint {mistral_model / 'config.json'}: architecture MistralForCausalLM" in msg, msg
+    for family in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Glm4ForCausalLM"):
+        assert family in msg
+    assert all(side in msg for side in sides) and len(re.findall("cannot", msg)) == len(sides), msg
+
+
+def test_an_architecture_only_sglang_serves_passes_a_rollout_only_run_on_sglang(mistral_model, tmp_path) -> None:
+    from tests import sglang_oracle as oracle
+
+    oracle.require_sglang()
+    oracle.sglang_module("sglang.srt.server_args")  # the launcher's flag check finds the real module
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    preflight(parse_args(["--hf-checkpoint", str(mistral_model), "--prompt-data", str(data), "--rm-type", "addition",
+                          "--debug-rollout-only", "--rollout-backend", "sglang", *RUN]))

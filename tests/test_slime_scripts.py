@@ -139,6 +139,54 @@ def test_architecture_contradiction_names_flag_values_and_file(tmp_path, sglang_
         parse_args(["--hf-checkpoint", str(tmp_path / "model"), "--debug-train-only", "--qk-layernorm"])
 
 
+def _kept(name: str, tmp: Path, config: dict) -> list[str]:
+    """The script's argv without its refused flags, against a config-only checkpoint with ``config``."""
+    argv = localize(name, SCRIPTS[name], tmp)
+    (tmp / "model" / "config.json").write_text(json.dumps(config))
+    kept = [a for g in groups(argv) if g[0] not in refused_flags(argv) for a in g] + ["--rollout-backend", "sglang"]
+    if name in FOLLOW_ON:
+        _, flag, value = FOLLOW_ON[name]
+        kept = [value if i and kept[i - 1] == flag else a for i, a in enumerate(kept)]
+    return kept
+
+
+_GLM4 = CONFIGS["run-glm4-9B.sh"]
+_GLM4_V5 = {k: v for k, v in _GLM4.items() if k not in ("partial_rotary_factor", "rope_theta")} | {
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+_GLM4_SILENT = {k: v for k, v in _GLM4.items() if k != "partial_rotary_factor"}  # GLM4's default: half of each head
+
+
+@pytest.mark.parametrize("config", [_GLM4, _GLM4_V5, _GLM4_SILENT], ids=["top_level", "rope_parameters", "default"])
+def test_glm4_script_architecture_flags_match_its_config_however_it_states_partial_rotary(tmp_path, sglang_parser,
+                                                                                         config):
+    args = parse_args(_kept("run-glm4-9B.sh", tmp_path, config))
+    assert args.rotary_percent == 0.5 and args.rotary_interleaved and args.post_self_attn_layernorm
+
+
+@pytest.mark.parametrize("name, config, edit, error", [
+    ("run-glm4-9B.sh", _GLM4 | {"partial_rotary_factor": 1.0}, None,
+     "--rotary-percent 0.5 contradicts .*partial_rotary_factor means --rotary-percent 1.0"),
+    ("run-glm4-9B.sh", _GLM4, ["--qk-layernorm"], "--qk-layernorm given contradicts .*model_type 'glm4'"),
+    ("run-glm4-9B.sh", _GLM4 | {"attention_bias": False}, None,
+     "--add-qkv-bias given contradicts .*attention_bias .* means --add-qkv-bias not given"),
+    ("run-glm4-9B.sh", _GLM4 | {"model_type": "qwen2"}, None,
+     "--post-self-attn-layernorm given contradicts .*model_type 'qwen2'"),
+    ("run-qwen3-4B.sh", CONFIGS["run-qwen3-4B.sh"] | {"head_dim": 80}, None,
+     r"--kv-channels 128 contradicts .*head_dim .* means --kv-channels 80"),
+    ("run-qwen3-4B.sh", CONFIGS["run-qwen3-4B.sh"], ["--post-mlp-layernorm"],
+     "--post-mlp-layernorm given contradicts .*model_type 'qwen3'"),
+    ("run-qwen3-4B.sh", CONFIGS["run-qwen3-4B.sh"], ["--rotary-interleaved"],
+     "--rotary-interleaved given contradicts .*model_type 'qwen3'"),
+])
+def test_qwen3_and_glm4_architecture_flags_that_contradict_config_json_are_refused(tmp_path, sglang_parser, name,
+                                                                                  config, edit, error):
+    kept = _kept(name, tmp_path, CONFIGS[name])
+    parse_args(kept)  # as written, against the script's own model: valid
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SlimeLiteError, match=error):
+        parse_args(kept + (edit or []))
+
+
 def test_a_megatron_ref_load_is_refused_with_the_way_out(tmp_path):
     """slime's scripts pass a torch_dist conversion as --ref-load; slime-lite reads HF folders and says so."""
     model, dist = tmp_path / "model", tmp_path / "Qwen3-4B_torch_dist"

@@ -87,6 +87,32 @@ def test_cli_refuses_a_non_model_folder_and_bad_sizes(tmp_path, capsys):
         make_tiny_model(tmp_path / "m", warm_start_steps=-1)
 
 
+@pytest.mark.parametrize("arch, extra, want", [
+    ("qwen3", ["--head-dim", "48"], {"architectures": ["Qwen3ForCausalLM"], "head_dim": 48, "attention_bias": False}),
+    ("glm4", [], {"architectures": ["Glm4ForCausalLM"], "head_dim": 32, "attention_bias": True,
+                  "partial_rotary_factor": 0.5}),
+])
+def test_arch_builds_a_tiny_checkpoint_of_that_family_with_the_same_tokenizer(tmp_path, arch, extra, want):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / arch
+    assert main(["--out", str(out), "--arch", arch, "--warm-start-steps", "5", "--warm-start-target", "1",
+                 "--num-layers", "1", *extra]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert {k: cfg.get(k) for k in want} == want and cfg["model_type"] == arch
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert type(model).__name__ == want["architectures"][0]
+    layer = model.model.layers[0]
+    assert hasattr(layer.self_attn, "q_norm") == (arch == "qwen3")
+    assert hasattr(layer, "post_mlp_layernorm") == (arch == "glm4")
+    assert tokenizer_fingerprint(load_tokenizer(out)) == tokenizer_fingerprint(build_tokenizer())
+
+
+def test_cli_refuses_a_head_size_glm4_cannot_split(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "m"), "--arch", "glm4", "--head-dim", "30", "--warm-start-steps", "0"]) != 0
+    assert "head size 30" in capsys.readouterr().out and not (tmp_path / "m").exists()
+
+
 def test_cli_overwrites_an_earlier_tiny_model(tmp_path, capsys):
     out = tmp_path / "m"
     args = ["--out", str(out), "--warm-start-steps", "0", "--hidden-size", "32", "--num-heads", "2",

@@ -5,8 +5,9 @@ batch 8: 140 copies, 131 multiplies, 75 adds and 49 norms per step, 2-6 us each)
 about a thousand such steps with a few rows each. Three kernels replace most of them:
 
 - ``rms``: RMSNorm of a row, with the residual add before it when given (``h + o``, rounded to the model dtype as
-  the eager add is, written out as the new residual);
-- ``rope``: the rotary embedding of the q and k heads of one row, with the v heads copied beside the k heads (the
+  the eager add is, written out as the new residual); also GLM4's norms of the attention and MLP outputs;
+- ``rope``: the rotary embedding of the q and k heads of one row (after each head's RMSNorm in models with QK-norm,
+  Qwen3; in interleaved pairs and over part of the head for GLM4), with the v heads copied beside the k heads (the
   ``[q], [k, v]`` layout the KV cache write takes);
 - ``silu_mul``: ``silu(gate) * up`` of the fused gate/up projection.
 
@@ -47,8 +48,8 @@ def _kernels(triton, tl):
         tl.store(y_ptr + row * n + cols, (w * normed.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
-    def rope(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, qkv_row, heads, kv_heads, DH: tl.constexpr,
-             D: tl.constexpr):
+    def rope(qkv_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, kv_ptr, qkv_row, heads, kv_heads, eps, DH: tl.constexpr,
+             D: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         dims = tl.arange(0, D)  # D: the head size DH padded to a power of two
@@ -57,8 +58,20 @@ def _kernels(triton, tl):
         x = tl.load(src + dims, mask=live, other=0.0)
         out = x
         half: tl.constexpr = DH // 2
-        if head < heads + kv_heads:  # q and k heads: x * cos + roll(x, DH / 2) * sin (sin carries rotate_half's sign)
-            partner = tl.load(src + tl.where(dims < half, dims + half, dims - half), mask=live, other=0.0)
+        if head < heads + kv_heads:  # q and k heads: x * cos + partner(x) * sin (sin carries rotate_half's sign)
+            if INTERLEAVED:  # pairs (0, 1), (2, 3), ...
+                pair = dims ^ 1
+            else:  # pairs (d, d + DH / 2)
+                pair = tl.where(dims < half, dims + half, dims - half)
+            partner = tl.load(src + pair, mask=live, other=0.0)
+            if HAS_NORM:  # the head's RMSNorm first (q_norm's weight for q heads, k_norm's after it for k heads)
+                xf = x.to(tl.float32)
+                r = tl.rsqrt(tl.sum(xf * xf, axis=0) / DH + eps)
+                w_ptr = norm_ptr + tl.where(head < heads, 0, DH)
+                w = tl.load(w_ptr + dims, mask=live, other=0.0).to(tl.float32)
+                wp = tl.load(w_ptr + pair, mask=live, other=0.0).to(tl.float32)
+                x = (w * (xf * r).to(x.dtype).to(tl.float32)).to(x.dtype)
+                partner = (wp * (partner.to(tl.float32) * r).to(x.dtype).to(tl.float32)).to(x.dtype)
             c = tl.load(cos_ptr + row * DH + dims, mask=live, other=0.0).to(tl.float32)
             s = tl.load(sin_ptr + row * DH + dims, mask=live, other=0.0).to(tl.float32)
             a = (x.to(tl.float32) * c).to(x.dtype)
@@ -108,17 +121,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return (h, y) if residual is not None else y
 
 
-def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+           qk_norm: torch.Tensor | None = None, eps: float = 1e-6, interleaved: bool = False):
     """``qkv [R, (heads + 2 kv_heads) * head_dim]`` (rows contiguous), ``cos``/``sin`` ``[R, head_dim]`` (contiguous)
-    -> roped q ``[R, heads, head_dim]`` and ``[R, 2 kv_heads, head_dim]``: roped k heads, then the v heads."""
+    -> roped q ``[R, heads, head_dim]`` and ``[R, 2 kv_heads, head_dim]``: roped k heads, then the v heads. With
+    ``qk_norm`` (``[2 head_dim]``: q's weight, then k's) each q and k head is RMS-normed first; ``interleaved``: the
+    rotary pairs are (0, 1), (2, 3), ... (``model.rotary_partner``)."""
     if head_dim % 2 or qkv.stride(-1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("rotary: an even head size, rows of qkv with a contiguous last dimension, contiguous cos/sin")
+    if qk_norm is not None and (qk_norm.numel() != 2 * head_dim or not qk_norm.is_contiguous()):
+        raise ValueError("rotary: qk_norm must be the contiguous [2 * head_dim] weights of q_norm then k_norm")
     rows = qkv.shape[0]
     q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     kv = torch.empty(rows, 2 * kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     with torch.cuda.device(qkv.device if qkv.is_cuda else -1):  # -1: the Triton interpreter (tests)
-        _kernels()[1][(rows, heads + 2 * kv_heads)](qkv, cos, sin, q, kv, qkv.stride(0), heads, kv_heads,
-                                                    DH=head_dim, D=_pow2(head_dim), num_warps=1)
+        _kernels()[1][(rows, heads + 2 * kv_heads)](
+            qkv, cos, sin, qk_norm if qk_norm is not None else cos, q, kv, qkv.stride(0), heads, kv_heads, float(eps),
+            DH=head_dim, D=_pow2(head_dim), HAS_NORM=qk_norm is not None, INTERLEAVED=interleaved, num_warps=1)
     return q, kv
 
 
@@ -135,24 +154,32 @@ def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def layer_functions(eager: tuple, eps: float, heads: int, kv_heads: int, head_dim: int, silu: bool) -> tuple:
+def layer_functions(eager: tuple, eps: float, heads: int, kv_heads: int, head_dim: int, silu: bool,
+                    interleaved: bool = False) -> tuple:
     """``qkv_rope`` and ``mlp_residual`` with the signatures of ``model.layer_functions``' (``eager``), by the
     kernels where ``usable`` (and the MLP's activation is SiLU), else by ``eager``."""
     eager_qkv, eager_mlp = eager
 
-    def qkv_rope(h, ln, qkv_w, qkv_b, cos, sin):
+    def qkv_rope(h, ln, qkv_w, qkv_b, cos, sin, qk_norm=None):
         b, t, _ = h.shape
         if not usable(h) or cos.numel() != b * t * head_dim or not h.is_contiguous():
-            return eager_qkv(h, ln, qkv_w, qkv_b, cos, sin)
+            return eager_qkv(h, ln, qkv_w, qkv_b, cos, sin, qk_norm)
         qkv = F.linear(rms_norm(h, ln, eps), qkv_w, qkv_b)
         q, kv = rotary(qkv.view(b * t, -1), cos.reshape(b * t, head_dim).contiguous(),
-                       sin.reshape(b * t, head_dim).contiguous(), heads, kv_heads, head_dim)
+                       sin.reshape(b * t, head_dim).contiguous(), heads, kv_heads, head_dim, qk_norm, eps,
+                       interleaved)
         return q.view(b, t, heads, head_dim), kv.view(b, t, 2 * kv_heads, head_dim)
 
-    def mlp_residual(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b):
+    def mlp_residual(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn=None, post_mlp=None):
         if not silu or not usable(h) or not h.is_contiguous():
-            return eager_mlp(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b)
-        h, normed = rms_norm(h, ln2, eps, residual=F.linear(attn_out, o_w, o_b).contiguous())
-        return h + F.linear(silu_and_mul(F.linear(normed, gu_w, gu_b)), down_w, down_b)
+            return eager_mlp(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn, post_mlp)
+        o = F.linear(attn_out, o_w, o_b).contiguous()
+        if post_attn is not None:  # GLM4: the attention output is normed before the residual add
+            o = rms_norm(o, post_attn, eps)
+        h, normed = rms_norm(h, ln2, eps, residual=o)
+        m = F.linear(silu_and_mul(F.linear(normed, gu_w, gu_b)), down_w, down_b)
+        if post_mlp is not None:  # GLM4: and the MLP output
+            m = rms_norm(m.contiguous(), post_mlp, eps)
+        return h + m
 
     return qkv_rope, mlp_residual

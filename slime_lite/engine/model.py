@@ -4,7 +4,10 @@ Only attention and the cache are ours; embeddings, RMSNorm, rotary frequencies, 
 biases when the checkpoint has them), the SwiGLU MLP and the LM head (tied or not) are the HF model's modules, so
 weights updated in the HF model are used at once and a prefill gives the same logits as ``model(input_ids)``.
 
-Supported: the Llama/Qwen2 family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``) with full attention.
+Supported: the families of slime_lite/model_families.py with full attention: Llama, Qwen2, Qwen3 (per-head RMSNorm
+of q and k before the rotary embedding, ``head_dim`` from config.json) and GLM4 (rotary over the first
+``partial_rotary_factor`` of each head in interleaved pairs, norms of the attention and MLP outputs before their
+residual adds, one gate/up projection).
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_lite.engine import decode_attention, fused_layer, vmm
 from slime_lite.errors import SlimeLiteError
+from slime_lite.model_families import Family, check_family, rope_parameters
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,18 +51,25 @@ def load_hf_model(model_path: str, dtype: str, device: torch.device):
         config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError) as exc:
         raise SlimeLiteError(f"--model-path {model_path}: not a Hugging Face model folder ({exc}).") from None
-    archs = list(getattr(config, "architectures", None) or [])
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise SlimeLiteError(
-            f"--model-path {model_path}: architecture {archs or '(none)'} is not supported by the embedded engine "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); use --rollout-backend sglang for other models."
-        )
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise SlimeLiteError(f"--model-path {model_path}: sliding-window attention is not supported by the embedded "
-                             "engine; use --rollout-backend sglang.")
+    check_config(config, f"--model-path {model_path}")
     torch_dtype = resolve_dtype(dtype, config, device)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
     return model.to(device=device, dtype=torch_dtype).eval()  # .to(dtype): older transformers ignore dtype=
+
+
+def check_config(config: Any, where: str) -> Family:
+    """The model's family when the embedded engine can serve it (an HF config or the config.json dict), else a
+    SlimeLiteError naming what it cannot serve and the way out."""
+    fix = "use --rollout-backend sglang"
+    family = check_family(config, where, "the embedded engine cannot serve it; " + fix)
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    if get("use_sliding_window", False) and get("sliding_window", None):
+        raise SlimeLiteError(f"{where}: sliding-window attention is not supported by the embedded engine; {fix}.")
+    rope = rope_parameters(config)
+    if str(rope.get("rope_type", rope.get("type", "default"))) in ("dynamic", "longrope"):
+        raise SlimeLiteError(f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r} (length-dependent) is "
+                             f"not supported by the embedded engine; {fix}.")
+    return family
 
 
 def kv_bytes_per_token(hf: Any) -> int:
@@ -186,7 +196,8 @@ def _sdpa_without_plans(device: torch.device):
 
 @dataclass
 class _Layer:
-    """One decoder layer's tensors; q/k/v and gate/up are fused (the HF parameters are views into them)."""
+    """One decoder layer's tensors; q/k/v, gate/up and the q/k norms are fused (the HF parameters are views into
+    them; GLM4's gate_up_proj is fused already)."""
 
     ln1: torch.Tensor
     ln2: torch.Tensor
@@ -198,6 +209,9 @@ class _Layer:
     gu_b: torch.Tensor | None
     down_w: torch.Tensor
     down_b: torch.Tensor | None
+    qk_norm: torch.Tensor | None = None  # [2 * head_dim]: q_norm's weight, then k_norm's (Qwen3)
+    post_attn: torch.Tensor | None = None  # post_self_attn_layernorm (GLM4)
+    post_mlp: torch.Tensor | None = None  # post_mlp_layernorm (GLM4)
 
 
 def _fuse(params: list[Any]) -> torch.Tensor | None:
@@ -219,27 +233,64 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-def layer_functions(eps: float, heads: int, kv_heads: int, head_dim: int, inter: int, act: Any):
-    """The two tensor-only pieces of a decoder layer around attention, with the model's constants bound, so that
-    one ``torch.compile`` of each serves every layer."""
+def rotary_partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The element each rotary element pairs with, over the last dimension: ``d + D/2`` (mod D), or in interleaved
+    pairs ``d ^ 1``. The rotary is ``x * cos + rotary_partner(x) * sin`` with rotate_half's sign folded into sin
+    (and cos 1, sin 0 where a partial rotary leaves the head as it is)."""
+    if interleaved:
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x.roll(x.shape[-1] // 2, dims=-1)
 
-    def qkv_rope(h, ln, qkv_w, qkv_b, cos, sin):
+
+def layer_functions(eps: float, heads: int, kv_heads: int, head_dim: int, inter: int, act: Any,
+                    interleaved: bool = False):
+    """The two tensor-only pieces of a decoder layer around attention, with the model's constants bound, so that
+    one ``torch.compile`` of each serves every layer. ``qk_norm`` (Qwen3), ``post_attn`` and ``post_mlp`` (GLM4)
+    are None in families without them."""
+
+    def qkv_rope(h, ln, qkv_w, qkv_b, cos, sin, qk_norm=None):
         b, t, _ = h.shape
         qkv = F.linear(_rms(h, ln, eps), qkv_w, qkv_b).view(b, t, -1, head_dim)
         qk = qkv[:, :, : heads + kv_heads]
-        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+        if qk_norm is not None:  # per-head RMSNorm of q and of k, before the rotary
+            qk = torch.cat((_rms(qk[:, :, :heads], qk_norm[:head_dim], eps),
+                            _rms(qk[:, :, heads:], qk_norm[head_dim:], eps)), dim=2)
+        qk = qk * cos + rotary_partner(qk, interleaved) * sin
         return qk[:, :, :heads], torch.cat((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)
 
-    def mlp_residual(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b):
-        h = h + F.linear(attn_out, o_w, o_b)
+    def mlp_residual(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn=None, post_mlp=None):
+        o = F.linear(attn_out, o_w, o_b)
+        h = h + (o if post_attn is None else _rms(o, post_attn, eps))
         gate, up = F.linear(_rms(h, ln2, eps), gu_w, gu_b).split(inter, dim=-1)
-        return h + F.linear(act(gate) * up, down_w, down_b)
+        m = F.linear(act(gate) * up, down_w, down_b)
+        return h + (m if post_mlp is None else _rms(m, post_mlp, eps))
 
     return qkv_rope, mlp_residual
 
 
+def rotary_table(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, interleaved: bool):
+    """HF's rotary ``cos``/``sin`` ``[L, rotary dims]`` -> ``[L, head_dim]`` tables for ``x * cos +
+    rotary_partner(x) * sin``: rotate_half's sign folded into sin; interleaved (GLM4), each frequency on a pair of
+    dims, as HF repeats it; past the rotary dims (a partial rotary) cos 1 and sin 0, which leave the element as it
+    is."""
+    rot, half = cos.shape[-1], cos.shape[-1] // 2
+    if interleaved:
+        sign = torch.tensor([-1.0, 1.0], dtype=sin.dtype, device=sin.device).repeat(half)
+        cos, sin = cos[:, :half].repeat_interleave(2, dim=-1), sin[:, :half].repeat_interleave(2, dim=-1) * sign
+    elif rot != head_dim:
+        raise SlimeLiteError(f"a rotary embedding over {rot} of {head_dim} dims per head is supported only in "
+                             "interleaved pairs (GLM4); use --rollout-backend sglang.")
+    else:
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    if rot < head_dim:
+        pad = (cos.shape[0], head_dim - rot)
+        cos = torch.cat((cos, torch.ones(pad, dtype=cos.dtype, device=cos.device)), dim=-1)
+        sin = torch.cat((sin, torch.zeros(pad, dtype=sin.dtype, device=sin.device)), dim=-1)
+    return cos.contiguous(), sin.contiguous()
+
+
 class CausalLM:
-    """Prefill and decode over an HF Llama/Qwen2 model with an engine-owned ``KVCache``.
+    """Prefill and decode over an HF model of a supported family with an engine-owned ``KVCache``.
 
     The layers run with functional ops on the HF model's own parameters. q/k/v and gate/up weights are stored
     fused, with the HF parameters as views into the fused tensors, so in-place weight updates of the HF
@@ -249,10 +300,8 @@ class CausalLM:
     def __init__(self, hf_model: Any, max_len: int) -> None:
         self.hf = hf_model
         cfg = hf_model.config
-        rope = (getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-        if str(rope.get("rope_type", rope.get("type", "default"))) in ("dynamic", "longrope"):
-            raise SlimeLiteError(f"rope type {rope.get('rope_type')!r} (length-dependent) is not supported by the "
-                                 "embedded engine; use --rollout-backend sglang.")
+        family = check_config(cfg, "the served model")
+        self.interleaved = family.rotary_interleaved
         inner = hf_model.model
         self.embed, self.hf_layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
         attn = self.hf_layers[0].self_attn
@@ -263,13 +312,16 @@ class CausalLM:
         self.scaling = attn.scaling
         self.vocab_size = cfg.vocab_size
         self.eps = float(cfg.rms_norm_eps)
-        self.act = self.hf_layers[0].mlp.act_fn
+        mlp = self.hf_layers[0].mlp
+        self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn  # GLM4's name
         self.inter = cfg.intermediate_size
         self.max_len = max_len
-        self.fns = layer_functions(self.eps, self.num_heads, self.kv_heads, self.head_dim, self.inter, self.act)
+        self.fns = layer_functions(self.eps, self.num_heads, self.kv_heads, self.head_dim, self.inter, self.act,
+                                   self.interleaved)
         # captured steps on CUDA: the same pieces in fewer kernels (fused_layer); enable_compile replaces them
         self.graph_fns = fused_layer.layer_functions(self.fns, self.eps, self.num_heads, self.kv_heads,
-                                                     self.head_dim, getattr(cfg, "hidden_act", None) == "silu")
+                                                     self.head_dim, getattr(cfg, "hidden_act", None) == "silu",
+                                                     self.interleaved)
         self.compiled = False
         self.refresh()
 
@@ -279,24 +331,28 @@ class CausalLM:
         self.layers = []
         for layer in self.hf_layers:
             a, m = layer.self_attn, layer.mlp
+            gate_up = getattr(m, "gate_up_proj", None)  # GLM4: one projection, gate rows first
+            post_attn, post_mlp = (getattr(layer, n, None) for n in ("post_self_attn_layernorm", "post_mlp_layernorm"))
             self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
                 qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                 qkv_b=_fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
-                gu_w=_fuse([m.gate_proj.weight, m.up_proj.weight]), gu_b=_fuse([m.gate_proj.bias, m.up_proj.bias]),
+                gu_w=gate_up.weight if gate_up is not None else _fuse([m.gate_proj.weight, m.up_proj.weight]),
+                gu_b=gate_up.bias if gate_up is not None else _fuse([m.gate_proj.bias, m.up_proj.bias]),
                 down_w=m.down_proj.weight, down_b=m.down_proj.bias,
+                qk_norm=_fuse([a.q_norm.weight, a.k_norm.weight]) if hasattr(a, "q_norm") else None,
+                post_attn=None if post_attn is None else post_attn.weight,
+                post_mlp=None if post_mlp is None else post_mlp.weight,
             ))
         pos = torch.arange(self.max_len, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-        cos, sin = self.hf.model.rotary_emb(probe, pos)  # [1, L, D] in the model dtype, as HF applies them
-        half = self.head_dim // 2
-        self.cos = cos[0]
-        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # rotate_half's sign folded in
+        cos, sin = self.hf.model.rotary_emb(probe, pos)  # [1, L, rotary dims] in the model dtype, as HF applies them
+        self.cos, self.sin = rotary_table(cos[0], sin[0], self.head_dim, self.interleaved)
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Every tensor the forward pass reads: the HF model's parameters and buffers, the fused weights (whose
         storages the q/k/v and gate/up parameters view) and the rotary table (--offload-rollout moves them)."""
-        fused = [t for ly in self.layers for t in (ly.qkv_w, ly.qkv_b, ly.gu_w, ly.gu_b) if t is not None]
+        fused = [t for ly in self.layers for t in (ly.qkv_w, ly.qkv_b, ly.gu_w, ly.gu_b, ly.qk_norm) if t is not None]
         return [*self.hf.parameters(), *self.hf.buffers(), *fused, self.cos, self.sin]
 
     @property
@@ -319,12 +375,13 @@ class CausalLM:
 
     def _qkv(self, ly: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, graphed: bool = False):
         """Normalized input -> roped q [B, T, H, D] and kv [B, T, 2 * kv, D] (roped K heads, then V heads)."""
-        return (self.graph_fns if graphed else self.fns)[0](h, ly.ln1, ly.qkv_w, ly.qkv_b, cos, sin)
+        return (self.graph_fns if graphed else self.fns)[0](h, ly.ln1, ly.qkv_w, ly.qkv_b, cos, sin, ly.qk_norm)
 
     def _finish_layer(self, ly: _Layer, h: torch.Tensor, attn_out: torch.Tensor, graphed: bool = False):
         """Attention output -> o-projection, residual, then the MLP block with its residual."""
         fn = (self.graph_fns if graphed else self.fns)[1]
-        return fn(h, attn_out, ly.o_w, ly.o_b, ly.ln2, ly.gu_w, ly.gu_b, ly.down_w, ly.down_b)
+        return fn(h, attn_out, ly.o_w, ly.o_b, ly.ln2, ly.gu_w, ly.gu_b, ly.down_w, ly.down_b, ly.post_attn,
+                  ly.post_mlp)
 
     def enable_compile(self) -> None:
         """``torch.compile`` the per-layer pieces of decode steps that are captured as CUDA graphs (fuses the

@@ -14,7 +14,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)]  # (tp, pp) with tp *
 
 
 def hf_config(kind: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Glm4Config, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96)
     if kind == "qwen2_untied_gqa_bias":  # vocab 101: not divisible by TP 2/4, so the vocab gets padded
@@ -29,13 +29,16 @@ def hf_config(kind: str):
     if kind == "qwen3_qknorm_headdim":
         return Qwen3Config(vocab_size=100, num_attention_heads=8, num_key_value_heads=4, head_dim=12,
                            tie_word_embeddings=False, **common)
+    if kind == "glm4_postnorm_fused_mlp":  # qkv bias, post norms, gate_up_proj; vocab 101 padded for TP
+        return Glm4Config(vocab_size=101, num_attention_heads=8, num_key_value_heads=4, head_dim=16, pad_token_id=0,
+                          tie_word_embeddings=False, **common)
     if kind == "qwen2_4heads_2groups":
         return Qwen2Config(vocab_size=101, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                            **common)
     raise ValueError(kind)
 
 
-KINDS = ["qwen2_untied_gqa_bias", "llama_tied_mha", "llama_tied_gqa", "qwen3_qknorm_headdim"]
+KINDS = ["qwen2_untied_gqa_bias", "llama_tied_mha", "llama_tied_gqa", "qwen3_qknorm_headdim", "glm4_postnorm_fused_mlp"]
 
 
 def hf_state(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -103,6 +106,19 @@ def test_fc1_is_gate_then_up_per_rank_and_row_parallel_splits_the_input_dim():
     assert torch.equal(shard["decoder.layers.1.self_attention.linear_proj.weight"], o[:, 32:])
     norm = state["model.layers.1.input_layernorm.weight"]
     assert torch.equal(shard["decoder.layers.1.input_layernorm.weight"], norm)
+
+
+def test_glm4_fused_gate_up_is_split_per_rank_and_its_post_norms_copied():
+    cfg = hf_config("glm4_postnorm_fused_mlp")  # intermediate 96: 48 rows of gate and of up per TP rank
+    state = hf_state(cfg)
+    pre = "model.layers.2."
+    gate_up = state[pre + "mlp.gate_up_proj.weight"]
+    shard = hf_to_megatron_shard(state, cfg, 1, 2, 1, 2)  # TP rank 1 of PP stage 1: HF layer 2 is local layer 0
+    fc1 = shard["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1[:48], gate_up[48:96]) and torch.equal(fc1[48:], gate_up[144:])
+    for norm in ("post_self_attn_layernorm", "post_mlp_layernorm"):
+        assert torch.equal(shard[f"decoder.layers.0.{norm}.weight"], state[pre + f"{norm}.weight"])
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in shard
 
 
 def test_vocab_is_padded_with_zero_rows_to_a_multiple_of_tp():

@@ -131,7 +131,15 @@ def qwen3_config():
                        num_key_value_heads=2, head_dim=24, intermediate_size=96)
 
 
-@pytest.mark.parametrize("make_config", [llama3_rope_config, qwen3_config], ids=["llama_tied_llama3rope", "qwen3"])
+def glm4_config():  # partial interleaved rotary (a quarter of each head: 6 of 24 dims), qkv bias, post norms
+    from transformers import Glm4Config
+
+    return Glm4Config(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
+                      num_key_value_heads=2, head_dim=24, intermediate_size=96, partial_rotary_factor=0.25)
+
+
+@pytest.mark.parametrize("make_config", [llama3_rope_config, qwen3_config, glm4_config],
+                         ids=["llama_tied_llama3rope", "qwen3", "glm4"])
 def test_other_architectures_logits_equal_hf(single_rank, make_config):
     from slime_lite.backends.megatron.convert import load_hf_weights
     from slime_lite.backends.megatron.model import build_gpt_model, forward_logits
@@ -264,17 +272,18 @@ def _spawned_rank(rank: int, world: int, tp: int, pp: int, port: int, model_dir:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,tied", [(2, 1, False), (1, 2, False), (2, 2, True)])
-def test_tp_pp_layouts_build_load_and_match_hf(tiny_model_dir, tmp_path, tp, pp, tied):
+@pytest.mark.parametrize("tp,pp,tied,arch", [(2, 1, False, "qwen2"), (1, 2, False, "qwen2"), (2, 2, True, "qwen2"),
+                                             (2, 1, False, "glm4")])
+def test_tp_pp_layouts_build_load_and_match_hf(tiny_model_dir, tmp_path, tp, pp, tied, arch):
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
     from slime_lite.tiny_model import make_tiny_model
 
     model_dir = str(tiny_model_dir)
-    if tied:
-        model_dir = str(tmp_path / "tied")
-        make_tiny_model(model_dir, warm_start_steps=0, tie_word_embeddings=True)
+    if tied or arch != "qwen2":
+        model_dir = str(tmp_path / "model")
+        make_tiny_model(model_dir, warm_start_steps=0, tie_word_embeddings=tied, arch=arch)
     hf = hf_model(model_dir)
     x = tokens(hf.config.vocab_size)
     with torch.no_grad():

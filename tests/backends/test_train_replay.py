@@ -73,6 +73,51 @@ def test_parallelism_invariance(tiny_model_dir, replay_dumps, tmp_path, train_cl
 
 
 @pytest.fixture(scope="module")
+def family_replay(tmp_path_factory, train_cli, metrics_of):
+    """``family_replay(arch) -> (model, dumps, (1, 1, 1) metrics, its grad-norm file)`` for a tiny Qwen3 (QK-norm,
+    head size 48) or GLM4 (partial interleaved rotary, qkv biases, post-norms, fused gate/up), made once per arch;
+    the dumps' log-probs come from HF's forward."""
+    from slime_lite.tiny_model import make_tiny_model
+    from tests.backends.conftest import make_replay_dumps
+
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            out = tmp_path_factory.mktemp(arch)
+            make_tiny_model(out / "model", arch=arch, warm_start_steps=0, num_layers=2,
+                            head_dim=48 if arch == "qwen3" else None)
+            dumps = make_replay_dumps(out / "model", out / "dumps", num_rollout=1)
+            ref = train_cli(args_for(out / "model", dumps, out, "ref", *TWO_STEPS, "--ci-save-grad-norm",
+                                     str(out / "grad_norms.json")))
+            assert ref.returncode == 0, ref.stderr[-3000:]
+            first = metrics_of(out / "ref.jsonl")[0]
+            assert first["train/train_rollout_logprob_abs_diff"] < 1e-5  # Megatron's log-probs are HF's
+            made[arch] = out / "model", dumps, first, out / "grad_norms.json"
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch,tp,pp,extra", [("qwen3", 2, 1, ("--sequence-parallel",)),
+                                              ("glm4", 2, 1, ("--sequence-parallel",)), ("glm4", 1, 2, ()),
+                                              ("glm4", 1, 1, ())], ids=["qwen3-tp2-sp", "glm4-tp2-sp", "glm4-pp2",
+                                                                        "glm4-dp2"])
+def test_qwen3_and_glm4_layouts_give_the_single_rank_run(family_replay, tmp_path, train_cli, metrics_of, arch, tp,
+                                                         pp, extra):
+    """On two ranks, TP=2 with sequence parallelism (the q/k norms' and the post-norms' gradients summed over TP),
+    PP=2 and DP=2 pass --ci-load-grad-norm of the (1, 1, 1) run step by step, with its loss and log-probs."""
+    model, dumps, ref, grad_norms = family_replay(arch)
+    proc = train_cli(args_for(model, dumps, tmp_path, "par", *TWO_STEPS, "--actor-num-gpus-per-node", "2",
+                              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                              "--ci-load-grad-norm", str(grad_norms), *extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    b = metrics_of(tmp_path / "par.jsonl")[0]
+    for key in ("train/loss", "train/grad_norm", "train/entropy_loss", "rollout/log_probs"):
+        assert abs(ref[key] - b[key]) <= 1e-4 * max(abs(ref[key]), 1e-6), (key, ref[key], b[key])
+
+
+@pytest.fixture(scope="module")
 def full_run(tiny_model_dir, replay_dumps, tmp_path_factory, train_cli, metrics_of):
     out = tmp_path_factory.mktemp("full")
     proc = train_cli(args_for(tiny_model_dir, replay_dumps, out, "full"))

@@ -9,17 +9,22 @@ import torch
 import torch.nn.functional as F
 
 HEADS, KV_HEADS, EPS = 4, 2, 1e-6  # 2 KV heads: a KV-head index that is off shows
+FAMILIES = ("llama", "qwen3", "glm4")  # qwen3: QK-norm; glm4: partial interleaved rotary and post-norms
 
 
-def _pieces(head_dim: int, inter: int):
+def _pieces(head_dim: int, inter: int, family: str = "llama"):
     from slime_lite.engine import fused_layer
     from slime_lite.engine.model import layer_functions
 
-    eager = layer_functions(EPS, HEADS, KV_HEADS, head_dim, inter, F.silu)
-    return eager, fused_layer.layer_functions(eager, EPS, HEADS, KV_HEADS, head_dim, silu=True)
+    interleaved = family == "glm4"
+    eager = layer_functions(EPS, HEADS, KV_HEADS, head_dim, inter, F.silu, interleaved)
+    return eager, fused_layer.layer_functions(eager, EPS, HEADS, KV_HEADS, head_dim, True, interleaved)
 
 
-def _inputs(rows: int, head_dim: int, inter: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+def _inputs(rows: int, head_dim: int, inter: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
+            family: str = "llama"):
+    from slime_lite.engine.model import rotary_table
+
     g = torch.Generator().manual_seed(seed)
     hidden = HEADS * head_dim
     width = (HEADS + 2 * KV_HEADS) * head_dim
@@ -27,27 +32,31 @@ def _inputs(rows: int, head_dim: int, inter: int, dtype: torch.dtype, device: st
     def r(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
 
-    angle = torch.rand(rows, head_dim, generator=g) * 6.3
-    half = head_dim // 2
-    sin = torch.sin(angle)
-    sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign folded in, as CausalLM does
+    rot = head_dim // 2 if family == "glm4" else head_dim  # GLM4 turns half of each head
+    angle = torch.rand(rows, rot // 2, generator=g) * 6.3
+    angle = torch.cat((angle, angle), dim=-1)  # as HF's rotary modules give them: the frequencies twice
+    cos, sin = rotary_table(torch.cos(angle).to(dtype), torch.sin(angle).to(dtype), head_dim, family == "glm4")
+    qk_norm = r(2 * head_dim, scale=0.5) + 1 if family == "qwen3" else None
     qkv_args = (r(rows, 1, hidden, scale=3.0), r(hidden, scale=0.5) + 1, r(width, hidden, scale=0.1), r(width),
-                torch.cos(angle).to(dtype).to(device)[:, None, None, :], sin.to(dtype).to(device)[:, None, None, :])
+                cos.to(device)[:, None, None, :], sin.to(device)[:, None, None, :], qk_norm)
+    post = (r(hidden, scale=0.5) + 1, r(hidden, scale=0.5) + 1) if family == "glm4" else (None, None)
     mlp_args = (qkv_args[0], r(rows, 1, hidden), r(hidden, hidden, scale=0.1), None, r(hidden, scale=0.5) + 1,
-                r(2 * inter, hidden, scale=0.1), None, r(hidden, inter, scale=0.1), None)
+                r(2 * inter, hidden, scale=0.1), None, r(hidden, inter, scale=0.1), None, *post)
     return qkv_args, mlp_args
 
 
-def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: float) -> None:
+def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: float, family: str = "llama") -> None:
     """The fused pieces against the eager ones: the rotary and the residual add bit for bit on the same input (no
-    sum in them); the norm and what follows it within ``tol`` (the norm's float32 sum runs in another order)."""
+    sum in them); the norms and what follows them within ``tol`` (the norm's float32 sum runs in another order)."""
     from slime_lite.engine import fused_layer
-    from slime_lite.engine.model import _rms, layer_functions
+    from slime_lite.engine.model import _rms, layer_functions, rotary_partner
 
-    eager, fused = _pieces(head_dim, inter)
-    (h, ln, qkv_w, qkv_b, cos, sin), mlp_args = _inputs(5, head_dim, inter, dtype, device)
-    q, kv = fused[0](h, ln, qkv_w, qkv_b, cos, sin)
-    q_want, kv_want = eager[0](h, ln, qkv_w, qkv_b, cos, sin)
+    eager, fused = _pieces(head_dim, inter, family)
+    interleaved = family == "glm4"
+    qkv_args, mlp_args = _inputs(5, head_dim, inter, dtype, device, family=family)
+    h, ln, qkv_w, qkv_b, cos, sin, qk_norm = qkv_args
+    q, kv = fused[0](*qkv_args)
+    q_want, kv_want = eager[0](*qkv_args)
     assert q.shape == q_want.shape and kv.shape == kv_want.shape
     torch.testing.assert_close(q, q_want, rtol=tol, atol=tol)
     torch.testing.assert_close(kv, kv_want, rtol=tol, atol=tol)
@@ -56,10 +65,11 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
     # multiply-add)
     width = (HEADS + 2 * KV_HEADS) * head_dim
     rows = torch.randn(5, width, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
-    got_q, got_kv = fused_layer.rotary(rows, cos.reshape(5, -1), sin.reshape(5, -1), HEADS, KV_HEADS, head_dim)
+    got_q, got_kv = fused_layer.rotary(rows, cos.reshape(5, -1), sin.reshape(5, -1), HEADS, KV_HEADS, head_dim,
+                                       interleaved=interleaved)
     heads = rows.view(5, 1, -1, head_dim)
     qk = heads[:, :, : HEADS + KV_HEADS]
-    roped = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+    roped = qk * cos + rotary_partner(qk, interleaved) * sin
     want_kv = torch.cat((roped[:, 0, HEADS:], heads[:, 0, HEADS + KV_HEADS:]), dim=1)
     one_step = torch.finfo(dtype).eps  # relative size of one rounding step
     for got, want in ((got_q, roped[:, 0, :HEADS]), (got_kv, want_kv)):
@@ -70,6 +80,18 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
             print(f"rotary {dtype}: {differ:.4%} of elements differ from eager")
             # a rounding of a product at the inputs' largest magnitude (the sum can be far smaller than its terms)
             torch.testing.assert_close(got, want, rtol=one_step, atol=one_step * rows.abs().max().item())
+    if family == "glm4":  # the rotary leaves the second half of each q/k head as it is, and turns the first half
+        assert torch.equal(got_q[..., head_dim // 2:], heads[:, 0, :HEADS, head_dim // 2:])
+        assert not torch.equal(got_q[..., : head_dim // 2], heads[:, 0, :HEADS, : head_dim // 2])
+    if qk_norm is not None:  # QK-norm: each q and k head RMS-normed with its own weight, then the rotary
+        got_q, got_kv = fused_layer.rotary(rows, cos.reshape(5, -1), sin.reshape(5, -1), HEADS, KV_HEADS, head_dim,
+                                           qk_norm=qk_norm, eps=EPS)
+        normed = torch.cat((_rms(qk[:, :, :HEADS], qk_norm[:head_dim], EPS),
+                            _rms(qk[:, :, HEADS:], qk_norm[head_dim:], EPS)), dim=2)
+        roped = normed * cos + rotary_partner(normed, False) * sin
+        torch.testing.assert_close(got_q, roped[:, 0, :HEADS], rtol=tol, atol=tol)
+        torch.testing.assert_close(got_kv[:, :KV_HEADS], roped[:, 0, HEADS:], rtol=tol, atol=tol)
+        assert torch.equal(got_kv[:, KV_HEADS:], heads[:, 0, HEADS + KV_HEADS:])  # v heads: not normed
     out = fused[1](*mlp_args)
     torch.testing.assert_close(out, eager[1](*mlp_args), rtol=tol, atol=tol)
     x, res = mlp_args[0], mlp_args[1]
@@ -83,9 +105,22 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
     small = x * 1e-3  # where eps matters
     torch.testing.assert_close(fused_layer.rms_norm(small, mlp_args[4], 1e-2), _rms(small, mlp_args[4], 1e-2),
                                rtol=tol, atol=tol)
-    gelu = layer_functions(EPS, HEADS, KV_HEADS, head_dim, inter, F.gelu)  # another activation: the eager MLP
-    assert torch.equal(fused_layer.layer_functions(gelu, EPS, HEADS, KV_HEADS, head_dim, silu=False)[1](*mlp_args),
-                       gelu[1](*mlp_args))
+    gelu = layer_functions(EPS, HEADS, KV_HEADS, head_dim, inter, F.gelu, interleaved)  # another activation: eager
+    assert torch.equal(fused_layer.layer_functions(gelu, EPS, HEADS, KV_HEADS, head_dim, False, interleaved)[1](
+        *mlp_args), gelu[1](*mlp_args))
+
+
+def test_the_family_features_change_what_the_pieces_compute():
+    """Guards for the checks above: dropping QK-norm, the interleaving or the post-norms changes the output."""
+    for family in ("qwen3", "glm4"):
+        eager, _ = _pieces(32, 80, family)
+        qkv_args, mlp_args = _inputs(4, 32, 80, torch.float32, family=family)
+        if family == "qwen3":
+            assert not torch.allclose(eager[0](*qkv_args)[0], eager[0](*qkv_args[:-1])[0], atol=1e-2)
+        else:
+            plain, _ = _pieces(32, 80, "llama")
+            assert not torch.allclose(eager[0](*qkv_args)[0], plain[0](*qkv_args)[0], atol=1e-2)
+            assert not torch.allclose(eager[1](*mlp_args), eager[1](*mlp_args[:-2]), atol=1e-2)
 
 
 def _kernels_on_cpu() -> None:
@@ -95,6 +130,9 @@ def _kernels_on_cpu() -> None:
     fused_layer.usable = lambda x: True
     _check(torch.float32, 32, 1100, "cpu", 1e-5)  # gate/up wider than one block of silu_mul
     _check(torch.float16, 24, 40, "cpu", 2e-3)  # a head size that is not a power of two
+    for family in ("qwen3", "glm4"):
+        _check(torch.float32, 48, 64, "cpu", 1e-5, family)  # 48: a head size that is not a power of two
+        _check(torch.float16, 40, 64, "cpu", 2e-3, family)
 
 
 def test_the_kernels_in_the_triton_interpreter():
@@ -107,20 +145,22 @@ def test_the_eager_pieces_run_where_the_kernels_cannot():
     """On CPU (and with ENABLED off) the fused functions are the eager ones, bit for bit."""
     from slime_lite.engine import fused_layer
 
-    eager, fused = _pieces(32, 80)
-    qkv_args, mlp_args = _inputs(4, 32, 80, torch.float32)
-    assert not fused_layer.usable(qkv_args[0])
-    for a, b in zip(fused[0](*qkv_args), eager[0](*qkv_args)):
-        assert torch.equal(a, b)
-    assert torch.equal(fused[1](*mlp_args), eager[1](*mlp_args))
+    for family in FAMILIES:
+        eager, fused = _pieces(32, 80, family)
+        qkv_args, mlp_args = _inputs(4, 32, 80, torch.float32, family=family)
+        assert not fused_layer.usable(qkv_args[0])
+        for a, b in zip(fused[0](*qkv_args), eager[0](*qkv_args)):
+            assert torch.equal(a, b)
+        assert torch.equal(fused[1](*mlp_args), eager[1](*mlp_args))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype,head_dim,tol", [(torch.bfloat16, 64, 2e-2), (torch.float16, 128, 2e-3),
                                                 (torch.float32, 80, 1e-5)])
-def test_the_kernels_compiled_on_a_gpu(dtype, head_dim, tol):
+def test_the_kernels_compiled_on_a_gpu(dtype, head_dim, tol, family):
     from slime_lite.engine import fused_layer
 
     assert fused_layer.usable(torch.zeros(1, device="cuda", dtype=dtype))
-    _check(dtype, head_dim, 4864 // 4, "cuda", tol)
+    _check(dtype, head_dim, 4864 // 4, "cuda", tol, family)

@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core weights for Llama/Qwen2/Qwen3: names, TP shards and PP stages.
+"""HF <-> Megatron-core weights for Llama/Qwen2/Qwen3/GLM4: names, TP shards and PP stages.
 
 Pure functions over state dicts (`hf_to_megatron_shard`, `megatron_to_hf`) need no process group; on a live model,
 `load_hf_weights` fills this rank's shard from an HF checkpoint and `iter_hf_weights` gathers the TP shards back.
@@ -11,6 +11,8 @@ Megatron names (local layer ids i, global id = stage offset + i):
     decoder.layers.i.self_attention.linear_proj.weight         self_attn.o_proj.weight    (split on input dim)
     decoder.layers.i.pre_mlp_layernorm.weight        model.layers.L.post_attention_layernorm.weight
     decoder.layers.i.mlp.linear_fc1.weight           mlp.gate_proj.weight + mlp.up_proj.weight  ([gate_r; up_r])
+                                                     (GLM4: mlp.gate_up_proj.weight, gate rows then up rows)
+    decoder.layers.i.post_{self_attn,mlp}_layernorm.weight    the same names (GLM4's extra norms)
     decoder.layers.i.mlp.linear_fc2.weight           mlp.down_proj.weight           (split on input dim)
     decoder.final_layernorm.weight                   model.norm.weight
     output_layer.weight                              lm_head.weight (embed_tokens when tied; absent when tied, PP=1)
@@ -53,7 +55,10 @@ _LAYER_MAP = {
     "mlp.linear_fc1.layer_norm_weight": ("copy", ["post_attention_layernorm.weight"]),
     "mlp.linear_fc1.weight": ("fc1", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
     "mlp.linear_fc2.weight": ("row", ["mlp.down_proj.weight"]),
+    "post_self_attn_layernorm.weight": ("copy", ["post_self_attn_layernorm.weight"]),
+    "post_mlp_layernorm.weight": ("copy", ["post_mlp_layernorm.weight"]),
 }
+_FUSED_FC1 = ["mlp.gate_up_proj.weight"]  # GLM4's MLP: gate rows, then up rows
 _EMBED = "model.embed_tokens.weight"
 
 
@@ -73,6 +78,8 @@ def megatron_param_names(arch: HFArch, pp_rank: int, pp_size: int, transformer_i
     per_layer += ["self_attention.linear_proj.weight",
                   "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight",
                   "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    if arch.post_norms:
+        per_layer += ["post_self_attn_layernorm.weight", "post_mlp_layernorm.weight"]
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     names = ["embedding.word_embeddings.weight"] if first else []
     names += [f"decoder.layers.{i}.{s}" for i in range(layers_per_stage(arch, pp_size)) for s in per_layer]
@@ -88,6 +95,8 @@ def _hf_names(name: str, arch: HFArch, layer_offset: int) -> tuple[str, list[str
     m = _LAYER.match(name)
     if m:
         kind, suffixes = _LAYER_MAP[m.group(2)]
+        if kind == "fc1" and arch.fused_gate_up:
+            suffixes = _FUSED_FC1
         prefix = f"model.layers.{int(m.group(1)) + layer_offset}."
         return kind, [prefix + s for s in suffixes]
     if name == "embedding.word_embeddings.weight":
@@ -106,7 +115,8 @@ def _split(kind: str, hf: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_siz
     if kind == "row":
         return hf[0].chunk(tp_size, dim=1)[tp_rank]
     if kind == "fc1":
-        return torch.cat([t.chunk(tp_size, dim=0)[tp_rank] for t in hf], dim=0)
+        gate_up = hf if len(hf) == 2 else hf[0].chunk(2, dim=0)
+        return torch.cat([t.chunk(tp_size, dim=0)[tp_rank] for t in gate_up], dim=0)
     if kind == "vocab":
         t = hf[0]
         pad = padded_vocab_size(arch.vocab_size, tp_size) - t.shape[0]
@@ -136,8 +146,11 @@ def _merge(kind: str, shards: list[torch.Tensor], arch: HFArch) -> list[torch.Te
     if kind == "row":
         return [_cat(shards, dim=1)]
     if kind == "fc1":
+        if arch.fused_gate_up and len(shards) == 1:
+            return [shards[0]]  # TP=1: the shard is [gate; up], as HF's gate_up_proj
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [_cat([h[0] for h in halves], dim=0), _cat([h[1] for h in halves], dim=0)]
+        gate, up = _cat([h[0] for h in halves], dim=0), _cat([h[1] for h in halves], dim=0)
+        return [torch.cat([gate, up], dim=0)] if arch.fused_gate_up else [gate, up]
     if kind == "vocab":
         return [_cat(shards, dim=0)[: arch.vocab_size]]
     if kind == "qkv":

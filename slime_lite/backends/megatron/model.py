@@ -1,4 +1,5 @@
-"""A Megatron-core GPTModel whose architecture is derived from a Hugging Face config.json (Llama / Qwen2 / Qwen3).
+"""A Megatron-core GPTModel whose architecture is derived from a Hugging Face config.json (the families of
+slime_lite/model_families.py: Llama, Qwen2, Qwen3, GLM4).
 
 Typical use on every train rank (after `parallel.init_distributed`):
 
@@ -27,9 +28,10 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from slime_lite.backends.megatron.attention import FastCoreAttention, install_packed_rope, mark_packed_positions
+from slime_lite.backends.megatron.post_norm import PostNormLayer
 from slime_lite.errors import SlimeLiteError
+from slime_lite.model_families import check_family, partial_rotary_factor, rope_parameters
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 TE_INSTALL_HINT = (
     "--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is not installed: "
     "`pip install --no-build-isolation 'transformer_engine[pytorch]'` on a CUDA machine, or use "
@@ -55,6 +57,10 @@ class HFArch:
     tie_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    rotary_percent: float  # share of each head the rotary embedding turns (GLM4: 0.5)
+    rotary_interleaved: bool  # rotary pairs (0, 1), (2, 3), ... (GLM4)
+    post_norms: bool  # RMSNorm of the attention and MLP outputs before each residual add (GLM4)
+    fused_gate_up: bool  # HF's MLP has one gate_up_proj (GLM4)
     max_position_embeddings: int
     init_std: float
 
@@ -69,18 +75,18 @@ def hf_arch(hf_config: Any) -> HFArch:
     """Read and check an HF config (PretrainedConfig or config.json dict); SlimeLiteError if Megatron can't match it."""
     model_type = _get(hf_config, "model_type")
     where = "the --hf-checkpoint config.json"
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise SlimeLiteError(
-            f"{where} has model_type {model_type!r}; the Megatron backend supports {', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
+    family = check_family(hf_config, where, "the Megatron backend cannot build it")
     if _get(hf_config, "hidden_act", "silu") != "silu":
         raise SlimeLiteError(f"{where} has hidden_act {_get(hf_config, 'hidden_act')!r}; only 'silu' is supported.")
     if _get(hf_config, "use_sliding_window", False):
         raise SlimeLiteError(f"{where} enables use_sliding_window; sliding-window attention is not supported.")
-    if model_type == "llama" and (_get(hf_config, "attention_bias", False) or _get(hf_config, "mlp_bias", False)):
-        raise SlimeLiteError(f"{where} sets attention_bias/mlp_bias; Llama models with biases are not supported.")
-    rope = _get(hf_config, "rope_parameters") or _get(hf_config, "rope_scaling") or {}
-    rope_theta = float(rope.get("rope_theta", _get(hf_config, "rope_theta", 10000.0)))
+    if _get(hf_config, "mlp_bias", False) or (model_type in ("llama", "qwen3")
+                                              and _get(hf_config, "attention_bias", False)):
+        # Llama's and Qwen3's attention_bias adds an o_proj bias too, which Megatron has only with every linear's
+        raise SlimeLiteError(f"{where} sets attention_bias/mlp_bias; {model_type} models with these biases are not "
+                             "supported.")
+    rope = rope_parameters(hf_config)
+    rope_theta = float(rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     llama3_factor = None
     if rope_type == "llama3":
@@ -105,8 +111,12 @@ def hf_arch(hf_config: Any) -> HFArch:
         rope_theta=rope_theta,
         rope_llama3_factor=llama3_factor,
         tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qkv_bias=bool(_get(hf_config, "attention_bias", family.qkv_bias)) or model_type == "qwen2",
+        qk_norm=family.qk_norm,
+        rotary_percent=partial_rotary_factor(hf_config),
+        rotary_interleaved=family.rotary_interleaved,
+        post_norms=family.post_norms,
+        fused_gate_up=family.fused_gate_up,
         max_position_embeddings=int(_get(hf_config, "max_position_embeddings", 4096)),
         init_std=float(_get(hf_config, "initializer_range", 0.02)),
     )
@@ -160,6 +170,7 @@ def transformer_config_from_hf(
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_norm,
+        rotary_interleaved=arch.rotary_interleaved,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.init_std,
@@ -205,22 +216,26 @@ def sequence_parallel(args: Any) -> bool:
 def layer_spec(arch: HFArch, transformer_impl: str = "local"):
     """Megatron's layer spec: local (pure PyTorch, the default; its core attention is attention.py's
     FastCoreAttention: no [T, T] scores, packed samples) or Transformer Engine. Either way packed rows get their
-    RoPE in one call per layer (attention.py install_packed_rope)."""
-
-
+    RoPE in one call per layer (attention.py install_packed_rope); GLM4's layer is post_norm.py's."""
     install_packed_rope()
     if transformer_impl == "local":
-
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
         spec.submodules.self_attention.submodules.core_attention = FastCoreAttention
-        return spec
-    if transformer_impl == "transformer_engine":
+        norm = spec.submodules.input_layernorm
+    elif transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
         except ImportError as e:
             raise SlimeLiteError(TE_INSTALL_HINT) from e
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    raise SlimeLiteError(f"--transformer-impl {transformer_impl!r} is unknown; use local or transformer_engine.")
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        norm = TENorm
+    else:
+        raise SlimeLiteError(f"--transformer-impl {transformer_impl!r} is unknown; use local or transformer_engine.")
+    if arch.post_norms:
+        spec.module, spec.params = PostNormLayer, {**spec.params, "post_norm": norm}
+    return spec
 
 
 class SequenceParallelNorm(torch.nn.RMSNorm):
@@ -243,6 +258,8 @@ def _sequence_parallel_spec(spec: Any, config: Any):
         for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
             if getattr(sub, name, None) is WrappedTorchNorm:
                 setattr(sub, name, SequenceParallelNorm)
+    if spec.params.get("post_norm") is WrappedTorchNorm:  # GLM4's post-norms (post_norm.py)
+        spec.params = {**spec.params, "post_norm": SequenceParallelNorm}
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
                                       layer_norm=SequenceParallelNorm)
 
@@ -289,6 +306,7 @@ def build_gpt_model(
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
+        rotary_percent=arch.rotary_percent,
         rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_llama3_factor is not None,
         rope_scaling_factor=arch.rope_llama3_factor or 8.0,
