@@ -161,7 +161,7 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             lp_time, lp_peak = time.perf_counter() - t0, peak_gib()
             reset_peak()
             t0 = time.perf_counter()
-            metrics, _ = w.train(0, batch, None)
+            metrics = w.train(0, batch, None)[0].metrics
             sync()
             total = time.perf_counter() - t0
             res = {"logprob_s": lp_time, "logprob_peak": lp_peak,
