@@ -182,6 +182,10 @@ class Weights:
         starts = [0]
         for dt, shape in zip(dts, shapes):
             starts.append(starts[-1] + math.prod(shape) * dt.itemsize)
+        limit = 8 * sum(p.numel() for p in self._distinct[0])  # the whole model in float64
+        if starts[-1] > limit:
+            raise WeightError(f"shapes: {starts[-1]} bytes declared, more than the whole model holds even in float64 "
+                              f"({limit}); nothing was received")
         buffers = ([torch.empty(starts[-1], dtype=torch.uint8, device=device)] if flattened else
                    [torch.empty(tuple(shape), dtype=dt, device=device) for dt, shape in zip(dts, shapes)])
         arrived = 0
