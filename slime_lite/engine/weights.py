@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from slime_lite.weight_checksum import tensor_checksums
@@ -135,7 +136,10 @@ class Weights:
             raise WeightError(f"model_path {model_path!r} is not a folder")
         named: dict[str, torch.Tensor] = {}
         for f in _safetensors_files(path):
-            named.update(load_file(str(f), device="cpu"))
+            try:
+                named.update(load_file(str(f), device="cpu"))
+            except (SafetensorError, OSError) as exc:  # empty, truncated or not safetensors at all
+                raise WeightError(f"{f}: not a readable safetensors file ({exc}); no weight was changed") from None
         missing = set(self.params) - set(named)
         if getattr(self.model.config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")
