@@ -124,7 +124,10 @@ class _Admin:
         return json_response({"success": True, "message": msg, **(extra or {})})
 
     def _maybe_abort(self, body: dict[str, Any]) -> None:
-        if body.get("abort_all_requests"):
+        """Abort every request when asked; first checks the update's ``weight_version`` (a string, as SGLang's
+        request objects take) and ``abort_all_requests``, so a bad field aborts nothing."""
+        _field(check.string, body, "weight_version", None)
+        if _field(check.boolean, body, "abort_all_requests", False):
             self.scheduler.abort(None, "aborted for a weight update")
 
     # ---- control -------------------------------------------------------------------------------------------
@@ -160,11 +163,12 @@ class _Admin:
 
     async def update_weight_version(self, request):
         body = await read_body(request)
-        if body.get("new_version") is None:
+        version = _field(check.string, body, "new_version", None)
+        if version is None:
             raise BadRequest("'new_version' is required")
-        if body.get("abort_all_requests", True):
+        if _field(check.boolean, body, "abort_all_requests", True):
             self.scheduler.abort(None, "aborted by /update_weight_version")
-        return await self._weight_op(lambda: None, version=body["new_version"])
+        return await self._weight_op(lambda: None, version=version)
 
     # ---- weights -------------------------------------------------------------------------------------------
     async def update_weights_from_disk(self, request):

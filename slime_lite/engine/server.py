@@ -46,9 +46,10 @@ OPEN_ROUTES = ("/health", "/health_generate", "/ready")  # answered without the 
 
 
 def _rid(value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
+    """A request id: a string, as on /abort_request (SGLang's GenerateReqInput and AbortReq take strings only)."""
+    if not isinstance(value, str):
         raise BadRequest(f"rid={value!r} must be a string (or a list of them, one per prompt)")
-    return str(value)
+    return value
 
 
 def _as_list(value: Any, n: int, name: str) -> list[Any]:
@@ -348,6 +349,7 @@ class EngineServer:
         body = await read_body(request)
         try:
             check.generate_fields(body)
+            check.generate_types(body)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         prompts, single = await self.encode_prompts(body.get("text"), body.get("input_ids"))
