@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
-from slime_lite.errors import EngineError
+from slime_lite.errors import EngineError, EngineUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,9 @@ def _http_error(url: str, route: str, code: int, raw: bytes, body: Any) -> Engin
     return EngineError(f"engine {url}{route} answered HTTP {code}: {detail} (request: {_describe(body)})")
 
 
-def _no_answer(url: str, route: str, reason: Any, body: Any) -> EngineError:
-    return EngineError(f"engine {url}{route} did not answer ({reason}); request: {_describe(body)}")
+def _no_answer(url: str, route: str, reason: Any, body: Any) -> EngineUnreachable:
+    return EngineUnreachable(f"engine {url}{route} did not answer ({reason}); request: {_describe(body)}", url, route,
+                             reason)
 
 
 def _parse(raw: bytes) -> Any:

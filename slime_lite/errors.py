@@ -18,6 +18,14 @@ class EngineError(SlimeLiteError):
     """A rollout engine that failed, died or could not be reached."""
 
 
+class EngineUnreachable(EngineError):
+    """No answer from an engine at all (refused, reset, timed out): ``url``, ``route`` and the socket's ``reason``."""
+
+    def __init__(self, message: str, url: str, route: str, reason: object) -> None:
+        super().__init__(message)
+        self.url, self.route, self.reason = url, route, reason
+
+
 def run_main(fn: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run a command's ``main``: a SlimeLiteError becomes ``error: ...`` on stderr and exit code 2, an interrupt
     exit code 130 (every ``slime-lite`` command, and each module run as ``python -m``)."""

@@ -156,20 +156,20 @@ def check_replay_dumps(args: Any) -> None:
     ids = replay_ids(args)
     for rollout_id in ids:
         dump = load_rollout_dump(dump_path(args.load_debug_rollout_data, rollout_id))
-        check_replay_meta(dump, expected)
-        check_replay_samples(dump, vocab, args.reward_key)
         samples = dump.samples
-        check_token_budget(args, samples, dump.path)
         if args.load_debug_rollout_data_subsample is not None:
             samples = subsample_groups(samples, args.load_debug_rollout_data_subsample, args.n_samples_per_prompt)
+        split = []
         if len(samples) % args.global_batch_size:
             kept = "" if len(samples) == len(dump.samples) else (
                 f" ({len(samples)} kept by --load-debug-rollout-data-subsample "
                 f"{args.load_debug_rollout_data_subsample})")
-            raise SlimeLiteError(
-                f"rollout dump {dump.path} has {len(dump.samples)} samples{kept}, which do not split into steps "
-                f"of --global-batch-size {args.global_batch_size}: replay it with --rollout-batch-size x "
-                "--n-samples-per-prompt as the dump was made, or a --global-batch-size that divides it.")
+            split.append(f"its {len(dump.samples)} samples{kept} do not split into steps of --global-batch-size "
+                         f"{args.global_batch_size} (use --rollout-batch-size x --n-samples-per-prompt as the dump "
+                         "was made, or a --global-batch-size that divides it)")
+        check_replay_meta(dump, expected, split)  # every mismatched setting in one error
+        check_replay_samples(dump, vocab, args.reward_key)
+        check_token_budget(args, samples, dump.path)
     log.info("replay: checked %d dump(s) of %s (rollouts %d..%d)", len(ids), args.load_debug_rollout_data,
              ids.start, ids.stop - 1)
 

@@ -20,7 +20,7 @@ import time
 from slime_lite.args import parse_args
 from slime_lite.checks.ci import RunChecks
 from slime_lite.errors import SlimeLiteError, run_main
-from slime_lite.logging_setup import setup_logging
+from slime_lite.logging_setup import set_level, setup_logging
 from slime_lite.metrics import MetricsLogger, write_args_json
 from slime_lite.preflight import preflight
 from slime_lite.profiling import DRIVER_TIMELINE, RunProfiler
@@ -30,7 +30,7 @@ log = logging.getLogger("slime_lite.train")
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.getLogger().setLevel(args.log_level.upper())
+    set_level(args.log_level)  # third-party noise too
     preflight(args)  # outputs writable, every replay dump valid: before Ray starts
     import ray  # ray: `train --help` and flag errors stay instant
 

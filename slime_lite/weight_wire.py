@@ -23,7 +23,10 @@ A tensor travels in one of three ways (``serialize``):
 multiprocessing rebuild functions, storage and dtype classes, ``torch.Size``) and SGLang's two data classes, which
 it maps to the equivalents here (sglang is never imported); any other global is refused with ``UnsafePayload``
 naming it, before it is looked up. Nothing from the payload is called except those rebuild functions, each
-checking its arguments first.
+checking its arguments first: every tensor's offset, sizes and strides must lie within the bytes of the storage it
+names (or, for a CUDA IPC or shared-memory handle, within the size it declares, which may not exceed the segment),
+in whole elements of its dtype, before anything is built; torch would otherwise grow the storage to fit and the
+engine would serve uninitialised memory. Such a tensor is refused naming its parameter.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import base64
 import binascii
 import collections
 import io
+import os
 import pickle
 import re
 import threading
@@ -200,16 +204,73 @@ def _to_cpu(obj: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- reading
+_LIMIT = 1 << 62  # sizes, strides and offsets past this would overflow torch's int64 arithmetic
+_SHM_HEADER = 64  # torch's shared-memory segments start with a refcount block of this many bytes
+
+
+class RefusedTensor:
+    """What a rebuild function returns for a tensor (or a storage) that does not fit its bytes: nothing was built or
+    mapped. A rebuild given a refused storage passes it on, and the reader raises when it meets one, naming the
+    parameter (in a payload the name comes after the tensor)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _LIMIT
+
+
+def view_problem(nbytes: int, dtype: Any, offset: Any, size: Any, stride: Any) -> str | None:
+    """Why a tensor of ``dtype`` at element ``offset`` with ``size`` and ``stride`` does not fit in a storage of
+    ``nbytes`` bytes (None when it does). torch itself would grow the storage to fit (serving whatever memory it
+    got) or overflow; this is checked before anything is built."""
+    if not isinstance(dtype, torch.dtype) or dtype.itemsize <= 0:
+        return f"dtype {dtype!r} is not a tensor dtype"
+    if not (isinstance(size, (tuple, list)) and isinstance(stride, (tuple, list)) and len(size) == len(stride)):
+        return f"size {size!r} and stride {stride!r} must be sequences of the same length"
+    if not (_count(offset) and all(map(_count, size)) and all(map(_count, stride))):
+        return (f"offset {offset!r}, size {tuple(size)!r} and stride {tuple(stride)!r} must be integers in "
+                f"[0, 2**62)")
+    if nbytes % dtype.itemsize:
+        return f"the storage's {nbytes} bytes are not a whole number of {dtype} elements"
+    elements = nbytes // dtype.itemsize
+    if 0 in size:
+        end = offset
+    else:
+        end = offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))
+    if end > elements:
+        return (f"size {tuple(size)} with stride {tuple(stride)} at offset {offset} needs {end} {dtype} elements "
+                f"({end * dtype.itemsize} bytes), but its storage holds {elements} ({nbytes} bytes)")
+    return None
+
+
+def _view_of(storage: Any, offset: Any, size: Any, stride: Any) -> RefusedTensor | None:
+    """A refusal when a tensor view does not fit ``storage`` (typed: an untyped one carries no dtype), else None."""
+    if isinstance(storage, RefusedTensor):
+        return storage
+    if isinstance(storage, torch.UntypedStorage):
+        return RefusedTensor("a tensor on an untyped storage has no dtype (torch wraps its storage in a typed one)")
+    if not isinstance(storage, torch.TypedStorage):
+        raise ValueError("a tensor rebuild needs a storage")
+    problem = view_problem(storage._untyped_storage.nbytes(), storage.dtype, offset, size, stride)
+    return RefusedTensor(problem) if problem else None
+
+
 def _tensor_class(cls: Any) -> None:
     if cls not in (torch.Tensor, torch.nn.Parameter):
         raise ValueError(f"tensor class {cls!r}: expected torch.Tensor or torch.nn.Parameter")
 
 
-def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> torch.Tensor:
+def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> torch.Tensor | RefusedTensor:
     _tensor_class(cls)
-    if not isinstance(storage, (torch.UntypedStorage, torch.TypedStorage)):
-        raise ValueError("rebuild_tensor: not a storage")
-    return _red.rebuild_tensor(torch.Tensor, storage, metadata).detach()
+    if not (isinstance(metadata, tuple) and len(metadata) == 4):
+        raise ValueError("rebuild_tensor: metadata must be (offset, size, stride, requires_grad)")
+    offset, size, stride, _ = metadata
+    refused = _view_of(storage, offset, size, stride)
+    if refused:
+        return refused
+    return _red.rebuild_tensor(torch.Tensor, storage, (offset, tuple(size), tuple(stride), False)).detach()
 
 
 def _local_device(device: Any) -> int:
@@ -228,13 +289,22 @@ def _local_device(device: Any) -> int:
     raise ValueError(f"CUDA device {device!r}: expected a device index or UUID")
 
 
-def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor | RefusedTensor:
     if len(args) != 15:
         raise ValueError(f"rebuild_cuda_tensor takes 15 arguments, got {len(args)}")
     _tensor_class(args[0])
-    if args[4] not in (torch.UntypedStorage, torch.TypedStorage) or not isinstance(args[5], torch.dtype):
+    size, stride, offset, storage_cls, dtype = args[1:6]
+    storage_bytes, storage_offset_bytes = args[8:10]
+    if storage_cls not in (torch.UntypedStorage, torch.TypedStorage) or not isinstance(dtype, torch.dtype):
         raise ValueError("rebuild_cuda_tensor: unexpected storage class or dtype")
-    args = (torch.Tensor, *args[1:6], _local_device(args[6]), *args[7:10], False, *args[11:])
+    if not (_count(storage_bytes) and _count(storage_offset_bytes)):
+        return RefusedTensor(f"CUDA storage size {storage_bytes!r} and offset {storage_offset_bytes!r} (bytes) must "
+                             "be integers in [0, 2**62)")
+    problem = view_problem(storage_bytes, dtype, offset, size, stride)  # before the sender's memory is mapped
+    if problem:
+        return RefusedTensor(problem)
+    args = (torch.Tensor, tuple(size), tuple(stride), offset, storage_cls, dtype, _local_device(args[6]),
+            *args[7:10], False, *args[11:])
     return _red.rebuild_cuda_tensor(*args)
 
 
@@ -243,15 +313,24 @@ _SHM_MANAGER = re.compile(rb"/[\w./-]*/torch-shm-[\w.-]+/manager\.sock")
 
 
 def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: Any, dtype: Any = None) -> Any:
-    """A CPU shared-memory segment by name: only names torch's ``file_system`` sharing makes."""
+    """A CPU shared-memory segment by name: only names torch's ``file_system`` sharing makes, and no larger than the
+    segment is (torch would grow the sender's segment to the size a payload declares)."""
     if cls is not torch.UntypedStorage and cls is not torch.TypedStorage:
         raise ValueError(f"storage class {cls!r} is not accepted")
     if not (isinstance(handle, bytes) and _SHM_HANDLE.fullmatch(handle)):
         raise ValueError(f"shared-memory handle {handle!r} is not one torch makes (/torch_<pid>_<n>_<n>)")
     if not (isinstance(manager, bytes) and _SHM_MANAGER.fullmatch(manager) and b".." not in manager):
         raise ValueError(f"shared-memory manager {manager!r} is not torch's manager socket")
-    if not isinstance(size, int) or size < 0 or (dtype is not None and not isinstance(dtype, torch.dtype)):
+    if not _count(size) or (dtype is not None and not isinstance(dtype, torch.dtype)):
         raise ValueError("shared-memory size/dtype malformed")
+    nbytes = size * (dtype.itemsize if dtype is not None else 1)
+    try:
+        segment = os.stat(f"/dev/shm{handle.decode()}").st_size - _SHM_HEADER
+    except OSError as exc:
+        raise ValueError(f"shared-memory segment {handle.decode()} cannot be opened ({exc.strerror})") from None
+    if nbytes > segment:
+        return RefusedTensor(f"shared-memory segment {handle.decode()} holds {max(segment, 0)} bytes, the payload "
+                             f"declares {nbytes}")
     return _red.rebuild_storage_filename(cls, manager, handle, size, dtype)
 
 
@@ -262,8 +341,12 @@ def _rebuild_storage_empty(cls: Any) -> Any:
 
 
 def _rebuild_typed_storage(storage: Any, dtype: Any) -> Any:
+    if isinstance(storage, RefusedTensor):
+        return storage
     if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
         raise ValueError("rebuild_typed_storage: expected an untyped storage and a dtype")
+    if storage.nbytes() % dtype.itemsize:
+        return RefusedTensor(f"a storage of {storage.nbytes()} bytes is not a whole number of {dtype} elements")
     return _red.rebuild_typed_storage(storage, dtype)
 
 
@@ -278,12 +361,14 @@ def _load_from_bytes(data: Any) -> Any:
 
 
 def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
-                       hooks: Any = None, metadata: Any = None) -> torch.Tensor:
-    if not isinstance(storage, (torch.UntypedStorage, torch.TypedStorage)):
-        raise ValueError("_rebuild_tensor_v2: not a storage")
+                       hooks: Any = None, metadata: Any = None) -> torch.Tensor | RefusedTensor:
     if hooks or metadata:
         raise ValueError("_rebuild_tensor_v2: tensors with hooks or metadata are not accepted")
-    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, collections.OrderedDict())
+    refused = _view_of(storage, offset, size, stride)
+    if refused:
+        return refused
+    return torch._utils._rebuild_tensor_v2(storage, offset, tuple(size), tuple(stride), False,
+                                           collections.OrderedDict())
 
 
 _FD_GLOBALS = {("torch.multiprocessing.reductions", "rebuild_storage_fd"), ("multiprocessing.resource_sharer", "DupFd")}
@@ -351,6 +436,8 @@ def _tensor(value: Any, name: str, tp_rank: int) -> torch.Tensor:
         if not isinstance(value.values, list) or not tp_rank < len(value.values):
             raise ValueError(f"{name!r}: LocalSerializedTensor has no value for TP rank {tp_rank}")
         value = deserialize(value.values[tp_rank])
+    if isinstance(value, RefusedTensor):
+        raise ValueError(f"{name!r}: {value.reason}; nothing was loaded")
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
         raise ValueError(f"{name!r}: expected a dense tensor, got {type(value).__name__}")
     return value
@@ -365,6 +452,8 @@ def named_tensors(obj: Any, load_format: str | None, tp_rank: int = 0) -> list[t
         if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
             raise ValueError("a flattened_bucket payload is {'flattened_tensor': ..., 'metadata': [...]}")
         flat, metadata = obj["flattened_tensor"], obj["metadata"]
+        if isinstance(flat, RefusedTensor):
+            raise ValueError(f"flattened_tensor: {flat.reason}; nothing was loaded")
         if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.uint8 and flat.dim() == 1):
             raise ValueError("flattened_tensor must be a 1-D uint8 tensor")
         if not isinstance(metadata, list) or not all(isinstance(m, FlattenedTensorMetadata) for m in metadata):

@@ -82,8 +82,19 @@ def test_a_resumed_replay_checks_the_dumps_it_will_read(tiny_model_dir, replay, 
 
 def test_sample_count_must_split_into_the_run_steps(tiny_model_dir, replay, tmp_path) -> None:
     save_rollout_dump(str(tmp_path / "d_2.pt"), 2, _samples()[:3])  # slime dump: no meta to compare
-    with pytest.raises(SlimeLiteError, match=r"d_2\.pt has 3 samples, which do not split into steps of "
-                                             r"--global-batch-size 4"):
+    with pytest.raises(SlimeLiteError, match=r"d_2\.pt does not fit this run \(1 setting\(s\)\): its 3 samples do "
+                                             r"not split into steps of --global-batch-size 4"):
+        preflight(_args(tiny_model_dir, replay))
+
+
+def test_every_mismatched_setting_is_named_at_once(tiny_model_dir, replay, tmp_path) -> None:
+    """A dump made with other --n-samples-per-prompt and --rollout-batch-size, whose samples do not split into this
+    run's steps: one error names all three (not one per try)."""
+    save_rollout_dump(str(tmp_path / "d_2.pt"), 2, _samples()[:3],
+                      meta={"n_samples_per_prompt": 3, "rollout_batch_size": 3})
+    with pytest.raises(SlimeLiteError, match=r"\(3 setting\(s\)\): n_samples_per_prompt=3 in the dump, "
+                                             r"--n-samples-per-prompt = 2 in this run; rollout_batch_size=3 in the "
+                                             r"dump, --rollout-batch-size = 2 in this run; its 3 samples"):
         preflight(_args(tiny_model_dir, replay))
 
 

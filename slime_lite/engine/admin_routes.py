@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
@@ -61,8 +62,9 @@ def _shapes(value: Any, name: str) -> list[list[int]]:
     return [[check.integer(d, name, 0) for d in shape] for shape in value]
 
 
-def add_admin_routes(app: Any, scheduler: Scheduler) -> None:
-    admin = _Admin(scheduler)
+def add_admin_routes(app: Any, scheduler: Scheduler, profile_dir: str) -> None:
+    """``profile_dir``: the only folder /start_profile writes under."""
+    admin = _Admin(scheduler, profile_dir)
     posts = {
         "/flush_cache": admin.flush_cache, "/abort_request": admin.abort_request,
         "/pause_generation": admin.pause_generation, "/continue_generation": admin.continue_generation,
@@ -88,8 +90,9 @@ def add_admin_routes(app: Any, scheduler: Scheduler) -> None:
 
 
 class _Admin:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, profile_dir: str) -> None:
         self.scheduler = scheduler
+        self.profile_dir = Path(profile_dir).resolve()
         self.weight_session = False  # between /begin_weight_update and /end_weight_update (SGLang's session)
         self.profile = TorchProfile()  # /start_profile .. /stop_profile, in the model thread
         self.profile_path = ""
@@ -121,7 +124,10 @@ class _Admin:
         return json_response({"success": True, "message": msg, **(extra or {})})
 
     def _maybe_abort(self, body: dict[str, Any]) -> None:
-        if body.get("abort_all_requests"):
+        """Abort every request when asked; first checks the update's ``weight_version`` (a string, as SGLang's
+        request objects take) and ``abort_all_requests``, so a bad field aborts nothing."""
+        _field(check.string, body, "weight_version", None)
+        if _field(check.boolean, body, "abort_all_requests", False):
             self.scheduler.abort(None, "aborted for a weight update")
 
     # ---- control -------------------------------------------------------------------------------------------
@@ -157,11 +163,12 @@ class _Admin:
 
     async def update_weight_version(self, request):
         body = await read_body(request)
-        if body.get("new_version") is None:
+        version = _field(check.string, body, "new_version", None)
+        if version is None:
             raise BadRequest("'new_version' is required")
-        if body.get("abort_all_requests", True):
+        if _field(check.boolean, body, "abort_all_requests", True):
             self.scheduler.abort(None, "aborted by /update_weight_version")
-        return await self._weight_op(lambda: None, version=body["new_version"])
+        return await self._weight_op(lambda: None, version=version)
 
     # ---- weights -------------------------------------------------------------------------------------------
     async def update_weights_from_disk(self, request):
@@ -346,7 +353,7 @@ class _Admin:
         for key in ("num_steps", "start_step"):
             if body.get(key) is not None:
                 raise BadRequest(f"{key}: the embedded engine profiles until /stop_profile; leave {key} out")
-        folder = _field(check.string, body, "output_dir", "") or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        folder = self._profile_folder(_field(check.string, body, "output_dir", ""))
         prefix = _field(check.string, body, "profile_prefix", "") or "engine"
         if "/" in prefix or prefix.startswith("."):
             raise BadRequest("profile_prefix must be a plain file-name prefix")
@@ -357,6 +364,24 @@ class _Admin:
         self.profile_path = os.path.join(folder, f"{prefix}-{int(time.time())}.trace.json")
         await self.run_in_model_thread(self.profile.start, shapes, stack)
         return web.Response(text="Start profiling.\n")
+
+    def _profile_folder(self, output_dir: str) -> str:
+        """``output_dir`` (relative ones under the profile folder) when it lies in the server's profile folder,
+        created and writable; a 400 naming it otherwise (nothing is created outside the folder)."""
+        try:
+            target = (self.profile_dir / output_dir).resolve()
+        except (ValueError, OSError) as exc:  # a NUL byte, a symlink loop
+            raise BadRequest(f"output_dir {output_dir!r}: not a usable path ({exc})") from None
+        if not target.is_relative_to(self.profile_dir):
+            raise BadRequest(f"output_dir {output_dir!r} is outside this server's profile folder {self.profile_dir} "
+                             "(traces are written only under it; 'slime-lite serve --profile-dir' sets it)")
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BadRequest(f"output_dir {output_dir!r}: cannot create {target} ({exc.strerror})") from None
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise BadRequest(f"output_dir {output_dir!r}: {target} is not writable by the server")
+        return str(target)
 
     async def stop_profile(self, request):
         if self.profile.prof is None:

@@ -4,6 +4,7 @@ and the 400 error every route raises for a request it refuses."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from aiohttp import web
@@ -21,17 +22,47 @@ def error_response(message: str, status: int = 400):
     return json_response({"error": {"message": message}}, status)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how JSON spells a UTF-16 surrogate
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (key or value) holding a lone UTF-16 surrogate: JSON's ``\\ud800`` escapes
+    decode to one, which is not text (no tokenizer or encoder takes it)."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return where
+        found = _lone_surrogate(item, where)
+        if found:
+            return found
+    return None
+
+
 async def read_body(request) -> dict[str, Any]:
-    """The request's JSON object (a GET without a body: its query parameters); an empty body is ``{}``."""
+    """The request's JSON object (a GET without a body: its query parameters); an empty body is ``{}``. Text that
+    is not valid Unicode (a lone surrogate) is refused naming the field."""
     raw = await request.read()
     if request.method == "GET" and not raw.strip():
-        return dict(request.query)
-    if not raw.strip():
+        data: Any = dict(request.query)
+    elif not raw.strip():
         return {}
+    else:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # bad JSON or encoding; nesting deeper than the parser goes
+            raise BadRequest(f"body is not valid JSON: {type(exc).__name__}: {exc}") from None
+        if not isinstance(data, dict):
+            raise BadRequest("body must be a JSON object")
+        if not _SURROGATE_ESCAPE.search(raw):  # no surrogate escape: every string is valid Unicode
+            return data
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # bad JSON or encoding; nesting deeper than the parser goes
-        raise BadRequest(f"body is not valid JSON: {type(exc).__name__}: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("body must be a JSON object")
+        where = _lone_surrogate(data, "")
+    except RecursionError:
+        raise BadRequest("body is nested too deeply") from None
+    if where:
+        raise BadRequest(f"{where.lstrip('.')}: text is not valid Unicode (a lone UTF-16 surrogate)")
     return data

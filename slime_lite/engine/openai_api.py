@@ -77,6 +77,8 @@ def _stream(body: dict[str, Any]) -> Any:
     _unsupported(body)
     if not isinstance(body.get("stream_options") or {}, dict):
         raise BadRequest("stream_options must be an object")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise BadRequest(f"model={body['model']!r:.80} must be a string (the served model's name)")
     return False if body.get("stream") is None else body["stream"]
 
 
@@ -145,10 +147,14 @@ class _OpenAI:
         texts = [prompt] if isinstance(prompt, str) else None
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             texts = prompt
-        if texts is not None:
-            prompts, _ = await self.server.encode_prompts(text=prompt)
-        else:
-            prompts, _ = await self.server.encode_prompts(input_ids=prompt)
+        if texts is None and not isinstance(prompt, list):
+            raise BadRequest(f"prompt={prompt!r:.80} must be a string, a list of strings, a list of token ids or a "
+                             "list of such lists")
+        try:
+            prompts, _ = await self.server.encode_prompts(**({"text": prompt} if texts is not None
+                                                             else {"input_ids": prompt}))
+        except BadRequest as exc:  # the error names OpenAI's field
+            raise BadRequest(str(exc).replace("'input_ids'", "'prompt'").replace("input_ids", "prompt")) from None
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
         top = self._count(body, "logprobs", 0, 20)
         echo = bool(body.get("echo"))

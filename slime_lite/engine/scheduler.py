@@ -198,6 +198,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
         if asked is not None and req.max_new < asked:
             logger.debug("request %s: max_new_tokens %d capped to %d by the slot size", req.rid, asked, req.max_new)
         for name, ids in (("sampling_params.logit_bias", list(req.params.logit_bias or ())),
+                          ("sampling_params.stop_token_ids", req.params.stop_token_ids),
                           ("token_ids_logprob", req.token_ids_logprob or [])):
             bad = [t for t in ids if not 0 <= t < self.lm.vocab_size]
             if bad:

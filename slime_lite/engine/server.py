@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import tempfile
 import threading
 import uuid
 from typing import Any, AsyncIterator
@@ -45,9 +46,10 @@ OPEN_ROUTES = ("/health", "/health_generate", "/ready")  # answered without the 
 
 
 def _rid(value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
+    """A request id: a string, as on /abort_request (SGLang's GenerateReqInput and AbortReq take strings only)."""
+    if not isinstance(value, str):
         raise BadRequest(f"rid={value!r} must be a string (or a list of them, one per prompt)")
-    return str(value)
+    return value
 
 
 def _as_list(value: Any, n: int, name: str) -> list[Any]:
@@ -68,7 +70,8 @@ class EngineServer:
                  served_model_name: str | None = None, cpu_threads: int | None = None,
                  cuda_graph: bool | None = None, cuda_graph_max_bs: int | None = None,
                  enable_torch_compile: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES,
-                 disable_radix_cache: bool = False, enable_memory_saver: bool = False) -> None:
+                 disable_radix_cache: bool = False, enable_memory_saver: bool = False,
+                 profile_dir: str | None = None) -> None:
         # torch, transformers: `slime-lite serve --help` stays instant
         from slime_lite.engine.scheduler import Scheduler
 
@@ -83,6 +86,7 @@ class EngineServer:
                                    enable_torch_compile=enable_torch_compile,
                                    disable_radix_cache=disable_radix_cache)
         self.enable_memory_saver = enable_memory_saver
+        self.profile_dir = os.path.abspath(profile_dir or default_profile_dir())
         self.served_model_name = served_model_name or model_path
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,7 +164,7 @@ class EngineServer:
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         add_info_routes(app, self)
-        add_admin_routes(app, self.scheduler)
+        add_admin_routes(app, self.scheduler, self.profile_dir)
         # /flush_cache answers GET too (SGLang takes both; slime sends GET)
         r.add_get("/flush_cache", next(x.handler for x in r.routes()
                                        if x.method == "POST" and x.resource.canonical == "/flush_cache"))
@@ -345,6 +349,7 @@ class EngineServer:
         body = await read_body(request)
         try:
             check.generate_fields(body)
+            check.generate_types(body)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         prompts, single = await self.encode_prompts(body.get("text"), body.get("input_ids"))
@@ -389,6 +394,11 @@ def _env_api_key() -> str | None:
     return key or None
 
 
+def default_profile_dir() -> str:
+    """SGLang's $SGLANG_TORCH_PROFILER_DIR when set, else a folder of the engine's own under the temp folder."""
+    return os.environ.get("SGLANG_TORCH_PROFILER_DIR") or os.path.join(tempfile.gettempdir(), "slime-lite-profiles")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slime-lite serve", description="Start the embedded SGLang-compatible engine.")
     p.add_argument("--model-path", required=True, help="Hugging Face model folder (Llama/Qwen2 family)")
@@ -423,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reported in /get_server_info for SGLang parity (slime compares it); memory release works "
                         "either way")
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: --model-path)")
+    p.add_argument("--profile-dir", default=None,
+                   help="the only folder /start_profile writes traces under: its output_dir must lie inside "
+                        "(relative ones are taken from here; default: $SGLANG_TORCH_PROFILER_DIR, else "
+                        "slime-lite-profiles in the temp folder)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -452,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
         enable_torch_compile=args.enable_torch_compile, max_request_bytes=args.max_request_bytes,
         disable_radix_cache=args.disable_radix_cache, enable_memory_saver=args.enable_memory_saver,
+        profile_dir=args.profile_dir,
     )
     server.run_forever()
     return 0

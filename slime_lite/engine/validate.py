@@ -9,7 +9,7 @@ a machine integer (int64, seeds uint64), and booleans are not numbers.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 UINT64_MAX = (1 << 64) - 1
@@ -137,3 +137,51 @@ def generate_fields(body: dict[str, Any]) -> None:
         if not _is_default(value, GENERATE_DEFAULTS[key]):
             raise ValueError(f"{key}={value!r:.80}: not supported by the embedded engine (only its default, "
                              "absent or null, is accepted); use --rollout-backend sglang for it")
+
+
+# JSON types of /generate fields as SGLang's generate contract checks them (strictly: an integer field takes no
+# 2.0, a boolean field no 0/1); floats take integers. The OpenAI routes read their own fields as pydantic does.
+_SP_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "sampling_seed", "n", "stream_interval")
+_SP_BOOLS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens")
+_TOP_BOOLS = ("return_logprob", "return_text_in_logprobs", "stream")  # return_logprob: or one per prompt
+_TOP_INTS = ("logprob_start_len", "top_logprobs_num")  # or one per prompt
+
+
+def _json_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _typed(value: Any, name: str, ok: Callable[[Any], bool], kind: str, per_prompt: bool = False) -> None:
+    if value is None or ok(value) or (per_prompt and isinstance(value, list) and all(map(ok, value))):
+        return
+    raise ValueError(f"{name}={value!r:.80} must be {kind}" + (" (or a list of them, one per prompt)"
+                                                              if per_prompt else ""))
+
+
+def generate_types(body: dict[str, Any]) -> None:
+    """The JSON types of a ``/generate`` body as SGLang accepts them; ValueError naming the first field that is
+    not (ranges and the vocabulary are checked later)."""
+    for key in _TOP_BOOLS:
+        _typed(body.get(key), key, lambda v: isinstance(v, bool), "true or false", key == "return_logprob")
+    for key in _TOP_INTS:
+        _typed(body.get(key), key, _json_int, "an integer", True)
+    ids = body.get("token_ids_logprob")
+    if isinstance(ids, list):
+        for x in ids:
+            _typed(x, "token_ids_logprob", lambda v: _json_int(v) or isinstance(v, list) and all(map(_json_int, v)),
+                   "a token id (an integer)")
+    rid = body.get("rid")
+    _typed(rid, "rid", lambda v: isinstance(v, str), "a string", True)
+    sps = body.get("sampling_params")
+    for i, sp in enumerate(sps if isinstance(sps, list) else [sps]):
+        if not isinstance(sp, dict):
+            continue  # SamplingParams.from_dict names it
+        where = "sampling_params" if not isinstance(sps, list) else f"sampling_params[{i}]"
+        for key in _SP_INTS:
+            _typed(sp.get(key), f"{where}.{key}", _json_int, "an integer")
+        for key in _SP_BOOLS:
+            _typed(sp.get(key), f"{where}.{key}", lambda v: isinstance(v, bool), "true or false")
+        stop_ids = sp.get("stop_token_ids")
+        if isinstance(stop_ids, list):
+            for t in stop_ids:
+                _typed(t, f"{where}.stop_token_ids", _json_int, "a list of token ids (integers)")

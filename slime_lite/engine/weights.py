@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from slime_lite.weight_checksum import tensor_checksums
@@ -135,7 +136,10 @@ class Weights:
             raise WeightError(f"model_path {model_path!r} is not a folder")
         named: dict[str, torch.Tensor] = {}
         for f in _safetensors_files(path):
-            named.update(load_file(str(f), device="cpu"))
+            try:
+                named.update(load_file(str(f), device="cpu"))
+            except (SafetensorError, OSError) as exc:  # empty, truncated or not safetensors at all
+                raise WeightError(f"{f}: not a readable safetensors file ({exc}); no weight was changed") from None
         missing = set(self.params) - set(named)
         if getattr(self.model.config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")
@@ -182,6 +186,10 @@ class Weights:
         starts = [0]
         for dt, shape in zip(dts, shapes):
             starts.append(starts[-1] + math.prod(shape) * dt.itemsize)
+        limit = 8 * sum(p.numel() for p in self._distinct[0])  # the whole model in float64
+        if starts[-1] > limit:
+            raise WeightError(f"shapes: {starts[-1]} bytes declared, more than the whole model holds even in float64 "
+                              f"({limit}); nothing was received")
         buffers = ([torch.empty(starts[-1], dtype=torch.uint8, device=device)] if flattened else
                    [torch.empty(tuple(shape), dtype=dt, device=device) for dt, shape in zip(dts, shapes)])
         arrived = 0

@@ -11,7 +11,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from slime_lite import __version__
 from slime_lite.errors import DumpError, SlimeLiteError
@@ -218,17 +218,17 @@ def check_replay_samples(dump: RolloutDump, vocab_size: int, reward_key: str | N
     check_rewards(dump.samples, reward_key, f"rollout dump {dump.path}", strict=True)
 
 
-def check_replay_meta(dump: RolloutDump, expected: dict[str, Any]) -> None:
-    """Stop a replay whose dump was made with other settings; slime's dumps (no meta) are accepted."""
-    if not dump.meta:
-        return
-    for key, flag in REPLAY_CHECKS:
-        want, have = expected.get(key), dump.meta.get(key)
-        if want is not None and have is not None and want != have:
-            raise DumpError(
-                f"rollout dump {dump.path} was made with {key}={have!r} but this run has {flag} = {want!r}. "
-                f"Replay with the dump's setting ({have!r}) or re-create the dump."
-            )
+def check_replay_meta(dump: RolloutDump, expected: dict[str, Any], more: Iterable[str] = ()) -> None:
+    """Stop a replay whose dump was made with other settings, naming every one at once (and the ``more`` problems
+    the caller found); slime's dumps (no meta) are checked for ``more`` only."""
+    problems = [f"{key}={have!r} in the dump, {flag} = {want!r} in this run"
+                for key, flag in REPLAY_CHECKS
+                for want, have in [(expected.get(key), (dump.meta or {}).get(key))]
+                if want is not None and have is not None and want != have]
+    problems += list(more)
+    if problems:
+        raise DumpError(f"rollout dump {dump.path} does not fit this run ({len(problems)} setting(s)): "
+                        + "; ".join(problems) + ". Replay with the dump's settings or re-create the dump.")
 
 
 def subsample_groups(samples: list[Sample], ratio: float, group_size: int) -> list[Sample]:

@@ -22,6 +22,7 @@ from slime_lite.determinism import set_deterministic
 from slime_lite.engine_client import normalize_url, request_json
 from slime_lite.metrics import process_memory
 from slime_lite.placement import bundle_options
+from slime_lite.profiling import trace_dir
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,11 @@ log = logging.getLogger(__name__)
 class EngineActor:
     """Hosts one engine; ``start()`` returns its base URL."""
 
-    def __init__(self, args: Any, rank: int) -> None:
+    def __init__(self, args: Any, rank: int, profile_dir: str) -> None:
         self.args = args  # SGLang servers read the placement from it
         self.config = EngineConfig.from_args(args)
         self.rank = rank
+        self.profile_dir = profile_dir  # absolute, made by the driver: the folder its /start_profile names
         self.server = None
 
     def start(self) -> str:
@@ -58,6 +60,7 @@ class EngineActor:
                 cuda_graph=False if c.engine_disable_cuda_graph else None,
                 enable_torch_compile=c.engine_enable_torch_compile,
                 disable_radix_cache=self.args.deterministic_mode,  # a cache hit depends on timing
+                profile_dir=self.profile_dir,
             )
         url = self.server.start()
         log.info("engine %d ready at %s", self.rank, url)
@@ -121,7 +124,8 @@ def engine_actor(args: Any, pg: Any, bundle: int, rank: int) -> Any:
 
 
     share = 0.2 if args.colocate else 1.0
-    return ray.remote(EngineActor).options(**bundle_options(pg, bundle, share), name=None).remote(args, rank)
+    return ray.remote(EngineActor).options(**bundle_options(pg, bundle, share), name=None).remote(
+        args, rank, os.path.abspath(trace_dir(args)))
 
 
 def restart_engine(args: Any, pg: Any, bundles: list[int], old: Any, rank: int) -> tuple[Any, str]:

@@ -40,7 +40,7 @@ def test_crafted_checkpoint_is_refused_and_its_payload_never_runs(tmp_path: Path
     assert marker.exists()
 
 
-def test_saved_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> None:
+def test_saved_state_round_trips_through_a_weights_only_load(tmp_path: Path, caplog) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters(), lr=0.1, betas=(0.8, 0.9))
@@ -58,8 +58,11 @@ def test_saved_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> 
         checkpoint.check_loadable(str(root))
     model2 = torch.nn.Linear(3, 2)
     opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
-    out = checkpoint.load(_actor(model2, opt2), str(root))
+    with caplog.at_level("INFO", logger=checkpoint.__name__):
+        out = checkpoint.load(_actor(model2, opt2), str(root))
     assert out == {"next_rollout_id": 5, "data_state": {"source": {"epoch": 1, "offset": 3}}}
+    assert f"resumed the actor from checkpoint {root / 'iter_0000000'} (iteration 0); training goes on at " \
+           "rollout 5" in caplog.text
     assert torch.equal(model2.weight, model.weight)
     assert opt2.state_dict()["param_groups"][0]["betas"] == (0.8, 0.9)
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
@@ -79,3 +82,23 @@ def test_latest_must_name_an_iteration_folder(tmp_path: Path) -> None:
     (tmp_path / "latest").write_text("../../etc")
     with pytest.raises(SlimeLiteError, match=r"latest names '\.\./\.\./etc', not an iteration folder"):
         checkpoint.latest(str(tmp_path))
+
+
+def test_a_failed_save_leaves_no_folder_behind(tmp_path: Path, monkeypatch) -> None:
+    """A full disk while writing a rank file: the error says so, and neither iter_* nor .tmp-iter_* is left."""
+    import errno
+
+    model = torch.nn.Linear(3, 2)
+    actor = _actor(model, torch.optim.Adam(model.parameters()))
+    actor.hf_weights = lambda: None
+    monkeypatch.setattr(checkpoint.dist, "barrier", lambda: None)  # one rank, no process group
+
+    def full(obj, path):
+        with open(path, "wb") as f:  # part of the file written, then the disk is full
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "atomic_torch_save", full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save(actor, str(tmp_path / "ckpt"), 3, None)
+    assert list((tmp_path / "ckpt").iterdir()) == []

@@ -239,7 +239,8 @@ def test_deterministic_mode_turns_the_prefix_cache_off(tiny_model_dir, monkeypat
 
     monkeypatch.setattr(server, "EngineServer", Recorder)
     for flag in (True, False):
-        EngineActor(parser_defaults(hf_checkpoint=str(tiny_model_dir), deterministic_mode=flag), 0).start()
+        EngineActor(parser_defaults(hf_checkpoint=str(tiny_model_dir), deterministic_mode=flag), 0, "/tmp/p").start()
     assert [kw["disable_radix_cache"] for kw in made] == [True, False]
+    assert {kw["profile_dir"] for kw in made} == {"/tmp/p"}
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert Scheduler(str(tiny_model_dir), device="cpu", max_running_requests=2).prefix.enabled

@@ -178,3 +178,49 @@ def test_an_index_inside_the_folder_still_loads(engine, sharded_copy, tiny_model
     status, out = http(engine.url, "/update_weights_from_disk", {"model_path": str(folder)})
     assert status == 200 and out["success"] is True, out
     assert http(engine.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir)})[0] == 200
+
+
+@pytest.mark.parametrize("content", [b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{junk}}}", b"\xff" * 100],
+                         ids=["zero-byte", "junk-header", "random"])
+def test_a_junk_safetensors_file_is_a_400_naming_it(engine, sharded_copy, content):
+    folder, name, _ = sharded_copy
+    (folder / name).write_bytes(content)
+    before = http(engine.url, "/get_weights_checksum", {"names": NAMES})[1]
+    status, out = http(engine.url, "/update_weights_from_disk", {"model_path": str(folder)})
+    assert status == 400 and f"{folder / name}: not a readable safetensors file" in _message(out), out
+    assert http(engine.url, "/get_weights_checksum", {"names": NAMES})[1] == before
+
+
+@pytest.fixture(scope="module")
+def profiled_engine(tiny_model_dir, tmp_path_factory):
+    from engine_helpers import start_engine
+
+    folder = tmp_path_factory.mktemp("profiles")
+    server = start_engine(tiny_model_dir, max_running_requests=2, profile_dir=str(folder / "traces"))
+    yield server, folder
+    server.stop()
+
+
+def test_profiles_are_written_only_under_the_profile_dir(profiled_engine):
+    """/start_profile writes under the server's --profile-dir only: an output_dir outside it (absolute, '..', a
+    symlink out) or one that cannot be made is a 400 naming it, with nothing created; inside, the trace is written."""
+    server, folder = profiled_engine
+    root = folder / "traces"
+    (folder / "elsewhere").mkdir()
+    root.mkdir(exist_ok=True)
+    (root / "out").symlink_to(folder / "elsewhere")
+    (root / "a_file").write_text("x")
+    for output_dir, said in ((str(folder / "elsewhere" / "new"), "outside this server's profile folder"),
+                             ("../new", "outside this server's profile folder"),
+                             ("out/new", "outside this server's profile folder"),
+                             ("/proc/nope/x", "outside this server's profile folder"),
+                             ("a_file/sub", "cannot create"), ("x\x00y", "not a usable path")):
+        status, out = http(server.url, "/start_profile", {"output_dir": output_dir})
+        assert status == 400 and repr(output_dir) in _message(out) and said in _message(out), (output_dir, out)
+    assert not (folder / "new").exists() and not list((folder / "elsewhere").iterdir())
+    assert http(server.url, "/stop_profile", {})[0] == 400  # none started
+    for output_dir in ("run1", str(root / "run2"), ""):
+        assert http(server.url, "/start_profile", {"output_dir": output_dir, "profile_prefix": "p"})[0] == 200
+        status, text = http(server.url, "/stop_profile", {})
+        assert status == 200 and "Trace written to" in text, text
+        assert list((root / output_dir).glob("p-*.trace.json")), output_dir

@@ -1,6 +1,8 @@
 """A bounded fuzz of every route of the embedded engine (fixed seed, a few hundred generated bodies, 127.0.0.1 only):
 no answer is a 5xx, the server stays healthy, and a well-formed request decoding meanwhile gives exactly what it
-gives without the fuzz traffic."""
+gives without the fuzz traffic. Then every field of every template in turn gets each numeric type and text that is
+not valid Unicode, weight uploads get junk files, /start_profile gets paths it may not write, and token ids outside
+the vocabulary in every field that takes ids are a 400."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from engine_helpers import generate, http, start_engine
 
 NAN, INF = float("nan"), float("inf")
 NASTY = [None, True, False, 0, 1, -1, 3, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30, 1.5, -0.0, 1e308, NAN, INF, -INF,
-         "", "x", "1", "nan", "\u0000", "\U0001f4a5" * 3, "a" * 5000, [], [1], [-1], [[1, 2]], [None], ["a"], [[]],
+         "", "x", "1", "nan", "\u0000", "\U0001f4a5" * 3, "a" * 5000, "\ud800", "a\udfffb", ["\udc00"], [], [1], [-1], [[1, 2]], [None], ["a"], [[]],
          {}, {"a": 1}, {"n": 2}, [[[[[]]]]]]
 RAW = [b"", b"{", b"[1]", b"null", b"NaN", b'"x"', b"\xff\xfe\x00", b"[" * 100_000 + b"]" * 100_000,
        b'{"input_ids": [1], "input_ids": "x"}', b'{"text": "a"' + b" " * 10_000 + b"}"]
@@ -54,7 +56,26 @@ CONTROL = {
     ("POST", "/destroy_weights_update_group"): {"group_name": "g"},
     ("POST", "/release_memory_occupation"): {"tags": ["kv_cache"]}, ("POST", "/resume_memory_occupation"): {},
     ("POST", "/abort_request"): {"abort_all": True},
+    ("POST", "/start_profile"): {"output_dir": "fz", "profile_prefix": "fz", "record_shapes": False},
+    ("POST", "/stop_profile"): {},
+    ("POST", "/begin_weight_update"): {}, ("POST", "/end_weight_update"): {},
 }
+TYPES = [1.0, 1.5, True, -1, 2**64, "1", "\ud800", None, []]  # each field of each template gets each one
+VOCAB = 128  # the tiny model's vocabulary
+IDS = [  # (route, body, the field the 400 names) with a token id outside the vocabulary
+    ("/generate", {"input_ids": [1, VOCAB]}, "input_ids"), ("/generate", {"input_ids": [[1], [-1]]}, "input_ids[1]"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [VOCAB]}}, "stop_token_ids"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"logit_bias": {str(VOCAB): 1.0}}}, "logit_bias"),
+    ("/generate", {"input_ids": [1], "return_logprob": True, "token_ids_logprob": [VOCAB]}, "token_ids_logprob"),
+    ("/v1/completions", {"prompt": [1, 10**6], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [[1], [VOCAB]]}, "prompt[1]"),
+    ("/v1/completions", {"prompt": "ab", "stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "ab", "logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [VOCAB]},
+     "stop_token_ids"),
+    ("/detokenize", {"tokens": [VOCAB]}, "tokens"), ("/detokenize", {"tokens": [[1], [VOCAB]]}, "tokens[1]"),
+]
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")  # fuzzed five times as often as the others
 WITNESS = {"input_ids": [9, 8, 7], "rid": "fuzz-witness", "return_logprob": True,
            "sampling_params": {"max_new_tokens": 24, "temperature": 0.8, "sampling_seed": 1234, "ignore_eos": True}}
@@ -83,7 +104,7 @@ def mutate(rng: random.Random, body: dict) -> dict:
 
 def send(url: str, method: str, route: str, body: dict | None = None, raw: bytes | None = None) -> tuple[int, bytes]:
     if method == "GET" and body:
-        route += "?" + urllib.parse.urlencode({k: str(v) for k, v in body.items()})
+        route += "?" + urllib.parse.urlencode({k: str(v) for k, v in body.items()}, errors="surrogatepass")
         body = None
     data = raw if raw is not None else (None if method == "GET" else json.dumps(body).encode())
     req = urllib.request.Request(url + route, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -112,11 +133,39 @@ def fuzz(url: str, routes: dict, rng: random.Random, cases: int) -> list[tuple]:
 
 
 @pytest.fixture
-def own_engine(tiny_model_dir):
-    """An engine of this test's own: the fuzz changes its weight version, pauses and resumes it."""
-    server = start_engine(tiny_model_dir, max_running_requests=8)
+def own_engine(tiny_model_dir, tmp_path):
+    """An engine of this test's own: the fuzz changes its weight version, pauses and resumes it, and profiles it."""
+    server = start_engine(tiny_model_dir, max_running_requests=8, profile_dir=str(tmp_path / "profiles"))
     yield server
     server.stop()
+
+
+def every_field(routes: dict) -> list[tuple[str, str, dict]]:
+    """(method, route, body) for each field of each template (top level and sampling_params) set to each TYPES."""
+    out = []
+    for (method, route), body in sorted(routes.items()):
+        for key in sorted(body):
+            for value in TYPES:
+                out.append((method, route, {**body, key: value}))
+        if isinstance(body.get("sampling_params"), dict):
+            for key in sorted(body["sampling_params"]):
+                for value in TYPES:
+                    out.append((method, route, {**body, "sampling_params": {**body["sampling_params"], key: value}}))
+    return out
+
+
+def junk_weight_folders(root) -> list[str]:
+    """Folders whose safetensors file is not one: empty, a junk header, random bytes, a folder by that name."""
+    out = []
+    for i, content in enumerate((b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{junk}}}", bytes(range(256)) * 4, None)):
+        folder = root / f"junk{i}"
+        folder.mkdir()
+        if content is None:
+            (folder / "model.safetensors").mkdir()
+        else:
+            (folder / "model.safetensors").write_bytes(content)
+        out.append(str(folder))
+    return out
 
 
 def test_fuzzed_requests_get_2xx_or_4xx_and_leave_a_concurrent_request_exact(own_engine):
@@ -148,3 +197,25 @@ def test_fuzzed_requests_get_2xx_or_4xx_and_leave_a_concurrent_request_exact(own
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
     assert http(url, "/health")[0] == 200 and http(url, "/health_generate")[0] == 200
     assert generate(url, **WITNESS)["output_ids"] == alone["output_ids"]
+
+
+def test_every_field_type_bad_text_junk_files_and_profile_paths_get_no_5xx(own_engine, tmp_path):
+    url = own_engine.url
+    failures = []
+    cases = every_field(SHARED) + every_field(CONTROL)
+    cases += [("POST", "/update_weights_from_disk", {"model_path": p}) for p in junk_weight_folders(tmp_path)]
+    cases += [("POST", "/start_profile", {"output_dir": p}) for p in ("/etc", "../up", "x\x00y", "a" * 5000, "ok")]
+    cases += [("POST", "/stop_profile", {}), ("POST", "/stop_profile", {})]
+    cases += [("POST", r, {"text": "a\udfffb", "prompt": "\ud800", "messages": [{"role": "user", "content": "\ud800"}]})
+              for r in ("/generate", "/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/tokenize")]
+    for method, route, body in cases:
+        status, answer = send(url, method, route, body)
+        if status >= 500:
+            failures.append((method, route, body, status, answer[:300]))
+    for route in ("/continue_generation", "/resume_memory_occupation"):
+        assert http(url, route, {})[0] == 200
+    assert not failures, f"{len(failures)} of {len(cases)}:\n" + "\n".join(map(str, failures[:10]))
+    wrong_ids = [(route, body, out) for route, body, field in IDS
+                 for status, out in [http(url, route, body)] if status != 400 or field not in str(out)]
+    assert not wrong_ids, "\n".join(map(str, wrong_ids))
+    assert generate(url, **WITNESS)["meta_info"]["finish_reason"]["type"] == "length"

@@ -38,6 +38,7 @@ BAD_GENERATE = [  # (body, the field the error names)
     ({"input_ids": [1, 2], "sampling_params": {"stop": ""}}, "stop"),
     ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [-1]}}, "stop_token_ids"),
     ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": 5}}, "stop_token_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [128]}}, "stop_token_ids"),  # past the vocabulary
     ({"input_ids": [1, 2], "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos"),
     ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": NAN}}, "frequency_penalty"),
     ({"input_ids": [1, 2], "sampling_params": "greedy"}, "sampling_params"),
@@ -89,8 +90,9 @@ def test_bad_values_on_other_routes_answer_400_naming_the_field(engine, route, b
 
 
 def test_values_at_the_limits_are_still_accepted(engine):
-    sp = {"max_new_tokens": 4.0, "temperature": 0, "top_p": 1, "top_k": 2**63 - 1, "min_p": 0,
-          "sampling_seed": 2**64 - 1, "n": 2, "stop_token_ids": [2**63 - 1], "ignore_eos": 1}
+    sp = {"max_new_tokens": 4, "temperature": 0, "top_p": 1, "top_k": 2**63 - 1, "min_p": 0,
+          "sampling_seed": 2**64 - 1, "n": 2, "stop_token_ids": [engine.scheduler.lm.vocab_size - 1],
+          "ignore_eos": True}
     outs = generate(engine.url, input_ids=[1, 2], sampling_params=sp, return_logprob=None, stream=None)
     assert [len(o["output_ids"]) for o in outs] == [4, 4]
     assert generate(engine.url, input_ids=[1] * 500, sampling_params={"max_new_tokens": 11})  # 511 < 512
@@ -171,3 +173,66 @@ def test_a_big_batch_takes_turns_with_a_later_small_request(tiny_model_dir):
         assert [len(o["output_ids"]) for o in big["result"]] == [60] * 12
     finally:
         server.stop()
+
+
+# (field path, value) pairs of /generate whose JSON type SGLang's generate contract decides: ours must agree
+TYPE_CASES = [(("sampling_params", k), v) for k, vs in {
+    "max_new_tokens": [2, 2.0, True], "min_new_tokens": [1, 1.0], "top_k": [2, 2.0, True], "temperature": [1, True],
+    "sampling_seed": [1, 1.0, True], "n": [1, 1.0, True], "ignore_eos": [True, 1, 0], "skip_special_tokens": [False, 1],
+    "no_stop_trim": [True, 1], "stop_token_ids": [[1], [1.0], [True]], "logit_bias": [{"1": 1}, {"1": True}]}.items()
+    for v in vs] + [((k,), v) for k, vs in {
+    "rid": ["a", 5, ["a"]], "return_logprob": [True, 1], "logprob_start_len": [-1, -1.0, True],
+    "top_logprobs_num": [1, 1.0], "token_ids_logprob": [[1], [1.0]], "return_text_in_logprobs": [True, 1],
+    "stream": [False, 0], "input_ids": [[1.0], [True]]}.items() for v in vs]
+
+
+@pytest.mark.parametrize("path,value", TYPE_CASES, ids=[f"{'.'.join(p)}={v!r}" for p, v in TYPE_CASES])
+def test_generate_field_types_are_what_sglang_accepts(engine, path, value):
+    """SGLang's own /generate check (tests/sglang_oracle.py) and the engine agree on each JSON type: a 2.0 where an
+    integer goes, a 0/1 where a boolean goes, a number as rid are refused by both (naming the field), the rest pass."""
+    from tests import sglang_oracle as oracle
+
+    oracle.require_sglang()
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    if path[-1] in ("rid", "return_logprob") and isinstance(value, list):
+        body["input_ids"] = [[1, 2]]
+    try:
+        oracle.validate_generate(json.loads(json.dumps(body)))
+        sglang_ok = True
+    except Exception:  # noqa: BLE001 - SGLang's refusal, of whichever kind
+        sglang_ok = False
+    status, out = http(engine.url, "/generate", body)
+    assert (status == 200) == sglang_ok, (body, sglang_ok, out)
+    if not sglang_ok:
+        assert status == 400 and path[-1] in out["error"]["message"], out
+
+
+def test_openai_and_control_fields_take_sglangs_types(engine):
+    """OpenAI's model is a string and a bad prompt is named as prompt (SGLang's CompletionRequest refuses both; its
+    pydantic reading takes n: 1.0 and skip_special_tokens: 1, as here); rid is a string on /generate as on
+    /abort_request; weight versions are strings; /end_weight_update without a begin is a 400."""
+    from tests import sglang_oracle as oracle
+
+    url = engine.url
+    for route, body, field in (
+            ("/v1/completions", {"model": 5, "prompt": "ab"}, "model"),
+            ("/v1/chat/completions", {"model": 5, "messages": [{"role": "user", "content": "hi"}]}, "model"),
+            ("/v1/completions", {"prompt": 5}, "prompt"), ("/v1/completions", {"prompt": [[1], ["x"]]}, "prompt[1]"),
+            ("/generate", {"input_ids": [1], "rid": 5}, "rid"), ("/abort_request", {"rid": 5}, "rid"),
+            ("/update_weight_version", {"new_version": 5}, "new_version"),
+            ("/update_weights_from_disk", {"model_path": "/x", "weight_version": 5}, "weight_version"),
+            ("/end_weight_update", {}, "begin_weight_update")):
+        status, out = http(url, route, body)
+        assert status == 400 and field in json.dumps(out), (route, body, out)
+    lax = {"model": "m", "prompt": "ab", "max_tokens": 2, "n": 1.0, "skip_special_tokens": 1}
+    assert http(url, "/v1/completions", lax)[0] == 200
+    if oracle.sglang_available():
+        proto = oracle.openai_protocol()
+        proto.CompletionRequest.model_validate(lax)
+        for bad in ({"model": 5, "prompt": "ab"}, {"model": "m", "prompt": 5}):
+            with pytest.raises(Exception, match="validation error"):
+                proto.CompletionRequest.model_validate(bad)

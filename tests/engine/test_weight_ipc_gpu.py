@@ -77,3 +77,34 @@ def test_colocated_push_by_cuda_ipc(gpu_engine, tiny_model_dir, monkeypatch):
     ref = hf_logprobs(model, PROMPT, out["output_ids"], 0.8)
     assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-3  # GPU vs CPU float32 kernels
     assert out["meta_info"]["weight_version"] == "3"
+
+
+class _ForgedView:
+    """A CUDA IPC handle of a real 32-byte tensor, with a view of 128 elements: past the storage it declares."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        from torch.multiprocessing import reductions
+
+        from slime_lite.weight_wire import device_uuid
+
+        self.fn, args = reductions.reduce_tensor(tensor)
+        self.args = (args[0], torch.Size([128]), *args[2:6], device_uuid(args[6]), *args[7:])
+
+    def __reduce__(self):  # noqa: ANN204
+        return self.fn, self.args
+
+
+def test_cuda_ipc_view_past_its_storage_is_refused(gpu_engine):
+    """The caching allocator's block holds more than the tensor: a view past the declared storage would read the
+    sender's other memory. It is a 400 naming the parameter, and the engine's weights stay as they were."""
+    from slime_lite import weight_wire
+
+    url, name = gpu_engine, "model.norm.weight"
+    before = http(url, "/get_weights_checksum", {})[1]
+    small = torch.full((8,), 7.0, device="cuda")
+    spare = torch.full((1024,), 9.0, device="cuda")  # likely next to it in the same block
+    status, out = http(url, "/update_weights_from_tensor",
+                       {"serialized_named_tensors": [weight_wire.serialize([(name, _ForgedView(small))])]})
+    assert status == 400 and f"'{name}'" in out["message"] and "but its storage holds 8" in out["message"], out
+    assert http(url, "/get_weights_checksum", {})[1] == before
+    del spare

@@ -241,3 +241,22 @@ def test_weight_check_names_an_engine_that_is_gone(wire_engine, base_weights):
     for urls in ([wire_engine.url, gone], [gone, wire_engine.url]):
         with pytest.raises(EngineError, match=rf"engine {gone}/get_weights_checksum did not answer"):
             check_weights_equal(base_weights, urls)
+
+
+def test_a_dead_engine_is_named_by_rank_and_url_at_the_push(wire_engine, base_weights):
+    """An engine whose server is gone (nothing listens at its URL): the push says engine 1 died, naming its URL,
+    not "connection refused" on /begin_weight_update; the live engine is left without an open session."""
+    from slime_lite.backends.megatron import weight_push
+    from slime_lite.errors import EngineError
+    from slime_lite.io import free_port
+
+    gone = f"http://127.0.0.1:{free_port()}"
+    args = SimpleNamespace(update_weight_transport="tensor", colocate=False, rollout_backend="embedded",
+                           rollout_num_gpus_per_engine=1, update_weight_buffer_size=64 << 10,
+                           debug_scramble_engine_weights=False, debug_inject_fault=None,
+                           check_weight_update_equal=False)
+    with pytest.raises(EngineError, match=rf"engine 1 \({gone}\) died: nothing listens at its address any more; "
+                                          r"the weight push could not reach it \(/begin_weight_update\)"):
+        weight_push.push(args, dict(base_weights), [wire_engine.url, gone], 9)
+    assert http(wire_engine.url, "/begin_weight_update", {})[0] == 200  # no session was left open
+    assert http(wire_engine.url, "/end_weight_update", {})[0] == 200

@@ -136,6 +136,10 @@ def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
     t.join(30)
     assert box["result"][0] == 200 and box["result"][1]["success"] is True
     assert_serves(url, new_model, "v7")
+    huge = {**body, "names": ["x"], "dtypes": ["float32"], "shapes": [[1 << 31, 1 << 20]], "weight_version": "v8"}
+    status, out = http(url, "/update_weights_from_distributed", huge)  # refused before any buffer is allocated
+    assert status == 400 and "more than the whole model holds" in out["message"], out
+    assert_serves(url, new_model, "v7", cached=len(PROMPT) - 1)  # nothing changed: version, cache
     assert http(url, "/destroy_weights_update_group", {"group_name": "wu"})[1]["success"] is True
     trainer.destroy()
     status, out = http(url, "/update_weights_from_distributed", {**body, "names": body["names"][:1],

@@ -1,13 +1,16 @@
 """Checkpoints: per-rank Megatron state (model, optimizer, RNG) plus an HF export of the actor, written atomically.
 
 Layout: ``SAVE/iter_0000007/rank_000.pt`` (+ ``hf/`` for the actor) and ``SAVE/latest`` naming the newest complete
-iteration. A crash mid-save leaves only a ``.tmp-*`` folder: ``latest`` still names the previous good checkpoint.
+iteration. A save is written into a ``.tmp-*`` folder and renamed into place when complete: a save that fails
+(a full disk) removes it, and a process killed mid-save leaves only that folder (the next save replaces it), so
+``latest`` always names a good checkpoint. A resume logs the checkpoint and iteration it loaded.
 Everything saved is plain data (tensors, dicts, lists, tuples, numbers, strings), and loading uses
 ``weights_only=True``: a crafted checkpoint is refused and nothing in it runs.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -18,6 +21,8 @@ import torch.distributed as dist
 
 from slime_lite.errors import SlimeLiteError
 from slime_lite.io import atomic_torch_save, atomic_write_text, load_plain, no_space_error, write_hf_folder
+
+logger = logging.getLogger(__name__)
 
 _PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
 
@@ -71,13 +76,17 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         "data_state": data_state,
         "layout": {"world": actor.world_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size},
     }
-    atomic_torch_save(plain_state(state), os.path.join(tmp, f"rank_{actor.rank:03d}.pt"))
-    named = actor.hf_weights() if actor.role == "actor" else None
-    if actor.rank == 0 and named is not None:
-        try:
-            write_hf_folder(named, a.hf_checkpoint, os.path.join(tmp, "hf"))
-        except OSError as exc:  # the folder is renamed into place only when complete
-            raise (no_space_error(exc, os.path.join(final, "hf")) or exc) from None
+    try:
+        atomic_torch_save(plain_state(state), os.path.join(tmp, f"rank_{actor.rank:03d}.pt"))
+        named = actor.hf_weights() if actor.role == "actor" else None
+        if actor.rank == 0 and named is not None:
+            try:
+                write_hf_folder(named, a.hf_checkpoint, os.path.join(tmp, "hf"))
+            except OSError as exc:  # the folder is renamed into place only when complete
+                raise (no_space_error(exc, os.path.join(final, "hf")) or exc) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
+        raise
     dist.barrier()
     if actor.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -140,4 +149,7 @@ def load(actor: Any, root: str) -> dict[str, Any]:
     torch.set_rng_state(state["rng"]["cpu"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    if actor.rank == 0:
+        logger.info("resumed the %s from checkpoint %s (iteration %d); training goes on at rollout %d",
+                    actor.role or "actor", path, iteration(path), state["next_rollout_id"])
     return {"next_rollout_id": state["next_rollout_id"], "data_state": state["data_state"]}

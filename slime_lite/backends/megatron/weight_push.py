@@ -29,7 +29,7 @@ import torch
 from slime_lite.checks.faults import skips_weight_push
 from slime_lite.checks.weight_check import check_weights_equal
 from slime_lite.engine_client import on_all, request_json, sent_to_all
-from slime_lite.errors import EngineError, SlimeLiteError
+from slime_lite.errors import EngineError, EngineUnreachable, SlimeLiteError
 from slime_lite.io import free_port, write_hf_folder
 from slime_lite.weight_transport import WeightUpdateGroup, check_group_address
 from slime_lite.weight_wire import flatten_bucket, serialize
@@ -62,7 +62,25 @@ def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: in
     """Send ``named`` to every engine; with --check-weight-update-equal (or ``check``) compare against ``reference``
     (the trainer's true weights; ``named`` itself unless a fault was injected into what is sent). Returns the
     seconds of the transport and of the check (``perf/update_weights/{send,check}_time``)."""
-    reference = reference if reference is not None else named
+    try:
+        return _push(args, named, urls, version, reference if reference is not None else named, check)
+    except EngineUnreachable as exc:
+        raise dead_engine(exc, urls) from None
+
+
+def dead_engine(exc: EngineUnreachable, urls: list[str]) -> EngineError:
+    """The error for an engine that does not answer at all, naming it by rank and URL: refused means nothing
+    listens at its address any more (its server died), anything else that it stopped answering."""
+    rank = next((i for i, u in enumerate(urls) if u.rstrip("/") == exc.url.rstrip("/")), "?")
+    reason = getattr(exc.reason, "reason", exc.reason)  # urllib wraps the socket error
+    died = isinstance(reason, ConnectionRefusedError) or "Connection refused" in str(reason)
+    what = ("died: nothing listens at its address any more" if died else f"stopped answering ({reason})")
+    return EngineError(f"engine {rank} ({exc.url}) {what}; the weight push could not reach it ({exc.route}). "
+                       "Look for its error or kill above; --use-fault-tolerance restarts engines that die.")
+
+
+def _push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int,
+          reference: dict[str, torch.Tensor], check: bool) -> dict[str, float]:
     times: dict[str, float] = {}
     if args.debug_scramble_engine_weights:  # noise first: a parameter the push skips cannot look right by chance
         gen = torch.Generator().manual_seed(version)
@@ -118,8 +136,18 @@ def _begin(url: str) -> bool:
 def weight_update_session(urls: list[str]):
     """``/begin_weight_update`` on every engine, then ``/end_weight_update`` on those that opened one (also when the
     push fails, so the engine is not left in a session)."""
-    opened = [u for u, ok in zip(urls, on_all(urls, _begin)) if ok]
+    def begin(url: str) -> bool | EngineError:
+        try:
+            return _begin(url)
+        except EngineError as exc:
+            return exc
+
+    begun = on_all(urls, begin)
+    opened = [u for u, ok in zip(urls, begun) if ok is True]
     try:
+        failed = next((exc for exc in begun if isinstance(exc, EngineError)), None)
+        if failed is not None:  # one engine could not open one: the others' sessions are closed again
+            raise failed
         yield
     except BaseException:
         for u in opened:
