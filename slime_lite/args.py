@@ -157,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--custom-generate-function-path", default=None,
                    help="module.fn async generate(args, sample, sampling_params) -> Sample or a list of Samples "
                         "(one trajectory split into training samples sharing rollout_id), replacing the default")
+    g.add_argument("--max-turns", type=_positive_int, default=8,
+                   help="model turns per multi-turn sample (rollout.multi_turn helpers; default: %(default)s)")
+    g.add_argument("--max-inserted-tokens-per-turn", type=_positive_int, default=256,
+                   help="tokens of one tool or environment turn; longer output is cut (default: %(default)s)")
+    g.add_argument("--rollout-max-context-len", type=_positive_int, default=None,
+                   help="tokens of a multi-turn sample, prompt included; a sample that would overflow ends "
+                        "TRUNCATED (default: the model's max_position_embeddings)")
+    g.add_argument("--tool-call-timeout", type=float, default=30.0,
+                   help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
+                        "(default: %(default)s)")
     g.add_argument("--over-sampling-batch-size", type=_positive_int, default=None,
                    help="prompts per generation wave under dynamic sampling, >= --rollout-batch-size "
                         "(default: --rollout-batch-size)")
