@@ -20,7 +20,7 @@ from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.hooks import HookArgs, load_hook
 from slime_lite.logging_setup import setup_logging
 from slime_lite.metrics import process_memory
-from slime_lite.rollout import dumps, functions
+from slime_lite.rollout import drift, dumps, functions
 from slime_lite.rollout.data import PromptSource, read_prompts
 from slime_lite.rollout.generate import Generator
 from slime_lite.rollout.stats import eval_metrics, rollout_metrics
@@ -134,6 +134,7 @@ class RolloutManager:
                 log.exception("writing a debug dump failed too")
             raise
         metrics = rollout_metrics(samples, a.reward_key)
+        metrics.update(drift.rollout_metrics(samples, self.tokenizer))
         metrics.update(extra)
         served = [str(v) for s in samples for v in s.weight_versions[-1:]]
         if served:  # -1: the engine still serves what it loaded itself ("default"): no push ever reached it
