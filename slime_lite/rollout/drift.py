@@ -1,11 +1,11 @@
 """Token-level truth of multi-turn samples: are the training tokens the tokens the engine generated, and does the
 loss mask train exactly the model's tokens?
 
-- Drift: the sample's tokens against what re-tokenising its text would give: the prompt text and each turn's text,
-  piece by piece, and for chat samples (``metadata["messages"]``, the conversation as OpenAI messages) the
-  tokenizer's chat template re-rendered over the conversation. A difference means someone rebuilt tokens from text
-  (a hook that re-tokenised a turn, a hand-written template) and the tokens trained are not those generated or
-  those the template gives. Each drifting sample is reported with the first position that differs and the text
+- Drift: the sample's tokens against its text: the prompt and each inserted turn re-tokenised, each model turn
+  decoded (the engine's ids need not be the canonical tokenisation of their text, so they are not re-tokenised),
+  and for chat samples (``metadata["messages"]``, the conversation as OpenAI messages) the tokenizer's chat template
+  re-rendered over the conversation. A difference means someone rebuilt tokens from text (a hook that re-tokenised
+  a turn, a hand-written template) and the tokens trained are not those generated or those the template gives. Each drifting sample is reported with the first position that differs and the text
   around it on both sides.
 - Mask: model turns whose tokens are all masked (never trained), and tokens trained (mask 1) with no engine log-prob:
   inserted turns left trainable, or a sample without rollout log-probs.
@@ -27,7 +27,7 @@ EXAMPLES = 3
 AROUND = 12  # tokens of context shown each side of a difference
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
+def _first_difference(a: Any, b: Any) -> int | None:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), None if len(a) == len(b) else n)
 
@@ -46,40 +46,73 @@ def _where(sample: Sample, position: int) -> str:
     return "past the end"
 
 
-def _report(sample: Sample, tokenizer: Any, expected: list[int], position: int, kind: str,
-            compared: int | None = None) -> dict[str, Any]:
-    lo = max(0, position - AROUND)
-    hi = position + AROUND
-    got = list(sample.tokens)
-    if compared is not None:  # a prefix comparison: the trained tokens were compared up to here
-        got = got[:compared]
-    return {"sample": sample.index, "position": position, "response_position": position - sample.prompt_length,
-            "in": _where(sample, position), "check": kind,
-            "trained": tokenizer.decode(got[lo:hi]), "retokenized": tokenizer.decode(expected[lo:hi]),
-            "trained_id": got[position] if position < len(got) else None,
-            "retokenized_id": expected[position] if position < len(expected) else None}
+def _token_at_char(tokenizer: Any, tokens: list[int], char: int) -> int:
+    """The index of the token whose text holds character ``char`` of ``decode(tokens)``."""
+    lo, hi = 0, len(tokens)
+    while lo < hi:  # the smallest k with len(decode(tokens[:k + 1])) > char
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(tokens[:mid + 1])) > char:
+            hi = mid
+        else:
+            lo = mid + 1
+    return min(lo, max(len(tokens) - 1, 0))
+
+
+def _report(sample: Sample, position: int, check: str, trained: str, expected: str) -> dict[str, Any]:
+    return {"sample": sample.index, "position": position, "in": _where(sample, position), "check": check,
+            "trained": trained, "retokenized": expected}
+
+
+def _token_report(sample: Sample, tokenizer: Any, offset: int, got: list[int], want: list[int],
+                  check: str) -> dict[str, Any] | None:
+    p = _first_difference(got, want)
+    if p is None:
+        return None
+    lo, hi = max(0, p - AROUND), p + AROUND
+    return _report(sample, offset + p, check, tokenizer.decode(got[lo:hi]), tokenizer.decode(want[lo:hi]))
+
+
+def _text_report(sample: Sample, tokenizer: Any, offset: int, tokens: list[int], got: str, want: str,
+                 check: str, prefix: bool = False) -> dict[str, Any] | None:
+    if prefix:
+        got, want = got[:len(want)], want[:len(got)]
+    c = _first_difference(got, want)
+    if c is None:
+        return None
+    lo, hi = max(0, c - AROUND), c + AROUND
+    return _report(sample, offset + _token_at_char(tokenizer, tokens, c), check, got[lo:hi], want[lo:hi])
 
 
 def token_drift(sample: Sample, tokenizer: Any) -> dict[str, Any] | None:
-    """The first place where the sample's tokens differ from re-tokenising its text (or re-rendering its chat
-    conversation), as a report dict; None when they agree or there is no text to compare."""
+    """The first place where the sample's tokens differ from its text, as a report dict (None when they agree).
+
+    The prompt and inserted turns were tokenised from their text: their tokens must be what re-tokenising it gives.
+    A model turn's tokens are the engine's ids, which need not be the canonical tokenisation of their text: they
+    must decode to the turn's text. A chat sample (``metadata["messages"]``) must read as the tokenizer's chat
+    template over its conversation."""
+    start = sample.prompt_length
+    tokens = list(sample.tokens)
     prompt_text = sample.metadata.get("prompt_text")
-    recorded = turns(sample)
-    if prompt_text is not None and all(t.get("text") is not None for t in recorded):
-        expected = _encode(tokenizer, prompt_text)
-        for t in recorded:
-            expected += _encode(tokenizer, t["text"])
-        p = _first_difference(list(sample.tokens), expected)
-        if p is not None:
-            return _report(sample, tokenizer, expected, p, "re-tokenised text")
+    if prompt_text is not None:
+        r = _token_report(sample, tokenizer, 0, tokens[:start], _encode(tokenizer, prompt_text), "re-tokenised text")
+        if r is not None:
+            return r
+    for t in turns(sample):
+        if t.get("text") is None:
+            continue
+        lo = start + t["start"]
+        piece = tokens[lo:lo + t["length"]]
+        if t["source"] == "model":
+            r = _text_report(sample, tokenizer, lo, piece, tokenizer.decode(piece), t["text"], "decoded model turn")
+        else:
+            r = _token_report(sample, tokenizer, lo, piece, _encode(tokenizer, t["text"]), "re-tokenised text")
+        if r is not None:
+            return r
     messages = sample.metadata.get("messages")
     if messages:
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-        expected = _encode(tokenizer, rendered)
-        n = min(len(expected), len(sample.tokens))
-        p = _first_difference(list(sample.tokens[:n]), expected[:n])
-        if p is not None:
-            return _report(sample, tokenizer, expected, p, "re-rendered chat template", compared=n)
+        return _text_report(sample, tokenizer, 0, tokens, tokenizer.decode(tokens), rendered,
+                            "re-rendered chat template", prefix=True)
     return None
 
 
@@ -111,7 +144,7 @@ def rollout_metrics(samples: list[Sample], tokenizer: Any) -> dict[str, Any]:
         r = token_drift(s, tokenizer)
         if r is not None:
             drift.append(f"sample {r['sample']} token {r['position']} ({r['in']}, {r['check']}): trained "
-                         f"{r['trained']!r}, re-tokenised {r['retokenized']!r}")
+                         f"{r['trained']!r}, expected {r['retokenized']!r}")
         turns_masked, positions = mask_problems(s)
         n_masked += len(turns_masked)
         n_untrained += len(positions)
