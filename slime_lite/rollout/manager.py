@@ -125,7 +125,8 @@ class RolloutManager:
         try:
             if not a.load_debug_rollout_data:  # a replay's dumps were checked before Ray started
                 dumps.check_generated_samples(samples, self.vocab_size, f"rollout {rollout_id}")
-                functions.check_group_sizes(samples, a.n_samples_per_prompt, a.advantage_estimator)
+                if not a.debug_rollout_only:  # nothing compares groups without a trainer
+                    functions.check_group_sizes(samples, a.n_samples_per_prompt, a.advantage_estimator)
             dumps.check_rewards(samples, a.reward_key, f"rollout {rollout_id}", strict=False)
         except SlimeLiteError:
             try:
