@@ -87,6 +87,7 @@ async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
     logprobs = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
     append_turn(sample, ids, logprobs if len(logprobs) == len(ids) else None, text=out["text"])
     turn = sample.metadata["turns"][-1]
+    turn["sampling_params"] = params  # what send-to-engine resends this turn with
     turn["cached_tokens"] = int(meta.get("cached_tokens") or 0)
     turn["prompt_tokens"] = int(meta.get("prompt_tokens") or len(sample.tokens) - len(ids))
     sample.prefix_cache_info.add(meta)
