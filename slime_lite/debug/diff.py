@@ -138,6 +138,9 @@ def _run(argv: list[str] | None) -> int:
     summary.add_row("tokens differ", str(sum(d.first_token_diff is not None for d in diffs)))
     summary.add_row("responses differ", str(sum(d.response_differs for d in diffs)))
     summary.add_row("rewards differ", str(sum(d.reward is not None for d in diffs)))
+    masks = [d for d in diffs if d.logprob_note.startswith("loss_mask")]
+    summary.add_row("loss masks differ", Text(f"{len(masks)}" + (f" (first: sample {masks[0].position}, "
+                                                                  f"{masks[0].logprob_note})" if masks else "")))
     summary.add_row("status differs", str(sum(d.status is not None for d in diffs)))
     summary.add_row("rollout log-probs max |A-B|",
                     f"{max(lp_values):.3g} (atol {args.atol:g})" if lp_values else "not compared")
