@@ -18,6 +18,7 @@ from slime_lite import rl_math
 from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args
 from slime_lite.checks.faults import FAULTS
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, FrozenFlags, freeze
+from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 from slime_lite.profiling import PROFILE_TARGETS
 from slime_lite.rollout.rewards import RM_TYPES
 from slime_lite.slime_flags import add_args as add_slime_flags
@@ -147,8 +148,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings (default: the EOS token only)")
     g.add_argument("--rollout-seed", type=int, default=42,
                    help="seed of prompt shuffling and sampling; engine i gets seed + i (default: %(default)s)")
+    g.add_argument("--rollout-function-path", default=DEFAULT_ROLLOUT_FUNCTION,
+                   help="module.fn generate_rollout(args, rollout_id, data_source, evaluation=False) -> "
+                        "RolloutFnTrainOutput: the whole rollout of a step (default: %(default)s)")
+    g.add_argument("--eval-function-path", default=None,
+                   help="module.fn with the same signature, called with evaluation=True -> RolloutFnEvalOutput "
+                        "(default: --rollout-function-path)")
     g.add_argument("--custom-generate-function-path", default=None,
-                   help="module.fn async generate(args, sample, sampling_params) -> Sample, replacing the default")
+                   help="module.fn async generate(args, sample, sampling_params) -> Sample or a list of Samples "
+                        "(one trajectory split into training samples sharing rollout_id), replacing the default")
+    g.add_argument("--max-turns", type=_positive_int, default=8,
+                   help="model turns per multi-turn sample (rollout.multi_turn helpers; default: %(default)s)")
+    g.add_argument("--max-inserted-tokens-per-turn", type=_positive_int, default=256,
+                   help="tokens of one tool or environment turn; longer output is cut (default: %(default)s)")
+    g.add_argument("--rollout-max-context-len", type=_positive_int, default=None,
+                   help="tokens of a multi-turn sample, prompt included; a sample that would overflow ends "
+                        "TRUNCATED (default: the model's max_position_embeddings)")
+    g.add_argument("--tool-call-timeout", type=float, default=30.0,
+                   help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
+                        "(default: %(default)s)")
     g.add_argument("--over-sampling-batch-size", type=_positive_int, default=None,
                    help="prompts per generation wave under dynamic sampling, >= --rollout-batch-size "
                         "(default: --rollout-batch-size)")

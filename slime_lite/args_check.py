@@ -14,6 +14,7 @@ from slime_lite import rl_math
 from slime_lite.backends.megatron.train_dump import check_train_template
 from slime_lite.config import EngineConfig, TokenBudget
 from slime_lite.errors import SlimeLiteError
+from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template
 from slime_lite.slime_flags import check as check_slime_flags
@@ -139,7 +140,8 @@ def validate_args(args: argparse.Namespace) -> None:
             + ": slime-lite reads the reference model from a Hugging Face folder (config.json and weights). Point "
             "--ref-load at one, or drop it (the reference is then --hf-checkpoint).")
     if not args.debug_train_only:
-        if args.prompt_data is None and not args.custom_generate_function_path:
+        if (args.prompt_data is None and not args.custom_generate_function_path
+                and args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION):
             raise SlimeLiteError("--prompt-data is required to generate rollouts (a JSONL file of prompts).")
         _need_file(args.prompt_data, "--prompt-data")
         if args.rm_type is None and args.custom_rm_path is None:
@@ -182,7 +184,8 @@ def validate_args(args: argparse.Namespace) -> None:
             + ("combined with --engine-disable-cuda-graph. Drop one of them." if args.engine_disable_cuda_graph
                else "used with --rollout-device cpu. Drop it."))
     check_correction_args(args)
-    for flag in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
+    for flag in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path",
+                 "rollout_function_path", "eval_function_path"):
         value = getattr(args, flag)
         if value is not None and "." not in value:
             raise SlimeLiteError(f"--{flag.replace('_', '-')} {value!r}: expected a dotted path 'module.function'.")

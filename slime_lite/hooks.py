@@ -35,6 +35,43 @@ def load_function(path: str, flag: str) -> Callable[..., Any]:
     return fn
 
 
+DEFAULT_ROLLOUT_FUNCTION = "slime_lite.rollout.functions.generate_rollout"  # --rollout-function-path's default
+
+# what each hook flag calls its function with (slime's signatures): (shown, positional arguments, keywords)
+SIGNATURES = {
+    "--rollout-function-path": ("generate_rollout(args, rollout_id, data_source, evaluation=False)", 3,
+                                ("evaluation",)),
+    "--eval-function-path": ("generate_rollout(args, rollout_id, data_source, evaluation=False)", 3,
+                             ("evaluation",)),
+    "--custom-generate-function-path": ("async generate(args, sample, sampling_params) -> Sample or [Sample, ...]",
+                                        3, ()),
+    "--custom-rm-path": ("reward(args, sample) -> float or dict", 2, ()),
+    "--dynamic-sampling-filter-path": ("keep(args, samples) -> bool", 2, ()),
+}
+
+
+def load_hook(path: str, flag: str) -> Callable[..., Any]:
+    """``load_function``, then the function's signature against what ``flag`` calls it with: a SlimeLiteError
+    naming the flag, the module and the signature expected."""
+    fn = load_function(path, flag)
+    shown, positional, keywords = SIGNATURES[flag]
+    try:
+        sig = inspect.signature(fn)
+        sig.bind(*([None] * positional), **{k: None for k in keywords})
+    except (TypeError, ValueError) as exc:
+        raise SlimeLiteError(
+            f"{flag} {path!r}: {fn.__module__}.{getattr(fn, '__name__', path)}{_shown(fn)} cannot be called as "
+            f"{shown} ({exc}). Give it that signature.") from None
+    return fn
+
+
+def _shown(fn: Callable[..., Any]) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
 async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a hook that may be a plain function or a coroutine function."""
     result = fn(*args, **kwargs)

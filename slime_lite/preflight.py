@@ -15,16 +15,18 @@ from slime_lite.backends.megatron.train_dump import train_dump_path
 from slime_lite.checks.grad_norm import grad_norm_path
 from slime_lite.config import TokenBudget
 from slime_lite.errors import SlimeLiteError
+from slime_lite.hooks import SIGNATURES, load_hook
 from slime_lite.io import probe_folder
 from slime_lite.model_families import check_family
 from slime_lite.profiling import profile_targets, trace_dir
 from slime_lite.rollout.dumps import dump_path
-from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
+from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
 
 log = logging.getLogger("slime_lite.preflight")
 
 
 def preflight(args: Any) -> None:
+    check_hooks(args)
     check_model_family(args)
     check_outputs(args)
     check_profiling_device(args)
@@ -35,6 +37,17 @@ def preflight(args: Any) -> None:
         check_loadable(args.load)
     if args.load_debug_rollout_data:
         check_replay_dumps(args)
+
+
+def check_hooks(args: Any) -> None:
+    """Every ``--*-path`` hook the rollout will call imports and takes the arguments it is called with (else a
+    SlimeLiteError naming the flag, the module and the signature expected), before Ray starts."""
+    if args.debug_train_only or args.load_debug_rollout_data:
+        return
+    for flag in SIGNATURES:
+        path = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if path:
+            load_hook(path, flag)
 
 
 def check_model_family(args: Any) -> None:
@@ -185,10 +198,3 @@ def check_token_budget(args: Any, samples: list, path: str) -> None:
             log.info("rollout dump %s: %d sample(s) longer than %s (e.g. sample %d, %d tokens): each is a "
                      "micro-batch of its own", path, len(alone), budget.flags(log_probs), alone[0],
                      lengths[alone[0]])
-
-
-def model_vocab_size(hf_checkpoint: str) -> int | None:
-    """The embedding rows of the model (config.json's vocab_size): every token id must be below it."""
-    with open(os.path.join(hf_checkpoint, "config.json"), encoding="utf-8") as f:
-        value = json.load(f).get("vocab_size")
-    return value if isinstance(value, int) and value > 0 else None

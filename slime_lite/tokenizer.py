@@ -116,3 +116,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
         "bos": tokenizer.bos_token,
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_vocab_size(hf_checkpoint: str) -> int | None:
+    """The embedding rows of the model (config.json's vocab_size): every token id must be below it."""
+    with open(os.path.join(hf_checkpoint, "config.json"), encoding="utf-8") as f:
+        value = json.load(f).get("vocab_size")
+    return value if isinstance(value, int) and value > 0 else None

@@ -34,8 +34,23 @@ CAUSES = {
     "train_rollout_logprob_diff": (
         "the engine samples from other weights or another distribution than the trainer scores: weights never "
         "pushed or pushed with a wrong name/layer-id mapping (PP > 1), the engine in a lower precision than the "
-        "trainer, a temperature mismatch (--rollout-temperature vs the engine's sampling), or a chat template "
-        "that the engine and the trainer apply differently"
+        "trainer, a temperature mismatch (--rollout-temperature vs the engine's sampling), a chat template "
+        "that the engine and the trainer apply differently, or a loss mask that trains tokens the engine did not "
+        "generate (a generate hook's inserted tool or environment turns)"
+    ),
+    "token_drift": (
+        "the tokens trained are not the tokens the engine generated: a generate hook or agent re-tokenised a turn's "
+        "text, or built the conversation with its own template instead of the tokenizer's chat template (keep the "
+        "engine's output ids: rollout.turns.append_turn / rollout.multi_turn.model_turn)"
+    ),
+    "masked_model_turns": (
+        "model turns whose every token has loss mask 0 are never trained: the hook masked them (trainable=False, "
+        "a model turn appended without its log-probs, or a hand-built loss_mask)"
+    ),
+    "trained_tokens_without_engine_logprob": (
+        "the loss mask trains tokens the engine did not generate (inserted tool or environment turns with mask 1) "
+        "or tokens without rollout log-probs: give inserted turns loss mask 0 (append_turn(..., source='tool')) "
+        "and model turns the engine's log-probs"
     ),
     "grad_norm_finite": (
         "training configuration problem: reward scale, KL coefficient, learning rate or data concatenation; with "
@@ -109,15 +124,36 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_i
         version = record["rollout/weight_version"]
         checks.append(_check("weight_version_served", version, f"== {expected} (the weights pushed after "
                              f"{expected} trained rollouts)", version == expected, VERSION_CAUSE))
+    for name in TURN_CHECKS:  # multi-turn samples (rollout/drift.py): before the log-prob check, which they explain
+        key = "rollout/token_drift_samples" if name == "token_drift" else f"rollout/{name}"
+        if key in record:
+            value = record[key]
+            examples = "; ".join(record.get(f"rollout/{name}/examples") or [])
+            checks.append(_check(name, value, "== 0", value == 0, f"{CAUSES[name]}. Found: {examples}"))
     if "train/train_rollout_logprob_abs_diff" in record and expected == rollout_id:
         value = record["train/train_rollout_logprob_abs_diff"]
         bound, why = logprob_diff_threshold(cfg)
-        checks.append(_check("train_rollout_logprob_diff", value, f"< {bound:g} ({why})", value < bound))
+        checks.append(_check("train_rollout_logprob_diff", value, f"< {bound:g} ({why})", value < bound,
+                             logprob_cause(record)))
     if "train/first_step/grad_norm" in record:
         value = record["train/first_step/grad_norm"]
         bound = cfg.ci_grad_norm_threshold
         checks.append(_check("grad_norm_finite", value, f"finite, < {bound:g}", math.isfinite(value) and value < bound))
     return checks
+
+TURN_CHECKS = ("token_drift", "masked_model_turns", "trained_tokens_without_engine_logprob")
+
+
+def logprob_cause(record: dict[str, Any]) -> str:
+    """The train/rollout log-prob check's likely causes; first, when the loss mask trains tokens the engine did not
+    generate (their rollout log-probs are placeholders, so they always disagree), the mask and those tokens."""
+    if record.get("rollout/trained_tokens_without_engine_logprob"):
+        examples = "; ".join(record.get("rollout/trained_tokens_without_engine_logprob/examples") or [])
+        return (f"the loss mask: {record['rollout/trained_tokens_without_engine_logprob']:g} tokens the engine did "
+                f"not generate (inserted turns) are trained with placeholder log-probs ({examples}); give inserted "
+                f"turns loss mask 0. Otherwise: {CAUSES['train_rollout_logprob_diff']}")
+    return CAUSES["train_rollout_logprob_diff"]
+
 
 VERSION_CAUSE = ("the engine generated this rollout with older weights than the trainer last pushed: the push was "
                  "skipped or went to another engine (check the weight push; --check-weight-update-equal)")

@@ -1,4 +1,5 @@
-"""diff-rollouts: compare two dump files sample by sample (tokens, rewards, status, log-probs, text).
+"""diff-rollouts: compare two dump files sample by sample (tokens, rewards, status, log-probs, loss masks, text; a
+multi-turn sample's first difference is named by its turn).
 
     slime-lite diff-rollouts run1/rollout_0.pt run2/rollout_0.pt     # exit 0: identical, 1: they differ
 """
@@ -16,6 +17,7 @@ from slime_lite.debug import make_console
 from slime_lite.debug.replay_reward import rewards_equal
 from slime_lite.errors import run_main
 from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.rollout.turns import turns
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,12 +61,22 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _turn_of(sample: Any, position: int) -> str:
+    """'response' for a single-turn sample, else 'response, turn k (source)' of a response position."""
+    recorded = turns(sample)
+    if len(recorded) < 2:
+        return "response"
+    k, t = next(((k, t) for k, t in enumerate(recorded) if position < t["start"] + t["length"]),
+                (len(recorded) - 1, recorded[-1]))
+    return f"response, turn {k} ({t['source']})"
+
+
 def compare_samples(position: int, sa: Any, sb: Any, atol: float) -> SampleDiff:
     ta, tb = [int(t) for t in sa.tokens], [int(t) for t in sb.tokens]
     first = first_difference(ta, tb)
     detail = ""
     if first is not None:
-        side = "prompt" if first < min(sa.prompt_length, sb.prompt_length) else "response"
+        side = "prompt" if first < min(sa.prompt_length, sb.prompt_length) else _turn_of(sa, first - sa.prompt_length)
         va = ta[first] if first < len(ta) else "end"
         vb = tb[first] if first < len(tb) else "end"
         detail = f"token {first} ({side}): {va} vs {vb}"
@@ -78,6 +90,10 @@ def compare_samples(position: int, sa: Any, sb: Any, atol: float) -> SampleDiff:
             n = min(n, max(0, first - sa.prompt_length))  # after a token differs, log-probs are not comparable
         if n:
             lp_diff = max(abs(float(x) - float(y)) for x, y in zip(la[:n], lb[:n]))
+    ma, mb = sa.loss_mask, sb.loss_mask
+    if ma is not None and mb is not None and list(ma) != list(mb) and not note:
+        at = first_difference([int(x) for x in ma], [int(x) for x in mb])
+        note = f"loss_mask differs from response token {at} ({_turn_of(sa, at)})"
     reward = None if rewards_equal(sa.reward, sb.reward, atol) else (sa.reward, sb.reward)
     status = None if sa.status == sb.status else (sa.status.value, sb.status.value)
     return SampleDiff(position, sa.group_index, sa.index, first, detail, reward, status,
@@ -122,6 +138,9 @@ def _run(argv: list[str] | None) -> int:
     summary.add_row("tokens differ", str(sum(d.first_token_diff is not None for d in diffs)))
     summary.add_row("responses differ", str(sum(d.response_differs for d in diffs)))
     summary.add_row("rewards differ", str(sum(d.reward is not None for d in diffs)))
+    masks = [d for d in diffs if d.logprob_note.startswith("loss_mask")]
+    summary.add_row("loss masks differ", Text(f"{len(masks)}" + (f" (first: sample {masks[0].position}, "
+                                                                  f"{masks[0].logprob_note})" if masks else "")))
     summary.add_row("status differs", str(sum(d.status is not None for d in diffs)))
     summary.add_row("rollout log-probs max |A-B|",
                     f"{max(lp_values):.3g} (atol {args.atol:g})" if lp_values else "not compared")

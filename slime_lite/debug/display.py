@@ -55,7 +55,22 @@ def sample_table(sample: Any, position: int, full: bool) -> Any:
     ]
     for name, value in rows:
         table.add_row(name, _value(value))
+    for k, turn in enumerate(sample.metadata.get("turns") or []):  # a multi-turn sample: each turn apart
+        table.add_row(f"turn {k}", turn_text(sample, turn, limit))
     return table
+
+
+def turn_text(sample: Any, turn: dict[str, Any], limit: int) -> Text:
+    """One turn as 'source, tokens a..b, mask m: text': trained model turns in green, masked turns dimmed."""
+    mask = sample.loss_mask[turn["start"]:turn["start"] + turn["length"]] if sample.loss_mask is not None else []
+    masks = sorted(set(mask)) or ["-"]
+    head = (f"{turn['source']}, response tokens {turn['start']}..{turn['start'] + turn['length'] - 1}, "
+            f"loss mask {'/'.join(map(str, masks))}")
+    extra = ", ".join(f"{k} {turn[k]}" for k in ("cached_tokens", "prompt_tokens") if k in turn)
+    style = "green" if masks == [1] else ("dim" if masks == [0] else "yellow")
+    out = Text(head + (f" ({extra})" if extra else "") + ": ", style="bold " + style)
+    out.append(shorten(turn.get("text") or "", limit), style=style)
+    return out
 
 
 def dict_table(title: str, data: dict[str, Any]) -> Any:

@@ -351,7 +351,9 @@ def _refine(by: dict[str, Check], loc: dict[str, Any] | None, worst: list[dict[s
     tokens of a log-prob failure)."""
     weights_bad = not by["weights_equal_after_push"].passed
     lp = by["train_rollout_logprob_diff"]
-    if not lp.passed and lp.value is not None:
+    mask = by.get("trained_tokens_without_engine_logprob")
+    explained = mask is not None and not mask.passed  # the log-prob cause already names the mask and the tokens
+    if not lp.passed and lp.value is not None and not explained:
         evidence = [f"localised: {loc['summary']}"] if loc else []
         if not by["precision_match"].passed and "precision" not in " ".join(evidence):
             evidence.append(by["precision_match"].cause)

@@ -1,6 +1,7 @@
 """explain: one sample of a rollout token by token, the engine's view (rollout dump) next to the trainer's (train
 dump): token, rollout log-prob, train log-prob, their difference, ref log-prob, advantage, loss mask, entropy.
-Tokens whose log-probs differ by more than ``--threshold`` are highlighted, in the terminal and in the HTML page.
+Trained tokens whose log-probs differ by more than ``--threshold`` are highlighted, in the terminal and in the HTML
+page. A multi-turn sample is shown turn by turn (its number and source on every token, masked turns dimmed).
 
     slime-lite explain --rollout-dump out/data_3.pt --train-dump out/train_3_*.pt --sample 5 [--html s5.html]
 """
@@ -21,11 +22,12 @@ from slime_lite.debug import make_console
 from slime_lite.errors import DumpError, SlimeLiteError
 from slime_lite.io import atomic_write_text
 from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.rollout.turns import turns
 from slime_lite.tokenizer import load_tokenizer
 
 DEFAULT_THRESHOLD = 0.05  # the bf16 bound of --ci-logprob-diff-threshold: float32 runs sit far below it
 HOT = "#ff2a6d"  # the highlight colour of a token over the threshold (the browser test looks for it)
-COLUMNS = ("#", "token", "rollout lp", "train lp", "diff", "ref lp", "adv", "mask", "entropy")
+COLUMNS = ("#", "turn", "token", "rollout lp", "train lp", "diff", "ref lp", "adv", "mask", "entropy")
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Row:
     text: str
     values: dict[str, float | None]  # rollout, train, diff, ref, adv, mask, entropy
     hot: bool
+    turn: str = "0 model"  # the turn the token is in: its number and source (a single-turn sample: one turn)
 
 
 @dataclass
@@ -115,12 +118,18 @@ def join(rollout: Any, train: TrainDump, index: int, threshold: float, texts: An
                                                           ("mask", "loss_masks"), ("entropy", "entropy"))}
     ids = list(sample.tokens[len(sample.tokens) - n:])
     text = texts(ids) if texts is not None else [f"#{t}" for t in ids]
+    label = [""] * n
+    for t, turn in enumerate(turns(sample)):
+        for k in range(turn["start"], min(n, turn["start"] + turn["length"])):
+            label[k] = f"{t} {turn['source']}"
     rows = []
     for k in range(n):
         diff = train_lp[k] - rollout_lp[k] if rollout_lp is not None else None
         v = {"rollout": rollout_lp[k] if rollout_lp is not None else None, "train": train_lp[k], "diff": diff}
         v.update({name: c[k] if c is not None else None for name, c in cols.items()})
-        rows.append(Row(k, ids[k], text[k], v, diff is not None and not abs(diff) <= threshold))
+        off = v["mask"] is not None and v["mask"] <= 0  # not trained: its log-prob difference is not a fault
+        rows.append(Row(k, ids[k], text[k], v, diff is not None and not off and not abs(diff) <= threshold,
+                        label[k]))
     ex = Explained(train.rollout_id, index, sample, rows, threshold, [rollout.path, *train.paths])
     ex.summary = _summary(ex)
     return ex
@@ -136,6 +145,8 @@ def _summary(ex: Explained) -> dict[str, str]:
            "prompt": _short(s.prompt if isinstance(s.prompt, str) else repr(s.prompt)),
            "response": _short(s.response),
            "tokens": f"{len(ex.rows)} response tokens, {len(kept)} in the loss"}
+    if len(turns(s)) > 1:
+        out["turns"] = ", ".join(_turn_line(ex, t, turn) for t, turn in enumerate(turns(s)))
     if diffs:
         out["|train - rollout|"] = (f"mean {sum(diffs) / len(diffs):.3g}, max {max(diffs):.3g} at token "
                                     f"{worst.pos} {worst.text!r}")
@@ -143,6 +154,16 @@ def _summary(ex: Explained) -> dict[str, str]:
         out["|train - rollout|"] = "no rollout log-probs in either dump"
     out["over threshold"] = f"{sum(r.hot for r in ex.rows)} token(s) with |diff| > {ex.threshold:g} (highlighted)"
     return out
+
+
+def _turn_line(ex: Explained, t: int, turn: dict[str, Any]) -> str:
+    rows = ex.rows[turn["start"]:turn["start"] + turn["length"]]
+    trained = sum(1 for r in rows if r.values["mask"] is None or r.values["mask"] > 0)
+    diffs = [abs(r.values["diff"]) for r in rows if r.values["diff"] is not None and
+             (r.values["mask"] is None or r.values["mask"] > 0)]
+    lp = f", max |diff| {max(diffs):.3g}" if diffs else ""
+    state = "trained" if trained == len(rows) else ("masked" if trained == 0 else f"{trained} trained")
+    return f"{t} {turn['source']} ({len(rows)} tokens, {state}{lp})"
 
 
 def _short(text: Any, limit: int = 300) -> str:
@@ -163,7 +184,7 @@ def _fmt(name: str, v: float | None) -> str:
 
 
 def _cells(r: Row) -> list[str]:
-    return [str(r.pos), repr(r.text)[1:-1]] + [_fmt(k, r.values[k]) for k in
+    return [str(r.pos), r.turn, repr(r.text)[1:-1]] + [_fmt(k, r.values[k]) for k in
                                                 ("rollout", "train", "diff", "ref", "adv", "mask", "entropy")]
 
 
@@ -177,7 +198,9 @@ def render_terminal(ex: Explained, console: Any) -> None:
     table = Table(show_lines=False)
     for name in COLUMNS:
         table.add_column(name, justify="left" if name == "token" else "right", no_wrap=True)
-    for r in ex.rows:
+    for i, r in enumerate(ex.rows):
+        if i and r.turn != ex.rows[i - 1].turn:
+            table.add_section()  # each turn apart
         off = r.values["mask"] is not None and r.values["mask"] <= 0
         table.add_row(*_cells(r), style=f"bold white on {HOT}" if r.hot else ("dim" if off else None))
     console.print(table)
@@ -192,6 +215,7 @@ h1 {{ font-size: 18px; margin: 0 0 8px; }}
 .strip {{ margin: 12px 0; line-height: 2.1; }}
 .strip span {{ white-space: pre; border: 1px solid #bbb; border-radius: 3px; padding: 2px 3px; margin: 1px; }}
 .strip span.off {{ color: #999; border-style: dashed; }}
+.strip b.turn {{ display: inline-block; margin: 0 4px 0 10px; font-size: 11px; color: #555; }}
 table.tokens {{ border-collapse: collapse; }}
 table.tokens th, table.tokens td {{ border: 1px solid #ccc; padding: 2px 8px; text-align: right; }}
 table.tokens td.tok {{ text-align: left; white-space: pre; }}
@@ -205,13 +229,15 @@ def render_html(ex: Explained) -> str:
     e = html.escape
     summary = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k, v in ex.summary.items())
     strip, body = [], []
-    for r in ex.rows:
+    for i, r in enumerate(ex.rows):
+        if not i or r.turn != ex.rows[i - 1].turn:
+            strip.append(f'<b class="turn">turn {e(r.turn)}</b>')
         off = r.values["mask"] is not None and r.values["mask"] <= 0
         cls = "hot" if r.hot else ("off" if off else "")
         tip = ", ".join(f"{k} {_fmt(k, v)}" for k, v in r.values.items())
         strip.append(f'<span class="{cls}" title="{e(tip)}">{e(r.text)}</span>')
-        cells = "".join(f'<td class="tok">{e(c)}</td>' if i == 1 else f"<td>{e(c)}</td>"
-                        for i, c in enumerate(_cells(r)))
+        cells = "".join(f'<td class="tok">{e(c)}</td>' if j == 2 else f"<td>{e(c)}</td>"
+                        for j, c in enumerate(_cells(r)))
         body.append(f'<tr class="{cls}">{cells}</tr>')
     head = "".join(f"<th>{e(c)}</th>" for c in COLUMNS)
     title = f"rollout {ex.rollout_id}, sample {ex.index}"

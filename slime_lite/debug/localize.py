@@ -214,14 +214,21 @@ def response_log_probs(logits: Any, tokens: Sequence[int], prompt_len: int, temp
 
 
 def fit_temperature(logits: Any, tokens: Sequence[int], prompt_len: int, rollout_lp: Sequence[float],
-                    grid: Sequence[float] | None = None) -> tuple[float, float]:
-    """The sampling temperature whose log-probs best match ``rollout_lp``: (temperature, mean abs diff there)."""
+                    grid: Sequence[float] | None = None, mask: Any = None) -> tuple[float, float]:
+    """The sampling temperature whose log-probs best match ``rollout_lp``: (temperature, mean abs diff there), over
+    the response tokens ``mask`` keeps (default all: a multi-turn sample's inserted tokens have no engine
+    log-prob)."""
     import torch  # torch, Megatron: only when a mismatch is localised
 
     grid = list(grid) if grid is not None else [round(0.05 * k, 2) for k in range(2, 81)]
     ref = torch.tensor(list(rollout_lp), dtype=torch.float64)
-    best = min(grid, key=lambda t: float((response_log_probs(logits, tokens, prompt_len, t) - ref).abs().mean()))
-    return best, float((response_log_probs(logits, tokens, prompt_len, best) - ref).abs().mean())
+    keep = torch.ones_like(ref, dtype=torch.bool) if mask is None else mask
+
+    def gap(t: float) -> float:
+        return float((response_log_probs(logits, tokens, prompt_len, t) - ref).abs()[keep].mean())
+
+    best = min(grid, key=gap)
+    return best, gap(best)
 
 
 def first_mismatch(samples: list, train_log_probs: list, threshold: float) -> int | None:
@@ -229,7 +236,8 @@ def first_mismatch(samples: list, train_log_probs: list, threshold: float) -> in
     for i, (s, lp) in enumerate(zip(samples, train_log_probs)):
         if s.rollout_log_probs is None or lp is None:
             continue
-        if any(not abs(float(x) - float(r)) <= threshold for x, r in zip(lp, s.rollout_log_probs)):
+        mask = s.loss_mask if s.loss_mask is not None else [1] * len(s.rollout_log_probs)
+        if any(m and not abs(float(x) - float(r)) <= threshold for x, r, m in zip(lp, s.rollout_log_probs, mask)):
             return i
     return None
 
@@ -247,12 +255,16 @@ def localize_sample(sample: Any, weights_dir: str, *, engine_dtype: str = "float
     if sample.rollout_log_probs is None or sample.response_length == 0:
         return loc
     rollout = torch.tensor(sample.rollout_log_probs, dtype=torch.float64)
-    engine_gap = (response_log_probs(logits_a, sample.tokens, prompt_len, temperature) - rollout).abs()
-    trainer_gap = (response_log_probs(logits_b, sample.tokens, prompt_len, temperature) - rollout).abs()
+    # model tokens only: a multi-turn sample's inserted tokens carry no engine log-prob
+    keep = torch.tensor(sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length).bool()
+    if not keep.any():
+        return loc
+    engine_gap = (response_log_probs(logits_a, sample.tokens, prompt_len, temperature) - rollout).abs()[keep]
+    trainer_gap = (response_log_probs(logits_b, sample.tokens, prompt_len, temperature) - rollout).abs()[keep]
     loc.extra["rollout_vs_hf_logprob_diff"] = float(engine_gap.max())
     loc.extra["rollout_vs_hf_logprob_mean_diff"] = float(engine_gap.mean())
     loc.extra["rollout_vs_megatron_logprob_diff"] = float(trainer_gap.max())
-    best_t, fit = fit_temperature(logits_a, sample.tokens, prompt_len, sample.rollout_log_probs)
+    best_t, fit = fit_temperature(logits_a, sample.tokens, prompt_len, sample.rollout_log_probs, mask=keep)
     loc.extra["fitted_temperature"] = best_t
     loc.extra["logprob_tol"] = logprob_tol
     if loc.first_divergent is None and float(engine_gap.mean()) > logprob_tol:

@@ -5,7 +5,8 @@ Two checks per sample:
     engine's ``input_token_logprobs`` of the response tokens are compared with the dump's ``rollout_log_probs``.
 (b) regeneration: the prompt part goes in with the recorded sampling params (``metadata["sampling_params"]``,
     including ``sampling_seed``); new ids/text are compared with the dump, and log-probs where the tokens agree.
-    (b) is the log-prob check when the engine gives no ``input_token_logprobs``.
+    (b) is the log-prob check when the engine gives no ``input_token_logprobs``. A multi-turn sample is
+    regenerated turn by turn: each model turn from the tokens before it, with the turn's recorded params.
 
     slime-lite send-to-engine --load-debug-rollout-data /d/rollout_{rollout_id}.pt --rollout-id 0 \
         --url http://127.0.0.1:30000 --all
@@ -24,6 +25,7 @@ from slime_lite.debug import make_console, select_dumps, shorten
 from slime_lite.engine_client import request_json
 from slime_lite.errors import EngineError, SlimeLiteError, run_main
 from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.rollout.turns import turns
 
 GREEDY_TEMPERATURE = 1e-6
 
@@ -135,6 +137,8 @@ def check_sample(url: str, position: int, sample: Any, args: argparse.Namespace)
         rep.logprob_diff = max(diffs) if diffs else None
         rep.rows.append(("(a) teacher-forced |engine - dump|", _fmt(diffs)))
 
+    if len(turns(sample)) > 1:
+        return regenerate_turns(url, rep, sample, params, args)
     regen = dict(params, temperature=0.0) if args.greedy else params
     body = {"input_ids": [int(t) for t in sample.tokens[:prompt_len]], "sampling_params": regen,
             "return_logprob": True}
@@ -166,6 +170,43 @@ def check_sample(url: str, position: int, sample: Any, args: argparse.Namespace)
     if seeded or greedy_dump:
         rep.tokens_ok = new_ids == response
     rep.rows.append(("tokens expected to match", "yes (seeded or greedy dump)" if rep.tokens_ok is not None
+                     else "no (unseeded sampling or --greedy)"))
+    return rep
+
+
+def regenerate_turns(url: str, rep: Report, sample: Any, params: dict[str, Any], args: argparse.Namespace) -> Report:
+    """(b) for a multi-turn sample: each model turn resent as it was generated, the sample's tokens before it as
+    ``input_ids`` with the turn's recorded sampling params (else the sample's, for the turn's length)."""
+    prompt_len, dumped_lp, mask = sample.prompt_length, sample.rollout_log_probs, sample.loss_mask
+    all_same, all_seeded = True, True
+    for k, turn in enumerate(turns(sample)):
+        if turn["source"] != "model" or not turn["length"]:
+            continue
+        lo, n = turn["start"], turn["length"]
+        turn_params = dict(turn.get("sampling_params") or dict(params, max_new_tokens=n))
+        if args.greedy:
+            turn_params["temperature"] = 0.0
+        body = {"input_ids": [int(t) for t in sample.tokens[:prompt_len + lo]], "sampling_params": turn_params,
+                "return_logprob": True}
+        out = request_json(url, "/generate", body, timeout=args.timeout)
+        new_ids = [int(t) for t in out.get("output_ids") or []]
+        old_ids = [int(t) for t in sample.tokens[prompt_len + lo:prompt_len + lo + n]]
+        same = next((i for i, (a, b) in enumerate(zip(new_ids, old_ids)) if a != b), min(len(new_ids), n))
+        result = (f"identical ({n} tokens)" if new_ids == old_ids else
+                  f"first difference at turn token {same} ({len(new_ids)} new vs {n} dumped)")
+        new_lp = [float(e[0]) for e in (out.get("meta_info") or {}).get("output_token_logprobs") or []]
+        if dumped_lp is not None and not args.greedy and len(new_lp) == len(new_ids):
+            diffs = _diffs(new_lp[:same], dumped_lp[lo:lo + same], mask[lo:lo + same] if mask is not None else None)
+            result += f"; log-probs where tokens agree: {_fmt(diffs)}"
+            if rep.logprob_diff is None and diffs:
+                rep.logprob_diff = max(diffs)
+        rep.rows.append((f"(b) turn {k} (model) regenerated", result))
+        all_same &= new_ids == old_ids
+        all_seeded &= turn_params.get("sampling_seed") is not None or float(turn_params.get("temperature", 1)) <= \
+            GREEDY_TEMPERATURE
+    if all_seeded and not args.greedy:
+        rep.tokens_ok = all_same
+    rep.rows.append(("tokens expected to match", "yes (seeded or greedy turns)" if rep.tokens_ok is not None
                      else "no (unseeded sampling or --greedy)"))
     return rep
 

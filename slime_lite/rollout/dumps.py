@@ -203,6 +203,23 @@ def check_rewards(samples: list[Sample], reward_key: str | None, where: str, str
             )
 
 
+def check_generated_samples(samples: list[Sample], vocab_size: int, where: str) -> None:
+    """What a rollout (a generate hook or a rollout function) produced has the shape training reads: token ids in
+    the model's vocabulary, ``loss_mask`` and ``rollout_log_probs`` one per response token, a response no longer
+    than the tokens. A SlimeLiteError naming ``where``, the sample index and the field; nothing is trained."""
+    for i, s in enumerate(samples):
+        problem = _field_problem(s.to_dict())
+        if problem is None:
+            bad = next((k for k, t in enumerate(s.tokens) if t >= vocab_size), None)
+            if bad is not None:
+                problem = f"tokens[{bad}]: {s.tokens[bad]} is not below the model's vocab size {vocab_size}"
+        if problem is not None:
+            raise SlimeLiteError(
+                f"{where}: sample {i} (index {s.index}): {problem}. The generate hook or rollout function built a "
+                "malformed sample (rollout.turns.append_turn keeps tokens, loss_mask and rollout_log_probs "
+                "aligned); nothing of this rollout is trained.")
+
+
 def check_replay_samples(dump: RolloutDump, vocab_size: int, reward_key: str | None) -> None:
     """What training on a dump needs beyond its schema: samples, token ids inside the model's vocab, finite
     rewards."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from typing import Any, Callable
@@ -11,7 +12,7 @@ from slime_lite.checks.faults import kills_engine, sampling_temperature
 from slime_lite.config import RolloutConfig
 from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.errors import SlimeLiteError
-from slime_lite.hooks import HookArgs, call_maybe_async, load_function
+from slime_lite.hooks import HookArgs, call_maybe_async, load_hook
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
 from slime_lite.rollout.rewards import compute_reward
 from slime_lite.types import Sample, Status
@@ -79,6 +80,22 @@ async def generate_group(args: Any, group: list[Sample], params: list[dict[str, 
     return [fill_response(s, out) for s, out in zip(group, outs)]
 
 
+def split_samples(out: Any, sample: Sample) -> list[Sample]:
+    """A generate hook's result: one Sample, or a list of them (one trajectory split into several training samples,
+    which share ``rollout_id``: the index of the sample the hook was given)."""
+    parts = out if isinstance(out, list) else [out]
+    if not parts or not all(isinstance(s, Sample) for s in parts):
+        raise SlimeLiteError(
+            f"--custom-generate-function-path returned {type(out).__name__}"
+            + (f" of {sorted({type(s).__name__ for s in parts})}" if isinstance(out, list) else "")
+            + f" for sample {sample.index}: expected a Sample or a non-empty list of Samples.")
+    if len(parts) > 1:
+        for s in parts:
+            if s.rollout_id is None:
+                s.rollout_id = sample.index
+    return parts
+
+
 class Generator:
     """Generates groups of samples for a rollout (with dynamic sampling) or for an eval set."""
 
@@ -89,10 +106,12 @@ class Generator:
         self.tokenizer = tokenizer
         path = args.custom_generate_function_path
         self.generate_fn: Callable[..., Any] = (
-            load_function(path, "--custom-generate-function-path") if path else default_generate
+            load_hook(path, "--custom-generate-function-path") if path else default_generate
         )
+        # slime passes evaluation= to a generate hook that takes it
+        self.takes_evaluation = "evaluation" in inspect.signature(self.generate_fn).parameters
         path = args.dynamic_sampling_filter_path
-        self.filter_fn = load_function(path, "--dynamic-sampling-filter-path") if path else None
+        self.filter_fn = load_hook(path, "--dynamic-sampling-filter-path") if path else None
         self.progress = [0, 0]  # samples finished, samples wanted (read by the driver's progress bar)
         self.kill_engine: Callable[[], Any] | None = None  # --debug-inject-fault kill-engine (set by the manager)
         # monotonic times of this rollout's first request sent and last response back (perf/rollout/generate_time)
@@ -106,11 +125,12 @@ class Generator:
     def _back(self) -> None:
         self.last_back = time.monotonic()
 
-    def _encode(self, prompt: Prompt) -> tuple[str, list[int]]:
+    def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
         text = render_prompt(prompt.prompt, self.tokenizer, self.args.apply_chat_template)
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    async def _run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int) -> list[Sample]:
+    async def _run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int,
+                         evaluation: bool = False) -> list[Sample]:
         per_sample = [dict(params, sampling_seed=seed_base + s.index) for s in group]
         for s, p in zip(group, per_sample):
             s.metadata["sampling_params"] = p
@@ -132,12 +152,15 @@ class Generator:
             self._back()
             return list(await asyncio.gather(*(reward(s, t0) for s in group)))
 
-        async def one(sample: Sample, p: dict[str, Any]) -> Sample:
-            sample = await call_maybe_async(self.generate_fn, self.args, sample, p)
+        async def one(sample: Sample, p: dict[str, Any]) -> list[Sample]:
+            kwargs = {"evaluation": evaluation} if self.takes_evaluation else {}
+            out = await call_maybe_async(self.generate_fn, self.args, sample, p, **kwargs)
             self._back()
-            return await reward(sample, t0)
+            parts = split_samples(out, sample)
+            return [await reward(s, t0) for s in parts]
 
-        return list(await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample))))
+        done = await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample)))
+        return [s for parts in done for s in parts]
 
     async def rollout(self, rollout_id: int, source: PromptSource) -> tuple[list[Sample], dict[str, float]]:
         """``--rollout-batch-size`` groups of ``--n-samples-per-prompt``; over-sample and filter when asked."""
@@ -154,7 +177,7 @@ class Generator:
             prompts = source.next_batch(wave)
             groups = []
             for prompt in prompts:
-                text, ids = self._encode(prompt)
+                text, ids = self.encode(prompt)
                 groups.append(new_group(prompt, a.n_samples_per_prompt, 0, next_index, text, ids))
                 next_index += a.n_samples_per_prompt
             if a.deterministic_mode and self.generate_fn is default_generate:
@@ -218,11 +241,11 @@ class Generator:
         n = a.n_samples_per_eval_prompt
         groups = []
         for gi, prompt in enumerate(prompts):
-            text, ids = self._encode(prompt)
+            text, ids = self.encode(prompt)
             groups.append(new_group(prompt, n, gi, gi * n, text, ids))
         seed_base = a.rollout_seed * 1_000_003 + 7_919 + rollout_id * 100_003
         if a.deterministic_mode and self.generate_fn is default_generate:
             results = await self._run_together(groups, params, seed_base)
         else:
-            results = await asyncio.gather(*(self._run_group(g, params, seed_base) for g in groups))
+            results = await asyncio.gather(*(self._run_group(g, params, seed_base, True) for g in groups))
         return [s for g in results for s in g]

@@ -6,6 +6,7 @@ It never imports Megatron: in ``--debug-rollout-only`` runs no process of the jo
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import sys
@@ -16,14 +17,15 @@ from typing import Any
 
 from slime_lite.engine_client import AsyncEngineClient, request_json
 from slime_lite.errors import EngineError, SlimeLiteError
+from slime_lite.hooks import HookArgs, load_hook
 from slime_lite.logging_setup import setup_logging
 from slime_lite.metrics import process_memory
-from slime_lite.rollout import dumps
+from slime_lite.rollout import drift, dumps, functions
 from slime_lite.rollout.data import PromptSource, read_prompts
 from slime_lite.rollout.generate import Generator
 from slime_lite.rollout.stats import eval_metrics, rollout_metrics
 from slime_lite.rollout.timing import engine_step_stats, phase_metrics
-from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
+from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
 from slime_lite.types import Sample
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,10 @@ class RolloutManager:
             pairs = args.eval_prompt_data
             for name, path in zip(pairs[0::2], pairs[1::2]):
                 self.eval_sets[name] = read_prompts(path, args.input_key, args.label_key, "--eval-prompt-data")
+        self.vocab_size = model_vocab_size(args.hf_checkpoint) or len(self.tokenizer)
+        self.rollout_fn = load_hook(args.rollout_function_path, "--rollout-function-path")
+        self.eval_fn = load_hook(args.eval_function_path or args.rollout_function_path, "--eval-function-path")
+        self.hook_args = self.generator.args if self.generator is not None else HookArgs(args)
 
     def _meta(self) -> dict[str, Any]:
         meta = dumps.make_meta(self.args, self.fingerprint)
@@ -103,12 +109,13 @@ class RolloutManager:
             extra: dict[str, float] = {}
             elapsed = time.monotonic() - t0
         else:
-            if self.generator is None or self.source is None:
-                raise SlimeLiteError("no engines or prompts to generate from (check --prompt-data and the engines).")
+            if self.generator is None:
+                raise SlimeLiteError("no engines to generate from.")
             urls = list(self.generator.client.urls)
             before = self._run(engine_step_stats(urls))  # outside perf/rollout_time, as the read after it
             t0 = time.monotonic()
-            samples, extra = self._run(self.generator.rollout(rollout_id, self.source))
+            flag = "--rollout-function-path"
+            samples, extra = functions.train_samples(self._call(self.rollout_fn, rollout_id, False), flag)
             t1 = time.monotonic()
             elapsed = t1 - t0
             sent, back = (getattr(self.generator, k, None) for k in ("first_sent", "last_back"))
@@ -116,14 +123,19 @@ class RolloutManager:
         if a.save_debug_rollout_data:
             self._save(dumps.dump_path(a.save_debug_rollout_data, rollout_id), rollout_id, samples)
         try:
+            if not a.load_debug_rollout_data:  # a replay's dumps were checked before Ray started
+                dumps.check_generated_samples(samples, self.vocab_size, f"rollout {rollout_id}")
+                if not a.debug_rollout_only:  # nothing compares groups without a trainer
+                    functions.check_group_sizes(samples, a.n_samples_per_prompt, a.advantage_estimator)
             dumps.check_rewards(samples, a.reward_key, f"rollout {rollout_id}", strict=False)
         except SlimeLiteError:
             try:
                 self.wait_dumps()  # the rollout's dump is on disk before the user reads the error: inspect it
-            except Exception:  # noqa: BLE001 - the reward error is the one to report
+            except Exception:  # noqa: BLE001 - the sample error is the one to report
                 log.exception("writing a debug dump failed too")
             raise
         metrics = rollout_metrics(samples, a.reward_key)
+        metrics.update(drift.rollout_metrics(samples, self.tokenizer))
         metrics.update(extra)
         served = [str(v) for s in samples for v in s.weight_versions[-1:]]
         if served:  # -1: the engine still serves what it loaded itself ("default"): no push ever reached it
@@ -168,17 +180,25 @@ class RolloutManager:
         if self.generator is None:
             return metrics
         t0 = time.monotonic()
-        for name, prompts in self.eval_sets.items():
-            samples = self._run(self.generator.evaluate(name, prompts, rollout_id))
+        sets, extra = functions.eval_samples(self._call(self.eval_fn, rollout_id, True), "--eval-function-path")
+        for name, samples in sets.items():
             metrics.update(eval_metrics(name, samples, a.reward_key))
             if a.save_debug_rollout_data:
                 path = dumps.dump_path(a.save_debug_rollout_data, rollout_id, evaluation=True)
-                if len(self.eval_sets) > 1:
+                if len(sets) > 1:
                     root, ext = os.path.splitext(path)
                     path = f"{root}_{name}{ext}"
                 self._save(path, rollout_id, samples, eval_name=name)
+        metrics.update(extra)
         metrics["perf/eval_time"] = time.monotonic() - t0
         return metrics
+
+    def _call(self, fn: Any, rollout_id: int, evaluation: bool) -> Any:
+        """A rollout or eval function with slime's arguments: a coroutine runs on this actor's event loop (where the
+        engine client lives), a plain function is called outside it."""
+        data_source = functions.DataSource(self.generator, self.source, self.eval_sets)
+        result = fn(self.hook_args, rollout_id, data_source, evaluation=evaluation)
+        return self._run(result) if inspect.isawaitable(result) else result
 
     # ---- --use-fault-tolerance: the driver reads the failed engines and hands in their replacements, from a second
     # thread of this actor while generate/evaluate runs

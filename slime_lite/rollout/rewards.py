@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.hooks import call_maybe_async, load_function
+from slime_lite.hooks import call_maybe_async, load_hook
 from slime_lite.types import Sample
 
 RM_TYPES = ("addition", "math", "boxed_math", "deepscaler")
@@ -131,7 +131,7 @@ _BUILTIN: dict[str, Callable[[str, str], float]] = {"addition": addition_reward,
 
 @functools.lru_cache(maxsize=None)
 def _custom_rm(path: str) -> Callable[..., Any]:
-    return load_function(path, "--custom-rm-path")
+    return load_hook(path, "--custom-rm-path")
 
 
 async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | dict:

@@ -6,6 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout.turns import turns
 from slime_lite.types import RewardError, Sample, Status
 
 
@@ -63,6 +64,8 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None) -> dic
     out["rollout/response_len/min"] = float(min(lengths))
     out["rollout/truncated_ratio"] = _mean([s.status == Status.TRUNCATED for s in samples])
     out["rollout/aborted_ratio"] = _mean([s.status == Status.ABORTED for s in samples])
+    out["rollout/failed_ratio"] = _mean([s.status == Status.FAILED for s in samples])
+    out.update(multi_turn_metrics(samples))
     lp_means = [m for m in map(_sample_logprob_mean, samples) if m is not None]
     if lp_means:
         out["rollout/rollout_log_probs"] = _mean(lp_means)
@@ -70,6 +73,20 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None) -> dic
     if zero_std is not None:
         out["rollout/zero_std_groups"] = zero_std
     return out
+
+
+def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
+    """``rollout/turns/mean|max`` (model turns per sample), ``rollout/tool_calls`` and ``rollout/tool_errors`` (the
+    rollout's), ``rollout/masked_token_share`` (response tokens with loss mask 0); {} when no sample has turns."""
+    if not any(s.metadata.get("turns") for s in samples):
+        return {}
+    model = [sum(1 for t in turns(s) if t["source"] == "model") for s in samples]
+    response = sum(s.response_length for s in samples)
+    masked = sum(s.response_length - sum(s.loss_mask) if s.loss_mask is not None else 0 for s in samples)
+    return {"rollout/turns/mean": _mean(model), "rollout/turns/max": float(max(model)),
+            "rollout/tool_calls": float(sum(s.metadata.get("tool_calls", 0) for s in samples)),
+            "rollout/tool_errors": float(sum(s.metadata.get("tool_errors", 0) for s in samples)),
+            "rollout/masked_token_share": masked / response if response else 0.0}
 
 
 def eval_metrics(name: str, samples: list[Sample], reward_key: str | None = None) -> dict[str, float]:

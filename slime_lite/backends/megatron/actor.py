@@ -165,6 +165,7 @@ class TrainActor(TrainWorker):
         return {**out, "mismatch/worst_tokens": worst}
 
     def _rollout_stats(self, samples, logp, ref_logp, rollout_lp, advantages, masks, values) -> dict[str, float]:
+        """Every statistic over loss-mask tokens only: inserted (tool, environment) tokens are not the model's."""
         def mean(xs: list) -> float:
             return float(torch.stack([rl_math.masked_mean(x.float(), m) for x, m in zip(xs, masks)]).mean())
 
@@ -172,13 +173,13 @@ class TrainActor(TrainWorker):
         if ref_logp is not None:
             out["rollout/ref_log_probs"] = mean(ref_logp)
             out["rollout/kl"] = mean([rl_math.compute_kl(x, r, self.args.kl_loss_type) for x, r in zip(logp, ref_logp)])
-            out["rollout/log_probs_ref_max_abs_diff"] = max(float((x - r).abs().max()) if x.numel() else 0.0
-                                                            for x, r in zip(logp, ref_logp))
+            out["rollout/log_probs_ref_max_abs_diff"] = masked_max([(x - r).abs() for x, r in zip(logp, ref_logp)],
+                                                                   masks)
         if rollout_lp is not None:
             diffs = [(x - r).abs() for x, r in zip(logp, rollout_lp)]
             out["rollout/rollout_log_probs"] = mean(rollout_lp)
             out["train/train_rollout_logprob_abs_diff"] = mean(diffs)
-            out["train/train_rollout_logprob_abs_diff_max"] = max(float(d.max()) if d.numel() else 0.0 for d in diffs)
+            out["train/train_rollout_logprob_abs_diff_max"] = masked_max(diffs, masks)
         if values is not None:
             out["rollout/values"] = mean(values)
         return out
@@ -261,3 +262,9 @@ class TrainActor(TrainWorker):
             if offloaded:
                 named = sent = None
                 self.offload()
+
+
+def masked_max(xs: list, masks: list) -> float:
+    """The largest value over the loss-mask tokens of every sample (0 when none)."""
+    kept = [x.detach()[m.to(torch.bool)] for x, m in zip(xs, masks)]
+    return max((float(k.max()) for k in kept if k.numel()), default=0.0)

@@ -1,0 +1,137 @@
+"""``--rollout-function-path`` / ``--eval-function-path``: the whole rollout (or eval) of a step, with slime's
+signature ``generate_rollout(args, rollout_id, data_source, evaluation=False)`` and slime's output types.
+
+A rollout function returns ``RolloutFnTrainOutput(samples=[[Sample, ...], ...], metrics={...})`` (prompt groups;
+a plain list of groups, or of samples, is taken too, as slime takes it), an eval function
+``RolloutFnEvalOutput(data={name: {"rewards": [...], "truncated": [...], "samples": [...]}}, metrics={...})`` (a
+plain dict too). It may be a plain or an ``async`` function: a coroutine runs on the rollout manager's event loop,
+where ``args.engine_client`` lives; a plain function is called outside it (it may run its own loop).
+
+The default, ``slime_lite.rollout.functions.generate_rollout``, is registered through the same flag: prompts from
+``--prompt-data``, one ``--custom-generate-function-path`` call (or the built-in generate) per sample, rewards, the
+dynamic-sampling filter; eval over every ``--eval-prompt-data`` set.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from slime_lite import rl_math
+from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout.data import PromptSource
+from slime_lite.rollout.generate import Generator, new_group
+from slime_lite.types import Sample
+
+@dataclass
+class RolloutFnTrainOutput:
+    samples: list[list[Sample]]
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass
+class RolloutFnEvalOutput:
+    data: dict[str, dict[str, Any]]
+    metrics: dict[str, Any] | None = None
+
+
+class DataSource:
+    """What a rollout function draws prompts from (slime's ``data_source``).
+
+    ``get_samples(n)``: the next ``n`` prompts of ``--prompt-data``, each a group of ``--n-samples-per-prompt``
+    Samples whose ``tokens`` are the encoded prompt (chat template applied when asked). ``eval_sets``: ``{name:
+    [Prompt, ...]}`` of ``--eval-prompt-data``. ``generator``: the built-in generation (``await
+    data_source.generator.run_group(group, sampling_params, seed)`` runs one group through the generate hook and the
+    reward), which the default rollout uses."""
+
+    def __init__(self, generator: Generator, prompts: PromptSource | None,
+                 eval_sets: dict[str, list[Any]]) -> None:
+        self.generator = generator
+        self.prompts = prompts
+        self.eval_sets = eval_sets
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        if self.prompts is None:
+            raise SlimeLiteError("the rollout function asked for prompts, but no --prompt-data was given.")
+        n = self.generator.config.n_samples_per_prompt
+        groups = []
+        for gi, prompt in enumerate(self.prompts.next_batch(num_samples)):
+            text, ids = self.generator.encode(prompt)
+            groups.append(new_group(prompt, n, gi, gi * n, text, ids))
+        return groups
+
+
+async def generate_rollout(args: Any, rollout_id: int, data_source: DataSource,
+                           evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """The default rollout (and eval) of slime-lite."""
+    gen = data_source.generator
+    if evaluation:
+        data = {}
+        for name, prompts in data_source.eval_sets.items():
+            samples = await gen.evaluate(name, prompts, rollout_id)
+            data[name] = {"rewards": [s.reward for s in samples],
+                          "truncated": [s.status == Sample.Status.TRUNCATED for s in samples], "samples": samples}
+        return RolloutFnEvalOutput(data=data)
+    if data_source.prompts is None:
+        raise SlimeLiteError("no prompts to generate from: give --prompt-data (a JSONL file of prompts).")
+    samples, metrics = await gen.rollout(rollout_id, data_source.prompts)
+    groups = [list(g) for _, g in itertools.groupby(samples, key=lambda s: s.group_index)]
+    return RolloutFnTrainOutput(samples=groups, metrics=metrics)
+
+
+def train_samples(output: Any, flag: str) -> tuple[list[Sample], dict[str, Any]]:
+    """A rollout function's result as one flat list (``group_index`` and ``index`` numbered in order) and its
+    metrics; anything but groups of Samples is a SlimeLiteError naming ``flag`` and what came back."""
+    metrics: dict[str, Any] = {}
+    if isinstance(output, RolloutFnTrainOutput):
+        output, metrics = output.samples, dict(output.metrics or {})
+    if not isinstance(output, list) or not output:
+        raise SlimeLiteError(f"{flag} returned {type(output).__name__}: expected RolloutFnTrainOutput(samples=[[Sample"
+                             ", ...], ...]) or a non-empty list of sample groups.")
+    groups = [g if isinstance(g, list) else [g] for g in output]
+    flat: list[Sample] = []
+    for gi, group in enumerate(groups):
+        for s in group:
+            if not isinstance(s, Sample):
+                raise SlimeLiteError(f"{flag} returned a {type(s).__name__} in group {gi}: expected Samples.")
+            s.group_index, s.index = gi, len(flat)
+            flat.append(s)
+    return flat, metrics
+
+
+def check_group_sizes(samples: list[Sample], group_size: int, advantage_estimator: str) -> None:
+    """Group estimators (GRPO, REINFORCE++-baseline) compare the ``--n-samples-per-prompt`` samples of a prompt:
+    a rollout whose groups have other sizes (a generate hook that split a trajectory into several samples) is a
+    SlimeLiteError naming the group and the way out."""
+    if not rl_math.estimator(advantage_estimator).needs_groups:
+        return
+    sizes = collections.Counter(s.group_index for s in samples)
+    bad = next(((g, n) for g, n in sizes.items() if n != group_size), None)
+    if bad is not None:
+        raise SlimeLiteError(
+            f"rollout group {bad[0]} has {bad[1]} samples, --n-samples-per-prompt is {group_size}: "
+            f"--advantage-estimator {advantage_estimator} compares the samples of one prompt group, and a generate "
+            "hook that returns a list of samples (or a rollout function with other groups) changes the group size. "
+            "Use --advantage-estimator reinforce_plus_plus or ppo (per-sample), or return one sample per "
+            "trajectory.")
+
+
+def eval_samples(output: Any, flag: str) -> tuple[dict[str, list[Sample]], dict[str, Any]]:
+    """An eval function's result as ``{name: samples}`` and its metrics."""
+    metrics: dict[str, Any] = {}
+    if isinstance(output, RolloutFnEvalOutput):
+        output, metrics = output.data, dict(output.metrics or {})
+    if not isinstance(output, dict):
+        raise SlimeLiteError(f"{flag} returned {type(output).__name__}: expected RolloutFnEvalOutput(data={{name: "
+                             "{'rewards': [...], 'truncated': [...], 'samples': [...]}}}) or that dict.")
+    out = {}
+    for name, entry in output.items():
+        samples = entry.get("samples") if isinstance(entry, dict) else None
+        if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
+            raise SlimeLiteError(f"{flag} returned eval set {name!r} without a 'samples' list of Samples (slime-lite "
+                                 "recomputes the eval metrics and writes the eval dumps from them).")
+        out[name] = samples
+    return out, metrics
+

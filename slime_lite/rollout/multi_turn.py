@@ -1,0 +1,140 @@
+"""Multi-turn rollouts against the engines, token in and token out: the building blocks of a generate hook (or the
+agent endpoint, or the tool task) that alternates model turns with tool or environment output.
+
+- ``model_turn`` sends the sample's tokens so far as ``input_ids`` (never text: training tokens are the engine's own
+  ids) and appends the engine's ids and log-probs as a model turn. The engine's prefix cache holds the KV of the
+  conversation so far, so a turn prefills only its new tokens: each turn record keeps the engine's
+  ``cached_tokens`` and ``prompt_tokens``.
+- ``insert_turn`` appends tool or environment text (tokenised once, mask 0), cut to ``--max-inserted-tokens-per-turn``.
+- ``call_tool`` runs one tool call under ``--tool-call-timeout`` and counts calls and errors in the metadata.
+- The limits: ``--max-turns`` model turns, and ``--rollout-max-context-len`` tokens in all (prompt included; default
+  the model's ``max_position_embeddings``): a sample that would overflow it ends TRUNCATED. A tool that raises or
+  hangs ends its sample FAILED with the reason in ``metadata["failure"]``; the rollout goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from slime_lite.rollout.turns import append_turn
+from slime_lite.types import Sample, Status
+
+
+class ToolError(RuntimeError):
+    """A tool call that raised or ran past its timeout (the message is the reason kept in the sample)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _model_context(hf_checkpoint: str) -> int | None:
+    with open(os.path.join(hf_checkpoint, "config.json"), encoding="utf-8") as f:
+        value = json.load(f).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int
+    max_inserted_tokens: int
+    max_context_len: int | None
+    tool_timeout: float
+
+    @classmethod
+    def from_args(cls, args: Any) -> "TurnLimits":
+        context = args.rollout_max_context_len or _model_context(args.hf_checkpoint)
+        return cls(args.max_turns, args.max_inserted_tokens_per_turn, context, args.tool_call_timeout)
+
+
+def model_turns(sample: Sample) -> int:
+    return sum(1 for t in sample.metadata.get("turns", []) if t["source"] == "model")
+
+
+CONTEXT_FULL = "--rollout-max-context-len"  # metadata["truncated_by"] of a sample whose context is full
+
+
+def can_continue(sample: Sample, limits: TurnLimits) -> bool:
+    """Another model turn is allowed: the sample has not failed or been aborted, its context is not full, and it
+    has fewer than ``--max-turns`` model turns. (A turn that stopped at its own ``max_new_tokens`` leaves the sample
+    TRUNCATED until the next turn: the status is always the last turn's.)"""
+    return (sample.status not in (Status.FAILED, Status.ABORTED) and "truncated_by" not in sample.metadata
+            and model_turns(sample) < limits.max_turns)
+
+
+def _context_full(sample: Sample) -> Sample:
+    sample.status = Status.TRUNCATED
+    sample.metadata["truncated_by"] = CONTEXT_FULL
+    return sample
+
+
+async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any], limits: TurnLimits) -> Sample:
+    """One model turn: generate from the sample's tokens, append the engine's ids and log-probs. The sample's status
+    is the turn's finish reason (COMPLETED on a stop, TRUNCATED on its length limit); a full context also sets
+    ``metadata["truncated_by"]`` and ends the sample."""
+    room = None if limits.max_context_len is None else limits.max_context_len - len(sample.tokens)
+    if room is not None and room <= 0:
+        return _context_full(sample)
+    params = dict(sampling_params)
+    if room is not None:
+        params["max_new_tokens"] = min(params.get("max_new_tokens") or room, room)
+    out = await args.engine_client.generate({"input_ids": list(sample.tokens), "sampling_params": params,
+                                             "return_logprob": True})
+    meta = out["meta_info"]
+    ids = [int(t) for t in out["output_ids"]]
+    logprobs = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
+    append_turn(sample, ids, logprobs if len(logprobs) == len(ids) else None, text=out["text"])
+    turn = sample.metadata["turns"][-1]
+    turn["sampling_params"] = params  # what send-to-engine resends this turn with
+    turn["cached_tokens"] = int(meta.get("cached_tokens") or 0)
+    turn["prompt_tokens"] = int(meta.get("prompt_tokens") or len(sample.tokens) - len(ids))
+    sample.prefix_cache_info.add(meta)
+    if meta.get("weight_version") is not None:
+        sample.weight_versions.append(str(meta["weight_version"]))
+    sample.status = Status.from_finish_reason((meta.get("finish_reason") or {}).get("type"))
+    if room is not None and len(ids) >= room:
+        _context_full(sample)
+    return sample
+
+
+def insert_turn(sample: Sample, tokenizer: Any, text: str, limits: TurnLimits, source: str = "tool") -> Sample:
+    """Append inserted text (a tool's or the environment's), tokenised once, mask 0, cut to
+    ``--max-inserted-tokens-per-turn`` tokens; when it would overflow ``--rollout-max-context-len`` what fits is
+    appended and the sample ends TRUNCATED. A cut turn keeps the text of the tokens it kept."""
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+    keep = limits.max_inserted_tokens
+    if limits.max_context_len is not None and len(sample.tokens) + min(len(tokens), keep) >= limits.max_context_len:
+        keep = min(keep, max(0, limits.max_context_len - len(sample.tokens)))
+        _context_full(sample)
+    if len(tokens) > keep:
+        sample.metadata["inserted_tokens_cut"] = sample.metadata.get("inserted_tokens_cut", 0) + len(tokens) - keep
+        tokens = tokens[:keep]
+        text = tokenizer.decode(tokens)
+    return append_turn(sample, tokens, source=source, text=text)
+
+
+async def call_tool(sample: Sample, fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    """Run ``fn(*args)`` (plain or async; a plain one in a thread) under ``timeout`` seconds. Counts
+    ``metadata["tool_calls"]`` and ``metadata["tool_errors"]``; a raise or a timeout is a ToolError naming it."""
+    sample.metadata["tool_calls"] = sample.metadata.get("tool_calls", 0) + 1
+    name = getattr(fn, "__name__", "tool")
+    try:
+        if asyncio.iscoroutinefunction(fn):
+            return await asyncio.wait_for(fn(*args), timeout)
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+    except asyncio.TimeoutError:
+        reason = f"tool {name} did not return within --tool-call-timeout {timeout:g} s"
+    except Exception as exc:  # noqa: BLE001 - any tool failure ends this sample, not the run
+        reason = f"tool {name} raised {type(exc).__name__}: {exc}"
+    sample.metadata["tool_errors"] = sample.metadata.get("tool_errors", 0) + 1
+    raise ToolError(reason)
+
+
+def fail(sample: Sample, reason: str) -> Sample:
+    """End the sample FAILED with ``reason`` in ``metadata["failure"]`` (its turns so far are kept)."""
+    sample.status = Status.FAILED
+    sample.metadata["failure"] = reason
+    return sample
+

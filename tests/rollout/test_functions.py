@@ -1,0 +1,192 @@
+"""--rollout-function-path / --eval-function-path / --custom-generate-function-path: slime's signatures, checked
+before Ray starts, run by the rollout manager against a real in-process embedded engine (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slime_lite.args import parser_defaults
+from slime_lite.errors import SlimeLiteError
+from slime_lite.preflight import check_hooks
+from slime_lite.rollout.dumps import load_rollout_dump
+from tests.engine.engine_helpers import start_engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    server = start_engine(tiny_model_dir, max_running_requests=8)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def hooks(tmp_path, monkeypatch):
+    """Write a module of hooks into tmp_path and make it importable."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        return name
+
+    return write
+
+
+def _prompts(tmp_path: Path, n: int = 4) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def _manager(tiny_model_dir, engine, tmp_path, **flags):
+    from slime_lite.rollout.manager import RolloutManager
+
+    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), prompt_data=_prompts(tmp_path), rm_type="addition",
+                           rollout_batch_size=2, n_samples_per_prompt=2, rollout_max_response_len=4, **flags)
+    return RolloutManager(args, [engine.url])
+
+
+@pytest.mark.parametrize("flag, path, expected", [
+    ("rollout_function_path", "no_such_module.generate_rollout",
+     r"--rollout-function-path 'no_such_module.generate_rollout': cannot import module 'no_such_module'"),
+    ("rollout_function_path", "bad_hooks.two_args",
+     r"--rollout-function-path 'bad_hooks.two_args': bad_hooks.two_args\(args, rollout_id\) cannot be called as "
+     r"generate_rollout\(args, rollout_id, data_source, evaluation=False\)"),
+    ("eval_function_path", "bad_hooks.no_evaluation",
+     r"--eval-function-path 'bad_hooks.no_evaluation': bad_hooks.no_evaluation\(args, rollout_id, data_source\) "
+     r"cannot be called as generate_rollout\(args, rollout_id, data_source, evaluation=False\)"),
+    ("custom_generate_function_path", "bad_hooks.two_args",
+     r"--custom-generate-function-path 'bad_hooks.two_args': .* cannot be called as async generate\(args, sample, "
+     r"sampling_params\)"),
+    ("custom_generate_function_path", "bad_hooks.missing",
+     r"--custom-generate-function-path 'bad_hooks.missing': module 'bad_hooks' has no function 'missing'"),
+])
+def test_a_hook_that_does_not_import_or_has_the_wrong_signature_is_refused_before_ray_starts(
+        tiny_model_dir, tmp_path, hooks, flag, path, expected):
+    hooks("bad_hooks", """
+        def two_args(args, rollout_id):
+            pass
+
+        def no_evaluation(args, rollout_id, data_source):
+            pass
+    """)
+    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), prompt_data=_prompts(tmp_path), rm_type="addition",
+                           **{flag: path})
+    with pytest.raises(SlimeLiteError, match=expected):
+        check_hooks(args)
+
+
+def test_the_default_rollout_is_registered_through_the_flag_and_passes_the_check(tiny_model_dir, tmp_path):
+    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), prompt_data=_prompts(tmp_path), rm_type="addition")
+    assert args.rollout_function_path == "slime_lite.rollout.functions.generate_rollout"
+    check_hooks(args)
+
+
+def test_a_custom_rollout_and_eval_function_replace_the_step(tiny_model_dir, engine, tmp_path, hooks):
+    """A sync rollout function (slime's shape: data_source.get_samples, its own event loop) and an async eval
+    function: their samples are trained and evaluated, their metrics logged next to slime-lite's."""
+    hooks("my_rollout", """
+        import asyncio
+        from slime_lite.rollout.functions import RolloutFnEvalOutput, RolloutFnTrainOutput
+        from slime_lite.engine_client import AsyncEngineClient
+        from slime_lite.rollout.generate import fill_response
+
+        async def _generate(urls, groups):
+            client = AsyncEngineClient(urls, timeout=60)
+            try:
+                for group in groups:
+                    for s in group:
+                        out = await client.generate({"input_ids": s.tokens, "return_logprob": True,
+                                                     "sampling_params": {"max_new_tokens": 3, "temperature": 1.0}})
+                        fill_response(s, out)
+                        s.reward = float(len(s.response))
+            finally:
+                await client.close()
+
+        def generate_rollout(args, rollout_id, data_source, evaluation=False):
+            groups = data_source.get_samples(args.rollout_batch_size)
+            asyncio.run(_generate(args.engine_client.urls, groups))  # a plain function runs its own loop
+            return RolloutFnTrainOutput(samples=groups, metrics={"custom/rollout_id": rollout_id})
+
+        async def evaluate(args, rollout_id, data_source, evaluation=False):
+            assert evaluation
+            groups = data_source.get_samples(1)
+            for s in groups[0]:
+                fill_response(s, await args.engine_client.generate(
+                    {"input_ids": s.tokens, "return_logprob": True,
+                     "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}}))
+                s.reward = 1.0
+            return RolloutFnEvalOutput(data={"mine": {"rewards": [1.0, 1.0], "truncated": [True, True],
+                                                     "samples": groups[0]}}, metrics={"custom/evaluated": 1.0})
+    """)
+    manager = _manager(tiny_model_dir, engine, tmp_path, rollout_function_path="my_rollout.generate_rollout",
+                       eval_function_path="my_rollout.evaluate",
+                       save_debug_rollout_data=str(tmp_path / "d_{rollout_id}.pt"))
+    samples, metrics = manager.generate(3)
+    assert [(s.group_index, s.index) for s in samples] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert all(s.response_length == 3 and len(s.rollout_log_probs) == 3 for s in samples)
+    assert metrics["custom/rollout_id"] == 3 and metrics["rollout/raw_reward"] == pytest.approx(
+        sum(len(s.response) for s in samples) / 4)
+    out = manager.evaluate(3)
+    assert out["custom/evaluated"] == 1.0 and out["eval/mine"] == 1.0 and out["eval/mine/response_len/mean"] == 2
+    manager.close()
+    assert len(load_rollout_dump(str(tmp_path / "d_3.pt")).samples) == 4
+
+
+def test_a_generate_hook_may_return_a_list_of_samples_sharing_rollout_id(tiny_model_dir, engine, tmp_path, hooks):
+    """One trajectory split into two training samples: both are trained, with the trajectory's rollout_id; a group
+    estimator (GRPO) that would compare groups of the wrong size is refused naming the group and the way out."""
+    hooks("split_hook", """
+        import copy
+        from slime_lite.rollout.generate import default_generate
+
+        async def generate(args, sample, sampling_params):
+            first = await default_generate(args, copy.deepcopy(sample), sampling_params)
+            second = await default_generate(args, sample, sampling_params)
+            return [first, second]
+    """)
+    manager = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path="split_hook.generate",
+                       advantage_estimator="reinforce_plus_plus")
+    samples, _ = manager.generate(0)
+    assert len(samples) == 8 and [s.group_index for s in samples] == [0, 0, 0, 0, 1, 1, 1, 1]
+    pairs = [(samples[i].rollout_id, samples[i + 1].rollout_id) for i in range(0, 8, 2)]
+    assert all(a == b for a, b in pairs) and len({a for a, _ in pairs}) == 4
+    grpo = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path="split_hook.generate")
+    with pytest.raises(SlimeLiteError, match="rollout group 0 has 4 samples, --n-samples-per-prompt is 2: "
+                                             "--advantage-estimator grpo"):
+        grpo.generate(0)
+    manager.close(), grpo.close()
+
+
+@pytest.mark.parametrize("breaks, expected", [
+    ("sample.loss_mask = sample.loss_mask[:-1]",
+     r"rollout 0: sample 1 \(index 1\): loss_mask: has 3 entries but response_length is 4"),
+    ("sample.rollout_log_probs = sample.rollout_log_probs + [0.0]",
+     r"rollout 0: sample 1 \(index 1\): rollout_log_probs: has 5 entries but response_length is 4"),
+    ("sample.tokens[-1] = 10 ** 6",
+     r"rollout 0: sample 1 \(index 1\): tokens\[\d+\]: 1000000 is not below the model's vocab size"),
+])
+def test_a_malformed_hook_sample_fails_the_rollout_naming_sample_and_field_and_the_dump_is_written(
+        tiny_model_dir, engine, tmp_path, hooks, breaks, expected):
+    name = hooks(f"broken_hook_{abs(hash(breaks))}", f"""
+        from slime_lite.rollout.generate import default_generate
+
+        async def generate(args, sample, sampling_params):
+            sample = await default_generate(args, sample, dict(sampling_params, stop=None, no_stop_trim=True,
+                                                               ignore_eos=True))
+            if sample.index == 1:
+                {breaks}
+            return sample
+    """)
+    manager = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path=f"{name}.generate",
+                       save_debug_rollout_data=str(tmp_path / "d_{rollout_id}.pt"))
+    with pytest.raises(SlimeLiteError, match=expected):
+        manager.generate(0)
+    manager.close()
+    import torch
+
+    dumped = torch.load(tmp_path / "d_0.pt", weights_only=True)["samples"]  # written as generated, to inspect
+    assert len(dumped) == 4 and dumped[1]["response_length"] == 4

@@ -1,0 +1,122 @@
+"""Multi-turn samples against a real in-process embedded engine (no Ray): turns sent as token ids reuse the prefix
+cache (cached_tokens grows turn by turn), masks and log-probs stay aligned, and the limits end samples TRUNCATED or
+FAILED (tool raising, tool hanging) while the rollout goes on, with the rollout/ metrics that count them."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from slime_lite.args import parser_defaults
+from slime_lite.types import Status
+from tests.engine.engine_helpers import start_engine
+
+HOOK = """
+import asyncio
+import time
+from slime_lite.rollout import multi_turn as mt
+from slime_lite.tokenizer import load_tokenizer
+
+TOKENIZER = None
+
+
+def calculator(expression):
+    if "boom" in expression:
+        raise ValueError("cannot parse " + expression)
+    if "hang" in expression:
+        time.sleep(5)
+    return "=42;"
+
+
+async def generate(args, sample, sampling_params):
+    global TOKENIZER
+    TOKENIZER = TOKENIZER or load_tokenizer(args.hf_checkpoint)
+    limits = mt.TurnLimits.from_args(args)
+    params = dict(sampling_params, max_new_tokens=3, ignore_eos=True, stop=None)
+    while mt.can_continue(sample, limits):
+        await mt.model_turn(args, sample, params, limits)
+        if not mt.can_continue(sample, limits):
+            break
+        try:
+            out = await mt.call_tool(sample, calculator, sample.label or "", timeout=limits.tool_timeout)
+        except mt.ToolError as exc:
+            return mt.fail(sample, str(exc))
+        mt.insert_turn(sample, TOKENIZER, out, limits)
+    return sample
+"""
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    server = start_engine(tiny_model_dir, max_running_requests=8)
+    yield server
+    server.stop()
+
+
+def _manager(tiny_model_dir, engine, tmp_path, monkeypatch, labels, **flags):
+    from slime_lite.rollout.manager import RolloutManager
+
+    (tmp_path / "turn_hook.py").write_text(textwrap.dedent(HOOK))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": label}) + "\n"
+                            for i, label in enumerate(labels)))
+    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), prompt_data=str(path), custom_rm_path="turn_rm.reward",
+                           rollout_batch_size=len(labels), n_samples_per_prompt=1,
+                           custom_generate_function_path="turn_hook.generate", **flags)
+    (tmp_path / "turn_rm.py").write_text("def reward(args, sample):\n    return 1.0\n")
+    return RolloutManager(args, [engine.url])
+
+
+def test_turns_go_as_token_ids_and_reuse_the_prefix_cache(tiny_model_dir, engine, tmp_path, monkeypatch):
+    manager = _manager(tiny_model_dir, engine, tmp_path, monkeypatch, ["1", "2"], max_turns=3)
+    samples, metrics = manager.generate(0)
+    manager.close()
+    for s in samples:
+        turns = s.metadata["turns"]
+        assert [t["source"] for t in turns] == ["model", "tool", "model", "tool", "model"]
+        assert s.loss_mask == [m for t in turns for m in [int(t["source"] == "model")] * t["length"]]
+        assert len(s.rollout_log_probs) == s.response_length == len(s.tokens) - s.prompt_length
+        assert all(lp == 0.0 for lp, m in zip(s.rollout_log_probs, s.loss_mask) if not m)
+        assert all(lp < 0.0 for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m)
+        model = [t for t in turns if t["source"] == "model"]
+        # each later turn finds the whole conversation before the previous turn's last token in the engine's cache:
+        # it prefills only the previous turn's last token and the tool output
+        for before, after in zip(model, model[1:]):
+            assert after["cached_tokens"] >= before["prompt_tokens"] + before["length"] - 1, turns
+            assert after["cached_tokens"] > before["cached_tokens"]
+        # every turn stopped at its max_new_tokens: the status is the last turn's finish reason
+        assert s.status == Status.TRUNCATED and "truncated_by" not in s.metadata and s.metadata["tool_calls"] == 2
+    assert metrics["rollout/turns/mean"] == 3 and metrics["rollout/turns/max"] == 3
+    assert metrics["rollout/tool_calls"] == 4 and metrics["rollout/tool_errors"] == 0
+    masked = sum(s.response_length - sum(s.loss_mask) for s in samples) / sum(s.response_length for s in samples)
+    assert metrics["rollout/masked_token_share"] == pytest.approx(masked) and 0 < masked < 1
+
+
+def test_a_tool_that_raises_or_hangs_fails_its_sample_and_the_rollout_goes_on(tiny_model_dir, engine, tmp_path,
+                                                                              monkeypatch):
+    manager = _manager(tiny_model_dir, engine, tmp_path, monkeypatch, ["boom", "hang", "3"], max_turns=2,
+                       tool_call_timeout=0.3)
+    samples, metrics = manager.generate(0)
+    manager.close()
+    boom, hang, ok = samples
+    assert boom.status == hang.status == Status.FAILED and ok.status == Status.TRUNCATED  # (its last turn's length)
+    assert boom.metadata["failure"] == "tool calculator raised ValueError: cannot parse boom"
+    assert hang.metadata["failure"] == "tool calculator did not return within --tool-call-timeout 0.3 s"
+    assert metrics["rollout/failed_ratio"] == pytest.approx(2 / 3)
+    assert metrics["rollout/tool_errors"] == 2 and metrics["rollout/tool_calls"] == 3
+
+
+def test_the_context_bound_ends_a_sample_truncated_and_inserted_turns_are_cut(tiny_model_dir, engine, tmp_path,
+                                                                              monkeypatch):
+    manager = _manager(tiny_model_dir, engine, tmp_path, monkeypatch, ["1"], max_turns=8,
+                       max_inserted_tokens_per_turn=2, rollout_max_context_len=14)
+    (s,), metrics = manager.generate(0)
+    manager.close()
+    assert s.status == Status.TRUNCATED and s.metadata["truncated_by"] == "--rollout-max-context-len"
+    assert len(s.tokens) <= 14
+    tools = [t for t in s.metadata["turns"] if t["source"] == "tool"]
+    assert tools and all(t["length"] <= 2 for t in tools) and tools[0]["text"] == "=4"  # "=42;" cut to 2 tokens
+    assert metrics["rollout/truncated_ratio"] == 1.0
