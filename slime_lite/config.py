@@ -39,6 +39,11 @@ def freeze(args: argparse.Namespace) -> FrozenFlags:
     return frozen
 
 
+def has_reference_model(args: Any) -> bool:
+    """Whether the run keeps reference weights: a KL term (--use-kl-loss, --kl-coef) or an explicit --ref-load."""
+    return bool(args.use_kl_loss or args.kl_coef > 0 or args.ref_load)
+
+
 class _FromArgs:
     @classmethod
     def from_args(cls: type[Config], args: Any) -> Config:

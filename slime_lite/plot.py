@@ -44,10 +44,11 @@ def plot(records: list[dict], out: str, title: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="slime-lite plot-metrics", description=__doc__)
-    p.add_argument("--metrics-path", required=True)
+    p = argparse.ArgumentParser(prog="slime-lite plot-metrics",
+                                description="Draw the reward and eval curves of a --metrics-path file into a PNG.")
+    p.add_argument("--metrics-path", required=True, help="the metrics JSONL file of a run (train --metrics-path)")
     p.add_argument("--out", required=True, help="PNG file to write")
-    p.add_argument("--title", default="")
+    p.add_argument("--title", default="", help="title of the plot (default: none)")
     a = p.parse_args(argv)
     records = read_records(a.metrics_path)
     if not records:

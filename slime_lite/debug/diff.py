@@ -20,6 +20,9 @@ from slime_lite.rollout.dumps import load_rollout_dump
 from slime_lite.rollout.turns import turns
 
 
+ATOL = 1e-5  # same weights, greedy, float32: log-probs differ by ~1.25e-6 with another batch composition
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slime-lite diff-rollouts",
@@ -27,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a", help="first dump file")
     p.add_argument("b", help="second dump file")
-    p.add_argument("--atol", type=float, default=1e-6, help="log-probs and rewards closer than this are equal")
+    p.add_argument("--atol", type=float, default=ATOL,
+                   help="log-probs and rewards closer than this are equal (default: %(default)g, above the float32 "
+                        "noise of greedy dumps from the same weights under another batch, ~1e-6)")
     p.add_argument("--max-rows", type=int, default=50, help="show at most this many differing samples")
     return p
 
@@ -146,7 +151,7 @@ def _run(argv: list[str] | None) -> int:
                     f"{max(lp_values):.3g} (atol {args.atol:g})" if lp_values else "not compared")
     console.print(summary)
     same = count_ok and not differing
-    console.print("IDENTICAL" if same else "DIFFERENT")
+    console.print(("IDENTICAL" if same else "DIFFERENT") + f" (log-probs and rewards compared with atol {args.atol:g})")
     return 0 if same else 1
 
 

@@ -40,6 +40,7 @@ from slime_lite.debug.run_checks import (
     memory_checks,
     mismatch_checks,
     precision_check,
+    skipped_rows,
     version_check,
     weight_check,
 )
@@ -314,6 +315,7 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
     first = measured.records.get(0, {})
     ci = CiConfig.from_args(args)
     checks += [c for c in rollout_checks(ci, first, first=True) if c.name != "step1_log_probs_small"]
+    checks += skipped_rows(args, {c.name for c in checks}, measured)
     if "train/train_rollout_logprob_abs_diff" not in first:
         bound, why = logprob_diff_threshold(ci)
         checks.append(_c("train_rollout_logprob_diff", None, f"< {bound:g} ({why})", False,
@@ -385,6 +387,8 @@ def print_report(report: dict[str, Any]) -> None:
         mark = "[green]PASS[/green]" if c["passed"] else "[red]FAIL[/red]"
         if c["threshold"].startswith("info:"):  # a value to read (mismatch rows), not a check
             mark = "info"
+        elif c["cause"].startswith("skipped:"):  # a check this run's flags leave out (the cause says why)
+            mark = "skip"
         table.add_row(c["name"], _fmt(c["value"]), c["threshold"], mark, c["cause"])
     console.print(table)
     loc = report.get("localization")
@@ -417,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slime-lite doctor", allow_abbrev=False,
         description="Run a 2-iteration job with the flags of `slime-lite train` and check it against the "
-                    "precision-alignment checklist (SPEC 9). Any flag not listed here goes to `slime-lite train`.",
+                    "precision-alignment checklist (weights pushed and equal, rollout vs train log-probs, step-1 KL, "
+                    "iteration 2, on-task text). Any flag not listed here goes to `slime-lite train`.",
     )
     p.add_argument("--out", default="slime-lite-doctor", help="folder for the metrics, dumps, log and doctor.json")
     p.add_argument("--run-timeout", type=float, default=600.0, help="seconds per train run")

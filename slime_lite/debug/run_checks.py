@@ -19,7 +19,7 @@ from slime_lite.checks.ci import (
     logprob_diff_threshold,
     make_check,
 )
-from slime_lite.config import CiConfig
+from slime_lite.config import CiConfig, has_reference_model
 
 _check = make_check
 
@@ -218,3 +218,23 @@ def _gpu_total_mb() -> float | None:
     import torch  # torch: only where a GPU is asked about
 
     return torch.cuda.get_device_properties(0).total_memory / 2**20
+
+
+# The first iteration's rows that a run may not measure: (name, threshold) in the order rollout_checks gives them.
+FIRST_ITERATION_ROWS = (("step1_kl_zero", "== 0 (log_probs == ref_log_probs)"), ("first_step_ppo_kl_zero", "== 0"),
+                        ("grad_norm_finite", "finite"))
+
+
+def skipped_rows(args: Any, present: set[str], run: TrainRun) -> list[Check]:
+    """A row for each first-iteration check the run did not measure, saying why (so no row silently disappears):
+    step-1 KL needs a reference model, anything else a first iteration that finished."""
+    rows = []
+    for name, threshold in FIRST_ITERATION_ROWS:
+        if name in present:
+            continue
+        if name == "step1_kl_zero" and not has_reference_model(args):
+            why = "skipped: no reference model in this run (add --use-kl-loss, --kl-coef or --ref-load to check it)"
+        else:
+            why = f"not measured: {run.stopped if run.error else 'the first iteration did not report it'}"
+        rows.append(Check(name, None, threshold, passed=why.startswith("skipped"), cause=why))
+    return rows

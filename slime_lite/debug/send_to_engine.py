@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from slime_lite.debug import make_console, select_dumps, shorten
-from slime_lite.engine_client import request_json
+from slime_lite.engine_client import normalize_url, request_json
 from slime_lite.errors import EngineError, SlimeLiteError, run_main
 from slime_lite.rollout.dumps import load_rollout_dump
 from slime_lite.rollout.turns import turns
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dump path template with {rollout_id} (or one dump file)")
     p.add_argument("--rollout-id", type=int, required=True, help="rollout id of the dump")
     p.add_argument("--eval", action="store_true", help="use the eval dump of that id (eval_<id>)")
-    p.add_argument("--url", required=True, help="engine base URL, e.g. http://127.0.0.1:30000")
+    p.add_argument("--url", required=True,
+                   help="engine base URL, e.g. http://127.0.0.1:30000 (http:// when no scheme is given)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--sample-index", type=int, default=0, help="position of the sample in the dump (default 0)")
     which.add_argument("--all", action="store_true", help="send every sample of the dump")
@@ -228,7 +229,7 @@ def _run(argv: list[str] | None) -> int:
         raise SlimeLiteError(f"--sample-index {args.sample_index}: {path} has {len(dump.samples)} samples "
                              f"(valid: 0..{len(dump.samples) - 1}).")
     console = make_console()
-    url = args.url.rstrip("/")
+    url = normalize_url(args.url)  # 127.0.0.1:30000 works as http://127.0.0.1:30000
     reports = []
     for position, sample in chosen:
         rep = check_sample(url, position, sample, args)

@@ -403,10 +403,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slime-lite serve", description="Start the embedded SGLang-compatible engine.")
     p.add_argument("--model-path", required=True, help="Hugging Face model folder (Llama/Qwen2 family)")
     p.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: --model-path)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s, this host only; give --api-key too when "
+                        "listening on an address other hosts reach)")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1, help="only 1 is supported")
-    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--random-seed", type=int, default=0,
+                   help="base seed of requests without a sampling_seed, mixed with their rid (or their arrival "
+                        "order): a fixed seed reproduces a run (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for SGLang parity; ignored")
@@ -437,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the only folder /start_profile writes traces under: its output_dir must lie inside "
                         "(relative ones are taken from here; default: $SGLANG_TORCH_PROFILER_DIR, else "
                         "slime-lite-profiles in the temp folder)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info",
+                   help="Python logging level (default: %(default)s; debug also shows third-party libraries' noise)")
     return p
 
 

@@ -58,3 +58,14 @@ def test_not_a_metrics_file_is_a_clear_error(tmp_path):
     (tmp_path / "bad.jsonl").write_text("[1, 2]\n")
     with pytest.raises(SlimeLiteError, match="bad.jsonl: not a metrics JSONL file"):
         main([str(tmp_path / "bad.jsonl"), str(tmp_path / "bad.jsonl")])
+
+
+def test_float32_noise_between_runs_that_should_agree_passes_by_default(tmp_path, capsys):
+    """A TP=1 vs TP=2 float32 replay differs by ~1e-7 relative in many metrics: the default rtol calls it agreeing,
+    prints the tolerance, and --rtol 0 still finds every difference."""
+    other = [{k: (v * (1 + 1e-7) if k != "rollout_id" and isinstance(v, float) else v) for k, v in r.items()}
+             for r in ROWS]
+    a, b = write(tmp_path / "a.jsonl", ROWS), write(tmp_path / "b.jsonl", other)
+    assert main([a, b]) == 0
+    assert "no metric differs by more than rtol 1e-05" in capsys.readouterr().out
+    assert main([a, b, "--rtol", "0"]) == 1

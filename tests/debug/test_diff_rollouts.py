@@ -55,6 +55,19 @@ def test_small_logprob_noise_within_atol(tmp_path: Path, samples_factory, capsys
     assert main([a, b, "--atol", "1e-3"]) == 0
 
 
+def test_same_weight_noise_agrees_by_default_and_the_tolerance_is_printed(tmp_path: Path, samples_factory,
+                                                                          capsys) -> None:
+    """Greedy eval dumps of identical weights differ by ~1.25e-6 in a log-prob (another batch composition): the
+    default tolerance calls them identical, and says which tolerance it used."""
+    def edit(samples):
+        samples[1].rollout_log_probs = [x + 1.25e-6 for x in samples[1].rollout_log_probs]
+
+    a, b = _pair(tmp_path, samples_factory, edit)
+    assert main([a, b]) == 0
+    assert "IDENTICAL (log-probs and rewards compared with atol 1e-05)" in capsys.readouterr().out
+    assert main([a, b, "--atol", "1e-7"]) == 1
+
+
 def test_length_mismatch_is_reported(tmp_path: Path, samples_factory, capsys) -> None:
     a, b = _pair(tmp_path, samples_factory, lambda samples: samples.pop())
     assert main([a, b]) == 1

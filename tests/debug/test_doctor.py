@@ -66,6 +66,28 @@ def test_a_failed_logprob_check_names_the_worst_tokens_and_the_table_shows_them(
     assert next(line for line in table.splitlines() if "mismatch_token_ratio_max" in line).count("info") == 2
 
 
+def test_every_check_row_shows_and_a_skipped_one_says_why(capsys):
+    """Without a reference model the step-1 KL row is there, marked skip with the flag that turns it on; a row the
+    run did not reach says why it was not measured (and fails); measured rows are left alone."""
+    from slime_lite.debug.run_checks import TrainRun, skipped_rows
+
+    def flags(**kw):
+        return argparse.Namespace(**{"use_kl_loss": False, "kl_coef": 0.0, "ref_load": None, **kw})
+
+    stopped = TrainRun(out="/x", returncode=1, seconds=1.0, error="engine 0 died")
+    rows = skipped_rows(flags(), {"grad_norm_finite"}, stopped)
+    assert [(c.name, c.passed) for c in rows] == [("step1_kl_zero", True), ("first_step_ppo_kl_zero", False)]
+    assert "skipped: no reference model" in rows[0].cause and "--use-kl-loss" in rows[0].cause
+    assert rows[1].cause == "not measured: the run stopped: engine 0 died"
+    with_kl = skipped_rows(flags(use_kl_loss=True), {"grad_norm_finite", "first_step_ppo_kl_zero"},
+                           stopped)
+    assert [(c.name, c.passed, c.cause) for c in with_kl] == [("step1_kl_zero", False, "not measured: the run "
+                                                                                       "stopped: engine 0 died")]
+    doctor.print_report({"out": "/x", "checks": [c.as_dict() for c in rows]})
+    line = next(line for line in capsys.readouterr().out.splitlines() if "step1_kl_zero" in line)
+    assert "skip" in line and "PASS" not in line
+
+
 # ------------------------------------------------------------------------------------------ gibberish score (fast)
 def _samples(tok, responses: list[str], lp: float) -> tuple[list[Sample], list[list[float]]]:
     out, lps = [], []

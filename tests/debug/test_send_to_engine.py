@@ -68,6 +68,8 @@ def test_honest_dump_matches_and_perturbed_logprobs_do_not(engine_url: str, tmp_
     assert "verdict: DIFFER (1 match, 1 differ" in out
 
     assert main(argv[:-1] + ["--sample-index", "0"]) == 0  # only the honest sample
+    no_scheme = engine_url.removeprefix("http://")  # host:port, as users type it
+    assert main(argv[:-1] + ["--sample-index", "0", "--url", no_scheme]) == 0
     assert main(argv[:-1] + ["--sample-index", "7"]) == 2
     assert "--sample-index 7" in capsys.readouterr().err
 

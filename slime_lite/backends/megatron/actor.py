@@ -23,7 +23,7 @@ from slime_lite.backends.megatron.train_dump import save_train_dump
 from slime_lite.backends.megatron.weight_push import push
 from slime_lite.backends.megatron.worker import TrainResult, TrainWorker, reported
 from slime_lite.checks.faults import breaks_sent_weights, sent_stage_weights
-from slime_lite.config import LossConfig, TrainSideConfig
+from slime_lite.config import LossConfig, TrainSideConfig, has_reference_model
 from slime_lite.io import atomic_torch_save, atomic_write_text
 from slime_lite.tokenizer import load_tokenizer
 
@@ -44,7 +44,7 @@ class TrainActor(TrainWorker):
         reference's (--ref-load, else --hf-checkpoint), before a --load checkpoint replaces them."""
         a = self.args
         self.ref_state = None
-        if a.use_kl_loss or a.kl_coef > 0 or a.ref_load:
+        if has_reference_model(a):
             self.ref_state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
             if torch.cuda.is_available():  # pinned: each rollout's copy to the GPU runs at full speed
                 self.ref_state = {n: t.pin_memory() for n, t in self.ref_state.items()}
