@@ -41,8 +41,8 @@ class DataSource:
     """What a rollout function draws prompts from (slime's ``data_source``).
 
     ``get_samples(n)``: the next ``n`` prompts of ``--prompt-data``, each a group of ``--n-samples-per-prompt``
-    Samples whose ``tokens`` are the encoded prompt (chat template applied when asked). ``eval_sets``: ``{name:
-    [Prompt, ...]}`` of ``--eval-prompt-data``. ``generator``: the built-in generation (``await
+    Samples whose ``tokens`` are the encoded prompt (chat template applied when asked). ``get_eval_samples(name)``:
+    the prompts of an ``--eval-prompt-data`` set the same way (``eval_sets``: their names and prompts). ``generator``: the built-in generation (``await
     data_source.generator.run_group(group, sampling_params, seed)`` runs one group through the generate hook and the
     reward), which the default rollout uses."""
 
@@ -55,9 +55,18 @@ class DataSource:
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
         if self.prompts is None:
             raise SlimeLiteError("the rollout function asked for prompts, but no --prompt-data was given.")
-        n = self.generator.config.n_samples_per_prompt
+        return self._groups(self.prompts.next_batch(num_samples), self.generator.config.n_samples_per_prompt)
+
+    def get_eval_samples(self, name: str) -> list[list[Sample]]:
+        """Every prompt of the ``--eval-prompt-data`` set ``name``, in groups of ``--n-samples-per-eval-prompt``."""
+        if name not in self.eval_sets:
+            raise SlimeLiteError(f"the eval function asked for eval set {name!r}; --eval-prompt-data has "
+                                 f"{sorted(self.eval_sets) or 'none'}.")
+        return self._groups(self.eval_sets[name], self.generator.config.n_samples_per_eval_prompt)
+
+    def _groups(self, prompts: list[Any], n: int) -> list[list[Sample]]:
         groups = []
-        for gi, prompt in enumerate(self.prompts.next_batch(num_samples)):
+        for gi, prompt in enumerate(prompts):
             text, ids = self.generator.encode(prompt)
             groups.append(new_group(prompt, n, gi, gi * n, text, ids))
         return groups

@@ -25,6 +25,7 @@ from slime_lite.rollout.data import PromptSource, read_prompts
 from slime_lite.rollout.generate import Generator
 from slime_lite.rollout.stats import eval_metrics, rollout_metrics
 from slime_lite.rollout.timing import engine_step_stats, phase_metrics
+from slime_lite.rollout.turns import turns
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
 from slime_lite.types import Sample
 
@@ -144,7 +145,8 @@ class RolloutManager:
             metrics.update(self._engine_weight_version(rollout_id))
         if not a.load_debug_rollout_data:
             metrics["perf/rollout_time"] = elapsed
-            tokens = sum(s.response_length for s in samples)
+            # the tokens the engines generated: a multi-turn sample's inserted turns are not
+            tokens = sum(t["length"] for s in samples for t in turns(s) if t["source"] == "model")
             metrics["perf/rollout_tokens_per_s"] = tokens / elapsed if elapsed > 0 else 0.0
         return samples, metrics
 

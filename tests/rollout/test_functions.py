@@ -113,7 +113,8 @@ def test_a_custom_rollout_and_eval_function_replace_the_step(tiny_model_dir, eng
 
         async def evaluate(args, rollout_id, data_source, evaluation=False):
             assert evaluation
-            groups = data_source.get_samples(1)
+            groups = data_source.get_eval_samples("held_out")
+            assert len(groups) == 2 and all(len(g) == 1 for g in groups)  # --n-samples-per-eval-prompt 1
             for s in groups[0]:
                 fill_response(s, await args.engine_client.generate(
                     {"input_ids": s.tokens, "return_logprob": True,
@@ -122,8 +123,10 @@ def test_a_custom_rollout_and_eval_function_replace_the_step(tiny_model_dir, eng
             return RolloutFnEvalOutput(data={"mine": {"rewards": [1.0, 1.0], "truncated": [True, True],
                                                      "samples": groups[0]}}, metrics={"custom/evaluated": 1.0})
     """)
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(2)))
     manager = _manager(tiny_model_dir, engine, tmp_path, rollout_function_path="my_rollout.generate_rollout",
-                       eval_function_path="my_rollout.evaluate",
+                       eval_function_path="my_rollout.evaluate", eval_prompt_data=["held_out", str(held_out)],
                        save_debug_rollout_data=str(tmp_path / "d_{rollout_id}.pt"))
     samples, metrics = manager.generate(3)
     assert [(s.group_index, s.index) for s in samples] == [(0, 0), (0, 1), (1, 2), (1, 3)]

@@ -90,6 +90,8 @@ def test_turns_go_as_token_ids_and_reuse_the_prefix_cache(tiny_model_dir, engine
         # every turn stopped at its max_new_tokens: the status is the last turn's finish reason
         assert s.status == Status.TRUNCATED and "truncated_by" not in s.metadata and s.metadata["tool_calls"] == 2
     assert metrics["rollout/turns/mean"] == 3 and metrics["rollout/turns/max"] == 3
+    generated = sum(sum(s.loss_mask) for s in samples)  # the engine's tokens only, not the tool output
+    assert metrics["perf/rollout_tokens_per_s"] * metrics["perf/rollout_time"] == pytest.approx(generated)
     assert metrics["rollout/tool_calls"] == 4 and metrics["rollout/tool_errors"] == 0
     masked = sum(s.response_length - sum(s.loss_mask) for s in samples) / sum(s.response_length for s in samples)
     assert metrics["rollout/masked_token_share"] == pytest.approx(masked) and 0 < masked < 1
