@@ -29,7 +29,6 @@ from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
 
-UNFINISHED = (Status.PENDING, Status.ABORTED)
 ABORT_RETRY_S = 0.5  # a request that reached an engine after the abort is aborted by the next one
 MAX_SUBMITS = 100  # bounded: a filter that never keeps a group stops the run, not hangs it
 
@@ -44,8 +43,14 @@ def stamp_versions(sample: Sample) -> None:
     sample.metadata[TOKEN_VERSIONS] = versions
 
 
+def unfinished(sample: Sample) -> bool:
+    """Still to generate: aborted, or never sent (a generate hook may return a sample without a status: it has a
+    reward then, and is finished)."""
+    return sample.status is Status.ABORTED or (sample.status is Status.PENDING and sample.reward is None)
+
+
 def complete(group: list[Sample]) -> bool:
-    return not any(s.status in UNFINISHED for s in group)
+    return not any(unfinished(s) for s in group)
 
 
 class OverSampler:
@@ -63,7 +68,8 @@ class OverSampler:
 
     async def _run(self, group: list[Sample], params: dict[str, Any], seed_base: int) -> list[Sample]:
         """Generate (and score) the unfinished samples of ``group``; the others keep what they have."""
-        todo = [s for s in group if s.status in UNFINISHED]
+        todo = [s for s in group if unfinished(s)]
+        finished = [s for s in group if not unfinished(s)]
         if self.aborting:  # not sent: the rollout already has its groups
             for s in todo:
                 s.status = Status.ABORTED
@@ -71,7 +77,7 @@ class OverSampler:
         done = await self.gen._run_group(todo, params, seed_base) if todo else []  # a hook may split a sample
         for s in done:
             stamp_versions(s)
-        return sorted([s for s in group if s.status not in UNFINISHED] + done, key=lambda s: s.index)
+        return sorted(finished + done, key=lambda s: s.index)
 
     async def _abort(self, pending: set[asyncio.Future]) -> list[list[Sample]]:
         """Abort every request on the engines until the ``pending`` groups have all come back; returns them."""
@@ -151,6 +157,7 @@ class OverSampler:
         stats = self._leftovers(rollout_id, leftovers)
         stats["rollout/over_sampling/aborted_groups"] = float(sum(not complete(g) for g in leftovers))
         stats["rollout/over_sampling/submitted_groups"] = float(sent)
+        kept.sort(key=lambda g: g[0].index)  # in the order they were started (carried ones first), as slime
         samples = [s for g in kept for s in g]
         stats.update(self._carried_in(samples, had))
         for gi, group in enumerate(kept):
