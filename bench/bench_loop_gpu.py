@@ -22,14 +22,21 @@ the background while the trainer trains).
    iteration <= 1.15x max(rollout, train + log-probs) alone; rollout tok/s in the loop >= 0.7x the engine alone;
    offload + onload <= 0.15 of the iteration; memory left after offload/release <= 5% of peak; push >= 0.5x the
    raw broadcast. A part that fails or times out prints its log tail; its ratios print "n/a".
-4. Where nvidia-smi is found, each subprocess runs with it sampling every 200 ms; the report gives, per GPU, the SM
+4. ``--layout partial`` (1 GPU, issue 36): the colocated loop twice, back to back in this process: as it is, then
+   with ``--over-sampling-batch-size`` (--over-sampling, default 1.5x the prompts) and ``--partial-rollout``. Per
+   run: trained response tokens per second of the loop (the saved rollouts' response tokens / iteration time),
+   the engine's decode steps per rollout, rollout time, and for the partial run the share of trained tokens carried
+   from an earlier rollout and the tokens aborts wasted; target: trained tokens/s >= 1.3x. No standalone parts.
+5. Where nvidia-smi is found, each subprocess runs with it sampling every 200 ms; the report gives, per GPU, the SM
    clock, power and temperature while busy (utilization >= 50%), so the loop's GPU and the parts' can be compared.
 
   python3 bench/bench_loop_gpu.py --layout colocate       # 1 GPU, about 5-6 minutes (estimated)
   python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs
   .venv/bin/python bench/bench_loop_gpu.py --quick        # CPU, tiny model (vocab 128), 4 x 8 samples, < 2 min
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout disagg   # both disaggregated loops on CPU (a check)
---budget (default 360 s colocate, 570 s disagg): no subprocess runs past it (each also has its own timeout).
+  python3 bench/bench_loop_gpu.py --layout partial        # 1 GPU: without and with over-sampling + partial rollout
+  .venv/bin/python bench/bench_loop_gpu.py --quick --layout partial  # the same on CPU (a check)
+--budget (default 360 s colocate, 570 s disagg and partial): no subprocess runs past it (each also has its own timeout).
 Output: text and JSON under $OUT (default /tmp/bench_loop_gpu), with each subprocess's log.
 """
 from __future__ import annotations
@@ -128,7 +135,8 @@ def phases(path: str) -> dict:
     rows = [r for r in rows if r.get("rollout_id", -1) >= 0 and "perf/step_time" in r]
     rows = rows[1:] or rows
     out: dict = {"each": {k: [round(r[k], 3) for r in rows if k in r] for k in PER_ROLLOUT}}
-    for k in sorted({k for r in rows for k in r if k.startswith("perf/")}):
+    for k in sorted({k for r in rows for k in r if k.startswith(("perf/", "rollout/partial/",
+                                                                 "rollout/over_sampling/"))}):
         vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
         if vals:
             out[k] = sum(vals) / len(vals)
@@ -225,15 +233,42 @@ def report(res: dict) -> list[str]:
     return lines
 
 
+def report_partial(res: dict) -> list[str]:
+    """--layout partial: each run's trained tokens per second of the loop, and the ratio of the two."""
+    lines, tps = [], {}
+    for name, r in res["runs"].items():
+        p, w = r["phases"], r.get("workload", {})
+        step = p.get("perf/step_time")
+        tps[name] = w["response_tokens"] / step if step and w.get("response_tokens") else None
+        lines.append(f"== {name} (rc {r['rc']}), mean over rollouts >= 1")
+        lines.append(f"  workload: {json.dumps({k: round(v, 3) for k, v in w.items()})}")
+        for label, value in (("iteration s", step), ("rollout s", p.get("perf/rollout_time")),
+                             ("trained response tokens/s", tps[name]),
+                             ("decode steps per rollout", p.get("perf/rollout/engine_decode_steps")),
+                             ("carried token share", p.get("rollout/partial/carried_token_share")),
+                             ("samples carried", p.get("rollout/partial/samples_carried")),
+                             ("carried age max (versions)", p.get("rollout/partial/age_max")),
+                             ("tokens wasted by aborts", p.get("rollout/over_sampling/tokens_wasted")),
+                             ("groups aborted", p.get("rollout/over_sampling/aborted_groups"))):
+            if value is not None:
+                lines.append(f"  {label:30s} {value:12.3f}")
+    lines.append("  target (issue 36):")
+    lines.append(ratio("trained tokens/s, over-sampling + partial / without", tps.get("colocate_partial"),
+                       tps.get("colocate"), ">=", 1.3))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layout", choices=["colocate", "disagg"], default="colocate")
+    ap.add_argument("--layout", choices=["colocate", "disagg", "partial"], default="colocate")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model, few prompts")
     ap.add_argument("--num-rollout", type=int, default=3, help="rollout 0 is warm-up (default: %(default)s)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per rollout (default 64; --quick 4)")
     ap.add_argument("--mean-response", type=int, default=None, help="eos set sized for this mean (default 256)")
     ap.add_argument("--timeout", type=int, default=None, help="seconds per train run (default 270; --quick 150)")
     ap.add_argument("--part-timeout", type=int, default=None, help="seconds per standalone part (default 120)")
+    ap.add_argument("--over-sampling", type=int, default=None,
+                    help="--layout partial: --over-sampling-batch-size of the partial run (default 1.5x --prompts)")
     ap.add_argument("--engine-compile", action="store_true",
                     help="the engine (in the loop and alone) with --engine-enable-torch-compile")
     ap.add_argument("--budget", type=int, default=None,
@@ -254,21 +289,27 @@ def main() -> None:
     max_tok, lp_tok = (512, 1024) if q else (16384, 32768)
     timeout, part_timeout = a.timeout or (150 if q else 270), a.part_timeout or 120
     t0 = time.time()
-    DEADLINE[0] = t0 + (a.budget or (170 if q else 360 if a.layout == "colocate" else 570))
-    model, data = make_inputs(out, q, mean, prompts * a.num_rollout, plen)
+    DEADLINE[0] = t0 + (a.budget or (170 if q and a.layout != "partial" else 360 if a.layout == "colocate" else 570))
+    over = a.over_sampling or prompts * 3 // 2
+    rows = (2 * over if a.layout == "partial" else prompts) * a.num_rollout  # over-sampling uses more prompts
+    model, data = make_inputs(out, q, mean, rows, plen)
     print(f"inputs in {time.time() - t0:.1f} s: {model}, {data}", flush=True)
-    kv = prompts * n * (plen + max_resp + 16)
+    kv = (over if a.layout == "partial" else prompts) * n * (plen + max_resp + 16)
     common = [sys.executable, "-m", "slime_lite.cli", "train", "--hf-checkpoint", model, "--prompt-data", data,
               "--custom-rm-path", "bench.loop_parts.reward", "--rollout-batch-size", str(prompts),
               "--n-samples-per-prompt", str(n), "--rollout-max-response-len", str(max_resp),
               "--num-rollout", str(a.num_rollout), "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tok),
               "--log-probs-max-tokens-per-gpu", str(lp_tok), "--use-kl-loss", "--kl-loss-coef", "0.001",
-              "--lr", "1e-6", "--engine-max-running-requests", str(prompts * n), "--engine-kv-cache-tokens", str(kv)]
+              "--lr", "1e-6", "--engine-max-running-requests", str(kv // (plen + max_resp + 16)),
+              "--engine-kv-cache-tokens", str(kv)]
     if not q:
         common += ["--bf16", "--engine-dtype", "bfloat16"]
     if a.engine_compile:
         common += ["--engine-enable-torch-compile"]
     runs = {"colocate": ["--colocate"]} if a.layout == "colocate" else {
+        "colocate": ["--colocate"],
+        "colocate_partial": ["--colocate", "--over-sampling-batch-size", str(over), "--partial-rollout"],
+    } if a.layout == "partial" else {
         "disagg_sync": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed"],
         "disagg_async": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed", "--async"]}
     res: dict = {"layout": a.layout, "quick": q, "runs": {}}
@@ -279,8 +320,12 @@ def main() -> None:
             os.remove(metrics)
         rc = run(common + extra + ["--metrics-path", metrics, "--save-debug-rollout-data", dumps], timeout,
                  os.path.join(out, f"{name}.log"))
-        res["runs"][name] = {"rc": rc, "phases": phases(metrics)}
+        res["runs"][name] = {"rc": rc, "phases": phases(metrics),
+                             "workload": dump_stats(dumps, range(1, a.num_rollout))}
         first = first or dumps
+    if a.layout == "partial":
+        finish(res, report_partial(res), out, t0)
+        return
     last = a.num_rollout - 1
     res["workload"] = dump_stats(first, range(1, a.num_rollout))
     warm, dump = first.format(rollout_id=0), first.format(rollout_id=last)
@@ -298,7 +343,11 @@ def main() -> None:
     if os.path.exists(dump):  # last: the longest part
         res["train_alone"] = part("train", ["--model", model, "--warm", warm, "--dump", dump, "--max-tokens",
                                             str(max_tok), "--log-probs-max-tokens", str(lp_tok)], part_timeout, out)
-    text = "\n".join(report(res))
+    finish(res, report(res), out, t0)
+
+
+def finish(res: dict, lines: list[str], out: str, t0: float) -> None:
+    text = "\n".join(lines)
     print(text)
     with open(os.path.join(out, "bench_loop_gpu.json"), "w") as f:
         json.dump({**res, "gpu_busy": GPU_BUSY}, f, indent=1)

@@ -168,8 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
                         "(default: %(default)s)")
     g.add_argument("--over-sampling-batch-size", type=_positive_int, default=None,
-                   help="prompts per generation wave under dynamic sampling, >= --rollout-batch-size "
-                        "(default: --rollout-batch-size)")
+                   help="prompt groups started at a time, >= --rollout-batch-size: more start whenever the groups "
+                        "generating plus those kept are fewer than --rollout-batch-size; once that many are done "
+                        "(after --dynamic-sampling-filter-path) the rest are aborted on the engines and never "
+                        "trained (default: --rollout-batch-size)")
+    g.add_argument("--partial-rollout", action="store_true",
+                   help="keep the samples aborted by over-sampling (tokens, log-probs, the weight version of each "
+                        "token) and continue them first in the next rollout from the tokens they have, instead of "
+                        "dropping them; needs --over-sampling-batch-size > --rollout-batch-size")
+    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
+                   help="with --partial-rollout: loss_mask 0 on the tokens of a continued sample that older weights "
+                        "generated, so only tokens of the rollout's weights are trained")
     g.add_argument("--dynamic-sampling-filter-path", default=None,
                    help="module.fn keep(args, samples)->bool over one group; "
                         "'slime_lite.rollout.filters.check_reward_nonzero_std' drops groups whose rewards agree")

@@ -55,6 +55,29 @@ def _actor_start(args: argparse.Namespace) -> str:
     return f"--ref-load {args.ref_load}, as slime (--hf-checkpoint gives the architecture and tokenizer)"
 
 
+def check_partial_rollout(args: argparse.Namespace) -> None:
+    """--partial-rollout continues the samples over-sampling aborted, in generated rollouts that may differ run to
+    run; --mask-offpolicy-in-partial-rollout acts on those samples only."""
+    if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
+        raise SlimeLiteError("--mask-offpolicy-in-partial-rollout masks the tokens continued by --partial-rollout: "
+                             "add --partial-rollout, or drop it.")
+    if not args.partial_rollout:
+        return
+    if args.debug_train_only:
+        raise SlimeLiteError("--partial-rollout continues aborted samples in the next generated rollout, but "
+                             "--debug-train-only (or --load-debug-rollout-data) generates none: drop --partial-rollout "
+                             "(a replayed dump already holds the continued samples).")
+    if args.deterministic_mode:
+        raise SlimeLiteError("--partial-rollout cannot be used with --deterministic-mode: which samples are aborted "
+                             "depends on the engines' timing, so two runs would differ. Drop one of them.")
+    if args.over_sampling_batch_size is None or args.over_sampling_batch_size <= args.rollout_batch_size:
+        given = ("no --over-sampling-batch-size" if args.over_sampling_batch_size is None
+                 else f"--over-sampling-batch-size {args.over_sampling_batch_size}")
+        raise SlimeLiteError(f"--partial-rollout needs over-sampling, but {given} with --rollout-batch-size "
+                             f"{args.rollout_batch_size} aborts nothing: set --over-sampling-batch-size above "
+                             f"{args.rollout_batch_size} (e.g. {args.rollout_batch_size * 2}).")
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Enforce SPEC section 3 and 5 rules; set implied flags (with a log line)."""
 
@@ -159,6 +182,7 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
             f"{args.rollout_batch_size}."
         )
+    check_partial_rollout(args)
     if not 0 < args.rollout_top_p <= 1:
         raise SlimeLiteError(f"--rollout-top-p {args.rollout_top_p} must be in (0, 1].")
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:

@@ -160,6 +160,8 @@ class RolloutConfig(_FromArgs):
     rollout_batch_size: int
     n_samples_per_prompt: int
     over_sampling_batch_size: int | None
+    partial_rollout: bool
+    mask_offpolicy_in_partial_rollout: bool
     n_samples_per_eval_prompt: int
     rollout_seed: int
     debug_inject_fault: str | None

@@ -115,9 +115,11 @@ class RolloutSchedule:
 
 
 def off_policy_lag(samples: list, trainer_version: int) -> int | None:
-    """Trainer version minus the oldest weight version any sample was generated with (None when an engine reported
-    no pushed version, e.g. it still serves the weights it loaded itself)."""
-    versions = [v for s in samples for v in s.weight_versions[:1]]
+    """Trainer version minus the oldest weight version the engines generated this rollout with: each sample's last
+    request's (a sample continued by --partial-rollout also holds older tokens: their age is
+    rollout/partial/age_max). None when an engine reported no pushed version, e.g. it still serves the weights it
+    loaded itself."""
+    versions = [v for s in samples for v in s.weight_versions[-1:]]
     if not versions or not all(str(v).isdigit() for v in versions):
         return None
     return trainer_version - min(int(v) for v in versions)

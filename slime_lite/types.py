@@ -15,6 +15,16 @@ from enum import Enum
 from typing import Any
 
 
+# metadata key of the weight version of every response token (ints, one per token, as ``version_number`` reads a
+# served version): a sample continued across rollouts (--partial-rollout) holds tokens of several versions
+TOKEN_VERSIONS = "token_weight_versions"
+
+
+def version_number(version: Any) -> int:
+    """A served weight version as a number: -1 for "default" (the weights the engine loaded itself)."""
+    return int(version) if str(version).isdigit() else -1
+
+
 class RewardError(ValueError):
     """A reward that is not one number: none yet, not numeric, or a dict without (or lacking) ``--reward-key``.
 
@@ -321,6 +331,10 @@ class Sample:
                 )
         if self.response_length > len(self.tokens):
             raise ValueError(f"sample {self.index}: response_length {self.response_length} > len(tokens)")
+        versions = self.metadata.get(TOKEN_VERSIONS) if isinstance(self.metadata, dict) else None
+        if versions is not None and len(versions) != self.response_length:
+            raise ValueError(f"sample {self.index}: len(metadata[{TOKEN_VERSIONS!r}])={len(versions)} != "
+                             f"response_length={self.response_length}")
 
 
 # slime spells these Sample.Status, Sample.SpecInfo, Sample.PrefixCacheInfo; the short names are the same classes

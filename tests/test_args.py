@@ -193,6 +193,33 @@ def test_fault_tolerance_needs_engines_this_job_starts(base, argv):
     assert all(flag in msg for flag in (argv[0], argv[-2] if argv[-1][0].isdigit() else argv[-1]))
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["--partial-rollout"], ["--partial-rollout", "--over-sampling-batch-size"]),
+    (["--partial-rollout", "--rollout-batch-size", "4", "--over-sampling-batch-size", "4"],
+     ["--partial-rollout", "--over-sampling-batch-size 4", "--rollout-batch-size 4"]),
+    (["--partial-rollout", "--over-sampling-batch-size", "64", "--debug-train-only"],
+     ["--partial-rollout", "--debug-train-only"]),
+    (["--partial-rollout", "--over-sampling-batch-size", "64", "--load-debug-rollout-data", "/tmp/d_{rollout_id}.pt"],
+     ["--partial-rollout", "--load-debug-rollout-data"]),
+    (["--partial-rollout", "--over-sampling-batch-size", "64", "--deterministic-mode"],
+     ["--partial-rollout", "--deterministic-mode"]),
+    (["--mask-offpolicy-in-partial-rollout"], ["--mask-offpolicy-in-partial-rollout", "--partial-rollout"]),
+    (["--rollout-batch-size", "8", "--over-sampling-batch-size", "4"],
+     ["--over-sampling-batch-size 4", "--rollout-batch-size 8"]),
+])
+def test_partial_rollout_and_over_sampling_bad_input_names_the_flags(base, argv, named):
+    msg = err(base + argv)  # before Ray starts
+    assert all(flag in msg for flag in named), msg
+
+
+def test_partial_rollout_with_over_sampling_is_accepted(base):
+    args = parse_args(base + ["--rollout-batch-size", "4", "--over-sampling-batch-size", "6", "--partial-rollout",
+                              "--mask-offpolicy-in-partial-rollout"])
+    cfg = config.RolloutConfig.from_args(args)
+    assert (cfg.over_sampling_batch_size, cfg.partial_rollout, cfg.mask_offpolicy_in_partial_rollout) == (6, True,
+                                                                                                       True)
+
+
 def test_sglang_passthrough_split():
     rest, sg = split_sglang_args(["--lr", "1e-6", "--sglang-disable-cuda-graph", "--sglang-mem-fraction-static",
                                   "0.7", "--sglang-log-level=debug"])

@@ -167,6 +167,49 @@ def test_async_overlaps_generation_with_training(tiny_model_dir, data, tmp_path)
     assert r[2]["train/train_rollout_logprob_abs_diff"] > 1e-3  # one step off: the trainer has moved since
 
 
+def test_partial_rollout_continues_aborted_samples_and_ci_test_passes(tiny_model_dir, data, tmp_path, capsys):
+    """8 groups started for 4, the engine running 2 at a time: once 4 are done the rest are aborted (never trained)
+    and --partial-rollout continues them in the next rollout; --ci-test passes with them in the batch (the weight
+    version served is each rollout's, the train/rollout log-prob check is over the tokens of the newest weights),
+    and the dumps and explain show each token's weight version."""
+    d = tmp_path / "d"
+    proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "3", "--over-sampling-batch-size", "8",
+                      "--partial-rollout", "--engine-max-running-requests", "8", "--rollout-max-response-len", "16",
+                      "--ci-test", "--save-debug-rollout-data", str(d / "data_{rollout_id}.pt"),
+                      "--save-debug-train-data", str(d / "train_{rollout_id}_{rank}.pt")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = rows(tmp_path)
+    assert [x["rollout/weight_version"] for x in r] == [0.0, 1.0, 2.0]
+    assert all(x["rollout/over_sampling/aborted_groups"] > 0 for x in r)
+    assert r[0]["rollout/partial/samples_carried"] == 0 and sum(x["rollout/partial/samples_carried"] for x in r) > 0
+    from slime_lite.cli import main as cli
+    from slime_lite.rollout.dumps import load_rollout_dump
+    from slime_lite.types import TOKEN_VERSIONS
+
+    for x in r[1:]:
+        samples = load_rollout_dump(str(d / f"data_{x['rollout_id']}.pt")).samples
+        assert all(s.status.value != "aborted" for s in samples)
+        mixed = [s for s in samples if len(set(s.metadata[TOKEN_VERSIONS])) > 1]
+        if mixed:
+            assert x["train/train_rollout_logprob_abs_diff"] < 1e-5  # the older tokens are left out of the check
+            assert cli(["explain", "--rollout-dump", str(d / f"data_{x['rollout_id']}.pt"), "--train-dump",
+                        str(d / f"train_{x['rollout_id']}_0.pt"), "--sample", str(mixed[0].index)]) == 0
+            assert "continued since rollout" in capsys.readouterr().out
+
+
+def test_partial_rollout_resume_continues_the_samples_carried_at_the_checkpoint(tiny_model_dir, data, tmp_path):
+    argv = base(tiny_model_dir, data, tmp_path, "--over-sampling-batch-size", "8", "--partial-rollout",
+                "--engine-max-running-requests", "8", "--rollout-max-response-len", "16")
+    first = train(argv + ["--num-rollout", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = int(rows(tmp_path)[-1]["rollout/partial/samples_kept"])
+    assert kept > 0
+    resumed = train(argv + ["--num-rollout", "3", "--load", str(tmp_path / "ckpt")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"--partial-rollout: {kept} samples carried from the checkpoint continue" in resumed.stderr
+    assert [x["rollout_id"] for x in rows(tmp_path)] == [0, 1, 2]
+
+
 def test_colocate_second_iteration(tiny_model_dir, data, tmp_path, capsys):
     proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "2", "--colocate", "--ci-test",
                       "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--global-batch-size", "8",

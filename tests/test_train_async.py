@@ -86,8 +86,11 @@ def test_async_checkpoint_saves_the_data_cursor_before_the_next_rollout_not_the_
 def test_a_lag_above_one_stops_an_async_run_and_is_only_logged_in_sync():
     args = parser_defaults(async_train=True, num_rollout=5, ci_test=False, save=None)
     schedule = RolloutSchedule(args, FakeManager([0]), lambda ref, r: ref, 0, get=lambda ref: ref)
-    stale = [Sample(weight_versions=["1"]), Sample(weight_versions=["1", "3"])]  # the oldest part counts
+    stale = [Sample(weight_versions=["1"]), Sample(weight_versions=["3"])]  # the oldest sample counts
     assert off_policy_lag(stale, 3) == 2 and off_policy_lag([Sample(weight_versions=["default"])], 3) is None
+    # a sample continued by --partial-rollout (requests at versions 1 and 3): its last request tells the schedule;
+    # the age of its older tokens is rollout/partial/age_max
+    assert off_policy_lag([Sample(weight_versions=["1", "3"])], 3) == 0
     with pytest.raises(SlimeLiteError, match=r"rollout 3 has samples generated with weight version 1, 2 versions "
                                              r"behind the trainer \(at most 1"):
         record_lag(schedule, stale, 3, {})

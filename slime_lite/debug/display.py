@@ -15,6 +15,7 @@ from slime_lite.debug import make_console, select_dumps, shorten
 from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.rollout.dumps import load_rollout_dump
 from slime_lite.rollout.stats import rollout_metrics
+from slime_lite.types import TOKEN_VERSIONS
 
 TEXT_LIMIT = 400
 
@@ -51,6 +52,7 @@ def sample_table(sample: Any, position: int, full: bool) -> Any:
         ("status", sample.status.value),
         ("response_length", str(sample.response_length)),
         ("weight_versions", ", ".join(map(str, sample.weight_versions)) or "-"),
+        ("token versions", version_runs(sample.metadata.get(TOKEN_VERSIONS))),
         ("metadata keys", ", ".join(sorted(map(str, sample.metadata))) or "-"),
     ]
     for name, value in rows:
@@ -71,6 +73,17 @@ def turn_text(sample: Any, turn: dict[str, Any], limit: int) -> Text:
     out = Text(head + (f" ({extra})" if extra else "") + ": ", style="bold " + style)
     out.append(shorten(turn.get("text") or "", limit), style=style)
     return out
+
+
+def version_runs(versions: list[int] | None) -> str:
+    """Per-token weight versions as runs: '3 x12, 4 x20' (tokens 0-11 by version 3, the next 20 by version 4)."""
+    runs: list[list[int]] = []
+    for v in versions or []:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return ", ".join(f"{v} x{n}" for v, n in runs) or "-"
 
 
 def dict_table(title: str, data: dict[str, Any]) -> Any:

@@ -1,5 +1,6 @@
 """explain: one sample of a rollout token by token, the engine's view (rollout dump) next to the trainer's (train
-dump): token, rollout log-prob, train log-prob, their difference, ref log-prob, advantage, loss mask, entropy.
+dump): token, rollout log-prob, train log-prob, their difference, ref log-prob, advantage, loss mask, entropy, and
+the weight version that generated the token (a sample continued by --partial-rollout holds several).
 Trained tokens whose log-probs differ by more than ``--threshold`` are highlighted, in the terminal and in the HTML
 page. A multi-turn sample is shown turn by turn (its number and source on every token, masked turns dimmed).
 
@@ -19,15 +20,18 @@ from rich.table import Table
 
 from slime_lite.backends.megatron.train_dump import TrainDump, load_train_dumps, sample_key
 from slime_lite.debug import make_console
+from slime_lite.debug.display import version_runs
 from slime_lite.errors import DumpError, SlimeLiteError
 from slime_lite.io import atomic_write_text
 from slime_lite.rollout.dumps import load_rollout_dump
 from slime_lite.rollout.turns import turns
 from slime_lite.tokenizer import load_tokenizer
+from slime_lite.types import TOKEN_VERSIONS
 
 DEFAULT_THRESHOLD = 0.05  # the bf16 bound of --ci-logprob-diff-threshold: float32 runs sit far below it
 HOT = "#ff2a6d"  # the highlight colour of a token over the threshold (the browser test looks for it)
-COLUMNS = ("#", "turn", "token", "rollout lp", "train lp", "diff", "ref lp", "adv", "mask", "entropy")
+COLUMNS = ("#", "turn", "token", "rollout lp", "train lp", "diff", "ref lp", "adv", "mask", "entropy", "version")
+VALUES = ("rollout", "train", "diff", "ref", "adv", "mask", "entropy", "version")
 
 
 @dataclass
@@ -35,7 +39,7 @@ class Row:
     pos: int
     token_id: int
     text: str
-    values: dict[str, float | None]  # rollout, train, diff, ref, adv, mask, entropy
+    values: dict[str, float | None]  # VALUES: ..., version (the weight version that generated the token)
     hot: bool
     turn: str = "0 model"  # the turn the token is in: its number and source (a single-turn sample: one turn)
 
@@ -54,8 +58,8 @@ class Explained:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slime-lite explain", description=(
         "Show one sample token by token: rollout vs train log-probs (large differences highlighted), ref log-prob, "
-        "advantage, loss mask, entropy. Joins a --save-debug-rollout-data dump with --save-debug-train-data dumps "
-        "of the same rollout on the sample index."))
+        "advantage, loss mask, entropy, weight version. Joins a --save-debug-rollout-data dump with "
+        "--save-debug-train-data dumps of the same rollout on the sample index."))
     p.add_argument("--rollout-dump", required=True, metavar="FILE", help="one rollout dump (--save-debug-rollout-data)")
     p.add_argument("--train-dump", required=True, nargs="+", metavar="FILE",
                    help="the train dump(s) of the same rollout (--save-debug-train-data); with data parallelism "
@@ -116,6 +120,8 @@ def join(rollout: Any, train: TrainDump, index: int, threshold: float, texts: An
     rollout_lp = _values(sample.rollout_log_probs) or _values(row.get("rollout_log_probs"))
     cols = {name: _values(row.get(key)) for name, key in (("ref", "ref_log_probs"), ("adv", "advantages"),
                                                           ("mask", "loss_masks"), ("entropy", "entropy"))}
+    versions = sample.metadata.get(TOKEN_VERSIONS)
+    cols["version"] = [float(v) for v in versions] if versions is not None and len(versions) == n else None
     ids = list(sample.tokens[len(sample.tokens) - n:])
     text = texts(ids) if texts is not None else [f"#{t}" for t in ids]
     label = [""] * n
@@ -152,6 +158,12 @@ def _summary(ex: Explained) -> dict[str, str]:
                                     f"{worst.pos} {worst.text!r}")
     else:
         out["|train - rollout|"] = "no rollout log-probs in either dump"
+    versions = s.metadata.get(TOKEN_VERSIONS)
+    if versions:
+        since = s.metadata.get("start_rollout_id")
+        out["weight versions"] = version_runs(versions) + (
+            f" (continued since rollout {since}: --partial-rollout)" if since is not None and since != ex.rollout_id
+            else "")
     out["over threshold"] = f"{sum(r.hot for r in ex.rows)} token(s) with |diff| > {ex.threshold:g} (highlighted)"
     return out
 
@@ -174,7 +186,7 @@ def _short(text: Any, limit: int = 300) -> str:
 def _fmt(name: str, v: float | None) -> str:
     if v is None:
         return "-"
-    if name == "mask":
+    if name in ("mask", "version"):
         return f"{v:g}"
     if not math.isfinite(v):
         return str(v)
@@ -184,8 +196,7 @@ def _fmt(name: str, v: float | None) -> str:
 
 
 def _cells(r: Row) -> list[str]:
-    return [str(r.pos), r.turn, repr(r.text)[1:-1]] + [_fmt(k, r.values[k]) for k in
-                                                ("rollout", "train", "diff", "ref", "adv", "mask", "entropy")]
+    return [str(r.pos), r.turn, repr(r.text)[1:-1]] + [_fmt(k, r.values[k]) for k in VALUES]
 
 
 def render_terminal(ex: Explained, console: Any) -> None:

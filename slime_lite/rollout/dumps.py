@@ -16,7 +16,7 @@ from typing import Any, Iterable
 from slime_lite import __version__
 from slime_lite.errors import DumpError, SlimeLiteError
 from slime_lite.io import atomic_torch_save, load_plain
-from slime_lite.types import RewardError, Sample, Status
+from slime_lite.types import TOKEN_VERSIONS, RewardError, Sample, Status
 
 FORMAT_VERSION = 1
 STATUSES = tuple(s.value for s in Status)
@@ -85,13 +85,18 @@ def _to_plain(value: Any) -> Any:
     raise DumpError(f"cannot save a value of type {type(value).__name__} in a rollout dump (plain data only)")
 
 
+def plain_sample(sample: Sample) -> dict[str, Any]:
+    """A sample as the plain data a dump (or a checkpoint) holds."""
+    return _to_plain(sample.to_dict())
+
+
 def save_rollout_dump(
     path: str, rollout_id: int, samples: list[Sample], meta: dict[str, Any] | None = None, **extra: Any
 ) -> None:
     """Write a dump atomically: a crash never leaves a truncated file at ``path``."""
     payload = {
         "rollout_id": rollout_id,
-        "samples": [_to_plain(s.to_dict()) for s in samples],
+        "samples": [plain_sample(s) for s in samples],
         "format_version": FORMAT_VERSION,
         "meta": _to_plain(meta or {}),
     }
@@ -172,6 +177,12 @@ def _field_problem(item: dict[str, Any]) -> str | None:
         bad = next((k for k, v in enumerate(value) if not isinstance(v, (int, float))), None)
         if bad is not None:
             return f"{name}[{bad}]: {value[bad]!r} is not a number"
+    metadata = item.get("metadata")
+    versions = _as_list(metadata.get(TOKEN_VERSIONS)) if isinstance(metadata, dict) else None
+    if versions is not None and (not isinstance(versions, (list, tuple)) or len(versions) != length
+                                 or not all(_is_int(v) for v in versions)):
+        return (f"metadata[{TOKEN_VERSIONS!r}]: expected one int weight version per response token "
+                f"({length}), got {versions!r:.80}")
     reward = item.get("reward")
     if reward is not None and not isinstance(reward, (int, float, dict)):
         return f"reward: expected a number, a dict or None, got {type(reward).__name__} {reward!r}"

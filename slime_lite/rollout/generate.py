@@ -8,12 +8,13 @@ import logging
 import time
 from typing import Any, Callable
 
-from slime_lite.checks.faults import kills_engine, sampling_temperature
+from slime_lite.checks.faults import sampling_temperature
 from slime_lite.config import RolloutConfig
 from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import HookArgs, call_maybe_async, load_hook
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
+from slime_lite.rollout.oversample import MAX_SUBMITS, OverSampler, stamp_versions
 from slime_lite.rollout.rewards import compute_reward
 from slime_lite.types import Sample, Status
 
@@ -49,33 +50,45 @@ def new_group(prompt: Prompt, n: int, group_index: int, first_index: int, text: 
 
 
 def fill_response(sample: Sample, out: dict[str, Any]) -> Sample:
-    """Copy one /generate result (SGLang's response shape) into the sample."""
+    """Append one /generate result (SGLang's response shape) to the sample: a new sample's whole response, or the
+    rest of an aborted one continued from its tokens (--partial-rollout)."""
     meta = out["meta_info"]
     ids = list(out["output_ids"])
     logprobs = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
+    had = sample.response_length
+    before = sample.rollout_log_probs if had else []
     sample.tokens = sample.tokens + ids
-    sample.response = out["text"]
-    sample.response_length = len(ids)
-    sample.rollout_log_probs = logprobs if len(logprobs) == len(ids) else None
-    sample.loss_mask = [1] * len(ids)
+    sample.response = (sample.response if had else "") + out["text"]
+    sample.response_length = had + len(ids)
+    sample.rollout_log_probs = before + logprobs if before is not None and len(logprobs) == len(ids) else None
+    sample.loss_mask = (list(sample.loss_mask or [1] * had) if had else []) + [1] * len(ids)
     sample.status = Status.from_finish_reason((meta.get("finish_reason") or {}).get("type"))
     if meta.get("weight_version") is not None:
         sample.weight_versions.append(str(meta["weight_version"]))
-    sample.prefix_cache_info.cached_tokens = int(meta.get("cached_tokens") or 0)
-    sample.prefix_cache_info.total_prompt_tokens = int(meta.get("prompt_tokens") or 0)
+    sample.prefix_cache_info.cached_tokens += int(meta.get("cached_tokens") or 0)
+    sample.prefix_cache_info.total_prompt_tokens += int(meta.get("prompt_tokens") or 0)
     return sample
 
 
+def continued(params: dict[str, Any], sample: Sample) -> dict[str, Any]:
+    """The sampling params of a sample's request: a continued one (--partial-rollout) has its response tokens in
+    its input ids and may generate only the rest of --rollout-max-response-len."""
+    return dict(params, max_new_tokens=params["max_new_tokens"] - sample.response_length) if sample.response_length \
+        else params
+
+
 async def default_generate(args: Any, sample: Sample, params: dict[str, Any]) -> Sample:
-    """slime's generate signature; sends the prompt ids to an engine and fills the response fields."""
-    body = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
+    """slime's generate signature; sends the prompt ids (and a continued sample's response so far) to an engine and
+    fills the response fields."""
+    body = {"input_ids": sample.tokens, "sampling_params": continued(params, sample), "return_logprob": True}
     return fill_response(sample, await args.engine_client.generate(body))
 
 
 async def generate_group(args: Any, group: list[Sample], params: list[dict[str, Any]]) -> list[Sample]:
     """A prompt group in one /generate call (a list of prompts, one sampling-params dict each): one HTTP round
     trip instead of n; the engine batches them as it would n separate requests."""
-    body = {"input_ids": [s.tokens for s in group], "sampling_params": params, "return_logprob": True}
+    body = {"input_ids": [s.tokens for s in group], "sampling_params": [continued(p, s) for s, p in zip(group, params)],
+            "return_logprob": True}
     outs = await args.engine_client.generate(body)
     return [fill_response(s, out) for s, out in zip(group, outs)]
 
@@ -117,6 +130,7 @@ class Generator:
         # monotonic times of this rollout's first request sent and last response back (perf/rollout/generate_time)
         self.first_sent: float | None = None
         self.last_back: float | None = None
+        self.over = OverSampler(self)  # over-sampling, aborts, and the samples carried between rollouts
 
     def _sent(self) -> None:
         if self.first_sent is None:
@@ -137,6 +151,8 @@ class Generator:
             s.generate_function_path = self.args.custom_generate_function_path
 
         async def reward(sample: Sample, t0: float) -> Sample:
+            if sample.status is Status.ABORTED:  # cut short (over-sampling): dropped, or continued and scored later
+                return sample
             t1 = time.monotonic()
             sample.reward = await compute_reward(self.args, sample)
             if not self.config.deterministic_mode:  # wall-clock values would tell two identical dumps apart
@@ -162,29 +178,38 @@ class Generator:
         done = await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample)))
         return [s for parts in done for s in parts]
 
+    def new_group(self, prompt: Prompt, first_index: int) -> list[Sample]:
+        """A prompt's group of ``--n-samples-per-prompt`` samples, numbered from ``first_index``."""
+        text, ids = self.encode(prompt)
+        return new_group(prompt, self.config.n_samples_per_prompt, 0, first_index, text, ids)
+
     async def rollout(self, rollout_id: int, source: PromptSource) -> tuple[list[Sample], dict[str, float]]:
-        """``--rollout-batch-size`` groups of ``--n-samples-per-prompt``; over-sample and filter when asked."""
+        """``--rollout-batch-size`` groups of ``--n-samples-per-prompt``: over-sampled, filtered and aborted as
+        rollout/oversample.py says; under --deterministic-mode (the default generate) in whole waves instead."""
         a = self.config
         params = sampling_params(a)
+        self.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
+        self.first_sent = self.last_back = None
+        seed_base = a.rollout_seed * 1_000_003 + rollout_id * 100_003  # resumable: (seed, rollout id, position)
+        if not (a.deterministic_mode and self.generate_fn is default_generate):
+            return await self.over.rollout(rollout_id, source, params, seed_base)
+        return await self._rollout_in_waves(source, params, seed_base)
+
+    async def _rollout_in_waves(self, source: PromptSource, params: dict[str, Any],
+                                seed_base: int) -> tuple[list[Sample], dict[str, float]]:
+        """--deterministic-mode: waves of ``--over-sampling-batch-size`` groups, each run to its end (nothing is
+        aborted, so the same run twice keeps the same groups), until the filter kept ``--rollout-batch-size``."""
+        a = self.config
         wave = a.over_sampling_batch_size or a.rollout_batch_size
         kept: list[list[Sample]] = []
         generated = dropped = 0
-        next_index = 0  # per rollout, so sampling seeds depend only on (seed, rollout id, position): resumable
-        self.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
-        self.first_sent = self.last_back = None
-        seed_base = a.rollout_seed * 1_000_003 + rollout_id * 100_003
-        for _ in range(100):  # bounded: a filter that never keeps a group stops the run, not hangs it
-            prompts = source.next_batch(wave)
+        next_index = 0
+        for _ in range(MAX_SUBMITS):
             groups = []
-            for prompt in prompts:
-                text, ids = self.encode(prompt)
-                groups.append(new_group(prompt, a.n_samples_per_prompt, 0, next_index, text, ids))
+            for prompt in source.next_batch(wave):
+                groups.append(self.new_group(prompt, next_index))
                 next_index += a.n_samples_per_prompt
-            if a.deterministic_mode and self.generate_fn is default_generate:
-                results = await self._run_together(groups, params, seed_base)
-            else:
-                results = await self._run_concurrently(groups, params, seed_base, rollout_id)
-            for group in results:
+            for group in await self._run_together(groups, params, seed_base):
                 generated += 1
                 if self.filter_fn is None or self.filter_fn(self.args, group):
                     if len(kept) < a.rollout_batch_size:
@@ -195,14 +220,15 @@ class Generator:
                 break
         else:
             raise SlimeLiteError(
-                f"--dynamic-sampling-filter-path kept only {len(kept)} of {generated} groups after 100 waves; "
-                "the filter is too strict for this model/data."
+                f"--dynamic-sampling-filter-path kept only {len(kept)} of {generated} groups after {MAX_SUBMITS} "
+                "waves; the filter is too strict for this model/data."
             )
         samples = []
         for gi, group in enumerate(kept):
             for s in group:
                 s.group_index = gi
                 s.index = len(samples)
+                stamp_versions(s)
                 samples.append(s)
         stats = {"rollout/dynamic_filter/generated_groups": float(generated),
                  "rollout/dynamic_filter/dropped_groups": float(dropped)} if self.filter_fn else {}
@@ -216,14 +242,6 @@ class Generator:
         flat = await self._run_group([s for g in groups for s in g], params, seed_base)
         sizes = [len(g) for g in groups]
         return [flat[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(groups))]
-
-    async def _run_concurrently(self, groups: list[list[Sample]], params: dict[str, Any], seed_base: int,
-                                rollout_id: int) -> list[list[Sample]]:
-        """One /generate call per group, all in flight together (the engines batch them as they arrive)."""
-        runs = [self._run_group(g, params, seed_base) for g in groups]
-        if self.kill_engine is not None and kills_engine(self.config.debug_inject_fault, rollout_id):
-            runs[-1] = self._kill_engine_before(runs[-1], wait_for_a_group=len(runs) > 1)
-        return list(await asyncio.gather(*runs))
 
     async def _kill_engine_before(self, run: Any, wait_for_a_group: bool) -> list[Sample]:
         """--debug-inject-fault kill-engine: once a group has finished (the others are in flight), kill engine 0,

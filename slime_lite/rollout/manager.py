@@ -27,13 +27,16 @@ from slime_lite.rollout.stats import eval_metrics, rollout_metrics
 from slime_lite.rollout.timing import engine_step_stats, phase_metrics
 from slime_lite.rollout.turns import turns
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
-from slime_lite.types import Sample
+from slime_lite.types import Sample, version_number
 
 log = logging.getLogger(__name__)
 
 
 class RolloutManager:
-    def __init__(self, args: Any, engine_urls: list[str], fault_engine: Any = None) -> None:
+    def __init__(self, args: Any, engine_urls: list[str], fault_engine: Any = None,
+                 worker_urls: list[str] | None = None) -> None:
+        """``engine_urls``: where /generate goes (the router, or each engine); ``worker_urls``: the engines' own
+        URLs behind a router (over-sampling aborts requests on each)."""
         setup_logging(args.log_level)
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
@@ -51,6 +54,7 @@ class RolloutManager:
             client = AsyncEngineClient(engine_urls, timeout=args.rollout_request_timeout,
                                        wait_for_replacement=args.use_fault_tolerance)
             self.generator = Generator(args, self.tokenizer, client)
+            self.generator.over.abort_urls = list(worker_urls or engine_urls)
             if fault_engine is not None:  # --debug-inject-fault kill-engine: engine 0's actor, to kill its server
                 self.generator.kill_engine = lambda: kill_engine(fault_engine, engine_urls[0])
         if args.prompt_data and not args.debug_train_only:
@@ -140,7 +144,7 @@ class RolloutManager:
         metrics.update(extra)
         served = [str(v) for s in samples for v in s.weight_versions[-1:]]
         if served:  # -1: the engine still serves what it loaded itself ("default"): no push ever reached it
-            metrics["rollout/weight_version"] = float(max(_version_number(v) for v in served))
+            metrics["rollout/weight_version"] = float(max(version_number(v) for v in served))
         elif not a.load_debug_rollout_data and self.generator is not None:
             metrics.update(self._engine_weight_version(rollout_id))
         if not a.load_debug_rollout_data:
@@ -160,7 +164,7 @@ class RolloutManager:
                      "meta_info.weight_version); the weight version is read from the engines instead", rollout_id)
             self._told_engine_version = True
         infos = [request_json(u, "/get_model_info", timeout=30.0, method="GET") for u in self.generator.client.urls]
-        versions = [_version_number(str(i.get("weight_version"))) for i in infos if isinstance(i, dict)]
+        versions = [version_number(str(i.get("weight_version"))) for i in infos if isinstance(i, dict)]
         if not versions:
             return {}
         return {"rollout/weight_version": float(min(versions)), "rollout/weight_version_from_engines": 1.0}
@@ -208,7 +212,13 @@ class RolloutManager:
         return self.generator.client.failed() if self.generator is not None else []
 
     def replace_engine(self, old_url: str, new_url: str) -> None:
-        self.generator.client.replace(old_url, new_url)  # the hooks' sglang_router_ip/port follow the client
+        """A restarted engine (or router) serves in place of ``old_url``; the hooks' sglang_router_ip/port follow
+        the client."""
+        if old_url in self.generator.client.urls:
+            self.generator.client.replace(old_url, new_url)
+        urls = self.generator.over.abort_urls
+        if old_url in urls:
+            urls[urls.index(old_url)] = new_url
 
     def progress(self) -> list[int]:
         return list(self.generator.progress) if self.generator is not None else [0, 0]
@@ -219,22 +229,26 @@ class RolloutManager:
             self._run(self.generator.client.close())
 
     def state(self) -> dict[str, Any]:
-        return {"source": self.source.state() if self.source else None}
+        """What a checkpoint keeps of the rollout side: the prompt cursor, and the samples --partial-rollout carries
+        to the next rollout (a resumed run continues them: no prompt is lost or generated twice)."""
+        state: dict[str, Any] = {"source": self.source.state() if self.source else None}
+        if self.generator is not None and self.generator.over.carried:
+            state["carried"] = [[dumps.plain_sample(s) for s in g] for g in self.generator.over.carried]
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         if self.source is not None and state.get("source"):
             self.source.load_state(state["source"])
+        if self.generator is not None and state.get("carried"):
+            self.generator.over.load_state(state["carried"])
+            log.info("--partial-rollout: %d samples carried from the checkpoint continue in the next rollout",
+                     sum(len(g) for g in state["carried"]))
 
     def memory(self) -> dict[str, float]:
         return process_memory()
 
     def imported_modules(self) -> list[str]:
         return sorted(sys.modules)
-
-
-def _version_number(version: str) -> int:
-    """A served weight version as a number: -1 for "default" (the weights the engine loaded itself)."""
-    return int(version) if version.isdigit() else -1
 
 
 async def kill_engine(engine: Any, url: str) -> None:

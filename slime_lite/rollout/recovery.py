@@ -137,8 +137,7 @@ class EngineRecovery:
             weights = f"weights version {self.version} pushed, weight check passed"
         else:
             weights = "no trainer: it serves --hf-checkpoint's weights, as before"
-        if self.fleet.router is None:
-            ray.get(self.manager.replace_engine.remote(old_url, new_url))
+        ray.get(self.manager.replace_engine.remote(old_url, new_url))  # behind a router: where aborts go
         self.restarts += 1
         log.warning("engine %d restarted at %s in %.1fs (%s); the unfinished requests are sent again",
                     i, new_url, time.monotonic() - t0, weights)

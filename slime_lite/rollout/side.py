@@ -40,7 +40,7 @@ class RolloutSide:
         generate_urls = [self.fleet.router.start()] if self.fleet.router else list(self.fleet.urls)
         fault_engine = self.fleet.engines[0] if c.debug_inject_fault == "kill-engine" and self.fleet.engines else None
         self.manager = ray.remote(RolloutManager).options(num_cpus=0.5, max_concurrency=2).remote(
-            args, generate_urls, fault_engine)
+            args, generate_urls, fault_engine, list(self.fleet.urls))
         self.recovery = (EngineRecovery(args, pg, bundles, self.fleet, self.manager, push)
                          if c.use_fault_tolerance and self.fleet.engines else NoRecovery())
 

@@ -252,3 +252,19 @@ def test_sample_tensors_pickle_as_one_buffer_and_come_back_equal():
     odd = B.SampleTensors({0: torch.ones(2, requires_grad=True), 1: None})  # kept as they are, not flattened
     back = pickle.loads(pickle.dumps(odd))
     assert back[0].requires_grad and back[1] is None
+
+
+def test_the_train_rollout_comparison_leaves_out_tokens_of_older_weights():
+    """A sample continued by --partial-rollout holds tokens of versions 2 and 3: only the version-3 ones (the
+    newest in the batch) are compared with the trainer's log-probs; samples without per-token versions keep their
+    loss masks."""
+    import torch
+
+    from slime_lite.backends.megatron.batch import newest_weight_masks
+    from slime_lite.types import Sample
+
+    continued = Sample(response_length=4, metadata={"token_weight_versions": [2, 2, 3, 3]})
+    fresh = Sample(response_length=2, metadata={"token_weight_versions": [3, 3]})
+    masks = [torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.ones(2), torch.ones(3)]
+    out = newest_weight_masks([continued, fresh, Sample(response_length=3)], masks)
+    assert [m.tolist() for m in out] == [[0.0, 0.0, 1.0, 0.0], [1.0, 1.0], [1.0, 1.0, 1.0]]

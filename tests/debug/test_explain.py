@@ -83,6 +83,22 @@ def test_terminal_shows_the_sample_token_by_token(dumps, capsys):
     assert "0 token(s) with |diff| > 0.05" in capsys.readouterr().out
 
 
+def test_a_continued_sample_shows_the_weight_version_of_each_token(dumps, tmp_path, capsys, tiny_model_dir):
+    """--partial-rollout: a sample whose first token came from weights 2 and the second from weights 3 (rollout 3)."""
+    batch = samples(dumps["tok"])
+    batch[1].metadata.update(token_weight_versions=[2, 3], start_rollout_id=2)
+    save_rollout_dump(str(tmp_path / "data_3.pt"), 3, batch, {"model_path": str(tiny_model_dir)})
+    assert cli(["explain", "--rollout-dump", str(tmp_path / "data_3.pt"), "--train-dump", *dumps["train"],
+                "--sample", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 x1, 3 x1 (continued since rollout 2: --partial-rollout)" in out
+    assert re.search(r"-1\.0000 .* 2\.5000 .* 3\b", next(line for line in out.splitlines() if "-0.7500" in line))
+    from slime_lite.debug.display import main as display
+
+    assert display(["--load-debug-rollout-data", str(tmp_path / "data_3.pt"), "--max-samples", "2"]) == 0
+    assert "2 x1, 3 x1" in capsys.readouterr().out
+
+
 def _fails(argv: list[str], capsys) -> str:
     assert cli(argv) == 2
     return capsys.readouterr().err

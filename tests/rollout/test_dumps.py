@@ -192,6 +192,9 @@ MALFORMED = [
     ("reward-str", {"reward": "high"}, r"reward: expected a number, a dict or None, got str 'high'"),
     ("index-str", {"index": "1"}, r"index: expected an int or None, got str '1'"),
     ("status", {"status": "done"}, r"status: 'done' is not one of pending, completed"),
+    ("token-versions", {"metadata": {"token_weight_versions": [3]}},
+     r"metadata\['token_weight_versions'\]: expected one int weight version per response token \(2\)"),
+    ("token-version-str", {"metadata": {"token_weight_versions": [3, "4"]}}, r"metadata\['token_weight_versions'\]"),
 ]
 
 

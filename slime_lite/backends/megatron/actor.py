@@ -133,7 +133,8 @@ class TrainActor(TrainWorker):
         metrics.update(self._rollout_stats(samples, logp, ref_logp, rollout_lp,
                                            advantages, masks, values))
         if a.get_mismatch_metrics:
-            metrics.update(self._mismatch(rollout_id, samples, logp, rollout_lp, masks))
+            metrics.update(self._mismatch(rollout_id, samples, logp, rollout_lp,
+                                          B.newest_weight_masks(samples, masks)))  # as the log-prob check
         details = {"log_probs": logp, "ref_log_probs": ref_logp, "advantages": advantages, "returns": returns,
                    "values": values}
         if a.dump_details:
@@ -176,10 +177,15 @@ class TrainActor(TrainWorker):
             out["rollout/log_probs_ref_max_abs_diff"] = masked_max([(x - r).abs() for x, r in zip(logp, ref_logp)],
                                                                    masks)
         if rollout_lp is not None:
-            diffs = [(x - r).abs() for x, r in zip(logp, rollout_lp)]
             out["rollout/rollout_log_probs"] = mean(rollout_lp)
-            out["train/train_rollout_logprob_abs_diff"] = mean(diffs)
-            out["train/train_rollout_logprob_abs_diff_max"] = masked_max(diffs, masks)
+            # over the tokens of the newest weights: a continued sample's older tokens (--partial-rollout) are
+            # off-policy, and would read as a weight or precision fault
+            newest = B.newest_weight_masks(samples, masks)
+            diffs = [(x - r).abs() for x, r in zip(logp, rollout_lp)]
+            fresh = [(d, m) for d, m in zip(diffs, newest) if m.sum() > 0]
+            out["train/train_rollout_logprob_abs_diff"] = (
+                float(torch.stack([rl_math.masked_mean(d.float(), m) for d, m in fresh]).mean()) if fresh else 0.0)
+            out["train/train_rollout_logprob_abs_diff_max"] = masked_max(diffs, newest)
         if values is not None:
             out["rollout/values"] = mean(values)
         return out

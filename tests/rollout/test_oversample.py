@@ -1,0 +1,234 @@
+"""Over-sampling with abort and --partial-rollout, through the real Generator and OverSampler against a FAKE engine
+client (no engine here decodes slowly enough to abort on cue): aborted samples are never trained, carried samples
+continue from exactly their tokens, every token keeps the weight version that generated it across several pushes,
+and the carried samples survive a checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from slime_lite.args import parser_defaults
+from slime_lite.rollout.data import Prompt, PromptSource
+from slime_lite.rollout.generate import Generator
+from slime_lite.tokenizer import load_tokenizer
+from slime_lite.types import TOKEN_VERSIONS, Status
+
+STEP_S = 0.002  # the fake's seconds per decode step
+SHORT, LONG = 4, 400  # response tokens of a short and a long prompt's samples
+
+
+def next_token(last: int) -> int:
+    return (last * 7 + 3) % 90 + 5
+
+
+def token_logprob(token: int) -> float:
+    return -0.01 * (token % 13) - 0.05
+
+
+class FakeEngine:
+    """FAKE engine client: SGLang's /generate shape (a list of prompts in, one result each), one token per STEP_S
+    per request, the next token a function of the last one (so a continued request goes on exactly as an
+    uninterrupted one), a response ends ("stop") once it has ``lengths[first input id]`` tokens counted from the
+    prompt, ``max_new_tokens`` ends it with "length". /abort_request {"abort_all": true} ends every request in
+    flight with "abort" and what it generated; a request arriving later runs normally, as on a real engine. Every
+    request is logged: (input ids, tokens generated, version)."""
+
+    def __init__(self, prompt_lens: dict[int, int], lengths: dict[int, int]) -> None:
+        self.urls = ["http://127.0.0.1:9"]  # nothing listens: the manager's step-counter reads find no engine
+        self.prompt_lens, self.lengths = prompt_lens, lengths  # first id -> prompt length / response length
+        self.version = "0"
+        self.inflight: set[int] = set()
+        self.cut: set[int] = set()
+        self.log: list[tuple[list[int], int, str]] = []
+        self.aborts = 0
+        self._ids = 0
+
+    async def _one(self, ids: list[int], params: dict) -> dict:
+        rid, self._ids = self._ids, self._ids + 1
+        self.inflight.add(rid)
+        want = self.prompt_lens[ids[0]] + self.lengths[ids[0]] - len(ids)
+        out: list[int] = []
+        finish = "stop"
+        try:
+            while True:
+                if rid in self.cut:
+                    finish = "abort"
+                    break
+                if len(out) >= want:
+                    break
+                if len(out) >= params["max_new_tokens"]:
+                    finish = "length"
+                    break
+                await asyncio.sleep(STEP_S)
+                out.append(next_token((ids + out)[-1]))
+        finally:
+            self.inflight.discard(rid)
+            self.cut.discard(rid)
+        self.log.append((list(ids), len(out), self.version))
+        return {"text": "".join(chr(97 + t % 26) for t in out), "output_ids": out,
+                "meta_info": {"finish_reason": {"type": finish}, "weight_version": self.version,
+                              "output_token_logprobs": [[token_logprob(t), t, None] for t in out],
+                              "prompt_tokens": len(ids), "cached_tokens": 0}}
+
+    async def generate(self, body: dict) -> list[dict]:
+        params = body["sampling_params"]
+        return list(await asyncio.gather(*(self._one(ids, p) for ids, p in zip(body["input_ids"], params))))
+
+    async def post(self, url: str, route: str, body: dict) -> None:
+        assert route == "/abort_request" and body == {"abort_all": True}
+        self.aborts += 1
+        self.cut |= self.inflight
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(str(tiny_model_dir))
+
+
+def make(tokenizer, tiny_model_dir, kinds: str, **flags):
+    """A Generator over prompts of the given kinds ('s' short, 'l' long, 'x' longer still) and its fake engine."""
+    texts = [f"{chr(65 + i)}{k}=?" for i, k in enumerate(kinds)]  # a distinct first character each
+    prompts = [Prompt(i, t, "3", {}) for i, t in enumerate(texts)]
+    first = {}
+    for t in texts:
+        ids = tokenizer(t, add_special_tokens=False)["input_ids"]
+        first[ids[0]] = (len(ids), {"s": SHORT, "l": LONG, "x": 3 * LONG}[t[1]])
+    engine = FakeEngine({k: v[0] for k, v in first.items()}, {k: v[1] for k, v in first.items()})
+    flags = {"rollout_batch_size": 2, "n_samples_per_prompt": 2, "over_sampling_batch_size": 4,
+             "rollout_max_response_len": 4 * LONG, **flags}
+    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), rm_type="addition", **flags)
+    return Generator(args, tokenizer, engine), PromptSource(prompts, shuffle=False, seed=0), engine
+
+
+def expected_response(prompt_ids: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token((prompt_ids + out)[-1]))
+    return out
+
+
+def rollout(gen, source, rollout_id):
+    return asyncio.run(gen.rollout(rollout_id, source))
+
+
+def test_over_sampling_aborts_the_unfinished_groups_and_never_trains_them(tokenizer, tiny_model_dir) -> None:
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssllssll")
+    samples, stats = rollout(gen, source, 0)
+    assert len(samples) == 4 and {s.metadata["prompt_index"] for s in samples} == {0, 1}
+    assert all(s.status is Status.COMPLETED and s.response_length == SHORT for s in samples)
+    assert [s.index for s in samples] == [0, 1, 2, 3] and [s.group_index for s in samples] == [0, 0, 1, 1]
+    assert engine.aborts >= 1 and not engine.inflight
+    cut = [n for ids, n, _ in engine.log if engine.lengths[ids[0]] == LONG]
+    assert len(cut) == 4 and all(n < LONG for n in cut)  # the long groups were stopped, not waited for
+    assert stats["rollout/over_sampling/aborted_groups"] == 2.0
+    assert stats["rollout/over_sampling/tokens_wasted"] == float(sum(cut))
+    assert not gen.over.carried and "rollout/partial/samples_carried" not in stats
+    # without --partial-rollout the next rollout takes new prompts: the aborted ones are gone
+    samples, _ = rollout(gen, source, 1)
+    assert {s.metadata["prompt_index"] for s in samples} == {4, 5}
+
+
+def test_partial_rollout_continues_carried_samples_from_their_tokens_with_per_token_versions(
+        tokenizer, tiny_model_dir) -> None:
+    """Rollout 0 aborts the long groups (version 0), rollout 1 (version 1) continues and aborts them again, rollout
+    2 (version 2) finishes them: each request sends exactly the tokens the sample has, the response is the one an
+    uninterrupted request gives, and every token carries the version that generated it."""
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssllssxx", partial_rollout=True)
+    first, _ = rollout(gen, source, 0)
+    assert {s.metadata["prompt_index"] for s in first} == {0, 1}
+    carried = [s for g in gen.over.carried for s in g]
+    assert len(carried) == 4 and all(s.status is Status.ABORTED and s.reward is None for s in carried)
+    assert all(s.metadata["start_rollout_id"] == 0 for s in carried if s.response_length)
+    for version, rollout_id in (("1", 1), ("2", 2)):
+        engine.version = version  # the weight push between rollouts
+        samples, stats = rollout(gen, source, rollout_id)
+    assert {s.metadata["prompt_index"] for s in samples} == {2, 3}  # the carried groups, none lost
+    assert stats["rollout/partial/samples_carried"] == 4.0 and stats["rollout/partial/age_max"] == 2.0
+    carried_tokens = 0
+    for s in samples:
+        prompt = tokenizer(s.metadata["prompt_text"], add_special_tokens=False)["input_ids"]
+        requests = []  # the fake is deterministic: both samples of a group send the same requests
+        for r in engine.log:
+            if r[0][: len(prompt)] == prompt and r not in requests:
+                requests.append(r)
+        assert len(requests) == 3, requests
+        sent = prompt
+        for ids, n, _ in requests:  # each request continues from exactly the tokens the sample had
+            assert ids == sent
+            sent = ids + expected_response(ids, n)
+        assert s.tokens == sent and s.status is Status.COMPLETED and s.response_length == LONG
+        assert s.tokens[len(prompt):] == expected_response(prompt, LONG)  # as if never interrupted
+        assert s.rollout_log_probs == [token_logprob(t) for t in s.tokens[len(prompt):]]
+        assert s.metadata[TOKEN_VERSIONS] == [int(v) for _, n, v in requests for _ in range(n)]
+        assert s.weight_versions == ["0", "1", "2"] and s.loss_mask == [1] * LONG and s.reward is not None
+        carried_tokens += sum(n for _, n, v in requests if v != "2")
+    assert stats["rollout/partial/tokens_carried"] == float(carried_tokens)
+    assert stats["rollout/partial/carried_token_share"] == carried_tokens / (4 * LONG)
+
+
+def test_mask_offpolicy_masks_the_tokens_of_older_weights_only(tokenizer, tiny_model_dir) -> None:
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssllxxxx", partial_rollout=True,
+                               mask_offpolicy_in_partial_rollout=True)
+    rollout(gen, source, 0)
+    engine.version = "1"
+    samples, stats = rollout(gen, source, 1)
+    assert {s.metadata["prompt_index"] for s in samples} == {2, 3}
+    for s in samples:
+        versions = s.metadata[TOKEN_VERSIONS]
+        assert 0 in versions and 1 in versions
+        assert s.loss_mask == [int(v == 1) for v in versions]
+    assert stats["rollout/partial/age_mean"] == 1.0
+
+
+def test_carried_samples_survive_a_checkpoint(tokenizer, tiny_model_dir, tmp_path) -> None:
+    """The rollout manager's state holds the carried samples as plain data (a weights_only load reads it back); a
+    resumed manager continues them in its first rollout, with their tokens and versions."""
+    from slime_lite.rollout.manager import RolloutManager
+
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssllxxxx", partial_rollout=True)
+    manager = RolloutManager(gen.args._flags, [])
+    manager.generator, manager.source = gen, source
+    manager.generate(0)
+    path = tmp_path / "state.pt"
+    torch.save(manager.state(), path)
+    before = [[(s.tokens, s.metadata.get(TOKEN_VERSIONS)) for s in g] for g in gen.over.carried]
+    assert len(before) == 2
+
+    resumed, source2, engine2 = make(tokenizer, tiny_model_dir, "ssllxxxx", partial_rollout=True)
+    manager2 = RolloutManager(resumed.args._flags, [])
+    manager2.generator, manager2.source = resumed, source2
+    manager2.load_state(torch.load(path, weights_only=True))
+    assert [[(s.tokens, s.metadata.get(TOKEN_VERSIONS)) for s in g] for g in resumed.over.carried] == before
+    engine2.version = "1"
+    samples, metrics = manager2.generate(1)
+    assert {s.metadata["prompt_index"] for s in samples} == {2, 3}  # the carried prompts, trained
+    assert {s.metadata["prompt_index"] for g in resumed.over.carried for s in g} == {4, 5}  # the new ones, carried
+    assert source2.state() == {"epoch": 0, "offset": 6}  # no prompt skipped or served twice
+    assert metrics["rollout/partial/samples_carried"] == 4.0
+
+
+def odd_prompts(args, group) -> bool:  # a --dynamic-sampling-filter-path hook for the test below
+    return group[0].metadata["prompt_index"] % 2 == 1
+
+
+def test_groups_the_filter_drops_are_replaced_by_more_prompts(tokenizer, tiny_model_dir) -> None:
+    gen, source, _ = make(tokenizer, tiny_model_dir, "s" * 16, rollout_batch_size=3,
+                               dynamic_sampling_filter_path="tests.rollout.test_oversample.odd_prompts")
+    samples, stats = rollout(gen, source, 0)
+    kept = [s.metadata["prompt_index"] for s in samples[::2]]
+    assert len(kept) == 3 and all(i % 2 for i in kept) and {1, 3} <= set(kept)
+    assert stats["rollout/over_sampling/submitted_groups"] == 8.0  # 4, then 4 more once 2 of them were dropped
+    assert stats["rollout/dynamic_filter/dropped_groups"] >= 2 and all(s.status is Status.COMPLETED for s in samples)
+
+
+def test_a_filter_that_keeps_nothing_stops_the_rollout_naming_it(tokenizer, tiny_model_dir) -> None:
+    from slime_lite.errors import SlimeLiteError
+
+    gen, source, _ = make(tokenizer, tiny_model_dir, "s" * 8,  # the fake's samples agree: zero reward std
+                          dynamic_sampling_filter_path="slime_lite.rollout.filters.check_reward_nonzero_std")
+    with pytest.raises(SlimeLiteError, match=r"rollout 0: only 0 of --rollout-batch-size 2 groups finished after "
+                                             r"100 batches .* --dynamic-sampling-filter-path"):
+        rollout(gen, source, 0)
