@@ -69,19 +69,29 @@ def solve(prompt: str) -> tuple[list[str], str]:
     return steps, calc({"expr": steps[1]})[0]
 
 
+@functools.lru_cache(maxsize=4)
+def _frames(tokenizer: Any) -> tuple[str, str, str, str]:
+    """The chat template's text before and after a user prompt (with the generation prompt) and a tool result
+    (after the model's turn), rendered once around placeholders: the warm start builds thousands of transcripts."""
+    user, result = "\x00user\x00", "\x00result\x00"
+    history: list[dict[str, Any]] = [{"role": "user", "content": user}]
+    before, after = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True).split(user)
+    history.append({"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": TOOL, "arguments": {"expr": "1+1"}}}]})
+    tool_before, tool_after = inserted_text(tokenizer, history, [{"role": "tool", "content": result}],
+                                            END_OF_TURN).split(result)
+    return before, after, tool_before, tool_after
+
+
 def transcript(tokenizer: Any, prompt: str) -> list[tuple[str, bool]]:
     """The right conversation for a problem as the rollout builds it: (text, is a model turn) pieces, from the
     rendered prompt to the answer; joined, they are the chat template's rendering of the conversation."""
     steps, answer = solve(prompt)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
-    pieces = [(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False)]
+    before, after, tool_before, tool_after = _frames(tokenizer)
+    pieces = [(before + prompt + after, False)]
     for expr in steps:
-        call = {"name": TOOL, "arguments": {"expr": expr}}
-        pieces.append((format_tool_call(TOOL, call["arguments"]) + END_OF_TURN, True))
-        messages.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]})
-        result = [{"role": "tool", "content": calc(call["arguments"])[0]}]
-        pieces.append((inserted_text(tokenizer, messages, result, END_OF_TURN), False))
-        messages += result
+        pieces.append((format_tool_call(TOOL, {"expr": expr}) + END_OF_TURN, True))
+        pieces.append((tool_before + calc({"expr": expr})[0] + tool_after, False))
     pieces.append((answer + END_OF_TURN, True))
     return pieces
 
