@@ -24,7 +24,7 @@ ROLLOUT_ARGS=(
   --custom-generate-function-path slime_lite.rollout.calc_task.generate
   --custom-rm-path slime_lite.rollout.calc_task.reward
   --num-rollout 20 --rollout-batch-size 8 --n-samples-per-prompt 8
-  --rollout-max-response-len 256 --rollout-temperature 1.0
+  --rollout-max-response-len 256 --rollout-temperature 1.0 --max-turns 5
 )
 EVAL_ARGS=(--eval-interval 5 --eval-prompt-data tool_math runs/tiny/data/tool_math_eval.jsonl --eval-temperature 0)
 GRPO_ARGS=(--advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.001 --kl-loss-type low_var_kl

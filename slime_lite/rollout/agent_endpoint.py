@@ -18,7 +18,8 @@ The rollout's sampling parameters apply, whatever the agent sends (the trainer s
 below the trajectory's budget, ``--rollout-max-response-len`` tokens of response in all (model and inserted
 tokens). A call past the budget is answered 400 and the sample ends TRUNCATED; an agent that raises ends it FAILED
 (``metadata["agent_error"]``); what was recorded is kept either way. Assistant turns end at ``<|im_end|>``
-(ChatML templates: Qwen and the tiny model) or the model's EOS.
+(ChatML templates: Qwen and the tiny model) or the model's EOS. More than ``--max-turns`` calls is answered 400
+too (TRUNCATED).
 
 Use: ``generate = openai_agent(run)`` in the agent's module, where ``async def run(base_url, sample)`` is the agent
 (``sample.prompt``, ``sample.label``, ``sample.metadata`` are the task), and pass
@@ -96,8 +97,9 @@ def _normalise(message: Any) -> dict[str, Any]:
 class Trajectory:
     """The calls of one agent run and the budget they share."""
 
-    def __init__(self, endpoint: "AgentEndpoint", key: str, sampling_params: dict[str, Any]) -> None:
-        self.endpoint, self.key = endpoint, key
+    def __init__(self, endpoint: "AgentEndpoint", key: str, sampling_params: dict[str, Any],
+                 max_turns: int | None = None) -> None:
+        self.endpoint, self.key, self.max_turns = endpoint, key, max_turns
         self.sampling_params = dict(sampling_params)
         self.budget = int(sampling_params.get("max_new_tokens") or 0) or None
         self.calls: list[Call] = []
@@ -136,13 +138,17 @@ class Trajectory:
                                            add_generation_prompt=True)
             prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
         used = self._response_tokens(prompt_ids) if extends else 0
+        if self.max_turns is not None and len(self.calls) >= self.max_turns:
+            self.truncated = True
+            raise BudgetExhausted(f"the trajectory made its {self.max_turns} calls (--max-turns)")
         params = dict(self.sampling_params, no_stop_trim=True, skip_special_tokens=False,
                       stop_token_ids=ep.stop_ids)
         if self.budget is not None:
             left = self.budget - used
             if left <= 0:
                 self.truncated = True
-                raise BudgetExhausted(f"the trajectory used its {self.budget} response tokens")
+                raise BudgetExhausted(f"the trajectory used its {self.budget} response tokens "
+                                      "(--rollout-max-response-len)")
             params["max_new_tokens"] = left
         asked = body.get("max_completion_tokens", body.get("max_tokens"))
         if isinstance(asked, int) and asked > 0:
@@ -248,9 +254,9 @@ class AgentEndpoint:
             await self._runner.cleanup()
             self._runner = None
 
-    def open(self, sampling_params: dict[str, Any]) -> Trajectory:
+    def open(self, sampling_params: dict[str, Any], max_turns: int | None = None) -> Trajectory:
         key = f"{next(self._keys)}-{uuid.uuid4().hex[:8]}"
-        traj = self.trajectories[key] = Trajectory(self, key, sampling_params)
+        traj = self.trajectories[key] = Trajectory(self, key, sampling_params, max_turns)
         return traj
 
     def close(self, traj: Trajectory) -> None:
@@ -277,7 +283,7 @@ class AgentEndpoint:
         try:
             return web.json_response(await traj.chat(body))
         except BudgetExhausted as exc:
-            return _error(400, f"{exc} (--rollout-max-response-len); the sample ends truncated")
+            return _error(400, f"{exc}; the sample ends truncated")
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -313,7 +319,7 @@ def openai_agent(run: Agent) -> Callable[..., Awaitable[Sample | list[Sample]]]:
 
     async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample | list[Sample]:
         ep = await endpoint_for(args)
-        traj = ep.open(sampling_params)
+        traj = ep.open(sampling_params, getattr(args, "max_turns", None))
         error = None
         try:
             await run(traj.base_url, sample)

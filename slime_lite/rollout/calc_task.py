@@ -15,7 +15,7 @@ the order of precedence, then the answer. The conversation uses the tokenizer's 
 ``generate`` is the rollout hook (``--custom-generate-function-path slime_lite.rollout.calc_task.generate``): each
 model turn is sent to the engine as token ids and kept as the engine's ids and log-probs, each tool turn is the
 chat template's text for the result, tokenized, at loss_mask 0. ``--rollout-max-response-len`` bounds the whole
-response (all turns); a sample that reaches it is TRUNCATED. ``reward`` (``--custom-rm-path
+response (all turns); a sample that reaches it is TRUNCATED; a model still calling at ``--max-turns`` has no answer. ``reward`` (``--custom-rm-path
 slime_lite.rollout.calc_task.reward``) is 1 when the last model turn is exactly the label. ``transcript`` is the
 right conversation for a problem, which ``make-tiny-model --task tool_math`` warm-starts on (loss on the model
 turns only).
@@ -27,15 +27,16 @@ import functools
 import re
 from typing import Any
 
+from slime_lite.rollout.multi_turn import (ToolError, TurnLimits, call_tool, can_continue, fail, insert_turn,
+                                           model_turn, model_turns)
 from slime_lite.rollout.rewards import addition_reward
 from slime_lite.rollout.tool_calls import format_tool_call, inserted_text, parse_tool_calls
-from slime_lite.rollout.turns import append_turn, turns
+from slime_lite.rollout.turns import turns
 from slime_lite.tokenizer import EOS, load_tokenizer
 from slime_lite.types import Sample, Status
 
 TOOL = "calc"
 END_OF_TURN = "<|im_end|>"
-MAX_CALLS = 4  # calls per sample; a model still calling after them has no answer (reward 0)
 _PROBLEM = re.compile(r"^(\d+)([-+*])(\d+)([-+*])(\d+)=$")
 _ONE_OP = re.compile(r"^\s*(-?\d{1,12})\s*([-+*])\s*(-?\d{1,12})\s*$")
 _APPLY = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
@@ -96,21 +97,11 @@ def transcript(tokenizer: Any, prompt: str) -> list[tuple[str, bool]]:
     return pieces
 
 
-def tool_results(parsed: Any) -> tuple[list[dict[str, Any]], int]:
-    """The tool messages answering one model turn's calls (a malformed call gets an error), and the errors."""
-    out, errors = [], 0
-    for call in parsed.calls:
-        if call["name"] != TOOL:
-            text, ok = f"error: unknown tool {call['name']!r}; the tool is {TOOL}", False
-        else:
-            text, ok = calc(call["arguments"])
-        errors += not ok
-        out.append({"role": "tool", "content": text})
-    for _ in range(parsed.malformed):
-        out.append({"role": "tool", "content": "error: malformed tool call; write " +
-                    format_tool_call(TOOL, {"expr": "12*34"})})
-        errors += 1
-    return out, errors
+def run_calc(call: dict[str, Any]) -> tuple[str, bool]:
+    """One parsed call -> (result text, ok): the calculator, or an error naming the one tool there is."""
+    if call["name"] != TOOL:
+        return f"error: unknown tool {call['name']!r}; the tool is {TOOL}", False
+    return calc(call["arguments"])
 
 
 @functools.lru_cache(maxsize=4)
@@ -119,46 +110,45 @@ def _tokenizer(path: str) -> Any:
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
-    """One problem as a multi-turn sample: model turns from the engine, tool turns from ``calc``."""
+    """One problem as a multi-turn sample: model turns from the engine, tool turns from ``calc`` (the multi_turn
+    helpers: --max-turns, --tool-call-timeout, --rollout-max-context-len apply)."""
     tok = _tokenizer(args.hf_checkpoint)
-    end_id = tok.convert_tokens_to_ids(END_OF_TURN)
+    limits = TurnLimits.from_args(args)
     budget = int(sampling_params["max_new_tokens"])
+    params = dict(sampling_params, no_stop_trim=True, skip_special_tokens=False,
+                  stop_token_ids=[tok.convert_tokens_to_ids(END_OF_TURN)])
     messages: list[dict[str, Any]] = [{"role": "user", "content": sample.prompt}]
-    calls = errors = malformed = cached = prompt_tokens = 0
-    sample.status = Status.COMPLETED
-    for turn in range(MAX_CALLS + 1):
-        params = dict(sampling_params, max_new_tokens=budget - sample.response_length, no_stop_trim=True,
-                      skip_special_tokens=False, stop_token_ids=[end_id])
-        if params.get("sampling_seed") is not None:
-            params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * turn
-        out = await args.engine_client.generate(
-            {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True})
-        meta = out["meta_info"]
-        append_turn(sample, out["output_ids"], [float(t[0]) for t in meta["output_token_logprobs"]],
-                    source="model", text=out["text"])
-        if meta.get("weight_version") is not None:
-            sample.weight_versions.append(str(meta["weight_version"]))
-        cached += int(meta.get("cached_tokens") or 0)
-        prompt_tokens += int(meta.get("prompt_tokens") or 0)
-        sample.status = Status.from_finish_reason((meta.get("finish_reason") or {}).get("type"))
-        parsed = parse_tool_calls(out["text"], strip=(END_OF_TURN, EOS))
-        malformed += parsed.malformed
-        if sample.status != Status.COMPLETED or not (parsed.calls or parsed.malformed) or turn == MAX_CALLS:
-            break
-        results, n_errors = tool_results(parsed)
-        calls, errors = calls + len(parsed.calls), errors + n_errors
+    sample.metadata.update(tool_calls=0, tool_errors=0, malformed_tool_calls=0)
+    while can_continue(sample, limits):
+        turn = dict(params, max_new_tokens=budget - sample.response_length)
+        if turn.get("sampling_seed") is not None:  # each turn its own seed
+            turn["sampling_seed"] = int(turn["sampling_seed"]) + 7919 * model_turns(sample)
+        await model_turn(args, sample, turn, limits)
+        parsed = parse_tool_calls(sample.metadata["turns"][-1]["text"] or "", strip=(END_OF_TURN, EOS))
+        sample.metadata["malformed_tool_calls"] += parsed.malformed
+        if (sample.status != Status.COMPLETED or not (parsed.calls or parsed.malformed)
+                or not can_continue(sample, limits)):
+            break  # an answer, a turn cut short, or no turn left to answer a tool result in
+        results = []
+        for call in parsed.calls:
+            try:
+                text, ok = await call_tool(sample, run_calc, call, timeout=limits.tool_timeout)
+            except ToolError as exc:
+                return fail(sample, str(exc))
+            sample.metadata["tool_errors"] += not ok
+            results.append({"role": "tool", "content": text})
+        for _ in range(parsed.malformed):
+            sample.metadata["tool_errors"] += 1
+            results.append({"role": "tool", "content": "error: malformed tool call; write "
+                            + format_tool_call(TOOL, {"expr": "12*34"})})
         messages.append({"role": "assistant", "content": parsed.content,
                          "tool_calls": [{"type": "function", "function": c} for c in parsed.calls]})
         text = inserted_text(tok, messages, results, END_OF_TURN)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        if sample.response_length + len(ids) >= budget:  # no room for the next model turn
-            sample.status = Status.TRUNCATED
+        if sample.response_length + len(tok(text, add_special_tokens=False)["input_ids"]) >= budget:
+            sample.status = Status.TRUNCATED  # no room left for the next model turn
             break
-        append_turn(sample, ids, source="tool", text=text)
+        insert_turn(sample, tok, text, limits, source="tool")
         messages += results
-    sample.prefix_cache_info.cached_tokens = cached
-    sample.prefix_cache_info.total_prompt_tokens = prompt_tokens
-    sample.metadata.update(tool_calls=calls, tool_errors=errors, malformed_tool_calls=malformed)
     return sample
 
 

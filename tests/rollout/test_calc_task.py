@@ -100,7 +100,8 @@ def tok_dir(tmp_path_factory):
 
 def run_hook(tok_dir, turns, prompt="12+34*5=", max_new_tokens=300, finish="stop"):
     engine = FakeEngine(turns, finish)
-    args = HookArgs(SimpleNamespace(hf_checkpoint=tok_dir), engine)
+    args = HookArgs(SimpleNamespace(hf_checkpoint=tok_dir, max_turns=5, max_inserted_tokens_per_turn=256,
+                                    rollout_max_context_len=4096, tool_call_timeout=5.0), engine)
     text = TOK.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     from slime_lite.types import Sample
 
@@ -149,14 +150,14 @@ def test_hook_wrong_answer_malformed_call_and_errors(tok_dir):
     assert texts[2] == broken  # the malformed call stays in the trajectory as the model wrote it
 
 
-def test_hook_stops_at_the_response_budget_and_after_max_calls(tok_dir):
+def test_hook_stops_at_the_response_budget_and_at_max_turns(tok_dir):
     call = format_tool_call("calc", {"expr": "1+1"}) + END
     sample, engine, _ = run_hook(tok_dir, [call] * 3, max_new_tokens=len(TOK(call)["input_ids"]) + 10)
     assert sample.status == Status.TRUNCATED and len(engine.requests) == 1  # no room for the tool turn and more
     assert sample.response_length <= len(TOK(call)["input_ids"]) + 10
     assert engine.requests[0]["sampling_params"]["max_new_tokens"] == len(TOK(call)["input_ids"]) + 10
-    sample, engine, _ = run_hook(tok_dir, [call] * (calc_task.MAX_CALLS + 1), max_new_tokens=2000)
-    assert len(engine.requests) == calc_task.MAX_CALLS + 1 and calc_task.reward(None, sample) == 0.0
+    sample, engine, _ = run_hook(tok_dir, [call] * 5, max_new_tokens=2000)  # --max-turns 5
+    assert len(engine.requests) == 5 and calc_task.reward(None, sample) == 0.0
     sample, _, _ = run_hook(tok_dir, ["12"], finish="length")
     assert sample.status == Status.TRUNCATED
 
