@@ -17,7 +17,7 @@ from pathlib import Path
 
 from slime_lite.errors import SlimeLiteError
 
-TASKS = ("addition", "math")
+TASKS = ("addition", "math", "tool_math")
 DEFAULT_N_TRAIN = 4000
 DEFAULT_N_EVAL = 200
 
@@ -37,7 +37,18 @@ def _math() -> list[dict[str, str]]:
     return out
 
 
-_BUILDERS = {"addition": _addition, "math": _math}
+def _tool_math() -> list[dict[str, str]]:
+    """Two operations over three numbers in 1..25 ("12+24*5=" -> "132"), for the calculator task of
+    slime_lite/rollout/calc_task.py (the model calls the calculator once per operation): 140,625 problems."""
+    out = []
+    for a, b, c in itertools.product(range(1, 26), repeat=3):
+        for op1, op2 in itertools.product("+-*", repeat=2):
+            expr = f"{a}{op1}{b}{op2}{c}"
+            out.append({"prompt": f"{expr}=", "label": str(eval(expr))})  # digits and + - * only
+    return out
+
+
+_BUILDERS = {"addition": _addition, "math": _math, "tool_math": _tool_math}
 
 
 def n_problems(task: str) -> int:

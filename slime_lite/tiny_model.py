@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Glm4Config, Qwe
 from slime_lite import tasks
 from slime_lite.errors import SlimeLiteError
 from slime_lite.model_families import FAMILIES
+from slime_lite.rollout import calc_task
 from slime_lite.tokenizer import build_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,21 +69,40 @@ WARM_START_LR = 1e-3
 WARM_START_DEV = 200
 
 
-def _encode_examples(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
-    """(prompt + label + eos ids, prompt length) for each row; the loss covers what follows the prompt."""
+# tool_math transcripts are ~220 tokens (the others ~12): fewer per step, a slice of the ~140k problems (tokenizing
+# them all takes minutes), and its dev check is teacher-forced
+TOOL_WARM_START_BATCH = 16
+TOOL_WARM_START_ROWS = 4000
+
+
+def _encode_examples(tokenizer, rows: list[dict], task: str) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) for each row: prompt + label + eos, the loss on what follows the prompt; for tool_math the
+    whole calculator conversation, the loss on the model's turns only (the tool results are not the model's)."""
+    if task == "tool_math":
+        pieces = [calc_task.transcript(tokenizer, r["prompt"]) for r in rows]
+        flat = tokenizer([text for row in pieces for text, _ in row], add_special_tokens=False)["input_ids"]
+        out, k = [], 0
+        for row in pieces:
+            ids, mask = [], []
+            for _, model_turn in row:
+                ids += flat[k]
+                mask += [int(model_turn)] * len(flat[k])
+                k += 1
+            out.append((ids, mask))
+        return out
     prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
     answers = tokenizer([r["label"] for r in rows], add_special_tokens=False)["input_ids"]
-    return [(p + a + [tokenizer.eos_token_id], len(p)) for p, a in zip(prompts, answers)]
+    return [(p + a + [tokenizer.eos_token_id], [0] * len(p) + [1] * (len(a) + 1)) for p, a in zip(prompts, answers)]
 
 
-def _batch(examples: list[tuple[list[int], int]], pad_id: int):
+def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
     attention = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, (ids, n_prompt) in enumerate(examples):
+    for i, (ids, mask) in enumerate(examples):
         input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        labels[i, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
         attention[i, : len(ids)] = 1
     return input_ids, attention, labels
 
@@ -117,7 +137,28 @@ def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 8
     return answers
 
 
-def _exact_match(model, tokenizer, rows: list[dict]) -> tuple[float, list[str]]:
+def _teacher_forced_exact(model, tokenizer, examples: list[tuple[list[int], list[int]]]) -> tuple[float, list[str]]:
+    """Share of examples whose every model-turn token is the greedy choice given the right conversation before it:
+    a greedy rollout then writes exactly that conversation (with the calculator answering), so this is its success
+    rate (a greedy run that reaches the answer another way is not counted). Per example: "right" or "wrong"."""
+    right, answers = 0, []
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(examples), 50):
+            input_ids, attention, labels = _batch(examples[start:start + 50], tokenizer.pad_token_id)
+            pred = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].argmax(-1)
+            target = labels[:, 1:]
+            ok = ((pred == target) | (target == -100)).all(dim=1)
+            right += int(ok.sum())
+            answers += ["right" if good else "wrong" for good in ok.tolist()]
+    return right / max(1, len(examples)), answers
+
+
+def _exact_match(model, tokenizer, rows: list[dict], task: str = "addition",
+                 encoded: list[tuple[list[int], list[int]]] | None = None) -> tuple[float, list[str]]:
+    """Greedy exact match of the rows; tool_math: teacher-forced over their ``encoded`` transcripts."""
+    if task == "tool_math":
+        return _teacher_forced_exact(model, tokenizer, encoded or _encode_examples(tokenizer, rows, task))
     answers = greedy_answers(model, tokenizer, [r["prompt"] for r in rows])
     return sum(a == r["label"] for a, r in zip(answers, rows)) / max(1, len(rows)), answers
 
@@ -134,7 +175,11 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
     train_rows, eval_rows = tasks.split_problems(task, n_train=tasks.n_problems(task) - tasks.DEFAULT_N_EVAL,
                                                  n_eval=tasks.DEFAULT_N_EVAL, seed=0)
     dev_rows, train_rows = train_rows[:WARM_START_DEV], train_rows[WARM_START_DEV:]
-    examples = _encode_examples(tokenizer, train_rows)
+    if task == "tool_math":
+        train_rows = train_rows[:TOOL_WARM_START_ROWS]
+        batch_size = min(batch_size, TOOL_WARM_START_BATCH)
+    examples = _encode_examples(tokenizer, train_rows, task)
+    dev_encoded = _encode_examples(tokenizer, dev_rows, task) if task == "tool_math" else None
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
@@ -159,7 +204,7 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
                 first_loss = loss_value
             if target is None or (step % WARM_START_EVAL_EVERY and step != steps):
                 continue
-            dev_acc, _ = _exact_match(model, tokenizer, dev_rows)
+            dev_acc, _ = _exact_match(model, tokenizer, dev_rows, task, dev_encoded)
             logger.info("warm start step %d/%d loss %.4f dev exact match %.3f", step, steps, loss_value, dev_acc)
             if best is None or abs(dev_acc - target) < best[0]:
                 weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -169,7 +214,7 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
         if best is not None:
             model.load_state_dict(best[3])
         train_seconds = time.perf_counter() - start
-        accuracy, answers = _exact_match(model, tokenizer, eval_rows)
+        accuracy, answers = _exact_match(model, tokenizer, eval_rows, task)
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
     kept = best[1] if best is not None else done

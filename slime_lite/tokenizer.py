@@ -17,9 +17,19 @@ from typing import Any
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>")
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+# Qwen's turn markers; an assistant message's tool calls follow its content in the Qwen/Hermes form,
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, without Qwen's newlines (a char-level model writes every
+# character). ``tools`` is not rendered: the tiny model is warm-started on its one tool.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

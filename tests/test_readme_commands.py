@@ -32,6 +32,10 @@ RUN = {  # README command -> the command run in the sandbox
     "bash scripts/run-tiny-rollout-only.sh": f"bash scripts/run-tiny-rollout-only.sh {SHORT}",
     # the rollout-only dumps just written, replayed through the GRPO script (its --ci-test on): as written
     REPLAY: REPLAY,
+    # the session's tiny model stands in for the tool model (its warm start takes minutes): the loop, the hooks, the
+    # agent endpoint and the dump check run, on a model that rarely calls the tool
+    "bash scripts/run-tiny-tool-grpo.sh": f"bash scripts/run-tiny-tool-grpo.sh {SHORT} --eval-interval 2",
+    "bash scripts/run-tiny-agent-grpo.sh": f"bash scripts/run-tiny-agent-grpo.sh {SHORT} --eval-interval 2",
 }
 
 _SAME_AS_QUICKSTART = "quickstart.sh (run above) runs exactly this script with the same arguments"
@@ -42,6 +46,11 @@ SKIP = {
                                   "minutes, so the sandbox gets the session's tiny model (tests/test_tiny_model.py)",
     "scripts/run-tiny-grpo.sh": _SAME_AS_QUICKSTART,
     "bash scripts/run-tiny-grpo.sh": _SAME_AS_QUICKSTART,
+    "slime-lite make-data --task tool_math": "named without its required --out; run-tiny-tool-grpo.sh, run here, "
+                                             "runs it with one",
+    "slime-lite make-tiny-model --task tool_math": "named without its required --out; run-tiny-tool-grpo.sh runs "
+                                                   "it, but its warm start takes minutes (tests/rollout/"
+                                                   "test_calc_task.py warm-starts a small one)",
     "slime-lite plot-metrics": "named without its required flags; every run-tiny-*.sh run here calls it with them",
     "slime-lite train ...": "placeholder flags; every training script run here is this command",
     "slime-lite train": "a name; every training script run here is this command",
@@ -118,6 +127,8 @@ def sandbox(tmp_path_factory, tiny_model_dir) -> Path:
     (root / "bench").symlink_to(ROOT / "bench")
     (root / "runs" / "tiny").mkdir(parents=True)
     (root / "runs" / "tiny" / "model").symlink_to(tiny_model_dir)
+    (root / "runs" / "tiny" / "tool_model").symlink_to(tiny_model_dir)
+    shutil.copytree(ROOT / "examples", root / "examples")
     return root
 
 
