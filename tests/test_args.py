@@ -340,6 +340,7 @@ EXTERNAL = {
     "slime_lite.backends.sglang.launcher": {"--model-path", "--model", "--host", "--port", "--tp-size", "--tp",
                                             "--random-seed", "--enable-memory-saver", "--worker-urls", "--api-key"},
     "slime_lite.backends.megatron.model": {"--no-build-isolation"},
+    "slime_lite.rollout.calc_task": {"--task"},  # make-tiny-model's, which warm-starts on the task's transcripts
 }
 PLACEHOLDERS = {"--name", "--f"}  # "--<name>"-style placeholders in docstrings
 TOP_LEVEL = {"--version", "--help"}  # slime-lite's own (cli.py)

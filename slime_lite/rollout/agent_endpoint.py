@@ -319,7 +319,7 @@ def openai_agent(run: Agent) -> Callable[..., Awaitable[Sample | list[Sample]]]:
 
     async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample | list[Sample]:
         ep = await endpoint_for(args)
-        traj = ep.open(sampling_params, getattr(args, "max_turns", None))
+        traj = ep.open(sampling_params, args.max_turns)
         error = None
         try:
             await run(traj.base_url, sample)
