@@ -9,12 +9,16 @@ starts is this run's own). Their warnings and errors proper still show.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 # logger name -> the lowest level shown below --log-level debug
 QUIET_LOGGERS = {"megatron": logging.WARNING, "transformer_engine": logging.WARNING,
                  "ray._private.authentication": logging.ERROR}
 QUIET_WARNINGS = r"(megatron|transformer_engine|apex)(\.|$)"  # modules whose UserWarnings are hidden
+
+
+LOG_LEVEL_ENV = "SLIME_LITE_LOG_LEVEL"  # the run's --log-level, for every process it starts (Ray actors included)
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -25,10 +29,18 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def set_level(level: str) -> None:
-    """The root logger's level, and third-party noise hidden unless it is DEBUG (or lower)."""
+    """The root logger's level, and third-party noise hidden unless it is DEBUG (or lower); the processes this one
+    starts get the level through ``$SLIME_LITE_LOG_LEVEL``."""
     value = getattr(logging, str(level).upper(), logging.INFO)
+    os.environ[LOG_LEVEL_ENV] = logging.getLevelName(value)
     logging.getLogger().setLevel(value)
-    debug = value <= logging.DEBUG
     for name, quiet in QUIET_LOGGERS.items():
-        logging.getLogger(name).setLevel(logging.NOTSET if debug else quiet)
+        logging.getLogger(name).setLevel(logging.NOTSET if value <= logging.DEBUG else quiet)
+    quiet_import_warnings()
+
+
+def quiet_import_warnings() -> None:
+    """Hide (or, at ``$SLIME_LITE_LOG_LEVEL`` DEBUG, show) the UserWarnings of Megatron, Transformer Engine and
+    Apex. Called before Megatron is imported too (``slime_lite.backends.megatron``): most are raised at import."""
+    debug = getattr(logging, os.environ.get(LOG_LEVEL_ENV, "INFO").upper(), logging.INFO) <= logging.DEBUG
     warnings.filterwarnings("default" if debug else "ignore", category=UserWarning, module=QUIET_WARNINGS)

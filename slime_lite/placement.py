@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime_lite.config import TrainSideConfig
 from slime_lite.engine_client import API_KEY_ENV, api_key
 from slime_lite.errors import SlimeLiteError
+from slime_lite.logging_setup import LOG_LEVEL_ENV
 
 
 @dataclass
@@ -66,6 +67,7 @@ def init_ray(args: Any, num_slots: int) -> None:
     if ray.is_initialized():
         return
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}}
+    env["env_vars"][LOG_LEVEL_ENV] = args.log_level  # third-party noise follows --log-level in every process
     env["env_vars"].update(kv.split("=", 1) for kv in args.debug_env)  # --debug-env
     # engines on non-loopback addresses require this run's API key; every Ray process gets it by environment
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import ctypes
 import io
 import os
 import pickle
@@ -303,9 +304,31 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor | RefusedTensor:
     problem = view_problem(storage_bytes, dtype, offset, size, stride)  # before the sender's memory is mapped
     if problem:
         return RefusedTensor(problem)
-    args = (torch.Tensor, tuple(size), tuple(stride), offset, storage_cls, dtype, _local_device(args[6]),
-            *args[7:10], False, *args[11:])
-    return _red.rebuild_cuda_tensor(*args)
+    device = _local_device(args[6])
+    args = (torch.Tensor, tuple(size), tuple(stride), offset, storage_cls, dtype, device, *args[7:10], False,
+            *args[11:])
+    tensor = _red.rebuild_cuda_tensor(*args)  # maps the sender's allocation; nothing of it is read yet
+    room = _allocation_room(tensor.untyped_storage().data_ptr(), device) if storage_bytes else None
+    if room is not None and storage_bytes > room:
+        return RefusedTensor(f"the CUDA IPC handle's allocation holds {room} bytes from the storage's start, the "
+                             f"payload declares {storage_bytes}")
+    return tensor
+
+
+def _allocation_room(ptr: int, device: int) -> int | None:
+    """Bytes from ``ptr`` to the end of the CUDA allocation holding it (the driver's ``cuMemGetAddressRange``): a
+    storage declared larger than its IPC allocation would read past it. None when the driver cannot say."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    fn = cuda.cuMemGetAddressRange_v2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    with torch.cuda.device(device):  # the pointer belongs to this device's context
+        if fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
+            return None
+    return base.value + size.value - ptr
 
 
 _SHM_HANDLE = re.compile(rb"/torch_\d+_\d+_\d+")

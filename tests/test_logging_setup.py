@@ -9,13 +9,14 @@ import warnings
 
 import pytest
 
-from slime_lite.logging_setup import set_level
+from slime_lite.logging_setup import LOG_LEVEL_ENV, quiet_import_warnings, set_level
 
 
 @pytest.fixture
-def restore_levels():
+def restore_levels(monkeypatch):
     names = ["", "megatron", "transformer_engine", "ray._private.authentication"]
     levels = {n: logging.getLogger(n).level for n in names}
+    monkeypatch.setenv(LOG_LEVEL_ENV, "INFO")  # set_level changes it; monkeypatch puts it back
     with warnings.catch_warnings():
         yield
     for n, level in levels.items():
@@ -46,3 +47,18 @@ def test_noise_is_hidden_below_debug_and_shown_at_debug(caplog, restore_levels):
     assert lines == ["Params for bucket 1 (10 elements)", "a Megatron error", "Token authentication is disabled",
                      "rollout 0 done"]
     assert len(caught) == 4
+
+
+def test_processes_started_by_the_run_follow_its_level(restore_levels, monkeypatch):
+    """A Ray worker gets the run's level by environment and hides Megatron's import-time warnings before Megatron
+    is imported (the trainer package does it first), or shows them at debug."""
+    set_level("debug")
+    import os
+
+    assert os.environ[LOG_LEVEL_ENV] == "DEBUG"
+    for level, shown in (("INFO", 0), ("DEBUG", 1)):
+        monkeypatch.setenv(LOG_LEVEL_ENV, level)
+        quiet_import_warnings()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn_explicit("Apex is not installed", UserWarning, "x.py", 1, module="megatron.core.x")
+        assert len(caught) == shown, level

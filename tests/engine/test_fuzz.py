@@ -19,7 +19,8 @@ from engine_helpers import generate, http, start_engine
 
 NAN, INF = float("nan"), float("inf")
 NASTY = [None, True, False, 0, 1, -1, 3, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30, 1.5, -0.0, 1e308, NAN, INF, -INF,
-         "", "x", "1", "nan", "\u0000", "\U0001f4a5" * 3, "a" * 5000, "\ud800", "a\udfffb", ["\udc00"], [], [1], [-1], [[1, 2]], [None], ["a"], [[]],
+         "", "x", "1", "nan", "\u0000", "\U0001f4a5" * 3, "a" * 5000, "\ud800", "a\udfffb", ["\udc00"], [], [1], [-1],
+         [[1, 2]], [None], ["a"], [[]],
          {}, {"a": 1}, {"n": 2}, [[[[[]]]]]]
 RAW = [b"", b"{", b"[1]", b"null", b"NaN", b'"x"', b"\xff\xfe\x00", b"[" * 100_000 + b"]" * 100_000,
        b'{"input_ids": [1], "input_ids": "x"}', b'{"text": "a"' + b" " * 10_000 + b"}"]

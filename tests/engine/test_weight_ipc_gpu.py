@@ -80,15 +80,21 @@ def test_colocated_push_by_cuda_ipc(gpu_engine, tiny_model_dir, monkeypatch):
 
 
 class _ForgedView:
-    """A CUDA IPC handle of a real 32-byte tensor, with a view of 128 elements: past the storage it declares."""
+    """A CUDA IPC handle of a real tensor with a forged view (``size``) or a forged storage size in bytes."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, size: int | None = None, storage_bytes: int | None = None) -> None:
         from torch.multiprocessing import reductions
 
         from slime_lite.weight_wire import device_uuid
 
         self.fn, args = reductions.reduce_tensor(tensor)
-        self.args = (args[0], torch.Size([128]), *args[2:6], device_uuid(args[6]), *args[7:])
+        args = list(args)
+        args[6] = device_uuid(args[6])
+        if size is not None:
+            args[1] = torch.Size([size])
+        if storage_bytes is not None:
+            args[8] = storage_bytes
+        self.args = tuple(args)
 
     def __reduce__(self):  # noqa: ANN204
         return self.fn, self.args
@@ -96,7 +102,8 @@ class _ForgedView:
 
 def test_cuda_ipc_view_past_its_storage_is_refused(gpu_engine):
     """The caching allocator's block holds more than the tensor: a view past the declared storage would read the
-    sender's other memory. It is a 400 naming the parameter, and the engine's weights stay as they were."""
+    sender's other memory, and a storage declared past the allocation memory that is not mapped at all (an illegal
+    memory access). Each is a 400 naming the parameter, and the engine's weights stay as they were."""
     from slime_lite import weight_wire
 
     url, name = gpu_engine, "model.norm.weight"
@@ -104,7 +111,13 @@ def test_cuda_ipc_view_past_its_storage_is_refused(gpu_engine):
     small = torch.full((8,), 7.0, device="cuda")
     spare = torch.full((1024,), 9.0, device="cuda")  # likely next to it in the same block
     status, out = http(url, "/update_weights_from_tensor",
-                       {"serialized_named_tensors": [weight_wire.serialize([(name, _ForgedView(small))])]})
+                       {"serialized_named_tensors": [weight_wire.serialize([(name, _ForgedView(small, size=128))])]})
     assert status == 400 and f"'{name}'" in out["message"] and "but its storage holds 8" in out["message"], out
+    # a storage declared larger than the whole IPC allocation (the view inside what it declares): refused after
+    # mapping, before a byte is read (the driver's allocation range)
+    odd = torch.full((128,), 5.0, device="cuda")
+    status, out = http(url, "/update_weights_from_tensor", {"serialized_named_tensors": [weight_wire.serialize(
+        [(name, _ForgedView(odd, storage_bytes=1 << 40))])]})
+    assert status == 400 and f"'{name}'" in out["message"] and "allocation holds" in out["message"], out
     assert http(url, "/get_weights_checksum", {})[1] == before
     del spare

@@ -2,7 +2,8 @@
 built: crafted payloads whose offset, sizes or strides reach past the storage (torch would grow the storage and the
 engine would serve whatever memory it got) are a 400 naming the parameter, for every rebuild call torch's pickles use
 (the typed and the untyped storage, by value, shared memory, CUDA IPC handles) and every load_format; the weights,
-their version and /get_weights_by_name stay as they were. The CUDA IPC path on a GPU: tests/engine/test_weight_ipc_gpu.py."""
+their version and /get_weights_by_name stay as they were. The CUDA IPC path on a GPU:
+tests/engine/test_weight_ipc_gpu.py."""
 
 from __future__ import annotations
 
