@@ -27,6 +27,8 @@ the background while the trainer trains).
    run: trained response tokens per second of the loop (the saved rollouts' response tokens / iteration time),
    the engine's decode steps per rollout, rollout time, and for the partial run the share of trained tokens carried
    from an earlier rollout and the tokens aborts wasted; target: trained tokens/s >= 1.3x. No standalone parts.
+   ``--partial-queue``: the partial run's engine runs no more requests at once than the plain run's; the extra
+   groups wait in its queue and start as others finish (a full batch through the tail, no heavier steps).
 5. Where nvidia-smi is found, each subprocess runs with it sampling every 200 ms; the report gives, per GPU, the SM
    clock, power and temperature while busy (utilization >= 50%), so the loop's GPU and the parts' can be compared.
 
@@ -269,6 +271,10 @@ def main() -> None:
     ap.add_argument("--part-timeout", type=int, default=None, help="seconds per standalone part (default 120)")
     ap.add_argument("--over-sampling", type=int, default=None,
                     help="--layout partial: --over-sampling-batch-size of the partial run (default 1.5x --prompts)")
+    ap.add_argument("--partial-queue", action="store_true",
+                    help="--layout partial: the partial run's engine runs as many requests at once as the plain "
+                         "run's (the over-sampled groups wait in its queue and start as others finish), instead of "
+                         "all of them at once")
     ap.add_argument("--engine-compile", action="store_true",
                     help="the engine (in the loop and alone) with --engine-enable-torch-compile")
     ap.add_argument("--budget", type=int, default=None,
@@ -308,7 +314,8 @@ def main() -> None:
         common += ["--engine-enable-torch-compile"]
     runs = {"colocate": ["--colocate"]} if a.layout == "colocate" else {
         "colocate": ["--colocate"],
-        "colocate_partial": ["--colocate", "--over-sampling-batch-size", str(over), "--partial-rollout"],
+        "colocate_partial": ["--colocate", "--over-sampling-batch-size", str(over), "--partial-rollout"]
+        + ["--engine-max-running-requests", str(prompts * n)] * a.partial_queue,
     } if a.layout == "partial" else {
         "disagg_sync": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed"],
         "disagg_async": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed", "--async"]}
