@@ -8,6 +8,7 @@ one tool). slime-lite gives it a base URL per trajectory and trains on the token
 """
 
 import json
+import re
 
 from openai import AsyncOpenAI
 
@@ -19,12 +20,11 @@ CALC = {"type": "function", "function": {
 
 
 def calc(expr: str) -> str:
-    a, op, b = next((expr.partition(op) for op in "*+" if op in expr[1:]), None) or expr[:1] + expr[1:].partition("-")
-    try:
-        x, y = int(a), int(b)
-    except ValueError:
+    m = re.fullmatch(r"\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*", expr)
+    if m is None:
         return "error: expr must be one operation of two integers, e.g. 12*34"
-    return str({"+": x + y, "-": x - y, "*": x * y}[op])
+    x, op, y = int(m[1]), m[2], int(m[3])
+    return str(x + y if op == "+" else x - y if op == "-" else x * y)
 
 
 async def run(base_url: str, task) -> str:

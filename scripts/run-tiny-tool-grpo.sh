@@ -23,13 +23,13 @@ ROLLOUT_ARGS=(
   --apply-chat-template
   --custom-generate-function-path slime_lite.rollout.calc_task.generate
   --custom-rm-path slime_lite.rollout.calc_task.reward
-  --num-rollout 20 --rollout-batch-size 8 --n-samples-per-prompt 8
+  --num-rollout 16 --rollout-batch-size 16 --n-samples-per-prompt 8
   --rollout-max-response-len 256 --rollout-temperature 1.0 --max-turns 5
 )
-EVAL_ARGS=(--eval-interval 5 --eval-prompt-data tool_math runs/tiny/data/tool_math_eval.jsonl --eval-temperature 0)
+EVAL_ARGS=(--eval-interval 4 --eval-prompt-data tool_math runs/tiny/data/tool_math_eval.jsonl --eval-temperature 0)
 GRPO_ARGS=(--advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.001 --kl-loss-type low_var_kl
            --eps-clip 0.2 --eps-clip-high 0.28)
-OPTIMIZER_ARGS=(--lr 2e-4 --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0)
+OPTIMIZER_ARGS=(--lr 1e-4 --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0)
 PERF_ARGS=(--actor-num-gpus-per-node 1 --rollout-num-gpus 1 --micro-batch-size 32 --num-steps-per-rollout 2)
 LOG_ARGS=(--metrics-path "$OUT/metrics.jsonl" --save-debug-rollout-data "$OUT/data_{rollout_id}.pt" --ci-test)
 

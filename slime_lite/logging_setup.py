@@ -2,8 +2,8 @@
 
 Third-party noise is off below ``--log-level debug``: Megatron's INFO lines (the per-bucket parameter lists of its
 DDP buffers, ~40 lines a run), the UserWarnings of Megatron, Transformer Engine and Apex (missing fused kernels,
-deprecations), and Ray's warning that a local cluster runs without token authentication (the cluster slime-lite
-starts is this run's own). Their warnings and errors proper still show.
+deprecations), Ray's warning that a local cluster runs without token authentication (the cluster slime-lite
+starts is this run's own), and httpx's line per request (the openai client of an agent). Their warnings and errors proper still show.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import warnings
 
 # logger name -> the lowest level shown below --log-level debug
 QUIET_LOGGERS = {"megatron": logging.WARNING, "transformer_engine": logging.WARNING,
-                 "ray._private.authentication": logging.ERROR}
+                 "ray._private.authentication": logging.ERROR,
+                 "httpx": logging.WARNING}  # a line per request of an openai-client agent (rollout/agent_endpoint.py)
 QUIET_WARNINGS = r"(megatron|transformer_engine|apex)(\.|$)"  # modules whose UserWarnings are hidden
 
 

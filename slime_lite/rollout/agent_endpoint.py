@@ -103,7 +103,6 @@ class Trajectory:
         self.sampling_params = dict(sampling_params)
         self.budget = int(sampling_params.get("max_new_tokens") or 0) or None
         self.calls: list[Call] = []
-        self.segment_start = 0  # response tokens are counted from the current segment's first prompt
         self.truncated = False
 
     @property

@@ -187,3 +187,20 @@ def test_rewritten_history_splits_the_trajectory_and_limits_end_it():
     sample = run_agent(["x<|im_end|>"], broken)
     assert sample.status == Status.FAILED and "tool server down" in sample.metadata["agent_error"]
     assert sample.response_length == 2  # what was generated is kept
+
+
+def test_the_example_agent_solves_a_problem_through_the_endpoint():
+    """examples/calc_agent.py over a scripted engine writing the right conversation: the sample is that
+    conversation (the calculator's results inserted by the agent, at loss_mask 0) and scores 1."""
+    from examples.calc_agent import run
+    from slime_lite.rollout import calc_task
+
+    tok = build_tokenizer()
+    pieces = calc_task.transcript(tok, "1+2*3=")
+    sample = run_agent([text for text, model in pieces if model], run)
+    assert sample.status == Status.COMPLETED and sample.metadata["tool_calls"] == 2
+    assert tok.decode(sample.tokens) == "".join(text for text, _ in pieces)  # the template's rendering, exactly
+    assert calc_task.reward(None, sample) == 1.0
+    inserted = [t for t in sample.metadata["turns"] if t["source"] == "tool"]
+    assert len(inserted) == 2 and all(not any(sample.loss_mask[t["start"]:t["start"] + t["length"]])
+                                      for t in inserted)
