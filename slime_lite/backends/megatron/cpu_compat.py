@@ -49,17 +49,21 @@ _MODULES_ON_CPU = {
     "megatron.core.optimizer.optimizer": 'found_inf / scale tensors are created with device="cuda"',
     "megatron.core.optimizer.clip_grads": 'grad-norm accumulators are created with device="cuda"',
     "megatron.core.optimizer.distrib_optimizer": "distributed optimizer buffers use torch.cuda.current_device()",
+    "megatron.core.transformer.moe.token_dispatcher": "the MoE dispatchers create CUDA streams and events",
+    "megatron.core.transformer.moe.router": "the router's expert bias / load counters live on the current device",
+    "megatron.core.transformer.moe.moe_utils": "routing maps and aux-loss tensors are created on the current device",
 }
 
 
 class _Noop:
-    """CPU stand-in for a CUDA stream or event: every method call does nothing."""
+    """CPU stand-in for a CUDA stream or event: every method call does nothing and returns another stand-in (the
+    MoE dispatcher synchronizes on the event its stream's ``record_event()`` returns)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
+    def __getattr__(self, name: str) -> Callable[..., "_Noop"]:
+        return lambda *args, **kwargs: _Noop()
 
 
 class _CudaOnCpu:
