@@ -117,6 +117,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron sequence parallelism: norms and residuals split along the sequence over the "
                         "tensor-parallel ranks (less activation memory; ignored with a warning at "
                         "--tensor-model-parallel-size 1, as in Megatron)")
+    g.add_argument("--expert-model-parallel-size", type=_positive_int, default=1,
+                   help="MoE models: experts split over this many ranks (must divide num_experts; default: "
+                        "%(default)s)")
+    g.add_argument("--expert-tensor-parallel-size", type=_positive_int, default=None,
+                   help="MoE models: each expert's weights split over this many ranks (default: "
+                        "--tensor-model-parallel-size)")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="alltoall",
+                   help="MoE models: how tokens reach the experts' ranks (Megatron's dispatchers; default: "
+                        "%(default)s)")
+    g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                   help="MoE models: the router's logits and softmax in this dtype (default: the model's)")
+    g.add_argument("--moe-aux-loss-coeff", type=_nonneg_float, default=0.0,
+                   help="MoE models: weight of Megatron's load-balancing loss (aux_loss) in the loss; 0 turns it "
+                        "off (default: %(default)s)")
+    g.add_argument("--moe-z-loss-coeff", type=_nonneg_float, default=None,
+                   help="MoE models: weight of the router z-loss (mean squared log-sum-exp of the router logits)")
     g.add_argument("--bf16", action="store_true", help="train in bfloat16 (default: float32)")
     g.add_argument("--lr", type=_nonneg_float, default=1e-6, help="actor learning rate (default: %(default)s)")
     g.add_argument("--critic-lr", type=_nonneg_float, default=None, help="critic learning rate (default: --lr)")

@@ -144,7 +144,7 @@ def check_parallel_sizes(arch: HFArch, tp: int, pp: int, ep: int = 1, etp: int |
             f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({arch.num_layers})."
         )
     if arch.moe is None:
-        if ep != 1 or etp not in (None, 1, tp):
+        if ep != 1 or (etp or 1) > 1:
             raise SlimeLiteError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: the "
                                  f"model ({arch.model_type}) has no experts; drop them.")
         return
@@ -235,17 +235,13 @@ def moe_overrides(args: Any, hf_config: Any) -> dict[str, Any]:
     --moe-router-dtype, and the expert-parallel sizes. Empty for a dense model."""
     if hf_arch(hf_config).moe is None:
         return {}
-    out: dict[str, Any] = {"expert_model_parallel_size": args.expert_model_parallel_size or 1,
+    out: dict[str, Any] = {"expert_model_parallel_size": args.expert_model_parallel_size,
                            "expert_tensor_parallel_size": args.expert_tensor_parallel_size
-                           or args.tensor_model_parallel_size}
+                           or args.tensor_model_parallel_size,
+                           "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+                           "moe_router_dtype": args.moe_router_dtype, "moe_z_loss_coeff": args.moe_z_loss_coeff}
     if args.moe_aux_loss_coeff:
         out.update(moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss")
-    if args.moe_z_loss_coeff:
-        out["moe_z_loss_coeff"] = args.moe_z_loss_coeff
-    if args.moe_token_dispatcher_type:
-        out["moe_token_dispatcher_type"] = args.moe_token_dispatcher_type
-    if args.moe_router_dtype:
-        out["moe_router_dtype"] = args.moe_router_dtype
     return out
 
 

@@ -29,6 +29,7 @@ from slime_lite.backends.megatron.convert import load_hf_weights
 from slime_lite.backends.megatron.model import (
     build_gpt_model,
     memory_overrides,
+    moe_overrides,
     packed_seq_params,
     sequence_parallel,
     unwrap,
@@ -94,11 +95,12 @@ class TrainWorker:
             start_memory_history()
         store = self._store or open_store(self.master_addr, master_port, self.rank, self.world_size)
         init_distributed(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, self.rank, self.world_size,
-                         self.master_addr, master_port, seed=a.seed, store=store)
+                         self.master_addr, master_port, seed=a.seed, store=store, ep=a.expert_model_parallel_size,
+                         etp=a.expert_tensor_parallel_size)
         self.hf_config = AutoConfig.from_pretrained(a.hf_checkpoint)
         dtype = torch.bfloat16 if a.bf16 else torch.float32
         model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl,
-                                **memory_overrides(a))
+                                **memory_overrides(a), **moe_overrides(a, self.hf_config))
         load_hf_weights(model, self._init_checkpoint(), self.hf_config)
         self._adapt_model(model, dtype)
         config = model.config
