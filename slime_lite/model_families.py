@@ -77,6 +77,11 @@ class MoE:
     aux_loss_coeff: float  # router_aux_loss_coef
 
 
+def num_experts(cfg: Any) -> int | None:
+    """config.json's expert count: ``num_experts`` (transformers 5 writes Qwen3-MoE's as ``num_local_experts``)."""
+    return _get(cfg, "num_experts", None) or _get(cfg, "num_local_experts", None)
+
+
 def moe_config(cfg: Any, where: str) -> MoE | None:
     """The MoE MLP of an MoE family's config (None for a dense family); SlimeLiteError for layouts slime-lite
     cannot build (dense layers between MoE ones)."""
@@ -88,7 +93,7 @@ def moe_config(cfg: Any, where: str) -> MoE | None:
                              f"{_get(cfg, 'mlp_only_layers')}: only models whose every layer is MoE are supported "
                              "(decoder_sparse_step 1, no mlp_only_layers).")
     return MoE(
-        num_experts=int(_get(cfg, "num_experts")), top_k=int(_get(cfg, "num_experts_per_tok")),
+        num_experts=int(num_experts(cfg)), top_k=int(_get(cfg, "num_experts_per_tok")),
         ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")), norm_topk_prob=bool(_get(cfg, "norm_topk_prob")),
         shared_expert_size=int(_get(cfg, "shared_expert_intermediate_size", 0) or 0) if family.shared_expert else 0,
         aux_loss_coeff=float(_get(cfg, "router_aux_loss_coef", 0.0) or 0.0),

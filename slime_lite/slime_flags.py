@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.model_families import FAMILIES, partial_rotary_factor, qkv_bias, rope_parameters
+from slime_lite.model_families import FAMILIES, num_experts, partial_rotary_factor, qkv_bias, rope_parameters
 
 STORE_TRUE = {"action": "store_true", "default": None}
 
@@ -77,7 +77,7 @@ ARCH_FLAGS: dict[str, tuple[dict[str, Any], str]] = {
     "--post-self-attn-layernorm": (STORE_TRUE, "model_type"),
     "--post-mlp-layernorm": (STORE_TRUE, "model_type"),
     "--spec": (_value(nargs=2, metavar=("MODULE", "FUNCTION")), "model_type"),
-    "--num-experts": (_value(int), "num_experts"),
+    "--num-experts": (_value(int), "num_experts (or num_local_experts)"),
     "--moe-ffn-hidden-size": (_value(int), "moe_intermediate_size"),
     "--moe-router-topk": (_value(int), "num_experts_per_tok"),
     "--moe-router-score-function": (_value(choices=("softmax", "sigmoid")), "model_type"),
@@ -197,7 +197,7 @@ def hf_values(cfg: dict[str, Any]) -> dict[str, Any]:
         else (mt in QKV_BIAS_TYPES if mt else None),
         "post_self_attn_layernorm": mt in POST_NORM_TYPES if mt else None,
         "post_mlp_layernorm": mt in POST_NORM_TYPES if mt else None,
-        "num_experts": False if dense else cfg.get("num_experts"),
+        "num_experts": False if dense else num_experts(cfg),
         "moe_ffn_hidden_size": False if dense else cfg.get("moe_intermediate_size"),
         "moe_router_topk": False if dense else cfg.get("num_experts_per_tok"),
         "moe_router_score_function": False if dense else "softmax" if moe else None,
