@@ -7,7 +7,8 @@ weights updated in the HF model are used at once and a prefill gives the same lo
 Supported: the families of slime_lite/model_families.py with full attention: Llama, Qwen2, Qwen3 (per-head RMSNorm
 of q and k before the rotary embedding, ``head_dim`` from config.json) and GLM4 (rotary over the first
 ``partial_rotary_factor`` of each head in interleaved pairs, norms of the attention and MLP outputs before their
-residual adds, one gate/up projection).
+residual adds, one gate/up projection), and the Mixture-of-Experts Qwen3-MoE and Qwen2-MoE, whose MLPs are
+engine/moe.py's (HF's router and experts; fixed shapes in captured CUDA-graph steps).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from slime_lite.engine import decode_attention, fused_layer, vmm
+from slime_lite.engine import decode_attention, fused_layer, moe, vmm
 from slime_lite.errors import SlimeLiteError
 from slime_lite.model_families import Family, check_family, rope_parameters
 
@@ -205,13 +206,14 @@ class _Layer:
     qkv_b: torch.Tensor | None
     o_w: torch.Tensor
     o_b: torch.Tensor | None
-    gu_w: torch.Tensor
+    gu_w: torch.Tensor | None  # None in MoE layers (``moe``)
     gu_b: torch.Tensor | None
-    down_w: torch.Tensor
+    down_w: torch.Tensor | None
     down_b: torch.Tensor | None
     qk_norm: torch.Tensor | None = None  # [2 * head_dim]: q_norm's weight, then k_norm's (Qwen3)
     post_attn: torch.Tensor | None = None  # post_self_attn_layernorm (GLM4)
     post_mlp: torch.Tensor | None = None  # post_mlp_layernorm (GLM4)
+    moe: Any = None  # the HF sparse-MoE block (Qwen3-MoE, Qwen2-MoE): engine/moe.py runs it
 
 
 def _fuse(params: list[Any]) -> torch.Tensor | None:
@@ -313,6 +315,7 @@ class CausalLM:
         self.vocab_size = cfg.vocab_size
         self.eps = float(cfg.rms_norm_eps)
         mlp = self.hf_layers[0].mlp
+        mlp = mlp.experts if moe.is_moe(mlp) else mlp
         self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn  # GLM4's name
         self.inter = cfg.intermediate_size
         self.max_len = max_len
@@ -331,18 +334,21 @@ class CausalLM:
         self.layers = []
         for layer in self.hf_layers:
             a, m = layer.self_attn, layer.mlp
+            sparse = moe.is_moe(m)
             gate_up = getattr(m, "gate_up_proj", None)  # GLM4: one projection, gate rows first
             post_attn, post_mlp = (getattr(layer, n, None) for n in ("post_self_attn_layernorm", "post_mlp_layernorm"))
             self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
                 qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                 qkv_b=_fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
-                gu_w=gate_up.weight if gate_up is not None else _fuse([m.gate_proj.weight, m.up_proj.weight]),
-                gu_b=gate_up.bias if gate_up is not None else _fuse([m.gate_proj.bias, m.up_proj.bias]),
-                down_w=m.down_proj.weight, down_b=m.down_proj.bias,
+                gu_w=None if sparse else gate_up.weight if gate_up is not None else _fuse([m.gate_proj.weight,
+                                                                                            m.up_proj.weight]),
+                gu_b=None if sparse else gate_up.bias if gate_up is not None else _fuse([m.gate_proj.bias,
+                                                                                          m.up_proj.bias]),
+                down_w=None if sparse else m.down_proj.weight, down_b=None if sparse else m.down_proj.bias,
                 qk_norm=_fuse([a.q_norm.weight, a.k_norm.weight]) if hasattr(a, "q_norm") else None,
                 post_attn=None if post_attn is None else post_attn.weight,
-                post_mlp=None if post_mlp is None else post_mlp.weight,
+                post_mlp=None if post_mlp is None else post_mlp.weight, moe=m if sparse else None,
             ))
         pos = torch.arange(self.max_len, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
@@ -379,6 +385,9 @@ class CausalLM:
 
     def _finish_layer(self, ly: _Layer, h: torch.Tensor, attn_out: torch.Tensor, graphed: bool = False):
         """Attention output -> o-projection, residual, then the MLP block with its residual."""
+        if ly.moe is not None:  # captured steps: fixed-shape experts
+            h = h + F.linear(attn_out, ly.o_w, ly.o_b)
+            return h + moe.moe_mlp(ly.moe, _rms(h, ly.ln2, self.eps), fixed=graphed)[0]
         fn = (self.graph_fns if graphed else self.fns)[1]
         return fn(h, attn_out, ly.o_w, ly.o_b, ly.ln2, ly.gu_w, ly.gu_b, ly.down_w, ly.down_b, ly.post_attn,
                   ly.post_mlp)
