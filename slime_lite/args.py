@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "off (default: %(default)s)")
     g.add_argument("--moe-z-loss-coeff", type=_nonneg_float, default=None,
                    help="MoE models: weight of the router z-loss (mean squared log-sum-exp of the router logits)")
+    g.add_argument("--balance-data", action="store_true",
+                   help="deal each step's samples (with --use-dynamic-batch-size: its packed micro-batches) to the "
+                        "data-parallel ranks in equal counts balanced by estimated FLOPs, L * (1 + L / (6 * "
+                        "hidden)) for a sample of L tokens (default: in order)")
     g.add_argument("--bf16", action="store_true", help="train in bfloat16 (default: float32)")
     g.add_argument("--lr", type=_nonneg_float, default=1e-6, help="actor learning rate (default: %(default)s)")
     g.add_argument("--critic-lr", type=_nonneg_float, default=None, help="critic learning rate (default: --lr)")

@@ -119,8 +119,6 @@ NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
                                                     "moves it off between steps)"),
     "--overlap-cpu-optimizer-d2h-h2d": (STORE_TRUE, _PERF + " (goes with --optimizer-cpu-offload)"),
     "--use-precision-aware-optimizer": (STORE_TRUE, _PERF),
-    "--balance-data": (STORE_TRUE, "slime's token balancing over data-parallel ranks (slime-lite splits the "
-                                   "samples in order)"),
     "--custom-tis-function-path": (_value(), "slime's hook for a custom importance-sampling weight (the built-in "
                                              "ones: --use-tis with --tis-mode truncate|mask and --tis-level "
                                              "token|sequence|geometric)"),

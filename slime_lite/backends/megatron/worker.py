@@ -168,18 +168,20 @@ class TrainWorker:
     def _plan(self, samples: list, log_probs: bool = False) -> list[list[list[int]]]:
         """Sample indices per optimizer step, per micro-batch, for this DP rank: fixed --micro-batch-size, or
         packed by --max-tokens-per-gpu (--log-probs-max-tokens-per-gpu for the forward-only passes, which pack
-        the whole rollout as one step)."""
+        the whole rollout as one step); with --balance-data dealt to the DP ranks by estimated FLOPs."""
         a = self.args
-        if not a.use_dynamic_batch_size:
-            return B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
-        budget = TokenBudget.from_args(a)
         lengths = [len(s.tokens) for s in samples]
+        costs = B.sample_flops(lengths, self.hf_config.hidden_size) if a.balance_data else None
+        if not a.use_dynamic_batch_size:
+            return B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size,
+                                 costs)
+        budget = TokenBudget.from_args(a)
         alone = budget.alone(lengths, log_probs)
         if alone and self.rank == 0:
             log.info("%d sample(s) longer than %s: each is a micro-batch of its own", len(alone),
                      budget.flags(log_probs))
         return B.dynamic_step_shards(lengths, len(samples) if log_probs else a.global_batch_size, self.dp_rank,
-                                     self.dp_size, budget.tokens(log_probs))
+                                     self.dp_size, budget.tokens(log_probs), costs)
 
     def _normalizer(self, samples: list, step: int) -> float:
         """What a step's micro-batch losses are divided by, so they add up (over micro-batches and the DP mean) to
