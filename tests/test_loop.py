@@ -82,13 +82,14 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "glm4"])
+@pytest.mark.parametrize("arch", ["qwen3", "glm4", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("precision", ["cpu-float32", pytest.param("cuda-bfloat16", marks=_CUDA)])
 def test_qwen3_and_glm4_train_and_rollout_log_probs_agree_under_ci_test(data, tmp_path, arch, precision):
-    """A tiny Qwen3 (QK-norm, head size 48 of a 128 hidden size over 4 heads) and a tiny GLM4 (partial interleaved
-    rotary, q/k/v biases, post-norms, fused gate/up) through the whole loop: the embedded engine rolls out, Megatron
-    trains, the weights are pushed by HF name and checked equal, and --ci-test's checks pass: in float32 on CPU;
-    on a GPU in bf16, colocated, with the engine's CUDA graphs and fused kernels, under the bf16 bound."""
+    """A tiny Qwen3 (QK-norm, head size 48 of a 128 hidden size over 4 heads), a tiny GLM4 (partial interleaved
+    rotary, q/k/v biases, post-norms, fused gate/up), a tiny Qwen3-MoE and a tiny Qwen2-MoE (4 experts, top 2; a
+    gated shared expert) through the whole loop: the embedded engine rolls out, Megatron trains, the weights are
+    pushed by HF name (every expert by its on-disk name) and checked equal, and --ci-test's checks pass: in float32
+    on CPU; on a GPU in bf16, colocated, with the engine's CUDA graphs and fused kernels, under the bf16 bound."""
     from slime_lite.tiny_model import make_tiny_model
 
     make_tiny_model(tmp_path / "model", arch=arch, warm_start_steps=0, num_layers=2,
