@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "off (default: %(default)s)")
     g.add_argument("--moe-z-loss-coeff", type=_nonneg_float, default=None,
                    help="MoE models: weight of the router z-loss (mean squared log-sum-exp of the router logits)")
+    g.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="MoE models (slime's R3): the engine returns the experts it chose for every token "
+                        "(return_routed_experts), samples keep them (rollout_routed_experts) and the trainer's "
+                        "routers replay them in the forward and backward passes; train/routing_mismatch reports "
+                        "the share of (token, layer) pairs the trainer would have routed otherwise")
     g.add_argument("--balance-data", action="store_true",
                    help="deal each step's samples (with --use-dynamic-batch-size: its packed micro-batches) to the "
                         "data-parallel ranks in equal counts balanced by estimated FLOPs, L * (1 + L / (6 * "

@@ -214,6 +214,7 @@ class _Layer:
     post_attn: torch.Tensor | None = None  # post_self_attn_layernorm (GLM4)
     post_mlp: torch.Tensor | None = None  # post_mlp_layernorm (GLM4)
     moe: Any = None  # the HF sparse-MoE block (Qwen3-MoE, Qwen2-MoE): engine/moe.py runs it
+    moe_index: int = -1  # its place among the MoE layers (the route store's layer)
 
 
 def _fuse(params: list[Any]) -> torch.Tensor | None:
@@ -326,6 +327,7 @@ class CausalLM:
                                                      self.head_dim, getattr(cfg, "hidden_act", None) == "silu",
                                                      self.interleaved)
         self.compiled = False
+        self.routes: moe.RouteStore | None = None  # enable_routes: the experts chosen at each cached position
         self.refresh()
 
     def refresh(self) -> None:
@@ -349,6 +351,7 @@ class CausalLM:
                 qk_norm=_fuse([a.q_norm.weight, a.k_norm.weight]) if hasattr(a, "q_norm") else None,
                 post_attn=None if post_attn is None else post_attn.weight,
                 post_mlp=None if post_mlp is None else post_mlp.weight, moe=m if sparse else None,
+                moe_index=sum(ly.moe is not None for ly in self.layers) if sparse else -1,
             ))
         pos = torch.arange(self.max_len, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
@@ -369,6 +372,15 @@ class CausalLM:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    def enable_routes(self, slots: int, max_len: int) -> None:
+        """Keep the experts every MoE layer chooses at each cached position (``routes``); SlimeLiteError for a
+        dense model."""
+        moe_layers = [ly.moe for ly in self.layers if ly.moe is not None]
+        if not moe_layers:
+            raise SlimeLiteError("--enable-return-routed-experts: the served model has no MoE layers (routed "
+                                 "experts); drop the flag.")
+        self.routes = moe.RouteStore(len(moe_layers), moe_layers[0].gate.top_k, slots, max_len, self.device)
+
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, slots, max_len, self.dtype, self.device)
 
@@ -387,7 +399,10 @@ class CausalLM:
         """Attention output -> o-projection, residual, then the MLP block with its residual."""
         if ly.moe is not None:  # captured steps: fixed-shape experts
             h = h + F.linear(attn_out, ly.o_w, ly.o_b)
-            return h + moe.moe_mlp(ly.moe, _rms(h, ly.ln2, self.eps), fixed=graphed)[0]
+            out, ids = moe.moe_mlp(ly.moe, _rms(h, ly.ln2, self.eps), fixed=graphed)
+            if self.routes is not None:
+                self.routes.write(ly.moe_index, ids)
+            return h + out
         fn = (self.graph_fns if graphed else self.fns)[1]
         return fn(h, attn_out, ly.o_w, ly.o_b, ly.ln2, ly.gu_w, ly.gu_b, ly.down_w, ly.down_b, ly.post_attn,
                   ly.post_mlp)
@@ -418,6 +433,8 @@ class CausalLM:
         h = F.embedding(tokens, self.embed.weight)
         cos, sin = self.cos[:t, None, :], self.sin[:t, None, :]
         index = cache.flat_index(slots, pos)
+        if self.routes is not None:
+            self.routes.at(slots, pos)
         with _sdpa_without_plans(h.device):
             for i, ly in enumerate(self.layers):
                 q, kv = self._qkv(ly, h, cos, sin)
@@ -447,6 +464,8 @@ class CausalLM:
         cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]
         index = cache.flat_index(slots, pos)
         mask = (torch.arange(kv_len, device=tokens.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
+        if self.routes is not None:
+            self.routes.at(slots, pos)
         with _sdpa_without_plans(h.device):
             for i, ly in enumerate(self.layers):
                 q, kv = self._qkv(ly, h, cos, sin)
@@ -480,6 +499,8 @@ class CausalLM:
             if graphed:  # additive, built once per step (SDPA would convert a boolean mask in every layer)
                 mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         index = cache.flat_index(slots, positions[:, None])
+        if self.routes is not None:
+            self.routes.at(slots, positions)
         for i, ly in enumerate(self.layers):
             q, kv = self._qkv(ly, h, cos, sin, graphed)
             cache.write(i, index, kv)

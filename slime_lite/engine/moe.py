@@ -97,3 +97,27 @@ def expert_views(model: Any) -> dict[str, tuple[torch.nn.Parameter, int, slice]]
 def is_fused(name: str) -> bool:
     """Whether ``name`` is a layer's fused in-memory expert weight (``expert_views`` names its slices)."""
     return _FUSED.match(name) is not None
+
+
+class RouteStore:
+    """The experts each MoE layer chose for every cached position of every batch slot (``--enable-return-routed-
+    experts``): ``[slots + 1, max_len, moe layers, top_k]`` int16, allocated whole at start so that captured decode
+    steps keep writing to the same addresses; slot-local like the KV cache, so a prefix reused from the prefix cache
+    keeps its routing. ``at`` names the (slot, position) rows of the next forward; each MoE layer then ``write``s."""
+
+    def __init__(self, layers: int, top_k: int, slots: int, max_len: int, device: torch.device) -> None:
+        self.buffer = torch.zeros(slots + 1, max_len, layers, top_k, dtype=torch.int16, device=device)
+        self.index: torch.Tensor | None = None
+
+    def at(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """The rows of ``positions [B, T]`` (or ``[B]``) of ``slots [B]``, in the order the layers see tokens."""
+        pos = positions if positions.dim() == 2 else positions[:, None]
+        self.index = (slots[:, None] * self.buffer.shape[1] + pos).reshape(-1)
+
+    def write(self, layer: int, ids: torch.Tensor) -> None:
+        rows = self.buffer.view(-1, *self.buffer.shape[2:])[:, layer]
+        rows.index_copy_(0, self.index, ids.to(torch.int16))
+
+    def read(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """``[end - start, layers, top_k]`` int32 of positions start..end-1 of ``slot`` (on the host)."""
+        return self.buffer[slot, start:end].to(device="cpu", dtype=torch.int32)

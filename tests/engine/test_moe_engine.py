@@ -24,8 +24,10 @@ def qwen2_moe(tmp_path_factory):
 
 @pytest.mark.parametrize("rows", [1, 3, 16], ids=["gathered", "gathered-3", "dense"])  # 8 experts, top 2
 def test_fixed_shape_experts_equal_hf_sparse_moe_block(qwen2_moe, rows):
+    import copy
+
     _, hf = qwen2_moe
-    block = hf.model.layers[0].mlp
+    block = copy.deepcopy(hf.model.layers[0].mlp)  # its router changed below: the model stays the checkpoint's
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, hf.config.hidden_size, generator=g)
     with torch.no_grad():
@@ -57,3 +59,60 @@ def test_weights_load_and_checksum_by_per_expert_and_fused_names(qwen2_moe):
     assert w.load_from_disk(str(path)) == len(disk)
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         assert torch.equal(fused[5, inter:], f.get_tensor(name))
+
+
+def hf_routes(hf, tokens: list[int]) -> torch.Tensor:
+    """``[len(tokens), layers, top_k]``: the experts HF's routers pick for each position (sorted)."""
+    picked = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out: picked.append(out[2]))
+             for layer in hf.model.layers]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(picked, dim=1).sort(dim=-1).values
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager_decode", "padded_steps"])
+def test_engine_returns_the_experts_hf_routes_every_position_to(qwen2_moe, padded):
+    """--enable-return-routed-experts: a finished request carries, for every position that went through the model
+    (prompt and output but the last token), each MoE layer's top-k experts, HF's own; from
+    routed_experts_start_len on; and a prompt whose prefix came from the prefix cache gets the prefix's too."""
+    from slime_lite.engine.request import Request
+    from slime_lite.engine.sampling import SamplingParams
+    from slime_lite.engine.scheduler import Scheduler
+
+    path, hf = qwen2_moe
+    s = Scheduler(str(path), device="cpu", max_running_requests=4, kv_cache_tokens=4 * 96, cuda_graph=padded,
+                  enable_return_routed_experts=True)
+    s.start()
+    try:
+        def run(prompts, start=0):
+            import threading
+
+            outs, done = {}, threading.Semaphore(0)
+            for i, p in enumerate(prompts):
+                req = Request(rid=f"r{i}{start}", input_ids=p, params=SamplingParams.from_dict(
+                    {"max_new_tokens": 12, "temperature": 1.0}), seed=i, return_routed_experts=True,
+                    routed_experts_start_len=start, on_output=lambda o, i=i: (outs.__setitem__(i, o), done.release()))
+                s.prepare(req)
+                s.submit(req)
+            for _ in prompts:
+                assert done.acquire(timeout=120)
+            return [outs[i] for i in range(len(prompts))]
+
+        prompts = [[3, 9, 27, 4, 11], [5, 6, 7], [8, 1, 2, 30, 31, 32, 33]]
+        outs = run(prompts)
+        for p, o in zip(prompts, outs):
+            seq = p + o.output_ids
+            assert o.routed_experts.shape == (len(seq) - 1, 2, 2) and o.routed_experts.dtype == torch.int32
+            assert torch.equal(o.routed_experts.sort(dim=-1).values.long(), hf_routes(hf, seq[:-1]))
+        longer = prompts[0] + outs[0].output_ids[:6] + [12]
+        (o,) = run([longer], start=2)
+        assert o.cached_tokens >= len(prompts[0])
+        seq = longer + o.output_ids
+        assert torch.equal(o.routed_experts.sort(dim=-1).values.long(), hf_routes(hf, seq[:-1])[2:])
+    finally:
+        s.stop()

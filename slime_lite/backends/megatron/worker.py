@@ -24,7 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.backends.megatron import checkpoint, train_offload
+from slime_lite.backends.megatron import checkpoint, routing, train_offload
 from slime_lite.backends.megatron.convert import load_hf_weights
 from slime_lite.backends.megatron.model import (
     build_gpt_model,
@@ -102,6 +102,7 @@ class TrainWorker:
         model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl,
                                 **memory_overrides(a), **moe_overrides(a, self.hf_config))
         load_hf_weights(model, self._init_checkpoint(), self.hf_config)
+        self.replay = routing.Replay(model) if a.use_rollout_routing_replay else None
         self._adapt_model(model, dtype)
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -153,17 +154,24 @@ class TrainWorker:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple:
             mb = next(data_iterator)
+            if self.replay is not None:  # the engine's experts for these tokens (and their backward pass)
+                self.replay.set(routing.targets(samples, mb, self.replay.layer_ids, self.hf_config.num_hidden_layers,
+                                                self.hf_config.num_experts_per_tok, sequence_parallel(self.args)))
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
             # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
             out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, runtime_gather_output=False, **extra)
             return out, partial(loss_fn, mb)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=it, model=[self.model], num_microbatches=len(batches),
-            seq_length=max(b.tokens.shape[1] for b in batches), micro_batch_size=batches[0].tokens.shape[0],
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=it, model=[self.model], num_microbatches=len(batches),
+                seq_length=max(b.tokens.shape[1] for b in batches), micro_batch_size=batches[0].tokens.shape[0],
+                forward_only=forward_only,
+            )
+        finally:
+            if self.replay is not None:
+                self.replay.clear()
 
     def _plan(self, samples: list, log_probs: bool = False) -> list[list[list[int]]]:
         """Sample indices per optimizer step, per micro-batch, for this DP rank: fixed --micro-batch-size, or
