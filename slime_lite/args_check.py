@@ -346,10 +346,19 @@ def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
 def check_experts(args: argparse.Namespace, cfg: dict) -> None:
     """The expert-parallel layout against config.json: EP and expert-TP only for an MoE model, EP dividing its
     experts and the ranks of a pipeline stage, expert-TP dividing each expert's FFN size, and sequence parallelism
-    whenever TP > 1 (Megatron's MoE layers need it)."""
+    whenever TP > 1 (Megatron's MoE layers need it); --use-rollout-routing-replay only for an MoE model, and not
+    with PP > 1 and activation recompute (a recomputed router would replay another micro-batch's experts)."""
     ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
     family = FAMILIES.get(cfg.get("model_type"))
     moe = moe_config(cfg, f"--hf-checkpoint {args.hf_checkpoint}") if family else None
+    if args.use_rollout_routing_replay and moe is None and family is not None:
+        raise SlimeLiteError(f"--use-rollout-routing-replay: the model ({cfg.get('model_type')}) has no experts to "
+                             "route; drop --use-rollout-routing-replay.")
+    if args.use_rollout_routing_replay and args.pipeline_model_parallel_size > 1 and args.recompute_granularity:
+        raise SlimeLiteError(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
+                             f"{args.pipeline_model_parallel_size} and --recompute-granularity "
+                             f"{args.recompute_granularity} is not supported (the recomputed routers would replay "
+                             "another micro-batch's experts); drop the recompute or use PP 1.")
     if moe is None:
         for flag, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
             if (value or 1) > 1 and family is not None:

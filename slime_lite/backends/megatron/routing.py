@@ -21,9 +21,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from slime_lite.errors import SlimeLiteError
+
 
 def _sample_table(sample: Any, layers: int, top_k: int) -> torch.Tensor:
     """``[len(tokens), layers, top_k]``: the sample's routed experts, its last position filled with 0..k-1."""
+    if sample.rollout_routed_experts is None:
+        raise SlimeLiteError(f"--use-rollout-routing-replay: sample {sample.index} has no rollout_routed_experts "
+                             "(its engine did not return them: the embedded engine and SGLang started by slime-lite "
+                             "do; an external SGLang server needs --enable-return-routed-experts, and a replayed "
+                             "dump must come from such a run).")
     table = torch.as_tensor(sample.rollout_routed_experts, dtype=torch.long).reshape(-1, layers, top_k)
     n = len(sample.tokens)
     if table.shape[0] != n - 1:
@@ -36,25 +43,30 @@ def _filler(n: int, layers: int, top_k: int) -> torch.Tensor:
     return torch.arange(top_k).expand(n, layers, top_k)
 
 
-def targets(samples: list, mb: Any, layer_ids: list[int], num_layers: int, top_k: int, sp: bool) -> list[torch.Tensor]:
+def targets(samples: list, mb: Any, layer_ids: list[int], num_layers: int, top_k: int,
+            sp: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per router of this rank (global layer ids ``layer_ids``), the ``[tokens, top_k]`` experts of micro-batch
-    ``mb`` in the order the router sees its tokens."""
+    ``mb`` in the order the router sees its tokens; and which of those tokens the engine routed (not a sample's last
+    token or padding)."""
+    def row(i: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = _sample_table(samples[i], num_layers, top_k)
+        routed = torch.arange(width) < t.shape[0] - 1
+        return torch.cat([t, _filler(width - t.shape[0], num_layers, top_k)]), routed
+
     if mb.packed:
-        rows = [_sample_table(samples[i], num_layers, top_k) for i in mb.indices]
-        pad = mb.tokens.shape[1] - sum(r.shape[0] for r in rows)
-        grid = torch.cat(rows + [_filler(pad, num_layers, top_k)])[:, None]  # [T, 1, L, k]
+        rows = [row(i, len(samples[i].tokens)) for i in mb.indices]
+        pad = mb.tokens.shape[1] - sum(r.shape[0] for r, _ in rows)
+        grid = torch.cat([r for r, _ in rows] + [_filler(pad, num_layers, top_k)])[:, None]  # [T, 1, L, k]
+        valid = torch.cat([v for _, v in rows] + [torch.zeros(pad, dtype=torch.bool)])[:, None]
     else:
-        length = mb.tokens.shape[1]
-        rows = []
-        for i in mb.indices:
-            t = _sample_table(samples[i], num_layers, top_k)
-            rows.append(torch.cat([t, _filler(length - t.shape[0], num_layers, top_k)]))
-        grid = torch.stack(rows, dim=1)  # [T, B, L, k]
+        rows = [row(i, mb.tokens.shape[1]) for i in mb.indices]
+        grid = torch.stack([r for r, _ in rows], dim=1)  # [T, B, L, k]
+        valid = torch.stack([v for _, v in rows], dim=1)
     if sp:
         tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-        grid = grid.chunk(tp, dim=0)[rank]
+        grid, valid = grid.chunk(tp, dim=0)[rank], valid.chunk(tp, dim=0)[rank]
     flat = grid.reshape(-1, num_layers, top_k)
-    return [flat[:, layer].contiguous() for layer in layer_ids]
+    return [flat[:, layer].contiguous() for layer in layer_ids], valid.reshape(-1)
 
 
 class Replay:
@@ -64,6 +76,7 @@ class Replay:
         self.routers = [m for m in model.modules() if getattr(m, "router_replay", None) is not None]
         self.layer_ids = [r.layer_number - 1 for r in self.routers]
         self.counts = torch.zeros(len(self.routers), 2, dtype=torch.float64)
+        self.valid: torch.Tensor | None = None  # the routed tokens of the micro-batch being replayed
         for i, router in enumerate(self.routers):
             router.router_replay.get_replay_topk = self._counting(router.router_replay, i)
 
@@ -76,15 +89,18 @@ class Replay:
                     _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
                     target = replay.target_topk_idx.to(own.device)
                     same = (own.sort(dim=1).values == target.sort(dim=1).values).all(dim=1)
-                    self.counts[i, 0] += float((~same).sum())
-                    self.counts[i, 1] += same.numel()
+                    valid = self.valid.to(same.device)
+                    self.counts[i, 0] += float((~same & valid).sum())
+                    self.counts[i, 1] += float(valid.sum())
             return original(replay, scores, topk, num_groups, group_topk, default_compute_topk)
 
         return get_replay_topk
 
-    def set(self, per_router: list[torch.Tensor]) -> None:
-        """Replay ``per_router`` in the next forward (and a recompute of it in the backward pass)."""
+    def set(self, per_router: list[torch.Tensor], valid: torch.Tensor) -> None:
+        """Replay ``per_router`` in the next forward (and a recompute of it in the backward pass); ``valid``: the
+        tokens the mismatch counts."""
         RouterReplay.clear_global_indices()  # the previous micro-batch's (and its backward list)
+        self.valid = valid
         device = next(iter(self.routers[0].parameters())).device
         for router, t in zip(self.routers, per_router):
             router.router_replay.set_target_indices(t.to(device))

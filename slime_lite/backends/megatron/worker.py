@@ -155,8 +155,8 @@ class TrainWorker:
         def forward_step(data_iterator: Any, model: Any) -> tuple:
             mb = next(data_iterator)
             if self.replay is not None:  # the engine's experts for these tokens (and their backward pass)
-                self.replay.set(routing.targets(samples, mb, self.replay.layer_ids, self.hf_config.num_hidden_layers,
-                                                self.hf_config.num_experts_per_tok, sequence_parallel(self.args)))
+                self.replay.set(*routing.targets(samples, mb, self.replay.layer_ids, self.hf_config.num_hidden_layers,
+                                                 self.hf_config.num_experts_per_tok, sequence_parallel(self.args)))
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
             # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
