@@ -473,7 +473,8 @@ MOE_CONFIG = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"
 
 def test_moe_layouts_and_flags_contradicting_the_model_are_refused_naming_flag_value_and_fix(base, tmp_path):
     """Before Ray starts: an MoE flag config.json contradicts, EP not dividing the experts, TP > 1 without sequence
-    parallelism on an MoE model, EP on a dense model; the script's layout of a matching model passes."""
+    parallelism on an MoE model, EP or routing replay on a dense model, routing replay with PP and recompute; the
+    script's layout of a matching model passes."""
     (tmp_path / "model" / "config.json").write_text(json.dumps(MOE_CONFIG))
     gpus = ["--actor-num-gpus-per-node", "4"]
     args = parse_args(base + gpus + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "8",
@@ -491,7 +492,13 @@ def test_moe_layouts_and_flags_contradicting_the_model_are_refused_naming_flag_v
     assert "--tensor-model-parallel-size 2 with an MoE model" in msg and "add --sequence-parallel" in msg
     msg = err(base + ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "4"])
     assert "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 must divide the 2 ranks" in msg
+    msg = err(base + ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2",
+                      "--use-rollout-routing-replay", "--recompute-granularity", "selective"])
+    assert "--use-rollout-routing-replay with --pipeline-model-parallel-size 2 and --recompute-granularity" in msg
+    assert parse_args(base + ["--use-rollout-routing-replay"]).use_rollout_routing_replay
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 4}))
+    msg = err(base + ["--use-rollout-routing-replay"])
+    assert "--use-rollout-routing-replay: the model (qwen3) has no experts to route; drop" in msg
     msg = err(base + ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"])
     assert "--expert-model-parallel-size 2: the model (qwen3) has no experts; drop" in msg
     assert "--num-experts 8 contradicts" in err(base + ["--num-experts", "8"])

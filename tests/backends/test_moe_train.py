@@ -124,3 +124,79 @@ def test_moe_layouts_give_the_single_rank_run_and_resume_under_ep(moe_models, tm
                   "2", "--load", str(ckpt), "--ci-load-grad-norm", str(norms))
     assert [r["rollout_id"] for r in resumed] == [1]
     assert abs(resumed[0]["train/loss"] - ref[1]["train/loss"]) <= 1e-4 * max(abs(ref[1]["train/loss"]), 1e-6)
+
+
+def _forced_routing(hf, forced: list[torch.Tensor]):
+    """Make HF's routers pick ``forced[layer]`` ([tokens, k]) with their own softmax weights of those experts, as
+    Megatron's router replay does; returns the hooks' handles."""
+    handles = []
+    for layer, ids in zip(hf.model.layers, forced):
+        gate = layer.mlp.gate
+
+        def forward(hidden, gate=gate, ids=ids):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
+            if gate.norm_topk_prob:
+                probs = probs / probs.sum(dim=-1, keepdim=True)
+            return logits, probs.to(logits.dtype), ids
+
+        gate.forward = forward
+        handles.append(gate)
+    return handles
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_rollout_routing_replay_routes_the_trainer_to_the_rollouts_experts(moe_models, tmp_path, train_cli,
+                                                                           metrics_of, arch):
+    """--use-rollout-routing-replay on dumps whose routed experts are not what the trainer would pick (each of HF's
+    experts shifted by one) and whose log-probs are HF's under that routing: the trainer's log-probs equal them
+    (it routed every token as the rollout said, in forward and backward: the run trains), and the routing mismatch
+    is 1 in every layer; without replay the same log-probs are far off."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_lite.rollout.dumps import make_meta, save_rollout_dump
+    from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from slime_lite.types import Sample, Status
+
+    model = moe_models[arch]
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    tok = load_tokenizer(str(model))
+    gen = torch.Generator().manual_seed(0)
+    samples, off = [], 0.0
+    for gi in range(4):
+        ids = tok(f"{gi + 3}+{gi}=", add_special_tokens=False)["input_ids"]
+        for j in range(2):
+            seq = ids + torch.randint(4, 60, (3 + j,), generator=gen).tolist()
+            picked = []
+            hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out: picked.append(out[2]))
+                     for layer in hf.model.layers]
+            with torch.no_grad():
+                own = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
+            for h in hooks:
+                h.remove()
+            shifted = [(p + 1) % 4 for p in picked]  # 4 experts: never the same set
+            saved = {layer: layer.mlp.gate.forward for layer in hf.model.layers}
+            _forced_routing(hf, shifted)
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
+            for layer, fwd in saved.items():
+                layer.mlp.gate.forward = fwd
+            resp = seq[len(ids):]
+            rlp = [lp[len(ids) - 1 + k, t].item() for k, t in enumerate(resp)]
+            off = max(off, max(abs(own[len(ids) - 1 + k, t].item() - v) for k, t, v in zip(range(9), resp, rlp)))
+            table = torch.stack(shifted, dim=1)[:-1].to(torch.int32)  # [len - 1, layers, k]: SGLang's rows
+            samples.append(Sample(group_index=gi, index=len(samples), prompt="p", tokens=seq, response_length=len(resp),
+                                  label="0", reward=float(j), loss_mask=[1] * len(resp), rollout_log_probs=rlp,
+                                  rollout_routed_experts=table, status=Status.COMPLETED))
+    assert off > 1e-3  # the routing matters for these log-probs
+    meta = type("A", (), {"n_samples_per_prompt": 2, "rollout_batch_size": 4, "hf_checkpoint": str(model)})
+    save_rollout_dump(str(tmp_path / "dump_0.pt"), 0, samples, make_meta(meta, tokenizer_fingerprint(tok)))
+    proc = train_cli(["--load-debug-rollout-data", str(tmp_path / "dump_{rollout_id}.pt"), "--hf-checkpoint",
+                      str(model), *BASE, "--num-rollout", "1", "--use-rollout-routing-replay", "--metrics-path",
+                      str(tmp_path / "m.jsonl")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = metrics_of(tmp_path / "m.jsonl")[0]
+    assert m["train/train_rollout_logprob_abs_diff"] < 1e-5, m["train/train_rollout_logprob_abs_diff"]
+    assert m["train/routing_mismatch"] == 1.0 and m["train/routing_mismatch/layer_1"] == 1.0
+    assert 0 < m["train/grad_norm"] < float("inf")
