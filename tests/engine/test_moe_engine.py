@@ -75,18 +75,23 @@ def hf_routes(hf, tokens: list[int]) -> torch.Tensor:
     return torch.stack(picked, dim=1).sort(dim=-1).values
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["eager_decode", "padded_steps"])
-def test_engine_returns_the_experts_hf_routes_every_position_to(qwen2_moe, padded):
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("device,padded", [("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=_CUDA)],
+                         ids=["eager_decode", "padded_steps", "cuda_graphs"])
+def test_engine_returns_the_experts_hf_routes_every_position_to(qwen2_moe, device, padded):
     """--enable-return-routed-experts: a finished request carries, for every position that went through the model
     (prompt and output but the last token), each MoE layer's top-k experts, HF's own; from
-    routed_experts_start_len on; and a prompt whose prefix came from the prefix cache gets the prefix's too."""
+    routed_experts_start_len on; and a prompt whose prefix came from the prefix cache gets the prefix's too. On a
+    GPU the decode steps are captured CUDA graphs writing the experts (float32)."""
     from slime_lite.engine.request import Request
     from slime_lite.engine.sampling import SamplingParams
     from slime_lite.engine.scheduler import Scheduler
 
     path, hf = qwen2_moe
-    s = Scheduler(str(path), device="cpu", max_running_requests=4, kv_cache_tokens=4 * 96, cuda_graph=padded,
-                  enable_return_routed_experts=True)
+    s = Scheduler(str(path), device=device, dtype="float32", max_running_requests=4, kv_cache_tokens=4 * 96,
+                  cuda_graph=padded, enable_return_routed_experts=True)
     s.start()
     try:
         def run(prompts, start=0):
