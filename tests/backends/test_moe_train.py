@@ -152,7 +152,7 @@ def test_rollout_routing_replay_routes_the_trainer_to_the_rollouts_experts(moe_m
     """--use-rollout-routing-replay on dumps whose routed experts are not what the trainer would pick (each of HF's
     experts shifted by one) and whose log-probs are HF's under that routing: the trainer's log-probs equal them
     (it routed every token as the rollout said, in forward and backward: the run trains), and the routing mismatch
-    is 1 in every layer; without replay the same log-probs are far off."""
+    is 1 in the first layer; without replay the same log-probs are far off."""
     from transformers import AutoModelForCausalLM
 
     from slime_lite.rollout.dumps import make_meta, save_rollout_dump
@@ -198,5 +198,7 @@ def test_rollout_routing_replay_routes_the_trainer_to_the_rollouts_experts(moe_m
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = metrics_of(tmp_path / "m.jsonl")[0]
     assert m["train/train_rollout_logprob_abs_diff"] < 1e-5, m["train/train_rollout_logprob_abs_diff"]
-    assert m["train/routing_mismatch"] == 1.0 and m["train/routing_mismatch/layer_1"] == 1.0
+    # layer 0 sees HF's own inputs, so its top-k is HF's: never the shifted set; later layers see the replayed
+    # routing's hidden states, where their own top-k may happen to be the rollout's
+    assert m["train/routing_mismatch/layer_0"] == 1.0 and m["train/routing_mismatch"] > 0.9
     assert 0 < m["train/grad_norm"] < float("inf")
