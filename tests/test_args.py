@@ -338,7 +338,9 @@ FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w-])")
 # flags of other programs the package names, by module: SGLang's server/router (set by the launcher), pip's
 EXTERNAL = {
     "slime_lite.backends.sglang.launcher": {"--model-path", "--model", "--host", "--port", "--tp-size", "--tp",
-                                            "--random-seed", "--enable-memory-saver", "--worker-urls", "--api-key"},
+                                            "--random-seed", "--enable-memory-saver", "--worker-urls", "--api-key",
+                                            "--enable-return-routed-experts"},
+    "slime_lite.backends.megatron.routing": {"--enable-return-routed-experts"},  # SGLang's, named in an error
     "slime_lite.backends.megatron.model": {"--no-build-isolation"},
     "slime_lite.rollout.calc_task": {"--task"},  # make-tiny-model's, which warm-starts on the task's transcripts
 }
