@@ -95,14 +95,21 @@ def test_qwen3_and_glm4_train_and_rollout_log_probs_agree_under_ci_test(data, tm
     make_tiny_model(tmp_path / "model", arch=arch, warm_start_steps=0, num_layers=2,
                     head_dim=48 if arch == "qwen3" else None)
     bf16 = ["--colocate", "--bf16", "--engine-dtype", "bfloat16"] if precision == "cuda-bfloat16" else []
+    # Qwen3-MoE with rollout routing replay, two steps a rollout (the second on moved weights): the mismatch is
+    # that of the log-prob pass, engine against trainer on the same weights
+    replay = ["--use-rollout-routing-replay", "--num-steps-per-rollout", "2"] if arch == "qwen3_moe" else []
     proc = train(base(tmp_path / "model", data, tmp_path, "--num-rollout", "2", "--ci-test",
-                      "--check-weight-update-equal", "--debug-scramble-engine-weights", *bf16))
+                      "--check-weight-update-equal", "--debug-scramble-engine-weights", *bf16, *replay))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     r = rows(tmp_path)
     assert [x["rollout_id"] for x in r] == [0, 1] and r[0]["rollout/kl"] == 0.0
     bound = 5e-2 if bf16 else 1e-5  # rollout 1: sampled from the pushed weights
     assert all(x["train/train_rollout_logprob_abs_diff"] < bound for x in r), [
         x["train/train_rollout_logprob_abs_diff"] for x in r]
+    if replay:
+        assert all("train/routing_mismatch/layer_1" in x for x in r)
+        if not bf16:  # float32: the engine's routers and the trainer's pick the same experts
+            assert [x["train/routing_mismatch"] for x in r] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])

@@ -80,6 +80,8 @@ class TrainActor(TrainWorker):
         length = B.padded_length(samples)
         steps = self._plan(samples, log_probs=True)
         dump = a.save_debug_train_data  # the old forward also gives each token's entropy for the train dump
+        if self.replay:  # the mismatch of this pass only (training steps route with weights that moved since)
+            self.replay.counts.zero_()
         old = self._forward_all(samples, steps, length, partial(self._log_probs, entropy=bool(dump)))
         route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers) if self.replay else {}  # all ranks
         entropy = {i: t[1] for i, t in old.items()} if dump else None

@@ -111,7 +111,7 @@ class Replay:
         RouterReplay.clear_global_router_replay_action()
 
     def mismatch(self, num_layers: int) -> dict[str, float]:
-        """The routing mismatch since the last call, over every rank: overall and per layer (reset after)."""
+        """The routing mismatch counted since ``counts`` was zeroed, over every rank: overall and per layer."""
         per_layer = torch.zeros(num_layers, 2, dtype=torch.float64)
         for i, layer in enumerate(self.layer_ids):
             per_layer[layer] += self.counts[i]
