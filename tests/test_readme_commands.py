@@ -80,6 +80,8 @@ SKIP = {
     "ray start --head": "starts a Ray cluster",
     "ray start --address": "joins a Ray cluster",
     "slime-lite serve --disable-cuda-graph": "a CUDA option, shown without --model-path",
+    "bash scripts/run-tiny-moe-grpo.sh": "warm-starts a tiny MoE model first (a minute); tests/test_loop.py runs the "
+                                          "MoE loop with routing replay under --ci-test",
     "slime-lite serve --enable-return-routed-experts": "an MoE server option, shown without --model-path "
                                                         "(tests/engine/test_moe_engine.py runs the engine with it)",
 }
