@@ -117,6 +117,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron sequence parallelism: norms and residuals split along the sequence over the "
                         "tensor-parallel ranks (less activation memory; ignored with a warning at "
                         "--tensor-model-parallel-size 1, as in Megatron)")
+    g.add_argument("--expert-model-parallel-size", type=_positive_int, default=1,
+                   help="MoE models: experts split over this many ranks (must divide num_experts; default: "
+                        "%(default)s)")
+    g.add_argument("--expert-tensor-parallel-size", type=_positive_int, default=None,
+                   help="MoE models: each expert's weights split over this many ranks (default: "
+                        "--tensor-model-parallel-size)")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="alltoall",
+                   help="MoE models: how tokens reach the experts' ranks (Megatron's dispatchers; default: "
+                        "%(default)s)")
+    g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                   help="MoE models: the router's logits and softmax in this dtype (default: the model's)")
+    g.add_argument("--moe-aux-loss-coeff", type=_nonneg_float, default=0.0,
+                   help="MoE models: weight of Megatron's load-balancing loss (aux_loss) in the loss; 0 turns it "
+                        "off (default: %(default)s)")
+    g.add_argument("--moe-z-loss-coeff", type=_nonneg_float, default=None,
+                   help="MoE models: weight of the router z-loss (mean squared log-sum-exp of the router logits)")
+    g.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="MoE models (slime's R3): the engine returns the experts it chose for every token "
+                        "(return_routed_experts), samples keep them (rollout_routed_experts) and the trainer's "
+                        "routers replay them in the forward and backward passes; train/routing_mismatch reports "
+                        "the share of (token, layer) pairs the trainer would have routed otherwise")
+    g.add_argument("--balance-data", action="store_true",
+                   help="deal each step's samples (with --use-dynamic-batch-size: its packed micro-batches) to the "
+                        "data-parallel ranks in equal counts balanced by estimated FLOPs, L * (1 + L / (6 * "
+                        "hidden)) for a sample of L tokens (default: in order)")
     g.add_argument("--bf16", action="store_true", help="train in bfloat16 (default: float32)")
     g.add_argument("--lr", type=_nonneg_float, default=1e-6, help="actor learning rate (default: %(default)s)")
     g.add_argument("--critic-lr", type=_nonneg_float, default=None, help="critic learning rate (default: --lr)")

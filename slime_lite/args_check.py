@@ -15,6 +15,7 @@ from slime_lite.backends.megatron.train_dump import check_train_template
 from slime_lite.config import EngineConfig, TokenBudget
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
+from slime_lite.model_families import FAMILIES, moe_config
 from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template
 from slime_lite.slime_flags import check as check_slime_flags
@@ -339,6 +340,46 @@ def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
         raise SlimeLiteError(
             f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({layers}).")
     check_recompute(args, layers // pp if layers else None)
+    check_experts(args, cfg)
+
+
+def check_experts(args: argparse.Namespace, cfg: dict) -> None:
+    """The expert-parallel layout against config.json: EP and expert-TP only for an MoE model, EP dividing its
+    experts and the ranks of a pipeline stage, expert-TP dividing each expert's FFN size, and sequence parallelism
+    whenever TP > 1 (Megatron's MoE layers need it); --use-rollout-routing-replay only for an MoE model, and not
+    with PP > 1 and activation recompute (a recomputed router would replay another micro-batch's experts)."""
+    ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
+    family = FAMILIES.get(cfg.get("model_type"))
+    moe = moe_config(cfg, f"--hf-checkpoint {args.hf_checkpoint}") if family else None
+    if args.use_rollout_routing_replay and moe is None and family is not None:
+        raise SlimeLiteError(f"--use-rollout-routing-replay: the model ({cfg.get('model_type')}) has no experts to "
+                             "route; drop --use-rollout-routing-replay.")
+    if args.use_rollout_routing_replay and args.pipeline_model_parallel_size > 1 and args.recompute_granularity:
+        raise SlimeLiteError(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
+                             f"{args.pipeline_model_parallel_size} and --recompute-granularity "
+                             f"{args.recompute_granularity} is not supported (the recomputed routers would replay "
+                             "another micro-batch's experts); drop the recompute or use PP 1.")
+    if moe is None:
+        for flag, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+            if (value or 1) > 1 and family is not None:
+                raise SlimeLiteError(f"{flag} {value}: the model ({cfg.get('model_type')}) has no experts; drop "
+                                     f"{flag}.")
+        return
+    if moe.num_experts % ep:
+        raise SlimeLiteError(f"--expert-model-parallel-size {ep} must divide the model's num_experts "
+                             f"({moe.num_experts}); pick a divisor of {moe.num_experts}.")
+    etp = tp if etp is None else etp
+    if moe.ffn_hidden_size % etp:
+        raise SlimeLiteError(f"--expert-tensor-parallel-size {etp} must divide the model's moe_intermediate_size "
+                             f"({moe.ffn_hidden_size}).")
+    stage = world_size(args) // args.pipeline_model_parallel_size
+    if stage % (ep * etp):
+        raise SlimeLiteError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must divide "
+                             f"the {stage} ranks of a pipeline stage (GPUs / --pipeline-model-parallel-size).")
+    if tp > 1 and not args.sequence_parallel:
+        raise SlimeLiteError(f"--tensor-model-parallel-size {tp} with an MoE model ({cfg.get('model_type')}) needs "
+                             "--sequence-parallel (Megatron's MoE layers take sequence-split tokens): add "
+                             "--sequence-parallel.")
 
 
 def check_recompute(args: argparse.Namespace, layers_per_stage: int | None) -> None:

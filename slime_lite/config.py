@@ -188,6 +188,7 @@ class EngineConfig(_FromArgs):
     use_sglang_router: bool
     sglang_server_module: str
     sglang_args: list[str]
+    use_rollout_routing_replay: bool
     rollout_num_gpus: int
     rollout_batch_size: int
     over_sampling_batch_size: int | None

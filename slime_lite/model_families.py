@@ -22,6 +22,8 @@ class Family:
     partial_rotary: float | None = None  # the family reads config.json's partial_rotary_factor (this when absent)
     post_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add
     fused_gate_up: bool = False  # one ``mlp.gate_up_proj`` (gate rows first) instead of gate_proj and up_proj
+    moe: bool = False  # every layer's MLP is routed experts (``mlp.gate`` router, ``mlp.experts.E``)
+    shared_expert: bool = False  # next to the routed experts, an always-on ``mlp.shared_expert`` with a sigmoid gate
 
 
 FAMILIES: dict[str, Family] = {  # by config.json model_type
@@ -30,6 +32,8 @@ FAMILIES: dict[str, Family] = {  # by config.json model_type
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
     "glm4": Family("Glm4ForCausalLM", qkv_bias=True, rotary_interleaved=True, partial_rotary=0.5,
                    post_norms=True, fused_gate_up=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, moe=True),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", qkv_bias=True, moe=True, shared_expert=True),
 }
 
 
@@ -52,6 +56,48 @@ def check_family(cfg: Any, where: str, fix: str = "") -> Family:
         raise SlimeLiteError(f"{where}: architecture {shown} (model_type {model_type!r}) is not supported (supported: "
                              f"{supported()}){'; ' + fix if fix else ''}.")
     return family
+
+
+def qkv_bias(cfg: Any) -> bool:
+    """Whether q/k/v have biases: config.json's ``attention_bias`` (Qwen2-MoE: ``qkv_bias``), else the family's."""
+    family = FAMILIES[_get(cfg, "model_type")]
+    key = "qkv_bias" if _get(cfg, "model_type") == "qwen2_moe" else "attention_bias"
+    return bool(_get(cfg, key, family.qkv_bias)) or _get(cfg, "model_type") == "qwen2"
+
+
+@dataclass(frozen=True)
+class MoE:
+    """The routed-expert MLP of an MoE family, from config.json (softmax router over every expert, top-k)."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int  # each expert's intermediate size (moe_intermediate_size)
+    norm_topk_prob: bool  # the top-k weights renormalised to sum to 1
+    shared_expert_size: int  # 0 without a shared expert
+    aux_loss_coeff: float  # router_aux_loss_coef
+
+
+def num_experts(cfg: Any) -> int | None:
+    """config.json's expert count: ``num_experts`` (transformers 5 writes Qwen3-MoE's as ``num_local_experts``)."""
+    return _get(cfg, "num_experts", None) or _get(cfg, "num_local_experts", None)
+
+
+def moe_config(cfg: Any, where: str) -> MoE | None:
+    """The MoE MLP of an MoE family's config (None for a dense family); SlimeLiteError for layouts slime-lite
+    cannot build (dense layers between MoE ones)."""
+    family = FAMILIES[_get(cfg, "model_type")]
+    if not family.moe:
+        return None
+    if int(_get(cfg, "decoder_sparse_step", 1) or 1) != 1 or list(_get(cfg, "mlp_only_layers") or []):
+        raise SlimeLiteError(f"{where}: decoder_sparse_step {_get(cfg, 'decoder_sparse_step')} / mlp_only_layers "
+                             f"{_get(cfg, 'mlp_only_layers')}: only models whose every layer is MoE are supported "
+                             "(decoder_sparse_step 1, no mlp_only_layers).")
+    return MoE(
+        num_experts=int(num_experts(cfg)), top_k=int(_get(cfg, "num_experts_per_tok")),
+        ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")), norm_topk_prob=bool(_get(cfg, "norm_topk_prob")),
+        shared_expert_size=int(_get(cfg, "shared_expert_intermediate_size", 0) or 0) if family.shared_expert else 0,
+        aux_loss_coeff=float(_get(cfg, "router_aux_loss_coef", 0.0) or 0.0),
+    )
 
 
 def rope_parameters(cfg: Any) -> dict[str, Any]:

@@ -18,16 +18,37 @@ import argparse
 import json
 import math
 import os
+import re
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.model_families import FAMILIES, partial_rotary_factor, rope_parameters
+from slime_lite.model_families import FAMILIES, num_experts, partial_rotary_factor, qkv_bias, rope_parameters
 
 STORE_TRUE = {"action": "store_true", "default": None}
 
 
-def _value(kind: type = str, **kw: Any) -> dict[str, Any]:
+def _value(kind: Any = str, **kw: Any) -> dict[str, Any]:
     return {"type": kind, "default": None, **kw}
+
+
+def layer_freq(text: str) -> int | list[int]:
+    """Megatron's --moe-layer-freq: N (every N-th layer is MoE), a list ``[1,0,1,...]`` or ``([1]*48)``."""
+    t = text.strip().strip("()").replace(" ", "")
+    m = re.fullmatch(r"\[([01])\]\*(\d+)", t)
+    if m:
+        return [int(m.group(1))] * int(m.group(2))
+    if re.fullmatch(r"\d+", t):
+        return int(t)
+    if re.fullmatch(r"\[[01](,[01])*\]", t):
+        return [int(x) for x in t[1:-1].split(",")]
+    raise argparse.ArgumentTypeError(f"{text!r}: expected N, a list like [1,1,0,1] or ([1]*48)")
+
+
+def _moe_layers(freq: int | list[int], num_layers: int | None) -> list[int] | None:
+    """Which layers a --moe-layer-freq value makes MoE, one 0/1 per layer."""
+    if isinstance(freq, list):
+        return freq
+    return [int(i % freq == 0) for i in range(num_layers)] if num_layers else None
 
 
 # ---- Megatron architecture flags: flag -> (argparse kwargs, config.json key(s) it is checked against) --------------
@@ -56,20 +77,25 @@ ARCH_FLAGS: dict[str, tuple[dict[str, Any], str]] = {
     "--post-self-attn-layernorm": (STORE_TRUE, "model_type"),
     "--post-mlp-layernorm": (STORE_TRUE, "model_type"),
     "--spec": (_value(nargs=2, metavar=("MODULE", "FUNCTION")), "model_type"),
+    "--num-experts": (_value(int), "num_experts (or num_local_experts)"),
+    "--moe-ffn-hidden-size": (_value(int), "moe_intermediate_size"),
+    "--moe-router-topk": (_value(int), "num_experts_per_tok"),
+    "--moe-router-score-function": (_value(choices=("softmax", "sigmoid")), "model_type"),
+    "--moe-router-pre-softmax": (STORE_TRUE, "norm_topk_prob"),
+    "--moe-shared-expert-intermediate-size": (_value(int), "shared_expert_intermediate_size"),
+    "--moe-layer-freq": (_value(layer_freq), "decoder_sparse_step / mlp_only_layers"),
 }
 # What the architecture flags mean per config.json model_type: the families slime-lite builds (model_families.py),
 # and others whose configs slime's scripts may name (checked against them too; the trainer refuses to build them).
-QK_NORM_TYPES = tuple(t for t, f in FAMILIES.items() if f.qk_norm) + ("qwen3_moe", "qwen3_next", "olmo2", "gemma3")
-NO_QK_NORM_TYPES = tuple(t for t, f in FAMILIES.items() if not f.qk_norm) + ("qwen2_moe", "mistral", "glm")
+QK_NORM_TYPES = tuple(t for t, f in FAMILIES.items() if f.qk_norm) + ("qwen3_next", "olmo2", "gemma3")
+NO_QK_NORM_TYPES = tuple(t for t, f in FAMILIES.items() if not f.qk_norm) + ("mistral", "glm")
 INTERLEAVED_ROPE_TYPES = tuple(t for t, f in FAMILIES.items() if f.rotary_interleaved) + ("glm", "chatglm")
 POST_NORM_TYPES = tuple(t for t, f in FAMILIES.items() if f.post_norms)  # extra norms after attention and MLP
-QKV_BIAS_TYPES = tuple(t for t, f in FAMILIES.items() if f.qkv_bias) + ("qwen2_moe",)  # when config.json is silent
+QKV_BIAS_TYPES = tuple(t for t, f in FAMILIES.items() if f.qkv_bias)  # when config.json is silent
 
 # ---- honoured with these values only: flag -> (argparse kwargs, allowed values, what slime-lite does) ---------------
 AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
     "--context-parallel-size": (_value(int), (1,), "no context parallelism"),
-    "--expert-model-parallel-size": (_value(int), (1,), "dense models only, no expert parallelism"),
-    "--expert-tensor-parallel-size": (_value(int), (1,), "dense models only, no expert parallelism"),
     "--optimizer": (_value(), ("adam",), "Megatron's Adam"),
     "--lr-decay-style": (_value(), ("constant",), "a constant learning rate"),
     "--attention-dropout": (_value(float), (0.0,), "no dropout"),
@@ -79,29 +105,20 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
     "--no-rope-fusion": (STORE_TRUE, (True,), "no fused RoPE kernel"),
     "--accumulate-allreduce-grads-in-fp32": (STORE_TRUE, (True,), "gradients reduced in float32"),
     "--attention-softmax-in-fp32": (STORE_TRUE, (True,), "softmax accumulated in float32 (SDPA)"),
+    "--moe-grouped-gemm": (STORE_TRUE, (True,), "each expert as its own MLP (the same math as a grouped GEMM)"),
+    "--moe-permute-fusion": (STORE_TRUE, (True,), "tokens permuted to their experts in PyTorch (the same math as "
+                                                  "the fused kernel)"),
+    "--moe-token-drop-policy": (_value(), ("probs", "position"), "no token dropping (no expert capacity factor), "
+                                                                "so the drop policy never applies"),
 }
 
 # ---- not supported yet: flag -> (argparse kwargs, reason) -------------------------------------------------------
 _PERF = "a Megatron performance option that slime-lite does not wire up"
-_MOE = "MoE models are not supported yet (the Megatron backend builds dense Llama/Qwen2/Qwen3/GLM4 models)"
 NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
     "--optimizer-cpu-offload": (STORE_TRUE, _PERF + " (the optimizer state stays on the GPU; --offload-train "
                                                     "moves it off between steps)"),
     "--overlap-cpu-optimizer-d2h-h2d": (STORE_TRUE, _PERF + " (goes with --optimizer-cpu-offload)"),
     "--use-precision-aware-optimizer": (STORE_TRUE, _PERF),
-    "--balance-data": (STORE_TRUE, "slime's token balancing over data-parallel ranks (slime-lite splits the "
-                                   "samples in order)"),
-    "--num-experts": (_value(int), _MOE),
-    "--moe-ffn-hidden-size": (_value(int), _MOE),
-    "--moe-router-topk": (_value(int), _MOE),
-    "--moe-router-score-function": (_value(), _MOE),
-    "--moe-token-dispatcher-type": (_value(), _MOE),
-    "--moe-layer-freq": (_value(), _MOE),
-    "--moe-grouped-gemm": (STORE_TRUE, _MOE),
-    "--moe-token-drop-policy": (_value(), _MOE),
-    "--moe-router-dtype": (_value(), _MOE),
-    "--moe-permute-fusion": (STORE_TRUE, _MOE),
-    "--moe-aux-loss-coeff": (_value(float), _MOE),
     "--custom-tis-function-path": (_value(), "slime's hook for a custom importance-sampling weight (the built-in "
                                              "ones: --use-tis with --tis-mode truncate|mask and --tis-level "
                                              "token|sequence|geometric)"),
@@ -149,6 +166,11 @@ def hf_values(cfg: dict[str, Any]) -> dict[str, Any]:
     theta = rope_parameters(cfg).get("rope_theta")
     norm = "RMSNorm" if "rms_norm_eps" in cfg else "LayerNorm" if "layer_norm_eps" in cfg else None
     known = mt in QK_NORM_TYPES + NO_QK_NORM_TYPES
+    family = FAMILIES.get(mt)
+    dense = family is not None and not family.moe  # a family slime-lite builds without experts
+    moe = family is not None and family.moe
+    sparse_step, only_dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
+    layers = cfg.get("num_hidden_layers")
     return {
         "num_layers": cfg.get("num_hidden_layers"),
         "hidden_size": hidden,
@@ -169,10 +191,20 @@ def hf_values(cfg: dict[str, Any]) -> dict[str, Any]:
         else None,
         "qk_layernorm": mt in QK_NORM_TYPES if known else None,
         "disable_bias_linear": not cfg.get("mlp_bias", False),
-        "add_qkv_bias": bool(cfg["attention_bias"]) if "attention_bias" in cfg else (mt in QKV_BIAS_TYPES if mt
-                                                                                      else None),
+        "add_qkv_bias": qkv_bias(cfg) if family else bool(cfg["attention_bias"]) if "attention_bias" in cfg
+        else (mt in QKV_BIAS_TYPES if mt else None),
         "post_self_attn_layernorm": mt in POST_NORM_TYPES if mt else None,
         "post_mlp_layernorm": mt in POST_NORM_TYPES if mt else None,
+        "num_experts": False if dense else num_experts(cfg),
+        "moe_ffn_hidden_size": False if dense else cfg.get("moe_intermediate_size"),
+        "moe_router_topk": False if dense else cfg.get("num_experts_per_tok"),
+        "moe_router_score_function": False if dense else "softmax" if moe else None,
+        "moe_router_pre_softmax": False if dense else (not cfg["norm_topk_prob"]) if moe and "norm_topk_prob" in cfg
+        else None,
+        "moe_shared_expert_intermediate_size": False if dense or (moe and not family.shared_expert)
+        else cfg.get("shared_expert_intermediate_size"),
+        "moe_layer_freq": False if dense else [int(i not in only_dense and (i + 1) % sparse_step == 0)
+                                                for i in range(layers)] if moe and layers else None,
     }
 
 
@@ -205,6 +237,8 @@ def check_architecture(args: argparse.Namespace) -> None:
             continue
         if dest == "group_query_attention":
             continue  # a switch; --num-query-groups carries the number and is checked
+        if dest == "moe_layer_freq":
+            value = _moe_layers(value, cfg.get("num_hidden_layers"))
         expected = want.get(dest)
         if expected is None:
             continue  # the config does not say

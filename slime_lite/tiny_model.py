@@ -1,4 +1,7 @@
-"""The tiny model: a real Hugging Face checkpoint (Qwen2 by default; ``--arch qwen3|glm4`` for the other families)
+"""The tiny model: a real Hugging Face checkpoint (Qwen2 by default; ``--arch qwen3|glm4`` for the other dense
+families, ``--arch qwen3_moe|qwen2_moe`` for Mixture-of-Experts ones: ``--num-experts`` routed experts of
+``--moe-intermediate-size``, top ``--num-experts-per-tok``; Qwen2-MoE adds a gated shared expert of
+``--intermediate-size``)
 with a character-level tokenizer, built locally.
 
 ``slime-lite make-tiny-model --out DIR`` writes config.json, model.safetensors, generation_config.json,
@@ -21,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, Glm4Config, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, GenerationConfig, Glm4Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from slime_lite import tasks
 from slime_lite.errors import SlimeLiteError
@@ -32,11 +36,12 @@ from slime_lite.tokenizer import build_tokenizer, save_tokenizer
 logger = logging.getLogger(__name__)
 
 VOCAB_PAD_MULTIPLE = 64  # the model's vocab_size is padded (as Qwen does) so TP sizes 1/2/4/8 divide it
-ARCHS = ("qwen2", "qwen3", "glm4")  # --arch: the families of slime_lite/model_families.py with a tiny build here
+ARCHS = ("qwen2", "qwen3", "glm4", "qwen3_moe", "qwen2_moe")  # --arch: the families of slime_lite/model_families.py with a tiny build here
 
 
 def _config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-            head_dim: int, intermediate_size: int, tie_word_embeddings: bool):
+            head_dim: int, intermediate_size: int, tie_word_embeddings: bool, num_experts: int = 4,
+            num_experts_per_tok: int = 2, moe_intermediate_size: int = 96):
     """The HF config of a tiny model of family ``arch`` (Qwen3: QK-norm, no biases; GLM4: partial interleaved
     rotary over half of each head, q/k/v biases, post-attention and post-MLP norms, fused gate/up)."""
     family = FAMILIES[arch]
@@ -52,6 +57,14 @@ def _config(arch: str, vocab_size: int, *, hidden_size: int, num_layers: int, nu
         return Qwen2Config(**common, use_sliding_window=False, max_window_layers=num_layers)
     if arch == "qwen3":
         return Qwen3Config(**common, use_sliding_window=False, attention_bias=False)
+    moe = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, norm_topk_prob=arch == "qwen3_moe",
+               moe_intermediate_size=moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
+               use_sliding_window=False)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **moe, attention_bias=False)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=intermediate_size, qkv_bias=True,
+                              max_window_layers=num_layers)
     return Glm4Config(**common, attention_bias=True, partial_rotary_factor=0.5)
 
 
@@ -267,17 +280,24 @@ def make_tiny_model(
     warm_start_target: float | None = WARM_START_TARGET,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 96,
 ) -> dict[str, Any]:
     """Build, warm-start and save the tiny model of family ``arch``; return a report (params, steps, seconds, eval
     accuracy). ``head_dim`` defaults to hidden_size / num_heads."""
 
 
     for name, value in (("--hidden-size", hidden_size), ("--num-layers", num_layers), ("--num-heads", num_heads),
-                        ("--num-kv-heads", num_kv_heads), ("--intermediate-size", intermediate_size)):
+                        ("--num-kv-heads", num_kv_heads), ("--intermediate-size", intermediate_size),
+                        ("--num-experts", num_experts), ("--num-experts-per-tok", num_experts_per_tok),
+                        ("--moe-intermediate-size", moe_intermediate_size)):
         if value <= 0:
             raise SlimeLiteError(f"{name} {value}: must be a positive integer.")
     if arch not in ARCHS:
         raise SlimeLiteError(f"--arch {arch!r}: choose one of {', '.join(ARCHS)}.")
+    if num_experts_per_tok > num_experts:
+        raise SlimeLiteError(f"--num-experts-per-tok {num_experts_per_tok}: at most --num-experts ({num_experts}).")
     if head_dim is None:
         if hidden_size % num_heads:
             raise SlimeLiteError(f"--hidden-size {hidden_size} / --num-heads {num_heads}: the hidden size must split "
@@ -310,7 +330,8 @@ def make_tiny_model(
         config = _config(
             arch, vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-            tie_word_embeddings=tie_word_embeddings,
+            tie_word_embeddings=tie_word_embeddings, num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
         )
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).float()
@@ -334,7 +355,8 @@ def make_tiny_model(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="slime-lite make-tiny-model",
-        description="Write a tiny warm-started checkpoint (Qwen2, Qwen3 or GLM4) with a character-level tokenizer.",
+        description="Write a tiny warm-started checkpoint (Qwen2, Qwen3, GLM4, Qwen3-MoE or Qwen2-MoE) with a "
+                    "character-level tokenizer.",
     )
     parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier tiny model)")
     parser.add_argument("--hidden-size", type=int, default=128)
@@ -345,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=None, help="default: --hidden-size / --num-heads")
     parser.add_argument("--arch", default="qwen2", choices=ARCHS,
                         help="the model family: qwen2 (default), qwen3 (QK-norm) or glm4 (partial interleaved "
-                             "rotary, post-attention and post-MLP norms)")
+                             "rotary, post-attention and post-MLP norms), qwen3_moe (routed experts) or qwen2_moe "
+                             "(routed experts and a gated shared expert)")
+    parser.add_argument("--num-experts", type=int, default=4, help="MoE archs: routed experts per layer")
+    parser.add_argument("--num-experts-per-tok", type=int, default=2, help="MoE archs: experts each token uses")
+    parser.add_argument("--moe-intermediate-size", type=int, default=96, help="MoE archs: each expert's FFN size")
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--task", default="addition", choices=tasks.TASKS)
     parser.add_argument("--warm-start-steps", type=int, default=None,
@@ -363,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             arch=args.arch, task=args.task,
             warm_start_steps=args.warm_start_steps,
             warm_start_target=args.warm_start_target, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings,
+            num_experts=args.num_experts, num_experts_per_tok=args.num_experts_per_tok,
+            moe_intermediate_size=args.moe_intermediate_size,
         )
     except SlimeLiteError as exc:
         print(f"error: {exc}")

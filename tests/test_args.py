@@ -338,7 +338,9 @@ FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w-])")
 # flags of other programs the package names, by module: SGLang's server/router (set by the launcher), pip's
 EXTERNAL = {
     "slime_lite.backends.sglang.launcher": {"--model-path", "--model", "--host", "--port", "--tp-size", "--tp",
-                                            "--random-seed", "--enable-memory-saver", "--worker-urls", "--api-key"},
+                                            "--random-seed", "--enable-memory-saver", "--worker-urls", "--api-key",
+                                            "--enable-return-routed-experts"},
+    "slime_lite.backends.megatron.routing": {"--enable-return-routed-experts"},  # SGLang's, named in an error
     "slime_lite.backends.megatron.model": {"--no-build-isolation"},
     "slime_lite.rollout.calc_task": {"--task"},  # make-tiny-model's, which warm-starts on the task's transcripts
 }
@@ -464,3 +466,41 @@ def test_eval_interval_0_turns_eval_off_even_appended_to_a_scripts_flags(base, t
     parse_args(base + ["--eval-interval", "0"])  # nothing to evaluate, nothing asked for
     with pytest.raises(SystemExit):
         parse_args(base + ["--eval-interval", "-1"])
+
+
+MOE_CONFIG = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4,
+              "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 384,
+              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "norm_topk_prob": True}
+
+
+def test_moe_layouts_and_flags_contradicting_the_model_are_refused_naming_flag_value_and_fix(base, tmp_path):
+    """Before Ray starts: an MoE flag config.json contradicts, EP not dividing the experts, TP > 1 without sequence
+    parallelism on an MoE model, EP or routing replay on a dense model, routing replay with PP and recompute; the
+    script's layout of a matching model passes."""
+    (tmp_path / "model" / "config.json").write_text(json.dumps(MOE_CONFIG))
+    gpus = ["--actor-num-gpus-per-node", "4"]
+    args = parse_args(base + gpus + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "8",
+                                     "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96", "--moe-layer-freq",
+                                     "([1]*4)", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size",
+                                     "1", "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"])
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (4, 1)
+    msg = err(base + ["--num-experts", "16", "--moe-router-pre-softmax"])
+    assert "--num-experts 16 contradicts" in msg and "means --num-experts 8" in msg
+    assert "--moe-router-pre-softmax given contradicts" in msg and "norm_topk_prob" in msg
+    assert "--moe-layer-freq" in err(base + ["--moe-layer-freq", "2"])  # every second layer dense: not this model
+    msg = err(base + gpus + ["--expert-model-parallel-size", "3"])
+    assert "--expert-model-parallel-size 3 must divide the model's num_experts (8)" in msg
+    msg = err(base + gpus + ["--tensor-model-parallel-size", "2"])
+    assert "--tensor-model-parallel-size 2 with an MoE model" in msg and "add --sequence-parallel" in msg
+    msg = err(base + ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "4"])
+    assert "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 must divide the 2 ranks" in msg
+    msg = err(base + ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2",
+                      "--use-rollout-routing-replay", "--recompute-granularity", "selective"])
+    assert "--use-rollout-routing-replay with --pipeline-model-parallel-size 2 and --recompute-granularity" in msg
+    assert parse_args(base + ["--use-rollout-routing-replay"]).use_rollout_routing_replay
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 4}))
+    msg = err(base + ["--use-rollout-routing-replay"])
+    assert "--use-rollout-routing-replay: the model (qwen3) has no experts to route; drop" in msg
+    msg = err(base + ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"])
+    assert "--expert-model-parallel-size 2: the model (qwen3) has no experts; drop" in msg
+    assert "--num-experts 8 contradicts" in err(base + ["--num-experts", "8"])

@@ -82,26 +82,34 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
 _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "glm4"])
+@pytest.mark.parametrize("arch", ["qwen3", "glm4", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("precision", ["cpu-float32", pytest.param("cuda-bfloat16", marks=_CUDA)])
 def test_qwen3_and_glm4_train_and_rollout_log_probs_agree_under_ci_test(data, tmp_path, arch, precision):
-    """A tiny Qwen3 (QK-norm, head size 48 of a 128 hidden size over 4 heads) and a tiny GLM4 (partial interleaved
-    rotary, q/k/v biases, post-norms, fused gate/up) through the whole loop: the embedded engine rolls out, Megatron
-    trains, the weights are pushed by HF name and checked equal, and --ci-test's checks pass: in float32 on CPU;
-    on a GPU in bf16, colocated, with the engine's CUDA graphs and fused kernels, under the bf16 bound."""
+    """A tiny Qwen3 (QK-norm, head size 48 of a 128 hidden size over 4 heads), a tiny GLM4 (partial interleaved
+    rotary, q/k/v biases, post-norms, fused gate/up), a tiny Qwen3-MoE and a tiny Qwen2-MoE (4 experts, top 2; a
+    gated shared expert) through the whole loop: the embedded engine rolls out, Megatron trains, the weights are
+    pushed by HF name (every expert by its on-disk name) and checked equal, and --ci-test's checks pass: in float32
+    on CPU; on a GPU in bf16, colocated, with the engine's CUDA graphs and fused kernels, under the bf16 bound."""
     from slime_lite.tiny_model import make_tiny_model
 
     make_tiny_model(tmp_path / "model", arch=arch, warm_start_steps=0, num_layers=2,
                     head_dim=48 if arch == "qwen3" else None)
     bf16 = ["--colocate", "--bf16", "--engine-dtype", "bfloat16"] if precision == "cuda-bfloat16" else []
+    # Qwen3-MoE with rollout routing replay, two steps a rollout (the second on moved weights): the mismatch is
+    # that of the log-prob pass, engine against trainer on the same weights
+    replay = ["--use-rollout-routing-replay", "--num-steps-per-rollout", "2"] if arch == "qwen3_moe" else []
     proc = train(base(tmp_path / "model", data, tmp_path, "--num-rollout", "2", "--ci-test",
-                      "--check-weight-update-equal", "--debug-scramble-engine-weights", *bf16))
+                      "--check-weight-update-equal", "--debug-scramble-engine-weights", *bf16, *replay))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     r = rows(tmp_path)
     assert [x["rollout_id"] for x in r] == [0, 1] and r[0]["rollout/kl"] == 0.0
     bound = 5e-2 if bf16 else 1e-5  # rollout 1: sampled from the pushed weights
     assert all(x["train/train_rollout_logprob_abs_diff"] < bound for x in r), [
         x["train/train_rollout_logprob_abs_diff"] for x in r]
+    if replay:
+        assert all("train/routing_mismatch/layer_1" in x for x in r)
+        if not bf16:  # float32: the engine's routers and the trainer's pick the same experts
+            assert [x["train/routing_mismatch"] for x in r] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])

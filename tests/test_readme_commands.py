@@ -22,6 +22,8 @@ SHORT = "--num-rollout 2"  # appended to every training script: argparse keeps t
 
 REPLAY = ("bash scripts/run-tiny-grpo.sh --load-debug-rollout-data 'runs/tiny/rollout_only/data_{rollout_id}.pt' "
           "--num-rollout 2 --rollout-batch-size 16 --n-samples-per-prompt 4 --micro-batch-size 32")
+MOE = ("slime-lite make-tiny-model --out /tmp/tiny-moe --arch qwen3_moe --num-experts 4 --num-experts-per-tok 2 "
+       "--warm-start-steps 0")
 RUN = {  # README command -> the command run in the sandbox
     "bash scripts/quickstart.sh": f"bash scripts/quickstart.sh {SHORT}",  # the .venv install is a no-op here
     "run-tiny-ppo.sh": f"bash scripts/run-tiny-ppo.sh {SHORT}",
@@ -36,6 +38,7 @@ RUN = {  # README command -> the command run in the sandbox
     # agent endpoint and the dump check run, on a model that rarely calls the tool
     "bash scripts/run-tiny-tool-grpo.sh": f"bash scripts/run-tiny-tool-grpo.sh {SHORT} --eval-interval 2",
     "bash scripts/run-tiny-agent-grpo.sh": f"bash scripts/run-tiny-agent-grpo.sh {SHORT} --eval-interval 2",
+    MOE: MOE,
 }
 
 _SAME_AS_QUICKSTART = "quickstart.sh (run above) runs exactly this script with the same arguments"
@@ -77,6 +80,10 @@ SKIP = {
     "ray start --head": "starts a Ray cluster",
     "ray start --address": "joins a Ray cluster",
     "slime-lite serve --disable-cuda-graph": "a CUDA option, shown without --model-path",
+    "bash scripts/run-tiny-moe-grpo.sh": "warm-starts a tiny MoE model first (a minute); tests/test_loop.py runs the "
+                                          "MoE loop with routing replay under --ci-test",
+    "slime-lite serve --enable-return-routed-experts": "an MoE server option, shown without --model-path "
+                                                        "(tests/engine/test_moe_engine.py runs the engine with it)",
 }
 
 

@@ -40,6 +40,7 @@ from slime_lite.debug.run_checks import (
     memory_checks,
     mismatch_checks,
     precision_check,
+    routing_check,
     skipped_rows,
     version_check,
     weight_check,
@@ -321,6 +322,7 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
         checks.append(_c("train_rollout_logprob_diff", None, f"< {bound:g} ({why})", False,
                          f"not measured: {measured.stopped if measured.error else 'no rollout log-probs'}"))
     checks += mismatch_checks(first)
+    checks += routing_check(first, next((c.passed for c in checks if c.name == "train_rollout_logprob_diff"), True))
     checks += [precision_check(args), weight_check(run, args), version_check(measured), iteration2(measured, ci)]
     checks += memory_checks(measured, args)
     runs = [run] if measured is run else [run, measured]

@@ -43,6 +43,25 @@ def mismatch_checks(record: dict[str, Any]) -> list[Check]:
             for name, what in MISMATCH_ROWS if f"mismatch/{name}" in record]
 
 
+def routing_check(record: dict[str, Any], logprobs_agree: bool) -> list[Check]:
+    """Under --use-rollout-routing-replay: the share of (token, layer) pairs the trainer would have routed to other
+    experts than the engine (train/routing_mismatch), next to the log-prob check: informational while log-probs
+    agree; when they do not and routing differs too, routing is named as the likely cause."""
+    mismatch = record.get("train/routing_mismatch")
+    if mismatch is None:
+        return []
+    layers = {k.rsplit("_", 1)[1]: v for k, v in record.items() if k.startswith("train/routing_mismatch/layer_")}
+    worst = max(layers, key=layers.get) if layers else None
+    what = "info: share of routed (token, layer) pairs whose trainer top-k differs from the engine's (0: agree)"
+    if logprobs_agree or mismatch == 0:
+        return [make_check("routing_agreement", mismatch, what, True)]
+    cause = (f"engine and trainer route {mismatch:.1%} of the (token, layer) pairs to different experts (worst: layer "
+             f"{worst}, {layers[worst]:.1%}): the likely cause of the log-prob disagreement; replay is on, so the "
+             "trainer used the engine's experts: check the router weights pushed to the engine (weights_equal_after_"
+             "push) and the router dtype (--moe-router-dtype fp32)")
+    return [make_check("routing_agreement", mismatch, what, False, cause)]
+
+
 def describe_worst_tokens(worst: list[dict[str, Any]], n: int = 3) -> str:
     """'worst tokens: '7' (sample 3, position 1): train -0.12 vs rollout -2.3; ...' from mismatch/worst_tokens."""
     parts = []

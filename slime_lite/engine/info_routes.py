@@ -98,7 +98,8 @@ class _Info:
             # the parallel layout and the features slime compares against what it would launch
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0,
             "enable_memory_saver": srv.enable_memory_saver,  # as launched; memory release works either way
-            "disaggregation_mode": "null", "encoder_only": False, "enable_return_routed_experts": False,
+            "disaggregation_mode": "null", "encoder_only": False,
+            "enable_return_routed_experts": s.lm.routes is not None,
             "skip_server_warmup": True, "disable_radix_cache": not s.prefix.enabled,
             "random_seed": s.seed, "max_running_requests": s.max_running, "kv_cache_tokens": s.kv_cache_tokens,
             "max_total_num_tokens": s.kv_cache_tokens, "context_length": s.slot_len,

@@ -7,7 +7,8 @@ weights updated in the HF model are used at once and a prefill gives the same lo
 Supported: the families of slime_lite/model_families.py with full attention: Llama, Qwen2, Qwen3 (per-head RMSNorm
 of q and k before the rotary embedding, ``head_dim`` from config.json) and GLM4 (rotary over the first
 ``partial_rotary_factor`` of each head in interleaved pairs, norms of the attention and MLP outputs before their
-residual adds, one gate/up projection).
+residual adds, one gate/up projection), and the Mixture-of-Experts Qwen3-MoE and Qwen2-MoE, whose MLPs are
+engine/moe.py's (HF's router and experts; fixed shapes in captured CUDA-graph steps).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from slime_lite.engine import decode_attention, fused_layer, vmm
+from slime_lite.engine import decode_attention, fused_layer, moe, vmm
 from slime_lite.errors import SlimeLiteError
 from slime_lite.model_families import Family, check_family, rope_parameters
 
@@ -205,13 +206,15 @@ class _Layer:
     qkv_b: torch.Tensor | None
     o_w: torch.Tensor
     o_b: torch.Tensor | None
-    gu_w: torch.Tensor
+    gu_w: torch.Tensor | None  # None in MoE layers (``moe``)
     gu_b: torch.Tensor | None
-    down_w: torch.Tensor
+    down_w: torch.Tensor | None
     down_b: torch.Tensor | None
     qk_norm: torch.Tensor | None = None  # [2 * head_dim]: q_norm's weight, then k_norm's (Qwen3)
     post_attn: torch.Tensor | None = None  # post_self_attn_layernorm (GLM4)
     post_mlp: torch.Tensor | None = None  # post_mlp_layernorm (GLM4)
+    moe: Any = None  # the HF sparse-MoE block (Qwen3-MoE, Qwen2-MoE): engine/moe.py runs it
+    moe_index: int = -1  # its place among the MoE layers (the route store's layer)
 
 
 def _fuse(params: list[Any]) -> torch.Tensor | None:
@@ -313,6 +316,7 @@ class CausalLM:
         self.vocab_size = cfg.vocab_size
         self.eps = float(cfg.rms_norm_eps)
         mlp = self.hf_layers[0].mlp
+        mlp = mlp.experts if moe.is_moe(mlp) else mlp
         self.act = getattr(mlp, "act_fn", None) or mlp.activation_fn  # GLM4's name
         self.inter = cfg.intermediate_size
         self.max_len = max_len
@@ -323,6 +327,7 @@ class CausalLM:
                                                      self.head_dim, getattr(cfg, "hidden_act", None) == "silu",
                                                      self.interleaved)
         self.compiled = False
+        self.routes: moe.RouteStore | None = None  # enable_routes: the experts chosen at each cached position
         self.refresh()
 
     def refresh(self) -> None:
@@ -331,18 +336,22 @@ class CausalLM:
         self.layers = []
         for layer in self.hf_layers:
             a, m = layer.self_attn, layer.mlp
+            sparse = moe.is_moe(m)
             gate_up = getattr(m, "gate_up_proj", None)  # GLM4: one projection, gate rows first
             post_attn, post_mlp = (getattr(layer, n, None) for n in ("post_self_attn_layernorm", "post_mlp_layernorm"))
             self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
                 qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                 qkv_b=_fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]), o_w=a.o_proj.weight, o_b=a.o_proj.bias,
-                gu_w=gate_up.weight if gate_up is not None else _fuse([m.gate_proj.weight, m.up_proj.weight]),
-                gu_b=gate_up.bias if gate_up is not None else _fuse([m.gate_proj.bias, m.up_proj.bias]),
-                down_w=m.down_proj.weight, down_b=m.down_proj.bias,
+                gu_w=None if sparse else gate_up.weight if gate_up is not None else _fuse([m.gate_proj.weight,
+                                                                                            m.up_proj.weight]),
+                gu_b=None if sparse else gate_up.bias if gate_up is not None else _fuse([m.gate_proj.bias,
+                                                                                          m.up_proj.bias]),
+                down_w=None if sparse else m.down_proj.weight, down_b=None if sparse else m.down_proj.bias,
                 qk_norm=_fuse([a.q_norm.weight, a.k_norm.weight]) if hasattr(a, "q_norm") else None,
                 post_attn=None if post_attn is None else post_attn.weight,
-                post_mlp=None if post_mlp is None else post_mlp.weight,
+                post_mlp=None if post_mlp is None else post_mlp.weight, moe=m if sparse else None,
+                moe_index=sum(ly.moe is not None for ly in self.layers) if sparse else -1,
             ))
         pos = torch.arange(self.max_len, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
@@ -363,6 +372,15 @@ class CausalLM:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    def enable_routes(self, slots: int, max_len: int) -> None:
+        """Keep the experts every MoE layer chooses at each cached position (``routes``); SlimeLiteError for a
+        dense model."""
+        moe_layers = [ly.moe for ly in self.layers if ly.moe is not None]
+        if not moe_layers:
+            raise SlimeLiteError("--enable-return-routed-experts: the served model has no MoE layers (routed "
+                                 "experts); drop the flag.")
+        self.routes = moe.RouteStore(len(moe_layers), moe_layers[0].gate.top_k, slots, max_len, self.device)
+
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, slots, max_len, self.dtype, self.device)
 
@@ -379,6 +397,12 @@ class CausalLM:
 
     def _finish_layer(self, ly: _Layer, h: torch.Tensor, attn_out: torch.Tensor, graphed: bool = False):
         """Attention output -> o-projection, residual, then the MLP block with its residual."""
+        if ly.moe is not None:  # captured steps: fixed-shape experts
+            h = h + F.linear(attn_out, ly.o_w, ly.o_b)
+            out, ids = moe.moe_mlp(ly.moe, _rms(h, ly.ln2, self.eps), fixed=graphed)
+            if self.routes is not None:
+                self.routes.write(ly.moe_index, ids)
+            return h + out
         fn = (self.graph_fns if graphed else self.fns)[1]
         return fn(h, attn_out, ly.o_w, ly.o_b, ly.ln2, ly.gu_w, ly.gu_b, ly.down_w, ly.down_b, ly.post_attn,
                   ly.post_mlp)
@@ -409,6 +433,8 @@ class CausalLM:
         h = F.embedding(tokens, self.embed.weight)
         cos, sin = self.cos[:t, None, :], self.sin[:t, None, :]
         index = cache.flat_index(slots, pos)
+        if self.routes is not None:
+            self.routes.at(slots, pos)
         with _sdpa_without_plans(h.device):
             for i, ly in enumerate(self.layers):
                 q, kv = self._qkv(ly, h, cos, sin)
@@ -438,6 +464,8 @@ class CausalLM:
         cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]
         index = cache.flat_index(slots, pos)
         mask = (torch.arange(kv_len, device=tokens.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
+        if self.routes is not None:
+            self.routes.at(slots, pos)
         with _sdpa_without_plans(h.device):
             for i, ly in enumerate(self.layers):
                 q, kv = self._qkv(ly, h, cos, sin)
@@ -471,6 +499,8 @@ class CausalLM:
             if graphed:  # additive, built once per step (SDPA would convert a boolean mask in every layer)
                 mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         index = cache.flat_index(slots, positions[:, None])
+        if self.routes is not None:
+            self.routes.at(slots, positions)
         for i, ly in enumerate(self.layers):
             q, kv = self._qkv(ly, h, cos, sin, graphed)
             cache.write(i, index, kv)

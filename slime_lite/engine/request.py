@@ -30,6 +30,7 @@ class RequestOutput:
     output_ids_lp: list[Any] | None = None
     input_top: list[Any] | None = None
     input_ids_lp: list[Any] | None = None
+    routed_experts: Any = None  # [positions, MoE layers, top_k] int32 (return_routed_experts), when finished
 
 
 @dataclass(eq=False)
@@ -57,6 +58,9 @@ class Request:
     slot: int = -1
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     created: float = field(default_factory=time.monotonic)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routed_experts: Any = None  # set when the request finishes
 
     @property
     def host_sampled(self) -> bool:
@@ -78,4 +82,5 @@ class Request:
             output_ids_lp=list(self.output_ids_lp) if self.token_ids_logprob is not None else None,
             input_top=None if self.input_top is None else list(self.input_top),
             input_ids_lp=None if self.input_ids_lp is None else list(self.input_ids_lp),
+            routed_experts=self.routed_experts,
         )

@@ -61,6 +61,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
                  device: str | None = None, seed: int = 0, max_running_requests: int | None = 64,
                  requests_hint: int | None = None, kv_cache_tokens: int | None = None, cpu_threads: int | None = None, cuda_graph: bool | None = None,
                  cuda_graph_max_bs: int | None = None, enable_torch_compile: bool = False,
+                 enable_return_routed_experts: bool = False,
                  disable_radix_cache: bool = False) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,6 +107,8 @@ class Scheduler(AdmissionMixin, ControlMixin):
         # prompt hits the cache depends on timing (which slots are free), and a hit's prefill sums in another order
         self.prefix = PrefixCache(lambda: self.weights.version, enabled=not disable_radix_cache)
         self.cache = self.lm.new_cache(self.max_running, self.slot_len)
+        if enable_return_routed_experts:  # before any CUDA graph is captured: they write to its buffer
+            self.lm.enable_routes(self.max_running, self.slot_len)
         # Padded decode steps (CUDA graphs on CUDA): on by default on CUDA; cuda_graph=True on CPU runs them eagerly.
         if cuda_graph is None:
             cuda_graph = self.device.type == "cuda"
@@ -352,6 +355,9 @@ class Scheduler(AdmissionMixin, ControlMixin):
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
         req.finish_reason = reason
+        if req.slot >= 0 and req.return_routed_experts:  # every position that went through the model
+            end = len(req.input_ids) + len(req.output_ids) - 1
+            req.routed_experts = self.lm.routes.read(req.slot, req.routed_experts_start_len, max(end, 0))
         if req.slot >= 0:
             del self.running[req.slot]
             heapq.heappush(self._free_slots, req.slot)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
@@ -71,7 +72,7 @@ class EngineServer:
                  cuda_graph: bool | None = None, cuda_graph_max_bs: int | None = None,
                  enable_torch_compile: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES,
                  disable_radix_cache: bool = False, enable_memory_saver: bool = False,
-                 profile_dir: str | None = None) -> None:
+                 profile_dir: str | None = None, enable_return_routed_experts: bool = False) -> None:
         # torch, transformers: `slime-lite serve --help` stays instant
         from slime_lite.engine.scheduler import Scheduler
 
@@ -84,7 +85,8 @@ class EngineServer:
                                    requests_hint=requests_hint, kv_cache_tokens=kv_cache_tokens, cpu_threads=cpu_threads,
                                    cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
                                    enable_torch_compile=enable_torch_compile,
-                                   disable_radix_cache=disable_radix_cache)
+                                   disable_radix_cache=disable_radix_cache,
+                                   enable_return_routed_experts=enable_return_routed_experts)
         self.enable_memory_saver = enable_memory_saver
         self.profile_dir = os.path.abspath(profile_dir or default_profile_dir())
         self.served_model_name = served_model_name or model_path
@@ -254,6 +256,20 @@ class EngineServer:
                                self.scheduler.context_len)
         return reqs
 
+    def _routed_experts(self, reqs: list[Any], wanted: Any, start: Any) -> None:
+        """SGLang's return_routed_experts / routed_experts_start_len on each request (BadRequest when the server
+        keeps no routing, or the start is past a prompt)."""
+        if not check.boolean(wanted, "return_routed_experts"):
+            return
+        if self.scheduler.lm.routes is None:
+            raise BadRequest("return_routed_experts: start the server with --enable-return-routed-experts (an MoE "
+                             "model) to get the experts each token was routed to")
+        start = check.integer(start, "routed_experts_start_len", 0)
+        for req in reqs:
+            if start > len(req.input_ids):
+                raise BadRequest(f"routed_experts_start_len {start} is past the prompt's {len(req.input_ids)} tokens")
+            req.return_routed_experts, req.routed_experts_start_len = True, start
+
     async def encode_prompts(self, text: Any = None, input_ids: Any = None) -> tuple[list[list[int]], bool]:
         """``text`` or ``input_ids`` (one or a list) -> (token id lists, whether the input was a single prompt).
         Texts are tokenized in a worker thread: a big batch of them leaves the other requests' HTTP alone."""
@@ -343,6 +359,8 @@ class EngineServer:
         if req.return_logprob:
             text = (lambda t: sch.decode([t], False)) if req.return_text_in_logprobs else None
             meta.update(lpx.meta_info(out, req.top_logprobs_num, req.token_ids_logprob, text))
+        if out.routed_experts is not None:  # SGLang's encoding: base64 of the int32 [positions, layers, top_k]
+            meta["routed_experts"] = base64.b64encode(out.routed_experts.numpy().tobytes()).decode("ascii")
         return {"text": sch.output_text(out), "output_ids": out.output_ids, "meta_info": meta}
 
     async def generate(self, request):
@@ -362,6 +380,7 @@ class EngineServer:
             logprob_start_len=opt("logprob_start_len", -1), top_logprobs_num=opt("top_logprobs_num", 0),
             token_ids_logprob=body.get("token_ids_logprob"), return_text_in_logprobs=opt("return_text_in_logprobs", False), stream=opt("stream", False),
         )
+        self._routed_experts(reqs, opt("return_routed_experts", False), opt("routed_experts_start_len", 0))
         stream = reqs[0].stream
         single = single and len(reqs) == 1
         if not stream:
@@ -422,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode eagerly on CUDA (default: replay captured CUDA graphs of the decode step)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest batch decoded through CUDA graphs (default: --max-running-requests)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: keep the experts each layer routes every token to, returned by /generate's "
+                        "return_routed_experts (SGLang's meta_info.routed_experts)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the layers of the CUDA-graph decode step (fused kernels; compiles at start)")
     p.add_argument("--api-key", default=None,
@@ -472,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_torch_compile=args.enable_torch_compile, max_request_bytes=args.max_request_bytes,
         disable_radix_cache=args.disable_radix_cache, enable_memory_saver=args.enable_memory_saver,
         profile_dir=args.profile_dir,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     server.run_forever()
     return 0

@@ -97,6 +97,7 @@ def token_id_list(value: Any, name: str) -> list[int]:
 
 # /generate fields (SGLang's GenerateReqInput) the engine implements.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                   "return_routed_experts", "routed_experts_start_len",
                    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream"}
 # Fields that only label, route or log a request: any value is accepted and changes nothing in the output.
 GENERATE_LABELS = {"log_metrics", "no_logs", "custom_labels", "received_time", "external_trace_header",
@@ -106,7 +107,7 @@ GENERATE_DEFAULTS: dict[str, tuple[Any, ...]] = {name: () for name in (
     "session_id", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
     "use_audio_in_video", "video_config", "watermark", "return_sampling_mask", "sampling_logprobs_mode",
     "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
-    "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "return_indexer_topk",
+    "return_hidden_states", "return_indexer_topk",
     "modalities", "session_params", "lora_path", "lora_id", "custom_logit_processor", "positional_embed_overrides",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
     "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank", "background", "require_reasoning",

@@ -4,7 +4,9 @@ Every method but ``init_group`` (which touches no weights and may wait for the t
 thread between forward steps (``Scheduler.call``), so a generation step never sees half-updated weights. Updates are
 checked in full (names, shapes, dtypes) before any parameter is written. Joining a group and each receive on it end
 within ``GROUP_TIMEOUT_S``; a receive that fails destroys the group (it is out of step with the sender).
-A tied LM head (``tie_word_embeddings``) is the embedding's parameter: writing either name writes both.
+A tied LM head (``tie_word_embeddings``) is the embedding's parameter: writing either name writes both. MoE
+experts load by their fused in-memory names and by their on-disk per-expert ones (``moe.expert_views``); checksums
+and the full-checkpoint check use the per-expert names, which are what a trainer sends.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from slime_lite.engine.moe import expert_views, is_fused
 from slime_lite.weight_checksum import tensor_checksums
 from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name
 
@@ -69,6 +71,33 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+class _Params(Mapping):
+    """``{hf_name: tensor}`` (read-only): the parameters by their in-memory names, tied ones under each name, and
+    each MoE expert's slices of the fused parameters under its on-disk name (a view taken at each access)."""
+
+    def __init__(self, model: Any) -> None:
+        self.named = dict(model.named_parameters(remove_duplicate=False))
+        self.views = expert_views(model)
+        # the names a whole-model check covers: per-expert names instead of the fused tensors they slice
+        self.canonical = [n for n in self.named if not (self.views and is_fused(n))] + list(self.views)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.named:
+            return self.named[name]
+        param, expert, rows = self.views[name]
+        return param.data[expert, rows]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.named or name in self.views
+
+    def __iter__(self):
+        yield from self.named
+        yield from self.views
+
+    def __len__(self) -> int:
+        return len(self.named) + len(self.views)
+
+
 class Weights:
     """The served model's parameters: load, update, read back and checksum them."""
 
@@ -78,19 +107,22 @@ class Weights:
         self.version = 0  # counts weight writes: the prefix cache drops its K/V when it changes
 
     @functools.cached_property
-    def params(self) -> Mapping[str, torch.nn.Parameter]:
-        """``{hf_name: parameter}``, tied ones under each name (read-only). Made once (a walk of the modules costs
-        ~0.4 ms, paid per bucket and per check before): the engine swaps a parameter's ``.data`` (fusing, offload)
-        but never the parameter objects themselves. Code that ever replaces one must drop this cache and
-        ``_distinct`` (``del weights.params``), or updates and checksums would reach the old object."""
-        return MappingProxyType(dict(self.model.named_parameters(remove_duplicate=False)))
+    def params(self) -> _Params:
+        """``{hf_name: parameter}``, tied ones under each name, MoE experts also by their per-expert names
+        (read-only). Made once (a walk of the modules costs ~0.4 ms, paid per bucket and per check before): the
+        engine swaps a parameter's ``.data`` (fusing, offload) but never the parameter objects themselves. Code that
+        ever replaces one must drop this cache and ``_distinct`` (``del weights.params``), or updates and checksums
+        would reach the old object."""
+        return _Params(self.model)
 
     @functools.cached_property
     def _distinct(self) -> tuple[list[torch.nn.Parameter], list[int]]:
-        """Each parameter once (tied ones share one), and the place of each name's parameter in that list."""
+        """Each parameter of the whole-model names (``_Params.canonical``) once (tied ones share one), and the place
+        of each name's parameter in that list; expert views are taken afresh by ``checksums``."""
+        named = [self.params.named[n] for n in self.params.canonical if n in self.params.named]
         first: dict[int, int] = {}
-        place = [first.setdefault(id(p), len(first)) for p in self.params.values()]
-        return list({id(p): p for p in self.params.values()}.values()), place
+        place = [first.setdefault(id(p), len(first)) for p in named]
+        return list({id(p): p for p in named}.values()), place
 
     def check_update(self, named: dict[str, torch.Tensor]) -> None:
         """Names, shapes and dtypes of an update against the model, before any byte is copied: WeightError naming
@@ -140,7 +172,7 @@ class Weights:
                 named.update(load_file(str(f), device="cpu"))
             except (SafetensorError, OSError) as exc:  # empty, truncated or not safetensors at all
                 raise WeightError(f"{f}: not a readable safetensors file ({exc}); no weight was changed") from None
-        missing = set(self.params) - set(named)
+        missing = set(self.params.canonical) - set(named)
         if getattr(self.model.config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")
         if missing:
@@ -232,15 +264,19 @@ class Weights:
         params = self.params
         if names is None:  # the whole model (the weight check after every push): the distinct list is kept
             unique, place = self._distinct
-            digests = tensor_checksums(unique)
-            return {n: digests[i] for n, i in zip(params, place)}
+            views = list(params.views)
+            digests = tensor_checksums(unique + [params[n] for n in views])
+            named = [n for n in params.canonical if n in params.named]
+            return {**{n: digests[i] for n, i in zip(named, place)},
+                    **{n: digests[len(unique) + i] for i, n in enumerate(views)}}
         names = list(names)
         unknown = [n for n in names if n not in params]
         if unknown:
             raise WeightError(f"unknown parameter name(s) {unknown[:5]}")
-        chosen = {id(params[n]): params[n] for n in names}
+        tensors = {n: params[n] for n in names}  # (an expert's view is a new tensor at each access)
+        chosen = {id(t): t for t in tensors.values()}
         by_id = dict(zip(chosen, tensor_checksums(list(chosen.values()))))
-        return {n: by_id[id(params[n])] for n in names}
+        return {n: by_id[id(t)] for n, t in tensors.items()}
 
     def destroy_all(self) -> None:
         for name in list(self.groups):

@@ -61,6 +61,7 @@ class EngineActor:
                 enable_torch_compile=c.engine_enable_torch_compile,
                 disable_radix_cache=self.args.deterministic_mode,  # a cache hit depends on timing
                 profile_dir=self.profile_dir,
+                enable_return_routed_experts=c.use_rollout_routing_replay,
             )
         url = self.server.start()
         log.info("engine %d ready at %s", self.rank, url)

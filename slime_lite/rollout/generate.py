@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import logging
 import time
@@ -67,6 +68,11 @@ def fill_response(sample: Sample, out: dict[str, Any]) -> Sample:
         sample.weight_versions.append(str(meta["weight_version"]))
     sample.prefix_cache_info.cached_tokens += int(meta.get("cached_tokens") or 0)
     sample.prefix_cache_info.total_prompt_tokens += int(meta.get("prompt_tokens") or 0)
+    if meta.get("routed_experts") is not None:  # --use-rollout-routing-replay: every position but the last
+        import torch  # torch: only with routing replay (the rollout process has it then)
+
+        raw = bytearray(base64.b64decode(meta["routed_experts"]))
+        sample.rollout_routed_experts = torch.frombuffer(raw, dtype=torch.int32)  # [tokens - 1, layers, top_k]
     return sample
 
 
@@ -80,7 +86,8 @@ def continued(params: dict[str, Any], sample: Sample) -> dict[str, Any]:
 async def default_generate(args: Any, sample: Sample, params: dict[str, Any]) -> Sample:
     """slime's generate signature; sends the prompt ids (and a continued sample's response so far) to an engine and
     fills the response fields."""
-    body = {"input_ids": sample.tokens, "sampling_params": continued(params, sample), "return_logprob": True}
+    body = {"input_ids": sample.tokens, "sampling_params": continued(params, sample), "return_logprob": True,
+            "return_routed_experts": bool(args.use_rollout_routing_replay)}
     return fill_response(sample, await args.engine_client.generate(body))
 
 
@@ -88,7 +95,7 @@ async def generate_group(args: Any, group: list[Sample], params: list[dict[str, 
     """A prompt group in one /generate call (a list of prompts, one sampling-params dict each): one HTTP round
     trip instead of n; the engine batches them as it would n separate requests."""
     body = {"input_ids": [s.tokens for s in group], "sampling_params": [continued(p, s) for s, p in zip(group, params)],
-            "return_logprob": True}
+            "return_logprob": True, "return_routed_experts": bool(args.use_rollout_routing_replay)}
     outs = await args.engine_client.generate(body)
     return [fill_response(s, out) for s, out in zip(group, outs)]
 

@@ -31,6 +31,38 @@ def test_dynamic_plan_covers_each_sample_once_within_the_budget(dp, max_tokens):
         assert all(len(p[0]) == 1 for p in plans) and max(loads) - min(loads) <= max(lengths)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["micro-batch-size", "dynamic"])
+def test_balance_data_deals_equal_counts_and_shrinks_the_per_rank_flops_spread(dynamic):
+    """--balance-data: each rank gets as many samples (micro-batches) as in-order dealing gives it, every sample
+    once, and the spread of per-rank estimated FLOPs (linear plus quadratic in length) shrinks: with
+    --micro-batch-size against in-order dealing (the long samples first in the rollout, as a sorted or grouped
+    rollout has them, all land on rank 0: a 4x smaller spread at least), with packed micro-batches against their
+    dealing by tokens (which leaves the quadratic part unbalanced)."""
+    dp, g = 4, 32
+    lengths = sorted(torch.randint(8, 400, (2 * g,), generator=torch.Generator().manual_seed(1)).tolist(),
+                     reverse=True)
+    costs = B.sample_flops(lengths, hidden_size=64)
+    assert costs[0] == lengths[0] * (1 + lengths[0] / 384)
+
+    def plans(balanced):
+        c = costs if balanced else None
+        if dynamic:
+            return [B.dynamic_step_shards(lengths, g, r, dp, 1000, c) for r in range(dp)]
+        return [B.step_shards(len(lengths), g, r, dp, 2, c) for r in range(dp)]
+
+    spread = {}
+    for balanced in (False, True):
+        ranks = plans(balanced)
+        for step in range(2):
+            assert len({len(p[step]) for p in ranks}) == 1  # equal micro-batch counts
+            assert sorted(i for p in ranks for mb in p[step] for i in mb) == list(range(step * g, step * g + g))
+        if not dynamic:
+            assert {len([i for mb in p[0] for i in mb]) for p in ranks} == {g // dp}  # equal sample counts
+        flops = [sum(costs[i] for mb in p[0] for i in mb) for p in ranks]
+        spread[balanced] = (max(flops) - min(flops)) / (sum(flops) / dp)
+    assert spread[True] < spread[False] / (1.2 if dynamic else 4), spread
+
+
 def _sample(tokens, response_length):
     from slime_lite.types import Sample
 

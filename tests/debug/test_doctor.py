@@ -47,6 +47,18 @@ WORST = [{"sample": 5, "position": 2, "token_id": 7, "token": "4", "train_log_pr
                              "rollout_log_prob": -0.2, "abs_diff": 0.8}]
 
 
+def test_routing_agreement_is_shown_under_replay_and_named_when_log_probs_disagree():
+    from slime_lite.debug.run_checks import routing_check
+
+    assert routing_check({"train/loss": 1.0}, False) == []  # no routing replay: no row
+    (ok,) = routing_check({"train/routing_mismatch": 0.0, "train/routing_mismatch/layer_0": 0.0}, False)
+    assert ok.name == "routing_agreement" and ok.passed and ok.value == 0.0
+    assert routing_check({"train/routing_mismatch": 0.02}, True)[0].passed  # log-probs agree: information only
+    (bad,) = routing_check({"train/routing_mismatch": 0.3, "train/routing_mismatch/layer_0": 0.1,
+                            "train/routing_mismatch/layer_1": 0.5}, False)
+    assert not bad.passed and "30.0%" in bad.cause and "layer 1, 50.0%" in bad.cause and "likely cause" in bad.cause
+
+
 def test_a_failed_logprob_check_names_the_worst_tokens_and_the_table_shows_them(capsys):
     from slime_lite.checks.ci import Check
     from slime_lite.debug.run_checks import mismatch_checks

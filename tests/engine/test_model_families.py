@@ -1,5 +1,6 @@
-"""The embedded engine serves Qwen3 (QK-norm, a head size that is not hidden / heads) and GLM4 (partial interleaved
-rotary, q/k/v biases, post-attention and post-MLP norms, fused gate/up): its log-probs equal the HF model's own
+"""The embedded engine serves Qwen3 (QK-norm, a head size that is not hidden / heads), GLM4 (partial interleaved
+rotary, q/k/v biases, post-attention and post-MLP norms, fused gate/up), Qwen3-MoE (routed experts, renormalised
+top-k weights) and Qwen2-MoE (routed experts and a gated shared expert): its log-probs equal the HF model's own
 forward in float32, through prefill, the prefix cache's extend, eager decode and the padded decode steps that are
 CUDA graphs on a GPU (eagerly on CPU; the captured ones and the fused kernels in the gpu-marked test below)."""
 
@@ -10,7 +11,7 @@ import torch
 
 from test_padded_decode import run_requests
 
-ARCHS = {"qwen3": {"head_dim": 48}, "glm4": {}}  # Qwen3's head: 48 dims of a 128 hidden size over 4 heads
+ARCHS = {"qwen3": {"head_dim": 48}, "glm4": {}, "qwen3_moe": {}, "qwen2_moe": {}}  # Qwen3's head: 48 of 128 / 4
 TOL = 1e-4  # float32; a layer feature the engine left out moves the log-probs by far more (the guard below)
 
 
@@ -57,7 +58,7 @@ def test_engine_log_probs_equal_the_hf_forward(family_model, padded):
     s.start()
     try:
         assert (s.decoder is not None) == padded
-        assert s.lm.head_dim == hf.config.head_dim and (s.lm.layers[0].qk_norm is not None) == (arch == "qwen3")
+        assert s.lm.head_dim == hf.config.head_dim and (s.lm.layers[0].qk_norm is not None) == (arch.startswith("qwen3"))
         outs = run_requests(s, [(p, 40, 7 + i) for i, p in enumerate(PROMPTS)])
         assert sum(len(o.output_ids) for o in outs) > 30  # (a drawn end-of-text token ends a request early)
         assert worst_diff(hf, outs, PROMPTS) < TOL
@@ -71,7 +72,8 @@ def test_engine_log_probs_equal_the_hf_forward(family_model, padded):
 
 
 def test_a_missing_family_feature_would_move_the_log_probs_past_the_tolerance(family_model):
-    """The guard of the tolerance: the HF model without QK-norm (Qwen3) or without its post-norms (GLM4)."""
+    """The guard of the tolerance: the HF model without QK-norm (Qwen3), without its post-norms (GLM4), with the
+    top-k weights not renormalised (Qwen3-MoE) or without the shared expert (Qwen2-MoE)."""
     import copy
 
     arch, _, hf = family_model
@@ -79,8 +81,12 @@ def test_a_missing_family_feature_would_move_the_log_probs_past_the_tolerance(fa
     for layer in plain.model.layers:
         if arch == "qwen3":
             layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
-        else:
+        elif arch == "glm4":
             layer.post_self_attn_layernorm = layer.post_mlp_layernorm = torch.nn.Identity()
+        elif arch == "qwen3_moe":
+            layer.mlp.gate.norm_topk_prob = False
+        else:
+            torch.nn.init.zeros_(layer.mlp.shared_expert.down_proj.weight)
     output = list(range(10, 40))
     assert (hf_logprobs(hf, PROMPTS[0], output) - hf_logprobs(plain, PROMPTS[0], output)).abs().max() > 100 * TOL
 

@@ -80,7 +80,10 @@ class TrainActor(TrainWorker):
         length = B.padded_length(samples)
         steps = self._plan(samples, log_probs=True)
         dump = a.save_debug_train_data  # the old forward also gives each token's entropy for the train dump
+        if self.replay:  # the mismatch of this pass only (training steps route with weights that moved since)
+            self.replay.counts.zero_()
         old = self._forward_all(samples, steps, length, partial(self._log_probs, entropy=bool(dump)))
+        route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers) if self.replay else {}  # all ranks
         entropy = {i: t[1] for i, t in old.items()} if dump else None
         old = B.SampleTensors((i, t[0]) for i, t in old.items()) if dump else old
         ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, self._log_probs)) \
@@ -130,6 +133,7 @@ class TrainActor(TrainWorker):
             return None, None
         metrics = result.metrics
         metrics["perf/log_probs_time"] = log_probs_time
+        metrics.update(route_metrics)
         metrics.update(self._rollout_stats(samples, logp, ref_logp, rollout_lp,
                                            advantages, masks, values))
         if a.get_mismatch_metrics:

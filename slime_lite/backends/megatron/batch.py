@@ -59,15 +59,40 @@ class MicroBatch:
         return self.cu_seqlens is not None
 
 
-def step_shards(num_samples: int, global_batch: int, dp_rank: int, dp_size: int, micro: int) -> list[list[list[int]]]:
-    """Sample indices per optimizer step, per micro-batch, for one DP rank."""
+def sample_flops(lengths: list[int], hidden_size: int) -> list[float]:
+    """Each sample's training cost up to a constant: Megatron's FLOPs estimate of a sequence of length L, linear in
+    L (the matrix products) plus quadratic (attention): L * (1 + L / (6 * hidden))."""
+    return [n * (1 + n / (6 * hidden_size)) for n in lengths]
+
+
+def deal(items: list[Any], cost: dict[Any, float], dp_size: int) -> list[list[Any]]:
+    """``items`` dealt to ``dp_size`` ranks, equal counts each: the costliest first, each to the cheapest rank with
+    room (every rank computes the same plan: no communication)."""
+    per_rank = len(items) // dp_size
+    ranks: list[list[Any]] = [[] for _ in range(dp_size)]
+    load = [0.0] * dp_size
+    for item in sorted(items, key=lambda i: (-cost[i], i)):
+        r = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
+        ranks[r].append(item)
+        load[r] += cost[item]
+    return ranks
+
+
+def step_shards(num_samples: int, global_batch: int, dp_rank: int, dp_size: int, micro: int,
+                costs: list[float] | None = None) -> list[list[list[int]]]:
+    """Sample indices per optimizer step, per micro-batch, for one DP rank: each step's samples in order, or with
+    ``costs`` (--balance-data: ``sample_flops``) dealt to the ranks balanced by cost."""
     if num_samples % global_batch or global_batch % (dp_size * micro):
         raise ValueError(f"{num_samples} samples do not split into steps of {global_batch} over dp={dp_size}x{micro}")
     per_rank = global_batch // dp_size
     steps = []
     for start in range(0, num_samples, global_batch):
-        lo = start + dp_rank * per_rank
-        mine = list(range(lo, lo + per_rank))
+        if costs is None:
+            lo = start + dp_rank * per_rank
+            mine = list(range(lo, lo + per_rank))
+        else:
+            idx = range(start, start + global_batch)
+            mine = sorted(deal(list(idx), {i: costs[i] for i in idx}, dp_size)[dp_rank])
         steps.append([mine[i : i + micro] for i in range(0, per_rank, micro)])
     return steps
 
@@ -140,10 +165,11 @@ def _balanced_bins(order: list[int], lengths: dict[int, int], count: int, max_to
 
 
 def dynamic_step_shards(lengths: list[int], global_batch: int, dp_rank: int, dp_size: int,
-                        max_tokens: int) -> list[list[list[int]]]:
+                        max_tokens: int, costs: list[float] | None = None) -> list[list[list[int]]]:
     """Like `step_shards` with micro-batches packed by token count: sample indices per optimizer step, per
     micro-batch, for one DP rank. Every rank computes the same plan (no communication) and gets the same number of
-    micro-batches per step; a sample longer than max_tokens is alone in its micro-batch."""
+    micro-batches per step, dealt by their tokens (with ``costs``: by their samples' costs); a sample longer than
+    max_tokens is alone in its micro-batch."""
     n = len(lengths)
     if n % global_batch or global_batch % dp_size:
         raise ValueError(f"{n} samples do not split into steps of {global_batch} over dp={dp_size}")
@@ -158,15 +184,9 @@ def dynamic_step_shards(lengths: list[int], global_batch: int, dp_rank: int, dp_
         while bins is None:
             count += dp_size
             bins = _balanced_bins(order, ln, count, max_tokens) if count < global_batch else [[i] for i in order]
-        # deal the micro-batches to ranks: heaviest first to the lightest rank with room
-        per_rank = len(bins) // dp_size
-        ranks: list[list[list[int]]] = [[] for _ in range(dp_size)]
-        load = [0] * dp_size
-        for b in sorted(bins, key=lambda b: (-sum(ln[i] for i in b), min(b))):
-            r = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
-            ranks[r].append(sorted(b))
-            load[r] += sum(ln[i] for i in b)
-        steps.append(sorted(ranks[dp_rank], key=min))
+        bins = {min(b): sorted(b) for b in bins}  # each by its first sample (a tie-break that every rank shares)
+        weight = {k: sum(costs[i] if costs else ln[i] for i in b) for k, b in bins.items()}
+        steps.append([bins[k] for k in sorted(deal(list(bins), weight, dp_size)[dp_rank])])
     return steps
 
 

@@ -1,4 +1,5 @@
-"""HF <-> Megatron-core weights for Llama/Qwen2/Qwen3/GLM4: names, TP shards and PP stages.
+"""HF <-> Megatron-core weights for Llama/Qwen2/Qwen3/GLM4 and Qwen3-MoE/Qwen2-MoE: names, TP shards, PP stages
+and expert-parallel (EP) slices.
 
 Pure functions over state dicts (`hf_to_megatron_shard`, `megatron_to_hf`) need no process group; on a live model,
 `load_hf_weights` fills this rank's shard from an HF checkpoint and `iter_hf_weights` gathers the TP shards back.
@@ -17,6 +18,16 @@ Megatron names (local layer ids i, global id = stage offset + i):
     decoder.final_layernorm.weight                   model.norm.weight
     output_layer.weight                              lm_head.weight (embed_tokens when tied; absent when tied, PP=1)
 
+MoE layers (local expert j of EP rank r is global expert E = r * experts / EP + j; expert weights are split over the
+expert-TP ranks, which default to the TP ranks, as the dense MLP's are over TP):
+
+    decoder.layers.i.mlp.router.weight               mlp.gate.weight
+    decoder.layers.i.mlp.experts.local_experts.j.linear_fc1.weight   mlp.experts.E.gate_proj.weight + up_proj.weight
+    decoder.layers.i.mlp.experts.local_experts.j.linear_fc2.weight   mlp.experts.E.down_proj.weight
+    decoder.layers.i.mlp.shared_experts.linear_fc1/fc2.weight        mlp.shared_expert.{gate,up,down}_proj.weight
+    decoder.layers.i.mlp.shared_experts.gate_weight  mlp.shared_expert_gate.weight  (Qwen2-MoE)
+
+HF names are the on-disk, per-expert ones (transformers 5 fuses them in memory; the engine loads either).
 With Transformer Engine the two layer norms are `self_attention.linear_qkv.layer_norm_weight` and
 `mlp.linear_fc1.layer_norm_weight`. The fused QKV rows are grouped per KV head: [q heads of group g; k_g; v_g] for
 g = 0..G-1, and TP rank r holds groups r*G/tp .. (r+1)*G/tp - 1. Tied models have no lm_head.weight on the HF side.
@@ -58,6 +69,15 @@ _LAYER_MAP = {
     "post_self_attn_layernorm.weight": ("copy", ["post_self_attn_layernorm.weight"]),
     "post_mlp_layernorm.weight": ("copy", ["post_mlp_layernorm.weight"]),
 }
+_LAYER_MAP.update({
+    "mlp.router.weight": ("copy", ["mlp.gate.weight"]),
+    "mlp.shared_experts.linear_fc1.weight": ("fc1", ["mlp.shared_expert.gate_proj.weight",
+                                                     "mlp.shared_expert.up_proj.weight"]),
+    "mlp.shared_experts.linear_fc2.weight": ("row", ["mlp.shared_expert.down_proj.weight"]),
+    "mlp.shared_experts.gate_weight": ("copy", ["mlp.shared_expert_gate.weight"]),
+})
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT_MAP = {"linear_fc1": ("fc1", ["gate_proj.weight", "up_proj.weight"]), "linear_fc2": ("row", ["down_proj.weight"])}
 _FUSED_FC1 = ["mlp.gate_up_proj.weight"]  # GLM4's MLP: gate rows, then up rows
 _EMBED = "model.embed_tokens.weight"
 
@@ -66,8 +86,9 @@ def layers_per_stage(arch: HFArch, pp_size: int) -> int:
     return arch.num_layers // pp_size
 
 
-def megatron_param_names(arch: HFArch, pp_rank: int, pp_size: int, transformer_impl: str = "local") -> list[str]:
-    """The parameter names of the GPTModel of PP stage `pp_rank` (the same on every TP rank)."""
+def megatron_param_names(arch: HFArch, pp_rank: int, pp_size: int, transformer_impl: str = "local",
+                         ep_size: int = 1) -> list[str]:
+    """The parameter names of the GPTModel of PP stage `pp_rank` (the same on every TP and EP rank)."""
     te = transformer_impl == "transformer_engine"
     per_layer = ["self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight",
                  "self_attention.linear_qkv.weight"]
@@ -76,8 +97,15 @@ def megatron_param_names(arch: HFArch, pp_rank: int, pp_size: int, transformer_i
     if arch.qk_norm:
         per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
     per_layer += ["self_attention.linear_proj.weight",
-                  "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight",
-                  "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+                  "mlp.linear_fc1.layer_norm_weight" if te and not arch.moe else "pre_mlp_layernorm.weight"]
+    if arch.moe is None:
+        per_layer += ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    else:
+        per_layer += ["mlp.router.weight"] + [f"mlp.experts.local_experts.{j}.linear_fc{k}.weight"
+                                              for j in range(arch.moe.num_experts // ep_size) for k in (1, 2)]
+        if arch.moe.shared_expert_size:
+            per_layer += ["mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight",
+                          "mlp.shared_experts.linear_fc2.weight"]
     if arch.post_norms:
         per_layer += ["post_self_attn_layernorm.weight", "post_mlp_layernorm.weight"]
     first, last = pp_rank == 0, pp_rank == pp_size - 1
@@ -90,10 +118,16 @@ def megatron_param_names(arch: HFArch, pp_rank: int, pp_size: int, transformer_i
     return names
 
 
-def _hf_names(name: str, arch: HFArch, layer_offset: int) -> tuple[str, list[str]]:
-    """(kind, HF names) of one Megatron parameter; layer ids in `name` are local, offset by `layer_offset`."""
+def _hf_names(name: str, arch: HFArch, layer_offset: int, expert_offset: int = 0) -> tuple[str, list[str]]:
+    """(kind, HF names) of one Megatron parameter; layer ids in `name` are local, offset by `layer_offset`, and so
+    are expert ids, offset by `expert_offset` (kinds of expert weights start with ``expert_``)."""
     m = _LAYER.match(name)
     if m:
+        e = _EXPERT.match(m.group(2))
+        if e:
+            kind, suffixes = _EXPERT_MAP[e.group(2)]
+            prefix = f"model.layers.{int(m.group(1)) + layer_offset}.mlp.experts.{int(e.group(1)) + expert_offset}."
+            return "expert_" + kind, [prefix + s for s in suffixes]
         kind, suffixes = _LAYER_MAP[m.group(2)]
         if kind == "fc1" and arch.fused_gate_up:
             suffixes = _FUSED_FC1
@@ -109,7 +143,8 @@ def _hf_names(name: str, arch: HFArch, layer_offset: int) -> tuple[str, list[str
 
 
 def _split(kind: str, hf: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """HF tensor(s) -> this TP rank's Megatron shard."""
+    """HF tensor(s) -> this TP rank's Megatron shard (expert kinds: this expert-TP rank's)."""
+    kind = kind.removeprefix("expert_")
     if kind == "copy":
         return hf[0]
     if kind == "row":
@@ -140,7 +175,9 @@ def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def _merge(kind: str, shards: list[torch.Tensor], arch: HFArch) -> list[torch.Tensor]:
-    """All TP ranks' Megatron shards (in TP order) -> the full HF tensor(s), views of the shards where they can be."""
+    """All TP ranks' Megatron shards (in TP order; expert kinds: expert-TP ranks') -> the full HF tensor(s), views of
+    the shards where they can be."""
+    kind = kind.removeprefix("expert_")
     if kind == "copy":
         return [shards[0]]
     if kind == "row":
@@ -171,37 +208,50 @@ def hf_to_megatron_shard(
     pp_size: int,
     *,
     transformer_impl: str = "local",
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The parameters of rank (tp_rank, pp_rank)'s GPTModel, by their names there, from a full HF state dict.
+    """The parameters of rank (tp_rank, pp_rank)'s GPTModel, by their names there, from a full HF state dict; MoE:
+    the experts of EP rank `ep_rank`, each split over the expert-TP ranks (`etp_*`, default the TP ones).
 
     Returned tensors may share memory with `hf_state`.
     """
     arch = hf_arch(hf_config)
-    check_parallel_sizes(arch, tp_size, pp_size)
+    etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank, etp_size)
+    check_parallel_sizes(arch, tp_size, pp_size, ep_size, etp_size)
     offset = pp_rank * layers_per_stage(arch, pp_size)
+    expert_offset = ep_rank * arch.moe.num_experts // ep_size if arch.moe else 0
     out = {}
-    for name in megatron_param_names(arch, pp_rank, pp_size, transformer_impl):
-        kind, hf_names = _hf_names(name, arch, offset)
-        out[name] = _split(kind, [hf_state[n] for n in hf_names], arch, tp_rank, tp_size)
+    for name in megatron_param_names(arch, pp_rank, pp_size, transformer_impl, ep_size):
+        kind, hf_names = _hf_names(name, arch, offset, expert_offset)
+        ranks = (etp_rank, etp_size) if kind.startswith("expert_") else (tp_rank, tp_size)
+        out[name] = _split(kind, [hf_state[n] for n in hf_names], arch, *ranks)
     return out
 
 
-def megatron_to_hf(shards: list[list[Mapping[str, torch.Tensor]]], hf_config: Any) -> dict[str, torch.Tensor]:
-    """Full HF state dict from every rank's Megatron parameters, `shards[pp_rank][tp_rank]`.
+def megatron_to_hf(shards: list[list[Mapping[str, torch.Tensor]]], hf_config: Any,
+                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Full HF state dict from every rank's Megatron parameters, `shards[pp_rank][ep_rank * tp_size + tp_rank]`
+    (dense: `shards[pp_rank][tp_rank]`); expert weights are split over the TP ranks (expert-TP = TP).
 
     Returned tensors may share memory with `shards`.
     """
     arch = hf_arch(hf_config)
-    pp_size, tp_size = len(shards), len(shards[0])
-    check_parallel_sizes(arch, tp_size, pp_size)
+    pp_size, tp_size = len(shards), len(shards[0]) // ep_size
+    check_parallel_sizes(arch, tp_size, pp_size, ep_size)
+    per_ep = arch.moe.num_experts // ep_size if arch.moe else 0
     out: dict[str, torch.Tensor] = {}
     for pp_rank, stage in enumerate(shards):
         offset = pp_rank * layers_per_stage(arch, pp_size)
         for name in stage[0]:
             if name.endswith("_extra_state") or _is_tied_copy(name, arch, pp_rank):
                 continue
-            kind, hf_names = _hf_names(name, arch, offset)
-            out.update(zip(hf_names, _merge(kind, [s[name] for s in stage], arch)))
+            for ep_rank in range(ep_size if _EXPERT.match(_LAYER.sub(r"\2", name)) else 1):
+                kind, hf_names = _hf_names(name, arch, offset, ep_rank * per_ep)
+                tp_shards = [s[name] for s in stage[ep_rank * tp_size : (ep_rank + 1) * tp_size]]
+                out.update(zip(hf_names, _merge(kind, tp_shards, arch)))
     return out
 
 
@@ -245,14 +295,17 @@ def load_hf_weights(model: torch.nn.Module, hf_dir_or_state_dict: str | Mapping,
         _SafetensorsDir(hf_dir_or_state_dict) if isinstance(hf_dir_or_state_dict, str) else hf_dir_or_state_dict
     )
     gpt = unwrap(model)
+    ps = parallel_state
     shard = hf_to_megatron_shard(
         hf_state,
         hf_config,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
         transformer_impl=gpt.config.transformer_impl,
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
     params = dict(gpt.named_parameters())
     if set(shard) != set(params):
@@ -270,16 +323,19 @@ def load_hf_weights(model: torch.nn.Module, hf_dir_or_state_dict: str | Mapping,
 def iter_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for every weight of this rank's PP stage, layer ids global.
 
-    Collective over the TP group: all TP ranks of a stage must iterate together, and every one of them yields the
-    same full (TP-gathered) tensors. Each PP stage yields only its own layers (the first stage the embedding, the
+    Collective over the TP group (and for MoE the expert-TP and EP groups): all ranks of a stage must iterate
+    together, and every one of them yields the same full (TP-gathered) tensors, every expert by its global id. Each PP stage yields only its own layers (the first stage the embedding, the
     last stage the final norm and lm_head), so a consumer wanting the whole model takes one TP rank per stage.
     Tensors may be views of the parameters (TP=1: all but q, k and v): copy them before changing the model.
     """
 
     arch = hf_arch(hf_config)
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ps = parallel_state
+    tp = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group())
+    etp = (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group(check_initialized=False))
+    ep_size, ep_group = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group(False)
+    per_ep = arch.moe.num_experts // ep_size if arch.moe else 0
+    pp_rank = ps.get_pipeline_model_parallel_rank()
     gpt = unwrap(model)
     # Megatron's own global layer numbers (1-based), so the ids agree with however the stage was built.
     global_ids = [layer.layer_number - 1 for layer in gpt.decoder.layers] if hasattr(gpt, "decoder") else []
@@ -288,11 +344,19 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
             continue
         m = _LAYER.match(name)
         offset = global_ids[int(m.group(1))] - int(m.group(1)) if m else 0
-        kind, hf_names = _hf_names(name, arch, offset)
-        local = param.detach()
-        if tp_size > 1 and kind != "copy":
-            gathered = [torch.empty_like(local) for _ in range(tp_size)]
-            dist.all_gather(gathered, local.contiguous(), group=tp_group)
-        else:
-            gathered = [local]
-        yield from zip(hf_names, _merge(kind, gathered, arch))
+        expert = m is not None and _EXPERT.match(m.group(2)) is not None
+        kind, _ = _hf_names(name, arch, offset)
+        full = _merge(kind, _gather(param.detach(), *(etp if expert else tp), kind != "copy"), arch)
+        for ep_rank, tensors in enumerate(zip(*[_gather(t, ep_size, ep_group) for t in full]) if expert else [full]):
+            _, hf_names = _hf_names(name, arch, offset, ep_rank * per_ep)
+            yield from zip(hf_names, tensors)
+
+
+def _gather(t: torch.Tensor, size: int, group: Any, split: bool = True) -> list[torch.Tensor]:
+    """Every rank's ``t`` over ``group`` in rank order (``[t]`` itself when the group has one rank or ``t`` is not
+    split over it)."""
+    if size == 1 or not split:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out

@@ -9,7 +9,9 @@ What it changes, and only inside Megatron:
    `device="cuda"` build on the CPU. No other module (transformers, the engine, user code) is affected.
 2. Four Megatron functions call CUDA-only Tensor methods (`.cuda()`, `.type() == "torch.cuda.FloatTensor"`); they run
    with those methods answering as if the CPU tensor were on CUDA, for the duration of the call only.
-3. Megatron's RNG tracker is created in its inference flavour (fork() is a no-op), because the training flavour saves
+3. The MoE dispatchers' all-to-all gets its split sizes as lists of ints (on CPU they stay tensors or arrays, which
+   gloo's all_to_all_single does not take).
+4. Megatron's RNG tracker is created in its inference flavour (fork() is a no-op), because the training flavour saves
    and restores CUDA generator states; activation recompute's save/restore of the CUDA generator state does nothing.
    Seed the CPU generator with `torch.manual_seed` (parallel.py does).
 """
@@ -28,6 +30,7 @@ from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer.moe import token_dispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +52,21 @@ _MODULES_ON_CPU = {
     "megatron.core.optimizer.optimizer": 'found_inf / scale tensors are created with device="cuda"',
     "megatron.core.optimizer.clip_grads": 'grad-norm accumulators are created with device="cuda"',
     "megatron.core.optimizer.distrib_optimizer": "distributed optimizer buffers use torch.cuda.current_device()",
+    "megatron.core.transformer.moe.token_dispatcher": "the MoE dispatchers create CUDA streams and events",
+    "megatron.core.transformer.moe.router": "the router's expert bias / load counters live on the current device",
+    "megatron.core.transformer.moe.moe_utils": "routing maps and aux-loss tensors are created on the current device",
 }
 
 
 class _Noop:
-    """CPU stand-in for a CUDA stream or event: every method call does nothing."""
+    """CPU stand-in for a CUDA stream or event: every method call does nothing and returns another stand-in (the
+    MoE dispatcher synchronizes on the event its stream's ``record_event()`` returns)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
+    def __getattr__(self, name: str) -> Callable[..., "_Noop"]:
+        return lambda *args, **kwargs: _Noop()
 
 
 class _CudaOnCpu:
@@ -168,6 +175,17 @@ def _run_as_cuda(owner: Any, attr: str) -> None:
     setattr(owner, attr, classmethod(wrapper) if is_classmethod else wrapper)
 
 
+def _split_sizes_as_ints(all_to_all: Callable) -> Callable:
+    @functools.wraps(all_to_all)
+    def wrapper(group: Any, input_: torch.Tensor, output_split_sizes: Any = None, input_split_sizes: Any = None):
+        def ints(sizes: Any) -> Any:
+            return None if sizes is None else [int(n) for n in (sizes.tolist() if hasattr(sizes, "tolist") else sizes)]
+
+        return all_to_all(group, input_, ints(output_split_sizes), ints(input_split_sizes))
+
+    return wrapper
+
+
 def apply() -> bool:
     """Make megatron-core usable without CUDA. Returns True when the CPU patches are (now) in place."""
     global _applied
@@ -187,6 +205,7 @@ def apply() -> bool:
     _run_as_cuda(DistributedOptimizer, "_build_model_and_main_param_groups")
     # Grad clipping asserts `param.grad.type() == "torch.cuda.FloatTensor"` (patched where the optimizer calls it).
     _run_as_cuda(mcore_optimizer, "clip_grad_by_total_norm_fp32")
+    token_dispatcher.all_to_all = _split_sizes_as_ints(token_dispatcher.all_to_all)
     # The training RNG tracker snapshots CUDA generator states; the inference tracker's fork() is a no-op.
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     # Activation recompute (CheckpointFunction) saves and restores the CUDA generator next to the CPU one: none here.

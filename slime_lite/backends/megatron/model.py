@@ -1,5 +1,7 @@
 """A Megatron-core GPTModel whose architecture is derived from a Hugging Face config.json (the families of
-slime_lite/model_families.py: Llama, Qwen2, Qwen3, GLM4).
+slime_lite/model_families.py: Llama, Qwen2, Qwen3, GLM4, and the Mixture-of-Experts Qwen3-MoE and Qwen2-MoE, whose
+MLPs are Megatron MoE layers: a softmax router over every expert, top-k, the experts of this rank's expert-parallel
+slice as separate MLPs (no grouped GEMM), Qwen2-MoE's shared expert with its sigmoid gate).
 
 Typical use on every train rank (after `parallel.init_distributed`):
 
@@ -24,13 +26,14 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from slime_lite.backends.megatron.attention import FastCoreAttention, install_packed_rope, mark_packed_positions
 from slime_lite.backends.megatron.post_norm import PostNormLayer
 from slime_lite.errors import SlimeLiteError
-from slime_lite.model_families import check_family, partial_rotary_factor, rope_parameters
+from slime_lite.model_families import MoE, check_family, moe_config, partial_rotary_factor, qkv_bias, rope_parameters
 
 TE_INSTALL_HINT = (
     "--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is not installed: "
@@ -63,6 +66,7 @@ class HFArch:
     fused_gate_up: bool  # HF's MLP has one gate_up_proj (GLM4)
     max_position_embeddings: int
     init_std: float
+    moe: MoE | None = None  # the routed experts (MoE families)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -111,7 +115,7 @@ def hf_arch(hf_config: Any) -> HFArch:
         rope_theta=rope_theta,
         rope_llama3_factor=llama3_factor,
         tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=bool(_get(hf_config, "attention_bias", family.qkv_bias)) or model_type == "qwen2",
+        qkv_bias=qkv_bias(hf_config),
         qk_norm=family.qk_norm,
         rotary_percent=partial_rotary_factor(hf_config),
         rotary_interleaved=family.rotary_interleaved,
@@ -119,23 +123,38 @@ def hf_arch(hf_config: Any) -> HFArch:
         fused_gate_up=family.fused_gate_up,
         max_position_embeddings=int(_get(hf_config, "max_position_embeddings", 4096)),
         init_std=float(_get(hf_config, "initializer_range", 0.02)),
+        moe=moe_config(hf_config, where),
     )
 
 
-def check_parallel_sizes(arch: HFArch, tp: int, pp: int) -> None:
-    """SlimeLiteError unless TP divides heads, KV heads and the FFN size, and PP divides the layer count."""
-    for what, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
-                    ("intermediate_size", arch.ffn_hidden_size)):
+def check_parallel_sizes(arch: HFArch, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+    """SlimeLiteError unless TP divides heads, KV heads and the FFN size, PP divides the layer count, and (MoE) EP
+    divides the experts and the expert TP size (default TP) each expert's FFN size."""
+    ffn = (("shared_expert_intermediate_size", arch.moe.shared_expert_size),) if arch.moe else (
+        ("intermediate_size", arch.ffn_hidden_size),)
+    for what, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads), *ffn):
         if tp < 1 or n % tp:
             raise SlimeLiteError(
                 f"--tensor-model-parallel-size {tp} must divide the model's {what} ({n}); "
                 f"pick a TP size that divides {arch.num_heads} heads, {arch.num_kv_heads} KV heads "
-                f"and FFN size {arch.ffn_hidden_size}."
+                f"and FFN size {n}."
             )
     if pp < 1 or arch.num_layers % pp:
         raise SlimeLiteError(
             f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({arch.num_layers})."
         )
+    if arch.moe is None:
+        if ep != 1 or (etp or 1) > 1:
+            raise SlimeLiteError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: the "
+                                 f"model ({arch.model_type}) has no experts; drop them.")
+        return
+    if ep < 1 or arch.moe.num_experts % ep:
+        raise SlimeLiteError(f"--expert-model-parallel-size {ep} must divide the model's num_experts "
+                             f"({arch.moe.num_experts}); pick an EP size that divides it.")
+    etp = tp if etp is None else etp
+    if etp < 1 or arch.moe.ffn_hidden_size % etp:
+        raise SlimeLiteError(f"--expert-tensor-parallel-size {etp} must divide the model's moe_intermediate_size "
+                             f"({arch.moe.ffn_hidden_size}); pick one that divides it.")
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -155,7 +174,8 @@ def transformer_config_from_hf(
     """The TransformerConfig of `hf_config` for a TP x PP layout; `overrides` set any other TransformerConfig field."""
 
     arch = hf_arch(hf_config)
-    check_parallel_sizes(arch, tp, pp)
+    check_parallel_sizes(arch, tp, pp, overrides.get("expert_model_parallel_size", 1),
+                         overrides.get("expert_tensor_parallel_size"))
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -190,8 +210,41 @@ def transformer_config_from_hf(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
+    if arch.moe is not None:
+        kwargs.update(moe_kwargs(arch.moe))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_kwargs(moe: MoE) -> dict[str, Any]:
+    """The TransformerConfig fields of an HF MoE MLP: the softmax over every expert, then the top k (Megatron's
+    pre-softmax), or, with ``norm_topk_prob``, the top k logits' softmax (the same renormalised weights); no token
+    dropping; the shared expert and its sigmoid gate. Slime's --moe-* flags override (``moe_overrides``)."""
+    out = dict(num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.ffn_hidden_size,
+               moe_router_score_function="softmax", moe_router_pre_softmax=not moe.norm_topk_prob,
+               moe_grouped_gemm=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+               moe_token_dispatcher_type="alltoall")
+    if moe.shared_expert_size:
+        out.update(moe_shared_expert_intermediate_size=moe.shared_expert_size, moe_shared_expert_gate=True)
+    return out
+
+
+def moe_overrides(args: Any, hf_config: Any) -> dict[str, Any]:
+    """The TransformerConfig fields of slime's MoE flags that choose how (not what) the experts compute:
+    --moe-aux-loss-coeff (and the load-balancing loss it turns on), --moe-z-loss-coeff, --moe-token-dispatcher-type,
+    --moe-router-dtype, the expert-parallel sizes, and Megatron's router replay for --use-rollout-routing-replay.
+    Empty for a dense model."""
+    if hf_arch(hf_config).moe is None:
+        return {}
+    out: dict[str, Any] = {"expert_model_parallel_size": args.expert_model_parallel_size,
+                           "expert_tensor_parallel_size": args.expert_tensor_parallel_size
+                           or args.tensor_model_parallel_size,
+                           "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+                           "moe_router_dtype": args.moe_router_dtype, "moe_z_loss_coeff": args.moe_z_loss_coeff,
+                           "moe_enable_routing_replay": bool(args.use_rollout_routing_replay)}
+    if args.moe_aux_loss_coeff:
+        out.update(moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss")
+    return out
 
 
 def memory_overrides(args: Any) -> dict[str, Any]:
@@ -218,8 +271,12 @@ def layer_spec(arch: HFArch, transformer_impl: str = "local"):
     FastCoreAttention: no [T, T] scores, packed samples) or Transformer Engine. Either way packed rows get their
     RoPE in one call per layer (attention.py install_packed_rope); GLM4's layer is post_norm.py's."""
     install_packed_rope()
+    if arch.moe is not None and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # megatron-core 0.16.1's router reads it; it is defined only with TE
     if transformer_impl == "local":
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm,
+                                                        num_experts=arch.moe.num_experts if arch.moe else None,
+                                                        moe_grouped_gemm=False)
         spec.submodules.self_attention.submodules.core_attention = FastCoreAttention
         norm = spec.submodules.input_layernorm
     elif transformer_impl == "transformer_engine":
@@ -229,7 +286,8 @@ def layer_spec(arch: HFArch, transformer_impl: str = "local"):
             raise SlimeLiteError(TE_INSTALL_HINT) from e
         from megatron.core.extensions.transformer_engine import TENorm
 
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=arch.qk_norm, num_experts=arch.moe.num_experts if arch.moe else None, moe_grouped_gemm=False)
         norm = TENorm
     else:
         raise SlimeLiteError(f"--transformer-impl {transformer_impl!r} is unknown; use local or transformer_engine.")

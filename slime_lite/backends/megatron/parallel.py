@@ -30,10 +30,13 @@ def init_distributed(
     seed: int = 1234,
     timeout_s: float = 1800.0,
     store: Any = None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> None:
     """Join the job's process group, create Megatron's model-parallel groups and seed every RNG Megatron uses.
 
     ``store``: a rendezvous ``TCPStore`` to join through (see ``open_store``) instead of ``master_addr:master_port``.
+    ``ep`` / ``etp``: the expert-parallel and expert-tensor-parallel sizes of an MoE model (etp defaults to tp).
     """
 
     from slime_lite.backends.megatron import cpu_compat  # patches Megatron: applied when the groups are made
@@ -51,7 +54,8 @@ def init_distributed(
         where = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}
         dist.init_process_group(backend=backend or ("nccl" if cuda else "gloo"), rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s), **where)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     # Same seed on every rank: the CPU generator drives weight init (use_cpu_initialization) and must agree across TP.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -24,11 +24,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.backends.megatron import checkpoint, train_offload
+from slime_lite.backends.megatron import checkpoint, routing, train_offload
 from slime_lite.backends.megatron.convert import load_hf_weights
 from slime_lite.backends.megatron.model import (
     build_gpt_model,
     memory_overrides,
+    moe_overrides,
     packed_seq_params,
     sequence_parallel,
     unwrap,
@@ -94,12 +95,14 @@ class TrainWorker:
             start_memory_history()
         store = self._store or open_store(self.master_addr, master_port, self.rank, self.world_size)
         init_distributed(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, self.rank, self.world_size,
-                         self.master_addr, master_port, seed=a.seed, store=store)
+                         self.master_addr, master_port, seed=a.seed, store=store, ep=a.expert_model_parallel_size,
+                         etp=a.expert_tensor_parallel_size)
         self.hf_config = AutoConfig.from_pretrained(a.hf_checkpoint)
         dtype = torch.bfloat16 if a.bf16 else torch.float32
         model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl,
-                                **memory_overrides(a))
+                                **memory_overrides(a), **moe_overrides(a, self.hf_config))
         load_hf_weights(model, self._init_checkpoint(), self.hf_config)
+        self.replay = routing.Replay(model) if a.use_rollout_routing_replay else None
         self._adapt_model(model, dtype)
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -151,33 +154,42 @@ class TrainWorker:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple:
             mb = next(data_iterator)
+            if self.replay is not None:  # the engine's experts for these tokens (and their backward pass)
+                self.replay.set(*routing.targets(samples, mb, self.replay.layer_ids, self.hf_config.num_hidden_layers,
+                                                 self.hf_config.num_experts_per_tok, sequence_parallel(self.args)))
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
             # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
             out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, runtime_gather_output=False, **extra)
             return out, partial(loss_fn, mb)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=it, model=[self.model], num_microbatches=len(batches),
-            seq_length=max(b.tokens.shape[1] for b in batches), micro_batch_size=batches[0].tokens.shape[0],
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=it, model=[self.model], num_microbatches=len(batches),
+                seq_length=max(b.tokens.shape[1] for b in batches), micro_batch_size=batches[0].tokens.shape[0],
+                forward_only=forward_only,
+            )
+        finally:
+            if self.replay is not None:
+                self.replay.clear()
 
     def _plan(self, samples: list, log_probs: bool = False) -> list[list[list[int]]]:
         """Sample indices per optimizer step, per micro-batch, for this DP rank: fixed --micro-batch-size, or
         packed by --max-tokens-per-gpu (--log-probs-max-tokens-per-gpu for the forward-only passes, which pack
-        the whole rollout as one step)."""
+        the whole rollout as one step); with --balance-data dealt to the DP ranks by estimated FLOPs."""
         a = self.args
-        if not a.use_dynamic_batch_size:
-            return B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size)
-        budget = TokenBudget.from_args(a)
         lengths = [len(s.tokens) for s in samples]
+        costs = B.sample_flops(lengths, self.hf_config.hidden_size) if a.balance_data else None
+        if not a.use_dynamic_batch_size:
+            return B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size,
+                                 costs)
+        budget = TokenBudget.from_args(a)
         alone = budget.alone(lengths, log_probs)
         if alone and self.rank == 0:
             log.info("%d sample(s) longer than %s: each is a micro-batch of its own", len(alone),
                      budget.flags(log_probs))
         return B.dynamic_step_shards(lengths, len(samples) if log_probs else a.global_batch_size, self.dp_rank,
-                                     self.dp_size, budget.tokens(log_probs))
+                                     self.dp_size, budget.tokens(log_probs), costs)
 
     def _normalizer(self, samples: list, step: int) -> float:
         """What a step's micro-batch losses are divided by, so they add up (over micro-batches and the DP mean) to

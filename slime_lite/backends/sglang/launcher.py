@@ -181,6 +181,8 @@ def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.
     ]
     if cfg.colocate:
         cmd.append("--enable-memory-saver")
+    if cfg.use_rollout_routing_replay:  # the experts of every token, in each response's meta_info
+        cmd.append("--enable-return-routed-experts")
     cmd += [str(a) for a in cfg.sglang_args]
     return cmd
 
