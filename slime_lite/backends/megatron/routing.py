@@ -115,8 +115,10 @@ class Replay:
         per_layer = torch.zeros(num_layers, 2, dtype=torch.float64)
         for i, layer in enumerate(self.layer_ids):
             per_layer[layer] += self.counts[i]
-        if dist.is_initialized():
+        if dist.is_initialized():  # on the routers' device: NCCL reduces CUDA tensors only
+            per_layer = per_layer.to(next(iter(self.routers[0].parameters())).device)
             dist.all_reduce(per_layer)  # TP ranks see disjoint sequence slices (MoE TP needs SP), DP their samples
+            per_layer = per_layer.cpu()
         self.counts.zero_()
         out = {"train/routing_mismatch": float(per_layer[:, 0].sum() / per_layer[:, 1].sum().clamp(min=1))}
         out.update({f"train/routing_mismatch/layer_{i}": float(m / max(n, 1)) for i, (m, n) in
