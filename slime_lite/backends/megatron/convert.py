@@ -46,6 +46,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors import safe_open
 
+from slime_lite.backends.megatron.lora_config import ADAPTER_MARK
 from slime_lite.backends.megatron.model import HFArch, check_parallel_sizes, hf_arch, padded_vocab_size, unwrap
 from slime_lite.errors import SlimeLiteError
 
@@ -307,7 +308,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir_or_state_dict: str | Mapping,
         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
         etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
-    params = dict(gpt.named_parameters())
+    params = {n: p for n, p in gpt.named_parameters() if ADAPTER_MARK not in n}  # LoRA's are not in HF files
     if set(shard) != set(params):
         raise RuntimeError(
             f"HF->Megatron names disagree with the model: missing {sorted(set(params) - set(shard))}, "
@@ -340,7 +341,7 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
     # Megatron's own global layer numbers (1-based), so the ids agree with however the stage was built.
     global_ids = [layer.layer_number - 1 for layer in gpt.decoder.layers] if hasattr(gpt, "decoder") else []
     for name, param in gpt.named_parameters():
-        if _is_tied_copy(name, arch, pp_rank):
+        if _is_tied_copy(name, arch, pp_rank) or ADAPTER_MARK in name:  # adapters: lora.hf_adapters
             continue
         m = _LAYER.match(name)
         offset = global_ids[int(m.group(1))] - int(m.group(1)) if m else 0
