@@ -149,16 +149,19 @@ class Weights:
                 raise WeightError(f"parameter {name!r}: dtype {str(t.dtype).removeprefix('torch.')} cannot be "
                                   f"loaded into the model's {str(p.dtype).removeprefix('torch.')}")
         for name, parts in adapters.items():
-            out, inp = params[name].shape if params[name].dim() == 2 else (None, None)
+            shape = tuple(params[name].shape)
             a, b = parts.get("A"), parts.get("B")
-            bad = [what for what, t, ok in (("lora_A", a, lambda t: t.shape[1] == inp), ("lora_B", b,
-                                            lambda t: t.shape[0] == out)) if t is not None and
-                   (t.dim() != 2 or not t.dtype.is_floating_point or not ok(t))]
-            if a is not None and b is not None and not bad and a.shape[0] != b.shape[1]:
-                bad = ["lora_A and lora_B ranks"]
-            if out is None or bad:
-                raise WeightError(f"adapter of {name!r}: {', '.join(bad) or 'a matrix weight'} does not fit the "
-                                  f"model's {tuple(params[name].shape)} (lora_A: [rank, in], lora_B: [out, rank])")
+            if len(shape) != 2:
+                problem = "is not a matrix (LoRA adapts 2-D weights only)"
+            elif a is not None and (a.dim() != 2 or a.shape[1] != shape[1] or not a.dtype.is_floating_point):
+                problem = f"has lora_A of shape {tuple(a.shape)}, not float [rank, {shape[1]}]"
+            elif b is not None and (b.dim() != 2 or b.shape[0] != shape[0] or not b.dtype.is_floating_point):
+                problem = f"has lora_B of shape {tuple(b.shape)}, not float [{shape[0]}, rank]"
+            elif a is not None and b is not None and a.shape[0] != b.shape[1]:
+                problem = f"has lora_A of rank {a.shape[0]} and lora_B of rank {b.shape[1]}"
+            else:
+                continue
+            raise WeightError(f"adapter of {name!r} {problem}; the weight's shape is {shape}")
 
     @torch.no_grad()
     def load_named(self, named: dict[str, torch.Tensor]) -> int:
