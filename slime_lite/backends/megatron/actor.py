@@ -262,7 +262,11 @@ class TrainActor(TrainWorker):
         adapters = self.hf_lora()
         sent = self.hf_lora(for_push=True) if breaks_sent_weights(a.debug_inject_fault) else adapters
         disk = a.update_weight_transport == "disk"
-        base = self.hf_weights() if disk or check or a.check_weight_update_equal else None
+        # the trainer's base weights: on its GPU where it has one (PP=1), so the merge runs there; views of the
+        # parameters except for a disk folder (safetensors refuses tensors sharing memory, as q/k/v views do)
+        on_device = torch.cuda.is_available() and self.ps.get_pipeline_model_parallel_world_size() == 1
+        base = self.hf_weights(on_device=on_device, views=on_device and not disk) if disk or check or \
+            a.check_weight_update_equal else None
         if self.rank != 0:
             return None
         wire = {}

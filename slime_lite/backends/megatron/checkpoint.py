@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from slime_lite.backends.megatron import peft_format
 from slime_lite.backends.megatron.lora_config import ADAPTER_MARK
+from slime_lite.backends.megatron.model import unwrap
 from slime_lite.errors import SlimeLiteError
 from slime_lite.io import atomic_torch_save, atomic_write_text, load_plain, no_space_error, write_hf_folder
 
@@ -73,8 +74,8 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     a = actor.args
     lora_on = getattr(actor, "lora", None) is not None
     model_state = actor.model.state_dict()
-    if lora_on:  # the base is --hf-checkpoint, frozen: the adapters are the model's whole state
-        model_state = {k: v for k, v in model_state.items() if ADAPTER_MARK in k}
+    if lora_on:  # the base is --hf-checkpoint, frozen: what trains (adapters; the critic's head) is the state
+        model_state = {k: v for k, v in model_state.items() if k in _trainable(actor.model)}
     state = {
         "model": model_state,
         "optimizer": actor.optimizer.state_dict(),
@@ -104,6 +105,11 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         os.replace(tmp, final)
         atomic_write_text(name, os.path.join(os.path.dirname(final), "latest"))
     dist.barrier()
+
+
+def _trainable(model: torch.nn.Module) -> set[str]:
+    """Names of the trainable parameters, as the model's state_dict (DDP's is its module's) names them."""
+    return {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
 def _load_rank_file(root: str, folder: str, file: str, mmap: bool = False) -> Any:
@@ -162,7 +168,7 @@ def load(actor: Any, root: str) -> dict[str, Any]:
                              f"and this run is {'with' if lora_on else 'without'} them; resume with the same "
                              "--lora-* flags.")
     result = actor.model.load_state_dict(state["model"], strict=not lora_on)  # LoRA: the base is not saved
-    absent = [k for k in result.missing_keys if ADAPTER_MARK in k] + list(result.unexpected_keys)
+    absent = [k for k in result.missing_keys if k in _trainable(actor.model)] + list(result.unexpected_keys)
     if absent:
         raise SlimeLiteError(f"--load {root}: {file} and this run's adapters differ (e.g. {absent[0]}): resume with "
                              "the same --lora-target-modules.")

@@ -14,7 +14,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from slime_lite.backends.megatron.lora_config import LoraSettings
 from slime_lite.errors import SlimeLiteError
 from slime_lite.io import atomic_write_text
 
@@ -23,9 +22,10 @@ PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 
-def write(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: LoraSettings, base_model: str,
+def write(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: Any, base_model: str,
           folder: str) -> None:
-    """Write {HF weight name: (A, B)} as a PEFT folder for the HF model at ``base_model``."""
+    """Write {HF weight name: (A, B)} as a PEFT folder for the HF model at ``base_model`` (``settings``: the run's
+    lora_config.LoraSettings)."""
     os.makedirs(folder, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
