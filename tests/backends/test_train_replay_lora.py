@@ -1,4 +1,5 @@
-"""LoRA in the Megatron trainer on replayed rollouts: step 1 is the base model (KL 0 against the reference, the
+"""LoRA in the Megatron trainer on replayed rollouts (--ci-test runs in the real loop: run-tiny-grpo.sh with
+--lora-rank): step 1 is the base model (KL 0 against the reference, the
 base without adapters), TP=2 x PP=2 x DP=2 passes the single-rank run's grad-norms, a resumed run continues
 bitwise, and the PEFT export of a checkpoint starts a run (--lora-adapter-path)."""
 
@@ -20,7 +21,7 @@ def lora_ref(tiny_model_dir, replay_dumps, tmp_path_factory, train_cli, metrics_
     """The (1, 1, 1) LoRA replay: 2 rollouts of 2 steps, every step's grad-norm saved."""
     out = tmp_path_factory.mktemp("lora_ref")
     proc = train_cli(args_for(tiny_model_dir, replay_dumps, out, "ref", *LORA, "--num-steps-per-rollout", "2",
-                              "--ci-save-grad-norm", str(out / "grad_norms.json"), "--ci-test"))
+                              "--ci-save-grad-norm", str(out / "grad_norms.json")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return metrics_of(out / "ref.jsonl"), out / "grad_norms.json"
 
