@@ -167,7 +167,8 @@ def load(actor: Any, root: str) -> dict[str, Any]:
         raise SlimeLiteError(f"--load {root}: {file} was saved {'with' if saved_lora else 'without'} LoRA adapters "
                              f"and this run is {'with' if lora_on else 'without'} them; resume with the same "
                              "--lora-* flags.")
-    result = actor.model.load_state_dict(state["model"], strict=not lora_on)  # LoRA: the base is not saved
+    # the module's own load (Megatron's DDP wrapper returns no missing keys); LoRA: the base is not saved
+    result = unwrap(actor.model).load_state_dict(state["model"], strict=not lora_on)
     absent = [k for k in result.missing_keys if k in _trainable(actor.model)] + list(result.unexpected_keys)
     if absent:
         raise SlimeLiteError(f"--load {root}: {file} and this run's adapters differ (e.g. {absent[0]}): resume with "
