@@ -1,5 +1,6 @@
 """Checkpoints: per-rank Megatron state (model, optimizer, RNG) plus an HF export of the actor, written atomically.
-With LoRA the model state is the adapters only and the export is a PEFT folder (``adapter/``) for the base model.
+With LoRA the model state is what trains (the adapters; a critic's value head) and the actor's export is a PEFT
+folder (``adapter/``) for the base model.
 
 Layout: ``SAVE/iter_0000007/rank_000.pt`` (+ ``hf/`` for the actor) and ``SAVE/latest`` naming the newest complete
 iteration. A save is written into a ``.tmp-*`` folder and renamed into place when complete: a save that fails
