@@ -47,6 +47,15 @@ def test_bad_lora_flags_are_refused_before_anything_starts(base, extra, said):
     assert said in str(info.value)
 
 
+def test_a_mixture_of_experts_model_is_refused(base):
+    config = json.loads(open(base[1] + "/config.json").read())
+    with open(base[1] + "/config.json", "w") as f:
+        json.dump({**config, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 64, "intermediate_size": 128}, f)
+    with pytest.raises(SlimeLiteError, match="qwen3_moe is a mixture-of-experts model"):
+        parse_args(base + ["--lora-rank", "8"])
+
+
 def test_adapter_folder_of_another_rank_or_alpha_is_refused(base, tmp_path):
     folder = tmp_path / "adapter"
     folder.mkdir()
