@@ -221,7 +221,8 @@ def hf_to_megatron_shard(
     """
     arch = hf_arch(hf_config)
     etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank, etp_size)
-    check_parallel_sizes(arch, tp_size, pp_size, ep_size, etp_size)
+    # a dense model has no expert TP (Megatron still reports one, the TP size): only MoE sizes are checked
+    check_parallel_sizes(arch, tp_size, pp_size, ep_size, etp_size if arch.moe else None)
     offset = pp_rank * layers_per_stage(arch, pp_size)
     expert_offset = ep_rank * arch.moe.num_experts // ep_size if arch.moe else 0
     out = {}
