@@ -35,6 +35,7 @@ the background while the trainer trains).
   python3 bench/bench_loop_gpu.py --layout colocate       # 1 GPU, about 5-6 minutes (estimated)
   python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs
   .venv/bin/python bench/bench_loop_gpu.py --quick        # CPU, tiny model (vocab 128), 4 x 8 samples, < 2 min
+  python3 bench/bench_loop_gpu.py --layout colocate --lora-rank 32   # the loop with LoRA (push bytes and time)
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout disagg   # both disaggregated loops on CPU (a check)
   python3 bench/bench_loop_gpu.py --layout partial        # 1 GPU: without and with over-sampling + partial rollout
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout partial  # the same on CPU (a check)
@@ -277,6 +278,9 @@ def main() -> None:
                          "all of them at once")
     ap.add_argument("--engine-compile", action="store_true",
                     help="the engine (in the loop and alone) with --engine-enable-torch-compile")
+    ap.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                    help="the loop with LoRA adapters of rank R on every linear (alpha 2R; adapter-only pushes); "
+                         "the standalone train part stays full fine-tuning")
     ap.add_argument("--budget", type=int, default=None,
                     help="seconds for the whole bench; no subprocess runs past it (default: colocate 360, "
                          "disagg 570, --quick 170)")
@@ -312,6 +316,8 @@ def main() -> None:
         common += ["--bf16", "--engine-dtype", "bfloat16"]
     if a.engine_compile:
         common += ["--engine-enable-torch-compile"]
+    if a.lora_rank:
+        common += ["--lora-rank", str(a.lora_rank), "--lora-alpha", str(2 * a.lora_rank)]
     runs = {"colocate": ["--colocate"]} if a.layout == "colocate" else {
         "colocate": ["--colocate"],
         "colocate_partial": ["--colocate", "--over-sampling-batch-size", str(over), "--partial-rollout"]

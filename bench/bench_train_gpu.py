@@ -18,6 +18,8 @@ Usage (GPU: about 5-6 minutes on one H200, estimated; --quick: the CPU tiny mode
                                     [--with-padded MBS]  # also the unpacked path, padded micro-batches of MBS
     SLIME_LITE_PACKED_ATTENTION=sdpa|varlen|bucketed python bench/bench_train_gpu.py ...  # pin the packed attention
     python bench/bench_train_gpu.py --quick
+    python bench/bench_train_gpu.py --models 1.5b --lora-rank 32   # + LoRA: memory, tok/s, push payload vs full
+    python bench/bench_train_gpu.py --models 7b --lora-rank 32 --lora-only   # LoRA alone on a 7B shape
     python bench/bench_train_gpu.py --models 0.5b --samples 128 --profile 64  # where our worker's time goes
 """
 
@@ -36,6 +38,7 @@ import torch
 SHAPES = {  # hidden, layers, heads, kv heads, ffn, tied embeddings
     "0.5b": (896, 24, 14, 2, 4864, True),
     "1.5b": (1536, 28, 12, 2, 8960, True),
+    "7b": (3584, 28, 28, 4, 18944, False),  # Qwen2.5-7B's shape (with --lora-rank --lora-only: LoRA alone)
 }
 VOCAB = 151936
 PEAK = {"cuda": 989e12}  # H200 SXM bf16 dense
@@ -132,8 +135,10 @@ def profiled(fn, label: str) -> None:
 
 
 def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, bf16: bool,
-         padded_mbs: int = 0) -> dict:
-    """The worker's phases on these samples: packed (padded_mbs 0) or padded micro-batches of padded_mbs samples."""
+         padded_mbs: int = 0, lora_rank: int | None = None) -> dict:
+    """The worker's phases on these samples: packed (padded_mbs 0) or padded micro-batches of padded_mbs samples;
+    with ``lora_rank`` LoRA adapters on every linear (alpha = 2 x rank). Then what a weight push would gather
+    (``push_payload``)."""
     from slime_lite.args import parser_defaults
     from slime_lite.backends.megatron.actor import TrainActor
     from slime_lite.backends.megatron.parallel import destroy
@@ -144,7 +149,7 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
         "use_dynamic_batch_size": True, "max_tokens_per_gpu": max_tokens, "log_probs_max_tokens_per_gpu": lp_tokens}
     args = parser_defaults(hf_checkpoint=ckpt, bf16=bf16, **budgets, use_kl_loss=True, kl_loss_coef=0.001,
                            rollout_batch_size=n // 8, n_samples_per_prompt=8, global_batch_size=n, lr=1e-6,
-                           **MEMORY_FLAGS)
+                           lora_rank=lora_rank, lora_alpha=2.0 * lora_rank if lora_rank else None, **MEMORY_FLAGS)
     w = TrainActor(args, 0, 1, "127.0.0.1")
     w.init(free_port())
     res: dict = {}
@@ -167,8 +172,10 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             res = {"logprob_s": lp_time, "logprob_peak": lp_peak,
                    "train_s": total - metrics["perf/log_probs_time"], "train_peak": peak_gib(),
                    "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}
+            res.update(push_payload(w))
             rounded = {k: round(v, 4) for k, v in res.items()}
-            print(f"  ours{' padded' if padded_mbs else ''} {name}: {json.dumps(rounded)}", flush=True)
+            label = " padded" if padded_mbs else f" LoRA rank {lora_rank}" if lora_rank else ""
+            print(f"  ours{label} {name}: {json.dumps(rounded)}", flush=True)
         if PROFILE:
             part = samples[: PROFILE["n"]]
             w.args.rollout_batch_size, w.args.global_batch_size = len(part) // 8, len(part)
@@ -181,6 +188,34 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return res
+
+
+def push_payload(w) -> dict:
+    """Seconds to gather what a push sends from the trainer (full: every HF tensor, on the GPU as a colocated push
+    keeps them; LoRA: each adapter's lora_A and float32 scaled lora_B, host copies) and its bytes."""
+    sync()
+    t0 = time.perf_counter()
+    if w.lora is not None:
+        adapters = w.hf_lora()
+        nbytes = sum(a.numel() * a.element_size() + b.numel() * 4 for a, b in adapters.values())
+    else:
+        named = w.hf_weights(on_device=torch.cuda.is_available(), views=True)
+        nbytes = sum(t.numel() * t.element_size() for t in named.values())
+        del named
+    sync()
+    return {"push_gather_s": time.perf_counter() - t0, "push_mib": nbytes / 2**20}
+
+
+def lora_report(shape: str, samples: list, full: dict | None, lo: dict, rank: int) -> None:
+    tokens = sum(len(s.tokens) for s in samples)
+    print(f"\n{shape}: LoRA rank {rank} (all linears) vs full fine-tuning, same samples ({tokens} tokens)")
+    print("| run | train tok/s | train peak GiB | log-prob tok/s | log-prob peak GiB | push gather s | push MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in (("full", full), (f"LoRA r={rank}", lo)):
+        if r:
+            print(f"| {shape} {name} | {tokens / r['train_s']:.0f} | {r['train_peak']:.1f} | "
+                  f"{2 * tokens / r['logprob_s']:.0f} | {r['logprob_peak']:.1f} | {r['push_gather_s']:.3f} | "
+                  f"{r['push_mib']:.1f} |", flush=True)
 
 
 # ------------------------------------------------------------------------------------------- baseline (plain HF)
@@ -349,6 +384,12 @@ def main() -> None:
                    help="only our worker (no baseline): after the measured run, profile the log-prob and train "
                         "phases on the first N samples and print the top operators by device and by host time")
     p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="also our worker with LoRA adapters of rank R on every linear (alpha 2R): train tok/s, "
+                        "peak memory and the push's payload next to full fine-tuning")
+    p.add_argument("--lora-only", action="store_true",
+                   help="with --lora-rank: only the LoRA run (no full fine-tuning, no baseline; for shapes whose "
+                        "full fine-tuning does not fit)")
     a = p.parse_args()
     if a.profile:
         PROFILE.update(n=a.profile, rows=a.profile_rows)
@@ -390,9 +431,16 @@ def main() -> None:
                 n = 512 if a.quick else 8192
                 print(f"log-probs + entropy fwd+bwd, {n} tokens x {VOCAB} vocabulary (ms): {logprob_microbench(n)}",
                       flush=True)
+            if a.lora_rank and a.lora_only:
+                lora_report(shape, samples, None, ours(ckpt, samples, warm, mt, lpt, bf16, lora_rank=a.lora_rank),
+                            a.lora_rank)
+                continue
             o = ours(ckpt, samples, warm, mt, lpt, bf16)
             if PROFILE:
                 continue
+            if a.lora_rank:
+                lora_report(shape, samples, o, ours(ckpt, samples, warm, mt, lpt, bf16, lora_rank=a.lora_rank),
+                            a.lora_rank)
             b = baseline(ckpt, samples, warm, mt, bf16)
             report(shape, arch, samples, o, b, device)
             if a.with_padded:

@@ -162,6 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--update-weight-buffer-size", type=_positive_int, default=512 * 1024**2,
                    help="bytes of weights per bucket of a tensor or distributed push (default: %(default)s)")
 
+    g = p.add_argument_group("LoRA", "low-rank adapters on a frozen base model (the reference model is the base)")
+    g.add_argument("--lora-rank", type=int, default=None,
+                   help="train LoRA adapters of this rank instead of every weight (default: off)")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA alpha: the adapters are scaled by alpha/rank (default: the rank, scaling 1)")
+    g.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapters' input (default: %(default)s)")
+    g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"],
+                   help="linears that get adapters: all-linear, or HF names q_proj,k_proj,v_proj (Megatron's fused "
+                        "linear_qkv), o_proj (linear_proj), gate_proj,up_proj (linear_fc1; GLM4: gate_up_proj), "
+                        "down_proj (linear_fc2), or the Megatron names (default: all-linear)")
+    g.add_argument("--lora-adapter-path", default=None,
+                   help="PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the "
+                        "adapters from, on the --hf-checkpoint base")
+
     g = p.add_argument_group("rollout", "sampling and generation")
     g.add_argument("--rollout-temperature", type=_nonneg_float, default=1.0,
                    help="sampling temperature; the trainer scores log-probs at the same one (default: %(default)s)")

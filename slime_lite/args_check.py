@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from slime_lite import rl_math
+from slime_lite.backends.megatron.lora_config import check_lora_args
 from slime_lite.backends.megatron.train_dump import check_train_template
 from slime_lite.config import EngineConfig, TokenBudget
 from slime_lite.errors import SlimeLiteError
@@ -436,6 +437,8 @@ def validate_train_args(args: argparse.Namespace) -> None:
     world = world_size(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _check_model_split(args, tp, pp)
+    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
+        check_lora_args(args, json.load(f))
     if world % (tp * pp):
         raise SlimeLiteError(
             f"--actor-num-nodes x --actor-num-gpus-per-node = {world} is not divisible by "

@@ -31,6 +31,8 @@ RUN = {  # README command -> the command run in the sandbox
     "python bench/breakdown.py runs/tiny/grpo/metrics.jsonl": "python bench/breakdown.py runs/tiny/grpo/metrics.jsonl",
     "bash scripts/run-tiny-grpo.sh --num-rollout 5 --metrics-path m.jsonl":
         f"bash scripts/run-tiny-grpo.sh --num-rollout 5 --metrics-path m.jsonl {SHORT}",
+    "bash scripts/run-tiny-grpo.sh --lora-rank 8 --lora-alpha 16 --lr 1e-3":
+        f"bash scripts/run-tiny-grpo.sh --lora-rank 8 --lora-alpha 16 --lr 1e-3 {SHORT}",
     "bash scripts/run-tiny-rollout-only.sh": f"bash scripts/run-tiny-rollout-only.sh {SHORT}",
     # the rollout-only dumps just written, replayed through the GRPO script (its --ci-test on): as written
     REPLAY: REPLAY,

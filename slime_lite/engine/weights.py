@@ -7,6 +7,9 @@ within ``GROUP_TIMEOUT_S``; a receive that fails destroys the group (it is out o
 A tied LM head (``tie_word_embeddings``) is the embedding's parameter: writing either name writes both. MoE
 experts load by their fused in-memory names and by their on-disk per-expert ones (``moe.expert_views``); checksums
 and the full-checkpoint check use the per-expert names, which are what a trainer sends.
+LoRA adapters (``slime_lite.lora_wire`` names) are merged into the weights they adapt: the engine serves
+W + (alpha/R) B A, merged rather than served unmerged, so generation runs at the base model's speed and the
+weight-equality check sees the weights it samples with.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from slime_lite.engine.moe import expert_views, is_fused
+from slime_lite.lora_wire import merged, split_adapters
 from slime_lite.weight_checksum import tensor_checksums
 from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name
 
@@ -105,6 +109,8 @@ class Weights:
         self.model = hf_model
         self.groups: dict[str, WeightUpdateGroup] = {}
         self.version = 0  # counts weight writes: the prefix cache drops its K/V when it changes
+        self._lora_base: dict[str, torch.Tensor] = {}  # adapted weights before their first adapter (host copies)
+        self._lora_pending: dict[str, dict[str, torch.Tensor]] = {}  # adapter halves waiting for the other half
 
     @functools.cached_property
     def params(self) -> _Params:
@@ -129,7 +135,8 @@ class Weights:
         the first mismatch. A floating-point tensor loads into a floating-point parameter of any precision (cast,
         as SGLang's loaders do); any other dtype must be the parameter's own."""
         params = self.params
-        unknown = sorted(n for n in named if n not in params)
+        named, adapters = split_adapters(named)
+        unknown = sorted(n for n in [*named, *adapters] if n not in params)
         if unknown:
             raise WeightError(f"unknown parameter name(s) {unknown[:5]} (expected Hugging Face names such as "
                               f"{next(iter(params))!r})")
@@ -141,6 +148,20 @@ class Weights:
             if t.dtype != p.dtype and not (t.dtype.is_floating_point and p.dtype.is_floating_point):
                 raise WeightError(f"parameter {name!r}: dtype {str(t.dtype).removeprefix('torch.')} cannot be "
                                   f"loaded into the model's {str(p.dtype).removeprefix('torch.')}")
+        for name, parts in adapters.items():
+            shape = tuple(params[name].shape)
+            a, b = parts.get("A"), parts.get("B")
+            if len(shape) != 2:
+                problem = "is not a matrix (LoRA adapts 2-D weights only)"
+            elif a is not None and (a.dim() != 2 or a.shape[1] != shape[1] or not a.dtype.is_floating_point):
+                problem = f"has lora_A of shape {tuple(a.shape)}, not float [rank, {shape[1]}]"
+            elif b is not None and (b.dim() != 2 or b.shape[0] != shape[0] or not b.dtype.is_floating_point):
+                problem = f"has lora_B of shape {tuple(b.shape)}, not float [{shape[0]}, rank]"
+            elif a is not None and b is not None and a.shape[0] != b.shape[1]:
+                problem = f"has lora_A of rank {a.shape[0]} and lora_B of rank {b.shape[1]}"
+            else:
+                continue
+            raise WeightError(f"adapter of {name!r} {problem}; the weight's shape is {shape}")
 
     @torch.no_grad()
     def load_named(self, named: dict[str, torch.Tensor]) -> int:
@@ -148,9 +169,13 @@ class Weights:
         On CUDA it returns once the copies are done, so the sender may reuse or free its buffers (CUDA IPC)."""
         self.check_update(named)
         params = self.params
+        named, adapters = split_adapters(named)
         # every tensor converted first: a failure here (memory, a bad dtype) leaves the weights as they were
         staged = {name: tensor.to(device=params[name].device, dtype=params[name].dtype)
                   for name, tensor in named.items()}
+        for name in set(staged) & set(self._lora_base):  # a full write of an adapted weight is its new base
+            self._lora_base[name] = staged[name].to("cpu", copy=True)
+        staged.update(self._merge_adapters(adapters))
         if not staged:  # an empty bucket (slime sends them for idle ranks): nothing changes, the cache stays
             return 0
         self.version += 1
@@ -158,7 +183,24 @@ class Weights:
         torch._foreach_copy_([params[name] for name in staged], list(staged.values()))
         if any(t.is_cuda for t in staged.values()) or any(t.is_cuda for t in named.values()):
             torch.cuda.synchronize()
-        return len(named)
+        return len(staged)
+
+    def _merge_adapters(self, adapters: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The served weights of LoRA adapters (``lora_wire``): each adapted weight is its base (the weight before
+        its first adapter, kept on the host) merged with the adapter, once both halves arrived (they may come in
+        different buckets)."""
+        out = {}
+        for name, parts in adapters.items():
+            pending = self._lora_pending.setdefault(name, {})
+            pending.update(parts)
+            if len(pending) < 2:
+                continue
+            param = self.params[name]
+            if name not in self._lora_base:
+                self._lora_base[name] = param.detach().to("cpu", copy=True)
+            out[name] = merged(self._lora_base[name].to(param.device), pending["A"], pending["B"])
+            del self._lora_pending[name]
+        return out
 
     def load_from_disk(self, model_path: str) -> int:
         """Load every parameter from a safetensors checkpoint folder of the same architecture."""

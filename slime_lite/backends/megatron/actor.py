@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from slime_lite import rl_math
 from slime_lite.backends.megatron import batch as B
+from slime_lite.backends.megatron import lora
 from slime_lite.backends.megatron.convert import iter_hf_weights
 from slime_lite.backends.megatron.logprobs import sample_log_probs
 from slime_lite.backends.megatron.loss import mismatch_report, rl_loss
@@ -25,6 +26,7 @@ from slime_lite.backends.megatron.worker import TrainResult, TrainWorker, report
 from slime_lite.checks.faults import breaks_sent_weights, sent_stage_weights
 from slime_lite.config import LossConfig, TrainSideConfig, has_reference_model
 from slime_lite.io import atomic_torch_save, atomic_write_text
+from slime_lite.lora_wire import adapter_names, merged
 from slime_lite.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,8 @@ class TrainActor(TrainWorker):
         reference's (--ref-load, else --hf-checkpoint), before a --load checkpoint replaces them."""
         a = self.args
         self.ref_state = None
-        if has_reference_model(a):
+        self.use_ref = has_reference_model(a)
+        if self.use_ref and self.lora is None:  # with LoRA the reference is the model without its adapters
             self.ref_state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
             if torch.cuda.is_available():  # pinned: each rollout's copy to the GPU runs at full speed
                 self.ref_state = {n: t.pin_memory() for n, t in self.ref_state.items()}
@@ -57,6 +60,9 @@ class TrainActor(TrainWorker):
         return [torch.stack([x, e]) for x, e in zip(lp, ent)] if entropy else lp
 
     def _with_ref_weights(self, fn: Any) -> Any:
+        if self.lora is not None:
+            with lora.disabled(self.model):
+                return fn()
         params = dict(self.gpt().named_parameters())
         saved = {n: p.detach().clone() for n, p in params.items()}
         with torch.no_grad():
@@ -87,7 +93,7 @@ class TrainActor(TrainWorker):
         entropy = {i: t[1] for i, t in old.items()} if dump else None
         old = B.SampleTensors((i, t[0]) for i, t in old.items()) if dump else old
         ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, self._log_probs)) \
-            if self.ref_state is not None else None
+            if self.use_ref else None
         log_probs_time = time.monotonic() - t0
         if not self.last_stage:
             self._train_steps(samples, None)
@@ -220,12 +226,58 @@ class TrainActor(TrainWorker):
                 for name, t in iter_hf_weights(self.model, self.hf_config)}
         if for_push:
             mine = sent_stage_weights(self.args.debug_inject_fault, mine, ps.get_pipeline_model_parallel_rank())
+        return self._whole_model(mine)
+
+    def _whole_model(self, mine: dict[str, Any]) -> dict[str, Any] | None:
+        """Every PP stage's ``mine`` (HF-named, the same on each TP rank) joined on global rank 0; None elsewhere."""
+        ps = self.ps
         if ps.get_pipeline_model_parallel_world_size() > 1:
             parts: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
             dist.all_gather_object(parts, mine if ps.get_tensor_model_parallel_rank() == 0 else {},
                                    group=ps.get_pipeline_model_parallel_group())
             mine = {k: v for p in parts for k, v in p.items()}
         return mine if self.rank == 0 else None
+
+    def hf_lora(self, for_push: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """{HF weight name: (lora_A, lora_B unscaled)} of every adapter, host copies, on global rank 0 (None
+        elsewhere); collective over the whole group (TP gathered, PP collected)."""
+        mine = {n: (a.to("cpu", copy=True), b.to("cpu", copy=True))
+                for n, (a, b) in lora.hf_adapters(self.model, self.hf_config).items()}
+        if for_push:
+            mine = sent_stage_weights(self.args.debug_inject_fault, mine, self.ps.get_pipeline_model_parallel_rank())
+        return self._whole_model(mine)
+
+    def _effective(self, base: dict[str, torch.Tensor], adapters: dict) -> dict[str, torch.Tensor]:
+        """The weights an engine serves after an adapter push onto ``base`` (lora_wire.merged, the engine's formula)."""
+        s = self.lora.scaling
+        return {n: merged(t, adapters[n][0], adapters[n][1].float() * s) if n in adapters else t
+                for n, t in base.items()}
+
+    def _push_lora(self, urls: list[str], version: int, check: bool) -> dict[str, float] | None:
+        """An adapter-only push: each adapted weight's lora_A and scaled lora_B (``lora_wire``), which the engines
+        merge into their base weights. The disk transport writes whole folders: it gets the merged weights. The
+        weight check compares the engines against the merged weights of the trainer's base."""
+        a = self.args
+        t0 = time.perf_counter()
+        adapters = self.hf_lora()
+        sent = self.hf_lora(for_push=True) if breaks_sent_weights(a.debug_inject_fault) else adapters
+        disk = a.update_weight_transport == "disk"
+        # the trainer's base weights: on its GPU where it has one (PP=1), so the merge runs there; views of the
+        # parameters except for a disk folder (safetensors refuses tensors sharing memory, as q/k/v views do)
+        on_device = torch.cuda.is_available() and self.ps.get_pipeline_model_parallel_world_size() == 1
+        base = self.hf_weights(on_device=on_device, views=on_device and not disk) if disk or check or \
+            a.check_weight_update_equal else None
+        if self.rank != 0:
+            return None
+        wire = {}
+        for n, (lora_a, lora_b) in sent.items():
+            name_a, name_b = adapter_names(n)
+            wire[name_a], wire[name_b] = lora_a, lora_b.float() * self.lora.scaling
+        reference = self._effective(base, adapters) if base is not None else None
+        named = self._effective(base, sent) if disk else wire
+        return {"perf/update_weights/gather_time": time.perf_counter() - t0,
+                "perf/update_weights/bytes": float(sum(t.numel() * t.element_size() for t in named.values())),
+                **push(a, named, urls, version, reference=reference, check=check)}
 
     def _push_on_device(self) -> bool:
         """Whether a push's HF copies stay on the trainer's GPU (PP=1 only): a colocated tensor push (CUDA IPC
@@ -252,6 +304,8 @@ class TrainActor(TrainWorker):
         if offloaded:
             self.onload()
         try:
+            if self.lora is not None:
+                return self._push_lora(urls, version, check)
             t0 = time.perf_counter()
             on_device = self._push_on_device()  # after an onload: the free memory it leaves
             # the tensor and distributed transports copy into their buckets and are done before this call returns:
@@ -267,6 +321,7 @@ class TrainActor(TrainWorker):
             if self.rank != 0:
                 return None
             return {"perf/update_weights/gather_time": gather,
+                    "perf/update_weights/bytes": float(sum(t.numel() * t.element_size() for t in sent.values())),
                     **push(self.args, sent, urls, version, reference=named, check=check)}
         finally:
             if offloaded:

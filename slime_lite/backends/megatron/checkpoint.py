@@ -1,4 +1,6 @@
 """Checkpoints: per-rank Megatron state (model, optimizer, RNG) plus an HF export of the actor, written atomically.
+With LoRA the model state is what trains (the adapters; a critic's value head) and the actor's export is a PEFT
+folder (``adapter/``) for the base model.
 
 Layout: ``SAVE/iter_0000007/rank_000.pt`` (+ ``hf/`` for the actor) and ``SAVE/latest`` naming the newest complete
 iteration. A save is written into a ``.tmp-*`` folder and renamed into place when complete: a save that fails
@@ -19,6 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime_lite.backends.megatron import peft_format
+from slime_lite.backends.megatron.lora_config import ADAPTER_MARK
+from slime_lite.backends.megatron.model import unwrap
 from slime_lite.errors import SlimeLiteError
 from slime_lite.io import atomic_torch_save, atomic_write_text, load_plain, no_space_error, write_hf_folder
 
@@ -68,8 +73,12 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         os.makedirs(tmp, exist_ok=True)
     dist.barrier()
     a = actor.args
+    lora_on = getattr(actor, "lora", None) is not None
+    model_state = actor.model.state_dict()
+    if lora_on:  # the base is --hf-checkpoint, frozen: what trains (adapters; the critic's head) is the state
+        model_state = {k: v for k, v in model_state.items() if k in _trainable(actor.model)}
     state = {
-        "model": actor.model.state_dict(),
+        "model": model_state,
         "optimizer": actor.optimizer.state_dict(),
         "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "next_rollout_id": rollout_id + 1,
@@ -78,12 +87,16 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     }
     try:
         atomic_torch_save(plain_state(state), os.path.join(tmp, f"rank_{actor.rank:03d}.pt"))
-        named = actor.hf_weights() if actor.role == "actor" else None
+        export = "adapter" if lora_on else "hf"  # LoRA: a PEFT folder for the --hf-checkpoint base (peft_format.py)
+        named = (actor.hf_lora() if lora_on else actor.hf_weights()) if actor.role == "actor" else None
         if actor.rank == 0 and named is not None:
             try:
-                write_hf_folder(named, a.hf_checkpoint, os.path.join(tmp, "hf"))
+                if lora_on:
+                    peft_format.write(named, actor.lora, a.hf_checkpoint, os.path.join(tmp, export))
+                else:
+                    write_hf_folder(named, a.hf_checkpoint, os.path.join(tmp, export))
             except OSError as exc:  # the folder is renamed into place only when complete
-                raise (no_space_error(exc, os.path.join(final, "hf")) or exc) from None
+                raise (no_space_error(exc, os.path.join(final, export)) or exc) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
         raise
@@ -93,6 +106,11 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         os.replace(tmp, final)
         atomic_write_text(name, os.path.join(os.path.dirname(final), "latest"))
     dist.barrier()
+
+
+def _trainable(model: torch.nn.Module) -> set[str]:
+    """Names of the trainable parameters, as the model's state_dict (DDP's is its module's) names them."""
+    return {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
 def _load_rank_file(root: str, folder: str, file: str, mmap: bool = False) -> Any:
@@ -144,7 +162,18 @@ def load(actor: Any, root: str) -> dict[str, Any]:
             "another --bf16 setting, or by a slime-lite from before 2026-12-01 whose bf16 models kept their norms in "
             f"float32. Resume with the same --bf16, or start from its HF export: --hf-checkpoint {path}/hf "
             "(weights only; the optimizer starts afresh).")
-    actor.model.load_state_dict(state["model"])
+    lora_on = getattr(actor, "lora", None) is not None
+    saved_lora = any(ADAPTER_MARK in k for k in state["model"])
+    if lora_on != saved_lora:
+        raise SlimeLiteError(f"--load {root}: {file} was saved {'with' if saved_lora else 'without'} LoRA adapters "
+                             f"and this run is {'with' if lora_on else 'without'} them; resume with the same "
+                             "--lora-* flags.")
+    # the module's own load (Megatron's DDP wrapper returns no missing keys); LoRA: the base is not saved
+    result = unwrap(actor.model).load_state_dict(state["model"], strict=not lora_on)
+    absent = [k for k in result.missing_keys if k in _trainable(actor.model)] + list(result.unexpected_keys)
+    if absent:
+        raise SlimeLiteError(f"--load {root}: {file} and this run's adapters differ (e.g. {absent[0]}): resume with "
+                             "the same --lora-target-modules.")
     actor.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["cpu"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors import safe_open
 
+from slime_lite.backends.megatron.lora_config import ADAPTER_MARK
 from slime_lite.backends.megatron.model import HFArch, check_parallel_sizes, hf_arch, padded_vocab_size, unwrap
 from slime_lite.errors import SlimeLiteError
 
@@ -220,7 +221,8 @@ def hf_to_megatron_shard(
     """
     arch = hf_arch(hf_config)
     etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank, etp_size)
-    check_parallel_sizes(arch, tp_size, pp_size, ep_size, etp_size)
+    # a dense model has no expert TP (Megatron still reports one, the TP size): only MoE sizes are checked
+    check_parallel_sizes(arch, tp_size, pp_size, ep_size, etp_size if arch.moe else None)
     offset = pp_rank * layers_per_stage(arch, pp_size)
     expert_offset = ep_rank * arch.moe.num_experts // ep_size if arch.moe else 0
     out = {}
@@ -307,7 +309,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir_or_state_dict: str | Mapping,
         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
         etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
-    params = dict(gpt.named_parameters())
+    params = {n: p for n, p in gpt.named_parameters() if ADAPTER_MARK not in n}  # LoRA's are not in HF files
     if set(shard) != set(params):
         raise RuntimeError(
             f"HF->Megatron names disagree with the model: missing {sorted(set(params) - set(shard))}, "
@@ -340,7 +342,7 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
     # Megatron's own global layer numbers (1-based), so the ids agree with however the stage was built.
     global_ids = [layer.layer_number - 1 for layer in gpt.decoder.layers] if hasattr(gpt, "decoder") else []
     for name, param in gpt.named_parameters():
-        if _is_tied_copy(name, arch, pp_rank):
+        if _is_tied_copy(name, arch, pp_rank) or ADAPTER_MARK in name:  # adapters: lora.hf_adapters
             continue
         m = _LAYER.match(name)
         offset = global_ids[int(m.group(1))] - int(m.group(1)) if m else 0

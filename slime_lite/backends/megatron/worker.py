@@ -24,10 +24,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.backends.megatron import checkpoint, routing, train_offload
+from slime_lite.backends.megatron import checkpoint, lora, lora_config, peft_format, routing, train_offload
 from slime_lite.backends.megatron.convert import load_hf_weights
 from slime_lite.backends.megatron.model import (
     build_gpt_model,
+    hf_arch,
     memory_overrides,
     moe_overrides,
     packed_seq_params,
@@ -103,6 +104,12 @@ class TrainWorker:
                                 **memory_overrides(a), **moe_overrides(a, self.hf_config))
         load_hf_weights(model, self._init_checkpoint(), self.hf_config)
         self.replay = routing.Replay(model) if a.use_rollout_routing_replay else None
+        self.lora = lora_config.settings(a, hf_arch(self.hf_config).fused_gate_up)
+        if self.lora is not None:  # base frozen, adapters added (lora.py)
+            lora.apply(model, self.lora, a.seed)
+            if a.lora_adapter_path:
+                lora.load_hf_adapters(model, self.hf_config, peft_format.read(a.lora_adapter_path),
+                                      f"--lora-adapter-path {a.lora_adapter_path}")
         self._adapt_model(model, dtype)
         config = model.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

@@ -1,0 +1,78 @@
+"""--lora-* flags: bad values, names that match no layer, and flags LoRA cannot work with are refused by
+parse_args (before Ray starts), naming the flag and the valid choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slime_lite.args import parse_args
+from slime_lite.backends.megatron.lora_config import resolve_targets
+from slime_lite.errors import SlimeLiteError
+
+
+@pytest.fixture()
+def base(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 4,
+                                                   "num_key_value_heads": 2, "num_hidden_layers": 4}))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rm-type", "addition"]
+
+
+@pytest.mark.parametrize("extra,said", [
+    (["--lora-rank", "0"], "--lora-rank 0 must be a positive integer"),
+    (["--lora-rank", "-4"], "--lora-rank -4 must be a positive integer"),
+    (["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha 0.0 must be > 0"),
+    (["--lora-rank", "8", "--lora-dropout", "1.5"], "--lora-dropout 1.5 must be in [0, 1)"),
+    (["--lora-alpha", "16"], "--lora-alpha needs --lora-rank R"),
+    (["--lora-rank", "8", "--lora-target-modules", "q_proj,foo"],
+     "'foo' matches no layer of this model; valid names: all-linear, q_proj, k_proj, v_proj, linear_qkv, o_proj"),
+    (["--lora-rank", "8", "--lora-target-modules", "gate_up_proj"], "'gate_up_proj' matches no layer"),
+    (["--lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"],
+     "q_proj, v_proj is part of Megatron's fused linear_qkv (q_proj, k_proj, v_proj), which has one adapter"),
+    (["--lora-rank", "8", "--ref-load", "{model}"], "--lora-rank cannot be used with --ref-load: the reference"),
+    (["--lora-rank", "8", "--sequence-parallel"], "--lora-rank cannot be used with --sequence-parallel"),
+    (["--lora-rank", "8", "--transformer-impl", "transformer_engine"], "--lora-rank needs --transformer-impl local"),
+    (["--lora-rank", "8", "--rollout-backend", "sglang"], "with --rollout-backend sglang"),
+    (["--lora-rank", "8", "--lora-adapter-path", "{model}"], "no adapter_config.json"),
+])
+def test_bad_lora_flags_are_refused_before_anything_starts(base, extra, said):
+    extra = [x.replace("{model}", base[1]) for x in extra]
+    with pytest.raises(SlimeLiteError) as info:
+        parse_args(base + extra)
+    assert said in str(info.value)
+
+
+def test_a_mixture_of_experts_model_is_refused(base):
+    config = json.loads(open(base[1] + "/config.json").read())
+    with open(base[1] + "/config.json", "w") as f:
+        json.dump({**config, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 64, "intermediate_size": 128}, f)
+    with pytest.raises(SlimeLiteError, match="qwen3_moe is a mixture-of-experts model"):
+        parse_args(base + ["--lora-rank", "8"])
+
+
+def test_adapter_folder_of_another_rank_or_alpha_is_refused(base, tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    for extra, said in ((["--lora-rank", "8"], "has rank r=4; give --lora-rank 4"),
+                        (["--lora-rank", "4"], "was trained with lora_alpha 8; give --lora-alpha 8")):
+        with pytest.raises(SlimeLiteError, match=said):
+            parse_args(base + extra + ["--lora-adapter-path", str(folder)])
+
+
+def test_target_names_map_to_megatron_linears():
+    assert resolve_targets(["all-linear"], False) == ("self_attention.linear_qkv", "self_attention.linear_proj",
+                                                      "mlp.linear_fc1", "mlp.linear_fc2")
+    assert resolve_targets(["q_proj,k_proj,v_proj", "down_proj"], False) == ("self_attention.linear_qkv",
+                                                                             "mlp.linear_fc2")
+    assert resolve_targets(["linear_fc1"], True) == ("mlp.linear_fc1",)
+    assert resolve_targets(["gate_up_proj", "o_proj"], True) == ("self_attention.linear_proj", "mlp.linear_fc1")
+    with pytest.raises(SlimeLiteError, match="'gate_proj' matches no layer"):
+        resolve_targets(["gate_proj"], True)  # GLM4 fuses them in HF too: gate_up_proj
