@@ -1,4 +1,4 @@
-"""The rules between ``slime-lite train`` flags (SPEC sections 3 and 5), checked once after parsing, before anything
+"""The rules between ``slime-lite train`` flags (placement modes and the debug modes), checked once after parsing, before anything
 starts; and the flags whose default is another flag's value. The parser itself is args.py."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def check_partial_rollout(args: argparse.Namespace) -> None:
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """Enforce SPEC section 3 and 5 rules; set implied flags (with a log line)."""
+    """Enforce the rules between flags; set implied flags (with a log line)."""
 
     if args.debug_rollout_only and args.debug_train_only:
         raise SlimeLiteError(

@@ -1,4 +1,4 @@
-"""Where each process goes: a pure layout table per mode (SPEC 3), then the Ray placement group made from it.
+"""Where each process goes: a pure layout table per mode, then the Ray placement group made from it.
 
 On a machine without GPUs every "GPU" is one logical slot (the Ray custom resource ``slot``), so the same flags
 give the same tables.
@@ -34,7 +34,7 @@ class Layout:
 
 
 def plan_layout(args: Any) -> Layout:
-    """The bundle indices of each group for the run's mode (SPEC 3 table)."""
+    """The bundle indices of each group for the run's mode."""
     actor_n = args.actor_num_nodes * args.actor_num_gpus_per_node
     critic_n = args.critic_num_nodes * args.critic_num_gpus_per_node if TrainSideConfig.from_args(args).has_critic \
         else 0

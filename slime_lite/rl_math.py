@@ -1,4 +1,4 @@
-"""RL maths for slime_lite (SPEC section 7): pure torch functions, nothing of the project imported.
+"""RL maths for slime_lite: pure torch functions, nothing of the project imported.
 
 Conventions for the whole module
 - A batch of samples is a list of 1-D tensors, one per sample, each of length = that sample's response length
@@ -173,7 +173,7 @@ def value_loss(
     """Clipped value loss per token -> (loss, clipfrac).
 
     loss = max((V - G)^2, (V_clip - G)^2), V_clip = V_old + clamp(V - V_old, -value_clip, value_clip).
-    No 0.5 factor (SPEC 7 has none). clipfrac is 1.0 where the clipped term was strictly larger.
+    No 0.5 factor (as slime's value loss). clipfrac is 1.0 where the clipped term was strictly larger.
     """
     v_clip = old_values + (values - old_values).clamp(-value_clip, value_clip)
     plain = (values - returns) ** 2

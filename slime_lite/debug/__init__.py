@@ -1,4 +1,4 @@
-"""Debug tools that work on rollout dumps: display, replay-reward, diff, send-to-engine (SPEC 10)."""
+"""Debug tools that work on rollout dumps: display, replay-reward, diff, send-to-engine."""
 
 from __future__ import annotations
 

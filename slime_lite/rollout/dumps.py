@@ -1,6 +1,6 @@
 """Debug rollout dumps: save, load, subsample, and the metadata that makes a replay safe.
 
-File format (SPEC 4): ``torch.save`` of ``{"rollout_id", "samples": [Sample.to_dict()...], "format_version": 1,
+File format: ``torch.save`` of ``{"rollout_id", "samples": [Sample.to_dict()...], "format_version": 1,
 "meta": {...}}``. slime reads only ``samples``; we also read slime's own dumps (no ``meta``). Loading always uses
 ``weights_only=True``, so nothing in a file runs. Writes are atomic (temporary file + rename).
 """

@@ -1,4 +1,4 @@
-"""Rollout and eval metrics recomputed from Samples, with slime's metric names (SPEC 8). Pure Python."""
+"""Rollout and eval metrics recomputed from Samples, with slime's metric names. Pure Python."""
 
 from __future__ import annotations
 

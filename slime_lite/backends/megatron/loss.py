@@ -1,4 +1,4 @@
-"""Model outputs -> per-token tensors -> rl_math (SPEC 7 loss, SPEC 8 metric names). Pure torch, no Megatron.
+"""Model outputs -> per-token tensors -> rl_math (the loss, slime's metric names). Pure torch, no Megatron.
 
 Per-sample inputs are lists of 1-D tensors over each sample's response tokens (rl_math's convention).
 Micro-batching: the trainer splits a global batch of N samples into micro-batches and sums their gradients.
@@ -97,7 +97,7 @@ def rl_loss(
     `old_logp` None means on-policy (old = logp detached). Rollout correction (use_tis / use_rs, rl_math
     ``rollout_correction`` on old vs rollout_logp): the per-token policy loss is multiplied by the IS weight, and a
     rejected token (tis_mode mask, use_rs) is taken out of every loss term's numerator while the per-sample
-    denominators stay the loss-mask counts (as in slime). Metrics (SPEC 8 names, floats): pg_loss, pg_clipfrac,
+    denominators stay the loss-mask counts (as in slime). Metrics (slime's names, floats): pg_loss, pg_clipfrac,
     ppo_kl, entropy_loss, kl_loss (when ref_logp is given), train_rollout_logprob_abs_diff (when rollout_logp is
     given, aggregated the same way), loss; with use_tis tis, tis_abs, tis_clipfrac (slime's names); with a
     rejecting correction rejected_frac. Correction metrics count every loss token, rejected or not.
