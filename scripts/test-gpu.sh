@@ -6,8 +6,8 @@
 #   run recorded in tests/gpu_durations.json (`--record-durations FILE` writes them). The default split is
 #   --slice 1/3 .. 3/3, each under 7 minutes on one H200 (BENCHMARKS.md: "The GPU suite in slices").
 # --quick: the engine's captured decode steps and fused kernels, the bf16 precision checks, the colocated loop.
-# On a GPU machine without network (the lent H200): first, on a machine with network, pack Ray and megatron-core
-# with `bash ../shared/tools/gpu-carry.sh` (writes .gpu-carry/site.tar.xz); this script unpacks it when present.
+# On a GPU machine without network: Ray and megatron-core packed (site-packages) as .gpu-carry/site.tar.xz on a
+# machine with network; this script unpacks it when present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .gpu-carry/site.tar.xz ]; then

@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Any
 
-from slime_lite import rl_math
+from slime_lite import rl_math, rollout_correction
 from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args
 from slime_lite.checks.faults import FAULTS
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, FrozenFlags, freeze
@@ -315,17 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tis-clip-low", type=_nonneg_float, default=UNDER_SWITCH["use_tis"]["tis_clip_low"],
                    help="lower bound of the IS weight: a floor in truncate mode (default: none), the lower "
                         "rejection bound in mask mode (default: 1/--tis-clip)")
-    g.add_argument("--tis-level", choices=rl_math.IS_LEVELS,
+    g.add_argument("--tis-level", choices=rollout_correction.IS_LEVELS,
                    default=UNDER_SWITCH["use_tis"]["tis_level"],
                    help="IS ratio per token, per sample (product over its tokens), or per sample as the geometric "
                         "mean of its token ratios (default: %(default)s)")
-    g.add_argument("--tis-mode", choices=rl_math.TIS_MODES, default=UNDER_SWITCH["use_tis"]["tis_mode"],
+    g.add_argument("--tis-mode", choices=rollout_correction.TIS_MODES, default=UNDER_SWITCH["use_tis"]["tis_mode"],
                    help="truncate: cap the weight at --tis-clip (TIS); mask: tokens (or samples) whose ratio is "
                         "outside [--tis-clip-low, --tis-clip] leave the loss (MIS) (default: %(default)s)")
     g.add_argument("--use-rs", action="store_true",
                    help="rejection sampling: tokens (or samples) whose ratio at --rs-level is outside "
                         "[--rs-lower-bound, --rs-upper-bound] leave the loss, with or without --use-tis")
-    g.add_argument("--rs-level", choices=rl_math.IS_LEVELS, default=UNDER_SWITCH["use_rs"]["rs_level"],
+    g.add_argument("--rs-level", choices=rollout_correction.IS_LEVELS, default=UNDER_SWITCH["use_rs"]["rs_level"],
                    help="level of the --use-rs ratio (default: %(default)s)")
     g.add_argument("--rs-lower-bound", type=_nonneg_float, default=UNDER_SWITCH["use_rs"]["rs_lower_bound"],
                    help="--use-rs lower bound (default: 1/--rs-upper-bound)")

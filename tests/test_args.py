@@ -1,4 +1,4 @@
-"""validate_args: every rule of SPEC 3/5 is a clear error (naming the flags) before anything starts."""
+"""validate_args: every rule on flags and their combinations is a clear error (naming the flags) before anything starts."""
 
 from __future__ import annotations
 
@@ -266,13 +266,13 @@ def test_every_flag_has_help():
 
 
 def test_estimator_and_kl_names_come_from_rl_math():
-    from slime_lite import rl_math
+    from slime_lite import rl_math, rollout_correction
 
     actions = build_parser()._option_string_actions
     assert tuple(actions["--advantage-estimator"].choices) == tuple(rl_math.ESTIMATORS)
     assert tuple(actions["--loss-type"].choices) == tuple(rl_math.POLICY_LOSSES)
     assert tuple(actions["--kl-loss-type"].choices) == rl_math.KL_TYPES
-    assert tuple(actions["--tis-level"].choices) == rl_math.IS_LEVELS
+    assert tuple(actions["--tis-level"].choices) == rollout_correction.IS_LEVELS
 
 
 def test_an_estimator_registered_in_a_test_module_is_a_choice_places_its_critic_and_runs(base, monkeypatch, caplog):

@@ -103,7 +103,7 @@ LAYERS = [
     ("embedded engine", ["slime_lite.engine"]),
     ("run checks", ["slime_lite.checks"]),
     ("shared helpers", ["slime_lite.engine_client", "slime_lite.weight_transport", "slime_lite.weight_wire",
-                        "slime_lite.weight_checksum", "slime_lite.lora_wire", "slime_lite.triton_build",
+                        "slime_lite.weight_checksum", "slime_lite.lora_wire", "slime_lite.rollout_correction", "slime_lite.triton_build",
                         "slime_lite.metrics",
                         "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup",
                         "slime_lite.profiling", "slime_lite.determinism"]),

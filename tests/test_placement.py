@@ -1,4 +1,4 @@
-"""The placement layout per mode is a pure function; SPEC 3's table as a test."""
+"""The placement layout of each mode (colocated, disaggregated, rollout-only, train-only) is a pure function."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""rl_math against independent float64 references written with plain Python loops (SPEC 7)."""
+"""rl_math (loss, KL, advantages) and rollout correction against float64 references written as plain loops."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from slime_lite import rl_math
+from slime_lite import rl_math, rollout_correction
 
 torch.set_num_threads(1)
 
@@ -292,7 +292,7 @@ CORRECTIONS = [
 @pytest.mark.parametrize("cfg", CORRECTIONS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_rollout_correction_matches_reference(cfg):
     train, rollout, ms = _correction_batch()
-    weights, keeps, stats = rl_math.rollout_correction(train, rollout, ms, **cfg)
+    weights, keeps, stats = rollout_correction.rollout_correction(train, rollout, ms, **cfg)
     w_ref, k_ref, rej_ref, clip_ref = ref_correction(train, rollout, ms, **cfg)
     close(weights, w_ref)
     close(keeps, k_ref)
@@ -313,7 +313,7 @@ def test_rollout_correction_is_identity_when_train_equals_rollout():
     nothing is rejected, at every level and mode."""
     train, _, ms = _correction_batch()
     for cfg in CORRECTIONS:
-        weights, keeps, stats = rl_math.rollout_correction(train, [t.clone() for t in train], ms, **cfg)
+        weights, keeps, stats = rollout_correction.rollout_correction(train, [t.clone() for t in train], ms, **cfg)
         assert all(torch.equal(w, torch.ones_like(w)) for w in weights), cfg
         assert all(torch.equal(k, m) for k, m in zip(keeps, ms)), cfg
         assert stats["rejected"].sum() == 0 and stats["tis_clipfrac"].sum() == 0, cfg
@@ -322,10 +322,10 @@ def test_rollout_correction_is_identity_when_train_equals_rollout():
 def test_rollout_correction_sequence_ratio_is_clamped_not_overflowing():
     t = [torch.zeros(400, dtype=torch.float64)]
     r = [torch.full((400,), -1.0, dtype=torch.float64)]  # sum of log ratios 400: exp would be inf
-    w, _, stats = rl_math.rollout_correction(t, r, [torch.ones(400)], tis=True, tis_level="sequence", tis_high=5.0)
+    w, _, stats = rollout_correction.rollout_correction(t, r, [torch.ones(400)], tis=True, tis_level="sequence", tis_high=5.0)
     assert w[0].tolist() == [5.0] * 400 and stats["tis"][0].item() == pytest.approx(math.exp(20.0))
     with pytest.raises(ValueError, match="level"):
-        rl_math.rollout_correction(t, r, [torch.ones(400)], tis=True, tis_level="tokens")
+        rollout_correction.rollout_correction(t, r, [torch.ones(400)], tis=True, tis_level="tokens")
 
 
 def ref_mismatch(train, rollout, ms, bound):
@@ -351,7 +351,7 @@ def ref_mismatch(train, rollout, ms, bound):
 
 def test_mismatch_metrics_match_reference():
     train, rollout, ms = _correction_batch()
-    got, worst = rl_math.mismatch_metrics([t.float() for t in train], rollout, ms, bound=2.0, top_k=4)
+    got, worst = rollout_correction.mismatch_metrics([t.float() for t in train], rollout, ms, bound=2.0, top_k=4)
     want, want_worst = ref_mismatch([t.float().double() for t in train], rollout, ms, 2.0)
     assert set(got) == set(want)
     for k, v in want.items():
@@ -360,16 +360,16 @@ def test_mismatch_metrics_match_reference():
     assert [(i, j) for i, j, _, _ in worst] == [(i, j) for i, j, _, _ in want_worst[:4]]
     assert worst[0][2:] == pytest.approx(want_worst[0][2:])
     # masked tokens never count: the fully masked sample 3 and the masked position 1 of sample 0 are not listed
-    _, every = rl_math.mismatch_metrics(train, rollout, ms, 2.0, top_k=100)
+    _, every = rollout_correction.mismatch_metrics(train, rollout, ms, 2.0, top_k=100)
     assert len(every) == sum(int(m.sum()) for m in ms) and all(i != 3 and (i, j) != (0, 1) for i, j, _, _ in every)
 
 
 def test_mismatch_metrics_at_step_one_are_exactly_on_policy():
     train, _, ms = _correction_batch()
-    got, worst = rl_math.mismatch_metrics(train, train, ms, 2.0, top_k=2)
+    got, worst = rollout_correction.mismatch_metrics(train, train, ms, 2.0, top_k=2)
     assert got["token_ratio_max"] == got["token_ratio_min"] == got["seq_ratio_mean"] == 1.0
     assert got["k3_kl"] == 0.0 and got["token_ratio_outside_frac"] == 0.0 and worst[0][2] == worst[0][3]
-    assert rl_math.mismatch_metrics([], [], [], 2.0) == ({}, [])
+    assert rollout_correction.mismatch_metrics([], [], [], 2.0) == ({}, [])
 
 
 # ---------------------------------------------------------------- aggregation

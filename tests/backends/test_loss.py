@@ -1,4 +1,4 @@
-"""backends/megatron/loss.py: log-probs from logits, response slicing, the RL loss and its metrics (SPEC 6-8)."""
+"""backends/megatron/loss.py: log-probs from logits, response slicing, the RL loss and its metrics."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from slime_lite import rl_math
+from slime_lite import rl_math, rollout_correction
 from slime_lite.args import parser_defaults
 from slime_lite.backends.megatron import loss as L
 from slime_lite.config import LossConfig
@@ -212,7 +212,7 @@ def test_corrections_weight_and_reject_tokens_in_every_term(fields):
     cfg = replace(replace(ARGS, use_tis=False), **fields)
     loss, m = run(b, cfg)
     rs_high = cfg.rs_upper_bound if cfg.rs_upper_bound is not None else cfg.tis_clip
-    weights, keeps, _ = rl_math.rollout_correction(
+    weights, keeps, _ = rollout_correction.rollout_correction(
         b["old"], b["rollout"], b["masks"], tis=cfg.use_tis, tis_level=cfg.tis_level, tis_mode=cfg.tis_mode,
         tis_low=cfg.tis_clip_low, tis_high=cfg.tis_clip, rs=cfg.use_rs, rs_level=cfg.rs_level,
         rs_low=cfg.rs_lower_bound, rs_high=rs_high, rs_veto=cfg.rs_veto_threshold)

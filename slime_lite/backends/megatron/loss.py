@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from slime_lite import rl_math
+from slime_lite import rl_math, rollout_correction
 from slime_lite.config import LossConfig
 
 Tensors = Sequence[torch.Tensor]
@@ -94,7 +94,7 @@ def rl_loss(
     """Policy loss = pg_loss - entropy_coef*entropy + kl_loss_coef*kl (KL only with use_kl_loss), ``cfg``'s flags.
 
     Each term is aggregated as per-sample token means divided by `normalizer` (default: samples here).
-    `old_logp` None means on-policy (old = logp detached). Rollout correction (use_tis / use_rs, rl_math
+    `old_logp` None means on-policy (old = logp detached). Rollout correction (use_tis / use_rs, slime_lite.rollout_correction
     ``rollout_correction`` on old vs rollout_logp): the per-token policy loss is multiplied by the IS weight, and a
     rejected token (tis_mode mask, use_rs) is taken out of every loss term's numerator while the per-sample
     denominators stay the loss-mask counts (as in slime). Metrics (slime's names, floats): pg_loss, pg_clipfrac,
@@ -119,7 +119,7 @@ def rl_loss(
         metrics["train_rollout_logprob_abs_diff"] = agg((old - rollout).abs())
         if cfg.use_tis or cfg.use_rs:
             sizes = [m.numel() for m in masks]
-            weights, keeps, stats = rl_math.rollout_correction(
+            weights, keeps, stats = rollout_correction.rollout_correction(
                 torch.split(old, sizes), torch.split(rollout, sizes), masks, tis=cfg.use_tis,
                 tis_level=cfg.tis_level, tis_mode=cfg.tis_mode, tis_low=cfg.tis_clip_low, tis_high=cfg.tis_clip,
                 rs=cfg.use_rs, rs_level=cfg.rs_level, rs_low=cfg.rs_lower_bound,
@@ -179,10 +179,10 @@ def mismatch_report(
     samples: Sequence, train_logp: Tensors, rollout_logp: Tensors, masks: Tensors, bound: float, top_k: int,
     decode: Any = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """--get-mismatch-metrics of one rollout: ``mismatch/<name>`` scalars (rl_math ``mismatch_metrics``) and the
+    """--get-mismatch-metrics of one rollout: ``mismatch/<name>`` scalars (``rollout_correction.mismatch_metrics``) and the
     ``top_k`` worst tokens as dicts: sample (the rollout sample index), position (in the response), token_id,
     token (``decode([token_id])`` when given), train_log_prob, rollout_log_prob, abs_diff."""
-    scalars, worst = rl_math.mismatch_metrics(train_logp, rollout_logp, masks, bound, top_k)
+    scalars, worst = rollout_correction.mismatch_metrics(train_logp, rollout_logp, masks, bound, top_k)
     rows = []
     for i, pos, t, r in worst:
         s = samples[i]
