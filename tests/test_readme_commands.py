@@ -19,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = "--num-rollout 2"  # appended to every training script: argparse keeps the last value
+FEW = "--rollout-batch-size 4 --n-samples-per-prompt 4 --micro-batch-size 8 --rollout-max-response-len 96"
 
 REPLAY = ("bash scripts/run-tiny-grpo.sh --load-debug-rollout-data 'runs/tiny/rollout_only/data_{rollout_id}.pt' "
           "--num-rollout 2 --rollout-batch-size 16 --n-samples-per-prompt 4 --micro-batch-size 32")
@@ -37,9 +38,9 @@ RUN = {  # README command -> the command run in the sandbox
     # the rollout-only dumps just written, replayed through the GRPO script (its --ci-test on): as written
     REPLAY: REPLAY,
     # the session's tiny model stands in for the tool model (its warm start takes minutes): the loop, the hooks, the
-    # agent endpoint and the dump check run, on a model that rarely calls the tool
-    "bash scripts/run-tiny-tool-grpo.sh": f"bash scripts/run-tiny-tool-grpo.sh {SHORT} --eval-interval 2",
-    "bash scripts/run-tiny-agent-grpo.sh": f"bash scripts/run-tiny-agent-grpo.sh {SHORT} --eval-interval 2",
+    # agent endpoint and the dump check run, on a model that rarely calls the tool, with fewer and shorter samples
+    "bash scripts/run-tiny-tool-grpo.sh": f"bash scripts/run-tiny-tool-grpo.sh {SHORT} {FEW} --eval-interval 2",
+    "bash scripts/run-tiny-agent-grpo.sh": f"bash scripts/run-tiny-agent-grpo.sh {SHORT} {FEW} --eval-interval 2",
     MOE: MOE,
 }
 
