@@ -4,7 +4,8 @@
 #      and twice with it: do the metrics (timings excluded) and the rollout dumps repeat byte for byte?
 #   2. the same replay (no engines) twice without and twice with the flag: do the grad-norms repeat?
 #   3. the step time of each (perf/step_time, perf/rollout_time, perf/train_time, mean over rollouts 1..N-1).
-# Needs Ray and megatron-core packed as .gpu-carry/site.tar.xz (site-packages for a machine without network). Results: $OUT/*.jsonl, $OUT/summary.txt.
+# Needs Ray and megatron-core packed as .gpu-carry/site.tar.xz (site-packages for a machine without network).
+# Results: $OUT/*.jsonl, $OUT/summary.txt.
 # Usage: bash bench/gpu_determinism.sh   (OUT=/tmp/out by default; ~8 minutes: each loop run took 85-100 s on an H200)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -2,7 +2,8 @@
 # One GPU machine (H200), in one call: a full GRPO loop on a Qwen2.5-0.5B-shaped model (24 layers, hidden 896,
 # 14/2 heads; the tiny char vocabulary), colocated on one GPU (engine releases memory during training, trainer
 # offloads during rollout), weight checks after every push, broadcast transport (gloo: one GPU is shared).
-# Needs Ray and megatron-core packed as .gpu-carry/site.tar.xz (site-packages for a machine without network). Results: $OUT/*.jsonl and $OUT/log.
+# Needs Ray and megatron-core packed as .gpu-carry/site.tar.xz (site-packages for a machine without network).
+# Results: $OUT/*.jsonl and $OUT/log.
 set -uo pipefail
 mkdir -p /tmp/site && tar -xJf .gpu-carry/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
