@@ -132,8 +132,8 @@ def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 8
     model.eval()
     with torch.no_grad():
         for idx in by_len.values():
-            seq = torch.tensor([encoded[i] for i in idx])
-            done = torch.zeros(len(idx), dtype=torch.bool)
+            seq = torch.tensor([encoded[i] for i in idx], device=model.device)
+            done = torch.zeros(len(idx), dtype=torch.bool, device=model.device)
             new: list[torch.Tensor] = []
             for _ in range(max_new_tokens):
                 nxt = model(input_ids=seq).logits[:, -1].argmax(-1)
@@ -158,7 +158,8 @@ def _teacher_forced_exact(model, tokenizer, examples: list[tuple[list[int], list
     model.eval()
     with torch.no_grad():
         for start in range(0, len(examples), 50):
-            input_ids, attention, labels = _batch(examples[start:start + 50], tokenizer.pad_token_id)
+            input_ids, attention, labels = (t.to(model.device) for t in _batch(examples[start:start + 50],
+                                                                              tokenizer.pad_token_id))
             pred = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].argmax(-1)
             target = labels[:, 1:]
             ok = ((pred == target) | (target == -100)).all(dim=1)
@@ -205,7 +206,8 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
         for step in range(1, steps + 1):
             model.train()
             pick = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-            input_ids, attention, labels = _batch([examples[i] for i in pick], tokenizer.pad_token_id)
+            input_ids, attention, labels = (t.to(model.device) for t in _batch([examples[i] for i in pick],
+                                                                               tokenizer.pad_token_id))
             loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -283,9 +285,12 @@ def make_tiny_model(
     num_experts: int = 4,
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int = 96,
+    device: str = "cpu",
+    warm_start_lr: float = WARM_START_LR,
 ) -> dict[str, Any]:
     """Build, warm-start and save the tiny model of family ``arch``; return a report (params, steps, seconds, eval
-    accuracy). ``head_dim`` defaults to hidden_size / num_heads."""
+    accuracy). ``head_dim`` defaults to hidden_size / num_heads. ``device``: where the warm start runs (a GPU makes
+    the warm start of a large shape practical); the checkpoint is saved in float32 either way."""
 
 
     for name, value in (("--hidden-size", hidden_size), ("--num-layers", num_layers), ("--num-heads", num_heads),
@@ -334,13 +339,14 @@ def make_tiny_model(
             num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
         )
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).float()
+        model = AutoModelForCausalLM.from_config(config).float().to(device)
         report: dict[str, Any] = {"arch": arch, "task": task, "seed": seed, "max_steps": steps, "steps": 0,
                                   "accuracy": None}
         if steps > 0:
-            report.update(warm_start(model, tokenizer, task=task, steps=steps, seed=seed, target=warm_start_target))
+            report.update(warm_start(model, tokenizer, task=task, steps=steps, seed=seed, target=warm_start_target,
+                                     lr=warm_start_lr))
         out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(out), safe_serialization=True)
+        model.cpu().save_pretrained(str(out), safe_serialization=True)
         GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0, do_sample=False).save_pretrained(str(out))
         _fix_config_json(out / "config.json")
         save_tokenizer(tokenizer, out)
