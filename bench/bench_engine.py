@@ -167,7 +167,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None, help="an HF Llama/Qwen2 folder (default: a random --model-config)")
     ap.add_argument("--model-config", default="tiny",
-                    help=f"{' | '.join([*CONFIGS, *MOE_SHAPES])} (Qwen3-MoE) | a JSON dict of Qwen2Config fields (with num_experts: Qwen3MoeConfig fields over moe-2b's)")
+                    help=f"{' | '.join([*CONFIGS, *MOE_SHAPES])} (Qwen3-MoE) | a JSON dict of Qwen2Config fields "
+                         "(with num_experts: Qwen3MoeConfig fields over moe-2b's)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     ap.add_argument("--batch-sizes", default="1,16,64,256")

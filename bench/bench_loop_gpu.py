@@ -46,7 +46,8 @@ the background while the trainer trains).
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout partial  # the same on CPU (a check)
   python3 bench/bench_loop_gpu.py --layout replay         # 1 GPU: MoE loop without and with rollout routing replay
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout replay   # the same on CPU, tiny Qwen3-MoE (a check)
---budget (default 360 s colocate, 570 s disagg and partial, 420 s replay): no subprocess runs past it (each also has its own timeout).
+--budget (default 360 s colocate, 570 s disagg and partial, 420 s replay): no subprocess runs past it (each also
+has its own timeout).
 Output: text and JSON under $OUT (default /tmp/bench_loop_gpu), with each subprocess's log.
 """
 from __future__ import annotations
@@ -333,7 +334,8 @@ def main() -> None:
     if replay and a.num_rollout == ap.get_default("num_rollout"):
         a.num_rollout = 2
     max_tok, lp_tok = (512, 1024) if q else (16384, 32768)
-    timeout, part_timeout = a.timeout or (300 if q and replay else 150 if q else 190 if replay else 270), a.part_timeout or 120
+    timeout = a.timeout or (300 if q and replay else 150 if q else 190 if replay else 270)
+    part_timeout = a.part_timeout or 120
     t0 = time.time()
     DEADLINE[0] = t0 + (a.budget or (700 if q and replay else 170 if q and a.layout != "partial"
                                      else 360 if a.layout == "colocate" else 420 if replay else 570))

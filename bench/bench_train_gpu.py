@@ -515,7 +515,8 @@ def main() -> None:
                            use_precision_aware_optimizer=True)
                 tokens = sum(len(s.tokens) for s in samples)
                 print(f"{shape} --optimizer-cpu-offload: train peak {off['train_peak']:.1f} GiB vs "
-                      f"{o['train_peak']:.1f} GiB with the optimizer on the GPU ({off['train_peak'] / o['train_peak']:.2f}x); "
+                      f"{o['train_peak']:.1f} GiB with the optimizer on the GPU "
+                      f"({off['train_peak'] / o['train_peak']:.2f}x); "
                       f"train {tokens / off['train_s']:.0f} vs {tokens / o['train_s']:.0f} tok/s; grad-norm "
                       f"{off['grad_norm']:.6g} vs {o['grad_norm']:.6g}", flush=True)
             if a.with_padded:
