@@ -117,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron sequence parallelism: norms and residuals split along the sequence over the "
                         "tensor-parallel ranks (less activation memory; ignored with a warning at "
                         "--tensor-model-parallel-size 1, as in Megatron)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="Megatron's hybrid CPU optimizer (CUDA only): the Adam state and float32 master weights live "
+                        "in host memory and the optimizer step runs on the CPU (less GPU memory, slower steps); "
+                        "needs --use-precision-aware-optimizer, as in Megatron")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="with --optimizer-cpu-offload: the share of the optimizer state kept on the CPU "
+                        "(default: %(default)s)")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="with --optimizer-cpu-offload: overlap the gradient and parameter copies between GPU and "
+                        "CPU with the CPU optimizer step")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Megatron's precision-aware optimizer path (the distributed optimizer, decoupled gradients); "
+                        "with --optimizer-cpu-offload only (on its own it needs Transformer Engine's FusedAdam)")
     g.add_argument("--expert-model-parallel-size", type=_positive_int, default=1,
                    help="MoE models: experts split over this many ranks (must divide num_experts; default: "
                         "%(default)s)")

@@ -412,6 +412,29 @@ def check_recompute(args: argparse.Namespace, layers_per_stage: int | None) -> N
                     "it splits activations over the tensor-parallel ranks)")
 
 
+def check_optimizer_offload(args: argparse.Namespace) -> None:
+    """--optimizer-cpu-offload and its companions, with Megatron's rules (the CUDA check is preflight's)."""
+    off, overlap, aware = args.optimizer_cpu_offload, args.overlap_cpu_optimizer_d2h_h2d, \
+        args.use_precision_aware_optimizer
+    if overlap and not off:
+        raise SlimeLiteError("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of the CPU optimizer step; it needs "
+                             "--optimizer-cpu-offload (add it or drop the flag).")
+    if aware and not off:
+        raise SlimeLiteError("--use-precision-aware-optimizer on its own needs Transformer Engine's FusedAdam, which "
+                             "slime-lite does not use; it is supported with --optimizer-cpu-offload (add it, or drop "
+                             "the flag).")
+    if off and not aware:
+        raise SlimeLiteError("--optimizer-cpu-offload runs Megatron's hybrid optimizer through the precision-aware "
+                             "path, so Megatron requires --use-precision-aware-optimizer with it: add "
+                             "--use-precision-aware-optimizer.")
+    if off and not 0.0 < args.optimizer_offload_fraction <= 1.0:
+        raise SlimeLiteError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction}: the share of the "
+                             "optimizer state on the CPU must be in (0, 1].")
+    if off and args.lora_rank:
+        raise SlimeLiteError("--optimizer-cpu-offload with --lora-rank is not supported (the adapters' optimizer "
+                             "state is small: drop --optimizer-cpu-offload).")
+
+
 def _check_dynamic_batch(args: argparse.Namespace, dp: int, pp: int) -> None:
     """--use-dynamic-batch-size and its token budgets (config.TokenBudget: the one rule for what fits)."""
     if not args.use_dynamic_batch_size:
@@ -436,6 +459,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
     """Parallel sizes and batch sizes that must divide (trainer side)."""
     world = world_size(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    check_optimizer_offload(args)
     _check_model_split(args, tp, pp)
     with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
         check_lora_args(args, json.load(f))

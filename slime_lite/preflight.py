@@ -127,15 +127,25 @@ def check_grad_norm_file(args: Any) -> None:
 
 
 def check_profiling_device(args: Any) -> None:
-    """--record-memory-history needs CUDA: refused on a machine without it (not a silent no-op)."""
-    if not args.record_memory_history:
+    """--record-memory-history and --optimizer-cpu-offload need CUDA: refused on a machine without it (not a silent
+    no-op)."""
+    wanted = [flag for flag, on in (("--record-memory-history", args.record_memory_history),
+                                    ("--optimizer-cpu-offload", args.optimizer_cpu_offload and not
+                                     args.debug_rollout_only)) if on]
+    if not wanted:
         return
     import torch  # torch: only when asked about CUDA
 
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return
+    if wanted[0] == "--record-memory-history":
         raise SlimeLiteError(
             "--record-memory-history records the CUDA allocator, and this machine has no CUDA device; drop the "
             "flag on CPU (each process's memory is in the metrics: perf/memory/*).")
+    raise SlimeLiteError(
+        "--optimizer-cpu-offload moves the optimizer state off the GPU into host memory (Megatron's hybrid CPU "
+        "optimizer, which needs CUDA), and this machine has no CUDA device: on CPU the state is in host memory "
+        "already. Drop --optimizer-cpu-offload, --overlap-cpu-optimizer-d2h-h2d and --use-precision-aware-optimizer.")
 
 
 def replay_ids(args: Any) -> range:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig
 
@@ -35,6 +35,7 @@ from slime_lite.backends.megatron.model import (
     sequence_parallel,
     unwrap,
 )
+from slime_lite.backends.megatron.optimizer_offload import optimizer_config
 from slime_lite.backends.megatron.parallel import init_distributed, open_store
 from slime_lite.config import TokenBudget
 from slime_lite.determinism import set_deterministic
@@ -112,13 +113,15 @@ class TrainWorker:
                                       f"--lora-adapter-path {a.lora_adapter_path}")
         self._adapt_model(model, dtype)
         config = model.config
+        # --optimizer-cpu-offload: Megatron's hybrid optimizer, which runs under its distributed optimizer
+        distributed = bool(a.optimizer_cpu_offload)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
+                                                   use_distributed_optimizer=distributed)
         self.model = DistributedDataParallel(config, ddp_config, model)
         lr = self._lr()
-        opt_config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=a.weight_decay,
-                                     adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, clip_grad=a.clip_grad,
-                                     bf16=a.bf16, params_dtype=dtype, use_distributed_optimizer=False)
+        opt_config = optimizer_config(a, optimizer="adam", lr=lr, min_lr=lr, weight_decay=a.weight_decay,
+                                      adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, clip_grad=a.clip_grad,
+                                      bf16=a.bf16, params_dtype=dtype)
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
