@@ -146,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "off (default: %(default)s)")
     g.add_argument("--moe-z-loss-coeff", type=_nonneg_float, default=None,
                    help="MoE models: weight of the router z-loss (mean squared log-sum-exp of the router logits)")
+    g.add_argument("--use-routing-replay", action="store_true",
+                   help="MoE models (slime's routing replay, R2): the trainer records the experts its old-policy "
+                        "log-prob pass chose for every token and replays them in the training forward and backward "
+                        "passes, so the PPO ratio's two sides use the same experts (with "
+                        "--use-rollout-routing-replay the engine's experts are replayed instead)")
     g.add_argument("--use-rollout-routing-replay", action="store_true",
                    help="MoE models (slime's R3): the engine returns the experts it chose for every token "
                         "(return_routed_experts), samples keep them (rollout_routed_experts) and the trainer's "

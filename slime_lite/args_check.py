@@ -352,9 +352,17 @@ def check_experts(args: argparse.Namespace, cfg: dict) -> None:
     ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
     family = FAMILIES.get(cfg.get("model_type"))
     moe = moe_config(cfg, f"--hf-checkpoint {args.hf_checkpoint}") if family else None
-    if args.use_rollout_routing_replay and moe is None and family is not None:
-        raise SlimeLiteError(f"--use-rollout-routing-replay: the model ({cfg.get('model_type')}) has no experts to "
-                             "route; drop --use-rollout-routing-replay.")
+    for flag, on in (("--use-rollout-routing-replay", args.use_rollout_routing_replay),
+                     ("--use-routing-replay", args.use_routing_replay)):
+        if on and moe is None and family is not None:
+            raise SlimeLiteError(f"{flag}: the model {args.hf_checkpoint} ({cfg.get('model_type')}) is dense, with no "
+                                 f"experts to route; drop {flag}.")
+    own = args.use_routing_replay and not args.use_rollout_routing_replay  # the trainer records its own routing
+    if own and (tp > 1 or args.pipeline_model_parallel_size > 1):
+        raise SlimeLiteError(f"--use-routing-replay records the routing on each rank and is supported with "
+                             f"--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 only (given "
+                             f"{tp} and {args.pipeline_model_parallel_size}); use --expert-model-parallel-size "
+                             "or data parallelism to spread the model, or --use-rollout-routing-replay.")
     if args.use_rollout_routing_replay and args.pipeline_model_parallel_size > 1 and args.recompute_granularity:
         raise SlimeLiteError(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
                              f"{args.pipeline_model_parallel_size} and --recompute-granularity "

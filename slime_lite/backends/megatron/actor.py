@@ -86,17 +86,23 @@ class TrainActor(TrainWorker):
         length = B.padded_length(samples)
         steps = self._plan(samples, log_probs=True)
         dump = a.save_debug_train_data  # the old forward also gives each token's entropy for the train dump
+        own_routes = self.replay is not None and not a.use_rollout_routing_replay  # --use-routing-replay
         if self.replay:  # the mismatch of this pass only (training steps route with weights that moved since)
             self.replay.counts.zero_()
+        self._recording = {} if own_routes else None  # R2: the old policy's experts, replayed in training
         old = self._forward_all(samples, steps, length, partial(self._log_probs, entropy=bool(dump)))
-        route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers) if self.replay else {}  # all ranks
+        tables, self._recording = self._recording, None
+        route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers) \
+            if self.replay and not own_routes else {}  # all ranks
         entropy = {i: t[1] for i, t in old.items()} if dump else None
         old = B.SampleTensors((i, t[0]) for i, t in old.items()) if dump else old
         ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, self._log_probs)) \
             if self.use_ref else None
         log_probs_time = time.monotonic() - t0
+        self._route_tables = tables
         if not self.last_stage:
             self._train_steps(samples, None)
+            self._route_tables = None
             return None, None
         old, ref = self._gather(old), (self._gather(ref) if ref is not None else None)
         n = len(samples)
@@ -134,7 +140,12 @@ class TrainActor(TrainWorker):
             )
             return loss * self._num_mb, m
 
-        result = self._train_steps(samples, loss_fn)
+        try:
+            result = self._train_steps(samples, loss_fn)
+        finally:
+            self._route_tables = None
+        if own_routes:  # all ranks: the share the updated weights would have routed elsewhere in the steps
+            route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers)
         if not self.reporter:
             return None, None
         metrics = result.metrics

@@ -104,7 +104,9 @@ class TrainWorker:
         model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl,
                                 **memory_overrides(a), **moe_overrides(a, self.hf_config))
         load_hf_weights(model, self._init_checkpoint(), self.hf_config)
-        self.replay = routing.Replay(model) if a.use_rollout_routing_replay else None
+        self.replay = routing.Replay(model) if a.use_rollout_routing_replay or a.use_routing_replay else None
+        self._recording: dict | None = None  # --use-routing-replay: the pass being recorded fills it (routing.py)
+        self._route_tables: dict | None = None  # ... and the training passes replay it
         self.lora = lora_config.settings(a, hf_arch(self.hf_config).fused_gate_up)
         if self.lora is not None:  # base frozen, adapters added (lora.py)
             lora.apply(model, self.lora, a.seed)
@@ -164,13 +166,14 @@ class TrainWorker:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple:
             mb = next(data_iterator)
-            if self.replay is not None:  # the engine's experts for these tokens (and their backward pass)
-                self.replay.set(*routing.targets(samples, mb, self.replay.layer_ids, self.hf_config.num_hidden_layers,
-                                                 self.hf_config.num_experts_per_tok, sequence_parallel(self.args)))
+            if self.replay is not None:
+                self._route(samples, mb)
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
             # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
             out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, runtime_gather_output=False, **extra)
+            if self._recording is not None:
+                self.replay.recorded(mb, samples, self._recording)
             return out, partial(loss_fn, mb)
 
         try:
@@ -182,6 +185,20 @@ class TrainWorker:
         finally:
             if self.replay is not None:
                 self.replay.clear()
+
+    def _route(self, samples: list, mb: Any) -> None:
+        """Before micro-batch ``mb``'s forward: record the routers' own experts, replay the engine's
+        (--use-rollout-routing-replay) or the recorded ones (--use-routing-replay, training passes), or route
+        freely (--use-routing-replay, the reference pass); a replay holds for the backward pass too."""
+        if self._recording is not None:
+            self.replay.record()
+        elif self.args.use_rollout_routing_replay or self._route_tables is not None:
+            tables = None if self.args.use_rollout_routing_replay else self._route_tables
+            self.replay.set(*routing.targets(samples, mb, self.replay.layer_ids, self.hf_config.num_hidden_layers,
+                                             self.hf_config.num_experts_per_tok, sequence_parallel(self.args),
+                                             tables))
+        else:
+            self.replay.clear()
 
     def _plan(self, samples: list, log_probs: bool = False) -> list[list[list[int]]]:
         """Sample indices per optimizer step, per micro-batch, for this DP rank: fixed --micro-batch-size, or

@@ -1,0 +1,73 @@
+"""--use-routing-replay (slime's R2) on a tiny Qwen3-MoE, one rank on CPU, no Ray: the trainer records its routing
+in the old-policy log-prob pass and replays it in the training passes, so the first step's ratio is exactly 1 with
+the same experts, and later steps keep the old policy's experts where the updated routers would pick others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime_lite.args import parse_args, parser_defaults
+from slime_lite.errors import SlimeLiteError
+from slime_lite.io import free_port
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from slime_lite.tiny_model import make_tiny_model
+
+    path = tmp_path_factory.mktemp("qwen3_moe") / "model"
+    make_tiny_model(path, arch="qwen3_moe", warm_start_steps=0, num_layers=2)
+    return path
+
+
+def _samples() -> list:
+    from slime_lite.types import Sample, Status
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(8):
+        resp = 3 + i
+        out.append(Sample(group_index=i // 4, index=i, tokens=torch.randint(1, 60, (6 + resp,), generator=g).tolist(),
+                          response_length=resp, loss_mask=[1] * resp, reward=float(i % 2), status=Status.COMPLETED))
+    return out
+
+
+def _train(model, replay: bool) -> list[dict]:
+    """Rollout 0 in one optimizer step, then rollout 1 in four steps at a high learning rate."""
+    from slime_lite.backends.megatron.actor import TrainActor
+    from slime_lite.backends.megatron.parallel import destroy
+
+    args = parser_defaults(hf_checkpoint=str(model), rollout_batch_size=2, n_samples_per_prompt=4,
+                           global_batch_size=8, micro_batch_size=2, lr=0.05, seed=1, use_routing_replay=replay)
+    w = TrainActor(args, 0, 1, "127.0.0.1")
+    w.init(free_port())
+    try:
+        out = [w.train(0, _samples(), None)[0].metrics]
+        w.args.global_batch_size = 2
+        out.append(w.train(1, _samples(), None)[0].metrics)
+    finally:
+        destroy()
+    return out
+
+
+def test_routing_replay_gives_the_first_step_the_old_experts_and_holds_them_after_updates(moe_model):
+    on, off = _train(moe_model, True), _train(moe_model, False)
+    assert on[0]["train/ppo_kl"] == 0.0 and on[0]["train/pg_clipfrac"] == 0.0  # ratio exactly 1
+    assert on[0]["train/routing_mismatch"] == 0.0  # the training pass routed every token as the old policy did
+    assert on[0]["train/loss"] == off[0]["train/loss"]  # same weights, same experts: replay changes nothing yet
+    # after updates the routers would send some tokens elsewhere; replay keeps the old policy's experts, so the
+    # later steps' losses differ from the run that routes freely
+    assert on[1]["train/routing_mismatch"] > 0 and {"train/routing_mismatch/layer_0",
+                                                    "train/routing_mismatch/layer_1"} <= set(on[1])
+    assert on[1]["train/loss"] != off[1]["train/loss"]
+    assert "train/routing_mismatch" not in off[1]
+
+
+def test_routing_replay_on_a_dense_model_is_refused_before_ray(tiny_model_dir):
+    with pytest.raises(SlimeLiteError, match=r"--use-routing-replay: the model .* \(qwen2\) is dense, with no "
+                                             r"experts to route; drop --use-routing-replay"):
+        parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(tiny_model_dir / "config.json"),
+                    "--rm-type", "addition", "--use-routing-replay"])
