@@ -35,13 +35,14 @@ def _samples() -> list:
     return out
 
 
-def _train(model, replay: bool) -> list[dict]:
+def _train(model, replay: bool, **flags) -> list[dict]:
     """Rollout 0 in one optimizer step, then rollout 1 in four steps at a high learning rate."""
     from slime_lite.backends.megatron.actor import TrainActor
     from slime_lite.backends.megatron.parallel import destroy
 
     args = parser_defaults(hf_checkpoint=str(model), rollout_batch_size=2, n_samples_per_prompt=4,
-                           global_batch_size=8, micro_batch_size=2, lr=0.05, seed=1, use_routing_replay=replay)
+                           global_batch_size=8, micro_batch_size=2, lr=0.05, seed=1, use_routing_replay=replay,
+                           **flags)
     w = TrainActor(args, 0, 1, "127.0.0.1")
     w.init(free_port())
     try:
@@ -64,6 +65,15 @@ def test_routing_replay_gives_the_first_step_the_old_experts_and_holds_them_afte
                                                     "train/routing_mismatch/layer_1"} <= set(on[1])
     assert on[1]["train/loss"] != off[1]["train/loss"]
     assert "train/routing_mismatch" not in off[1]
+
+
+def test_expert_load_and_router_losses_are_logged_every_rollout(moe_model):
+    m = _train(moe_model, False, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    for r in m:  # 4 experts, top 2: max/mean is 1 (balanced) to 2 (every token on the same two)
+        assert 1.0 <= r["train/moe/expert_load_max_over_mean"] <= 2.0
+        assert {f"train/moe/expert_load_max_over_mean/layer_{i}" for i in (0, 1)} <= set(r)
+        assert r["train/moe/load_balancing_loss"] > 0 and r["train/moe/z_loss"] > 0
+    assert m[0]["train/moe/z_loss"] != m[1]["train/moe/z_loss"]  # this rollout's, not an accumulation
 
 
 def test_routing_replay_on_a_dense_model_is_refused_before_ray(tiny_model_dir):

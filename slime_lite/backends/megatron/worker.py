@@ -35,6 +35,7 @@ from slime_lite.backends.megatron.model import (
     sequence_parallel,
     unwrap,
 )
+from slime_lite.backends.megatron.moe_metrics import ExpertLoad, real_tokens
 from slime_lite.backends.megatron.optimizer_offload import optimizer_config
 from slime_lite.backends.megatron.parallel import init_distributed, open_store
 from slime_lite.config import TokenBudget
@@ -107,6 +108,9 @@ class TrainWorker:
         self.replay = routing.Replay(model) if a.use_rollout_routing_replay or a.use_routing_replay else None
         self._recording: dict | None = None  # --use-routing-replay: the pass being recorded fills it (routing.py)
         self._route_tables: dict | None = None  # ... and the training passes replay it
+        self._free_routing = False  # a pass that routes on its own despite replay (the without-replay log-probs)
+        moe = hf_arch(self.hf_config).moe
+        self.expert_load = ExpertLoad(model, self.hf_config.num_hidden_layers, moe.num_experts) if moe else None
         self.lora = lora_config.settings(a, hf_arch(self.hf_config).fused_gate_up)
         if self.lora is not None:  # base frozen, adapters added (lora.py)
             lora.apply(model, self.lora, a.seed)
@@ -168,6 +172,9 @@ class TrainWorker:
             mb = next(data_iterator)
             if self.replay is not None:
                 self._route(samples, mb)
+            if self.expert_load is not None and self.expert_load.counting:  # training passes: real tokens only
+                self.expert_load.real = real_tokens(samples, mb, sequence_parallel(self.args))
+                self.expert_load.micro_batches += 1
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
             # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
@@ -192,6 +199,8 @@ class TrainWorker:
         freely (--use-routing-replay, the reference pass); a replay holds for the backward pass too."""
         if self._recording is not None:
             self.replay.record()
+        elif self._free_routing:
+            self.replay.clear()
         elif self.args.use_rollout_routing_replay or self._route_tables is not None:
             tables = None if self.args.use_rollout_routing_replay else self._route_tables
             self.replay.set(*routing.targets(samples, mb, self.replay.layer_ids, self.hf_config.num_hidden_layers,
@@ -267,6 +276,8 @@ class TrainWorker:
         first: dict[str, float] = {}
         norms: list[float] = []  # every step's grad-norm, for --ci-save-grad-norm / --ci-load-grad-norm
         self.model.train()
+        if self.expert_load is not None:
+            self.expert_load.start()
         for k, mbs in enumerate(steps):
             self._num_mb = len(mbs)
             self.model.zero_grad_buffer()
@@ -291,6 +302,8 @@ class TrainWorker:
                 sums[key] = sums.get(key, 0.0) + v
         prefix = self.metric_prefix
         out: dict[str, Any] = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
+        if self.expert_load is not None:  # all ranks
+            out.update(self.expert_load.metrics(prefix))
         for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
             if key in first:
                 out[f"{prefix}/first_step/{key}"] = first[key]
