@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-routing-replay", action="store_true",
                    help="MoE models (slime's routing replay, R2): the trainer records the experts its old-policy "
                         "log-prob pass chose for every token and replays them in the training forward and backward "
-                        "passes, so the PPO ratio's two sides use the same experts (with "
+                        "passes, so the PPO ratio's two sides use the same experts; train/routing_replay_mismatch: the "
+                        "share the updated weights would have routed elsewhere (with "
                         "--use-rollout-routing-replay the engine's experts are replayed instead)")
     g.add_argument("--use-rollout-routing-replay", action="store_true",
                    help="MoE models (slime's R3): the engine returns the experts it chose for every token "
@@ -355,7 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--get-mismatch-metrics", action="store_true",
                    help="log train vs rollout log-prob mismatch metrics per rollout (mismatch/*: token and "
                         "sequence importance ratios, k3 KL, the worst tokens; with --dump-details also "
-                        "DIR/mismatch/<rollout_id>.jsonl)")
+                        "DIR/mismatch/<rollout_id>.jsonl; with --use-rollout-routing-replay one more forward pass "
+                        "with the trainer's own routing: train/train_rollout_logprob_abs_diff_without_replay and "
+                        "train/replay_logprob_abs_diff)")
     g.add_argument("--mismatch-ratio-bound", type=float,
                    default=UNDER_SWITCH["get_mismatch_metrics"]["mismatch_ratio_bound"],
                    help="--get-mismatch-metrics: count ratios outside [1/c, c] for this c > 1 (default: "

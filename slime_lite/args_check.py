@@ -355,8 +355,8 @@ def check_experts(args: argparse.Namespace, cfg: dict) -> None:
     for flag, on in (("--use-rollout-routing-replay", args.use_rollout_routing_replay),
                      ("--use-routing-replay", args.use_routing_replay)):
         if on and moe is None and family is not None:
-            raise SlimeLiteError(f"{flag}: the model {args.hf_checkpoint} ({cfg.get('model_type')}) is dense, with no "
-                                 f"experts to route; drop {flag}.")
+            raise SlimeLiteError(f"{flag}: the model ({cfg.get('model_type')}) has no experts to route; drop {flag} "
+                                 f"(--hf-checkpoint {args.hf_checkpoint} is a dense model).")
     own = args.use_routing_replay and not args.use_rollout_routing_replay  # the trainer records its own routing
     if own and (tp > 1 or args.pipeline_model_parallel_size > 1):
         raise SlimeLiteError(f"--use-routing-replay records the routing on each rank and is supported with "

@@ -57,14 +57,14 @@ def _train(model, replay: bool, **flags) -> list[dict]:
 def test_routing_replay_gives_the_first_step_the_old_experts_and_holds_them_after_updates(moe_model):
     on, off = _train(moe_model, True), _train(moe_model, False)
     assert on[0]["train/ppo_kl"] == 0.0 and on[0]["train/pg_clipfrac"] == 0.0  # ratio exactly 1
-    assert on[0]["train/routing_mismatch"] == 0.0  # the training pass routed every token as the old policy did
+    assert on[0]["train/routing_replay_mismatch"] == 0.0  # the training pass routed every token as the old policy did
     assert on[0]["train/loss"] == off[0]["train/loss"]  # same weights, same experts: replay changes nothing yet
     # after updates the routers would send some tokens elsewhere; replay keeps the old policy's experts, so the
     # later steps' losses differ from the run that routes freely
-    assert on[1]["train/routing_mismatch"] > 0 and {"train/routing_mismatch/layer_0",
-                                                    "train/routing_mismatch/layer_1"} <= set(on[1])
+    assert on[1]["train/routing_replay_mismatch"] > 0 and {"train/routing_replay_mismatch/layer_0",
+                                                           "train/routing_replay_mismatch/layer_1"} <= set(on[1])
     assert on[1]["train/loss"] != off[1]["train/loss"]
-    assert "train/routing_mismatch" not in off[1]
+    assert "train/routing_replay_mismatch" not in off[1] and "train/routing_mismatch" not in on[1]
 
 
 def test_expert_load_and_router_losses_are_logged_every_rollout(moe_model):
@@ -77,7 +77,7 @@ def test_expert_load_and_router_losses_are_logged_every_rollout(moe_model):
 
 
 def test_routing_replay_on_a_dense_model_is_refused_before_ray(tiny_model_dir):
-    with pytest.raises(SlimeLiteError, match=r"--use-routing-replay: the model .* \(qwen2\) is dense, with no "
-                                             r"experts to route; drop --use-routing-replay"):
+    with pytest.raises(SlimeLiteError, match=r"--use-routing-replay: the model \(qwen2\) has no experts to route; "
+                                             r"drop --use-routing-replay \(--hf-checkpoint .* is a dense model\)"):
         parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(tiny_model_dir / "config.json"),
                     "--rm-type", "addition", "--use-routing-replay"])

@@ -153,7 +153,7 @@ class TrainActor(TrainWorker):
         finally:
             self._route_tables = None
         if own_routes:  # all ranks: the share the updated weights would have routed elsewhere in the steps
-            route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers)
+            route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers, "train/routing_replay_mismatch")
         if not self.reporter:
             return None, None
         metrics = result.metrics

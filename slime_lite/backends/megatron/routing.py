@@ -14,8 +14,8 @@ reports the routing mismatch: the share of (token, layer) pairs whose trainer to
 --use-routing-replay alone (slime's R2): the routers record their own top-k in the actor's old-policy log-prob pass
 (``record``), each sample's experts are kept as a ``[len(tokens), layers, top_k]`` table, and the training passes
 replay those tables (``targets`` with ``tables``); the reference pass routes on its own. The mismatch is then counted
-in the training passes: the share of (token, layer) pairs the updated weights would route elsewhere than the old
-policy did (0 in the first step, whose weights are the old policy's). Recording reads the routers' token order back
+in the training passes (train/routing_replay_mismatch): the share of (token, layer) pairs the updated weights would
+route elsewhere than the old policy did (0 in the first step, whose weights are the old policy's). Recording reads the routers' token order back
 to samples, so it needs TP 1 and PP 1 (args_check).
 """
 
@@ -137,7 +137,7 @@ class Replay:
         RouterReplay.clear_global_indices()
         RouterReplay.clear_global_router_replay_action()
 
-    def mismatch(self, num_layers: int) -> dict[str, float]:
+    def mismatch(self, num_layers: int, name: str = "train/routing_mismatch") -> dict[str, float]:
         """The routing mismatch counted since ``counts`` was zeroed, over every rank: overall and per layer."""
         per_layer = torch.zeros(num_layers, 2, dtype=torch.float64)
         for i, layer in enumerate(self.layer_ids):
@@ -147,7 +147,6 @@ class Replay:
             dist.all_reduce(per_layer)  # TP ranks see disjoint sequence slices (MoE TP needs SP), DP their samples
             per_layer = per_layer.cpu()
         self.counts.zero_()
-        out = {"train/routing_mismatch": float(per_layer[:, 0].sum() / per_layer[:, 1].sum().clamp(min=1))}
-        out.update({f"train/routing_mismatch/layer_{i}": float(m / max(n, 1)) for i, (m, n) in
-                    enumerate(per_layer.tolist())})
+        out = {name: float(per_layer[:, 0].sum() / per_layer[:, 1].sum().clamp(min=1))}
+        out.update({f"{name}/layer_{i}": float(m / max(n, 1)) for i, (m, n) in enumerate(per_layer.tolist())})
         return out
