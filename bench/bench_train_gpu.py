@@ -209,6 +209,8 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             res = {"logprob_s": lp_time, "logprob_peak": lp_peak,
                    "train_s": total - metrics["perf/log_probs_time"], "train_peak": peak_gib(),
                    "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}
+            if "train/moe/expert_load_max_over_mean" in metrics:  # MoE: how evenly the random router spreads tokens
+                res["expert_load_max_over_mean"] = metrics["train/moe/expert_load_max_over_mean"]
             res.update(push_payload(w))
             rounded = {k: round(v, 4) for k, v in res.items()}
             label = label or (" padded" if padded_mbs else f" LoRA rank {lora_rank}" if lora_rank else "")

@@ -41,6 +41,7 @@ class ExpertLoad:
         device = next(model.parameters()).device
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
         self.real: torch.Tensor | None = None  # the micro-batch's real tokens (``real_tokens``)
+        self.seen: set[int] = set()  # layers counted for it (a recompute in the backward pass counts nothing)
         self.counting = False
         self.micro_batches = 0
         for r in routers:
@@ -48,11 +49,17 @@ class ExpertLoad:
 
     def _hook(self, layer: int):
         def hook(module: Any, inputs: Any, output: Any) -> None:
-            if self.counting and self.real is not None:
+            if self.counting and self.real is not None and layer not in self.seen:
+                self.seen.add(layer)
                 routing_map = output[1]  # [tokens, experts] bool: the experts each token goes to
                 real = self.real.to(routing_map.device)
                 self.counts[layer] += (routing_map & real[:, None]).sum(0).float()
         return hook
+
+    def next_micro_batch(self, real: torch.Tensor) -> None:
+        """Before a training micro-batch's forward: its real tokens (``real_tokens``)."""
+        self.real, self.seen = real, set()
+        self.micro_batches += 1
 
     def start(self) -> None:
         self.counts.zero_()

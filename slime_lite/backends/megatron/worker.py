@@ -173,8 +173,7 @@ class TrainWorker:
             if self.replay is not None:
                 self._route(samples, mb)
             if self.expert_load is not None and self.expert_load.counting:  # training passes: real tokens only
-                self.expert_load.real = real_tokens(samples, mb, sequence_parallel(self.args))
-                self.expert_load.micro_batches += 1
+                self.expert_load.next_micro_batch(real_tokens(samples, mb, sequence_parallel(self.args)))
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
             # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
