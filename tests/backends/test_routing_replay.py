@@ -36,7 +36,8 @@ def _samples() -> list:
 
 
 def _train(model, replay: bool, **flags) -> list[dict]:
-    """Rollout 0 in one optimizer step, then rollout 1 in four steps at a high learning rate."""
+    """Rollout 0 in one optimizer step (padded micro-batches), then rollout 1 in four steps at a high learning rate
+    (packed micro-batches)."""
     from slime_lite.backends.megatron.actor import TrainActor
     from slime_lite.backends.megatron.parallel import destroy
 
@@ -48,6 +49,7 @@ def _train(model, replay: bool, **flags) -> list[dict]:
     try:
         out = [w.train(0, _samples(), None)[0].metrics]
         w.args.global_batch_size = 2
+        w.args.use_dynamic_batch_size, w.args.max_tokens_per_gpu, w.args.log_probs_max_tokens_per_gpu = True, 40, 64
         out.append(w.train(1, _samples(), None)[0].metrics)
     finally:
         destroy()
