@@ -193,6 +193,12 @@ def check_replay_dumps(args: Any) -> None:
         check_replay_meta(dump, expected, split)  # every mismatched setting in one error
         check_replay_samples(dump, vocab, args.reward_key)
         check_token_budget(args, samples, dump.path)
+        bare = [s.index for s in samples if getattr(s, "rollout_routed_experts", None) is None]
+        if args.use_rollout_routing_replay and bare:
+            raise SlimeLiteError(f"--use-rollout-routing-replay: {dump.path}: sample {bare[0]} (and {len(bare) - 1} "
+                                 "more) has no rollout_routed_experts (its engine did not return them); replay a "
+                                 "dump made with --use-rollout-routing-replay, or use --use-routing-replay, which "
+                                 "records the trainer's own routing instead.")
     log.info("replay: checked %d dump(s) of %s (rollouts %d..%d)", len(ids), args.load_debug_rollout_data,
              ids.start, ids.stop - 1)
 

@@ -83,3 +83,15 @@ def test_routing_replay_on_a_dense_model_is_refused_before_ray(tiny_model_dir):
                                              r"drop --use-routing-replay \(--hf-checkpoint .* is a dense model\)"):
         parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(tiny_model_dir / "config.json"),
                     "--rm-type", "addition", "--use-routing-replay"])
+
+
+def test_rollout_routing_replay_of_a_dump_without_routed_experts_is_refused_before_ray(moe_model, tmp_path):
+    from slime_lite.preflight import preflight
+    from tests.backends.conftest import make_replay_dumps
+
+    dumps = make_replay_dumps(moe_model, tmp_path / "dumps", num_rollout=1)
+    args = parse_args(["--hf-checkpoint", str(moe_model), "--load-debug-rollout-data", dumps, "--rollout-batch-size",
+                       "4", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--use-rollout-routing-replay"])
+    with pytest.raises(SlimeLiteError, match=r"--use-rollout-routing-replay: .*dump_0.pt: sample 0 \(and 7 more\) has "
+                                             r"no rollout_routed_experts.*or use --use-routing-replay"):
+        preflight(args)
