@@ -8,8 +8,8 @@ gradient buffers, while the float32 master weights and the Adam moments live in 
 
 The distributed optimizer's ``state_dict`` leaves the per-parameter state (master weights, moments) out, so a
 checkpoint also stores ``param_state`` (Megatron's DP-rank-0 gather of it) and a resume scatters it back.
-``--offload-train`` needs nothing more: the weights are views of DDP's parameter buffer, which the stash empties and
-refills in place, and the state already on the host stays there.
+With ``--offload-train`` the weights are views of DDP's parameter buffer, which train_offload.py empties and refills
+in place; the state already on the host stays there.
 """
 
 from __future__ import annotations

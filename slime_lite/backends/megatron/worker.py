@@ -314,11 +314,12 @@ class TrainWorker:
 
         if getattr(self, "_stash", None) is None:
             self._stash = TensorStash(train_offload.device())
-        train_offload.offload(self.model, self.optimizer, self._stash)
+            self._held: list = []  # the parameter buffers' host copies (distributed optimizer)
+        train_offload.offload(self.model, self.optimizer, self._stash, self._held)
 
     def onload(self) -> None:
         if getattr(self, "_stash", None) is not None:
-            train_offload.onload(self.model, self._stash)
+            train_offload.onload(self.model, self._stash, self._held)
 
     def memory(self) -> dict[str, float]:
         return process_memory()
