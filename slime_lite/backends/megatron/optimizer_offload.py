@@ -45,24 +45,13 @@ def _distributed(optimizer: Any) -> list[Any]:
             if hasattr(o, "get_parameter_state_dp_zero")]
 
 
-def _keys(value: Any, to_plain: bool) -> Any:
-    """Megatron's parameter state is keyed by torch dtypes, which a weights-only load refuses: as strings and back."""
-    if not isinstance(value, dict):
-        return value
-    def key(k: Any) -> Any:
-        if to_plain:
-            return str(k) if isinstance(k, torch.dtype) else k
-        return getattr(torch, k.removeprefix("torch.")) if isinstance(k, str) and k.startswith("torch.") else k
-    return {key(k): _keys(v, to_plain) for k, v in value.items()}
-
-
 def param_state(optimizer: Any) -> list[Any] | None:
     """The per-parameter state of each distributed optimizer in the chain (on DP rank 0; None elsewhere), or None
     without --optimizer-cpu-offload. Every rank must call it (a gather)."""
     opts = _distributed(optimizer)
     if not opts:
         return None
-    return [_keys(o.get_parameter_state_dp_zero(), True) for o in opts]
+    return [o.get_parameter_state_dp_zero() for o in opts]  # keyed by dtypes: a weights-only load reads them
 
 
 def check_param_state(optimizer: Any, saved: list[Any] | None, where: str) -> None:
@@ -79,5 +68,6 @@ def check_param_state(optimizer: Any, saved: list[Any] | None, where: str) -> No
 
 def load_param_state(optimizer: Any, saved: list[Any] | None) -> None:
     """Scatter ``param_state``'s result back, after the optimizer's own ``load_state_dict`` (every rank calls it)."""
-    for o, state in zip(_distributed(optimizer), saved or []):
-        o.load_parameter_state_from_dp_zero(_keys(state, False))
+    with torch.no_grad():  # it copies into shards that are views of the weights (float32: the main params)
+        for o, state in zip(_distributed(optimizer), saved or []):
+            o.load_parameter_state_from_dp_zero(state)
