@@ -53,7 +53,11 @@ def make_model_dir(config: str, out: str) -> str:
     else:
         cfg = Qwen2Config(**shape, **ids, rms_norm_eps=1e-6, architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(out, safe_serialization=True)
+    big = config in MOE_SHAPES and torch.cuda.is_available()  # 2.25B: made on the GPU in bf16, not 9 GB of fp32
+    with torch.device("cuda" if big else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16 if big else torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
     save_tokenizer(build_tokenizer(), out)
     return out
 
