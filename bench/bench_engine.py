@@ -10,6 +10,7 @@ Each batch size B runs ``--requests-per-slot`` x B requests: HF generate in chun
 Tokens/s counts generated tokens (up to and including the stop token). Prints one table. Examples:
     .venv/bin/python bench/bench_engine.py                                   # tiny model on CPU
     python bench/bench_engine.py --device cuda --model-config qwen2-0.5b      # random 0.5B Qwen2 on a GPU
+    python bench/bench_engine.py --device cuda --dtype bfloat16 --model-config moe-2b   # Qwen3-MoE, 0.51B active
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ import functools
 import json
 import os
 import platform
+import sys
 import tempfile
 import threading
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train_gpu import MOE_SHAPES, hf_config  # noqa: E402  (the Qwen3-MoE shape, one definition)
 
 CONFIGS = {  # random-init Qwen2 shapes
     "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -35,16 +40,24 @@ CONFIGS = {  # random-init Qwen2 shapes
 
 
 def make_model_dir(config: str, out: str) -> str:
-    """A random Qwen2 checkpoint (with the tiny char tokenizer, for the engine's text fields)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A random Qwen2 checkpoint, or bench_train_gpu.py's Qwen3-MoE shape (``moe-2b``), with the tiny char
+    tokenizer, for the engine's text fields."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     from slime_lite.tokenizer import build_tokenizer, save_tokenizer
 
-    shape = CONFIGS[config] if config in CONFIGS else json.loads(config)
-    cfg = Qwen2Config(**shape, max_position_embeddings=4096, rms_norm_eps=1e-6, eos_token_id=0, bos_token_id=0,
-                      pad_token_id=0, architectures=["Qwen2ForCausalLM"])
+    ids = dict(max_position_embeddings=4096, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    shape = {} if config in MOE_SHAPES else CONFIGS[config] if config in CONFIGS else json.loads(config)
+    if config in MOE_SHAPES or "num_experts" in shape:  # a JSON dict with num_experts: moe-2b with its fields
+        cfg = hf_config(config if config in MOE_SHAPES else "moe-2b", **ids, **shape)
+    else:
+        cfg = Qwen2Config(**shape, **ids, rms_norm_eps=1e-6, architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    big = config in MOE_SHAPES and torch.cuda.is_available()  # 2.25B: made on the GPU in bf16, not 9 GB of fp32
+    with torch.device("cuda" if big else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16 if big else torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
     save_tokenizer(build_tokenizer(), out)
     return out
 
@@ -157,7 +170,9 @@ def time_static(jobs: list, model_dir: str, args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None, help="an HF Llama/Qwen2 folder (default: a random --model-config)")
-    ap.add_argument("--model-config", default="tiny", help=f"{' | '.join(CONFIGS)} | a JSON dict of Qwen2Config fields")
+    ap.add_argument("--model-config", default="tiny",
+                    help=f"{' | '.join([*CONFIGS, *MOE_SHAPES])} (Qwen3-MoE) | a JSON dict of Qwen2Config fields "
+                         "(with num_experts: Qwen3MoeConfig fields over moe-2b's)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     ap.add_argument("--batch-sizes", default="1,16,64,256")

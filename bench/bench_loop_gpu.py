@@ -29,7 +29,12 @@ the background while the trainer trains).
    from an earlier rollout and the tokens aborts wasted; target: trained tokens/s >= 1.3x. No standalone parts.
    ``--partial-queue``: the partial run's engine runs no more requests at once than the plain run's; the extra
    groups wait in its queue and start as others finish (a full batch through the tail, no heavier steps).
-5. Where nvidia-smi is found, each subprocess runs with it sampling every 200 ms; the report gives, per GPU, the SM
+5. ``--layout replay`` (1 GPU, issue 35): bench_train_gpu.py's Qwen3-MoE shape ``moe-2b`` (2.25B parameters, 0.51B
+   active; ``--quick``: a tiny Qwen3-MoE), the colocated loop twice, back to back: as it is, then with
+   ``--use-rollout-routing-replay`` (the engine returns each token's experts, the trainer replays them). Per run:
+   iteration, rollout, log-prob, train and push times, and the routing metrics; the cost is the ratio of the two
+   iterations (no target). Smaller default workload: 16 prompts, mean response 128, 2 rollouts.
+6. Where nvidia-smi is found, each subprocess runs with it sampling every 200 ms; the report gives, per GPU, the SM
    clock, power and temperature while busy (utilization >= 50%), so the loop's GPU and the parts' can be compared.
 
   python3 bench/bench_loop_gpu.py --layout colocate       # 1 GPU, about 5-6 minutes (estimated)
@@ -39,7 +44,10 @@ the background while the trainer trains).
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout disagg   # both disaggregated loops on CPU (a check)
   python3 bench/bench_loop_gpu.py --layout partial        # 1 GPU: without and with over-sampling + partial rollout
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout partial  # the same on CPU (a check)
---budget (default 360 s colocate, 570 s disagg and partial): no subprocess runs past it (each also has its own timeout).
+  python3 bench/bench_loop_gpu.py --layout replay         # 1 GPU: MoE loop without and with rollout routing replay
+  .venv/bin/python bench/bench_loop_gpu.py --quick --layout replay   # the same on CPU, tiny Qwen3-MoE (a check)
+--budget (default 360 s colocate, 570 s disagg and partial, 420 s replay): no subprocess runs past it (each also
+has its own timeout).
 Output: text and JSON under $OUT (default /tmp/bench_loop_gpu), with each subprocess's log.
 """
 from __future__ import annotations
@@ -138,8 +146,8 @@ def phases(path: str) -> dict:
     rows = [r for r in rows if r.get("rollout_id", -1) >= 0 and "perf/step_time" in r]
     rows = rows[1:] or rows
     out: dict = {"each": {k: [round(r[k], 3) for r in rows if k in r] for k in PER_ROLLOUT}}
-    for k in sorted({k for r in rows for k in r if k.startswith(("perf/", "rollout/partial/",
-                                                                 "rollout/over_sampling/"))}):
+    for k in sorted({k for r in rows for k in r if k.startswith(("perf/", "rollout/partial/", "rollout/over_sampling/",
+                                                                 "train/routing", "train/moe/"))}):
         vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
         if vals:
             out[k] = sum(vals) / len(vals)
@@ -261,9 +269,35 @@ def report_partial(res: dict) -> list[str]:
     return lines
 
 
+def report_replay(res: dict) -> list[str]:
+    """--layout replay: each run's phase times and routing metrics, and the cost of replay (ratios, no target)."""
+    lines, step = [], {}
+    for name, r in res["runs"].items():
+        p = r["phases"]
+        step[name] = p.get("perf/step_time")
+        lp = p.get("perf/log_probs_time")
+        lines.append(f"== {name} (rc {r['rc']}), mean over rollouts >= 1; workload "
+                     f"{json.dumps({k: round(v, 3) for k, v in r.get('workload', {}).items()})}")
+        for label, key in (("iteration s", "perf/step_time"), ("rollout s", "perf/rollout_time"),
+                           ("log-probs s", "perf/log_probs_time"), ("train s (with log-probs)", "perf/train_time"),
+                           ("weight push s", "perf/update_weights_time"), ("offload + onload s", "perf/offload_time"),
+                           ("rollout tok/s", "perf/rollout_tokens_per_s")):
+            if p.get(key) is not None:
+                lines.append(f"  {label:30s} {p[key]:12.3f}")
+        for k, v in p.items():
+            if k.startswith(("train/routing", "train/moe/")) and "/layer_" not in k:
+                lines.append(f"  {k:30s} {v:12.6f}")
+        if lp is None:
+            lines.append("  (no metrics: see the run's log)")
+    on, off = step.get("colocate_replay"), step.get("colocate")
+    lines.append("  cost of rollout routing replay (no target):")
+    lines.append(f"  iteration with / without: {on / off:.3f}" if on and off else "  iteration with / without: n/a")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layout", choices=["colocate", "disagg", "partial"], default="colocate")
+    ap.add_argument("--layout", choices=["colocate", "disagg", "partial", "replay"], default="colocate")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model, few prompts")
     ap.add_argument("--num-rollout", type=int, default=3, help="rollout 0 is warm-up (default: %(default)s)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per rollout (default 64; --quick 4)")
@@ -293,16 +327,21 @@ def main() -> None:
     sys.path.insert(0, HERE)
     from loop_parts import make_inputs
 
-    q = a.quick
-    prompts, n, plen, max_resp = (a.prompts or (4 if q else 64)), 8, (16 if q else 128), (32 if q else 1024)
-    mean = a.mean_response or (8 if q else 256)
+    q, replay = a.quick, a.layout == "replay"
+    prompts, n, plen = (a.prompts or (4 if q else 16 if replay else 64)), 8, (16 if q else 128)
+    max_resp = 32 if q else 512 if replay else 1024
+    mean = a.mean_response or (8 if q else 128 if replay else 256)
+    if replay and a.num_rollout == ap.get_default("num_rollout"):
+        a.num_rollout = 2
     max_tok, lp_tok = (512, 1024) if q else (16384, 32768)
-    timeout, part_timeout = a.timeout or (150 if q else 270), a.part_timeout or 120
+    timeout = a.timeout or (300 if q and replay else 150 if q else 190 if replay else 270)
+    part_timeout = a.part_timeout or 120
     t0 = time.time()
-    DEADLINE[0] = t0 + (a.budget or (170 if q and a.layout != "partial" else 360 if a.layout == "colocate" else 570))
+    DEADLINE[0] = t0 + (a.budget or (700 if q and replay else 170 if q and a.layout != "partial"
+                                     else 360 if a.layout == "colocate" else 420 if replay else 570))
     over = a.over_sampling or prompts * 3 // 2
     rows = (2 * over if a.layout == "partial" else prompts) * a.num_rollout  # over-sampling uses more prompts
-    model, data = make_inputs(out, q, mean, rows, plen)
+    model, data = make_inputs(out, q, mean, rows, plen, "moe-2b" if replay else "0.5b")
     print(f"inputs in {time.time() - t0:.1f} s: {model}, {data}", flush=True)
     kv = (over if a.layout == "partial" else prompts) * n * (plen + max_resp + 16)
     common = [sys.executable, "-m", "slime_lite.cli", "train", "--hf-checkpoint", model, "--prompt-data", data,
@@ -319,6 +358,8 @@ def main() -> None:
     if a.lora_rank:
         common += ["--lora-rank", str(a.lora_rank), "--lora-alpha", str(2 * a.lora_rank)]
     runs = {"colocate": ["--colocate"]} if a.layout == "colocate" else {
+        "colocate": ["--colocate"], "colocate_replay": ["--colocate", "--use-rollout-routing-replay"],
+    } if replay else {
         "colocate": ["--colocate"],
         "colocate_partial": ["--colocate", "--over-sampling-batch-size", str(over), "--partial-rollout"]
         + ["--engine-max-running-requests", str(prompts * n)] * a.partial_queue,
@@ -336,8 +377,8 @@ def main() -> None:
         res["runs"][name] = {"rc": rc, "phases": phases(metrics),
                              "workload": dump_stats(dumps, range(1, a.num_rollout))}
         first = first or dumps
-    if a.layout == "partial":
-        finish(res, report_partial(res), out, t0)
+    if a.layout in ("partial", "replay"):
+        finish(res, (report_partial if a.layout == "partial" else report_replay)(res), out, t0)
         return
     last = a.num_rollout - 1
     res["workload"] = dump_stats(first, range(1, a.num_rollout))

@@ -3,14 +3,17 @@
 One process, no Ray: the Megatron worker code (backends/megatron/actor.py ``TrainActor``) is driven directly with a
 torch.distributed world of 1, on rollouts of random tokens: 512 samples, prompt 128, responses spread evenly over
 64..2048 tokens, packed (``--use-dynamic-batch-size``). Models: Qwen2.5-0.5B and Qwen2.5-1.5B shapes with the real
-151,936-token vocabulary and random weights, bf16. The baseline in the same run is a plain HF transformers + torch
-bf16 step on the same tokens (SDPA attention, fused AdamW, grad clip 1.0; samples sorted by length into padded
-micro-batches of at most the same token budget; loss on the response tokens).
+151,936-token vocabulary and random weights, bf16; and the Qwen3-MoE shape "moe-2b" (2.25B parameters, 0.51B
+active per token: 64 experts, top 8), which has no plain-PyTorch baseline (HF's MoE block loops over experts in
+Python) and is read next to the dense 0.5B shape of the same run. The baseline in the same run is a plain HF
+transformers + torch bf16 step on the same tokens (SDPA attention, fused AdamW, grad clip 1.0; samples sorted by
+length into padded micro-batches of at most the same token budget; loss on the response tokens).
 
 FLOPs (stated so MFU can be checked): N = parameters of every matmul (all but the input embedding; the output
 projection counts even when tied), T = real tokens, L layers, A = heads x head_dim, s_i = length of sample i.
 forward = 2 N T + 2 L A sum(s_i^2) (causal QK^T and AV: 4 A s^2 halved); train = 3 x forward; the log-prob phase
-is two forwards (actor + reference). MFU = FLOPs / time / peak (H200 bf16 dense: 989 TFLOP/s; CPU: not given).
+is two forwards (actor + reference). MoE: N counts the active parameters (the router, the top-k experts).
+MFU = FLOPs / time / peak (H200 bf16 dense: 989 TFLOP/s; CPU: not given).
 Tokens/s count real tokens only (padding excluded) in both.
 
 Usage (GPU: about 5-6 minutes on one H200, estimated; --quick: the CPU tiny model in about a minute, 15 s of CPU):
@@ -21,6 +24,8 @@ Usage (GPU: about 5-6 minutes on one H200, estimated; --quick: the CPU tiny mode
     python bench/bench_train_gpu.py --models 1.5b --lora-rank 32   # + LoRA: memory, tok/s, push payload vs full
     python bench/bench_train_gpu.py --models 7b --lora-rank 32 --lora-only   # LoRA alone on a 7B shape
     python bench/bench_train_gpu.py --models 0.5b --samples 128 --profile 64  # where our worker's time goes
+    python bench/bench_train_gpu.py --models 0.5b,moe-2b --samples 128   # MoE next to dense (--quick: tiny ones)
+    python bench/bench_train_gpu.py --models moe-2b --samples 128 --optimizer-cpu-offload  # peak memory with/without
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ SHAPES = {  # hidden, layers, heads, kv heads, ffn, tied embeddings
     "0.5b": (896, 24, 14, 2, 4864, True),
     "1.5b": (1536, 28, 12, 2, 8960, True),
     "7b": (3584, 28, 28, 4, 18944, False),  # Qwen2.5-7B's shape (with --lora-rank --lora-only: LoRA alone)
+}
+# Qwen3-MoE shapes (Qwen3MoeConfig fields): "moe-2b" has 2.25B parameters, 0.51B active per token (attention, 8 of
+# 64 experts of 384, the router, the output projection; the input embedding not counted); untied as in Qwen3-MoE
+MOE_SHAPES = {
+    "moe-2b": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
+                   head_dim=128, intermediate_size=3072, num_experts=64, num_experts_per_tok=8,
+                   moe_intermediate_size=384, norm_topk_prob=True, tie_word_embeddings=False),
 }
 VOCAB = 151936
 PEAK = {"cuda": 989e12}  # H200 SXM bf16 dense
@@ -63,14 +75,27 @@ def peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # process max RSS (CPU)
 
 
-def make_checkpoint(shape: str, out: str) -> str:
-    """An HF Qwen2 checkpoint of the shape with random weights (bf16 safetensors)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def hf_config(shape: str, **extra):
+    """The HF config of a shape: a Qwen2 (SHAPES) or a Qwen3-MoE (MOE_SHAPES), real vocabulary; ``extra`` sets or
+    overrides fields."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
+    common = dict(vocab_size=VOCAB, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+                  torch_dtype="bfloat16")
+    if shape in MOE_SHAPES:
+        return Qwen3MoeConfig(**{**common, **MOE_SHAPES[shape], "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                 "use_sliding_window": False, "attention_bias": False,
+                                 "architectures": ["Qwen3MoeForCausalLM"], **extra})
     hidden, layers, heads, kv, ffn, tied = SHAPES[shape]
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, intermediate_size=ffn, tie_word_embeddings=tied,
-                      max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, torch_dtype="bfloat16")
+    return Qwen2Config(**{**common, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+                          "num_key_value_heads": kv, "intermediate_size": ffn, "tie_word_embeddings": tied, **extra})
+
+
+def make_checkpoint(shape: str, out: str) -> str:
+    """An HF checkpoint of the shape (``hf_config``) with random weights (bf16 safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
@@ -95,13 +120,24 @@ def make_samples(n: int, prompt: int, lo: int, hi: int, vocab: int, group: int, 
     return [s for k in torch.randperm(n // group, generator=g).tolist() for s in groups[k]]
 
 
+def matmul_params(arch, active: bool = True) -> int:
+    """Parameters of every matmul (all but the input embedding; the output projection counts even when tied). MoE:
+    the router, the shared expert and its gate, and the top-k experts a token runs (``active``) or all of them."""
+    h, moe = arch.hidden_size, arch.moe
+    a, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    if moe is None:
+        mlp = 3 * h * arch.ffn_hidden_size
+    else:
+        experts = moe.top_k if active else moe.num_experts
+        mlp = h * moe.num_experts + 3 * h * (experts * moe.ffn_hidden_size + moe.shared_expert_size)
+        mlp += h * bool(moe.shared_expert_size)
+    return arch.num_layers * (2 * h * a + 2 * h * kv + mlp) + arch.vocab_size * h
+
+
 def flops(arch, samples: list, passes: int) -> float:
-    """passes: 1 = forward, 3 = forward + backward."""
-    h, L = arch.hidden_size, arch.num_layers
-    a = arch.num_heads * arch.head_dim
-    kv = arch.num_kv_heads * arch.head_dim
-    per_layer = h * a + 2 * h * kv + a * h + 3 * h * arch.ffn_hidden_size
-    n = L * per_layer + arch.vocab_size * h
+    """passes: 1 = forward, 3 = forward + backward. MoE: active parameters only (``matmul_params``)."""
+    L, a = arch.num_layers, arch.num_heads * arch.head_dim
+    n = matmul_params(arch)
     tokens = sum(len(s.tokens) for s in samples)
     attn = 2 * L * a * sum(len(s.tokens) ** 2 for s in samples)
     return passes * (2 * n * tokens + attn)
@@ -135,10 +171,10 @@ def profiled(fn, label: str) -> None:
 
 
 def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, bf16: bool,
-         padded_mbs: int = 0, lora_rank: int | None = None) -> dict:
+         padded_mbs: int = 0, lora_rank: int | None = None, label: str = "", **flags) -> dict:
     """The worker's phases on these samples: packed (padded_mbs 0) or padded micro-batches of padded_mbs samples;
-    with ``lora_rank`` LoRA adapters on every linear (alpha = 2 x rank). Then what a weight push would gather
-    (``push_payload``)."""
+    with ``lora_rank`` LoRA adapters on every linear (alpha = 2 x rank); ``flags``: more train flags (by dest).
+    Then what a weight push would gather (``push_payload``)."""
     from slime_lite.args import parser_defaults
     from slime_lite.backends.megatron.actor import TrainActor
     from slime_lite.backends.megatron.parallel import destroy
@@ -149,7 +185,8 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
         "use_dynamic_batch_size": True, "max_tokens_per_gpu": max_tokens, "log_probs_max_tokens_per_gpu": lp_tokens}
     args = parser_defaults(hf_checkpoint=ckpt, bf16=bf16, **budgets, use_kl_loss=True, kl_loss_coef=0.001,
                            rollout_batch_size=n // 8, n_samples_per_prompt=8, global_batch_size=n, lr=1e-6,
-                           lora_rank=lora_rank, lora_alpha=2.0 * lora_rank if lora_rank else None, **MEMORY_FLAGS)
+                           lora_rank=lora_rank, lora_alpha=2.0 * lora_rank if lora_rank else None,
+                           **{**MEMORY_FLAGS, **flags})
     w = TrainActor(args, 0, 1, "127.0.0.1")
     w.init(free_port())
     res: dict = {}
@@ -172,9 +209,11 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             res = {"logprob_s": lp_time, "logprob_peak": lp_peak,
                    "train_s": total - metrics["perf/log_probs_time"], "train_peak": peak_gib(),
                    "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}
+            if "train/moe/expert_load_max_over_mean" in metrics:  # MoE: how evenly the random router spreads tokens
+                res["expert_load_max_over_mean"] = metrics["train/moe/expert_load_max_over_mean"]
             res.update(push_payload(w))
             rounded = {k: round(v, 4) for k, v in res.items()}
-            label = " padded" if padded_mbs else f" LoRA rank {lora_rank}" if lora_rank else ""
+            label = label or (" padded" if padded_mbs else f" LoRA rank {lora_rank}" if lora_rank else "")
             print(f"  ours{label} {name}: {json.dumps(rounded)}", flush=True)
         if PROFILE:
             part = samples[: PROFILE["n"]]
@@ -345,30 +384,48 @@ def logprob_microbench(tokens: int, vocab: int = VOCAB) -> dict[str, float]:
     return out
 
 
-def report(shape: str, arch, samples: list, o: dict, b: dict, device: str) -> None:
+SUMMARY: list[str] = []  # one row per shape (ours): the table printed last, the shapes side by side
+
+
+def report(shape: str, arch, samples: list, o: dict, b: dict | None, device: str) -> None:
+    """The table of ours (and the baseline's, ``b``) on these samples; MoE MFU counts active-parameter FLOPs."""
     tokens = sum(len(s.tokens) for s in samples)
     peak = PEAK.get(device)
 
-    def row(name: str, r: dict) -> None:
+    def row(name: str, r: dict) -> str:
         lp_fl, tr_fl = 2 * flops(arch, samples, 1), flops(arch, samples, 3)
         mfu = (lambda f, s: f"{100 * f / s / peak:5.1f}%") if peak else (lambda f, s: "  -  ")
-        print(f"| {shape} {name:9s} | {2 * tokens / r['logprob_s']:10.0f} | {mfu(lp_fl, r['logprob_s'])} | "
-              f"{r['logprob_peak']:7.1f} | {tokens / r['train_s']:10.0f} | {mfu(tr_fl, r['train_s'])} | "
-              f"{r['train_peak']:7.1f} |")
+        return (f"| {shape} {name:9s} | {2 * tokens / r['logprob_s']:10.0f} | {mfu(lp_fl, r['logprob_s'])} | "
+                f"{r['logprob_peak']:7.1f} | {tokens / r['train_s']:10.0f} | {mfu(tr_fl, r['train_s'])} | "
+                f"{r['train_peak']:7.1f} |")
 
+    head = "| run | log-prob tok/s | MFU | peak GiB | train tok/s | MFU | peak GiB |\n|---|---|---|---|---|---|---|"
     print(f"\n{shape}: {len(samples)} samples, {tokens} tokens; log-prob tok/s counts actor + reference tokens")
-    print("| run | log-prob tok/s | MFU | peak GiB | train tok/s | MFU | peak GiB |")
-    print("|---|---|---|---|---|---|---|")
-    row("ours", o)
-    row("baseline", b)
+    print(head)
+    print(row("ours", o))
+    SUMMARY[:] = SUMMARY or [head]
+    SUMMARY.append(row("ours", o))
+    if b is None:
+        print(f"(no baseline for an MoE shape) ours log-prob/train tok/s {2 * o['train_s'] / o['logprob_s']:.2f}x",
+              flush=True)
+        return
+    print(row("baseline", b))
     print(f"ratios: train {b['train_s'] / o['train_s']:.2f}x baseline, log-prob {b['logprob_s'] / o['logprob_s']:.2f}x "
           f"baseline; ours log-prob/train tok/s {2 * o['train_s'] / o['logprob_s']:.2f}x (target >= 2)", flush=True)
+
+
+def params(arch) -> str:
+    """"494M" or, MoE, "2095M total, 509M active": matmul parameters (``matmul_params``)."""
+    total, active = matmul_params(arch, active=False) / 1e6, matmul_params(arch) / 1e6
+    return f"{total:.0f}M" if arch.moe is None else f"{total:.0f}M total, {active:.0f}M active"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="CPU tiny model, small rollout (a smoke test of this script)")
-    p.add_argument("--models", default="0.5b,1.5b")
+    p.add_argument("--models", default="0.5b,1.5b",
+                   help=f"shapes, comma-separated: {', '.join([*SHAPES, *MOE_SHAPES])} (with --quick, an MoE shape "
+                        "adds the tiny Qwen3-MoE)")
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--min-response", type=int, default=64)
@@ -390,6 +447,10 @@ def main() -> None:
     p.add_argument("--lora-only", action="store_true",
                    help="with --lora-rank: only the LoRA run (no full fine-tuning, no baseline; for shapes whose "
                         "full fine-tuning does not fit)")
+    p.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="also our worker with --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d "
+                        "--use-precision-aware-optimizer (Megatron's hybrid CPU optimizer; CUDA only): train "
+                        "peak memory and tok/s next to the optimizer on the GPU")
     a = p.parse_args()
     if a.profile:
         PROFILE.update(n=a.profile, rows=a.profile_rows)
@@ -406,10 +467,14 @@ def main() -> None:
         if a.quick:
             from slime_lite.tiny_model import make_tiny_model
 
-            ckpt = os.path.join(tmp, "tiny")
-            make_tiny_model(ckpt, warm_start_steps=0)
-            plan = [("tiny", ckpt, make_samples(32, 8, 4, 48, 60, 8), make_samples(8, 8, 4, 16, 60, 8, seed=1),
-                     256, 512)]
+            plan = []
+            for name, arch in (("tiny", "qwen2"), ("tiny-moe", "qwen3_moe")):
+                if arch != "qwen2" and not any(m in MOE_SHAPES for m in a.models.split(",")):
+                    continue
+                ckpt = os.path.join(tmp, name)
+                make_tiny_model(ckpt, warm_start_steps=0, arch=arch)
+                plan.append((name, ckpt, make_samples(32, 8, 4, 48, 60, 8), make_samples(8, 8, 4, 16, 60, 8, seed=1),
+                             256, 512))
             bf16 = False
         else:
             plan = []
@@ -423,6 +488,7 @@ def main() -> None:
             from transformers import AutoConfig
 
             arch = hf_arch(AutoConfig.from_pretrained(ckpt))
+            print(f"\n{shape}: {params(arch)} matmul parameters", flush=True)
             lens = [len(s.tokens) for s in samples[:64]]
             ms = attention_microbench(lens, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                       torch.bfloat16 if bf16 else torch.float32)
@@ -441,8 +507,20 @@ def main() -> None:
             if a.lora_rank:
                 lora_report(shape, samples, o, ours(ckpt, samples, warm, mt, lpt, bf16, lora_rank=a.lora_rank),
                             a.lora_rank)
-            b = baseline(ckpt, samples, warm, mt, bf16)
+            b = None if arch.moe else baseline(ckpt, samples, warm, mt, bf16)  # HF's MoE: a per-expert loop
             report(shape, arch, samples, o, b, device)
+            if a.optimizer_cpu_offload and device == "cpu":
+                print("--optimizer-cpu-offload: skipped on CPU (Megatron's hybrid optimizer needs CUDA)", flush=True)
+            elif a.optimizer_cpu_offload:
+                off = ours(ckpt, samples, warm, mt, lpt, bf16, label=" optimizer-cpu-offload",
+                           optimizer_cpu_offload=True, overlap_cpu_optimizer_d2h_h2d=True,
+                           use_precision_aware_optimizer=True)
+                tokens = sum(len(s.tokens) for s in samples)
+                print(f"{shape} --optimizer-cpu-offload: train peak {off['train_peak']:.1f} GiB vs "
+                      f"{o['train_peak']:.1f} GiB with the optimizer on the GPU "
+                      f"({off['train_peak'] / o['train_peak']:.2f}x); "
+                      f"train {tokens / off['train_s']:.0f} vs {tokens / o['train_s']:.0f} tok/s; grad-norm "
+                      f"{off['grad_norm']:.6g} vs {o['grad_norm']:.6g}", flush=True)
             if a.with_padded:
                 pd = ours(ckpt, samples, warm, mt, lpt, bf16, padded_mbs=a.with_padded)
                 print(f"{shape} padded micro-batches of {a.with_padded}: train {pd['train_s'] / o['train_s']:.2f}x "
@@ -455,6 +533,8 @@ def main() -> None:
                 print(f"{shape} long samples ({n_tok} tokens x 8): train {8 * n_tok / lo['train_s']:.0f} tok/s, "
                       f"peak {lo['train_peak']:.1f} GiB; log-prob {16 * n_tok / lo['logprob_s']:.0f} tok/s, "
                       f"peak {lo['logprob_peak']:.1f} GiB", flush=True)
+    if len(SUMMARY) > 2:
+        print("\nshapes side by side (MoE MFU on active-parameter FLOPs):\n" + "\n".join(SUMMARY), flush=True)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,10 @@ def synthetic_tokenizer(out: str, vocab_size: int) -> None:
         json.dump(spec, f)
 
 
-def make_inputs(out: str, quick: bool, mean: int, n_prompts: int, prompt_len: int) -> tuple[str, str]:
-    """(checkpoint folder, prompt JSONL): the model, its synthetic tokenizer and eos set, n_prompts prompts."""
+def make_inputs(out: str, quick: bool, mean: int, n_prompts: int, prompt_len: int,
+                shape: str = "0.5b") -> tuple[str, str]:
+    """(checkpoint folder, prompt JSONL): the model (a bench_train_gpu shape; ``quick``: the tiny model, a tiny
+    Qwen3-MoE for an MoE shape), its synthetic tokenizer and eos set, n_prompts prompts."""
     sys.path.insert(0, HERE)
     from bench_engine import stop_set
 
@@ -56,12 +58,14 @@ def make_inputs(out: str, quick: bool, mean: int, n_prompts: int, prompt_len: in
     if quick:
         from slime_lite.tiny_model import make_tiny_model
 
-        make_tiny_model(model, warm_start_steps=0)
+        from bench_train_gpu import MOE_SHAPES
+
+        make_tiny_model(model, warm_start_steps=0, arch="qwen3_moe" if shape in MOE_SHAPES else "qwen2")
     else:
         import torch
         from bench_train_gpu import make_checkpoint
 
-        make_checkpoint("0.5b", model)
+        make_checkpoint(shape, model)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     with open(os.path.join(model, "config.json")) as f:

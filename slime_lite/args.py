@@ -117,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron sequence parallelism: norms and residuals split along the sequence over the "
                         "tensor-parallel ranks (less activation memory; ignored with a warning at "
                         "--tensor-model-parallel-size 1, as in Megatron)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="Megatron's hybrid CPU optimizer (CUDA only): the Adam state and float32 master weights live "
+                        "in host memory and the optimizer step runs on the CPU (less GPU memory, slower steps); "
+                        "needs --use-precision-aware-optimizer, as in Megatron")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="with --optimizer-cpu-offload: the share of the optimizer state kept on the CPU "
+                        "(default: %(default)s)")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="with --optimizer-cpu-offload: overlap the gradient and parameter copies between GPU and "
+                        "CPU with the CPU optimizer step")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Megatron's precision-aware optimizer path (the distributed optimizer, decoupled gradients); "
+                        "with --optimizer-cpu-offload only (on its own it needs Transformer Engine's FusedAdam)")
     g.add_argument("--expert-model-parallel-size", type=_positive_int, default=1,
                    help="MoE models: experts split over this many ranks (must divide num_experts; default: "
                         "%(default)s)")
@@ -133,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "off (default: %(default)s)")
     g.add_argument("--moe-z-loss-coeff", type=_nonneg_float, default=None,
                    help="MoE models: weight of the router z-loss (mean squared log-sum-exp of the router logits)")
+    g.add_argument("--use-routing-replay", action="store_true",
+                   help="MoE models (slime's routing replay, R2): the trainer records the experts its old-policy "
+                        "log-prob pass chose for every token and replays them in the training forward and backward "
+                        "passes, so the PPO ratio's two sides use the same experts; train/routing_replay_mismatch: the "
+                        "share the updated weights would have routed elsewhere (with "
+                        "--use-rollout-routing-replay the engine's experts are replayed instead)")
     g.add_argument("--use-rollout-routing-replay", action="store_true",
                    help="MoE models (slime's R3): the engine returns the experts it chose for every token "
                         "(return_routed_experts), samples keep them (rollout_routed_experts) and the trainer's "
@@ -337,7 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--get-mismatch-metrics", action="store_true",
                    help="log train vs rollout log-prob mismatch metrics per rollout (mismatch/*: token and "
                         "sequence importance ratios, k3 KL, the worst tokens; with --dump-details also "
-                        "DIR/mismatch/<rollout_id>.jsonl)")
+                        "DIR/mismatch/<rollout_id>.jsonl; with --use-rollout-routing-replay one more forward pass "
+                        "with the trainer's own routing: train/train_rollout_logprob_abs_diff_without_replay and "
+                        "train/replay_logprob_abs_diff)")
     g.add_argument("--mismatch-ratio-bound", type=float,
                    default=UNDER_SWITCH["get_mismatch_metrics"]["mismatch_ratio_bound"],
                    help="--get-mismatch-metrics: count ratios outside [1/c, c] for this c > 1 (default: "

@@ -352,9 +352,17 @@ def check_experts(args: argparse.Namespace, cfg: dict) -> None:
     ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
     family = FAMILIES.get(cfg.get("model_type"))
     moe = moe_config(cfg, f"--hf-checkpoint {args.hf_checkpoint}") if family else None
-    if args.use_rollout_routing_replay and moe is None and family is not None:
-        raise SlimeLiteError(f"--use-rollout-routing-replay: the model ({cfg.get('model_type')}) has no experts to "
-                             "route; drop --use-rollout-routing-replay.")
+    for flag, on in (("--use-rollout-routing-replay", args.use_rollout_routing_replay),
+                     ("--use-routing-replay", args.use_routing_replay)):
+        if on and moe is None and family is not None:
+            raise SlimeLiteError(f"{flag}: the model ({cfg.get('model_type')}) has no experts to route; drop {flag} "
+                                 f"(--hf-checkpoint {args.hf_checkpoint} is a dense model).")
+    own = args.use_routing_replay and not args.use_rollout_routing_replay  # the trainer records its own routing
+    if own and (tp > 1 or args.pipeline_model_parallel_size > 1):
+        raise SlimeLiteError(f"--use-routing-replay records the routing on each rank and is supported with "
+                             f"--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 only (given "
+                             f"{tp} and {args.pipeline_model_parallel_size}); use --expert-model-parallel-size "
+                             "or data parallelism to spread the model, or --use-rollout-routing-replay.")
     if args.use_rollout_routing_replay and args.pipeline_model_parallel_size > 1 and args.recompute_granularity:
         raise SlimeLiteError(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
                              f"{args.pipeline_model_parallel_size} and --recompute-granularity "
@@ -412,6 +420,29 @@ def check_recompute(args: argparse.Namespace, layers_per_stage: int | None) -> N
                     "it splits activations over the tensor-parallel ranks)")
 
 
+def check_optimizer_offload(args: argparse.Namespace) -> None:
+    """--optimizer-cpu-offload and its companions, with Megatron's rules (the CUDA check is preflight's)."""
+    off, overlap, aware = args.optimizer_cpu_offload, args.overlap_cpu_optimizer_d2h_h2d, \
+        args.use_precision_aware_optimizer
+    if overlap and not off:
+        raise SlimeLiteError("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of the CPU optimizer step; it needs "
+                             "--optimizer-cpu-offload (add it or drop the flag).")
+    if aware and not off:
+        raise SlimeLiteError("--use-precision-aware-optimizer on its own needs Transformer Engine's FusedAdam, which "
+                             "slime-lite does not use; it is supported with --optimizer-cpu-offload (add it, or drop "
+                             "the flag).")
+    if off and not aware:
+        raise SlimeLiteError("--optimizer-cpu-offload runs Megatron's hybrid optimizer through the precision-aware "
+                             "path, so Megatron requires --use-precision-aware-optimizer with it: add "
+                             "--use-precision-aware-optimizer.")
+    if off and not 0.0 < args.optimizer_offload_fraction <= 1.0:
+        raise SlimeLiteError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction}: the share of the "
+                             "optimizer state on the CPU must be in (0, 1].")
+    if off and args.lora_rank:
+        raise SlimeLiteError("--optimizer-cpu-offload with --lora-rank is not supported (the adapters' optimizer "
+                             "state is small: drop --optimizer-cpu-offload).")
+
+
 def _check_dynamic_batch(args: argparse.Namespace, dp: int, pp: int) -> None:
     """--use-dynamic-batch-size and its token budgets (config.TokenBudget: the one rule for what fits)."""
     if not args.use_dynamic_batch_size:
@@ -436,6 +467,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
     """Parallel sizes and batch sizes that must divide (trainer side)."""
     world = world_size(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    check_optimizer_offload(args)
     _check_model_split(args, tp, pp)
     with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
         check_lora_args(args, json.load(f))

@@ -127,15 +127,25 @@ def check_grad_norm_file(args: Any) -> None:
 
 
 def check_profiling_device(args: Any) -> None:
-    """--record-memory-history needs CUDA: refused on a machine without it (not a silent no-op)."""
-    if not args.record_memory_history:
+    """--record-memory-history and --optimizer-cpu-offload need CUDA: refused on a machine without it (not a silent
+    no-op)."""
+    wanted = [flag for flag, on in (("--record-memory-history", args.record_memory_history),
+                                    ("--optimizer-cpu-offload", args.optimizer_cpu_offload and not
+                                     args.debug_rollout_only)) if on]
+    if not wanted:
         return
     import torch  # torch: only when asked about CUDA
 
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return
+    if wanted[0] == "--record-memory-history":
         raise SlimeLiteError(
             "--record-memory-history records the CUDA allocator, and this machine has no CUDA device; drop the "
             "flag on CPU (each process's memory is in the metrics: perf/memory/*).")
+    raise SlimeLiteError(
+        "--optimizer-cpu-offload moves the optimizer state off the GPU into host memory (Megatron's hybrid CPU "
+        "optimizer, which needs CUDA), and this machine has no CUDA device: on CPU the state is in host memory "
+        "already. Drop --optimizer-cpu-offload, --overlap-cpu-optimizer-d2h-h2d and --use-precision-aware-optimizer.")
 
 
 def replay_ids(args: Any) -> range:
@@ -183,6 +193,12 @@ def check_replay_dumps(args: Any) -> None:
         check_replay_meta(dump, expected, split)  # every mismatched setting in one error
         check_replay_samples(dump, vocab, args.reward_key)
         check_token_budget(args, samples, dump.path)
+        bare = [s.index for s in samples if getattr(s, "rollout_routed_experts", None) is None]
+        if args.use_rollout_routing_replay and bare:
+            raise SlimeLiteError(f"--use-rollout-routing-replay: {dump.path}: sample {bare[0]} (and {len(bare) - 1} "
+                                 "more) has no rollout_routed_experts (its engine did not return them); replay a "
+                                 "dump made with --use-rollout-routing-replay, or use --use-routing-replay, which "
+                                 "records the trainer's own routing instead.")
     log.info("replay: checked %d dump(s) of %s (rollouts %d..%d)", len(ids), args.load_debug_rollout_data,
              ids.start, ids.stop - 1)
 

@@ -113,12 +113,7 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
 }
 
 # ---- not supported yet: flag -> (argparse kwargs, reason) -------------------------------------------------------
-_PERF = "a Megatron performance option that slime-lite does not wire up"
 NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
-    "--optimizer-cpu-offload": (STORE_TRUE, _PERF + " (the optimizer state stays on the GPU; --offload-train "
-                                                    "moves it off between steps)"),
-    "--overlap-cpu-optimizer-d2h-h2d": (STORE_TRUE, _PERF + " (goes with --optimizer-cpu-offload)"),
-    "--use-precision-aware-optimizer": (STORE_TRUE, _PERF),
     "--custom-tis-function-path": (_value(), "slime's hook for a custom importance-sampling weight (the built-in "
                                              "ones: --use-tis with --tis-mode truncate|mask and --tis-level "
                                              "token|sequence|geometric)"),

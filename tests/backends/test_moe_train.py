@@ -152,7 +152,8 @@ def test_rollout_routing_replay_routes_the_trainer_to_the_rollouts_experts(moe_m
     """--use-rollout-routing-replay on dumps whose routed experts are not what the trainer would pick (each of HF's
     experts shifted by one) and whose log-probs are HF's under that routing: the trainer's log-probs equal them
     (it routed every token as the rollout said, in forward and backward: the run trains), and the routing mismatch
-    is 1 in the first layer; without replay the same log-probs are far off."""
+    is 1 in the first layer; without replay the same log-probs are far off (--get-mismatch-metrics computes them
+    too: train/train_rollout_logprob_abs_diff_without_replay)."""
     from transformers import AutoModelForCausalLM
 
     from slime_lite.rollout.dumps import make_meta, save_rollout_dump
@@ -194,11 +195,15 @@ def test_rollout_routing_replay_routes_the_trainer_to_the_rollouts_experts(moe_m
     save_rollout_dump(str(tmp_path / "dump_0.pt"), 0, samples, make_meta(meta, tokenizer_fingerprint(tok)))
     proc = train_cli(["--load-debug-rollout-data", str(tmp_path / "dump_{rollout_id}.pt"), "--hf-checkpoint",
                       str(model), *BASE, "--num-rollout", "1", "--use-rollout-routing-replay", "--metrics-path",
-                      str(tmp_path / "m.jsonl")])
+                      str(tmp_path / "m.jsonl"), "--get-mismatch-metrics"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = metrics_of(tmp_path / "m.jsonl")[0]
     assert m["train/train_rollout_logprob_abs_diff"] < 1e-5, m["train/train_rollout_logprob_abs_diff"]
     # layer 0 sees HF's own inputs, so its top-k is HF's: never the shifted set; later layers see the replayed
     # routing's hidden states, where their own top-k may happen to be the rollout's
     assert m["train/routing_mismatch/layer_0"] == 1.0 and m["train/routing_mismatch"] > 0.9
+    # the same batch with the trainer's own routing: as far from the rollout as HF's own routing is
+    assert m["train/train_rollout_logprob_abs_diff_without_replay"] > 1e-3
+    assert m["train/replay_logprob_abs_diff"] == pytest.approx(m["train/train_rollout_logprob_abs_diff_without_replay"],
+                                                               abs=1e-5)
     assert 0 < m["train/grad_norm"] < float("inf")

@@ -32,6 +32,12 @@ from slime_lite.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 
+def _masked_mean_abs(a: list, b: list, masks: list) -> float:
+    """Mean over samples (with a token in ``masks``) of the masked mean |a - b|."""
+    rows = [rl_math.masked_mean((x - y).abs().float(), m) for x, y, m in zip(a, b, masks) if m.sum() > 0]
+    return float(torch.stack(rows).mean()) if rows else 0.0
+
+
 class TrainActor(TrainWorker):
     """The policy: log-probs (and the reference's), advantages, policy steps; sends its weights to the engines."""
 
@@ -86,19 +92,27 @@ class TrainActor(TrainWorker):
         length = B.padded_length(samples)
         steps = self._plan(samples, log_probs=True)
         dump = a.save_debug_train_data  # the old forward also gives each token's entropy for the train dump
+        own_routes = self.replay is not None and not a.use_rollout_routing_replay  # --use-routing-replay
         if self.replay:  # the mismatch of this pass only (training steps route with weights that moved since)
             self.replay.counts.zero_()
+        self._recording = {} if own_routes else None  # R2: the old policy's experts, replayed in training
         old = self._forward_all(samples, steps, length, partial(self._log_probs, entropy=bool(dump)))
-        route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers) if self.replay else {}  # all ranks
+        tables, self._recording = self._recording, None
+        route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers) \
+            if self.replay and not own_routes else {}  # all ranks
         entropy = {i: t[1] for i, t in old.items()} if dump else None
         old = B.SampleTensors((i, t[0]) for i, t in old.items()) if dump else old
+        own = self._own_routing_log_probs(samples, steps, length) if a.get_mismatch_metrics else None
         ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, self._log_probs)) \
             if self.use_ref else None
         log_probs_time = time.monotonic() - t0
+        self._route_tables = tables
         if not self.last_stage:
             self._train_steps(samples, None)
+            self._route_tables = None
             return None, None
         old, ref = self._gather(old), (self._gather(ref) if ref is not None else None)
+        own = self._gather(own) if own is not None else None
         n = len(samples)
         masks = B.loss_masks(samples)
         logp = [old[i] for i in range(n)]
@@ -134,7 +148,12 @@ class TrainActor(TrainWorker):
             )
             return loss * self._num_mb, m
 
-        result = self._train_steps(samples, loss_fn)
+        try:
+            result = self._train_steps(samples, loss_fn)
+        finally:
+            self._route_tables = None
+        if own_routes:  # all ranks: the share the updated weights would have routed elsewhere in the steps
+            route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers, "train/routing_replay_mismatch")
         if not self.reporter:
             return None, None
         metrics = result.metrics
@@ -145,6 +164,13 @@ class TrainActor(TrainWorker):
         if a.get_mismatch_metrics:
             metrics.update(self._mismatch(rollout_id, samples, logp, rollout_lp,
                                           B.newest_weight_masks(samples, masks)))  # as the log-prob check
+        if own is not None:  # the same batch with the trainer's own routing: what replay changed
+            newest = B.newest_weight_masks(samples, masks)
+            own_lp = [own[i] for i in range(n)]
+            metrics["train/replay_logprob_abs_diff"] = _masked_mean_abs(logp, own_lp, newest)
+            if rollout_lp is not None:
+                metrics["train/train_rollout_logprob_abs_diff_without_replay"] = _masked_mean_abs(own_lp, rollout_lp,
+                                                                                                  newest)
         details = {"log_probs": logp, "ref_log_probs": ref_logp, "advantages": advantages, "returns": returns,
                    "values": values}
         if a.dump_details:
@@ -152,6 +178,17 @@ class TrainActor(TrainWorker):
         # this call inside the actor: the driver's perf/train_time less this is Ray's share (samples in, results out)
         metrics["perf/actor_train_time"] = time.monotonic() - t0
         return result, B.SampleTensors(enumerate(returns))
+
+    def _own_routing_log_probs(self, samples: list, steps: list, length: int) -> B.SampleTensors | None:
+        """With --use-rollout-routing-replay and --get-mismatch-metrics: the old policy's log-probs again, every
+        router choosing its own experts (one more forward pass); None otherwise."""
+        if self.replay is None or not self.args.use_rollout_routing_replay:
+            return None
+        self._free_routing = True
+        try:
+            return self._forward_all(samples, steps, length, self._log_probs)
+        finally:
+            self._free_routing = False
 
     def _mismatch(self, rollout_id: int, samples: list, logp: list, rollout_lp: Any, masks: list) -> dict[str, Any]:
         """--get-mismatch-metrics: mismatch/* scalars and mismatch/worst_tokens (token text decoded here, where the

@@ -74,12 +74,15 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     dist.barrier()
     a = actor.args
     lora_on = getattr(actor, "lora", None) is not None
+    from slime_lite.backends.megatron.optimizer_offload import param_state
+
     model_state = actor.model.state_dict()
     if lora_on:  # the base is --hf-checkpoint, frozen: what trains (adapters; the critic's head) is the state
         model_state = {k: v for k, v in model_state.items() if k in _trainable(actor.model)}
     state = {
         "model": model_state,
         "optimizer": actor.optimizer.state_dict(),
+        "optimizer_param_state": param_state(actor.optimizer),  # --optimizer-cpu-offload (optimizer_offload.py)
         "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "next_rollout_id": rollout_id + 1,
         "data_state": data_state,
@@ -174,7 +177,11 @@ def load(actor: Any, root: str) -> dict[str, Any]:
     if absent:
         raise SlimeLiteError(f"--load {root}: {file} and this run's adapters differ (e.g. {absent[0]}): resume with "
                              "the same --lora-target-modules.")
+    from slime_lite.backends.megatron.optimizer_offload import check_param_state, load_param_state
+
+    check_param_state(actor.optimizer, state.get("optimizer_param_state"), f"--load {root}: {file}")
     actor.optimizer.load_state_dict(state["optimizer"])
+    load_param_state(actor.optimizer, state.get("optimizer_param_state"))
     torch.set_rng_state(state["rng"]["cpu"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])

@@ -232,7 +232,8 @@ def moe_kwargs(moe: MoE) -> dict[str, Any]:
 def moe_overrides(args: Any, hf_config: Any) -> dict[str, Any]:
     """The TransformerConfig fields of slime's MoE flags that choose how (not what) the experts compute:
     --moe-aux-loss-coeff (and the load-balancing loss it turns on), --moe-z-loss-coeff, --moe-token-dispatcher-type,
-    --moe-router-dtype, the expert-parallel sizes, and Megatron's router replay for --use-rollout-routing-replay.
+    --moe-router-dtype, the expert-parallel sizes, and Megatron's router replay for --use-rollout-routing-replay and
+    --use-routing-replay.
     Empty for a dense model."""
     if hf_arch(hf_config).moe is None:
         return {}
@@ -241,7 +242,7 @@ def moe_overrides(args: Any, hf_config: Any) -> dict[str, Any]:
                            or args.tensor_model_parallel_size,
                            "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
                            "moe_router_dtype": args.moe_router_dtype, "moe_z_loss_coeff": args.moe_z_loss_coeff,
-                           "moe_enable_routing_replay": bool(args.use_rollout_routing_replay)}
+                           "moe_enable_routing_replay": bool(args.use_rollout_routing_replay or args.use_routing_replay)}
     if args.moe_aux_loss_coeff:
         out.update(moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss")
     return out

@@ -10,6 +10,13 @@ Megatron's routers see a micro-batch's tokens sequence-first (``[T, B]`` flatten
 each TP rank only its slice of the sequence; each PP stage has the routers of its own layers. ``targets`` builds what
 each router of this rank replays. While replaying, every router also computes its own top-k, so each rollout
 reports the routing mismatch: the share of (token, layer) pairs whose trainer top-k set differs from the engine's.
+
+--use-routing-replay alone (slime's R2): the routers record their own top-k in the actor's old-policy log-prob pass
+(``record``), each sample's experts are kept as a ``[len(tokens), layers, top_k]`` table, and the training passes
+replay those tables (``targets`` with ``tables``); the reference pass routes on its own. The mismatch is then counted
+in the training passes (train/routing_replay_mismatch): the share of (token, layer) pairs the updated weights would
+route elsewhere than the old policy did (0 in the first step, whose weights are the old policy's). Recording reads the routers' token order back
+to samples, so it needs TP 1 and PP 1 (args_check).
 """
 
 from __future__ import annotations
@@ -44,13 +51,14 @@ def _filler(n: int, layers: int, top_k: int) -> torch.Tensor:
 
 
 def targets(samples: list, mb: Any, layer_ids: list[int], num_layers: int, top_k: int,
-            sp: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+            sp: bool, tables: dict[int, torch.Tensor] | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per router of this rank (global layer ids ``layer_ids``), the ``[tokens, top_k]`` experts of micro-batch
-    ``mb`` in the order the router sees its tokens; and which of those tokens the engine routed (not a sample's last
-    token or padding)."""
+    ``mb`` in the order the router sees its tokens; and which of those tokens were routed at the source (not a
+    sample's last token or padding). The source: each sample's rollout_routed_experts, or ``tables`` (by position
+    in ``samples``: what ``Replay`` recorded, every token)."""
     def row(i: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        t = _sample_table(samples[i], num_layers, top_k)
-        routed = torch.arange(width) < t.shape[0] - 1
+        t = _sample_table(samples[i], num_layers, top_k) if tables is None else tables[i]
+        routed = torch.arange(width) < t.shape[0] - (1 if tables is None else 0)
         return torch.cat([t, _filler(width - t.shape[0], num_layers, top_k)]), routed
 
     if mb.packed:
@@ -96,6 +104,25 @@ class Replay:
 
         return get_replay_topk
 
+    def record(self) -> None:
+        """The next forward records each router's own top-k (``recorded``)."""
+        RouterReplay.clear_global_indices()
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+
+    def recorded(self, mb: Any, samples: list, tables: dict[int, torch.Tensor]) -> None:
+        """Into ``tables`` (by position in ``samples``): each sample of micro-batch ``mb`` (TP 1, PP 1), its tokens'
+        experts ``[len(tokens), layers, top_k]`` as the last forward's routers chose them."""
+        per_layer = torch.stack([r.router_replay.get_recorded_indices().cpu() for r in self.routers], dim=1)
+        if mb.packed:  # one row: the samples back to back, then padding
+            start = 0
+            for i in mb.indices:
+                tables[i] = per_layer[start:start + len(samples[i].tokens)]
+                start += len(samples[i].tokens)
+        else:  # [T, B] sequence-first: token t of row b is t * B + b
+            grid = per_layer.view(mb.tokens.shape[1], mb.tokens.shape[0], *per_layer.shape[1:])
+            for b, i in enumerate(mb.indices):
+                tables[i] = grid[: len(samples[i].tokens), b]
+
     def set(self, per_router: list[torch.Tensor], valid: torch.Tensor) -> None:
         """Replay ``per_router`` in the next forward (and a recompute of it in the backward pass); ``valid``: the
         tokens the mismatch counts."""
@@ -110,7 +137,7 @@ class Replay:
         RouterReplay.clear_global_indices()
         RouterReplay.clear_global_router_replay_action()
 
-    def mismatch(self, num_layers: int) -> dict[str, float]:
+    def mismatch(self, num_layers: int, name: str = "train/routing_mismatch") -> dict[str, float]:
         """The routing mismatch counted since ``counts`` was zeroed, over every rank: overall and per layer."""
         per_layer = torch.zeros(num_layers, 2, dtype=torch.float64)
         for i, layer in enumerate(self.layer_ids):
@@ -120,7 +147,6 @@ class Replay:
             dist.all_reduce(per_layer)  # TP ranks see disjoint sequence slices (MoE TP needs SP), DP their samples
             per_layer = per_layer.cpu()
         self.counts.zero_()
-        out = {"train/routing_mismatch": float(per_layer[:, 0].sum() / per_layer[:, 1].sum().clamp(min=1))}
-        out.update({f"train/routing_mismatch/layer_{i}": float(m / max(n, 1)) for i, (m, n) in
-                    enumerate(per_layer.tolist())})
+        out = {name: float(per_layer[:, 0].sum() / per_layer[:, 1].sum().clamp(min=1))}
+        out.update({f"{name}/layer_{i}": float(m / max(n, 1)) for i, (m, n) in enumerate(per_layer.tolist())})
         return out

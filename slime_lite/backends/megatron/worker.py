@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig
 
@@ -35,6 +35,8 @@ from slime_lite.backends.megatron.model import (
     sequence_parallel,
     unwrap,
 )
+from slime_lite.backends.megatron.moe_metrics import ExpertLoad, real_tokens
+from slime_lite.backends.megatron.optimizer_offload import optimizer_config
 from slime_lite.backends.megatron.parallel import init_distributed, open_store
 from slime_lite.config import TokenBudget
 from slime_lite.determinism import set_deterministic
@@ -103,7 +105,12 @@ class TrainWorker:
         model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl,
                                 **memory_overrides(a), **moe_overrides(a, self.hf_config))
         load_hf_weights(model, self._init_checkpoint(), self.hf_config)
-        self.replay = routing.Replay(model) if a.use_rollout_routing_replay else None
+        self.replay = routing.Replay(model) if a.use_rollout_routing_replay or a.use_routing_replay else None
+        self._recording: dict | None = None  # --use-routing-replay: the pass being recorded fills it (routing.py)
+        self._route_tables: dict | None = None  # ... and the training passes replay it
+        self._free_routing = False  # a pass that routes on its own despite replay (the without-replay log-probs)
+        moe = hf_arch(self.hf_config).moe
+        self.expert_load = ExpertLoad(model, self.hf_config.num_hidden_layers, moe.num_experts) if moe else None
         self.lora = lora_config.settings(a, hf_arch(self.hf_config).fused_gate_up)
         if self.lora is not None:  # base frozen, adapters added (lora.py)
             lora.apply(model, self.lora, a.seed)
@@ -112,13 +119,15 @@ class TrainWorker:
                                       f"--lora-adapter-path {a.lora_adapter_path}")
         self._adapt_model(model, dtype)
         config = model.config
+        # --optimizer-cpu-offload: Megatron's hybrid optimizer, which runs under its distributed optimizer
+        distributed = bool(a.optimizer_cpu_offload)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
+                                                   use_distributed_optimizer=distributed)
         self.model = DistributedDataParallel(config, ddp_config, model)
         lr = self._lr()
-        opt_config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=a.weight_decay,
-                                     adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, clip_grad=a.clip_grad,
-                                     bf16=a.bf16, params_dtype=dtype, use_distributed_optimizer=False)
+        opt_config = optimizer_config(a, optimizer="adam", lr=lr, min_lr=lr, weight_decay=a.weight_decay,
+                                      adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, clip_grad=a.clip_grad,
+                                      bf16=a.bf16, params_dtype=dtype)
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
@@ -161,13 +170,16 @@ class TrainWorker:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple:
             mb = next(data_iterator)
-            if self.replay is not None:  # the engine's experts for these tokens (and their backward pass)
-                self.replay.set(*routing.targets(samples, mb, self.replay.layer_ids, self.hf_config.num_hidden_layers,
-                                                 self.hf_config.num_experts_per_tok, sequence_parallel(self.args)))
+            if self.replay is not None:
+                self._route(samples, mb)
+            if self.expert_load is not None and self.expert_load.counting:  # training passes: real tokens only
+                self.expert_load.next_micro_batch(real_tokens(samples, mb, sequence_parallel(self.args)))
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
             # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
             out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, runtime_gather_output=False, **extra)
+            if self._recording is not None:
+                self.replay.recorded(mb, samples, self._recording)
             return out, partial(loss_fn, mb)
 
         try:
@@ -179,6 +191,22 @@ class TrainWorker:
         finally:
             if self.replay is not None:
                 self.replay.clear()
+
+    def _route(self, samples: list, mb: Any) -> None:
+        """Before micro-batch ``mb``'s forward: record the routers' own experts, replay the engine's
+        (--use-rollout-routing-replay) or the recorded ones (--use-routing-replay, training passes), or route
+        freely (--use-routing-replay, the reference pass); a replay holds for the backward pass too."""
+        if self._recording is not None:
+            self.replay.record()
+        elif self._free_routing:
+            self.replay.clear()
+        elif self.args.use_rollout_routing_replay or self._route_tables is not None:
+            tables = None if self.args.use_rollout_routing_replay else self._route_tables
+            self.replay.set(*routing.targets(samples, mb, self.replay.layer_ids, self.hf_config.num_hidden_layers,
+                                             self.hf_config.num_experts_per_tok, sequence_parallel(self.args),
+                                             tables))
+        else:
+            self.replay.clear()
 
     def _plan(self, samples: list, log_probs: bool = False) -> list[list[list[int]]]:
         """Sample indices per optimizer step, per micro-batch, for this DP rank: fixed --micro-batch-size, or
@@ -247,6 +275,8 @@ class TrainWorker:
         first: dict[str, float] = {}
         norms: list[float] = []  # every step's grad-norm, for --ci-save-grad-norm / --ci-load-grad-norm
         self.model.train()
+        if self.expert_load is not None:
+            self.expert_load.start()
         for k, mbs in enumerate(steps):
             self._num_mb = len(mbs)
             self.model.zero_grad_buffer()
@@ -271,6 +301,8 @@ class TrainWorker:
                 sums[key] = sums.get(key, 0.0) + v
         prefix = self.metric_prefix
         out: dict[str, Any] = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
+        if self.expert_load is not None:  # all ranks
+            out.update(self.expert_load.metrics(prefix))
         for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
             if key in first:
                 out[f"{prefix}/first_step/{key}"] = first[key]
@@ -282,11 +314,12 @@ class TrainWorker:
 
         if getattr(self, "_stash", None) is None:
             self._stash = TensorStash(train_offload.device())
-        train_offload.offload(self.model, self.optimizer, self._stash)
+            self._held: list = []  # the parameter buffers' host copies (distributed optimizer)
+        train_offload.offload(self.model, self.optimizer, self._stash, self._held)
 
     def onload(self) -> None:
         if getattr(self, "_stash", None) is not None:
-            train_offload.onload(self.model, self._stash)
+            train_offload.onload(self.model, self._stash, self._held)
 
     def memory(self) -> dict[str, float]:
         return process_memory()

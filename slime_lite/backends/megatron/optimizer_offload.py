@@ -1,0 +1,73 @@
+"""--optimizer-cpu-offload: Megatron's hybrid CPU optimizer (``HybridDeviceOptimizer``, CUDA only).
+
+With the flag, the trainer runs Megatron's distributed optimizer with the precision-aware path
+(--use-precision-aware-optimizer, which Megatron requires with the offload): the GPU keeps the bf16 weights and
+gradient buffers, while the float32 master weights and the Adam moments live in pinned host memory (the share
+``--optimizer-offload-fraction``, default all) and each optimizer step runs on the CPU; with
+--overlap-cpu-optimizer-d2h-h2d the gradient and weight copies overlap the CPU step.
+
+The distributed optimizer's ``state_dict`` leaves the per-parameter state (master weights, moments) out, so a
+checkpoint also stores ``param_state`` (Megatron's DP-rank-0 gather of it) and a resume scatters it back.
+With ``--offload-train`` the weights are views of DDP's parameter buffer, which train_offload.py empties and refills
+in place; the state already on the host stays there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from megatron.core.optimizer import OptimizerConfig
+
+
+def optimizer_config(args: Any, **fields: Any) -> OptimizerConfig:
+    """Megatron's OptimizerConfig of ``fields``, with the offload fields of the flags when --optimizer-cpu-offload
+    is on (``use_distributed_optimizer`` included: the hybrid optimizer runs under the distributed one)."""
+    if not args.optimizer_cpu_offload:
+        return OptimizerConfig(**fields, use_distributed_optimizer=False)
+    fields.update(use_distributed_optimizer=True, optimizer_cpu_offload=True,
+                  optimizer_offload_fraction=args.optimizer_offload_fraction,
+                  overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d)
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return OptimizerConfig(**fields, use_precision_aware_optimizer=True)
+    # megatron-core 0.16.1's check of the precision-aware flag compares Transformer Engine's version even when TE is
+    # absent (a TypeError); with the CPU offload it needs nothing of TE. Set what the check would set without TE.
+    config = OptimizerConfig(**fields)
+    config.use_precision_aware_optimizer = True
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    config.store_param_remainders = False
+    return config
+
+
+def _distributed(optimizer: Any) -> list[Any]:
+    return [o for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]
+            if hasattr(o, "get_parameter_state_dp_zero")]
+
+
+def param_state(optimizer: Any) -> list[Any] | None:
+    """The per-parameter state of each distributed optimizer in the chain (on DP rank 0; None elsewhere), or None
+    without --optimizer-cpu-offload. Every rank must call it (a gather)."""
+    opts = _distributed(optimizer)
+    if not opts:
+        return None
+    return [o.get_parameter_state_dp_zero() for o in opts]  # keyed by dtypes: a weights-only load reads them
+
+
+def check_param_state(optimizer: Any, saved: list[Any] | None, where: str) -> None:
+    """SlimeLiteError when a checkpoint's ``param_state`` does not fit this run's optimizer (saved with
+    --optimizer-cpu-offload and resumed without it, or the other way round)."""
+    from slime_lite.errors import SlimeLiteError
+
+    opts = _distributed(optimizer)
+    if (saved is None) != (not opts) or (opts and len(saved) != len(opts)):
+        raise SlimeLiteError(f"{where} was saved {'without' if saved is None else 'with'} --optimizer-cpu-offload "
+                             f"and this run is {'with' if opts else 'without'} it: resume with the optimizer flags "
+                             "it was saved with.")
+
+
+def load_param_state(optimizer: Any, saved: list[Any] | None) -> None:
+    """Scatter ``param_state``'s result back, after the optimizer's own ``load_state_dict`` (every rank calls it)."""
+    with torch.no_grad():  # it copies into shards that are views of the weights (float32: the main params)
+        for o, state in zip(_distributed(optimizer), saved or []):
+            o.load_parameter_state_from_dp_zero(state)
