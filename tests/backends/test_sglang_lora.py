@@ -57,11 +57,13 @@ def test_sglang_parses_the_lora_launch_flags(flags, targets, expected):
     assert served.enable_lora and served.max_lora_rank == 16 and set(served.lora_target_modules) == expected
 
 
-def test_sglang_lora_flags_of_our_own_are_refused_in_the_passthrough(flags):
+def test_lora_flags_sglang_gets_from_us_or_cannot_serve_are_refused(flags):
     oracle.require_sglang()
     oracle.sglang_module("sglang.srt.server_args")
     with pytest.raises(SlimeLiteError, match="--sglang-max-lora-rank: slime-lite sets --max-lora-rank"):
         parse_args(flags + ["--sglang-max-lora-rank", "64"])
+    with pytest.raises(SlimeLiteError, match="--lora-rank with --sglang-dp-size above 1"):  # SGLang asserts it
+        parse_args(flags + ["--sglang-dp-size", "2"])
 
 
 def test_push_and_generate_bodies_are_sglangs_requests(tmp_path, monkeypatch):

@@ -96,7 +96,10 @@ def check_sglang_args(cfg: EngineConfig) -> None:
                 f"--rollout-backend sglang needs SGLang, which is not installed in this Python ({sys.executable}). "
                 f"Install it on every GPU node ({INSTALL_HINT}, or use the docker image in docker/), or use "
                 "--rollout-backend embedded.")
-        validate_with_sglang_parser(cfg.hf_checkpoint, sglang_args)
+        served = validate_with_sglang_parser(cfg.hf_checkpoint, sglang_args)
+        if cfg.lora_rank is not None and (getattr(served, "dp_size", 1) or 1) > 1:
+            raise SlimeLiteError("--lora-rank with --sglang-dp-size above 1: SGLang loads adapters at run time only "
+                                 "without its data parallelism; use more engines (--rollout-num-gpus) instead.")
     if router and not _module_found("sglang_router"):
         raise SlimeLiteError("--use-sglang-router needs SGLang's router, which is not installed: "
                              "pip install sglang-router (or drop --use-sglang-router: slime-lite balances the "
@@ -120,10 +123,10 @@ OWNED_DESTS = {"model_path": "--hf-checkpoint", "host": "(chosen by slime-lite)"
                "port": "(a free port, chosen by slime-lite)", "tp_size": "--rollout-num-gpus-per-engine"}
 
 
-def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> None:
+def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> argparse.Namespace:
     """Parse the passthrough flags with SGLang's own ``ServerArgs.add_cli_args`` (the flag set of the installed
     release, never a copied list): unknown or ambiguous flags, bad values and flags that set what the launcher
-    owns (also through a prefix such as ``--sglang-po``) are errors."""
+    owns (also through a prefix such as ``--sglang-po``) are errors. Returns what SGLang parsed."""
     try:
         from sglang.srt.server_args import ServerArgs  # only reached when SGLang is installed
     except ImportError as exc:
@@ -147,6 +150,7 @@ def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> None
         if dest in ours and getattr(parsed, dest) != ours[dest]:
             raise SlimeLiteError(f"the --sglang-* flags set SGLang's {dest} ({getattr(parsed, dest)!r}), which "
                                  f"slime-lite sets for each server itself from {controlled_by}; drop that flag.")
+    return parsed
 
 
 # ---- command line ------------------------------------------------------------------------------------------
