@@ -1,6 +1,6 @@
 """bench/bench_loop_gpu.py's inputs, reward hook and standalone parts.
 
-Inputs: a Qwen2.5-0.5B-shaped checkpoint with random bf16 weights and the real 151,936-token vocabulary
+Inputs: a Qwen2.5-0.5B-shaped checkpoint (or --shape's) with random bf16 weights and the real 151,936-token vocabulary
 (``bench_train_gpu.make_checkpoint``), or the tiny model (``--quick``); a synthetic tokenizer that decodes every id
 of the model's vocabulary (the tiny model's character tokenizer, ids past it decode to ``<id>``); the eos set of
 ``bench_engine.stop_set`` in generation_config.json, so that a random model's responses stop after about
@@ -47,8 +47,10 @@ def synthetic_tokenizer(out: str, vocab_size: int) -> None:
         json.dump(spec, f)
 
 
-def make_inputs(out: str, quick: bool, mean: int, n_prompts: int, prompt_len: int) -> tuple[str, str]:
-    """(checkpoint folder, prompt JSONL): the model, its synthetic tokenizer and eos set, n_prompts prompts."""
+def make_inputs(out: str, quick: bool, mean: int, n_prompts: int, prompt_len: int,
+                shape: str = "0.5b") -> tuple[str, str]:
+    """(checkpoint folder, prompt JSONL): the model (``shape``: a bench_train_gpu.SHAPES key), its synthetic
+    tokenizer and eos set, n_prompts prompts."""
     sys.path.insert(0, HERE)
     from bench_engine import stop_set
 
@@ -61,7 +63,7 @@ def make_inputs(out: str, quick: bool, mean: int, n_prompts: int, prompt_len: in
         import torch
         from bench_train_gpu import make_checkpoint
 
-        make_checkpoint("0.5b", model)
+        make_checkpoint(shape, model)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     with open(os.path.join(model, "config.json")) as f:
