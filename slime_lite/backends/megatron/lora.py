@@ -61,11 +61,15 @@ class LoraAdapter(torch.nn.Module):
                                              0 if kind == "column" else 1, 1)
         self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout else torch.nn.Identity()
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
+    def added_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out + scaling * B (A x)``, the sum and the scaling inside B's GEMM (one pass over the [tokens, out]
+        output, where a separate scale and add would make two more)."""
         h = torch.nn.functional.linear(self.dropout(x), self.A)
         h = copy_to_tensor_model_parallel_region(h) if self.kind == "column" else \
             reduce_from_tensor_model_parallel_region(h)
-        return torch.nn.functional.linear(h, self.B) * self.scaling
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]).to(out.dtype),
+                           self.B.t().to(out.dtype), alpha=self.scaling)
+        return flat.view(out.shape)
 
 
 def _foldable(t: torch.Tensor) -> torch.Tensor:
@@ -94,8 +98,7 @@ def _after_frozen_linear(module: torch.nn.Module, args: tuple, kwargs: dict, out
     out = _foldable(out)
     adapter = getattr(module, "lora", None)
     if adapter is not None and adapter.enabled:
-        x = args[0] if args else kwargs["input_"]
-        out = out + adapter.delta(x).to(out.dtype)
+        out = adapter.added_to(out, args[0] if args else kwargs["input_"])
     return out, bias
 
 
