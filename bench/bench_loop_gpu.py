@@ -1,6 +1,6 @@
 """Issue 13's loop benchmark: the real `slime-lite train` loop next to its parts measured alone, in one run.
 
-Workload (inputs and hooks: bench/loop_parts.py): a Qwen2.5-0.5B-shaped model, random bf16 weights, the real
+Workload (inputs and hooks: bench/loop_parts.py): a Qwen2.5-0.5B-shaped model (--shape), random bf16 weights, the real
 151,936-token vocabulary with a synthetic tokenizer that decodes every id; 64 prompts x 8 samples per rollout,
 prompts of 128 tokens; responses sampled at temperature 1 up to 1,024 tokens, stopping on an eos set sized for a
 mean of about --mean-response tokens (geometric lengths: the random model's next token is near uniform; no 64-token
@@ -41,6 +41,8 @@ the background while the trainer trains).
   python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs
   .venv/bin/python bench/bench_loop_gpu.py --quick        # CPU, tiny model (vocab 128), 4 x 8 samples, < 2 min
   python3 bench/bench_loop_gpu.py --layout colocate --lora-rank 32   # the loop with LoRA (push bytes and time)
+  python3 bench/bench_loop_gpu.py --layout colocate --lora-rank 32 --shape 7b --prompts 16 --num-rollout 2 \
+      --timeout 500 --budget 560   # LoRA on a 7B shape, colocated (the standalone parts run full fine-tuning)
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout disagg   # both disaggregated loops on CPU (a check)
   python3 bench/bench_loop_gpu.py --layout partial        # 1 GPU: without and with over-sampling + partial rollout
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout partial  # the same on CPU (a check)
@@ -315,6 +317,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=None, metavar="R",
                     help="the loop with LoRA adapters of rank R on every linear (alpha 2R; adapter-only pushes); "
                          "the standalone train part stays full fine-tuning")
+    ap.add_argument("--shape", default="0.5b", choices=("0.5b", "1.5b", "7b"),
+                    help="the model's shape (bench_train_gpu.py's; default %(default)s)")
     ap.add_argument("--budget", type=int, default=None,
                     help="seconds for the whole bench; no subprocess runs past it (default: colocate 360, "
                          "disagg 570, --quick 170)")
@@ -341,7 +345,7 @@ def main() -> None:
                                      else 360 if a.layout == "colocate" else 420 if replay else 570))
     over = a.over_sampling or prompts * 3 // 2
     rows = (2 * over if a.layout == "partial" else prompts) * a.num_rollout  # over-sampling uses more prompts
-    model, data = make_inputs(out, q, mean, rows, plen, "moe-2b" if replay else "0.5b")
+    model, data = make_inputs(out, q, mean, rows, plen, "moe-2b" if replay else a.shape)
     print(f"inputs in {time.time() - t0:.1f} s: {model}, {data}", flush=True)
     kv = (over if a.layout == "partial" else prompts) * n * (plen + max_resp + 16)
     common = [sys.executable, "-m", "slime_lite.cli", "train", "--hf-checkpoint", model, "--prompt-data", data,

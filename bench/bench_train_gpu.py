@@ -223,6 +223,7 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             profiled(lambda: w.train(0, part, None), f"train (log-probs + step), {len(part)} samples")
     finally:
         destroy()
+        del w  # before collecting: the worker's reference cycles would keep its GPU tensors into the next run's peak
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """bench/bench_loop_gpu.py's inputs, reward hook and standalone parts.
 
-Inputs: a Qwen2.5-0.5B-shaped checkpoint with random bf16 weights and the real 151,936-token vocabulary
+Inputs: a Qwen2.5-0.5B-shaped checkpoint (or --shape's) with random bf16 weights and the real 151,936-token vocabulary
 (``bench_train_gpu.make_checkpoint``), or the tiny model (``--quick``); a synthetic tokenizer that decodes every id
 of the model's vocabulary (the tiny model's character tokenizer, ids past it decode to ``<id>``); the eos set of
 ``bench_engine.stop_set`` in generation_config.json, so that a random model's responses stop after about
@@ -49,8 +49,8 @@ def synthetic_tokenizer(out: str, vocab_size: int) -> None:
 
 def make_inputs(out: str, quick: bool, mean: int, n_prompts: int, prompt_len: int,
                 shape: str = "0.5b") -> tuple[str, str]:
-    """(checkpoint folder, prompt JSONL): the model (a bench_train_gpu shape; ``quick``: the tiny model, a tiny
-    Qwen3-MoE for an MoE shape), its synthetic tokenizer and eos set, n_prompts prompts."""
+    """(checkpoint folder, prompt JSONL): the model (``shape``: a bench_train_gpu shape; ``quick``: the tiny model,
+    a tiny Qwen3-MoE for an MoE shape), its synthetic tokenizer and eos set, n_prompts prompts."""
     sys.path.insert(0, HERE)
     from bench_engine import stop_set
 

@@ -189,6 +189,8 @@ class EngineConfig(_FromArgs):
     sglang_server_module: str
     sglang_args: list[str]
     use_rollout_routing_replay: bool
+    lora_rank: int | None
+    lora_target_modules: list[str]
     rollout_num_gpus: int
     rollout_batch_size: int
     over_sampling_batch_size: int | None
@@ -249,6 +251,13 @@ class RolloutSideConfig(_FromArgs):
     eval_prompt_data: list[str] | None
     num_rollout: int
     debug_inject_fault: str | None
+    rollout_backend: str
+    lora_rank: int | None
+
+    @property
+    def names_lora_adapter(self) -> bool:
+        """LoRA on real SGLang: each push loads the adapters under a new name, which /generate must name."""
+        return self.lora_rank is not None and self.rollout_backend == "sglang"
 
     def evaluates_after(self, rollout_id: int) -> bool:
         """Eval after rollout_id trained (and at the end): every --eval-interval rollouts, given eval sets."""

@@ -29,6 +29,12 @@ API_KEY_FILE_ENV = "SLIME_LITE_ENGINE_API_KEY_FILE"  # or a file holding it
 REPLACEMENT_WAIT_S = 3600.0  # --use-fault-tolerance: the longest a request waits for a restarted engine
 
 
+def lora_adapter_name(version: int) -> str:
+    """The name a real SGLang engine holds the adapters of weight version ``version`` under (LoRA with
+    ``--rollout-backend sglang``); /generate names it in ``lora_path``."""
+    return f"slime_lite_lora_v{version}"
+
+
 def normalize_url(address: str) -> str:
     """An engine's base URL from ``host:port`` or a URL: http:// when no scheme is given, no trailing slash."""
     address = address.strip().rstrip("/")
@@ -173,6 +179,8 @@ class AsyncEngineClient:
         self.inflight = {u: 0 for u in self.urls}
         self.dead: dict[str, str] = {}
         self._session = None
+        # LoRA on real SGLang: the adapter every /generate names (lora_path), the newest pushed (lora_adapter_name)
+        self.lora_path: str | None = None
 
     async def _get_session(self):
         import aiohttp  # aiohttp: only the async client needs it (the driver, the tools: sync)
@@ -236,7 +244,10 @@ class AsyncEngineClient:
             ) from None
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /generate on the least-loaded live engine; on a dead engine, retry on another."""
+        """POST /generate on the least-loaded live engine; on a dead engine, retry on another. With ``lora_path``
+        set, a body that names no adapter gets it."""
+        if self.lora_path is not None and body.get("lora_path") is None:
+            body = {**body, "lora_path": self.lora_path}
         attempts = 0
         while True:
             url = await self._pick_or_wait()

@@ -37,7 +37,8 @@ def base(tmp_path):
     (["--lora-rank", "8", "--ref-load", "{model}"], "--lora-rank cannot be used with --ref-load: the reference"),
     (["--lora-rank", "8", "--sequence-parallel"], "--lora-rank cannot be used with --sequence-parallel"),
     (["--lora-rank", "8", "--transformer-impl", "transformer_engine"], "--lora-rank needs --transformer-impl local"),
-    (["--lora-rank", "8", "--rollout-backend", "sglang"], "with --rollout-backend sglang"),
+    (["--lora-rank", "8", "--rollout-backend", "sglang", "--rollout-external-engine-addrs", "127.0.0.1:1"],
+     "--lora-rank with --rollout-external-engine-addrs"),
     (["--lora-rank", "8", "--lora-adapter-path", "{model}"], "no adapter_config.json"),
 ])
 def test_bad_lora_flags_are_refused_before_anything_starts(base, extra, said):

@@ -208,6 +208,11 @@ class RolloutManager:
 
     # ---- --use-fault-tolerance: the driver reads the failed engines and hands in their replacements, from a second
     # thread of this actor while generate/evaluate runs
+    def use_lora_adapter(self, name: str) -> None:
+        """Every later /generate names this adapter (LoRA on real SGLang: the one the last push loaded)."""
+        if self.generator is not None:
+            self.generator.client.lora_path = name
+
     def failed_engines(self) -> list[str]:
         return self.generator.client.failed() if self.generator is not None else []
 

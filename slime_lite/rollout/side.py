@@ -17,6 +17,7 @@ import ray
 
 from slime_lite.backends.sglang.launcher import SGLangRouter
 from slime_lite.config import RolloutSideConfig
+from slime_lite.engine_client import lora_adapter_name
 from slime_lite.metrics import memory_record
 from slime_lite.profiling import DRIVER_TIMELINE, add_time, timed
 from slime_lite.rollout.engines import EngineFleet, engine_memory, start_engines
@@ -98,6 +99,7 @@ class RolloutSide:
             return
         t0 = time.monotonic()
         push(self.urls, version)
+        self._name_adapter(version)
         log.info("initial weights pushed to %d engine(s) in %.2fs", len(self.urls), time.monotonic() - t0)
 
     def push_weights(self, push: Push | None, version: int, record: dict) -> None:
@@ -113,7 +115,13 @@ class RolloutSide:
                 add_time(record, "perf/offload/engine_resume_time", t0)
             self.recovery.check()
             record.update(push(self.urls, version) or {})
+            self._name_adapter(version)
             self.recovery.pushed(version)
+
+    def _name_adapter(self, version: int) -> None:
+        """LoRA on real SGLang: the rollouts from now on name the adapters this push loaded."""
+        if self.config.names_lora_adapter:
+            ray.get(self.manager.use_lora_adapter.remote(lora_adapter_name(version)))
 
     def resume_memory(self, record: dict) -> None:
         """--offload-rollout, after the trainer offloaded: the engines get their KV cache back."""

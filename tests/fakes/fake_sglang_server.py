@@ -8,11 +8,16 @@ test-only ``--fake-fault KIND:TOGGLE`` (repeatable) makes it fail like an IMA wo
   never answers), ``hang-at-start`` (never listens).
 - TOGGLE: ``cuda-graph`` (on unless --disable-cuda-graph), ``spec`` (on with --speculative-algorithm), ``deepep``
   (on with --moe-a2a-backend deepep), ``always``.
+
+With ``--enable-lora`` it keeps adapters loaded by /load_lora_adapter under their names (it never applies them:
+SGLang's LoRA kernels are SGLang's business), drops them on /unload_lora_adapter, and refuses a /generate whose
+``lora_path`` names no loaded adapter, as SGLang does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -37,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-a2a-backend", default="none")
     p.add_argument("--deepep-mode", default=None)
     p.add_argument("--some-offset", type=int, default=0, help="a flag whose value may start with '-'")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--lora-target-modules", nargs="*", default=None)
     p.add_argument("--fake-fault", action="append", default=[], metavar="KIND:TOGGLE")
     return p
 
@@ -99,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from slime_lite.engine.server import EngineServer
 
+    from aiohttp import web
+
+    loras: dict[str, str] = {}  # --enable-lora: adapter name -> PEFT folder (kept by name only, never applied)
+
     class FakeSGLangEngine(EngineServer):
         async def generate(self, request):
             if "crash" in kinds:
@@ -106,7 +118,30 @@ def main(argv: list[str] | None = None) -> int:
             if "hang" in kinds:
                 while True:
                     await asyncio.sleep(3600)
+            body = await request.json()
+            name = body.pop("lora_path", None)
+            if name is not None and name not in loras:  # SGLang refuses a request naming an adapter it lacks
+                return web.json_response({"error": {"message": f"LoRA adapter {name!r} is not loaded"}}, status=400)
+            request._read_bytes = json.dumps(body).encode()  # the embedded engine (base weights) serves the rest
             return await super().generate(request)
+
+        async def load_lora(self, request):
+            body = await request.json()
+            if not args.enable_lora or not os.path.isfile(os.path.join(body["lora_path"], "adapter_config.json")):
+                return web.json_response({"success": False, "error_message": "cannot load"}, status=400)
+            loras[body["lora_name"]] = body["lora_path"]
+            return web.json_response({"success": True, "loaded_adapters": dict(loras)})
+
+        async def unload_lora(self, request):
+            if loras.pop((await request.json())["lora_name"], None) is None:
+                return web.json_response({"success": False, "error_message": "not loaded"}, status=400)
+            return web.json_response({"success": True, "loaded_adapters": dict(loras)})
+
+        def make_app(self):
+            app = super().make_app()
+            app.router.add_post("/load_lora_adapter", self.load_lora)
+            app.router.add_post("/unload_lora_adapter", self.unload_lora)
+            return app
 
     server = FakeSGLangEngine(args.model_path, host=args.host, port=args.port, device="cpu",
                               seed=args.random_seed, cpu_threads=1, api_key=args.api_key)

@@ -21,7 +21,7 @@ from slime_lite.backends.megatron.convert import iter_hf_weights
 from slime_lite.backends.megatron.logprobs import sample_log_probs
 from slime_lite.backends.megatron.loss import mismatch_report, rl_loss
 from slime_lite.backends.megatron.train_dump import save_train_dump
-from slime_lite.backends.megatron.weight_push import push
+from slime_lite.backends.megatron.weight_push import push, push_lora_to_sglang
 from slime_lite.backends.megatron.worker import TrainResult, TrainWorker, reported
 from slime_lite.checks.faults import breaks_sent_weights, sent_stage_weights
 from slime_lite.config import LossConfig, TrainSideConfig, has_reference_model
@@ -293,7 +293,8 @@ class TrainActor(TrainWorker):
     def _push_lora(self, urls: list[str], version: int, check: bool) -> dict[str, float] | None:
         """An adapter-only push: each adapted weight's lora_A and scaled lora_B (``lora_wire``), which the engines
         merge into their base weights. The disk transport writes whole folders: it gets the merged weights. The
-        weight check compares the engines against the merged weights of the trainer's base."""
+        weight check compares the engines against the merged weights of the trainer's base. Real SGLang gets the
+        adapters as a PEFT folder it loads by name (``weight_push.push_lora_to_sglang``)."""
         a = self.args
         t0 = time.perf_counter()
         adapters = self.hf_lora()
@@ -302,6 +303,15 @@ class TrainActor(TrainWorker):
         # the trainer's base weights: on its GPU where it has one (PP=1), so the merge runs there; views of the
         # parameters except for a disk folder (safetensors refuses tensors sharing memory, as q/k/v views do)
         on_device = torch.cuda.is_available() and self.ps.get_pipeline_model_parallel_world_size() == 1
+        if a.rollout_backend == "sglang":  # SGLang applies the adapters itself: a PEFT folder, loaded by name
+            base = self.hf_weights(on_device=on_device, views=on_device) if check or a.check_weight_update_equal \
+                else None
+            if self.rank != 0:
+                return None
+            return {"perf/update_weights/gather_time": time.perf_counter() - t0,
+                    "perf/update_weights/bytes": float(sum(x.numel() * x.element_size() for ab in sent.values()
+                                                           for x in ab)),
+                    **push_lora_to_sglang(a, sent, self.lora, urls, version, adapters, base)}
         base = self.hf_weights(on_device=on_device, views=on_device and not disk) if disk or check or \
             a.check_weight_update_equal else None
         if self.rank != 0:

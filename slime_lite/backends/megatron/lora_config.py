@@ -84,6 +84,13 @@ def resolve_targets(names: list[str], fused_gate_up: bool, flag: str = "--lora-t
     return tuple(lin for lin in LINEARS if lin in chosen)
 
 
+def sglang_target_modules(names: list[str]) -> list[str]:
+    """SGLang's ``--lora-target-modules`` for ``--lora-target-modules names``: the HF modules of the adapted linears
+    (SGLang maps gate_proj and up_proj onto a fused gate_up_proj itself)."""
+    fused = any("gate_up_proj" in n for n in names)
+    return [m for lin in resolve_targets(names, fused) for m in LINEARS[lin][1]]
+
+
 def settings(args: Any, fused_gate_up: bool) -> LoraSettings | None:
     """The run's LoRA settings (None without --lora-rank)."""
     if args.lora_rank is None:
@@ -124,9 +131,10 @@ def check_lora_args(args: Any, hf_config: dict) -> None:
     if args.transformer_impl != "local":
         raise SlimeLiteError("--lora-rank needs --transformer-impl local: Transformer Engine's linear_qkv applies the "
                              "input norm inside the linear, where the adapter cannot see the normed input.")
-    if args.rollout_backend == "sglang" and not args.debug_train_only:
-        raise SlimeLiteError("--lora-rank pushes adapters to the embedded engine only; with --rollout-backend sglang "
-                             "train without LoRA, or use --rollout-backend embedded.")
+    if args.rollout_backend == "sglang" and args.rollout_external_engine_addrs and not args.debug_train_only:
+        raise SlimeLiteError("--lora-rank with --rollout-external-engine-addrs: the adapters are pushed to SGLang "
+                             "engines that slime-lite launches with --enable-lora; engines started elsewhere may lack "
+                             "it. Let slime-lite start the engines, or train without LoRA.")
     family = FAMILIES.get(hf_config.get("model_type"))
     if family is not None and family.moe:
         raise SlimeLiteError(f"--lora-rank: {hf_config.get('model_type')} is a mixture-of-experts model, and the "

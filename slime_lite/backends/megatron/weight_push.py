@@ -28,7 +28,7 @@ import torch
 
 from slime_lite.checks.faults import skips_weight_push
 from slime_lite.checks.weight_check import check_weights_equal
-from slime_lite.engine_client import on_all, request_json, sent_to_all
+from slime_lite.engine_client import lora_adapter_name, on_all, request_json, sent_to_all
 from slime_lite.errors import EngineError, EngineUnreachable, SlimeLiteError
 from slime_lite.io import free_port, write_hf_folder
 from slime_lite.weight_transport import WeightUpdateGroup, check_group_address
@@ -322,3 +322,57 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
     old = os.path.join(root, f"v{version - 1}")
     if os.path.isdir(old):
         shutil.rmtree(old, ignore_errors=True)
+
+
+_lora_loaded: dict[str, str] = {}  # engine URL -> the adapter name it serves (LoRA on real SGLang)
+
+
+def push_lora_to_sglang(args: Any, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: Any,
+                        urls: list[str], version: int, reference: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                        base: dict[str, torch.Tensor] | None) -> dict[str, float]:
+    """LoRA on real SGLang, through SGLang's own routes (SGLang applies the adapters itself; nothing is merged):
+    the adapters ({HF weight name: (A, B unscaled)}) as a PEFT folder, loaded by every engine under
+    ``lora_adapter_name(version)`` (/load_lora_adapter), the engines' weight version set (/update_weight_version),
+    then the adapter the engine served before unloaded (/unload_lora_adapter; SGLang lets its running requests
+    finish first) and its folder removed. The folder must be readable by the engines: under --save when given (a
+    file system the nodes share), else this host's temporary folder.
+
+    The weight check (with ``base``, the trainer's frozen base weights): the folder the engines loaded holds exactly
+    ``reference`` (the trainer's adapters), and the engines' base weights (/get_weights_by_name, which SGLang reports
+    without the adapters) equal ``base``. What SGLang computes from the two is not read back."""
+    from slime_lite.backends.megatron import peft_format
+
+    root = os.path.join(args.save, "lora_push") if args.save else os.path.join(tempfile.gettempdir(),
+                                                                            f"slime_lite_lora_{os.getpid()}")
+    folder, name = os.path.join(root, f"v{version}"), lora_adapter_name(version)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if skips_weight_push(args.debug_inject_fault):
+        log.warning("--debug-inject-fault skip-weight-push: the engines keep their old adapters")
+    else:
+        peft_format.write(adapters, settings, args.hf_checkpoint, folder)
+        fresh = [u for u in urls if _lora_loaded.get(u) != name]
+        on_all(fresh, lambda u: request_json(u, "/load_lora_adapter", {"lora_name": name, "lora_path": folder},
+                                             timeout=600))
+        body = {"new_version": str(version), "abort_all_requests": False}
+        on_all(fresh, lambda u: request_json(u, "/update_weight_version", body, timeout=60))
+        for url in fresh:
+            old, _lora_loaded[url] = _lora_loaded.get(url), name
+            if old is not None:
+                request_json(url, "/unload_lora_adapter", {"lora_name": old}, timeout=600)
+        for entry in os.listdir(root):
+            if entry != f"v{version}" and entry.startswith("v"):
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        times["perf/update_weights/send_time"] = time.perf_counter() - t0
+    if base is not None:
+        t0 = time.perf_counter()
+        loaded = peft_format.read(folder) if os.path.isdir(folder) else {}
+        for n, (a, b) in reference.items():
+            got = loaded.get(n)
+            if got is None or not (torch.equal(got[0], a.cpu()) and torch.equal(got[1], b.cpu())):
+                raise SlimeLiteError(
+                    f"weight check: the adapter folder {folder} the SGLang engines loaded as {name} does not hold "
+                    f"the trainer's adapter of {n}; the push wrote or sent something else.")
+        check_weights_equal(base, urls)
+        times["perf/update_weights/check_time"] = time.perf_counter() - t0
+    return times

@@ -24,6 +24,7 @@ from typing import Any
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime_lite.backends.megatron.lora_config import sglang_target_modules
 from slime_lite.config import EngineConfig
 from slime_lite.engine_client import API_KEY_ENV, API_KEY_FILE_ENV, api_key, request_json
 from slime_lite.errors import EngineError, SlimeLiteError
@@ -43,6 +44,9 @@ OWNED_FLAGS = {
     "--port": "(a free port, chosen by slime-lite)", "--tp-size": "--rollout-num-gpus-per-engine",
     "--tp": "--rollout-num-gpus-per-engine",
 }
+# with --lora-rank, the LoRA flags the launcher sets too (each push loads the adapters by name; none at start)
+LORA_FLAGS = {"--enable-lora": "--lora-rank", "--max-lora-rank": "--lora-rank",
+              "--lora-target-modules": "--lora-target-modules", "--lora-paths": "(each push loads the adapters)"}
 START_TIMEOUT_S = float(os.environ.get("SLIME_LITE_ENGINE_START_TIMEOUT", "1200"))
 STOP_GRACE_S = 15.0
 LOG_TAIL_LINES = 40
@@ -81,17 +85,21 @@ def check_sglang_args(cfg: EngineConfig) -> None:
                 "--rollout-external-engine-addrs none are started: run the router yourself and pass its address.")
         return
     sglang_args = list(cfg.sglang_args)
+    owned = {**OWNED_FLAGS, **(LORA_FLAGS if cfg.lora_rank is not None else {})}
     for flag in _flag_names(sglang_args):
-        if flag in OWNED_FLAGS:
+        if flag in owned:
             raise SlimeLiteError(f"{_user_flag(flag)}: slime-lite sets {flag} of each SGLang server itself from "
-                                 f"{OWNED_FLAGS[flag]}; drop {_user_flag(flag)}.")
+                                 f"{owned[flag]}; drop {_user_flag(flag)}.")
     if cfg.sglang_server_module.split(".")[0] == "sglang":
         if not _module_found("sglang"):
             raise SlimeLiteError(
                 f"--rollout-backend sglang needs SGLang, which is not installed in this Python ({sys.executable}). "
                 f"Install it on every GPU node ({INSTALL_HINT}, or use the docker image in docker/), or use "
                 "--rollout-backend embedded.")
-        validate_with_sglang_parser(cfg.hf_checkpoint, sglang_args)
+        served = validate_with_sglang_parser(cfg.hf_checkpoint, sglang_args)
+        if cfg.lora_rank is not None and (getattr(served, "dp_size", 1) or 1) > 1:
+            raise SlimeLiteError("--lora-rank with --sglang-dp-size above 1: SGLang loads adapters at run time only "
+                                 "without its data parallelism; use more engines (--rollout-num-gpus) instead.")
     if router and not _module_found("sglang_router"):
         raise SlimeLiteError("--use-sglang-router needs SGLang's router, which is not installed: "
                              "pip install sglang-router (or drop --use-sglang-router: slime-lite balances the "
@@ -115,10 +123,10 @@ OWNED_DESTS = {"model_path": "--hf-checkpoint", "host": "(chosen by slime-lite)"
                "port": "(a free port, chosen by slime-lite)", "tp_size": "--rollout-num-gpus-per-engine"}
 
 
-def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> None:
+def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> argparse.Namespace:
     """Parse the passthrough flags with SGLang's own ``ServerArgs.add_cli_args`` (the flag set of the installed
     release, never a copied list): unknown or ambiguous flags, bad values and flags that set what the launcher
-    owns (also through a prefix such as ``--sglang-po``) are errors."""
+    owns (also through a prefix such as ``--sglang-po``) are errors. Returns what SGLang parsed."""
     try:
         from sglang.srt.server_args import ServerArgs  # only reached when SGLang is installed
     except ImportError as exc:
@@ -142,6 +150,7 @@ def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> None
         if dest in ours and getattr(parsed, dest) != ours[dest]:
             raise SlimeLiteError(f"the --sglang-* flags set SGLang's {dest} ({getattr(parsed, dest)!r}), which "
                                  f"slime-lite sets for each server itself from {controlled_by}; drop that flag.")
+    return parsed
 
 
 # ---- command line ------------------------------------------------------------------------------------------
@@ -183,6 +192,9 @@ def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.
         cmd.append("--enable-memory-saver")
     if cfg.use_rollout_routing_replay:  # the experts of every token, in each response's meta_info
         cmd.append("--enable-return-routed-experts")
+    if cfg.lora_rank is not None:  # adapters loaded by name at each push (weight_push.push_lora_to_sglang)
+        cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
+                "--lora-target-modules", *sglang_target_modules(cfg.lora_target_modules)]
     cmd += [str(a) for a in cfg.sglang_args]
     return cmd
 
