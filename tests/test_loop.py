@@ -340,7 +340,9 @@ def test_fully_async_generates_through_training_and_ci_test_passes(tiny_model_di
     proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "3", "--fully-async", "--ci-test",
                       "--max-weight-staleness", "1", "--max-weight-staleness-mode", "mask",
                       "--save-debug-rollout-data", str(d / "data_{rollout_id}.pt")))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "--ci-test with --fully-async: the engines must serve weight version r" in log
     r = rows(tmp_path)
     assert [x["rollout/weight_version"] for x in r] == [0.0, 1.0, 2.0]
     assert r[0]["rollout/async/lag_max"] == 0 and all(x["rollout/async/lag_max"] <= 2 for x in r)
