@@ -89,14 +89,23 @@ def test_groups_generate_across_a_push_and_a_checkpoint_loses_no_prompt(tiny_mod
             samples0, m0 = await worker.rollout(0)
             await asyncio.to_thread(push, "1")
             samples1, m1 = await worker.rollout(1)
+            while not worker.finished:  # a group finished and waits for the next rollout
+                await asyncio.sleep(0.01)
             state = await worker.state()
+            await worker.stop()
+            # resumed from that checkpoint: the finished groups it kept are trained first, as they were
+            source = PromptSource(prompts, shuffle=False, seed=0)
+            source.load_state(state["source"])
+            worker = FullyAsyncWorker(Generator(args, tokenizer, client), source)
+            worker.load_state(state["carried"])
+            resumed, _ = await worker.rollout(1)
         finally:
             await worker.stop()
             await client.close()
-        return samples0, m0, samples1, m1, state
+        return samples0, m0, samples1, m1, state, resumed
 
     try:
-        samples0, m0, samples1, m1, state = asyncio.run(run())
+        samples0, m0, samples1, m1, state, resumed = asyncio.run(run())
     finally:
         server.stop()
     assert len(samples0) == len(samples1) == 4 and m0["rollout/weight_version"] == 0 == m0["rollout/async/lag_max"]
@@ -111,3 +120,7 @@ def test_groups_generate_across_a_push_and_a_checkpoint_loses_no_prompt(tiny_mod
     trained = [s.metadata["prompt_index"] for s in samples0 + samples1][::2]
     carried = [g[0]["metadata"]["prompt_index"] for g in state["carried"]]
     assert carried and sorted(trained + carried) == list(range(state["source"]["offset"]))
+    finished = [g for g in state["carried"] if all(d["status"] != "pending" for d in g)]
+    assert finished and len(finished) < len(state["carried"])  # saved as they are / in flight: saved as prompts
+    for group, d in zip([resumed[i:i + 2] for i in range(0, 4, 2)], finished):
+        assert [s.tokens for s in group] == [x["tokens"] for x in d]
