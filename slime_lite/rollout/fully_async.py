@@ -1,9 +1,11 @@
 """``--fully-async``: generation runs continuously on the engines while the trainer trains (slime's
 examples/fully_async), and each step trains on the next ``--rollout-batch-size`` prompt groups that finished.
 
-A background loop on the rollout manager's event loop keeps prompt groups generating: up to 2 x
-``--rollout-batch-size`` groups are in flight or finished and waiting, so the engines never run dry while the trainer
-trains, and the finished groups a step takes are at most about two weight versions old. A weight push does not
+A background loop on the rollout manager's event loop keeps prompt groups generating: up to ``--rollout-batch-size``
+groups are in flight or finished and waiting, and a group taken by a rollout is replaced at once. When the engines
+are slower than the trainer they never stop; when they are faster they wait for the next rollout to make room, so
+the groups a step takes were started under the previous weights at the oldest (a queue twice that size kept them
+two versions behind on the tiny CPU task, and it learned slower). A weight push does not
 abort anything: the driver pauses the engines between decode steps (``/pause_generation`` mode ``in_place``),
 updates them, and continues (rollout/side.py); a request in flight across the push continues under the new weights,
 and the engine reports the version that produced each token (``meta_info.output_token_weight_versions``, kept in
@@ -88,7 +90,7 @@ class FullyAsyncWorker:
 
     def __init__(self, gen: Any, source: Any) -> None:
         self.gen, self.source, self.config = gen, source, gen.config
-        self.capacity = 2 * self.config.rollout_batch_size  # groups in flight + finished and waiting
+        self.capacity = self.config.rollout_batch_size  # groups in flight + finished and waiting
         self.pending: list[list[Sample]] = []  # from a checkpoint: they go first
         self.finished: list[list[Sample]] = []
         self.in_flight: dict[asyncio.Future, list[dict[str, Any]]] = {}  # task -> its group as sent (plain)
