@@ -39,8 +39,8 @@ def test_staleness_drop_leaves_out_whole_groups_and_mask_zeroes_only_old_tokens(
     assert fresh[1].loss_mask == [1, 1]  # 1 behind: within the bound
     kept, counts = apply_staleness([old], trainer_version=9, max_staleness=None, mode="drop")  # no bound
     assert kept == [old] and counts["rollout/async/dropped_stale_samples"] == 0.0
-    assert lag_metrics([sample([1, 2]), sample([3])], 3) == {"rollout/async/lag_mean": 1.0,
-                                                            "rollout/async/lag_max": 2.0, "rollout/async/newest_lag": 0.0}
+    assert lag_metrics([sample([1, 2]), sample([3])], 3) == {
+        "rollout/async/lag_mean": 1.0, "rollout/async/lag_max": 2.0, "rollout/async/newest_lag": 0.0}
 
 
 BASE = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"]
