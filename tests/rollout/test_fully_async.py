@@ -121,6 +121,7 @@ def test_groups_generate_across_a_push_and_a_checkpoint_loses_no_prompt(tiny_mod
     carried = [g[0]["metadata"]["prompt_index"] for g in state["carried"]]
     assert carried and sorted(trained + carried) == list(range(state["source"]["offset"]))
     finished = [g for g in state["carried"] if all(d["status"] != "pending" for d in g)]
-    assert finished and len(finished) < len(state["carried"])  # saved as they are / in flight: saved as prompts
+    assert finished  # saved as they are; the groups in flight, as their prompts (no response)
+    assert all(d["response_length"] == 0 for g in state["carried"] if g not in finished for d in g)
     for group, d in zip([resumed[i:i + 2] for i in range(0, 4, 2)], finished):
         assert [s.tokens for s in group] == [x["tokens"] for x in d]
