@@ -5,7 +5,7 @@ A background loop on the rollout manager's event loop keeps prompt groups genera
 groups are in flight or finished and waiting, and a group taken by a rollout is replaced at once. When the engines
 are slower than the trainer they never stop; when they are faster they wait for the next rollout to make room, so
 the groups a step takes were started under the previous weights at the oldest (a queue twice that size kept them
-two versions behind on the tiny CPU task, and it learned slower). A weight push does not
+two versions behind on the tiny CPU task). A weight push does not
 abort anything: the driver pauses the engines between decode steps (``/pause_generation`` mode ``in_place``),
 updates them, and continues (rollout/side.py); a request in flight across the push continues under the new weights,
 and the engine reports the version that produced each token (``meta_info.output_token_weight_versions``, kept in
