@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from engine_helpers import generate, http, in_thread, start_engine
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _generated(server) -> int:
@@ -34,8 +41,16 @@ def _push(server, model_dir, version: str) -> int:
     return before
 
 
-def test_tokens_carry_the_version_that_generated_them_across_pushes(tiny_model_dir):
-    server = start_engine(tiny_model_dir, max_running_requests=2)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="needs CUDA (captured decode steps, pipelined reads)")])])
+def test_tokens_carry_the_version_that_generated_them_across_pushes(tiny_model_dir, device):
+    if device == "cpu":
+        server = start_engine(tiny_model_dir, max_running_requests=2)
+    else:
+        from slime_lite.engine.server import EngineServer
+
+        server = EngineServer(str(tiny_model_dir), device=device, max_running_requests=2)
+        server.start()
     try:
         sp = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
         t, box = in_thread(generate, server.url, input_ids=[1, 2, 3], return_logprob=True, sampling_params=sp)
