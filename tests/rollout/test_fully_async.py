@@ -110,6 +110,15 @@ def test_groups_generate_across_a_push_and_a_checkpoint_loses_no_prompt(tiny_mod
         server.stop()
     assert len(samples0) == len(samples1) == 4 and m0["rollout/weight_version"] == 0 == m0["rollout/async/lag_max"]
     assert m1["rollout/weight_version"] == 1
+    # --ci-test reads that version: a push that never reached the engine is caught at the next rollout
+    from slime_lite.checks.ci import rollout_checks
+    from slime_lite.config import CiConfig
+
+    cfg = CiConfig.from_args(parser_defaults(hf_checkpoint=str(tiny_model_dir), ci_test=True))
+    def served(record: dict) -> bool:
+        return next(c for c in rollout_checks(cfg, record, False, 1) if c.name == "weight_version_served").passed
+
+    assert served(m1) and not served(m0)  # m0: the engine still on version 0 at rollout 1
     for s in samples0 + samples1:
         assert len(s.metadata[TOKEN_VERSIONS]) == s.response_length == len(s.loss_mask)
     # mask with K = 0 at rollout 1: exactly the tokens of version 0 are out of the loss
