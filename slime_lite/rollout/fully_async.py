@@ -173,6 +173,7 @@ class FullyAsyncWorker:
                  "rollout/async/masked_samples": 0.0}
         filtered0, failed0 = self.filtered, self.failed
         self.gen.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
+        self.gen.first_sent = self.gen.last_back = None  # perf/rollout/*: the requests sent and back during the take
         while len(kept) < a.rollout_batch_size:
             while not self.finished:
                 await self._wait()
