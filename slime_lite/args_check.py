@@ -360,6 +360,11 @@ def check_fully_async(args: argparse.Namespace) -> None:
         refuse = "--use-fault-tolerance / --debug-inject-fault kill-engine are not supported with --fully-async yet"
     if refuse:
         raise SlimeLiteError(f"--fully-async: {refuse}.")
+    if args.rollout_backend == "sglang":
+        log.warning("--fully-async with --rollout-backend sglang: SGLang reports one weight version per request, so "
+                    "the tokens of a request in flight across a push all count as the version it ended with "
+                    "(--max-weight-staleness sees them younger than they are); the embedded engine reports each "
+                    "token's version")
 
 
 def world_size(args: Any) -> int:
