@@ -78,6 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--async", dest="async_train", action="store_true",
                    help="one-step-off training (slime's train_async.py): rollout r + 1 generates while rollout r "
                         "trains; needs disaggregated placement (not --colocate)")
+    g.add_argument("--fully-async", action="store_true",
+                   help="fully asynchronous training (slime's examples/fully_async): the engines generate "
+                        "continuously and each step trains on the next --rollout-batch-size groups that finished; "
+                        "a weight push pauses generation between decode steps and in-flight requests continue under "
+                        "the new weights; needs disaggregated placement")
+    g.add_argument("--max-weight-staleness", "--max-policy-version-lag", dest="max_weight_staleness",
+                   type=_nonneg_int, default=None, metavar="K",
+                   help="--fully-async: a sample whose oldest token is more than K weight versions behind the "
+                        "trainer is handled by --max-weight-staleness-mode (default: no bound)")
+    g.add_argument("--max-weight-staleness-mode", choices=("drop", "mask"), default="drop",
+                   help="drop: the sample's whole prompt group is not trained (counted in "
+                        "rollout/async/dropped_stale_samples) and the next finished group takes its place; mask: "
+                        "loss_mask 0 on the tokens older than K versions (rollout/async/masked_tokens) "
+                        "(default: %(default)s)")
     g.add_argument("--offload-train", action="store_true",
                    help="move the trainer's weights and optimizer state off the GPU while engines generate")
     g.add_argument("--offload-rollout", action="store_true",

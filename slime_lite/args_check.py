@@ -89,6 +89,7 @@ def validate_args(args: argparse.Namespace) -> None:
             "the other only the trainer. Pick one."
         )
     check_async_train(args)
+    check_fully_async(args)
     if (
         args.save_debug_rollout_data
         and args.load_debug_rollout_data
@@ -322,6 +323,48 @@ def check_async_train(args: argparse.Namespace) -> None:
                   "(an engine restart mid-overlap is untested): drop one of them")
     if refuse:
         raise SlimeLiteError(f"--async: {refuse}.")
+
+
+def check_fully_async(args: argparse.Namespace) -> None:
+    """--fully-async keeps the engines generating through training and weight pushes: it needs engines and a
+    trainer on their own GPUs, and the built-in rollout (its background generation loop)."""
+    if not args.fully_async:
+        if args.max_weight_staleness is not None:
+            raise SlimeLiteError(f"--max-weight-staleness {args.max_weight_staleness} bounds the lag of samples "
+                                 "generated while the trainer trains, which only --fully-async does: add "
+                                 "--fully-async, or drop it.")
+        return
+    refuse = None
+    if args.async_train:
+        refuse = "--async is one-step-off training, and --fully-async replaces it: drop --async"
+    elif args.colocate:
+        refuse = ("--colocate puts the engines on the trainer's GPUs, so they cannot generate while it trains: drop "
+                  "--colocate and give the engines their own GPUs (--rollout-num-gpus)")
+    elif args.debug_rollout_only:
+        refuse = "--debug-rollout-only builds no trainer and pushes no weights: drop --fully-async"
+    elif args.debug_train_only or args.load_debug_rollout_data:
+        refuse = "--debug-train-only / --load-debug-rollout-data start no engine to generate: drop --fully-async"
+    elif args.deterministic_mode:
+        refuse = ("which groups finish first and which weights generate each token depend on timing, so two runs "
+                  "cannot match under --deterministic-mode: drop one of them")
+    elif args.offload_rollout:
+        refuse = "--offload-rollout releases the engines' memory while they would generate: drop --offload-rollout"
+    elif args.partial_rollout or args.over_sampling_batch_size is not None:
+        refuse = ("requests are never aborted (they continue across weight pushes), so --partial-rollout and "
+                  "--over-sampling-batch-size have nothing to do: drop them")
+    elif args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION:
+        refuse = (f"--rollout-function-path {args.rollout_function_path} replaces the built-in rollout, whose "
+                  "background generation loop --fully-async is: drop one of them (--custom-generate-function-path "
+                  "works with --fully-async)")
+    elif args.use_fault_tolerance or args.debug_inject_fault == "kill-engine":
+        refuse = "--use-fault-tolerance / --debug-inject-fault kill-engine are not supported with --fully-async yet"
+    if refuse:
+        raise SlimeLiteError(f"--fully-async: {refuse}.")
+    if args.rollout_backend == "sglang":
+        log.warning("--fully-async with --rollout-backend sglang: SGLang reports one weight version per request, so "
+                    "the tokens of a request in flight across a push all count as the version it ended with "
+                    "(--max-weight-staleness sees them younger than they are); the embedded engine reports each "
+                    "token's version")
 
 
 def world_size(args: Any) -> int:

@@ -162,6 +162,9 @@ class RolloutConfig(_FromArgs):
     over_sampling_batch_size: int | None
     partial_rollout: bool
     mask_offpolicy_in_partial_rollout: bool
+    fully_async: bool
+    max_weight_staleness: int | None
+    max_weight_staleness_mode: str
     n_samples_per_eval_prompt: int
     rollout_seed: int
     debug_inject_fault: str | None
@@ -247,6 +250,7 @@ class RolloutSideConfig(_FromArgs):
     use_sglang_router: bool
     use_fault_tolerance: bool
     offload_rollout: bool
+    fully_async: bool
     eval_interval: int | None
     eval_prompt_data: list[str] | None
     num_rollout: int

@@ -7,7 +7,9 @@ fault-tolerant recovery, engine memory) and a train side (backends/megatron/side
 values and returns pass between them as Ray refs). Each decides what its phases do in the run's mode: under
 ``--debug-rollout-only`` the train side has no group (Megatron is never imported) and the push does nothing; under
 ``--debug-train-only`` / ``--load-debug-rollout-data`` the rollout side starts no engine and the manager loads dumps.
-``--async`` (train_async.py) generates rollout r + 1 while rollout r trains; the push waits for it. What a run
+``--async`` (train_async.py) generates rollout r + 1 while rollout r trains; the push waits for it. Under
+``--fully-async`` the engines never stop generating (rollout/fully_async.py): each rollout takes the groups that
+finished, and the push pauses the engines in place around the update (rollout/side.py). What a run
 checks as it goes (--ci-test, grad-norms, the log-prob jump warning) is checks/ci.py's ``RunChecks``.
 """
 

@@ -31,6 +31,10 @@ CI_NOTE = ("--ci-test with --async: rollouts after the first are generated with 
            "weight_version_served expects version r - 1 for rollout r, and the log-prob jump warning is off; the "
            "other checks are unchanged, and a lag above 1 stops the run")
 
+FULLY_ASYNC_CI_NOTE = ("--ci-test with --fully-async: the engines must serve weight version r when rollout r is "
+                       "taken; the train/rollout log-prob check and the log-prob jump warning run only on rollouts "
+                       "that hold tokens of the trainer's weights (rollout/async/newest_lag 0), over those tokens")
+
 
 class RolloutSchedule:
     """``get(r)`` returns rollout r's samples and metrics; ``before_push()`` returns once no generation runs."""
@@ -50,6 +54,8 @@ class RolloutSchedule:
         self.train_start = 0.0
         if self.overlap and args.ci_test:
             log.info(CI_NOTE)
+        if args.fully_async and args.ci_test:
+            log.info(FULLY_ASYNC_CI_NOTE)
 
     def _now(self) -> float:
         return time.time() - self.t0

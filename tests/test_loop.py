@@ -330,3 +330,30 @@ def test_deterministic_mode_two_runs_are_byte_identical_and_profiling_writes_tra
     spans = [e for e in json.loads((traces / "driver_timeline.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert {(e["name"], e["args"]["rollout_id"]) for e in spans} >= {
         (phase, rid) for phase in ("rollout", "log_probs", "train", "update_weights") for rid in (0, 1, 2)}
+
+
+def test_fully_async_generates_through_training_and_ci_test_passes(tiny_model_dir, data, tmp_path):
+    # --fully-async (slime's examples/fully_async), disaggregated: the engine keeps generating while the trainer
+    # trains and the pushes pause it in place; --ci-test passes (served version r at rollout r, the log-prob check
+    # only when tokens of the trainer's weights are in the batch) and every token's version is within the bound
+    d = tmp_path / "d"
+    proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "3", "--fully-async", "--ci-test",
+                      "--max-weight-staleness", "1", "--max-weight-staleness-mode", "mask",
+                      "--save-debug-rollout-data", str(d / "data_{rollout_id}.pt")))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "--ci-test with --fully-async: the engines must serve weight version r" in log
+    r = rows(tmp_path)
+    assert [x["rollout/weight_version"] for x in r] == [0.0, 1.0, 2.0]
+    assert r[0]["rollout/async/lag_max"] == 0 and all(x["rollout/async/lag_max"] <= 2 for x in r)
+    assert sum(x["rollout/async/queued_groups"] + x["rollout/async/in_flight_groups"] for x in r) > 0
+    from slime_lite.rollout.dumps import load_rollout_dump
+    from slime_lite.types import TOKEN_VERSIONS
+
+    for x in r:
+        for s in load_rollout_dump(str(d / f"data_{x['rollout_id']}.pt")).samples:
+            versions = s.metadata[TOKEN_VERSIONS]
+            assert len(versions) == s.response_length and max(versions) <= x["rollout_id"]
+            # mask: tokens more than 1 version behind the trainer are not trained
+            assert all(m == 0 for m, v in zip(s.loss_mask, versions) if x["rollout_id"] - v > 1)
+

@@ -162,6 +162,42 @@ def test_async_on_two_gpus_keeps_the_lag_at_one_and_passes_ci_test(tiny_model_di
         assert nxt["timeline/generate_start"] <= prev["timeline/train_start"]
 
 
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA devices (trainer and engine on their own GPUs)")
+def test_fully_async_on_two_gpus_serves_each_push_and_passes_ci_test(tiny_model_dir, tmp_path):
+    """--fully-async with the CUDA engine (captured decode steps updated in place while requests are paused between
+    steps) and the trainer on its own GPU: every push reaches the engine, the weights check equal, each token's
+    version is one the engine served, and --ci-test passes."""
+    import json
+    import subprocess
+    import sys
+
+    from slime_lite.rollout.dumps import load_rollout_dump
+    from slime_lite.tasks import make_data
+    from slime_lite.types import TOKEN_VERSIONS
+
+    data = tmp_path / "addition.jsonl"
+    make_data("addition", str(data), n_train=64, n_eval=8, seed=0)
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "64",
+            "--lr", "3e-3", "--entropy-coef", "0.01", "--num-rollout", "4", "--fully-async", "--ci-test",
+            "--max-weight-staleness", "1", "--check-weight-update-equal", "--metrics-path", str(tmp_path / "m.jsonl"),
+            "--save-debug-rollout-data", str(tmp_path / "d_{rollout_id}.pt")]
+    proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", *argv], capture_output=True, text=True,
+                          timeout=900, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["rollout/weight_version"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
+    for r in rows:
+        assert r["rollout/async/lag_max"] <= 1  # the bound dropped anything older
+        for s in load_rollout_dump(str(tmp_path / f"d_{r['rollout_id']}.pt")).samples:
+            versions = s.metadata[TOKEN_VERSIONS]
+            assert len(versions) == s.response_length and versions == sorted(versions)
+            assert r["rollout_id"] - 1 <= min(versions) and max(versions) <= r["rollout_id"]
+
+
 def test_the_doctor_runs_synchronously_when_given_async():
     # its iteration-2 reload check needs rollout 1 generated from the trained weights, which --async never does
     from slime_lite.debug.doctor import train_argv

@@ -130,7 +130,10 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_i
             value = record[key]
             examples = "; ".join(record.get(f"rollout/{name}/examples") or [])
             checks.append(_check(name, value, "== 0", value == 0, f"{CAUSES[name]}. Found: {examples}"))
-    if "train/train_rollout_logprob_abs_diff" in record and expected == rollout_id:
+    # --fully-async: compared over the tokens of the newest weights in the batch, which are the trainer's only when
+    # some were generated after the last push (rollout/async/newest_lag 0)
+    if "train/train_rollout_logprob_abs_diff" in record and expected == rollout_id \
+            and not record.get("rollout/async/newest_lag"):
         value = record["train/train_rollout_logprob_abs_diff"]
         bound, why = logprob_diff_threshold(cfg)
         checks.append(_check("train_rollout_logprob_diff", value, f"< {bound:g} ({why})", value < bound,
@@ -279,8 +282,8 @@ class RunChecks:
             return
         if self.replay:
             expected_version = max(int(record.get("rollout/weight_version", rollout_id)), 0)
-        if expected_version == rollout_id:  # off-policy rollouts (--async, replays) differ from the trainer
-            self.watch.update(record)
+        if expected_version == rollout_id and not record.get("rollout/async/newest_lag"):
+            self.watch.update(record)  # off-policy rollouts (--async, --fully-async, replays) differ from the trainer
         if self.enforce:
             enforce(self.ci, record, rollout_id, first=rollout_id == self.start, expected_version=expected_version,
                     engines=not self.replay)

@@ -60,7 +60,10 @@ WEIGHT_FLAGS = ["--check-weight-update-equal", "--debug-scramble-engine-weights"
 DROPPED = ("--ci-test", "--metrics-path", "--dump-details", "--save-debug-rollout-data", "--global-batch-size",
            "--save", "--save-interval", "--load", "--eval-interval", "--use-wandb", "--use-tensorboard",
            *FORCED, *WEIGHT_FLAGS,
-           "--async")  # the doctor's run is synchronous: its iteration-2 check needs rollout 1 from the trained weights
+           # the doctor's run is synchronous: its iteration-2 check needs rollout 1 from the trained weights, and
+           # every rollout is checked against the version the pushes so far give (a skipped push is caught)
+           "--async", "--fully-async", "--max-weight-staleness", "--max-policy-version-lag",
+           "--max-weight-staleness-mode")
 INCOMPATIBLE = ("--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data")
 TASK_CHARS = {"addition": set("0123456789"), "math": set("0123456789-")}
 

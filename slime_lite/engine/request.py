@@ -31,6 +31,8 @@ class RequestOutput:
     input_top: list[Any] | None = None
     input_ids_lp: list[Any] | None = None
     routed_experts: Any = None  # [positions, MoE layers, top_k] int32 (return_routed_experts), when finished
+    # the weight version that generated each output token (a request in flight across a weight update spans two)
+    output_weight_versions: list[str] | None = None
 
 
 @dataclass(eq=False)
@@ -48,6 +50,7 @@ class Request:
     on_output: Callable[[RequestOutput], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_weight_versions: list[str] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     output_top: list[Any] = field(default_factory=list)
     output_ids_lp: list[Any] = field(default_factory=list)
@@ -82,5 +85,5 @@ class Request:
             output_ids_lp=list(self.output_ids_lp) if self.token_ids_logprob is not None else None,
             input_top=None if self.input_top is None else list(self.input_top),
             input_ids_lp=None if self.input_ids_lp is None else list(self.input_ids_lp),
-            routed_experts=self.routed_experts,
+            routed_experts=self.routed_experts, output_weight_versions=list(self.output_weight_versions),
         )

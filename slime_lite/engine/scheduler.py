@@ -428,6 +428,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
         for i, (r, tok, lp) in enumerate(zip(reqs, tokens, logprobs)):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
+            r.output_weight_versions.append(self.weight_version)  # updates run between steps: this step's weights
             if extra is not None and extra[i] is not None:
                 top, ids = extra[i]
                 if top is not None:

@@ -355,6 +355,7 @@ class EngineServer:
             "id": out.rid, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
             "completion_tokens": len(out.output_ids), "cached_tokens": out.cached_tokens,
             "weight_version": out.weight_version, "e2e_latency": round(out.e2e_latency, 6),
+            "output_token_weight_versions": out.output_weight_versions,
         }
         if req.return_logprob:
             text = (lambda t: sch.decode([t], False)) if req.return_text_in_logprobs else None

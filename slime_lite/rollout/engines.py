@@ -144,9 +144,11 @@ def restart_engine(args: Any, pg: Any, bundles: list[int], old: Any, rank: int) 
 
 def engine_memory(urls: list[str], action: str, tags: list[str] | None = None) -> None:
     """``release`` or ``resume`` the engines' memory (tags ``weights``, ``kv_cache``; None = all), as SGLang does."""
-
-
     route = "/release_memory_occupation" if action == "release" else "/resume_memory_occupation"
-    body = {"tags": tags} if tags else {}
+    engines_request(urls, route, {"tags": tags} if tags else {})
+
+
+def engines_request(urls: list[str], route: str, body: dict) -> None:
+    """POST ``body`` to ``route`` of every engine at once."""
     with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
         list(pool.map(lambda u: request_json(u, route, body, timeout=300), urls))

@@ -17,7 +17,7 @@ from slime_lite.hooks import HookArgs, call_maybe_async, load_hook
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
 from slime_lite.rollout.oversample import MAX_SUBMITS, OverSampler, stamp_versions
 from slime_lite.rollout.rewards import compute_reward
-from slime_lite.types import Sample, Status
+from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,11 @@ def fill_response(sample: Sample, out: dict[str, Any]) -> Sample:
     sample.status = Status.from_finish_reason((meta.get("finish_reason") or {}).get("type"))
     if meta.get("weight_version") is not None:
         sample.weight_versions.append(str(meta["weight_version"]))
+    per_token = meta.get("output_token_weight_versions")  # a request in flight across a push spans two versions
+    before_versions = sample.metadata.get(TOKEN_VERSIONS) if had else []
+    if per_token is not None and len(per_token) == len(ids) and before_versions is not None \
+            and len(before_versions) == had:
+        sample.metadata[TOKEN_VERSIONS] = list(before_versions) + [version_number(str(v)) for v in per_token]
     sample.prefix_cache_info.cached_tokens += int(meta.get("cached_tokens") or 0)
     sample.prefix_cache_info.total_prompt_tokens += int(meta.get("prompt_tokens") or 0)
     if meta.get("routed_experts") is not None:  # --use-rollout-routing-replay: every position but the last

@@ -22,6 +22,7 @@ from slime_lite.logging_setup import setup_logging
 from slime_lite.metrics import process_memory
 from slime_lite.rollout import drift, dumps, functions
 from slime_lite.rollout.data import PromptSource, read_prompts
+from slime_lite.rollout.fully_async import FullyAsyncWorker
 from slime_lite.rollout.generate import Generator
 from slime_lite.rollout.stats import eval_metrics, rollout_metrics
 from slime_lite.rollout.timing import engine_step_stats, phase_metrics
@@ -68,6 +69,13 @@ class RolloutManager:
         self.rollout_fn = load_hook(args.rollout_function_path, "--rollout-function-path")
         self.eval_fn = load_hook(args.eval_function_path or args.rollout_function_path, "--eval-function-path")
         self.hook_args = self.generator.args if self.generator is not None else HookArgs(args)
+        # --fully-async: generation goes on between the driver's calls, so the event loop runs in its own thread
+        self.worker = None
+        self._loop_thread: threading.Thread | None = None
+        if args.fully_async and self.generator is not None:
+            self.worker = FullyAsyncWorker(self.generator, self.source)
+            self._loop_thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
+            self._loop_thread.start()
 
     def _meta(self) -> dict[str, Any]:
         meta = dumps.make_meta(self.args, self.fingerprint)
@@ -76,6 +84,8 @@ class RolloutManager:
         return meta
 
     def _run(self, coro: Any) -> Any:
+        if self._loop_thread is not None:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         return self.loop.run_until_complete(coro)
 
     def _save(self, path: str, rollout_id: int, samples: list[Sample], **extra: Any) -> None:
@@ -119,8 +129,11 @@ class RolloutManager:
             urls = list(self.generator.client.urls)
             before = self._run(engine_step_stats(urls))  # outside perf/rollout_time, as the read after it
             t0 = time.monotonic()
-            flag = "--rollout-function-path"
-            samples, extra = functions.train_samples(self._call(self.rollout_fn, rollout_id, False), flag)
+            if self.worker is not None:
+                samples, extra = self._run(self.worker.rollout(rollout_id))
+            else:
+                flag = "--rollout-function-path"
+                samples, extra = functions.train_samples(self._call(self.rollout_fn, rollout_id, False), flag)
             t1 = time.monotonic()
             elapsed = t1 - t0
             sent, back = (getattr(self.generator, k, None) for k in ("first_sent", "last_back"))
@@ -143,7 +156,9 @@ class RolloutManager:
         metrics.update(drift.rollout_metrics(samples, self.tokenizer))
         metrics.update(extra)
         served = [str(v) for s in samples for v in s.weight_versions[-1:]]
-        if served:  # -1: the engine still serves what it loaded itself ("default"): no push ever reached it
+        if "rollout/weight_version" in metrics:  # --fully-async: the version the engines serve now
+            pass
+        elif served:  # -1: the engine still serves what it loaded itself ("default"): no push ever reached it
             metrics["rollout/weight_version"] = float(max(version_number(v) for v in served))
         elif not a.load_debug_rollout_data and self.generator is not None:
             metrics.update(self._engine_weight_version(rollout_id))
@@ -230,12 +245,19 @@ class RolloutManager:
 
     def close(self) -> None:
         self.wait_dumps()
+        if self.worker is not None:
+            self._run(self.worker.stop())
         if self.generator is not None:
             self._run(self.generator.client.close())
+        if self._loop_thread is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._loop_thread.join(timeout=10)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the rollout side: the prompt cursor, and the samples --partial-rollout carries
         to the next rollout (a resumed run continues them: no prompt is lost or generated twice)."""
+        if self.worker is not None:  # the groups queued or in flight, too
+            return self._run(self.worker.state())
         state: dict[str, Any] = {"source": self.source.state() if self.source else None}
         if self.generator is not None and self.generator.over.carried:
             state["carried"] = [[dumps.plain_sample(s) for s in g] for g in self.generator.over.carried]
@@ -244,7 +266,11 @@ class RolloutManager:
     def load_state(self, state: dict[str, Any]) -> None:
         if self.source is not None and state.get("source"):
             self.source.load_state(state["source"])
-        if self.generator is not None and state.get("carried"):
+        if self.worker is not None and state.get("carried"):
+            self.worker.load_state(state["carried"])
+            log.info("--fully-async: %d prompt groups from the checkpoint (queued or generating when it was saved) "
+                     "are trained first", len(state["carried"]))
+        elif self.generator is not None and state.get("carried"):
             self.generator.over.load_state(state["carried"])
             log.info("--partial-rollout: %d samples carried from the checkpoint continue in the next rollout",
                      sum(len(g) for g in state["carried"]))

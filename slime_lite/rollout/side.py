@@ -20,7 +20,7 @@ from slime_lite.config import RolloutSideConfig
 from slime_lite.engine_client import lora_adapter_name
 from slime_lite.metrics import memory_record
 from slime_lite.profiling import DRIVER_TIMELINE, add_time, timed
-from slime_lite.rollout.engines import EngineFleet, engine_memory, start_engines
+from slime_lite.rollout.engines import EngineFleet, engine_memory, engines_request, start_engines
 from slime_lite.rollout.manager import RolloutManager
 from slime_lite.rollout.recovery import EngineRecovery, NoRecovery
 
@@ -114,7 +114,14 @@ class RolloutSide:
                 engine_memory(self.urls, "resume", ["weights"])
                 add_time(record, "perf/offload/engine_resume_time", t0)
             self.recovery.check()
-            record.update(push(self.urls, version) or {})
+            if self.config.fully_async:  # generation goes on: held between two decode steps, nothing aborted
+                engines_request(self.urls, "/pause_generation", {"mode": "in_place"})
+                try:
+                    record.update(push(self.urls, version) or {})
+                finally:
+                    engines_request(self.urls, "/continue_generation", {})
+            else:
+                record.update(push(self.urls, version) or {})
             self._name_adapter(version)
             self.recovery.pushed(version)
 

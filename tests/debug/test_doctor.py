@@ -36,6 +36,16 @@ def test_the_doctor_forces_its_short_run_and_keeps_the_users_other_flags(tmp_pat
     assert "--check-weight-update-equal" not in rerun and "--debug-scramble-engine-weights" not in rerun
 
 
+def test_the_doctor_runs_a_fully_async_users_flags_synchronously(tmp_path):
+    """Its iteration-2 check needs rollout 1 generated from the trained weights, and each rollout's served version
+    is then the number of pushes: no false alarm from the mode's lag, and a skipped push is still caught."""
+    user = ["--hf-checkpoint", "M", "--fully-async", "--max-policy-version-lag", "2",
+            "--max-weight-staleness-mode", "mask", "--lr", "1e-4"]
+    argv = doctor.train_argv(user, str(tmp_path))
+    assert not [a for a in argv if "async" in a or "staleness" in a or "lag" in a]
+    assert "--lr 1e-4" in " ".join(argv)
+
+
 def test_the_doctor_refuses_half_a_loop(tmp_path):
     with pytest.raises(SlimeLiteError, match="--debug-rollout-only"):
         doctor.train_argv(["--debug-rollout-only"], str(tmp_path))

@@ -192,7 +192,8 @@ def test_trainer_push_in_sglang_format_inside_a_session(wire_engine, base_weight
     routes = []
     real = weight_push.request_json
     monkeypatch.setattr(weight_push, "request_json", lambda u, r, *a, **k: routes.append(r) or real(u, r, *a, **k))
-    args = SimpleNamespace(update_weight_transport="tensor", colocate=False, rollout_backend="embedded",
+    args = SimpleNamespace(update_weight_transport="tensor", colocate=False, fully_async=False,
+                           rollout_backend="embedded",
                            rollout_num_gpus_per_engine=1, update_weight_buffer_size=64 << 10,
                            debug_scramble_engine_weights=True, debug_inject_fault=None,
                            check_weight_update_equal=True)
@@ -216,7 +217,7 @@ def test_weight_check_names_a_changed_parameter_and_accepts_a_cast(wire_engine, 
 
     url = wire_engine.url
     named = {n: (t + 0.5).to(torch.bfloat16) for n, t in base_weights.items()}  # values a float32 holds exactly
-    args = SimpleNamespace(colocate=False, rollout_backend="embedded", rollout_num_gpus_per_engine=1,
+    args = SimpleNamespace(colocate=False, fully_async=False, rollout_backend="embedded", rollout_num_gpus_per_engine=1,
                            update_weight_buffer_size=1 << 20)
     weight_push._push_tensor(args, {n: t.float() for n, t in named.items()}, [url], 6)
     weight_check.check_weights_equal({n: t.float() for n, t in named.items()}, [url])
@@ -251,7 +252,8 @@ def test_a_dead_engine_is_named_by_rank_and_url_at_the_push(wire_engine, base_we
     from slime_lite.io import free_port
 
     gone = f"http://127.0.0.1:{free_port()}"
-    args = SimpleNamespace(update_weight_transport="tensor", colocate=False, rollout_backend="embedded",
+    args = SimpleNamespace(update_weight_transport="tensor", colocate=False, fully_async=False,
+                           rollout_backend="embedded",
                            rollout_num_gpus_per_engine=1, update_weight_buffer_size=64 << 10,
                            debug_scramble_engine_weights=False, debug_inject_fault=None,
                            check_weight_update_equal=False)

@@ -109,7 +109,7 @@ def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
     elif transport == "distributed":
         with weight_update_session(urls):
             _push_distributed(named, urls, version, colocated=args.colocate, limit=limit,
-                              flattened=args.rollout_backend != "sglang")
+                              flattened=args.rollout_backend != "sglang", flush_cache=not args.fully_async)
     else:
         _push_disk(args, named, urls, version)
 
@@ -211,7 +211,7 @@ def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], ver
             "serialized_named_tensors": [by_value] * ranks if modes[u] == "by_value" else
             [serialize(bucket) for _ in range(ranks)],
             "load_format": "flattened_bucket",
-            "flush_cache": k == len(groups) - 1,
+            "flush_cache": k == len(groups) - 1 and not args.fully_async,
             "weight_version": str(version),
         } for u in urls}
         replies = on_all(urls, lambda u, b=bodies: request_json(u, "/update_weights_from_tensor", b[u], timeout=600))
@@ -263,11 +263,12 @@ def _drop_group(key: tuple[str, ...]) -> None:
 
 
 def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int, colocated: bool = False,
-                      limit: int = BUCKET_BYTES, flattened: bool = True) -> None:
+                      limit: int = BUCKET_BYTES, flattened: bool = True, flush_cache: bool = True) -> None:
     """Buckets of at most ``limit`` bytes, each one ``/update_weights_from_distributed`` request; ``flattened``: a
     bucket goes as one broadcast of its tensors' bytes back to back (SGLang's ``load_format="flattened_bucket"``)
     when no tensor would need padding, else (and for SGLang servers: not every version reads it) one broadcast per
-    tensor."""
+    tensor. ``flush_cache`` False under --fully-async: requests paused in place hold the cache (SGLang refuses to
+    flush it then)."""
     # NCCL needs one GPU per rank: colocated engines share the trainer's GPU, so they use gloo (host memory)
     backend = "nccl" if torch.cuda.is_available() and not colocated else "gloo"
     group = _group(urls, backend)
@@ -282,7 +283,7 @@ def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: 
                 "shapes": [list(named[n].shape) for n in names],
                 "group_name": "weight_update_group",
                 "weight_version": str(version),
-                "flush_cache": True,
+                "flush_cache": flush_cache,
                 **({"load_format": "flattened_bucket"} if flat is not None else {}),
             }
             with sent_to_all(urls, route, body, 600) as sent:  # each engine joins the broadcast on its request
@@ -316,7 +317,8 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
                                                                               f"slime_lite_push_{os.getpid()}")
     out = os.path.join(root, f"v{version}")
     write_hf_folder(named, args.hf_checkpoint, out)
-    body = {"model_path": out, "weight_version": str(version)}
+    body = {"model_path": out, "weight_version": str(version),
+            "flush_cache": not args.fully_async}  # --fully-async: requests paused in place hold the cache
     for url, reply in zip(urls, on_all(urls, lambda u: request_json(u, "/update_weights_from_disk", body, timeout=600))):
         _check(reply, url, "/update_weights_from_disk")
     old = os.path.join(root, f"v{version - 1}")

@@ -1,0 +1,215 @@
+"""``--fully-async``: generation runs continuously on the engines while the trainer trains (slime's
+examples/fully_async), and each step trains on the next ``--rollout-batch-size`` prompt groups that finished.
+
+A background loop on the rollout manager's event loop keeps prompt groups generating: up to ``--rollout-batch-size``
+groups are in flight or finished and waiting, and a group taken by a rollout is replaced at once. When the engines
+are slower than the trainer they never stop; when they are faster they wait for the next rollout to make room, so
+the groups a step takes were started under the previous weights at the oldest (a queue twice that size kept them
+two versions behind on the tiny CPU task). A weight push does not
+abort anything: the driver pauses the engines between decode steps (``/pause_generation`` mode ``in_place``),
+updates them, and continues (rollout/side.py); a request in flight across the push continues under the new weights,
+and the engine reports the version that produced each token (``meta_info.output_token_weight_versions``, kept in
+``metadata["token_weight_versions"]``).
+
+``rollout(r)`` takes finished groups in the order they finished. A group whose oldest token is more than
+``--max-weight-staleness`` K versions behind the trainer (version r while it trains rollout r) is handled by
+``--max-weight-staleness-mode``: ``drop`` leaves the whole group out (GRPO needs whole groups; counted in
+``rollout/async/dropped_stale_samples``) and the next finished group takes its place; ``mask`` sets ``loss_mask`` 0
+on the tokens older than K versions (``rollout/async/masked_tokens``, ``masked_samples``). Every rollout logs the
+lag of its samples' oldest tokens (``rollout/async/lag_mean``, ``lag_max``), the lag of its newest
+(``rollout/async/newest_lag``: 0 when some tokens were sampled from the trainer's weights, which the --ci-test
+train/rollout log-prob check compares), and ``rollout/weight_version``: the version the engines serve when the
+rollout is taken, which a missed push leaves behind.
+
+Checkpoints keep every prompt: the finished groups waiting are saved as they are (a resumed run trains them, with
+their versions), the groups in flight are saved as their fresh prompts and generated again from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from slime_lite.engine_client import request_json
+from slime_lite.rollout import dumps
+from slime_lite.rollout.generate import sampling_params
+from slime_lite.rollout.oversample import complete
+from slime_lite.types import TOKEN_VERSIONS, Sample, version_number
+
+log = logging.getLogger(__name__)
+
+
+def token_versions(sample: Sample) -> list[int]:
+    """The weight version of each response token (the last request's version for all of them when the engine
+    reported none per token)."""
+    versions = sample.metadata.get(TOKEN_VERSIONS)
+    if versions:
+        return list(versions)
+    if sample.weight_versions and sample.response_length:
+        return [version_number(sample.weight_versions[-1])] * sample.response_length
+    return []
+
+
+def apply_staleness(groups: list[list[Sample]], trainer_version: int, max_staleness: int | None,
+                    mode: str) -> tuple[list[list[Sample]], dict[str, float]]:
+    """The groups to train at ``trainer_version`` under ``--max-weight-staleness`` / ``-mode``, and the counts."""
+    kept: list[list[Sample]] = []
+    dropped = masked_tokens = masked_samples = 0
+    oldest_bound = None if max_staleness is None else trainer_version - max_staleness
+    for group in groups:
+        versions = [token_versions(s) for s in group]
+        stale = oldest_bound is not None and any(v and min(v) < oldest_bound for v in versions)
+        if stale and mode == "drop":
+            dropped += len(group)
+            continue
+        if stale:
+            for s, v in zip(group, versions):
+                if v and min(v) < oldest_bound:
+                    mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
+                    s.loss_mask = [m if ver >= oldest_bound else 0 for m, ver in zip(mask, v)]
+                    masked_tokens += sum(ver < oldest_bound for ver in v)
+                    masked_samples += 1
+        kept.append(group)
+    return kept, {"rollout/async/dropped_stale_samples": float(dropped),
+                  "rollout/async/masked_tokens": float(masked_tokens),
+                  "rollout/async/masked_samples": float(masked_samples)}
+
+
+def lag_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
+    versions = [v for v in (token_versions(s) for s in samples) if v]
+    if not versions:
+        return {}
+    lags = [trainer_version - min(v) for v in versions]
+    return {"rollout/async/lag_mean": sum(lags) / len(lags), "rollout/async/lag_max": float(max(lags)),
+            "rollout/async/newest_lag": float(trainer_version - max(max(v) for v in versions))}
+
+
+class FullyAsyncWorker:
+    """The background generation loop (started by the first ``rollout``) and the finished groups it queues."""
+
+    def __init__(self, gen: Any, source: Any) -> None:
+        self.gen, self.source, self.config = gen, source, gen.config
+        self.capacity = self.config.rollout_batch_size  # groups in flight + finished and waiting
+        self.pending: list[list[Sample]] = []  # from a checkpoint: they go first
+        self.finished: list[list[Sample]] = []
+        self.in_flight: dict[asyncio.Future, list[dict[str, Any]]] = {}  # task -> its group as sent (plain)
+        self.task: asyncio.Task | None = None
+        self.room: asyncio.Event | None = None  # set when a rollout took groups: the loop refills
+        self.arrived: asyncio.Event | None = None  # set when a group finished: a waiting rollout looks again
+        self.next_index = 0
+        self.filtered = self.failed = 0
+
+    def load_state(self, groups: list[list[dict[str, Any]]]) -> None:
+        self.pending = [[Sample.from_dict(d) for d in g] for g in groups]
+
+    async def state(self) -> dict[str, Any]:
+        """The prompt cursor and every group taken from it but not trained yet (run on the event loop, so the
+        background loop does not move in between)."""
+        carried = [[dumps.plain_sample(s) for s in g] for g in self.pending + self.finished]
+        carried += list(self.in_flight.values())
+        return {"source": self.source.state() if self.source else None, "carried": carried}
+
+    def _next_group(self) -> list[Sample]:
+        if self.pending:
+            group = self.pending.pop(0)
+        else:
+            group = self.gen.new_group(self.source.next_batch(1)[0], 0)
+        for s in group:  # unique sampling seeds over the run
+            s.index = self.next_index
+            self.next_index += 1
+        return group
+
+    async def _loop(self) -> None:
+        params = sampling_params(self.config)
+        seed_base = self.config.rollout_seed * 1_000_003 + 500_009
+        while True:
+            while len(self.in_flight) + len(self.finished) < self.capacity:
+                group = self._next_group()
+                sent = [dumps.plain_sample(s) for s in group]
+                self.in_flight[asyncio.ensure_future(self.gen.over._run(group, params, seed_base))] = sent
+            self.room.clear()
+            waiter = asyncio.ensure_future(self.room.wait())  # full: a rollout takes some
+            done, _ = await asyncio.wait([*self.in_flight, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            done.discard(waiter)
+            for task in done:
+                sent = self.in_flight.pop(task)
+                group = task.result()  # an error (a hook's, the engines') ends the loop: rollout() raises it
+                if not complete(group):  # cut short by an engine (nothing here aborts): never trained
+                    self.failed += 1
+                    log.warning("--fully-async: a group came back unfinished (an engine error); generating its "
+                                "prompt again")
+                    self.pending.append([Sample.from_dict(d) for d in sent])
+                elif self.gen.filter_fn is not None and not self.gen.filter_fn(self.gen.args, group):
+                    self.filtered += 1
+                else:
+                    self.finished.append(group)
+            if done:
+                self.arrived.set()
+
+    def _start(self) -> None:
+        if self.task is None:
+            self.room, self.arrived = asyncio.Event(), asyncio.Event()
+            self.task = asyncio.ensure_future(self._loop())
+
+    async def _wait(self) -> None:
+        self.arrived.clear()
+        waiter = asyncio.ensure_future(self.arrived.wait())
+        await asyncio.wait([waiter, self.task], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if self.task.done():
+            self.task.result()  # raises the loop's error
+            raise RuntimeError("the --fully-async generation loop stopped")
+
+    async def rollout(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """The next ``--rollout-batch-size`` finished groups for rollout ``rollout_id`` (trainer version
+        ``rollout_id``), after the staleness bound; generation goes on meanwhile."""
+        a = self.config
+        self._start()
+        engine_version = await self._engine_version()  # what the pushes so far left on the engines
+        kept: list[list[Sample]] = []
+        stats = {"rollout/async/dropped_stale_samples": 0.0, "rollout/async/masked_tokens": 0.0,
+                 "rollout/async/masked_samples": 0.0}
+        filtered0, failed0 = self.filtered, self.failed
+        self.gen.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
+        self.gen.first_sent = self.gen.last_back = None  # perf/rollout/*: the requests sent and back during the take
+        while len(kept) < a.rollout_batch_size:
+            while not self.finished:
+                await self._wait()
+            take, self.finished = self.finished[: a.rollout_batch_size - len(kept)], \
+                self.finished[a.rollout_batch_size - len(kept):]
+            self.room.set()
+            groups, counts = apply_staleness(take, rollout_id, a.max_weight_staleness, a.max_weight_staleness_mode)
+            kept += groups
+            for k, v in counts.items():
+                stats[k] += v
+            self.gen.progress[0] = sum(len(g) for g in kept)
+        samples = []
+        for gi, group in enumerate(kept):
+            for s in group:
+                s.group_index, s.index = gi, len(samples)
+                samples.append(s)
+        stats.update(lag_metrics(samples, rollout_id))
+        stats["rollout/async/queued_groups"] = float(len(self.finished))
+        stats["rollout/async/in_flight_groups"] = float(len(self.in_flight))
+        stats["rollout/async/regenerated_groups"] = float(self.failed - failed0)
+        if self.gen.filter_fn is not None:
+            stats["rollout/dynamic_filter/dropped_groups"] = float(self.filtered - filtered0)
+        if engine_version is not None:
+            stats["rollout/weight_version"] = float(engine_version)
+        return samples, stats
+
+    async def _engine_version(self) -> int | None:
+        """The oldest weight version any engine serves now."""
+        infos = await asyncio.gather(*(asyncio.to_thread(request_json, u, "/get_model_info", timeout=30.0,
+                                                         method="GET") for u in self.gen.client.urls))
+        versions = [version_number(str(i.get("weight_version"))) for i in infos if isinstance(i, dict)]
+        return min(versions) if versions else None
+
+    async def stop(self) -> None:
+        """End the loop and the requests it has in flight."""
+        tasks = ([self.task] if self.task is not None else []) + list(self.in_flight)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,136 @@
+"""--fully-async without Ray: the background loop of the real Generator against a real in-process engine (tiny
+model) across a weight push that lands while groups generate, the --max-weight-staleness bound (drop and mask), a
+checkpoint that loses no prompt, and the flags refused before Ray starts."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from slime_lite.args import parse_args, parser_defaults
+from slime_lite.engine_client import AsyncEngineClient
+from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout.data import Prompt, PromptSource
+from slime_lite.rollout.fully_async import FullyAsyncWorker, apply_staleness, lag_metrics
+from slime_lite.rollout.generate import Generator
+from slime_lite.tokenizer import load_tokenizer
+from slime_lite.types import TOKEN_VERSIONS, Sample
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+from engine_helpers import http, start_engine  # noqa: E402
+
+
+def sample(versions: list[int]) -> Sample:
+    return Sample(response_length=len(versions), loss_mask=[1] * len(versions),
+                  metadata={TOKEN_VERSIONS: list(versions)})
+
+
+def test_staleness_drop_leaves_out_whole_groups_and_mask_zeroes_only_old_tokens():
+    fresh, old = [sample([3, 3]), sample([2, 3])], [sample([1, 2, 3]), sample([3])]
+    kept, counts = apply_staleness([fresh, old], trainer_version=3, max_staleness=1, mode="drop")
+    assert kept == [fresh] and counts["rollout/async/dropped_stale_samples"] == 2.0  # the whole group: GRPO
+    fresh, old = [sample([3, 3]), sample([2, 3])], [sample([1, 2, 3]), sample([3])]
+    kept, counts = apply_staleness([fresh, old], trainer_version=3, max_staleness=1, mode="mask")
+    assert kept == [fresh, old] and old[0].loss_mask == [0, 1, 1] and old[1].loss_mask == [1]
+    assert counts["rollout/async/masked_tokens"] == 1.0 and counts["rollout/async/masked_samples"] == 1.0
+    assert fresh[1].loss_mask == [1, 1]  # 1 behind: within the bound
+    kept, counts = apply_staleness([old], trainer_version=9, max_staleness=None, mode="drop")  # no bound
+    assert kept == [old] and counts["rollout/async/dropped_stale_samples"] == 0.0
+    assert lag_metrics([sample([1, 2]), sample([3])], 3) == {
+        "rollout/async/lag_mean": 1.0, "rollout/async/lag_max": 2.0, "rollout/async/newest_lag": 0.0}
+
+
+BASE = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"]
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--fully-async", "--max-weight-staleness", "-1"], None),  # argparse: names the flag, exit 2
+    (["--max-weight-staleness", "2"], "only --fully-async does"),
+    (["--fully-async", "--colocate"], "--fully-async: --colocate"),
+    (["--fully-async", "--debug-train-only"], "--debug-train-only"),
+    (["--fully-async", "--debug-rollout-only"], "--debug-rollout-only"),
+    (["--fully-async", "--deterministic-mode"], "--deterministic-mode"),
+    (["--fully-async", "--async"], "drop --async"),
+    (["--fully-async", "--rollout-function-path", "m.f"], "--rollout-function-path m.f"),
+])
+def test_bad_fully_async_flags_are_refused_before_ray_starts(extra, says, capsys):
+    if says is None:
+        with pytest.raises(SystemExit):
+            parse_args(BASE + extra)
+        assert "--max-weight-staleness/--max-policy-version-lag: must be >= 0, got -1" in capsys.readouterr().err
+        return
+    with pytest.raises(SlimeLiteError) as exc:
+        parse_args(BASE + extra)
+    assert says in str(exc.value)
+
+
+def test_groups_generate_across_a_push_and_a_checkpoint_loses_no_prompt(tiny_model_dir):
+    server = start_engine(tiny_model_dir, max_running_requests=4)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    prompts = [Prompt(i, f"{i}+1=", "3", {}) for i in range(40)]
+    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), rm_type="addition", fully_async=True,
+                           rollout_batch_size=2, n_samples_per_prompt=2, rollout_max_response_len=48,
+                           max_weight_staleness=0, max_weight_staleness_mode="mask")
+
+    def push(version: str) -> None:  # what the driver does (rollout/side.py), the same weights as a new version
+        assert http(server.url, "/pause_generation", {"mode": "in_place"})[0] == 200
+        http(server.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": version})
+        assert http(server.url, "/continue_generation", {})[0] == 200
+
+    async def run():
+        http(server.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
+        client = AsyncEngineClient([server.url], timeout=60)
+        source = PromptSource(prompts, shuffle=False, seed=0)
+        worker = FullyAsyncWorker(Generator(args, tokenizer, client), source)
+        try:
+            samples0, m0 = await worker.rollout(0)
+            await asyncio.to_thread(push, "1")
+            samples1, m1 = await worker.rollout(1)
+            while not worker.finished:  # a group finished and waits for the next rollout
+                await asyncio.sleep(0.01)
+            state = await worker.state()
+            await worker.stop()
+            # resumed from that checkpoint: the finished groups it kept are trained first, as they were
+            source = PromptSource(prompts, shuffle=False, seed=0)
+            source.load_state(state["source"])
+            worker = FullyAsyncWorker(Generator(args, tokenizer, client), source)
+            worker.load_state(state["carried"])
+            resumed, _ = await worker.rollout(1)
+        finally:
+            await worker.stop()
+            await client.close()
+        return samples0, m0, samples1, m1, state, resumed
+
+    try:
+        samples0, m0, samples1, m1, state, resumed = asyncio.run(run())
+    finally:
+        server.stop()
+    assert len(samples0) == len(samples1) == 4 and m0["rollout/weight_version"] == 0 == m0["rollout/async/lag_max"]
+    assert m1["rollout/weight_version"] == 1
+    # --ci-test reads that version: a push that never reached the engine is caught at the next rollout
+    from slime_lite.checks.ci import rollout_checks
+    from slime_lite.config import CiConfig
+
+    cfg = CiConfig.from_args(parser_defaults(hf_checkpoint=str(tiny_model_dir), ci_test=True))
+    def served(record: dict) -> bool:
+        return next(c for c in rollout_checks(cfg, record, False, 1) if c.name == "weight_version_served").passed
+
+    assert served(m1) and not served(m0)  # m0: the engine still on version 0 at rollout 1
+    for s in samples0 + samples1:
+        assert len(s.metadata[TOKEN_VERSIONS]) == s.response_length == len(s.loss_mask)
+    # mask with K = 0 at rollout 1: exactly the tokens of version 0 are out of the loss
+    for s in samples1:
+        assert s.loss_mask == [int(v == 1) for v in s.metadata[TOKEN_VERSIONS]]
+    assert m1["rollout/async/masked_tokens"] == sum(v == 0 for s in samples1 for v in s.metadata[TOKEN_VERSIONS])
+    # every prompt drawn from the source so far is trained or in the checkpoint, none twice
+    trained = [s.metadata["prompt_index"] for s in samples0 + samples1][::2]
+    carried = [g[0]["metadata"]["prompt_index"] for g in state["carried"]]
+    assert carried and sorted(trained + carried) == list(range(state["source"]["offset"]))
+    finished = [g for g in state["carried"] if all(d["status"] != "pending" for d in g)]
+    assert finished  # saved as they are; the groups in flight, as their prompts (no response)
+    assert all(d["response_length"] == 0 for g in state["carried"] if g not in finished for d in g)
+    for group, d in zip([resumed[i:i + 2] for i in range(0, 4, 2)], finished):
+        assert [s.tokens for s in group] == [x["tokens"] for x in d]
