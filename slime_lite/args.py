@@ -1,7 +1,7 @@
 """Command-line flags of ``slime-lite train`` (slime's names), ``parse_args`` and ``parser_defaults``; nothing
 else parses ``train`` flags.
 
-``parse_args`` checks every rule between flags (args_check.py) before Ray or any heavy import starts; a broken rule
+``parse_args`` checks every rule between flags (args_check.py; the trainer's flags and layout rules: args_train.py) before Ray or any heavy import starts; a broken rule
 is a SlimeLiteError that names the flags and the fix. A flag's default lives only in the parser: code that needs a group of flags takes
 the frozen config built from the parsed namespace (``LossConfig.from_args(args)``, ...; slime_lite/config.py),
 never ``getattr(args, name, default)``. ``parser_defaults()`` gives the namespace of a run with no flags (for tests
@@ -16,6 +16,9 @@ from typing import Any
 
 from slime_lite import rl_math, rollout_correction
 from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args
+from slime_lite.args_train import add_train_flags
+from slime_lite.args_train import nonneg_float as _nonneg_float
+from slime_lite.args_train import positive_int as _positive_int
 from slime_lite.checks.faults import FAULTS
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, FrozenFlags, freeze
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
@@ -24,22 +27,8 @@ from slime_lite.rollout.rewards import RM_TYPES
 from slime_lite.slime_flags import add_args as add_slime_flags
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def _nonneg_int(text: str) -> int:
     value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _nonneg_float(text: str) -> float:
-    value = float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -110,105 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=_positive_int, default=None,
                    help="save a checkpoint every N rollouts (needs --save; default: never)")
 
-    g = p.add_argument_group("Megatron training and parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1,
-                   help="Megatron tensor-parallel size (default: %(default)s)")
-    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1,
-                   help="Megatron pipeline-parallel size (default: %(default)s)")
-    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
-                   help="Megatron transformer implementation (default: %(default)s)")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
-                   help="activation recompute (Megatron's): full re-runs whole transformer layers in the backward "
-                        "pass (needs --recompute-method and --recompute-num-layers); selective only the core "
-                        "attention (default: none)")
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
-                   help="with --recompute-granularity full: uniform recomputes every chunk of "
-                        "--recompute-num-layers layers; block the first --recompute-num-layers layers of each "
-                        "pipeline stage")
-    g.add_argument("--recompute-num-layers", type=_positive_int, default=None,
-                   help="layers per recomputed chunk (uniform) or recomputed layers per pipeline stage (block)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism: norms and residuals split along the sequence over the "
-                        "tensor-parallel ranks (less activation memory; ignored with a warning at "
-                        "--tensor-model-parallel-size 1, as in Megatron)")
-    g.add_argument("--optimizer-cpu-offload", action="store_true",
-                   help="Megatron's hybrid CPU optimizer (CUDA only): the Adam state and float32 master weights live "
-                        "in host memory and the optimizer step runs on the CPU (less GPU memory, slower steps); "
-                        "needs --use-precision-aware-optimizer, as in Megatron")
-    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
-                   help="with --optimizer-cpu-offload: the share of the optimizer state kept on the CPU "
-                        "(default: %(default)s)")
-    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
-                   help="with --optimizer-cpu-offload: overlap the gradient and parameter copies between GPU and "
-                        "CPU with the CPU optimizer step")
-    g.add_argument("--use-precision-aware-optimizer", action="store_true",
-                   help="Megatron's precision-aware optimizer path (the distributed optimizer, decoupled gradients); "
-                        "with --optimizer-cpu-offload only (on its own it needs Transformer Engine's FusedAdam)")
-    g.add_argument("--expert-model-parallel-size", type=_positive_int, default=1,
-                   help="MoE models: experts split over this many ranks (must divide num_experts; default: "
-                        "%(default)s)")
-    g.add_argument("--expert-tensor-parallel-size", type=_positive_int, default=None,
-                   help="MoE models: each expert's weights split over this many ranks (default: "
-                        "--tensor-model-parallel-size)")
-    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="alltoall",
-                   help="MoE models: how tokens reach the experts' ranks (Megatron's dispatchers; default: "
-                        "%(default)s)")
-    g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
-                   help="MoE models: the router's logits and softmax in this dtype (default: the model's)")
-    g.add_argument("--moe-aux-loss-coeff", type=_nonneg_float, default=0.0,
-                   help="MoE models: weight of Megatron's load-balancing loss (aux_loss) in the loss; 0 turns it "
-                        "off (default: %(default)s)")
-    g.add_argument("--moe-z-loss-coeff", type=_nonneg_float, default=None,
-                   help="MoE models: weight of the router z-loss (mean squared log-sum-exp of the router logits)")
-    g.add_argument("--use-routing-replay", action="store_true",
-                   help="MoE models (slime's routing replay, R2): the trainer records the experts its old-policy "
-                        "log-prob pass chose for every token and replays them in the training forward and backward "
-                        "passes, so the PPO ratio's two sides use the same experts; train/routing_replay_mismatch: the "
-                        "share the updated weights would have routed elsewhere (with "
-                        "--use-rollout-routing-replay the engine's experts are replayed instead)")
-    g.add_argument("--use-rollout-routing-replay", action="store_true",
-                   help="MoE models (slime's R3): the engine returns the experts it chose for every token "
-                        "(return_routed_experts), samples keep them (rollout_routed_experts) and the trainer's "
-                        "routers replay them in the forward and backward passes; train/routing_mismatch reports "
-                        "the share of (token, layer) pairs the trainer would have routed otherwise")
-    g.add_argument("--balance-data", action="store_true",
-                   help="deal each step's samples (with --use-dynamic-batch-size: its packed micro-batches) to the "
-                        "data-parallel ranks in equal counts balanced by estimated FLOPs, L * (1 + L / (6 * "
-                        "hidden)) for a sample of L tokens (default: in order)")
-    g.add_argument("--bf16", action="store_true", help="train in bfloat16 (default: float32)")
-    g.add_argument("--lr", type=_nonneg_float, default=1e-6, help="actor learning rate (default: %(default)s)")
-    g.add_argument("--critic-lr", type=_nonneg_float, default=None, help="critic learning rate (default: --lr)")
-    g.add_argument("--weight-decay", type=_nonneg_float, default=0.0,
-                   help="Adam weight decay (default: %(default)s)")
-    g.add_argument("--clip-grad", type=_nonneg_float, default=1.0,
-                   help="clip the global gradient norm to this value (default: %(default)s)")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: %(default)s)")
-    g.add_argument("--adam-beta2", type=float, default=0.98, help="Adam beta2 (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=1234, help="trainer random seed (default: %(default)s)")
-    g.add_argument("--deterministic-mode", action="store_true",
-                   help="bitwise-reproducible runs: deterministic torch algorithms in trainer and engines, each "
-                        "rollout sent to the engines in one fixed order, no wall-clock values in dumps (two runs "
-                        "with the same seeds give identical metrics and dumps on CPU; GPU: BENCHMARKS.md)")
-    g.add_argument("--update-weight-transport", choices=("tensor", "distributed", "disk"), default="tensor",
-                   help="how new weights reach the engines: HTTP tensors, a torch.distributed broadcast, or files "
-                        "(default: %(default)s)")
-    g.add_argument("--update-weight-buffer-size", type=_positive_int, default=512 * 1024**2,
-                   help="bytes of weights per bucket of a tensor or distributed push (default: %(default)s)")
-
-    g = p.add_argument_group("LoRA", "low-rank adapters on a frozen base model (the reference model is the base)")
-    g.add_argument("--lora-rank", type=int, default=None,
-                   help="train LoRA adapters of this rank instead of every weight (default: off)")
-    g.add_argument("--lora-alpha", type=float, default=None,
-                   help="LoRA alpha: the adapters are scaled by alpha/rank (default: the rank, scaling 1)")
-    g.add_argument("--lora-dropout", type=float, default=0.0,
-                   help="dropout on the adapters' input (default: %(default)s)")
-    g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"],
-                   help="linears that get adapters: all-linear, or HF names q_proj,k_proj,v_proj (Megatron's fused "
-                        "linear_qkv), o_proj (linear_proj), gate_proj,up_proj (linear_fc1; GLM4: gate_up_proj), "
-                        "down_proj (linear_fc2), or the Megatron names (default: all-linear)")
-    g.add_argument("--lora-adapter-path", default=None,
-                   help="PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the "
-                        "adapters from, on the --hf-checkpoint base")
+    add_train_flags(p)
 
     g = p.add_argument_group("rollout", "sampling and generation")
     g.add_argument("--rollout-temperature", type=_nonneg_float, default=1.0,

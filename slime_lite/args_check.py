@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import os
 from typing import Any
 
-from slime_lite import rl_math
-from slime_lite.backends.megatron.lora_config import check_lora_args
 from slime_lite.backends.megatron.train_dump import check_train_template
-from slime_lite.config import EngineConfig, TokenBudget
+from slime_lite.config import EngineConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
-from slime_lite.model_families import FAMILIES, moe_config
 from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template
+from slime_lite.args_train import validate_train_args, world_size
 from slime_lite.slime_flags import check as check_slime_flags
 
 log = logging.getLogger("slime_lite.args")
@@ -365,198 +362,6 @@ def check_fully_async(args: argparse.Namespace) -> None:
                     "the tokens of a request in flight across a push all count as the version it ended with "
                     "(--max-weight-staleness sees them younger than they are); the embedded engine reports each "
                     "token's version")
-
-
-def world_size(args: Any) -> int:
-    return args.actor_num_nodes * args.actor_num_gpus_per_node
-
-
-def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
-    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    heads = cfg.get("num_attention_heads")
-    kv = cfg.get("num_key_value_heads", heads)
-    layers = cfg.get("num_hidden_layers")
-    for what, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if value and value % tp:
-            raise SlimeLiteError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({value}).")
-    if layers and layers % pp:
-        raise SlimeLiteError(
-            f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({layers}).")
-    check_recompute(args, layers // pp if layers else None)
-    check_experts(args, cfg)
-
-
-def check_experts(args: argparse.Namespace, cfg: dict) -> None:
-    """The expert-parallel layout against config.json: EP and expert-TP only for an MoE model, EP dividing its
-    experts and the ranks of a pipeline stage, expert-TP dividing each expert's FFN size, and sequence parallelism
-    whenever TP > 1 (Megatron's MoE layers need it); --use-rollout-routing-replay only for an MoE model, and not
-    with PP > 1 and activation recompute (a recomputed router would replay another micro-batch's experts)."""
-    ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
-    family = FAMILIES.get(cfg.get("model_type"))
-    moe = moe_config(cfg, f"--hf-checkpoint {args.hf_checkpoint}") if family else None
-    for flag, on in (("--use-rollout-routing-replay", args.use_rollout_routing_replay),
-                     ("--use-routing-replay", args.use_routing_replay)):
-        if on and moe is None and family is not None:
-            raise SlimeLiteError(f"{flag}: the model ({cfg.get('model_type')}) has no experts to route; drop {flag} "
-                                 f"(--hf-checkpoint {args.hf_checkpoint} is a dense model).")
-    own = args.use_routing_replay and not args.use_rollout_routing_replay  # the trainer records its own routing
-    if own and (tp > 1 or args.pipeline_model_parallel_size > 1):
-        raise SlimeLiteError(f"--use-routing-replay records the routing on each rank and is supported with "
-                             f"--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 only (given "
-                             f"{tp} and {args.pipeline_model_parallel_size}); use --expert-model-parallel-size "
-                             "or data parallelism to spread the model, or --use-rollout-routing-replay.")
-    if args.use_rollout_routing_replay and args.pipeline_model_parallel_size > 1 and args.recompute_granularity:
-        raise SlimeLiteError(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
-                             f"{args.pipeline_model_parallel_size} and --recompute-granularity "
-                             f"{args.recompute_granularity} is not supported (the recomputed routers would replay "
-                             "another micro-batch's experts); drop the recompute or use PP 1.")
-    if moe is None:
-        for flag, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
-            if (value or 1) > 1 and family is not None:
-                raise SlimeLiteError(f"{flag} {value}: the model ({cfg.get('model_type')}) has no experts; drop "
-                                     f"{flag}.")
-        return
-    if moe.num_experts % ep:
-        raise SlimeLiteError(f"--expert-model-parallel-size {ep} must divide the model's num_experts "
-                             f"({moe.num_experts}); pick a divisor of {moe.num_experts}.")
-    etp = tp if etp is None else etp
-    if moe.ffn_hidden_size % etp:
-        raise SlimeLiteError(f"--expert-tensor-parallel-size {etp} must divide the model's moe_intermediate_size "
-                             f"({moe.ffn_hidden_size}).")
-    stage = world_size(args) // args.pipeline_model_parallel_size
-    if stage % (ep * etp):
-        raise SlimeLiteError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must divide "
-                             f"the {stage} ranks of a pipeline stage (GPUs / --pipeline-model-parallel-size).")
-    if tp > 1 and not args.sequence_parallel:
-        raise SlimeLiteError(f"--tensor-model-parallel-size {tp} with an MoE model ({cfg.get('model_type')}) needs "
-                             "--sequence-parallel (Megatron's MoE layers take sequence-split tokens): add "
-                             "--sequence-parallel.")
-
-
-def check_recompute(args: argparse.Namespace, layers_per_stage: int | None) -> None:
-    """--recompute-granularity / --recompute-method / --recompute-num-layers and --sequence-parallel, with
-    Megatron's rules (model.memory_overrides passes them to the TransformerConfig)."""
-    g, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    given = [(f, v) for f, v in (("--recompute-method", method), ("--recompute-num-layers", n)) if v is not None]
-    if g is None and given:
-        flag, value = given[0]
-        raise SlimeLiteError(f"{flag} {value} does nothing without --recompute-granularity full: add "
-                             f"--recompute-granularity full or drop {flag}.")
-    if g == "selective" and given:
-        flag, value = given[0]
-        raise SlimeLiteError(f"--recompute-granularity selective recomputes the core attention of every layer; "
-                             f"{flag} {value} is for --recompute-granularity full (drop {flag}).")
-    if g == "full":
-        if method is None or n is None:
-            raise SlimeLiteError("--recompute-granularity full needs --recompute-method (uniform or block) and "
-                                 "--recompute-num-layers N (e.g. --recompute-method uniform --recompute-num-layers 1).")
-        if layers_per_stage and n > layers_per_stage:
-            raise SlimeLiteError(f"--recompute-num-layers {n} is more than the {layers_per_stage} layers of a "
-                                 "pipeline stage (num_hidden_layers / --pipeline-model-parallel-size).")
-        if method == "uniform" and layers_per_stage and layers_per_stage % n:
-            raise SlimeLiteError(f"--recompute-method uniform recomputes chunks of --recompute-num-layers {n} layers, "
-                                 f"which must divide the {layers_per_stage} layers of a pipeline stage; pick a "
-                                 "divisor or --recompute-method block.")
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        log.warning("--sequence-parallel is ignored at --tensor-model-parallel-size 1 (Megatron turns it off too: "
-                    "it splits activations over the tensor-parallel ranks)")
-
-
-def check_optimizer_offload(args: argparse.Namespace) -> None:
-    """--optimizer-cpu-offload and its companions, with Megatron's rules (the CUDA check is preflight's)."""
-    off, overlap, aware = args.optimizer_cpu_offload, args.overlap_cpu_optimizer_d2h_h2d, \
-        args.use_precision_aware_optimizer
-    if overlap and not off:
-        raise SlimeLiteError("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of the CPU optimizer step; it needs "
-                             "--optimizer-cpu-offload (add it or drop the flag).")
-    if aware and not off:
-        raise SlimeLiteError("--use-precision-aware-optimizer on its own needs Transformer Engine's FusedAdam, which "
-                             "slime-lite does not use; it is supported with --optimizer-cpu-offload (add it, or drop "
-                             "the flag).")
-    if off and not aware:
-        raise SlimeLiteError("--optimizer-cpu-offload runs Megatron's hybrid optimizer through the precision-aware "
-                             "path, so Megatron requires --use-precision-aware-optimizer with it: add "
-                             "--use-precision-aware-optimizer.")
-    if off and not 0.0 < args.optimizer_offload_fraction <= 1.0:
-        raise SlimeLiteError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction}: the share of the "
-                             "optimizer state on the CPU must be in (0, 1].")
-    if off and args.lora_rank:
-        raise SlimeLiteError("--optimizer-cpu-offload with --lora-rank is not supported (the adapters' optimizer "
-                             "state is small: drop --optimizer-cpu-offload).")
-
-
-def _check_dynamic_batch(args: argparse.Namespace, dp: int, pp: int) -> None:
-    """--use-dynamic-batch-size and its token budgets (config.TokenBudget: the one rule for what fits)."""
-    if not args.use_dynamic_batch_size:
-        for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
-            if getattr(args, flag) is not None:
-                raise SlimeLiteError(f"--{flag.replace('_', '-')} is the token budget of packed micro-batches; it "
-                                     "needs --use-dynamic-batch-size (or drop it and use --micro-batch-size).")
-        return
-    if args.max_tokens_per_gpu is None:
-        raise SlimeLiteError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (tokens per packed micro-batch).")
-    if pp > 1:
-        raise SlimeLiteError(f"--use-dynamic-batch-size does not work with --pipeline-model-parallel-size {pp} yet "
-                             "(packed micro-batches of different lengths between stages); use PP 1 or "
-                             "--micro-batch-size.")
-    if not args.debug_train_only:  # a replay's samples are in its dumps: preflight logs the ones packed alone
-        problem = TokenBudget.from_args(args).too_small_for(args.rollout_max_response_len)
-        if problem:
-            raise SlimeLiteError(problem)
-
-
-def validate_train_args(args: argparse.Namespace) -> None:
-    """Parallel sizes and batch sizes that must divide (trainer side)."""
-    world = world_size(args)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    check_optimizer_offload(args)
-    _check_model_split(args, tp, pp)
-    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
-        check_lora_args(args, json.load(f))
-    if world % (tp * pp):
-        raise SlimeLiteError(
-            f"--actor-num-nodes x --actor-num-gpus-per-node = {world} is not divisible by "
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}."
-        )
-    dp = world // (tp * pp)
-    samples = args.rollout_batch_size * args.n_samples_per_prompt
-    steps = args.num_steps_per_rollout
-    if args.global_batch_size is None:
-        steps = 1 if steps is None else steps
-        if samples % steps:
-            raise SlimeLiteError(
-                f"one rollout has {samples} samples (--rollout-batch-size x --n-samples-per-prompt), not divisible "
-                f"by --num-steps-per-rollout {steps}."
-            )
-        args.global_batch_size = samples // steps
-    elif samples % args.global_batch_size:
-        raise SlimeLiteError(
-            f"--global-batch-size {args.global_batch_size} does not divide one rollout's {samples} samples "
-            "(--rollout-batch-size x --n-samples-per-prompt)."
-        )
-    elif steps is not None and steps != samples // args.global_batch_size:
-        raise SlimeLiteError(
-            f"--global-batch-size {args.global_batch_size} and --num-steps-per-rollout {steps} disagree: one "
-            f"rollout has {samples} samples (--rollout-batch-size {args.rollout_batch_size} x "
-            f"--n-samples-per-prompt {args.n_samples_per_prompt}), so --global-batch-size {args.global_batch_size} "
-            f"means {samples // args.global_batch_size} steps per rollout. Give only one of the two flags."
-        )
-    args.num_steps_per_rollout = samples // args.global_batch_size
-    _check_dynamic_batch(args, dp, pp)
-    micro = 1 if args.use_dynamic_batch_size else args.micro_batch_size
-    if args.global_batch_size % (dp * micro):
-        raise SlimeLiteError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by data-parallel size {dp} x "
-            f"--micro-batch-size {micro}."
-        )
-    spec = rl_math.estimator(args.advantage_estimator)
-    if spec.needs_groups and args.n_samples_per_prompt < 2:
-        log.warning("--advantage-estimator %s compares the samples of a prompt: --n-samples-per-prompt 1 gives zero "
-                    "advantages", spec.name)
-    if not spec.kl_in_reward and args.kl_coef > 0:
-        log.warning("--kl-coef %g has no effect with --advantage-estimator %s (its KL goes into the loss: "
-                    "--use-kl-loss --kl-loss-coef)", args.kl_coef, spec.name)
 
 
 def check_debug_tool_args(args: Any) -> None:

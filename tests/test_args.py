@@ -339,7 +339,11 @@ FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w-])")
 EXTERNAL = {
     "slime_lite.backends.sglang.launcher": {"--model-path", "--model", "--host", "--port", "--tp-size", "--tp",
                                             "--random-seed", "--enable-memory-saver", "--worker-urls", "--api-key",
-                                            "--enable-return-routed-experts"},
+                                            "--enable-return-routed-experts",
+                                            # SGLang's LoRA flags (tests/backends/test_sglang_lora.py parses them
+                                            # with SGLang's own parser)
+                                            "--enable-lora", "--max-lora-rank", "--lora-paths"},
+    "slime_lite.backends.megatron.lora_config": {"--enable-lora"},  # SGLang's, named in an error
     "slime_lite.backends.megatron.routing": {"--enable-return-routed-experts"},  # SGLang's, named in an error
     "slime_lite.backends.megatron.model": {"--no-build-isolation"},
     "slime_lite.rollout.calc_task": {"--task"},  # make-tiny-model's, which warm-starts on the task's transcripts

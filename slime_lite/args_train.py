@@ -1,0 +1,329 @@
+"""The rules of the trainer's layout (TP/PP/DP/EP sizes, MoE flags against config.json, recompute, the CPU optimizer
+offload, packed micro-batch budgets, LoRA, the estimator's needs), checked before anything starts unless the run
+trains nothing. The flag rules of the whole run are in args_check.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+from slime_lite import rl_math
+from slime_lite.backends.megatron.lora_config import check_lora_args
+from slime_lite.config import TokenBudget
+from slime_lite.errors import SlimeLiteError
+from slime_lite.model_families import FAMILIES, moe_config
+
+log = logging.getLogger("slime_lite.args")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def nonneg_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    """The trainer's flag groups: Megatron's training and parallelism, LoRA."""
+    g = p.add_argument_group("Megatron training and parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
+                   help="Megatron tensor-parallel size (default: %(default)s)")
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1,
+                   help="Megatron pipeline-parallel size (default: %(default)s)")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                   help="Megatron transformer implementation (default: %(default)s)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="activation recompute (Megatron's): full re-runs whole transformer layers in the backward "
+                        "pass (needs --recompute-method and --recompute-num-layers); selective only the core "
+                        "attention (default: none)")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with --recompute-granularity full: uniform recomputes every chunk of "
+                        "--recompute-num-layers layers; block the first --recompute-num-layers layers of each "
+                        "pipeline stage")
+    g.add_argument("--recompute-num-layers", type=positive_int, default=None,
+                   help="layers per recomputed chunk (uniform) or recomputed layers per pipeline stage (block)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism: norms and residuals split along the sequence over the "
+                        "tensor-parallel ranks (less activation memory; ignored with a warning at "
+                        "--tensor-model-parallel-size 1, as in Megatron)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="Megatron's hybrid CPU optimizer (CUDA only): the Adam state and float32 master weights live "
+                        "in host memory and the optimizer step runs on the CPU (less GPU memory, slower steps); "
+                        "needs --use-precision-aware-optimizer, as in Megatron")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="with --optimizer-cpu-offload: the share of the optimizer state kept on the CPU "
+                        "(default: %(default)s)")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="with --optimizer-cpu-offload: overlap the gradient and parameter copies between GPU and "
+                        "CPU with the CPU optimizer step")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Megatron's precision-aware optimizer path (the distributed optimizer, decoupled gradients); "
+                        "with --optimizer-cpu-offload only (on its own it needs Transformer Engine's FusedAdam)")
+    g.add_argument("--expert-model-parallel-size", type=positive_int, default=1,
+                   help="MoE models: experts split over this many ranks (must divide num_experts; default: "
+                        "%(default)s)")
+    g.add_argument("--expert-tensor-parallel-size", type=positive_int, default=None,
+                   help="MoE models: each expert's weights split over this many ranks (default: "
+                        "--tensor-model-parallel-size)")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="alltoall",
+                   help="MoE models: how tokens reach the experts' ranks (Megatron's dispatchers; default: "
+                        "%(default)s)")
+    g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                   help="MoE models: the router's logits and softmax in this dtype (default: the model's)")
+    g.add_argument("--moe-aux-loss-coeff", type=nonneg_float, default=0.0,
+                   help="MoE models: weight of Megatron's load-balancing loss (aux_loss) in the loss; 0 turns it "
+                        "off (default: %(default)s)")
+    g.add_argument("--moe-z-loss-coeff", type=nonneg_float, default=None,
+                   help="MoE models: weight of the router z-loss (mean squared log-sum-exp of the router logits)")
+    g.add_argument("--use-routing-replay", action="store_true",
+                   help="MoE models (slime's routing replay, R2): the trainer records the experts its old-policy "
+                        "log-prob pass chose for every token and replays them in the training forward and backward "
+                        "passes, so the PPO ratio's two sides use the same experts; train/routing_replay_mismatch: the "
+                        "share the updated weights would have routed elsewhere (with "
+                        "--use-rollout-routing-replay the engine's experts are replayed instead)")
+    g.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="MoE models (slime's R3): the engine returns the experts it chose for every token "
+                        "(return_routed_experts), samples keep them (rollout_routed_experts) and the trainer's "
+                        "routers replay them in the forward and backward passes; train/routing_mismatch reports "
+                        "the share of (token, layer) pairs the trainer would have routed otherwise")
+    g.add_argument("--balance-data", action="store_true",
+                   help="deal each step's samples (with --use-dynamic-batch-size: its packed micro-batches) to the "
+                        "data-parallel ranks in equal counts balanced by estimated FLOPs, L * (1 + L / (6 * "
+                        "hidden)) for a sample of L tokens (default: in order)")
+    g.add_argument("--bf16", action="store_true", help="train in bfloat16 (default: float32)")
+    g.add_argument("--lr", type=nonneg_float, default=1e-6, help="actor learning rate (default: %(default)s)")
+    g.add_argument("--critic-lr", type=nonneg_float, default=None, help="critic learning rate (default: --lr)")
+    g.add_argument("--weight-decay", type=nonneg_float, default=0.0,
+                   help="Adam weight decay (default: %(default)s)")
+    g.add_argument("--clip-grad", type=nonneg_float, default=1.0,
+                   help="clip the global gradient norm to this value (default: %(default)s)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: %(default)s)")
+    g.add_argument("--adam-beta2", type=float, default=0.98, help="Adam beta2 (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=1234, help="trainer random seed (default: %(default)s)")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise-reproducible runs: deterministic torch algorithms in trainer and engines, each "
+                        "rollout sent to the engines in one fixed order, no wall-clock values in dumps (two runs "
+                        "with the same seeds give identical metrics and dumps on CPU; GPU: BENCHMARKS.md)")
+    g.add_argument("--update-weight-transport", choices=("tensor", "distributed", "disk"), default="tensor",
+                   help="how new weights reach the engines: HTTP tensors, a torch.distributed broadcast, or files "
+                        "(default: %(default)s)")
+    g.add_argument("--update-weight-buffer-size", type=positive_int, default=512 * 1024**2,
+                   help="bytes of weights per bucket of a tensor or distributed push (default: %(default)s)")
+
+    g = p.add_argument_group("LoRA", "low-rank adapters on a frozen base model (the reference model is the base)")
+    g.add_argument("--lora-rank", type=int, default=None,
+                   help="train LoRA adapters of this rank instead of every weight (default: off)")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA alpha: the adapters are scaled by alpha/rank (default: the rank, scaling 1)")
+    g.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapters' input (default: %(default)s)")
+    g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"],
+                   help="linears that get adapters: all-linear, or HF names q_proj,k_proj,v_proj (Megatron's fused "
+                        "linear_qkv), o_proj (linear_proj), gate_proj,up_proj (linear_fc1; GLM4: gate_up_proj), "
+                        "down_proj (linear_fc2), or the Megatron names (default: all-linear)")
+    g.add_argument("--lora-adapter-path", default=None,
+                   help="PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the "
+                        "adapters from, on the --hf-checkpoint base")
+
+
+
+def world_size(args: Any) -> int:
+    return args.actor_num_nodes * args.actor_num_gpus_per_node
+
+
+def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
+    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    heads = cfg.get("num_attention_heads")
+    kv = cfg.get("num_key_value_heads", heads)
+    layers = cfg.get("num_hidden_layers")
+    for what, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if value and value % tp:
+            raise SlimeLiteError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({value}).")
+    if layers and layers % pp:
+        raise SlimeLiteError(
+            f"--pipeline-model-parallel-size {pp} must divide the model's num_hidden_layers ({layers}).")
+    check_recompute(args, layers // pp if layers else None)
+    check_experts(args, cfg)
+
+
+def check_experts(args: argparse.Namespace, cfg: dict) -> None:
+    """The expert-parallel layout against config.json: EP and expert-TP only for an MoE model, EP dividing its
+    experts and the ranks of a pipeline stage, expert-TP dividing each expert's FFN size, and sequence parallelism
+    whenever TP > 1 (Megatron's MoE layers need it); --use-rollout-routing-replay only for an MoE model, and not
+    with PP > 1 and activation recompute (a recomputed router would replay another micro-batch's experts)."""
+    ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
+    family = FAMILIES.get(cfg.get("model_type"))
+    moe = moe_config(cfg, f"--hf-checkpoint {args.hf_checkpoint}") if family else None
+    for flag, on in (("--use-rollout-routing-replay", args.use_rollout_routing_replay),
+                     ("--use-routing-replay", args.use_routing_replay)):
+        if on and moe is None and family is not None:
+            raise SlimeLiteError(f"{flag}: the model ({cfg.get('model_type')}) has no experts to route; drop {flag} "
+                                 f"(--hf-checkpoint {args.hf_checkpoint} is a dense model).")
+    own = args.use_routing_replay and not args.use_rollout_routing_replay  # the trainer records its own routing
+    if own and (tp > 1 or args.pipeline_model_parallel_size > 1):
+        raise SlimeLiteError(f"--use-routing-replay records the routing on each rank and is supported with "
+                             f"--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 only (given "
+                             f"{tp} and {args.pipeline_model_parallel_size}); use --expert-model-parallel-size "
+                             "or data parallelism to spread the model, or --use-rollout-routing-replay.")
+    if args.use_rollout_routing_replay and args.pipeline_model_parallel_size > 1 and args.recompute_granularity:
+        raise SlimeLiteError(f"--use-rollout-routing-replay with --pipeline-model-parallel-size "
+                             f"{args.pipeline_model_parallel_size} and --recompute-granularity "
+                             f"{args.recompute_granularity} is not supported (the recomputed routers would replay "
+                             "another micro-batch's experts); drop the recompute or use PP 1.")
+    if moe is None:
+        for flag, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+            if (value or 1) > 1 and family is not None:
+                raise SlimeLiteError(f"{flag} {value}: the model ({cfg.get('model_type')}) has no experts; drop "
+                                     f"{flag}.")
+        return
+    if moe.num_experts % ep:
+        raise SlimeLiteError(f"--expert-model-parallel-size {ep} must divide the model's num_experts "
+                             f"({moe.num_experts}); pick a divisor of {moe.num_experts}.")
+    etp = tp if etp is None else etp
+    if moe.ffn_hidden_size % etp:
+        raise SlimeLiteError(f"--expert-tensor-parallel-size {etp} must divide the model's moe_intermediate_size "
+                             f"({moe.ffn_hidden_size}).")
+    stage = world_size(args) // args.pipeline_model_parallel_size
+    if stage % (ep * etp):
+        raise SlimeLiteError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must divide "
+                             f"the {stage} ranks of a pipeline stage (GPUs / --pipeline-model-parallel-size).")
+    if tp > 1 and not args.sequence_parallel:
+        raise SlimeLiteError(f"--tensor-model-parallel-size {tp} with an MoE model ({cfg.get('model_type')}) needs "
+                             "--sequence-parallel (Megatron's MoE layers take sequence-split tokens): add "
+                             "--sequence-parallel.")
+
+
+def check_recompute(args: argparse.Namespace, layers_per_stage: int | None) -> None:
+    """--recompute-granularity / --recompute-method / --recompute-num-layers and --sequence-parallel, with
+    Megatron's rules (model.memory_overrides passes them to the TransformerConfig)."""
+    g, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    given = [(f, v) for f, v in (("--recompute-method", method), ("--recompute-num-layers", n)) if v is not None]
+    if g is None and given:
+        flag, value = given[0]
+        raise SlimeLiteError(f"{flag} {value} does nothing without --recompute-granularity full: add "
+                             f"--recompute-granularity full or drop {flag}.")
+    if g == "selective" and given:
+        flag, value = given[0]
+        raise SlimeLiteError(f"--recompute-granularity selective recomputes the core attention of every layer; "
+                             f"{flag} {value} is for --recompute-granularity full (drop {flag}).")
+    if g == "full":
+        if method is None or n is None:
+            raise SlimeLiteError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                                 "--recompute-num-layers N (e.g. --recompute-method uniform --recompute-num-layers 1).")
+        if layers_per_stage and n > layers_per_stage:
+            raise SlimeLiteError(f"--recompute-num-layers {n} is more than the {layers_per_stage} layers of a "
+                                 "pipeline stage (num_hidden_layers / --pipeline-model-parallel-size).")
+        if method == "uniform" and layers_per_stage and layers_per_stage % n:
+            raise SlimeLiteError(f"--recompute-method uniform recomputes chunks of --recompute-num-layers {n} layers, "
+                                 f"which must divide the {layers_per_stage} layers of a pipeline stage; pick a "
+                                 "divisor or --recompute-method block.")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        log.warning("--sequence-parallel is ignored at --tensor-model-parallel-size 1 (Megatron turns it off too: "
+                    "it splits activations over the tensor-parallel ranks)")
+
+
+def check_optimizer_offload(args: argparse.Namespace) -> None:
+    """--optimizer-cpu-offload and its companions, with Megatron's rules (the CUDA check is preflight's)."""
+    off, overlap, aware = args.optimizer_cpu_offload, args.overlap_cpu_optimizer_d2h_h2d, \
+        args.use_precision_aware_optimizer
+    if overlap and not off:
+        raise SlimeLiteError("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of the CPU optimizer step; it needs "
+                             "--optimizer-cpu-offload (add it or drop the flag).")
+    if aware and not off:
+        raise SlimeLiteError("--use-precision-aware-optimizer on its own needs Transformer Engine's FusedAdam, which "
+                             "slime-lite does not use; it is supported with --optimizer-cpu-offload (add it, or drop "
+                             "the flag).")
+    if off and not aware:
+        raise SlimeLiteError("--optimizer-cpu-offload runs Megatron's hybrid optimizer through the precision-aware "
+                             "path, so Megatron requires --use-precision-aware-optimizer with it: add "
+                             "--use-precision-aware-optimizer.")
+    if off and not 0.0 < args.optimizer_offload_fraction <= 1.0:
+        raise SlimeLiteError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction}: the share of the "
+                             "optimizer state on the CPU must be in (0, 1].")
+    if off and args.lora_rank:
+        raise SlimeLiteError("--optimizer-cpu-offload with --lora-rank is not supported (the adapters' optimizer "
+                             "state is small: drop --optimizer-cpu-offload).")
+
+
+def _check_dynamic_batch(args: argparse.Namespace, dp: int, pp: int) -> None:
+    """--use-dynamic-batch-size and its token budgets (config.TokenBudget: the one rule for what fits)."""
+    if not args.use_dynamic_batch_size:
+        for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+            if getattr(args, flag) is not None:
+                raise SlimeLiteError(f"--{flag.replace('_', '-')} is the token budget of packed micro-batches; it "
+                                     "needs --use-dynamic-batch-size (or drop it and use --micro-batch-size).")
+        return
+    if args.max_tokens_per_gpu is None:
+        raise SlimeLiteError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (tokens per packed micro-batch).")
+    if pp > 1:
+        raise SlimeLiteError(f"--use-dynamic-batch-size does not work with --pipeline-model-parallel-size {pp} yet "
+                             "(packed micro-batches of different lengths between stages); use PP 1 or "
+                             "--micro-batch-size.")
+    if not args.debug_train_only:  # a replay's samples are in its dumps: preflight logs the ones packed alone
+        problem = TokenBudget.from_args(args).too_small_for(args.rollout_max_response_len)
+        if problem:
+            raise SlimeLiteError(problem)
+
+
+def validate_train_args(args: argparse.Namespace) -> None:
+    """Parallel sizes and batch sizes that must divide (trainer side)."""
+    world = world_size(args)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    check_optimizer_offload(args)
+    _check_model_split(args, tp, pp)
+    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
+        check_lora_args(args, json.load(f))
+    if world % (tp * pp):
+        raise SlimeLiteError(
+            f"--actor-num-nodes x --actor-num-gpus-per-node = {world} is not divisible by "
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}."
+        )
+    dp = world // (tp * pp)
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    steps = args.num_steps_per_rollout
+    if args.global_batch_size is None:
+        steps = 1 if steps is None else steps
+        if samples % steps:
+            raise SlimeLiteError(
+                f"one rollout has {samples} samples (--rollout-batch-size x --n-samples-per-prompt), not divisible "
+                f"by --num-steps-per-rollout {steps}."
+            )
+        args.global_batch_size = samples // steps
+    elif samples % args.global_batch_size:
+        raise SlimeLiteError(
+            f"--global-batch-size {args.global_batch_size} does not divide one rollout's {samples} samples "
+            "(--rollout-batch-size x --n-samples-per-prompt)."
+        )
+    elif steps is not None and steps != samples // args.global_batch_size:
+        raise SlimeLiteError(
+            f"--global-batch-size {args.global_batch_size} and --num-steps-per-rollout {steps} disagree: one "
+            f"rollout has {samples} samples (--rollout-batch-size {args.rollout_batch_size} x "
+            f"--n-samples-per-prompt {args.n_samples_per_prompt}), so --global-batch-size {args.global_batch_size} "
+            f"means {samples // args.global_batch_size} steps per rollout. Give only one of the two flags."
+        )
+    args.num_steps_per_rollout = samples // args.global_batch_size
+    _check_dynamic_batch(args, dp, pp)
+    micro = 1 if args.use_dynamic_batch_size else args.micro_batch_size
+    if args.global_batch_size % (dp * micro):
+        raise SlimeLiteError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by data-parallel size {dp} x "
+            f"--micro-batch-size {micro}."
+        )
+    spec = rl_math.estimator(args.advantage_estimator)
+    if spec.needs_groups and args.n_samples_per_prompt < 2:
+        log.warning("--advantage-estimator %s compares the samples of a prompt: --n-samples-per-prompt 1 gives zero "
+                    "advantages", spec.name)
+    if not spec.kl_in_reward and args.kl_coef > 0:
+        log.warning("--kl-coef %g has no effect with --advantage-estimator %s (its KL goes into the loss: "
+                    "--use-kl-loss --kl-loss-coef)", args.kl_coef, spec.name)
