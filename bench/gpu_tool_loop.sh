@@ -41,20 +41,13 @@ echo "tool loop rc=$rc"
 OUT=$OUT python3 - <<'PY'
 import json, os
 from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.rollout.turns import inserted_and_trained
 rows = [json.loads(l) for l in open(os.path.join(os.environ["OUT"], "tool_loop.jsonl"))]
 keys = ("rollout/turns/mean", "rollout/turns/max", "rollout/tool_calls", "rollout/tool_errors", "rollout/masked_token_share",
         "rollout/raw_reward", "eval/tool_math", "perf/rollout_time", "perf/step_time", "rollout/response_len/mean")
 print("rollout | " + " | ".join(keys))
 for r in rows:
     print(r.get("rollout_id"), "|", " | ".join(f"{r[k]:.3f}" if isinstance(r.get(k), (int, float)) else "-" for k in keys))
-tool = model = 0
-for s in load_rollout_dump("/tmp/tool_dumps/data_0.pt").samples:
-    for t in s.metadata["turns"]:
-        mask = s.loss_mask[t["start"]:t["start"] + t["length"]]
-        if t["source"] == "tool":
-            assert not any(mask), f"sample {s.index}: a tool turn has loss_mask 1"
-            tool += t["length"]
-        else:
-            model += sum(mask)
+tool, model = inserted_and_trained(load_rollout_dump("/tmp/tool_dumps/data_0.pt").samples)
 print(f"rollout 0 dump: {tool} tool tokens, all at loss_mask 0; {model} model tokens at loss_mask 1")
 PY

@@ -59,3 +59,19 @@ def turns(sample: Sample) -> list[dict[str, Any]]:
         return list(recorded)
     return [{"start": 0, "length": sample.response_length, "source": "model",
              "trainable": True, "text": sample.response}]
+
+
+def inserted_and_trained(samples: list[Sample]) -> tuple[int, int]:
+    """(tokens of inserted turns, model-turn tokens at loss_mask 1) over multi-turn samples; raises ValueError naming
+    the first sample with an inserted token at loss_mask 1 (it would be trained as if the model wrote it)."""
+    inserted = trained = 0
+    for s in samples:
+        for t in turns(s):
+            mask = s.loss_mask[t["start"]:t["start"] + t["length"]]
+            if t["source"] == "model":
+                trained += sum(mask)
+            elif any(mask):
+                raise ValueError(f"sample {s.index}: its {t['source']} turn at {t['start']} has loss_mask 1")
+            else:
+                inserted += t["length"]
+    return inserted, trained
