@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.slices import slice_of
-
-# Every Ray cluster a test starts (the train runs' own, in their subprocesses too) skips Ray's pre-started workers:
-# they are started without the job's runtime env, so no actor of ours can use them, and each costs a Python start
-# (two of them per cluster here, ~1 CPU-second each, on the 2-core CI machine).
-os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
 @pytest.fixture(scope="session")
