@@ -12,12 +12,14 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+VENV = Path(sys.prefix)  # the venv running the tests: ROOT/.venv under scripts/test.sh
 SHORT = "--num-rollout 2"  # appended to every training script: argparse keeps the last value
 FEW = "--rollout-batch-size 4 --n-samples-per-prompt 4 --micro-batch-size 8 --rollout-max-response-len 96"
 
@@ -30,10 +32,10 @@ RUN = {  # README command -> the command run in the sandbox
     "run-tiny-ppo.sh": f"bash scripts/run-tiny-ppo.sh {SHORT}",
     "run-tiny-reinforce.sh": f"bash scripts/run-tiny-reinforce.sh {SHORT}",
     "python bench/breakdown.py runs/tiny/grpo/metrics.jsonl": "python bench/breakdown.py runs/tiny/grpo/metrics.jsonl",
-    "bash scripts/run-tiny-grpo.sh --num-rollout 5 --metrics-path m.jsonl":
-        f"bash scripts/run-tiny-grpo.sh --num-rollout 5 --metrics-path m.jsonl {SHORT}",
+    # the --metrics-path example's arguments ride on this run (one GRPO run less): m.jsonl and its plot are checked
     "bash scripts/run-tiny-grpo.sh --lora-rank 8 --lora-alpha 16 --lr 1e-3":
-        f"bash scripts/run-tiny-grpo.sh --lora-rank 8 --lora-alpha 16 --lr 1e-3 {SHORT}",
+        f"bash scripts/run-tiny-grpo.sh --lora-rank 8 --lora-alpha 16 --lr 1e-3 --num-rollout 5 --metrics-path m.jsonl "
+        f"{SHORT}",
     "bash scripts/run-tiny-rollout-only.sh": f"bash scripts/run-tiny-rollout-only.sh {SHORT}",
     # the rollout-only dumps just written, replayed through the GRPO script (its --ci-test on): as written
     REPLAY: REPLAY,
@@ -51,6 +53,10 @@ SKIP = {
     "slime-lite make-tiny-model": "named without its required --out; prepare-tiny.sh runs it, but its warm start takes "
                                   "minutes, so the sandbox gets the session's tiny model (tests/test_tiny_model.py)",
     "scripts/run-tiny-grpo.sh": _SAME_AS_QUICKSTART,
+    "bash scripts/run-tiny-grpo.sh --num-rollout 5 --metrics-path m.jsonl": "its arguments are appended to the LoRA "
+                                                                            "command's run here (the same script and "
+                                                                            "argument handling); m.jsonl and its plot "
+                                                                            "are checked",
     "bash scripts/run-tiny-grpo.sh": _SAME_AS_QUICKSTART,
     "slime-lite make-data --task tool_math": "named without its required --out; run-tiny-tool-grpo.sh, run here, "
                                              "runs it with one",
@@ -127,13 +133,13 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
 def sandbox(tmp_path_factory, tiny_model_dir) -> Path:
     """A copy of scripts/ (they cd to their parent) next to the real .venv and bench/, with a ready tiny model."""
     want = subprocess.run(["sha256sum", str(ROOT / "pyproject.toml")], capture_output=True, text=True).stdout[:16]
-    stamps = [ROOT / ".venv" / f".slime-lite-installed{extra}" for extra in ("", "-dev")]
+    stamps = [VENV / f".slime-lite-installed{extra}" for extra in ("", "-dev")]
     if not any(p.exists() and p.read_text().strip() == want for p in stamps):  # scripts/setup.sh's own test
         pytest.skip("scripts/setup.sh has not installed this pyproject.toml: the scripts would reinstall .venv")
     root = tmp_path_factory.mktemp("readme")
     shutil.copytree(ROOT / "scripts", root / "scripts")
     shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
-    (root / ".venv").symlink_to(ROOT / ".venv")
+    (root / ".venv").symlink_to(VENV)
     (root / "bench").symlink_to(ROOT / "bench")
     (root / "runs" / "tiny").mkdir(parents=True)
     (root / "runs" / "tiny" / "model").symlink_to(tiny_model_dir)
@@ -145,7 +151,7 @@ def sandbox(tmp_path_factory, tiny_model_dir) -> Path:
 @pytest.mark.slow
 def test_readme_commands_exit_0(sandbox):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # no `ray job submit` to a cluster
-    env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # `python` is the .venv's
+    env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # `python` is the .venv's
     order = readme_commands((ROOT / "README.md").read_text())
     failed = []
     for readme_cmd in [c for c in order if c in RUN]:
