@@ -44,17 +44,10 @@ run_train "${ARGS[@]}"
 METRICS=$METRICS DUMP=${DUMPS//\{rollout_id\}/0} .venv/bin/python - <<'PY'
 import json, os
 from slime_lite.rollout.dumps import load_rollout_dump
+from slime_lite.rollout.turns import inserted_and_trained
 rows = [json.loads(l) for l in open(os.environ["METRICS"])]
 evals = [(r["rollout_id"] + 1, r["eval/tool_math"]) for r in rows if "eval/tool_math" in r]
 print("held-out success by rollouts trained:", ", ".join(f"{i}: {a:.3f}" for i, a in evals))
-tool = model = 0
-for s in load_rollout_dump(os.environ["DUMP"]).samples:
-    for t in s.metadata["turns"]:
-        mask = s.loss_mask[t["start"]:t["start"] + t["length"]]
-        if t["source"] == "tool":
-            assert not any(mask), f"sample {s.index}: a tool turn has loss_mask 1"
-            tool += t["length"]
-        else:
-            model += sum(mask)
+tool, model = inserted_and_trained(load_rollout_dump(os.environ["DUMP"]).samples)
 print(f"rollout 0 dump: {tool} tool tokens, all at loss_mask 0; {model} model tokens at loss_mask 1")
 PY
