@@ -24,7 +24,6 @@ from typing import Any
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime_lite.backends.megatron.lora_config import sglang_target_modules
 from slime_lite.config import EngineConfig
 from slime_lite.engine_client import API_KEY_ENV, API_KEY_FILE_ENV, api_key, request_json
 from slime_lite.errors import EngineError, SlimeLiteError
@@ -193,6 +192,8 @@ def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.
     if cfg.use_rollout_routing_replay:  # the experts of every token, in each response's meta_info
         cmd.append("--enable-return-routed-experts")
     if cfg.lora_rank is not None:  # adapters loaded by name at each push (weight_push.push_lora_to_sglang)
+        # here, not at the top: the rollout side imports this module and must not import backends.megatron
+        from slime_lite.backends.megatron.lora_config import sglang_target_modules
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
                 "--lora-target-modules", *sglang_target_modules(cfg.lora_target_modules)]
     cmd += [str(a) for a in cfg.sglang_args]
