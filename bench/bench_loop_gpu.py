@@ -42,7 +42,7 @@ the background while the trainer trains).
   .venv/bin/python bench/bench_loop_gpu.py --quick        # CPU, tiny model (vocab 128), 4 x 8 samples, < 2 min
   python3 bench/bench_loop_gpu.py --layout colocate --lora-rank 32   # the loop with LoRA (push bytes and time)
   python3 bench/bench_loop_gpu.py --layout colocate --lora-rank 32 --shape 7b --prompts 16 --num-rollout 2 \
-      --timeout 500 --budget 560   # LoRA on a 7B shape, colocated (the standalone parts run full fine-tuning)
+      --max-tokens 8192 --timeout 470 --budget 520   # LoRA on a 7B shape, colocated (the standalone parts run full fine-tuning)
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout disagg   # both disaggregated loops on CPU (a check)
   python3 bench/bench_loop_gpu.py --layout partial        # 1 GPU: without and with over-sampling + partial rollout
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout partial  # the same on CPU (a check)
@@ -319,6 +319,8 @@ def main() -> None:
                          "the standalone train part stays full fine-tuning")
     ap.add_argument("--shape", default="0.5b", choices=("0.5b", "1.5b", "7b"),
                     help="the model's shape (bench_train_gpu.py's; default %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                    help="--max-tokens-per-gpu of the train step (log-probs: 2N; default 16384, --quick 512)")
     ap.add_argument("--budget", type=int, default=None,
                     help="seconds for the whole bench; no subprocess runs past it (default: colocate 360, "
                          "disagg 570, --quick 170)")
@@ -338,6 +340,7 @@ def main() -> None:
     if replay and a.num_rollout == ap.get_default("num_rollout"):
         a.num_rollout = 2
     max_tok, lp_tok = (512, 1024) if q else (16384, 32768)
+    max_tok, lp_tok = a.max_tokens or max_tok, a.max_tokens and 2 * a.max_tokens or lp_tok
     timeout = a.timeout or (300 if q and replay else 150 if q else 190 if replay else 270)
     part_timeout = a.part_timeout or 120
     t0 = time.time()

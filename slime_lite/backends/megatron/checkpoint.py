@@ -74,14 +74,14 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     dist.barrier()
     a = actor.args
     lora_on = getattr(actor, "lora", None) is not None
-    from slime_lite.backends.megatron.optimizer_offload import param_state
+    from slime_lite.backends.megatron.optimizer_offload import param_state, plain_groups
 
     model_state = actor.model.state_dict()
     if lora_on:  # the base is --hf-checkpoint, frozen: what trains (adapters; the critic's head) is the state
         model_state = {k: v for k, v in model_state.items() if k in _trainable(actor.model)}
     state = {
         "model": model_state,
-        "optimizer": actor.optimizer.state_dict(),
+        "optimizer": plain_groups(actor.optimizer.state_dict()),
         "optimizer_param_state": param_state(actor.optimizer),  # --optimizer-cpu-offload (optimizer_offload.py)
         "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "next_rollout_id": rollout_id + 1,

@@ -54,6 +54,19 @@ def param_state(optimizer: Any) -> list[Any] | None:
     return [o.get_parameter_state_dp_zero() for o in opts]  # keyed by dtypes: a weights-only load reads them
 
 
+def plain_groups(state: Any) -> Any:
+    """An optimizer ``state_dict`` without the classes Megatron's hybrid CPU optimizer keeps in each param group
+    (``cpu_optimizer_cls``), which a weights-only load cannot read. Dropping them is safe: the optimizer of the resumed
+    run was built with its own (the hybrid optimizer reads the class from its ``defaults``, and the distributed
+    optimizer's load keeps only the saved groups' other settings)."""
+    if isinstance(state, dict):
+        return {k: ([{gk: gv for gk, gv in g.items() if not isinstance(gv, type)} for g in v]
+                    if k == "param_groups" else plain_groups(v)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):  # a chained optimizer's list of state dicts
+        return type(state)(plain_groups(v) for v in state)
+    return state
+
+
 def check_param_state(optimizer: Any, saved: list[Any] | None, where: str) -> None:
     """SlimeLiteError when a checkpoint's ``param_state`` does not fit this run's optimizer (saved with
     --optimizer-cpu-offload and resumed without it, or the other way round)."""
@@ -68,6 +81,13 @@ def check_param_state(optimizer: Any, saved: list[Any] | None, where: str) -> No
 
 def load_param_state(optimizer: Any, saved: list[Any] | None) -> None:
     """Scatter ``param_state``'s result back, after the optimizer's own ``load_state_dict`` (every rank calls it)."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
     with torch.no_grad():  # it copies into shards that are views of the weights (float32: the main params)
         for o, state in zip(_distributed(optimizer), saved or []):
             o.load_parameter_state_from_dp_zero(state)
+            if isinstance(o.optimizer, HybridDeviceOptimizer):
+                # megatron-core 0.16.1's dp-zero load replaces the hybrid optimizer's state tensors (master weights,
+                # moments) without handing them to its CPU/GPU sub-optimizers, which would step on from the values
+                # they had before the load (its other loaders sync; this one does not): hand them over here.
+                o.optimizer._sync_hdo_state_to_sub_optimizers()
