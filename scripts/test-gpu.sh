@@ -5,7 +5,8 @@
 # --slice K/N: the K-th of N parts of the suite, the same every time, balanced by the seconds each test took in the
 #   run recorded in tests/gpu_durations.json (`--record-durations FILE` writes them). The default split is
 #   --slice 1/3 .. 3/3, each under 7 minutes on one H200 (BENCHMARKS.md: "The GPU suite in slices").
-# --quick: the engine's captured decode steps and fused kernels, the bf16 precision checks, the colocated loop.
+# --quick: the engine's captured decode steps and fused kernels, the log-prob kernels, the bf16 precision checks and
+#   the colocated loop of a half-billion shape under --ci-test, offload, the colocated push by CUDA IPC.
 # On a GPU machine without network: Ray and megatron-core packed (site-packages) as .gpu-carry/site.tar.xz on a
 # machine with network; this script unpacks it when present.
 set -euo pipefail
@@ -24,7 +25,8 @@ mapfile -t files < <(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | so
 args=()
 for a in "$@"; do
   if [ "$a" = --quick ]; then
-    args+=(-k "test_cuda_graph_gpu or test_fused_layer or test_decode_attention_gpu or bf16 or colocated or offload_frees")
+    quick="test_cuda_graph_gpu or test_fused_layer or test_decode_attention_gpu or test_logprobs or half_billion"
+    args+=(-k "$quick or offload_frees or test_colocated_push or (bf16 and not test_doctor)")
   else
     args+=("$a")
   fi

@@ -53,6 +53,35 @@ def test_a_checkpoint_of_the_hybrid_optimizer_drops_its_class_and_keeps_every_ot
     assert torch.equal(got[0]["optimizer"]["state"][0]["exp_avg"], torch.ones(2))
 
 
+def test_after_a_load_that_shares_one_step_tensor_each_parameter_counts_its_own_steps():
+    """What megatron-core's distributed optimizer loads without Apex/TE (one ``step`` tensor in every parameter's
+    state): torch's AdamW would count a step once per parameter; own_steps gives each its own count."""
+    from slime_lite.backends.megatron.optimizer_offload import own_steps
+
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+
+    def loaded():
+        opt = torch.optim.AdamW(params, lr=0.1)
+        for p in params:
+            p.grad = torch.ones(3)
+        opt.step()
+        state = opt.state_dict()
+        shared = torch.tensor(1.0)
+        for s in state["state"].values():
+            s["step"] = shared
+        again = torch.optim.AdamW(params, lr=0.1)
+        again.load_state_dict(state)
+        return again
+
+    opt = loaded()
+    opt.step()
+    assert [float(s["step"]) for s in opt.state.values()] == [4.0] * 3  # the shared count: 1 + one per parameter
+    opt = loaded()
+    own_steps(opt)
+    opt.step()
+    assert [float(s["step"]) for s in opt.state.values()] == [2.0] * 3
+
+
 def _samples(n: int = 8) -> list:
     from slime_lite.types import Sample, Status
 

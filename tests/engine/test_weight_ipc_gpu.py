@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,9 +59,11 @@ def test_colocated_push_by_cuda_ipc(gpu_engine, tiny_model_dir, monkeypatch):
     real = weight_push.request_json
     monkeypatch.setattr(weight_push, "request_json",
                         lambda u, r, body=None, **k: sent.append((r, body)) or real(u, r, body, **k))
-    args = SimpleNamespace(update_weight_transport="tensor", colocate=True, rollout_backend="embedded",
+    from slime_lite.args import parser_defaults
+
+    # the whole namespace of the train command (a hand-made one missed each flag the push learned later)
+    args = parser_defaults(update_weight_transport="tensor", colocate=True, rollout_backend="embedded",
                            rollout_num_gpus_per_engine=1, update_weight_buffer_size=1 << 20,
-                           debug_scramble_engine_weights=False, debug_inject_fault=None,
                            check_weight_update_equal=True)  # the checksum of every parameter, after the push
     weight_push.push(args, named, [url], 3)
     posts = [b for r, b in sent if r == "/update_weights_from_tensor"]

@@ -87,7 +87,18 @@ def load_param_state(optimizer: Any, saved: list[Any] | None) -> None:
         for o, state in zip(_distributed(optimizer), saved or []):
             o.load_parameter_state_from_dp_zero(state)
             if isinstance(o.optimizer, HybridDeviceOptimizer):
+                own_steps(o.optimizer)
                 # megatron-core 0.16.1's dp-zero load replaces the hybrid optimizer's state tensors (master weights,
                 # moments) without handing them to its CPU/GPU sub-optimizers, which would step on from the values
                 # they had before the load (its other loaders sync; this one does not): hand them over here.
                 o.optimizer._sync_hdo_state_to_sub_optimizers()
+
+
+def own_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter's Adam ``step`` its own tensor. megatron-core 0.16.1's distributed optimizer, without
+    Apex or Transformer Engine, loads one ``step`` tensor into every parameter's state; torch's AdamW then adds 1 to
+    it once per parameter at each step, and the bias corrections after a resume are those of a step count many times
+    too large."""
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
