@@ -150,10 +150,10 @@ def check_profiling_device(args: Any) -> None:
 
 def replay_ids(args: Any) -> range:
     """The rollout ids a replay reads: from 0 (or the rollout after the checkpoint of --load) to --num-rollout."""
-    from slime_lite.backends.megatron.checkpoint import iteration, latest  # torch: only for a replay with --load
-
     start = 0
-    if args.load is not None:
+    if args.load is not None:  # megatron-core (seconds of imports): only for a replay with --load
+        from slime_lite.backends.megatron.checkpoint import iteration, latest
+
         path = latest(args.load)
         start = iteration(path) + 1 if path else 0
     return range(start, args.num_rollout)
