@@ -11,7 +11,8 @@ bench/bench_train_gpu.py. Every rollout is saved (--save-debug-rollout-data) for
 the background while the trainer trains).
 
 1. The loop as a subprocess with a timeout: ``--layout colocate`` (1 GPU, --colocate), or ``--layout disagg``
-   (2 GPUs: synchronous with NCCL push, then --async). Per-phase means over rollouts >= 1 (rollout 0 is warm-up)
+   (2 GPUs, each run under --ci-test: synchronous with NCCL push, --async, synchronous with over-sampling and
+   --partial-rollout, --fully-async with --max-policy-version-lag 1 and 2). Per-phase means over rollouts >= 1 (rollout 0 is warm-up)
    from the metrics jsonl: time, tokens/s (rollout: response tokens; log-probs: actor + reference tokens; train:
    all tokens), memory (perf/memory/<group>/*: allocated and peak, after offload/release too).
 2. Standalone, each a subprocess with a timeout, after the loop (the GPU free): the engine alone replaying the last
@@ -19,7 +20,7 @@ the background while the trainer trains).
    (bench_train_gpu.ours: log-probs then train) on the last rollout's samples; a raw copy (colocate) or a raw NCCL
    broadcast GPU 0 -> GPU 1 (disagg) of the checkpoint's weight bytes.
 3. Targets (issue 13) as ratios: colocated iteration <= 1.25x (rollout + train + log-probs alone); disagg async
-   iteration <= 1.15x max(rollout, train + log-probs) alone; rollout tok/s in the loop >= 0.7x the engine alone;
+   iteration <= 1.15x max(rollout, train + log-probs) alone, fully asynchronous <= 1.1x (with its lag metrics); rollout tok/s in the loop >= 0.7x the engine alone;
    offload + onload <= 0.15 of the iteration; memory left after offload/release <= 5% of peak; push >= 0.5x the
    raw broadcast. A part that fails or times out prints its log tail; its ratios print "n/a".
 4. ``--layout partial`` (1 GPU, issue 36): the colocated loop twice, back to back in this process: as it is, then
@@ -38,12 +39,12 @@ the background while the trainer trains).
    clock, power and temperature while busy (utilization >= 50%), so the loop's GPU and the parts' can be compared.
 
   python3 bench/bench_loop_gpu.py --layout colocate       # 1 GPU, about 5-6 minutes (estimated)
-  python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs
+  python3 bench/bench_loop_gpu.py --layout disagg         # 2 GPUs: sync, --async, partial, --fully-async lag 1 and 2
   .venv/bin/python bench/bench_loop_gpu.py --quick        # CPU, tiny model (vocab 128), 4 x 8 samples, < 2 min
   python3 bench/bench_loop_gpu.py --layout colocate --lora-rank 32   # the loop with LoRA (push bytes and time)
   python3 bench/bench_loop_gpu.py --layout colocate --lora-rank 32 --shape 7b --prompts 16 --num-rollout 2 \
       --max-tokens 8192 --timeout 470 --budget 520   # LoRA on a 7B shape, colocated (the standalone parts run full fine-tuning)
-  .venv/bin/python bench/bench_loop_gpu.py --quick --layout disagg   # both disaggregated loops on CPU (a check)
+  .venv/bin/python bench/bench_loop_gpu.py --quick --layout disagg   # the five disaggregated loops on CPU (a check)
   python3 bench/bench_loop_gpu.py --layout partial        # 1 GPU: without and with over-sampling + partial rollout
   .venv/bin/python bench/bench_loop_gpu.py --quick --layout partial  # the same on CPU (a check)
   python3 bench/bench_loop_gpu.py --layout replay         # 1 GPU: MoE loop without and with rollout routing replay
@@ -68,6 +69,7 @@ HERE = os.path.join(ROOT, "bench")
 
 DEADLINE = [float("inf")]  # --budget: no subprocess runs past it
 GPU_FIELDS = ("index", "clocks.sm", "power.draw", "utilization.gpu", "temperature.gpu")
+DISAGG = ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed", "--ci-test"]
 PER_ROLLOUT = ("perf/step_time", "perf/rollout_time", "perf/log_probs_time", "perf/actor_train_time")
 GPU_BUSY = {}  # log name -> per GPU, its samples while busy (gpu_busy): is the GPU itself slower in the loop?
 
@@ -149,7 +151,8 @@ def phases(path: str) -> dict:
     rows = rows[1:] or rows
     out: dict = {"each": {k: [round(r[k], 3) for r in rows if k in r] for k in PER_ROLLOUT}}
     for k in sorted({k for r in rows for k in r if k.startswith(("perf/", "rollout/partial/", "rollout/over_sampling/",
-                                                                 "train/routing", "train/moe/"))}):
+                                                                 "train/routing", "train/moe/", "rollout/async/",
+                                                                 "rollout/off_policy_lag"))}):
         vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
         if vals:
             out[k] = sum(vals) / len(vals)
@@ -201,6 +204,10 @@ def report(res: dict) -> list[str]:
         lp, step = p.get("perf/log_probs_time"), p.get("perf/step_time")
         train = p["perf/train_time"] - lp if "perf/train_time" in p and lp is not None else None
         lines.append(f"== {name} (rc {r['rc']}), mean over rollouts >= 1")
+        trained = r.get("workload", {}).get("tokens")
+        if trained and step:
+            lines.append(f"  {'trained tokens/s':28s} {trained / step:10.0f}")
+        lines += [f"  {k:40s} {v:12.3f}" for k, v in p.items() if k.startswith(("rollout/async/", "rollout/off_policy"))]
         rows = [("iteration", step, None), ("rollout", p.get("perf/rollout_time"), p.get("perf/rollout_tokens_per_s")),
                 ("log-probs", lp, 2 * tok / lp if tok and lp else None),
                 ("train (without log-probs)", train, tok / train if tok and train else None),
@@ -223,9 +230,10 @@ def report(res: dict) -> list[str]:
         if name == "colocate":
             alone = alone_roll + alone_train + alone_lp if alone_roll and alone_train and alone_lp else None
             lines.append(ratio("iteration / (rollout + train + log-probs alone)", step, alone, "<=", 1.25))
-        if name == "disagg_async":
+        if name == "disagg_async" or name.startswith("disagg_fully_async"):
             alone = max(alone_roll, alone_train + alone_lp) if alone_roll and alone_train and alone_lp else None
-            lines.append(ratio("iteration / max(rollout, train + log-probs) alone", step, alone, "<=", 1.15))
+            lines.append(ratio("iteration / max(rollout, train + log-probs) alone", step, alone, "<=",
+                               1.15 if name == "disagg_async" else 1.1))
         lines.append(ratio("rollout tok/s in loop / engine alone", p.get("perf/rollout_tokens_per_s"),
                            eng.get("tok_per_s"), ">=", 0.7))
         if "perf/offload_time" in p:
@@ -322,8 +330,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, metavar="N",
                     help="--max-tokens-per-gpu of the train step (log-probs: 2N; default 16384, --quick 512)")
     ap.add_argument("--budget", type=int, default=None,
-                    help="seconds for the whole bench; no subprocess runs past it (default: colocate 360, "
-                         "disagg 570, --quick 170)")
+                    help="seconds for the whole bench; no subprocess runs past it (default: colocate 360, replay "
+                         "420, disagg and partial 570; --quick 170, disagg 600, replay 700)")
     a = ap.parse_args()
     out = os.environ.get("OUT") or "/tmp/bench_loop_gpu"
     os.makedirs(os.path.join(out, "dumps"), exist_ok=True)
@@ -344,10 +352,11 @@ def main() -> None:
     timeout = a.timeout or (300 if q and replay else 150 if q else 190 if replay else 270)
     part_timeout = a.part_timeout or 120
     t0 = time.time()
-    DEADLINE[0] = t0 + (a.budget or (700 if q and replay else 170 if q and a.layout != "partial"
+    DEADLINE[0] = t0 + (a.budget or (700 if q and replay else 600 if q and a.layout == "disagg"
+                                     else 170 if q and a.layout != "partial"
                                      else 360 if a.layout == "colocate" else 420 if replay else 570))
     over = a.over_sampling or prompts * 3 // 2
-    rows = (2 * over if a.layout == "partial" else prompts) * a.num_rollout  # over-sampling uses more prompts
+    rows = (2 * over if a.layout in ("partial", "disagg") else prompts) * a.num_rollout  # over-sampling: more
     model, data = make_inputs(out, q, mean, rows, plen, "moe-2b" if replay else a.shape)
     print(f"inputs in {time.time() - t0:.1f} s: {model}, {data}", flush=True)
     kv = (over if a.layout == "partial" else prompts) * n * (plen + max_resp + 16)
@@ -371,8 +380,10 @@ def main() -> None:
         "colocate_partial": ["--colocate", "--over-sampling-batch-size", str(over), "--partial-rollout"]
         + ["--engine-max-running-requests", str(prompts * n)] * a.partial_queue,
     } if a.layout == "partial" else {
-        "disagg_sync": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed"],
-        "disagg_async": ["--rollout-num-gpus", "1", "--update-weight-transport", "distributed", "--async"]}
+        "disagg_sync": DISAGG, "disagg_async": DISAGG + ["--async"],
+        "disagg_sync_partial": DISAGG + ["--over-sampling-batch-size", str(over), "--partial-rollout"],
+        **{f"disagg_fully_async_lag{k}": DISAGG + ["--fully-async", "--max-policy-version-lag", str(k)]
+           for k in (1, 2)}}
     res: dict = {"layout": a.layout, "quick": q, "runs": {}}
     first = None
     for name, extra in runs.items():
