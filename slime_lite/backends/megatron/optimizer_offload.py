@@ -63,7 +63,8 @@ def plain_groups(state: Any) -> Any:
         return {k: ([{gk: gv for gk, gv in g.items() if not isinstance(gv, type)} for g in v]
                     if k == "param_groups" else plain_groups(v)) for k, v in state.items()}
     if isinstance(state, (list, tuple)):  # a chained optimizer's list of state dicts
-        return type(state)(plain_groups(v) for v in state)
+        items = [plain_groups(v) for v in state]
+        return items if isinstance(state, list) else tuple(items)
     return state
 
 
