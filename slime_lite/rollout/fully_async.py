@@ -101,7 +101,12 @@ class FullyAsyncWorker:
         self.filtered = self.failed = 0
 
     def load_state(self, groups: list[list[dict[str, Any]]]) -> None:
-        self.pending = [[Sample.from_dict(d) for d in g] for g in groups]
+        """Groups of a checkpoint: the finished ones wait to be trained first, in the order they finished; the
+        others (saved as their prompts) are generated again."""
+        loaded = [[Sample.from_dict(d) for d in g] for g in groups]
+        done = [all(s.status != Sample.Status.PENDING for s in g) for g in loaded]
+        self.finished = [g for g, d in zip(loaded, done) if d]
+        self.pending = [g for g, d in zip(loaded, done) if not d]
 
     async def state(self) -> dict[str, Any]:
         """The prompt cursor and every group taken from it but not trained yet (run on the event loop, so the
@@ -191,6 +196,7 @@ class FullyAsyncWorker:
                 s.group_index, s.index = gi, len(samples)
                 samples.append(s)
         stats.update(lag_metrics(samples, rollout_id))
+        await asyncio.sleep(0.01)  # the background loop refills what this take freed: the groups generating now
         stats["rollout/async/queued_groups"] = float(len(self.finished))
         stats["rollout/async/in_flight_groups"] = float(len(self.in_flight))
         stats["rollout/async/regenerated_groups"] = float(self.failed - failed0)
