@@ -93,6 +93,11 @@ def load_param_state(optimizer: Any, saved: list[Any] | None) -> None:
                 # moments) without handing them to its CPU/GPU sub-optimizers, which would step on from the values
                 # they had before the load (its other loaders sync; this one does not): hand them over here.
                 o.optimizer._sync_hdo_state_to_sub_optimizers()
+                # The distributed optimizer's load_state_dict first runs the hybrid optimizer's dummy_step (random
+                # gradients, to create its state), whose copy-back hook writes into the model's weights loaded just
+                # before; put the loaded master weights back in them (what the step's own copy-back does).
+                for param, inner in o.optimizer.param_to_inner_param.items():
+                    param.data.copy_(inner.data)
 
 
 def own_steps(optimizer: torch.optim.Optimizer) -> None:
