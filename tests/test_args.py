@@ -399,7 +399,7 @@ def test_engine_batch_slots_default_to_a_whole_rollout_on_cuda_within_memory():
 
     import torch
 
-    from slime_lite.engine.model import (
+    from slime_lite.engine.kv_cache import (
         AUTO_KV_MEMORY_FRACTION,
         auto_max_running,
         kv_bytes_per_token,

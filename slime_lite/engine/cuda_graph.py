@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from slime_lite.engine.model import CausalLM, KVCache
+from slime_lite.engine.kv_cache import KVCache
+from slime_lite.engine.model import CausalLM
 from slime_lite.engine.sampling import sample_rows
 from slime_lite.offload import clear_cublas_workspaces  # process-wide: every thread's, stream's and device's
 

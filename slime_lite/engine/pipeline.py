@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from slime_lite.engine.cuda_graph import PaddedDecoder, StepInputs, Ticket
-from slime_lite.engine.model import CausalLM, KVCache
+from slime_lite.engine.kv_cache import KVCache
+from slime_lite.engine.model import CausalLM
 from slime_lite.engine.request import Request
 from slime_lite.engine.sampling import uniforms
 

@@ -1,7 +1,7 @@
 """The embedded engine's prefix cache: a finished request's KV stays in its batch slot for the next prompt that
 starts the same way.
 
-The KV cache is one region per batch slot (``model.KVCache``). When a request leaves its slot, the slot remembers
+The KV cache is one region per batch slot (``kv_cache.KVCache``). When a request leaves its slot, the slot remembers
 the tokens whose K/V it holds (prompt plus generated tokens but the last). A new request is admitted into the free
 slot whose remembered tokens share the longest prefix with its prompt; only the rest of the prompt is prefilled
 (``CausalLM.prefill_extend``), and ``meta_info.cached_tokens`` says how many tokens were reused. With no match it

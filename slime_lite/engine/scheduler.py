@@ -36,12 +36,8 @@ from slime_lite.engine import logprobs as lpx
 from slime_lite.engine.admission import AdmissionMixin
 from slime_lite.engine.control import ControlMixin
 from slime_lite.engine.cuda_graph import PaddedDecoder
-from slime_lite.engine.model import (
-    CausalLM,
-    auto_max_running,
-    kv_bytes_per_token,
-    load_hf_model,
-)
+from slime_lite.engine.kv_cache import auto_max_running, kv_bytes_per_token
+from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.prefix_cache import PrefixCache
 from slime_lite.engine.request import Request, RequestOutput
