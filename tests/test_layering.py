@@ -103,6 +103,7 @@ LAYERS = [
     ("embedded engine", ["slime_lite.engine"]),
     ("run checks", ["slime_lite.checks"]),
     ("shared helpers", ["slime_lite.engine_client", "slime_lite.weight_transport", "slime_lite.weight_wire",
+                        "slime_lite.weight_reader",
                         "slime_lite.weight_checksum", "slime_lite.lora_wire", "slime_lite.rollout_correction", "slime_lite.triton_build",
                         "slime_lite.metrics",
                         "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup",
@@ -144,7 +145,8 @@ def test_the_cycle_finder_reports_a_cycle():
 
 @pytest.mark.parametrize("path", files("rollout") + files("engine") + [PKG / "engine_client.py",
                                                                         PKG / "weight_transport.py",
-                                                                        PKG / "weight_wire.py"],
+                                                                        PKG / "weight_wire.py",
+                                                                        PKG / "weight_reader.py"],
                          ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_rollout_side_never_imports_megatron(path):
     bad = [n for n in imports(path) if n.split(".")[0] == "megatron" or n.startswith("slime_lite.backends.megatron")]

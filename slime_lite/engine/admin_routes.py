@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
 
-from slime_lite import weight_wire
+from slime_lite import weight_reader, weight_wire
 from slime_lite.engine import validate as check
 from slime_lite.engine.control import EngineBusy
 from slime_lite.engine.http_json import (
@@ -187,8 +187,8 @@ class _Admin:
 
     async def update_weights_from_tensor(self, request):
         """SGLang's payloads (``slime_lite.weight_wire``): CUDA IPC / shared-memory handles or tensors by value,
-        read by a restricted unpickler (any global but the tensor-rebuild ones is a 400 naming it); names, shapes
-        and dtypes are checked against the model before a byte is copied."""
+        read by ``slime_lite.weight_reader``'s restricted unpickler (any global but the tensor-rebuild ones is a 400
+        naming it); names, shapes and dtypes are checked against the model before a byte is copied."""
 
         body = await read_body(request)
         data = body.get("serialized_named_tensors")
@@ -203,7 +203,7 @@ class _Admin:
                              "'flattened_bucket')")
 
         def read() -> dict:
-            return dict(weight_wire.named_tensors(weight_wire.deserialize(data[0]), load_format))
+            return dict(weight_reader.named_tensors(weight_reader.deserialize(data[0]), load_format))
 
         try:
             named = await asyncio.get_running_loop().run_in_executor(None, read)

@@ -16,7 +16,7 @@ import torch.multiprocessing as torch_mp
 from engine_helpers import http, start_engine
 from torch.multiprocessing import reductions as red
 
-from slime_lite import weight_wire
+from slime_lite import weight_reader, weight_wire
 
 NAME = "model.norm.weight"
 
@@ -161,13 +161,13 @@ def test_hostile_views_are_400_naming_the_parameter_and_change_nothing(storage_e
 def test_refused_views_name_the_limit():
     """The reason says what the view needs and what the storage holds (nothing built: the storage keeps its size)."""
     storage = typed(8)
-    got = weight_wire.deserialize(payload([(NAME, tensor(storage, 0, (H,), (1,)))]))
+    got = weight_reader.deserialize(payload([(NAME, tensor(storage, 0, (H,), (1,)))]))
     with pytest.raises(ValueError, match=r"needs 128 torch.float32 elements \(512 bytes\), but its storage holds 2 "
                                          r"\(8 bytes\)"):
-        weight_wire.named_tensors(got, None)
+        weight_reader.named_tensors(got, None)
     assert storage._untyped_storage.nbytes() == 8
     with pytest.raises(ValueError, match="shared-memory segment /torch_.* holds 16 bytes, the payload declares 512"):
-        weight_wire.named_tensors(weight_wire.deserialize(payload([(NAME, hostile_tensors()[
+        weight_reader.named_tensors(weight_reader.deserialize(payload([(NAME, hostile_tensors()[
             "shared memory declared larger than its segment"])])), None)
 
 
@@ -178,12 +178,12 @@ def test_views_that_fit_still_load():
     base._untyped_storage.copy_(torch.arange(10, dtype=torch.float32).untyped_storage())
     empty = Forged(red.rebuild_typed_storage, Forged(red.rebuild_storage_empty, torch.UntypedStorage), torch.float32)
     segment = shared_segment(16)
-    named = weight_wire.named_tensors(weight_wire.deserialize(payload([
+    named = weight_reader.named_tensors(weight_reader.deserialize(payload([
         ("slice", tensor(base, 6, (2, 2), (2, 1))), ("empty", tensor(empty, 0, (0, 3), (3, 1), v2=True)),
         ("shm", tensor(Forged(red.rebuild_typed_storage, segment, torch.float32), 0, (4,), (1,)))])), None)
     assert named[0][1].tolist() == [[6.0, 7.0], [8.0, 9.0]] and named[1][1].shape == (0, 3)
     assert named[2][1].shape == (4,)
     for by_value in (False, True):
         pairs = [("a", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.int64)[1:])]
-        got = weight_wire.named_tensors(weight_wire.deserialize(weight_wire.serialize(pairs, by_value=by_value)), None)
+        got = weight_reader.named_tensors(weight_reader.deserialize(weight_wire.serialize(pairs, by_value=by_value)), None)
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, pairs))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_helpers import http, start_engine
 
-from slime_lite import weight_wire
+from slime_lite import weight_reader, weight_wire
 from slime_lite.weight_checksum import tensor_checksums
 from tests import sglang_oracle
 from tests.fakes.evil_pickle import Evil
@@ -112,7 +112,7 @@ def test_names_and_bytes_that_look_like_pickle_opcodes_travel_as_they_are(sgl):
     for by_value in (False, True):
         for payload, load_format in ((odd, None), (weight_wire.flatten_bucket(odd), "flattened_bucket")):
             text = weight_wire.serialize(payload, by_value=by_value)
-            ours = weight_wire.named_tensors(weight_wire.deserialize(text), load_format)
+            ours = weight_reader.named_tensors(weight_reader.deserialize(text), load_format)
             theirs = sgl.serializer.deserialize(text)
             if load_format:
                 theirs = sgl.bucket(flattened_tensor=theirs["flattened_tensor"],
@@ -125,7 +125,7 @@ def test_unaligned_sglang_bucket_is_read(sgl):
     named = [("x", torch.randn(5).to(torch.bfloat16)), ("y", torch.arange(3, dtype=torch.int64))]
     b = sgl.bucket(named_tensors=named)
     obj = {"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()}
-    got = weight_wire.named_tensors(weight_wire.deserialize(pickle.dumps(obj)), "flattened_bucket")
+    got = weight_reader.named_tensors(weight_reader.deserialize(pickle.dumps(obj)), "flattened_bucket")
     assert _same(got, named)
 
 
@@ -178,8 +178,8 @@ def test_file_descriptor_sharing_is_refused_with_the_fix():
 
     assert mp.get_sharing_strategy() == "file_descriptor"
     payload = ForkingPickler.dumps([("w", torch.ones(3))]).tobytes()
-    with pytest.raises(weight_wire.UnsafePayload, match="file_system"):
-        weight_wire.deserialize(payload)
+    with pytest.raises(weight_reader.UnsafePayload, match="file_system"):
+        weight_reader.deserialize(payload)
 
 
 def test_trainer_push_in_sglang_format_inside_a_session(wire_engine, base_weights, monkeypatch):
