@@ -341,3 +341,13 @@ class Sample:
 Status = Sample.Status
 SpecInfo = Sample.SpecInfo
 PrefixCacheInfo = Sample.PrefixCacheInfo
+
+
+@dataclass
+class TrainResult:
+    """What one rollout's training reports (the reporter rank's): metrics averaged over the optimizer steps, and
+    every step's grad-norm (--ci-save-grad-norm / --ci-load-grad-norm check them step by step). Defined here, not
+    with the train workers, so the driver reads it without importing megatron-core."""
+
+    metrics: dict[str, Any]
+    grad_norms: list[float]

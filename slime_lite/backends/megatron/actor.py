@@ -22,12 +22,13 @@ from slime_lite.backends.megatron.logprobs import sample_log_probs
 from slime_lite.backends.megatron.loss import mismatch_report, rl_loss
 from slime_lite.backends.megatron.train_dump import save_train_dump
 from slime_lite.backends.megatron.weight_push import push, push_lora_to_sglang
-from slime_lite.backends.megatron.worker import TrainResult, TrainWorker, reported
+from slime_lite.backends.megatron.worker import TrainWorker, reported
 from slime_lite.checks.faults import breaks_sent_weights, sent_stage_weights
 from slime_lite.config import LossConfig, TrainSideConfig, has_reference_model
 from slime_lite.io import atomic_torch_save, atomic_write_text
 from slime_lite.lora_wire import adapter_names, merged
 from slime_lite.tokenizer import load_tokenizer
+from slime_lite.types import TrainResult
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron.loss import response_slices, value_rl_loss
-from slime_lite.backends.megatron.worker import TrainResult, TrainWorker, reported
+from slime_lite.backends.megatron.worker import TrainWorker, reported
+from slime_lite.types import TrainResult
 
 
 class ValueHead(torch.nn.Module):

@@ -3,6 +3,7 @@ lockstep; a call's result is the reporter rank's. ``ActorGroup`` is the policy, 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import ray
@@ -11,21 +12,33 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.placement import bundle_options
 
 
+class _Worker:
+    """A train worker as a Ray actor, made without importing its class in the driver (megatron-core and
+    transformers take ~6 s of a 2-core machine to import, and the worker process imports them anyway): the worker
+    process builds ``module``'s ``name`` and runs each ``call`` on it."""
+
+    def __init__(self, module: str, name: str, *args: Any) -> None:
+        self.impl = getattr(importlib.import_module(module), name)(*args)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.impl, method)(*args)
+
+
 class TrainGroup:
-    def __init__(self, args: Any, pg: Any, bundles: list[int], worker: type) -> None:
+    def __init__(self, args: Any, pg: Any, bundles: list[int], role: str, module: str, name: str) -> None:
         self.args = args
         world = len(bundles)
         if world == 0:
-            raise SlimeLiteError(f"no GPUs placed for the {worker.role} group")
+            raise SlimeLiteError(f"no GPUs placed for the {role} group")
         share = 0.4 if args.colocate else 1.0
-        cls = ray.remote(worker)
+        cls = ray.remote(type(name, (_Worker,), {}))  # Ray names the process by the class: "(TrainActor pid=...)"
         self.workers = [
-            cls.options(**bundle_options(pg, b, share)).remote(args, rank, world, "127.0.0.1")
+            cls.options(**bundle_options(pg, b, share)).remote(module, name, args, rank, world, "127.0.0.1")
             for rank, b in enumerate(bundles)
         ]
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        return ray.get([w.call.remote(method, *args) for w in self.workers])
 
     def _reported(self, method: str, *args: Any) -> Any:
         """Run ``method`` on every rank; the reporter's result (the only one that is not None)."""
@@ -33,7 +46,7 @@ class TrainGroup:
 
     def init(self) -> tuple[int, Any]:
         # Rank 0 binds the rendezvous port itself (a port chosen here could be taken before it binds).
-        port = ray.get(self.workers[0].open_store.remote())
+        port = ray.get(self.workers[0].call.remote("open_store"))
         state = self._all("init", port)[0]
         return state["next_rollout_id"], state["data_state"]
 
@@ -62,17 +75,14 @@ class TrainGroup:
 
 class ActorGroup(TrainGroup):
     def __init__(self, args: Any, pg: Any, bundles: list[int]) -> None:
-        # Megatron: loaded by the train workers, not the driver
-        from slime_lite.backends.megatron.actor import TrainActor
-
-        super().__init__(args, pg, bundles, TrainActor)
+        super().__init__(args, pg, bundles, "actor", "slime_lite.backends.megatron.actor", "TrainActor")
 
     def train(self, rollout_id: int, samples: Any, values: list | None = None) -> tuple[Any, list]:
         """Log-probs, advantages (over the critic's ``values`` refs, when there is a critic) and the policy steps of
         one rollout; returns the reporter's ``TrainResult`` and the refs of the per-sample returns (the critic's
         targets), which stay in Ray's object store."""
 
-        pairs = [w.train.options(num_returns=2).remote(rollout_id, samples, values) for w in self.workers]
+        pairs = [w.call.options(num_returns=2).remote("train", rollout_id, samples, values) for w in self.workers]
         result = next(r for r in ray.get([p[0] for p in pairs]) if r is not None)
         return result, [p[1] for p in pairs]
 
@@ -85,15 +95,12 @@ class ActorGroup(TrainGroup):
 
 class CriticGroup(TrainGroup):
     def __init__(self, args: Any, pg: Any, bundles: list[int]) -> None:
-        # Megatron: loaded by the train workers, not the driver
-        from slime_lite.backends.megatron.critic import CriticActor
-
-        super().__init__(args, pg, bundles, CriticActor)
+        super().__init__(args, pg, bundles, "critic", "slime_lite.backends.megatron.critic", "CriticActor")
 
     def compute_values(self, samples: Any) -> list:
         """Per-sample response-token values of one rollout, started on every rank: their refs (the actor reads the
         reporter's, not the driver)."""
-        return [w.compute_values.remote(samples) for w in self.workers]
+        return [w.call.remote("compute_values", samples) for w in self.workers]
 
     def train(self, rollout_id: int, samples: Any, values: list, returns: list) -> Any:
         """The value steps of one rollout, toward the ``returns`` refs; returns the reporter's ``TrainResult``."""

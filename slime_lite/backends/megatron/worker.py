@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -45,17 +44,9 @@ from slime_lite.metrics import process_memory
 from slime_lite.offload import TensorStash
 from slime_lite.profiling import TorchProfile, dump_memory_snapshot, start_memory_history, stop_memory_history
 from slime_lite.rl_math import PerTokenNormalizer
+from slime_lite.types import TrainResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainResult:
-    """What one rollout's training reports (the reporter rank's): metrics averaged over the optimizer steps, and
-    every step's grad-norm (--ci-save-grad-norm / --ci-load-grad-norm check them step by step)."""
-
-    metrics: dict[str, Any]
-    grad_norms: list[float]
 
 
 def reported(value: Any) -> Any:
