@@ -5,7 +5,9 @@
 For each batch size: a full in-process run (every slot busy, equal lengths) gives ms per step; then the pieces are
 timed alone, each with a device synchronize: ``run`` (host input prep, replay of forward and sampler, the copy of the
 sampled tokens to the host), ``replay`` (the graph alone). What is left of a step is the scheduler's Python.
-``prefill_ms``: one prefill of all ``B`` prompts (eager; it runs when requests join).
+``prefill_ms``: one prefill of all ``B`` prompts (eager; it runs when requests join). ``weight_read_ms``: the floor
+of a step, the model's parameter bytes (tied weights once) over the device's copy bandwidth measured in the same run
+(``copy_gb_s``: a device-to-device copy of that many bytes, read plus write, per second).
 
 ``--compare-fused``: also timed with the eager layer pieces instead of ``fused_layer``'s kernels, ``*_unfused`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
@@ -44,6 +46,22 @@ def timeit(fn, n: int = 50) -> float:
     return (time.perf_counter() - start) / n * 1000
 
 
+def weight_read(model) -> dict:
+    """Parameter bytes (each storage once) and the time to read them at the measured device copy bandwidth."""
+    seen, nbytes = set(), 0
+    for p in model.parameters():  # tied weights share a pointer; fused q/k/v are disjoint views
+        if (p.data_ptr(), p.numel()) not in seen:
+            seen.add((p.data_ptr(), p.numel()))
+            nbytes += p.numel() * p.element_size()
+    dev = next(model.parameters()).device
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = timeit(lambda: dst.copy_(src), n=20)
+    del src, dst
+    gb_s = 2 * nbytes / (ms / 1000) / 1e9  # a copy reads and writes every byte
+    return {"weights_gb": nbytes / 1e9, "copy_gb_s": gb_s, "weight_read_ms": nbytes / (gb_s * 1e9) * 1000}
+
+
 def print_kernels(s, step, top: int) -> None:
     """torch.profiler over 5 eager padded steps: device time per op, costliest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -60,6 +78,9 @@ def print_kernels(s, step, top: int) -> None:
     s.decoder.capture = True
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)
+    if torch.cuda.is_available():  # device kernels (and copies) per step
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        print(json.dumps({"kernels_per_step": len(kernels) / 5}), flush=True)
 
 
 def main() -> None:
@@ -114,6 +135,7 @@ def main() -> None:
         dev = s.lm.device
         ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)
         row["prefill_ms"] = timeit(lambda: s.lm.prefill(ptoks, pslots, s.cache), n=5)
+        row.update(weight_read(s.hf))
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if args.kernels:
             print_kernels(s, lambda: s.decoder.sampled(s.decoder.run(slots, one)), args.kernels)
