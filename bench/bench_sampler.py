@@ -1,4 +1,4 @@
-"""The in-graph sampler alone on a GPU: its vocabulary pass in eager PyTorch vs the Triton kernel (``block_stats``),
+"""The in-graph sampler alone on a GPU: eager PyTorch vs its two Triton kernels (``block_stats``),
 each captured in a CUDA graph, on bfloat16 logits as the engine's step hands them over.
 
     python bench/bench_sampler.py --batch-sizes 64,256 --vocab 151936

@@ -1,11 +1,18 @@
-"""The sampler's one pass over the vocabulary on CUDA: per-block max, argmax and sum of exponentials in a Triton kernel.
+"""The sampler on CUDA in two Triton kernels: per-block max, argmax and sum of exponentials, then the draw.
 
-``sample_rows`` needs, per row of logits, the max ``m``, the argmax and float64 sums of ``exp((logit - m) / T)``
-over blocks of ``BLOCK`` tokens. In eager PyTorch that takes about seven passes over a float32 ``[B, vocab]``
-matrix (at batch 256 and Qwen2's 151,936 tokens, 60 us each on an H200). The kernel here reads the logits once,
-in their own dtype: each program takes one block of one row and writes the block's max, the index of its first
-max, and the sum of ``exp((logit - block max) / T)``; the rows' numbers follow from those ``[B, blocks]`` tensors.
-It is used on CUDA when Triton is importable; elsewhere (CPU) the eager ``plain_stats`` of ``sampling`` runs.
+``sampling.sample_rows`` needs, per row of logits, the max ``m``, the argmax and float64 sums of
+``exp((logit - m) / T)`` over blocks of ``BLOCK`` tokens. In eager PyTorch that takes about seven passes over a
+float32 ``[B, vocab]`` matrix (at batch 256 and Qwen2's 151,936 tokens, 60 us each on an H200).
+``block_stats_kernel`` reads the logits once, in their own dtype: each program takes one block of one row and writes
+the block's max, the index of its first max, and the sum of ``exp((logit - block max) / T)``. Both kernels are used
+on CUDA when Triton is importable; elsewhere (CPU) ``sample_rows`` runs its eager passes.
+
+``draw_kernel`` then does the rest of ``sampling.sample_rows`` for one row per program: the row's max and argmax
+from its blocks, the float64 block sums, the inverse-CDF search (block first, then the token inside the block from
+the block's own float32 exponentials) and the token's log-prob. In eager PyTorch those steps were ~70 small kernels
+per decode step (cumsum, searchsorted, gathers, flips), ~0.1 ms of an H200 step at any batch size. Its sums run in
+another order than torch's cumsum, so a draw whose uniform falls within float64 rounding of a boundary between two
+tokens may pick the other one; the argmax and every other draw are the same.
 """
 
 from __future__ import annotations
@@ -33,25 +40,68 @@ def _kernel(triton, tl):
         tl.store(out_sum + row * blocks + blk, total)
         tl.store(out_arg + row * blocks + blk, first)
 
-    return block_stats_kernel
+    @triton.jit
+    def draw_kernel(logits, row_stride, vocab, bmax_ptr, bsum_ptr, barg_ptr, blocks, inv_t_ptr, u_ptr, greedy_ptr,
+                    tok_ptr, lp_ptr, NB: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        j = tl.arange(0, NB)
+        live = j < blocks
+        bmax = tl.load(bmax_ptr + row * blocks + j, mask=live, other=float("-inf"))
+        m = tl.max(bmax, axis=0)
+        at = tl.min(tl.where(bmax == m, j, NB), axis=0)  # the first block holding the max: the first argmax
+        top = tl.load(barg_ptr + row * blocks + at)
+        inv_t = tl.load(inv_t_ptr + row)
+        scale = tl.exp(((bmax - m) * inv_t).to(tl.float64))
+        sums = tl.where(live, tl.load(bsum_ptr + row * blocks + j, mask=live, other=0.0).to(tl.float64) * scale, 0.0)
+        csum = tl.cumsum(sums, axis=0)
+        total = tl.max(csum, axis=0)  # sums are >= 0: the last prefix sum
+        target = tl.load(u_ptr + row) * total
+        # the block: as torch.searchsorted(right=True), kept off blocks of zero weight past the last positive one
+        last = tl.max(tl.where(live & (sums > 0), j, -1), axis=0)
+        last = tl.where(last < 0, blocks - 1, last)
+        blk = tl.minimum(tl.sum((live & (csum <= target)).to(tl.int32), axis=0), last)
+        base = tl.sum(tl.where(j == blk - 1, csum, 0.0), axis=0)  # mass before the block
+        bsum = tl.sum(tl.where(j == blk, sums, 0.0), axis=0)
+        start = row.to(tl.int64) * row_stride
+        k = tl.arange(0, BLOCK)
+        idx = blk * BLOCK + k
+        x = tl.load(logits + start + tl.minimum(idx, vocab - 1)).to(tl.float32)
+        w = tl.where(idx < vocab, tl.exp((x - m) * inv_t).to(tl.float64), 0.0)
+        inside = tl.cumsum(w, axis=0)
+        frac = tl.minimum(tl.maximum((target - base) / bsum, 0.0), 1.0)
+        lastw = tl.max(tl.where(w > 0, k, -1), axis=0)
+        lastw = tl.where(lastw < 0, BLOCK - 1, lastw)
+        pos = tl.minimum(tl.sum((inside <= frac * tl.max(inside, axis=0)).to(tl.int32), axis=0), lastw)
+        token = tl.minimum(blk * BLOCK + pos, vocab - 1).to(tl.int64)
+        token = tl.where(tl.load(greedy_ptr + row) != 0, top, token)
+        picked = (tl.load(logits + start + token).to(tl.float32) - m) * inv_t
+        tl.store(tok_ptr + row, token)
+        tl.store(lp_ptr + row, (picked.to(tl.float64) - tl.log(tl.sum(sums, axis=0))).to(tl.float32))
+
+    return block_stats_kernel, draw_kernel
 
 
 def available(device: torch.device) -> bool:
     return device.type == "cuda" and _kernel() is not None
 
 
-def triton_stats(logits: torch.Tensor, inv_t: torch.Tensor, block: int):
-    """``plain_stats`` from one read of ``logits [B, V]`` (any float dtype, rows contiguous): ``m [B, 1]`` float32,
-    float64 block sums ``[B, ceil(V / block)]`` of ``exp((logits - m) * inv_t)``, argmax ``[B]``."""
+def triton_sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor, block: int):
+    """``sampling.sample_rows`` in two kernels: ``(tokens [B] int64, log-probs [B] float32)`` for ``logits [B, V]``
+    (any float dtype), ``temps`` (1 for greedy rows), float64 uniforms ``u`` and the bool ``greedy`` rows."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     b, v = logits.shape
     blocks = -(-v // block)
+    inv_t = (1.0 / temps.float()).contiguous()
     bmax = torch.empty(b, blocks, dtype=torch.float32, device=logits.device)
     bsum = torch.empty_like(bmax)
     barg = torch.empty(b, blocks, dtype=torch.int64, device=logits.device)
-    _kernel()[(b, blocks)](logits, inv_t.reshape(b).float().contiguous(), bmax, bsum, barg, v, logits.stride(0),
-                           blocks, BLOCK=block, num_warps=4)
-    m, at = bmax.max(-1, keepdim=True)  # the first block holding the row's max
-    sums = bsum.double() * ((bmax - m) * inv_t.reshape(b, 1)).double().exp()
-    return m, sums, barg.gather(1, at)[:, 0]
+    tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
+    stats, draw = _kernel()
+    with torch.cuda.device(logits.device if logits.is_cuda else -1):  # -1: the Triton interpreter (tests)
+        stats[(b, blocks)](logits, inv_t, bmax, bsum, barg, v, logits.stride(0), blocks, BLOCK=block, num_warps=4)
+        draw[(b,)](logits, logits.stride(0), v, bmax, bsum, barg, blocks, inv_t, u.double().contiguous(),
+                   greedy.contiguous(), tokens, logprobs, NB=max(16, 1 << (blocks - 1).bit_length()), BLOCK=block,
+                   num_warps=4)
+    return tokens, logprobs

@@ -8,7 +8,8 @@ row reads its own prefix only:
 - ``partial``: one program per (row, KV head, split of ``CHUNK`` positions); it skips splits past the row's length
   and, for the others, keeps the query heads of its KV head together (GQA: K and V read once for all of them) with
   a running max and sum of exponentials (flash-decoding);
-- ``combine``: one program per (row, KV head) joins the splits in order.
+- ``combine``: one program per (row, KV head) joins the splits in order. With one split (a length bucket up to
+  ``CHUNK``) ``partial`` writes the result itself, which is what ``combine`` would write, bit for bit.
 
 Splits sit at fixed positions (multiples of ``CHUNK``), and splits past a row's length add exact zeros, so a row's
 result does not depend on its batch, its slot or the length bucket. Each row's slot and length are read on the
@@ -25,6 +26,7 @@ from slime_lite.triton_build import triton_kernels
 
 CHUNK = 256  # positions per split: part of the result's definition (the splits' sums are joined in order)
 BLOCK_N = 64  # positions per step inside a split
+NUM_WARPS = 4  # of ``partial``
 
 
 ENABLED = True  # False: captured steps keep SDPA with a mask (benchmarks compare the two in one process)
@@ -40,9 +42,9 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 @triton_kernels
 def _kernels(triton, tl):
     @triton.jit(do_not_specialize=["splits"])  # not a variant per split count (compiled mid-rollout)
-    def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st, n_rep, heads,
-                splits, scale, R: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr,
-                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, out_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st,
+                out_sb, out_sh, out_sr, n_rep, heads, splits, scale, R: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)
@@ -80,10 +82,14 @@ def _kernels(triton, tl):
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = new
-        at = ((b * heads + h) * splits + s) * n_rep  # this split's rows: [rows, D] floats, then max and sum
-        tl.store(o_ptr + (at + rows[:, None]) * D + dims[None, :], acc, mask=live[:, None])
-        tl.store(ml_ptr + 2 * (at + rows), m, mask=live)
-        tl.store(ml_ptr + 2 * (at + rows) + 1, l_sum, mask=live)
+        if SINGLE:  # one split: the result itself, as ``combine`` would write it
+            tl.store(out_ptr + b * out_sb + h * out_sh + rows[:, None] * out_sr + dims[None, :],
+                     (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None] & head[None, :])
+        else:
+            at = ((b * heads + h) * splits + s) * n_rep  # this split's rows: [rows, D] floats, then max and sum
+            tl.store(o_ptr + (at + rows[:, None]) * D + dims[None, :], acc, mask=live[:, None])
+            tl.store(ml_ptr + 2 * (at + rows), m, mask=live)
+            tl.store(ml_ptr + 2 * (at + rows) + 1, l_sum, mask=live)
 
     @triton.jit(do_not_specialize=["splits"])
     def combine(o_ptr, ml_ptr, out_ptr, out_sb, out_sh, out_sr, n_rep, heads, splits, R: tl.constexpr,
@@ -131,15 +137,18 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     splits = -(-keys.shape[2] // CHUNK)
     dp = max(16, 1 << (d - 1).bit_length())
     out = torch.empty_like(q)
-    parts = torch.empty(b * heads * splits * n_rep, dp, dtype=torch.float32, device=q.device)
-    stats = torch.empty(b * heads * splits * n_rep, 2, dtype=torch.float32, device=q.device)
+    single = splits == 1  # lengths up to CHUNK: ``partial`` writes the result, no ``combine``
+    parts = torch.empty(0 if single else b * heads * splits * n_rep, dp, dtype=torch.float32, device=q.device)
+    stats = torch.empty(0 if single else b * heads * splits * n_rep, 2, dtype=torch.float32, device=q.device)
     r = max(16, 1 << (n_rep - 1).bit_length())
     partial, combine = _kernels()
     with torch.cuda.device(q.device if q.is_cuda else -1):  # -1: a CPU tensor under the Triton interpreter (tests)
-        partial[(b, heads, splits)](q, keys, values, slots, positions, parts, stats, q.stride(0), q.stride(1),
-                                    q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), n_rep, heads, splits,
+        partial[(b, heads, splits)](q, keys, values, slots, positions, parts, stats, out, q.stride(0), q.stride(1),
+                                    q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
+                                    out.stride(1), out.stride(2), n_rep, heads, splits,
                                     float(scale), R=r, D=dp, DH=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N,
-                                    IEEE=q.dtype == torch.float32, num_warps=4)
-        combine[(b, heads)](parts, stats, out, out.stride(0), out.stride(1), out.stride(2), n_rep, heads, splits,
-                            R=r, D=dp, DH=d, num_warps=4)
+                                    IEEE=q.dtype == torch.float32, SINGLE=single, num_warps=NUM_WARPS)
+        if not single:
+            combine[(b, heads)](parts, stats, out, out.stride(0), out.stride(1), out.stride(2), n_rep, heads, splits,
+                                R=r, D=dp, DH=d, num_warps=4)
     return out

@@ -5,19 +5,21 @@ batch 8: 140 copies, 131 multiplies, 75 adds and 49 norms per step, 2-6 us each)
 about a thousand such steps with a few rows each. Three kernels replace most of them:
 
 - ``rms``: RMSNorm of a row, with the residual add before it when given (``h + o``, rounded to the model dtype as
-  the eager add is, written out as the new residual); also GLM4's norms of the attention and MLP outputs;
+  the eager add is, written out as the new residual); also GLM4's norms of the attention and MLP outputs. A layer's
+  MLP output is added to the residual by the next layer's input norm (or the final norm), not by a kernel of its own;
 - ``rope``: the rotary embedding of the q and k heads of one row (after each head's RMSNorm in models with QK-norm,
-  Qwen3; in interleaved pairs and over part of the head for GLM4), with the v heads copied beside the k heads (the
-  ``[q], [k, v]`` layout the KV cache write takes);
+  Qwen3; in interleaved pairs and over part of the head for GLM4), with the v heads copied beside the k heads, or
+  the k and v heads written straight into their rows of the KV cache (no separate cache write);
 - ``silu_mul``: ``silu(gate) * up`` of the fused gate/up projection.
 
 Each computes in float32 and rounds to the model dtype where eager PyTorch does (after the norm, after each
 product, after the add). In Triton's interpreter the rotary and the residual add then give eager's bits; compiled
 (H200), about a fifth of the rotary's elements differ from eager's by one rounding step (the compiler may fuse a
 product into the sum), and the norm's float32 sum runs in another order. The matrix products stay with cuBLAS.
-Used by captured steps on CUDA with Triton for models with a SiLU MLP (``layer_functions``); elsewhere, and with
-``ENABLED = False`` (benchmarks compare), the eager pieces run.
-``--enable-torch-compile`` replaces both with compiled ones.
+``attention_inputs`` and ``mlp_output`` are a layer's pieces around attention built from them, used by captured
+decode steps on CUDA with Triton (the MLP only where it is SiLU-gated and dense); elsewhere, and with
+``ENABLED = False`` (benchmarks compare), the eager pieces (``model.layer_functions``) run.
+``--enable-torch-compile`` replaces both with compiled eager pieces.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def _kernels(triton, tl):
         tl.store(y_ptr + row * n + cols, (w * normed.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
-    def rope(qkv_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, kv_ptr, qkv_row, heads, kv_heads, eps, DH: tl.constexpr,
-             D: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    def rope(qkv_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, kv_ptr, idx_ptr, qkv_row, heads, kv_heads, eps,
+             DH: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
+             TO_CACHE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         dims = tl.arange(0, D)  # D: the head size DH padded to a power of two
@@ -79,6 +82,9 @@ def _kernels(triton, tl):
             out = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
         if head < heads:
             tl.store(q_ptr + (row * heads + head) * DH + dims, out, mask=live)
+        elif TO_CACHE:  # straight into the KV cache: the row of this (row, K/V head) in the layer's [-1, DH] view
+            at = tl.load(idx_ptr + row * 2 * kv_heads + head - heads)
+            tl.store(kv_ptr + at * DH + dims, out, mask=live)
         else:
             tl.store(kv_ptr + (row * 2 * kv_heads + head - heads) * DH + dims, out, mask=live)
 
@@ -122,23 +128,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-           qk_norm: torch.Tensor | None = None, eps: float = 1e-6, interleaved: bool = False):
+           qk_norm: torch.Tensor | None = None, eps: float = 1e-6, interleaved: bool = False,
+           cache: torch.Tensor | None = None, index: torch.Tensor | None = None):
     """``qkv [R, (heads + 2 kv_heads) * head_dim]`` (rows contiguous), ``cos``/``sin`` ``[R, head_dim]`` (contiguous)
     -> roped q ``[R, heads, head_dim]`` and ``[R, 2 kv_heads, head_dim]``: roped k heads, then the v heads. With
     ``qk_norm`` (``[2 head_dim]``: q's weight, then k's) each q and k head is RMS-normed first; ``interleaved``: the
-    rotary pairs are (0, 1), (2, 3), ... (``model.rotary_partner``)."""
+    rotary pairs are (0, 1), (2, 3), ... (``model.rotary_partner``). With ``cache`` (a layer's KV cache viewed as
+    ``[-1, head_dim]``) and ``index`` (``[R * 2 kv_heads]`` rows of it, ``KVCache.flat_index`` of one position per
+    row) the k and v heads are written there instead, and None is returned for them."""
     if head_dim % 2 or qkv.stride(-1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("rotary: an even head size, rows of qkv with a contiguous last dimension, contiguous cos/sin")
     if qk_norm is not None and (qk_norm.numel() != 2 * head_dim or not qk_norm.is_contiguous()):
         raise ValueError("rotary: qk_norm must be the contiguous [2 * head_dim] weights of q_norm then k_norm")
     rows = qkv.shape[0]
+    if cache is not None and (index is None or index.shape != (rows * 2 * kv_heads,) or cache.shape[-1] != head_dim
+                              or not cache.is_contiguous() or cache.dtype != qkv.dtype):
+        raise ValueError("rotary: cache must be a contiguous [-1, head_dim] view in qkv's dtype, with index of "
+                         "[rows * 2 * kv_heads] rows into it")
     q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    kv = torch.empty(rows, 2 * kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    kv = cache if cache is not None else torch.empty(rows, 2 * kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     with torch.cuda.device(qkv.device if qkv.is_cuda else -1):  # -1: the Triton interpreter (tests)
         _kernels()[1][(rows, heads + 2 * kv_heads)](
-            qkv, cos, sin, qk_norm if qk_norm is not None else cos, q, kv, qkv.stride(0), heads, kv_heads, float(eps),
-            DH=head_dim, D=_pow2(head_dim), HAS_NORM=qk_norm is not None, INTERLEAVED=interleaved, num_warps=1)
-    return q, kv
+            qkv, cos, sin, qk_norm if qk_norm is not None else cos, q, kv, index if cache is not None else cos,
+            qkv.stride(0), heads, kv_heads, float(eps), DH=head_dim, D=_pow2(head_dim), HAS_NORM=qk_norm is not None,
+            INTERLEAVED=interleaved, TO_CACHE=cache is not None, num_warps=1)
+    return q, (None if cache is not None else kv)
 
 
 def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -154,32 +168,35 @@ def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def layer_functions(eager: tuple, eps: float, heads: int, kv_heads: int, head_dim: int, silu: bool,
-                    interleaved: bool = False) -> tuple:
-    """``qkv_rope`` and ``mlp_residual`` with the signatures of ``model.layer_functions``' (``eager``), by the
-    kernels where ``usable`` (and the MLP's activation is SiLU), else by ``eager``."""
-    eager_qkv, eager_mlp = eager
+def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor, qkv_w: torch.Tensor,
+                     qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None,
+                     heads: int, kv_heads: int, head_dim: int, eps: float, interleaved: bool = False,
+                     cache: torch.Tensor | None = None, index: torch.Tensor | None = None):
+    """A layer's input norm, q/k/v projection and rotary for hidden states ``h [B, T, hidden]`` (contiguous), as
+    ``model.layer_functions``' ``qkv_rope``: returns ``(h, q [B, T, heads, D], kv [B, T, 2 kv_heads, D])``. ``add``:
+    the previous layer's MLP output, not yet added to ``h``: the norm's kernel adds it (the returned ``h`` is the
+    sum). ``cache``/``index`` (``rotary``'s): K and V go straight into the cache, and ``kv`` is None."""
+    b, t, _ = h.shape
+    if add is None:
+        x = rms_norm(h, ln, eps)
+    else:
+        h, x = rms_norm(add.contiguous(), ln, eps, residual=h)
+    qkv = F.linear(x, qkv_w, qkv_b)
+    q, kv = rotary(qkv.view(b * t, -1), cos.reshape(b * t, head_dim).contiguous(),
+                   sin.reshape(b * t, head_dim).contiguous(), heads, kv_heads, head_dim, qk_norm, eps, interleaved,
+                   cache, index)
+    return h, q.view(b, t, heads, head_dim), (None if kv is None else kv.view(b, t, 2 * kv_heads, head_dim))
 
-    def qkv_rope(h, ln, qkv_w, qkv_b, cos, sin, qk_norm=None):
-        b, t, _ = h.shape
-        if not usable(h) or cos.numel() != b * t * head_dim or not h.is_contiguous():
-            return eager_qkv(h, ln, qkv_w, qkv_b, cos, sin, qk_norm)
-        qkv = F.linear(rms_norm(h, ln, eps), qkv_w, qkv_b)
-        q, kv = rotary(qkv.view(b * t, -1), cos.reshape(b * t, head_dim).contiguous(),
-                       sin.reshape(b * t, head_dim).contiguous(), heads, kv_heads, head_dim, qk_norm, eps,
-                       interleaved)
-        return q.view(b, t, heads, head_dim), kv.view(b, t, 2 * kv_heads, head_dim)
 
-    def mlp_residual(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn=None, post_mlp=None):
-        if not silu or not usable(h) or not h.is_contiguous():
-            return eager_mlp(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn, post_mlp)
-        o = F.linear(attn_out, o_w, o_b).contiguous()
-        if post_attn is not None:  # GLM4: the attention output is normed before the residual add
-            o = rms_norm(o, post_attn, eps)
-        h, normed = rms_norm(h, ln2, eps, residual=o)
-        m = F.linear(silu_and_mul(F.linear(normed, gu_w, gu_b)), down_w, down_b)
-        if post_mlp is not None:  # GLM4: and the MLP output
-            m = rms_norm(m.contiguous(), post_mlp, eps)
-        return h + m
-
-    return qkv_rope, mlp_residual
+def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn, post_mlp, eps: float):
+    """The o-projection, residual add and gated SiLU MLP after attention, as ``model.layer_functions``'
+    ``mlp_residual``, but the MLP output ``m`` is returned with the new ``h`` instead of added to it:
+    ``(h, m)``, for the next layer's ``attention_inputs`` (or the final norm) to add inside its norm kernel."""
+    o = F.linear(attn_out, o_w, o_b).contiguous()
+    if post_attn is not None:  # GLM4: the attention output is normed before the residual add
+        o = rms_norm(o, post_attn, eps)
+    h, normed = rms_norm(o, ln2, eps, residual=h)
+    m = F.linear(silu_and_mul(F.linear(normed, gu_w, gu_b)), down_w, down_b)
+    if post_mlp is not None:  # GLM4: and the MLP output
+        m = rms_norm(m.contiguous(), post_mlp, eps)
+    return h, m

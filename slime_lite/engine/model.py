@@ -208,10 +208,8 @@ class CausalLM:
         self.max_len = max_len
         self.fns = layer_functions(self.eps, self.num_heads, self.kv_heads, self.head_dim, self.inter, self.act,
                                    self.interleaved)
-        # captured steps on CUDA: the same pieces in fewer kernels (fused_layer); enable_compile replaces them
-        self.graph_fns = fused_layer.layer_functions(self.fns, self.eps, self.num_heads, self.kv_heads,
-                                                     self.head_dim, getattr(cfg, "hidden_act", None) == "silu",
-                                                     self.interleaved)
+        self.silu = getattr(cfg, "hidden_act", None) == "silu"  # the fused MLP kernel's activation
+        self.graph_fns = self.fns  # enable_compile: compiled pieces for captured steps
         self.compiled = False
         self.routes: moe.RouteStore | None = None  # enable_routes: the experts chosen at each cached position
         self.refresh()
@@ -387,9 +385,19 @@ class CausalLM:
         index = cache.flat_index(slots, positions[:, None])
         if self.routes is not None:
             self.routes.at(slots, positions)
+        # captured steps on CUDA: the layer pieces in fewer kernels (fused_layer); the MLP output ``add`` is added
+        # to ``h`` by the next norm
+        fused = (graphed and not self.compiled and fused_layer.usable(h) and cos.numel() == b * self.head_dim)
+        add = None
         for i, ly in enumerate(self.layers):
-            q, kv = self._qkv(ly, h, cos, sin, graphed)
-            cache.write(i, index, kv)
+            if fused:
+                h, q, _ = fused_layer.attention_inputs(
+                    h, add, ly.ln1, ly.qkv_w, ly.qkv_b, cos, sin, ly.qk_norm, self.num_heads, self.kv_heads,
+                    self.head_dim, self.eps, self.interleaved, cache.kv[i].view(-1, self.head_dim), index)
+                add = None
+            else:
+                q, kv = self._qkv(ly, h, cos, sin, graphed)
+                cache.write(i, index, kv)
             kc, vc = cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len]
             # Group the query heads of each kv head ([B, kv, n_rep, D]) instead of repeating K/V.
             qg = q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
@@ -405,5 +413,11 @@ class CausalLM:
                 else:
                     with _sdpa_without_plans(qg.device):
                         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
-            h = self._finish_layer(ly, h, out.reshape(b, 1, -1), graphed)
+            if fused and ly.moe is None and self.silu:
+                h, add = fused_layer.mlp_output(h, out.reshape(b, 1, -1), ly.o_w, ly.o_b, ly.ln2, ly.gu_w, ly.gu_b,
+                                                ly.down_w, ly.down_b, ly.post_attn, ly.post_mlp, self.eps)
+            else:
+                h = self._finish_layer(ly, h, out.reshape(b, 1, -1), graphed)
+        if add is not None:
+            return fused_layer.rms_norm(add.contiguous(), self.norm.weight, self.eps, residual=h)[1][:, 0]
         return _rms(h, self.norm.weight, self.eps)[:, 0]

@@ -183,28 +183,23 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     return tokens, logprobs
 
 
-def plain_stats(logits: torch.Tensor, inv_t: torch.Tensor):
-    """Per row of ``logits [B, V]``: the max ``m [B, 1]`` (float32), float64 sums of
-    ``exp((logits - m) * inv_t)`` over blocks of ``BLOCK`` tokens ``[B, ceil(V / BLOCK)]``, and the argmax ``[B]``:
-    the sampler's only full passes over the vocabulary (on CUDA one Triton kernel does them, see ``block_stats``)."""
-    if block_stats.available(logits.device):
-        return block_stats.triton_stats(logits, inv_t, BLOCK)
-    logits = logits.float()
-    m = logits.amax(-1, keepdim=True)
-    return m, _block_sums((logits - m).mul_(inv_t).exp_()), logits.argmax(-1)
-
-
 def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor):
     """Rows with no truncation and no banned tokens, from tensors only (no host sync, fixed shapes: it runs inside
     captured CUDA graphs): ``logits [B, V]`` (any float dtype; computed in float32), ``temps`` (1 for greedy
     rows), ``u`` from ``uniforms``, ``greedy`` bool. The token is the inverse CDF of
     ``softmax(logits / temperature)`` at ``u`` (the argmax for greedy rows); its log-prob is
-    ``(logit - max) / temperature - log(sum)``, with the sum in float64."""
+    ``(logit - max) / temperature - log(sum)``, with the sum in float64. On CUDA two Triton kernels do it all
+    (``block_stats``); here, the max and float64 sums of ``exp((logits - max) / T)`` over blocks of ``BLOCK`` tokens
+    are the only full passes over the vocabulary, then one block is searched."""
+    if block_stats.available(logits.device):
+        return block_stats.triton_sample(logits, temps, u, greedy, BLOCK)
     inv_t = (1.0 / temps.float())[:, None]
-    m, sums, top = plain_stats(logits, inv_t)
+    x = logits.float()
+    m = x.amax(-1, keepdim=True)
+    sums, top = _block_sums((x - m).mul_(inv_t).exp_()), x.argmax(-1)
     v = logits.shape[-1]
 
-    def weights(idx: torch.Tensor) -> torch.Tensor:  # float32 exponentials of one block, as ``plain_stats``
+    def weights(idx: torch.Tensor) -> torch.Tensor:  # float32 exponentials of one block, as the block sums
         block = logits.gather(1, idx.clamp(max=v - 1)).float()
         return (block - m).mul_(inv_t).exp_().double().masked_fill_(idx >= v, 0.0)
 

@@ -136,23 +136,12 @@ def test_graphs_of_an_engine_on_the_second_gpu(tiny_model_dir, pair):
             s.stop()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_block_stats_equal_the_eager_passes(dtype):
+def test_triton_sampler_draws_what_the_eager_passes_draw():
     from slime_lite.engine import block_stats
-    from slime_lite.engine.sampling import BLOCK, _block_sums
+    from test_sampling import check_triton_sample
 
     assert block_stats.available(torch.device("cuda")), "Triton should come with CUDA torch"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for vocab in (5000, 3072, 151936):  # a partial last block, whole blocks, Qwen2's vocabulary
-        logits = (torch.randn(7, vocab, device="cuda", generator=gen) * 3).to(dtype)
-        logits[2, 1500] = logits[2, 2600] = 50  # a tie across blocks: the first index, as torch.argmax
-        inv_t = torch.tensor([1.0, 1 / 0.7, 1.0, 2.0, 1.0, 0.5, 1 / 1.3], device="cuda")[:, None]
-        m, sums, top = block_stats.triton_stats(logits, inv_t, BLOCK)
-        x = logits.float()
-        want_m = x.amax(-1, keepdim=True)
-        assert torch.equal(m, want_m) and torch.equal(top, x.argmax(-1)) and top[2].item() == 1500
-        want = _block_sums((x - want_m).mul_(inv_t).exp_())
-        assert ((sums / want) - 1).abs().max().item() < 1e-5
+    check_triton_sample("cuda", (torch.float32, torch.bfloat16))
 
 
 def test_prefix_cache_hits_under_graph_replay_match_cold_runs(pair):

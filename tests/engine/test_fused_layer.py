@@ -13,12 +13,22 @@ FAMILIES = ("llama", "qwen3", "glm4")  # qwen3: QK-norm; glm4: partial interleav
 
 
 def _pieces(head_dim: int, inter: int, family: str = "llama"):
+    """The eager pieces, and the fused ones in the same form: ``qkv_rope`` (q, kv) and ``mlp_residual`` (h + m)."""
     from slime_lite.engine import fused_layer
     from slime_lite.engine.model import layer_functions
 
     interleaved = family == "glm4"
     eager = layer_functions(EPS, HEADS, KV_HEADS, head_dim, inter, F.silu, interleaved)
-    return eager, fused_layer.layer_functions(eager, EPS, HEADS, KV_HEADS, head_dim, True, interleaved)
+
+    def qkv_rope(h, ln, qkv_w, qkv_b, cos, sin, qk_norm=None):
+        return fused_layer.attention_inputs(h, None, ln, qkv_w, qkv_b, cos, sin, qk_norm, HEADS, KV_HEADS, head_dim,
+                                            EPS, interleaved)[1:]
+
+    def mlp_residual(*args):
+        h, m = fused_layer.mlp_output(*args, EPS)
+        return h + m
+
+    return eager, (qkv_rope, mlp_residual)
 
 
 def _inputs(rows: int, head_dim: int, inter: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
@@ -49,7 +59,7 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
     """The fused pieces against the eager ones: the rotary and the residual add bit for bit on the same input (no
     sum in them); the norms and what follows them within ``tol`` (the norm's float32 sum runs in another order)."""
     from slime_lite.engine import fused_layer
-    from slime_lite.engine.model import _rms, layer_functions, rotary_partner
+    from slime_lite.engine.model import _rms, rotary_partner
 
     eager, fused = _pieces(head_dim, inter, family)
     interleaved = family == "glm4"
@@ -105,9 +115,19 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
     small = x * 1e-3  # where eps matters
     torch.testing.assert_close(fused_layer.rms_norm(small, mlp_args[4], 1e-2), _rms(small, mlp_args[4], 1e-2),
                                rtol=tol, atol=tol)
-    gelu = layer_functions(EPS, HEADS, KV_HEADS, head_dim, inter, F.gelu, interleaved)  # another activation: eager
-    assert torch.equal(fused_layer.layer_functions(gelu, EPS, HEADS, KV_HEADS, head_dim, False, interleaved)[1](
-        *mlp_args), gelu[1](*mlp_args))
+    # the MLP output added by the next layer's norm, and K/V written straight into cache rows: as the plain pieces
+    add = mlp_args[1] * 2
+    cache = torch.full((40 * 2 * KV_HEADS, head_dim), 7.0, dtype=dtype, device=device)
+    index = torch.randperm(40 * 2 * KV_HEADS, generator=torch.Generator().manual_seed(3))[: 5 * 2 * KV_HEADS]
+    h2, q2, none = fused_layer.attention_inputs(h, add, ln, qkv_w, qkv_b, cos, sin, qk_norm, HEADS, KV_HEADS,
+                                                head_dim, EPS, interleaved, cache, index.to(device))
+    assert none is None and torch.equal(h2, h + add)
+    q_plain, kv_plain = fused[0](h + add, *qkv_args[1:])
+    assert torch.equal(q2, q_plain)
+    assert torch.equal(cache[index.to(device)], kv_plain.reshape(-1, head_dim))
+    untouched = torch.ones(cache.shape[0], dtype=torch.bool)
+    untouched[index] = False
+    assert (cache[untouched.to(device)] == 7).all()
 
 
 def test_the_family_features_change_what_the_pieces_compute():
@@ -133,6 +153,39 @@ def _kernels_on_cpu() -> None:
     for family in ("qwen3", "glm4"):
         _check(torch.float32, 48, 64, "cpu", 1e-5, family)  # 48: a head size that is not a power of two
         _check(torch.float16, 40, 64, "cpu", 2e-3, family)
+    _decode_on_cpu()
+
+
+def _decode_on_cpu() -> None:
+    """Run by ``test_the_kernels_in_the_triton_interpreter``: padded decode steps of the tiny model through the
+    fused pieces (K/V written by the rotary kernel, each MLP output added by the next norm) against the eager
+    pieces: the same hidden states and the same KV cache, step after step."""
+    import tempfile
+
+    from slime_lite.engine import fused_layer
+    from slime_lite.engine.model import CausalLM, load_hf_model
+    from slime_lite.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as d:
+        make_tiny_model(d, warm_start_steps=0)
+        lm = CausalLM(load_hf_model(d, "float32", torch.device("cpu")), max_len=64)
+    slots, prompts = torch.tensor([2, 0, 3]), torch.randint(1, 40, (3, 6), generator=torch.Generator().manual_seed(0))
+    caches = [lm.new_cache(4, 64) for _ in range(2)]
+    for c in caches:
+        c.ensure(4, 64)
+    with torch.inference_mode():
+        for c in caches:
+            lm.prefill(prompts, slots, c)
+        pos = torch.tensor([6, 4, 5])  # rows at different lengths (shorter prompts' padding is overwritten)
+        tokens = prompts[:, 0]
+        for _ in range(3):
+            fused_layer.usable = lambda x: True
+            got = lm.decode(tokens, pos, slots, caches[0], int(pos.max()) + 1, graphed=True)
+            fused_layer.usable = lambda x: False
+            want = lm.decode(tokens, pos, slots, caches[1], int(pos.max()) + 1, graphed=True)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(caches[0].kv, caches[1].kv, rtol=1e-5, atol=1e-5)
+            tokens, pos = lm.logits(want).argmax(-1), pos + 1
 
 
 def test_the_kernels_in_the_triton_interpreter():
@@ -141,17 +194,12 @@ def test_the_kernels_in_the_triton_interpreter():
     run_interpreted("tests.engine.test_fused_layer:_kernels_on_cpu")
 
 
-def test_the_eager_pieces_run_where_the_kernels_cannot():
-    """On CPU (and with ENABLED off) the fused functions are the eager ones, bit for bit."""
+def test_the_kernels_serve_cuda_only_and_can_be_switched_off(monkeypatch):
     from slime_lite.engine import fused_layer
 
-    for family in FAMILIES:
-        eager, fused = _pieces(32, 80, family)
-        qkv_args, mlp_args = _inputs(4, 32, 80, torch.float32, family=family)
-        assert not fused_layer.usable(qkv_args[0])
-        for a, b in zip(fused[0](*qkv_args), eager[0](*qkv_args)):
-            assert torch.equal(a, b)
-        assert torch.equal(fused[1](*mlp_args), eager[1](*mlp_args))
+    assert not fused_layer.usable(torch.zeros(3))  # CPU: captured steps keep the eager pieces
+    monkeypatch.setattr(fused_layer, "ENABLED", False)
+    assert not fused_layer.usable(torch.zeros(3, device="meta"))
 
 
 @pytest.mark.gpu

@@ -77,31 +77,41 @@ def test_vectorized_uniforms_and_tensor_sampler_equal_the_scalar_ones():
     assert torch.allclose(got[1], want[1], atol=1e-6)
 
 
-def _block_stats_on_cpu() -> None:
-    """Run by ``test_the_block_stats_kernel_in_the_triton_interpreter`` with TRITON_INTERPRET=1: the sampler's
-    one-pass kernel against the eager passes (the GPU test's checks, in float32 and float16: the interpreter keeps
-    bf16 as raw integers)."""
+def check_triton_sample(device: str, dtypes) -> None:
+    """The sampler's two Triton kernels (``block_stats.triton_sample``) draw the tokens the eager ``sample_rows``
+    draws on the CPU, with the same log-probs: plain and greedy rows, temperatures, uniforms at both ends, ties (the
+    first index, as torch.argmax), a block of -inf logits, a partial last block and whole blocks."""
     from slime_lite.engine import block_stats
-    from slime_lite.engine.sampling import BLOCK, _block_sums
+    from slime_lite.engine.sampling import BLOCK, sample_rows
 
     gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.float16):
+    rows = 24
+    temps = torch.tensor([1.0, 0.7, 1.0, 0.5, 1.0, 2.0, 1.3, 1.0] * 3)
+    greedy = torch.tensor([False, False, True, False, False, True, False, False] * 3)
+    u = torch.rand(rows, dtype=torch.float64, generator=gen)
+    u[0], u[1] = 0.0, 1 - 2**-53
+    for dtype in dtypes:
         for vocab in (5000, 3072):  # a partial last block; whole blocks
-            logits = (torch.randn(7, vocab, generator=gen) * 3).to(dtype)
+            logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
             logits[2, 1500] = logits[2, 2600] = 50  # a tie across blocks: the first index, as torch.argmax
             logits[5, 10] = logits[5, 20] = 60  # and a tie inside one block
-            logits[4, :BLOCK] = float("-inf")  # a block of -inf logits sums to 0, not NaN
-            inv_t = torch.tensor([1.0, 1 / 0.7, 1.0, 2.0, 1.0, 0.5, 1 / 1.3])[:, None]
-            m, sums, top = block_stats.triton_stats(logits, inv_t, BLOCK)
-            x = logits.float()
-            want_m = x.amax(-1, keepdim=True)
-            assert torch.equal(m, want_m) and torch.equal(top, x.argmax(-1)) and top[2].item() == 1500
-            assert top[5].item() == 10
-            want = _block_sums((x - want_m).mul_(inv_t).exp_())
-            assert not sums.isnan().any() and ((sums - want).abs() <= 1e-5 * want).all()
+            logits[4, :BLOCK] = float("-inf")  # a block of -inf logits weighs 0, not NaN
+            want_tok, want_lp = sample_rows(logits, temps, u, greedy)  # CPU: the eager passes
+            dev = torch.device(device)
+            tok, lp = block_stats.triton_sample(logits.to(dev), temps.to(dev), u.to(dev), greedy.to(dev), BLOCK)
+            assert tok[2].item() == 1500 and tok[5].item() == 10
+            assert torch.equal(tok.cpu(), want_tok), (dtype, vocab, tok.cpu() - want_tok)
+            assert not lp.isnan().any() and torch.allclose(lp.cpu(), want_lp, atol=2e-5, rtol=0)
+            assert (tok[4].item() >= BLOCK or greedy[4]) and lp.dtype == torch.float32
 
 
-def test_the_block_stats_kernel_in_the_triton_interpreter():
+def _triton_sample_on_cpu() -> None:
+    """Run by ``test_the_sampler_kernels_in_the_triton_interpreter`` with TRITON_INTERPRET=1, in float32 and float16
+    (the interpreter keeps bf16 as raw integers; the GPU test adds bf16)."""
+    check_triton_sample("cpu", (torch.float32, torch.float16))
+
+
+def test_the_sampler_kernels_in_the_triton_interpreter():
     from tests.triton_interpreter import run_interpreted
 
-    run_interpreted("tests.engine.test_sampling:_block_stats_on_cpu")
+    run_interpreted("tests.engine.test_sampling:_triton_sample_on_cpu")
