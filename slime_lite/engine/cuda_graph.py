@@ -26,8 +26,8 @@ position per request); and compiling the whole step per (batch, length) shape wo
 ``torch.cuda.CUDAGraph`` over the engine's own step needs no compiler; ``--enable-torch-compile`` adds one compile,
 with dynamic shapes, of the layer pieces around attention.
 
-Its per-row inputs are the named fields of ``StepInputs``. The step samples its rows too (``sample_rows``, with one
-Triton pass over the vocabulary on CUDA) and copies the drawn tokens into a pinned host buffer without waiting.
+Its per-row inputs are the named fields of ``StepInputs``. The step samples its rows too (``sample_rows``, two
+Triton kernels on CUDA) and copies the drawn tokens into a pinned host buffer without waiting.
 ``run(..., chain=True)`` launches a step whose input tokens are the previous step's draws, still on the device, so
 the scheduler's ``DecodePipeline`` launches step n+1 before it reads step n's tokens and its Python bookkeeping
 overlaps the GPU's work.
