@@ -388,8 +388,10 @@ def logprob_microbench(tokens: int, vocab: int = VOCAB) -> dict[str, float]:
 SUMMARY: list[str] = []  # one row per shape (ours): the table printed last, the shapes side by side
 
 
-def report(shape: str, arch, samples: list, o: dict, b: dict | None, device: str) -> None:
-    """The table of ours (and the baseline's, ``b``) on these samples; MoE MFU counts active-parameter FLOPs."""
+def report(shape: str, arch, samples: list, o: dict, b: dict | None, device: str,
+           plain_ops: dict | None = None) -> None:
+    """The table of ours (and the baseline's, ``b``; ``plain_ops``: ours without fused_ops' kernels) on these samples;
+    MoE MFU counts active-parameter FLOPs."""
     tokens = sum(len(s.tokens) for s in samples)
     peak = PEAK.get(device)
 
@@ -406,6 +408,11 @@ def report(shape: str, arch, samples: list, o: dict, b: dict | None, device: str
     print(row("ours", o))
     SUMMARY[:] = SUMMARY or [head]
     SUMMARY.append(row("ours", o))
+    if plain_ops is not None:
+        print(row("no-fused", plain_ops))
+        SUMMARY.append(row("no-fused", plain_ops))
+        print(f"fused_ops' SwiGLU/RoPE kernels: train {plain_ops['train_s'] / o['train_s']:.2f}x, log-prob "
+              f"{plain_ops['logprob_s'] / o['logprob_s']:.2f}x the same worker without them", flush=True)
     if b is None:
         print(f"(no baseline for an MoE shape) ours log-prob/train tok/s {2 * o['train_s'] / o['logprob_s']:.2f}x",
               flush=True)
@@ -438,6 +445,8 @@ def main() -> None:
                    help="also run the worker without packing, padded micro-batches of MBS samples (the old path)")
     p.add_argument("--recompute", choices=("full", "selective"), default=None,
                    help="activation recompute in our worker: full (uniform, 1 layer per chunk) or selective")
+    p.add_argument("--compare-fused-ops", action="store_true",
+                   help="also our worker without fused_ops' SwiGLU and RoPE kernels (Megatron's ops), same process")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="only our worker (no baseline): after the measured run, profile the log-prob and train "
                         "phases on the first N samples and print the top operators by device and by host time")
@@ -508,8 +517,15 @@ def main() -> None:
             if a.lora_rank:
                 lora_report(shape, samples, o, ours(ckpt, samples, warm, mt, lpt, bf16, lora_rank=a.lora_rank),
                             a.lora_rank)
+            plain_ops = None
+            if a.compare_fused_ops:  # the same worker with Megatron's SwiGLU and RoPE ops
+                from slime_lite.backends.megatron import fused_ops
+
+                fused_ops.ENABLED = False
+                plain_ops = ours(ckpt, samples, warm, mt, lpt, bf16, label=" without fused ops")
+                fused_ops.ENABLED = True
             b = None if arch.moe else baseline(ckpt, samples, warm, mt, bf16)  # HF's MoE: a per-expert loop
-            report(shape, arch, samples, o, b, device)
+            report(shape, arch, samples, o, b, device, plain_ops)
             if a.optimizer_cpu_offload and device == "cpu":
                 print("--optimizer-cpu-offload: skipped on CPU (Megatron's hybrid optimizer needs CUDA)", flush=True)
             elif a.optimizer_cpu_offload:

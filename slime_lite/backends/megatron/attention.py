@@ -38,6 +38,8 @@ from megatron.core.transformer import attention as megatron_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from slime_lite.backends.megatron import fused_ops
+
 BACKENDS = ("auto", "sdpa", "varlen", "bucketed")
 
 
@@ -208,6 +210,13 @@ def install_packed_rope() -> None:
         packed = cu_seqlens.slime_freqs.get(key)
         if packed is None:  # the frequencies of each row's own position: [t, 1, 1, d], once per micro-batch
             packed = cu_seqlens.slime_freqs[key] = freqs.index_select(0, pos)
+        if fused_ops.available(t) and not config.multi_latent_attention and t.dim() == 3:
+            tables = cu_seqlens.slime_freqs.get((key, t.dtype, mscale))
+            if tables is None:  # cos and sin as Megatron rounds them, once per micro-batch (not per q, k, layer)
+                flat = packed.reshape(packed.shape[0], -1)
+                tables = cu_seqlens.slime_freqs[(key, t.dtype, mscale)] = tuple(
+                    (fn(flat) * mscale).to(t.dtype) for fn in (torch.cos, torch.sin))
+            return fused_ops.rope(t, *tables, interleaved=config.rotary_interleaved)
         return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=config.rotary_interleaved,
                                           multi_latent_attention=config.multi_latent_attention,
                                           mscale=mscale).squeeze(1)

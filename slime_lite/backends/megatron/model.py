@@ -30,6 +30,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from slime_lite.backends.megatron import fused_ops
 from slime_lite.backends.megatron.attention import FastCoreAttention, install_packed_rope, mark_packed_positions
 from slime_lite.backends.megatron.post_norm import PostNormLayer
 from slime_lite.errors import SlimeLiteError
@@ -202,9 +203,10 @@ def transformer_config_from_hf(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         transformer_impl=transformer_impl,
-        # No fused kernels: they need CUDA/apex/TE and the unfused paths are what HF computes.
+        # No fused kernels: they need CUDA/apex/TE and the unfused paths are what HF computes. Except the dense
+        # MLP's SwiGLU: fused_ops' kernels on CUDA, the same eager ops elsewhere (layer_spec installs them).
         masked_softmax_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=arch.moe is None,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
@@ -272,6 +274,7 @@ def layer_spec(arch: HFArch, transformer_impl: str = "local"):
     FastCoreAttention: no [T, T] scores, packed samples) or Transformer Engine. Either way packed rows get their
     RoPE in one call per layer (attention.py install_packed_rope); GLM4's layer is post_norm.py's."""
     install_packed_rope()
+    fused_ops.install_swiglu()
     if arch.moe is not None and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # megatron-core 0.16.1's router reads it; it is defined only with TE
     if transformer_impl == "local":
