@@ -61,14 +61,13 @@ def _kernels(triton, tl):
 
     @triton.jit
     def rope(t_ptr, cos_ptr, sin_ptr, out_ptr, s_t, s_h, heads, ROT: tl.constexpr, D: tl.constexpr,
-             DP: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr):
-        tok = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
+             DP: tl.constexpr, HP: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)  # one token per program, all its heads ([HP, DP] tile)
+        hs = tl.arange(0, HP)
         d = tl.arange(0, DP)
-        live = d < D
-        rot = d < ROT
-        src = t_ptr + tok * s_t + h * s_h
-        x = tl.load(src + d, mask=live, other=0.0)
+        live = (hs[:, None] < heads) & (d[None, :] < D)
+        rot_d = d < ROT
+        rot = (hs[:, None] < heads) & rot_d[None, :]
         if INTERLEAVED:  # pairs (0, 1), (2, 3), ...: rotate_half gives (-x1, x0)
             partner = d ^ 1
             sign = tl.where(d % 2 == 0, -1.0, 1.0)
@@ -76,17 +75,19 @@ def _kernels(triton, tl):
             half: tl.constexpr = ROT // 2
             partner = tl.where(d < half, d + half, d - half)
             sign = tl.where(d < half, -1.0, 1.0)
-        xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + tok * ROT + d, mask=rot, other=0.0).to(tl.float32)
-        s_here = tl.load(sin_ptr + tok * ROT + d, mask=rot, other=0.0).to(tl.float32)
+        src = t_ptr + tok * s_t + hs[:, None].to(tl.int64) * s_h
+        x = tl.load(src + d[None, :], mask=live, other=0.0)
+        xp = tl.load(src + partner[None, :], mask=rot, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + tok * ROT + d, mask=rot_d, other=0.0).to(tl.float32)[None, :]
         a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
         if BACKWARD:  # the transpose of rotate_half: (y2, -y1) of y = g * sin, sin taken at the partner's place
-            s_p = tl.load(sin_ptr + tok * ROT + partner, mask=rot, other=0.0).to(tl.float32)
-            b = -sign * (xp * s_p).to(x.dtype).to(tl.float32)
+            s_p = tl.load(sin_ptr + tok * ROT + partner, mask=rot_d, other=0.0).to(tl.float32)[None, :]
+            b = -sign[None, :] * (xp * s_p).to(x.dtype).to(tl.float32)
         else:
-            b = (sign * xp * s_here).to(x.dtype).to(tl.float32)
+            s_here = tl.load(sin_ptr + tok * ROT + d, mask=rot_d, other=0.0).to(tl.float32)[None, :]
+            b = (sign[None, :] * xp * s_here).to(x.dtype).to(tl.float32)
         out = tl.where(rot, (a + b).to(x.dtype), x)
-        tl.store(out_ptr + (tok * heads + h) * D + d, out, mask=live)
+        tl.store(out_ptr + (tok * heads + hs[:, None]) * D + d[None, :], out, mask=live)
 
     return swiglu_fwd, swiglu_bwd, rope
 
@@ -132,9 +133,10 @@ def _rope_call(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
                          "([T, R], R even, R <= D) do not fit")
     out = torch.empty(tokens, heads, d, dtype=t.dtype, device=t.device)
     with torch.cuda.device(t.device if t.is_cuda else -1):
-        _kernels()[2][(tokens, heads)](t, cos.contiguous(), sin.contiguous(), out, t.stride(0), t.stride(1), heads,
-                                       ROT=rot, D=d, DP=max(16, 1 << (d - 1).bit_length()), INTERLEAVED=interleaved,
-                                       BACKWARD=backward, num_warps=1)
+        _kernels()[2][(tokens,)](t, cos.contiguous(), sin.contiguous(), out, t.stride(0), t.stride(1), heads,
+                                 ROT=rot, D=d, DP=max(16, 1 << (d - 1).bit_length()),
+                                 HP=max(2, 1 << (heads - 1).bit_length()), INTERLEAVED=interleaved, BACKWARD=backward,
+                                 num_warps=4)
     return out
 
 
