@@ -16,22 +16,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_sampler import graphed  # noqa: E402
 from slime_lite.engine import decode_attention as da  # noqa: E402
 
 
-def replay_us(fn, n: int = 200) -> float:
-    fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n * 1000
+def replay_us(fn) -> float:
+    return graphed(fn, 200) * 1000
 
 
 def main() -> None:

@@ -105,6 +105,7 @@ LAYERS = [
     ("shared helpers", ["slime_lite.engine_client", "slime_lite.weight_transport", "slime_lite.weight_wire",
                         "slime_lite.weight_reader",
                         "slime_lite.weight_checksum", "slime_lite.lora_wire", "slime_lite.rollout_correction", "slime_lite.triton_build",
+                        "slime_lite.swiglu",
                         "slime_lite.metrics",
                         "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup",
                         "slime_lite.profiling", "slime_lite.determinism"]),

@@ -10,7 +10,7 @@ about a thousand such steps with a few rows each. Three kernels replace most of 
 - ``rope``: the rotary embedding of the q and k heads of one row (after each head's RMSNorm in models with QK-norm,
   Qwen3; in interleaved pairs and over part of the head for GLM4), with the v heads copied beside the k heads, or
   the k and v heads written straight into their rows of the KV cache (no separate cache write);
-- ``silu_mul``: ``silu(gate) * up`` of the fused gate/up projection.
+- ``silu_mul`` (``slime_lite.swiglu``, shared with the trainer): ``silu(gate) * up`` of the fused gate/up projection.
 
 Each computes in float32 and rounds to the model dtype where eager PyTorch does (after the norm, after each
 product, after the add). In Triton's interpreter the rotary and the residual add then give eager's bits; compiled
@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slime_lite.swiglu import silu_and_mul  # noqa: F401  (also the tests' name for it here)
 from slime_lite.triton_build import triton_kernels
 
 ENABLED = True
@@ -88,18 +89,7 @@ def _kernels(triton, tl):
         else:
             tl.store(kv_ptr + (row * 2 * kv_heads + head - heads) * DH + dims, out, mask=live)
 
-    @triton.jit
-    def silu_mul(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        live = cols < inter
-        g = tl.load(gu_ptr + row * 2 * inter + cols, mask=live, other=0.0)
-        u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=live, other=0.0)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        tl.store(out_ptr + row * inter + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=live)
-
-    return rms, rope, silu_mul
+    return rms, rope
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -153,19 +143,6 @@ def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, 
             qkv.stride(0), heads, kv_heads, float(eps), DH=head_dim, D=_pow2(head_dim), HAS_NORM=qk_norm is not None,
             INTERLEAVED=interleaved, TO_CACHE=cache is not None, num_warps=1)
     return q, (None if cache is not None else kv)
-
-
-def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gu = [..., 2 * inter]`` (gate first), contiguous."""
-    if not gu.is_contiguous():
-        raise ValueError("silu_and_mul: gu must be contiguous")
-    inter = gu.shape[-1] // 2
-    rows = gu.numel() // gu.shape[-1]
-    out = torch.empty(*gu.shape[:-1], inter, dtype=gu.dtype, device=gu.device)
-    block = 1024
-    with torch.cuda.device(gu.device if gu.is_cuda else -1):  # -1: the Triton interpreter (tests)
-        _kernels()[2][(rows, -(-inter // block))](gu, out, inter, BLOCK=block, num_warps=4)
-    return out
 
 
 def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor, qkv_w: torch.Tensor,

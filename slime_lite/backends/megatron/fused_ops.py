@@ -7,7 +7,8 @@ sin`` with a ``cat`` and a ``neg`` and cos/sin recomputed for every q and k of e
 forward and backward:
 
 - ``swiglu(x)``: ``x = [.., 2I]`` (gate first) -> ``silu(gate) * up``, the activation rounded to the model dtype
-  before the product, as the eager ops; the backward computes what autograd through them computes
+  before the product, as the eager ops (the forward kernel is ``slime_lite.swiglu``'s, shared with the engine); the
+  backward computes what autograd through them computes
   (``dup = g * act``, ``dgate = silu'(gate) * (g * up)``, each rounded where autograd rounds);
 - ``rope(t, cos, sin, interleaved)``: ``t [T, H, D]`` (any token and head strides) with ``cos``/``sin`` ``[T, R]``
   in ``t``'s dtype (R <= D rotary dims; the rest of each head passes through), the same roundings as Megatron's
@@ -23,25 +24,14 @@ from __future__ import annotations
 
 import torch
 
+from slime_lite.swiglu import BLOCK, silu_and_mul
 from slime_lite.triton_build import triton_kernels
 
 ENABLED = True
-_BLOCK = 1024
 
 
 @triton_kernels
 def _kernels(triton, tl):
-    @triton.jit
-    def swiglu_fwd(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        live = cols < inter
-        g = tl.load(x_ptr + row * 2 * inter + cols, mask=live, other=0.0)
-        u = tl.load(x_ptr + row * 2 * inter + inter + cols, mask=live, other=0.0)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        tl.store(out_ptr + row * inter + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=live)
-
     @triton.jit
     def swiglu_bwd(x_ptr, dy_ptr, dx_ptr, inter, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -89,7 +79,7 @@ def _kernels(triton, tl):
         out = tl.where(rot, (a + b).to(x.dtype), x)
         tl.store(out_ptr + (tok * heads + hs[:, None]) * D + d[None, :], out, mask=live)
 
-    return swiglu_fwd, swiglu_bwd, rope
+    return swiglu_bwd, rope
 
 
 def available(x: torch.Tensor) -> bool:
@@ -100,13 +90,8 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        inter = x.shape[-1] // 2
-        rows = x.numel() // x.shape[-1]
-        out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
-        with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
-            _kernels()[0][(rows, -(-inter // _BLOCK))](x, out, inter, BLOCK=_BLOCK, num_warps=4)
         ctx.save_for_backward(x)
-        return out
+        return silu_and_mul(x)  # the forward kernel the engine's decode steps use
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
@@ -116,7 +101,7 @@ class _SwiGLU(torch.autograd.Function):
         rows = x.numel() // x.shape[-1]
         dx = torch.empty_like(x)
         with torch.cuda.device(x.device if x.is_cuda else -1):
-            _kernels()[1][(rows, -(-inter // _BLOCK))](x, dy, dx, inter, BLOCK=_BLOCK, num_warps=4)
+            _kernels()[0][(rows, -(-inter // BLOCK))](x, dy, dx, inter, BLOCK=BLOCK, num_warps=4)
         return dx
 
 
@@ -133,7 +118,7 @@ def _rope_call(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
                          "([T, R], R even, R <= D) do not fit")
     out = torch.empty(tokens, heads, d, dtype=t.dtype, device=t.device)
     with torch.cuda.device(t.device if t.is_cuda else -1):
-        _kernels()[2][(tokens,)](t, cos.contiguous(), sin.contiguous(), out, t.stride(0), t.stride(1), heads,
+        _kernels()[1][(tokens,)](t, cos.contiguous(), sin.contiguous(), out, t.stride(0), t.stride(1), heads,
                                  ROT=rot, D=d, DP=max(16, 1 << (d - 1).bit_length()),
                                  HP=max(2, 1 << (heads - 1).bit_length()), INTERLEAVED=interleaved, BACKWARD=backward,
                                  num_warps=4)
