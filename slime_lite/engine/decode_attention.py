@@ -43,8 +43,9 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 def _kernels(triton, tl):
     @triton.jit(do_not_specialize=["splits"])  # not a variant per split count (compiled mid-rollout)
     def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, out_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st,
-                out_sb, out_sh, out_sr, n_rep, heads, splits, scale, R: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr,
-                BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr):
+                out_sb, out_sh, out_sr, n_rep, heads, splits, scale, R: tl.constexpr, D: tl.constexpr,
+                DH: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                SINGLE: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)

@@ -83,7 +83,8 @@ def _kernels(triton, tl):
 
 
 def available(x: torch.Tensor) -> bool:
-    return ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _kernels() is not None
+    return (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and _kernels() is not None)
 
 
 class _SwiGLU(torch.autograd.Function):
