@@ -210,7 +210,7 @@ def install_packed_rope() -> None:
         packed = cu_seqlens.slime_freqs.get(key)
         if packed is None:  # the frequencies of each row's own position: [t, 1, 1, d], once per micro-batch
             packed = cu_seqlens.slime_freqs[key] = freqs.index_select(0, pos)
-        if fused_ops.available(t) and not config.multi_latent_attention and t.dim() == 3:
+        if fused_ops.available(t) and not config.multi_latent_attention and t.dim() == 3 and t.stride(-1) == 1:
             tables = cu_seqlens.slime_freqs.get((key, t.dtype, mscale))
             if tables is None:  # cos and sin as Megatron rounds them, once per micro-batch (not per q, k, layer)
                 flat = packed.reshape(packed.shape[0], -1)

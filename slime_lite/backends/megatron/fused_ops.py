@@ -136,6 +136,7 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
+        g = g if g.stride(-1) == 1 else g.contiguous()
         return _rope_call(g, cos, sin, ctx.interleaved, backward=True), None, None, None
 
 
