@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +15,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime_lite import driver_watch
 from slime_lite.config import TrainSideConfig
 from slime_lite.engine_client import API_KEY_ENV, api_key
 from slime_lite.errors import SlimeLiteError
@@ -76,7 +73,7 @@ def init_ray(args: Any, num_slots: int) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", runtime_env=env, log_to_driver=True)  # the job's actors share the driver's fate
         return
-    start_driver_watch()  # a local cluster is this driver's: it goes when the driver goes, even on kill -9
+    driver_watch.start()  # a local cluster is this driver's: it goes when the driver goes, even on kill -9
     resources = {} if gpu_resource() == "GPU" else {"slot": float(max(num_slots, 1))}
     ray.init(
         num_cpus=max(8, 2 * num_slots + 2),
@@ -119,81 +116,3 @@ def bundle_options(pg: Any, bundle: int, share: float = 1.0) -> dict[str, Any]:
     else:
         opts["resources"] = {"slot": share}
     return opts
-
-
-# ---- driver death ------------------------------------------------------------------------------------------------
-WATCH_POLL_S = 0.25
-
-
-def _proc_table() -> dict[int, tuple[int, int]]:
-    """``{pid: (ppid, start time in clock ticks)}`` of every process (Linux /proc)."""
-
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                table[int(entry)] = (int(fields[1]), int(fields[19]))
-    return table
-
-
-def _descendants(roots: dict[int, int], table: dict[int, tuple[int, int]]) -> dict[int, int]:
-    """``roots`` ({pid: start time}) still alive as the same processes, and all their descendants."""
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found = {pid: start for pid, start in roots.items() if table.get(pid, (0, None))[1] == start}
-    todo = list(found)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found[child] = table[child][1]
-                todo.append(child)
-    return found
-
-
-def watch_driver(driver_pid: int, poll_s: float = WATCH_POLL_S) -> None:
-    """Run in a process of its own: follow the driver's process tree and, once the driver is gone (kill -9
-    included), SIGKILL every process of it still running (Ray's own, the actors, launched servers). Orphans are
-    re-parented away from the driver, so the tree is remembered while the driver lives."""
-
-    me = os.getpid()
-    table = _proc_table()
-    if driver_pid not in table:
-        return
-    driver = {driver_pid: table[driver_pid][1]}
-    tree: dict[int, int] = {}
-    while True:
-        table = _proc_table()
-        if table.get(driver_pid, (0, None))[1] != driver[driver_pid]:
-            break
-        tree = _descendants(driver, table)
-        tree.pop(driver_pid, None)
-        tree.pop(me, None)
-        time.sleep(poll_s)
-    for _ in range(3):  # a process forked while we kill is caught on the next pass
-        left = _descendants(tree, _proc_table())
-        left.pop(me, None)
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        tree = left
-        time.sleep(poll_s)
-
-
-def start_driver_watch() -> None:
-    """Start ``watch_driver`` for this process in a detached process (Linux; nothing elsewhere)."""
-
-    if not os.path.isdir("/proc/self"):
-        return
-    code = f"from slime_lite.placement import watch_driver; watch_driver({os.getpid()})"
-    subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)

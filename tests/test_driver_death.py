@@ -1,5 +1,5 @@
 """Driver death (issue 15 item 9): kill -9 of ``slime-lite train`` leaves no process of its tree behind within 10 s
-(Ray's processes, the engine and train actors, anything they launched): placement.watch_driver follows the driver's
+(Ray's processes, the engine and train actors, anything they launched): driver_watch.watch follows the driver's
 process tree from a process of its own and kills what is left once the driver is gone."""
 
 from __future__ import annotations
@@ -14,21 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from slime_lite.placement import _descendants, _proc_table
+from slime_lite.driver_watch import descendants, proc_table
 
 GRACE_S = 10.0
 
 
 def _tree(pid: int) -> dict[int, int]:
-    table = _proc_table()
-    return {p: s for p, s in _descendants({pid: table[pid][1]}, table).items() if p != pid}
+    table = proc_table()
+    return {p: s for p, s in descendants({pid: table[pid][1]}, table).items() if p != pid}
 
 
 def _left_after_grace(tree: dict[int, int]) -> list[str]:
     """The processes of ``tree`` still running GRACE_S after now (their command lines)."""
     deadline = time.monotonic() + GRACE_S
     while True:
-        table = _proc_table()
+        table = proc_table()
         left = [p for p, start in tree.items() if table.get(p, (0, None))[1] == start]
         if not left or time.monotonic() > deadline:
             break
@@ -46,8 +46,8 @@ def test_a_killed_driver_takes_its_detached_descendants_with_it():
     """Processes that left the driver's session and process group (as Ray's do) are killed with it."""
     script = textwrap.dedent("""
         import subprocess, sys, time
-        from slime_lite.placement import start_driver_watch
-        start_driver_watch()
+        from slime_lite.driver_watch import start
+        start()
         # like raylet and its workers: a long-lived child in a session of its own, and its own detached child
         subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
                           "subprocess.Popen(['sleep', '300'], start_new_session=True); time.sleep(300)"],

@@ -202,9 +202,11 @@ def test_marked_pids_finds_a_job_process():
     from slime_lite.debug.ima_bisect import JOB_MARKER
 
     mark = uuid.uuid4().hex
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             env={**os.environ, JOB_MARKER: mark})
+    # the environment shows in /proc only once exec has set the new program up, a moment after Popen returns
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                             env={**os.environ, JOB_MARKER: mark}, stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout.readline().strip() == "up"
         assert marked_pids(mark) == [child.pid] and marked_pids(uuid.uuid4().hex) == []
     finally:
         child.kill()
