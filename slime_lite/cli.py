@@ -12,7 +12,7 @@ from slime_lite.logging_setup import setup_logging
 COMMANDS = {
     "train": ("slime_lite.train", "run the RL driver (GRPO/PPO/REINFORCE++; debug modes)"),
     "doctor": ("slime_lite.debug.doctor", "run the precision-alignment checklist on a short job"),
-    "serve": ("slime_lite.engine.server", "start one embedded SGLang-compatible engine"),
+    "serve": ("slime_lite.engine.serve_cli", "start one embedded SGLang-compatible engine"),
     "display-rollouts": ("slime_lite.debug.display", "show dumped rollouts and their metrics"),
     "replay-reward": ("slime_lite.debug.replay_reward", "recompute rewards of a dump and report differences"),
     "send-to-engine": ("slime_lite.debug.send_to_engine", "resend dumped prompts to an engine and compare"),

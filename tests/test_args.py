@@ -376,7 +376,7 @@ def subcommand_flags(monkeypatch) -> dict[str, set[str]]:
 def test_every_flag_named_in_the_package_exists(monkeypatch):
     train = set(build_parser()._option_string_actions)
     subs = subcommand_flags(monkeypatch)
-    serve = subs["slime_lite.engine.server"]
+    serve = subs["slime_lite.engine.serve_cli"]
     bad = []
     for path in sorted(PKG.rglob("*.py")):
         module = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)

@@ -10,7 +10,7 @@ import pytest
 
 import slime_lite
 from slime_lite import cli
-from slime_lite.engine.server import build_parser as serve_parser
+from slime_lite.engine.serve_cli import build_parser as serve_parser
 
 MODULES = sorted({p.stem for p in Path(slime_lite.__file__).parent.rglob("*.py")} - {"__init__"})
 # a code name: module.function of slime_lite (not a file name like config.json, nor a full import path a flag takes)

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from engine_helpers import http
 
-from slime_lite.engine.server import main
+from slime_lite.engine.serve_cli import main
 from slime_lite.errors import SlimeLiteError
 
 
