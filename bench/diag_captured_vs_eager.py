@@ -3,7 +3,7 @@ greedy: per row, the first token where the two paths differ, their log-prob agre
 the HF forward, and at the first difference the two tokens' HF log-probs. Run from the repo root on a GPU machine:
   PYTHONPATH=$PWD python3 bench/diag_captured_vs_eager.py   (output of 2026-12-03: bench/results/h200_captured_vs_eager_moe.txt)
 """
-import sys, copy
+import sys
 sys.path.insert(0, "tests/engine"); sys.path.insert(0, "tests")
 import torch
 from transformers import AutoModelForCausalLM

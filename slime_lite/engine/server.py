@@ -34,7 +34,7 @@ from slime_lite.engine.info_routes import add_info_routes
 from slime_lite.engine.openai_api import add_openai_routes
 from slime_lite.engine.request import Request
 from slime_lite.engine.sampling import SamplingParams
-from slime_lite.errors import SlimeLiteError, run_main
+from slime_lite.errors import SlimeLiteError
 
 logger = logging.getLogger(__name__)
 
@@ -406,8 +406,3 @@ def default_profile_dir() -> str:
     """SGLang's $SGLANG_TORCH_PROFILER_DIR when set, else a folder of the engine's own under the temp folder."""
     return os.environ.get("SGLANG_TORCH_PROFILER_DIR") or os.path.join(tempfile.gettempdir(), "slime-lite-profiles")
 
-
-if __name__ == "__main__":  # python -m slime_lite.engine.server (SGLang's launch_server spelling)
-    from slime_lite.engine.serve_cli import main
-
-    raise SystemExit(run_main(main))

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from slime_lite import rl_math, rollout_correction
+from slime_lite import rollout_correction
 from slime_lite.args import parser_defaults
 from slime_lite.backends.megatron import loss as L
 from slime_lite.config import LossConfig

@@ -265,7 +265,7 @@ def test_rollout_only_through_launcher_path_with_embedded_server_module(tiny_mod
     from slime_lite.rollout.dumps import load_rollout_dump
 
     argv = rollout_argv(tiny_model_dir, task_data, tmp_path) + [
-        "--rollout-backend", "sglang", "--sglang-server-module", "slime_lite.engine.server",
+        "--rollout-backend", "sglang", "--sglang-server-module", "slime_lite.engine.serve_cli",
         "--rollout-num-gpus", "2", "--debug-env", f"SLIME_LITE_ENGINE_LOG_DIR={tmp_path / 'logs'}",
         "--num-rollout", "2", "--use-fault-tolerance", "--debug-inject-fault", "kill-engine"]
     code = ("from slime_lite.cli import main\n"
