@@ -70,8 +70,11 @@ def watch(driver_pid: int, driver_start: int, poll_s: float = POLL_S) -> None:
         tree.pop(driver_pid, None)
         tree.pop(me, None)
         if not ready:
-            print("ready", flush=True)
-            sys.stdout.close()
+            try:
+                print("ready", flush=True)
+                sys.stdout.close()
+            except OSError:  # the driver stopped waiting (it still is followed)
+                pass
             ready = True
         time.sleep(poll_s)
     for _ in range(3):  # a process forked while we kill is caught on the next pass

@@ -6,6 +6,7 @@ give the same tables.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ from slime_lite.config import TrainSideConfig
 from slime_lite.engine_client import API_KEY_ENV, api_key
 from slime_lite.errors import SlimeLiteError
 from slime_lite.logging_setup import LOG_LEVEL_ENV
+
+log = logging.getLogger(__name__)
+RAY_START_FAILURE = "timed out during startup"  # in the error of Ray's start-up timeout
 
 
 @dataclass
@@ -60,7 +64,6 @@ def gpu_resource() -> str:
 def init_ray(args: Any, num_slots: int) -> None:
     """Join the cluster named by RAY_ADDRESS (ray job submit) or start a local one sized for this run."""
 
-
     if ray.is_initialized():
         return
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}}
@@ -75,18 +78,20 @@ def init_ray(args: Any, num_slots: int) -> None:
         return
     driver_watch.start()  # a local cluster is this driver's: it goes when the driver goes, even on kill -9
     resources = {} if gpu_resource() == "GPU" else {"slot": float(max(num_slots, 1))}
-    ray.init(
-        num_cpus=max(8, 2 * num_slots + 2),
-        resources=resources,
-        include_dashboard=False,
-        runtime_env=env,
-        logging_level="WARNING",
-    )
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=max(8, 2 * num_slots + 2), resources=resources, include_dashboard=False,
+                     runtime_env=env, logging_level="WARNING")
+            return
+        except Exception as exc:  # Ray's own start-up timeout (its raylet did not register within 30 s)
+            if attempt == 2 or RAY_START_FAILURE not in str(exc):
+                raise
+            log.warning("Ray did not start (%s): the host may be overloaded; starting it once more", exc)
+            ray.shutdown()  # what the first start left running goes with this driver (the driver watch)
 
 
 def create_placement_group(layout: Layout, timeout: float = 120.0):
     """A PACK placement group of ``layout.num_bundles`` one-GPU (or one-slot) bundles; None when empty."""
-
 
     if layout.num_bundles == 0:
         return None

@@ -34,3 +34,38 @@ def make(**kw):
 def test_layout_table(kw, bundles, actor, critic, rollout):
     layout = plan_layout(make(**kw))
     assert (layout.num_bundles, layout.actor, layout.critic, layout.rollout) == (bundles, actor, critic, rollout)
+
+
+def test_ray_start_up_timeout_is_retried_once_and_other_errors_are_not(monkeypatch):
+    """FAKE ray.init (Ray's own start-up timeout cannot be caused on purpose here): one timeout, then a start."""
+    import ray
+
+    from slime_lite import driver_watch, placement
+    from slime_lite.engine_client import API_KEY_ENV
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv(API_KEY_ENV, "k")
+    monkeypatch.setattr(driver_watch, "start", lambda: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    errors = [Exception("The current node timed out during startup. This could happen because ...")]
+
+    def fake_init(**kw):
+        calls.append("init")
+        if errors:
+            raise errors.pop()
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    calls: list[str] = []
+    placement.init_ray(make(log_level="info", debug_env=[]), 2)
+    assert calls == ["init", "shutdown", "init"]
+    calls.clear()
+    errors[:] = [RuntimeError("some other failure")]
+    with pytest.raises(RuntimeError, match="some other failure"):
+        placement.init_ray(make(log_level="info", debug_env=[]), 2)
+    assert calls == ["init"]
+    calls.clear()
+    errors[:] = [Exception("timed out during startup (2)"), Exception("timed out during startup (1)")]
+    with pytest.raises(Exception, match=r"startup \(2\)"):  # a second timeout is the run's error
+        placement.init_ray(make(log_level="info", debug_env=[]), 2)
+    assert calls == ["init", "shutdown", "init"]

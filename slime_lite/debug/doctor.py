@@ -130,10 +130,9 @@ def _clean(out: str) -> None:
     os.makedirs(out, exist_ok=True)
 
 
-RAY_START_FAILURE = "timed out during startup"  # Ray's own start-up failure on an overloaded host: worth one retry
 
 
-def run_train(argv: list[str], out: str, timeout: float, retries: int = 1) -> TrainRun:
+def run_train(argv: list[str], out: str, timeout: float) -> TrainRun:
     """Run ``slime-lite train argv`` (its output to OUT/train.log); read back its error line and metrics."""
     _clean(out)
     log_path = os.path.join(out, "train.log")
@@ -149,9 +148,6 @@ def run_train(argv: list[str], out: str, timeout: float, retries: int = 1) -> Tr
             proc.wait()
             rc = -9
     text = open(log_path, encoding="utf-8", errors="replace").read()
-    if rc and RAY_START_FAILURE in text and retries > 0:
-        log.warning("doctor: Ray did not start (host overloaded?); trying once more")
-        return run_train(argv, out, timeout, retries - 1)
     errors = [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
     error = errors[-1] if errors else ""
     if rc == -9:

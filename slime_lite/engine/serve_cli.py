@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from slime_lite.engine.server import MAX_REQUEST_BYTES, EngineServer
+from slime_lite.engine_client import api_key
 from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.logging_setup import setup_logging
 
 logger = logging.getLogger(__name__)
-
-
-def _env_api_key() -> str | None:
-    key = os.environ.get("SLIME_LITE_ENGINE_API_KEY", "").strip()
-    path = os.environ.get("SLIME_LITE_ENGINE_API_KEY_FILE", "")
-    if not key and path:
-        with open(path, encoding="utf-8") as f:
-            key = f.readline().strip()
-    return key or None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     server = EngineServer(
         args.model_path, tokenizer_path=args.tokenizer_path, host=args.host, port=args.port, dtype=args.dtype,
         device=args.device, seed=args.random_seed, max_running_requests=args.max_running_requests,
-        kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key or _env_api_key(),
+        kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key or api_key(),
         served_model_name=args.served_model_name,
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
         enable_torch_compile=args.enable_torch_compile, max_request_bytes=args.max_request_bytes,

@@ -143,10 +143,10 @@ class EngineServer:
 
     def run_forever(self) -> None:
         """Serve until SIGINT/SIGTERM (the CLI)."""
+        done = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: done.set())  # before "ready": a SIGTERM right after it stops cleanly
         url = self.start()
         print(f"slime-lite engine ready at {url}", flush=True)
-        done = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: done.set())
         try:
             while not done.wait(1.0):
                 pass

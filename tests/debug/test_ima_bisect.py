@@ -174,11 +174,11 @@ def test_timeout_kills_the_job_and_everything_it_started(tmp_path):
     old, ib.INTERRUPT_GRACE_S = ib.INTERRUPT_GRACE_S, 0.5
     try:
         t0 = time.monotonic()
-        rc, timed_out, secs = run_job([sys.executable, "-c", code], {**os.environ, "TEST_MARK": marker}, 3.0,
+        rc, timed_out, secs = run_job([sys.executable, "-c", code], {**os.environ, "TEST_MARK": marker}, 8.0,
                                       str(tmp_path / "log"))
     finally:
         ib.INTERRUPT_GRACE_S = old
-    assert timed_out and rc is None and 3.0 <= secs < 15 and time.monotonic() - t0 < 20
+    assert timed_out and rc is None and 8.0 <= secs < 20 and time.monotonic() - t0 < 25
     assert (tmp_path / "log").read_text().startswith("started")
     assert not marked_by_test(marker)
 
@@ -274,8 +274,9 @@ def test_crash_only_with_cuda_graph_fake(tiny_model_dir, task_data, tmp_path):
 @pytest.mark.slow
 def test_hang_only_with_cuda_graph_is_killed_at_timeout_fake(tiny_model_dir, task_data, tmp_path):
     # every job gets this timeout: the hung one is killed at it, the one without CUDA graph must finish within it
-    # (~28 s on 2 idle cores, ~50 s on 2 busy ones), so it is as short as that allows: the hang costs all of it
-    timeout = 60
+    # (~28 s on 2 idle cores, ~50 s on 2 busy ones), so it is as short as that allows with a margin: the hang costs
+    # all of it
+    timeout = 90
     proc, res, mark = run_bisect(tiny_model_dir, task_data, tmp_path / "out", "hang:cuda-graph",
                                  "--timeout", str(timeout))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -188,7 +188,7 @@ def test_flush_cache_refused_while_running(engine):
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_holds_requests_and_continue_finishes_them_correctly(engine, hf_model, mode):
-    sp = {"max_new_tokens": 60, **GREEDY}
+    sp = {"max_new_tokens": 400, **GREEDY}  # still running after the pause's HTTP round trips on a busy machine
     t, box = in_thread(generate, engine.url, input_ids=[11, 12], return_logprob=True, sampling_params=sp)
     _wait_running(engine.url)
     assert http(engine.url, "/pause_generation", {"mode": mode})[0] == 200
@@ -198,7 +198,7 @@ def test_pause_holds_requests_and_continue_finishes_them_correctly(engine, hf_mo
     assert t.is_alive()
     assert http(engine.url, "/continue_generation", {})[0] == 200
     t.join(30)
-    assert box["result"]["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    assert box["result"]["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
     assert_greedy_run_matches_hf(hf_model, [11, 12], box["result"])
 
 
@@ -215,7 +215,8 @@ def test_continuous_batching_refills_slots_and_late_requests_join(tiny_model_dir
     server = start_engine(tiny_model_dir, max_running_requests=2)
     try:
         url = server.url
-        long = {"max_new_tokens": 300, **GREEDY}
+        n_long = 480  # outlasts the 4 short requests and their HF checks on a busy machine
+        long = {"max_new_tokens": n_long, **GREEDY}
         t_long, long_box = in_thread(generate, url, input_ids=[1, 2, 3], return_logprob=True, sampling_params=long)
         _wait_running(url)
         shorts = [[5, 6], [7, 8, 9], [10], [11, 12, 13, 14]]
@@ -228,7 +229,7 @@ def test_continuous_batching_refills_slots_and_late_requests_join(tiny_model_dir
             assert len(out["output_ids"]) == 4
             assert_greedy_run_matches_hf(hf_model, p, out)
         t_long.join(60)
-        assert len(long_box["result"]["output_ids"]) == 300
+        assert len(long_box["result"]["output_ids"]) == n_long
         assert_greedy_run_matches_hf(hf_model, [1, 2, 3], long_box["result"])
     finally:
         server.stop()

@@ -100,13 +100,13 @@ def test_turns_go_as_token_ids_and_reuse_the_prefix_cache(tiny_model_dir, engine
 def test_a_tool_that_raises_or_hangs_fails_its_sample_and_the_rollout_goes_on(tiny_model_dir, engine, tmp_path,
                                                                               monkeypatch):
     manager = _manager(tiny_model_dir, engine, tmp_path, monkeypatch, ["boom", "hang", "3"], max_turns=2,
-                       tool_call_timeout=0.3)
+                       tool_call_timeout=2.0)
     samples, metrics = manager.generate(0)
     manager.close()
     boom, hang, ok = samples
     assert boom.status == hang.status == Status.FAILED and ok.status == Status.TRUNCATED  # (its last turn's length)
     assert boom.metadata["failure"] == "tool calculator raised ValueError: cannot parse boom"
-    assert hang.metadata["failure"] == "tool calculator did not return within --tool-call-timeout 0.3 s"
+    assert hang.metadata["failure"] == "tool calculator did not return within --tool-call-timeout 2 s"
     assert metrics["rollout/failed_ratio"] == pytest.approx(2 / 3)
     assert metrics["rollout/tool_errors"] == 2 and metrics["rollout/tool_calls"] == 3
 

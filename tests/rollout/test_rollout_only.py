@@ -72,10 +72,11 @@ def test_rollout_only_run_dumps_and_never_imports_megatron(tiny_model_dir, task_
     assert r0["perf/rollout/engine_cuda_graph_captures"] == 0.0  # CPU: nothing to capture
 
 
-def test_rollout_processes_do_not_import_megatron(tiny_model_dir, task_data):
+def test_rollout_processes_do_not_import_megatron(tiny_model_dir, task_data, monkeypatch):
     import ray
 
     from slime_lite.args import parse_args
+    from slime_lite.engine_client import API_KEY_ENV
     from slime_lite.placement import create_placement_group, init_ray, plan_layout
     from slime_lite.rollout.engines import start_engines
     from slime_lite.rollout.manager import RolloutManager
@@ -86,6 +87,7 @@ def test_rollout_processes_do_not_import_megatron(tiny_model_dir, task_data):
         "--rollout-max-response-len", "4",
     ])
     layout = plan_layout(args)
+    monkeypatch.setenv(API_KEY_ENV, "")  # init_ray sets this run's key in os.environ: restored after the test
     init_ray(args, layout.num_bundles)
     try:
         pg = create_placement_group(layout)
