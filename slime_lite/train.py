@@ -93,6 +93,8 @@ def run(args) -> int:
             rollout.resume_memory(record)
             record.update(rollout.evaluate(rollout_id + 1))
             record["perf/step_time"] = time.monotonic() - step_t0
+            # the step's throughput: the rollout's tokens (prompts and responses) per second of the whole step
+            record["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / record["perf/step_time"]
             record.update(rollout.step_records() | train.step_records())
             metrics.log(record, rollout_id)
             profiler.after(rollout_id)

@@ -71,6 +71,8 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
         assert x["train/tis_clipfrac"] == 0.0 and x.get("train/rejected_frac", 0.0) == 0.0
         assert len(x["mismatch/worst_tokens"]) == 10 and isinstance(x["mismatch/worst_tokens"][0]["token"], str)
     assert ("train/rejected_frac" in trained[0]) == (estimator == "grpo")
+    for x in trained:  # the step's tokens per second of the step
+        assert x["perf/tokens_per_s"] * x["perf/step_time"] > 16  # 16 samples of prompt and response tokens
     assert [x["rollout_id"] for x in r if "eval/add" in x] == [-1, 1, 2]
     if estimator == "ppo":
         assert "critic/value_loss" in trained[0]
