@@ -23,8 +23,7 @@ VENV = Path(sys.prefix)  # the venv running the tests: ROOT/.venv under scripts/
 SHORT = "--num-rollout 2"  # appended to every training script: argparse keeps the last value
 FEW = "--rollout-batch-size 4 --n-samples-per-prompt 4 --micro-batch-size 8 --rollout-max-response-len 96"
 
-REPLAY = ("bash scripts/run-tiny-grpo.sh --load-debug-rollout-data 'runs/tiny/rollout_only/data_{rollout_id}.pt' "
-          "--num-rollout 2 --rollout-batch-size 16 --n-samples-per-prompt 4 --micro-batch-size 32")
+REPLAY = "bash scripts/run-tiny-replay.sh"
 MOE = ("slime-lite make-tiny-model --out /tmp/tiny-moe --arch qwen3_moe --num-experts 4 --num-experts-per-tok 2 "
        "--warm-start-steps 0")
 RUN = {  # README command -> the command run in the sandbox
@@ -37,7 +36,7 @@ RUN = {  # README command -> the command run in the sandbox
         f"bash scripts/run-tiny-grpo.sh --lora-rank 8 --lora-alpha 16 --lr 1e-3 --num-rollout 5 --metrics-path m.jsonl "
         f"{SHORT}",
     "bash scripts/run-tiny-rollout-only.sh": f"bash scripts/run-tiny-rollout-only.sh {SHORT}",
-    # the rollout-only dumps just written, replayed through the GRPO script (its --ci-test on): as written
+    # the rollout-only dumps just written, replayed through the GRPO script's trainer (its --ci-test on): as written
     REPLAY: REPLAY,
     # the session's tiny model stands in for the tool model (its warm start takes minutes): the loop, the hooks, the
     # agent endpoint and the dump check run, on a model that rarely calls the tool, with fewer and shorter samples
@@ -164,3 +163,6 @@ def test_readme_commands_exit_0(sandbox):
     assert not failed, "\n\n".join(failed)
     # the README's own example writes and plots where it was told to
     assert (sandbox / "m.jsonl").exists() and (sandbox / "reward.png").exists()
+    # the replay trains into its own folder: the quickstart's GRPO metrics are still there
+    assert len((sandbox / "runs/tiny/replay/metrics.jsonl").read_text().splitlines()) == 2
+    assert (sandbox / "runs/tiny/grpo/metrics.jsonl").read_text().strip()
