@@ -18,6 +18,7 @@ from slime_lite.rollout.stats import rollout_metrics
 from slime_lite.types import TOKEN_VERSIONS
 
 TEXT_LIMIT = 400
+OWN_ROWS = ("turns", TOKEN_VERSIONS)  # metadata shown in rows of their own
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +54,9 @@ def sample_table(sample: Any, position: int, full: bool) -> Any:
         ("response_length", str(sample.response_length)),
         ("weight_versions", ", ".join(map(str, sample.weight_versions)) or "-"),
         ("token versions", version_runs(sample.metadata.get(TOKEN_VERSIONS))),
-        ("metadata keys", ", ".join(sorted(map(str, sample.metadata))) or "-"),
     ]
+    rows += [(f"metadata.{key}", shorten(value, limit)) for key, value in sorted(sample.metadata.items(), key=str)
+             if key not in OWN_ROWS]
     for name, value in rows:
         table.add_row(name, _value(value))
     for k, turn in enumerate(sample.metadata.get("turns") or []):  # a multi-turn sample: each turn apart

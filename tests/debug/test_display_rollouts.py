@@ -15,8 +15,10 @@ def test_shows_train_and_eval_dumps_samples_metrics_and_meta(dump_template: str,
     # every file, train and eval, in id order
     assert out.index("train rollout 0") < out.index("eval rollout 0") < out.index("train rollout 1")
     assert "rollout_eval_0.pt" in out
-    for text in ("question-1", "answer-3", "truncated", "completed", "prompt_index, sampling_params"):
+    for text in ("question-1", "answer-3", "truncated", "completed"):
         assert text in out
+    # the metadata, each entry with its value
+    assert "metadata.prompt_index" in out and "'sampling_seed': 103" in out.replace("\n", "")
     # recomputed metrics of rollout 0: 4 samples, one truncated
     assert "rollout/truncated_ratio" in out and "0.25" in out
     assert "rollout/raw_reward" in out and "rollout/response_len/mean" in out
