@@ -24,7 +24,7 @@ from slime_lite.rollout import drift, dumps, functions
 from slime_lite.rollout.data import PromptSource, read_prompts
 from slime_lite.rollout.fully_async import FullyAsyncWorker
 from slime_lite.rollout.generate import Generator
-from slime_lite.rollout.stats import eval_metrics, rollout_metrics
+from slime_lite.rollout.stats import eval_metrics, groups_rewards, rollout_metrics
 from slime_lite.rollout.timing import engine_step_stats, phase_metrics
 from slime_lite.rollout.turns import turns
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
@@ -42,6 +42,7 @@ class RolloutManager:
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.grouped = groups_rewards(args)  # rollout/rewards: group-centred, as slime logs them
         self.loop = asyncio.new_event_loop()
         # debug dumps are written by one background thread, in order, while the driver trains on the rollout
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dump-writer")
@@ -152,7 +153,7 @@ class RolloutManager:
             except Exception:  # noqa: BLE001 - the sample error is the one to report
                 log.exception("writing a debug dump failed too")
             raise
-        metrics = rollout_metrics(samples, a.reward_key)
+        metrics = rollout_metrics(samples, a.reward_key, grouped=self.grouped)
         metrics.update(drift.rollout_metrics(samples, self.tokenizer))
         metrics.update(extra)
         served = [str(v) for s in samples for v in s.weight_versions[-1:]]

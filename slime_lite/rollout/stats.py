@@ -45,11 +45,31 @@ def _zero_std_group_ratio(samples: list[Sample], rewards: dict[int, float]) -> f
     return sum(1 for g in sized if max(g) == min(g)) / len(sized)
 
 
-def rollout_metrics(samples: list[Sample], reward_key: str | None = None) -> dict[str, float]:
+def _group_centred(samples: list[Sample], rewards: dict[int, float]) -> list[float]:
+    """Each reward minus its group's mean."""
+    groups: dict[Any, list[float]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        if i in rewards:
+            groups[s.group_index].append(rewards[i])
+    return [r - sum(g) / len(g) for g in groups.values() for r in g]
+
+
+def groups_rewards(args: Any) -> bool:
+    """Whether the run's estimator normalises rewards within each prompt's group (GRPO, REINFORCE++-baseline)."""
+    from slime_lite.rl_math import estimator  # torch
+
+    return estimator(args.advantage_estimator).needs_groups
+
+
+def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
+                    grouped: bool = False) -> dict[str, float]:
     """Metrics of one rollout batch: ``rollout/raw_reward``, ``rollout/response_len/mean`` and so on.
 
-    Rewards are averaged over the samples that have one; ``rollout/rollout_log_probs`` is the per-sample token
-    mean (loss-masked) averaged over samples, as slime averages per-token quantities.
+    Rewards are averaged over the samples that have one. ``rollout/rewards`` is, as in slime, the mean of the
+    rewards the estimator trains on: with ``grouped`` (the estimator normalises within each prompt's group) each
+    reward minus its group's mean (slime also divides by the group's std for GRPO, which leaves the mean alone),
+    so it stays about 0; otherwise the raw rewards. ``rollout/rollout_log_probs`` is the per-sample token mean
+    (loss-masked) averaged over samples, as slime averages per-token quantities.
     """
     if not samples:
         return {}
@@ -57,7 +77,8 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None) -> dic
     rewards = scalar_rewards(samples, reward_key)
     if rewards:
         out["rollout/raw_reward"] = _mean(list(rewards.values()))
-        out["rollout/rewards"] = out["rollout/raw_reward"]
+        processed = _group_centred(samples, rewards) if grouped else rewards.values()
+        out["rollout/rewards"] = _mean(list(processed))
     lengths = [s.response_length for s in samples]
     out["rollout/response_len/mean"] = _mean(lengths)
     out["rollout/response_len/max"] = float(max(lengths))

@@ -21,7 +21,7 @@ def test_rollout_metrics_names_and_values() -> None:
     ]
     m = rollout_metrics(samples)
     assert m["rollout/raw_reward"] == pytest.approx(0.75)
-    assert m["rollout/rewards"] == pytest.approx(0.75)
+    assert m["rollout/rewards"] == pytest.approx(0.75)  # no group normalisation: the raw rewards
     assert m["rollout/response_len/mean"] == pytest.approx(2.5)
     assert m["rollout/response_len/max"] == 4 and m["rollout/response_len/min"] == 1
     assert m["rollout/truncated_ratio"] == pytest.approx(0.25)
@@ -52,3 +52,19 @@ def test_samples_without_reward_are_left_out_of_the_mean() -> None:
 def test_eval_metrics() -> None:
     m = eval_metrics("gsm8k", [_s(0, 0, 1.0, 2), _s(1, 1, 0.0, 4, status=Status.TRUNCATED)])
     assert m == {"eval/gsm8k": 0.5, "eval/gsm8k/response_len/mean": 3.0, "eval/gsm8k/truncated_ratio": 0.5}
+
+
+def test_rollout_rewards_are_the_group_centred_rewards_as_slime_logs_them() -> None:
+    from slime_lite.args import parser_defaults
+    from slime_lite.rollout.stats import _group_centred, groups_rewards
+
+    samples = [_s(0, 0, 1.0, 2), _s(0, 1, 0.0, 2), _s(0, 2, 0.0, 2), _s(1, 3, 0.5, 2), _s(1, 4, 0.5, 2),
+               _s(2, 5, None, 2)]  # a sample without a reward is left out
+    assert _group_centred(samples, {i: s.reward for i, s in enumerate(samples) if s.reward is not None}) == \
+        pytest.approx([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0])
+    for estimator, grouped in [("grpo", True), ("reinforce_plus_plus_baseline", True), ("ppo", False),
+                               ("reinforce_plus_plus", False)]:
+        assert groups_rewards(parser_defaults(advantage_estimator=estimator)) == grouped
+        m = rollout_metrics(samples, grouped=grouped)
+        assert m["rollout/raw_reward"] == pytest.approx(0.4)
+        assert m["rollout/rewards"] == pytest.approx(0.0 if grouped else 0.4, abs=1e-9)
