@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add --kl-loss-coef x KL(actor || reference) to the policy loss")
     g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0,
                    help="weight of the KL loss (default: %(default)s)")
-    g.add_argument("--kl-loss-type", choices=rl_math.KL_TYPES, default="low_var_kl",
+    g.add_argument("--kl-loss-type", choices=rl_math.KL_TYPES, default="k1",  # slime's default
                    help="KL estimator of the KL loss and the reward penalty (default: %(default)s)")
     g.add_argument("--kl-coef", type=_nonneg_float, default=0.0,
                    help="KL penalty in the reward, PPO/REINFORCE++ only (default: %(default)s)")

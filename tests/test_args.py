@@ -320,7 +320,7 @@ def test_config_keeps_no_defaults_of_its_own():
                config.RolloutConfig, config.EngineConfig) for f in dataclasses.fields(cls))
     with pytest.raises(AttributeError):
         config.LossConfig.from_args(argparse.Namespace(eps_clip=0.2))
-    assert config.LossConfig.from_args(parser_defaults()).kl_loss_type == "low_var_kl"
+    assert config.LossConfig.from_args(parser_defaults()).kl_loss_type == "k1"  # slime's default
     assert parser_defaults(eps_clip=0.3).eps_clip_high == 0.3  # implied defaults filled as validate_args does
     with pytest.raises(TypeError, match="not_a_flag"):
         parser_defaults(not_a_flag=1)
