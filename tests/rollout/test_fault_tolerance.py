@@ -6,6 +6,7 @@ behaviour is under test; tests/test_loop.py kills a real engine mid-run."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -32,8 +33,16 @@ async def fake_engine(name: str):
     return f"http://127.0.0.1:{port}", runner
 
 
+_HELD: list[socket.socket] = []
+
+
 def dead_url() -> str:
-    return f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused, as after kill -9
+    """A port bound for the whole session and never listened on: connections are refused, as after kill -9, and no
+    other socket (the fake engines') can take it meanwhile."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def test_without_the_flag_a_dead_engine_stops_the_rollout():
