@@ -1,13 +1,14 @@
 """Driver death: a detached process follows the driver's process tree and, once the driver is gone (kill -9
 included), SIGKILLs every process of it still running (Ray's own, the actors, launched servers).
 
-Standard library only and run as a script (``python driver_watch.py PID START``), so it starts in a fraction of a
+Standard library only and run as a script (``python -P driver_watch.py PID START``), so it starts in a fraction of a
 second whatever the driver's working directory and imports; the driver waits until the watch has read the process
 table once, so a driver killed right after starting its cluster is still followed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
@@ -98,14 +99,19 @@ def start() -> None:
     if not os.path.isdir("/proc/self"):
         return
     me = os.getpid()
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(me), str(start_time(me))],
+    # -P: the script's folder (slime_lite/, whose io.py and types.py would shadow the standard library's) is not
+    # put on sys.path
+    proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), str(me), str(start_time(me))],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
     try:
-        if select.select([proc.stdout], [], [], READY_TIMEOUT_S)[0]:
-            proc.stdout.readline()
+        ready = select.select([proc.stdout], [], [], READY_TIMEOUT_S)[0] and proc.stdout.readline().strip() == b"ready"
     finally:
         proc.stdout.close()
+    if not ready:
+        logging.getLogger(__name__).warning(
+            "the driver watch did not start (no word from it within %.0f s): if this driver is killed (kill -9), "
+            "its Ray processes may stay behind", READY_TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -95,3 +95,12 @@ def test_kill_9_of_train_mid_run_leaves_no_process_behind(tiny_model_dir, tmp_pa
         driver.wait()
     left = _left_after_grace(tree)
     assert left == [], "still running 10 s after kill -9 of the driver:\n" + "\n".join(left)
+
+
+def test_a_watch_that_does_not_start_is_reported(monkeypatch, caplog):
+    from slime_lite import driver_watch
+
+    monkeypatch.setattr(driver_watch, "__file__", "/nonexistent/driver_watch.py")  # its process exits at once
+    with caplog.at_level("WARNING", logger="slime_lite.driver_watch"):
+        driver_watch.start()
+    assert "the driver watch did not start" in caplog.text
