@@ -111,7 +111,9 @@ def _run(argv: list[str] | None) -> int:
         if len(shown) < len(dump.samples):
             console.print(f"... {len(dump.samples) - len(shown)} more samples not shown (--max-samples)")
         try:
-            console.print(dict_table("rollout metrics (recomputed)", rollout_metrics(dump.samples, args.reward_key)))
+            metrics = rollout_metrics(dump.samples, args.reward_key)
+            metrics.pop("rollout/rewards", None)  # depends on the run's estimator, which a dump does not record
+            console.print(dict_table("rollout metrics (recomputed)", metrics))
         except SlimeLiteError as exc:  # e.g. dict rewards without --reward-key: the samples are still shown
             console.print(Text(f"rollout metrics not computed: {exc}"))
         if dump.meta:

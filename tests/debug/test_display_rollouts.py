@@ -22,6 +22,7 @@ def test_shows_train_and_eval_dumps_samples_metrics_and_meta(dump_template: str,
     # recomputed metrics of rollout 0: 4 samples, one truncated
     assert "rollout/truncated_ratio" in out and "0.25" in out
     assert "rollout/raw_reward" in out and "rollout/response_len/mean" in out
+    assert "rollout/rewards" not in out  # the estimator's normalisation is not in a dump
     assert "/models/tiny" in out  # meta
 
 
