@@ -33,6 +33,7 @@ def base(model, data, out: Path, *extra: str) -> list[str]:
     return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rm-type", "addition",
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
             "--rollout-shuffle", "--use-kl-loss", "--kl-loss-coef", "0.01", "--lr", "3e-3", "--seed", "3",
+            "--kl-loss-type", "low_var_kl",  # k3: rollout/kl > 0 once the policy moved
             "--entropy-coef", "0.01",  # a random model gets no reward: entropy makes sure every step moves it
             "--metrics-path", str(out / "m.jsonl"), *extra]
 

@@ -10,7 +10,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 BASE = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "2", "--use-kl-loss",
-        "--kl-loss-coef", "0.1", "--entropy-coef", "0.01", "--lr", "1e-4", "--seed", "7"]
+        "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl",  # k3: rollout/kl > 0 once the policy moved
+        "--entropy-coef", "0.01", "--lr", "1e-4", "--seed", "7"]
 
 
 def args_for(model, dumps, tmp_path, name, *extra):
