@@ -34,6 +34,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import tempfile
 import time
 from functools import partial
@@ -145,6 +146,20 @@ def flops(arch, samples: list, passes: int) -> float:
 
 # ----------------------------------------------------------------------------------------------- ours (Megatron)
 MEMORY_FLAGS: dict = {}  # --recompute: the worker's --recompute-* flags
+REPEATS = 1  # --repeats: measured passes per run; each phase's time is the median over them
+
+
+def runs(warm: list, samples: list) -> list[tuple[str, list]]:
+    return [("warmup", warm)] + [("measured", samples)] * REPEATS
+
+
+def median_of(results: list[dict]) -> dict:
+    """The last measured pass's numbers with each phase's time (``*_s``) the median over the passes."""
+    out = dict(results[-1])
+    for k in out:
+        if k.endswith("_s"):
+            out[k] = statistics.median(r[k] for r in results)
+    return out
 PROFILE: dict = {}  # --profile: {"n": samples profiled, "rows": table rows}
 
 
@@ -171,9 +186,12 @@ def profiled(fn, label: str) -> None:
 
 
 def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, bf16: bool,
-         padded_mbs: int = 0, lora_rank: int | None = None, label: str = "", **flags) -> dict:
+         padded_mbs: int = 0, lora_rank: int | None = None, label: str = "", overlap_ref: bool = True,
+         **flags) -> dict:
     """The worker's phases on these samples: packed (padded_mbs 0) or padded micro-batches of padded_mbs samples;
-    with ``lora_rank`` LoRA adapters on every linear (alpha = 2 x rank); ``flags``: more train flags (by dest).
+    with ``lora_rank`` LoRA adapters on every linear (alpha = 2 x rank); ``overlap_ref``: the reference weights' copy
+    to the GPU started before the actor's pass, as the worker's train() does (else at the reference's pass);
+    ``flags``: more train flags (by dest).
     Then what a weight push would gather (``push_payload``)."""
     from slime_lite.args import parser_defaults
     from slime_lite.backends.megatron.actor import TrainActor
@@ -190,15 +208,18 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
     w = TrainActor(args, 0, 1, "127.0.0.1")
     w.init(free_port())
     res: dict = {}
+    measured: list[dict] = []
     try:
-        for name, batch in (("warmup", warm), ("measured", samples)):
+        for name, batch in runs(warm, samples):
             w.args.rollout_batch_size, w.args.global_batch_size = len(batch) // 8, len(batch)
             length = max(len(s.tokens) for s in batch)
             reset_peak()
             t0 = time.perf_counter()
             plan = w._plan(batch, log_probs=True)
+            staged = w._stage_ref() if overlap_ref else None
             w._forward_all(batch, plan, length, w._log_probs)
-            w._with_ref_weights(partial(w._forward_all, batch, plan, length, w._log_probs))
+            w._with_ref_weights(partial(w._forward_all, batch, plan, length, w._log_probs), staged)
+            del staged
             sync()
             lp_time, lp_peak = time.perf_counter() - t0, peak_gib()
             reset_peak()
@@ -212,6 +233,8 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             if "train/moe/expert_load_max_over_mean" in metrics:  # MoE: how evenly the random router spreads tokens
                 res["expert_load_max_over_mean"] = metrics["train/moe/expert_load_max_over_mean"]
             res.update(push_payload(w))
+            if name == "measured":
+                measured.append(res)
             rounded = {k: round(v, 4) for k, v in res.items()}
             label = label or (" padded" if padded_mbs else f" LoRA rank {lora_rank}" if lora_rank else "")
             print(f"  ours{label} {name}: {json.dumps(rounded)}", flush=True)
@@ -221,6 +244,7 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             plan, length = w._plan(part, log_probs=True), max(len(s.tokens) for s in part)
             profiled(lambda: w._forward_all(part, plan, length, w._log_probs), f"actor log-probs, {len(part)} samples")
             profiled(lambda: w.train(0, part, None), f"train (log-probs + step), {len(part)} samples")
+        res = median_of(measured)
     finally:
         destroy()
         del w  # before collecting: the worker's reference cycles would keep its GPU tensors into the next run's peak
@@ -290,8 +314,8 @@ def baseline(ckpt: str, samples: list, warm: list, max_tokens: int, bf16: bool) 
             out.append((ids.to(dev), att.to(dev), labels.to(dev)))
         return out
 
-    res: dict = {}
-    for name, batch in (("warmup", warm), ("measured", samples)):
+    measured: list[dict] = []
+    for name, batch in runs(warm, samples):
         mbs = batches(batch)
         reset_peak()
         t0 = time.perf_counter()
@@ -317,6 +341,9 @@ def baseline(ckpt: str, samples: list, warm: list, max_tokens: int, bf16: bool) 
         res = {"logprob_s": lp_time, "logprob_peak": lp_peak, "train_s": time.perf_counter() - t0,
                "train_peak": peak_gib(), "grad_norm": float(norm)}
         print(f"  baseline {name}: " + json.dumps({k: round(v, 4) for k, v in res.items()}), flush=True)
+        if name == "measured":
+            measured.append(res)
+    res = median_of(measured)
     del model, opt
     gc.collect()
     if torch.cuda.is_available():
@@ -390,7 +417,8 @@ SUMMARY: list[str] = []  # one row per shape (ours): the table printed last, the
 
 def report(shape: str, arch, samples: list, o: dict, b: dict | None, device: str,
            plain_ops: dict | None = None) -> None:
-    """The table of ours (and the baseline's, ``b``; ``plain_ops``: ours without fused_ops' kernels) on these samples;
+    """The table of ours (and the baseline's, ``b``; ``plain_ops``: ours without fused_ops' kernels and the overlapped
+    reference copy) on these samples;
     MoE MFU counts active-parameter FLOPs."""
     tokens = sum(len(s.tokens) for s in samples)
     peak = PEAK.get(device)
@@ -411,7 +439,7 @@ def report(shape: str, arch, samples: list, o: dict, b: dict | None, device: str
     if plain_ops is not None:
         print(row("no-fused", plain_ops))
         SUMMARY.append(row("no-fused", plain_ops))
-        print(f"fused_ops' SwiGLU/RoPE kernels: train {plain_ops['train_s'] / o['train_s']:.2f}x, log-prob "
+        print(f"fused_ops' SwiGLU/RoPE kernels and the overlapped reference copy: train {plain_ops['train_s'] / o['train_s']:.2f}x, log-prob "
               f"{plain_ops['logprob_s'] / o['logprob_s']:.2f}x the same worker without them", flush=True)
     if b is None:
         print(f"(no baseline for an MoE shape) ours log-prob/train tok/s {2 * o['train_s'] / o['logprob_s']:.2f}x",
@@ -446,10 +474,14 @@ def main() -> None:
     p.add_argument("--recompute", choices=("full", "selective"), default=None,
                    help="activation recompute in our worker: full (uniform, 1 layer per chunk) or selective")
     p.add_argument("--compare-fused-ops", action="store_true",
-                   help="also our worker without fused_ops' SwiGLU and RoPE kernels (Megatron's ops), same process")
+                   help="also our worker without fused_ops' SwiGLU and RoPE kernels (Megatron's ops) and with the "
+                        "reference weights copied to the GPU at the reference's pass, not during the actor's; same "
+                        "process")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="only our worker (no baseline): after the measured run, profile the log-prob and train "
                         "phases on the first N samples and print the top operators by device and by host time")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="measured passes per run (after one warm-up); each phase's time is the median over them")
     p.add_argument("--profile-rows", type=int, default=25)
     p.add_argument("--lora-rank", type=int, default=None, metavar="R",
                    help="also our worker with LoRA adapters of rank R on every linear (alpha 2R): train tok/s, "
@@ -462,6 +494,8 @@ def main() -> None:
                         "--use-precision-aware-optimizer (Megatron's hybrid CPU optimizer; CUDA only): train "
                         "peak memory and tok/s next to the optimizer on the GPU")
     a = p.parse_args()
+    global REPEATS
+    REPEATS = a.repeats
     if a.profile:
         PROFILE.update(n=a.profile, rows=a.profile_rows)
     if a.recompute == "full":
@@ -522,7 +556,7 @@ def main() -> None:
                 from slime_lite.backends.megatron import fused_ops
 
                 fused_ops.ENABLED = False
-                plain_ops = ours(ckpt, samples, warm, mt, lpt, bf16, label=" without fused ops")
+                plain_ops = ours(ckpt, samples, warm, mt, lpt, bf16, label=" without fused ops", overlap_ref=False)
                 fused_ops.ENABLED = True
             b = None if arch.moe else baseline(ckpt, samples, warm, mt, bf16)  # HF's MoE: a per-expert loop
             report(shape, arch, samples, o, b, device, plain_ops)

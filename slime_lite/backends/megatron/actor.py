@@ -66,21 +66,40 @@ class TrainActor(TrainWorker):
         lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size, with_entropy=entropy)
         return [torch.stack([x, e]) for x, e in zip(lp, ent)] if entropy else lp
 
-    def _with_ref_weights(self, fn: Any) -> Any:
+    def _stage_ref(self) -> tuple[dict[str, torch.Tensor], Any] | None:
+        """The reference weights where the model runs, and an event that marks them ready: on a GPU, copies from
+        pinned host memory started on a side stream, so they overlap what runs next (the actor's log-prob pass);
+        on the CPU, the host copy itself (no event)."""
+        if self.ref_state is None or not torch.cuda.is_available():
+            return None if self.ref_state is None else (self.ref_state, None)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            staged = {n: t.to("cuda", non_blocking=True) for n, t in self.ref_state.items()}
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return staged, ready
+
+    def _with_ref_weights(self, fn: Any, staged: tuple | None = None) -> Any:
+        """fn() under the reference weights (``staged``: from ``_stage_ref``, else staged now). The parameters'
+        storage is swapped, not copied, and swapped back afterwards, so the reference pass costs no copy on the
+        GPU (the actor's own storage, views of Megatron's parameter buffer, is left untouched)."""
         if self.lora is not None:
             with lora.disabled(self.model):
                 return fn()
+        weights, ready = self._stage_ref() if staged is None else staged
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
+            for t in weights.values():  # allocated on the side stream, read and freed on this one
+                t.record_stream(torch.cuda.current_stream())
         params = dict(self.gpt().named_parameters())
-        saved = {n: p.detach().clone() for n, p in params.items()}
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(self.ref_state[n])
+        saved = {n: p.data for n, p in params.items()}
         try:
+            for n, p in params.items():
+                p.data = weights[n]
             return fn()
         finally:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(saved[n])
+            for n, p in params.items():
+                p.data = saved[n]
 
     def train(self, rollout_id: int, samples: list, values: list | None) -> tuple[TrainResult | None, Any]:
         """Log-probs, advantages and ``--num-steps-per-rollout`` optimizer steps on one rollout. ``values``: the
@@ -97,6 +116,7 @@ class TrainActor(TrainWorker):
         if self.replay:  # the mismatch of this pass only (training steps route with weights that moved since)
             self.replay.counts.zero_()
         self._recording = {} if own_routes else None  # R2: the old policy's experts, replayed in training
+        staged = self._stage_ref() if self.use_ref else None  # overlaps the actor's pass below
         old = self._forward_all(samples, steps, length, partial(self._log_probs, entropy=bool(dump)))
         tables, self._recording = self._recording, None
         route_metrics = self.replay.mismatch(self.hf_config.num_hidden_layers) \
@@ -104,8 +124,9 @@ class TrainActor(TrainWorker):
         entropy = {i: t[1] for i, t in old.items()} if dump else None
         old = B.SampleTensors((i, t[0]) for i, t in old.items()) if dump else old
         own = self._own_routing_log_probs(samples, steps, length) if a.get_mismatch_metrics else None
-        ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, self._log_probs)) \
+        ref = self._with_ref_weights(lambda: self._forward_all(samples, steps, length, self._log_probs), staged) \
             if self.use_ref else None
+        del staged
         log_probs_time = time.monotonic() - t0
         self._route_tables = tables
         if not self.last_stage:
