@@ -94,6 +94,47 @@ def test_without_the_kernels_the_mlp_computes_megatrons_unfused_glu():
     assert torch.equal(fused_ops._swiglu_impl(x, bias, False, False), _eager_swiglu(x + bias))
 
 
+def test_a_linear_with_a_bias_is_one_f_linear_where_the_kernels_run(monkeypatch):
+    """ColumnParallelLinear with a bias (Qwen2's q/k/v): where ``available`` (here forced on the CPU), one
+    ``F.linear`` and not Megatron's autograd function; the same output and gradients to float32 rounding. Without
+    (the CPU, ``ENABLED = False``) or without a bias, Megatron's function as before."""
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import layers
+
+    from slime_lite.backends.megatron import fused_ops, parallel
+    from slime_lite.io import free_port
+
+    parallel.init_distributed(1, 1, 0, 1, "127.0.0.1", free_port(), seed=3)
+    try:
+        fused_ops.install_swiglu()
+        fused_ops.install_swiglu()  # idempotent: one wrapper, not two
+        assert layers.ColumnParallelLinear._forward_impl.slime_lite
+        calls = []
+        real = layers.LinearWithGradAccumulationAndAsyncCommunication.apply
+        monkeypatch.setattr(layers.LinearWithGradAccumulationAndAsyncCommunication, "apply",
+                            lambda *a: calls.append(1) or real(*a))
+        torch.manual_seed(0)
+        x = torch.randn(5, 2, 16)
+        runs = {}
+        for name, bias, forced in (("megatron", True, False), ("f.linear", True, True), ("no bias", False, True)):
+            monkeypatch.setattr(fused_ops, "available", lambda t, forced=forced: forced)
+            torch.manual_seed(1)
+            lin = layers.ColumnParallelLinear(16, 24, config=ModelParallelConfig(), init_method=torch.nn.init.normal_,
+                                              bias=bias, gather_output=False, skip_bias_add=False)
+            if bias:
+                torch.nn.init.normal_(lin.bias)
+            xi = x.clone().requires_grad_()
+            before = len(calls)
+            out, _ = lin(xi)
+            out.square().sum().backward()
+            runs[name] = (len(calls) - before, out, xi.grad, lin.weight.grad, lin.bias.grad if bias else None)
+        assert [runs[n][0] for n in ("megatron", "f.linear", "no bias")] == [1, 0, 1]
+        for a, b in zip(runs["megatron"][1:], runs["f.linear"][1:]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    finally:
+        parallel.destroy()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -52,7 +52,7 @@ class TrainActor(TrainWorker):
         """Keep a CPU copy of the reference weights when a KL term needs them: the start weights, which are the
         reference's (--ref-load, else --hf-checkpoint), before a --load checkpoint replaces them."""
         a = self.args
-        self.ref_state = None
+        self.ref_state, self._ref_stream = None, None
         self.use_ref = has_reference_model(a)
         if self.use_ref and self.lora is None:  # with LoRA the reference is the model without its adapters
             self.ref_state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
@@ -72,7 +72,9 @@ class TrainActor(TrainWorker):
         on the CPU, the host copy itself (no event)."""
         if self.ref_state is None or not torch.cuda.is_available():
             return None if self.ref_state is None else (self.ref_state, None)
-        stream = torch.cuda.Stream()
+        if self._ref_stream is None:  # one stream for good: the allocator caches blocks per stream
+            self._ref_stream = torch.cuda.Stream()
+        stream = self._ref_stream
         with torch.cuda.stream(stream):
             staged = {n: t.to("cuda", non_blocking=True) for n, t in self.ref_state.items()}
             ready = torch.cuda.Event()

@@ -15,6 +15,12 @@ forward and backward:
   ``_apply_rotary_pos_emb_bshd`` (``t * cos`` and ``rotate_half(t) * sin`` rounded, then their sum); its backward is
   the transposed rotation.
 
+- a linear layer with a bias (Qwen2's q/k/v projection) as one ``F.linear``, whose cuBLAS call adds the bias in
+  its epilogue, instead of Megatron's matrix product then a separate add over the [tokens, outputs] result (the
+  bias is added before the one rounding to the model dtype, not after); only for a plain local linear (no tensor
+  parallel communication, no gradient-accumulation fusion), where Megatron's autograd function computes what
+  ``F.linear``'s does.
+
 The element-wise float32 math follows torch's kernels (``silu``, ``silu_backward``); Triton's ``exp`` may differ from
 CUDA's in the last float32 bit, which rounding to bf16 almost always hides. Used on CUDA when Triton is installed
 (``available``); ``ENABLED = False`` gives back Megatron's ops (benchmarks and a GPU test compare the two).
@@ -158,7 +164,24 @@ def _swiglu_impl(x: torch.Tensor, bias: torch.Tensor | None, *unused) -> torch.T
 
 
 def install_swiglu() -> None:
-    """Route the dense MLP's fused SwiGLU (``bias_activation_fusion=True``) through ``_swiglu_impl`` (idempotent)."""
+    """Route the dense MLP's fused SwiGLU (``bias_activation_fusion=True``) through ``_swiglu_impl``, and a
+    ColumnParallelLinear with a bias through ``F.linear`` where ``available`` (both idempotent)."""
+    from megatron.core.tensor_parallel import layers
     from megatron.core.transformer import mlp
 
     mlp.bias_swiglu_impl = _swiglu_impl
+    original = layers.ColumnParallelLinear._forward_impl
+    if getattr(original, "slime_lite", False):
+        return
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                      sequence_parallel=False, grad_output_buffer=None, **rest):
+        if (bias is not None and available(input) and weight.requires_grad and not gradient_accumulation_fusion
+                and not allreduce_dgrad and not sequence_parallel and grad_output_buffer is None):
+            return torch.nn.functional.linear(input, weight, bias)
+        return original(self, input, weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
+                        allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                        grad_output_buffer=grad_output_buffer, **rest)
+
+    _forward_impl.slime_lite = True
+    layers.ColumnParallelLinear._forward_impl = _forward_impl
