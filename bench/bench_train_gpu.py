@@ -216,9 +216,10 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             reset_peak()
             t0 = time.perf_counter()
             plan = w._plan(batch, log_probs=True)
-            staged = w._stage_ref() if overlap_ref else None
+            staged = w._stage_ref() if overlap_ref and hasattr(w, "_stage_ref") else None  # (older trees: none)
             w._forward_all(batch, plan, length, w._log_probs)
-            w._with_ref_weights(partial(w._forward_all, batch, plan, length, w._log_probs), staged)
+            ref_pass = partial(w._forward_all, batch, plan, length, w._log_probs)
+            w._with_ref_weights(ref_pass, staged) if staged is not None else w._with_ref_weights(ref_pass)
             del staged
             sync()
             lp_time, lp_peak = time.perf_counter() - t0, peak_gib()
