@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import slime_lite  # noqa: F401  (first: it sets MKL's reproducibility mode before any matrix product)
 from tests.slices import slice_of
 
 

@@ -167,7 +167,9 @@ def test_distributed_optimizer_trains_through_offload_and_saves_its_state_on_cpu
     w.onload()
     got += _run(w, [2])
     destroy()
-    assert got == pytest.approx(ref, rel=1e-5)  # the same training as the plain optimizer without offload
+    # the same training as the plain optimizer without offload; the loss is a sum of O(1) terms that cancel over a
+    # group's advantages (~1e-3 here), so its float32 rounding is absolute (~1e-7), not relative
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-7)
     saved = torch.load(tmp_path / "ckpt" / "iter_0000001" / "rank_000.pt", weights_only=True)
     assert saved["optimizer_param_state"][0][0][(torch.float32, torch.float32)]["exp_avg"].abs().sum() > 0  # the Adam moments
 
