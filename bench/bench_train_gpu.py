@@ -160,6 +160,8 @@ def median_of(results: list[dict]) -> dict:
         if k.endswith("_s"):
             out[k] = statistics.median(r[k] for r in results)
     return out
+
+
 PROFILE: dict = {}  # --profile: {"n": samples profiled, "rows": table rows}
 
 
@@ -219,7 +221,10 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             staged = w._stage_ref() if overlap_ref and hasattr(w, "_stage_ref") else None  # (older trees: none)
             w._forward_all(batch, plan, length, w._log_probs)
             ref_pass = partial(w._forward_all, batch, plan, length, w._log_probs)
-            w._with_ref_weights(ref_pass, staged) if staged is not None else w._with_ref_weights(ref_pass)
+            if staged is None:
+                w._with_ref_weights(ref_pass)
+            else:
+                w._with_ref_weights(ref_pass, staged)
             del staged
             sync()
             lp_time, lp_peak = time.perf_counter() - t0, peak_gib()
@@ -440,8 +445,9 @@ def report(shape: str, arch, samples: list, o: dict, b: dict | None, device: str
     if plain_ops is not None:
         print(row("no-fused", plain_ops))
         SUMMARY.append(row("no-fused", plain_ops))
-        print(f"fused_ops' SwiGLU/RoPE kernels and the overlapped reference copy: train {plain_ops['train_s'] / o['train_s']:.2f}x, log-prob "
-              f"{plain_ops['logprob_s'] / o['logprob_s']:.2f}x the same worker without them", flush=True)
+        print(f"fused_ops' SwiGLU/RoPE kernels and the overlapped reference copy: train "
+              f"{plain_ops['train_s'] / o['train_s']:.2f}x, log-prob {plain_ops['logprob_s'] / o['logprob_s']:.2f}x "
+              "the same worker without them", flush=True)
     if b is None:
         print(f"(no baseline for an MoE shape) ours log-prob/train tok/s {2 * o['train_s'] / o['logprob_s']:.2f}x",
               flush=True)
