@@ -162,7 +162,7 @@ def median_of(results: list[dict]) -> dict:
     return out
 
 
-PROFILE: dict = {}  # --profile: {"n": samples profiled, "rows": table rows}
+PROFILE: dict = {}  # --profile: {"n": samples profiled, "rows": table rows}; --sync-debug: {"sync": samples}
 
 
 def profiled(fn, label: str) -> None:
@@ -185,6 +185,33 @@ def profiled(fn, label: str) -> None:
           f"({100 * kernels / wall:.0f}% busy)", flush=True)
     for key in (dev_key, "self_cpu_time_total", "cpu_time_total"):
         print(ev.table(sort_by=key, row_limit=PROFILE["rows"], max_name_column_width=70), flush=True)
+
+
+def sync_sites(fn, label: str) -> None:
+    """Run fn with CUDA's sync debug mode on and print where the host waited for the device: each call site (the
+    innermost three frames of slime_lite or megatron) with how many times."""
+    import collections
+    import traceback
+    import warnings
+
+    counts: collections.Counter = collections.Counter()
+
+    def seen(*args, **kwargs) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "slime_lite" in f.filename or "megatron" in f.filename]
+        counts[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[::-1][:3])] += 1
+
+    sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    print(f"\n== device syncs in {label}: {sum(counts.values())}", flush=True)
+    for site, n in counts.most_common():
+        print(f"  {n:5d}  {site}", flush=True)
 
 
 def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, bf16: bool,
@@ -244,7 +271,11 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
             rounded = {k: round(v, 4) for k, v in res.items()}
             label = label or (" padded" if padded_mbs else f" LoRA rank {lora_rank}" if lora_rank else "")
             print(f"  ours{label} {name}: {json.dumps(rounded)}", flush=True)
-        if PROFILE:
+        if PROFILE.get("sync") and torch.cuda.is_available():
+            part = samples[: PROFILE["sync"]]
+            w.args.rollout_batch_size, w.args.global_batch_size = len(part) // 8, len(part)
+            sync_sites(lambda: w.train(0, part, None), f"train (log-probs + step), {len(part)} samples")
+        if PROFILE.get("n"):
             part = samples[: PROFILE["n"]]
             w.args.rollout_batch_size, w.args.global_batch_size = len(part) // 8, len(part)
             plan, length = w._plan(part, log_probs=True), max(len(s.tokens) for s in part)
@@ -487,6 +518,10 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="only our worker (no baseline): after the measured run, profile the log-prob and train "
                         "phases on the first N samples and print the top operators by device and by host time")
+    p.add_argument("--sync-debug", type=int, default=0, metavar="N",
+                   help="only our worker (no baseline): after the measured run, its train (log-probs + step) on "
+                        "the first N samples in CUDA's sync debug mode: where the host waited for the device, and "
+                        "how often (CUDA only)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="measured passes per run (after one warm-up); each phase's time is the median over them")
     p.add_argument("--profile-rows", type=int, default=25)
@@ -505,6 +540,8 @@ def main() -> None:
     REPEATS = a.repeats
     if a.profile:
         PROFILE.update(n=a.profile, rows=a.profile_rows)
+    if a.sync_debug:
+        PROFILE.update(sync=a.sync_debug)
     if a.recompute == "full":
         MEMORY_FLAGS.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif a.recompute == "selective":

@@ -161,11 +161,18 @@ def ref_rl_loss(b, a):
     )
 
 
+def host(metrics):
+    """The metrics as floats (the losses report 0-dim float64 tensors; the trainer sums a step's on the host)."""
+    assert all(torch.is_tensor(v) and v.dim() == 0 and v.dtype == torch.float64 for v in metrics.values()), metrics
+    return {k: float(v) for k, v in metrics.items()}
+
+
 def run(b, args, sl=slice(None), normalizer=None):
-    return L.rl_loss(
+    loss, m = L.rl_loss(
         b["logp"][sl], b["old"][sl], b["ref"][sl], b["rollout"][sl], b["adv"][sl], b["masks"][sl], b["ent"][sl],
         args, normalizer=normalizer,
     )
+    return loss, host(m)
 
 
 def test_rl_loss_and_metrics_match_reference():
@@ -269,6 +276,7 @@ def test_rl_loss_on_policy_defaults_and_missing_inputs():
     b = batch()
     defaults = LossConfig.from_args(parser_defaults())
     loss, m = L.rl_loss(b["logp"], None, None, None, b["adv"], b["masks"], None, defaults)
+    m = host(m)
     # on-policy: ratio 1 everywhere, nothing clipped, loss = -mean(A)
     assert m["pg_clipfrac"] == 0.0 and m["ppo_kl"] == 0.0
     want = -sum(
@@ -311,6 +319,7 @@ def test_value_rl_loss_matches_reference_and_splits():
     b = batch(4)
     vals, old, ret, ms = b["logp"], b["old"], b["ref"], b["masks"]
     loss, m = L.value_rl_loss(vals, old, ret, ms, 0.1)
+    m = host(m)
     want_l = want_c = 0.0
     for i in range(len(LENGTHS)):
         den, sl, sc = max(ms[i].sum().item(), 1), 0.0, 0.0

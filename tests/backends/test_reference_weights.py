@@ -18,6 +18,7 @@ FLAGS = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-b
 
 def _check_reference_pass(model_dir, dumps, *extra) -> None:
     from slime_lite.args import parse_args
+    from slime_lite.backends.megatron import optimizer_ops
     from slime_lite.backends.megatron.actor import TrainActor
     from slime_lite.backends.megatron.parallel import destroy
     from slime_lite.rollout.dumps import dump_path, load_rollout_dump
@@ -26,6 +27,9 @@ def _check_reference_pass(model_dir, dumps, *extra) -> None:
                                     *extra]), 0, 1, "127.0.0.1")
     try:
         worker.init(free_port())
+        # the trainer's Adam: found inside Megatron's optimizer, and on CUDA switched to torch's fused kernel
+        adams = optimizer_ops.torch_adams(worker.optimizer)
+        assert adams and all(bool(g["fused"]) == torch.cuda.is_available() for a in adams for g in a.param_groups)
         samples = load_rollout_dump(dump_path(dumps, 0)).samples
         first = worker.train(0, samples, None)[0].metrics
         assert first["rollout/kl"] == 0.0  # the reference is the start weights

@@ -90,15 +90,15 @@ def rl_loss(
     entropy: Tensors | None,
     cfg: LossConfig,
     normalizer: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss = pg_loss - entropy_coef*entropy + kl_loss_coef*kl (KL only with use_kl_loss), ``cfg``'s flags.
 
     Each term is aggregated as per-sample token means divided by `normalizer` (default: samples here).
     `old_logp` None means on-policy (old = logp detached). Rollout correction (use_tis / use_rs, slime_lite.rollout_correction
     ``rollout_correction`` on old vs rollout_logp): the per-token policy loss is multiplied by the IS weight, and a
     rejected token (tis_mode mask, use_rs) is taken out of every loss term's numerator while the per-sample
-    denominators stay the loss-mask counts (as in slime). Metrics (slime's names, floats): pg_loss, pg_clipfrac,
-    ppo_kl, entropy_loss, kl_loss (when ref_logp is given), train_rollout_logprob_abs_diff (when rollout_logp is
+    denominators stay the loss-mask counts (as in slime). Metrics (slime's names; 0-dim float64 tensors, brought to
+    the host once per step by the trainer): pg_loss, pg_clipfrac, ppo_kl, entropy_loss, kl_loss (when ref_logp is given), train_rollout_logprob_abs_diff (when rollout_logp is
     given, aggregated the same way), loss; with use_tis tis, tis_abs, tis_clipfrac (slime's names); with a
     rejecting correction rejected_frac. Correction metrics count every loss token, rejected or not.
     """
@@ -155,7 +155,8 @@ def rl_loss(
         raise ValueError("--use-kl-loss needs reference log-probs")
 
     metrics["loss"] = loss
-    values = torch.stack([v.detach().double().reshape(()) for v in metrics.values()]).tolist()  # one device sync
+    # 0-dim float64 tensors where the loss is: the trainer brings a step's metrics to the host in one copy
+    values = torch.stack([v.detach().double().reshape(()) for v in metrics.values()]).unbind()
     return loss, dict(zip(metrics, values))
 
 
@@ -166,13 +167,13 @@ def value_rl_loss(
     masks: Tensors,
     value_clip: float,
     normalizer: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Critic loss: clipped value loss aggregated like `rl_loss` -> (loss, {value_loss, value_clipfrac})."""
     v = _cat(values)
     per_token, clipfrac = rl_math.value_loss(v, _cat(old_values).to(v.dtype), _cat(returns).to(v.dtype), value_clip)
     loss = rl_math.aggregate_loss(per_token, masks, normalizer)
     clip = rl_math.aggregate_loss(clipfrac, masks, normalizer)
-    return loss, {"value_loss": float(loss.detach()), "value_clipfrac": float(clip)}
+    return loss, {"value_loss": loss.detach().double(), "value_clipfrac": clip.detach().double()}
 
 
 def mismatch_report(

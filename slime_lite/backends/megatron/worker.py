@@ -23,7 +23,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.backends.megatron import checkpoint, lora, lora_config, peft_format, routing, train_offload
+from slime_lite.backends.megatron import checkpoint, lora, lora_config, optimizer_ops, peft_format, routing
+from slime_lite.backends.megatron import train_offload
 from slime_lite.backends.megatron.convert import load_hf_weights
 from slime_lite.backends.megatron.model import (
     build_gpt_model,
@@ -119,7 +120,9 @@ class TrainWorker:
         opt_config = optimizer_config(a, optimizer="adam", lr=lr, min_lr=lr, weight_decay=a.weight_decay,
                                       adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, clip_grad=a.clip_grad,
                                       bf16=a.bf16, params_dtype=dtype)
+        optimizer_ops.install()
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        optimizer_ops.use_fused_adam(self.optimizer)
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         config.no_sync_func = self.model.no_sync
@@ -234,17 +237,23 @@ class TrainWorker:
         """Forward-only pass over every micro-batch of this rank; {sample index: per_sample(mb, output)[k]} (last
         stage)."""
         results = B.SampleTensors()
+        # each micro-batch's per-sample tensors, flattened into one on the device; to the host in one copy at the
+        # end of the pass (a copy per micro-batch would wait for the GPU each time, and it would idle meanwhile)
+        pending: list[tuple[list[int], list[torch.Size], torch.Tensor]] = []
 
         def collect(mb: B.MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> tuple:
-            outs = [t.detach() for t in per_sample(mb, output)]  # to the host in one copy, not one per sample
-            host = torch.cat([t.reshape(-1) for t in outs]).cpu().split([t.numel() for t in outs])
-            for i, t, h in zip(mb.indices, outs, host):
-                results[i] = h.view(t.shape)
+            outs = [t.detach() for t in per_sample(mb, output)]
+            pending.append((mb.indices, [t.shape for t in outs], torch.cat([t.reshape(-1) for t in outs])))
             return torch.zeros((), device=output.device), {}
 
         with torch.no_grad():
             for mbs in steps:
                 self._run(samples, mbs, length, True, collect)
+        if pending:
+            host = torch.cat([flat for _, _, flat in pending]).cpu().split([flat.numel() for _, _, flat in pending])
+            for (indices, shapes, _), flat in zip(pending, host):
+                for i, shape, h in zip(indices, shapes, flat.split([s.numel() for s in shapes])):
+                    results[i] = h.view(shape)
         return results
 
     def _gather(self, local: B.SampleTensors) -> B.SampleTensors:
@@ -275,10 +284,7 @@ class TrainWorker:
             fn = partial(loss_fn, normalizer=self._normalizer(samples, k)) if loss_fn is not None else _no_loss
             reported = self._run(samples, mbs, length, False, _keyword_output(fn))
             ok, grad_norm, _ = self.optimizer.step()
-            step: dict[str, float] = {}
-            for m in reported:
-                for key, v in m.items():
-                    step[key] = step.get(key, 0.0) + v
+            step = _summed(reported)
             if self.last_stage and self.dp_size > 1:
                 keys = sorted(step)
                 t = torch.tensor([step[x] for x in keys], dtype=torch.float64)
@@ -331,6 +337,18 @@ class TrainWorker:
 
     def save(self, rollout_id: int, data_state: Any) -> None:
         checkpoint.save(self, self.args.save, rollout_id, data_state)
+
+
+def _summed(reported: list[dict]) -> dict[str, float]:
+    """Each metric of a step's micro-batches summed in micro-batch order; the losses report 0-dim device tensors,
+    brought to the host here in one copy (one device sync per step, not one per micro-batch)."""
+    pairs = [(k, v) for m in reported for k, v in m.items()]
+    tensors = [v.reshape(()).double() for _, v in pairs if torch.is_tensor(v)]
+    host = iter(torch.stack(tensors).tolist() if tensors else ())
+    out: dict[str, float] = {}
+    for k, v in pairs:
+        out[k] = out.get(k, 0.0) + (next(host) if torch.is_tensor(v) else float(v))
+    return out
 
 
 def _keyword_output(fn: Any) -> Any:
