@@ -196,7 +196,9 @@ def sync_sites(fn, label: str) -> None:
 
     counts: collections.Counter = collections.Counter()
 
-    def seen(*args, **kwargs) -> None:
+    def seen(message, *args, **kwargs) -> None:
+        if "synchroniz" not in str(message):  # other warnings (Megatron's deprecations) are not syncs
+            return
         frames = [f for f in traceback.extract_stack()[:-1] if "slime_lite" in f.filename or "megatron" in f.filename]
         counts[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[::-1][:3])] += 1
 

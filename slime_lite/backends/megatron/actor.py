@@ -163,7 +163,7 @@ class TrainActor(TrainWorker):
             lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size, with_entropy=a.entropy_coef > 0)
             idx, dev = mb.indices, output.device
             def on(xs: list) -> list[torch.Tensor]:  # per-sample inputs of this micro-batch: one host->device copy
-                return list(torch.cat([xs[i] for i in idx]).to(dev).split([xs[i].numel() for i in idx]))
+                return B.samples_to_device(xs, idx, dev)
 
             loss, m = rl_loss(
                 lp, on(old), on(ref) if ref is not None else None,

@@ -59,6 +59,22 @@ class MicroBatch:
         return self.cu_seqlens is not None
 
 
+def to_device(t: torch.Tensor, device: Any) -> torch.Tensor:
+    """``t`` on ``device`` without the host waiting for the GPU. A plain ``.to("cuda")`` of pageable host memory
+    synchronizes the stream (the GPU's queue drains and it idles until the host launches again); a CPU tensor goes to
+    CUDA through pinned memory, asynchronously (torch's caching host allocator does not reuse the pinned block before
+    the copy is done). Anything else is ``t.to(device)``."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def samples_to_device(xs: Any, indices: list[int], device: Any) -> list[torch.Tensor]:
+    """``[xs[i] for i in indices]`` (1-D tensors) on ``device``, in one copy: views of one tensor."""
+    return list(to_device(torch.cat([xs[i] for i in indices]), device).split([xs[i].numel() for i in indices]))
+
+
 def sample_flops(lengths: list[int], hidden_size: int) -> list[float]:
     """Each sample's training cost up to a constant: Megatron's FLOPs estimate of a sequence of length L, linear in
     L (the matrix products) plus quadratic (attention): L * (1 + L / (6 * hidden))."""

@@ -63,9 +63,10 @@ class CriticActor(TrainWorker):
 
         def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
             vals, dev = self._values(mb, output), output.device
-            loss, m = value_rl_loss(vals, [old_values[i].to(dev) for i in mb.indices],
-                                    [returns[i].to(dev) for i in mb.indices],
-                                    [masks[i].to(dev) for i in mb.indices], self.args.value_clip, normalizer)
+            idx = mb.indices
+            loss, m = value_rl_loss(vals, B.samples_to_device(old_values, idx, dev),
+                                    B.samples_to_device(returns, idx, dev), B.samples_to_device(masks, idx, dev),
+                                    self.args.value_clip, normalizer)
             return loss * self._num_mb, m
 
         result = self._train_steps(samples, loss_fn)

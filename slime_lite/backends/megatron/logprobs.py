@@ -22,6 +22,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from slime_lite.backends.megatron import logprobs_fused
+from slime_lite.backends.megatron.batch import to_device
 from slime_lite.backends.megatron.logprobs_fused import all_reduce as _all_reduce
 from slime_lite.backends.megatron.loss import response_slices
 
@@ -146,7 +147,7 @@ def sample_log_probs(output: torch.Tensor, mb, temperature: float, vocab_limit: 
     (padded rows, or one packed row: ``mb.packed``), chunked and over TP vocabulary slices (tp=True)."""
 
     rows, width = output.shape[0], output.shape[-1]
-    tokens = mb.tokens.to(output.device)
+    tokens = to_device(mb.tokens, output.device)
     group, start = None, 0
     if tp:
         if ps.get_tensor_model_parallel_world_size() > 1:

@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from slime_lite.backends.megatron import fused_ops
 from slime_lite.backends.megatron.attention import FastCoreAttention, install_packed_rope, mark_packed_positions
+from slime_lite.backends.megatron.batch import to_device
 from slime_lite.backends.megatron.post_norm import PostNormLayer
 from slime_lite.errors import SlimeLiteError
 from slime_lite.model_families import MoE, check_family, moe_config, partial_rotary_factor, qkv_bias, rope_parameters
@@ -421,7 +422,7 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device: Any = N
     """Megatron's PackedSeqParams ("thd") for samples packed back to back in one row (cu_seqlens [n+1] int32)."""
 
 
-    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    cu = to_device(cu_seqlens.to(torch.int32), device if device is not None else cu_seqlens.device)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
                              max_seqlen_kv=int(max_seqlen))
     params.cu_seqlens_host = cu_seqlens.tolist()  # attention.py splits by it: no device sync per layer

@@ -23,8 +23,15 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig
 
 from slime_lite.backends.megatron import batch as B
-from slime_lite.backends.megatron import checkpoint, lora, lora_config, optimizer_ops, peft_format, routing
-from slime_lite.backends.megatron import train_offload
+from slime_lite.backends.megatron import (
+    checkpoint,
+    lora,
+    lora_config,
+    optimizer_ops,
+    peft_format,
+    routing,
+    train_offload,
+)
 from slime_lite.backends.megatron.convert import load_hf_weights
 from slime_lite.backends.megatron.model import (
     build_gpt_model,
@@ -171,7 +178,8 @@ class TrainWorker:
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
             # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
-            out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, runtime_gather_output=False, **extra)
+            out = model(B.to_device(mb.tokens, dev), B.to_device(mb.position_ids, dev), None,
+                        runtime_gather_output=False, **extra)
             if self._recording is not None:
                 self.replay.recorded(mb, samples, self._recording)
             return out, partial(loss_fn, mb)

@@ -1,6 +1,7 @@
-"""optimizer_ops: the foreach versions of Megatron's optimizer helpers give what Megatron's local helpers give (on CPU
-tensors here; on CUDA in the gpu test), are installed on CUDA only, and torch's fused AdamW steps as its foreach
-AdamW within float32 rounding (gpu). Also the trainer's one-copy sum of a step's metrics."""
+"""A train step without the host waiting for the GPU where it need not. optimizer_ops: the foreach versions of
+Megatron's optimizer helpers give what Megatron's local helpers give (on CPU tensors here; on CUDA in the gpu test),
+are installed on CUDA only, and torch's fused AdamW steps as its foreach AdamW within float32 rounding (gpu). The
+trainer's one-copy sum of a step's metrics; its host->device copies of micro-batch inputs (no sync on CUDA: gpu)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron import cpu_compat, optimizer_ops
 from slime_lite.backends.megatron.worker import _summed
 
@@ -87,3 +89,33 @@ def test_helpers_and_fused_adam_on_a_gpu():
         runs.append([p.detach().cpu() for p in params])
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _check_copies(device: str) -> None:
+    xs = {3: torch.arange(4.0), 1: torch.tensor([7.0]), 5: torch.arange(3, dtype=torch.float32) / 3}
+    got = B.samples_to_device(xs, [5, 3, 1], device)
+    assert [g.device.type for g in got] == [device] * 3
+    assert all(torch.equal(g.cpu(), xs[i]) for g, i in zip(got, [5, 3, 1]))
+    tokens = torch.randint(0, 100, (1, 33))
+    assert torch.equal(B.to_device(tokens, device).cpu(), tokens)
+
+
+def test_micro_batch_inputs_to_the_device():
+    _check_copies("cpu")
+    t = torch.ones(2)
+    assert B.to_device(t, "cpu") is t  # nothing to copy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_micro_batch_inputs_reach_the_gpu_without_a_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        xs = {i: torch.full((1000 + i,), float(i)) for i in range(8)}
+        got = B.samples_to_device(xs, list(range(8)), "cuda")
+        tok = B.to_device(torch.randint(0, 100, (1, 4096)), torch.device("cuda", torch.cuda.current_device()))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.equal(g.cpu(), xs[i]) for i, g in enumerate(got)) and tok.shape == (1, 4096)
+    _check_copies("cuda")
