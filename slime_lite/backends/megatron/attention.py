@@ -15,7 +15,8 @@ spec (model.py ``layer_spec``) with the same constructor:
   alone, so its result does not depend on what else is packed with it (tests/backends/test_packing.py);
 - anything else (an explicit mask, other mask types): Megatron's own implementation.
 
-GQA key/value heads are shared with ``enable_gqa`` (no repeated copies) where the kernel has it.
+GQA key/value heads go to the flash kernel as they are (no repeated copies) with ``enable_gqa``, or where this
+torch's varlen_attn passes them on unchecked (a probe on CUDA: ``_takes_fewer_kv_heads``).
 
 Packed rows also get their RoPE here (``install_packed_rope``): Megatron's unfused RoPE for packed rows syncs with
 the device, splits the rows per sample and concatenates the frequencies again, for q and for k of every layer
@@ -61,8 +62,10 @@ def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
 def _varlen():
     """torch's varlen flash attention as ``f(q, k, v, cu_seqlens, max_seqlen, scale)`` (causal), or None where this
     torch has none. Its arguments changed between releases: causality is ``window_size=(-1, 0)`` (torch >= 2.11) or
-    ``is_causal=True`` (2.10); without ``enable_gqa`` (before 2.12) the key/value heads are repeated to the query
-    heads (a copy of k and v per layer, small next to the activations); without ``scale`` q is pre-scaled."""
+    ``is_causal=True`` (2.10); grouped key/value heads are passed as they are with ``enable_gqa`` (torch >= 2.12),
+    or where this torch's varlen_attn hands them to the flash kernel unchecked (``_takes_fewer_kv_heads``), and are
+    otherwise repeated to the query heads (a copy of k and v per layer, and a sum in the backward); without
+    ``scale`` q is pre-scaled."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -74,12 +77,13 @@ def _varlen():
         causal = {"is_causal": True}
     else:
         return None
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {} if _takes_fewer_kv_heads(varlen_attn, causal) else None
 
     def run(q, k, v, cu, max_seqlen, scale):
         kw = dict(causal)
         if q.shape[1] != k.shape[1]:
-            if "enable_gqa" in params:
-                kw["enable_gqa"] = True
+            if gqa is not None:
+                kw.update(gqa)
             else:
                 rep = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -89,7 +93,30 @@ def _varlen():
             q = q * (scale * q.shape[-1] ** 0.5)
         return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
 
+    run.native_gqa = gqa is not None
     return run
+
+
+def _takes_fewer_kv_heads(varlen_attn, causal: dict) -> bool:
+    """Whether this torch's varlen_attn (one without ``enable_gqa``) runs grouped key/value heads as the flash kernel
+    does natively: a tiny causal call on CUDA, forward and backward, against the same call with the heads repeated
+    (the output equal, the gradients within bf16 rounding of the repeat's sum). False without CUDA or on an error."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        with torch.inference_mode(False), torch.enable_grad():  # the first call may come from a log-prob pass
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(8, h, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                       for h in (4, 2, 2))
+            cu = torch.tensor([0, 3, 8], dtype=torch.int32, device="cuda")
+            runs = []
+            for kk, vv in ((k, v), (k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))):
+                out = varlen_attn(q, kk, vv, cu, cu, 5, 5, **causal)
+                runs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+        return torch.equal(runs[0][0], runs[1][0]) and all(
+            torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in zip(runs[0][1:], runs[1][1:]))
+    except RuntimeError:
+        return False
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
