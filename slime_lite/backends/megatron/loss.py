@@ -98,9 +98,10 @@ def rl_loss(
     ``rollout_correction`` on old vs rollout_logp): the per-token policy loss is multiplied by the IS weight, and a
     rejected token (tis_mode mask, use_rs) is taken out of every loss term's numerator while the per-sample
     denominators stay the loss-mask counts (as in slime). Metrics (slime's names; 0-dim float64 tensors, brought to
-    the host once per step by the trainer): pg_loss, pg_clipfrac, ppo_kl, entropy_loss, kl_loss (when ref_logp is given), train_rollout_logprob_abs_diff (when rollout_logp is
-    given, aggregated the same way), loss; with use_tis tis, tis_abs, tis_clipfrac (slime's names); with a
-    rejecting correction rejected_frac. Correction metrics count every loss token, rejected or not.
+    the host once per step by the trainer): pg_loss, pg_clipfrac, ppo_kl, entropy_loss, kl_loss (when ref_logp is
+    given), train_rollout_logprob_abs_diff (when rollout_logp is given, aggregated the same way), loss; with use_tis
+    tis, tis_abs, tis_clipfrac (slime's names); with a rejecting correction rejected_frac. Correction metrics count
+    every loss token, rejected or not.
     """
     lp = _cat(logp)
     old = lp.detach() if old_logp is None else _cat(old_logp)

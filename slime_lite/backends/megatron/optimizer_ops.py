@@ -7,8 +7,9 @@ AdamW runs its foreach path (several passes over the moments). On CUDA (``instal
 
 - the gradient norm is ``torch._foreach_norm`` and one norm of those norms on the device (the one sync left is
   Megatron's ``.item()`` of the total);
-- ``multi_tensor_scale`` (the clip's scaling of the gradients; fp16's main -> model copy) is ``_foreach_mul_`` in
-  place, or ``_foreach_mul`` + ``_foreach_copy_``; bf16's main -> model copy loop is one ``_foreach_copy_``;
+- ``multi_tensor_scale`` (the clip's scaling of the gradients) is ``_foreach_mul_`` in place, or ``_foreach_mul`` +
+  ``_foreach_copy_``; the main -> model weight copy (``_multi_tensor_copy_this_to_that``, a ``copy_`` per parameter
+  in bf16) is one ``_foreach_copy_``;
 - torch's fused AdamW kernel (one pass) for the torch Adam/AdamW Megatron built, when every parameter is on CUDA.
   Set on a fresh optimizer only: a checkpoint's saved param groups (``fused`` included) replace these on a load.
 
@@ -57,7 +58,6 @@ def install() -> None:
         clip_grads.l2_norm_impl = l2_norm
         clip_grads.multi_tensor_scale_impl = scale
     if mcore_optimizer.multi_tensor_applier is local_multi_tensor_applier:
-        mcore_optimizer.multi_tensor_scale_impl = scale
         mcore_optimizer._multi_tensor_copy_this_to_that = copy_this_to_that
 
 
