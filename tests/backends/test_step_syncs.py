@@ -119,3 +119,39 @@ def test_micro_batch_inputs_reach_the_gpu_without_a_sync():
         torch.cuda.set_sync_debug_mode(0)
     assert all(torch.equal(g.cpu(), xs[i]) for i, g in enumerate(got)) and tok.shape == (1, 4096)
     _check_copies("cuda")
+
+
+def test_a_fused_adam_state_survives_a_checkpoint_round_trip(tmp_path):
+    """What a resume of a fused AdamW does (CPU here: torch has a fused AdamW kernel on CPU too, and
+    ``use_fused_adam`` sets the same group flags on CUDA): the saved groups carry ``fused``, a fresh optimizer loading
+    them steps on fused, and the resumed steps equal the uninterrupted ones."""
+    from slime_lite.backends.megatron.checkpoint import plain_state
+
+    g = torch.Generator().manual_seed(11)
+    start = [torch.randn(n, generator=g) for n in (9, 130)]
+    grads = [[torch.randn(t.shape, generator=g) for t in start] for _ in range(4)]
+
+    def adam(params):
+        a = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+        for group in a.param_groups:  # as use_fused_adam sets them on CUDA
+            group["fused"], group["foreach"] = True, False
+        return a
+
+    def steps(a, params, gs):
+        for step in gs:
+            for p, gr in zip(params, step):
+                p.grad = gr.clone()
+            a.step()
+
+    whole = [torch.nn.Parameter(t.clone()) for t in start]
+    steps(adam(whole), whole, grads)
+    first = [torch.nn.Parameter(t.clone()) for t in start]
+    a = adam(first)
+    steps(a, first, grads[:2])
+    torch.save(plain_state(a.state_dict()), tmp_path / "opt.pt")
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in first]
+    b = torch.optim.AdamW(resumed, lr=1e-2, weight_decay=0.01)  # a fresh optimizer, as a resumed run builds it
+    b.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    assert all(group["fused"] for group in b.param_groups)
+    steps(b, resumed, grads[2:])
+    assert all(torch.equal(x, y) for x, y in zip(resumed, whole))
