@@ -5,7 +5,8 @@ The seed's four steps as one command: every job runs with ``CUDA_LAUNCH_BLOCKING
 rollout-only job per combination of CUDA graph on/off, speculative decoding on/off and DeepEP on/off (steps 2-3,
 the last two only when the train flags configure them); with ``--core-dump DIR`` the CUDA core-dump variables are
 set too (step 4) and the dumps found are listed with the cuda-gdb command that opens them. Each job is a
-subprocess in its own process group, killed at ``--timeout``; nothing it started is left running.
+subprocess in its own process group, killed at ``--timeout`` (or with ``--stall-timeout S`` once its logs have not
+grown for S seconds); nothing it started is left running.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class ComboResult:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slime-lite ima-bisect",
-        usage="slime-lite ima-bisect [train flags] [--toggles T,...] [--timeout S] [--core-dump DIR] [--out DIR]",
+        usage="slime-lite ima-bisect [train flags] [--toggles T,...] [--timeout S] [--stall-timeout S] "
+              "[--core-dump DIR] [--out DIR]",
         description="Run a short rollout-only job (the train flags + --debug-rollout-only --num-rollout 1, with "
                     "CUDA_LAUNCH_BLOCKING=1) once per combination of SGLang toggles, and report which combination "
                     "avoids the crash. Every flag not listed here is a `slime-lite train` flag (it needs "
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated, from: " + "; ".join(f"{k} ({v})" for k, v in TOGGLE_HELP.items())
                    + ". spec and deepep are toggled only when the train flags configure them")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before it counts as hung")
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="S",
+                   help="also count a job as hung, and kill it, once its driver and engine logs have not grown for S "
+                        "seconds (a hang found in minutes instead of at --timeout; default: off)")
     p.add_argument("--core-dump", default=None, metavar="DIR", help="turn on CUDA core dumps, written under DIR")
     p.add_argument("--out", default=None, metavar="DIR", help="per-job logs and results.json (default: a temp dir)")
     return p
@@ -93,6 +98,9 @@ def parse_bisect_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise SlimeLiteError(f"--toggles: unknown {', '.join(bad)}; choose from {', '.join(TOGGLES)}.")
     if opts.timeout <= 0:
         raise SlimeLiteError(f"--timeout {opts.timeout} must be > 0 seconds.")
+    if opts.stall_timeout is not None and opts.stall_timeout <= 0:
+        raise SlimeLiteError(f"--stall-timeout {opts.stall_timeout} must be > 0 seconds (leave it out to turn it "
+                             "off).")
     return opts, train_argv
 
 
@@ -222,27 +230,58 @@ def _end_marked(marker: str, timeout: float = 10.0) -> None:
         time.sleep(0.2)
 
 
-def run_job(cmd: list[str], env: dict[str, str], timeout: float, log_path: str) -> tuple[int | None, bool, float]:
-    """Run cmd in its own process group, output to log_path; (returncode, timed_out, seconds). At the timeout the
-    driver gets SIGINT (so it can shut Ray down), then the group gets SIGKILL; anything left is ended by pid."""
+def _output_bytes(paths: list[str]) -> int:
+    """Bytes in these files and in the files directly under these folders (a job's logs), missing ones as 0."""
+    total = 0
+    for path in paths:
+        try:
+            names = [os.path.join(path, n) for n in os.listdir(path)] if os.path.isdir(path) else [path]
+        except OSError:
+            continue
+        for name in names:
+            try:
+                total += os.path.getsize(name)
+            except OSError:
+                pass
+    return total
+
+
+def run_job(cmd: list[str], env: dict[str, str], timeout: float, log_path: str, stall_timeout: float | None = None,
+            watch: tuple[str, ...] = ()) -> tuple[int | None, str, float]:
+    """Run cmd in its own process group, output to log_path; (returncode, why it was killed or "", seconds). It is
+    killed at the timeout, or, with ``stall_timeout``, once neither log_path nor any file in the ``watch`` folders
+    (the engines' logs) has grown for that long. Killing: the driver gets SIGINT (so it can shut Ray down), then
+    the group gets SIGKILL; anything left is ended by pid."""
     marker = uuid.uuid4().hex
     env = {**env, JOB_MARKER: marker}
     t0 = time.monotonic()
+    killed = ""
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-        timed_out = False
+        size, grew = -1, t0
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.kill(proc.pid, signal.SIGINT)
-                proc.wait(timeout=INTERRUPT_GRACE_S)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now - t0 >= timeout:
+                    killed = "killed at the timeout"
+                    break
+                if stall_timeout:
+                    seen = _output_bytes([log_path, *watch])
+                    if seen != size:
+                        size, grew = seen, now
+                    elif now - grew >= stall_timeout:
+                        killed = f"killed after {stall_timeout:g} s without output (--stall-timeout)"
+                        break
+                time.sleep(min(0.5, max(0.0, timeout - (now - t0))))
+            if killed:
+                try:
+                    os.kill(proc.pid, signal.SIGINT)
+                    proc.wait(timeout=INTERRUPT_GRACE_S)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
         except BaseException:
-            timed_out = True
+            killed = "interrupted"
             raise
         finally:
             try:
@@ -251,7 +290,7 @@ def run_job(cmd: list[str], env: dict[str, str], timeout: float, log_path: str) 
                 pass
             proc.wait()
             _end_marked(marker)
-    return (None if timed_out else proc.returncode), timed_out, time.monotonic() - t0
+    return (None if killed else proc.returncode), killed, time.monotonic() - t0
 
 
 def _read(path: str) -> str:
@@ -262,8 +301,9 @@ def _read(path: str) -> str:
         return ""
 
 
-def classify(returncode: int | None, timed_out: bool, texts: list[str]) -> tuple[str, str, str | None]:
-    """(status, detail, kernel) from the exit and the logs (engine logs first: that is where a crash starts)."""
+def classify(returncode: int | None, killed: str, texts: list[str]) -> tuple[str, str, str | None]:
+    """(status, detail, kernel) from the exit, why the job was killed (``run_job``'s, "" if it was not) and the logs
+    (engine logs first: that is where a crash starts)."""
     lines = [line.strip() for text in texts for line in text.splitlines() if line.strip()]
     cuda = next((line for line in lines if CUDA_ERROR_RE.search(line)), None)
     kernel = None
@@ -277,8 +317,8 @@ def classify(returncode: int | None, timed_out: bool, texts: list[str]) -> tuple
             break
     if cuda is None and any(COREDUMP_RE.search(line) for line in lines):
         cuda = "GPU exception: the CUDA driver wrote a core dump and aborted the process"
-    if timed_out:
-        return "hung", "killed at the timeout" + (f"; before that: {cuda}" if cuda else ""), kernel
+    if killed:
+        return "hung", killed + (f"; before that: {cuda}" if cuda else ""), kernel
     if cuda:
         return "crashed", cuda, kernel
     if returncode:
@@ -308,10 +348,10 @@ def inspect_core_dump(path: str, timeout: float = 180.0) -> tuple[str | None, st
     return (exc.group(1).strip() if exc else None), kernel
 
 
-def analyse_job(returncode: int | None, timed_out: bool, texts: list[str],
+def analyse_job(returncode: int | None, killed: str, texts: list[str],
                 core_dumps: list[str]) -> tuple[str, str, str | None]:
     """classify(), completed from the first core dump through cuda-gdb when the logs do not name the kernel."""
-    status, detail, kernel = classify(returncode, timed_out, texts)
+    status, detail, kernel = classify(returncode, killed, texts)
     if core_dumps and status != "ok" and kernel is None:
         exc, gdb_kernel = inspect_core_dump(core_dumps[0])
         kernel = gdb_kernel
@@ -367,11 +407,11 @@ def run_bisect(opts: argparse.Namespace, train_argv: list[str]) -> list[ComboRes
         before = _core_files(opts.core_dump)
         print(f"[{n + 1}/{len(combos)}] {label(off)} ...", flush=True)
         driver_log = os.path.join(job_dir, "driver.log")
-        rc, timed_out, secs = run_job(cmd, {**os.environ, **env_vars, "PYTHONUNBUFFERED": "1"}, opts.timeout,
-                                      driver_log)
+        rc, killed, secs = run_job(cmd, {**os.environ, **env_vars, "PYTHONUNBUFFERED": "1"}, opts.timeout,
+                                   driver_log, opts.stall_timeout, (engine_logs,))
         logs = sorted((os.path.join(engine_logs, f) for f in os.listdir(engine_logs)), key=os.path.getmtime)
         dumps = sorted(_core_files(opts.core_dump) - before, key=os.path.getmtime)
-        status, detail, kernel = analyse_job(rc, timed_out, [_read(p) for p in logs] + [_read(driver_log)], dumps)
+        status, detail, kernel = analyse_job(rc, killed, [_read(p) for p in logs] + [_read(driver_log)], dumps)
         res = ComboResult(sorted(off, key=TOGGLES.index), status, rc, round(secs, 1), detail, kernel, job_dir,
                           dumps)
         print(f"[{n + 1}/{len(combos)}] {label(off)}: {status} ({secs:.0f}s) {detail[:160]}", flush=True)

@@ -85,8 +85,12 @@ def test_combinations_start_with_everything_on():
 def test_own_flags_are_separated_from_train_flags():
     opts, train = parse_bisect_args(["--lr", "1e-6", "--toggles", "cuda-graph", "--timeout", "30"] + OTHER)
     assert opts.toggles == ["cuda-graph"] and opts.timeout == 30 and train == ["--lr", "1e-6"] + OTHER
+    assert opts.stall_timeout is None
+    assert parse_bisect_args(["--stall-timeout", "120"] + OTHER)[0].stall_timeout == 120
     with pytest.raises(SlimeLiteError, match="unknown flash"):
         parse_bisect_args(["--toggles", "cuda-graph,flash"])
+    with pytest.raises(SlimeLiteError, match=r"--stall-timeout -5.0 must be > 0 seconds \(leave it out"):
+        parse_bisect_args(["--stall-timeout", "-5"] + OTHER)
 
 
 def test_coredump_variables():
@@ -120,21 +124,21 @@ failing kernel: fused_moe_kernel<64>
 
 
 def test_classify_crash_hang_failure_ok():
-    status, detail, kernel = classify(1, False, [CRASH_LOG, "error: all engines failed"])
+    status, detail, kernel = classify(1, "", [CRASH_LOG, "error: all engines failed"])
     assert status == "crashed" and detail == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert kernel == "fused_moe_kernel<64>"
-    status, detail, _ = classify(None, True, ["", "starting"])
+    status, detail, _ = classify(None, "killed at the timeout", ["", "starting"])
     assert status == "hung" and "timeout" in detail
-    status, detail, kernel = classify(2, False, ["", "x\nerror: --hf-checkpoint /m: no such file or folder.\n"])
+    status, detail, kernel = classify(2, "", ["", "x\nerror: --hf-checkpoint /m: no such file or folder.\n"])
     assert status == "crashed" and "no CUDA error line" in detail and "--hf-checkpoint" in detail and kernel is None
-    assert classify(0, False, ["CUDA_LAUNCH_BLOCKING=1 all fine", "done"])[0] == "ok"
-    assert classify(0, False, [CRASH_LOG, "done"])[0] == "crashed"  # an engine died even if the run got through
+    assert classify(0, "", ["CUDA_LAUNCH_BLOCKING=1 all fine", "done"])[0] == "ok"
+    assert classify(0, "", [CRASH_LOG, "done"])[0] == "crashed"  # an engine died even if the run got through
 
 
 def test_core_dump_abort_counts_as_a_gpu_crash():
     """With core dumps on, the driver aborts the process before PyTorch prints an error (seen on an H200)."""
     log = "[22:09:05.856201] coredump: Starting GPU coredump generation\n[22:09:05] coredump: All done (took 00s)\n"
-    status, detail, _ = classify(-6, False, [log])
+    status, detail, _ = classify(-6, "", [log])
     assert status == "crashed" and detail.startswith("GPU exception")
 
 
@@ -178,9 +182,33 @@ def test_timeout_kills_the_job_and_everything_it_started(tmp_path):
                                       str(tmp_path / "log"))
     finally:
         ib.INTERRUPT_GRACE_S = old
-    assert timed_out and rc is None and 8.0 <= secs < 20 and time.monotonic() - t0 < 25
+    assert timed_out == "killed at the timeout" and rc is None and 8.0 <= secs < 20 and time.monotonic() - t0 < 25
     assert (tmp_path / "log").read_text().startswith("started")
     assert not marked_by_test(marker)
+
+
+def test_stall_timeout_kills_a_job_whose_logs_stop_growing_and_spares_one_that_writes(tmp_path):
+    """--stall-timeout: output to the driver log, then to a file in a watched folder (an engine log), keeps the job
+    alive; once both stop growing for the stall time it is killed (long before --timeout). A job that keeps writing
+    and exits is left alone."""
+    engine_logs = tmp_path / "engine_logs"
+    engine_logs.mkdir()
+    code = ("import sys, time\n"
+            "for _ in range(8): print('tick', flush=True); time.sleep(0.3)\n"
+            "with open(sys.argv[1], 'a') as f:\n"
+            "    for _ in range(10): f.write('engine tick\\n'); f.flush(); time.sleep(0.3)\n"
+            "time.sleep(600)\n")
+    t0 = time.monotonic()
+    rc, killed, secs = run_job([sys.executable, "-c", code, str(engine_logs / "e.log")], dict(os.environ), 120.0,
+                               str(tmp_path / "log"), stall_timeout=2.0, watch=(str(engine_logs),))
+    assert rc is None and killed == "killed after 2 s without output (--stall-timeout)"
+    # the last engine line is written 5.1 s in: without the watched folder the kill would come at ~4 s
+    assert 7.0 <= secs < 30 and time.monotonic() - t0 < 40
+    assert classify(rc, killed, ["", "tick"])[:2] == ("hung", killed)
+    alive = "import time\nfor _ in range(12): print('tick', flush=True); time.sleep(0.3)\n"
+    rc, killed, secs = run_job([sys.executable, "-c", alive], dict(os.environ), 120.0, str(tmp_path / "log2"),
+                               stall_timeout=2.0)
+    assert rc == 0 and killed == "" and secs >= 3.6
 
 
 def marked_by_test(mark: str) -> list[int]:
@@ -272,17 +300,17 @@ def test_crash_only_with_cuda_graph_fake(tiny_model_dir, task_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_hang_only_with_cuda_graph_is_killed_at_timeout_fake(tiny_model_dir, task_data, tmp_path):
-    # every job gets this timeout: the hung one is killed at it, the one without CUDA graph must finish within it
-    # (~28 s on 2 idle cores, ~50 s on 2 busy ones), so it is as short as that allows with a margin: the hang costs
-    # all of it
-    timeout = 90
+def test_hang_only_with_cuda_graph_is_killed_at_the_stall_timeout_fake(tiny_model_dir, task_data, tmp_path):
+    # the hung job's logs stop growing once /generate stops answering: --stall-timeout kills it that long after,
+    # not at --timeout (a kill at --timeout is test_timeout_kills_the_job_and_everything_it_started's); the job
+    # without CUDA graph writes all along and finishes (~28 s on 2 idle cores, ~50 s on 2 busy ones)
+    stall = 25
     proc, res, mark = run_bisect(tiny_model_dir, task_data, tmp_path / "out", "hang:cuda-graph",
-                                 "--timeout", str(timeout))
+                                 "--timeout", "400", "--stall-timeout", str(stall))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (on, off) = res["results"]
     assert on["status"] == "hung" and on["returncode"] is None
-    assert timeout <= on["seconds"] < timeout + 30
+    assert on["detail"].startswith(f"killed after {stall} s without output") and stall <= on["seconds"] < 300
     assert off["status"] == "ok" and res["minimal_off"] == [["cuda-graph"]]
     assert "hung" in proc.stdout and "Smallest set" in proc.stdout
     assert not marked_by_test(mark)
