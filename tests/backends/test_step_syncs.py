@@ -121,15 +121,19 @@ def test_micro_batch_inputs_reach_the_gpu_without_a_sync():
     _check_copies("cuda")
 
 
-def test_a_fused_adam_state_survives_a_checkpoint_round_trip(tmp_path):
-    """What a resume of a fused AdamW does (CPU here: torch has a fused AdamW kernel on CPU too, and
-    ``use_fused_adam`` sets the same group flags on CUDA): the saved groups carry ``fused``, a fresh optimizer loading
-    them steps on fused, and the resumed steps equal the uninterrupted ones."""
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+def test_a_fused_adam_state_survives_a_checkpoint_round_trip(tmp_path, device):
+    """What a resume of a fused AdamW does (torch has a fused AdamW kernel on CPU too, and ``use_fused_adam`` sets
+    these group flags on CUDA): the saved groups carry ``fused``, a fresh optimizer loading them steps on fused, and
+    the resumed steps equal the uninterrupted ones."""
     from slime_lite.backends.megatron.checkpoint import plain_state
 
     g = torch.Generator().manual_seed(11)
-    start = [torch.randn(n, generator=g) for n in (9, 130)]
-    grads = [[torch.randn(t.shape, generator=g) for t in start] for _ in range(4)]
+    start = [torch.randn(n, generator=g).to(device) for n in (9, 130)]
+    grads = [[torch.randn(t.shape, generator=g).to(device) for t in start] for _ in range(4)]
 
     def adam(params):
         a = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
