@@ -10,6 +10,8 @@ of a step, the model's parameter bytes (tied weights once) over the device's cop
 (``copy_gb_s``: a device-to-device copy of that many bytes, read plus write, per second).
 
 ``--compare-fused``: also timed with the eager layer pieces instead of ``fused_layer``'s kernels, ``*_unfused`` keys.
+``--compare-pdl``: also timed without programmatic dependent launch (``triton_build.PDL`` off: cuBLAS's products,
+the kernels launched plainly), ``*_nopdl`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
 where a few long answers set the length bucket) instead of all at the middle; ``--compare-attention``: the step is
 also timed with the own-length attention kernels switched off (masked SDPA over the bucket), ``*_sdpa`` keys.
@@ -96,10 +98,13 @@ def main() -> None:
                     help="also time the step with masked SDPA instead of the own-length attention kernels")
     ap.add_argument("--compare-fused", action="store_true",
                     help="also time the step with the eager layer pieces instead of the fused kernels, *_unfused keys")
+    ap.add_argument("--compare-pdl", action="store_true",
+                    help="also time the step without programmatic dependent launch (cuBLAS products), *_nopdl keys")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
 
+    from slime_lite import triton_build
     from slime_lite.engine import decode_attention, fused_layer
     from slime_lite.engine.cuda_graph import StepInputs
     from slime_lite.engine.scheduler import Scheduler
@@ -123,14 +128,16 @@ def main() -> None:
         row = {"batch": b, "tok_s": round(n / (step / 1000 * args.max_new_tokens)), "step_ms": step}
         one = StepInputs(token=toks, position=pos, temperature=[1.0] * b, uniform=[0.5] * b, greedy=[False] * b)
         variants = [""] + ["_sdpa"] * args.compare_attention + ["_unfused"] * args.compare_fused
+        variants += ["_nopdl"] * args.compare_pdl
         for suffix in variants:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
+            triton_build.PDL = suffix != "_nopdl"
             s.decoder.reset()
             row["run_ms" + suffix] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
-        decode_attention.ENABLED = fused_layer.ENABLED = True
+        decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = True
         row["python_ms"] = row["step_ms"] - row["run_ms"]
         dev = s.lm.device
         ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)

@@ -23,3 +23,30 @@ def triton_kernels(build: Callable[[Any, Any], Any]) -> Callable[[], Any]:
         return build(triton, tl)
 
     return functools.update_wrapper(kernels, build)
+
+
+PDL = True  # programmatic dependent launch where the device has it (benchmarks switch it off to compare)
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_device(index: int) -> bool:
+    import torch
+
+    try:
+        import triton.language.extra.cuda as cuda_extra
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(cuda_extra, "gdc_wait")
+
+
+def pdl_available(t: Any) -> bool:
+    """Kernels for tensor ``t`` may be launched with programmatic dependent launch: a CUDA device of compute
+    capability 9 or later (Hopper) and a Triton with ``gdc_wait``, and ``PDL`` on."""
+    return PDL and t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else 0)
+
+
+def pdl_args(t: Any) -> dict:
+    """Launch arguments of a kernel with a ``GDC`` constexpr: with PDL (``pdl_available``) it is launched so that
+    it may start while the kernel before it runs, and must wait for it (``gdc_wait``) before reading anything an
+    earlier kernel wrote, and it lets the next one launch (``gdc_launch_dependents``); else a plain launch."""
+    return {"GDC": True, "launch_pdl": True} if pdl_available(t) else {"GDC": False}

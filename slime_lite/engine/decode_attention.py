@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from slime_lite.triton_build import triton_kernels
+from slime_lite.triton_build import pdl_args, triton_kernels
 
 CHUNK = 256  # positions per split: part of the result's definition (the splits' sums are joined in order)
 BLOCK_N = 128  # positions per step inside a split (bench/sweep_decode_attention.py: 4.8 us against 5.4 at 64)
@@ -45,7 +45,10 @@ def _kernels(triton, tl):
     def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, out_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st,
                 out_sb, out_sh, out_sr, n_rep, heads, splits, scale, R: tl.constexpr, D: tl.constexpr,
                 DH: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                SINGLE: tl.constexpr):
+                SINGLE: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # launched with PDL: the previous kernel's output first (triton_build.pdl_args)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)
@@ -94,7 +97,10 @@ def _kernels(triton, tl):
 
     @triton.jit(do_not_specialize=["splits"])
     def combine(o_ptr, ml_ptr, out_ptr, out_sb, out_sh, out_sr, n_rep, heads, splits, R: tl.constexpr,
-                D: tl.constexpr, DH: tl.constexpr):
+                D: tl.constexpr, DH: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # launched with PDL: the previous kernel's output first (triton_build.pdl_args)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         rows = tl.arange(0, R)
@@ -148,8 +154,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                                     q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
                                     out.stride(1), out.stride(2), n_rep, heads, splits,
                                     float(scale), R=r, D=dp, DH=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N,
-                                    IEEE=q.dtype == torch.float32, SINGLE=single, num_warps=NUM_WARPS)
+                                    IEEE=q.dtype == torch.float32, SINGLE=single, num_warps=NUM_WARPS,
+                                    **pdl_args(q))
         if not single:
             combine[(b, heads)](parts, stats, out, out.stride(0), out.stride(1), out.stride(2), n_rep, heads, splits,
-                                R=r, D=dp, DH=d, num_warps=4)
+                                R=r, D=dp, DH=d, num_warps=4, **pdl_args(q))
     return out

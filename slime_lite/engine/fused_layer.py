@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from slime_lite.swiglu import silu_and_mul  # noqa: F401  (also the tests' name for it here)
-from slime_lite.triton_build import triton_kernels
+from slime_lite.engine import gemv
+from slime_lite.triton_build import pdl_args, triton_kernels
 
 ENABLED = True
 
@@ -36,7 +37,11 @@ ENABLED = True
 @triton_kernels
 def _kernels(triton, tl):
     @triton.jit
-    def rms(x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def rms(x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+            GDC: tl.constexpr):
+        if GDC:  # launched with PDL: the previous kernel's output first (triton_build.pdl_args)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         live = cols < n
@@ -53,7 +58,10 @@ def _kernels(triton, tl):
     @triton.jit
     def rope(qkv_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, kv_ptr, idx_ptr, qkv_row, heads, kv_heads, eps,
              DH: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
-             TO_CACHE: tl.constexpr):
+             TO_CACHE: tl.constexpr, GDC: tl.constexpr):
+        if GDC:  # launched with PDL: the previous kernel's output first (triton_build.pdl_args)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         dims = tl.arange(0, D)  # D: the head size DH padded to a power of two
@@ -113,7 +121,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     h = torch.empty_like(x) if residual is not None else y
     with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
         _kernels()[0][(rows,)](x, residual if residual is not None else x, weight, h, y, n, float(eps),
-                               HAS_RES=residual is not None, BLOCK=_pow2(n), num_warps=4)
+                               HAS_RES=residual is not None, BLOCK=_pow2(n), num_warps=4,
+                               **pdl_args(x))
     return (h, y) if residual is not None else y
 
 
@@ -141,7 +150,7 @@ def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, 
         _kernels()[1][(rows, heads + 2 * kv_heads)](
             qkv, cos, sin, qk_norm if qk_norm is not None else cos, q, kv, index if cache is not None else cos,
             qkv.stride(0), heads, kv_heads, float(eps), DH=head_dim, D=_pow2(head_dim), HAS_NORM=qk_norm is not None,
-            INTERLEAVED=interleaved, TO_CACHE=cache is not None, num_warps=1)
+            INTERLEAVED=interleaved, TO_CACHE=cache is not None, num_warps=1, **pdl_args(qkv))
     return q, (None if cache is not None else kv)
 
 
@@ -158,7 +167,7 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
         x = rms_norm(h, ln, eps)
     else:
         h, x = rms_norm(add.contiguous(), ln, eps, residual=h)
-    qkv = F.linear(x, qkv_w, qkv_b)
+    qkv = gemv.linear(x, qkv_w, qkv_b) if gemv.usable(x, qkv_w, qkv_b) else F.linear(x, qkv_w, qkv_b)
     q, kv = rotary(qkv.view(b * t, -1), cos.reshape(b * t, head_dim).contiguous(),
                    sin.reshape(b * t, head_dim).contiguous(), heads, kv_heads, head_dim, qk_norm, eps, interleaved,
                    cache, index)
@@ -169,11 +178,18 @@ def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn
     """The o-projection, residual add and gated SiLU MLP after attention, as ``model.layer_functions``'
     ``mlp_residual``, but the MLP output ``m`` is returned with the new ``h`` instead of added to it:
     ``(h, m)``, for the next layer's ``attention_inputs`` (or the final norm) to add inside its norm kernel."""
-    o = F.linear(attn_out, o_w, o_b).contiguous()
+    if gemv.usable(attn_out, o_w, o_b):  # the products by gemv where it serves them (PDL devices, a few rows)
+        o = gemv.linear(attn_out.contiguous(), o_w, o_b)
+    else:
+        o = F.linear(attn_out, o_w, o_b).contiguous()
     if post_attn is not None:  # GLM4: the attention output is normed before the residual add
         o = rms_norm(o, post_attn, eps)
     h, normed = rms_norm(o, ln2, eps, residual=h)
-    m = F.linear(silu_and_mul(F.linear(normed, gu_w, gu_b)), down_w, down_b)
+    if gemv.usable(normed, gu_w, gu_b):  # with the SiLU
+        act = gemv.linear(normed, gu_w, gu_b, swiglu=True)
+    else:
+        act = silu_and_mul(F.linear(normed, gu_w, gu_b))
+    m = gemv.linear(act, down_w, down_b) if gemv.usable(act, down_w, down_b) else F.linear(act, down_w, down_b)
     if post_mlp is not None:  # GLM4: and the MLP output
         m = rms_norm(m.contiguous(), post_mlp, eps)
     return h, m

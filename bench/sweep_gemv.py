@@ -1,0 +1,100 @@
+"""Tile configurations of the decode step's small products (``engine/gemv.py``) against cuBLAS, on a GPU with PDL.
+
+    python3 bench/sweep_gemv.py [--rows 1,8,16,32] [--model-shape 896,1152,4864]
+
+For each product of a layer of the given shape (hidden, q/k/v width, MLP width: q/k/v with bias, o, gate/up with the
+SiLU, down) and each row count: a CUDA graph of 24 x (the engine's RMSNorm kernel, then the product), the norm
+launched with programmatic dependent launch as in the engine's steps; the product by cuBLAS (``F.linear``, plus the
+SiLU kernel for gate/up) or by ``gemv.linear`` with each configuration (BN x BK x warps). Prints us per (norm +
+product) pair and the best configuration of each product and row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: slime_lite
+from slime_lite.engine import fused_layer, gemv  # noqa: E402
+from slime_lite.swiglu import silu_and_mul  # noqa: E402
+
+CONFIGS = [(bn, bk, w) for bn in (32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)]
+
+
+def graph_us(fn, n: int = 200) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / n * 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,8,16,32")
+    ap.add_argument("--model-shape", default="896,1152,4864", help="hidden, q/k/v width, MLP width")
+    ap.add_argument("--chain", type=int, default=24)
+    args = ap.parse_args()
+    hid, qkv, inter = (int(v) for v in args.model_shape.split(","))
+    dt, dev = torch.bfloat16, torch.device("cuda")
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g, device=dev) * 0.03).to(dt)
+
+    products = {"qkv": (qkv, hid, True, False), "o": (hid, hid, False, False), "gate_up": (2 * inter, hid, False, True),
+                "down": (hid, inter, False, False)}
+    for rows in [int(r) for r in args.rows.split(",")]:
+        for name, (n, k, bias, swiglu) in products.items():
+            ws = [(rnd(n, k), rnd(n) if bias else None) for _ in range(args.chain)]
+            x, ln = rnd(rows, k) * 30, 1 + rnd(k)
+
+            def chain(cfg):
+                for w, b in ws:
+                    y = fused_layer.rms_norm(x, ln, 1e-6)
+                    if cfg is None:
+                        y = F.linear(y, w, b)
+                        if swiglu:
+                            silu_and_mul(y)
+                    else:
+                        gemv.linear(y, w, b, swiglu=swiglu, cfg=cfg)
+
+            res = {"cublas": graph_us(lambda: chain(None)) / args.chain}
+            for cfg in CONFIGS:
+                if cfg[0] * cfg[1] * (2 if swiglu else 1) > 65536:  # the weight tile past 128 KB of registers
+                    continue
+                try:
+                    res[cfg] = graph_us(lambda c=cfg: chain(c)) / args.chain
+                except Exception as e:  # noqa: BLE001  (a configuration that does not compile: say so)
+                    print(f"rows {rows} {name} {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            best = min((c for c in res if c != "cublas"), key=res.get)
+            line = " ".join(f"{c[0]}x{c[1]}x{c[2]}={v:.2f}" for c, v in res.items() if c != "cublas")
+            print(f"rows {rows:2d} {name:8s} cublas {res['cublas']:.2f} us, best {best} {res[best]:.2f} us | {line}",
+                  flush=True)
+            del ws
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The matrix products of captured decode steps at a few rows, as Triton kernels that start before their input exists.
+
+At batch 1-32 a decode layer is a chain of ~10 dependent kernels of 1.5-7 us each on an H200, mostly latency (the
+launch, the first loads) rather than bytes. On Hopper a kernel launched with programmatic dependent launch (PDL)
+may start while the kernel before it still runs, and waits for it (``griddepcontrol.wait``) only where it needs its
+output. ``linear`` here loads its share of the weights first (they do not depend on the previous kernel), then
+waits, then reads the rows: the weight reads overlap the previous kernel. The engine's other decode kernels
+(norms, rotary, attention, SiLU) wait at their start and let the next kernel launch right after
+(``triton_build.pdl_args``); cuBLAS's products cannot do either, so with PDL these products replace them.
+
+``y = x @ w.T + b`` for ``x`` of at most ``MAX_ROWS`` rows: each program reads a ``BN x BK`` tile of ``w`` (one
+``BK`` slice of ``K``); when ``K`` has several slices, each program writes its float32 partial sums and the last
+program of a tile to finish (a counter per tile, reset by that program) adds them in slice order, so the result
+does not depend on which finishes first. ``swiglu``: ``w`` is a gate/up projection (gate rows first) and ``y`` is
+``silu(gate) * up``, rounded as the eager pieces round. The sums run in another order than cuBLAS's: results
+differ from ``F.linear`` by float32 rounding before the final rounding to the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime_lite.triton_build import pdl_args, pdl_available, triton_kernels
+
+# An H200 sweep (bench/sweep_gemv.py, the 0.5B shape): with PDL these kernels beat cuBLAS at 1-16 rows for every
+# product, and at 32 rows for q/k/v and o; at 32 rows the wide ones (gate/up: 8.7M weights, down: 4.4M) lose, to
+# the float32 partial sums they write and read.
+MAX_ROWS = 32
+WIDE, WIDE_MAX_ROWS = 1 << 22, 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, all zero between kernels (each resets its own)
+
+
+@triton_kernels
+def _kernel(triton, tl):
+    @triton.jit
+    def gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, K, OUT_N, HAS_BIAS: tl.constexpr,
+             SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NSPLIT: tl.constexpr,
+             IEEE: tl.constexpr, GDC: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BN + tl.arange(0, BN)
+        col_ok = rn < OUT_N
+        rk = pid_k * BK + tl.arange(0, BK)
+        k_ok = rk < K
+        wm = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)  # before the wait: not an input
+        wu = w
+        if SWIGLU:
+            wu = tl.load(w_ptr + (rn[:, None] + OUT_N) * K + rk[None, :], mask=wm, other=0.0)
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rm = tl.arange(0, BM)
+        row_ok = rm < M
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), input_precision="ieee")
+            acc_u = tl.dot(x, tl.trans(wu), input_precision="ieee") if SWIGLU else acc
+        else:
+            acc = tl.dot(x, tl.trans(w))
+            acc_u = tl.dot(x, tl.trans(wu)) if SWIGLU else acc
+        out_ok = row_ok[:, None] & col_ok[None, :]
+        last = True
+        if NSPLIT > 1:  # partials to the scratch; the tile's last program adds them in slice order
+            at = (pid_k * BM + rm[:, None]) * OUT_N + rn[None, :]
+            tl.store(part_ptr + at, acc, mask=out_ok)
+            if SWIGLU:
+                tl.store(part_ptr + NSPLIT * BM * OUT_N + at, acc_u, mask=out_ok)
+            tl.debug_barrier()  # every thread's partials stored before the counter moves
+            last = tl.atomic_add(cnt_ptr + pid_n, 1) == NSPLIT - 1  # acq_rel: the others' partials are visible
+            if last:
+                acc = tl.zeros((BM, BN), tl.float32)
+                acc_u = tl.zeros((BM, BN), tl.float32)
+                for s in tl.static_range(NSPLIT):
+                    at = (s * BM + rm[:, None]) * OUT_N + rn[None, :]
+                    acc += tl.load(part_ptr + at, mask=out_ok, other=0.0, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc_u += tl.load(part_ptr + NSPLIT * BM * OUT_N + at, mask=out_ok, other=0.0,
+                                         cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next kernel (or graph replay)
+        if last:
+            dt = y_ptr.dtype.element_ty
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                if SWIGLU:
+                    acc_u += tl.load(b_ptr + OUT_N + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:  # as the eager pieces round: the products, the activation, its product with up
+                g = acc.to(dt).to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+                out = (act * acc_u.to(dt).to(tl.float32)).to(dt)
+            else:
+                out = acc.to(dt)
+            tl.store(y_ptr + rm[:, None] * OUT_N + rn[None, :], out, mask=out_ok)
+
+    return gemv
+
+
+def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
+    """``linear`` serves ``x @ w.T + b`` in a decode step: at most ``MAX_ROWS`` rows (``WIDE_MAX_ROWS`` for weights
+    of ``WIDE`` elements or more), contiguous ``w`` and ``b``, on a device with PDL (and Triton)."""
+    rows = x.numel() // x.shape[-1]
+    return (rows <= (WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS) and w.is_contiguous()
+            and (b is None or b.is_contiguous()) and pdl_available(x) and _kernel() is not None)
+
+
+def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
+    """(BN, BK, warps): tiles of BN output columns by BK of ``k``, run by ``warps`` warps; the best of 18 (32/64/128
+    x 128/256/512 x 4/8) per product and row count in the H200 sweep, or within 0.15 us of it."""
+    if swiglu:
+        bn, bk, warps = 32, 256, 4
+    elif k >= 2048:  # down
+        bn, bk, warps = 32, 512, 4
+    else:
+        bn, bk, warps = 32, 128, 8 if rows > 16 else 4
+    return bn, min(bk, max(16, 1 << (k - 1).bit_length())), warps
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swiglu: bool = False,
+           cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x @ w.T + b`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows, ``w [N, K]``, both contiguous, in ``x``'s
+    dtype; ``swiglu``: ``silu(gate) * up`` of its ``N / 2`` gate and up columns. ``cfg``: ``config``'s tuple
+    (benchmarks)."""
+    k = x.shape[-1]
+    rows = x.numel() // k
+    n = w.shape[0]
+    if rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2):
+        raise ValueError(f"gemv.linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows, contiguous) and w "
+                         f"{tuple(w.shape)} (contiguous, [N, K]; N even with swiglu) do not fit")
+    out_n = n // 2 if swiglu else n
+    bn, bk, warps = cfg or config(rows, out_n, k, swiglu)
+    bm = 16 if rows <= 16 else 32
+    grid = (-(-out_n // bn), -(-k // bk))
+    y = torch.empty(*x.shape[:-1], out_n, dtype=x.dtype, device=x.device)
+    part = torch.empty(grid[1] * bm * out_n * (2 if swiglu else 1) if grid[1] > 1 else 0, dtype=torch.float32,
+                       device=x.device)
+    cnt = _COUNTERS.get(x.device)
+    if cnt is None or cnt.numel() < grid[0]:
+        cnt = _COUNTERS[x.device] = torch.zeros(max(4096, grid[0]), dtype=torch.int32, device=x.device)
+    with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
+        _kernel()[grid](x, w, b if b is not None else w, y, part, cnt, rows, k, out_n, HAS_BIAS=b is not None,
+                        SWIGLU=swiglu, BM=bm, BN=bn, BK=bk, NSPLIT=grid[1], IEEE=x.dtype == torch.float32,
+                        num_warps=warps, **pdl_args(x))
+    return y

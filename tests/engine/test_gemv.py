@@ -1,0 +1,112 @@
+"""engine/gemv.py: the decode step's products at a few rows (split-K Triton kernels launched with programmatic
+dependent launch on Hopper), against ``F.linear`` and the eager SwiGLU. On the CPU in Triton's interpreter
+(tests/triton_interpreter.py: float32 and float16, no PDL there); on a GPU (skipped without CUDA) compiled, in bf16
+too, and chained with PDL inside a CUDA graph, where a missing wait would show as a race."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+def _want(x, w, b, swiglu):
+    y = F.linear(x.float(), w.float(), None if b is None else b.float())
+    if not swiglu:
+        return y.to(x.dtype)
+    g, u = y.to(x.dtype).chunk(2, dim=-1)
+    return (F.silu(g.float()).to(x.dtype).float() * u.float()).to(x.dtype)
+
+
+def _check(dtype: torch.dtype, device: str, tol: float) -> None:
+    from slime_lite.engine import gemv
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, k, n, bias, swiglu in [(1, 96, 40, True, False),  # one K slice, a partial column tile
+                                     (5, 300, 130, False, False),  # three K slices, a partial last slice
+                                     (20, 600, 2 * 70, True, True),  # 32-row tiles, SwiGLU with bias on both halves, 3 K slices
+                                     (32, 128, 2 * 64, False, True)]:
+        x = torch.randn(rows, 1, k, generator=gen).to(dtype).to(device)
+        w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(device)
+        b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+        got = gemv.linear(x, w, b, swiglu=swiglu)
+        assert got.shape == (rows, 1, n // 2 if swiglu else n) and got.dtype == dtype
+        torch.testing.assert_close(got, _want(x, w, b, swiglu), rtol=tol, atol=tol)
+        again = gemv.linear(x, w, b, swiglu=swiglu)  # the tile counters were reset: the same sums again
+        assert torch.equal(got, again)
+    assert not gemv._COUNTERS[x.device].any()
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        gemv.linear(torch.zeros(33, 8, dtype=dtype, device=device), torch.zeros(4, 8, dtype=dtype, device=device))
+
+
+def _on_cpu() -> None:
+    """Run by ``test_the_products_in_the_triton_interpreter`` with TRITON_INTERPRET=1."""
+    _check(torch.float32, "cpu", 1e-5)
+    _check(torch.float16, "cpu", 2e-3)
+
+
+def test_the_products_in_the_triton_interpreter():
+    from tests.triton_interpreter import run_interpreted
+
+    run_interpreted("tests.engine.test_gemv:_on_cpu")
+
+
+def test_the_products_serve_pdl_devices_only(monkeypatch):
+    from slime_lite import triton_build
+    from slime_lite.engine import gemv
+
+    w = torch.zeros(4, 8)
+    assert not gemv.usable(torch.zeros(3, 8), w)  # CPU: no programmatic dependent launch, cuBLAS keeps the products
+    assert triton_build.pdl_args(torch.zeros(3)) == {"GDC": False}
+    monkeypatch.setattr(triton_build, "PDL", False)
+    assert not triton_build.pdl_available(torch.zeros(3, device="meta"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monkeypatch):
+    from slime_lite import triton_build
+    from slime_lite.engine import fused_layer, gemv
+
+    w = torch.zeros(4, 8, device="cuda", dtype=dtype)
+    assert gemv.usable(torch.zeros(32, 8, device="cuda", dtype=dtype), w)
+    assert not gemv.usable(torch.zeros(33, 8, device="cuda", dtype=dtype), w)
+    wide = torch.zeros(gemv.WIDE, 1, device="cuda", dtype=dtype)  # past 16 rows: cuBLAS for the wide products
+    assert gemv.usable(torch.zeros(16, 1, device="cuda", dtype=dtype), wide)
+    assert not gemv.usable(torch.zeros(17, 1, device="cuda", dtype=dtype), wide)
+    _check(dtype, "cuda", tol)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hid, inter, rows = 896, 4864, 8
+    layers = [((torch.randn(2 * inter, hid, generator=gen, device="cuda") * 0.03).to(dtype),
+               (torch.randn(hid, inter, generator=gen, device="cuda") * 0.03).to(dtype),
+               (1 + torch.randn(hid, generator=gen, device="cuda") * 0.1).to(dtype)) for _ in range(12)]
+    x0 = torch.randn(rows, hid, generator=gen, device="cuda").to(dtype)
+
+    def chain():  # 12 x (norm, gate/up with SiLU, down): each kernel reads what the one before wrote
+        h = x0
+        for gu, down, ln in layers:
+            h = gemv.linear(gemv.linear(fused_layer.rms_norm(h, ln, 1e-6), gu, swiglu=True), down)
+        return h
+
+    outs = {}
+    for pdl in (True, False):
+        monkeypatch.setattr(triton_build, "PDL", pdl)
+        assert gemv.usable(x0, layers[0][0]) == pdl
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            chain()  # compiles outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        replays = []
+        for _ in range(20):
+            graph.replay()
+            replays.append(out.clone())
+        outs[pdl] = replays
+    monkeypatch.setattr(triton_build, "PDL", True)
+    # the same kernels launched with PDL and without: the same bits, every replay
+    assert all(torch.equal(r, outs[False][0]) for r in outs[True] + outs[False])
+    assert outs[True][0].abs().sum() > 0
