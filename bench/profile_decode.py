@@ -85,6 +85,13 @@ def print_kernels(s, step, top: int) -> None:
         print(json.dumps({"kernels_per_step": len(kernels) / 5}), flush=True)
 
 
+def _fixed_config(spec: str):
+    """``--gemv-configs``' BNxBKxW (every product) or A/B/C (q/k/v and o, gate/up, down) as a ``gemv.config``."""
+    kinds = [tuple(int(v) for v in part.split("x")) for part in spec.split("/")]
+    narrow, swiglu, down = kinds * 3 if len(kinds) == 1 else kinds
+    return lambda rows, out_n, k, is_swiglu: swiglu if is_swiglu else down if k >= 2048 else narrow
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-config", default="qwen2-0.5b")
@@ -100,15 +107,19 @@ def main() -> None:
                     help="also time the step with the eager layer pieces instead of the fused kernels, *_unfused keys")
     ap.add_argument("--compare-pdl", action="store_true",
                     help="also time the step without programmatic dependent launch (cuBLAS products), *_nopdl keys")
+    ap.add_argument("--gemv-configs", default="",
+                    help="also time the step with these tile configs of engine/gemv.py: comma-separated, each "
+                         "BNxBKxWARPS for every product or three of them joined by / (q/k/v and o, gate/up, down)")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
 
     from slime_lite import triton_build
-    from slime_lite.engine import decode_attention, fused_layer
+    from slime_lite.engine import decode_attention, fused_layer, gemv
     from slime_lite.engine.cuda_graph import StepInputs
     from slime_lite.engine.scheduler import Scheduler
 
+    auto_config = gemv.config
     tmp = tempfile.TemporaryDirectory()
     model_dir = make_model_dir(args.model_config, tmp.name)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
@@ -128,16 +139,18 @@ def main() -> None:
         row = {"batch": b, "tok_s": round(n / (step / 1000 * args.max_new_tokens)), "step_ms": step}
         one = StepInputs(token=toks, position=pos, temperature=[1.0] * b, uniform=[0.5] * b, greedy=[False] * b)
         variants = [""] + ["_sdpa"] * args.compare_attention + ["_unfused"] * args.compare_fused
-        variants += ["_nopdl"] * args.compare_pdl
+        variants += ["_nopdl"] * args.compare_pdl + [f"_gemv{c}" for c in args.gemv_configs.split(",") if c]
         for suffix in variants:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
+            gemv.config = _fixed_config(suffix[5:]) if suffix.startswith("_gemv") else auto_config
             s.decoder.reset()
             row["run_ms" + suffix] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
         decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = True
+        gemv.config = auto_config
         row["python_ms"] = row["step_ms"] - row["run_ms"]
         dev = s.lm.device
         ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)

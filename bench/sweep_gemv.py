@@ -93,7 +93,6 @@ def main() -> None:
             line = " ".join(f"{c[0]}x{c[1]}x{c[2]}={v:.2f}" for c, v in res.items() if c != "cublas")
             print(f"rows {rows:2d} {name:8s} cublas {res['cublas']:.2f} us, best {best} {res[best]:.2f} us | {line}",
                   flush=True)
-            del ws
 
 
 if __name__ == "__main__":

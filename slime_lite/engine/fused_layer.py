@@ -15,7 +15,9 @@ about a thousand such steps with a few rows each. Three kernels replace most of 
 Each computes in float32 and rounds to the model dtype where eager PyTorch does (after the norm, after each
 product, after the add). In Triton's interpreter the rotary and the residual add then give eager's bits; compiled
 (H200), about a fifth of the rotary's elements differ from eager's by one rounding step (the compiler may fuse a
-product into the sum), and the norm's float32 sum runs in another order. The matrix products stay with cuBLAS.
+product into the sum), and the norm's float32 sum runs in another order. The matrix products are cuBLAS's, or, at
+a few rows on Hopper, ``gemv``'s (Triton kernels that read their weights while the kernel before them still runs);
+there every kernel here is launched with programmatic dependent launch (``triton_build.pdl_args``).
 ``attention_inputs`` and ``mlp_output`` are a layer's pieces around attention built from them, used by captured
 decode steps on CUDA with Triton (the MLP only where it is SiLU-gated and dense); elsewhere, and with
 ``ENABLED = False`` (benchmarks compare), the eager pieces (``model.layer_functions``) run.

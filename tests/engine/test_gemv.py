@@ -24,7 +24,7 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
     gen = torch.Generator().manual_seed(0)
     for rows, k, n, bias, swiglu in [(1, 96, 40, True, False),  # one K slice, a partial column tile
                                      (5, 300, 130, False, False),  # three K slices, a partial last slice
-                                     (20, 600, 2 * 70, True, True),  # 32-row tiles, SwiGLU with bias on both halves, 3 K slices
+                                     (20, 600, 2 * 70, True, True),  # 32-row tiles, SwiGLU, biases on both halves
                                      (32, 128, 2 * 64, False, True)]:
         x = torch.randn(rows, 1, k, generator=gen).to(dtype).to(device)
         w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(device)
