@@ -88,8 +88,10 @@ def print_kernels(s, step, top: int) -> None:
 def _fixed_config(spec: str):
     """``--gemv-configs``' BNxBKxW (every product) or A/B/C (q/k/v and o, gate/up, down) as a ``gemv.config``."""
     kinds = [tuple(int(v) for v in part.split("x")) for part in spec.split("/")]
-    narrow, swiglu, down = kinds * 3 if len(kinds) == 1 else kinds
-    return lambda rows, out_n, k, is_swiglu: swiglu if is_swiglu else down if k >= 2048 else narrow
+    from slime_lite.engine import gemv
+
+    by_kind = dict(zip(("narrow", "gate_up", "down"), kinds * 3 if len(kinds) == 1 else kinds))
+    return lambda rows, out_n, k, swiglu: by_kind[gemv.kind(k, swiglu)]
 
 
 def main() -> None:

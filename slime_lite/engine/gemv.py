@@ -103,15 +103,18 @@ def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> b
             and (b is None or b.is_contiguous()) and pdl_available(x) and _kernel() is not None)
 
 
+def kind(k: int, swiglu: bool) -> str:
+    """Which of a layer's products ``linear`` runs, for its tile configuration: "gate_up", "down" (a long ``k``) or
+    "narrow" (q/k/v, o)."""
+    return "gate_up" if swiglu else "down" if k >= 2048 else "narrow"
+
+
 def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
     """(BN, BK, warps): tiles of BN output columns by BK of ``k``, run by ``warps`` warps; the best of 18 (32/64/128
-    x 128/256/512 x 4/8) per product and row count in the H200 sweep, or within 0.15 us of it."""
-    if swiglu:
-        bn, bk, warps = 32, 256, 4
-    elif k >= 2048:  # down (in the engine's step 64 x 256 beat the sweep's 32 x 512 at 1 row by 1.6 us a layer)
-        bn, bk, warps = 64, 256, 4
-    else:
-        bn, bk, warps = 32, 128, 8 if rows > 16 else 4
+    x 128/256/512 x 4/8) per product and row count in the H200 sweep, or within 0.15 us of it, but for down, where
+    64 x 256 beat the sweep's 32 x 512 in the engine's step at 1 row by 1.6 us a layer."""
+    bn, bk, warps = {"gate_up": (32, 256, 4), "down": (64, 256, 4), "narrow": (32, 128, 8 if rows > 16 else 4)}[
+        kind(k, swiglu)]
     return bn, min(bk, max(16, 1 << (k - 1).bit_length())), warps
 
 
