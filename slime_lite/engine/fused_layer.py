@@ -181,7 +181,7 @@ def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn
     ``mlp_residual``, but the MLP output ``m`` is returned with the new ``h`` instead of added to it:
     ``(h, m)``, for the next layer's ``attention_inputs`` (or the final norm) to add inside its norm kernel."""
     if gemv.usable(attn_out, o_w, o_b):  # the products by gemv where it serves them (PDL devices, a few rows)
-        o = gemv.linear(attn_out.contiguous(), o_w, o_b)
+        o = gemv.linear(attn_out, o_w, o_b)
     else:
         o = F.linear(attn_out, o_w, o_b).contiguous()
     if post_attn is not None:  # GLM4: the attention output is normed before the residual add

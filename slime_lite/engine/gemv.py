@@ -27,7 +27,11 @@ from slime_lite.triton_build import pdl_args, pdl_available, triton_kernels
 # the float32 partial sums they write and read.
 MAX_ROWS = 32
 WIDE, WIDE_MAX_ROWS = 1 << 22, 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, all zero between kernels (each resets its own)
+# the tiles' counters per (device, stream), all zero between kernels (each resets its own): kernels of one stream
+# run one after the other (with PDL too, a kernel's counting starts after its wait); never replaced, as captured
+# graphs keep their address
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+MAX_TILES = 4096
 
 
 @triton_kernels
@@ -97,10 +101,12 @@ def _kernel(triton, tl):
 
 def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
     """``linear`` serves ``x @ w.T + b`` in a decode step: at most ``MAX_ROWS`` rows (``WIDE_MAX_ROWS`` for weights
-    of ``WIDE`` elements or more), contiguous ``w`` and ``b``, on a device with PDL (and Triton)."""
+    of ``WIDE`` elements or more), contiguous tensors, ``w`` of at most ``MAX_TILES`` column tiles of the narrowest
+    configuration (32), on a device with PDL (and Triton)."""
     rows = x.numel() // x.shape[-1]
-    return (rows <= (WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS) and w.is_contiguous()
-            and (b is None or b.is_contiguous()) and pdl_available(x) and _kernel() is not None)
+    return (rows <= (WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS) and x.is_contiguous() and w.is_contiguous()
+            and (b is None or b.is_contiguous()) and w.shape[0] <= MAX_TILES * 32 and pdl_available(x)
+            and _kernel() is not None)
 
 
 def kind(k: int, swiglu: bool) -> str:
@@ -126,21 +132,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     k = x.shape[-1]
     rows = x.numel() // k
     n = w.shape[0]
-    if rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2):
-        raise ValueError(f"gemv.linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows, contiguous) and w "
-                         f"{tuple(w.shape)} (contiguous, [N, K]; N even with swiglu) do not fit")
     out_n = n // 2 if swiglu else n
     bn, bk, warps = cfg or config(rows, out_n, k, swiglu)
     bm = 16 if rows <= 16 else 32
     grid = (-(-out_n // bn), -(-k // bk))
+    if (rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2)
+            or grid[0] > MAX_TILES):
+        raise ValueError(f"gemv.linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows, contiguous) and w "
+                         f"{tuple(w.shape)} (contiguous, [N, K], N at most {MAX_TILES} tiles of {bn}; N even with "
+                         "swiglu) do not fit")
     y = torch.empty(*x.shape[:-1], out_n, dtype=x.dtype, device=x.device)
     part = torch.empty(grid[1] * bm * out_n * (2 if swiglu else 1) if grid[1] > 1 else 0, dtype=torch.float32,
                        device=x.device)
-    cnt = _COUNTERS.get(x.device)
-    if cnt is None or cnt.numel() < grid[0]:
-        cnt = _COUNTERS[x.device] = torch.zeros(max(4096, grid[0]), dtype=torch.int32, device=x.device)
+    key = (x.device, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=x.device)
     with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
-        _kernel()[grid](x, w, b if b is not None else w, y, part, cnt, rows, k, out_n, HAS_BIAS=b is not None,
-                        SWIGLU=swiglu, BM=bm, BN=bn, BK=bk, NSPLIT=grid[1], IEEE=x.dtype == torch.float32,
-                        num_warps=warps, **pdl_args(x))
+        _kernel()[grid](x, w, b if b is not None else w, y, part, _COUNTERS[key], rows, k, out_n,
+                        HAS_BIAS=b is not None, SWIGLU=swiglu, BM=bm, BN=bn, BK=bk, NSPLIT=grid[1],
+                        IEEE=x.dtype == torch.float32, num_warps=warps, **pdl_args(x))
     return y

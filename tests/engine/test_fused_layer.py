@@ -102,11 +102,14 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
         torch.testing.assert_close(got_q, roped[:, 0, :HEADS], rtol=tol, atol=tol)
         torch.testing.assert_close(got_kv[:, :KV_HEADS], roped[:, 0, HEADS:], rtol=tol, atol=tol)
         assert torch.equal(got_kv[:, KV_HEADS:], heads[:, 0, HEADS + KV_HEADS:])  # v heads: not normed
-    out = fused[1](*mlp_args)
-    # the MLP output m is rounded to the dtype before the residual add: its products summed in another order (gemv's
-    # kernels against cuBLAS) can round m one step apart, a difference the add keeps where h + m cancels
-    m_step = torch.finfo(dtype).eps * fused_layer.mlp_output(*mlp_args, EPS)[1].abs().max().item()
-    torch.testing.assert_close(out, eager[1](*mlp_args), rtol=tol, atol=max(tol, m_step))
+    out, want = fused[1](*mlp_args), eager[1](*mlp_args)
+    # h + m within tol of eager, relative to each element's MLP output m as well as to the sum: m's products summed
+    # in another order (gemv's kernels against cuBLAS) round m differently, and the residual add keeps that
+    # difference where h + m cancels (on an H200 in float16: 0.0039 at an element of 0.23)
+    m = fused_layer.mlp_output(*mlp_args, EPS)[1].float()
+    err = (out.float() - want.float()).abs()
+    bound = tol + tol * (want.float().abs() + m.abs())
+    assert (err <= bound).all(), f"fused MLP off by {err.max().item():.3g} (bound there {bound[err > bound][0]:.3g})"
     x, res = mlp_args[0], mlp_args[1]
     summed, normed = fused_layer.rms_norm(x, mlp_args[4], EPS, residual=res)
     assert torch.equal(summed, x + res)

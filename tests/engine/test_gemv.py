@@ -5,6 +5,8 @@ too, and chained with PDL inside a CUDA graph, where a missing wait would show a
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,7 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         torch.testing.assert_close(got, _want(x, w, b, swiglu), rtol=tol, atol=tol)
         again = gemv.linear(x, w, b, swiglu=swiglu)  # the tile counters were reset: the same sums again
         assert torch.equal(got, again)
-    assert not gemv._COUNTERS[x.device].any()
+    assert not any(c.any() for c in gemv._COUNTERS.values())
     with pytest.raises(ValueError, match="at most 32 rows"):
         gemv.linear(torch.zeros(33, 8, dtype=dtype, device=device), torch.zeros(4, 8, dtype=dtype, device=device))
 
@@ -58,8 +60,11 @@ def test_the_products_serve_pdl_devices_only(monkeypatch):
     w = torch.zeros(4, 8)
     assert not gemv.usable(torch.zeros(3, 8), w)  # CPU: no programmatic dependent launch, cuBLAS keeps the products
     assert triton_build.pdl_args(torch.zeros(3)) == {"GDC": False}
-    monkeypatch.setattr(triton_build, "PDL", False)
-    assert not triton_build.pdl_available(torch.zeros(3, device="meta"))
+    hopper = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # a tensor on a PDL device
+    monkeypatch.setattr(triton_build, "_pdl_device", lambda index: True)
+    assert triton_build.pdl_args(hopper) == {"GDC": True, "launch_pdl": True}
+    monkeypatch.setattr(triton_build, "PDL", False)  # switched off: plain launches, cuBLAS's products
+    assert triton_build.pdl_args(hopper) == {"GDC": False}
 
 
 @pytest.mark.gpu
