@@ -1,6 +1,7 @@
-"""The own-length decode attention kernels (engine/decode_attention.py) alone on a GPU, per ``BLOCK_N`` and
-``NUM_WARPS`` of ``partial``: microseconds per call replayed from a CUDA graph, at the 0.5B shape's attention
-(2 KV heads of 7 queries, head size 64) and rows at lengths spread below the bucket.
+"""The own-length decode attention kernels (engine/decode_attention.py) alone on a GPU, per ``BLOCK_BYTES`` (the
+split's positions: 64, 128 or 256 at this shape; the key ``n``) and ``NUM_WARPS`` of ``partial``: microseconds per
+call replayed from a CUDA graph (launched with PDL on Hopper, as in the engine's steps), at the 0.5B shape's
+attention (2 KV heads of 7 queries, head size 64) and rows at lengths spread below the bucket.
 
     python bench/sweep_decode_attention.py --batch-sizes 1,8,32 --buckets 256,1024
 """
@@ -41,8 +42,9 @@ def main() -> None:
         positions = torch.tensor([(i + 1) * (bucket - 1) // b for i in range(b)], device="cuda")
         row = {"batch": b, "bucket": bucket}
         ref = None
-        for block_n, warps in itertools.product((32, 64, 128), (2, 4, 8)):
-            da.BLOCK_N, da.NUM_WARPS = block_n, warps
+        for block_bytes, warps in itertools.product((8192, 16384, 32768), (2, 4, 8)):
+            da.BLOCK_BYTES, da.NUM_WARPS = block_bytes, warps
+            block_n = da.chunk(args.head_dim, torch.bfloat16)
             out = da.decode_attention(q, keys, values, slots, positions, args.head_dim ** -0.5)
             ref = out if ref is None else ref
             row[f"us_n{block_n}_w{warps}"] = round(replay_us(

@@ -47,6 +47,8 @@ def pdl_available(t: Any) -> bool:
 
 def pdl_args(t: Any) -> dict:
     """Launch arguments of a kernel with a ``GDC`` constexpr: with PDL (``pdl_available``) it is launched so that
-    it may start while the kernel before it runs, and must wait for it (``gdc_wait``) before reading anything an
-    earlier kernel wrote, and it lets the next one launch (``gdc_launch_dependents``); else a plain launch."""
+    it may start while the kernel before it runs, and must wait for it (``gdc_wait``) before reading anything that
+    kernel writes; it lets the next one launch (``gdc_launch_dependents``) only after its own wait, so what kernels
+    before the one just before it wrote (weights, the step's inputs and tables, earlier steps' KV cache) is complete
+    when it starts and may be read before the wait. Else a plain launch."""
     return {"GDC": True, "launch_pdl": True} if pdl_available(t) else {"GDC": False}

@@ -5,13 +5,15 @@ SDPA then reads ``L`` positions of K and V for every row, though a row needs onl
 RL rollout lengths spread widely (a few long answers set the bucket), so most of that read is wasted. Here each
 row reads its own prefix only:
 
-- ``partial``: one program per (row, KV head, split of ``CHUNK`` positions); it skips splits past the row's length
-  and, for the others, keeps the query heads of its KV head together (GQA: K and V read once for all of them) with
-  a running max and sum of exponentials (flash-decoding);
+- ``partial``: one program per (row, KV head, split of ``chunk`` positions) keeps the query heads of its KV head
+  together (GQA: K and V read once for all of them) and writes the split's softmax-weighted sum of V with its max
+  and sum of exponentials (flash-decoding); a split past the row's length writes exact zeros. Launched with
+  programmatic dependent launch (Hopper), it reads its block of K and V while the kernel before it still runs: all
+  but the row's current position, which that kernel (the rotary) writes; that one and the query come after the wait;
 - ``combine``: one program per (row, KV head) joins the splits in order. With one split (a length bucket up to
-  ``CHUNK``) ``partial`` writes the result itself, which is what ``combine`` would write, bit for bit.
+  ``chunk``) ``partial`` writes the result itself, which is what ``combine`` would write, bit for bit.
 
-Splits sit at fixed positions (multiples of ``CHUNK``), and splits past a row's length add exact zeros, so a row's
+Splits sit at fixed positions (multiples of ``chunk``, which depends on the head size and dtype only), so a row's
 result does not depend on its batch, its slot or the length bucket. Each row's slot and length are read on the
 device: a captured graph serves any slots, and any lengths up to its bucket. Used for captured steps on CUDA with
 Triton (head sizes up to 256; one that is not a power of two is padded inside the kernels); elsewhere the step keeps
@@ -24,9 +26,8 @@ import torch
 
 from slime_lite.triton_build import pdl_args, triton_kernels
 
-CHUNK = 256  # positions per split: part of the result's definition (the splits' sums are joined in order)
-BLOCK_N = 128  # positions per step inside a split (bench/sweep_decode_attention.py: 4.8 us against 5.4 at 64)
-NUM_WARPS = 4  # of ``partial``
+BLOCK_BYTES = 32768  # of K (and of V) per split, held in registers: the split's positions follow from it (``chunk``)
+NUM_WARPS = 8  # of ``partial``: a split's K and V in 170 registers a thread at head size 64 in bf16 (255 with 4)
 
 
 ENABLED = True  # False: captured steps keep SDPA with a mask (benchmarks compare the two in one process)
@@ -39,53 +40,63 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
             and 0 < head_dim <= 256 and _kernels() is not None)
 
 
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def chunk(head_dim: int, dtype: torch.dtype) -> int:
+    """Positions per split: ``BLOCK_BYTES`` of K over the padded head size, 64 to 256 (256 for a head size of 64 in
+    bf16, 128 for 128). Part of the result's definition: the splits' sums are joined in order."""
+    return min(256, max(64, BLOCK_BYTES // (_pow2(head_dim) * torch.finfo(dtype).bits // 8)))
+
+
 @triton_kernels
 def _kernels(triton, tl):
     @triton.jit(do_not_specialize=["splits"])  # not a variant per split count (compiled mid-rollout)
     def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, out_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st,
                 out_sb, out_sh, out_sr, n_rep, heads, splits, scale, R: tl.constexpr, D: tl.constexpr,
-                DH: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                SINGLE: tl.constexpr, GDC: tl.constexpr):
-        if GDC:  # launched with PDL: the previous kernel's output first (triton_build.pdl_args)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                DH: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
+                GDC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        length = tl.load(pos_ptr + b).to(tl.int32) + 1
-        start = s * CHUNK
-        end = tl.minimum(start + CHUNK, length)
+        slot = tl.load(slot_ptr + b).to(tl.int64)  # the step's inputs, in place before the step runs
+        cur = tl.load(pos_ptr + b).to(tl.int32)  # the row's current position, the last it attends to
+        t = s * CHUNK + tl.arange(0, CHUNK)
         rows = tl.arange(0, R)
         dims = tl.arange(0, D)  # D: the head size DH padded to a power of two (the padding reads and adds zeros)
         live = rows < n_rep
         head = dims < DH
+        base = slot * c_sb + h * c_sh
+        off = base + t[:, None].to(tl.int64) * c_st + dims[None, :]
+        # Before the wait: the positions before the current one, written by earlier steps. The kernel just before
+        # this one (the rotary) writes the current position and the query; earlier kernels are done by now (each
+        # kernel of the step lets the next one start only after its own wait).
+        old = (t < cur)[:, None] & head[None, :]
+        k = tl.load(k_ptr + off, mask=old, other=0.0)
+        v = tl.load(v_ptr + off, mask=old, other=0.0)
+        if GDC:  # launched with PDL (triton_build.pdl_args)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        here = head & (dims * 0 + cur // CHUNK == s)  # this split holds the current position (a vector: Triton's
+        # interpreter, the CPU tests, mis-types a scalar condition inside a mask)
+        now = (t == cur)[:, None]
+        k = tl.where(now, tl.load(k_ptr + base + cur.to(tl.int64) * c_st + dims, mask=here, other=0.0)[None, :], k)
+        v = tl.where(now, tl.load(v_ptr + base + cur.to(tl.int64) * c_st + dims, mask=here, other=0.0)[None, :], v)
         q = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sr + dims[None, :],
                     mask=live[:, None] & head[None, :], other=0.0)
-        m = tl.full((R,), -float("inf"), tl.float32)
-        l_sum = tl.zeros((R,), tl.float32)
-        acc = tl.zeros((R, D), tl.float32)
-        base = slot * c_sb + h * c_sh
-        for t0 in tl.range(start, end, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            valid = t < end
-            off = base + t[:, None].to(tl.int64) * c_st + dims[None, :]
-            k = tl.load(k_ptr + off, mask=valid[:, None] & head[None, :], other=0.0)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            sc = tl.where(valid[None, :], sc * scale, -float("inf"))
-            new = tl.maximum(m, tl.max(sc, axis=1))  # finite: every step has a valid position
-            alpha = tl.exp(m - new)
-            p = tl.exp(sc - new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + off, mask=valid[:, None] & head[None, :], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = new
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = tl.where((t <= cur)[None, :], sc * scale, -float("inf"))
+        m = tl.max(sc, axis=1)  # -inf in a split past the row's length: its weights are then exact zeros
+        p = tl.exp(sc - tl.where(m == -float("inf"), 0.0, m)[:, None])
+        l_sum = tl.sum(p, axis=1)
+        if IEEE:
+            acc = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v)
         if SINGLE:  # one split: the result itself, as ``combine`` would write it
             tl.store(out_ptr + b * out_sb + h * out_sh + rows[:, None] * out_sr + dims[None, :],
                      (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None] & head[None, :])
@@ -141,19 +152,20 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                          f"{tuple(values.shape)}, slots {tuple(slots.shape)} and positions {tuple(positions.shape)} "
                          "do not fit together (q [B, kv_heads, n_rep, D], keys/values [S, kv_heads, L, D], slots and "
                          "positions [B])")
-    splits = -(-keys.shape[2] // CHUNK)
-    dp = max(16, 1 << (d - 1).bit_length())
+    size = chunk(d, q.dtype)
+    splits = -(-keys.shape[2] // size)
+    dp = _pow2(d)
     out = torch.empty_like(q)
-    single = splits == 1  # lengths up to CHUNK: ``partial`` writes the result, no ``combine``
+    single = splits == 1  # lengths up to one split: ``partial`` writes the result, no ``combine``
     parts = torch.empty(0 if single else b * heads * splits * n_rep, dp, dtype=torch.float32, device=q.device)
     stats = torch.empty(0 if single else b * heads * splits * n_rep, 2, dtype=torch.float32, device=q.device)
-    r = max(16, 1 << (n_rep - 1).bit_length())
+    r = _pow2(n_rep)
     partial, combine = _kernels()
     with torch.cuda.device(q.device if q.is_cuda else -1):  # -1: a CPU tensor under the Triton interpreter (tests)
         partial[(b, heads, splits)](q, keys, values, slots, positions, parts, stats, out, q.stride(0), q.stride(1),
                                     q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
                                     out.stride(1), out.stride(2), n_rep, heads, splits,
-                                    float(scale), R=r, D=dp, DH=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N,
+                                    float(scale), R=r, D=dp, DH=d, CHUNK=size,
                                     IEEE=q.dtype == torch.float32, SINGLE=single, num_warps=NUM_WARPS,
                                     **pdl_args(q))
         if not single:

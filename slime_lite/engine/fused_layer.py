@@ -41,12 +41,13 @@ def _kernels(triton, tl):
     @triton.jit
     def rms(x_ptr, res_ptr, w_ptr, h_ptr, y_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
             GDC: tl.constexpr):
-        if GDC:  # launched with PDL: the previous kernel's output first (triton_build.pdl_args)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         live = cols < n
+        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)  # a weight: read before the wait
+        if GDC:  # launched with PDL: the previous kernel's output from here on (triton_build.pdl_args)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(x_ptr + row * n + cols, mask=live, other=0.0)
         if HAS_RES:  # the residual add, rounded as the eager add rounds, is the layer's new hidden state
             x = (x.to(tl.float32) + tl.load(res_ptr + row * n + cols, mask=live, other=0.0).to(tl.float32))
@@ -54,47 +55,50 @@ def _kernels(triton, tl):
             tl.store(h_ptr + row * n + cols, x, mask=live)
         xf = x.to(tl.float32)
         normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)).to(y_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * n + cols, (w * normed.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def rope(qkv_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, kv_ptr, idx_ptr, qkv_row, heads, kv_heads, eps,
              DH: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
              TO_CACHE: tl.constexpr, GDC: tl.constexpr):
-        if GDC:  # launched with PDL: the previous kernel's output first (triton_build.pdl_args)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         dims = tl.arange(0, D)  # D: the head size DH padded to a power of two
         live = dims < DH
+        half: tl.constexpr = DH // 2
+        if INTERLEAVED:  # rotary pairs (0, 1), (2, 3), ...
+            pair = dims ^ 1
+        else:  # pairs (d, d + DH / 2)
+            pair = tl.where(dims < half, dims + half, dims - half)
+        rotated = head < heads + kv_heads  # q and k heads; v heads are copied (they read cos/sin all the same)
+        # before the wait: cos/sin (the step's rows of the table, taken before its first layer), the QK-norm weights
+        c = tl.load(cos_ptr + row * DH + dims, mask=live, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + row * DH + dims, mask=live, other=0.0).to(tl.float32)
+        w_ptr = norm_ptr + tl.where(head < heads, 0, DH)  # q_norm's weight for q heads, k_norm's after it for k heads
+        if HAS_NORM:
+            w = tl.load(w_ptr + dims, mask=live, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + pair, mask=live, other=0.0).to(tl.float32)
+        if TO_CACHE:  # and the cache row of a K/V head (the index, also taken before the first layer)
+            at = tl.load(idx_ptr + row * 2 * kv_heads + tl.maximum(head - heads, 0))
+        if GDC:  # launched with PDL: the previous kernel's output from here on (triton_build.pdl_args)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         src = qkv_ptr + row * qkv_row + head * DH
         x = tl.load(src + dims, mask=live, other=0.0)
         out = x
-        half: tl.constexpr = DH // 2
-        if head < heads + kv_heads:  # q and k heads: x * cos + partner(x) * sin (sin carries rotate_half's sign)
-            if INTERLEAVED:  # pairs (0, 1), (2, 3), ...
-                pair = dims ^ 1
-            else:  # pairs (d, d + DH / 2)
-                pair = tl.where(dims < half, dims + half, dims - half)
+        if rotated:  # x * cos + partner(x) * sin (sin carries rotate_half's sign)
             partner = tl.load(src + pair, mask=live, other=0.0)
-            if HAS_NORM:  # the head's RMSNorm first (q_norm's weight for q heads, k_norm's after it for k heads)
+            if HAS_NORM:  # the head's RMSNorm first
                 xf = x.to(tl.float32)
                 r = tl.rsqrt(tl.sum(xf * xf, axis=0) / DH + eps)
-                w_ptr = norm_ptr + tl.where(head < heads, 0, DH)
-                w = tl.load(w_ptr + dims, mask=live, other=0.0).to(tl.float32)
-                wp = tl.load(w_ptr + pair, mask=live, other=0.0).to(tl.float32)
                 x = (w * (xf * r).to(x.dtype).to(tl.float32)).to(x.dtype)
                 partner = (wp * (partner.to(tl.float32) * r).to(x.dtype).to(tl.float32)).to(x.dtype)
-            c = tl.load(cos_ptr + row * DH + dims, mask=live, other=0.0).to(tl.float32)
-            s = tl.load(sin_ptr + row * DH + dims, mask=live, other=0.0).to(tl.float32)
             a = (x.to(tl.float32) * c).to(x.dtype)
             b = (partner.to(tl.float32) * s).to(x.dtype)
             out = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
         if head < heads:
             tl.store(q_ptr + (row * heads + head) * DH + dims, out, mask=live)
         elif TO_CACHE:  # straight into the KV cache: the row of this (row, K/V head) in the layer's [-1, DH] view
-            at = tl.load(idx_ptr + row * 2 * kv_heads + head - heads)
             tl.store(kv_ptr + at * DH + dims, out, mask=live)
         else:
             tl.store(kv_ptr + (row * 2 * kv_heads + head - heads) * DH + dims, out, mask=live)
@@ -142,10 +146,10 @@ def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, 
     if qk_norm is not None and (qk_norm.numel() != 2 * head_dim or not qk_norm.is_contiguous()):
         raise ValueError("rotary: qk_norm must be the contiguous [2 * head_dim] weights of q_norm then k_norm")
     rows = qkv.shape[0]
-    if cache is not None and (index is None or index.shape != (rows * 2 * kv_heads,) or cache.shape[-1] != head_dim
-                              or not cache.is_contiguous() or cache.dtype != qkv.dtype):
+    if cache is not None and (index is None or index.shape != (rows * 2 * kv_heads,) or not index.is_contiguous()
+                              or cache.shape[-1] != head_dim or not cache.is_contiguous() or cache.dtype != qkv.dtype):
         raise ValueError("rotary: cache must be a contiguous [-1, head_dim] view in qkv's dtype, with index of "
-                         "[rows * 2 * kv_heads] rows into it")
+                         "[rows * 2 * kv_heads] rows into it (contiguous)")
     q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     kv = cache if cache is not None else torch.empty(rows, 2 * kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     with torch.cuda.device(qkv.device if qkv.is_cuda else -1):  # -1: the Triton interpreter (tests)
@@ -163,16 +167,17 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
     """A layer's input norm, q/k/v projection and rotary for hidden states ``h [B, T, hidden]`` (contiguous), as
     ``model.layer_functions``' ``qkv_rope``: returns ``(h, q [B, T, heads, D], kv [B, T, 2 kv_heads, D])``. ``add``:
     the previous layer's MLP output, not yet added to ``h``: the norm's kernel adds it (the returned ``h`` is the
-    sum). ``cache``/``index`` (``rotary``'s): K and V go straight into the cache, and ``kv`` is None."""
+    sum). ``cache``/``index`` (``rotary``'s): K and V go straight into the cache, and ``kv`` is None. ``cos``,
+    ``sin`` (``[B, T, ..., head_dim]``) and ``index`` contiguous, made before the first layer: the rotary's kernel
+    reads them before its wait for the product before it (a copy made here would be that kernel)."""
     b, t, _ = h.shape
     if add is None:
         x = rms_norm(h, ln, eps)
     else:
         h, x = rms_norm(add.contiguous(), ln, eps, residual=h)
     qkv = gemv.linear(x, qkv_w, qkv_b) if gemv.usable(x, qkv_w, qkv_b) else F.linear(x, qkv_w, qkv_b)
-    q, kv = rotary(qkv.view(b * t, -1), cos.reshape(b * t, head_dim).contiguous(),
-                   sin.reshape(b * t, head_dim).contiguous(), heads, kv_heads, head_dim, qk_norm, eps, interleaved,
-                   cache, index)
+    q, kv = rotary(qkv.view(b * t, -1), cos.view(b * t, head_dim), sin.view(b * t, head_dim), heads, kv_heads,
+                   head_dim, qk_norm, eps, interleaved, cache, index)
     return h, q.view(b, t, heads, head_dim), (None if kv is None else kv.view(b, t, 2 * kv_heads, head_dim))
 
 

@@ -10,20 +10,23 @@ import torch.nn.functional as F
 
 def _kernels_on_cpu() -> None:
     """Run by ``test_the_kernels_in_the_triton_interpreter`` with TRITON_INTERPRET=1: the kernels on CPU tensors
-    (float32 and float16; a head size that is not a power of two; lengths at the split edges; rows reading scattered
-    slots of a larger cache) against float64 masked attention, and the same bits for a row alone under a smaller
-    bucket."""
-    from slime_lite.engine.decode_attention import CHUNK, decode_attention
+    (float32 and float16; a head size that is not a power of two; splits of 256 and 128 positions; lengths at the
+    split edges; rows reading scattered slots of a larger cache) against float64 masked attention, and the same bits
+    for a row alone under a smaller bucket."""
+    from slime_lite.engine.decode_attention import chunk, decode_attention
 
+    assert (chunk(64, torch.bfloat16), chunk(128, torch.bfloat16), chunk(64, torch.float32)) == (256, 128, 128)
     for dtype, kv_heads, n_rep, dim, bucket, tol in [(torch.float32, 2, 7, 32, 600, 1e-5),
                                                     (torch.float16, 1, 2, 16, 300, 2e-3),
-                                                    (torch.float32, 1, 3, 24, 300, 1e-5)]:  # head size padded to 32
+                                                    (torch.float32, 1, 3, 24, 300, 1e-5),  # head size padded to 32
+                                                    (torch.float32, 2, 2, 64, 300, 1e-5)]:  # splits of 128
         g = torch.Generator().manual_seed(5)
         kv = torch.randn(7, 2 * kv_heads, bucket + 64, dim, generator=g).to(dtype)
         keys, values = kv[:, :kv_heads, :bucket], kv[:, kv_heads:, :bucket]
         q = torch.randn(5, kv_heads, n_rep, dim, generator=g).to(dtype)
         slots = torch.tensor([6, 2, 0, 3, 5])
-        positions = torch.tensor([0, CHUNK - 1, CHUNK, bucket - 1, 17])
+        size = chunk(dim, dtype)
+        positions = torch.tensor([0, size - 1, size, bucket - 1, 17])
         out = decode_attention(q, keys, values, slots, positions, dim ** -0.5)
         mask = (torch.arange(bucket)[None, :] <= positions[:, None])[:, None, None, :]
         want = F.scaled_dot_product_attention(q.double(), keys[slots].double(), values[slots].double(),

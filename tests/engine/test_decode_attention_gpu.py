@@ -31,7 +31,7 @@ def _reference(q, keys, values, positions, scale):
     (torch.bfloat16, 4, 2, 80, 512),    # a head size that is not a power of two (padded to 128 in the kernels)
 ])
 def test_own_length_attention_matches_masked_attention(dtype, kv_heads, n_rep, dim, bucket):
-    from slime_lite.engine.decode_attention import CHUNK, available, decode_attention
+    from slime_lite.engine.decode_attention import available, chunk, decode_attention
 
     assert available(torch.device("cuda"), dtype, dim), "Triton should come with CUDA torch"
     rows = 40
@@ -39,7 +39,8 @@ def test_own_length_attention_matches_masked_attention(dtype, kv_heads, n_rep, d
     keys, values = keys[:, :, :bucket], values[:, :, :bucket]  # the step's positions of a larger cache
     slots = torch.randperm(rows + 3, device="cuda")[:rows]  # rows read scattered slots
     q = torch.randn(rows, kv_heads, n_rep, dim, device="cuda").to(dtype)
-    edges = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, bucket - 1]
+    size = chunk(dim, dtype)
+    edges = [0, 1, size - 1, size, size + 1, bucket - 1]
     positions = torch.tensor(edges + torch.randint(0, bucket, (rows - len(edges),)).tolist(), device="cuda")
     out = decode_attention(q, keys, values, slots, positions, dim ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
