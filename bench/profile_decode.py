@@ -11,7 +11,10 @@ of a step, the model's parameter bytes (tied weights once) over the device's cop
 
 ``--compare-fused``: also timed with the eager layer pieces instead of ``fused_layer``'s kernels, ``*_unfused`` keys.
 ``--compare-pdl``: also timed without programmatic dependent launch (``triton_build.PDL`` off: cuBLAS's products,
-the kernels launched plainly), ``*_nopdl`` keys.
+the kernels launched plainly), ``*_nopdl`` keys. ``--compare-norm``: also timed with the norms as kernels of their
+own instead of inside the products' kernels (``gemv.NORM_MAX_ROWS`` 0), ``*_normkernel`` keys.
+``--attention-bytes 8192,16384``: also timed with these ``decode_attention.BLOCK_BYTES`` (positions per split),
+``*_attnN`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
 where a few long answers set the length bucket) instead of all at the middle; ``--compare-attention``: the step is
 also timed with the own-length attention kernels switched off (masked SDPA over the bucket), ``*_sdpa`` keys.
@@ -109,6 +112,10 @@ def main() -> None:
                     help="also time the step with the eager layer pieces instead of the fused kernels, *_unfused keys")
     ap.add_argument("--compare-pdl", action="store_true",
                     help="also time the step without programmatic dependent launch (cuBLAS products), *_nopdl keys")
+    ap.add_argument("--compare-norm", action="store_true",
+                    help="also time the step with the norms as kernels of their own, *_normkernel keys")
+    ap.add_argument("--attention-bytes", default="",
+                    help="also time the step with these decode_attention.BLOCK_BYTES (comma-separated), *_attnN keys")
     ap.add_argument("--gemv-configs", default="",
                     help="also time the step with these tile configs of engine/gemv.py: comma-separated, each "
                          "BNxBKxWARPS for every product or three of them joined by / (q/k/v and o, gate/up, down)")
@@ -121,7 +128,7 @@ def main() -> None:
     from slime_lite.engine.cuda_graph import StepInputs
     from slime_lite.engine.scheduler import Scheduler
 
-    auto_config = gemv.config
+    auto_config, norm_rows, block_bytes = gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES
     tmp = tempfile.TemporaryDirectory()
     model_dir = make_model_dir(args.model_config, tmp.name)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
@@ -142,17 +149,20 @@ def main() -> None:
         one = StepInputs(token=toks, position=pos, temperature=[1.0] * b, uniform=[0.5] * b, greedy=[False] * b)
         variants = [""] + ["_sdpa"] * args.compare_attention + ["_unfused"] * args.compare_fused
         variants += ["_nopdl"] * args.compare_pdl + [f"_gemv{c}" for c in args.gemv_configs.split(",") if c]
+        variants += ["_normkernel"] * args.compare_norm + [f"_attn{n}" for n in args.attention_bytes.split(",") if n]
         for suffix in variants:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
             gemv.config = _fixed_config(suffix[5:]) if suffix.startswith("_gemv") else auto_config
+            gemv.NORM_MAX_ROWS = 0 if suffix == "_normkernel" else norm_rows
+            decode_attention.BLOCK_BYTES = int(suffix[5:]) if suffix.startswith("_attn") else block_bytes
             s.decoder.reset()
             row["run_ms" + suffix] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
         decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = True
-        gemv.config = auto_config
+        gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES = auto_config, norm_rows, block_bytes
         row["python_ms"] = row["step_ms"] - row["run_ms"]
         dev = s.lm.device
         ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)

@@ -6,7 +6,9 @@ about a thousand such steps with a few rows each. Three kernels replace most of 
 
 - ``rms``: RMSNorm of a row, with the residual add before it when given (``h + o``, rounded to the model dtype as
   the eager add is, written out as the new residual); also GLM4's norms of the attention and MLP outputs. A layer's
-  MLP output is added to the residual by the next layer's input norm (or the final norm), not by a kernel of its own;
+  MLP output is added to the residual by the next layer's input norm (or the final norm), not by a kernel of its own.
+  Where ``gemv`` serves the product after a norm at up to ``gemv.NORM_MAX_ROWS`` rows, the norm (and its residual
+  add) runs inside the product's kernel instead (``gemv.linear(norm=...)``): two kernels fewer per layer;
 - ``rope``: the rotary embedding of the q and k heads of one row (after each head's RMSNorm in models with QK-norm,
   Qwen3; in interleaved pairs and over part of the head for GLM4), with the v heads copied beside the k heads, or
   the k and v heads written straight into their rows of the KV cache (no separate cache write);
@@ -171,11 +173,17 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
     ``sin`` (``[B, T, ..., head_dim]``) and ``index`` contiguous, made before the first layer: the rotary's kernel
     reads them before its wait for the product before it (a copy made here would be that kernel)."""
     b, t, _ = h.shape
-    if add is None:
-        x = rms_norm(h, ln, eps)
+    if gemv.fuses_norm(h, qkv_w, qkv_b):  # the norm (and the residual add) inside the product's kernel
+        if add is None:
+            qkv = gemv.linear(h, qkv_w, qkv_b, norm=(ln, eps))
+        else:
+            h, qkv = gemv.linear(add.contiguous(), qkv_w, qkv_b, norm=(ln, eps), residual=h)
     else:
-        h, x = rms_norm(add.contiguous(), ln, eps, residual=h)
-    qkv = gemv.linear(x, qkv_w, qkv_b) if gemv.usable(x, qkv_w, qkv_b) else F.linear(x, qkv_w, qkv_b)
+        if add is None:
+            x = rms_norm(h, ln, eps)
+        else:
+            h, x = rms_norm(add.contiguous(), ln, eps, residual=h)
+        qkv = gemv.linear(x, qkv_w, qkv_b) if gemv.usable(x, qkv_w, qkv_b) else F.linear(x, qkv_w, qkv_b)
     q, kv = rotary(qkv.view(b * t, -1), cos.view(b * t, head_dim), sin.view(b * t, head_dim), heads, kv_heads,
                    head_dim, qk_norm, eps, interleaved, cache, index)
     return h, q.view(b, t, heads, head_dim), (None if kv is None else kv.view(b, t, 2 * kv_heads, head_dim))
@@ -191,11 +199,14 @@ def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn
         o = F.linear(attn_out, o_w, o_b).contiguous()
     if post_attn is not None:  # GLM4: the attention output is normed before the residual add
         o = rms_norm(o, post_attn, eps)
-    h, normed = rms_norm(o, ln2, eps, residual=h)
-    if gemv.usable(normed, gu_w, gu_b):  # with the SiLU
-        act = gemv.linear(normed, gu_w, gu_b, swiglu=True)
+    if gemv.fuses_norm(o, gu_w, gu_b) and h.is_contiguous():  # the residual add, norm and SiLU in the product
+        h, act = gemv.linear(o, gu_w, gu_b, swiglu=True, norm=(ln2, eps), residual=h)
     else:
-        act = silu_and_mul(F.linear(normed, gu_w, gu_b))
+        h, normed = rms_norm(o, ln2, eps, residual=h)
+        if gemv.usable(normed, gu_w, gu_b):  # with the SiLU
+            act = gemv.linear(normed, gu_w, gu_b, swiglu=True)
+        else:
+            act = silu_and_mul(F.linear(normed, gu_w, gu_b))
     m = gemv.linear(act, down_w, down_b) if gemv.usable(act, down_w, down_b) else F.linear(act, down_w, down_b)
     if post_mlp is not None:  # GLM4: and the MLP output
         m = rms_norm(m.contiguous(), post_mlp, eps)

@@ -36,7 +36,22 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         torch.testing.assert_close(got, _want(x, w, b, swiglu), rtol=tol, atol=tol)
         again = gemv.linear(x, w, b, swiglu=swiglu)  # the tile counters were reset: the same sums again
         assert torch.equal(got, again)
+    for rows, k, n, swiglu, residual in [(3, 300, 40, False, False), (16, 200, 2 * 48, True, True)]:
+        x = torch.randn(rows, k, generator=gen).to(dtype).to(device) * 3
+        res = torch.randn(rows, k, generator=gen).to(dtype).to(device) if residual else None
+        ln = (1 + torch.randn(k, generator=gen) * 0.2).to(dtype).to(device)
+        w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(device)
+        got = gemv.linear(x, w, swiglu=swiglu, norm=(ln, 1e-6), residual=res)  # the norm inside the kernel
+        summed = x + res if residual else x
+        normed = (ln.float() * (summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+                  .to(dtype).float()).to(dtype)
+        if residual:
+            assert torch.equal(got[0], summed)  # the new residual, as the eager add rounds it
+            got = got[1]
+        torch.testing.assert_close(got, _want(normed, w, None, swiglu), rtol=tol, atol=tol)
     assert not any(c.any() for c in gemv._COUNTERS.values())
+    with pytest.raises(ValueError, match="residual .only with norm"):
+        gemv.linear(x, w, residual=x)
     with pytest.raises(ValueError, match="at most 32 rows"):
         gemv.linear(torch.zeros(33, 8, dtype=dtype, device=device), torch.zeros(4, 8, dtype=dtype, device=device))
 
@@ -90,9 +105,13 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
 
     def chain():  # 12 x (norm, gate/up with SiLU, down): each kernel reads what the one before wrote
         h = x0
-        for gu, down, ln in layers:
+        for gu, down, ln in layers[:6]:
             h = gemv.linear(gemv.linear(fused_layer.rms_norm(h, ln, 1e-6), gu, swiglu=True), down)
-        return h
+        m = h
+        for gu, down, ln in layers[6:]:  # the residual add and the norm inside gate/up's kernel, as in the engine
+            h, act = gemv.linear(m, gu, swiglu=True, norm=(ln, 1e-6), residual=h)
+            m = gemv.linear(act, down)
+        return m
 
     outs = {}
     for pdl in (True, False):
