@@ -11,8 +11,8 @@ of a step, the model's parameter bytes (tied weights once) over the device's cop
 
 ``--compare-fused``: also timed with the eager layer pieces instead of ``fused_layer``'s kernels, ``*_unfused`` keys.
 ``--compare-pdl``: also timed without programmatic dependent launch (``triton_build.PDL`` off: cuBLAS's products,
-the kernels launched plainly), ``*_nopdl`` keys. ``--compare-norm``: also timed with the norms as kernels of their
-own instead of inside the products' kernels (``gemv.NORM_MAX_ROWS`` 0), ``*_normkernel`` keys.
+the kernels launched plainly), ``*_nopdl`` keys. ``--norm-rows 0,32``: also timed with these ``gemv.NORM_MAX_ROWS``
+(0: the norms as kernels of their own, not inside the products' kernels), ``*_normrowsN`` keys.
 ``--attention-bytes 8192,16384``: also timed with these ``decode_attention.BLOCK_BYTES`` (positions per split),
 ``*_attnN`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
@@ -112,8 +112,9 @@ def main() -> None:
                     help="also time the step with the eager layer pieces instead of the fused kernels, *_unfused keys")
     ap.add_argument("--compare-pdl", action="store_true",
                     help="also time the step without programmatic dependent launch (cuBLAS products), *_nopdl keys")
-    ap.add_argument("--compare-norm", action="store_true",
-                    help="also time the step with the norms as kernels of their own, *_normkernel keys")
+    ap.add_argument("--norm-rows", default="",
+                    help="also time the step with these gemv.NORM_MAX_ROWS (0: the norms as kernels of their own), "
+                         "comma-separated, *_normrowsN keys")
     ap.add_argument("--attention-bytes", default="",
                     help="also time the step with these decode_attention.BLOCK_BYTES (comma-separated), *_attnN keys")
     ap.add_argument("--gemv-configs", default="",
@@ -149,12 +150,13 @@ def main() -> None:
         one = StepInputs(token=toks, position=pos, temperature=[1.0] * b, uniform=[0.5] * b, greedy=[False] * b)
         variants = [""] + ["_sdpa"] * args.compare_attention + ["_unfused"] * args.compare_fused
         variants += ["_nopdl"] * args.compare_pdl + [f"_gemv{c}" for c in args.gemv_configs.split(",") if c]
-        variants += ["_normkernel"] * args.compare_norm + [f"_attn{n}" for n in args.attention_bytes.split(",") if n]
+        variants += [f"_normrows{n}" for n in args.norm_rows.split(",") if n]
+        variants += [f"_attn{n}" for n in args.attention_bytes.split(",") if n]
         for suffix in variants:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
             gemv.config = _fixed_config(suffix[5:]) if suffix.startswith("_gemv") else auto_config
-            gemv.NORM_MAX_ROWS = 0 if suffix == "_normkernel" else norm_rows
+            gemv.NORM_MAX_ROWS = int(suffix[9:]) if suffix.startswith("_normrows") else norm_rows
             decode_attention.BLOCK_BYTES = int(suffix[5:]) if suffix.startswith("_attn") else block_bytes
             s.decoder.reset()
             row["run_ms" + suffix] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
