@@ -7,8 +7,9 @@ about a thousand such steps with a few rows each. Three kernels replace most of 
 - ``rms``: RMSNorm of a row, with the residual add before it when given (``h + o``, rounded to the model dtype as
   the eager add is, written out as the new residual); also GLM4's norms of the attention and MLP outputs. A layer's
   MLP output is added to the residual by the next layer's input norm (or the final norm), not by a kernel of its own.
-  Where ``gemv`` serves the product after a norm at up to ``gemv.NORM_MAX_ROWS`` rows, the norm (and its residual
-  add) runs inside the product's kernel instead (``gemv.linear(norm=...)``): two kernels fewer per layer;
+  Where ``gemv`` serves a layer's products (at up to ``gemv.NORM_MAX_ROWS`` rows), the residual adds and the norms
+  run inside the products' kernels instead (``gemv.linear``'s ``residual``, ``sums`` and ``norm``): two kernels
+  fewer per layer;
 - ``rope``: the rotary embedding of the q and k heads of one row (after each head's RMSNorm in models with QK-norm,
   Qwen3; in interleaved pairs and over part of the head for GLM4), with the v heads copied beside the k heads, or
   the k and v heads written straight into their rows of the KV cache (no separate cache write);
@@ -165,19 +166,18 @@ def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, 
 def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor, qkv_w: torch.Tensor,
                      qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None,
                      heads: int, kv_heads: int, head_dim: int, eps: float, interleaved: bool = False,
-                     cache: torch.Tensor | None = None, index: torch.Tensor | None = None):
+                     cache: torch.Tensor | None = None, index: torch.Tensor | None = None,
+                     sq: torch.Tensor | None = None):
     """A layer's input norm, q/k/v projection and rotary for hidden states ``h [B, T, hidden]`` (contiguous), as
     ``model.layer_functions``' ``qkv_rope``: returns ``(h, q [B, T, heads, D], kv [B, T, 2 kv_heads, D])``. ``add``:
     the previous layer's MLP output, not yet added to ``h``: the norm's kernel adds it (the returned ``h`` is the
-    sum). ``cache``/``index`` (``rotary``'s): K and V go straight into the cache, and ``kv`` is None. ``cos``,
+    sum). ``sq``: the sums of squares of ``h``'s rows (``mlp_output``'s): the norm runs inside the q/k/v product's
+    kernel. ``cache``/``index`` (``rotary``'s): K and V go straight into the cache, and ``kv`` is None. ``cos``,
     ``sin`` (``[B, T, ..., head_dim]``) and ``index`` contiguous, made before the first layer: the rotary's kernel
     reads them before its wait for the product before it (a copy made here would be that kernel)."""
     b, t, _ = h.shape
-    if gemv.fuses_norm(h, qkv_w, qkv_b):  # the norm (and the residual add) inside the product's kernel
-        if add is None:
-            qkv = gemv.linear(h, qkv_w, qkv_b, norm=(ln, eps))
-        else:
-            h, qkv = gemv.linear(add.contiguous(), qkv_w, qkv_b, norm=(ln, eps), residual=h)
+    if add is None and sq is not None and gemv.usable(h, qkv_w, qkv_b):
+        qkv = gemv.linear(h, qkv_w, qkv_b, norm=(ln, eps, sq))
     else:
         if add is None:
             x = rms_norm(h, ln, eps)
@@ -191,23 +191,31 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
 
 def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn, post_mlp, eps: float):
     """The o-projection, residual add and gated SiLU MLP after attention, as ``model.layer_functions``'
-    ``mlp_residual``, but the MLP output ``m`` is returned with the new ``h`` instead of added to it:
-    ``(h, m)``, for the next layer's ``attention_inputs`` (or the final norm) to add inside its norm kernel."""
+    ``mlp_residual``: ``(h, m, sq)``. Where ``gemv`` serves all three products at up to ``gemv.NORM_MAX_ROWS``
+    rows, ``h`` is the layer's output, ``m`` None and ``sq`` the sums of squares of its rows for the next layer's
+    norm (``attention_inputs``): the residual adds and the norm run inside the products' kernels. Else the MLP output
+    ``m`` is returned with the new ``h`` instead of added to it (and ``sq`` is None), for the next layer's
+    ``attention_inputs`` (or the final norm) to add inside its norm kernel."""
+    rows = h.numel() // h.shape[-1]
+    if (post_attn is None and post_mlp is None and rows <= gemv.NORM_MAX_ROWS and h.is_contiguous()
+            and all(gemv.usable(h, w_, b_) for w_, b_ in ((o_w, o_b), (gu_w, gu_b), (down_w, down_b)))
+            and attn_out.is_contiguous()):
+        h, sq = gemv.linear(attn_out, o_w, o_b, residual=h, sums=True)
+        act = gemv.linear(h, gu_w, gu_b, swiglu=True, norm=(ln2, eps, sq))
+        h, sq = gemv.linear(act, down_w, down_b, residual=h, sums=True)
+        return h, None, sq
     if gemv.usable(attn_out, o_w, o_b):  # the products by gemv where it serves them (PDL devices, a few rows)
         o = gemv.linear(attn_out, o_w, o_b)
     else:
         o = F.linear(attn_out, o_w, o_b).contiguous()
     if post_attn is not None:  # GLM4: the attention output is normed before the residual add
         o = rms_norm(o, post_attn, eps)
-    if gemv.fuses_norm(o, gu_w, gu_b) and h.is_contiguous():  # the residual add, norm and SiLU in the product
-        h, act = gemv.linear(o, gu_w, gu_b, swiglu=True, norm=(ln2, eps), residual=h)
+    h, normed = rms_norm(o, ln2, eps, residual=h)
+    if gemv.usable(normed, gu_w, gu_b):  # with the SiLU
+        act = gemv.linear(normed, gu_w, gu_b, swiglu=True)
     else:
-        h, normed = rms_norm(o, ln2, eps, residual=h)
-        if gemv.usable(normed, gu_w, gu_b):  # with the SiLU
-            act = gemv.linear(normed, gu_w, gu_b, swiglu=True)
-        else:
-            act = silu_and_mul(F.linear(normed, gu_w, gu_b))
+        act = silu_and_mul(F.linear(normed, gu_w, gu_b))
     m = gemv.linear(act, down_w, down_b) if gemv.usable(act, down_w, down_b) else F.linear(act, down_w, down_b)
     if post_mlp is not None:  # GLM4: and the MLP output
         m = rms_norm(m.contiguous(), post_mlp, eps)
-    return h, m
+    return h, m, None

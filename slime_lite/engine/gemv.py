@@ -13,9 +13,11 @@ waits, then reads the rows: the weight reads overlap the previous kernel. The en
 program of a tile to finish (a counter per tile, reset by that program) adds them in slice order, so the result
 does not depend on which finishes first. ``swiglu``: ``w`` is a gate/up projection (gate rows first) and ``y`` is
 ``silu(gate) * up``, rounded as the eager pieces round. The sums run in another order than cuBLAS's: results
-differ from ``F.linear`` by float32 rounding before the final rounding to the model dtype. ``norm``: the RMSNorm
-before the product (and the residual add before it) in the same kernel: each program reads the whole rows for their
-sums of squares (a few KB at a few rows) and normalizes its slice, so the norm needs no kernel of its own.
+differ from ``F.linear`` by float32 rounding before the final rounding to the model dtype.
+
+A decode layer's RMSNorms need no kernels of their own here: the product before a norm adds the residual to its
+output and writes each row's sum of squares over its column tile (``residual``, ``sums``); the product after it
+adds those few sums up and normalizes its slice of the rows as it reads them (``norm``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from slime_lite.triton_build import pdl_args, pdl_available, triton_kernels
 # the float32 partial sums they write and read.
 MAX_ROWS = 32
 WIDE, WIDE_MAX_ROWS = 1 << 22, 16
-# the norm before a product in the product's kernel (``linear(norm=...)``) up to this many rows, where each program's
-# read of the whole rows (for their sums of squares) is small; 0: the norms stay kernels of their own (benchmarks)
+# the decode layer's residual adds and norms inside its products' kernels (``linear``'s ``residual``, ``sums`` and
+# ``norm``) at up to this many rows; 0: the norms and adds stay kernels of their own (benchmarks compare)
 NORM_MAX_ROWS = 16
 # the tiles' counters per (device, stream), all zero between kernels (each resets its own): kernels of one stream
 # run one after the other (with PDL too, a kernel's counting starts after its wait); never replaced, as captured
@@ -42,10 +44,10 @@ MAX_TILES = 4096
 @triton_kernels
 def _kernel(triton, tl):
     @triton.jit
-    def gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, res_ptr, h_ptr, ln_ptr, M, K, OUT_N, eps,
-             HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             NSPLIT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-             KB: tl.constexpr, GDC: tl.constexpr):
+    def gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, ln_ptr, sq_in_ptr, res_ptr, sq_out_ptr, M, K, OUT_N,
+             n_sq, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr, TP: tl.constexpr,
+             HAS_RES: tl.constexpr, SUMS: tl.constexpr, GDC: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -64,26 +66,12 @@ def _kernel(triton, tl):
             tl.extra.cuda.gdc_launch_dependents()
         rm = tl.arange(0, BM)
         row_ok = rm < M
-        xm = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=xm, other=0.0)
-        if NORM:  # x is the norm's input (its residual add first): the whole rows for their sums of squares
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:  # x's rows normed first, from their sums of squares over the kernel before's column tiles
+            ts = tl.arange(0, TP)
+            sq = tl.load(sq_in_ptr + ts[:, None] * BM + rm[None, :], mask=(ts < n_sq)[:, None], other=0.0)
+            inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)  # as the norm kernel: normed, rounded, times the weight
             dt_x = x_ptr.dtype.element_ty
-            if HAS_RES:  # rounded as the eager add rounds; the first program writes the sum (the new residual)
-                x = (x.to(tl.float32) + tl.load(res_ptr + rm[:, None] * K + rk[None, :], mask=xm, other=0.0)
-                     .to(tl.float32)).to(dt_x)
-            sq = tl.zeros((BM,), tl.float32)
-            for c in tl.static_range(0, KB, BK):
-                ck = c + tl.arange(0, BK)
-                cm = row_ok[:, None] & (ck < K)[None, :]
-                at = rm[:, None] * K + ck[None, :]
-                xc = tl.load(x_ptr + at, mask=cm, other=0.0)
-                if HAS_RES:
-                    xc = (xc.to(tl.float32) + tl.load(res_ptr + at, mask=cm, other=0.0).to(tl.float32)).to(dt_x)
-                    if (pid_n == 0) & (pid_k == 0):
-                        tl.store(h_ptr + at, xc, mask=cm)
-                xc = xc.to(tl.float32)
-                sq += tl.sum(xc * xc, axis=1)
-            inv = tl.rsqrt(sq / K + eps)  # as the norm kernel: normed, rounded, times the weight, rounded
             x = (ln[None, :] * (x.to(tl.float32) * inv[:, None]).to(dt_x).to(tl.float32)).to(dt_x)
         if IEEE:
             acc = tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -122,7 +110,13 @@ def _kernel(triton, tl):
                 out = (act * acc_u.to(dt).to(tl.float32)).to(dt)
             else:
                 out = acc.to(dt)
+            if HAS_RES:  # the residual add after the product, rounded as the eager add rounds
+                out = (tl.load(res_ptr + rm[:, None] * OUT_N + rn[None, :], mask=out_ok, other=0.0)
+                       .to(tl.float32) + out.to(tl.float32)).to(dt)
             tl.store(y_ptr + rm[:, None] * OUT_N + rn[None, :], out, mask=out_ok)
+            if SUMS:  # each row's sum of squares over this column tile, for the norm in the next product
+                of = tl.where(out_ok, out.to(tl.float32), 0.0)
+                tl.store(sq_out_ptr + pid_n * BM + rm, tl.sum(of * of, axis=1))
 
     return gemv
 
@@ -135,12 +129,6 @@ def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> b
     return (rows <= (WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS) and x.is_contiguous() and w.is_contiguous()
             and (b is None or b.is_contiguous()) and w.shape[0] <= MAX_TILES * 32 and pdl_available(x)
             and _kernel() is not None)
-
-
-def fuses_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
-    """``linear`` serves ``w * rmsnorm(x) @ w.T + b`` with the norm in its kernel: ``usable`` and at most
-    ``NORM_MAX_ROWS`` rows."""
-    return x.numel() // x.shape[-1] <= NORM_MAX_ROWS and usable(x, w, b)
 
 
 def kind(k: int, swiglu: bool) -> str:
@@ -159,13 +147,15 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swiglu: bool = False,
-           cfg: tuple[int, int, int] | None = None, norm: tuple[torch.Tensor, float] | None = None,
-           residual: torch.Tensor | None = None):
+           cfg: tuple[int, int, int] | None = None, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+           residual: torch.Tensor | None = None, sums: bool = False):
     """``x @ w.T + b`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows, ``w [N, K]``, both contiguous, in ``x``'s
-    dtype; ``swiglu``: ``silu(gate) * up`` of its ``N / 2`` gate and up columns. ``norm=(weight, eps)``: of
-    ``weight * rmsnorm(x)`` instead, as ``fused_layer.rms_norm`` computes it (no kernel of its own); with
-    ``residual`` (``x``'s shape) of ``weight * rmsnorm(x + residual)``, and ``(x + residual, y)`` is returned.
-    ``cfg``: ``config``'s tuple (benchmarks)."""
+    dtype; ``swiglu``: ``silu(gate) * up`` of its ``N / 2`` gate and up columns. ``norm=(weight, eps, sq)``: of
+    ``weight * rmsnorm(x)`` instead, as ``fused_layer.rms_norm`` computes it, where ``sq`` holds the sums of squares
+    of ``x``'s rows, from the call that wrote ``x`` with ``sums``. ``residual`` (the output's shape, not with
+    ``swiglu``): ``residual + x @ w.T + b``, each rounded as eager PyTorch rounds. ``sums``: also the sums of squares
+    of the output's rows, one per column tile (float32 ``[tiles, 16 or 32]``), returned as ``(y, sq)``. ``cfg``:
+    ``config``'s tuple (benchmarks)."""
     k = x.shape[-1]
     rows = x.numel() // k
     n = w.shape[0]
@@ -178,22 +168,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
         raise ValueError(f"gemv.linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows, contiguous) and w "
                          f"{tuple(w.shape)} (contiguous, [N, K], N at most {MAX_TILES} tiles of {bn}; N even with "
                          "swiglu) do not fit")
-    if (norm is None and residual is not None) or (norm is not None and (
-            norm[0].shape != (k,) or not norm[0].is_contiguous()
-            or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous())))):
-        raise ValueError(f"gemv.linear: norm must be a contiguous [{k}] weight with its eps, and residual (only with "
-                         f"norm) contiguous, of x's shape {tuple(x.shape)}")
-    y = torch.empty(*x.shape[:-1], out_n, dtype=x.dtype, device=x.device)
-    h = torch.empty_like(x) if residual is not None else x
+    shape = (*x.shape[:-1], out_n)
+    if ((norm is not None and (norm[0].shape != (k,) or not norm[0].is_contiguous() or norm[2].dim() != 2
+                               or norm[2].shape[1] != bm or not norm[2].is_contiguous()
+                               or norm[2].dtype != torch.float32))
+            or (residual is not None and (swiglu or residual.shape != shape or not residual.is_contiguous()))):
+        raise ValueError(f"gemv.linear: norm must be (a contiguous [{k}] weight, eps, float32 [tiles, {bm}] sums of "
+                         f"squares), residual (not with swiglu) contiguous of the output's shape {shape}")
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    sq = torch.empty(grid[0] if sums else 0, bm, dtype=torch.float32, device=x.device)
     part = torch.empty(grid[1] * bm * out_n * (2 if swiglu else 1) if grid[1] > 1 else 0, dtype=torch.float32,
                        device=x.device)
     key = (x.device, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=x.device)
+    n_sq = norm[2].shape[0] if norm is not None else 1
     with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
-        _kernel()[grid](x, w, b if b is not None else w, y, part, _COUNTERS[key],
-                        residual if residual is not None else x, h, norm[0] if norm is not None else x, rows, k,
-                        out_n, float(norm[1]) if norm is not None else 0.0, HAS_BIAS=b is not None, SWIGLU=swiglu,
-                        BM=bm, BN=bn, BK=bk, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
-                        HAS_RES=residual is not None, KB=grid[1] * bk, num_warps=warps, **pdl_args(x))
-    return (h, y) if residual is not None else y
+        _kernel()[grid](x, w, b if b is not None else w, y, part, _COUNTERS[key], norm[0] if norm else x,
+                        norm[2] if norm else part, residual if residual is not None else y, sq, rows, k, out_n,
+                        n_sq, float(norm[1]) if norm else 0.0, HAS_BIAS=b is not None, SWIGLU=swiglu, BM=bm, BN=bn,
+                        BK=bk, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
+                        TP=max(2, 1 << (n_sq - 1).bit_length()), HAS_RES=residual is not None, SUMS=sums,
+                        num_warps=warps, **pdl_args(x))
+    return (y, sq) if sums else y

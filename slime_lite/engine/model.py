@@ -388,13 +388,13 @@ class CausalLM:
         # captured steps on CUDA: the layer pieces in fewer kernels (fused_layer); the MLP output ``add`` is added
         # to ``h`` by the next norm
         fused = (graphed and not self.compiled and fused_layer.usable(h) and cos.numel() == b * self.head_dim)
-        add = None
+        add = sq = None  # the MLP output not yet added to h, or the sums of squares of h's rows (fused_layer)
         for i, ly in enumerate(self.layers):
             if fused:
                 h, q, _ = fused_layer.attention_inputs(
                     h, add, ly.ln1, ly.qkv_w, ly.qkv_b, cos, sin, ly.qk_norm, self.num_heads, self.kv_heads,
-                    self.head_dim, self.eps, self.interleaved, cache.kv[i].view(-1, self.head_dim), index)
-                add = None
+                    self.head_dim, self.eps, self.interleaved, cache.kv[i].view(-1, self.head_dim), index, sq)
+                add = sq = None
             else:
                 q, kv = self._qkv(ly, h, cos, sin, graphed)
                 cache.write(i, index, kv)
@@ -414,10 +414,13 @@ class CausalLM:
                     with _sdpa_without_plans(qg.device):
                         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
             if fused and ly.moe is None and self.silu:
-                h, add = fused_layer.mlp_output(h, out.reshape(b, 1, -1), ly.o_w, ly.o_b, ly.ln2, ly.gu_w, ly.gu_b,
-                                                ly.down_w, ly.down_b, ly.post_attn, ly.post_mlp, self.eps)
+                h, add, sq = fused_layer.mlp_output(h, out.reshape(b, 1, -1), ly.o_w, ly.o_b, ly.ln2, ly.gu_w,
+                                                    ly.gu_b, ly.down_w, ly.down_b, ly.post_attn, ly.post_mlp,
+                                                    self.eps)
             else:
                 h = self._finish_layer(ly, h, out.reshape(b, 1, -1), graphed)
         if add is not None:
             return fused_layer.rms_norm(add.contiguous(), self.norm.weight, self.eps, residual=h)[1][:, 0]
+        if sq is not None:  # the last layer's output, whole: the norm's kernel
+            return fused_layer.rms_norm(h, self.norm.weight, self.eps)[:, 0]
         return _rms(h, self.norm.weight, self.eps)[:, 0]

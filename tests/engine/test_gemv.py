@@ -36,22 +36,24 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         torch.testing.assert_close(got, _want(x, w, b, swiglu), rtol=tol, atol=tol)
         again = gemv.linear(x, w, b, swiglu=swiglu)  # the tile counters were reset: the same sums again
         assert torch.equal(got, again)
-    for rows, k, n, swiglu, residual in [(3, 300, 40, False, False), (16, 200, 2 * 48, True, True)]:
-        x = torch.randn(rows, k, generator=gen).to(dtype).to(device) * 3
-        res = torch.randn(rows, k, generator=gen).to(dtype).to(device) if residual else None
+    for rows, k0, k, n, swiglu in [(3, 100, 300, 40, False), (16, 64, 200, 2 * 48, True)]:
+        # a product with the residual add and its rows' sums of squares, then one with the RMSNorm from those sums
+        x0, w0 = torch.randn(rows, k0, generator=gen).to(dtype).to(device), torch.randn(k, k0, generator=gen) * 0.3
+        res = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+        y, sq = gemv.linear(x0, w0.to(dtype).to(device), residual=res, sums=True)
+        want_y = (res.float() + _want(x0, w0.to(dtype).to(device), None, False).float()).to(dtype)
+        torch.testing.assert_close(y, want_y, rtol=tol, atol=tol)
+        tiles = y.float().pow(2).split(gemv.config(rows, k, k0, False)[0], dim=-1)
+        torch.testing.assert_close(sq[:, :rows], torch.stack([t.sum(-1) for t in tiles]), rtol=tol, atol=tol)
         ln = (1 + torch.randn(k, generator=gen) * 0.2).to(dtype).to(device)
         w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(device)
-        got = gemv.linear(x, w, swiglu=swiglu, norm=(ln, 1e-6), residual=res)  # the norm inside the kernel
-        summed = x + res if residual else x
-        normed = (ln.float() * (summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+        got = gemv.linear(y, w, swiglu=swiglu, norm=(ln, 1e-6, sq))  # the norm inside the kernel
+        normed = (ln.float() * (y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6))
                   .to(dtype).float()).to(dtype)
-        if residual:
-            assert torch.equal(got[0], summed)  # the new residual, as the eager add rounds it
-            got = got[1]
         torch.testing.assert_close(got, _want(normed, w, None, swiglu), rtol=tol, atol=tol)
     assert not any(c.any() for c in gemv._COUNTERS.values())
-    with pytest.raises(ValueError, match="residual .only with norm"):
-        gemv.linear(x, w, residual=x)
+    with pytest.raises(ValueError, match="residual .not with swiglu"):
+        gemv.linear(y, w, swiglu=True, residual=y)
     with pytest.raises(ValueError, match="at most 32 rows"):
         gemv.linear(torch.zeros(33, 8, dtype=dtype, device=device), torch.zeros(4, 8, dtype=dtype, device=device))
 
@@ -107,11 +109,12 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
         h = x0
         for gu, down, ln in layers[:6]:
             h = gemv.linear(gemv.linear(fused_layer.rms_norm(h, ln, 1e-6), gu, swiglu=True), down)
-        m = h
-        for gu, down, ln in layers[6:]:  # the residual add and the norm inside gate/up's kernel, as in the engine
-            h, act = gemv.linear(m, gu, swiglu=True, norm=(ln, 1e-6), residual=h)
-            m = gemv.linear(act, down)
-        return m
+        sq = None
+        for gu, down, ln in layers[6:]:  # the residual add in down's kernel, the norm in gate/up's, as in the engine
+            x = fused_layer.rms_norm(h, ln, 1e-6) if sq is None else h
+            act = gemv.linear(x, gu, swiglu=True, norm=None if sq is None else (ln, 1e-6, sq))
+            h, sq = gemv.linear(act, down, residual=h, sums=True)
+        return h
 
     outs = {}
     for pdl in (True, False):
