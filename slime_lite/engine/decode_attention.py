@@ -27,7 +27,7 @@ import torch
 from slime_lite.triton_build import pdl_args, triton_kernels
 
 BLOCK_BYTES = 32768  # of K (and of V) per split, held in registers: the split's positions follow from it (``chunk``)
-NUM_WARPS = 8  # of ``partial``: a split's K and V in 170 registers a thread at head size 64 in bf16 (255 with 4)
+NUM_WARPS = 8  # of ``partial``: its split's K and V in ~128 registers a thread (sm_90 build; ~250 with 4 warps)
 
 
 ENABLED = True  # False: captured steps keep SDPA with a mask (benchmarks compare the two in one process)
@@ -78,25 +78,31 @@ def _kernels(triton, tl):
         if GDC:  # launched with PDL (triton_build.pdl_args)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        here = head & (dims * 0 + cur // CHUNK == s)  # this split holds the current position (a vector: Triton's
-        # interpreter, the CPU tests, mis-types a scalar condition inside a mask)
-        now = (t == cur)[:, None]
-        k = tl.where(now, tl.load(k_ptr + base + cur.to(tl.int64) * c_st + dims, mask=here, other=0.0)[None, :], k)
-        v = tl.where(now, tl.load(v_ptr + base + cur.to(tl.int64) * c_st + dims, mask=here, other=0.0)[None, :], v)
-        q = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sr + dims[None, :],
-                    mask=live[:, None] & head[None, :], other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if s * CHUNK <= cur:  # (a split past the row's length reads nothing more and writes exact zeros)
+            here = head & (dims * 0 + cur // CHUNK == s)  # this split holds the current position (a vector:
+            # Triton's interpreter, the CPU tests, mis-types a scalar condition inside a mask)
+            now = (t == cur)[:, None]
+            at = base + cur.to(tl.int64) * c_st + dims
+            k = tl.where(now, tl.load(k_ptr + at, mask=here, other=0.0)[None, :], k)
+            v = tl.where(now, tl.load(v_ptr + at, mask=here, other=0.0)[None, :], v)
+            q = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sr + dims[None, :],
+                        mask=live[:, None] & head[None, :], other=0.0)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.where((t <= cur)[None, :], sc * scale, -float("inf"))
+            m = tl.max(sc, axis=1)
+            p = tl.exp(sc - m[:, None])
+            l_sum = tl.sum(p, axis=1)
+            if IEEE:
+                acc = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v)
         else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = tl.where((t <= cur)[None, :], sc * scale, -float("inf"))
-        m = tl.max(sc, axis=1)  # -inf in a split past the row's length: its weights are then exact zeros
-        p = tl.exp(sc - tl.where(m == -float("inf"), 0.0, m)[:, None])
-        l_sum = tl.sum(p, axis=1)
-        if IEEE:
-            acc = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v)
+            m = tl.full((R,), -float("inf"), tl.float32)
+            l_sum = tl.zeros((R,), tl.float32)
+            acc = tl.zeros((R, D), tl.float32)
         if SINGLE:  # one split: the result itself, as ``combine`` would write it
             tl.store(out_ptr + b * out_sb + h * out_sh + rows[:, None] * out_sr + dims[None, :],
                      (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None] & head[None, :])

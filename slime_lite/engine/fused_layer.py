@@ -173,8 +173,8 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
     the previous layer's MLP output, not yet added to ``h``: the norm's kernel adds it (the returned ``h`` is the
     sum). ``sq``: the sums of squares of ``h``'s rows (``mlp_output``'s): the norm runs inside the q/k/v product's
     kernel. ``cache``/``index`` (``rotary``'s): K and V go straight into the cache, and ``kv`` is None. ``cos``,
-    ``sin`` (``[B, T, ..., head_dim]``) and ``index`` contiguous, made before the first layer: the rotary's kernel
-    reads them before its wait for the product before it (a copy made here would be that kernel)."""
+    ``sin`` (``[B, T, ..., head_dim]``) and ``index``: contiguous (refused otherwise), made before the first layer,
+    as the rotary's kernel reads them before its wait for the product before it."""
     b, t, _ = h.shape
     if add is None and sq is not None and gemv.usable(h, qkv_w, qkv_b):
         qkv = gemv.linear(h, qkv_w, qkv_b, norm=(ln, eps, sq))
@@ -197,9 +197,8 @@ def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn
     ``m`` is returned with the new ``h`` instead of added to it (and ``sq`` is None), for the next layer's
     ``attention_inputs`` (or the final norm) to add inside its norm kernel."""
     rows = h.numel() // h.shape[-1]
-    if (post_attn is None and post_mlp is None and rows <= gemv.NORM_MAX_ROWS and h.is_contiguous()
-            and all(gemv.usable(h, w_, b_) for w_, b_ in ((o_w, o_b), (gu_w, gu_b), (down_w, down_b)))
-            and attn_out.is_contiguous()):
+    if (post_attn is None and post_mlp is None and rows <= gemv.NORM_MAX_ROWS and attn_out.is_contiguous()
+            and all(gemv.usable(h, w_, b_) for w_, b_ in ((o_w, o_b), (gu_w, gu_b), (down_w, down_b)))):
         h, sq = gemv.linear(attn_out, o_w, o_b, residual=h, sums=True)
         act = gemv.linear(h, gu_w, gu_b, swiglu=True, norm=(ln2, eps, sq))
         h, sq = gemv.linear(act, down_w, down_b, residual=h, sums=True)

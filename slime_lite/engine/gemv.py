@@ -5,8 +5,9 @@ launch, the first loads) rather than bytes. On Hopper a kernel launched with pro
 may start while the kernel before it still runs, and waits for it (``griddepcontrol.wait``) only where it needs its
 output. ``linear`` here loads its share of the weights first (they do not depend on the previous kernel), then
 waits, then reads the rows: the weight reads overlap the previous kernel. The engine's other decode kernels
-(norms, rotary, attention, SiLU) wait at their start and let the next kernel launch right after
-(``triton_build.pdl_args``); cuBLAS's products cannot do either, so with PDL these products replace them.
+(norms, rotary, attention) likewise read what the kernel before them does not write (weights, the step's tables,
+earlier positions of the KV cache) before their wait, and let the next kernel launch right after it
+(``triton_build.pdl_args``); cuBLAS's products can do neither, so with PDL these products replace them.
 
 ``y = x @ w.T + b`` for ``x`` of at most ``MAX_ROWS`` rows: each program reads a ``BN x BK`` tile of ``w`` (one
 ``BK`` slice of ``K``); when ``K`` has several slices, each program writes its float32 partial sums and the last
@@ -17,7 +18,9 @@ differ from ``F.linear`` by float32 rounding before the final rounding to the mo
 
 A decode layer's RMSNorms need no kernels of their own here: the product before a norm adds the residual to its
 output and writes each row's sum of squares over its column tile (``residual``, ``sums``); the product after it
-adds those few sums up and normalizes its slice of the rows as it reads them (``norm``).
+adds those few sums up and normalizes its slice of the rows as it reads them (``norm``). The sums of squares are
+added per tile, then across tiles, not in the norm kernel's order: a row's normed input may differ by one rounding
+step between a step that runs the norm this way (at most ``NORM_MAX_ROWS`` rows) and one that runs the kernel.
 """
 
 from __future__ import annotations

@@ -73,3 +73,58 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_bucket():
     elsewhere = decode_attention(q[5:6], moved[0], moved[1], slots[9:10], positions[5:6], 0.125)
     assert torch.equal(elsewhere, whole[5:6])
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs Hopper (programmatic dependent launch)")
+def test_the_current_position_is_read_after_the_rotary_writes_it(monkeypatch):
+    """The engine's chain in a graph (norm, q/k/v product, rotary writing K/V into the cache, attention), launched
+    with programmatic dependent launch and without: before each replay the input changes and the cache holds a
+    sentinel at every row's current position. The attention reads the rest of its block before its wait; had it
+    read the current position (or had any kernel read its predecessor's output) early, the bits would differ."""
+    from slime_lite import triton_build
+    from slime_lite.engine import fused_layer, gemv
+    from slime_lite.engine.decode_attention import decode_attention
+
+    dt, rows, heads, kv_heads, dim, slots_n, length = torch.bfloat16, 8, 14, 2, 64, 10, 512
+    hid = heads * dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv_w = (torch.randn((heads + 2 * kv_heads) * dim, hid, generator=g, device="cuda") * 0.03).to(dt)
+    ln = (1 + 0.1 * torch.randn(hid, generator=g, device="cuda")).to(dt)
+    cache = torch.randn(slots_n, 2 * kv_heads, length, dim, generator=g, device="cuda").to(dt)
+    slots = torch.randperm(slots_n, generator=g, device="cuda")[:rows]
+    positions = torch.randint(0, length, (rows,), generator=g, device="cuda")
+    heads_at = torch.arange(2 * kv_heads, device="cuda")
+    index = ((slots[:, None] * 2 * kv_heads + heads_at[None, :]) * length + positions[:, None]).reshape(-1)
+    angle = torch.rand(rows, dim // 2, generator=g, device="cuda") * 6
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(dt)
+    sin = torch.cat((-angle.sin(), angle.sin()), -1).to(dt)
+    h = torch.empty(rows, hid, device="cuda", dtype=dt)
+    inputs = [torch.randn(rows, hid, generator=g, device="cuda").to(dt) for _ in range(30)]
+
+    def step():
+        qkv = gemv.linear(fused_layer.rms_norm(h, ln, 1e-6), qkv_w)
+        q, _ = fused_layer.rotary(qkv, cos, sin, heads, kv_heads, dim, cache=cache.view(-1, dim), index=index)
+        return decode_attention(q.view(rows, kv_heads, heads // kv_heads, dim), cache[:, :kv_heads],
+                                cache[:, kv_heads:], slots, positions, dim ** -0.5)
+
+    outs = {}
+    for pdl in (True, False):
+        monkeypatch.setattr(triton_build, "PDL", pdl)
+        h.copy_(inputs[0])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # compiles outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        outs[pdl] = []
+        for x in inputs:
+            h.copy_(x)
+            cache.view(-1, dim)[index] = 1e4  # the sentinel the rotary overwrites
+            graph.replay()
+            outs[pdl].append(out.clone())
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    assert all(o.abs().max() < 100 for o in outs[True]) and not torch.equal(outs[True][0], outs[True][1])

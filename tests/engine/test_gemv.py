@@ -36,8 +36,9 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         torch.testing.assert_close(got, _want(x, w, b, swiglu), rtol=tol, atol=tol)
         again = gemv.linear(x, w, b, swiglu=swiglu)  # the tile counters were reset: the same sums again
         assert torch.equal(got, again)
-    for rows, k0, k, n, swiglu in [(3, 100, 300, 40, False), (16, 64, 200, 2 * 48, True)]:
-        # a product with the residual add and its rows' sums of squares, then one with the RMSNorm from those sums
+    for rows, k0, k, n, swiglu in [(3, 300, 300, 40, False), (16, 64, 200, 2 * 48, True)]:
+        # a product with the residual add and its rows' sums of squares (split-K in the first), then one with the
+        # RMSNorm from those sums
         x0, w0 = torch.randn(rows, k0, generator=gen).to(dtype).to(device), torch.randn(k, k0, generator=gen) * 0.3
         res = torch.randn(rows, k, generator=gen).to(dtype).to(device)
         y, sq = gemv.linear(x0, w0.to(dtype).to(device), residual=res, sums=True)
@@ -45,6 +46,7 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         torch.testing.assert_close(y, want_y, rtol=tol, atol=tol)
         tiles = y.float().pow(2).split(gemv.config(rows, k, k0, False)[0], dim=-1)
         torch.testing.assert_close(sq[:, :rows], torch.stack([t.sum(-1) for t in tiles]), rtol=tol, atol=tol)
+        assert (sq[:, rows:] == 0).all()  # the tile's rows past the input's
         ln = (1 + torch.randn(k, generator=gen) * 0.2).to(dtype).to(device)
         w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(device)
         got = gemv.linear(y, w, swiglu=swiglu, norm=(ln, 1e-6, sq))  # the norm inside the kernel
@@ -103,7 +105,8 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
     layers = [((torch.randn(2 * inter, hid, generator=gen, device="cuda") * 0.03).to(dtype),
                (torch.randn(hid, inter, generator=gen, device="cuda") * 0.03).to(dtype),
                (1 + torch.randn(hid, generator=gen, device="cuda") * 0.1).to(dtype)) for _ in range(12)]
-    x0 = torch.randn(rows, hid, generator=gen, device="cuda").to(dtype)
+    x0 = torch.empty(rows, hid, device="cuda", dtype=dtype)  # the graph's input, new before every replay
+    inputs = [torch.randn(rows, hid, generator=gen, device="cuda").to(dtype) for _ in range(20)]
 
     def chain():  # 12 x (norm, gate/up with SiLU, down): each kernel reads what the one before wrote
         h = x0
@@ -129,11 +132,12 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
         with torch.cuda.graph(graph):
             out = chain()
         replays = []
-        for _ in range(20):
+        for x in inputs:  # a kernel that read its predecessor's output before its wait would see the last replay's
+            x0.copy_(x)
             graph.replay()
             replays.append(out.clone())
         outs[pdl] = replays
     monkeypatch.setattr(triton_build, "PDL", True)
     # the same kernels launched with PDL and without: the same bits, every replay
-    assert all(torch.equal(r, outs[False][0]) for r in outs[True] + outs[False])
-    assert outs[True][0].abs().sum() > 0
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    assert outs[True][0].abs().sum() > 0 and not torch.equal(outs[True][0], outs[True][1])
