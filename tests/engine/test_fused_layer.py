@@ -176,12 +176,14 @@ def _kernels_on_cpu() -> None:
         for family in ("qwen3", "glm4"):
             _check(torch.float32, 48, 64, "cpu", 1e-5, family)  # 48: a head size that is not a power of two
             _check(torch.float16, 40, 64, "cpu", 2e-3, family)
-        _decode_on_cpu()
+        for arch, shape in (("qwen2", {}), ("qwen3", {"head_dim": 48}), ("glm4", {}), ("qwen2_moe", {})):
+            _decode_on_cpu(arch, **shape)
 
 
-def _decode_on_cpu() -> None:
-    """Run by ``test_the_kernels_in_the_triton_interpreter``: padded decode steps of the tiny model through the
-    fused pieces (K/V written by the rotary kernel, each MLP output added by the next norm) against the eager
+def _decode_on_cpu(arch: str, **shape) -> None:
+    """Run by ``test_the_kernels_in_the_triton_interpreter``: padded decode steps of a tiny model of each family
+    through the fused pieces (K/V written by the rotary kernel; each MLP output added by the next norm, or the
+    residual adds and norms inside the products; GLM4's post-norms and MoE layers in between) against the eager
     pieces: the same hidden states and the same KV cache, step after step."""
     import tempfile
 
@@ -190,7 +192,7 @@ def _decode_on_cpu() -> None:
     from slime_lite.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as d:
-        make_tiny_model(d, warm_start_steps=0)
+        make_tiny_model(d, arch=arch, warm_start_steps=0, num_layers=3, **shape)
         lm = CausalLM(load_hf_model(d, "float32", torch.device("cpu")), max_len=64)
     slots, prompts = torch.tensor([2, 0, 3]), torch.randint(1, 40, (3, 6), generator=torch.Generator().manual_seed(0))
     caches = [lm.new_cache(4, 64) for _ in range(2)]
