@@ -72,3 +72,19 @@ def assert_greedy_run_matches_hf(model, prompt_ids: list[int], out: dict, tol: f
     engine = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
     assert (engine - chosen).abs().max() < tol
     assert (logp.max(-1).values - chosen).max() < tol
+
+
+def captured(fn):
+    """``fn`` (CUDA kernels) run once on a side stream (Triton compiles there, outside the capture), then captured:
+    ``(graph, out)``, ``out`` the tensor that every ``graph.replay()`` rewrites."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

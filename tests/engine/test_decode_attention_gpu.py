@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine.engine_helpers import captured
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -112,14 +114,7 @@ def test_the_current_position_is_read_after_the_rotary_writes_it(monkeypatch):
     for pdl in (True, False):
         monkeypatch.setattr(triton_build, "PDL", pdl)
         h.copy_(inputs[0])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # compiles outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, out = captured(step)
         outs[pdl] = []
         for x in inputs:
             h.copy_(x)

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine.engine_helpers import captured
+
 
 def _want(x, w, b, swiglu):
     y = F.linear(x.float(), w.float(), None if b is None else b.float())
@@ -123,14 +125,7 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
     for pdl in (True, False):
         monkeypatch.setattr(triton_build, "PDL", pdl)
         assert gemv.usable(x0, layers[0][0]) == pdl
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            chain()  # compiles outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
+        graph, out = captured(chain)
         replays = []
         for x in inputs:  # a kernel that read its predecessor's output before its wait would see the last replay's
             x0.copy_(x)
