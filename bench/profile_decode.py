@@ -14,7 +14,9 @@ of a step, the model's parameter bytes (tied weights once) over the device's cop
 the kernels launched plainly), ``*_nopdl`` keys. ``--norm-rows 0,32``: also timed with these ``gemv.NORM_MAX_ROWS``
 (0: the norms as kernels of their own, not inside the products' kernels), ``*_normrowsN`` keys.
 ``--attention-bytes 8192,16384``: also timed with these ``decode_attention.BLOCK_BYTES`` (positions per split),
-``*_attnN`` keys.
+``*_attnN`` keys. ``--wide-rows 32``: also timed with ``gemv.WIDE_MAX_ROWS`` 32 (gate/up and down by ``gemv``
+past 16 rows too, several K slices per program), ``*_wideN`` keys, and so with the norms inside the products up to
+as many rows (``NORM_MAX_ROWS`` too), ``*_wideN_norm`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
 where a few long answers set the length bucket) instead of all at the middle; ``--compare-attention``: the step is
 also timed with the own-length attention kernels switched off (masked SDPA over the bucket), ``*_sdpa`` keys.
@@ -89,8 +91,10 @@ def print_kernels(s, step, top: int) -> None:
 
 
 def _fixed_config(spec: str):
-    """``--gemv-configs``' BNxBKxW (every product) or A/B/C (q/k/v and o, gate/up, down) as a ``gemv.config``."""
+    """``--gemv-configs``' BNxBKxW[xKSTEPS] (every product) or A/B/C (q/k/v and o, gate/up, down) as a
+    ``gemv.config``."""
     kinds = [tuple(int(v) for v in part.split("x")) for part in spec.split("/")]
+    kinds = [c + (1,) * (4 - len(c)) for c in kinds]
     from slime_lite.engine import gemv
 
     by_kind = dict(zip(("narrow", "gate_up", "down"), kinds * 3 if len(kinds) == 1 else kinds))
@@ -119,7 +123,11 @@ def main() -> None:
                     help="also time the step with these decode_attention.BLOCK_BYTES (comma-separated), *_attnN keys")
     ap.add_argument("--gemv-configs", default="",
                     help="also time the step with these tile configs of engine/gemv.py: comma-separated, each "
-                         "BNxBKxWARPS for every product or three of them joined by / (q/k/v and o, gate/up, down)")
+                         "BNxBKxWARPS[xKSTEPS] for every product or three of them joined by / (q/k/v and o, "
+                         "gate/up, down)")
+    ap.add_argument("--wide-rows", default="",
+                    help="also time the step with these gemv.WIDE_MAX_ROWS (32: gate/up and down by gemv at 17-32 "
+                         "rows too, not cuBLAS), comma-separated, *_wideN keys; *_wideN_norm: NORM_MAX_ROWS N too")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
@@ -129,7 +137,8 @@ def main() -> None:
     from slime_lite.engine.cuda_graph import StepInputs
     from slime_lite.engine.scheduler import Scheduler
 
-    auto_config, norm_rows, block_bytes = gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES
+    auto_config, norm_rows, block_bytes, wide_rows = (gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES,
+                                                      gemv.WIDE_MAX_ROWS)
     tmp = tempfile.TemporaryDirectory()
     model_dir = make_model_dir(args.model_config, tmp.name)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
@@ -152,11 +161,15 @@ def main() -> None:
         variants += ["_nopdl"] * args.compare_pdl + [f"_gemv{c}" for c in args.gemv_configs.split(",") if c]
         variants += [f"_normrows{n}" for n in args.norm_rows.split(",") if n]
         variants += [f"_attn{n}" for n in args.attention_bytes.split(",") if n]
+        variants += [f"_wide{n}{norm}" for n in args.wide_rows.split(",") if n for norm in ("", "_norm")]
         for suffix in variants:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
             gemv.config = _fixed_config(suffix[5:]) if suffix.startswith("_gemv") else auto_config
             gemv.NORM_MAX_ROWS = int(suffix[9:]) if suffix.startswith("_normrows") else norm_rows
+            gemv.WIDE_MAX_ROWS = int(suffix[5:].removesuffix("_norm")) if suffix.startswith("_wide") else wide_rows
+            if suffix.startswith("_wide") and suffix.endswith("_norm"):
+                gemv.NORM_MAX_ROWS = gemv.WIDE_MAX_ROWS
             decode_attention.BLOCK_BYTES = int(suffix[5:]) if suffix.startswith("_attn") else block_bytes
             s.decoder.reset()
             row["run_ms" + suffix] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
@@ -165,6 +178,7 @@ def main() -> None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
         decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = True
         gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES = auto_config, norm_rows, block_bytes
+        gemv.WIDE_MAX_ROWS = wide_rows
         row["python_ms"] = row["step_ms"] - row["run_ms"]
         dev = s.lm.device
         ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)

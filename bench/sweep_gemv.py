@@ -1,12 +1,13 @@
 """Tile configurations of the decode step's small products (``engine/gemv.py``) against cuBLAS, on a GPU with PDL.
 
-    python3 bench/sweep_gemv.py [--rows 1,8,16,32] [--model-shape 896,1152,4864]
+    python3 bench/sweep_gemv.py [--rows 1,8,16,32] [--model-shape 896,1152,4864] [--ksteps 1,2,4,8]
 
 For each product of a layer of the given shape (hidden, q/k/v width, MLP width: q/k/v with bias, o, gate/up with the
 SiLU, down) and each row count: a CUDA graph of 24 x (the engine's RMSNorm kernel, then the product), the norm
 launched with programmatic dependent launch as in the engine's steps; the product by cuBLAS (``F.linear``, plus the
-SiLU kernel for gate/up) or by ``gemv.linear`` with each configuration (BN x BK x warps). Prints us per (norm +
-product) pair and the best configuration of each product and row count.
+SiLU kernel for gate/up) or by ``gemv.linear`` with each configuration (BN x BK x warps x KSTEPS, the K slices a
+program adds up: 1 unless ``--ksteps`` lists more). Prints us per (norm + product) pair and the best configuration of
+each product and row count.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from slime_lite.engine import fused_layer, gemv  # noqa: E402
 from slime_lite.swiglu import silu_and_mul  # noqa: E402
 
-CONFIGS = [(bn, bk, w) for bn in (32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)]
+TILES = [(bn, bk, w) for bn in (32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)]
 
 
 def graph_us(fn, n: int = 200) -> float:
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32")
     ap.add_argument("--model-shape", default="896,1152,4864", help="hidden, q/k/v width, MLP width")
     ap.add_argument("--chain", type=int, default=24)
+    ap.add_argument("--ksteps", default="1", help="K slices per program to sweep, comma-separated (past a product's "
+                                                  "slices: all of them)")
     args = ap.parse_args()
     hid, qkv, inter = (int(v) for v in args.model_shape.split(","))
     dt, dev = torch.bfloat16, torch.device("cuda")
@@ -82,7 +85,8 @@ def main() -> None:
                         gemv.linear(y, w, b, swiglu=swiglu, cfg=cfg)
 
             res = {"cublas": graph_us(lambda: chain(None)) / args.chain}
-            for cfg in CONFIGS:
+            configs = {(bn, bk, w, min(int(s), -(-k // bk))) for bn, bk, w in TILES for s in args.ksteps.split(",")}
+            for cfg in sorted(configs):
                 if cfg[0] * cfg[1] * (2 if swiglu else 1) > 65536:  # the weight tile past 128 KB of registers
                     continue
                 try:
@@ -90,7 +94,7 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001  (a configuration that does not compile: say so)
                     print(f"rows {rows} {name} {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
             best = min((c for c in res if c != "cublas"), key=res.get)
-            line = " ".join(f"{c[0]}x{c[1]}x{c[2]}={v:.2f}" for c, v in res.items() if c != "cublas")
+            line = " ".join(f"{'x'.join(map(str, c))}={v:.2f}" for c, v in res.items() if c != "cublas")
             print(f"rows {rows:2d} {name:8s} cublas {res['cublas']:.2f} us, best {best} {res[best]:.2f} us | {line}",
                   flush=True)
 

@@ -9,10 +9,11 @@ waits, then reads the rows: the weight reads overlap the previous kernel. The en
 earlier positions of the KV cache) before their wait, and let the next kernel launch right after it
 (``triton_build.pdl_args``); cuBLAS's products can do neither, so with PDL these products replace them.
 
-``y = x @ w.T + b`` for ``x`` of at most ``MAX_ROWS`` rows: each program reads a ``BN x BK`` tile of ``w`` (one
-``BK`` slice of ``K``); when ``K`` has several slices, each program writes its float32 partial sums and the last
-program of a tile to finish (a counter per tile, reset by that program) adds them in slice order, so the result
-does not depend on which finishes first. ``swiglu``: ``w`` is a gate/up projection (gate rows first) and ``y`` is
+``y = x @ w.T + b`` for ``x`` of at most ``MAX_ROWS`` rows: each program reads ``BN x BK`` tiles of ``w`` (``KSTEPS``
+consecutive ``BK`` slices of ``K``, the first before the wait) and adds their products up in slice order; when the
+programs of a column tile are several, each writes its float32 partial sums and the last program of the tile to
+finish (a counter per tile, reset by that program) adds them in order, so the result does not depend on which
+finishes first. ``swiglu``: ``w`` is a gate/up projection (gate rows first) and ``y`` is
 ``silu(gate) * up``, rounded as the eager pieces round. The sums run in another order than cuBLAS's: results
 differ from ``F.linear`` by float32 rounding before the final rounding to the model dtype.
 
@@ -49,13 +50,13 @@ def _kernel(triton, tl):
     @triton.jit
     def gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, ln_ptr, sq_in_ptr, res_ptr, sq_out_ptr, M, K, OUT_N,
              n_sq, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr, TP: tl.constexpr,
-             HAS_RES: tl.constexpr, SUMS: tl.constexpr, GDC: tl.constexpr):
+             BK: tl.constexpr, KSTEPS: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+             TP: tl.constexpr, HAS_RES: tl.constexpr, SUMS: tl.constexpr, GDC: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BN + tl.arange(0, BN)
         col_ok = rn < OUT_N
-        rk = pid_k * BK + tl.arange(0, BK)
+        rk = pid_k * KSTEPS * BK + tl.arange(0, BK)  # the program's first K slice
         k_ok = rk < K
         wm = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)  # before the wait: not an input
@@ -69,19 +70,34 @@ def _kernel(triton, tl):
             tl.extra.cuda.gdc_launch_dependents()
         rm = tl.arange(0, BM)
         row_ok = rm < M
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:  # x's rows normed first, from their sums of squares over the kernel before's column tiles
             ts = tl.arange(0, TP)
             sq = tl.load(sq_in_ptr + ts[:, None] * BM + rm[None, :], mask=(ts < n_sq)[:, None], other=0.0)
-            inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)  # as the norm kernel: normed, rounded, times the weight
-            dt_x = x_ptr.dtype.element_ty
-            x = (ln[None, :] * (x.to(tl.float32) * inv[:, None]).to(dt_x).to(tl.float32)).to(dt_x)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), input_precision="ieee")
-            acc_u = tl.dot(x, tl.trans(wu), input_precision="ieee") if SWIGLU else acc
-        else:
-            acc = tl.dot(x, tl.trans(w))
-            acc_u = tl.dot(x, tl.trans(wu)) if SWIGLU else acc
+            inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        acc = tl.zeros((BM, BN), tl.float32)
+        acc_u = tl.zeros((BM, BN), tl.float32)
+        for j in tl.static_range(KSTEPS):  # the program's K slices, each product added to the sums in slice order
+            if j > 0:  # the first slice's weights came before the wait
+                rk = (pid_k * KSTEPS + j) * BK + tl.arange(0, BK)
+                k_ok = rk < K
+                wm = col_ok[:, None] & k_ok[None, :]
+                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
+                if SWIGLU:
+                    wu = tl.load(w_ptr + (rn[:, None] + OUT_N) * K + rk[None, :], mask=wm, other=0.0)
+                if NORM:
+                    ln = tl.load(ln_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:  # as the norm kernel: normed, rounded, times the weight
+                dt_x = x_ptr.dtype.element_ty
+                x = (ln[None, :] * (x.to(tl.float32) * inv[:, None]).to(dt_x).to(tl.float32)).to(dt_x)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                if SWIGLU:
+                    acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+                if SWIGLU:
+                    acc_u += tl.dot(x, tl.trans(wu))
         out_ok = row_ok[:, None] & col_ok[None, :]
         last = True
         if NSPLIT > 1:  # partials to the scratch; the tile's last program adds them in slice order
@@ -140,17 +156,25 @@ def kind(k: int, swiglu: bool) -> str:
     return "gate_up" if swiglu else "down" if k >= 2048 else "narrow"
 
 
-def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
-    """(BN, BK, warps): tiles of BN output columns by BK of ``k``, run by ``warps`` warps; the best of 18 (32/64/128
-    x 128/256/512 x 4/8) per product and row count in the H200 sweep, or within 0.15 us of it, but for down, where
-    64 x 256 beat the sweep's 32 x 512 in the engine's step at 1 row by 1.6 us a layer."""
-    bn, bk, warps = {"gate_up": (32, 256, 4), "down": (64, 256, 4), "narrow": (32, 128, 8 if rows > 16 else 4)}[
-        kind(k, swiglu)]
-    return bn, min(bk, max(16, 1 << (k - 1).bit_length())), warps
+def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, KSTEPS): tiles of BN output columns by BK of ``k``, run by ``warps`` warps, each program
+    adding up KSTEPS consecutive BK slices of ``k`` (fewer float32 partial sums to write, read and add). Up to 16
+    rows: the best of 18 (32/64/128 x 128/256/512 x 4/8, one slice per program) per product and row count in the
+    H200 sweep, or within 0.15 us of it, but for down, where 64 x 256 beat the sweep's 32 x 512 in the engine's step
+    at 1 row by 1.6 us a layer. Past 16 rows the wide products (gate/up, down) are cuBLAS's unless ``WIDE_MAX_ROWS``
+    is raised (benchmarks): their tiles there add up several slices per program, not yet measured."""
+    key = kind(k, swiglu)
+    bn, bk, warps = {"gate_up": (32, 256, 4), "down": (64, 256, 4), "narrow": (32, 128, 8 if rows > 16 else 4)}[key]
+    ksteps = 1
+    if rows > 16 and key != "narrow":  # gate/up: all of k in one program, no partial sums; down: 5 slices of ~1K
+        bn, bk = 32, 128 if key == "gate_up" else 256
+        ksteps = -(-k // bk) if key == "gate_up" else 4
+    bk = min(bk, max(16, 1 << (k - 1).bit_length()))
+    return bn, bk, warps, min(ksteps, -(-k // bk))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swiglu: bool = False,
-           cfg: tuple[int, int, int] | None = None, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+           cfg: tuple[int, int, int, int] | None = None, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
            residual: torch.Tensor | None = None, sums: bool = False):
     """``x @ w.T + b`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows, ``w [N, K]``, both contiguous, in ``x``'s
     dtype; ``swiglu``: ``silu(gate) * up`` of its ``N / 2`` gate and up columns. ``norm=(weight, eps, sq)``: of
@@ -163,9 +187,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     rows = x.numel() // k
     n = w.shape[0]
     out_n = n // 2 if swiglu else n
-    bn, bk, warps = cfg or config(rows, out_n, k, swiglu)
+    bn, bk, warps, ksteps = cfg or config(rows, out_n, k, swiglu)
     bm = 16 if rows <= 16 else 32
-    grid = (-(-out_n // bn), -(-k // bk))
+    grid = (-(-out_n // bn), -(-k // (bk * ksteps)))
     if (rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2)
             or grid[0] > MAX_TILES):
         raise ValueError(f"gemv.linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows, contiguous) and w "
@@ -190,7 +214,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
         _kernel()[grid](x, w, b if b is not None else w, y, part, _COUNTERS[key], norm[0] if norm else x,
                         norm[2] if norm else part, residual if residual is not None else y, sq, rows, k, out_n,
                         n_sq, float(norm[1]) if norm else 0.0, HAS_BIAS=b is not None, SWIGLU=swiglu, BM=bm, BN=bn,
-                        BK=bk, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
+                        BK=bk, KSTEPS=ksteps, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
                         TP=max(2, 1 << (n_sq - 1).bit_length()), HAS_RES=residual is not None, SUMS=sums,
                         num_warps=warps, **pdl_args(x))
     return (y, sq) if sums else y

@@ -38,12 +38,21 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         torch.testing.assert_close(got, _want(x, w, b, swiglu), rtol=tol, atol=tol)
         again = gemv.linear(x, w, b, swiglu=swiglu)  # the tile counters were reset: the same sums again
         assert torch.equal(got, again)
-    for rows, k0, k, n, swiglu in [(3, 300, 300, 40, False), (16, 64, 200, 2 * 48, True)]:
+        bn, bk, warps, _ = gemv.config(rows, n, k, swiglu)
+        for ksteps in (2, 3):  # a program adding up several K slices (fewer or no partial sums), a partial last one
+            torch.testing.assert_close(gemv.linear(x, w, b, swiglu=swiglu, cfg=(bn, bk, warps, ksteps)),
+                                       _want(x, w, b, swiglu), rtol=tol, atol=tol)
+    for rows, k0, k, n, swiglu in [(3, 300, 300, 40, False), (16, 64, 200, 2 * 48, True),
+                                   (24, 96, 600, 2 * 40, True)]:  # 32-row tiles, gate/up of 5 slices a program
         # a product with the residual add and its rows' sums of squares (split-K in the first), then one with the
         # RMSNorm from those sums
         x0, w0 = torch.randn(rows, k0, generator=gen).to(dtype).to(device), torch.randn(k, k0, generator=gen) * 0.3
         res = torch.randn(rows, k, generator=gen).to(dtype).to(device)
         y, sq = gemv.linear(x0, w0.to(dtype).to(device), residual=res, sums=True)
+        if k0 > 64:  # two programs of two K slices each, the last one's second slice empty (300 of 4 x 128)
+            y2, sq2 = gemv.linear(x0, w0.to(dtype).to(device), residual=res, sums=True, cfg=(32, 128, 4, 2))
+            torch.testing.assert_close(y2, y, rtol=tol, atol=tol)
+            torch.testing.assert_close(sq2, sq, rtol=tol, atol=tol)
         want_y = (res.float() + _want(x0, w0.to(dtype).to(device), None, False).float()).to(dtype)
         torch.testing.assert_close(y, want_y, rtol=tol, atol=tol)
         tiles = y.float().pow(2).split(gemv.config(rows, k, k0, False)[0], dim=-1)
@@ -54,6 +63,9 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         got = gemv.linear(y, w, swiglu=swiglu, norm=(ln, 1e-6, sq))  # the norm inside the kernel
         normed = (ln.float() * (y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6))
                   .to(dtype).float()).to(dtype)
+        torch.testing.assert_close(got, _want(normed, w, None, swiglu), rtol=tol, atol=tol)
+        cfg = (*gemv.config(rows, n, k, swiglu)[:3], 4)  # the norm's weight read slice by slice
+        got = gemv.linear(y, w, swiglu=swiglu, norm=(ln, 1e-6, sq), cfg=cfg)
         torch.testing.assert_close(got, _want(normed, w, None, swiglu), rtol=tol, atol=tol)
     assert not any(c.any() for c in gemv._COUNTERS.values())
     with pytest.raises(ValueError, match="residual .not with swiglu"):
@@ -103,36 +115,37 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
     assert not gemv.usable(torch.zeros(17, 1, device="cuda", dtype=dtype), wide)
     _check(dtype, "cuda", tol)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    hid, inter, rows = 896, 4864, 8
+    hid, inter = 896, 4864
     layers = [((torch.randn(2 * inter, hid, generator=gen, device="cuda") * 0.03).to(dtype),
                (torch.randn(hid, inter, generator=gen, device="cuda") * 0.03).to(dtype),
                (1 + torch.randn(hid, generator=gen, device="cuda") * 0.1).to(dtype)) for _ in range(12)]
-    x0 = torch.empty(rows, hid, device="cuda", dtype=dtype)  # the graph's input, new before every replay
-    inputs = [torch.randn(rows, hid, generator=gen, device="cuda").to(dtype) for _ in range(20)]
+    for rows in (8, 32):  # 32: 32-row tiles, several K slices a program (gemv.config past 16 rows)
+        x0 = torch.empty(rows, hid, device="cuda", dtype=dtype)  # the graph's input, new before every replay
+        inputs = [torch.randn(rows, hid, generator=gen, device="cuda").to(dtype) for _ in range(20)]
 
-    def chain():  # 12 x (norm, gate/up with SiLU, down): each kernel reads what the one before wrote
-        h = x0
-        for gu, down, ln in layers[:6]:
-            h = gemv.linear(gemv.linear(fused_layer.rms_norm(h, ln, 1e-6), gu, swiglu=True), down)
-        sq = None
-        for gu, down, ln in layers[6:]:  # the residual add in down's kernel, the norm in gate/up's, as in the engine
-            x = fused_layer.rms_norm(h, ln, 1e-6) if sq is None else h
-            act = gemv.linear(x, gu, swiglu=True, norm=None if sq is None else (ln, 1e-6, sq))
-            h, sq = gemv.linear(act, down, residual=h, sums=True)
-        return h
+        def chain():  # 12 x (norm, gate/up with SiLU, down): each kernel reads what the one before wrote
+            h = x0
+            for gu, down, ln in layers[:6]:
+                h = gemv.linear(gemv.linear(fused_layer.rms_norm(h, ln, 1e-6), gu, swiglu=True), down)
+            sq = None
+            for gu, down, ln in layers[6:]:  # the residual add in down's kernel, the norm in gate/up's, as the engine
+                x = fused_layer.rms_norm(h, ln, 1e-6) if sq is None else h
+                act = gemv.linear(x, gu, swiglu=True, norm=None if sq is None else (ln, 1e-6, sq))
+                h, sq = gemv.linear(act, down, residual=h, sums=True)
+            return h
 
-    outs = {}
-    for pdl in (True, False):
-        monkeypatch.setattr(triton_build, "PDL", pdl)
-        assert gemv.usable(x0, layers[0][0]) == pdl
-        graph, out = captured(chain)
-        replays = []
-        for x in inputs:  # a kernel that read its predecessor's output before its wait would see the last replay's
-            x0.copy_(x)
-            graph.replay()
-            replays.append(out.clone())
-        outs[pdl] = replays
-    monkeypatch.setattr(triton_build, "PDL", True)
-    # the same kernels launched with PDL and without: the same bits, every replay
-    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
-    assert outs[True][0].abs().sum() > 0 and not torch.equal(outs[True][0], outs[True][1])
+        outs = {}
+        for pdl in (True, False):
+            monkeypatch.setattr(triton_build, "PDL", pdl)
+            assert gemv.usable(x0[:8], layers[0][0]) == pdl
+            graph, out = captured(chain)
+            replays = []
+            for x in inputs:  # a kernel that read its predecessor's output before its wait would see the last replay's
+                x0.copy_(x)
+                graph.replay()
+                replays.append(out.clone())
+            outs[pdl] = replays
+        monkeypatch.setattr(triton_build, "PDL", True)
+        # the same kernels launched with PDL and without: the same bits, every replay
+        assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False])), rows
+        assert outs[True][0].abs().sum() > 0 and not torch.equal(outs[True][0], outs[True][1])
