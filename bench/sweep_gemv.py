@@ -1,6 +1,6 @@
 """Tile configurations of the decode step's small products (``engine/gemv.py``) against cuBLAS, on a GPU with PDL.
 
-    python3 bench/sweep_gemv.py [--rows 1,8,16,32] [--model-shape 896,1152,4864] [--ksteps 1,2,4,8]
+    python3 bench/sweep_gemv.py [--rows 1,8,16,32] [--model-shape 896,1152,4864] [--products gate_up,down] [--ksteps 1,2,4,8]
 
 For each product of a layer of the given shape (hidden, q/k/v width, MLP width: q/k/v with bias, o, gate/up with the
 SiLU, down) and each row count: a CUDA graph of 24 x (the engine's RMSNorm kernel, then the product), the norm
@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32")
     ap.add_argument("--model-shape", default="896,1152,4864", help="hidden, q/k/v width, MLP width")
     ap.add_argument("--chain", type=int, default=24)
+    ap.add_argument("--products", default="qkv,o,gate_up,down", help="which of a layer's products, comma-separated")
     ap.add_argument("--ksteps", default="1", help="K slices per program to sweep, comma-separated (past a product's "
                                                   "slices: all of them)")
     args = ap.parse_args()
@@ -70,7 +71,8 @@ def main() -> None:
     products = {"qkv": (qkv, hid, True, False), "o": (hid, hid, False, False), "gate_up": (2 * inter, hid, False, True),
                 "down": (hid, inter, False, False)}
     for rows in [int(r) for r in args.rows.split(",")]:
-        for name, (n, k, bias, swiglu) in products.items():
+        for name in args.products.split(","):
+            n, k, bias, swiglu = products[name]
             ws = [(rnd(n, k), rnd(n) if bias else None) for _ in range(args.chain)]
             x, ln = rnd(rows, k) * 30, 1 + rnd(k)
 
