@@ -14,7 +14,8 @@ of a step, the model's parameter bytes (tied weights once) over the device's cop
 the kernels launched plainly), ``*_nopdl`` keys. ``--norm-rows 0,32``: also timed with these ``gemv.NORM_MAX_ROWS``
 (0: the norms as kernels of their own, not inside the products' kernels), ``*_normrowsN`` keys.
 ``--attention-bytes 8192,16384``: also timed with these ``decode_attention.BLOCK_BYTES`` (positions per split),
-``*_attnN`` keys. ``--wide-rows 32``: also timed with ``gemv.WIDE_MAX_ROWS`` 32 (gate/up and down by ``gemv``
+``*_attnN`` keys. ``--compare-rope``: also timed with the rotary as a kernel of its own (``decode_attention.ROPE``
+off), ``*_ropekernel`` keys. ``--wide-rows 32``: also timed with ``gemv.WIDE_MAX_ROWS`` 32 (gate/up and down by ``gemv``
 past 16 rows too, several K slices per program), ``*_wideN`` keys, and so with the norms inside the products up to
 as many rows (``NORM_MAX_ROWS`` too), ``*_wideN_norm`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
@@ -114,6 +115,9 @@ def main() -> None:
                     help="also time the step with masked SDPA instead of the own-length attention kernels")
     ap.add_argument("--compare-fused", action="store_true",
                     help="also time the step with the eager layer pieces instead of the fused kernels, *_unfused keys")
+    ap.add_argument("--compare-rope", action="store_true",
+                    help="also time the step with the rotary as a kernel of its own, not inside the attention "
+                         "kernel, *_ropekernel keys")
     ap.add_argument("--compare-pdl", action="store_true",
                     help="also time the step without programmatic dependent launch (cuBLAS products), *_nopdl keys")
     ap.add_argument("--norm-rows", default="",
@@ -159,12 +163,14 @@ def main() -> None:
         one = StepInputs(token=toks, position=pos, temperature=[1.0] * b, uniform=[0.5] * b, greedy=[False] * b)
         variants = [""] + ["_sdpa"] * args.compare_attention + ["_unfused"] * args.compare_fused
         variants += ["_nopdl"] * args.compare_pdl + [f"_gemv{c}" for c in args.gemv_configs.split(",") if c]
+        variants += ["_ropekernel"] * args.compare_rope
         variants += [f"_normrows{n}" for n in args.norm_rows.split(",") if n]
         variants += [f"_attn{n}" for n in args.attention_bytes.split(",") if n]
         variants += [f"_wide{n}{norm}" for n in args.wide_rows.split(",") if n for norm in ("", "_norm")]
         for suffix in variants:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
+            decode_attention.ROPE = suffix != "_ropekernel"
             gemv.config = _fixed_config(suffix[5:]) if suffix.startswith("_gemv") else auto_config
             gemv.NORM_MAX_ROWS = int(suffix[9:]) if suffix.startswith("_normrows") else norm_rows
             gemv.WIDE_MAX_ROWS = int(suffix[5:].removesuffix("_norm")) if suffix.startswith("_wide") else wide_rows
@@ -176,7 +182,7 @@ def main() -> None:
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
-        decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = True
+        decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = decode_attention.ROPE = True
         gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES = auto_config, norm_rows, block_bytes
         gemv.WIDE_MAX_ROWS = wide_rows
         row["python_ms"] = row["step_ms"] - row["run_ms"]

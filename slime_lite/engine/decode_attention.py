@@ -10,6 +10,9 @@ row reads its own prefix only:
   and sum of exponentials (flash-decoding); a split past the row's length writes exact zeros. Launched with
   programmatic dependent launch (Hopper), it reads its block of K and V while the kernel before it still runs: all
   but the row's current position, which that kernel (the rotary) writes; that one and the query come after the wait;
+  With ``rope`` (captured steps, ``ROPE``), it also does the rotary's work for its (row, KV head): the query heads
+  and the new k head come from the q/k/v product's row, normed (QK-norm) and rotated after the wait, and the split
+  that holds the row's position writes the new k and v heads into the cache: no rotary kernel of its own;
 - ``combine``: one program per (row, KV head) joins the splits in order. With one split (a length bucket up to
   ``chunk``) ``partial`` writes the result itself, which is what ``combine`` would write, bit for bit.
 
@@ -31,6 +34,7 @@ NUM_WARPS = 8  # of ``partial``: its split's K and V in ~128 registers a thread 
 
 
 ENABLED = True  # False: captured steps keep SDPA with a mask (benchmarks compare the two in one process)
+ROPE = True  # captured steps rotate q and k inside ``partial`` (False: ``fused_layer.rotary``'s kernel first)
 
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -53,9 +57,10 @@ def chunk(head_dim: int, dtype: torch.dtype) -> int:
 @triton_kernels
 def _kernels(triton, tl):
     @triton.jit(do_not_specialize=["splits"])  # not a variant per split count (compiled mid-rollout)
-    def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, out_ptr, q_sb, q_sh, q_sr, c_sb, c_sh, c_st,
-                out_sb, out_sh, out_sr, n_rep, heads, splits, scale, R: tl.constexpr, D: tl.constexpr,
-                DH: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, SINGLE: tl.constexpr,
+    def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, out_ptr, cos_ptr, sin_ptr, qkn_ptr, q_sb,
+                q_sh, q_sr, c_sb, c_sh, c_st, out_sb, out_sh, out_sr, k_off, v_off, n_rep, heads, splits, scale, eps,
+                R: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
+                SINGLE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
                 GDC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -70,11 +75,22 @@ def _kernels(triton, tl):
         base = slot * c_sb + h * c_sh
         off = base + t[:, None].to(tl.int64) * c_st + dims[None, :]
         # Before the wait: the positions before the current one, written by earlier steps. The kernel just before
-        # this one (the rotary) writes the current position and the query; earlier kernels are done by now (each
-        # kernel of the step lets the next one start only after its own wait).
+        # this one writes the current position and the query (the rotary; with ROPE, the q/k/v product); earlier
+        # kernels are done by now (each kernel of the step lets the next one start only after its own wait).
         old = (t < cur)[:, None] & head[None, :]
         k = tl.load(k_ptr + off, mask=old, other=0.0)
         v = tl.load(v_ptr + off, mask=old, other=0.0)
+        if ROPE:  # and the row's cos/sin and the QK-norm weights (made before the step's first layer)
+            if INTERLEAVED:  # rotary pairs (0, 1), (2, 3), ...
+                pair = dims ^ 1
+            else:  # pairs (d, d + DH / 2)
+                pair = tl.where(dims < DH // 2, dims + DH // 2, dims - DH // 2)
+            c = tl.load(cos_ptr + b * DH + dims, mask=head, other=0.0).to(tl.float32)
+            sn = tl.load(sin_ptr + b * DH + dims, mask=head, other=0.0).to(tl.float32)
+            is_k = (rows == n_rep)[:, None]  # the tile's row after the query heads holds the row's new k head
+            if HAS_NORM:  # q_norm's weight for the query heads, k_norm's (after it) for the k head
+                wn = tl.load(qkn_ptr + is_k * DH + dims[None, :], mask=head[None, :], other=0.0).to(tl.float32)
+                wp = tl.load(qkn_ptr + is_k * DH + pair[None, :], mask=head[None, :], other=0.0).to(tl.float32)
         if GDC:  # launched with PDL (triton_build.pdl_args)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -83,10 +99,31 @@ def _kernels(triton, tl):
             # Triton's interpreter, the CPU tests, mis-types a scalar condition inside a mask)
             now = (t == cur)[:, None]
             at = base + cur.to(tl.int64) * c_st + dims
-            k = tl.where(now, tl.load(k_ptr + at, mask=here, other=0.0)[None, :], k)
-            v = tl.where(now, tl.load(v_ptr + at, mask=here, other=0.0)[None, :], v)
-            q = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sr + dims[None, :],
-                        mask=live[:, None] & head[None, :], other=0.0)
+            if ROPE:  # q's heads and the new k head from the product's row, normed and rotated as ``rope`` does
+                src = tl.where(is_k, k_off + h * DH, h * q_sh + rows[:, None] * q_sr)
+                got = (rows <= n_rep)[:, None] & head[None, :]
+                x = tl.load(q_ptr + b * q_sb + src + dims[None, :], mask=got, other=0.0)
+                partner = tl.load(q_ptr + b * q_sb + src + pair[None, :], mask=got, other=0.0)
+                if HAS_NORM:  # each head's RMSNorm first
+                    xf = x.to(tl.float32)
+                    r = tl.rsqrt(tl.sum(xf * xf, axis=1) / DH + eps)[:, None]
+                    x = (wn * (xf * r).to(x.dtype).to(tl.float32)).to(x.dtype)
+                    partner = (wp * (partner.to(tl.float32) * r).to(x.dtype).to(tl.float32)).to(x.dtype)
+                ra = (x.to(tl.float32) * c[None, :]).to(x.dtype)
+                rb = (partner.to(tl.float32) * sn[None, :]).to(x.dtype)
+                x = (ra.to(tl.float32) + rb.to(tl.float32)).to(x.dtype)
+                k_new = tl.sum(tl.where(is_k, x.to(tl.float32), 0.0), axis=0).to(x.dtype)
+                v_new = tl.load(q_ptr + b * q_sb + v_off + h * DH + dims, mask=head, other=0.0)
+                tl.store(k_ptr + at, k_new, mask=here)  # into the cache: the split that holds the position
+                tl.store(v_ptr + at, v_new, mask=here)
+                q = tl.where(live[:, None], x, 0.0).to(x.dtype)
+            else:
+                k_new = tl.load(k_ptr + at, mask=here, other=0.0)
+                v_new = tl.load(v_ptr + at, mask=here, other=0.0)
+                q = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * q_sr + dims[None, :],
+                            mask=live[:, None] & head[None, :], other=0.0)
+            k = tl.where(now, k_new[None, :], k)
+            v = tl.where(now, v_new[None, :], v)
             if IEEE:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -142,13 +179,32 @@ def _kernels(triton, tl):
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                     positions: torch.Tensor, scale: float) -> torch.Tensor:
+                     positions: torch.Tensor, scale: float, rope: tuple | None = None) -> torch.Tensor:
     """Attention of one query per row over cache positions ``0..positions[b]`` of slot ``slots[b]``.
 
     q [B, kv_heads, n_rep, D] (the query heads grouped by their KV head); keys, values [S, kv_heads, L, D] with the
     last dimension contiguous (views of one layer's cache over its S slots and the step's L positions); slots and
     positions [B], each below S and L (read on the device, not checked). Returns [B, kv_heads, n_rep, D] in q's
-    dtype."""
+    dtype.
+
+    ``rope=(cos, sin, qk_norm, eps, interleaved)`` (``fused_layer.rotary``'s, ``cos``/``sin`` ``[B, D]``
+    contiguous): ``q`` is instead the step's q/k/v product ``[B, (heads + 2 kv_heads) * D]`` (rows with a
+    contiguous last dimension), before the rotary. The kernel norms (with ``qk_norm``) and rotates the query heads
+    and the row's new k head as ``rotary`` does, and writes the new k and v heads into ``keys``/``values`` at each
+    row's position: one kernel per layer fewer than ``rotary`` then attention."""
+    d = keys.shape[3]
+    if rope is not None:
+        cos, sin, qk_norm, eps, interleaved = rope
+        kv_heads, width = keys.shape[1], q.shape[-1]
+        if (q.dim() != 2 or width % d or width // d <= 2 * kv_heads or (width // d - 2 * kv_heads) % kv_heads
+                or q.stride(-1) != 1 or d % 2 or cos.shape != (q.shape[0], d) or sin.shape != cos.shape
+                or not (cos.is_contiguous() and sin.is_contiguous())
+                or (qk_norm is not None and (qk_norm.numel() != 2 * d or not qk_norm.is_contiguous()))):
+            raise ValueError(f"decode_attention: with rope, q must be the q/k/v rows [B, (heads + 2 kv_heads) * D] "
+                             f"(got {tuple(q.shape)} for {kv_heads} kv heads of {d}, an even D), cos/sin contiguous "
+                             "[B, D], qk_norm the contiguous [2 * D] weights of q_norm then k_norm")
+        qkv, heads = q, width // d - 2 * kv_heads
+        q = qkv[:, : heads * d].view(-1, kv_heads, heads // kv_heads, d)  # the query heads, for shapes and strides
     b, heads, n_rep, d = q.shape
     if keys.stride() != values.stride() or keys.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention: keys and values must share strides, with contiguous head dimensions")
@@ -161,18 +217,22 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     size = chunk(d, q.dtype)
     splits = -(-keys.shape[2] // size)
     dp = _pow2(d)
-    out = torch.empty_like(q)
+    out = torch.empty(b, heads, n_rep, d, dtype=q.dtype, device=q.device)
     single = splits == 1  # lengths up to one split: ``partial`` writes the result, no ``combine``
     parts = torch.empty(0 if single else b * heads * splits * n_rep, dp, dtype=torch.float32, device=q.device)
     stats = torch.empty(0 if single else b * heads * splits * n_rep, 2, dtype=torch.float32, device=q.device)
-    r = _pow2(n_rep)
+    r = _pow2(n_rep + (rope is not None))  # with rope, the row after the query heads holds the new k head
+    table = (cos, sin, qk_norm if qk_norm is not None else cos) if rope is not None else (q, q, q)
+    k_off = heads * n_rep * d
     partial, combine = _kernels()
     with torch.cuda.device(q.device if q.is_cuda else -1):  # -1: a CPU tensor under the Triton interpreter (tests)
-        partial[(b, heads, splits)](q, keys, values, slots, positions, parts, stats, out, q.stride(0), q.stride(1),
-                                    q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
-                                    out.stride(1), out.stride(2), n_rep, heads, splits,
-                                    float(scale), R=r, D=dp, DH=d, CHUNK=size,
-                                    IEEE=q.dtype == torch.float32, SINGLE=single, num_warps=NUM_WARPS,
+        partial[(b, heads, splits)](q, keys, values, slots, positions, parts, stats, out, *table, q.stride(0),
+                                    q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+                                    out.stride(0), out.stride(1), out.stride(2), k_off, k_off + heads * d, n_rep,
+                                    heads, splits, float(scale), float(eps) if rope is not None else 0.0, R=r, D=dp,
+                                    DH=d, CHUNK=size, IEEE=q.dtype == torch.float32, SINGLE=single,
+                                    ROPE=rope is not None, HAS_NORM=rope is not None and qk_norm is not None,
+                                    INTERLEAVED=rope is not None and interleaved, num_warps=NUM_WARPS,
                                     **pdl_args(q))
         if not single:
             combine[(b, heads)](parts, stats, out, out.stride(0), out.stride(1), out.stride(2), n_rep, heads, splits,

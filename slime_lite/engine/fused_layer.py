@@ -12,7 +12,8 @@ about a thousand such steps with a few rows each. Three kernels replace most of 
   fewer per layer;
 - ``rope``: the rotary embedding of the q and k heads of one row (after each head's RMSNorm in models with QK-norm,
   Qwen3; in interleaved pairs and over part of the head for GLM4), with the v heads copied beside the k heads, or
-  the k and v heads written straight into their rows of the KV cache (no separate cache write);
+  the k and v heads written straight into their rows of the KV cache (no separate cache write). Captured steps
+  with ``decode_attention``'s kernels do this inside the attention kernel instead (its ``rope``);
 - ``silu_mul`` (``slime_lite.swiglu``, shared with the trainer): ``silu(gate) * up`` of the fused gate/up projection.
 
 Each computes in float32 and rounds to the model dtype where eager PyTorch does (after the norm, after each
@@ -167,14 +168,15 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
                      qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None,
                      heads: int, kv_heads: int, head_dim: int, eps: float, interleaved: bool = False,
                      cache: torch.Tensor | None = None, index: torch.Tensor | None = None,
-                     sq: torch.Tensor | None = None):
+                     sq: torch.Tensor | None = None, rotate: bool = True):
     """A layer's input norm, q/k/v projection and rotary for hidden states ``h [B, T, hidden]`` (contiguous), as
     ``model.layer_functions``' ``qkv_rope``: returns ``(h, q [B, T, heads, D], kv [B, T, 2 kv_heads, D])``. ``add``:
     the previous layer's MLP output, not yet added to ``h``: the norm's kernel adds it (the returned ``h`` is the
     sum). ``sq``: the sums of squares of ``h``'s rows (``mlp_output``'s): the norm runs inside the q/k/v product's
     kernel. ``cache``/``index`` (``rotary``'s): K and V go straight into the cache, and ``kv`` is None. ``cos``,
     ``sin`` (``[B, T, ..., head_dim]``) and ``index``: contiguous (refused otherwise), made before the first layer,
-    as the rotary's kernel reads them before its wait for the product before it."""
+    as the rotary's kernel reads them before its wait for the product before it. ``rotate=False``: no rotary here
+    (``decode_attention`` with ``rope`` does it): returns ``(h, qkv [B * T, width], None)``, the product's rows."""
     b, t, _ = h.shape
     if add is None and sq is not None and gemv.usable(h, qkv_w, qkv_b):
         qkv = gemv.linear(h, qkv_w, qkv_b, norm=(ln, eps, sq))
@@ -184,6 +186,8 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
         else:
             h, x = rms_norm(add.contiguous(), ln, eps, residual=h)
         qkv = gemv.linear(x, qkv_w, qkv_b) if gemv.usable(x, qkv_w, qkv_b) else F.linear(x, qkv_w, qkv_b)
+    if not rotate:
+        return h, qkv.view(b * t, -1), None
     q, kv = rotary(qkv.view(b * t, -1), cos.view(b * t, head_dim), sin.view(b * t, head_dim), heads, kv_heads,
                    head_dim, qk_norm, eps, interleaved, cache, index)
     return h, q.view(b, t, heads, head_dim), (None if kv is None else kv.view(b, t, 2 * kv_heads, head_dim))

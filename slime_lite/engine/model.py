@@ -382,26 +382,32 @@ class CausalLM:
             mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
             if graphed:  # additive, built once per step (SDPA would convert a boolean mask in every layer)
                 mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
-        index = cache.flat_index(slots, positions[:, None])
         if self.routes is not None:
             self.routes.at(slots, positions)
         # captured steps on CUDA: the layer pieces in fewer kernels (fused_layer); the MLP output ``add`` is added
         # to ``h`` by the next norm
         fused = (graphed and not self.compiled and fused_layer.usable(h) and cos.numel() == b * self.head_dim)
+        # and the rotary inside the attention kernel, which also writes the new K/V into the cache
+        rope = fused and own_length and decode_attention.ROPE
+        index = None if rope else cache.flat_index(slots, positions[:, None])
         add = sq = None  # the MLP output not yet added to h, or the sums of squares of h's rows (fused_layer)
         for i, ly in enumerate(self.layers):
             if fused:
                 h, q, _ = fused_layer.attention_inputs(
                     h, add, ly.ln1, ly.qkv_w, ly.qkv_b, cos, sin, ly.qk_norm, self.num_heads, self.kv_heads,
-                    self.head_dim, self.eps, self.interleaved, cache.kv[i].view(-1, self.head_dim), index, sq)
+                    self.head_dim, self.eps, self.interleaved, cache.kv[i].view(-1, self.head_dim), index, sq,
+                    rotate=not rope)
                 add = sq = None
             else:
                 q, kv = self._qkv(ly, h, cos, sin, graphed)
                 cache.write(i, index, kv)
             kc, vc = cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len]
             # Group the query heads of each kv head ([B, kv, n_rep, D]) instead of repeating K/V.
-            qg = q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
-            if own_length:
+            qg = None if rope else q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
+            if rope:  # q: the q/k/v product's rows, rotated (and K/V written to the cache) in the attention kernel
+                out = decode_attention.decode_attention(q, kc, vc, slots, positions, self.scaling, (
+                    cos.view(b, -1), sin.view(b, -1), ly.qk_norm, self.eps, self.interleaved))
+            elif own_length:
                 out = decode_attention.decode_attention(qg, kc, vc, slots, positions, self.scaling)
             else:
                 if slot_range is not None:

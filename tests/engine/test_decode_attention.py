@@ -37,11 +37,48 @@ def _kernels_on_cpu() -> None:
         assert torch.equal(alone, out[4:5])
 
 
+def _rope_on_cpu() -> None:
+    """Run by ``test_the_kernels_in_the_triton_interpreter``: with ``rope`` the attention kernel takes the q/k/v
+    product's rows, norms and rotates them and writes the new K/V into the cache: the same cache and the same bits as
+    ``fused_layer.rotary`` (writing the cache) and then the attention, over splits, padded head sizes, GQA groups
+    that fill a power of two (the new k head takes the next one) and interleaved pairs."""
+    from slime_lite.engine import fused_layer
+    from slime_lite.engine.decode_attention import chunk, decode_attention
+
+    for dtype, kv_heads, n_rep, dim, bucket, norm, interleaved in [(torch.float32, 2, 7, 32, 600, False, False),
+                                                                   (torch.float16, 1, 2, 16, 300, True, False),
+                                                                   (torch.float32, 2, 3, 24, 300, True, True),
+                                                                   (torch.float32, 1, 4, 64, 300, True, False)]:
+        g = torch.Generator().manual_seed(7)
+        heads, length = kv_heads * n_rep, bucket + 64
+        kv = torch.randn(7, 2 * kv_heads, length, dim, generator=g).to(dtype)
+        qkv = (torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g) * 2).to(dtype)
+        cos, sin = torch.randn(5, dim, generator=g).to(dtype), torch.randn(5, dim, generator=g).to(dtype)
+        qk_norm = (1 + torch.randn(2 * dim, generator=g) * 0.2).to(dtype) if norm else None
+        slots = torch.tensor([6, 2, 0, 3, 5])
+        size = chunk(dim, dtype)
+        positions = torch.tensor([0, size - 1, size, bucket - 1, 17])
+        want_kv = kv.clone()
+        index = ((slots[:, None] * 2 * kv_heads + torch.arange(2 * kv_heads)) * length + positions[:, None]).reshape(-1)
+        q, _ = fused_layer.rotary(qkv, cos, sin, heads, kv_heads, dim, qk_norm, 1e-6, interleaved,
+                                  want_kv.view(-1, dim), index)
+        want = decode_attention(q.view(5, kv_heads, n_rep, dim), want_kv[:, :kv_heads, :bucket],
+                                want_kv[:, kv_heads:, :bucket], slots, positions, dim ** -0.5)
+        got = decode_attention(qkv, kv[:, :kv_heads, :bucket], kv[:, kv_heads:, :bucket], slots, positions,
+                               dim ** -0.5, (cos, sin, qk_norm, 1e-6, interleaved))
+        assert torch.equal(kv, want_kv), (dtype, dim)  # each row's new K/V at its position, nothing else touched
+        assert torch.equal(got, want), (dtype, dim)
+    with pytest.raises(ValueError, match="with rope, q must be"):
+        decode_attention(qkv[:, 1:], kv[:, :kv_heads], kv[:, kv_heads:], slots, positions, 0.1,
+                         (cos, sin, None, 1e-6, False))  # a width that is not a number of heads
+
+
 def test_the_kernels_in_the_triton_interpreter():
     """The kernels' logic runs in CI too (CPU, Triton's interpreter); the GPU tests above add bf16 and the compiler."""
     from tests.triton_interpreter import run_interpreted
 
     run_interpreted("tests.engine.test_decode_attention:_kernels_on_cpu")
+    run_interpreted("tests.engine.test_decode_attention:_rope_on_cpu")
 
 
 def test_shapes_that_do_not_fit_are_refused_before_any_kernel():

@@ -79,11 +79,14 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_bucket():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs Hopper (programmatic dependent launch)")
-def test_the_current_position_is_read_after_the_rotary_writes_it(monkeypatch):
-    """The engine's chain in a graph (norm, q/k/v product, rotary writing K/V into the cache, attention), launched
-    with programmatic dependent launch and without: before each replay the input changes and the cache holds a
-    sentinel at every row's current position. The attention reads the rest of its block before its wait; had it
-    read the current position (or had any kernel read its predecessor's output) early, the bits would differ."""
+@pytest.mark.parametrize("rope_inside", [False, True])
+def test_the_current_position_is_read_after_the_rotary_writes_it(rope_inside, monkeypatch):
+    """The engine's chain in a graph (norm, q/k/v product, rotary writing K/V into the cache, attention; or with
+    ``rope_inside`` the rotary and the cache write inside the attention kernel), launched with programmatic
+    dependent launch and without: before each replay the input changes and the cache holds a sentinel at every row's
+    current position. The attention reads the rest of its block before its wait; had it read the current position
+    or the product's rows (or had any kernel read its predecessor's output) early, the bits would differ. Both
+    chains give the same attention and cache within one rounding step of the rotary."""
     from slime_lite import triton_build
     from slime_lite.engine import fused_layer, gemv
     from slime_lite.engine.decode_attention import decode_attention
@@ -104,8 +107,11 @@ def test_the_current_position_is_read_after_the_rotary_writes_it(monkeypatch):
     h = torch.empty(rows, hid, device="cuda", dtype=dt)
     inputs = [torch.randn(rows, hid, generator=g, device="cuda").to(dt) for _ in range(30)]
 
-    def step():
+    def step(inside=rope_inside):
         qkv = gemv.linear(fused_layer.rms_norm(h, ln, 1e-6), qkv_w)
+        if inside:
+            return decode_attention(qkv, cache[:, :kv_heads], cache[:, kv_heads:], slots, positions, dim ** -0.5,
+                                    (cos, sin, None, 1e-6, False))
         q, _ = fused_layer.rotary(qkv, cos, sin, heads, kv_heads, dim, cache=cache.view(-1, dim), index=index)
         return decode_attention(q.view(rows, kv_heads, heads // kv_heads, dim), cache[:, :kv_heads],
                                 cache[:, kv_heads:], slots, positions, dim ** -0.5)
@@ -123,3 +129,7 @@ def test_the_current_position_is_read_after_the_rotary_writes_it(monkeypatch):
             outs[pdl].append(out.clone())
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
     assert all(o.abs().max() < 100 for o in outs[True]) and not torch.equal(outs[True][0], outs[True][1])
+    written = cache.view(-1, dim)[index].clone()  # the last replay's new K/V
+    other = step(not rope_inside)  # the other chain, eagerly, on the last input
+    torch.testing.assert_close(other, outs[True][-1], rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(cache.view(-1, dim)[index], written, rtol=1.6e-2, atol=1.6e-2)

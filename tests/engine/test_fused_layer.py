@@ -177,17 +177,18 @@ def _kernels_on_cpu() -> None:
             _check(torch.float32, 48, 64, "cpu", 1e-5, family)  # 48: a head size that is not a power of two
             _check(torch.float16, 40, 64, "cpu", 2e-3, family)
         for arch, shape in (("qwen2", {}), ("qwen3", {"head_dim": 48}), ("glm4", {}), ("qwen2_moe", {})):
-            _decode_on_cpu(arch, **shape)
+            _decode_on_cpu(arch, rotary_kernel=bool(gemv.NORM_MAX_ROWS), **shape)
 
 
-def _decode_on_cpu(arch: str, **shape) -> None:
+def _decode_on_cpu(arch: str, rotary_kernel: bool, **shape) -> None:
     """Run by ``test_the_kernels_in_the_triton_interpreter``: padded decode steps of a tiny model of each family
-    through the fused pieces (K/V written by the rotary kernel; each MLP output added by the next norm, or the
-    residual adds and norms inside the products; GLM4's post-norms and MoE layers in between) against the eager
-    pieces: the same hidden states and the same KV cache, step after step."""
+    through the fused pieces and the own-length attention kernels (K/V written by the attention kernel, which
+    rotates q and k, or by the rotary kernel; each MLP output added by the next norm, or the residual adds and norms
+    inside the products; GLM4's post-norms and MoE layers in between) against the eager pieces with SDPA: the same
+    hidden states and the same KV cache, step after step."""
     import tempfile
 
-    from slime_lite.engine import fused_layer
+    from slime_lite.engine import decode_attention, fused_layer
     from slime_lite.engine.model import CausalLM, load_hf_model
     from slime_lite.tiny_model import make_tiny_model
 
@@ -195,7 +196,10 @@ def _decode_on_cpu(arch: str, **shape) -> None:
         make_tiny_model(d, arch=arch, warm_start_steps=0, num_layers=3, **shape)
         lm = CausalLM(load_hf_model(d, "float32", torch.device("cpu")), max_len=64)
     slots, prompts = torch.tensor([2, 0, 3]), torch.randint(1, 40, (3, 6), generator=torch.Generator().manual_seed(0))
-    caches = [lm.new_cache(4, 64) for _ in range(2)]
+    # the eager pieces with SDPA (the reference); the fused pieces with the own-length attention kernels (as on
+    # CUDA), the rotary inside the attention kernel; and (``rotary_kernel``) with the rotary's kernel before it
+    ways = [(False, False, True), (True, True, True)] + [(True, True, False)] * rotary_kernel
+    caches = [lm.new_cache(4, 64) for _ in ways]
     for c in caches:
         c.ensure(4, 64)
     with torch.inference_mode():
@@ -204,13 +208,16 @@ def _decode_on_cpu(arch: str, **shape) -> None:
         pos = torch.tensor([6, 4, 5])  # rows at different lengths (shorter prompts' padding is overwritten)
         tokens = prompts[:, 0]
         for _ in range(3):
-            fused_layer.usable = lambda x: True
-            got = lm.decode(tokens, pos, slots, caches[0], int(pos.max()) + 1, graphed=True)
-            fused_layer.usable = lambda x: False
-            want = lm.decode(tokens, pos, slots, caches[1], int(pos.max()) + 1, graphed=True)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(caches[0].kv, caches[1].kv, rtol=1e-5, atol=1e-5)
-            tokens, pos = lm.logits(want).argmax(-1), pos + 1
+            outs = []
+            for cache, (fused, own_length, rope) in zip(caches, ways):
+                fused_layer.usable = lambda x, on=fused: on
+                decode_attention.available = lambda *a, on=own_length: on
+                decode_attention.ROPE = rope
+                outs.append(lm.decode(tokens, pos, slots, cache, int(pos.max()) + 1, graphed=True))
+            for got, cache in zip(outs[1:], caches[1:]):
+                torch.testing.assert_close(got, outs[0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(cache.kv, caches[0].kv, rtol=1e-5, atol=1e-5)
+            tokens, pos = lm.logits(outs[0]).argmax(-1), pos + 1
 
 
 def test_the_kernels_in_the_triton_interpreter():
