@@ -14,10 +14,10 @@ of a step, the model's parameter bytes (tied weights once) over the device's cop
 the kernels launched plainly), ``*_nopdl`` keys. ``--norm-rows 0,32``: also timed with these ``gemv.NORM_MAX_ROWS``
 (0: the norms as kernels of their own, not inside the products' kernels), ``*_normrowsN`` keys.
 ``--attention-bytes 8192,16384``: also timed with these ``decode_attention.BLOCK_BYTES`` (positions per split),
-``*_attnN`` keys. ``--compare-rope``: also timed with the rotary as a kernel of its own (``decode_attention.ROPE``
-off), ``*_ropekernel`` keys. ``--wide-rows 32``: also timed with ``gemv.WIDE_MAX_ROWS`` 32 (gate/up and down by ``gemv``
-past 16 rows too, several K slices per program), ``*_wideN`` keys, and so with the norms inside the products up to
-as many rows (``NORM_MAX_ROWS`` too), ``*_wideN_norm`` keys.
+``*_attnN`` keys. ``--compare-rope``: also timed with the rotary as a kernel of its own
+(``decode_attention.ROPE_MAX_ROWS`` 0), ``*_ropekernel`` keys. ``--wide-rows 32``: also timed with
+``gemv.WIDE_MAX_ROWS`` 32 (gate/up and down by ``gemv`` past 16 rows too, several K slices per program), ``*_wideN``
+keys, and so with the norms inside the products up to as many rows (``NORM_MAX_ROWS`` too), ``*_wideN_norm`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
 where a few long answers set the length bucket) instead of all at the middle; ``--compare-attention``: the step is
 also timed with the own-length attention kernels switched off (masked SDPA over the bucket), ``*_sdpa`` keys.
@@ -143,6 +143,7 @@ def main() -> None:
 
     auto_config, norm_rows, block_bytes, wide_rows = (gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES,
                                                       gemv.WIDE_MAX_ROWS)
+    rope_rows = decode_attention.ROPE_MAX_ROWS
     tmp = tempfile.TemporaryDirectory()
     model_dir = make_model_dir(args.model_config, tmp.name)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
@@ -170,7 +171,7 @@ def main() -> None:
         for suffix in variants:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
-            decode_attention.ROPE = suffix != "_ropekernel"
+            decode_attention.ROPE_MAX_ROWS = 0 if suffix == "_ropekernel" else rope_rows
             gemv.config = _fixed_config(suffix[5:]) if suffix.startswith("_gemv") else auto_config
             gemv.NORM_MAX_ROWS = int(suffix[9:]) if suffix.startswith("_normrows") else norm_rows
             gemv.WIDE_MAX_ROWS = int(suffix[5:].removesuffix("_norm")) if suffix.startswith("_wide") else wide_rows
@@ -182,7 +183,8 @@ def main() -> None:
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
-        decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = decode_attention.ROPE = True
+        decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = True
+        decode_attention.ROPE_MAX_ROWS = rope_rows
         gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES = auto_config, norm_rows, block_bytes
         gemv.WIDE_MAX_ROWS = wide_rows
         row["python_ms"] = row["step_ms"] - row["run_ms"]

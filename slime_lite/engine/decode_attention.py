@@ -9,10 +9,11 @@ row reads its own prefix only:
   together (GQA: K and V read once for all of them) and writes the split's softmax-weighted sum of V with its max
   and sum of exponentials (flash-decoding); a split past the row's length writes exact zeros. Launched with
   programmatic dependent launch (Hopper), it reads its block of K and V while the kernel before it still runs: all
-  but the row's current position, which that kernel (the rotary) writes; that one and the query come after the wait;
-  With ``rope`` (captured steps, ``ROPE``), it also does the rotary's work for its (row, KV head): the query heads
-  and the new k head come from the q/k/v product's row, normed (QK-norm) and rotated after the wait, and the split
-  that holds the row's position writes the new k and v heads into the cache: no rotary kernel of its own;
+  but the row's current position, which that kernel (the rotary) writes; that one and the query come after the wait.
+  With ``rope`` (captured steps of up to ``ROPE_MAX_ROWS`` rows) it also does the rotary's work for its (row, KV
+  head): the query heads and the new k head come from the q/k/v product's row, normed (QK-norm) and rotated after
+  the wait, and the split that holds the row's position writes the new k and v heads into the cache: no rotary
+  kernel of its own;
 - ``combine``: one program per (row, KV head) joins the splits in order. With one split (a length bucket up to
   ``chunk``) ``partial`` writes the result itself, which is what ``combine`` would write, bit for bit.
 
@@ -30,11 +31,14 @@ import torch
 from slime_lite.triton_build import pdl_args, triton_kernels
 
 BLOCK_BYTES = 32768  # of K (and of V) per split, held in registers: the split's positions follow from it (``chunk``)
-NUM_WARPS = 8  # of ``partial``: its split's K and V in ~128 registers a thread (sm_90 build; ~250 with 4 warps)
+NUM_WARPS = 8  # of ``partial``: its split's K and V in ~125 registers a thread (sm_90 build; ~250 with 4 warps)
 
 
 ENABLED = True  # False: captured steps keep SDPA with a mask (benchmarks compare the two in one process)
-ROPE = True  # captured steps rotate q and k inside ``partial`` (False: ``fused_layer.rotary``'s kernel first)
+# captured steps of up to this many rows rotate q and k inside ``partial``, where a kernel less is worth more than
+# the registers it adds (~160-200 instead of ~125 a thread on sm_90: one block of 8 warps an SM, not two); past it
+# (and at 0) ``fused_layer.rotary``'s kernel runs first
+ROPE_MAX_ROWS = 32
 
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -87,10 +91,11 @@ def _kernels(triton, tl):
                 pair = tl.where(dims < DH // 2, dims + DH // 2, dims - DH // 2)
             c = tl.load(cos_ptr + b * DH + dims, mask=head, other=0.0).to(tl.float32)
             sn = tl.load(sin_ptr + b * DH + dims, mask=head, other=0.0).to(tl.float32)
-            is_k = (rows == n_rep)[:, None]  # the tile's row after the query heads holds the row's new k head
-            if HAS_NORM:  # q_norm's weight for the query heads, k_norm's (after it) for the k head
-                wn = tl.load(qkn_ptr + is_k * DH + dims[None, :], mask=head[None, :], other=0.0).to(tl.float32)
-                wp = tl.load(qkn_ptr + is_k * DH + pair[None, :], mask=head[None, :], other=0.0).to(tl.float32)
+            if HAS_NORM:  # q_norm's weight (for the query heads), then k_norm's (for the k head)
+                wq = tl.load(qkn_ptr + dims, mask=head, other=0.0).to(tl.float32)
+                wq_p = tl.load(qkn_ptr + pair, mask=head, other=0.0).to(tl.float32)
+                wk = tl.load(qkn_ptr + DH + dims, mask=head, other=0.0).to(tl.float32)
+                wk_p = tl.load(qkn_ptr + DH + pair, mask=head, other=0.0).to(tl.float32)
         if GDC:  # launched with PDL (triton_build.pdl_args)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -100,11 +105,14 @@ def _kernels(triton, tl):
             now = (t == cur)[:, None]
             at = base + cur.to(tl.int64) * c_st + dims
             if ROPE:  # q's heads and the new k head from the product's row, normed and rotated as ``rope`` does
+                is_k = (rows == n_rep)[:, None]  # the tile's row after the query heads holds the new k head
                 src = tl.where(is_k, k_off + h * DH, h * q_sh + rows[:, None] * q_sr)
                 got = (rows <= n_rep)[:, None] & head[None, :]
                 x = tl.load(q_ptr + b * q_sb + src + dims[None, :], mask=got, other=0.0)
                 partner = tl.load(q_ptr + b * q_sb + src + pair[None, :], mask=got, other=0.0)
                 if HAS_NORM:  # each head's RMSNorm first
+                    wn = tl.where(is_k, wk[None, :], wq[None, :])
+                    wp = tl.where(is_k, wk_p[None, :], wq_p[None, :])
                     xf = x.to(tl.float32)
                     r = tl.rsqrt(tl.sum(xf * xf, axis=1) / DH + eps)[:, None]
                     x = (wn * (xf * r).to(x.dtype).to(tl.float32)).to(x.dtype)
@@ -191,17 +199,21 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     contiguous): ``q`` is instead the step's q/k/v product ``[B, (heads + 2 kv_heads) * D]`` (rows with a
     contiguous last dimension), before the rotary. The kernel norms (with ``qk_norm``) and rotates the query heads
     and the row's new k head as ``rotary`` does, and writes the new k and v heads into ``keys``/``values`` at each
-    row's position: one kernel per layer fewer than ``rotary`` then attention."""
+    row's position (below ``L``, as every position here), in the product's dtype: one kernel per layer fewer than
+    ``rotary`` then attention. The results equal those (same bits in Triton's interpreter; compiled, the QK-norm's
+    sum of squares is added in another order, which can change q and k by one rounding step)."""
     d = keys.shape[3]
     if rope is not None:
         cos, sin, qk_norm, eps, interleaved = rope
         kv_heads, width = keys.shape[1], q.shape[-1]
         if (q.dim() != 2 or width % d or width // d <= 2 * kv_heads or (width // d - 2 * kv_heads) % kv_heads
                 or q.stride(-1) != 1 or d % 2 or cos.shape != (q.shape[0], d) or sin.shape != cos.shape
+                or keys.dtype != q.dtype
                 or not (cos.is_contiguous() and sin.is_contiguous())
                 or (qk_norm is not None and (qk_norm.numel() != 2 * d or not qk_norm.is_contiguous()))):
             raise ValueError(f"decode_attention: with rope, q must be the q/k/v rows [B, (heads + 2 kv_heads) * D] "
-                             f"(got {tuple(q.shape)} for {kv_heads} kv heads of {d}, an even D), cos/sin contiguous "
+                             f"(got {tuple(q.shape)} for {kv_heads} kv heads of {d}, an even D, in the cache's "
+                             "dtype), cos/sin contiguous "
                              "[B, D], qk_norm the contiguous [2 * D] weights of q_norm then k_norm")
         qkv, heads = q, width // d - 2 * kv_heads
         q = qkv[:, : heads * d].view(-1, kv_heads, heads // kv_heads, d)  # the query heads, for shapes and strides

@@ -166,9 +166,10 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, 
     key = kind(k, swiglu)
     bn, bk, warps = {"gate_up": (32, 256, 4), "down": (64, 256, 4), "narrow": (32, 128, 8 if rows > 16 else 4)}[key]
     ksteps = 1
-    if rows > 16 and key != "narrow":  # gate/up: all of k in one program, no partial sums; down: 5 slices of ~1K
+    if rows > 16 and (2 if swiglu else 1) * out_n * k >= WIDE:  # gate/up: up to 8 slices of 128 a program (all of
+        # the 0.5B shape's k: no partial sums); down: 4 of 256
         bn, bk = 32, 128 if key == "gate_up" else 256
-        ksteps = -(-k // bk) if key == "gate_up" else 4
+        ksteps = 8 if key == "gate_up" else 4
     bk = min(bk, max(16, 1 << (k - 1).bit_length()))
     return bn, bk, warps, min(ksteps, -(-k // bk))
 

@@ -388,7 +388,7 @@ class CausalLM:
         # to ``h`` by the next norm
         fused = (graphed and not self.compiled and fused_layer.usable(h) and cos.numel() == b * self.head_dim)
         # and the rotary inside the attention kernel, which also writes the new K/V into the cache
-        rope = fused and own_length and decode_attention.ROPE
+        rope = fused and own_length and b <= decode_attention.ROPE_MAX_ROWS
         index = None if rope else cache.flat_index(slots, positions[:, None])
         add = sq = None  # the MLP output not yet added to h, or the sums of squares of h's rows (fused_layer)
         for i, ly in enumerate(self.layers):

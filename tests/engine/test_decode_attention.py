@@ -41,14 +41,18 @@ def _rope_on_cpu() -> None:
     """Run by ``test_the_kernels_in_the_triton_interpreter``: with ``rope`` the attention kernel takes the q/k/v
     product's rows, norms and rotates them and writes the new K/V into the cache: the same cache and the same bits as
     ``fused_layer.rotary`` (writing the cache) and then the attention, over splits, padded head sizes, GQA groups
-    that fill a power of two (the new k head takes the next one) and interleaved pairs."""
+    that fill a power of two (the new k head takes the next one), the last row of one (15 query heads) or a single
+    query head per KV head, and interleaved pairs."""
     from slime_lite.engine import fused_layer
     from slime_lite.engine.decode_attention import chunk, decode_attention
 
     for dtype, kv_heads, n_rep, dim, bucket, norm, interleaved in [(torch.float32, 2, 7, 32, 600, False, False),
                                                                    (torch.float16, 1, 2, 16, 300, True, False),
                                                                    (torch.float32, 2, 3, 24, 300, True, True),
-                                                                   (torch.float32, 1, 4, 64, 300, True, False)]:
+                                                                   (torch.float32, 1, 4, 64, 300, True, False),
+                                                                   (torch.float32, 1, 15, 16, 300, True, False),
+                                                                   (torch.float32, 1, 16, 16, 300, True, True),
+                                                                   (torch.float32, 2, 1, 16, 300, False, False)]:
         g = torch.Generator().manual_seed(7)
         heads, length = kv_heads * n_rep, bucket + 64
         kv = torch.randn(7, 2 * kv_heads, length, dim, generator=g).to(dtype)
@@ -71,6 +75,9 @@ def _rope_on_cpu() -> None:
     with pytest.raises(ValueError, match="with rope, q must be"):
         decode_attention(qkv[:, 1:], kv[:, :kv_heads], kv[:, kv_heads:], slots, positions, 0.1,
                          (cos, sin, None, 1e-6, False))  # a width that is not a number of heads
+    with pytest.raises(ValueError, match="in the cache's dtype"):
+        decode_attention(qkv.double(), kv[:, :kv_heads], kv[:, kv_heads:], slots, positions, 0.1,
+                         (cos, sin, None, 1e-6, False))
 
 
 def test_the_kernels_in_the_triton_interpreter():

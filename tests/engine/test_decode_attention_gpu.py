@@ -79,21 +79,27 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_bucket():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs Hopper (programmatic dependent launch)")
-@pytest.mark.parametrize("rope_inside", [False, True])
-def test_the_current_position_is_read_after_the_rotary_writes_it(rope_inside, monkeypatch):
+@pytest.mark.parametrize("rope_inside,heads,dim,norm,interleaved", [
+    (False, 14, 64, False, False), (True, 14, 64, False, False),  # Qwen2.5-0.5B's attention
+    (True, 32, 80, True, True),  # QK-norm, interleaved pairs, a padded head size, 16 query heads per KV head
+])
+def test_the_current_position_is_read_after_the_rotary_writes_it(rope_inside, heads, dim, norm, interleaved,
+                                                                   monkeypatch):
     """The engine's chain in a graph (norm, q/k/v product, rotary writing K/V into the cache, attention; or with
     ``rope_inside`` the rotary and the cache write inside the attention kernel), launched with programmatic
     dependent launch and without: before each replay the input changes and the cache holds a sentinel at every row's
     current position. The attention reads the rest of its block before its wait; had it read the current position
     or the product's rows (or had any kernel read its predecessor's output) early, the bits would differ. Both
-    chains give the same attention and cache within one rounding step of the rotary."""
+    chains give the same attention and the same cache within one rounding step of the rotary (and of the QK-norm,
+    whose sum runs in another order in each kernel)."""
     from slime_lite import triton_build
     from slime_lite.engine import fused_layer, gemv
     from slime_lite.engine.decode_attention import decode_attention
 
-    dt, rows, heads, kv_heads, dim, slots_n, length = torch.bfloat16, 8, 14, 2, 64, 10, 512
+    dt, rows, kv_heads, slots_n, length = torch.bfloat16, 8, 2, 10, 512
     hid = heads * dim
     g = torch.Generator(device="cuda").manual_seed(0)
+    qk_norm = (1 + 0.2 * torch.randn(2 * dim, generator=g, device="cuda")).to(dt) if norm else None
     qkv_w = (torch.randn((heads + 2 * kv_heads) * dim, hid, generator=g, device="cuda") * 0.03).to(dt)
     ln = (1 + 0.1 * torch.randn(hid, generator=g, device="cuda")).to(dt)
     cache = torch.randn(slots_n, 2 * kv_heads, length, dim, generator=g, device="cuda").to(dt)
@@ -111,8 +117,9 @@ def test_the_current_position_is_read_after_the_rotary_writes_it(rope_inside, mo
         qkv = gemv.linear(fused_layer.rms_norm(h, ln, 1e-6), qkv_w)
         if inside:
             return decode_attention(qkv, cache[:, :kv_heads], cache[:, kv_heads:], slots, positions, dim ** -0.5,
-                                    (cos, sin, None, 1e-6, False))
-        q, _ = fused_layer.rotary(qkv, cos, sin, heads, kv_heads, dim, cache=cache.view(-1, dim), index=index)
+                                    (cos, sin, qk_norm, 1e-6, interleaved))
+        q, _ = fused_layer.rotary(qkv, cos, sin, heads, kv_heads, dim, qk_norm, 1e-6, interleaved,
+                                  cache.view(-1, dim), index)
         return decode_attention(q.view(rows, kv_heads, heads // kv_heads, dim), cache[:, :kv_heads],
                                 cache[:, kv_heads:], slots, positions, dim ** -0.5)
 
@@ -129,7 +136,11 @@ def test_the_current_position_is_read_after_the_rotary_writes_it(rope_inside, mo
             outs[pdl].append(out.clone())
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
     assert all(o.abs().max() < 100 for o in outs[True]) and not torch.equal(outs[True][0], outs[True][1])
-    written = cache.view(-1, dim)[index].clone()  # the last replay's new K/V
+    after = cache.clone()  # the last replay's cache: its new K/V at each row's position, the rest as it was
+    cache.view(-1, dim)[index] = 1e4
     other = step(not rope_inside)  # the other chain, eagerly, on the last input
     torch.testing.assert_close(other, outs[True][-1], rtol=1.6e-2, atol=1.6e-2)
-    torch.testing.assert_close(cache.view(-1, dim)[index], written, rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(cache, after, rtol=1.6e-2, atol=1.6e-2)
+    cache.view(-1, dim)[index] = 1e4  # the written rows alone differ: the rest is untouched bits
+    after.view(-1, dim)[index] = 1e4
+    assert torch.equal(cache, after)

@@ -40,10 +40,11 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         assert torch.equal(got, again)
         bn, bk, warps, _ = gemv.config(rows, n, k, swiglu)
         for ksteps in (2, 3):  # a program adding up several K slices (fewer or no partial sums), a partial last one
+            # (the wide products' tiles past 16 rows: gemv.config)
             torch.testing.assert_close(gemv.linear(x, w, b, swiglu=swiglu, cfg=(bn, bk, warps, ksteps)),
                                        _want(x, w, b, swiglu), rtol=tol, atol=tol)
     for rows, k0, k, n, swiglu in [(3, 300, 300, 40, False), (16, 64, 200, 2 * 48, True),
-                                   (24, 96, 600, 2 * 40, True)]:  # 32-row tiles, gate/up of 5 slices a program
+                                   (24, 96, 600, 2 * 40, True)]:  # 32-row tiles
         # a product with the residual add and its rows' sums of squares (split-K in the first), then one with the
         # RMSNorm from those sums
         x0, w0 = torch.randn(rows, k0, generator=gen).to(dtype).to(device), torch.randn(k, k0, generator=gen) * 0.3
@@ -68,6 +69,10 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         got = gemv.linear(y, w, swiglu=swiglu, norm=(ln, 1e-6, sq), cfg=cfg)
         torch.testing.assert_close(got, _want(normed, w, None, swiglu), rtol=tol, atol=tol)
     assert not any(c.any() for c in gemv._COUNTERS.values())
+    # past 16 rows only the wide products (the 0.5B shape's gate/up and down) add up several slices a program
+    assert [gemv.config(32, *shape)[3] for shape in ((4864, 896, True), (896, 4864, False), (896, 896, False))] == [
+        7, 4, 1]
+    assert gemv.config(16, 4864, 896, True)[3] == 1
     with pytest.raises(ValueError, match="residual .not with swiglu"):
         gemv.linear(y, w, swiglu=True, residual=y)
     with pytest.raises(ValueError, match="at most 32 rows"):
