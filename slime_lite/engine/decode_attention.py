@@ -84,13 +84,13 @@ def _kernels(triton, tl):
         old = (t < cur)[:, None] & head[None, :]
         k = tl.load(k_ptr + off, mask=old, other=0.0)
         v = tl.load(v_ptr + off, mask=old, other=0.0)
-        if ROPE:  # and the row's cos/sin and the QK-norm weights (made before the step's first layer)
+        if ROPE:  # and the rotary table's row at the row's position, and the QK-norm weights
             if INTERLEAVED:  # rotary pairs (0, 1), (2, 3), ...
                 pair = dims ^ 1
             else:  # pairs (d, d + DH / 2)
                 pair = tl.where(dims < DH // 2, dims + DH // 2, dims - DH // 2)
-            c = tl.load(cos_ptr + b * DH + dims, mask=head, other=0.0).to(tl.float32)
-            sn = tl.load(sin_ptr + b * DH + dims, mask=head, other=0.0).to(tl.float32)
+            c = tl.load(cos_ptr + cur.to(tl.int64) * DH + dims, mask=head, other=0.0).to(tl.float32)
+            sn = tl.load(sin_ptr + cur.to(tl.int64) * DH + dims, mask=head, other=0.0).to(tl.float32)
             if HAS_NORM:  # q_norm's weight (for the query heads), then k_norm's (for the k head)
                 wq = tl.load(qkn_ptr + dims, mask=head, other=0.0).to(tl.float32)
                 wq_p = tl.load(qkn_ptr + pair, mask=head, other=0.0).to(tl.float32)
@@ -195,26 +195,26 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     positions [B], each below S and L (read on the device, not checked). Returns [B, kv_heads, n_rep, D] in q's
     dtype.
 
-    ``rope=(cos, sin, qk_norm, eps, interleaved)`` (``fused_layer.rotary``'s, ``cos``/``sin`` ``[B, D]``
-    contiguous): ``q`` is instead the step's q/k/v product ``[B, (heads + 2 kv_heads) * D]`` (rows with a
-    contiguous last dimension), before the rotary. The kernel norms (with ``qk_norm``) and rotates the query heads
-    and the row's new k head as ``rotary`` does, and writes the new k and v heads into ``keys``/``values`` at each
-    row's position (below ``L``, as every position here), in the product's dtype: one kernel per layer fewer than
-    ``rotary`` then attention. The results equal those (same bits in Triton's interpreter; compiled, the QK-norm's
+    ``rope=(cos, sin, qk_norm, eps, interleaved)`` (``fused_layer.rotary``'s, but ``cos``/``sin`` the whole
+    rotary tables ``[>= L, D]``, contiguous, read at each row's position): ``q`` is instead the step's q/k/v product
+    ``[B, (heads + 2 kv_heads) * D]`` (rows with a contiguous last dimension), before the rotary. The kernel norms
+    (with ``qk_norm``) and rotates the query heads and the row's new k head as ``rotary`` does, and writes the new k
+    and v heads into ``keys``/``values`` at each row's position (below ``L``, as every position here): one kernel
+    per layer fewer than ``rotary`` then attention, and no gathers of the tables' rows before the step. The results equal those (same bits in Triton's interpreter; compiled, the QK-norm's
     sum of squares is added in another order, which can change q and k by one rounding step)."""
     d = keys.shape[3]
     if rope is not None:
         cos, sin, qk_norm, eps, interleaved = rope
         kv_heads, width = keys.shape[1], q.shape[-1]
         if (q.dim() != 2 or width % d or width // d <= 2 * kv_heads or (width // d - 2 * kv_heads) % kv_heads
-                or q.stride(-1) != 1 or d % 2 or cos.shape != (q.shape[0], d) or sin.shape != cos.shape
-                or keys.dtype != q.dtype
+                or q.stride(-1) != 1 or d % 2 or cos.dim() != 2 or cos.shape[0] < keys.shape[2]
+                or cos.shape[1] != d or sin.shape != cos.shape or keys.dtype != q.dtype
                 or not (cos.is_contiguous() and sin.is_contiguous())
                 or (qk_norm is not None and (qk_norm.numel() != 2 * d or not qk_norm.is_contiguous()))):
             raise ValueError(f"decode_attention: with rope, q must be the q/k/v rows [B, (heads + 2 kv_heads) * D] "
                              f"(got {tuple(q.shape)} for {kv_heads} kv heads of {d}, an even D, in the cache's "
-                             "dtype), cos/sin contiguous "
-                             "[B, D], qk_norm the contiguous [2 * D] weights of q_norm then k_norm")
+                             "dtype), cos/sin contiguous tables [>= L, D], qk_norm the contiguous [2 * D] weights "
+                             "of q_norm then k_norm")
         qkv, heads = q, width // d - 2 * kv_heads
         q = qkv[:, : heads * d].view(-1, kv_heads, heads // kv_heads, d)  # the query heads, for shapes and strides
     b, heads, n_rep, d = q.shape

@@ -374,7 +374,6 @@ class CausalLM:
         """
         b = tokens.shape[0]
         h = F.embedding(tokens[:, None], self.embed.weight)
-        cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
         mask = None
         # captured steps on CUDA: each row reads its own slot's prefix (decode_attention): no gather, mask or padding
         own_length = graphed and decode_attention.available(h.device, h.dtype, self.head_dim)
@@ -386,10 +385,14 @@ class CausalLM:
             self.routes.at(slots, positions)
         # captured steps on CUDA: the layer pieces in fewer kernels (fused_layer); the MLP output ``add`` is added
         # to ``h`` by the next norm
-        fused = (graphed and not self.compiled and fused_layer.usable(h) and cos.numel() == b * self.head_dim)
-        # and the rotary inside the attention kernel, which also writes the new K/V into the cache
+        fused = graphed and not self.compiled and fused_layer.usable(h)
+        # and the rotary inside the attention kernel, which reads the rotary table at each row's position itself and
+        # writes the new K/V into the cache
         rope = fused and own_length and b <= decode_attention.ROPE_MAX_ROWS
-        index = None if rope else cache.flat_index(slots, positions[:, None])
+        cos = sin = index = None
+        if not rope:
+            cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
+            index = cache.flat_index(slots, positions[:, None])
         add = sq = None  # the MLP output not yet added to h, or the sums of squares of h's rows (fused_layer)
         for i, ly in enumerate(self.layers):
             if fused:
@@ -406,7 +409,7 @@ class CausalLM:
             qg = None if rope else q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
             if rope:  # q: the q/k/v product's rows, rotated (and K/V written to the cache) in the attention kernel
                 out = decode_attention.decode_attention(q, kc, vc, slots, positions, self.scaling, (
-                    cos.view(b, -1), sin.view(b, -1), ly.qk_norm, self.eps, self.interleaved))
+                    self.cos, self.sin, ly.qk_norm, self.eps, self.interleaved))
             elif own_length:
                 out = decode_attention.decode_attention(qg, kc, vc, slots, positions, self.scaling)
             else:

@@ -57,15 +57,15 @@ def _rope_on_cpu() -> None:
         heads, length = kv_heads * n_rep, bucket + 64
         kv = torch.randn(7, 2 * kv_heads, length, dim, generator=g).to(dtype)
         qkv = (torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g) * 2).to(dtype)
-        cos, sin = torch.randn(5, dim, generator=g).to(dtype), torch.randn(5, dim, generator=g).to(dtype)
+        cos, sin = (torch.randn(bucket, dim, generator=g).to(dtype) for _ in range(2))  # tables by position
         qk_norm = (1 + torch.randn(2 * dim, generator=g) * 0.2).to(dtype) if norm else None
         slots = torch.tensor([6, 2, 0, 3, 5])
         size = chunk(dim, dtype)
         positions = torch.tensor([0, size - 1, size, bucket - 1, 17])
         want_kv = kv.clone()
         index = ((slots[:, None] * 2 * kv_heads + torch.arange(2 * kv_heads)) * length + positions[:, None]).reshape(-1)
-        q, _ = fused_layer.rotary(qkv, cos, sin, heads, kv_heads, dim, qk_norm, 1e-6, interleaved,
-                                  want_kv.view(-1, dim), index)
+        q, _ = fused_layer.rotary(qkv, cos[positions], sin[positions], heads, kv_heads, dim, qk_norm, 1e-6,
+                                  interleaved, want_kv.view(-1, dim), index)
         want = decode_attention(q.view(5, kv_heads, n_rep, dim), want_kv[:, :kv_heads, :bucket],
                                 want_kv[:, kv_heads:, :bucket], slots, positions, dim ** -0.5)
         got = decode_attention(qkv, kv[:, :kv_heads, :bucket], kv[:, kv_heads:, :bucket], slots, positions,
@@ -75,6 +75,9 @@ def _rope_on_cpu() -> None:
     with pytest.raises(ValueError, match="with rope, q must be"):
         decode_attention(qkv[:, 1:], kv[:, :kv_heads], kv[:, kv_heads:], slots, positions, 0.1,
                          (cos, sin, None, 1e-6, False))  # a width that is not a number of heads
+    with pytest.raises(ValueError, match="tables"):  # a table shorter than the bucket
+        decode_attention(qkv, kv[:, :kv_heads], kv[:, kv_heads:], slots, positions, 0.1,
+                         (cos[:-1], sin[:-1], None, 1e-6, False))
     with pytest.raises(ValueError, match="in the cache's dtype"):
         decode_attention(qkv.double(), kv[:, :kv_heads], kv[:, kv_heads:], slots, positions, 0.1,
                          (cos, sin, None, 1e-6, False))

@@ -107,9 +107,10 @@ def test_the_current_position_is_read_after_the_rotary_writes_it(rope_inside, he
     positions = torch.randint(0, length, (rows,), generator=g, device="cuda")
     heads_at = torch.arange(2 * kv_heads, device="cuda")
     index = ((slots[:, None] * 2 * kv_heads + heads_at[None, :]) * length + positions[:, None]).reshape(-1)
-    angle = torch.rand(rows, dim // 2, generator=g, device="cuda") * 6
+    angle = torch.rand(length, dim // 2, generator=g, device="cuda") * 6  # the rotary tables, by position
     cos = torch.cat((angle.cos(), angle.cos()), -1).to(dt)
     sin = torch.cat((-angle.sin(), angle.sin()), -1).to(dt)
+    cos_rows, sin_rows = cos[positions], sin[positions]  # the rotary kernel's: taken before the step
     h = torch.empty(rows, hid, device="cuda", dtype=dt)
     inputs = [torch.randn(rows, hid, generator=g, device="cuda").to(dt) for _ in range(30)]
 
@@ -118,7 +119,7 @@ def test_the_current_position_is_read_after_the_rotary_writes_it(rope_inside, he
         if inside:
             return decode_attention(qkv, cache[:, :kv_heads], cache[:, kv_heads:], slots, positions, dim ** -0.5,
                                     (cos, sin, qk_norm, 1e-6, interleaved))
-        q, _ = fused_layer.rotary(qkv, cos, sin, heads, kv_heads, dim, qk_norm, 1e-6, interleaved,
+        q, _ = fused_layer.rotary(qkv, cos_rows, sin_rows, heads, kv_heads, dim, qk_norm, 1e-6, interleaved,
                                   cache.view(-1, dim), index)
         return decode_attention(q.view(rows, kv_heads, heads // kv_heads, dim), cache[:, :kv_heads],
                                 cache[:, kv_heads:], slots, positions, dim ** -0.5)
