@@ -200,8 +200,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     ``[B, (heads + 2 kv_heads) * D]`` (rows with a contiguous last dimension), before the rotary. The kernel norms
     (with ``qk_norm``) and rotates the query heads and the row's new k head as ``rotary`` does, and writes the new k
     and v heads into ``keys``/``values`` at each row's position (below ``L``, as every position here): one kernel
-    per layer fewer than ``rotary`` then attention, and no gathers of the tables' rows before the step. The results equal those (same bits in Triton's interpreter; compiled, the QK-norm's
-    sum of squares is added in another order, which can change q and k by one rounding step)."""
+    per layer fewer than ``rotary`` then attention, and no gathers of the tables' rows before the step. The
+    results equal those (same bits in Triton's interpreter; compiled, the QK-norm's sum of squares is added in
+    another order, which can change q and k by one rounding step)."""
     d = keys.shape[3]
     if rope is not None:
         cos, sin, qk_norm, eps, interleaved = rope
