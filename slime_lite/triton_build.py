@@ -25,6 +25,24 @@ def triton_kernels(build: Callable[[Any, Any], Any]) -> Callable[[], Any]:
     return functools.update_wrapper(kernels, build)
 
 
+# counters of the kernels whose last program to finish a piece of work completes it (split-K products, split
+# attention), per (device, stream), all zero between kernels (each resets the ones it used): kernels of one stream run
+# one after the other (with PDL too, a kernel counts only after its wait); never replaced, as captured graphs keep
+# their address
+_COUNTERS: dict[tuple[Any, int], Any] = {}
+COUNTERS = 1 << 16
+
+
+def counters(t: Any) -> Any:
+    """The ``COUNTERS`` int32 counters (zeros) for kernels on ``t``'s device and current stream."""
+    import torch
+
+    key = (t.device, torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=t.device)
+    return _COUNTERS[key]
+
+
 PDL = True  # programmatic dependent launch where the device has it (benchmarks switch it off to compare)
 
 

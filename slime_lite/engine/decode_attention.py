@@ -1,21 +1,23 @@
-"""Decode attention over each row's own length, by Triton kernels (CUDA graph steps).
+"""Decode attention over each row's own length, by a Triton kernel (CUDA graph steps).
 
 A padded decode step attends over the first ``L`` cache positions, ``L`` its length bucket, with a mask per row:
 SDPA then reads ``L`` positions of K and V for every row, though a row needs only ``position + 1`` of them. In an
 RL rollout lengths spread widely (a few long answers set the bucket), so most of that read is wasted. Here each
 row reads its own prefix only:
 
-- ``partial``: one program per (row, KV head, split of ``chunk`` positions) keeps the query heads of its KV head
-  together (GQA: K and V read once for all of them) and writes the split's softmax-weighted sum of V with its max
-  and sum of exponentials (flash-decoding); a split past the row's length writes exact zeros. Launched with
-  programmatic dependent launch (Hopper), it reads its block of K and V while the kernel before it still runs: all
-  but the row's current position, which that kernel (the rotary) writes; that one and the query come after the wait.
-  With ``rope`` (captured steps of up to ``ROPE_MAX_ROWS`` rows) it also does the rotary's work for its (row, KV
-  head): the query heads and the new k head come from the q/k/v product's row, normed (QK-norm) and rotated after
-  the wait, and the split that holds the row's position writes the new k and v heads into the cache: no rotary
-  kernel of its own;
-- ``combine``: one program per (row, KV head) joins the splits in order. With one split (a length bucket up to
-  ``chunk``) ``partial`` writes the result itself, which is what ``combine`` would write, bit for bit.
+``partial``: one program per (row, KV head, split of ``chunk`` positions) keeps the query heads of its KV head
+together (GQA: K and V read once for all of them) and writes the split's softmax-weighted sum of V with its max and
+sum of exponentials (flash-decoding); a split past the row's length writes exact zeros. The last program of a (row,
+KV head) to finish (a counter each, reset by that program) joins the splits in split order, so the result does not
+depend on which finishes last; with one split (a length bucket up to ``chunk``) the program writes the result
+itself, which is what the join would write, bit for bit.
+
+Launched with programmatic dependent launch (Hopper), it reads its block of K and V while the kernel before it still
+runs: all but the row's current position, which that kernel (the rotary) writes; that one and the query come after
+the wait. With ``rope`` (captured steps of up to ``ROPE_MAX_ROWS`` rows) it also does the rotary's work for its
+(row, KV head): the query heads and the new k head come from the q/k/v product's row, normed (QK-norm) and rotated
+after the wait, and the split that holds the row's position writes the new k and v heads into the cache: no rotary
+kernel of its own.
 
 Splits sit at fixed positions (multiples of ``chunk``, which depends on the head size and dtype only), so a row's
 result does not depend on its batch, its slot or the length bucket. Each row's slot and length are read on the
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from slime_lite.triton_build import pdl_args, triton_kernels
+from slime_lite.triton_build import COUNTERS, counters, pdl_args, triton_kernels
 
 BLOCK_BYTES = 32768  # of K (and of V) per split, held in registers: the split's positions follow from it (``chunk``)
 NUM_WARPS = 8  # of ``partial``: its split's K and V in ~125 registers a thread (sm_90 build; ~250 with 4 warps)
@@ -61,8 +63,9 @@ def chunk(head_dim: int, dtype: torch.dtype) -> int:
 @triton_kernels
 def _kernels(triton, tl):
     @triton.jit(do_not_specialize=["splits"])  # not a variant per split count (compiled mid-rollout)
-    def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, out_ptr, cos_ptr, sin_ptr, qkn_ptr, q_sb,
-                q_sh, q_sr, c_sb, c_sh, c_st, out_sb, out_sh, out_sr, k_off, v_off, n_rep, heads, splits, scale, eps,
+    def partial(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, ml_ptr, out_ptr, cnt_ptr, cos_ptr, sin_ptr, qkn_ptr,
+                q_sb, q_sh, q_sr, c_sb, c_sh, c_st, out_sb, out_sh, out_sr, k_off, v_off, n_rep, heads, splits, scale,
+                eps,
                 R: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
                 SINGLE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
                 GDC: tl.constexpr):
@@ -148,42 +151,35 @@ def _kernels(triton, tl):
             m = tl.full((R,), -float("inf"), tl.float32)
             l_sum = tl.zeros((R,), tl.float32)
             acc = tl.zeros((R, D), tl.float32)
-        if SINGLE:  # one split: the result itself, as ``combine`` would write it
+        if SINGLE:  # one split: the result itself, as the splits' join below would write it
             tl.store(out_ptr + b * out_sb + h * out_sh + rows[:, None] * out_sr + dims[None, :],
                      (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None] & head[None, :])
         else:
-            at = ((b * heads + h) * splits + s) * n_rep  # this split's rows: [rows, D] floats, then max and sum
+            first = (b * heads + h) * splits * n_rep  # the (row, KV head)'s splits: [rows, D] floats, max and sum
+            at = first + s * n_rep
             tl.store(o_ptr + (at + rows[:, None]) * D + dims[None, :], acc, mask=live[:, None])
             tl.store(ml_ptr + 2 * (at + rows), m, mask=live)
             tl.store(ml_ptr + 2 * (at + rows) + 1, l_sum, mask=live)
+            tl.debug_barrier()  # every thread's stores made before the counter moves
+            if tl.atomic_add(cnt_ptr + b * heads + h, 1) == splits - 1:  # acq_rel: the last split joins them all
+                top = tl.full((R,), -float("inf"), tl.float32)
+                for j in range(splits):
+                    top = tl.maximum(top, tl.load(ml_ptr + 2 * (first + j * n_rep + rows), mask=live, other=0.0,
+                                                  cache_modifier=".cg"))
+                total = tl.zeros((R,), tl.float32)
+                acc = tl.zeros((R, D), tl.float32)
+                for j in range(splits):  # in split order: the result does not depend on which split ends last
+                    row_at = first + j * n_rep + rows
+                    w = tl.exp(tl.load(ml_ptr + 2 * row_at, mask=live, other=0.0, cache_modifier=".cg") - top)  # 0
+                    # for an empty split (max -inf)
+                    total += w * tl.load(ml_ptr + 2 * row_at + 1, mask=live, other=0.0, cache_modifier=".cg")
+                    acc += w[:, None] * tl.load(o_ptr + row_at[:, None] * D + dims[None, :], mask=live[:, None],
+                                                other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + b * out_sb + h * out_sh + rows[:, None] * out_sr + dims[None, :],
+                         (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None] & head[None, :])
+                tl.atomic_xchg(cnt_ptr + b * heads + h, 0)  # ready for the next kernel (or graph replay)
 
-    @triton.jit(do_not_specialize=["splits"])
-    def combine(o_ptr, ml_ptr, out_ptr, out_sb, out_sh, out_sr, n_rep, heads, splits, R: tl.constexpr,
-                D: tl.constexpr, DH: tl.constexpr, GDC: tl.constexpr):
-        if GDC:  # launched with PDL: the previous kernel's output first (triton_build.pdl_args)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        rows = tl.arange(0, R)
-        dims = tl.arange(0, D)
-        live = rows < n_rep
-        first = (b * heads + h) * splits * n_rep
-        top = tl.full((R,), -float("inf"), tl.float32)
-        for s in range(splits):
-            top = tl.maximum(top, tl.load(ml_ptr + 2 * (first + s * n_rep + rows), mask=live, other=0.0))
-        total = tl.zeros((R,), tl.float32)
-        acc = tl.zeros((R, D), tl.float32)
-        for s in range(splits):
-            at = first + s * n_rep + rows
-            w = tl.exp(tl.load(ml_ptr + 2 * at, mask=live, other=0.0) - top)  # 0 for an empty split (max -inf)
-            total += w * tl.load(ml_ptr + 2 * at + 1, mask=live, other=0.0)
-            acc += w[:, None] * tl.load(o_ptr + at[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
-        out = acc / total[:, None]
-        tl.store(out_ptr + b * out_sb + h * out_sh + rows[:, None] * out_sr + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=live[:, None] & (dims < DH)[None, :])
-
-    return partial, combine
+    return partial
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
@@ -231,23 +227,20 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     splits = -(-keys.shape[2] // size)
     dp = _pow2(d)
     out = torch.empty(b, heads, n_rep, d, dtype=q.dtype, device=q.device)
-    single = splits == 1  # lengths up to one split: ``partial`` writes the result, no ``combine``
+    single = splits == 1  # lengths up to one split: the program writes the result, no partial sums
     parts = torch.empty(0 if single else b * heads * splits * n_rep, dp, dtype=torch.float32, device=q.device)
     stats = torch.empty(0 if single else b * heads * splits * n_rep, 2, dtype=torch.float32, device=q.device)
     r = _pow2(n_rep + (rope is not None))  # with rope, the row after the query heads holds the new k head
     table = (cos, sin, qk_norm if qk_norm is not None else cos) if rope is not None else (q, q, q)
     k_off = heads * n_rep * d
-    partial, combine = _kernels()
+    if b * heads > COUNTERS:
+        raise ValueError(f"decode_attention: {b} rows x {heads} KV heads past the {COUNTERS} counters")
     with torch.cuda.device(q.device if q.is_cuda else -1):  # -1: a CPU tensor under the Triton interpreter (tests)
-        partial[(b, heads, splits)](q, keys, values, slots, positions, parts, stats, out, *table, q.stride(0),
-                                    q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-                                    out.stride(0), out.stride(1), out.stride(2), k_off, k_off + heads * d, n_rep,
-                                    heads, splits, float(scale), float(eps) if rope is not None else 0.0, R=r, D=dp,
-                                    DH=d, CHUNK=size, IEEE=q.dtype == torch.float32, SINGLE=single,
-                                    ROPE=rope is not None, HAS_NORM=rope is not None and qk_norm is not None,
-                                    INTERLEAVED=rope is not None and interleaved, num_warps=NUM_WARPS,
-                                    **pdl_args(q))
-        if not single:
-            combine[(b, heads)](parts, stats, out, out.stride(0), out.stride(1), out.stride(2), n_rep, heads, splits,
-                                R=r, D=dp, DH=d, num_warps=4, **pdl_args(q))
+        _kernels()[(b, heads, splits)](
+            q, keys, values, slots, positions, parts, stats, out, counters(q), *table, q.stride(0), q.stride(1),
+            q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            k_off, k_off + heads * d, n_rep, heads, splits, float(scale), float(eps) if rope is not None else 0.0, R=r,
+            D=dp, DH=d, CHUNK=size, IEEE=q.dtype == torch.float32, SINGLE=single, ROPE=rope is not None,
+            HAS_NORM=rope is not None and qk_norm is not None, INTERLEAVED=rope is not None and interleaved,
+            num_warps=NUM_WARPS, **pdl_args(q))
     return out

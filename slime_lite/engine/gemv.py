@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from slime_lite.triton_build import pdl_args, pdl_available, triton_kernels
+from slime_lite.triton_build import counters, pdl_args, pdl_available, triton_kernels
 
 # An H200 sweep (bench/sweep_gemv.py, the 0.5B shape): with PDL these kernels beat cuBLAS at 1-16 rows for every
 # product, and at 32 rows for q/k/v and o; at 32 rows the wide ones (gate/up: 8.7M weights, down: 4.4M) lose, to
@@ -38,11 +38,7 @@ WIDE, WIDE_MAX_ROWS = 1 << 22, 16
 # the decode layer's residual adds and norms inside its products' kernels (``linear``'s ``residual``, ``sums`` and
 # ``norm``) at up to this many rows; 0: the norms and adds stay kernels of their own (benchmarks compare)
 NORM_MAX_ROWS = 16
-# the tiles' counters per (device, stream), all zero between kernels (each resets its own): kernels of one stream
-# run one after the other (with PDL too, a kernel's counting starts after its wait); never replaced, as captured
-# graphs keep their address
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-MAX_TILES = 4096
+MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.counters)
 
 
 @triton_kernels
@@ -207,12 +203,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     sq = torch.empty(grid[0] if sums else 0, bm, dtype=torch.float32, device=x.device)
     part = torch.empty(grid[1] * bm * out_n * (2 if swiglu else 1) if grid[1] > 1 else 0, dtype=torch.float32,
                        device=x.device)
-    key = (x.device, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=x.device)
     n_sq = norm[2].shape[0] if norm is not None else 1
     with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
-        _kernel()[grid](x, w, b if b is not None else w, y, part, _COUNTERS[key], norm[0] if norm else x,
+        _kernel()[grid](x, w, b if b is not None else w, y, part, counters(x), norm[0] if norm else x,
                         norm[2] if norm else part, residual if residual is not None else y, sq, rows, k, out_n,
                         n_sq, float(norm[1]) if norm else 0.0, HAS_BIAS=b is not None, SWIGLU=swiglu, BM=bm, BN=bn,
                         BK=bk, KSTEPS=ksteps, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,

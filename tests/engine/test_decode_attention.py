@@ -13,6 +13,7 @@ def _kernels_on_cpu() -> None:
     (float32 and float16; a head size that is not a power of two; splits of 256 and 128 positions; lengths at the
     split edges; rows reading scattered slots of a larger cache) against float64 masked attention, and the same bits
     for a row alone under a smaller bucket."""
+    from slime_lite import triton_build
     from slime_lite.engine.decode_attention import chunk, decode_attention
 
     assert (chunk(64, torch.bfloat16), chunk(128, torch.bfloat16), chunk(64, torch.float32)) == (256, 128, 128)
@@ -35,6 +36,7 @@ def _kernels_on_cpu() -> None:
         alone = decode_attention(q[4:5], kv[5:6, :kv_heads, :64], kv[5:6, kv_heads:, :64], torch.tensor([0]),
                                  positions[4:5], dim ** -0.5)
         assert torch.equal(alone, out[4:5])
+    assert not any(c.any() for c in triton_build._COUNTERS.values())  # each join reset its counter
 
 
 def _rope_on_cpu() -> None:
