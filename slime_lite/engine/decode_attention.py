@@ -204,14 +204,19 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         cos, sin, qk_norm, eps, interleaved = rope
         kv_heads, width = keys.shape[1], q.shape[-1]
         if (q.dim() != 2 or width % d or width // d <= 2 * kv_heads or (width // d - 2 * kv_heads) % kv_heads
-                or q.stride(-1) != 1 or d % 2 or cos.dim() != 2 or cos.shape[0] < keys.shape[2]
-                or cos.shape[1] != d or sin.shape != cos.shape or keys.dtype != q.dtype
-                or not (cos.is_contiguous() and sin.is_contiguous())
-                or (qk_norm is not None and (qk_norm.numel() != 2 * d or not qk_norm.is_contiguous()))):
+                or q.stride(-1) != 1 or d % 2):
             raise ValueError(f"decode_attention: with rope, q must be the q/k/v rows [B, (heads + 2 kv_heads) * D] "
-                             f"(got {tuple(q.shape)} for {kv_heads} kv heads of {d}, an even D, in the cache's "
-                             "dtype), cos/sin contiguous tables [>= L, D], qk_norm the contiguous [2 * D] weights "
-                             "of q_norm then k_norm")
+                             f"with a contiguous last dimension and an even D (got {tuple(q.shape)} for {kv_heads} "
+                             f"kv heads of {d})")
+        if keys.dtype != q.dtype:
+            raise ValueError(f"decode_attention: with rope, q ({q.dtype}) must be in the cache's dtype ({keys.dtype})")
+        if (cos.dim() != 2 or cos.shape[0] < keys.shape[2] or cos.shape[1] != d or sin.shape != cos.shape
+                or not (cos.is_contiguous() and sin.is_contiguous())):
+            raise ValueError(f"decode_attention: with rope, cos and sin must be contiguous rotary tables [>= "
+                             f"{keys.shape[2]}, {d}] (got {tuple(cos.shape)} and {tuple(sin.shape)})")
+        if qk_norm is not None and (qk_norm.numel() != 2 * d or not qk_norm.is_contiguous()):
+            raise ValueError(f"decode_attention: qk_norm must be the contiguous [{2 * d}] weights of q_norm then "
+                             "k_norm")
         qkv, heads = q, width // d - 2 * kv_heads
         q = qkv[:, : heads * d].view(-1, kv_heads, heads // kv_heads, d)  # the query heads, for shapes and strides
     b, heads, n_rep, d = q.shape

@@ -45,6 +45,7 @@ def _rope_on_cpu() -> None:
     ``fused_layer.rotary`` (writing the cache) and then the attention, over splits, padded head sizes, GQA groups
     that fill a power of two (the new k head takes the next one), the last row of one (15 query heads) or a single
     query head per KV head, and interleaved pairs."""
+    from slime_lite import triton_build
     from slime_lite.engine import fused_layer
     from slime_lite.engine.decode_attention import chunk, decode_attention
 
@@ -74,15 +75,16 @@ def _rope_on_cpu() -> None:
                                dim ** -0.5, (cos, sin, qk_norm, 1e-6, interleaved))
         assert torch.equal(kv, want_kv), (dtype, dim)  # each row's new K/V at its position, nothing else touched
         assert torch.equal(got, want), (dtype, dim)
-    with pytest.raises(ValueError, match="with rope, q must be"):
-        decode_attention(qkv[:, 1:], kv[:, :kv_heads], kv[:, kv_heads:], slots, positions, 0.1,
-                         (cos, sin, None, 1e-6, False))  # a width that is not a number of heads
-    with pytest.raises(ValueError, match="tables"):  # a table shorter than the bucket
-        decode_attention(qkv, kv[:, :kv_heads], kv[:, kv_heads:], slots, positions, 0.1,
-                         (cos[:-1], sin[:-1], None, 1e-6, False))
+    assert not any(c.any() for c in triton_build._COUNTERS.values())  # each join reset its counter
+    keys, values = kv[:, :kv_heads, :bucket], kv[:, kv_heads:, :bucket]
+    with pytest.raises(ValueError, match="with rope, q must be the q/k/v rows"):
+        decode_attention(qkv[:, 1:], keys, values, slots, positions, 0.1, (cos, sin, None, 1e-6, False))
+    with pytest.raises(ValueError, match="rotary tables"):  # a table shorter than the bucket
+        decode_attention(qkv, keys, values, slots, positions, 0.1, (cos[:-1], sin[:-1], None, 1e-6, False))
     with pytest.raises(ValueError, match="in the cache's dtype"):
-        decode_attention(qkv.double(), kv[:, :kv_heads], kv[:, kv_heads:], slots, positions, 0.1,
-                         (cos, sin, None, 1e-6, False))
+        decode_attention(qkv.double(), keys, values, slots, positions, 0.1, (cos, sin, None, 1e-6, False))
+    with pytest.raises(ValueError, match="qk_norm must be"):
+        decode_attention(qkv, keys, values, slots, positions, 0.1, (cos, sin, cos[0], 1e-6, False))
 
 
 def test_the_kernels_in_the_triton_interpreter():

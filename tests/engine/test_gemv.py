@@ -116,9 +116,9 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
     w = torch.zeros(4, 8, device="cuda", dtype=dtype)
     assert gemv.usable(torch.zeros(32, 8, device="cuda", dtype=dtype), w)
     assert not gemv.usable(torch.zeros(33, 8, device="cuda", dtype=dtype), w)
-    wide = torch.zeros(gemv.WIDE, 1, device="cuda", dtype=dtype)  # past 16 rows: cuBLAS for the wide products
-    assert gemv.usable(torch.zeros(16, 1, device="cuda", dtype=dtype), wide)
-    assert not gemv.usable(torch.zeros(17, 1, device="cuda", dtype=dtype), wide)
+    wide = torch.zeros(gemv.WIDE // 64, 64, device="cuda", dtype=dtype)  # past 16 rows: cuBLAS for wide products
+    assert gemv.usable(torch.zeros(16, 64, device="cuda", dtype=dtype), wide)
+    assert not gemv.usable(torch.zeros(17, 64, device="cuda", dtype=dtype), wide)
     _check(dtype, "cuda", tol)
     gen = torch.Generator(device="cuda").manual_seed(0)
     hid, inter = 896, 4864
