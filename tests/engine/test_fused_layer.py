@@ -55,6 +55,18 @@ def _inputs(rows: int, head_dim: int, inter: int, dtype: torch.dtype, device: st
     return qkv_args, mlp_args
 
 
+def _mlp_in_float64(h, attn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn=None, post_mlp=None):
+    """``mlp_residual``'s h + m in float64 (no rounding between the steps), from the same inputs."""
+    def rms(x, w):
+        return w.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+    o = F.linear(attn.double(), o_w.double(), None if o_b is None else o_b.double())
+    h2 = h.double() + (o if post_attn is None else rms(o, post_attn))
+    gate, up = F.linear(rms(h2, ln2), gu_w.double(), None if gu_b is None else gu_b.double()).chunk(2, dim=-1)
+    m = F.linear(F.silu(gate) * up, down_w.double(), None if down_b is None else down_b.double())
+    return h2 + (m if post_mlp is None else rms(m, post_mlp))
+
+
 def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: float, family: str = "llama") -> None:
     """The fused pieces against the eager ones: the rotary and the residual add bit for bit on the same input (no
     sum in them); the norms and what follows them within ``tol`` (the norm's float32 sum runs in another order)."""
@@ -103,15 +115,13 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
         torch.testing.assert_close(got_kv[:, :KV_HEADS], roped[:, 0, HEADS:], rtol=tol, atol=tol)
         assert torch.equal(got_kv[:, KV_HEADS:], heads[:, 0, HEADS + KV_HEADS:])  # v heads: not normed
     out, want = fused[1](*mlp_args), eager[1](*mlp_args)
-    # h + m within tol of eager, relative to each element's MLP output m as well as to the sum: m's products summed
-    # in another order (gemv's kernels against cuBLAS) round m differently, and the residual add keeps that
-    # difference where h + m cancels (on an H200 in float16: 0.0039 at an element of 0.23)
-    norm_rows, gemv.NORM_MAX_ROWS = gemv.NORM_MAX_ROWS, 0  # the MLP output alone, for the bound
-    m = fused_layer.mlp_output(*mlp_args, EPS)[1].float()
-    gemv.NORM_MAX_ROWS = norm_rows
-    err = (out.float() - want.float()).abs()
-    bound = tol + tol * (want.float().abs() + m.abs())
-    assert (err <= bound).all(), f"fused MLP off by {err.max().item():.3g} (bound there {bound[err > bound][0]:.3g})"
+    # h + m as close to the exact layer as eager's is: the products sum in another order (gemv's kernels against
+    # cuBLAS), so an element of the activation may round the other way and down adds that to m; where h + m cancels
+    # the difference stays (in float16 with head size 128: 0.0059 at an element of 0.11, from activations of ~50)
+    exact = _mlp_in_float64(*mlp_args)
+    off, eager_off = (out.double() - exact).abs(), (want.double() - exact).abs()
+    assert off.max() <= 2 * eager_off.max() + tol and off.norm() <= 1.5 * eager_off.norm() + tol, (
+        f"fused MLP off the float64 layer by {off.max().item():.3g} (eager: {eager_off.max().item():.3g})")
     x, res = mlp_args[0], mlp_args[1]
     summed, normed = fused_layer.rms_norm(x, mlp_args[4], EPS, residual=res)
     assert torch.equal(summed, x + res)
