@@ -7,9 +7,9 @@ about a thousand such steps with a few rows each. Three kernels replace most of 
 - ``rms``: RMSNorm of a row, with the residual add before it when given (``h + o``, rounded to the model dtype as
   the eager add is, written out as the new residual); also GLM4's norms of the attention and MLP outputs. A layer's
   MLP output is added to the residual by the next layer's input norm (or the final norm), not by a kernel of its own.
-  Where ``gemv`` serves a layer's products (at up to ``gemv.NORM_MAX_ROWS`` rows), the residual adds and the norms
-  run inside the products' kernels instead (``gemv.linear``'s ``residual``, ``sums`` and ``norm``): two kernels
-  fewer per layer;
+  Where ``gemv`` serves a layer's products (at up to ``gemv.NORM_MAX_ROWS`` rows, 0 by default: measured slower),
+  the residual adds and the norms can run inside the products' kernels instead (``gemv.linear``'s ``residual``,
+  ``sums`` and ``norm``): two kernels fewer per layer;
 - ``rope``: the rotary embedding of the q and k heads of one row (after each head's RMSNorm in models with QK-norm,
   Qwen3; in interleaved pairs and over part of the head for GLM4), with the v heads copied beside the k heads, or
   the k and v heads written straight into their rows of the KV cache (no separate cache write). Captured steps

@@ -36,8 +36,10 @@ from slime_lite.triton_build import counters, pdl_args, pdl_available, triton_ke
 MAX_ROWS = 32
 WIDE, WIDE_MAX_ROWS = 1 << 22, 16
 # the decode layer's residual adds and norms inside its products' kernels (``linear``'s ``residual``, ``sums`` and
-# ``norm``) at up to this many rows; 0: the norms and adds stay kernels of their own (benchmarks compare)
-NORM_MAX_ROWS = 16
+# ``norm``) at up to this many rows; 0: the norms and adds stay kernels of their own. 0: on an H200 (0.5B shape) the
+# captured step took 0.830 / 0.877 ms at batch 1 / 8 with them inside (16) and 0.722 / 0.769 with kernels of their
+# own, in the same run (benchmarks compare: profile_decode.py --norm-rows)
+NORM_MAX_ROWS = 0
 MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.counters)
 
 
