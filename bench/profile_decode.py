@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--gemv-configs", default="",
                     help="also time the step with these tile configs of engine/gemv.py: comma-separated, each "
                          "BNxBKxWARPS[xKSTEPS] for every product or three of them joined by / (q/k/v and o, "
-                         "gate/up, down)")
+                         "gate/up, down), at every row count (the wide products by gemv past 16 rows too)")
     ap.add_argument("--wide-rows", default="",
                     help="also time the step with these gemv.WIDE_MAX_ROWS (32: gate/up and down by gemv at 17-32 "
                          "rows too, not cuBLAS), comma-separated, *_wideN keys; *_wideN_norm: NORM_MAX_ROWS N too")
@@ -175,6 +175,8 @@ def main() -> None:
             gemv.config = _fixed_config(suffix[5:]) if suffix.startswith("_gemv") else auto_config
             gemv.NORM_MAX_ROWS = int(suffix[9:]) if suffix.startswith("_normrows") else norm_rows
             gemv.WIDE_MAX_ROWS = int(suffix[5:].removesuffix("_norm")) if suffix.startswith("_wide") else wide_rows
+            if suffix.startswith("_gemv"):  # a fixed configuration serves every product at every row count
+                gemv.WIDE_MAX_ROWS = gemv.MAX_ROWS
             if suffix.startswith("_wide") and suffix.endswith("_norm"):
                 gemv.NORM_MAX_ROWS = gemv.WIDE_MAX_ROWS
             decode_attention.BLOCK_BYTES = int(suffix[5:]) if suffix.startswith("_attn") else block_bytes
