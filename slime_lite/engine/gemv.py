@@ -32,7 +32,7 @@ from slime_lite.triton_build import counters, pdl_args, pdl_available, triton_ke
 
 # An H200 sweep (bench/sweep_gemv.py, the 0.5B shape): with PDL these kernels beat cuBLAS at 1-16 rows for every
 # product, and at 32 rows for q/k/v and o; at 32 rows the wide ones (gate/up: 8.7M weights, down: 4.4M) lose, to
-# the float32 partial sums they write and read.
+# the float32 partial sums they write and read, and still with several K slices a program (fewer partial sums).
 MAX_ROWS = 32
 WIDE, WIDE_MAX_ROWS = 1 << 22, 16
 # the decode layer's residual adds and norms inside its products' kernels (``linear``'s ``residual``, ``sums`` and
@@ -160,7 +160,9 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, 
     rows: the best of 18 (32/64/128 x 128/256/512 x 4/8, one slice per program) per product and row count in the
     H200 sweep, or within 0.15 us of it, but for down, where 64 x 256 beat the sweep's 32 x 512 in the engine's step
     at 1 row by 1.6 us a layer. Past 16 rows the wide products (gate/up, down) are cuBLAS's unless ``WIDE_MAX_ROWS``
-    is raised (benchmarks): their tiles there add up several slices per program, not yet measured."""
+    is raised (benchmarks): their tiles there add up several slices per program; on an H200 at 32 rows this tiling
+    and four others made the 0.5B step 0.15-0.6 ms slower than cuBLAS (profile_decode.py --wide-rows and
+    --gemv-configs)."""
     key = kind(k, swiglu)
     bn, bk, warps = {"gate_up": (32, 256, 4), "down": (64, 256, 4), "narrow": (32, 128, 8 if rows > 16 else 4)}[key]
     ksteps = 1
