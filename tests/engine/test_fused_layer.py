@@ -117,11 +117,16 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
     out, want = fused[1](*mlp_args), eager[1](*mlp_args)
     # h + m as close to the exact layer as eager's is: the products sum in another order (gemv's kernels against
     # cuBLAS), so an element of the activation may round the other way and down adds that to m; where h + m cancels
-    # the difference stays (in float16 with head size 128: 0.0059 at an element of 0.11, from activations of ~50)
+    # the difference stays (in float16 with head size 128: 0.0059 at an element of 0.11, from activations of ~50).
+    # In float32 the error is the products' sums, not the output's rounding: on an H200 gemv's (fused multiply-adds in
+    # K order) were off by up to 2.5x cuBLAS's in norm (~2e-4 against 1.0e-4; at most 1.7e-5 against 9.5e-6 at outputs
+    # of up to ~46), so the norm may be 3x there; a 0.1% error in the activation is off by over 1,000x
     exact = _mlp_in_float64(*mlp_args)
     off, eager_off = (out.double() - exact).abs(), (want.double() - exact).abs()
-    assert off.max() <= 2 * eager_off.max() + tol and off.norm() <= 1.5 * eager_off.norm() + tol, (
-        f"fused MLP off the float64 layer by {off.max().item():.3g} (eager: {eager_off.max().item():.3g})")
+    ratio = 3.0 if dtype == torch.float32 else 1.5
+    assert off.max() <= 2 * eager_off.max() + tol and off.norm() <= ratio * eager_off.norm() + tol, (
+        f"fused MLP off the float64 layer by {off.max().item():.3g}, {off.norm().item():.3g} in norm (eager: "
+        f"{eager_off.max().item():.3g}, {eager_off.norm().item():.3g})")
     x, res = mlp_args[0], mlp_args[1]
     summed, normed = fused_layer.rms_norm(x, mlp_args[4], EPS, residual=res)
     assert torch.equal(summed, x + res)
