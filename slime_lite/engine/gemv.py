@@ -10,12 +10,12 @@ earlier positions of the KV cache) before their wait, and let the next kernel la
 (``triton_build.pdl_args``); cuBLAS's products can do neither, so with PDL these products replace them.
 
 ``y = x @ w.T + b`` for ``x`` of at most ``MAX_ROWS`` rows: each program reads ``BN x BK`` tiles of ``w`` (``KSTEPS``
-consecutive ``BK`` slices of ``K``, the first before the wait) and adds their products up in slice order; when the
-programs of a column tile are several, each writes its float32 partial sums and the last program of the tile to
-finish (a counter per tile, reset by that program) adds them in order, so the result does not depend on which
-finishes first. ``swiglu``: ``w`` is a gate/up projection (gate rows first) and ``y`` is
-``silu(gate) * up``, rounded as the eager pieces round. The sums run in another order than cuBLAS's: results
-differ from ``F.linear`` by float32 rounding before the final rounding to the model dtype.
+consecutive ``BK`` slices of ``K``, the first before the wait, each next one while the product of the one before
+runs) and adds their products up in slice order; when the programs of a column tile are several, each writes its
+float32 partial sums and the last program of the tile to finish (a counter per tile, reset by that program) adds
+them in order, so the result does not depend on which finishes first. ``swiglu``: ``w`` is a gate/up projection
+(gate rows first) and ``y`` is ``silu(gate) * up``, rounded as the eager pieces round. The sums run in another order
+than cuBLAS's: results differ from ``F.linear`` by float32 rounding before the final rounding to the model dtype.
 
 A decode layer's RMSNorms need no kernels of their own here: the product before a norm adds the residual to its
 output and writes each row's sum of squares over its column tile (``residual``, ``sums``); the product after it
@@ -74,20 +74,23 @@ def _kernel(triton, tl):
             inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         acc = tl.zeros((BM, BN), tl.float32)
         acc_u = tl.zeros((BM, BN), tl.float32)
-        for j in tl.static_range(KSTEPS):  # the program's K slices, each product added to the sums in slice order
-            if j > 0:  # the first slice's weights came before the wait
-                rk = (pid_k * KSTEPS + j) * BK + tl.arange(0, BK)
-                k_ok = rk < K
-                wm = col_ok[:, None] & k_ok[None, :]
-                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
-                if SWIGLU:
-                    wu = tl.load(w_ptr + (rn[:, None] + OUT_N) * K + rk[None, :], mask=wm, other=0.0)
-                if NORM:
-                    ln = tl.load(ln_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+        # the program's K slices, each product added to the sums in slice order; the first slice's weights came
+        # before the wait, each next slice's are read while this one's product runs (a loop, not unrolled: two
+        # slices' weights in registers, not KSTEPS)
+        for j in tl.range(0, KSTEPS, num_stages=1):
             x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:  # as the norm kernel: normed, rounded, times the weight
                 dt_x = x_ptr.dtype.element_ty
                 x = (ln[None, :] * (x.to(tl.float32) * inv[:, None]).to(dt_x).to(tl.float32)).to(dt_x)
+            rk_next = rk + BK
+            k_next = (rk_next < K) & (j + 1 < KSTEPS)  # past the program's last slice: nothing read
+            wm = col_ok[:, None] & k_next[None, :]
+            w_next = tl.load(w_ptr + rn[:, None] * K + rk_next[None, :], mask=wm, other=0.0)
+            wu_next = w_next
+            if SWIGLU:
+                wu_next = tl.load(w_ptr + (rn[:, None] + OUT_N) * K + rk_next[None, :], mask=wm, other=0.0)
+            if NORM:
+                ln = tl.load(ln_ptr + rk_next, mask=k_next, other=0.0).to(tl.float32)
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
                 if SWIGLU:
@@ -96,6 +99,7 @@ def _kernel(triton, tl):
                 acc += tl.dot(x, tl.trans(w))
                 if SWIGLU:
                     acc_u += tl.dot(x, tl.trans(wu))
+            w, wu, rk, k_ok = w_next, wu_next, rk_next, k_next
         out_ok = row_ok[:, None] & col_ok[None, :]
         last = True
         if NSPLIT > 1:  # partials to the scratch; the tile's last program adds them in slice order
@@ -160,9 +164,10 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, 
     rows: the best of 18 (32/64/128 x 128/256/512 x 4/8, one slice per program) per product and row count in the
     H200 sweep, or within 0.15 us of it, but for down, where 64 x 256 beat the sweep's 32 x 512 in the engine's step
     at 1 row by 1.6 us a layer. Past 16 rows the wide products (gate/up, down) are cuBLAS's unless ``WIDE_MAX_ROWS``
-    is raised (benchmarks): their tiles there add up several slices per program; on an H200 at 32 rows this tiling
+    is raised (benchmarks): their tiles there add up several slices per program. On an H200 at 32 rows this tiling
     and four others made the 0.5B step 0.15-0.6 ms slower than cuBLAS (profile_decode.py --wide-rows and
-    --gemv-configs)."""
+    --gemv-configs) when the slices' loop was unrolled (every slice's weights in registers: 255 a thread for sm_90);
+    the loop that holds two slices (139-214) is not measured yet."""
     key = kind(k, swiglu)
     bn, bk, warps = {"gate_up": (32, 256, 4), "down": (64, 256, 4), "narrow": (32, 128, 8 if rows > 16 else 4)}[key]
     ksteps = 1
