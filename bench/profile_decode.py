@@ -132,6 +132,9 @@ def main() -> None:
     ap.add_argument("--wide-rows", default="",
                     help="also time the step with these gemv.WIDE_MAX_ROWS (32: gate/up and down by gemv at 17-32 "
                          "rows too, not cuBLAS), comma-separated, *_wideN keys; *_wideN_norm: NORM_MAX_ROWS N too")
+    ap.add_argument("--silu-in-rows", default="",
+                    help="also time the step with these gemv.SILU_IN_MAX_ROWS (32: past 16 rows the down product by "
+                         "gemv with the SiLU inside, after cuBLAS's gate/up), comma-separated, *_siluinN keys")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
@@ -143,6 +146,7 @@ def main() -> None:
 
     auto_config, norm_rows, block_bytes, wide_rows = (gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES,
                                                       gemv.WIDE_MAX_ROWS)
+    silu_rows = gemv.SILU_IN_MAX_ROWS
     rope_rows = decode_attention.ROPE_MAX_ROWS
     tmp = tempfile.TemporaryDirectory()
     model_dir = make_model_dir(args.model_config, tmp.name)
@@ -168,6 +172,7 @@ def main() -> None:
         variants += [f"_normrows{n}" for n in args.norm_rows.split(",") if n]
         variants += [f"_attn{n}" for n in args.attention_bytes.split(",") if n]
         variants += [f"_wide{n}{norm}" for n in args.wide_rows.split(",") if n for norm in ("", "_norm")]
+        variants += [f"_siluin{n}" for n in args.silu_in_rows.split(",") if n]
         for suffix in variants:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
@@ -180,6 +185,7 @@ def main() -> None:
             if suffix.startswith("_wide") and suffix.endswith("_norm"):
                 gemv.NORM_MAX_ROWS = gemv.WIDE_MAX_ROWS
             decode_attention.BLOCK_BYTES = int(suffix[5:]) if suffix.startswith("_attn") else block_bytes
+            gemv.SILU_IN_MAX_ROWS = int(suffix[7:]) if suffix.startswith("_siluin") else silu_rows
             s.decoder.reset()
             row["run_ms" + suffix] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
@@ -188,7 +194,7 @@ def main() -> None:
         decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = True
         decode_attention.ROPE_MAX_ROWS = rope_rows
         gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES = auto_config, norm_rows, block_bytes
-        gemv.WIDE_MAX_ROWS = wide_rows
+        gemv.WIDE_MAX_ROWS, gemv.SILU_IN_MAX_ROWS = wide_rows, silu_rows
         row["python_ms"] = row["step_ms"] - row["run_ms"]
         dev = s.lm.device
         ptoks, pslots = torch.tensor(prompts, device=dev), torch.arange(b, device=dev)

@@ -1,9 +1,11 @@
 """Tile configurations of the decode step's small products (``engine/gemv.py``) against cuBLAS, on a GPU with PDL.
 
-    python3 bench/sweep_gemv.py [--rows 1,8,16,32] [--model-shape 896,1152,4864] [--products gate_up,down] [--ksteps 1,2,4,8]
+    python3 bench/sweep_gemv.py [--rows 1,8,16,32] [--model-shape 896,1152,4864] [--products gate_up,down]
+        [--ksteps 1,2,4,8]
 
 For each product of a layer of the given shape (hidden, q/k/v width, MLP width: q/k/v with bias, o, gate/up with the
-SiLU, down) and each row count: a CUDA graph of 24 x (the engine's RMSNorm kernel, then the product), the norm
+SiLU, down; down_silu: down from gate/up's output, the SiLU by its kernel then cuBLAS, or inside gemv's kernel) and
+each row count: a CUDA graph of 24 x (the engine's RMSNorm kernel, then the product), the norm
 launched with programmatic dependent launch as in the engine's steps; the product by cuBLAS (``F.linear``, plus the
 SiLU kernel for gate/up) or by ``gemv.linear`` with each configuration (BN x BK x warps x KSTEPS, the K slices a
 program adds up: 1 unless ``--ksteps`` lists more). Prints us per (norm + product) pair and the best configuration of
@@ -56,7 +58,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32")
     ap.add_argument("--model-shape", default="896,1152,4864", help="hidden, q/k/v width, MLP width")
     ap.add_argument("--chain", type=int, default=24)
-    ap.add_argument("--products", default="qkv,o,gate_up,down", help="which of a layer's products, comma-separated")
+    ap.add_argument("--products", default="qkv,o,gate_up,down",
+                    help="which of a layer's products, comma-separated (down_silu: down reading gate/up's output, "
+                         "the SiLU by silu_mul then cuBLAS, or inside gemv's kernel)")
     ap.add_argument("--ksteps", default="1", help="K slices per program to sweep, comma-separated (past a product's "
                                                   "slices: all of them)")
     args = ap.parse_args()
@@ -69,17 +73,22 @@ def main() -> None:
         return (torch.randn(*shape, generator=g, device=dev) * 0.03).to(dt)
 
     products = {"qkv": (qkv, hid, True, False), "o": (hid, hid, False, False), "gate_up": (2 * inter, hid, False, True),
-                "down": (hid, inter, False, False)}
+                "down": (hid, inter, False, False), "down_silu": (hid, inter, False, False)}
     for rows in [int(r) for r in args.rows.split(",")]:
         for name in args.products.split(","):
             n, k, bias, swiglu = products[name]
             ws = [(rnd(n, k), rnd(n) if bias else None) for _ in range(args.chain)]
-            x, ln = rnd(rows, k) * 30, 1 + rnd(k)
+            silu_in = name == "down_silu"  # gate/up's output in, the SiLU by its kernel or inside gemv's
+            x, ln = rnd(rows, 2 * k if silu_in else k) * 30, 1 + rnd(2 * k if silu_in else k)
 
             def chain(cfg):
                 for w, b in ws:
                     y = fused_layer.rms_norm(x, ln, 1e-6)
-                    if cfg is None:
+                    if silu_in and cfg is None:
+                        F.linear(silu_and_mul(y), w, b)
+                    elif silu_in:
+                        gemv.linear(y, w, b, silu_in=True, cfg=cfg)
+                    elif cfg is None:
                         y = F.linear(y, w, b)
                         if swiglu:
                             silu_and_mul(y)

@@ -217,8 +217,13 @@ def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn
     if gemv.usable(normed, gu_w, gu_b):  # with the SiLU
         act = gemv.linear(normed, gu_w, gu_b, swiglu=True)
     else:
-        act = silu_and_mul(F.linear(normed, gu_w, gu_b))
-    m = gemv.linear(act, down_w, down_b) if gemv.usable(act, down_w, down_b) else F.linear(act, down_w, down_b)
+        gu, act = F.linear(normed, gu_w, gu_b), None
+        if gemv.usable(gu, down_w, down_b, silu_in=True):  # the SiLU inside the down product's kernel
+            m = gemv.linear(gu, down_w, down_b, silu_in=True)
+        else:
+            act = silu_and_mul(gu)
+    if act is not None:
+        m = gemv.linear(act, down_w, down_b) if gemv.usable(act, down_w, down_b) else F.linear(act, down_w, down_b)
     if post_mlp is not None:  # GLM4: and the MLP output
         m = rms_norm(m.contiguous(), post_mlp, eps)
     return h, m, None

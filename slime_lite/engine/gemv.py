@@ -40,6 +40,13 @@ WIDE, WIDE_MAX_ROWS = 1 << 22, 16
 # captured step took 0.830 / 0.877 ms at batch 1 / 8 with them inside (16) and 0.722 / 0.769 with kernels of their
 # own, in the same run (benchmarks compare: profile_decode.py --norm-rows)
 NORM_MAX_ROWS = 0
+# where gate/up is cuBLAS's (past WIDE_MAX_ROWS rows), the down product at up to this many rows by gemv, reading
+# gate/up's output and doing the SiLU as it reads it (``linear``'s ``silu_in``: no SiLU kernel, no cuBLAS split-K
+# reduce); 0: off. Not yet measured on a GPU (profile_decode.py --silu-in-rows)
+SILU_IN_MAX_ROWS = 0
+# its tiles (BN, BK, warps, KSTEPS): ptxas for sm_90 gives 101 registers a thread; plain down's 32 x 256 x 4 spills with
+# the SiLU's float32 tiles
+SILU_IN_CONFIG = (32, 128, 8, 8)
 MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.counters)
 
 
@@ -49,7 +56,8 @@ def _kernel(triton, tl):
     def gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, ln_ptr, sq_in_ptr, res_ptr, sq_out_ptr, M, K, OUT_N,
              n_sq, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, KSTEPS: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-             TP: tl.constexpr, HAS_RES: tl.constexpr, SUMS: tl.constexpr, GDC: tl.constexpr):
+             TP: tl.constexpr, HAS_RES: tl.constexpr, SUMS: tl.constexpr, SILU_IN: tl.constexpr,
+             GDC: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -78,7 +86,14 @@ def _kernel(triton, tl):
         # before the wait, each next slice's are read while this one's product runs (a loop, not unrolled: two
         # slices' weights in registers, not KSTEPS)
         for j in tl.range(0, KSTEPS, num_stages=1):
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xm = row_ok[:, None] & k_ok[None, :]
+            if SILU_IN:  # x's rows are gate then up ([M, 2K]): silu(gate) * up, rounded as silu_mul rounds
+                g = tl.load(x_ptr + rm[:, None] * (2 * K) + rk[None, :], mask=xm, other=0.0)
+                up = tl.load(x_ptr + rm[:, None] * (2 * K) + K + rk[None, :], mask=xm, other=0.0)
+                gf = g.to(tl.float32)
+                x = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32) * up.to(tl.float32)).to(g.dtype)
+            else:
+                x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=xm, other=0.0)
             if NORM:  # as the norm kernel: normed, rounded, times the weight
                 dt_x = x_ptr.dtype.element_ty
                 x = (ln[None, :] * (x.to(tl.float32) * inv[:, None]).to(dt_x).to(tl.float32)).to(dt_x)
@@ -142,12 +157,13 @@ def _kernel(triton, tl):
     return gemv
 
 
-def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
+def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, silu_in: bool = False) -> bool:
     """``linear`` serves ``x @ w.T + b`` in a decode step: at most ``MAX_ROWS`` rows (``WIDE_MAX_ROWS`` for weights
-    of ``WIDE`` elements or more), contiguous tensors, ``w`` of at most ``MAX_TILES`` column tiles of the narrowest
-    configuration (32), on a device with PDL (and Triton)."""
+    of ``WIDE`` elements or more, ``SILU_IN_MAX_ROWS`` with ``silu_in``), contiguous tensors, ``w`` of at most
+    ``MAX_TILES`` column tiles of the narrowest configuration (32), on a device with PDL (and Triton)."""
     rows = x.numel() // x.shape[-1]
-    return (rows <= (WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS) and x.is_contiguous() and w.is_contiguous()
+    limit = SILU_IN_MAX_ROWS if silu_in else WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS
+    return (rows <= limit and x.is_contiguous() and w.is_contiguous()
             and (b is None or b.is_contiguous()) and w.shape[0] <= MAX_TILES * 32 and pdl_available(x)
             and _kernel() is not None)
 
@@ -181,26 +197,28 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swiglu: bool = False,
            cfg: tuple[int, int, int, int] | None = None, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
-           residual: torch.Tensor | None = None, sums: bool = False):
+           residual: torch.Tensor | None = None, sums: bool = False, silu_in: bool = False):
     """``x @ w.T + b`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows, ``w [N, K]``, both contiguous, in ``x``'s
     dtype; ``swiglu``: ``silu(gate) * up`` of its ``N / 2`` gate and up columns. ``norm=(weight, eps, sq)``: of
     ``weight * rmsnorm(x)`` instead, as ``fused_layer.rms_norm`` computes it, where ``sq`` holds the sums of squares
     of ``x``'s rows, from the call that wrote ``x`` with ``sums``. ``residual`` (the output's shape, not with
     ``swiglu``): ``residual + x @ w.T + b``, each rounded as eager PyTorch rounds. ``sums``: also the sums of squares
-    of the output's rows, one per column tile (float32 ``[tiles, 16 or 32]``), returned as ``(y, sq)``. ``cfg``:
-    ``config``'s tuple (benchmarks)."""
-    k = x.shape[-1]
-    rows = x.numel() // k
+    of the output's rows, one per column tile (float32 ``[tiles, 16 or 32]``), returned as ``(y, sq)``.
+    ``silu_in``: ``x [..., 2K]`` holds a gate/up projection's output (gate first) and the product is of
+    ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds, computed as the kernel reads it. ``cfg``: ``config``'s
+    tuple (benchmarks)."""
+    k = x.shape[-1] // 2 if silu_in else x.shape[-1]
+    rows = x.numel() // x.shape[-1]
     n = w.shape[0]
     out_n = n // 2 if swiglu else n
-    bn, bk, warps, ksteps = cfg or config(rows, out_n, k, swiglu)
+    bn, bk, warps, ksteps = cfg or (SILU_IN_CONFIG if silu_in else config(rows, out_n, k, swiglu))
     bm = 16 if rows <= 16 else 32
     grid = (-(-out_n // bn), -(-k // (bk * ksteps)))
     if (rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2)
-            or grid[0] > MAX_TILES):
-        raise ValueError(f"gemv.linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows, contiguous) and w "
-                         f"{tuple(w.shape)} (contiguous, [N, K], N at most {MAX_TILES} tiles of {bn}; N even with "
-                         "swiglu) do not fit")
+            or grid[0] > MAX_TILES or (silu_in and (swiglu or norm is not None or x.shape[-1] != 2 * k))):
+        raise ValueError(f"gemv.linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows, contiguous; [..., 2K] with "
+                         f"silu_in, not with swiglu or norm) and w {tuple(w.shape)} (contiguous, [N, K], N at most "
+                         f"{MAX_TILES} tiles of {bn}; N even with swiglu) do not fit")
     shape = (*x.shape[:-1], out_n)
     if ((norm is not None and (norm[0].shape != (k,) or not norm[0].is_contiguous() or norm[2].dim() != 2
                                or norm[2].shape[1] != bm or not norm[2].is_contiguous()
@@ -219,5 +237,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
                         n_sq, float(norm[1]) if norm else 0.0, HAS_BIAS=b is not None, SWIGLU=swiglu, BM=bm, BN=bn,
                         BK=bk, KSTEPS=ksteps, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
                         TP=max(2, 1 << (n_sq - 1).bit_length()), HAS_RES=residual is not None, SUMS=sums,
-                        num_warps=warps, **pdl_args(x))
+                        SILU_IN=silu_in, num_warps=warps, **pdl_args(x))
     return (y, sq) if sums else y

@@ -184,7 +184,7 @@ def _kernels_on_cpu() -> None:
     from slime_lite.engine import fused_layer, gemv
 
     fused_layer.usable = lambda x: True
-    gemv.usable = lambda x, *weights: True
+    gemv.usable = lambda x, *weights, **kw: True
     for gemv.NORM_MAX_ROWS in (16, 0):  # the norms inside the products' kernels, then kernels of their own
         _check(torch.float32, 32, 1100, "cpu", 1e-5)  # gate/up wider than one block of silu_mul
         _check(torch.float16, 24, 40, "cpu", 2e-3)  # a head size that is not a power of two
@@ -193,6 +193,10 @@ def _kernels_on_cpu() -> None:
             _check(torch.float16, 40, 64, "cpu", 2e-3, family)
         for arch, shape in (("qwen2", {}), ("qwen3", {"head_dim": 48}), ("glm4", {}), ("qwen2_moe", {})):
             _decode_on_cpu(arch, rotary_kernel=bool(gemv.NORM_MAX_ROWS), **shape)
+    # rows where gate/up is cuBLAS's and down is gemv's with the SiLU inside (gemv.SILU_IN_MAX_ROWS)
+    gemv.usable = lambda x, w, b=None, silu_in=False: silu_in
+    _check(torch.float32, 32, 1100, "cpu", 1e-5)
+    _check(torch.float16, 40, 64, "cpu", 2e-3, "glm4")
 
 
 def _decode_on_cpu(arch: str, rotary_kernel: bool, **shape) -> None:

@@ -69,6 +69,18 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         cfg = (*gemv.config(rows, n, k, swiglu)[:3], 4)  # the norm's weight read slice by slice
         got = gemv.linear(y, w, swiglu=swiglu, norm=(ln, 1e-6, sq), cfg=cfg)
         torch.testing.assert_close(got, _want(normed, w, None, swiglu), rtol=tol, atol=tol)
+    for rows, k, n, bias in [(5, 300, 40, True), (20, 600, 70, False)]:  # silu_in: the SiLU of gate/up's output
+        gu = (torch.randn(rows, 1, 2 * k, generator=gen) * 2).to(dtype).to(device)  # as the product reads it
+        w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(device)
+        b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+        g, u = gu.float().chunk(2, dim=-1)
+        act = (F.silu(g).to(dtype).float() * u).to(dtype)  # silu_and_mul's rounding
+        for cfg in (None, (*gemv.config(rows, n, k, False)[:3], 3)):  # one K slice a program, then three
+            got = gemv.linear(gu, w, b, silu_in=True, cfg=cfg)
+            assert got.shape == (rows, 1, n)
+            torch.testing.assert_close(got, _want(act, w, b, False), rtol=tol, atol=tol)
+        with pytest.raises(ValueError, match="silu_in, not with swiglu"):
+            gemv.linear(gu, torch.zeros(2 * n, k, dtype=dtype, device=device), swiglu=True, silu_in=True)
     assert not any(c.any() for c in triton_build._COUNTERS.values())
     # past 16 rows only the wide products (the 0.5B shape's gate/up and down) add up several slices a program
     assert [gemv.config(32, *shape)[3] for shape in ((4864, 896, True), (896, 4864, False), (896, 896, False))] == [
