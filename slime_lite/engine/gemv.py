@@ -162,7 +162,7 @@ def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, silu
     of ``WIDE`` elements or more, ``SILU_IN_MAX_ROWS`` with ``silu_in``), contiguous tensors, ``w`` of at most
     ``MAX_TILES`` column tiles of the narrowest configuration (32), on a device with PDL (and Triton)."""
     rows = x.numel() // x.shape[-1]
-    limit = SILU_IN_MAX_ROWS if silu_in else WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS
+    limit = min(SILU_IN_MAX_ROWS, MAX_ROWS) if silu_in else WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS
     return (rows <= limit and x.is_contiguous() and w.is_contiguous()
             and (b is None or b.is_contiguous()) and w.shape[0] <= MAX_TILES * 32 and pdl_available(x)
             and _kernel() is not None)
@@ -191,6 +191,12 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, 
         # the 0.5B shape's k: no partial sums); down: 4 of 256
         bn, bk = 32, 128 if key == "gate_up" else 256
         ksteps = 8 if key == "gate_up" else 4
+    return _fit((bn, bk, warps, ksteps), k)
+
+
+def _fit(cfg: tuple[int, int, int, int], k: int) -> tuple[int, int, int, int]:
+    """A configuration's BK at most ``k`` (a power of two, 16 or more) and its KSTEPS at most ``k``'s slices."""
+    bn, bk, warps, ksteps = cfg
     bk = min(bk, max(16, 1 << (k - 1).bit_length()))
     return bn, bk, warps, min(ksteps, -(-k // bk))
 
@@ -211,7 +217,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     rows = x.numel() // x.shape[-1]
     n = w.shape[0]
     out_n = n // 2 if swiglu else n
-    bn, bk, warps, ksteps = cfg or (SILU_IN_CONFIG if silu_in else config(rows, out_n, k, swiglu))
+    bn, bk, warps, ksteps = cfg or (_fit(SILU_IN_CONFIG, k) if silu_in else config(rows, out_n, k, swiglu))
     bm = 16 if rows <= 16 else 32
     grid = (-(-out_n // bn), -(-k // (bk * ksteps)))
     if (rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2)

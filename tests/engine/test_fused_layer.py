@@ -123,7 +123,7 @@ def _check(dtype: torch.dtype, head_dim: int, inter: int, device: str, tol: floa
     # of up to ~46), so the norm may be 3x there; a 0.1% error in the activation is off by over 1,000x
     exact = _mlp_in_float64(*mlp_args)
     off, eager_off = (out.double() - exact).abs(), (want.double() - exact).abs()
-    ratio = 3.0 if dtype == torch.float32 else 1.5
+    ratio = 3.0 if dtype == torch.float32 and device == "cuda" else 1.5
     assert off.max() <= 2 * eager_off.max() + tol and off.norm() <= ratio * eager_off.norm() + tol, (
         f"fused MLP off the float64 layer by {off.max().item():.3g}, {off.norm().item():.3g} in norm (eager: "
         f"{eager_off.max().item():.3g}, {eager_off.norm().item():.3g})")
@@ -195,8 +195,11 @@ def _kernels_on_cpu() -> None:
             _decode_on_cpu(arch, rotary_kernel=bool(gemv.NORM_MAX_ROWS), **shape)
     # rows where gate/up is cuBLAS's and down is gemv's with the SiLU inside (gemv.SILU_IN_MAX_ROWS)
     gemv.usable = lambda x, w, b=None, silu_in=False: silu_in
+    linear, calls = gemv.linear, []
+    gemv.linear = lambda *a, **kw: calls.append(kw.get("silu_in")) or linear(*a, **kw)
     _check(torch.float32, 32, 1100, "cpu", 1e-5)
     _check(torch.float16, 40, 64, "cpu", 2e-3, "glm4")
+    assert calls and all(calls), calls  # every product by gemv was the down product with the SiLU inside
 
 
 def _decode_on_cpu(arch: str, rotary_kernel: bool, **shape) -> None:

@@ -79,8 +79,17 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
             got = gemv.linear(gu, w, b, silu_in=True, cfg=cfg)
             assert got.shape == (rows, 1, n)
             torch.testing.assert_close(got, _want(act, w, b, False), rtol=tol, atol=tol)
+        res = torch.randn(rows, 1, n, generator=gen).to(dtype).to(device)
+        got, sq = gemv.linear(gu, w, b, silu_in=True, residual=res, sums=True)  # o's and down's adds, with it
+        want = (res.float() + _want(act, w, b, False).float()).to(dtype)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        torch.testing.assert_close(sq[:, :rows].sum(0), got.float().pow(2).sum(-1).flatten(), rtol=tol, atol=tol)
         with pytest.raises(ValueError, match="silu_in, not with swiglu"):
             gemv.linear(gu, torch.zeros(2 * n, k, dtype=dtype, device=device), swiglu=True, silu_in=True)
+        with pytest.raises(ValueError, match="silu_in, not with swiglu or norm"):
+            gemv.linear(gu, w, norm=(torch.ones(k, dtype=dtype, device=device), 1e-6, sq), silu_in=True)
+        with pytest.raises(ValueError, match="silu_in"):  # gate and up of k columns each, not k + 1
+            gemv.linear(gu[..., 1:].contiguous(), w, silu_in=True)
     assert not any(c.any() for c in triton_build._COUNTERS.values())
     # past 16 rows only the wide products (the 0.5B shape's gate/up and down) add up several slices a program
     assert [gemv.config(32, *shape)[3] for shape in ((4864, 896, True), (896, 4864, False), (896, 896, False))] == [
@@ -131,6 +140,11 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
     wide = torch.zeros(gemv.WIDE // 64, 64, device="cuda", dtype=dtype)  # past 16 rows: cuBLAS for wide products
     assert gemv.usable(torch.zeros(16, 64, device="cuda", dtype=dtype), wide)
     assert not gemv.usable(torch.zeros(17, 64, device="cuda", dtype=dtype), wide)
+    assert not gemv.usable(torch.zeros(17, 128, device="cuda", dtype=dtype), wide, silu_in=True)  # off by default
+    with monkeypatch.context() as m:
+        m.setattr(gemv, "SILU_IN_MAX_ROWS", 64)  # past 16 rows; never past MAX_ROWS
+        assert gemv.usable(torch.zeros(32, 128, device="cuda", dtype=dtype), wide, silu_in=True)
+        assert not gemv.usable(torch.zeros(33, 128, device="cuda", dtype=dtype), wide, silu_in=True)
     _check(dtype, "cuda", tol)
     gen = torch.Generator(device="cuda").manual_seed(0)
     hid, inter = 896, 4864
