@@ -134,8 +134,8 @@ def main() -> None:
                          "rows too, not cuBLAS), comma-separated, *_wideN keys; *_wideN_norm: NORM_MAX_ROWS N too")
     ap.add_argument("--silu-in-rows", default="",
                     help="also time the step with these gemv.SILU_IN_MAX_ROWS (32: past 16 rows the down product by "
-                         "gemv with the SiLU inside, after cuBLAS's gate/up; gemv.SILU_IN_CONFIG's tiles, which --gemv-configs "
-                         "does not change), comma-separated, *_siluinN keys")
+                         "gemv with the SiLU inside, after cuBLAS's gate/up; gemv.SILU_IN_CONFIG's tiles, which "
+                         "--gemv-configs does not change), comma-separated, *_siluinN keys")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
