@@ -181,9 +181,9 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, 
     H200 sweep, or within 0.15 us of it, but for down, where 64 x 256 beat the sweep's 32 x 512 in the engine's step
     at 1 row by 1.6 us a layer. Past 16 rows the wide products (gate/up, down) are cuBLAS's unless ``WIDE_MAX_ROWS``
     is raised (benchmarks): their tiles there add up several slices per program. On an H200 at 32 rows this tiling
-    and four others made the 0.5B step 0.15-0.6 ms slower than cuBLAS (profile_decode.py --wide-rows and
-    --gemv-configs) when the slices' loop was unrolled (every slice's weights in registers: 255 a thread for sm_90);
-    the loop that holds two slices (139-214) is not measured yet."""
+    and four others made the 0.5B step 0.15-0.6 ms slower than cuBLAS (bench/profile_decode.py's wide-rows and
+    gemv-configs variants) when the slices' loop was unrolled (every slice's weights in registers: 255 a thread for
+    sm_90); the loop that holds two slices (139-214) is not measured yet."""
     key = kind(k, swiglu)
     bn, bk, warps = {"gate_up": (32, 256, 4), "down": (64, 256, 4), "narrow": (32, 128, 8 if rows > 16 else 4)}[key]
     ksteps = 1
