@@ -325,6 +325,10 @@ def check_async_train(args: argparse.Namespace) -> None:
 def check_fully_async(args: argparse.Namespace) -> None:
     """--fully-async keeps the engines generating through training and weight pushes: it needs engines and a
     trainer on their own GPUs, and the built-in rollout (its background generation loop)."""
+    if args.max_weight_staleness is None and args.max_weight_staleness_mode != "drop":
+        raise SlimeLiteError(f"--max-weight-staleness-mode {args.max_weight_staleness_mode} has no effect without "
+                             "a bound: add --max-weight-staleness K (samples more than K weight versions behind the "
+                             "trainer are handled by it), or drop it.")
     if not args.fully_async:
         if args.max_weight_staleness is not None:
             raise SlimeLiteError(f"--max-weight-staleness {args.max_weight_staleness} bounds the lag of samples "

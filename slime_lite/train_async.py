@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.types import FINISHED_BEFORE
 
 log = logging.getLogger("slime_lite.train")
 
@@ -62,6 +63,8 @@ class RolloutSchedule:
 
     def _launch(self, rollout_id: int) -> None:
         if self.overlap and self.args.save:  # the manager is idle now: its cursor is the one before rollout_id
+            # only rollout_id - 1's checkpoint can still read one: the older ones (rollouts not saved) are dropped
+            self.data_states = {r: s for r, s in self.data_states.items() if r >= rollout_id}
             self.data_states[rollout_id] = self.fetch(self.manager.state.remote())
         self.pending = (rollout_id, self.manager.generate.remote(rollout_id), self._now())
 
@@ -123,9 +126,11 @@ class RolloutSchedule:
 def off_policy_lag(samples: list, trainer_version: int) -> int | None:
     """Trainer version minus the oldest weight version the engines generated this rollout with: each sample's last
     request's (a sample continued by --partial-rollout also holds older tokens: their age is
-    rollout/partial/age_max). None when an engine reported no pushed version, e.g. it still serves the weights it
-    loaded itself."""
-    versions = [v for s in samples for v in s.weight_versions[-1:]]
+    rollout/partial/age_max; one carried already finished made no request this rollout and is left out). None when
+    no sample was generated this rollout, or an engine reported no pushed version, e.g. it still serves the weights
+    it loaded itself."""
+    versions = [v for s in samples if not (isinstance(s.metadata, dict) and FINISHED_BEFORE in s.metadata)
+                for v in s.weight_versions[-1:]]
     if not versions or not all(str(v).isdigit() for v in versions):
         return None
     return trainer_version - min(int(v) for v in versions)

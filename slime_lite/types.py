@@ -18,6 +18,9 @@ from typing import Any
 # metadata key of the weight version of every response token (ints, one per token, as ``version_number`` reads a
 # served version): a sample continued across rollouts (--partial-rollout) holds tokens of several versions
 TOKEN_VERSIONS = "token_weight_versions"
+# metadata key set on a sample --partial-rollout carried already finished: the rollout that took it so (its last
+# request was made in an earlier rollout, with older weights, so it tells nothing of the weights this rollout used)
+FINISHED_BEFORE = "finished_before_rollout_id"
 
 
 def version_number(version: Any) -> int:

@@ -204,3 +204,22 @@ def test_the_doctor_runs_synchronously_when_given_async():
 
     argv = train_argv(["--async", "--hf-checkpoint", "m", "--lr", "1e-4"], "/tmp/doctor-out")
     assert "--async" not in argv and argv[:4] == ["--hf-checkpoint", "m", "--lr", "1e-4"]
+
+
+def test_async_save_keeps_only_the_cursor_the_next_checkpoint_can_need():
+    """--async --save reads the rollout data state (with --partial-rollout: every carried sample) before each
+    generation; with --save-interval above 1 the ones no checkpoint took must not pile up on the driver."""
+    args = parser_defaults(async_train=True, num_rollout=10, ci_test=False, save="/ckpt")
+    served = [0]
+    schedule = RolloutSchedule(args, FakeManager(served), lambda ref, r: ref, 0, get=lambda ref: ref)
+    saved = []
+    for r in range(10):
+        schedule.get(r)
+        schedule.train_started()
+        schedule.train_finished({})
+        if r % 3 == 2:  # --save-interval 3
+            saved.append(schedule.data_state(r))
+        assert len(schedule.data_states) <= 1, sorted(schedule.data_states)
+        schedule.before_push({})
+        served[0] = r + 1
+    assert saved == [{"cursor": 3}, {"cursor": 6}, {"cursor": 9}]

@@ -19,7 +19,9 @@ on the tokens older than K versions (``rollout/async/masked_tokens``, ``masked_s
 lag of its samples' oldest tokens (``rollout/async/lag_mean``, ``lag_max``), the lag of its newest
 (``rollout/async/newest_lag``: 0 when some tokens were sampled from the trainer's weights, which the --ci-test
 train/rollout log-prob check compares), and ``rollout/weight_version``: the version the engines serve when the
-rollout is taken, which a missed push leaves behind.
+rollout is taken, which a missed push leaves behind. A ``--dynamic-sampling-filter-path`` that drops every group
+stops the rollout (as without --fully-async) instead of generating forever; the groups it drops, and those an
+engine cut short, are counted in the next rollout's metrics, the ones dropped while the trainer trained included.
 
 Checkpoints keep every prompt: the finished groups waiting are saved as they are (a resumed run trains them, with
 their versions), the groups in flight are saved as their fresh prompts and generated again from the start.
@@ -32,9 +34,10 @@ import logging
 from typing import Any
 
 from slime_lite.engine_client import request_json
+from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout import dumps
 from slime_lite.rollout.generate import sampling_params
-from slime_lite.rollout.oversample import complete
+from slime_lite.rollout.oversample import MAX_SUBMITS, complete
 from slime_lite.types import TOKEN_VERSIONS, Sample, version_number
 
 log = logging.getLogger(__name__)
@@ -68,8 +71,9 @@ def apply_staleness(groups: list[list[Sample]], trainer_version: int, max_stalen
                 if v and min(v) < oldest_bound:
                     mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
                     s.loss_mask = [m if ver >= oldest_bound else 0 for m, ver in zip(mask, v)]
-                    masked_tokens += sum(ver < oldest_bound for ver in v)
-                    masked_samples += 1
+                    out = sum(bool(m) for m in mask) - sum(bool(m) for m in s.loss_mask)  # not tool tokens (0)
+                    masked_tokens += out
+                    masked_samples += out > 0
         kept.append(group)
     return kept, {"rollout/async/dropped_stale_samples": float(dropped),
                   "rollout/async/masked_tokens": float(masked_tokens),
@@ -99,12 +103,14 @@ class FullyAsyncWorker:
         self.arrived: asyncio.Event | None = None  # set when a group finished: a waiting rollout looks again
         self.next_index = 0
         self.filtered = self.failed = 0
+        self.logged = (0, 0)  # self.filtered, self.failed as the last rollout's metrics counted them
 
     def load_state(self, groups: list[list[dict[str, Any]]]) -> None:
         """Groups of a checkpoint: the finished ones wait to be trained first, in the order they finished; the
-        others (saved as their prompts) are generated again."""
+        others (saved as their prompts; or aborted, from a --partial-rollout run's checkpoint: continued) are
+        generated again."""
         loaded = [[Sample.from_dict(d) for d in g] for g in groups]
-        done = [all(s.status != Sample.Status.PENDING for s in g) for g in loaded]
+        done = [complete(g) for g in loaded]
         self.finished = [g for g, d in zip(loaded, done) if d]
         self.pending = [g for g, d in zip(loaded, done) if not d]
 
@@ -176,12 +182,17 @@ class FullyAsyncWorker:
         kept: list[list[Sample]] = []
         stats = {"rollout/async/dropped_stale_samples": 0.0, "rollout/async/masked_tokens": 0.0,
                  "rollout/async/masked_samples": 0.0}
-        filtered0, failed0 = self.filtered, self.failed
+        filtered0 = self.filtered
         self.gen.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
         self.gen.first_sent = self.gen.last_back = None  # perf/rollout/*: the requests sent and back during the take
         while len(kept) < a.rollout_batch_size:
             while not self.finished:
                 await self._wait()
+                if self.filtered - filtered0 > MAX_SUBMITS * a.rollout_batch_size:  # as over-sampling: not forever
+                    raise SlimeLiteError(
+                        f"--fully-async rollout {rollout_id}: only {len(kept)} of --rollout-batch-size "
+                        f"{a.rollout_batch_size} groups kept after {self.filtered - filtered0} groups were dropped by "
+                        "--dynamic-sampling-filter-path: the filter is too strict for this model/data.")
             take, self.finished = self.finished[: a.rollout_batch_size - len(kept)], \
                 self.finished[a.rollout_batch_size - len(kept):]
             self.room.set()
@@ -199,9 +210,11 @@ class FullyAsyncWorker:
         await asyncio.sleep(0.01)  # the background loop refills what this take freed: the groups generating now
         stats["rollout/async/queued_groups"] = float(len(self.finished))
         stats["rollout/async/in_flight_groups"] = float(len(self.in_flight))
-        stats["rollout/async/regenerated_groups"] = float(self.failed - failed0)
+        # since the last rollout's metrics: the loop generates (and drops) while the trainer trains, too
+        stats["rollout/async/regenerated_groups"] = float(self.failed - self.logged[1])
         if self.gen.filter_fn is not None:
-            stats["rollout/dynamic_filter/dropped_groups"] = float(self.filtered - filtered0)
+            stats["rollout/dynamic_filter/dropped_groups"] = float(self.filtered - self.logged[0])
+        self.logged = (self.filtered, self.failed)
         if engine_version is not None:
             stats["rollout/weight_version"] = float(engine_version)
         return samples, stats

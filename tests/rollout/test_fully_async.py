@@ -49,6 +49,7 @@ BASE = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"]
 @pytest.mark.parametrize("extra, says", [
     (["--fully-async", "--max-weight-staleness", "-1"], None),  # argparse: names the flag, exit 2
     (["--max-weight-staleness", "2"], "only --fully-async does"),
+    (["--fully-async", "--max-weight-staleness-mode", "mask"], "--max-weight-staleness-mode mask has no effect"),
     (["--fully-async", "--colocate"], "--fully-async: --colocate"),
     (["--fully-async", "--debug-train-only"], "--debug-train-only"),
     (["--fully-async", "--debug-rollout-only"], "--debug-rollout-only"),
@@ -134,3 +135,89 @@ def test_groups_generate_across_a_push_and_a_checkpoint_loses_no_prompt(tiny_mod
     assert all(d["response_length"] == 0 for g in state["carried"] if g not in finished for d in g)
     for group, d in zip([resumed[i:i + 2] for i in range(0, 4, 2)], finished):
         assert [s.tokens for s in group] == [x["tokens"] for x in d]
+
+
+def test_a_checkpoints_unfinished_groups_are_generated_again_not_trained():
+    """load_state: a group is trained as it is only once every sample finished (complete(): an ABORTED sample, e.g.
+    carried by --partial-rollout in the run that saved it, is continued; a hook's sample with a reward and no
+    status is finished)."""
+    from types import SimpleNamespace
+
+    from slime_lite.types import Status
+
+    def group(status, reward):
+        return [Sample(index=j, tokens=[5, 6, 7], response_length=1, loss_mask=[1], status=status,
+                       reward=reward).to_dict() for j in range(2)]
+
+    worker = FullyAsyncWorker(SimpleNamespace(config=SimpleNamespace(rollout_batch_size=2)), None)
+    worker.load_state([group(Status.ABORTED, None), group(Status.COMPLETED, 1.0), group(Status.PENDING, 0.0),
+                       group(Status.PENDING, None)])
+    assert [g[0].status for g in worker.finished] == [Status.COMPLETED, Status.PENDING]
+    assert [(g[0].status, g[0].response_length) for g in worker.pending] == [(Status.ABORTED, 1), (Status.PENDING, 1)]
+
+
+def test_a_filter_that_keeps_nothing_stops_a_fully_async_rollout_naming_it(tiny_model_dir):
+    """As without --fully-async (rollout/oversample.py MAX_SUBMITS): the run stops with the flag named instead of
+    generating forever (the FAKE engine of test_oversample; its samples agree: zero reward std)."""
+    from tests.rollout.test_oversample import make
+
+    gen, source, _ = make(load_tokenizer(str(tiny_model_dir)), tiny_model_dir, "s" * 8, fully_async=True,
+                          over_sampling_batch_size=None,
+                          dynamic_sampling_filter_path="slime_lite.rollout.filters.check_reward_nonzero_std")
+    worker = FullyAsyncWorker(gen, source)
+
+    async def engine_version():
+        return 0
+
+    worker._engine_version = engine_version
+
+    async def run():
+        try:
+            await asyncio.wait_for(worker.rollout(0), timeout=30)  # before the fix: forever
+        finally:
+            await worker.stop()
+
+    with pytest.raises(SlimeLiteError, match=r"--fully-async rollout 0: only 0 of --rollout-batch-size 2 groups "
+                                             r"kept .* --dynamic-sampling-filter-path"):
+        asyncio.run(run())
+
+
+def test_groups_dropped_while_the_trainer_trains_are_counted_in_the_next_rollout(tiny_model_dir):
+    """The loop generates (and the filter drops) between two rollouts too: every drop is in some rollout's
+    rollout/dynamic_filter/dropped_groups, once."""
+    from tests.rollout.test_oversample import make
+
+    gen, source, _ = make(load_tokenizer(str(tiny_model_dir)), tiny_model_dir, "s" * 16, fully_async=True,
+                          over_sampling_batch_size=None,
+                          dynamic_sampling_filter_path="tests.rollout.test_oversample.odd_prompts")
+    worker = FullyAsyncWorker(gen, source)
+
+    async def engine_version():
+        return 0
+
+    worker._engine_version = engine_version
+
+    async def run():
+        try:
+            _, m0 = await worker.rollout(0)
+            await asyncio.sleep(0.3)  # "training": the loop refills, dropping the even prompts
+            between = worker.filtered
+            _, m1 = await worker.rollout(1)
+            return m0, m1, between, worker.filtered
+        finally:
+            await worker.stop()
+
+    m0, m1, between, total = asyncio.run(run())
+    assert between > m0["rollout/dynamic_filter/dropped_groups"]  # some were dropped between the rollouts
+    assert m0["rollout/dynamic_filter/dropped_groups"] + m1["rollout/dynamic_filter/dropped_groups"] == total
+
+
+def test_staleness_mask_counts_only_the_tokens_it_takes_out_of_the_loss():
+    """A multi-turn sample's tool tokens are out of the loss already: masking them again is not counted."""
+    tool = sample([1, 1, 3])
+    tool.loss_mask = [0, 1, 1]  # token 0: a tool's output
+    only_tool = sample([1, 3])
+    only_tool.loss_mask = [0, 1]
+    kept, counts = apply_staleness([[tool, only_tool]], trainer_version=3, max_staleness=1, mode="mask")
+    assert tool.loss_mask == [0, 0, 1] and only_tool.loss_mask == [0, 1]
+    assert counts["rollout/async/masked_tokens"] == 1.0 and counts["rollout/async/masked_samples"] == 1.0

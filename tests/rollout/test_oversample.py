@@ -232,3 +232,50 @@ def test_a_filter_that_keeps_nothing_stops_the_rollout_naming_it(tokenizer, tiny
     with pytest.raises(SlimeLiteError, match=r"rollout 0: only 0 of --rollout-batch-size 2 groups finished after "
                                              r"100 batches .* --dynamic-sampling-filter-path"):
         rollout(gen, source, 0)
+
+
+def carried_copy(group):
+    """A finished group as --partial-rollout carries one (it finished after the rollout had its groups)."""
+    import copy
+
+    return [copy.deepcopy(s) for s in group]
+
+
+def test_mask_offpolicy_and_ages_count_the_rollouts_weights_when_every_trained_sample_finished_earlier(
+        tokenizer, tiny_model_dir) -> None:
+    """Rollout 1 trains only a group that finished under version 0 (carried complete), while the engine serves
+    version 1 (the carried long group's request this rollout reports it): its tokens are older than the rollout's
+    weights, so --mask-offpolicy-in-partial-rollout masks them and the age metrics say 1 behind."""
+    gen, source, engine = make(tokenizer, tiny_model_dir, "slssss", partial_rollout=True,
+                               mask_offpolicy_in_partial_rollout=True, rollout_batch_size=1,
+                               over_sampling_batch_size=2)
+    first, _ = rollout(gen, source, 0)
+    assert [s.metadata["prompt_index"] for s in first] == [0, 0] and len(gen.over.carried) == 1
+    gen.over.carried.insert(0, carried_copy(first))
+    engine.version = "1"
+    samples, stats = rollout(gen, source, 1)
+    assert [s.metadata["prompt_index"] for s in samples] == [0, 0]
+    assert all(s.metadata[TOKEN_VERSIONS] == [0] * SHORT for s in samples)
+    assert engine.log[-1][2] == "1"  # the carried long group was sent (and aborted) under version 1
+    assert all(s.loss_mask == [0] * SHORT for s in samples)
+    assert stats["rollout/partial/age_max"] == 1.0 and stats["rollout/partial/age_mean"] == 1.0
+
+
+def test_off_policy_lag_counts_only_the_requests_of_the_rollout(tokenizer, tiny_model_dir) -> None:
+    """A carried group that finished in an earlier rollout made no request in this one: --async's lag check
+    (at most 1 behind) must not read its older version as this rollout's, or --async --partial-rollout stops."""
+    from types import SimpleNamespace
+
+    from slime_lite.train_async import off_policy_lag, record_lag
+
+    gen, source, engine = make(tokenizer, tiny_model_dir, "sslls", partial_rollout=True)
+    first, _ = rollout(gen, source, 0)
+    gen.over.carried.insert(0, carried_copy(first[:2]))  # finished under version 0
+    engine.version = "1"
+    samples, _ = rollout(gen, source, 1)  # the carried finished group, and prompt 4 generated under version 1
+    assert [s.metadata["prompt_index"] for s in samples] == [0, 0, 4, 4]
+    assert [s.weight_versions[-1] for s in samples] == ["0", "0", "1", "1"]
+    assert off_policy_lag(samples, 1) == 0
+    record: dict[str, float] = {}
+    record_lag(SimpleNamespace(overlap=True), samples, 2, record)  # --async: trainer at 2, engines served 1
+    assert record["rollout/off_policy_lag"] == 1.0
