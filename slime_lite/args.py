@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "dropping them; needs --over-sampling-batch-size > --rollout-batch-size")
     g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
                    help="with --partial-rollout: loss_mask 0 on the tokens of a continued sample that older weights "
-                        "generated, so only tokens of the rollout's weights are trained")
+                        "generated before it was aborted (samples that had finished in an earlier rollout are "
+                        "trained as they are, as in slime)")
     g.add_argument("--dynamic-sampling-filter-path", default=None,
                    help="module.fn keep(args, samples)->bool over one group; "
                         "'slime_lite.rollout.filters.check_reward_nonzero_std' drops groups whose rewards agree")

@@ -6,6 +6,7 @@ and the carried samples survive a checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from slime_lite.args import parser_defaults
 from slime_lite.rollout.data import Prompt, PromptSource
 from slime_lite.rollout.generate import Generator
 from slime_lite.tokenizer import load_tokenizer
-from slime_lite.types import TOKEN_VERSIONS, Status
+from slime_lite.types import FINISHED_BEFORE, TOKEN_VERSIONS, Status
 
 STEP_S = 0.002  # the fake's seconds per decode step
 SHORT, LONG = 4, 400  # response tokens of a short and a long prompt's samples
@@ -236,16 +237,14 @@ def test_a_filter_that_keeps_nothing_stops_the_rollout_naming_it(tokenizer, tiny
 
 def carried_copy(group):
     """A finished group as --partial-rollout carries one (it finished after the rollout had its groups)."""
-    import copy
-
     return [copy.deepcopy(s) for s in group]
 
 
-def test_mask_offpolicy_and_ages_count_the_rollouts_weights_when_every_trained_sample_finished_earlier(
-        tokenizer, tiny_model_dir) -> None:
+def test_ages_count_the_rollouts_weights_when_every_trained_sample_finished_earlier(tokenizer, tiny_model_dir) -> None:
     """Rollout 1 trains only a group that finished under version 0 (carried complete), while the engine serves
-    version 1 (the carried long group's request this rollout reports it): its tokens are older than the rollout's
-    weights, so --mask-offpolicy-in-partial-rollout masks them and the age metrics say 1 behind."""
+    version 1 (the carried long group's request this rollout reports it): the age metrics say 1 behind, and
+    --mask-offpolicy-in-partial-rollout leaves the finished samples as they are (as slime: only a continued sample's
+    older tokens are masked)."""
     gen, source, engine = make(tokenizer, tiny_model_dir, "slssss", partial_rollout=True,
                                mask_offpolicy_in_partial_rollout=True, rollout_batch_size=1,
                                over_sampling_batch_size=2)
@@ -257,7 +256,8 @@ def test_mask_offpolicy_and_ages_count_the_rollouts_weights_when_every_trained_s
     assert [s.metadata["prompt_index"] for s in samples] == [0, 0]
     assert all(s.metadata[TOKEN_VERSIONS] == [0] * SHORT for s in samples)
     assert engine.log[-1][2] == "1"  # the carried long group was sent (and aborted) under version 1
-    assert all(s.loss_mask == [0] * SHORT for s in samples)
+    assert all(s.loss_mask in (None, [1] * SHORT) for s in samples)
+    assert all(s.metadata[FINISHED_BEFORE] == 1 for s in samples)
     assert stats["rollout/partial/age_max"] == 1.0 and stats["rollout/partial/age_mean"] == 1.0
 
 
