@@ -157,7 +157,8 @@ class RolloutManager:
         metrics.update(drift.rollout_metrics(samples, self.tokenizer))
         metrics.update(extra)
         served = [str(v) for s in samples for v in s.weight_versions[-1:]]
-        if "rollout/weight_version" in metrics:  # --fully-async: the version the engines serve now
+        # --fully-async: the version the engines serve now; --partial-rollout: the newest any request reported
+        if "rollout/weight_version" in metrics:
             pass
         elif served:  # -1: the engine still serves what it loaded itself ("default"): no push ever reached it
             metrics["rollout/weight_version"] = float(max(version_number(v) for v in served))

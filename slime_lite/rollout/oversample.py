@@ -179,6 +179,8 @@ class OverSampler:
             stats["rollout/dynamic_filter/dropped_groups"] = float(dropped)
         if not a.partial_rollout:
             stats = {k: v for k, v in stats.items() if not k.startswith("rollout/partial/")}
+        elif current is not None:  # not the trained samples' newest: they may all have finished in older rollouts
+            stats["rollout/weight_version"] = float(current)
         if a.over_sampling_batch_size is None and not a.partial_rollout:
             stats = {k: v for k, v in stats.items() if not k.startswith("rollout/over_sampling/")}
         return samples, stats

@@ -259,6 +259,7 @@ def test_ages_count_the_rollouts_weights_when_every_trained_sample_finished_earl
     assert all(s.loss_mask in (None, [1] * SHORT) for s in samples)
     assert all(s.metadata[FINISHED_BEFORE] == 1 for s in samples)
     assert stats["rollout/partial/age_max"] == 1.0 and stats["rollout/partial/age_mean"] == 1.0
+    assert stats["rollout/weight_version"] == 1.0  # what --ci-test's weight_version_served reads: not 0
 
 
 def test_off_policy_lag_counts_only_the_requests_of_the_rollout(tokenizer, tiny_model_dir) -> None:
