@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of one tool or environment turn; longer output is cut (default: %(default)s)")
     g.add_argument("--rollout-max-context-len", type=_positive_int, default=None,
                    help="tokens of a multi-turn sample, prompt included; a sample that would overflow ends "
-                        "TRUNCATED (default: the model's max_position_embeddings)")
+                        "TRUNCATED (default, and at most: the model's max_position_embeddings - 1, what the "
+                        "engine serves)")
     g.add_argument("--tool-call-timeout", type=float, default=30.0,
                    help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
                         "(default: %(default)s)")

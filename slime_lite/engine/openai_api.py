@@ -5,6 +5,9 @@ They map onto the same requests as ``/generate``. ``finish_reason`` is ``stop``,
 follow SGLang's OpenAI server: completions take ``logprobs: k`` (``top_logprobs`` maps of the k best tokens) and
 ``echo`` (the prompt before the text; with ``logprobs`` > 0 also the prompt's log-probs, the first one null);
 chat takes ``logprobs: true`` and ``top_logprobs: k``. Stream chunks carry the log-probs of the tokens they add.
+Without ``max_tokens`` / ``max_completion_tokens`` a completion stops at 16 tokens and a chat reply runs up to the
+context; null is up to the context (SGLang's defaults). A message's content may be OpenAI text parts (joined by a
+space, as SGLang renders them for a template that takes a string).
 """
 
 from __future__ import annotations
@@ -35,14 +38,21 @@ def add_openai_routes(app: Any, server: Any) -> None:
         app.router.add_post(f"{prefix}/detokenize", api.detokenize)
 
 
+def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
+    """``max_completion_tokens``, else ``max_tokens`` (a null one is not set); neither sent: ``default``. None: up
+    to the context (SGLang's chat default; OpenAI's too)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            return body[key]
+    return None if "max_completion_tokens" in body or "max_tokens" in body else default
+
+
 def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
     sp: dict[str, Any] = {
         "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
         "stop": body.get("stop"), "sampling_seed": body.get("seed"), "n": body.get("n", 1),
+        "max_new_tokens": _max_tokens(body, default_max_tokens),  # None: up to the context
     }
-    if max_tokens is not None:
-        sp["max_new_tokens"] = max_tokens
     for key in ("top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
                 "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"):
         if body.get(key) is not None:
@@ -80,6 +90,21 @@ def _stream(body: dict[str, Any]) -> Any:
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise BadRequest(f"model={body['model']!r:.80} must be a string (the served model's name)")
     return False if body.get("stream") is None else body["stream"]
+
+
+def _text_parts(message: Any, i: int) -> Any:
+    """A message whose content is OpenAI content parts, with the text parts joined by a space (SGLang's rendering
+    for templates that take a string); a part that is not text is refused (the engine serves text models)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for j, part in enumerate(message["content"]):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise BadRequest(f"messages[{i}].content[{j}]: a {kind!r:.40} part; the embedded engine takes text parts "
+                             "only ({\"type\": \"text\", \"text\": ...})")
+        texts.append(part["text"])
+    return {**message, "content": " ".join(texts)}
 
 
 def _finish(out: Any) -> str | None:
@@ -195,6 +220,7 @@ class _OpenAI:
         tok = self.server.scheduler.tokenizer
         if not getattr(tok, "chat_template", None):
             raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")
+        messages = [_text_parts(m, i) for i, m in enumerate(messages)]
         try:
             with self.server.scheduler.tokenizer_lock:
                 return tok.apply_chat_template(messages, tokenize=False,

@@ -7,7 +7,9 @@ engine produced them, and the trajectory becomes a multi-turn sample from those 
 agent got back. A call whose messages extend the previous call's (its messages, then the assistant reply it got,
 then new tool or user messages) is sent as the previous prompt + completion ids + the chat template's text of the
 new messages only, so earlier turns keep the engine's tokens and the engine reuses their KV (prefix cache); a call
-that rewrites the history starts a new segment (one more sample of the same trajectory, sharing ``rollout_id``).
+that rewrites the history starts a new segment (one more sample of the same trajectory, sharing ``rollout_id``), as
+does one whose history the chat template renders differently once the new messages follow (Qwen3 dropping an
+earlier turn's thinking).
 
 Tool calls in the model's text, Qwen/Hermes ``<tool_call>{json}</tool_call>`` blocks, become OpenAI ``tool_calls``
 (``finish_reason`` "tool_calls"); a malformed block is returned as content text, stays in the trajectory and is
@@ -16,10 +18,17 @@ counted (``metadata["malformed_tool_calls"]``).
 The rollout's sampling parameters apply, whatever the agent sends (the trainer scores tokens at
 ``--rollout-temperature``): the agent's temperature, top_p and seed are ignored, its ``max_tokens`` is honoured
 below the trajectory's budget, ``--rollout-max-response-len`` tokens of response in all (model and inserted
-tokens). A call past the budget is answered 400 and the sample ends TRUNCATED; an agent that raises ends it FAILED
-(``metadata["agent_error"]``); what was recorded is kept either way. Assistant turns end at ``<|im_end|>``
-(ChatML templates: Qwen and the tiny model) or the model's EOS. More than ``--max-turns`` calls is answered 400
-too (TRUNCATED).
+tokens), and its ``stop`` strings end the turn (kept in the trained tokens, cut from the content as OpenAI does).
+``logprobs`` / ``top_logprobs`` return the engine's. A turn that did not end at ``<|im_end|>`` (cut by its length
+or a stop string) gets it at the start of the next call's inserted tokens, as the chat template renders the turn.
+A call past the budget is answered 400 and the sample ends TRUNCATED; an agent that raises ends it FAILED
+(``metadata["agent_error"]``); a call the rollout aborts (over-sampling) is answered 400, as is every later one,
+and the sample ends ABORTED; what was recorded is kept in each case. Assistant turns end at ``<|im_end|>`` (ChatML
+templates: Qwen and the tiny model) or the model's EOS. More than ``--max-turns`` calls (those in flight counted)
+is answered 400 too (TRUNCATED). Bad input is a 400 naming the field; the engine refusing a call a 400 with its
+reason, an engine failure a 502; neither is recorded. Calls sent at once from the same history (branches) each
+extend the call they branch from: the first to finish continues that sample, the others start samples of their
+own.
 
 Use: ``generate = openai_agent(run)`` in the agent's module, where ``async def run(base_url, sample)`` is the agent
 (``sample.prompt``, ``sample.label``, ``sample.metadata`` are the task), and pass
@@ -41,6 +50,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.rollout.tool_calls import inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import append_turn
 from slime_lite.tokenizer import load_tokenizer
@@ -62,36 +72,78 @@ class Call:
     log_probs: list[float]
     text: str
     finish_reason: str
-    extends: bool  # prompt_ids = the previous call's prompt + completion + the new messages' tokens
-    new_roles: list[str] = field(default_factory=list)  # roles of the messages added since the previous call
+    extends: bool  # prompt_ids = the parent call's prompt + completion + the new messages' tokens
+    new_roles: list[str] = field(default_factory=list)  # roles of the messages added since the parent call
     weight_version: str | None = None
     cached_tokens: int = 0
     malformed: int = 0
+    parent: "Call | None" = None  # the call whose messages and reply this one's messages extend
+    start: int = 0  # prompt tokens of the first call of this call's chain (its response begins there)
 
 
 class BudgetExhausted(Exception):
     """The trajectory has no response tokens left (``--rollout-max-response-len``)."""
 
 
-def _normalise(message: Any) -> dict[str, Any]:
-    """A message as compared between calls: role, content ("" for none), tool calls (name, parsed arguments)."""
+class Aborted(Exception):
+    """The engine aborted a call of the trajectory (over-sampling has its groups, an engine error): the sample ends
+    ABORTED."""
+
+
+class BadRequest(ValueError):
+    """A call the endpoint refuses (HTTP 400, the message names the field); nothing is recorded."""
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's content as text: a string, null, or OpenAI content parts of type "text"."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a string, null or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                             "supported by the agent endpoint")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _normalise(message: Any, where: str = "message") -> dict[str, Any]:
+    """A message as compared between calls: role, content ("" for none), tool calls (name, parsed arguments).
+    ``BadRequest`` names the field (``where``) that is not a chat message's."""
+    if not isinstance(message, dict):
+        raise BadRequest(f"{where} must be an object with a role and content")
+    if not isinstance(message.get("role"), str):
+        raise BadRequest(f"{where}.role: a string (system, user, assistant or tool) is required")
     calls = []
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function", call)
+    raw_calls = message.get("tool_calls") or []
+    if not isinstance(raw_calls, list):
+        raise BadRequest(f"{where}.tool_calls must be a list")
+    for j, call in enumerate(raw_calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"{where}.tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                             "{\"name\": ..., \"arguments\": ...}}")
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args)
             except ValueError:
                 pass
-        calls.append({"name": fn.get("name"), "arguments": args})
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI content parts: the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    out: dict[str, Any] = {"role": message.get("role"), "content": content or ""}
+        calls.append({"name": fn["name"], "arguments": args})
+    out: dict[str, Any] = {"role": message["role"], "content": _text_content(message.get("content"), where)}
     if calls:
         out["tool_calls"] = [{"type": "function", "function": c} for c in calls]
     return out
+
+
+def _stop_strings(value: Any) -> list[str]:
+    """The agent's ``stop``: a string or a list of strings, none empty."""
+    stops = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        raise BadRequest(f"stop={value!r:.80} must be a string or a list of non-empty strings")
+    return stops
 
 
 class Trajectory:
@@ -103,91 +155,149 @@ class Trajectory:
         self.sampling_params = dict(sampling_params)
         self.budget = int(sampling_params.get("max_new_tokens") or 0) or None
         self.calls: list[Call] = []
+        self.sent = 0  # calls sent to the engine, those in flight included (--max-turns counts them)
         self.truncated = False
+        self.aborted = False
 
     @property
     def base_url(self) -> str:
         return f"{self.endpoint.url}/t/{self.key}/v1"
 
-    def _extends(self, messages: list[dict[str, Any]]) -> bool:
-        if not self.calls:
-            return False
-        prev = self.calls[-1]
-        n = len(prev.messages)
-        return (len(messages) > n and messages[:n] == prev.messages and messages[n] == prev.reply
-                and all(m["role"] != "assistant" for m in messages[n + 1:]))
+    def _parent(self, messages: list[dict[str, Any]]) -> Call | None:
+        """The latest call whose messages then reply ``messages`` begin with, followed by tool or user messages only
+        (calls sent at once from the same history each find the call they branch from)."""
+        for prev in reversed(self.calls):
+            n = len(prev.messages)
+            if (len(messages) > n and messages[:n] == prev.messages and messages[n] == prev.reply
+                    and all(m["role"] != "assistant" for m in messages[n + 1:])):
+                return prev
+        return None
 
-    def _response_tokens(self, prompt_ids: list[int]) -> int:
-        """Response tokens of the current segment if the next prompt is ``prompt_ids``."""
-        first = next(c for c in reversed(self.calls) if not c.extends) if self.calls else None
-        return len(prompt_ids) - len(first.prompt_ids) if first is not None else 0
+    def _render(self, messages: list[dict[str, Any]], parent: Call | None, tools: Any) -> tuple[str, Call | None]:
+        """The text to send after ``parent``'s tokens (the whole prompt without one), and the parent kept: none
+        when the chat template renders the history differently once the new messages follow (e.g. Qwen3 dropping
+        an earlier turn's thinking), which starts a new segment as a rewritten history does."""
+        tok = self.endpoint.tokenizer
+        try:
+            if parent is not None:
+                n = len(parent.messages) + 1
+                closed = bool(parent.completion_ids) and parent.completion_ids[-1] in self.endpoint.stop_ids
+                try:
+                    return inserted_text(tok, messages[:n], messages[n:], END_OF_TURN, closed=closed), parent
+                except SlimeLiteError as exc:
+                    log.debug("trajectory %s: a new segment (%s)", self.key, exc)
+            return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True), None
+        except Exception as exc:  # noqa: BLE001 - a template error is the agent's input
+            raise BadRequest(f"messages: the chat template cannot render them ({type(exc).__name__}: {exc})") from None
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = self.endpoint
-        messages = [_normalise(m) for m in body["messages"]]
-        tok = ep.tokenizer
-        extends = self._extends(messages)
-        if extends:
-            prev = self.calls[-1]
-            n = len(prev.messages) + 1
-            text = inserted_text(tok, messages[:n], messages[n:], END_OF_TURN)
-            prompt_ids = prev.prompt_ids + prev.completion_ids + tok(text, add_special_tokens=False)["input_ids"]
+        messages = [_normalise(m, f"messages[{i}]") for i, m in enumerate(body["messages"])]
+        stops = _stop_strings(body.get("stop"))
+        want_lp, top = body.get("logprobs"), body.get("top_logprobs")
+        if want_lp not in (None, True, False):
+            raise BadRequest(f"logprobs={want_lp!r:.40} must be true or false")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+            raise BadRequest(f"top_logprobs={top!r:.40} must be an integer in [0, 20]")
+        if top and not want_lp:
+            raise BadRequest("top_logprobs needs logprobs: true")
+        asked_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        asked = body.get(asked_field)
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
+            raise BadRequest(f"{asked_field}={asked!r:.40} must be a positive integer (or null)")
+        if self.aborted:
+            raise Aborted("the engine aborted an earlier call of this trajectory; the sample ends aborted")
+        text, parent = self._render(messages, self._parent(messages), body.get("tools"))
+        new_ids = ep.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if parent is not None:
+            prompt_ids, start = parent.prompt_ids + parent.completion_ids + new_ids, parent.start
         else:
-            text = tok.apply_chat_template(messages, tools=body.get("tools"), tokenize=False,
-                                           add_generation_prompt=True)
-            prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
-        used = self._response_tokens(prompt_ids) if extends else 0
-        if self.max_turns is not None and len(self.calls) >= self.max_turns:
+            prompt_ids, start = new_ids, len(new_ids)
+        if self.max_turns is not None and self.sent >= self.max_turns:
             self.truncated = True
             raise BudgetExhausted(f"the trajectory made its {self.max_turns} calls (--max-turns)")
+        rollout_stop = self.sampling_params.get("stop") or []
+        rollout_stop = [rollout_stop] if isinstance(rollout_stop, str) else list(rollout_stop)
         params = dict(self.sampling_params, no_stop_trim=True, skip_special_tokens=False,
                       stop_token_ids=ep.stop_ids)
+        if stops:
+            params["stop"] = rollout_stop + [x for x in stops if x not in rollout_stop]
         if self.budget is not None:
-            left = self.budget - used
+            left = self.budget - (len(prompt_ids) - start)
             if left <= 0:
                 self.truncated = True
                 raise BudgetExhausted(f"the trajectory used its {self.budget} response tokens "
                                       "(--rollout-max-response-len)")
             params["max_new_tokens"] = left
-        asked = body.get("max_completion_tokens", body.get("max_tokens"))
-        if isinstance(asked, int) and asked > 0:
-            params["max_new_tokens"] = min(asked, params.get("max_new_tokens", asked))
+        if asked is not None:
+            params["max_new_tokens"] = min(asked, params.get("max_new_tokens") or asked)
         if params.get("sampling_seed") is not None:
-            params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * len(self.calls)
-        out = await ep.engine_client.generate({"input_ids": prompt_ids, "sampling_params": params,
-                                               "return_logprob": True})
+            params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * self.sent
+        request = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True}
+        if top:
+            request["top_logprobs_num"] = top
+        self.sent += 1
+        try:
+            out = await ep.engine_client.generate(request)
+        except BaseException:
+            self.sent -= 1  # not served: the call does not count
+            raise
         meta = out["meta_info"]
-        finish = (meta.get("finish_reason") or {}).get("type") or "stop"
-        parsed = parse_tool_calls(out["text"], strip=ep.stop_texts)
+        finish_info = meta.get("finish_reason") or {}
+        finish = finish_info.get("type") or "stop"
+        ids = [int(t) for t in out["output_ids"]]
+        log_probs = [float(t[0]) for t in meta["output_token_logprobs"]]
+        content = out["text"]
+        matched = finish_info.get("matched")
+        if isinstance(matched, str) and matched in content:  # as OpenAI's: the content ends before the stop string
+            content = content[:content.find(matched)]
+        parsed = parse_tool_calls(content, strip=ep.stop_texts)
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
                       for c in parsed.calls]
         reply: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
         if tool_calls:
             reply["tool_calls"] = tool_calls
-        n_prev = len(self.calls[-1].messages) + 1 if extends else 0
+        n_prev = len(parent.messages) + 1 if parent is not None else 0
         self.calls.append(Call(
-            messages=messages, reply=_normalise(reply), prompt_ids=list(prompt_ids),
-            completion_ids=list(out["output_ids"]), log_probs=[float(t[0]) for t in meta["output_token_logprobs"]],
-            text=out["text"], finish_reason=finish, extends=extends,
-            new_roles=[m["role"] for m in messages[n_prev:]] if extends else [],
+            messages=messages, reply=_normalise(reply), prompt_ids=list(prompt_ids), completion_ids=ids,
+            log_probs=log_probs, text=out["text"], finish_reason=finish, extends=parent is not None,
+            new_roles=[m["role"] for m in messages[n_prev:]] if parent is not None else [],
             weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
-            cached_tokens=int(meta.get("cached_tokens") or 0), malformed=parsed.malformed))
+            cached_tokens=int(meta.get("cached_tokens") or 0), malformed=parsed.malformed, parent=parent,
+            start=start))
+        if finish == "abort":
+            self.aborted = True
+            raise Aborted(f"the engine aborted this call ({finish_info.get('message') or 'abort'}: over-sampling "
+                          "has its groups, or an engine error); the sample ends aborted")
+        logprobs = None
+        if want_lp:
+            tops = meta.get("output_top_logprobs") or [None] * len(ids)
+            logprobs = {"content": [{**self._lp_entry(t, v), "top_logprobs": [self._lp_entry(x[1], x[0])
+                                                                               for x in (row or [])]}
+                                    for t, v, row in zip(ids, log_probs, tops)]}
         reason = "tool_calls" if tool_calls else ("length" if finish == "length" else "stop")
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model") or ep.model_name,
-                "choices": [{"index": 0, "message": reply, "logprobs": None, "finish_reason": reason}],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out["output_ids"]),
-                          "total_tokens": len(prompt_ids) + len(out["output_ids"])}}
+                "choices": [{"index": 0, "message": reply, "logprobs": logprobs, "finish_reason": reason}],
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                          "total_tokens": len(prompt_ids) + len(ids)}}
+
+    def _lp_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.endpoint.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     def samples(self, sample: Sample) -> list[Sample]:
         """The trajectory as samples built from the records: one per segment (usually one), sharing rollout_id.
-        Each starts from its first call's prompt ids; each later call adds its new tokens (tool or user turns,
-        loss_mask 0) and its completion (the engine's ids and log-probs)."""
+        Each starts from its first call's prompt ids; each later call, one whose parent is the segment's last call,
+        adds its new tokens (tool or user turns, loss_mask 0) and its completion (the engine's ids and log-probs).
+        A call whose parent already has a child in the segment (calls sent at once from the same history) starts a
+        segment of its own."""
         segments: list[list[Call]] = []
         for call in self.calls:
-            if call.extends and segments:
-                segments[-1].append(call)
+            seg = next((g for g in segments if call.parent is not None and g[-1] is call.parent), None)
+            if seg is not None:
+                seg.append(call)
             else:
                 segments.append([call])
         out = []
@@ -209,6 +319,8 @@ class Trajectory:
             s.status = Status.from_finish_reason(last.finish_reason) if last else Status.FAILED
             if self.truncated:
                 s.status = Status.TRUNCATED
+            if self.aborted:
+                s.status = Status.ABORTED
             s.prefix_cache_info.cached_tokens = sum(c.cached_tokens for c in segment)
             s.prefix_cache_info.total_prompt_tokens = sum(len(c.prompt_ids) for c in segment)
             s.metadata.update(agent_calls=len(segment), tool_calls=sum(len(c.reply.get("tool_calls", []))
@@ -277,17 +389,25 @@ class AgentEndpoint:
             return _error(400, "messages: a non-empty list is required")
         if body.get("stream"):
             return _error(400, "stream: not supported by the agent endpoint; call without stream")
-        if body.get("n", 1) != 1:
-            return _error(400, "n: one choice per call")
+        if body.get("n") not in (None, 1):
+            return _error(400, f"n={body['n']!r:.40}: one choice per call (call again for another)")
         try:
             return web.json_response(await traj.chat(body))
+        except BadRequest as exc:
+            return _error(400, str(exc))
         except BudgetExhausted as exc:
             return _error(400, f"{exc}; the sample ends truncated")
+        except Aborted as exc:
+            return _error(400, str(exc))
+        except EngineError as exc:  # not recorded: the agent may call again
+            if "answered HTTP 4" in str(exc):
+                return _error(400, f"the engine refused the call: {exc}")
+            return _error(502, f"the engine failed to serve the call: {exc}")
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                             status=status)
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                        else "server_error", "param": None, "code": status}}, status=status)
 
 
 _ENDPOINTS: dict[int, AgentEndpoint] = {}  # per event loop of this process (the rollout manager has one)
@@ -327,7 +447,7 @@ def openai_agent(run: Agent) -> Callable[..., Awaitable[Sample | list[Sample]]]:
         finally:
             ep.close(traj)
         out = traj.samples(sample)
-        if error is not None and not traj.truncated:
+        if error is not None and not traj.truncated and not traj.aborted:
             log.warning("agent of sample %s failed: %s", sample.index, error)
             for s in out:
                 s.status = Status.FAILED

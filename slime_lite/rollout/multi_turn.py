@@ -7,9 +7,10 @@ agent endpoint, or the tool task) that alternates model turns with tool or envir
   ``cached_tokens`` and ``prompt_tokens``.
 - ``insert_turn`` appends tool or environment text (tokenised once, mask 0), cut to ``--max-inserted-tokens-per-turn``.
 - ``call_tool`` runs one tool call under ``--tool-call-timeout`` and counts calls and errors in the metadata.
-- The limits: ``--max-turns`` model turns, and ``--rollout-max-context-len`` tokens in all (prompt included; default
-  the model's ``max_position_embeddings``): a sample that would overflow it ends TRUNCATED. A tool that raises or
-  hangs ends its sample FAILED with the reason in ``metadata["failure"]``; the rollout goes on.
+- The limits: ``--max-turns`` model turns, and ``--rollout-max-context-len`` tokens in all (prompt included; at most
+  the model's ``max_position_embeddings`` - 1, what the engine serves): a sample that would overflow it ends
+  TRUNCATED. A tool that raises or hangs ends its sample FAILED with the reason in ``metadata["failure"]``; the
+  rollout goes on.
 """
 
 from __future__ import annotations
@@ -45,8 +46,17 @@ class TurnLimits:
 
     @classmethod
     def from_args(cls, args: Any) -> "TurnLimits":
-        context = args.rollout_max_context_len or _model_context(args.hf_checkpoint)
-        return cls(args.max_turns, args.max_inserted_tokens_per_turn, context, args.tool_call_timeout)
+        """``--rollout-max-context-len``, and below the model's context: the engine (as SGLang) refuses a request
+        whose input + max_new_tokens reach ``max_position_embeddings``, so a sample holds one token less."""
+        try:
+            model = _model_context(args.hf_checkpoint)
+        except OSError:
+            if args.rollout_max_context_len is None:
+                raise
+            model = None
+        bounds = [b for b in (args.rollout_max_context_len, None if model is None else model - 1) if b is not None]
+        return cls(args.max_turns, args.max_inserted_tokens_per_turn, min(bounds) if bounds else None,
+                   args.tool_call_timeout)
 
 
 def model_turns(sample: Sample) -> int:

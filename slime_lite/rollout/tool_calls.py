@@ -74,10 +74,11 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
 
 
 def inserted_text(tokenizer: Any, history: list[dict[str, Any]], new_messages: list[dict[str, Any]],
-                  end_of_turn: str) -> str:
+                  end_of_turn: str, closed: bool = True) -> str:
     """The text the chat template puts after the model's last turn (which ended with ``end_of_turn``, the stop
     token the engine returned) up to the next generation prompt: the rest of that turn's closing, then
-    ``new_messages`` (tool results, user or environment turns), then the assistant's generation prompt.
+    ``new_messages`` (tool results, user or environment turns), then the assistant's generation prompt. A turn
+    that did not end with it (``closed`` False: cut by its length or a stop string) gets ``end_of_turn`` too.
 
     ``history`` ends with that assistant turn. Only the new text is rendered, so earlier turns keep the engine's
     tokens; a template that renders history differently once more messages follow is refused."""
@@ -88,5 +89,5 @@ def inserted_text(tokenizer: Any, history: list[dict[str, Any]], new_messages: l
             "the chat template renders the conversation so far differently once new messages follow it; a turn's "
             "inserted tokens cannot be rendered on their own with this tokenizer's chat_template.")
     end = before.rfind(end_of_turn) if end_of_turn else -1
-    closing = before[end + len(end_of_turn):] if end >= 0 else ""
+    closing = before[end + (len(end_of_turn) if closed else 0):] if end >= 0 else ""
     return closing + after[len(before):]

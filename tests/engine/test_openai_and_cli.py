@@ -53,6 +53,29 @@ def test_v1_chat_completions_uses_chat_template(engine):
     assert out["usage"]["prompt_tokens"] == native["meta_info"]["prompt_tokens"]
 
 
+def test_v1_chat_completions_content_parts_null_max_tokens_and_the_default_length(engine):
+    """Content as OpenAI text parts renders as its text (not the list's repr), on /tokenize too; a part that is not
+    text is a 400 naming it. ``max_completion_tokens: null`` leaves ``max_tokens`` in force, and a chat call
+    without either runs up to the context (SGLang's and OpenAI's default), not 128 tokens."""
+    def chat(content, **extra):
+        body = {"messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
+        return http(engine.url, "/v1/chat/completions", body)
+
+    plain, parts = chat("hi there", max_tokens=2)[1], chat([{"type": "text", "text": "hi"},
+                                                          {"type": "text", "text": "there"}], max_tokens=2)[1]
+    assert parts["usage"] == plain["usage"] and parts["choices"] == plain["choices"]
+    tokens = [http(engine.url, "/tokenize", {"messages": [{"role": "user", "content": c}]})[1]["tokens"]
+              for c in ("hi", [{"type": "text", "text": "hi"}])]
+    assert tokens[0] == tokens[1]
+    status, out = chat([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], max_tokens=2)
+    assert status == 400 and "messages[0].content[0]" in out["error"]["message"]
+    out = chat("hi", max_completion_tokens=None, max_tokens=3, ignore_eos=True)[1]
+    assert out["usage"]["completion_tokens"] == 3
+    out = chat("hi", ignore_eos=True)[1]
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] > 128  # up to the context: 512 tokens of the tiny model
+
+
 def test_v1_chat_completions_stream(engine):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "stream": True}
     req = urllib.request.Request(engine.url + "/v1/chat/completions", data=json.dumps(body).encode(),

@@ -56,7 +56,8 @@ def test_official_client_against_the_endpoint_records_the_engines_tokens(engine,
         messages = [{"role": "user", "content": "12+34*5="}]
         first = await client.chat.completions.create(model="m", messages=messages, tools=[CALC], max_tokens=8)
         messages += [first.choices[0].message, {"role": "tool", "tool_call_id": "x", "content": "170"}]
-        second = await client.chat.completions.create(model="m", messages=messages, tools=[CALC], max_tokens=8)
+        second = await client.chat.completions.create(model="m", messages=messages, tools=[CALC], max_tokens=8,
+                                                      logprobs=True, top_logprobs=2)
         models = await client.models.list()
         await ep.stop()
         await rec.client.close()
@@ -75,6 +76,11 @@ def test_official_client_against_the_endpoint_records_the_engines_tokens(engine,
         assert call.log_probs == [t[0] for t in out["meta_info"]["output_token_logprobs"]]
         assert body["sampling_params"]["temperature"] == 1.0 and body["sampling_params"]["max_new_tokens"] <= 8
     assert first.usage.prompt_tokens == len(c1.prompt_ids) and first.usage.completion_tokens == len(c1.completion_ids)
+    assert first.choices[0].logprobs is None  # not asked for
+    lps = second.choices[0].logprobs.content  # the engine's, as OpenAI shapes them
+    assert [t.logprob for t in lps] == c2.log_probs and [t.token for t in lps] == [tok.decode([i]) for i in
+                                                                                 c2.completion_ids]
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in lps)
     # the second call extends the first: its prompt is the first prompt + the engine's completion + the tool turn
     assert c2.extends and c2.prompt_ids[:len(c1.prompt_ids) + len(c1.completion_ids)] == c1.prompt_ids + c1.completion_ids
     assert out2["meta_info"]["cached_tokens"] > 0  # the engine reused the conversation's KV
@@ -92,24 +98,38 @@ def test_official_client_against_the_endpoint_records_the_engines_tokens(engine,
 
 
 class ScriptedEngine:
-    """A fake of the engine's /generate answering from a script (the tiny random model writes no tool calls)."""
+    """A fake of the engine's /generate answering from a script (the tiny random model writes no tool calls). An
+    entry is the text, (text, finish_reason) or an exception to raise; ``delay`` seconds per call let calls
+    overlap; ``seen`` holds the bodies."""
 
-    def __init__(self, texts):
-        self.texts, self.tok = list(texts), build_tokenizer()
+    def __init__(self, texts, delay=0.0):
+        self.texts, self.tok, self.delay, self.seen = list(texts), build_tokenizer(), delay, []
 
     async def generate(self, body):
-        text = self.texts.pop(0)
+        self.seen.append(body)
+        text, finish = self.texts.pop(0), {"type": "stop"}
+        if isinstance(text, Exception):
+            raise text
+        if isinstance(text, tuple):
+            text, finish = text
+        if self.delay:
+            await asyncio.sleep(self.delay)
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         return {"text": text, "output_ids": ids, "meta_info": {
-            "output_token_logprobs": [[-0.1, t, None] for t in ids], "finish_reason": {"type": "stop"}}}
+            "output_token_logprobs": [[-0.1, t, None] for t in ids], "finish_reason": finish}}
 
 
-def run_agent(texts, agent, sampling_params=None, max_turns=8):
-    """Run ``agent(base_url, sample)`` through the openai_agent hook over a scripted engine."""
+def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine_box=None, chat_template=None):
+    """Run ``agent(base_url, sample)`` through the openai_agent hook over a scripted engine (kept in
+    ``engine_box["engine"]`` when given)."""
     tok = build_tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
 
     async def main():
-        engine = ScriptedEngine(texts)
+        engine = ScriptedEngine(texts, delay)
+        if engine_box is not None:
+            engine_box["engine"] = engine
         ep = await AgentEndpoint(engine, tok).start()
         import slime_lite.rollout.agent_endpoint as mod
 
@@ -204,3 +224,163 @@ def test_the_example_agent_solves_a_problem_through_the_endpoint():
     inserted = [t for t in sample.metadata["turns"] if t["source"] == "tool"]
     assert len(inserted) == 2 and all(not any(sample.loss_mask[t["start"]:t["start"] + t["length"]])
                                       for t in inserted)
+
+
+def _client(base_url):
+    return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+
+def test_calls_sent_at_once_keep_each_sample_the_tokens_the_engine_was_sent():
+    """Two calls at once from the same history (two branches): each model turn of each sample follows exactly the
+    tokens the engine was sent for it (never one branch's completion after the other's), each call has its own
+    sampling seed, and --max-turns counts the calls in flight."""
+    async def branching(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "a"}]
+        reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+        messages.append(reply)
+        answers = await asyncio.gather(*(client.chat.completions.create(
+            model="m", messages=messages + [{"role": "user", "content": q}]) for q in ("b", "c")),
+            return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+
+    box = {}
+    out = run_agent(["x<|im_end|>", "y<|im_end|>", "z<|im_end|>"], branching, delay=0.05, engine_box=box,
+                    sampling_params={"temperature": 1.0, "max_new_tokens": 500, "sampling_seed": 3})
+    samples = out if isinstance(out, list) else [out]
+    sent = [b["input_ids"] for b in box["engine"].seen]
+    assert len({b["sampling_params"]["sampling_seed"] for b in box["engine"].seen}) == 3  # each call its own seed
+    assert sum(s.metadata["agent_calls"] for s in samples) == 3
+    for s in samples:
+        prompt_len = len(s.tokens) - s.response_length
+        for t in s.metadata["turns"]:
+            if t["source"] == "model":
+                assert s.tokens[:prompt_len + t["start"]] in sent  # what the engine generated this turn after
+    tok = build_tokenizer()
+    texts = sorted(tok.decode(s.tokens) for s in samples)
+    assert any(t.endswith("<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\ny<|im_end|>") for t in texts)
+    assert any(t.endswith("<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\nz<|im_end|>") for t in texts)
+
+    out = run_agent(["x<|im_end|>", "y<|im_end|>", "z<|im_end|>"], branching, delay=0.05, max_turns=2,
+                    engine_box=box)
+    samples = out if isinstance(out, list) else [out]
+    assert len(box["engine"].seen) == 2 and sum(s.metadata["agent_calls"] for s in samples) == 2
+    assert all(s.status == Status.TRUNCATED for s in samples)
+
+
+def test_a_turn_cut_by_its_length_or_a_stop_string_is_closed_before_the_next_messages():
+    """A turn the engine ended without <|im_end|> (max_tokens, the agent's stop string) gets it from the inserted
+    text of the next call, as the chat template renders that turn; ``stop`` reaches the engine and, as OpenAI's,
+    is not in the content."""
+    seen = []
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "a"}]
+        for kwargs, then in (({"max_tokens": 3}, "go on"), ({"stop": "Obs:"}, "Obs: 6"), ({}, None)):
+            choice = (await client.chat.completions.create(model="m", messages=messages, **kwargs)).choices[0]
+            seen.append(choice)
+            messages.append(choice.message)
+            if then:
+                messages.append({"role": "user", "content": then})
+
+    box = {}
+    sample = run_agent([("xyz", {"type": "length", "length": 3}), ("w Obs:", {"type": "stop", "matched": "Obs:"}),
+                        "done<|im_end|>"], agent, engine_box=box)
+    first, second, _ = box["engine"].seen
+    assert first["sampling_params"]["max_new_tokens"] == 3 and "Obs:" in second["sampling_params"]["stop"]
+    assert [c.finish_reason for c in seen] == ["length", "stop", "stop"]
+    assert seen[0].message.content == "xyz" and seen[1].message.content == "w"
+    tok = build_tokenizer()
+    assert tok.decode(sample.tokens) == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nxyz<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n"
+        "<|im_start|>assistant\nw Obs:<|im_end|>\n<|im_start|>user\nObs: 6<|im_end|>\n<|im_start|>assistant\n"
+        "done<|im_end|>")
+    assert sample.status == Status.COMPLETED
+    model = [t for t in sample.metadata["turns"] if t["source"] == "model"]
+    assert [t["text"] for t in model] == ["xyz", "w Obs:", "done<|im_end|>"]  # the engine's, mask 1
+    assert all(all(sample.loss_mask[t["start"]:t["start"] + t["length"]]) for t in model)
+
+
+def test_bad_requests_are_400s_naming_the_field_and_leave_the_trajectory_going():
+    """Bad input answers 400 with OpenAI's error shape and a message naming the field; the engine refusing a call
+    answers 400 with its reason, an engine failure 502; none of them is recorded or ends the trajectory."""
+    from slime_lite.errors import EngineError
+
+    answers = []
+    user = [{"role": "user", "content": "a"}]
+
+    async def agent(base_url, task):
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            for body in ({"messages": ["hi"]}, {"messages": [{"content": "a"}]},
+                         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                         {"messages": [{"role": "assistant", "tool_calls": [{"function": "calc"}]}]},
+                         {"messages": user, "stop": [""]}, {"messages": user, "top_logprobs": 2},
+                         {"messages": user, "n": 2}, {"messages": user}, {"messages": user}):
+                async with http.post(base_url + "/chat/completions", json=body) as resp:
+                    answers.append((resp.status, await resp.json()))
+        client = _client(base_url)
+        reply = await client.chat.completions.create(model="m", messages=user, n=None, logprobs=True,
+                                                     top_logprobs=0)
+        answers.append(reply)
+
+    refused = EngineError("engine http://e/generate answered HTTP 400: {\"error\": {\"message\": \"too long\"}}")
+    sample = run_agent([refused, EngineError("engine http://e/generate failed (ConnectionResetError)"),
+                        "xy<|im_end|>"], agent)
+    *errors, reply = answers
+    assert [status for status, _ in errors] == [400] * 8 + [502]
+    fields = ["messages[0]", "messages[0].role", "messages[0].content[0]", "messages[0].tool_calls[0]", "stop",
+              "top_logprobs", "n", "too long", "ConnectionResetError"]
+    for (_, body), field in zip(errors, fields):
+        assert set(body["error"]) >= {"message", "type", "code"} and field in body["error"]["message"], body
+    assert reply.choices[0].message.content == "xy"
+    lps = reply.choices[0].logprobs.content
+    assert [t.logprob for t in lps] == [-0.1] * 3 and "".join(t.token for t in lps) == "xy<|im_end|>"
+    assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 1
+    assert sample.tokens[-sample.response_length:] == build_tokenizer()("xy<|im_end|>")["input_ids"]
+
+
+def test_a_call_the_rollout_aborts_ends_the_sample_aborted():
+    """The engine aborting a call (over-sampling has its groups) is not a reply the agent goes on from: that call and
+    every later one answer an error, the agent stops, and the sample is ABORTED (not FAILED, not trained)."""
+    errors = []
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+        for _ in range(3):
+            try:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+            except openai.APIStatusError as exc:
+                errors.append(exc)
+        raise RuntimeError("the agent gives up")
+
+    box = {}
+    sample = run_agent([("xy", {"type": "abort"}), "z<|im_end|>", "z<|im_end|>"], agent, engine_box=box)
+    assert len(box["engine"].seen) == 1 and len(errors) == 3 and "abort" in str(errors[0])
+    assert sample.status == Status.ABORTED and "agent_error" not in sample.metadata
+
+
+def test_a_template_that_rewrites_the_history_starts_a_new_segment_not_a_server_error():
+    """A chat template that renders earlier assistant turns differently once more messages follow (as Qwen3 drops
+    their thinking): the new messages cannot be rendered on their own, so the call starts a new segment (a sample
+    of its own, from the template's full rendering) and is served."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and not loop.last %}"
+                "[earlier]{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "a"}]
+        for _ in range(2):
+            messages += [(await client.chat.completions.create(model="m", messages=messages)).choices[0].message,
+                         {"role": "user", "content": "b"}]
+
+    first, second = run_agent(["x<|im_end|>", "y<|im_end|>"], agent, chat_template=template)
+    assert first.status == second.status == Status.COMPLETED and first.rollout_id == second.rollout_id == 4
+    assert build_tokenizer().decode(second.tokens) == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n[earlier]<|im_end|>\n<|im_start|>user\nb<|im_end|>\n"
+        "<|im_start|>assistant\ny<|im_end|>")

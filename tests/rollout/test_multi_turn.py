@@ -122,3 +122,31 @@ def test_the_context_bound_ends_a_sample_truncated_and_inserted_turns_are_cut(ti
     tools = [t for t in s.metadata["turns"] if t["source"] == "tool"]
     assert tools and all(t["length"] <= 2 for t in tools) and tools[0]["text"] == "=4"  # "=42;" cut to 2 tokens
     assert metrics["rollout/truncated_ratio"] == 1.0
+
+
+def test_a_turn_at_the_models_context_ends_the_sample_truncated_not_refused(tiny_model_dir, engine):
+    """Default bound (the model's max_position_embeddings, 512): the engine, as SGLang, refuses input +
+    max_new_tokens reaching the context, so a turn near it is given one token less and the sample ends TRUNCATED
+    (not an engine error ending the rollout)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slime_lite.engine_client import AsyncEngineClient
+    from slime_lite.rollout import multi_turn as mt
+    from slime_lite.types import Sample
+
+    async def main():
+        client = AsyncEngineClient([engine.url])
+        args = SimpleNamespace(engine_client=client, hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=None,
+                               max_turns=4, max_inserted_tokens_per_turn=8, tool_call_timeout=5.0)
+        sample = Sample(index=0, prompt="x", tokens=[60 + i % 30 for i in range(500)])
+        try:
+            await mt.model_turn(args, sample, {"max_new_tokens": 100, "ignore_eos": True},
+                                mt.TurnLimits.from_args(args))
+        finally:
+            await client.close()
+        return sample
+
+    sample = asyncio.run(main())
+    assert sample.status == Status.TRUNCATED and sample.metadata["truncated_by"] == "--rollout-max-context-len"
+    assert len(sample.tokens) == 511
