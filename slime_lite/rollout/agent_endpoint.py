@@ -52,9 +52,9 @@ from aiohttp import web
 
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.rollout.tool_calls import inserted_text, parse_tool_calls
-from slime_lite.rollout.turns import append_turn
+from slime_lite.rollout.turns import append_turn, restart
 from slime_lite.tokenizer import load_tokenizer
-from slime_lite.types import Sample, Status
+from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
 
@@ -302,17 +302,20 @@ class Trajectory:
                 segments.append([call])
         out = []
         for k, segment in enumerate(segments or [[]]):
-            s = sample if k == 0 else copy.deepcopy(sample)
+            s = sample if k == 0 else copy.deepcopy(sample)  # (k > 0: the fields below reset again)
             s.response, s.response_length, s.loss_mask, s.rollout_log_probs = "", 0, None, None
             s.metadata.pop("turns", None)
+            s.metadata.pop(TOKEN_VERSIONS, None)
             s.weight_versions = []
-            s.tokens = list(segment[0].prompt_ids) if segment else list(sample.tokens)
+            s.tokens = list(segment[0].prompt_ids) if segment else list(s.tokens)
             for call in segment:
                 new = call.prompt_ids[len(s.tokens):]
                 if new:
                     source = "tool" if "tool" in call.new_roles else "user"
                     append_turn(s, new, source=source, text=self.endpoint.tokenizer.decode(new))
-                append_turn(s, call.completion_ids, call.log_probs, source="model", text=call.text)
+                versions = (None if call.weight_version is None
+                            else [version_number(call.weight_version)] * len(call.completion_ids))
+                append_turn(s, call.completion_ids, call.log_probs, source="model", text=call.text, versions=versions)
                 if call.weight_version is not None:
                     s.weight_versions.append(call.weight_version)
             last = segment[-1] if segment else None
@@ -437,6 +440,8 @@ def openai_agent(run: Agent) -> Callable[..., Awaitable[Sample | list[Sample]]]:
     and returns the sample built from its records (a list when the agent rewrote its history)."""
 
     async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample | list[Sample]:
+        if sample.status is Status.ABORTED:  # carried by --partial-rollout: the agent runs again from the start
+            restart(sample)
         ep = await endpoint_for(args)
         traj = ep.open(sampling_params, args.max_turns)
         error = None

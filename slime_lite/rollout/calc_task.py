@@ -31,7 +31,7 @@ from slime_lite.rollout.multi_turn import (ToolError, TurnLimits, call_tool, can
                                            model_turn, model_turns)
 from slime_lite.rollout.rewards import addition_reward
 from slime_lite.rollout.tool_calls import format_tool_call, inserted_text, parse_tool_calls
-from slime_lite.rollout.turns import turns
+from slime_lite.rollout.turns import restart, turns
 from slime_lite.tokenizer import EOS, load_tokenizer
 from slime_lite.types import Sample, Status
 
@@ -117,6 +117,8 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     budget = int(sampling_params["max_new_tokens"])
     params = dict(sampling_params, no_stop_trim=True, skip_special_tokens=False,
                   stop_token_ids=[tok.convert_tokens_to_ids(END_OF_TURN)])
+    if sample.status is Status.ABORTED:  # carried by --partial-rollout mid-trajectory: generated again
+        restart(sample)
     messages: list[dict[str, Any]] = [{"role": "user", "content": sample.prompt}]
     sample.metadata.update(tool_calls=0, tool_errors=0, malformed_tool_calls=0)
     while can_continue(sample, limits):

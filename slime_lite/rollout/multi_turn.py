@@ -7,6 +7,8 @@ agent endpoint, or the tool task) that alternates model turns with tool or envir
   ``cached_tokens`` and ``prompt_tokens``.
 - ``insert_turn`` appends tool or environment text (tokenised once, mask 0), cut to ``--max-inserted-tokens-per-turn``.
 - ``call_tool`` runs one tool call under ``--tool-call-timeout`` and counts calls and errors in the metadata.
+- ``restart`` (``turns``'): a sample ``--partial-rollout`` carried aborted (status ABORTED, in the middle of a
+  trajectory a hook cannot resume) back to its prompt, to be generated again; the tokens dropped count as wasted.
 - The limits: ``--max-turns`` model turns, and ``--rollout-max-context-len`` tokens in all (prompt included; at most
   the model's ``max_position_embeddings`` - 1, what the engine serves): a sample that would overflow it ends
   TRUNCATED. A tool that raises or hangs ends its sample FAILED with the reason in ``metadata["failure"]``; the
@@ -22,8 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from slime_lite.rollout.turns import append_turn
-from slime_lite.types import Sample, Status
+from slime_lite.rollout.turns import append_turn, restart  # noqa: F401  (restart: the hooks' name for it here)
+from slime_lite.types import Sample, Status, version_number
 
 
 class ToolError(RuntimeError):
@@ -95,14 +97,18 @@ async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
     meta = out["meta_info"]
     ids = [int(t) for t in out["output_ids"]]
     logprobs = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
-    append_turn(sample, ids, logprobs if len(logprobs) == len(ids) else None, text=out["text"])
+    version = meta.get("weight_version")
+    per_token = meta.get("output_token_weight_versions")  # a request in flight across a push spans two versions
+    versions = ([version_number(str(v)) for v in per_token] if per_token is not None and len(per_token) == len(ids)
+                else None if version is None else [version_number(str(version))] * len(ids))
+    append_turn(sample, ids, logprobs if len(logprobs) == len(ids) else None, text=out["text"], versions=versions)
     turn = sample.metadata["turns"][-1]
     turn["sampling_params"] = params  # what send-to-engine resends this turn with
     turn["cached_tokens"] = int(meta.get("cached_tokens") or 0)
     turn["prompt_tokens"] = int(meta.get("prompt_tokens") or len(sample.tokens) - len(ids))
     sample.prefix_cache_info.add(meta)
-    if meta.get("weight_version") is not None:
-        sample.weight_versions.append(str(meta["weight_version"]))
+    if version is not None:
+        sample.weight_versions.append(str(version))
     sample.status = Status.from_finish_reason((meta.get("finish_reason") or {}).get("type"))
     if room is not None and len(ids) >= room:
         _context_full(sample)

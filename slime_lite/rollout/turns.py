@@ -5,7 +5,13 @@ keeps every per-token field aligned: ``tokens`` (prompt + response), ``response_
 tokens, 0 on inserted ones), ``rollout_log_probs`` (the engine's for model tokens; 0.0 for inserted tokens, which
 the mask keeps out of every loss and metric: never invented values), and the text of each turn. Each turn is
 recorded in ``sample.metadata["turns"]`` as ``{"start", "length", "source", "trainable", "text"}`` (``start`` and
-``length`` in response tokens), which the debug tools show and the token drift check reads.
+``length`` in response tokens), which the debug tools show and the token drift check reads. A model turn given its
+tokens' weight ``versions`` keeps ``metadata["token_weight_versions"]`` one per response token (an inserted turn
+takes the version of the turn before it), so a sample spanning weight pushes knows which weights wrote each token.
+
+``restart`` takes a sample back to its prompt: a multi-turn hook given a sample that --partial-rollout carried
+aborted (in the middle of a trajectory it cannot resume) generates it again, and the tokens dropped are counted
+(``metadata["restarted_tokens"]``) as wasted, not carried.
 
 A turn's tokens are the engine's own ids (model turns) or the tokenizer's ids of the inserted text: training tokens
 are never rebuilt by re-tokenising a model turn's text.
@@ -15,13 +21,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime_lite.types import Sample
+from slime_lite.types import TOKEN_VERSIONS, Sample, Status
 
 SOURCES = ("model", "tool", "env", "user")  # who wrote a turn: only "model" turns come from the engine
+RESTARTED = "restarted_tokens"  # metadata: response tokens ``restart`` dropped (over the sample's restarts)
 
 
 def append_turn(sample: Sample, tokens: list[int], log_probs: list[float] | None = None, *, trainable: bool = True,
-                source: str = "model", text: str | None = None) -> Sample:
+                source: str = "model", text: str | None = None, versions: list[int] | None = None) -> Sample:
     """Append one turn to ``sample``'s response (in place; returns the sample).
 
     Model turns (``source`` "model") carry the engine's ``log_probs``, one per token; a model turn without them is
@@ -39,6 +46,7 @@ def append_turn(sample: Sample, tokens: list[int], log_probs: list[float] | None
         sample.loss_mask = [1] * n_before
     if sample.rollout_log_probs is None and n_before == 0:  # else: earlier tokens have none, and neither does this
         sample.rollout_log_probs = []
+    _extend_versions(sample, n_before, len(tokens), versions, model)
     sample.tokens = list(sample.tokens) + tokens
     sample.response_length = n_before + len(tokens)
     sample.loss_mask = list(sample.loss_mask) + [1 if trained else 0] * len(tokens)
@@ -50,6 +58,32 @@ def append_turn(sample: Sample, tokens: list[int], log_probs: list[float] | None
     sample.metadata.setdefault("turns", []).append(
         {"start": n_before, "length": len(tokens), "source": source, "trainable": trained, "text": text})
     return sample
+
+
+def _extend_versions(sample: Sample, n_before: int, n: int, versions: list[int] | None, model: bool) -> None:
+    """One weight version per response token while every model turn gave its own; unknown (the key removed: the
+    rollout then stamps the last request's version on all) once one did not."""
+    have = sample.metadata.get(TOKEN_VERSIONS)
+    if have is None and n_before == 0 and model and versions is not None:
+        have = []
+    if have is None or len(have) != n_before or (model and (versions is None or len(versions) != n)) \
+            or (not model and not have):
+        sample.metadata.pop(TOKEN_VERSIONS, None)
+        return
+    sample.metadata[TOKEN_VERSIONS] = list(have) + ([int(v) for v in versions] if model else [have[-1]] * n)
+
+
+def restart(sample: Sample) -> int:
+    """Back to the prompt: the response, its per-token fields and turns dropped, the status PENDING; returns the
+    response tokens dropped (added to ``metadata["restarted_tokens"]``)."""
+    n = sample.response_length
+    sample.tokens = list(sample.tokens[:len(sample.tokens) - n])
+    sample.response, sample.response_length, sample.loss_mask, sample.rollout_log_probs = "", 0, None, None
+    sample.weight_versions, sample.status, sample.rollout_routed_experts = [], Status.PENDING, None
+    for key in ("turns", TOKEN_VERSIONS):
+        sample.metadata.pop(key, None)
+    sample.metadata[RESTARTED] = sample.metadata.get(RESTARTED, 0) + n
+    return n
 
 
 def turns(sample: Sample) -> list[dict[str, Any]]:

@@ -115,19 +115,23 @@ class ScriptedEngine:
         if self.delay:
             await asyncio.sleep(self.delay)
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        return {"text": text, "output_ids": ids, "meta_info": {
-            "output_token_logprobs": [[-0.1, t, None] for t in ids], "finish_reason": finish}}
+        meta = {"output_token_logprobs": [[-0.1, t, None] for t in ids], "finish_reason": finish}
+        if getattr(self, "version", None) is not None:
+            meta["weight_version"] = self.version
+        return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
-def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine_box=None, chat_template=None):
+def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine_box=None, chat_template=None,
+              sample=None, version=None):
     """Run ``agent(base_url, sample)`` through the openai_agent hook over a scripted engine (kept in
-    ``engine_box["engine"]`` when given)."""
+    ``engine_box["engine"]`` when given; reporting weight ``version`` when given)."""
     tok = build_tokenizer()
     if chat_template is not None:
         tok.chat_template = chat_template
 
     async def main():
         engine = ScriptedEngine(texts, delay)
+        engine.version = version
         if engine_box is not None:
             engine_box["engine"] = engine
         ep = await AgentEndpoint(engine, tok).start()
@@ -135,9 +139,9 @@ def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine
 
         mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep
         args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=max_turns), engine)
-        sample = Sample(index=4, prompt="1+2*3=", label="7", tokens=[5])
+        given = sample or Sample(index=4, prompt="1+2*3=", label="7", tokens=[5])
         try:
-            return await openai_agent(agent)(args, sample, sampling_params or {"temperature": 1.0,
+            return await openai_agent(agent)(args, given, sampling_params or {"temperature": 1.0,
                                                                                 "max_new_tokens": 500})
         finally:
             await ep.stop()
@@ -384,3 +388,31 @@ def test_a_template_that_rewrites_the_history_starts_a_new_segment_not_a_server_
     assert build_tokenizer().decode(second.tokens) == (
         "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n[earlier]<|im_end|>\n<|im_start|>user\nb<|im_end|>\n"
         "<|im_start|>assistant\ny<|im_end|>")
+
+
+def test_a_sample_carried_aborted_is_run_again_from_its_prompt_with_each_tokens_version():
+    """--partial-rollout hands the hook a sample aborted mid-trajectory (its tokens so far, older versions): the
+    agent runs again from the start, the old tokens are dropped and counted, and each model token has the version
+    of the call that generated it; an agent that then makes no call leaves the prompt alone."""
+    from slime_lite.types import TOKEN_VERSIONS
+
+    def carried():
+        s = Sample(index=4, prompt="1+2*3=", label="7", tokens=[5, 9, 9, 9], response="xxx", response_length=3,
+                   loss_mask=[1, 1, 1], rollout_log_probs=[-0.1] * 3, weight_versions=["0"], status=Status.ABORTED)
+        s.metadata[TOKEN_VERSIONS] = [0, 0, 0]
+        return s
+
+    async def one_call(base_url, task):
+        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+
+    sample = run_agent(["x<|im_end|>"], one_call, sample=carried(), version="2")
+    tok = build_tokenizer()
+    assert tok.decode(sample.tokens).startswith("<|im_start|>user\na") and 9 not in sample.tokens
+    assert sample.metadata["restarted_tokens"] == 3 and sample.status == Status.COMPLETED
+    assert sample.metadata[TOKEN_VERSIONS] == [2] * sample.response_length and sample.weight_versions == ["2"]
+
+    async def no_call(base_url, task):
+        return None
+
+    sample = run_agent([], no_call, sample=carried())
+    assert sample.tokens == [5] and sample.response_length == 0 and TOKEN_VERSIONS not in sample.metadata

@@ -13,10 +13,11 @@ import pytest
 from slime_lite.hooks import HookArgs
 from slime_lite.rollout import calc_task
 from slime_lite.rollout.tool_calls import format_tool_call, inserted_text, parse_tool_calls
+from slime_lite.rollout.turns import append_turn
 from slime_lite import tiny_model
 from slime_lite.tiny_model import _encode_examples, make_tiny_model
 from slime_lite.tokenizer import build_tokenizer, save_tokenizer
-from slime_lite.types import Status
+from slime_lite.types import TOKEN_VERSIONS, Status
 
 TOK = build_tokenizer()
 END = calc_task.END_OF_TURN
@@ -98,7 +99,8 @@ def tok_dir(tmp_path_factory):
     return str(out)
 
 
-def run_hook(tok_dir, turns, prompt="12+34*5=", max_new_tokens=300, finish="stop"):
+def run_hook(tok_dir, turns, prompt="12+34*5=", max_new_tokens=300, finish="stop", carried=0):
+    """``carried``: the sample comes as --partial-rollout carries one aborted, with that many response tokens."""
     engine = FakeEngine(turns, finish)
     args = HookArgs(SimpleNamespace(hf_checkpoint=tok_dir, max_turns=5, max_inserted_tokens_per_turn=256,
                                     rollout_max_context_len=4096, tool_call_timeout=5.0), engine)
@@ -107,6 +109,9 @@ def run_hook(tok_dir, turns, prompt="12+34*5=", max_new_tokens=300, finish="stop
 
     prompt_ids = TOK(text, add_special_tokens=False)["input_ids"]
     sample = Sample(index=0, prompt=prompt, label=calc_task.solve(prompt)[1], tokens=list(prompt_ids))
+    if carried:
+        append_turn(sample, [9] * carried, [-0.1] * carried, versions=[1] * carried)
+        sample.status = Sample.Status.ABORTED
     params = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "sampling_seed": 11}
     sample = asyncio.run(calc_task.generate(args, sample, params))
     return sample, engine, prompt_ids
@@ -137,6 +142,17 @@ def test_hook_builds_the_conversation_from_engine_tokens_with_tool_turns_masked(
         assert req["sampling_params"]["stop_token_ids"] == [TOK.convert_tokens_to_ids(END)]
     assert len({r["sampling_params"]["sampling_seed"] for r in engine.requests}) == 3
     assert sample.weight_versions == ["3", "3", "3"] and sample.prefix_cache_info.cached_tokens == 15
+    assert sample.metadata[TOKEN_VERSIONS] == [3] * n  # each token the version of the turn that wrote it
+
+
+def test_hook_runs_a_sample_carried_aborted_again_from_its_prompt(tok_dir):
+    """--partial-rollout hands the hook a sample aborted mid-trajectory: the hook cannot resume the conversation, so
+    it generates the sample again from its prompt, and the dropped tokens are counted."""
+    sample, engine, prompt_ids = run_hook(tok_dir, ["9" + END], carried=5)
+    assert engine.requests[0]["input_ids"] == prompt_ids and sample.tokens[:len(prompt_ids)] == prompt_ids
+    assert sample.response_length == len(sample.tokens) - len(prompt_ids) and 9 not in sample.tokens[len(prompt_ids):]
+    assert sample.metadata["restarted_tokens"] == 5 and sample.status == Status.COMPLETED
+    assert [t["source"] for t in sample.metadata["turns"]] == ["model"]
 
 
 def test_hook_wrong_answer_malformed_call_and_errors(tok_dir):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from slime_lite.args import parser_defaults
+from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout.data import Prompt, PromptSource
 from slime_lite.rollout.generate import Generator
 from slime_lite.tokenizer import load_tokenizer
@@ -30,10 +31,10 @@ def token_logprob(token: int) -> float:
 
 
 class FakeEngine:
-    """FAKE engine client: SGLang's /generate shape (a list of prompts in, one result each), one token per STEP_S
-    per request, the next token a function of the last one (so a continued request goes on exactly as an
-    uninterrupted one), a response ends ("stop") once it has ``lengths[first input id]`` tokens counted from the
-    prompt, ``max_new_tokens`` ends it with "length". /abort_request {"abort_all": true} ends every request in
+    """FAKE engine client: SGLang's /generate shape (one prompt, or a list of prompts with one result each), one
+    token per STEP_S per request, the next token a function of the last one (so a continued request goes on exactly
+    as an uninterrupted one), a response ends ("stop") once it has ``lengths[first input id]`` tokens counted from
+    the prompt, ``max_new_tokens`` ends it with "length". /abort_request {"abort_all": true} ends every request in
     flight with "abort" and what it generated; a request arriving later runs normally, as on a real engine. Every
     request is logged: (input ids, tokens generated, version)."""
 
@@ -74,8 +75,10 @@ class FakeEngine:
                               "output_token_logprobs": [[token_logprob(t), t, None] for t in out],
                               "prompt_tokens": len(ids), "cached_tokens": 0}}
 
-    async def generate(self, body: dict) -> list[dict]:
+    async def generate(self, body: dict) -> list[dict] | dict:
         params = body["sampling_params"]
+        if isinstance(params, dict):  # one prompt (a generate hook's request)
+            return await self._one(body["input_ids"], params)
         return list(await asyncio.gather(*(self._one(ids, p) for ids, p in zip(body["input_ids"], params))))
 
     async def post(self, url: str, route: str, body: dict) -> None:
@@ -226,8 +229,6 @@ def test_groups_the_filter_drops_are_replaced_by_more_prompts(tokenizer, tiny_mo
 
 
 def test_a_filter_that_keeps_nothing_stops_the_rollout_naming_it(tokenizer, tiny_model_dir) -> None:
-    from slime_lite.errors import SlimeLiteError
-
     gen, source, _ = make(tokenizer, tiny_model_dir, "s" * 8,  # the fake's samples agree: zero reward std
                           dynamic_sampling_filter_path="slime_lite.rollout.filters.check_reward_nonzero_std")
     with pytest.raises(SlimeLiteError, match=r"rollout 0: only 0 of --rollout-batch-size 2 groups finished after "
@@ -280,3 +281,49 @@ def test_off_policy_lag_counts_only_the_requests_of_the_rollout(tokenizer, tiny_
     record: dict[str, float] = {}
     record_lag(SimpleNamespace(overlap=True), samples, 2, record)  # --async: trainer at 2, engines served 1
     assert record["rollout/off_policy_lag"] == 1.0
+
+
+HOOKS = '''
+from slime_lite.rollout.generate import default_generate
+from slime_lite.rollout.turns import restart
+from slime_lite.types import Status
+
+
+async def again(args, sample, sampling_params):  # as the multi-turn hooks: a carried sample from its prompt
+    if sample.status is Status.ABORTED:
+        restart(sample)
+    return await default_generate(args, sample, sampling_params)
+
+
+async def ignores(args, sample, sampling_params):  # a hook that does not know carried samples
+    if sample.status is Status.ABORTED:
+        return sample
+    return await default_generate(args, sample, sampling_params)
+'''
+
+
+def test_a_hook_that_restarts_carried_samples_counts_their_tokens_wasted_and_one_that_ignores_them_is_named(
+        tokenizer, tiny_model_dir, tmp_path, monkeypatch) -> None:
+    (tmp_path / "carry_hooks.py").write_text(HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssllxxxx", partial_rollout=True,
+                               custom_generate_function_path="carry_hooks.again")
+    rollout(gen, source, 0)
+    carried = [s for g in gen.over.carried for s in g]
+    dropped = sum(s.response_length for s in carried)
+    assert len(carried) == 4 and dropped > 0
+    samples, stats = rollout(gen, source, 1)
+    again = [s for s in samples if s.metadata["prompt_index"] in (2, 3)]
+    assert len(again) == 4 and all(s.response_length == LONG and s.metadata["restarted_tokens"] for s in again)
+    for s in again:  # generated from the prompt: the response an uninterrupted request gives
+        prompt = tokenizer(s.metadata["prompt_text"], add_special_tokens=False)["input_ids"]
+        assert s.tokens == prompt + expected_response(prompt, LONG)
+    assert stats["rollout/over_sampling/tokens_wasted"] == float(dropped)
+    assert stats["rollout/partial/samples_carried"] == 0.0 and stats["rollout/partial/tokens_carried"] == 0.0
+
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssllssss", partial_rollout=True,
+                               custom_generate_function_path="carry_hooks.ignores")
+    rollout(gen, source, 0)
+    with pytest.raises(SlimeLiteError, match=r"carry_hooks.ignores returned sample \d+, which --partial-rollout "
+                                             r"carried aborted, still aborted and unchanged.*restart\(sample\)"):
+        rollout(gen, source, 1)
