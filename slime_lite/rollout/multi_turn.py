@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -132,14 +133,19 @@ def insert_turn(sample: Sample, tokenizer: Any, text: str, limits: TurnLimits, s
 
 
 async def call_tool(sample: Sample, fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
-    """Run ``fn(*args)`` (plain or async; a plain one in a thread) under ``timeout`` seconds. Counts
-    ``metadata["tool_calls"]`` and ``metadata["tool_errors"]``; a raise or a timeout is a ToolError naming it."""
+    """Run ``fn(*args)`` (plain or async; a plain one in a thread; what it returns awaited when awaitable: a lambda
+    around an async call) under ``timeout`` seconds. Counts ``metadata["tool_calls"]`` and
+    ``metadata["tool_errors"]``; a raise or a timeout is a ToolError naming it."""
     sample.metadata["tool_calls"] = sample.metadata.get("tool_calls", 0) + 1
-    name = getattr(fn, "__name__", "tool")
+    name = getattr(fn, "__name__", type(fn).__name__)
+
+    async def run() -> Any:
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        out = fn(*args) if is_async else await asyncio.to_thread(fn, *args)
+        return await out if inspect.isawaitable(out) else out
+
     try:
-        if asyncio.iscoroutinefunction(fn):
-            return await asyncio.wait_for(fn(*args), timeout)
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+        return await asyncio.wait_for(run(), timeout)
     except asyncio.TimeoutError:
         reason = f"tool {name} did not return within --tool-call-timeout {timeout:g} s"
     except Exception as exc:  # noqa: BLE001 - any tool failure ends this sample, not the run

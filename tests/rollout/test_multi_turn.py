@@ -150,3 +150,41 @@ def test_a_turn_at_the_models_context_ends_the_sample_truncated_not_refused(tiny
     sample = asyncio.run(main())
     assert sample.status == Status.TRUNCATED and sample.metadata["truncated_by"] == "--rollout-max-context-len"
     assert len(sample.tokens) == 511
+
+
+def test_call_tool_awaits_every_kind_of_async_tool_and_names_a_failure():
+    """Plain, async, a lambda around an async call, an object with an async __call__: each returns its value (not a
+    coroutine); a raise and a hang past the timeout are ToolErrors naming the tool, counted."""
+    import asyncio
+
+    from slime_lite.rollout import multi_turn as mt
+    from slime_lite.types import Sample
+
+    async def add(x):
+        return x + 1
+
+    class Tool:
+        async def __call__(self, x):
+            return x + 2
+
+    async def hangs(x):
+        await asyncio.sleep(5)
+
+    def raises(x):
+        raise ValueError("no")
+
+    async def main():
+        s = Sample(index=0)
+        got = [await mt.call_tool(s, fn, 1, timeout=2.0) for fn in (lambda x: x * 10, add, lambda x: add(x), Tool())]
+        errors = []
+        for fn in (hangs, raises):
+            try:
+                await mt.call_tool(s, fn, 1, timeout=0.2)
+            except mt.ToolError as exc:
+                errors.append(str(exc))
+        return s, got, errors
+
+    s, got, errors = asyncio.run(main())
+    assert got == [10, 2, 2, 3]
+    assert errors == ["tool hangs did not return within --tool-call-timeout 0.2 s", "tool raises raised ValueError: no"]
+    assert s.metadata["tool_calls"] == 6 and s.metadata["tool_errors"] == 2
