@@ -32,7 +32,9 @@ own.
 
 Use: ``generate = openai_agent(run)`` in the agent's module, where ``async def run(base_url, sample)`` is the agent
 (``sample.prompt``, ``sample.label``, ``sample.metadata`` are the task), and pass
-``--custom-generate-function-path module.generate``.
+``--custom-generate-function-path module.generate``. ``openai_agent(run, timeout=S)``: an agent still running after
+S seconds (stuck on its own I/O, or retrying a refused call forever) is cancelled and its sample ends FAILED, what it
+recorded kept; without it an agent may run as long as it likes.
 """
 
 from __future__ import annotations
@@ -435,7 +437,7 @@ async def endpoint_for(args: Any) -> AgentEndpoint:
 Agent = Callable[[str, Sample], Awaitable[Any]]
 
 
-def openai_agent(run: Agent) -> Callable[..., Awaitable[Sample | list[Sample]]]:
+def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awaitable[Sample | list[Sample]]]:
     """A ``--custom-generate-function-path`` hook that runs ``run(base_url, sample)`` against a fresh trajectory
     and returns the sample built from its records (a list when the agent rewrote its history)."""
 
@@ -445,11 +447,18 @@ def openai_agent(run: Agent) -> Callable[..., Awaitable[Sample | list[Sample]]]:
         ep = await endpoint_for(args)
         traj = ep.open(sampling_params, args.max_turns)
         error = None
+        agent = asyncio.ensure_future(run(traj.base_url, sample))
         try:
-            await run(traj.base_url, sample)
-        except Exception as exc:  # the agent's failure ends this sample, not the rollout
-            error = f"{type(exc).__name__}: {exc}"
+            done, _ = await asyncio.wait({agent}, timeout=timeout)
+            if not done:
+                agent.cancel()
+                await asyncio.gather(agent, return_exceptions=True)
+                error = f"the agent did not finish within its {timeout:g} s (openai_agent's timeout)"
+            elif agent.exception() is not None:  # the agent's failure ends this sample, not the rollout
+                error = f"{type(agent.exception()).__name__}: {agent.exception()}"
         finally:
+            if not agent.done():  # the hook itself was cancelled
+                agent.cancel()
             ep.close(traj)
         out = traj.samples(sample)
         if error is not None and not traj.truncated and not traj.aborted:

@@ -122,7 +122,7 @@ class ScriptedEngine:
 
 
 def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine_box=None, chat_template=None,
-              sample=None, version=None):
+              sample=None, version=None, timeout=None):
     """Run ``agent(base_url, sample)`` through the openai_agent hook over a scripted engine (kept in
     ``engine_box["engine"]`` when given; reporting weight ``version`` when given)."""
     tok = build_tokenizer()
@@ -141,7 +141,7 @@ def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine
         args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=max_turns), engine)
         given = sample or Sample(index=4, prompt="1+2*3=", label="7", tokens=[5])
         try:
-            return await openai_agent(agent)(args, given, sampling_params or {"temperature": 1.0,
+            return await openai_agent(agent, timeout)(args, given, sampling_params or {"temperature": 1.0,
                                                                                 "max_new_tokens": 500})
         finally:
             await ep.stop()
@@ -416,3 +416,13 @@ def test_a_sample_carried_aborted_is_run_again_from_its_prompt_with_each_tokens_
 
     sample = run_agent([], no_call, sample=carried())
     assert sample.tokens == [5] and sample.response_length == 0 and TOKEN_VERSIONS not in sample.metadata
+
+
+def test_an_agent_past_its_timeout_is_cancelled_and_its_sample_fails_keeping_what_it_recorded():
+    async def stuck(base_url, task):
+        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        await asyncio.sleep(30)  # its own I/O, never answering
+
+    sample = run_agent(["x<|im_end|>"], stuck, timeout=0.5)
+    assert sample.status == Status.FAILED and sample.metadata["agent_calls"] == 1 and sample.response_length > 0
+    assert sample.metadata["agent_error"] == "the agent did not finish within its 0.5 s (openai_agent's timeout)"
