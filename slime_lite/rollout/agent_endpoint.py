@@ -53,6 +53,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from slime_lite.errors import EngineError, SlimeLiteError
+from slime_lite.rollout.multi_turn import context_bound
 from slime_lite.rollout.tool_calls import inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import append_turn, restart
 from slime_lite.tokenizer import load_tokenizer
@@ -152,8 +153,8 @@ class Trajectory:
     """The calls of one agent run and the budget they share."""
 
     def __init__(self, endpoint: "AgentEndpoint", key: str, sampling_params: dict[str, Any],
-                 max_turns: int | None = None) -> None:
-        self.endpoint, self.key, self.max_turns = endpoint, key, max_turns
+                 max_turns: int | None = None, context: int | None = None) -> None:
+        self.endpoint, self.key, self.max_turns, self.context = endpoint, key, max_turns, context
         self.sampling_params = dict(sampling_params)
         self.budget = int(sampling_params.get("max_new_tokens") or 0) or None
         self.calls: list[Call] = []
@@ -233,6 +234,12 @@ class Trajectory:
             params["max_new_tokens"] = left
         if asked is not None:
             params["max_new_tokens"] = min(asked, params.get("max_new_tokens") or asked)
+        if self.context is not None:  # the conversation's tokens, as multi_turn bounds a sample's
+            room = self.context - len(prompt_ids)
+            if room <= 0:
+                self.truncated = True
+                raise BudgetExhausted(f"the conversation fills its {self.context} tokens (--rollout-max-context-len)")
+            params["max_new_tokens"] = min(params.get("max_new_tokens") or room, room)
         if params.get("sampling_seed") is not None:
             params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * self.sent
         request = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True}
@@ -370,9 +377,10 @@ class AgentEndpoint:
             await self._runner.cleanup()
             self._runner = None
 
-    def open(self, sampling_params: dict[str, Any], max_turns: int | None = None) -> Trajectory:
+    def open(self, sampling_params: dict[str, Any], max_turns: int | None = None,
+             context: int | None = None) -> Trajectory:
         key = f"{next(self._keys)}-{uuid.uuid4().hex[:8]}"
-        traj = self.trajectories[key] = Trajectory(self, key, sampling_params, max_turns)
+        traj = self.trajectories[key] = Trajectory(self, key, sampling_params, max_turns, context)
         return traj
 
     def close(self, traj: Trajectory) -> None:
@@ -445,7 +453,7 @@ def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awai
         if sample.status is Status.ABORTED:  # carried by --partial-rollout: the agent runs again from the start
             restart(sample)
         ep = await endpoint_for(args)
-        traj = ep.open(sampling_params, args.max_turns)
+        traj = ep.open(sampling_params, args.max_turns, context_bound(args))
         error = None
         agent = asyncio.ensure_future(run(traj.base_url, sample))
         try:

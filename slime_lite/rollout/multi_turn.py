@@ -49,17 +49,21 @@ class TurnLimits:
 
     @classmethod
     def from_args(cls, args: Any) -> "TurnLimits":
-        """``--rollout-max-context-len``, and below the model's context: the engine (as SGLang) refuses a request
-        whose input + max_new_tokens reach ``max_position_embeddings``, so a sample holds one token less."""
-        try:
-            model = _model_context(args.hf_checkpoint)
-        except OSError:
-            if args.rollout_max_context_len is None:
-                raise
-            model = None
-        bounds = [b for b in (args.rollout_max_context_len, None if model is None else model - 1) if b is not None]
-        return cls(args.max_turns, args.max_inserted_tokens_per_turn, min(bounds) if bounds else None,
-                   args.tool_call_timeout)
+        return cls(args.max_turns, args.max_inserted_tokens_per_turn, context_bound(args), args.tool_call_timeout)
+
+
+def context_bound(args: Any) -> int | None:
+    """Tokens a multi-turn sample may hold, prompt included: ``--rollout-max-context-len``, and below the model's
+    context: the engine (as SGLang) refuses a request whose input + max_new_tokens reach
+    ``max_position_embeddings``, so a sample holds one token less."""
+    try:
+        model = _model_context(args.hf_checkpoint)
+    except OSError:
+        if args.rollout_max_context_len is None:
+            raise
+        model = None
+    bounds = [b for b in (args.rollout_max_context_len, None if model is None else model - 1) if b is not None]
+    return min(bounds) if bounds else None
 
 
 def model_turns(sample: Sample) -> int:

@@ -122,7 +122,7 @@ class ScriptedEngine:
 
 
 def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine_box=None, chat_template=None,
-              sample=None, version=None, timeout=None):
+              sample=None, version=None, timeout=None, context=4096):
     """Run ``agent(base_url, sample)`` through the openai_agent hook over a scripted engine (kept in
     ``engine_box["engine"]`` when given; reporting weight ``version`` when given)."""
     tok = build_tokenizer()
@@ -138,7 +138,8 @@ def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine
         import slime_lite.rollout.agent_endpoint as mod
 
         mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep
-        args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=max_turns), engine)
+        args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=max_turns,
+                                        rollout_max_context_len=context), engine)
         given = sample or Sample(index=4, prompt="1+2*3=", label="7", tokens=[5])
         try:
             return await openai_agent(agent, timeout)(args, given, sampling_params or {"temperature": 1.0,
@@ -426,3 +427,27 @@ def test_an_agent_past_its_timeout_is_cancelled_and_its_sample_fails_keeping_wha
     sample = run_agent(["x<|im_end|>"], stuck, timeout=0.5)
     assert sample.status == Status.FAILED and sample.metadata["agent_calls"] == 1 and sample.response_length > 0
     assert sample.metadata["agent_error"] == "the agent did not finish within its 0.5 s (openai_agent's timeout)"
+
+
+def test_the_context_bound_caps_each_call_and_a_full_conversation_ends_truncated():
+    """--rollout-max-context-len (at most the model's context - 1) bounds the conversation as multi_turn bounds a
+    sample: each call may generate only up to it, and a call whose prompt fills it is a 400, the sample TRUNCATED."""
+    answers = []
+
+    async def chatty(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "a"}]
+        for _ in range(3):
+            try:
+                reply = await client.chat.completions.create(model="m", messages=messages)
+            except openai.BadRequestError as exc:
+                answers.append(exc.message)
+                return
+            messages += [reply.choices[0].message, {"role": "user", "content": "more " * 10}]
+
+    box = {}
+    sample = run_agent(["x<|im_end|>", "y<|im_end|>"], chatty, engine_box=box, context=40)
+    first = box["engine"].seen[0]
+    assert first["sampling_params"]["max_new_tokens"] == 40 - len(first["input_ids"])
+    assert len(box["engine"].seen) < 3 and sample.status == Status.TRUNCATED
+    assert "fills its 40 tokens (--rollout-max-context-len)" in answers[0]
