@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from slime_lite.checks.grad_norm import GradNormCI
-from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, CiConfig
+from slime_lite.config import LOGPROB_DIFF_BY_DTYPE, CiConfig, has_reference_model
 from slime_lite.engine_client import request_json
 from slime_lite.errors import SlimeLiteError
 
@@ -102,15 +102,16 @@ _check = make_check
 
 
 def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_id: int | None = None,
-                   expected_version: int | None = None, engines: bool = True) -> list[Check]:
+                   expected_version: int | None = None, engines: bool = True, step1_kl: bool = True) -> list[Check]:
     """Checks for one iteration's metrics record; ``first`` marks the run's first trained rollout. With
     ``rollout_id`` the engine's weight version is checked too (the doctor checks it over the whole run instead):
     it must be ``expected_version`` (default rollout_id; --async: rollout_id - 1 after the first rollout). A rollout
     generated with older weights than the trainer's (off-policy) skips the train/rollout log-prob check. A replay
-    (``engines`` False) has no engine to check: the version is the dump's."""
+    (``engines`` False) has no engine to check: the version is the dump's. ``step1_kl`` False: the policy does not
+    start at the reference's weights (``policy_off_reference``), so the step-1 KL is not expected to be zero."""
     checks: list[Check] = []
     expected = rollout_id if expected_version is None else expected_version
-    if first and "rollout/log_probs_ref_max_abs_diff" in record:
+    if first and step1_kl and "rollout/log_probs_ref_max_abs_diff" in record:
         diff = record["rollout/log_probs_ref_max_abs_diff"]
         checks.append(_check("step1_kl_zero", diff, "== 0 (log_probs == ref_log_probs)", diff == 0.0))
     if first and "rollout/log_probs" in record:
@@ -202,12 +203,26 @@ ADVISORY = {"step1_log_probs_small"}  # a heuristic, not enforced by --ci-test (
 
 
 def enforce(cfg: CiConfig, record: dict[str, Any], rollout_id: int, first: bool,
-            expected_version: int | None = None, engines: bool = True) -> list[Check]:
-    checks = rollout_checks(cfg, record, first, rollout_id, expected_version, engines)
+            expected_version: int | None = None, engines: bool = True, step1_kl: bool = True) -> list[Check]:
+    checks = rollout_checks(cfg, record, first, rollout_id, expected_version, engines, step1_kl)
     for check in checks:
         if not check.passed and check.name not in ADVISORY:
             raise CiCheckFailed(check, rollout_id)
     return checks
+
+
+def policy_off_reference(args: Any, start_rollout_id: int) -> str | None:
+    """Why the run's first rollout is scored with other weights than the reference's (its step-1 KL is then not
+    zero by design), or None when the policy starts at the reference: a run resumed from a --load checkpoint (the
+    checkpoint's trained weights; the reference is --ref-load / --hf-checkpoint), or --lora-adapter-path (trained
+    adapters; the reference is the base without them)."""
+    if start_rollout_id > 0:
+        return (f"resumed at rollout {start_rollout_id} from a --load checkpoint: the policy's weights are trained, "
+                "the reference's are the start weights")
+    if getattr(args, "lora_adapter_path", None):
+        return ("--lora-adapter-path: the policy starts with trained adapters, the reference is the base model "
+                "without them")
+    return None
 
 
 def iteration2_check(rollouts_done: int) -> Check:
@@ -246,13 +261,14 @@ class LogprobDiffWatch:
         value = record.get("train/train_rollout_logprob_abs_diff")
         if value is None or not self.factor:
             return
-        if self.best is not None and value > self.factor * max(self.best, 1e-7):
+        if self.best is not None and not value <= self.factor * max(self.best, 1e-7):  # a NaN warns too
             log.warning(
                 "train_rollout_logprob_abs_diff jumped to %.3g (lowest so far %.3g) with engine weight version %s: "
                 "check the last weight push (--check-weight-update-equal) and the engine's precision",
                 value, self.best, record.get("rollout/weight_version", "?"),
             )
-        self.best = value if self.best is None else min(self.best, value)
+        if math.isfinite(value):  # a NaN is no "lowest so far": min() would keep it and silence every later jump
+            self.best = value if self.best is None else min(self.best, value)
 
 
 class RunChecks:
@@ -262,7 +278,8 @@ class RunChecks:
     --ci-test's iteration-2 check. A run without a trainer (--debug-rollout-only) checks nothing. A replay
     (--load-debug-rollout-data) has no engine: a rollout counts as on-policy when its dump was generated with the
     weights the trainer has at that rollout (the dump's weight version; "default", the checkpoint's own weights, is
-    version 0), and the served-version check is left out."""
+    version 0), and the served-version check is left out. A run whose policy does not start at the reference
+    (resumed from a checkpoint, --lora-adapter-path: ``policy_off_reference``) is not held to a zero step-1 KL."""
 
     def __init__(self, args: Any, urls: list[str], start_rollout_id: int, trains: bool) -> None:
         self.ci = with_engine_dtype(CiConfig.from_args(args), urls)  # the log-prob bound follows the engines
@@ -270,6 +287,9 @@ class RunChecks:
         self.trains = trains
         self.replay = bool(args.load_debug_rollout_data)
         self.start = start_rollout_id
+        self.off_reference = policy_off_reference(args, start_rollout_id)  # the step-1 KL is then not zero
+        if self.enforce and self.off_reference and has_reference_model(args):
+            log.info("--ci-test: step1_kl_zero is not checked (%s)", self.off_reference)
         self.watch = LogprobDiffWatch(self.ci.logprob_diff_jump_factor)
         self.grad = GradNormCI.from_args(args, start_rollout_id)
         self.done = 0
@@ -286,7 +306,7 @@ class RunChecks:
             self.watch.update(record)  # off-policy rollouts (--async, --fully-async, replays) differ from the trainer
         if self.enforce:
             enforce(self.ci, record, rollout_id, first=rollout_id == self.start, expected_version=expected_version,
-                    engines=not self.replay)
+                    engines=not self.replay, step1_kl=self.off_reference is None)
         if self.grad is not None:
             for role, norms in grad_norms.items():
                 self.grad.update(role, rollout_id, norms)

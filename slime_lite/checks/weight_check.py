@@ -8,11 +8,15 @@ import logging
 
 import torch
 
-from slime_lite.engine_client import sent_to_all
-from slime_lite.errors import SlimeLiteError
+from slime_lite.engine_client import SentRequest, sent_to_all
+from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.weight_checksum import tensor_checksums
 
 log = logging.getLogger(__name__)
+
+
+class WeightCheckUnavailable(SlimeLiteError):
+    """An engine without ``/get_weights_checksum`` (not the embedded engine): its weights cannot be compared."""
 
 
 def _hash_device() -> torch.device | None:
@@ -26,6 +30,20 @@ def _digests(named: dict[str, torch.Tensor], device: torch.device | None, dtype:
     return tensor_checksums(list(named.values()), dtype=dtype, device=device)
 
 
+def _checksums(request: SentRequest) -> dict[str, str]:
+    """The engine's ``/get_weights_checksum`` answer; WeightCheckUnavailable for an engine without the route."""
+    try:
+        return request.result()
+    except EngineError as exc:
+        if "answered HTTP 404" not in str(exc):
+            raise
+        raise WeightCheckUnavailable(
+            f"--check-weight-update-equal: engine {request.url} has no /get_weights_checksum: it is not slime-lite's "
+            "embedded engine (a real SGLang server's /weights_checker hashes its own fused, TP-sharded tensors under "
+            "its own names, which cannot be compared with the trainer's HF-named weights). The weight check needs "
+            "--rollout-backend embedded; with --rollout-backend sglang drop --check-weight-update-equal.") from None
+
+
 def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None:
     """Every parameter the engines hold equals the trainer's: ``weight_checksum.tensor_checksums`` of the bytes on
     both sides, the trainer's computed while the engines compute theirs. A tensor that matches only after a cast to
@@ -33,7 +51,7 @@ def check_weights_equal(named: dict[str, torch.Tensor], urls: list[str]) -> None
     alias = {"lm_head.weight": "model.embed_tokens.weight"}  # tied embeddings: the engine lists both names
     with sent_to_all(urls, "/get_weights_checksum", {}, 300) as sent:
         ours = dict(zip(named, _digests(named, _hash_device())))
-        engines = [request.result() for request in sent]
+        engines = [_checksums(request) for request in sent]
     for url, engine in zip(urls, engines):
         source = {n: n if n in named else alias.get(n) for n in engine}  # engine name -> the trainer's name
         missing = sorted(n for n, s in source.items() if s not in named)

@@ -1,11 +1,12 @@
 """``slime-lite doctor [train flags] [--out DIR]``: the seed's step-1 / step-2 checklist on a short run, as a table.
 
 The doctor runs ``slime-lite train`` as a subprocess for 2 iterations (one optimizer step per rollout, a small
-batch unless given, ``--check-weight-update-equal --debug-scramble-engine-weights``, metrics and
-``--dump-details`` into DIR), without ``--ci-test`` so that every check is measured. A failed weight check stops
-that run; the doctor records it and runs once more without the weight check to measure the rest. It then prints
-check / value / threshold / pass / likely cause, writes DIR/doctor.json, and exits 1 when a check fails. When the
-train/rollout log-probs disagree it localises the first mismatching sample layer by layer (``localize.py``).
+batch unless given, ``--check-weight-update-equal --debug-scramble-engine-weights`` (no scramble under
+``--lora-rank``, which refuses it), metrics and ``--dump-details`` into DIR), without ``--ci-test`` so that every
+check is measured. A failed weight check stops that run; the doctor records it and runs once more without the
+weight check to measure the rest. It then prints check / value / threshold / pass / likely cause, writes
+DIR/doctor.json, and exits 1 when a check fails. When the train/rollout log-probs disagree it localises the first
+mismatching sample layer by layer (``localize.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from rich.table import Table
 
 from slime_lite import rl_math
 from slime_lite.args import parse_args
-from slime_lite.checks.ci import Check, cuda_available, dtype_name, logprob_diff_threshold, rollout_checks
+from slime_lite.checks.ci import (
+    Check,
+    cuda_available,
+    dtype_name,
+    logprob_diff_threshold,
+    policy_off_reference,
+    rollout_checks,
+)
 from slime_lite.checks.ci import make_check as _c
 from slime_lite.config import CiConfig
 from slime_lite.debug import make_console
@@ -55,7 +63,8 @@ log = logging.getLogger("slime_lite.doctor")
 
 FORCED = {"--num-rollout": "2", "--num-steps-per-rollout": "1"}
 SMALL_BATCH = {"--rollout-batch-size": "4", "--n-samples-per-prompt": "4"}
-WEIGHT_FLAGS = ["--check-weight-update-equal", "--debug-scramble-engine-weights"]
+SCRAMBLE = "--debug-scramble-engine-weights"
+WEIGHT_FLAGS = ["--check-weight-update-equal", SCRAMBLE]
 # set by the doctor itself, or not wanted in a short diagnostic run (checkpoints, resume, eval, loggers)
 DROPPED = ("--ci-test", "--metrics-path", "--dump-details", "--save-debug-rollout-data", "--global-batch-size",
            "--save", "--save-interval", "--load", "--eval-interval", "--use-wandb", "--use-tensorboard",
@@ -118,7 +127,11 @@ def train_argv(user_argv: list[str], out: str, weight_check: bool = True) -> lis
     argv += ["--metrics-path", os.path.join(out, "metrics.jsonl"), "--dump-details", out]
     if not given(argv, "--get-mismatch-metrics"):
         argv.append("--get-mismatch-metrics")  # the table's mismatch rows, the worst tokens of a log-prob failure
-    return argv + (WEIGHT_FLAGS if weight_check else [])
+    if not weight_check:
+        return argv
+    # --lora-rank refuses the scramble (an adapter-only push never restores the scrambled base weights): the
+    # equality check alone (the first push's adapters are zero; a skipped later push still differs)
+    return argv + [f for f in WEIGHT_FLAGS if not (given(argv, "--lora-rank") and f == SCRAMBLE)]
 
 
 def _clean(out: str) -> None:
@@ -295,6 +308,14 @@ def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str
     return {"rollout_id": rollout_id, "sample_index": samples[i].index, **loc.as_dict()}
 
 
+def first_iteration_checks(args: Any, ci: CiConfig, first: dict[str, Any]) -> list[Check]:
+    """checks/ci.py's checks of the first rollout's record, but the NLL heuristic (the doctor's on_task_nll rows
+    replace it); the step-1 KL only where the policy starts at the reference (``policy_off_reference``: the doctor
+    drops --load, so --lora-adapter-path)."""
+    checks = rollout_checks(ci, first, first=True, step1_kl=policy_off_reference(args, 0) is None)
+    return [c for c in checks if c.name != "step1_log_probs_small"]
+
+
 def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool = True,
              localize: bool = True, nll_threshold: float = 1.5) -> dict[str, Any]:
     """Run the short job(s) and every check; returns the doctor's report (also written to OUT/doctor.json)."""
@@ -314,7 +335,7 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
             checks.append(prompt_format_check(args, samples))
     first = measured.records.get(0, {})
     ci = CiConfig.from_args(args)
-    checks += [c for c in rollout_checks(ci, first, first=True) if c.name != "step1_log_probs_small"]
+    checks += first_iteration_checks(args, ci, first)
     checks += skipped_rows(args, {c.name for c in checks}, measured)
     if "train/train_rollout_logprob_abs_diff" not in first:
         bound, why = logprob_diff_threshold(ci)

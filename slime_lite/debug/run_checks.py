@@ -5,6 +5,7 @@ checks themselves are slime_lite/checks/ci.py's. No torch or Ray at import.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from slime_lite.checks.ci import (
     iteration2_check,
     logprob_diff_threshold,
     make_check,
+    policy_off_reference,
 )
 from slime_lite.config import CiConfig, has_reference_model
 
@@ -172,13 +174,19 @@ def iteration2(run: TrainRun, cfg: CiConfig) -> Check:
     first = run.records[min(run.records)].get("train/train_rollout_logprob_abs_diff")
     if passed:
         cause = ""
+    elif diff is not None and math.isnan(diff):
+        cause = (f"iteration 2's train/rollout log-prob diff is {diff}: the trainer's or the engine's log-probs are "
+                 "not finite (weights broken by the push or by the training step; see weights_equal_after_push)")
     elif diff is not None and diff >= bound and first is not None and first < bound:
         cause = (f"iteration 1 agreed ({first:.2e}) but iteration 2 does not: the engine did not reload the trained "
                  "weights (push skipped, or a parameter lost on the way); see weight_version_served")
     elif diff is not None and diff >= bound:
         cause = "rollout and train log-probs disagree from the first iteration on (see train_rollout_logprob_diff)"
-    else:
+    elif ppo_kl != 0.0:
         cause = f"first-step ppo_kl of iteration 2 is {ppo_kl:g}, not 0: {CAUSES['first_step_ppo_kl_zero']}"
+    else:
+        cause = ("iteration 2's train/rollout log-prob diff was not measured (no rollout log-probs: a generate hook "
+                 "that records none), so the reload of the trained weights is unchecked")
     return _check("iteration2_reload", diff, f"2nd iteration ran, log-prob diff < {bound:g}, ppo_kl == 0", passed,
                   cause)
 
@@ -246,13 +254,16 @@ FIRST_ITERATION_ROWS = (("step1_kl_zero", "== 0 (log_probs == ref_log_probs)"), 
 
 def skipped_rows(args: Any, present: set[str], run: TrainRun) -> list[Check]:
     """A row for each first-iteration check the run did not measure, saying why (so no row silently disappears):
-    step-1 KL needs a reference model, anything else a first iteration that finished."""
+    step-1 KL needs a reference model and a policy that starts at it, anything else a first iteration that
+    finished."""
     rows = []
     for name, threshold in FIRST_ITERATION_ROWS:
         if name in present:
             continue
         if name == "step1_kl_zero" and not has_reference_model(args):
             why = "skipped: no reference model in this run (add --use-kl-loss, --kl-coef or --ref-load to check it)"
+        elif name == "step1_kl_zero" and policy_off_reference(args, 0):
+            why = f"skipped: {policy_off_reference(args, 0)} (its KL is not zero at step 1)"
         else:
             why = f"not measured: {run.stopped if run.error else 'the first iteration did not report it'}"
         rows.append(Check(name, None, threshold, passed=why.startswith("skipped"), cause=why))

@@ -260,7 +260,9 @@ class Weights:
         starts = [0]
         for dt, shape in zip(dts, shapes):
             starts.append(starts[-1] + math.prod(shape) * dt.itemsize)
-        limit = 8 * sum(p.numel() for p in self._distinct[0])  # the whole model in float64
+        # the whole model in float64: every parameter once, the fused MoE experts included (``_distinct`` leaves
+        # them out: checksums reach them through their per-expert views)
+        limit = 8 * sum(p.numel() for p in self.model.parameters())
         if starts[-1] > limit:
             raise WeightError(f"shapes: {starts[-1]} bytes declared, more than the whole model holds even in float64 "
                               f"({limit}); nothing was received")

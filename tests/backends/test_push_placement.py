@@ -34,3 +34,32 @@ def test_push_copies_on_the_gpu_only_where_they_are_sent_from_it_and_fit(monkeyp
                            get_tensor_model_parallel_world_size=lambda: tp),
         model=torch.nn.Linear(1024, 1024, bias=False))  # 4 MB of float32
     assert TrainActor._push_on_device(actor) is expected
+
+
+@pytest.mark.parametrize("rollout_device, colocate, cuda, expected", [
+    ("cpu", False, True, "gloo"),  # a CPU engine cannot join NCCL: it would refuse and the trainer wait 300 s
+    ("auto", False, True, "nccl"),
+    ("auto", True, True, "gloo"),  # colocated engines share the trainer's GPU
+    ("auto", False, False, "gloo"),
+])
+def test_the_broadcast_group_is_gloo_where_an_engine_cannot_join_nccl(monkeypatch, rollout_device, colocate, cuda,
+                                                                       expected) -> None:
+    import contextlib
+
+    from slime_lite.backends.megatron import weight_push
+
+    chosen = []
+
+    def group(urls, backend):
+        chosen.append(backend)
+        raise RuntimeError("no group in this test")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(weight_push, "_group", group)
+    monkeypatch.setattr(weight_push, "weight_update_session", lambda urls: contextlib.nullcontext())
+    args = SimpleNamespace(update_weight_transport="distributed", update_weight_buffer_size=1 << 20,
+                           colocate=colocate, rollout_backend="embedded", fully_async=False,
+                           rollout_device=rollout_device)
+    with pytest.raises(RuntimeError, match="no group"):
+        weight_push._transport(args, {"w": torch.ones(2)}, ["http://engine"], 1)
+    assert chosen == [expected]

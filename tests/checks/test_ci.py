@@ -182,3 +182,49 @@ def test_the_engine_reported_dtype_replaces_auto():
         assert cc.with_engine_dtype(ci(), []).engine_dtype == "auto"
     finally:
         server.shutdown()
+
+
+# ------------------------------------------------------------------ the step-1 KL check needs policy == reference
+def test_step1_kl_is_not_enforced_where_the_policy_starts_away_from_the_reference():
+    """A run resumed from a --load checkpoint (trained weights against the untrained reference) or started with
+    --lora-adapter-path (trained adapters over the reference base) has KL > 0 at its first rollout by design: --ci-test
+    must not stop it there; a fresh run still fails at a non-zero step-1 KL."""
+    record = dict(HEALTHY, **{"rollout/log_probs_ref_max_abs_diff": 0.02, "rollout/weight_version": 3.0})
+    resumed = cc.RunChecks(make_args(ci_test=True, use_kl_loss=True), [], 3, trains=True)
+    resumed.after_rollout(3, record, {}, 3)  # no raise
+    adapters = cc.RunChecks(make_args(ci_test=True, use_kl_loss=True, lora_adapter_path="/adapters"), [], 0, True)
+    adapters.after_rollout(0, dict(record, **{"rollout/weight_version": 0.0}), {}, 0)  # no raise
+    fresh = cc.RunChecks(make_args(ci_test=True, use_kl_loss=True), [], 0, trains=True)
+    with pytest.raises(cc.CiCheckFailed, match="step1_kl_zero failed at rollout 0"):
+        fresh.after_rollout(0, dict(record, **{"rollout/weight_version": 0.0}), {}, 0)
+    assert cc.policy_off_reference(make_args(), 3).startswith("resumed at rollout 3")
+    assert "--lora-adapter-path" in cc.policy_off_reference(make_args(lora_adapter_path="/adapters"), 0)
+    assert cc.policy_off_reference(make_args(), 0) is None
+
+
+def test_iteration2_names_a_nan_or_missing_logprob_diff_not_the_ppo_kl():
+    """A NaN log-prob diff at iteration 2 (or none measured) fails naming that, not "ppo_kl is 0, not 0"."""
+    lp = "train/train_rollout_logprob_abs_diff"
+    nan = rc.iteration2(rc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: math.nan}}), ci())
+    assert not nan.passed and "not 0" not in nan.cause and "nan" in nan.cause and "iteration 2" in nan.cause
+    none = rc.iteration2(rc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {}}), ci())
+    assert not none.passed and "not 0" not in none.cause and "not measured" in none.cause
+    kl = rc.iteration2(rc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 1e-7,
+                                                                              "train/first_step/ppo_kl": 0.1}}), ci())
+    assert not kl.passed and "ppo_kl of iteration 2 is 0.1, not 0" in kl.cause
+
+
+def test_the_logprob_jump_warning_survives_a_nan_and_names_one(caplog):
+    """A NaN log-prob diff is not "the lowest so far": a later jump still warns, and a NaN after a finite value warns
+    too."""
+    lp = "train/train_rollout_logprob_abs_diff"
+    watch = cc.LogprobDiffWatch(10.0)
+    with caplog.at_level("WARNING", logger="slime_lite.train"):
+        for value in (math.nan, 1e-6, 1e-6):
+            watch.update({lp: value})
+        assert "jumped" not in caplog.text
+        watch.update({lp: 0.5, "rollout/weight_version": 3.0})
+        assert "jumped to 0.5 (lowest so far 1e-06) with engine weight version 3.0" in caplog.text
+        caplog.clear()
+        watch.update({lp: math.nan})
+        assert "jumped to nan" in caplog.text

@@ -46,6 +46,21 @@ def test_the_doctor_runs_a_fully_async_users_flags_synchronously(tmp_path):
     assert "--lr 1e-4" in " ".join(argv)
 
 
+def test_the_doctor_adds_no_scramble_to_a_lora_run(tiny_model_dir, tmp_path):
+    """--lora-rank refuses --debug-scramble-engine-weights (an adapter-only push never restores the scrambled base):
+    the doctor keeps the weight check but adds no scramble, so a LoRA run's flags still parse."""
+    from slime_lite.args import parse_args
+    from slime_lite.tasks import make_data
+
+    data = tmp_path / "addition.jsonl"
+    make_data("addition", str(data), n_train=16, n_eval=4, seed=0)
+    user = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition",
+            "--lora-rank", "4", "--debug-scramble-engine-weights"]
+    argv = doctor.train_argv(user, str(tmp_path / "out"))
+    assert "--check-weight-update-equal" in argv and "--debug-scramble-engine-weights" not in argv
+    parse_args(argv)  # no "--lora-rank cannot be used with --debug-scramble-engine-weights"
+
+
 def test_the_doctor_refuses_half_a_loop(tmp_path):
     with pytest.raises(SlimeLiteError, match="--debug-rollout-only"):
         doctor.train_argv(["--debug-rollout-only"], str(tmp_path))
@@ -108,6 +123,22 @@ def test_every_check_row_shows_and_a_skipped_one_says_why(capsys):
     doctor.print_report({"out": "/x", "checks": [c.as_dict() for c in rows]})
     line = next(line for line in capsys.readouterr().out.splitlines() if "step1_kl_zero" in line)
     assert "skip" in line and "PASS" not in line
+    adapters = skipped_rows(flags(use_kl_loss=True, lora_adapter_path="/a"), {"first_step_ppo_kl_zero",
+                                                                             "grad_norm_finite"}, stopped)
+    assert [(c.name, c.passed) for c in adapters] == [("step1_kl_zero", True)]  # KL > 0 from the start, by design
+    assert adapters[0].cause.startswith("skipped: --lora-adapter-path")
+
+
+def test_the_doctor_does_not_hold_a_run_from_trained_adapters_to_a_zero_step1_kl():
+    from slime_lite.args import parser_defaults
+    from slime_lite.checks.ci import rollout_checks
+    from slime_lite.config import CiConfig
+
+    args = parser_defaults(use_kl_loss=True, lora_adapter_path="/a")
+    first = {"rollout/log_probs_ref_max_abs_diff": 0.3, "train/first_step/ppo_kl": 0.0}
+    names = [c.name for c in doctor.first_iteration_checks(args, CiConfig.from_args(args), first)]
+    assert "step1_kl_zero" not in names and "first_step_ppo_kl_zero" in names
+    assert "step1_kl_zero" in [c.name for c in rollout_checks(CiConfig.from_args(args), first, first=True)]
 
 
 # ------------------------------------------------------------------------------------------ gibberish score (fast)

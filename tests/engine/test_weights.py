@@ -227,3 +227,27 @@ def test_checksums_follow_swapped_storage_and_tied_names():
     assert after[name] == tensor_checksums([param])[0] != before[name]
     assert {n: d for n, d in after.items() if n != name} == {n: d for n, d in before.items() if n != name}
     assert weights.checksums([name, "lm_head.weight"]) == {name: after[name], "lm_head.weight": after["lm_head.weight"]}
+
+
+def test_a_whole_moe_model_in_one_distributed_bucket_is_received():
+    """The size bound of /update_weights_from_distributed (the whole model in float64) counts the fused expert
+    parameters too: a MoE model whose experts outweigh the rest, pushed in one flattened bucket, is received and
+    loaded (it was refused as "more than the whole model holds" while the trainer waited on the broadcast)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from slime_lite.backends.megatron.weight_push import _packed
+    from slime_lite.engine.weights import Weights
+
+    cfg = Qwen3MoeConfig(hidden_size=16, intermediate_size=32, moe_intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=32, num_experts=8,
+                         num_experts_per_tok=2)
+    weights = Weights(Qwen3MoeForCausalLM(cfg))
+    gen = torch.Generator().manual_seed(0)
+    named = {n: torch.randn(weights.params[n].shape, generator=gen) for n in weights.params.canonical}
+    packed = _packed(list(named.values()), "cpu")
+    weights.groups["g"] = SimpleNamespace(backend="gloo", broadcast=lambda t, src: t.copy_(packed))
+    assert weights.update_from_distributed(list(named), ["float32"] * len(named),
+                                           [list(t.shape) for t in named.values()], "g", flattened=True) == len(named)
+    assert weights.checksums() == dict(zip(named, tensor_checksums(list(named.values()))))

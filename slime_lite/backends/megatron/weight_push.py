@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import torch
 
 from slime_lite.checks.faults import skips_weight_push
-from slime_lite.checks.weight_check import check_weights_equal
+from slime_lite.checks.weight_check import WeightCheckUnavailable, check_weights_equal
 from slime_lite.engine_client import lora_adapter_name, on_all, request_json, sent_to_all
 from slime_lite.errors import EngineError, EngineUnreachable, SlimeLiteError
 from slime_lite.io import free_port, write_hf_folder
@@ -95,9 +95,23 @@ def _push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: i
         times["perf/update_weights/send_time"] = time.perf_counter() - t0
     if args.check_weight_update_equal or check:
         t0 = time.perf_counter()
-        check_weights_equal(reference, urls)
-        times["perf/update_weights/check_time"] = time.perf_counter() - t0
+        if _check_engines(args, reference, urls):
+            times["perf/update_weights/check_time"] = time.perf_counter() - t0
     return times
+
+
+def _check_engines(args: Any, reference: dict[str, torch.Tensor], urls: list[str]) -> bool:
+    """``check_weights_equal``; an engine that cannot be checked (a real SGLang server) stops the run when the user
+    asked for the check (--check-weight-update-equal), and is only warned about when the check was forced (a
+    restarted engine under --use-fault-tolerance): False then."""
+    try:
+        check_weights_equal(reference, urls)
+    except WeightCheckUnavailable as exc:
+        if args.check_weight_update_equal:
+            raise
+        log.warning("the weights pushed to %s are not checked: %s", ", ".join(urls), exc)
+        return False
+    return True
 
 
 def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
@@ -109,7 +123,8 @@ def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
     elif transport == "distributed":
         with weight_update_session(urls):
             _push_distributed(named, urls, version, colocated=args.colocate, limit=limit,
-                              flattened=args.rollout_backend != "sglang", flush_cache=not args.fully_async)
+                              flattened=args.rollout_backend != "sglang", flush_cache=not args.fully_async,
+                              cpu_engines=args.rollout_device == "cpu")
     else:
         _push_disk(args, named, urls, version)
 
@@ -263,14 +278,16 @@ def _drop_group(key: tuple[str, ...]) -> None:
 
 
 def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int, colocated: bool = False,
-                      limit: int = BUCKET_BYTES, flattened: bool = True, flush_cache: bool = True) -> None:
+                      limit: int = BUCKET_BYTES, flattened: bool = True, flush_cache: bool = True,
+                      cpu_engines: bool = False) -> None:
     """Buckets of at most ``limit`` bytes, each one ``/update_weights_from_distributed`` request; ``flattened``: a
     bucket goes as one broadcast of its tensors' bytes back to back (SGLang's ``load_format="flattened_bucket"``)
     when no tensor would need padding, else (and for SGLang servers: not every version reads it) one broadcast per
     tensor. ``flush_cache`` False under --fully-async: requests paused in place hold the cache (SGLang refuses to
-    flush it then)."""
-    # NCCL needs one GPU per rank: colocated engines share the trainer's GPU, so they use gloo (host memory)
-    backend = "nccl" if torch.cuda.is_available() and not colocated else "gloo"
+    flush it then). ``cpu_engines``: the engines run on the CPU (--rollout-device cpu)."""
+    # NCCL needs one GPU per rank: colocated engines share the trainer's GPU, and CPU engines have none (they refuse
+    # an NCCL group, and the trainer would wait for them until the group's timeout), so both use gloo (host memory)
+    backend = "nccl" if torch.cuda.is_available() and not colocated and not cpu_engines else "gloo"
     group = _group(urls, backend)
     device = "cuda" if backend == "nccl" else "cpu"
     route = "/update_weights_from_distributed"
@@ -340,8 +357,9 @@ def push_lora_to_sglang(args: Any, adapters: dict[str, tuple[torch.Tensor, torch
     file system the nodes share), else this host's temporary folder.
 
     The weight check (with ``base``, the trainer's frozen base weights): the folder the engines loaded holds exactly
-    ``reference`` (the trainer's adapters), and the engines' base weights (/get_weights_by_name, which SGLang reports
-    without the adapters) equal ``base``. What SGLang computes from the two is not read back."""
+    ``reference`` (the trainer's adapters), and the engines' base weights equal ``base`` (``check_weights_equal``,
+    which needs /get_weights_checksum: a real SGLang server has none, see ``_check_engines``). What SGLang computes
+    from the two is not read back."""
     from slime_lite.backends.megatron import peft_format
 
     root = os.path.join(args.save, "lora_push") if args.save else os.path.join(tempfile.gettempdir(),
@@ -375,6 +393,6 @@ def push_lora_to_sglang(args: Any, adapters: dict[str, tuple[torch.Tensor, torch
                 raise SlimeLiteError(
                     f"weight check: the adapter folder {folder} the SGLang engines loaded as {name} does not hold "
                     f"the trainer's adapter of {n}; the push wrote or sent something else.")
-        check_weights_equal(base, urls)
+        _check_engines(args, base, urls)
         times["perf/update_weights/check_time"] = time.perf_counter() - t0
     return times
