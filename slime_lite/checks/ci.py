@@ -219,7 +219,7 @@ def policy_off_reference(args: Any, start_rollout_id: int) -> str | None:
     if start_rollout_id > 0:
         return (f"resumed at rollout {start_rollout_id} from a --load checkpoint: the policy's weights are trained, "
                 "the reference's are the start weights")
-    if getattr(args, "lora_adapter_path", None):
+    if args.lora_adapter_path:
         return ("--lora-adapter-path: the policy starts with trained adapters, the reference is the base model "
                 "without them")
     return None

@@ -28,7 +28,7 @@ from slime_lite.rollout.stats import eval_metrics, groups_rewards, rollout_metri
 from slime_lite.rollout.timing import engine_step_stats, phase_metrics
 from slime_lite.rollout.turns import turns
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
-from slime_lite.types import Sample, version_number
+from slime_lite.types import FINISHED_BEFORE, Sample, version_number
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +156,15 @@ class RolloutManager:
         metrics = rollout_metrics(samples, a.reward_key, grouped=self.grouped)
         metrics.update(drift.rollout_metrics(samples, self.tokenizer))
         metrics.update(extra)
-        served = [str(v) for s in samples for v in s.weight_versions[-1:]]
-        # --fully-async: the version the engines serve now; --partial-rollout: the newest any request reported
+        # the trained samples' last requests (not a sample carried already finished: made in an earlier rollout)
+        served = [version_number(str(v)) for s in samples if FINISHED_BEFORE not in s.metadata
+                  for v in s.weight_versions[-1:]]
+        # --fully-async: the version the engines serve now; --partial-rollout: the oldest any request reported
         if "rollout/weight_version" in metrics:
             pass
-        elif served:  # -1: the engine still serves what it loaded itself ("default"): no push ever reached it
-            metrics["rollout/weight_version"] = float(max(version_number(v) for v in served))
+        elif served:  # the oldest: one stale engine among several shows (a replay: the dump's newest); -1: an engine
+            # still serves what it loaded itself ("default"): no push ever reached it
+            metrics["rollout/weight_version"] = float(max(served) if a.load_debug_rollout_data else min(served))
         elif not a.load_debug_rollout_data and self.generator is not None:
             metrics.update(self._engine_weight_version(rollout_id))
         if not a.load_debug_rollout_data:

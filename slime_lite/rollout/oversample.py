@@ -69,6 +69,7 @@ class OverSampler:
         self.abort_urls: list[str] | None = None  # the engines' own URLs (set by the manager); None: the client's
         self.aborting = False
         self.restarted: dict[int, int] = {}  # this rollout's samples generated again from their prompt: tokens dropped
+        self.requested: set[int] = set()  # this rollout's samples sent to the engines (their hook ran)
 
     def load_state(self, groups: list[list[dict[str, Any]]]) -> None:
         self.carried = [[Sample.from_dict(d) for d in g] for g in groups]
@@ -92,6 +93,7 @@ class OverSampler:
                 "carried forever. A hook must continue such a sample (status ABORTED, its response so far), or "
                 "generate it again from its prompt: slime_lite.rollout.multi_turn.restart(sample) first.")
         for s in done:
+            self.requested.add(s.index)
             stamp_versions(s)
             dropped = s.metadata.get(RESTARTED, 0) - before.pop(s.index, s.metadata.get(RESTARTED, 0))
             if dropped:  # a multi-turn hook generated a carried sample again from its prompt
@@ -137,7 +139,7 @@ class OverSampler:
         in_play = generated = dropped = submits = sent = 0
         next_index = 0
         had: dict[int, int] = {}  # sample index -> response tokens it brought from an earlier rollout
-        self.restarted = {}
+        self.restarted, self.requested = {}, set()
         kill = gen.kill_engine is not None and kills_engine(a.debug_inject_fault, rollout_id)
         while len(kept) < target:
             while in_play < target:
@@ -176,10 +178,12 @@ class OverSampler:
                 else:
                     (kept if len(kept) < target else late).append(group)
         leftovers = late + await self._abort(pending)
-        # the weights this rollout was generated with: the newest version any of its requests reported (a trained
-        # sample may have made none: carried already finished, its version is older)
-        current = max((version_number(s.weight_versions[-1]) for g in kept + leftovers for s in g
-                       if s.weight_versions), default=None)
+        # the versions this rollout's requests reported (a trained sample may have made none: carried already
+        # finished, or never sent once the abort began; its version is older): the newest is the rollout's weights,
+        # the oldest its metric (one stale engine among several shows)
+        versions = [version_number(s.weight_versions[-1]) for g in kept + leftovers for s in g
+                    if s.index in self.requested and s.weight_versions]
+        current = max(versions, default=None)
         stats = self._leftovers(rollout_id, leftovers)
         stats["rollout/over_sampling/tokens_wasted"] += float(sum(self.restarted.values()))
         stats["rollout/over_sampling/aborted_groups"] = float(sum(not complete(g) for g in leftovers))
@@ -197,8 +201,8 @@ class OverSampler:
             stats["rollout/dynamic_filter/dropped_groups"] = float(dropped)
         if not a.partial_rollout:
             stats = {k: v for k, v in stats.items() if not k.startswith("rollout/partial/")}
-        elif current is not None:  # not the trained samples' newest: they may all have finished in older rollouts
-            stats["rollout/weight_version"] = float(current)
+        elif versions:  # not the trained samples' own: they may all have finished in older rollouts
+            stats["rollout/weight_version"] = float(min(versions))
         if a.over_sampling_batch_size is None and not a.partial_rollout:
             stats = {k: v for k, v in stats.items() if not k.startswith("rollout/over_sampling/")}
         return samples, stats

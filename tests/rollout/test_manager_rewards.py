@@ -72,6 +72,30 @@ def test_the_weight_version_served_is_reported_and_never_pushed_is_minus_one(tin
     assert metrics.get("rollout/weight_version") == expected
 
 
+def test_one_stale_engine_among_several_shows_in_the_weight_version(tiny_model_dir, tmp_path) -> None:
+    """The oldest version the rollout's requests reported, not the newest: one engine that kept old weights fails
+    --ci-test's weight_version_served; a sample --partial-rollout carried already finished (its request was made in
+    an earlier rollout) does not count."""
+    from slime_lite.types import FINISHED_BEFORE
+
+    manager = _manager(tiny_model_dir, tmp_path, 0.0)
+    rollout = manager.generator.rollout
+    marked: list[bool] = []
+
+    async def one_stale(rollout_id, source):  # noqa: ANN001
+        samples, extra = await rollout(rollout_id, source)
+        for i, s in enumerate(samples):
+            s.weight_versions = ["1" if i == 0 else "2"]
+        if marked:
+            samples[0].metadata[FINISHED_BEFORE] = rollout_id
+        return samples, extra
+
+    manager.generator.rollout = one_stale
+    assert manager.generate(0)[1]["rollout/weight_version"] == 1.0
+    marked.append(True)
+    assert manager.generate(1)[1]["rollout/weight_version"] == 2.0
+
+
 def test_dumps_are_written_in_the_background_and_a_failed_write_is_raised(tiny_model_dir, tmp_path,
                                                                            monkeypatch) -> None:
     """generate returns while its dump is still being written (the driver trains meanwhile); wait_dumps (and
