@@ -28,3 +28,15 @@ arg_value() {
   done
   printf '%s\n' "$value"
 }
+
+# The --metrics-path file before a run: removed for a fresh run, kept for a resumed one (--load naming a folder with a
+# checkpoint), which appends to it, so the rollouts before the checkpoint keep their metrics and the plot shows them.
+# Usage: reset_metrics "$METRICS" "${ARGS[@]}"
+reset_metrics() {
+  local metrics=$1 load
+  shift
+  load=$(arg_value --load "" "$@")
+  if [ -z "$load" ] || [ ! -e "$load/latest" ]; then
+    rm -f "$metrics"
+  fi
+}

@@ -25,6 +25,6 @@ LOG_ARGS=(--metrics-path "$OUT/metrics.jsonl" --ci-test)
 ARGS=("${MODEL_ARGS[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${PPO_ARGS[@]}" \
       "${OPTIMIZER_ARGS[@]}" "${PERF_ARGS[@]}" "${LOG_ARGS[@]}" "$@")
 METRICS=$(arg_value --metrics-path "" "${ARGS[@]}")
-rm -f "$METRICS"
+reset_metrics "$METRICS" "${ARGS[@]}"
 run_train "${ARGS[@]}"
 .venv/bin/slime-lite plot-metrics --metrics-path "$METRICS" --out "$(dirname "$METRICS")/reward.png" --title "tiny PPO (addition)"

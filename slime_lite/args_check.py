@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import re
 from typing import Any
 
 from slime_lite.backends.megatron.train_dump import check_train_template
@@ -52,6 +53,23 @@ def _actor_start(args: argparse.Namespace) -> str:
     if args.ref_load is None:
         return f"--hf-checkpoint {args.hf_checkpoint}"
     return f"--ref-load {args.ref_load}, as slime (--hf-checkpoint gives the architecture and tokenizer)"
+
+
+def check_no_checkpoint(folder: str) -> None:
+    """A --load folder without ``latest`` is a fresh start only when it holds no checkpoint: one it does hold (a
+    Megatron checkpoint of slime, or iteration folders whose ``latest`` is gone) would be ignored, and overwritten
+    by a --save to the same folder."""
+    if os.path.exists(os.path.join(folder, "latest_checkpointed_iteration.txt")):
+        raise SlimeLiteError(
+            f"--load {folder} is a Megatron checkpoint (slime's torch_dist format): slime-lite resumes only the "
+            "checkpoints its --save writes (latest, iter_*/rank_*.pt). Start from a Hugging Face export of it with "
+            "--hf-checkpoint, and give --load and --save another folder.")
+    saved = sorted(n for n in os.listdir(folder) if re.fullmatch(r"iter_\d{7}", n))
+    if saved:
+        raise SlimeLiteError(
+            f"--load {folder} holds checkpoint(s) ({', '.join(saved[-3:])}) but no 'latest' file naming the one to "
+            f"resume: write its name into {os.path.join(folder, 'latest')} (e.g. {saved[-1]}), or give --load a "
+            "folder without checkpoints to start afresh.")
 
 
 def check_partial_rollout(args: argparse.Namespace) -> None:
@@ -130,8 +148,9 @@ def validate_args(args: argparse.Namespace) -> None:
                                  "is trained); drop one of them.")
 
         model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        check_train_template(args.save_debug_train_data, args.save_debug_rollout_data,
-                             max(1, world_size(args) // model_parallel))
+        rollout_flag = "--load-debug-rollout-data" if args.load_debug_rollout_data else "--save-debug-rollout-data"
+        check_train_template(args.save_debug_train_data, args.load_debug_rollout_data or args.save_debug_rollout_data,
+                             max(1, world_size(args) // model_parallel), rollout_flag)
     if args.colocate and not args.debug_rollout_only and not (args.offload_train and args.offload_rollout):
         log.info("--colocate: turning on --offload-train and --offload-rollout (trainer and engines share GPUs)")
         args.offload_train = args.offload_rollout = True
@@ -221,6 +240,8 @@ def validate_args(args: argparse.Namespace) -> None:
         # is a fresh start from the initial weights, not an error
         if os.path.exists(args.load) and not os.path.isdir(args.load):
             raise SlimeLiteError(f"--load {args.load}: not a folder (a checkpoint folder written by --save).")
+        if os.path.isdir(args.load):
+            check_no_checkpoint(args.load)
         log.info("--load %s has no checkpoint yet: a fresh start, the actor from %s", args.load, _actor_start(args))
         args.load = None
     elif args.load is None and args.ref_load is not None and not args.debug_rollout_only:

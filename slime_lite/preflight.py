@@ -10,14 +10,15 @@ import logging
 import os
 from typing import Any
 
+from slime_lite import rl_math
 from slime_lite.args_train import world_size
 from slime_lite.backends.megatron.train_dump import train_dump_path
 from slime_lite.checks.grad_norm import grad_norm_path
-from slime_lite.config import TokenBudget
+from slime_lite.config import TokenBudget, TrainSideConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import SIGNATURES, load_hook
 from slime_lite.io import probe_folder
-from slime_lite.model_families import check_family
+from slime_lite.model_families import check_family, num_experts
 from slime_lite.profiling import profile_targets, trace_dir
 from slime_lite.rollout.dumps import dump_path
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
@@ -28,15 +29,26 @@ log = logging.getLogger("slime_lite.preflight")
 def preflight(args: Any) -> None:
     check_hooks(args)
     check_model_family(args)
+    check_train_only(args)
     check_outputs(args)
     check_profiling_device(args)
     check_grad_norm_file(args)
     if args.load and not args.debug_rollout_only:  # a corrupt or crafted checkpoint: refused before Ray starts
         from slime_lite.backends.megatron.checkpoint import check_loadable  # torch: only with --load
 
-        check_loadable(args.load)
+        check_loadable(args.load, TrainSideConfig.from_args(args).has_critic)
     if args.load_debug_rollout_data:
         check_replay_dumps(args)
+
+
+def check_train_only(args: Any) -> None:
+    """--debug-train-only starts no engine, so its rollouts come from dumps: without --load-debug-rollout-data the
+    run would build the trainer and stop at rollout 0 ("no engines to generate from")."""
+    if args.debug_train_only and not args.load_debug_rollout_data:
+        raise SlimeLiteError(
+            "--debug-train-only starts no engine, so there is nothing to train on without the rollouts of a "
+            "--save-debug-rollout-data run: add --load-debug-rollout-data 'DIR/data_{rollout_id}.pt' (it turns "
+            "--debug-train-only on by itself), or drop --debug-train-only to generate rollouts.")
 
 
 def check_hooks(args: Any) -> None:
@@ -168,6 +180,7 @@ def check_replay_dumps(args: Any) -> None:
         check_replay_meta,
         check_replay_samples,
         dump_path,
+        group_problem,
         load_rollout_dump,
         make_meta,
         subsample_groups,
@@ -190,17 +203,58 @@ def check_replay_dumps(args: Any) -> None:
             split.append(f"its {len(dump.samples)} samples{kept} do not split into steps of --global-batch-size "
                          f"{args.global_batch_size} (use --rollout-batch-size x --n-samples-per-prompt as the dump "
                          "was made, or a --global-batch-size that divides it)")
+        # as a generated rollout's groups (a dump is written before that check); not slime's dumps (no meta: their
+        # settings are taken on trust), nor when a wrong count or --n-samples-per-prompt is named already
+        made_with = (dump.meta or {}).get("n_samples_per_prompt")
+        if rl_math.estimator(args.advantage_estimator).needs_groups and not split \
+                and made_with == args.n_samples_per_prompt:
+            grouping = group_problem(dump.samples, args.n_samples_per_prompt, args.advantage_estimator)
+            split += [grouping] if grouping else []
         check_replay_meta(dump, expected, split)  # every mismatched setting in one error
         check_replay_samples(dump, vocab, args.reward_key)
         check_token_budget(args, samples, dump.path)
-        bare = [s.index for s in samples if getattr(s, "rollout_routed_experts", None) is None]
-        if args.use_rollout_routing_replay and bare:
-            raise SlimeLiteError(f"--use-rollout-routing-replay: {dump.path}: sample {bare[0]} (and {len(bare) - 1} "
-                                 "more) has no rollout_routed_experts (its engine did not return them); replay a "
-                                 "dump made with --use-rollout-routing-replay, or use --use-routing-replay, which "
-                                 "records the trainer's own routing instead.")
+        if args.use_rollout_routing_replay:
+            check_routed_experts(args, samples, dump.path)
     log.info("replay: checked %d dump(s) of %s (rollouts %d..%d)", len(ids), args.load_debug_rollout_data,
              ids.start, ids.stop - 1)
+
+
+def check_routed_experts(args: Any, samples: list, path: str) -> None:
+    """--use-rollout-routing-replay: every sample holds the engine's routed experts of this model, SGLang's table
+    ``[len(tokens) - 1, num_hidden_layers, num_experts_per_tok]`` of expert ids below the expert count (a table of
+    another model, or of other tokens, would route the trainer wrongly or fail inside a train step)."""
+    import torch  # torch: only for a replay
+
+    bare = [s.index for s in samples if getattr(s, "rollout_routed_experts", None) is None]
+    if bare:
+        raise SlimeLiteError(f"--use-rollout-routing-replay: {path}: sample {bare[0]} (and {len(bare) - 1} "
+                             "more) has no rollout_routed_experts (its engine did not return them); replay a "
+                             "dump made with --use-rollout-routing-replay, or use --use-routing-replay, which "
+                             "records the trainer's own routing instead.")
+    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    layers, top_k, experts = cfg.get("num_hidden_layers"), cfg.get("num_experts_per_tok"), num_experts(cfg)
+    if not (layers and top_k and experts):  # not an MoE config: the flag checks refused the run already
+        return
+    for s in samples:
+        want = (len(s.tokens) - 1) * layers * top_k
+        try:
+            table = torch.as_tensor(s.rollout_routed_experts).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            table = None
+        problem = None
+        if table is None or table.is_floating_point() or table.is_complex() or table.dtype == torch.bool:
+            problem = "is not a table of expert ids"
+        elif table.numel() != want:
+            problem = (f"has {table.numel()} expert ids, expected {want} ((len(tokens) - 1) x {layers} layers x "
+                       f"top-{top_k} of --hf-checkpoint)")
+        elif table.numel() and (int(table.min()) < 0 or int(table.max()) >= experts):
+            problem = f"holds expert ids outside 0..{experts - 1} (the model's num_experts)"
+        if problem:
+            raise SlimeLiteError(f"--use-rollout-routing-replay: {path}: sample {s.index}: rollout_routed_experts "
+                                 f"{problem}: the dump was made with another model (or its tokens were changed "
+                                 "after generation). Replay it with the model that generated it, or use "
+                                 "--use-routing-replay, which records the trainer's own routing.")
 
 
 def check_token_budget(args: Any, samples: list, path: str) -> None:

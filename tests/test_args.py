@@ -76,11 +76,53 @@ def test_load_without_a_checkpoint_starts_the_actor_from_ref_load(base, tmp_path
     assert TrainSideConfig.from_args(parser_defaults(hf_checkpoint="m", ref_load="r")).init_checkpoint == "r"
 
 
+def test_a_load_folder_holding_a_checkpoint_it_cannot_resume_is_refused_not_overwritten(base, tmp_path):
+    """Without 'latest' a --load folder was a fresh start, even when it held iteration folders (their 'latest' lost,
+    or a save killed before writing it) or slime's Megatron checkpoint: the run ignored them, and a --save to the
+    same folder replaced them."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000009").mkdir(parents=True)
+    (ckpt / ".tmp-iter_0000019").mkdir()
+    msg = err(base + ["--load", str(ckpt), "--save", str(ckpt)])
+    assert f"--load {ckpt} holds checkpoint(s) (iter_0000009) but no 'latest' file" in msg
+    assert f"write its name into {ckpt / 'latest'} (e.g. iter_0000009)" in msg
+    slime = tmp_path / "slime_ckpt"
+    slime.mkdir()
+    (slime / "latest_checkpointed_iteration.txt").write_text("10")
+    assert "is a Megatron checkpoint (slime's torch_dist format)" in err(base + ["--load", str(slime)])
+    (tmp_path / "fresh").mkdir()
+    assert parse_args(base + ["--load", str(tmp_path / "fresh")]).load is None  # nothing saved yet: a fresh start
+
+
 @pytest.mark.parametrize("flag", ["--save-debug-rollout-data", "--load-debug-rollout-data"])
 def test_template_needs_rollout_id(base, flag):
     extra = ["--debug-rollout-only"] if flag.startswith("--save") else []
     msg = err(base + extra + [flag, "/tmp/data.pt"])
     assert flag in msg and "{rollout_id}" in msg
+
+
+@pytest.mark.parametrize("flag", ["--save-debug-rollout-data", "--load-debug-rollout-data"])
+@pytest.mark.parametrize("template", ["d_{rollout_id}_{rank}.pt", "d_{rollout_id}_{}.pt", "d_{rollout_id}_{.pt"])
+def test_template_with_another_placeholder_is_refused_before_any_work(base, flag, template):
+    """Not at the first dump (a KeyError after a whole rollout was generated), nor as a traceback in preflight."""
+    extra = ["--debug-rollout-only"] if flag.startswith("--save") else []
+    msg = err(base + extra + [flag, template])
+    assert f"{flag} {template!r} is not a valid template" in msg and "only the '{rollout_id}' placeholder" in msg
+
+
+def test_a_glob_is_not_a_template(base):
+    msg = err(base + ["--load-debug-rollout-data", "dumps/*.pt"])
+    assert "'dumps/*.pt' is a glob, not a template" in msg and "dumps/data_{rollout_id}.pt" in msg
+    assert "overwrite" not in err(base + ["--load-debug-rollout-data", "dumps/data.pt"])  # a replay reads them
+
+
+def test_a_replay_train_dump_never_overwrites_the_dumps_it_replays(base):
+    msg = err(base + ["--load-debug-rollout-data", "d/{rollout_id}.pt", "--save-debug-train-data",
+                      "./d/{rollout_id}.pt"])
+    assert "is the path of --load-debug-rollout-data too (d/{rollout_id}.pt)" in msg
+    msg = err(base + ["--load-debug-rollout-data", "d/{rollout_id}_1.pt", "--save-debug-train-data",
+                      "d/{rollout_id}_{rank}.pt", "--actor-num-gpus-per-node", "2"])  # rank 1's file
+    assert "would overwrite a rollout dump" in msg
 
 
 def test_save_and_load_paths_differ(base):

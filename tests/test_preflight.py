@@ -71,6 +71,7 @@ def test_out_of_vocab_missing_and_empty_dumps(tiny_model_dir, replay, tmp_path) 
 def test_a_resumed_replay_checks_the_dumps_it_will_read(tiny_model_dir, replay, tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
+    (ckpt / "iter_0000000").mkdir()
     (ckpt / "latest").write_text("iter_0000000")
     (tmp_path / "d_0.pt").write_text("rollout 0 is done; this file is never read again")
     preflight(_args(tiny_model_dir, replay, "--load", str(ckpt)))
@@ -84,6 +85,45 @@ def test_sample_count_must_split_into_the_run_steps(tiny_model_dir, replay, tmp_
     with pytest.raises(SlimeLiteError, match=r"d_2\.pt does not fit this run \(1 setting\(s\)\): its 3 samples do "
                                              r"not split into steps of --global-batch-size 4"):
         preflight(_args(tiny_model_dir, replay))
+
+
+def test_a_group_estimator_refuses_a_dump_whose_prompt_groups_are_not_its_groups(tiny_model_dir, replay,
+                                                                                  tmp_path) -> None:
+    """GRPO normalises the --n-samples-per-prompt adjacent samples as one prompt's: a dump of split trajectories
+    (groups of 3 and 1; a rollout is dumped before its groups are checked, or made with a per-sample estimator)
+    would be trained with prompts mixed. A generated rollout is refused so; a replay too. slime's dumps (no meta)
+    are taken on trust, as their settings are."""
+    meta = {"n_samples_per_prompt": 2, "rollout_batch_size": 2}
+    split = _samples()
+    for s, group in zip(split, (0, 0, 0, 1)):
+        s.group_index = group
+    save_rollout_dump(str(tmp_path / "d_1.pt"), 1, split, meta)
+    with pytest.raises(SlimeLiteError, match=r"d_1\.pt does not fit this run \(1 setting\(s\)\): its prompt group 0 "
+                                             r"has 3 samples, but --advantage-estimator grpo compares"):
+        preflight(_args(tiny_model_dir, replay))
+    preflight(_args(tiny_model_dir, replay, "--advantage-estimator", "reinforce_plus_plus"))  # per sample
+    save_rollout_dump(str(tmp_path / "d_1.pt"), 1, split)  # slime's: no meta
+    preflight(_args(tiny_model_dir, replay))
+    for s, group in zip(split, (0, 1, 0, 1)):  # right sizes, not adjacent
+        s.group_index = group
+    save_rollout_dump(str(tmp_path / "d_1.pt"), 1, split, meta)
+    with pytest.raises(SlimeLiteError, match=r"the samples of its prompt group 0 are apart"):
+        preflight(_args(tiny_model_dir, replay))
+    for s in split:  # no group indices: positions only, as the trainer reads them
+        s.group_index = None
+    save_rollout_dump(str(tmp_path / "d_1.pt"), 1, split, meta)
+    preflight(_args(tiny_model_dir, replay))
+
+
+def test_train_only_without_dumps_is_refused_before_ray(tiny_model_dir, tmp_path) -> None:
+    """--debug-train-only starts no engine: without dumps it built the trainer and stopped at rollout 0 with 'no
+    engines to generate from'. No output folder is created for the refused run."""
+    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), *RUN, "--debug-train-only", "--save",
+                       str(tmp_path / "ckpt")])
+    with pytest.raises(SlimeLiteError, match=r"--debug-train-only starts no engine, so there is nothing to train on "
+                                             r".*add --load-debug-rollout-data"):
+        preflight(args)
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_every_mismatched_setting_is_named_at_once(tiny_model_dir, replay, tmp_path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 
 from slime_lite.errors import DumpError
-from slime_lite.rollout.dumps import find_dumps
+from slime_lite.rollout.dumps import check_template, find_dumps
 
 
 def select_dumps(template: str, rollout_id: int | None = None, flag: str = "--load-debug-rollout-data") -> list[
@@ -24,7 +24,8 @@ def select_dumps(template: str, rollout_id: int | None = None, flag: str = "--lo
         if not os.path.exists(template):
             raise DumpError(f"{flag} {template}: no such file (a template needs a '{{rollout_id}}' placeholder).")
         return [("file", -1, template)]
-    found = [d for d in find_dumps(template) if rollout_id is None or d[1] == rollout_id]
+    check_template(template, flag)  # e.g. a train dump's {rank}: one line, not a KeyError
+    found = find_dumps(template, ids=None if rollout_id is None else [rollout_id])  # any id, past 999 too
     if not found:
         which = f"rollout id {rollout_id}" if rollout_id is not None else "rollout ids 0..999"
         raise DumpError(

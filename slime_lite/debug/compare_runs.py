@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from slime_lite.errors import SlimeLiteError
+from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.metrics import is_timing_metric
 
 DEFAULT_RTOL = 1e-5  # float32 runs that should agree (TP=1 vs TP=2 replay): ~1e-7; a real change: far more
@@ -146,3 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                       "missing" if d.a is None or d.b is None else f"{d.rel:.3g}", str(d.steps_differing))
     Console(width=160).print(table)
     return 1
+
+
+if __name__ == "__main__":  # python -m: a user error is one line, as from slime-lite
+    raise SystemExit(run_main(main))

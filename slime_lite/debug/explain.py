@@ -10,6 +10,7 @@ page. A multi-turn sample is shown turn by turn (its number and source on every 
 from __future__ import annotations
 
 import argparse
+import glob
 import html
 import math
 import os
@@ -21,7 +22,7 @@ from rich.table import Table
 from slime_lite.backends.megatron.train_dump import TrainDump, load_train_dumps, sample_key
 from slime_lite.debug import make_console
 from slime_lite.debug.display import version_runs
-from slime_lite.errors import DumpError, SlimeLiteError
+from slime_lite.errors import DumpError, SlimeLiteError, run_main
 from slime_lite.io import atomic_write_text
 from slime_lite.rollout.dumps import load_rollout_dump
 from slime_lite.rollout.turns import turns
@@ -269,12 +270,28 @@ def token_texts(checkpoint: str | None) -> Any:
     return lambda ids: [tok.decode([t]) for t in ids]
 
 
+def train_files(patterns: list[str]) -> list[str]:
+    """--train-dump's files: a quoted pattern ('out/train_3_*.pt', as the help writes it) is expanded here, the
+    shell having left it alone; a pattern that matches nothing is a SlimeLiteError naming it."""
+    files = []
+    for pattern in patterns:
+        if os.path.exists(pattern) or not any(c in pattern for c in "*?["):
+            files.append(pattern)
+            continue
+        matched = sorted(glob.glob(pattern))
+        if not matched:
+            raise SlimeLiteError(f"--train-dump {pattern}: no file matches this pattern (train dumps are written by "
+                                 "--save-debug-train-data, e.g. out/train_{rollout_id}_{rank}.pt).")
+        files += matched
+    return files
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if not a.threshold >= 0:
         raise SlimeLiteError(f"--threshold {a.threshold} must be >= 0.")
     rollout = load_rollout_dump(a.rollout_dump)
-    train = load_train_dumps(a.train_dump)
+    train = load_train_dumps(train_files(a.train_dump))
     checkpoint = a.hf_checkpoint or (rollout.meta or {}).get("model_path")
     if a.hf_checkpoint and not os.path.isdir(a.hf_checkpoint):
         raise SlimeLiteError(f"--hf-checkpoint {a.hf_checkpoint} is not a folder (a tokenizer is needed for the "
@@ -285,3 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(render_html(ex), a.html)
         print(f"wrote {a.html}")
     return 0
+
+
+if __name__ == "__main__":  # python -m: a user error is one line, as from slime-lite
+    raise SystemExit(run_main(main))

@@ -7,6 +7,8 @@ File format: ``torch.save`` of ``{"rollout_id", "samples": [Sample.to_dict()...]
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import os
 import time
@@ -39,12 +41,27 @@ class RolloutDump:
 
 
 def check_template(template: str, flag: str) -> None:
-    """A dump path template must contain ``{rollout_id}``, or every rollout would overwrite one file."""
+    """A dump path template must contain ``{rollout_id}`` (or every rollout would write, or read, one file) and no
+    other placeholder (it would stop the run at its first dump); a glob is not a template."""
+    example = f"{template.rsplit('.', 1)[0]}_{{rollout_id}}.pt"
     if "{rollout_id}" not in template:
+        if any(c in template for c in "*?["):
+            folder = os.path.dirname(template) or "."
+            raise SlimeLiteError(
+                f"{flag} {template!r} is a glob, not a template: dumps are named by rollout id, so give the path "
+                f"with a '{{rollout_id}}' placeholder, e.g. '{os.path.join(folder, 'data_{rollout_id}.pt')}' "
+                "(quote it so the shell leaves it alone).")
+        what = "read the same file" if flag.startswith("--load") else "overwrite one file"
         raise SlimeLiteError(
-            f"{flag} {template!r} has no '{{rollout_id}}' placeholder, so every rollout would overwrite one file. "
-            f"Use e.g. '{template.rsplit('.', 1)[0]}_{{rollout_id}}.pt'."
+            f"{flag} {template!r} has no '{{rollout_id}}' placeholder, so every rollout would {what}. "
+            f"Use e.g. '{example}'."
         )
+    try:
+        template.format(rollout_id=0)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise SlimeLiteError(
+            f"{flag} {template!r} is not a valid template ({type(exc).__name__}: {exc}): only the '{{rollout_id}}' "
+            "placeholder can be used (a literal brace is written '{{' or '}}').") from None
 
 
 def dump_path(template: str, rollout_id: int, evaluation: bool = False) -> str:
@@ -80,23 +97,41 @@ def _to_plain(value: Any) -> Any:
         if all(type(v) in _SCALARS for v in value):  # token ids, log-probs, masks: kept as they are, not walked
             return list(value)
         return [_to_plain(v) for v in value]
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", 0) > 0:  # slime's generate: routed experts
+        try:
+            return torch.as_tensor(value)
+        except TypeError:  # an object array
+            raise DumpError(f"cannot save a numpy array of dtype {value.dtype} in a rollout dump (plain data "
+                            "only)") from None
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
         return value.item()
     raise DumpError(f"cannot save a value of type {type(value).__name__} in a rollout dump (plain data only)")
 
 
 def plain_sample(sample: Sample) -> dict[str, Any]:
-    """A sample as the plain data a dump (or a checkpoint) holds."""
-    return _to_plain(sample.to_dict())
+    """A sample as the plain data a dump (or a checkpoint) holds; a value that is not plain data is a DumpError
+    naming the field."""
+    out = {}
+    for name, value in sample.to_dict().items():
+        try:
+            out[name] = _to_plain(value)
+        except DumpError as exc:
+            raise DumpError(f"sample {sample.index}: {name}: {exc}") from None
+    return out
 
 
 def save_rollout_dump(
     path: str, rollout_id: int, samples: list[Sample], meta: dict[str, Any] | None = None, **extra: Any
 ) -> None:
     """Write a dump atomically: a crash never leaves a truncated file at ``path``."""
+    try:
+        plain = [plain_sample(s) for s in samples]
+    except DumpError as exc:
+        raise DumpError(f"rollout dump {path} not written: {exc}. A generate hook or rollout function put it in "
+                        "the sample: keep tensors, numbers, strings, lists and dicts there.") from None
     payload = {
         "rollout_id": rollout_id,
-        "samples": [plain_sample(s) for s in samples],
+        "samples": plain,
         "format_version": FORMAT_VERSION,
         "meta": _to_plain(meta or {}),
     }
@@ -246,6 +281,27 @@ def check_replay_samples(dump: RolloutDump, vocab_size: int, reward_key: str | N
     check_rewards(dump.samples, reward_key, f"rollout dump {dump.path}", strict=True)
 
 
+def group_problem(samples: list[Sample], group_size: int, estimator: str) -> str | None:
+    """A group estimator (GRPO, REINFORCE++-baseline) compares the ``group_size`` adjacent samples of a prompt: a
+    dump whose prompt groups (``group_index``) have other sizes or are not adjacent (a generate hook that split
+    trajectories, made with a per-sample estimator) would be trained with prompts mixed. What is wrong, or None
+    (also for dumps whose samples have no group_index: nothing to compare)."""
+    if all(s.group_index is None for s in samples):
+        return None
+    sizes = collections.Counter(s.group_index for s in samples)
+    wrong = [(group, n) for group, n in sizes.items() if n != group_size]
+    runs = [group for group, _ in itertools.groupby(samples, key=lambda s: s.group_index)]
+    if wrong:
+        what = f"its prompt group {wrong[0][0]} has {wrong[0][1]} samples"
+    elif len(runs) > len(sizes):
+        what = f"the samples of its prompt group {next(g for k, g in enumerate(runs) if g in runs[:k])} are apart"
+    else:
+        return None
+    return (f"{what}, but --advantage-estimator {estimator} compares the --n-samples-per-prompt {group_size} "
+            "adjacent samples of each prompt (a dump of split trajectories: replay it with a per-sample estimator, "
+            "e.g. reinforce_plus_plus or ppo)")
+
+
 def check_replay_meta(dump: RolloutDump, expected: dict[str, Any], more: Iterable[str] = ()) -> None:
     """Stop a replay whose dump was made with other settings, naming every one at once (and the ``more`` problems
     the caller found); slime's dumps (no meta) are checked for ``more`` only."""
@@ -273,12 +329,25 @@ def subsample_groups(samples: list[Sample], ratio: float, group_size: int) -> li
     return [s for g in chosen for s in g]
 
 
-def find_dumps(template: str, max_id: int = 999) -> list[tuple[str, int, str]]:
-    """All dumps of a template for ids 0..max_id: (kind 'train'|'eval', rollout id, path), sorted."""
+def find_dumps(template: str, max_id: int = 999, ids: Iterable[int] | None = None) -> list[tuple[str, int, str]]:
+    """All dumps of a template for ids 0..max_id (or ``ids``): (kind 'train'|'eval', rollout id, path), sorted.
+    A run with several eval sets writes one eval dump per set, ``<eval dump>_<name><ext>`` (the manager's
+    ``evaluate``)."""
+    listings: dict[str, list[str]] = {}
+
+    def per_set(path: str) -> list[str]:
+        root, ext = os.path.splitext(path)
+        folder, head = os.path.split(root)
+        if folder not in listings:
+            listings[folder] = sorted(os.listdir(folder or ".")) if os.path.isdir(folder or ".") else []
+        return [os.path.join(folder, name) for name in listings[folder]
+                if name.startswith(head + "_") and name.endswith(ext) and len(name) > len(head) + 1 + len(ext)]
+
     found = []
-    for rid in range(max_id + 1):
+    for rid in range(max_id + 1) if ids is None else ids:
         for kind, evaluation in (("train", False), ("eval", True)):
             path = dump_path(template, rid, evaluation)
             if os.path.exists(path):
                 found.append((kind, rid, path))
+        found += [("eval", rid, path) for path in per_set(dump_path(template, rid, evaluation=True))]
     return found

@@ -102,3 +102,27 @@ def test_a_failed_save_leaves_no_folder_behind(tmp_path: Path, monkeypatch) -> N
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save(actor, str(tmp_path / "ckpt"), 3, None)
     assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_checkpoint_that_cannot_resume_exactly_is_refused_before_ray(tmp_path: Path) -> None:
+    """preflight's check: ``latest`` naming a folder that is gone, or a critic saved at another iteration than the
+    actor (the run stopped between the two saves), is refused naming the files and the fix, not found after the
+    models are built (or not at all: the critic would resume rollouts behind the actor)."""
+    root = tmp_path / "ckpt"
+    _checkpoint(root, {"model": {}})
+    _checkpoint(root / "critic", {"model": {}})
+    (root / "iter_0000004").mkdir()
+    torch.save({"model": {}}, root / "iter_0000004" / "rank_000.pt")
+    (root / "latest").write_text("iter_0000004")
+    with pytest.raises(SlimeLiteError, match=r"the actor's newest checkpoint is iter_0000004 but the critic's is "
+                                             r"iter_0000000 .*write iter_0000000 into .*ckpt/latest and "
+                                             r".*ckpt/critic/latest"):
+        checkpoint.check_loadable(str(root))
+    checkpoint.check_loadable(str(root), critic=False)  # a run without a critic resumes the actor's
+    (root / "critic" / "latest").write_text("iter_0000004")
+    with pytest.raises(SlimeLiteError, match=r"critic/latest names iter_0000004, but there is no folder "
+                                             r".*critic/iter_0000004"):
+        checkpoint.check_loadable(str(root))
+    (root / "critic" / "latest").write_text("iter_0000000")
+    (root / "latest").write_text("iter_0000000")
+    checkpoint.check_loadable(str(root))

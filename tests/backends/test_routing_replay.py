@@ -95,3 +95,41 @@ def test_rollout_routing_replay_of_a_dump_without_routed_experts_is_refused_befo
     with pytest.raises(SlimeLiteError, match=r"--use-rollout-routing-replay: .*dump_0.pt: sample 0 \(and 7 more\) has "
                                              r"no rollout_routed_experts.*or use --use-routing-replay"):
         preflight(args)
+def test_rollout_routing_replay_of_a_dump_of_another_model_is_refused_before_ray(moe_model, tmp_path):
+    """A dump whose routed-experts tables do not fit the model (another layer count, top-k or expert count) is
+    refused naming the file and the sample, not found inside a train step (a reshape error, or wrong experts)."""
+    import json
+    import math
+
+    from slime_lite.model_families import num_experts
+    from slime_lite.preflight import preflight
+    from slime_lite.rollout.dumps import load_rollout_dump, save_rollout_dump
+    from tests.backends.conftest import make_replay_dumps
+
+    cfg = json.loads((moe_model / "config.json").read_text())
+    layers, top_k, experts = cfg["num_hidden_layers"], cfg["num_experts_per_tok"], num_experts(cfg)
+    dumps = make_replay_dumps(moe_model, tmp_path / "dumps", num_rollout=1)
+    path = dumps.format(rollout_id=0)
+    dump = load_rollout_dump(path)
+    args = parse_args(["--hf-checkpoint", str(moe_model), "--load-debug-rollout-data", dumps, "--rollout-batch-size",
+                       "4", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--use-rollout-routing-replay"])
+
+    def routed(rows_less: int = 0, layer_count: int = layers, top: int = experts - 1) -> None:
+        for s in dump.samples:
+            shape = (len(s.tokens) - 1 - rows_less, layer_count, top_k)
+            s.rollout_routed_experts = (torch.arange(math.prod(shape)) % (top + 1)).to(torch.int32).reshape(shape)
+        save_rollout_dump(path, 0, dump.samples, dump.meta)
+
+    routed()
+    preflight(args)
+    for bad, problem in (({"layer_count": layers + 1}, r"has \d+ expert ids, expected \d+ \(\(len\(tokens\) - 1\) "
+                                                       rf"x {layers} layers x top-{top_k} of --hf-checkpoint\)"),
+                         ({"rows_less": 1}, r"has \d+ expert ids, expected \d+ .*"),
+                         ({"top": experts}, rf"holds expert ids outside 0..{experts - 1} \(the model's num_experts\)")):
+        routed(**bad)
+        with pytest.raises(SlimeLiteError, match=r"--use-rollout-routing-replay: .*dump_0.pt: sample \d+: "
+                                                 r"rollout_routed_experts " + problem + ": the dump was made with "
+                                                 "another model"):
+            preflight(args)
+
+

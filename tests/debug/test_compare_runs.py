@@ -69,3 +69,18 @@ def test_float32_noise_between_runs_that_should_agree_passes_by_default(tmp_path
     assert main([a, b]) == 0
     assert "no metric differs by more than rtol 1e-05" in capsys.readouterr().out
     assert main([a, b, "--rtol", "0"]) == 1
+
+
+def test_runs_as_a_module_too(tmp_path):
+    """`python -m slime_lite.debug.compare_runs` runs the tool (it did nothing and exited 0), a user error is one line
+    and exit status 2, as from `slime-lite compare-runs`."""
+    import subprocess
+    import sys
+
+    a = write(tmp_path / "a.jsonl", ROWS)
+    run = [sys.executable, "-m", "slime_lite.debug.compare_runs"]
+    proc = subprocess.run(run + [a, a], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "no metric differs" in proc.stdout, proc.stderr
+    proc = subprocess.run(run + [a, str(tmp_path / "missing.jsonl")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "missing.jsonl" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -86,3 +86,21 @@ def test_a_single_file_path_works_too(dump_template: str, capsys) -> None:
     assert "rollout 1" in capsys.readouterr().out
     assert main(["--load-debug-rollout-data", path + ".missing"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_template_with_another_placeholder_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    """A train dump's template ({rank}) given to a rollout-dump tool: one line naming it (it was a KeyError)."""
+    template = str(tmp_path / "train_{rollout_id}_{rank}.pt")
+    assert main(["--load-debug-rollout-data", template]) == 2
+    err = capsys.readouterr().err
+    assert f"--load-debug-rollout-data '{template}' is not a valid template (KeyError: 'rank')" in err
+    assert "Traceback" not in err
+
+
+def test_a_rollout_id_past_999_is_found(tmp_path: Path, capsys) -> None:
+    """A long run's dumps: --rollout-id 1500 is looked up (the search stopped at id 999: 'no dump found')."""
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    save_rollout_dump(template.format(rollout_id=1500), 1500,
+                      [Sample(index=0, prompt="p", tokens=[1, 2], response="late", response_length=1, reward=0.0)])
+    assert main(["--load-debug-rollout-data", template, "--rollout-id", "1500"]) == 0
+    assert "train rollout 1500" in capsys.readouterr().out

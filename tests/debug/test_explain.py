@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,21 @@ def test_page_renders_in_headless_chromium(dumps, tmp_path):
         assert colours > 20 and (half.sum(-1) < 240).sum() > 500, f"the {side} page rendered blank (no text)"
     assert hot[:, :800].sum() > 2000  # sample 1: the differing token and its row in the highlight colour
     assert hot[:, 800:].sum() == 0  # sample 2 agrees everywhere: no highlight
+
+
+def test_a_quoted_train_dump_pattern_is_expanded(dumps, capsys):
+    """The help's own example, 'out/train_3_*.pt', reaches explain unexpanded when quoted: it names every rank's
+    file (it was 'does not exist'); a pattern that matches nothing names itself."""
+    assert cli(explain(dumps, "--sample", "3", train=[str(dumps["out"] / "train_3_*.pt")])) == 0
+    assert "0 token(s) with |diff| > 0.05" in capsys.readouterr().out  # sample 3: in rank 1's file
+    err = _fails(explain(dumps, "--sample", "3", train=[str(dumps["out"] / "train_9_*.pt")]), capsys)
+    assert f"--train-dump {dumps['out'] / 'train_9_*.pt'}: no file matches this pattern" in err
+
+
+def test_runs_as_a_module_too(dumps):
+    """`python -m slime_lite.debug.explain` runs the tool (it did nothing and exited 0); a user error is one line."""
+    run = [sys.executable, "-m", "slime_lite.debug.explain", "--rollout-dump", dumps["rollout"], "--train-dump"]
+    proc = subprocess.run(run + [*dumps["train"], "--sample", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "1 token(s) with |diff| > 0.05" in proc.stdout, proc.stderr
+    proc = subprocess.run(run + [dumps["rollout"], "--sample", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr

@@ -55,6 +55,27 @@ def test_round_trip_keeps_every_field_meta_and_extra_keys(tmp_path: Path) -> Non
     assert raw["samples"][1]["status"] == "truncated" and isinstance(raw["samples"][0]["spec_info"], dict)
 
 
+def test_numpy_arrays_of_slime_hooks_are_saved_and_other_objects_name_the_file_sample_and_field(
+        tmp_path: Path) -> None:
+    """slime's generate keeps rollout_routed_experts as a numpy array: the dump (and a checkpoint's carried samples)
+    holds it as a tensor (it was a bare 'can only convert an array of size 1' ValueError in the dump writer).
+    A value no weights_only load can read names the dump, the sample and the field."""
+    import numpy as np
+
+    samples = _samples(1, 1)
+    samples[0].rollout_routed_experts = np.arange(12, dtype=np.int32).reshape(3, 2, 2)
+    samples[0].metadata["score"] = np.float32(0.5)
+    save_rollout_dump(str(tmp_path / "d_0.pt"), 0, samples)
+    loaded = load_rollout_dump(str(tmp_path / "d_0.pt")).samples[0]
+    assert torch.equal(loaded.rollout_routed_experts, torch.arange(12, dtype=torch.int32).reshape(3, 2, 2))
+    assert loaded.metadata["score"] == 0.5
+    samples[0].metadata["handle"] = object()
+    with pytest.raises(DumpError, match=r"rollout dump .*d_1\.pt not written: sample 0: metadata: cannot save a "
+                                        r"value of type object"):
+        save_rollout_dump(str(tmp_path / "d_1.pt"), 1, samples)
+    assert not (tmp_path / "d_1.pt").exists()
+
+
 def test_slime_style_dump_with_missing_and_unknown_keys_loads(tmp_path: Path) -> None:
     path = tmp_path / "slime_3.pt"
     item = {"index": 7, "prompt": "1+1=", "tokens": [1, 2, 3], "response": "2", "response_length": 1,
@@ -151,6 +172,23 @@ def test_templates_eval_naming_and_find_dumps(tmp_path: Path) -> None:
         ("train", 0, dump_path(template, 0)),
         ("eval", 0, dump_path(template, 0, True)),
         ("train", 2, dump_path(template, 2)),
+        ("eval", 12, dump_path(template, 12, True)),
+    ]
+
+
+def test_find_dumps_finds_the_eval_dump_of_every_eval_set(tmp_path: Path) -> None:
+    """With several --eval-prompt-data sets the manager writes one eval dump per set, data_eval_<i>_<name>.pt:
+    display-rollouts and send-to-engine --eval find them (not only a single set's data_eval_<i>.pt)."""
+    template = str(tmp_path / "data_{rollout_id}.pt")
+    save_rollout_dump(dump_path(template, 1), 1, _samples(1, 1))
+    root, ext = os.path.splitext(dump_path(template, 1, evaluation=True))
+    for name in ("math", "aime"):  # as RolloutManager.evaluate names them
+        save_rollout_dump(f"{root}_{name}{ext}", 1, _samples(1, 1), eval_name=name)
+    save_rollout_dump(dump_path(template, 12, evaluation=True), 12, _samples(1, 1))
+    assert find_dumps(template) == [
+        ("train", 1, dump_path(template, 1)),
+        ("eval", 1, f"{root}_aime{ext}"),
+        ("eval", 1, f"{root}_math{ext}"),
         ("eval", 12, dump_path(template, 12, True)),
     ]
 

@@ -124,16 +124,32 @@ def _load_rank_file(root: str, folder: str, file: str, mmap: bool = False) -> An
                              f"that iteration's name into {os.path.join(folder, 'latest')}.") from None
 
 
-def check_loadable(root: str) -> None:
-    """Before Ray starts (preflight): every rank file of the newest iteration under ``root`` (and ``root/critic``)
-    is a plain-tensor torch file. Memory-mapped, so only the pickle is read, not the tensors' bytes."""
+def check_loadable(root: str, critic: bool = True) -> None:
+    """Before Ray starts (preflight): the newest iteration under ``root`` (and ``root/critic``) is a folder whose
+    every rank file is a plain-tensor torch file (memory-mapped, so only the pickle is read, not the tensors'
+    bytes), and, when the run trains a ``critic``, the critic's is the actor's iteration (a run stopped between the
+    two saves would resume them at different rollouts)."""
+    newest: dict[str, str] = {}
     for folder in (root, os.path.join(root, "critic")):
         path = latest(folder)
-        if path is None or not os.path.isdir(path):
+        if path is None:
             continue
+        if not os.path.isdir(path):
+            raise SlimeLiteError(f"--load {root}: {os.path.join(folder, 'latest')} names {os.path.basename(path)}, "
+                                 f"but there is no folder {path} (deleted or moved?); write the name of an "
+                                 "iteration folder that is there into it.")
+        newest[folder] = path
         for name in sorted(os.listdir(path)):
             if re.fullmatch(r"rank_\d{3}\.pt", name):
                 _load_rank_file(root, folder, os.path.join(path, name), mmap=True)
+    actor, critics = newest.get(root), newest.get(os.path.join(root, "critic"))
+    if critic and actor is not None and critics is not None and iteration(actor) != iteration(critics):
+        name = os.path.basename(min(actor, critics, key=iteration))
+        raise SlimeLiteError(
+            f"--load {root}: the actor's newest checkpoint is {os.path.basename(actor)} but the critic's is "
+            f"{os.path.basename(critics)} (the run stopped between the two saves): resuming would continue them at "
+            f"different rollouts. Resume from the iteration both have: write {name} into "
+            f"{os.path.join(root, 'latest')} and {os.path.join(root, 'critic', 'latest')}.")
 
 
 def load(actor: Any, root: str) -> dict[str, Any]:

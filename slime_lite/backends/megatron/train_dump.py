@@ -13,6 +13,7 @@ Each last-stage, TP-rank-0 train rank writes the samples of its data-parallel sh
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +36,14 @@ def train_dump_path(template: str, rollout_id: int, rank: int) -> str:
     return template.format(rollout_id=rollout_id, rank=rank)
 
 
-def check_train_template(template: str, rollout_template: str | None, writers: int) -> None:
+def check_train_template(template: str, rollout_template: str | None, writers: int,
+                         rollout_flag: str = "--save-debug-rollout-data") -> None:
     """Before Ray starts: the template formats, names every rollout (and every rank when several write), and is
-    not the rollout dump's path."""
+    not the path of the rollout dumps the run writes or (a replay, ``rollout_flag`` --load-debug-rollout-data)
+    reads: a train dump never overwrites one."""
     flag = f"--save-debug-train-data {template}"
     try:
-        first = train_dump_path(template, 0, 0)
+        train_dump_path(template, 0, 0)
     except (KeyError, IndexError, ValueError) as exc:
         raise SlimeLiteError(f"{flag}: not a valid template ({type(exc).__name__}: {exc}); only {{rollout_id}} and "
                              "{rank} can be used, e.g. 'dumps/train_{rollout_id}_{rank}.pt'.") from None
@@ -50,8 +53,11 @@ def check_train_template(template: str, rollout_template: str | None, writers: i
     if writers > 1 and "{rank}" not in template:
         raise SlimeLiteError(f"{flag} has no '{{rank}}' placeholder but {writers} data-parallel train ranks each "
                              "write their own samples. Use e.g. 'dumps/train_{rollout_id}_{rank}.pt'.")
-    if rollout_template and first == rollout_template.format(rollout_id=0):
-        raise SlimeLiteError(f"{flag} is the path of --save-debug-rollout-data too; give them different paths.")
+    if rollout_template:
+        rollout_path = os.path.abspath(rollout_template.format(rollout_id=0))
+        if any(os.path.abspath(train_dump_path(template, 0, rank)) == rollout_path for rank in range(writers)):
+            raise SlimeLiteError(f"{flag} is the path of {rollout_flag} too ({rollout_template}): a train dump "
+                                 "would overwrite a rollout dump; give them different paths.")
 
 
 def save_train_dump(template: str, rollout_id: int, rank: int, samples: list, positions: list[int],

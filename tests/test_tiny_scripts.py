@@ -1,0 +1,54 @@
+"""The tiny run scripts' own logic, with `slime-lite` and the model build stubbed: a resumed run keeps its metrics."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Path:
+    """scripts/ with lib.sh and the run scripts; prepare-tiny.sh a no-op; .venv/bin/slime-lite records its calls."""
+    (tmp_path / "scripts").mkdir()
+    for name in ("lib.sh", "run-tiny-grpo.sh", "run-tiny-ppo.sh", "run-tiny-reinforce.sh", "run-tiny-replay.sh"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    (tmp_path / "scripts" / "prepare-tiny.sh").write_text("exit 0\n")
+    fake = tmp_path / ".venv" / "bin" / "slime-lite"
+    fake.parent.mkdir(parents=True)
+    fake.write_text('#!/bin/sh\necho "$@" >> calls.txt\n')
+    fake.chmod(0o755)
+    (tmp_path / "dumps").mkdir()
+    (tmp_path / "dumps" / "data_0.pt").write_text("a dump")  # what run-tiny-replay.sh looks for
+    return tmp_path
+
+
+def _run(sandbox: Path, script: str, *args: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"DUMPS": str(sandbox / "dumps")}
+    proc = subprocess.run(["bash", f"scripts/{script}", *args], cwd=sandbox, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("script", ["run-tiny-grpo.sh", "run-tiny-ppo.sh", "run-tiny-reinforce.sh",
+                                    "run-tiny-replay.sh"])
+def test_a_resumed_run_appends_to_its_metrics_a_fresh_one_starts_them_anew(sandbox: Path, script: str) -> None:
+    """The scripts removed the --metrics-path file before every run: resuming with --load lost the metrics of
+    every rollout before the checkpoint (and the plot showed only the rest)."""
+    metrics, ckpt = sandbox / "m.jsonl", sandbox / "ckpt"
+    ckpt.mkdir()
+    metrics.write_text('{"rollout_id": 0}\n')
+    _run(sandbox, script, "--metrics-path", str(metrics), "--load", str(ckpt))  # no checkpoint yet: a fresh start
+    assert not metrics.exists()
+    (ckpt / "latest").write_text("iter_0000049")
+    metrics.write_text('{"rollout_id": 49}\n')
+    _run(sandbox, script, "--metrics-path", str(metrics), "--load", str(ckpt))  # a resume: appended to
+    assert metrics.read_text() == '{"rollout_id": 49}\n'
+    _run(sandbox, script, "--metrics-path", str(metrics))
+    assert not metrics.exists()
+    assert (sandbox / "calls.txt").read_text().count("train ") == 3
