@@ -156,20 +156,26 @@ def test_a_checkpoints_unfinished_groups_are_generated_again_not_trained():
     assert [(g[0].status, g[0].response_length) for g in worker.pending] == [(Status.ABORTED, 1), (Status.PENDING, 1)]
 
 
-def test_a_filter_that_keeps_nothing_stops_a_fully_async_rollout_naming_it(tiny_model_dir):
-    """As without --fully-async (rollout/oversample.py MAX_SUBMITS): the run stops with the flag named instead of
-    generating forever (the FAKE engine of test_oversample; its samples agree: zero reward std)."""
+def filtered_worker(tiny_model_dir, kinds: str, filter_path: str) -> FullyAsyncWorker:
+    """A worker over test_oversample's FAKE engine (prompts of ``kinds``) with a dynamic-sampling filter; the
+    engines serve version 0."""
     from tests.rollout.test_oversample import make
 
-    gen, source, _ = make(load_tokenizer(str(tiny_model_dir)), tiny_model_dir, "s" * 8, fully_async=True,
-                          over_sampling_batch_size=None,
-                          dynamic_sampling_filter_path="slime_lite.rollout.filters.check_reward_nonzero_std")
+    gen, source, _ = make(load_tokenizer(str(tiny_model_dir)), tiny_model_dir, kinds, fully_async=True,
+                          over_sampling_batch_size=None, dynamic_sampling_filter_path=filter_path)
     worker = FullyAsyncWorker(gen, source)
 
     async def engine_version():
         return 0
 
     worker._engine_version = engine_version
+    return worker
+
+
+def test_a_filter_that_keeps_nothing_stops_a_fully_async_rollout_naming_it(tiny_model_dir):
+    """As without --fully-async (rollout/oversample.py MAX_SUBMITS): the run stops with the flag named instead of
+    generating forever (the FAKE engine of test_oversample; its samples agree: zero reward std)."""
+    worker = filtered_worker(tiny_model_dir, "s" * 8, "slime_lite.rollout.filters.check_reward_nonzero_std")
 
     async def run():
         try:
@@ -185,17 +191,7 @@ def test_a_filter_that_keeps_nothing_stops_a_fully_async_rollout_naming_it(tiny_
 def test_groups_dropped_while_the_trainer_trains_are_counted_in_the_next_rollout(tiny_model_dir):
     """The loop generates (and the filter drops) between two rollouts too: every drop is in some rollout's
     rollout/dynamic_filter/dropped_groups, once."""
-    from tests.rollout.test_oversample import make
-
-    gen, source, _ = make(load_tokenizer(str(tiny_model_dir)), tiny_model_dir, "s" * 16, fully_async=True,
-                          over_sampling_batch_size=None,
-                          dynamic_sampling_filter_path="tests.rollout.test_oversample.odd_prompts")
-    worker = FullyAsyncWorker(gen, source)
-
-    async def engine_version():
-        return 0
-
-    worker._engine_version = engine_version
+    worker = filtered_worker(tiny_model_dir, "s" * 16, "tests.rollout.test_oversample.odd_prompts")
 
     async def run():
         try:
