@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF folder of the reference model for KL (default: --hf-checkpoint)")
     g.add_argument("--save", default=None, help="folder to write checkpoints to")
     g.add_argument("--save-interval", type=_positive_int, default=None,
-                   help="save a checkpoint every N rollouts (needs --save; default: never)")
+                   help="save a checkpoint every N rollouts and after the last one (needs --save; default: "
+                        "never)")
 
     add_train_flags(p)
 

@@ -219,6 +219,7 @@ class TrainSideConfig(_FromArgs):
     ref_load: str | None
     save: str | None
     save_interval: int | None
+    num_rollout: int
     offload_train: bool
 
     @property
@@ -238,7 +239,10 @@ class TrainSideConfig(_FromArgs):
         return self.ref_load or self.hf_checkpoint
 
     def saves_after(self, rollout_id: int) -> bool:
-        return bool(self.save and self.save_interval and (rollout_id + 1) % self.save_interval == 0)
+        """A checkpoint after rollout_id trained: every --save-interval rollouts, and after the last one (as slime:
+        a run's end is never left unsaved)."""
+        return bool(self.save and self.save_interval
+                    and ((rollout_id + 1) % self.save_interval == 0 or rollout_id + 1 == self.num_rollout))
 
 
 @dataclass(frozen=True)

@@ -354,6 +354,12 @@ def test_config_groups_are_read_from_the_parsed_flags(base, cls):
         setattr(cfg, dataclasses.fields(cls)[0].name, None)
 
 
+def test_checkpoints_every_save_interval_and_after_the_last_rollout(base, tmp_path):
+    cfg = TrainSideConfig.from_args(parse_args(base + ["--save", str(tmp_path), "--save-interval", "3",
+                                                       "--num-rollout", "7"]))
+    assert [r for r in range(7) if cfg.saves_after(r)] == [2, 5, 6]  # as slime: the run's end is saved too
+
+
 def test_config_keeps_no_defaults_of_its_own():
     """A flag's default lives in the parser only: a namespace without the flag is an error, not a silent default."""
     assert all(f.default is dataclasses.MISSING for cls in (config.LossConfig, config.CiConfig,
