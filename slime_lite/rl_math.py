@@ -193,7 +193,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 class PerTokenNormalizer(float):
     """A normalizer under which `aggregate_loss` divides the sum over all masked tokens (not the per-sample token
-    means) by it: --calculate-per-token-loss, with the step's token count as the normalizer."""
+    means) by it: --calculate-per-token-loss, with the step's token count as the normalizer. It may be below 1 (the
+    count per data-parallel rank of a step with fewer loss tokens than ranks) and is used as it is; 0 (no loss
+    token: every sum is 0) divides by 1."""
 
 
 def aggregate_loss(
@@ -212,7 +214,8 @@ def aggregate_loss(
     if len(masks) == 0:
         return torch.zeros(())
     if isinstance(normalizer, PerTokenNormalizer):
-        return torch.stack([(x * m.to(x.dtype)).sum() for x, m in zip(per_token, masks)]).sum() / max(n, 1.0)
+        total = torch.stack([(x * m.to(x.dtype)).sum() for x, m in zip(per_token, masks)]).sum()
+        return total / (n if n > 0 else 1.0)
     means = torch.stack([masked_mean(x, m.to(x.dtype)) for x, m in zip(per_token, masks)])
     return means.sum() / max(n, 1)
 
@@ -245,7 +248,7 @@ def _unpad(x: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
 
 def _reverse_scan(deltas: torch.Tensor, decay: float) -> torch.Tensor:
     """out[:, t] = deltas[:, t] + decay * out[:, t+1], with out[:, T] = 0, over a padded [N, T] batch."""
-    acc = torch.zeros_like(deltas[:, 0])
+    acc = deltas.new_zeros(deltas.shape[0])  # (not deltas[:, 0]: a batch of empty responses has no column)
     cols = []
     for t in range(deltas.shape[1] - 1, -1, -1):
         acc = deltas[:, t] + decay * acc
