@@ -68,6 +68,24 @@ def test_adapter_folder_of_another_rank_or_alpha_is_refused(base, tmp_path):
             parse_args(base + extra + ["--lora-adapter-path", str(folder)])
 
 
+@pytest.mark.parametrize("extra,said", [
+    ({"alpha_pattern": {"o_proj": 32}}, "alpha_pattern={'o_proj': 32}"),
+    ({"rank_pattern": {"q_proj": 8}}, "rank_pattern={'q_proj': 8}"),
+    ({"bias": "lora_only"}, "bias='lora_only'"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head']"),
+])
+def test_adapter_folder_that_peft_would_apply_more_of_is_refused(base, tmp_path, extra, said):
+    """Per-module ranks/alphas, trained biases or whole modules: slime-lite would load another model than PEFT."""
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                            "rank_pattern": {}, "bias": "none", **extra}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(SlimeLiteError) as info:
+        parse_args(base + ["--lora-rank", "4", "--lora-alpha", "8", "--lora-adapter-path", str(folder)])
+    assert said in str(info.value) and "only plain LoRA adapters" in str(info.value)
+
+
 def test_target_names_map_to_megatron_linears():
     assert resolve_targets(["all-linear"], False) == ("self_attention.linear_qkv", "self_attention.linear_proj",
                                                       "mlp.linear_fc1", "mlp.linear_fc2")

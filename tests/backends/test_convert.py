@@ -162,3 +162,19 @@ def test_unsupported_architecture_is_a_user_error():
     cfg = hf_config("llama_tied_gqa").to_dict() | {"model_type": "gpt2"}
     with pytest.raises(SlimeLiteError, match="model_type 'gpt2'"):
         hf_to_megatron_shard({}, cfg, 0, 1, 0, 1)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe"])
+def test_attention_bias_with_an_o_proj_bias_is_refused(model_type):
+    """These families' attention_bias also gives o_proj a bias, which Megatron's linear_proj lacks: loading would
+    drop it silently (the trainer's log-probs would not be the model's)."""
+    from transformers import AutoConfig
+
+    from slime_lite.backends.megatron.model import hf_arch
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if model_type == "qwen3_moe" else {}
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, **moe)
+    with pytest.raises(SlimeLiteError, match="attention_bias"):
+        hf_arch(AutoConfig.for_model(model_type, attention_bias=True, **sizes))
+    assert hf_arch(AutoConfig.for_model(model_type, attention_bias=False, **sizes)).qkv_bias is False

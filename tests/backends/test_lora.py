@@ -151,6 +151,21 @@ def test_an_adapter_whose_fused_parts_differ_is_refused(single_rank, tiny_model_
         lora.load_hf_adapters(model, cfg, adapters, "--lora-adapter-path X")
 
 
+def test_an_adapter_on_modules_this_run_does_not_target_is_refused(single_rank, tiny_model_dir):
+    """PEFT applies every adapter of a folder: loading only the targeted ones would silently serve another model."""
+    from slime_lite.backends.megatron import lora
+    from slime_lite.errors import SlimeLiteError
+
+    full, cfg = _model(tiny_model_dir, LoraSettings(4, 4.0, 0.0, ALL))
+    adapters = lora.hf_adapters(full, cfg)
+    model, _ = _model(tiny_model_dir, LoraSettings(4, 4.0, 0.0, ("self_attention.linear_qkv",)))
+    with pytest.raises(SlimeLiteError, match="X has an adapter for model.layers.0.self_attn.o_proj.weight, which "
+                                             "this run's --lora-target-modules leave out"):
+        lora.load_hf_adapters(model, cfg, adapters, "X")
+    lora.load_hf_adapters(model, cfg, {n: ab for n, ab in adapters.items() if "_proj" in n and ".self_attn." in n
+                                       and "o_proj" not in n}, "X")
+
+
 def test_merge_formula_is_one_rounding_of_the_float32_sum_in_rank_order():
     w = torch.randn(6, 5).to(torch.bfloat16)
     a, b = torch.randn(3, 5), torch.randn(6, 3)

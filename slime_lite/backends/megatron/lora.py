@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +41,9 @@ from slime_lite.backends.megatron.convert import _hf_names, _merge, _split
 from slime_lite.backends.megatron.lora_config import ADAPTER_MARK, LINEARS, LoraSettings
 from slime_lite.backends.megatron.model import hf_arch, unwrap
 from slime_lite.errors import SlimeLiteError
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def is_adapter(name: str) -> bool:
@@ -182,13 +186,16 @@ def hf_adapters(model: torch.nn.Module, hf_config: Any) -> dict[str, tuple[torch
 def load_hf_adapters(model: torch.nn.Module, hf_config: Any, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
                      where: str) -> None:
     """Fill this rank's adapters from {HF weight name: (A, B unscaled)} (``hf_adapters``' layout); SlimeLiteError
-    naming ``where`` for a missing or misshaped adapter, or fused parts whose A differ."""
+    naming ``where`` for a missing or misshaped adapter, fused parts whose A differ, or an adapter of a module this
+    run does not adapt (PEFT would apply it)."""
     arch = hf_arch(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    used: set[str] = set()
     with torch.no_grad():
         for layer, linear, mod in adapted_linears(model):
             weight_kind, names = _hf_names(f"decoder.layers.{layer}.{linear}.weight", arch, 0)
+            used.update(names)
             missing = [n for n in names if n not in adapters]
             if missing:
                 raise SlimeLiteError(f"{where} has no adapter for {missing[0]}; it was trained with other "
@@ -208,4 +215,10 @@ def load_hf_adapters(model: torch.nn.Module, hf_config: Any, adapters: dict[str,
                                          f"run's adapter has {tuple(param.shape)} (--lora-rank and the model must "
                                          "be the ones it was trained with).")
                 param.copy_(value)
+    stage = {layer.layer_number - 1 for layer in getattr(getattr(unwrap(model), "decoder", None), "layers", [])}
+    for name in adapters:  # the other stages' layers are their ranks' to check
+        m = _HF_LAYER.match(name)
+        if name not in used and (m is None or int(m.group(1)) in stage or int(m.group(1)) >= arch.num_layers):
+            raise SlimeLiteError(f"{where} has an adapter for {name}, which this run's --lora-target-modules leave "
+                                 "out (PEFT would apply it): give the --lora-target-modules it was trained with.")
 

@@ -86,9 +86,10 @@ def hf_arch(hf_config: Any) -> HFArch:
         raise SlimeLiteError(f"{where} has hidden_act {_get(hf_config, 'hidden_act')!r}; only 'silu' is supported.")
     if _get(hf_config, "use_sliding_window", False):
         raise SlimeLiteError(f"{where} enables use_sliding_window; sliding-window attention is not supported.")
-    if _get(hf_config, "mlp_bias", False) or (model_type in ("llama", "qwen3")
+    if _get(hf_config, "mlp_bias", False) or (model_type in ("llama", "qwen3", "qwen3_moe")
                                               and _get(hf_config, "attention_bias", False)):
-        # Llama's and Qwen3's attention_bias adds an o_proj bias too, which Megatron has only with every linear's
+        # Llama's, Qwen3's and Qwen3-MoE's attention_bias adds an o_proj bias too, which Megatron has only with
+        # every linear's
         raise SlimeLiteError(f"{where} sets attention_bias/mlp_bias; {model_type} models with these biases are not "
                              "supported.")
     rope = rope_parameters(hf_config)

@@ -64,6 +64,16 @@ def check_adapter_folder(args: Any, flag: str = "--lora-adapter-path") -> None:
         raise SlimeLiteError(f"{flag} {folder} has rank r={cfg.get('r')}; give --lora-rank {cfg.get('r')}.")
     if cfg.get("use_rslora") or cfg.get("use_dora"):
         raise SlimeLiteError(f"{flag} {folder} uses rsLoRA/DoRA scaling; only plain LoRA (alpha/r) is supported.")
+    # what PEFT applies beyond one lora_A / lora_B pair per module with one r and lora_alpha: loading without it
+    # would give another model than PEFT's
+    extra = {k: cfg[k] for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "lora_bias", "layer_replication",
+                                 "trainable_token_indices", "target_parameters") if cfg.get(k)}
+    if cfg.get("bias", "none") != "none":
+        extra["bias"] = cfg["bias"]
+    if extra:
+        raise SlimeLiteError(f"{flag} {folder} sets {', '.join(f'{k}={v!r}' for k, v in extra.items())} in {CONFIG}; "
+                             "only plain LoRA adapters (one r and lora_alpha for every module, bias none, no "
+                             "modules_to_save) can be loaded.")
     alpha = args.lora_alpha if args.lora_alpha is not None else float(args.lora_rank)
     if float(cfg.get("lora_alpha", 8)) != alpha:
         raise SlimeLiteError(f"{flag} {folder} was trained with lora_alpha {cfg.get('lora_alpha')}; give "
