@@ -58,6 +58,22 @@ def check_family(cfg: Any, where: str, fix: str = "") -> Family:
     return family
 
 
+def check_trainable(cfg: Any, where: str) -> None:
+    """What the Megatron trainer cannot build in a supported family's config (checked before Ray starts, and again
+    when a worker builds the model): SlimeLiteError naming the field."""
+    model_type = _get(cfg, "model_type")
+    if _get(cfg, "hidden_act", "silu") != "silu":
+        raise SlimeLiteError(f"{where} has hidden_act {_get(cfg, 'hidden_act')!r}; only 'silu' is supported.")
+    if _get(cfg, "use_sliding_window", False):
+        raise SlimeLiteError(f"{where} enables use_sliding_window; sliding-window attention is not supported.")
+    # Llama's, Qwen3's and Qwen3-MoE's attention_bias adds an o_proj bias too, which Megatron has only with every
+    # linear's
+    if _get(cfg, "mlp_bias", False) or (model_type in ("llama", "qwen3", "qwen3_moe")
+                                        and _get(cfg, "attention_bias", False)):
+        raise SlimeLiteError(f"{where} sets attention_bias/mlp_bias; {model_type} models with these biases are not "
+                             "supported by the Megatron trainer.")
+
+
 def qkv_bias(cfg: Any) -> bool:
     """Whether q/k/v have biases: config.json's ``attention_bias`` (Qwen2-MoE: ``qkv_bias``), else the family's."""
     family = FAMILIES[_get(cfg, "model_type")]

@@ -18,7 +18,7 @@ from slime_lite.config import TokenBudget, TrainSideConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import SIGNATURES, load_hook
 from slime_lite.io import probe_folder
-from slime_lite.model_families import check_family, num_experts
+from slime_lite.model_families import check_family, check_trainable, num_experts
 from slime_lite.profiling import profile_targets, trace_dir
 from slime_lite.rollout.dumps import dump_path
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
@@ -65,7 +65,8 @@ def check_hooks(args: Any) -> None:
 def check_model_family(args: Any) -> None:
     """--hf-checkpoint's architecture is one the Megatron trainer builds (unless --debug-rollout-only) and the
     embedded engine serves (when it rolls out): else a SlimeLiteError naming the architecture and the supported
-    ones (the trainer and the engine check the rest of the config when they load the model)."""
+    ones; and (a trainer run) no config field the trainer cannot build (the engine checks the rest of the config when
+    it loads the model)."""
     sides = []
     if not args.debug_rollout_only:
         sides.append("the Megatron trainer cannot build it")
@@ -77,6 +78,8 @@ def check_model_family(args: Any) -> None:
     with open(path, encoding="utf-8") as f:
         cfg = json.load(f)
     check_family(cfg, f"--hf-checkpoint {path}", "; ".join(sides))
+    if not args.debug_rollout_only:
+        check_trainable(cfg, f"--hf-checkpoint {path}")
 
 
 def output_folders(args: Any) -> list[tuple[str, str]]:

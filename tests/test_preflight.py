@@ -126,6 +126,25 @@ def test_train_only_without_dumps_is_refused_before_ray(tiny_model_dir, tmp_path
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_config_field_the_trainer_cannot_build_is_refused_before_ray(tiny_model_dir, replay, tmp_path) -> None:
+    """Not only when a train worker builds the model: an MLP bias (which Megatron's linears would drop) is named
+    before Ray starts; a rollout-only run, which builds no trainer, is not refused for it."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "mlp_bias": True}))
+    with pytest.raises(SlimeLiteError, match=r"--hf-checkpoint .*config\.json sets attention_bias/mlp_bias"):
+        preflight(_args(model, replay))
+    from slime_lite.preflight import check_model_family
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    check_model_family(parse_args(["--hf-checkpoint", str(model), *RUN, "--debug-rollout-only",
+                                   "--prompt-data", str(tmp_path / "p.jsonl"), "--rm-type", "addition"]))
+
+
 def test_every_mismatched_setting_is_named_at_once(tiny_model_dir, replay, tmp_path) -> None:
     """A dump made with other --n-samples-per-prompt and --rollout-batch-size, whose samples do not split into this
     run's steps: one error names all three (not one per try)."""

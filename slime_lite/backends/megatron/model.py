@@ -35,7 +35,8 @@ from slime_lite.backends.megatron.attention import FastCoreAttention, install_pa
 from slime_lite.backends.megatron.batch import to_device
 from slime_lite.backends.megatron.post_norm import PostNormLayer
 from slime_lite.errors import SlimeLiteError
-from slime_lite.model_families import MoE, check_family, moe_config, partial_rotary_factor, qkv_bias, rope_parameters
+from slime_lite.model_families import (MoE, check_family, check_trainable, moe_config, partial_rotary_factor, qkv_bias,
+                                       rope_parameters)
 
 TE_INSTALL_HINT = (
     "--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is not installed: "
@@ -82,16 +83,7 @@ def hf_arch(hf_config: Any) -> HFArch:
     model_type = _get(hf_config, "model_type")
     where = "the --hf-checkpoint config.json"
     family = check_family(hf_config, where, "the Megatron backend cannot build it")
-    if _get(hf_config, "hidden_act", "silu") != "silu":
-        raise SlimeLiteError(f"{where} has hidden_act {_get(hf_config, 'hidden_act')!r}; only 'silu' is supported.")
-    if _get(hf_config, "use_sliding_window", False):
-        raise SlimeLiteError(f"{where} enables use_sliding_window; sliding-window attention is not supported.")
-    if _get(hf_config, "mlp_bias", False) or (model_type in ("llama", "qwen3", "qwen3_moe")
-                                              and _get(hf_config, "attention_bias", False)):
-        # Llama's, Qwen3's and Qwen3-MoE's attention_bias adds an o_proj bias too, which Megatron has only with
-        # every linear's
-        raise SlimeLiteError(f"{where} sets attention_bias/mlp_bias; {model_type} models with these biases are not "
-                             "supported.")
+    check_trainable(hf_config, where)
     rope = rope_parameters(hf_config)
     rope_theta = float(rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
