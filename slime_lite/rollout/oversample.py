@@ -141,42 +141,50 @@ class OverSampler:
         had: dict[int, int] = {}  # sample index -> response tokens it brought from an earlier rollout
         self.restarted, self.requested = {}, set()
         kill = gen.kill_engine is not None and kills_engine(a.debug_inject_fault, rollout_id)
-        while len(kept) < target:
-            while in_play < target:
-                submits += 1
-                if submits > MAX_SUBMITS:
-                    raise SlimeLiteError(
-                        f"rollout {rollout_id}: only {len(kept)} of --rollout-batch-size {target} groups finished "
-                        f"after {MAX_SUBMITS} batches of --over-sampling-batch-size {chunk} ({generated} groups "
-                        f"came back, {dropped} dropped by --dynamic-sampling-filter-path, {len(late)} cut short by "
-                        "the engines): the filter is too strict for this model/data, or the engines abort requests.")
-                groups = self._take(chunk, next_index)
-                had.update((s.index, s.response_length) for g in groups for s in g if s.response_length)
-                for s in (s for g in groups for s in g if not unfinished(s)):  # no request of this rollout
-                    s.metadata.setdefault(FINISHED_BEFORE, rollout_id)
-                next_index += sum(len(g) for g in groups)
-                for prompt in source.next_batch(chunk - len(groups)):
-                    groups.append(gen.new_group(prompt, next_index))
-                    next_index += a.n_samples_per_prompt
-                runs = [self._run(g, params, seed_base) for g in groups]
-                if kill:
-                    runs[-1] = gen._kill_engine_before(runs[-1], wait_for_a_group=len(runs) > 1)
-                    kill = False
-                pending |= {asyncio.ensure_future(r) for r in runs}
-                in_play += len(groups)
-                sent += len(groups)
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                group = task.result()
-                generated += 1
-                if not complete(group):  # the engine cut it short (e.g. an engine error): never trained
-                    in_play -= 1
-                    late.append(group)
-                elif gen.filter_fn is not None and not gen.filter_fn(gen.args, group):
-                    in_play -= 1
-                    dropped += 1
-                else:
-                    (kept if len(kept) < target else late).append(group)
+        done: set[asyncio.Future] = set()
+        try:
+            while len(kept) < target:
+                while in_play < target:
+                    submits += 1
+                    if submits > MAX_SUBMITS:
+                        raise SlimeLiteError(
+                            f"rollout {rollout_id}: only {len(kept)} of --rollout-batch-size {target} groups "
+                            f"finished after {MAX_SUBMITS} batches of --over-sampling-batch-size {chunk} ({generated} "
+                            f"groups came back, {dropped} dropped by --dynamic-sampling-filter-path, {len(late)} cut "
+                            "short by the engines): the filter is too strict for this model/data, or the engines "
+                            "abort requests.")
+                    groups = self._take(chunk, next_index)
+                    had.update((s.index, s.response_length) for g in groups for s in g if s.response_length)
+                    for s in (s for g in groups for s in g if not unfinished(s)):  # no request of this rollout
+                        s.metadata.setdefault(FINISHED_BEFORE, rollout_id)
+                    next_index += sum(len(g) for g in groups)
+                    for prompt in source.next_batch(chunk - len(groups)):
+                        groups.append(gen.new_group(prompt, next_index))
+                        next_index += a.n_samples_per_prompt
+                    runs = [self._run(g, params, seed_base) for g in groups]
+                    if kill:
+                        runs[-1] = gen._kill_engine_before(runs[-1], wait_for_a_group=len(runs) > 1)
+                        kill = False
+                    pending |= {asyncio.ensure_future(r) for r in runs}
+                    in_play += len(groups)
+                    sent += len(groups)
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    group = task.result()
+                    generated += 1
+                    if not complete(group):  # the engine cut it short (e.g. an engine error): never trained
+                        in_play -= 1
+                        late.append(group)
+                    elif gen.filter_fn is not None and not gen.filter_fn(gen.args, group):
+                        in_play -= 1
+                        dropped += 1
+                    else:
+                        (kept if len(kept) < target else late).append(group)
+        except BaseException:  # a hook or the filter raised: the other groups stop too, their errors read
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, *done, return_exceptions=True)
+            raise
         leftovers = late + await self._abort(pending)
         # the versions this rollout's requests reported (a trained sample may have made none: carried already
         # finished, or never sent once the abort began; its version is older): the newest is the rollout's weights,
