@@ -61,6 +61,9 @@ class Request:
     slot: int = -1
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     created: float = field(default_factory=time.monotonic)
+    # the scheduler's abort-all count when the request was made (Scheduler.prepare): an abort-all after that aborts
+    # it when it is submitted later (the rest of a batch waiting for its turn)
+    abort_epoch: int | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routed_experts: Any = None  # set when the request finishes

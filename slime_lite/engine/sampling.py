@@ -112,10 +112,15 @@ class SamplingParams:
             raise ValueError("sampling_params.top_k=0 must be -1 (all) or >= 1")
         seed = d.get("sampling_seed")
         if seed is not None:
-            seed = check.integer(seed, f + "sampling_seed", check.INT64_MIN, check.UINT64_MAX)
+            seed = check.integer(seed, f + "sampling_seed")  # int64, as SGLang checks it
+        max_new = None if to_limit else check.integer(d.get("max_new_tokens", 128), f + "max_new_tokens", 0)
+        min_new = check.integer(d.get("min_new_tokens", 0), f + "min_new_tokens", 0)
+        if max_new is not None and min_new > max_new:
+            raise ValueError(f"sampling_params.min_new_tokens={min_new} must be at most "
+                             f"sampling_params.max_new_tokens={max_new}")
         return cls(
-            max_new_tokens=None if to_limit else check.integer(d.get("max_new_tokens", 128), f + "max_new_tokens", 0),
-            min_new_tokens=check.integer(d.get("min_new_tokens", 0), f + "min_new_tokens", 0),
+            max_new_tokens=max_new,
+            min_new_tokens=min_new,
             temperature=check.number(d.get("temperature", 1.0), f + "temperature", 0.0),
             top_p=check.number(d.get("top_p", 1.0), f + "top_p", 0.0, 1.0, lo_open=True),
             top_k=top_k,

@@ -5,8 +5,8 @@ prefilled together and join the running batch, which decodes one token per reque
 refilled at the next step, so short and long generations share the batch without waiting for each other.
 
 Everything that touches the model (generation, weight updates, memory release) runs in the model thread; other
-threads talk to it through ``submit``/``abort`` and ``call(fn)``, which runs ``fn`` between two steps and returns a
-``concurrent.futures.Future``; the control operations (``pause``, ``flush_cache``, ``release_memory``, ...;
+threads talk to it through ``submit``/``abort``/``cancel`` and ``call(fn)``, which runs ``fn`` between two steps and
+returns a ``concurrent.futures.Future``; the control operations (``pause``, ``flush_cache``, ``release_memory``, ...;
 engine/control.py) run that way. Decode steps are launched and read back by a ``DecodePipeline``
 (engine/pipeline.py). Results leave through each request's ``on_output`` callback, called in the model thread with
 a ``RequestOutput`` snapshot (after every token for streaming requests, else once at the end).
@@ -122,6 +122,9 @@ class Scheduler(AdmissionMixin, ControlMixin):
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
         self.paused = False
+        self.abort_epoch = 0  # abort-alls so far (counted when asked for: see abort)
+        self._abort_message = ""  # the last abort-all's
+        self._abort_lock = threading.Lock()
         self.released: set[str] = set()
         self._stash = TensorStash(self.device)  # the weights while released (release_memory)
         self._weight_buffer = None  # a vmm.MappedBuffer the weights come back into at each resume (CUDA)
@@ -160,8 +163,21 @@ class Scheduler(AdmissionMixin, ControlMixin):
 
     def abort(self, rid: str | None = None, message: str = "aborted by /abort_request") -> None:
         """Abort the request ``rid`` and the ``rid_<i>`` requests a batch or ``n`` made of it, or every request
-        when ``rid`` is None. Aborted requests return what they generated, with finish reason ``abort``."""
+        when ``rid`` is None. Aborted requests return what they generated, with finish reason ``abort``. An abort of
+        every request also ends those made before this call and submitted after it (the rest of a batch waiting for
+        its turn), not those made after it, whenever the model thread gets to it."""
+        if rid is None:
+            self._count_abort_all(message)
         self._inbox.put(("abort", rid, message))
+
+    def _count_abort_all(self, message: str) -> None:
+        with self._abort_lock:
+            self.abort_epoch += 1
+            self._abort_message = message
+
+    def cancel(self, reqs: list[Request], message: str) -> None:
+        """Abort exactly these submitted requests (a client left): not others whose rid starts the same way."""
+        self._inbox.put(("cancel", list(reqs), message))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Run ``fn(*args)`` in the model thread between two steps."""
@@ -203,6 +219,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
             if bad:
                 raise ValueError(f"{name}: token id(s) {bad[:5]} outside the vocabulary [0, {self.lm.vocab_size})")
         req.logprob_start_len = lpx.resolve_start(req.logprob_start_len, n, req.token_ids_logprob)
+        req.abort_epoch = self.abort_epoch
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self.tokenizer_lock:
@@ -213,15 +230,18 @@ class Scheduler(AdmissionMixin, ControlMixin):
             return self.tokenizer.encode(text, add_special_tokens=False)
 
     def output_text(self, out: RequestOutput) -> str:
-        """The response text: stop token or stop string trimmed unless ``no_stop_trim``."""
+        """The response text, trimmed as SGLang's detokenizer does: without the matched stop token (kept with
+        ``no_stop_trim``); cut before the matched stop string, or right after it with ``no_stop_trim`` (the rest of
+        the token that completed it is dropped either way)."""
         ids, fr, p = out.output_ids, out.finish_reason or {}, out.params
-        trim = fr.get("type") == "stop" and not p.no_stop_trim
-        if trim and isinstance(fr.get("matched"), int) and ids:
+        matched = fr.get("matched") if fr.get("type") == "stop" else None
+        if isinstance(matched, int) and not p.no_stop_trim and ids:
             ids = ids[:-1]
         text = self.decode(ids, p.skip_special_tokens)
-        if trim and isinstance(fr.get("matched"), str):
-            cut = text.find(fr["matched"])
-            text = text[:cut] if cut >= 0 else text
+        if isinstance(matched, str):
+            cut = text.find(matched)
+            if cut >= 0:
+                text = text[: cut + len(matched)] if p.no_stop_trim else text[:cut]
         return text
 
     @property
@@ -285,14 +305,23 @@ class Scheduler(AdmissionMixin, ControlMixin):
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            self.waiting.append(msg[1])
+            req = msg[1]
+            if req.abort_epoch is not None and req.abort_epoch < self.abort_epoch:  # an abort-all came after it
+                self._finish(req, {"type": "abort", "message": self._abort_message})
+            else:
+                self.waiting.append(req)
         elif kind == "abort":
             _, rid, message = msg
             if rid is None:
-                self._abort_all(message)
+                self._abort_all(message, count=False)  # counted by abort()
             else:
                 match = lambda r: r.rid == rid or r.rid.startswith(rid + "_")  # noqa: E731
                 for r in [r for r in self.waiting if match(r)] + [r for r in self.running.values() if match(r)]:
+                    self._finish(r, {"type": "abort", "message": message})
+        elif kind == "cancel":
+            _, reqs, message = msg
+            for r in reqs:
+                if r.finish_reason is None and (self.running.get(r.slot) is r or r in self.waiting):
                     self._finish(r, {"type": "abort", "message": message})
         elif kind == "call":
             try:
@@ -314,8 +343,8 @@ class Scheduler(AdmissionMixin, ControlMixin):
         self.pipeline.drop()
         reason = {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"}
         blamed = [r for r in [*self.running.values(), *self.waiting] if not self._samples_alone(r)]
-        if not blamed:
-            self._abort_all(reason["message"])
+        if not blamed:  # requests on their way in were not in the failed step: they run
+            self._abort_all(reason["message"], count=False)
             return
         for r in blamed:
             self._finish(r, reason)
@@ -337,7 +366,10 @@ class Scheduler(AdmissionMixin, ControlMixin):
         req.slot = -1
         self.waiting.appendleft(req)
 
-    def _abort_all(self, message: str) -> None:
+    def _abort_all(self, message: str, count: bool = True) -> None:
+        """Abort every request; ``count``: also those made before now and submitted later (see ``abort``)."""
+        if count:
+            self._count_abort_all(message)
         self.pipeline.drop()
         for r in list(self.waiting) + list(self.running.values()):
             self._finish(r, {"type": "abort", "message": message})
@@ -438,24 +470,25 @@ class Scheduler(AdmissionMixin, ControlMixin):
                 self._emit(r)
 
     def _banned(self, req: Request) -> list[int]:
+        """Below ``min_new_tokens``: the stop token ids and eos, ``ignore_eos`` or not (SGLang's penalizer)."""
         if len(req.output_ids) >= req.params.min_new_tokens:
             return []
-        ids = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            ids |= self.eos_ids
+        ids = set(req.params.stop_token_ids) | self.eos_ids
         return sorted(i for i in ids if 0 <= i < self.lm.vocab_size)
 
     def _check_finished(self, req: Request, tok: int) -> dict[str, Any] | None:
-        """SGLang's order: length first, then stop token ids / eos, then stop strings."""
+        """SGLang's order: stop strings first, then stop token ids / eos (neither under ``ignore_eos``), then the
+        length; so eos as the last allowed token is a stop. Stop strings are looked for in the text with special
+        tokens, whatever ``skip_special_tokens`` says (SGLang decodes the tail that way)."""
         p = req.params
-        if len(req.output_ids) >= req.max_new:
-            return {"type": "length", "length": len(req.output_ids)}
-        if tok in p.stop_id_set or (not p.ignore_eos and tok in self.eos_ids):
-            return {"type": "stop", "matched": tok}
         if p.stop:
             window = max(len(s) for s in p.stop) + 8
-            tail = self.decode(req.output_ids[-window:], p.skip_special_tokens)
+            tail = self.decode(req.output_ids[-window:], False)
             for s in p.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
+        if not p.ignore_eos and (tok in p.stop_id_set or tok in self.eos_ids):
+            return {"type": "stop", "matched": tok}
+        if len(req.output_ids) >= req.max_new:
+            return {"type": "length", "length": len(req.output_ids)}
         return None

@@ -1,13 +1,14 @@
 """The embedded engine's HTTP server: SGLang's native API (a subset), so it can stand in for a real SGLang server.
 
 ``slime-lite serve --model-path DIR --port P`` runs it from the shell; ``EngineServer(...).start()`` runs it inside
-a process (a Ray actor, a test) on a background thread with its own event loop. Routes and fields follow
-``shared/reference/sglang-api.md``; generation happens in the ``Scheduler``'s model thread.
+a process (a Ray actor, a test) on a background thread with its own event loop. Routes and fields are SGLang's
+(names, shapes, defaults); generation happens in the ``Scheduler``'s model thread.
 
 No request can stall or poison the others: every field is checked before admission (``validate``: a 400 naming
 the field), bodies are limited (``--max-request-bytes``; 413), one HTTP request holds at most the KV cache's
-tokens in the engine at a time (the rest wait their turn), a client that disconnects cancels its requests, and
-``/health`` answers 503 when generation is paused or stuck.
+tokens in the engine at a time (the rest wait their turn), a client that disconnects cancels its requests (and
+no one else's: a rid is refused while a request of that rid is live), and ``/health`` answers 503 when generation
+is paused or stuck.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import signal
 import tempfile
 import threading
 import uuid
+from collections import Counter
 from typing import Any, AsyncIterator
 
 from aiohttp import web
@@ -89,6 +91,7 @@ class EngineServer:
         self.profile_dir = os.path.abspath(profile_dir or default_profile_dir())
         self.served_model_name = served_model_name or model_path
         self.url: str | None = None
+        self._live_rids: set[str] = set()  # ids of the /generate requests in flight (read and written in the loop)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner = None
@@ -221,8 +224,8 @@ class EngineServer:
                 for x in _as_list(top_logprobs_num, n_prompts, "top_logprobs_num")]
         if isinstance(token_ids_logprob, list) and token_ids_logprob and isinstance(token_ids_logprob[0], list):
             id_lists = _as_list(token_ids_logprob, n_prompts, "token_ids_logprob")
-        else:
-            id_lists = [token_ids_logprob] * n_prompts
+        else:  # SGLang reads an empty list as not given
+            id_lists = [token_ids_logprob if token_ids_logprob != [] else None] * n_prompts
         id_lists = [None if x is None else check.token_id_list(x, "token_ids_logprob") for x in id_lists]
         text_lp = check.boolean(return_text_in_logprobs, "return_text_in_logprobs")
         stream = check.boolean(stream, "stream")
@@ -335,8 +338,22 @@ class EngineServer:
                 yield i, out
         finally:
             if remaining:
-                for req in reqs[:submitted]:
-                    self.scheduler.abort(req.rid, "client disconnected")
+                self.scheduler.cancel(reqs[:submitted], "client disconnected")
+
+    @contextlib.contextmanager
+    def _claim_rids(self, reqs: list[Any]):
+        """The requests' ids are taken while they run. A request with an id that is live, or twice in one batch, is
+        a 400 (SGLang's rule): an abort by that id, or a client's disconnect, must not end another one's request."""
+        rids = [r.rid for r in reqs]
+        taken = sorted({r for r in rids if r in self._live_rids} | {r for r, k in Counter(rids).items() if k > 1})
+        if taken:
+            raise BadRequest(f"rid: duplicate request id(s) {taken[:5]}: already in flight or repeated in this "
+                             "request; give each live request its own rid")
+        self._live_rids.update(rids)
+        try:
+            yield
+        finally:
+            self._live_rids.difference_update(rids)
 
     async def run_requests(self, reqs: list[Any]) -> list[Any]:
         outs: list[Any] = [None] * len(reqs)
@@ -380,6 +397,10 @@ class EngineServer:
             token_ids_logprob=body.get("token_ids_logprob"), return_text_in_logprobs=opt("return_text_in_logprobs", False), stream=opt("stream", False),
         )
         self._routed_experts(reqs, opt("return_routed_experts", False), opt("routed_experts_start_len", 0))
+        with self._claim_rids(reqs):
+            return await self._generate(request, reqs, single)
+
+    async def _generate(self, request, reqs: list[Any], single: bool):
         stream = reqs[0].stream
         single = single and len(reqs) == 1
         if not stream:

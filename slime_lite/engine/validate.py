@@ -3,7 +3,7 @@
 Each check returns the value in the type the engine uses, or raises ``ValueError`` whose message starts with the
 field's name (the routes answer it as HTTP 400). JSON brings arbitrary-size integers, NaN and Infinity (Python's
 ``json`` accepts them) and ``true``/``false`` where numbers are expected: numbers must be finite, integers must fit
-a machine integer (int64, seeds uint64), and booleans are not numbers.
+a machine integer (int64), and booleans are not numbers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import math
 from typing import Any, Callable
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-UINT64_MAX = (1 << 64) - 1
 MAX_N = 256  # samples per prompt (sampling_params.n)
 MAX_SEQUENCES = 4096  # prompts x n in one HTTP request
 MAX_STOP = 256  # stop strings per request (each one is searched for after every token)

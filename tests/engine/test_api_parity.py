@@ -138,6 +138,9 @@ def test_logprob_start_len_conventions(engine):
     assert last["meta_info"]["input_token_logprobs"] == []
     status, err = http(url, "/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 6})
     assert status == 400 and "logprob_start_len" in err["error"]["message"]
+    # an empty token_ids_logprob is SGLang's "not given": no token-id lists, none of the prompt
+    empty = generate(url, input_ids=prompt, return_logprob=True, token_ids_logprob=[], sampling_params=sp)["meta_info"]
+    assert empty["input_token_logprobs"] == [] and "output_token_ids_logprobs" not in empty
 
 
 def test_logit_bias_moves_the_sampled_token_and_its_logprob(engine):

@@ -75,9 +75,11 @@ def test_stop_token_ids_and_stop_strings(engine):
     base = generate(engine.url, text="hello", sampling_params={"max_new_tokens": 12, **GREEDY})
     ids = base["output_ids"]
     stop_id = ids[3]
-    out = generate(engine.url, text="hello", sampling_params={"max_new_tokens": 12, "stop_token_ids": [stop_id],
-                                                               **GREEDY})
     k = ids.index(stop_id)
+    assert engine.scheduler.eos_ids.isdisjoint(ids[: k + 1])
+    # without ignore_eos: SGLang ignores stop_token_ids under it, as it ignores eos
+    out = generate(engine.url, text="hello", sampling_params={"max_new_tokens": 12, "stop_token_ids": [stop_id],
+                                                               "temperature": 0.0})
     assert out["output_ids"] == ids[: k + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     assert out["text"] == engine.scheduler.decode(ids[:k])  # the stop token is trimmed from the text

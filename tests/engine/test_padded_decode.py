@@ -21,14 +21,17 @@ def test_buckets_cover_every_size_and_end_at_the_maximum():
 
 
 def run_requests(scheduler, specs: list[tuple[list[int], int, int]], **sampling) -> list:
-    """Submit ``(prompt, max_new_tokens, seed)`` requests at once; return their outputs in order."""
+    """Submit ``(prompt, max_new_tokens, seed)`` requests at once; return their outputs in order. A
+    ``min_new_tokens`` over a request's max_new_tokens is lowered to it (SGLang refuses more)."""
     from slime_lite.engine.sampling import SamplingParams
     from slime_lite.engine.request import Request
 
     outs: dict[int, object] = {}
     done = threading.Semaphore(0)
     for i, (prompt, max_new, seed) in enumerate(specs):
-        params = SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 1.0, **sampling})
+        sp = {"max_new_tokens": max_new, "temperature": 1.0, **sampling}
+        sp["min_new_tokens"] = min(sp.get("min_new_tokens", 0), max_new)
+        params = SamplingParams.from_dict(sp)
         req = Request(rid=f"r{i}", input_ids=prompt, params=params, seed=seed,
                       on_output=lambda o, i=i: (outs.__setitem__(i, o), done.release()))
         scheduler.prepare(req)

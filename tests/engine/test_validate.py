@@ -29,8 +29,11 @@ BAD_GENERATE = [  # (body, the field the error names)
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 511}}, "max_new_tokens"),  # 2 + 511 >= 512
     ({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": "3"}}, "min_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}}, "min_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": 129}}, "min_new_tokens"),  # over the default 128
     ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": -(2**64)}}, "sampling_seed"),
     ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}}, "sampling_seed"),
+    ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**63}}, "sampling_seed"),  # SGLang's: int64
     ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
     ({"input_ids": [1, 2], "sampling_params": {"n": 10**6}}, "sampling_params.n"),
     ({"input_ids": [[1, 2]] * 20, "sampling_params": {"n": 256}}, "sequences"),
@@ -91,7 +94,7 @@ def test_bad_values_on_other_routes_answer_400_naming_the_field(engine, route, b
 
 def test_values_at_the_limits_are_still_accepted(engine):
     sp = {"max_new_tokens": 4, "temperature": 0, "top_p": 1, "top_k": 2**63 - 1, "min_p": 0,
-          "sampling_seed": 2**64 - 1, "n": 2, "stop_token_ids": [engine.scheduler.lm.vocab_size - 1],
+          "sampling_seed": 2**63 - 1, "n": 2, "stop_token_ids": [engine.scheduler.lm.vocab_size - 1],
           "ignore_eos": True}
     outs = generate(engine.url, input_ids=[1, 2], sampling_params=sp, return_logprob=None, stream=None)
     assert [len(o["output_ids"]) for o in outs] == [4, 4]
@@ -151,6 +154,52 @@ def test_client_disconnect_aborts_non_streaming_request(engine):
     assert http(engine.url, "/get_server_info")[1]["num_generated_tokens"] - before < 500
 
 
+def _wait_running(url: str, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while http(url, "/get_server_info")[1]["num_running_reqs"] != n:
+        assert time.monotonic() < deadline, f"never {n} running"
+        time.sleep(0.01)
+
+
+def test_a_rid_already_in_flight_is_a_400_and_the_first_request_goes_on(engine):
+    """SGLang refuses a request whose rid (or one of a batch's) is live, or repeated in the batch: otherwise an abort
+    by that rid, or one client's disconnect, would end the other client's request too."""
+    long = {"max_new_tokens": 500, **GREEDY}
+    t, box = in_thread(generate, engine.url, input_ids=[1, 2], rid="dup", sampling_params=long)
+    _wait_running(engine.url, 1)
+    for body in ({"input_ids": [3, 4], "rid": "dup"}, {"input_ids": [[3, 4], [5]], "rid": ["x", "dup"]}):
+        status, out = http(engine.url, "/generate", {**body, "sampling_params": {"max_new_tokens": 2}})
+        assert status == 400 and "dup" in out["error"]["message"] and "rid" in out["error"]["message"], out
+    status, out = http(engine.url, "/generate", {"input_ids": [[3, 4], [5]], "rid": ["y", "y"]})
+    assert status == 400 and "'y'" in out["error"]["message"], out
+    assert t.is_alive()
+    http(engine.url, "/abort_request", {"rid": "dup"})
+    t.join(30)
+    assert box["result"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert generate(engine.url, input_ids=[3, 4], rid="dup", sampling_params={"max_new_tokens": 2})  # free again
+
+
+def test_a_client_that_leaves_cancels_only_its_own_requests(engine):
+    """A client's disconnect ends its requests, not another client's whose rid starts the same way."""
+    long = {"max_new_tokens": 500, **GREEDY}
+    t, box = in_thread(generate, engine.url, input_ids=[1, 2], rid="job_1", sampling_params=long)
+    _wait_running(engine.url, 1)
+    body = json.dumps({"input_ids": [3, 4], "rid": "job", "stream": True, "sampling_params": long})
+    host, port = engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(4096)
+    _wait_running(engine.url, 1)  # the stream's request ended
+    time.sleep(0.2)  # an abort by the prefix "job" would have reached job_1 by now
+    assert t.is_alive()
+    http(engine.url, "/abort_request", {"rid": "job_1"})
+    t.join(30)
+    assert box["result"]["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted by /abort_request"}
+
+
 def test_a_big_batch_takes_turns_with_a_later_small_request(tiny_model_dir):
     """Admission by token budget: a batch larger than the KV cache (12 x 63 tokens for 2 x 128) is submitted a
     cache-full at a time, so a request sent after it starts finishes long before the batch does."""
@@ -173,6 +222,41 @@ def test_a_big_batch_takes_turns_with_a_later_small_request(tiny_model_dir):
         assert [len(o["output_ids"]) for o in big["result"]] == [60] * 12
     finally:
         server.stop()
+
+
+def test_abort_all_ends_the_rest_of_a_batch_that_waits_for_its_turn(tiny_model_dir, monkeypatch):
+    """A batch bigger than the KV cache enters the engine a part at a time. An abort_all that comes between two parts
+    (the first one done, the next not in yet) ends the rest, as it does where SGLang holds the whole batch."""
+    from engine_helpers import start_engine
+
+    server = start_engine(tiny_model_dir, max_running_requests=2, kv_cache_tokens=256)
+    try:
+        submit = server.scheduler.submit
+
+        def abort_in_the_gap(req):
+            if req.rid == "gap_1":  # gap_0 has finished; the abort is done before gap_1 comes in
+                server.scheduler.abort(None)
+                server.scheduler.call(lambda: None).result(10)
+            submit(req)
+
+        monkeypatch.setattr(server.scheduler, "submit", abort_in_the_gap)
+        outs = generate(server.url, input_ids=[[1] * 30] * 3, rid="gap",  # 30 + 99 tokens each: one at a time
+                        sampling_params={"max_new_tokens": 99, **GREEDY})
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length", "abort", "abort"]
+        assert outs[1]["meta_info"]["finish_reason"]["message"] == "aborted by /abort_request"
+        assert server.scheduler.num_waiting == server.scheduler.num_running == 0
+    finally:
+        server.stop()
+
+
+def test_a_request_sent_after_abort_all_returned_is_not_aborted(engine):
+    """An abort_all ends the requests received before it, not one sent after it returned, even while the model
+    thread has not reached the abort yet (busy here)."""
+    busy = engine.scheduler.call(time.sleep, 0.5)
+    assert http(engine.url, "/abort_request", {"abort_all": True})[0] == 200
+    out = generate(engine.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 3, **GREEDY})
+    busy.result(10)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
 
 # (field path, value) pairs of /generate whose JSON type SGLang's generate contract decides: ours must agree
