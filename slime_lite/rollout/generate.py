@@ -88,21 +88,42 @@ def continued(params: dict[str, Any], sample: Sample) -> dict[str, Any]:
         else params
 
 
+_CUT_WARNED: list[bool] = []  # once per process
+
+
+def _filled(sample: Sample, out: dict[str, Any], asked: int) -> Sample:
+    """``fill_response``, and a warning (once) when the engine ended the response at its own length limit before
+    the ``asked`` tokens: every such response is cut short."""
+    had = sample.response_length
+    fill_response(sample, out)
+    got = sample.response_length - had
+    if (out["meta_info"].get("finish_reason") or {}).get("type") == "length" and got < asked and not _CUT_WARNED:
+        _CUT_WARNED.append(True)
+        log.warning("sample %s: the engine ended its response at %d of the %d tokens asked (finish 'length'): the "
+                    "prompt plus --rollout-max-response-len do not fit what the engine serves per request, the "
+                    "model's context or, for the embedded engine, its batch slot (min(context, 4096) tokens unless "
+                    "--engine-kv-cache-tokens / --engine-max-running-requests make it larger); such responses are "
+                    "truncated (logged once)", sample.index, got, asked)
+    return sample
+
+
 async def default_generate(args: Any, sample: Sample, params: dict[str, Any]) -> Sample:
     """slime's generate signature; sends the prompt ids (and a continued sample's response so far) to an engine and
     fills the response fields."""
-    body = {"input_ids": sample.tokens, "sampling_params": continued(params, sample), "return_logprob": True,
+    p = continued(params, sample)
+    body = {"input_ids": sample.tokens, "sampling_params": p, "return_logprob": True,
             "return_routed_experts": bool(args.use_rollout_routing_replay)}
-    return fill_response(sample, await args.engine_client.generate(body))
+    return _filled(sample, await args.engine_client.generate(body), p["max_new_tokens"])
 
 
 async def generate_group(args: Any, group: list[Sample], params: list[dict[str, Any]]) -> list[Sample]:
     """A prompt group in one /generate call (a list of prompts, one sampling-params dict each): one HTTP round
     trip instead of n; the engine batches them as it would n separate requests."""
-    body = {"input_ids": [s.tokens for s in group], "sampling_params": [continued(p, s) for s, p in zip(group, params)],
+    ps = [continued(p, s) for s, p in zip(group, params)]
+    body = {"input_ids": [s.tokens for s in group], "sampling_params": ps,
             "return_logprob": True, "return_routed_experts": bool(args.use_rollout_routing_replay)}
     outs = await args.engine_client.generate(body)
-    return [fill_response(s, out) for s, out in zip(group, outs)]
+    return [_filled(s, out, p["max_new_tokens"]) for s, out, p in zip(group, outs, ps)]
 
 
 def split_samples(out: Any, sample: Sample) -> list[Sample]:

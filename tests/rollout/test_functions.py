@@ -193,3 +193,30 @@ def test_a_malformed_hook_sample_fails_the_rollout_naming_sample_and_field_and_t
 
     dumped = torch.load(tmp_path / "d_0.pt", weights_only=True)["samples"]  # written as generated, to inspect
     assert len(dumped) == 4 and dumped[1]["response_length"] == 4
+
+
+def test_a_response_the_engine_cuts_before_its_max_new_tokens_is_warned_once(monkeypatch, caplog):
+    """The engine ends a response at its own limit (the model's context, the embedded engine's batch slot) before
+    the tokens asked: logged once, naming the flags; a response that used all its tokens is not."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from slime_lite.rollout import generate as gen
+    from slime_lite.types import Sample
+
+    class Cuts:  # FAKE engine client: two tokens, finish "length"
+        async def generate(self, body):
+            return {"text": "ab", "output_ids": [5, 6], "meta_info": {
+                "finish_reason": {"type": "length", "length": 2},
+                "output_token_logprobs": [[-0.1, 5, None], [-0.1, 6, None]]}}
+
+    monkeypatch.setattr(gen, "_CUT_WARNED", [])
+    args = SimpleNamespace(engine_client=Cuts(), use_rollout_routing_replay=False)
+    with caplog.at_level(logging.WARNING, logger="slime_lite.rollout.generate"):
+        asyncio.run(gen.default_generate(args, Sample(index=0, tokens=[1, 2]), {"max_new_tokens": 2}))
+        assert not caplog.records  # all its tokens: not cut
+        for i in range(3):
+            asyncio.run(gen.default_generate(args, Sample(index=i, tokens=[1, 2]), {"max_new_tokens": 8}))
+    assert len(caplog.records) == 1
+    assert "2 of the 8 tokens asked" in caplog.text and "--engine-kv-cache-tokens" in caplog.text
