@@ -117,6 +117,12 @@ NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
     "--custom-tis-function-path": (_value(), "slime's hook for a custom importance-sampling weight (the built-in "
                                              "ones: --use-tis with --tis-mode truncate|mask and --tis-level "
                                              "token|sequence|geometric)"),
+    "--disable-rewards-normalization": (STORE_TRUE, "GRPO and REINFORCE++-baseline always centre the rewards on "
+                                                    "their group's mean (--disable-grpo-std-normalization drops the "
+                                                    "division by the std)"),
+    "--use-rollout-logprobs": (STORE_TRUE, "the old log-probs of the PPO ratio are always the trainer's, recomputed "
+                                           "(the engine's rollout log-probs enter through --use-tis)"),
+    "--use-unbiased-kl": (STORE_TRUE, "the KL estimator is --kl-loss-type's, not importance-weighted"),
 }
 
 
