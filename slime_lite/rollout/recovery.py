@@ -133,8 +133,10 @@ class EngineRecovery:
         self.fleet.engines[i], new_url = restart_engine(self.args, self.pg, self.bundles, self.fleet.engines[i], i)
         self.fleet.urls[i] = new_url
         if self.push is not None:
-            self.push([new_url], self.version)
-            weights = f"weights version {self.version} pushed, weight check passed"
+            times = self.push([new_url], self.version) or {}
+            checked = ("weight check passed" if "perf/update_weights/check_time" in times
+                       else "not checked: the engine cannot be (warned above)")
+            weights = f"weights version {self.version} pushed, {checked}"
         else:
             weights = "no trainer: it serves --hf-checkpoint's weights, as before"
         ray.get(self.manager.replace_engine.remote(old_url, new_url))  # behind a router: where aborts go

@@ -393,6 +393,6 @@ def push_lora_to_sglang(args: Any, adapters: dict[str, tuple[torch.Tensor, torch
                 raise SlimeLiteError(
                     f"weight check: the adapter folder {folder} the SGLang engines loaded as {name} does not hold "
                     f"the trainer's adapter of {n}; the push wrote or sent something else.")
-        _check_engines(args, base, urls)
-        times["perf/update_weights/check_time"] = time.perf_counter() - t0
+        if _check_engines(args, base, urls):  # (no check time: the engines' base weights went unchecked)
+            times["perf/update_weights/check_time"] = time.perf_counter() - t0
     return times
