@@ -135,6 +135,19 @@ def test_over_sampling_aborts_the_unfinished_groups_and_never_trains_them(tokeni
     assert {s.metadata["prompt_index"] for s in samples} == {4, 5}
 
 
+def request_chains(logged, sent, final):
+    """Every chain of logged requests (input ids, tokens generated, version) that starts at ``sent``, each one
+    continuing from exactly the tokens the one before left, and ends at ``final``."""
+    if sent == final:
+        yield []
+    for r in logged:
+        ids, n, _ = r
+        after = ids + expected_response(ids, n)
+        if ids == sent and n > 0 and final[:len(after)] == after:
+            for rest in request_chains(logged, after, final):
+                yield [r, *rest]
+
+
 def test_partial_rollout_continues_carried_samples_from_their_tokens_with_per_token_versions(
         tokenizer, tiny_model_dir) -> None:
     """Rollout 0 aborts the long groups (version 0), rollout 1 (version 1) continues and aborts them again, rollout
@@ -152,23 +165,19 @@ def test_partial_rollout_continues_carried_samples_from_their_tokens_with_per_to
     assert {s.metadata["prompt_index"] for s in samples} == {2, 3}  # the carried groups, none lost
     assert stats["rollout/partial/samples_carried"] == 4.0 and stats["rollout/partial/age_max"] == 2.0
     carried_tokens = 0
+    logged = [r for k, r in enumerate(engine.log) if r not in engine.log[:k]]
     for s in samples:
         prompt = tokenizer(s.metadata["prompt_text"], add_special_tokens=False)["input_ids"]
-        requests = []  # the fake is deterministic: both samples of a group send the same requests
-        for r in engine.log:
-            if r[0][: len(prompt)] == prompt and r not in requests:
-                requests.append(r)
-        assert len(requests) == 3, requests
-        sent = prompt
-        for ids, n, _ in requests:  # each request continues from exactly the tokens the sample had
-            assert ids == sent
-            sent = ids + expected_response(ids, n)
-        assert s.tokens == sent and s.status is Status.COMPLETED and s.response_length == LONG
         assert s.tokens[len(prompt):] == expected_response(prompt, LONG)  # as if never interrupted
+        assert s.status is Status.COMPLETED and s.response_length == LONG
+        # the logged requests that made the sample: each sent exactly the tokens the sample had, and their versions
+        # are its tokens' (the two samples of a group may be cut a token apart: the chain that gives its versions)
+        chains = [c for c in request_chains(logged, prompt, s.tokens)
+                  if [int(v) for _, n, v in c for _ in range(n)] == s.metadata[TOKEN_VERSIONS]]
+        assert chains and [v for *_, v in chains[0]] == ["0", "1", "2"], (s.metadata[TOKEN_VERSIONS], logged)
         assert s.rollout_log_probs == [token_logprob(t) for t in s.tokens[len(prompt):]]
-        assert s.metadata[TOKEN_VERSIONS] == [int(v) for _, n, v in requests for _ in range(n)]
         assert s.weight_versions == ["0", "1", "2"] and s.loss_mask == [1] * LONG and s.reward is not None
-        carried_tokens += sum(n for _, n, v in requests if v != "2")
+        carried_tokens += sum(n for _, n, v in chains[0] if v != "2")
     assert stats["rollout/partial/tokens_carried"] == float(carried_tokens)
     assert stats["rollout/partial/carried_token_share"] == carried_tokens / (4 * LONG)
 
