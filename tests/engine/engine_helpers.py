@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -30,6 +32,21 @@ def generate(url: str, **body: Any) -> Any:
     status, out = http(url, "/generate", body)
     assert status == 200, out
     return out
+
+
+@contextlib.contextmanager
+def stream_started(url: str, body: dict):
+    """A raw streaming /generate request, held open until its first chunk arrived; leaving the block closes the
+    socket (a client that disconnects)."""
+    data = json.dumps({**body, "stream": True})
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n{data}".encode())
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(4096)
+        yield sock
 
 
 def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:

@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from engine_helpers import assert_greedy_run_matches_hf, generate, hf_logprobs, http, in_thread, start_engine
+from engine_helpers import (assert_greedy_run_matches_hf, generate, hf_logprobs, http, in_thread, start_engine,
+                            stream_started)
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -259,17 +260,9 @@ def test_kv_cache_is_freed_when_idle_and_flushed(engine):
 
 
 def test_client_disconnect_aborts_streaming_request(engine):
-    import socket
-
-    body = json.dumps({"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 500, **GREEDY}})
-    host, port = engine.url.removeprefix("http://").split(":")
     before = http(engine.url, "/get_server_info")[1]["num_generated_tokens"]
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-        received = b""
-        while b"data: " not in received:
-            received += sock.recv(4096)
+    with stream_started(engine.url, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 500, **GREEDY}}):
+        pass
     deadline = time.monotonic() + 10
     while http(engine.url, "/get_server_info")[1]["num_running_reqs"]:
         assert time.monotonic() < deadline, "the request kept running after its client left"

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from engine_helpers import generate, http, in_thread
+from engine_helpers import generate, http, in_thread, stream_started
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 NAN, INF = float("nan"), float("inf")
@@ -184,14 +184,8 @@ def test_a_client_that_leaves_cancels_only_its_own_requests(engine):
     long = {"max_new_tokens": 500, **GREEDY}
     t, box = in_thread(generate, engine.url, input_ids=[1, 2], rid="job_1", sampling_params=long)
     _wait_running(engine.url, 1)
-    body = json.dumps({"input_ids": [3, 4], "rid": "job", "stream": True, "sampling_params": long})
-    host, port = engine.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-        received = b""
-        while b"data: " not in received:
-            received += sock.recv(4096)
+    with stream_started(engine.url, {"input_ids": [3, 4], "rid": "job", "sampling_params": long}):
+        pass
     _wait_running(engine.url, 1)  # the stream's request ended
     time.sleep(0.2)  # an abort by the prefix "job" would have reached job_1 by now
     assert t.is_alive()
