@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None,
                    help="train on this fraction, in (0, 1], of each loaded rollout")
     g.add_argument("--dump-details", default=None, metavar="DIR",
-                   help="save rollout and train data (log-probs, advantages) of every rollout under DIR")
+                   help="save rollout and train data (log-probs, advantages) of every rollout under DIR (a replay "
+                        "needs a DIR of its own, not the folder holding the dumps it reads)")
     g.add_argument("--check-weight-update-equal", action="store_true",
                    help="after every weight push, check that each engine holds exactly the trainer's weights")
     g.add_argument("--debug-env", action="append", type=_key_value, default=[], metavar="KEY=VALUE",

@@ -15,11 +15,16 @@ from slime_lite.config import EngineConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 from slime_lite.profiling import profile_targets
-from slime_lite.rollout.dumps import check_template
+from slime_lite.rollout.dumps import check_template, dump_path
 from slime_lite.args_train import validate_train_args, world_size
 from slime_lite.slime_flags import check as check_slime_flags
 
 log = logging.getLogger("slime_lite.args")
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
 
 
 def _need_file(path: str | None, flag: str) -> None:
@@ -131,6 +136,11 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.dump_details:
         if args.save_debug_rollout_data:
             raise SlimeLiteError("--dump-details sets the rollout dump path itself; drop --save-debug-rollout-data.")
+        if args.load_debug_rollout_data and _inside(dump_path(args.load_debug_rollout_data, 0), args.dump_details):
+            raise SlimeLiteError(
+                f"--dump-details {args.dump_details} holds the dumps this replay reads (--load-debug-rollout-data "
+                f"{args.load_debug_rollout_data}): the replay's train_data, mismatch and args.json would overwrite "
+                "the original run's; give the replay a --dump-details folder of its own, or drop it.")
         if not args.debug_train_only:
             args.save_debug_rollout_data = os.path.join(args.dump_details, "rollout_data", "{rollout_id}.pt")
     if args.save_debug_rollout_data:

@@ -24,7 +24,9 @@ stops the rollout (as without --fully-async) instead of generating forever; the 
 engine cut short, are counted in the next rollout's metrics, the ones dropped while the trainer trained included.
 
 Checkpoints keep every prompt: the finished groups waiting are saved as they are (a resumed run trains them, with
-their versions), the groups in flight are saved as their fresh prompts and generated again from the start.
+their versions), the groups in flight are saved as their fresh prompts and generated again from the start. They
+keep the next sample index too (each sample's sampling seed is derived from its index, unique over the run): a
+resumed run numbers its samples on from it and never repeats a seed of the run it resumes.
 """
 
 from __future__ import annotations
@@ -105,21 +107,27 @@ class FullyAsyncWorker:
         self.filtered = self.failed = 0
         self.logged = (0, 0)  # self.filtered, self.failed as the last rollout's metrics counted them
 
-    def load_state(self, groups: list[list[dict[str, Any]]]) -> None:
+    def load_state(self, groups: list[list[dict[str, Any]]], next_index: int | None = None) -> None:
         """Groups of a checkpoint: the finished ones wait to be trained first, in the order they finished; the
         others (saved as their prompts; or aborted, from a --partial-rollout run's checkpoint: continued) are
-        generated again."""
+        generated again. ``next_index``: the saved run's next sample index, so the resumed run's samples (and
+        their sampling seeds) follow on from it; a checkpoint without it (saved before it was kept) continues
+        after the highest index of its groups, the newest the saved run had sent."""
         loaded = [[Sample.from_dict(d) for d in g] for g in groups]
         done = [complete(g) for g in loaded]
         self.finished = [g for g, d in zip(loaded, done) if d]
         self.pending = [g for g, d in zip(loaded, done) if not d]
+        if next_index is None:
+            next_index = max((s.index + 1 for g in loaded for s in g if s.index is not None), default=0)
+        self.next_index = int(next_index)
 
     async def state(self) -> dict[str, Any]:
-        """The prompt cursor and every group taken from it but not trained yet (run on the event loop, so the
-        background loop does not move in between)."""
+        """The prompt cursor, every group taken from it but not trained yet, and the next sample index (run on the
+        event loop, so the background loop does not move in between)."""
         carried = [[dumps.plain_sample(s) for s in g] for g in self.pending + self.finished]
         carried += list(self.in_flight.values())
-        return {"source": self.source.state() if self.source else None, "carried": carried}
+        return {"source": self.source.state() if self.source else None, "carried": carried,
+                "next_index": self.next_index}
 
     def _next_group(self) -> list[Sample]:
         if self.pending:

@@ -261,7 +261,7 @@ class RolloutManager:
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the rollout side: the prompt cursor, and the samples --partial-rollout carries
         to the next rollout (a resumed run continues them: no prompt is lost or generated twice)."""
-        if self.worker is not None:  # the groups queued or in flight, too
+        if self.worker is not None:  # the groups queued or in flight, and the next sample index, too
             return self._run(self.worker.state())
         state: dict[str, Any] = {"source": self.source.state() if self.source else None}
         if self.generator is not None and self.generator.over.carried:
@@ -271,10 +271,11 @@ class RolloutManager:
     def load_state(self, state: dict[str, Any]) -> None:
         if self.source is not None and state.get("source"):
             self.source.load_state(state["source"])
-        if self.worker is not None and state.get("carried"):
-            self.worker.load_state(state["carried"])
-            log.info("--fully-async: %d prompt groups from the checkpoint (queued or generating when it was saved) "
-                     "are trained first", len(state["carried"]))
+        if self.worker is not None:  # its groups, and its next sample index (the sampling seeds go on from it)
+            self.worker.load_state(state.get("carried") or [], state.get("next_index"))
+            if state.get("carried"):
+                log.info("--fully-async: %d prompt groups from the checkpoint (queued or generating when it was "
+                         "saved) are trained first", len(state["carried"]))
         elif self.generator is not None and state.get("carried"):
             self.generator.over.load_state(state["carried"])
             log.info("--partial-rollout: %d samples carried from the checkpoint continue in the next rollout",

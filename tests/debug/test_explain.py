@@ -164,6 +164,28 @@ def test_train_dump_flag_rules(tmp_path):
         check_outputs(parse_args(base + ["--save-debug-train-data", template]))
 
 
+def test_a_replay_with_the_original_runs_dump_details_is_refused_before_any_work(tmp_path):
+    """A replay given the --dump-details folder of the run whose dumps it reads would write its train_data (and
+    mismatch, args.json) over that run's: refused before Ray starts, in one line naming both flags and the fix; a
+    folder of its own is fine."""
+    from slime_lite.args import parse_args
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    details = tmp_path / "d"
+    replay = ["--hf-checkpoint", str(tmp_path), "--load-debug-rollout-data",
+              str(details / "rollout_data" / "{rollout_id}.pt")]
+    for folder in (details, details / "x" / ".."):  # the same folder, however it is spelled
+        with pytest.raises(SlimeLiteError) as exc:
+            parse_args(replay + ["--dump-details", str(folder)])
+        msg = str(exc.value)
+        assert msg.startswith(f"--dump-details {folder} holds the dumps this replay reads "
+                              f"(--load-debug-rollout-data {details}/rollout_data/{{rollout_id}}.pt)")
+        assert "would overwrite the original run's; give the replay a --dump-details folder of its own" in msg
+        assert "\n" not in msg
+    args = parse_args(replay + ["--dump-details", str(tmp_path / "replay")])
+    assert args.save_debug_train_data == str(tmp_path / "replay" / "train_data" / "{rollout_id}_{rank}.pt")
+
+
 def test_html_page_is_self_contained(dumps, capsys):
     page = dumps["out"] / "s1.html"
     assert cli(explain(dumps, "--sample", "1", "--html", str(page))) == 0

@@ -217,3 +217,62 @@ def test_staleness_mask_counts_only_the_tokens_it_takes_out_of_the_loss():
     kept, counts = apply_staleness([[tool, only_tool]], trainer_version=3, max_staleness=1, mode="mask")
     assert tool.loss_mask == [0, 0, 1] and only_tool.loss_mask == [0, 1]
     assert counts["rollout/async/masked_tokens"] == 1.0 and counts["rollout/async/masked_samples"] == 1.0
+
+
+def seed_recorder(worker: FullyAsyncWorker) -> list[int]:
+    """The sampling seed of every request the worker's (FAKE) engine gets, in order."""
+    engine, seeds = worker.gen.args.engine_client, []
+    inner = engine.generate
+
+    async def generate(body: dict):
+        params = body["sampling_params"]
+        seeds.extend(p["sampling_seed"] for p in (params if isinstance(params, list) else [params]))
+        return await inner(body)
+
+    engine.generate = generate
+    return seeds
+
+
+def test_a_resumed_run_never_repeats_a_sampling_seed(tiny_model_dir, tmp_path):
+    """The checkpoint (the rollout manager's state, through a weights_only load) keeps the next sample index: a
+    resumed run numbers its new samples on from it, so its sampling seeds differ from every seed the run it resumes
+    sent (before the fix it started again at index 0: the same seeds, and sample indices, as the first run)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from slime_lite.rollout.manager import RolloutManager
+
+    def manager_with(worker: FullyAsyncWorker) -> RolloutManager:
+        manager = RolloutManager(worker.gen.args._flags, [])
+        manager.generator, manager.source, manager.worker = worker.gen, worker.source, worker
+        return manager
+
+    def stop(manager: RolloutManager) -> None:  # the loop, its requests, and what they waited on
+        manager._run(manager.worker.stop())
+        rest = asyncio.all_tasks(manager.loop)
+        for task in rest:
+            task.cancel()
+        manager.loop.run_until_complete(asyncio.gather(*rest, return_exceptions=True))
+
+    worker = filtered_worker(tiny_model_dir, "s" * 16, None)
+    first = seed_recorder(worker)
+    manager = manager_with(worker)
+    manager.generate(0)
+    torch.save(manager.state(), tmp_path / "state.pt")
+    stop(manager)
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+
+    resumed = filtered_worker(tiny_model_dir, "s" * 16, None)
+    again = seed_recorder(resumed)
+    manager2 = manager_with(resumed)
+    manager2.load_state(state)
+    manager2.generate(1)
+    stop(manager2)
+    assert first and again and not set(first) & set(again), sorted(set(first) & set(again))
+    assert state["next_index"] == worker.next_index > 4  # the rollout's groups and the ones queued behind them
+    assert min(again) == min(first) + state["next_index"]  # numbered on from the saved run's next index
+    # a checkpoint saved without the index: the resumed run goes on after the newest index of its groups
+    old = FullyAsyncWorker(SimpleNamespace(config=SimpleNamespace(rollout_batch_size=2)), None)
+    old.load_state(state["carried"])
+    assert old.next_index == state["next_index"]
