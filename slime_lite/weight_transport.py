@@ -22,6 +22,8 @@ import ipaddress
 import logging
 import os
 import socket
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -72,12 +74,62 @@ def dtype_from_name(name: str) -> "torch.dtype":
     return dt
 
 
+class GroupJoinCancelled(RuntimeError):
+    """A member's join that was called off (``cancelled``) before the group formed."""
+
+
+class GroupStore:
+    """Rank 0's side of a group's rendezvous: the TCPStore server, listening on ``master_address`` only. It waits
+    for no member, so it can be started before the members are asked to join; ``close`` ends every join still
+    pending on it at once (the members waiting on the store see their connection closed), which is how a trainer
+    gives up on a group that one engine refused to join instead of waiting out the timeout."""
+
+    def __init__(self, master_address: str, master_port: int, world_size: int, timeout_s: float = 300.0) -> None:
+        check_group_address(master_address)
+        info = socket.getaddrinfo(master_address.strip("[]"), int(master_port), type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(info[0], socket.SOCK_STREAM)  # torch's server would bind every interface
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(info[4])
+            listener.listen(max(64, world_size))
+        except OSError:
+            listener.close()
+            raise
+        # the store owns the socket from here (it closes it when it goes)
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            master_address, int(master_port), world_size, True, datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=False)
+
+    def close(self) -> None:
+        """Stop the server (its last reference goes): every member's store connection is closed."""
+        self._store = None
+
+
+def _wait_listening(address: str, port: int, deadline: float, cancelled: Callable[[], bool]) -> None:
+    """Until something listens at ``address:port`` (rank 0's store), checking ``cancelled`` between tries: torch's
+    own connect retries until its timeout and cannot be called off."""
+    while True:
+        if cancelled():
+            raise GroupJoinCancelled("the join was called off before rank 0's store answered")
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((address.strip("[]"), port), timeout=max(0.05, min(1.0, left))).close()
+            return
+        except OSError as exc:
+            if left <= 0:
+                raise TimeoutError(f"nothing listens at {address}:{port} (rank 0's store): {exc}") from None
+        time.sleep(min(0.1, max(0.0, left)))
+
+
 class WeightUpdateGroup:
     """One member of a broadcast group between the trainer (rank 0) and engine ranks.
 
-    Every member must be constructed at the same time (construction blocks until all ``world_size`` members
-    joined, or ``timeout_s`` passed). ``backend`` is ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors, the
-    current CUDA device).
+    Every member must be constructed at the same time (with gloo, construction blocks until all ``world_size``
+    members joined, or ``timeout_s`` passed; NCCL forms its communicator at the first broadcast). ``backend`` is
+    ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors, the current CUDA device). Rank 0 hosts the store: its
+    ``server`` (a ``GroupStore`` started beforehand, which the group then owns) or one it starts. Another rank's
+    join can be called off (``cancelled`` returns True) while it waits for rank 0's store; once connected, its join
+    ends when rank 0's store closes.
 
     Every socket binds to one address, never every interface: rank 0's store listens on ``master_address`` only,
     and gloo's pairs on this host's address towards it. A wildcard ``master_address`` (``0.0.0.0``, ``::``) is
@@ -93,6 +145,8 @@ class WeightUpdateGroup:
         backend: str = "gloo",
         group_name: str = DEFAULT_GROUP_NAME,
         timeout_s: float = 300.0,
+        server: GroupStore | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: expected 'gloo' or 'nccl'")
@@ -102,35 +156,32 @@ class WeightUpdateGroup:
         self.rank, self.world_size, self.backend, self.group_name = rank, world_size, backend, group_name
         timeout = datetime.timedelta(seconds=timeout_s)
         url = f"tcp://{master_address}:{int(master_port)}"
-        if rank == 0:  # torch's TCPStore server binds every interface: hand it a socket bound to the address asked
-
-            info = socket.getaddrinfo(master_address.strip("[]"), int(master_port), type=socket.SOCK_STREAM)[0]
-            listener = socket.socket(info[0], socket.SOCK_STREAM)
-            try:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind(info[4])
-                listener.listen(max(64, world_size))
-            except OSError:
-                listener.close()
-                raise
-            # the store owns the socket from here (it closes it when it goes)
-            store = dist.TCPStore(master_address, int(master_port), world_size, True, timeout,
-                                  master_listen_fd=listener.detach(), use_libuv=False)
-        else:
-            store = dist.TCPStore(master_address, int(master_port), world_size, False, timeout)
-        store.set_timeout(timeout)
-        device = "cuda" if backend == "nccl" else "cpu"
-        store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
-        if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            local = master_address if rank == 0 else _local_address_towards(master_address, int(master_port))
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self._pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        self._server = (server or GroupStore(master_address, master_port, world_size, timeout_s)) if rank == 0 else None
+        self._pg = None
+        try:
+            if rank:
+                _wait_listening(master_address, int(master_port), time.monotonic() + timeout_s, cancelled)
+            store = dist.TCPStore(master_address, int(master_port), world_size, False, timeout,
+                                  wait_for_workers=rank != 0)
+            store.set_timeout(timeout)
+            device = "cuda" if backend == "nccl" else "cpu"
+            store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/",
+                                                                    dist.PrefixStore(group_name, store)))
+            if backend == "gloo":
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                local = master_address if rank == 0 else _local_address_towards(master_address, int(master_port))
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
+                self._pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self._pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            if cancelled():
+                raise GroupJoinCancelled("the join was called off while the group formed")
+        except BaseException:
+            self.destroy(quiet=True)
+            raise
         self._store = store
         logger.info("weight update group %r: joined as rank %d/%d (%s, %s)", group_name, rank, world_size, backend, url)
 
@@ -144,8 +195,8 @@ class WeightUpdateGroup:
         opts.rootTensor = 0
         self._pg.broadcast([tensor], opts).wait()
 
-    def destroy(self) -> None:
-        """Leave the group and free its communicator."""
+    def destroy(self, quiet: bool = False) -> None:
+        """Leave the group and free its communicator (rank 0: and stop its store)."""
         pg, self._pg = self._pg, None
         if pg is not None and self.backend == "nccl":
             try:
@@ -153,4 +204,7 @@ class WeightUpdateGroup:
             except Exception:  # noqa: BLE001 - best effort on teardown
                 logger.warning("weight update group %r: NCCL shutdown failed", self.group_name, exc_info=True)
         self._store = None
-        logger.info("weight update group %r: destroyed (rank %d)", self.group_name, self.rank)
+        if self._server is not None:
+            self._server.close()
+        if not quiet:
+            logger.info("weight update group %r: destroyed (rank %d)", self.group_name, self.rank)

@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import math
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from safetensors.torch import load_file
 from slime_lite.engine.moe import expert_views, is_fused
 from slime_lite.lora_wire import merged, split_adapters
 from slime_lite.weight_checksum import tensor_checksums
-from slime_lite.weight_transport import WeightUpdateGroup, dtype_from_name
+from slime_lite.weight_transport import GroupJoinCancelled, WeightUpdateGroup, dtype_from_name
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class WeightError(ValueError):
 
 
 def _inside(path: Path, entry: Any) -> Path:
-    """``path / entry`` when it names a file inside ``path`` (after symlinks); WeightError naming the entry otherwise."""
+    """``path / entry`` when it names a file inside ``path`` (after symlinks); WeightError naming the entry
+    otherwise."""
     where = f"{path / 'model.safetensors.index.json'}: weight_map entry {entry!r}"
     if not isinstance(entry, str) or not entry or "\x00" in entry:
         raise WeightError(f"{where} is not a file name")
@@ -108,6 +110,7 @@ class Weights:
     def __init__(self, hf_model: Any) -> None:
         self.model = hf_model
         self.groups: dict[str, WeightUpdateGroup] = {}
+        self.joining: dict[str, threading.Event] = {}  # groups being joined: set to call the join off
         self.version = 0  # counts weight writes: the prefix cache drops its K/V when it changes
         self._lora_base: dict[str, torch.Tensor] = {}  # adapted weights before their first adapter (host copies)
         self._lora_pending: dict[str, dict[str, torch.Tensor]] = {}  # adapter halves waiting for the other half
@@ -224,20 +227,29 @@ class Weights:
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> None:
         """Join the trainer's broadcast group as rank ``rank_offset``: blocks until every member joined, at most
-        ``GROUP_TIMEOUT_S``. It touches no weights, so it runs outside the model thread (generation goes on)."""
-        if group_name in self.groups:
-            raise WeightError(f"weight update group {group_name!r} already exists; destroy it first")
+        ``GROUP_TIMEOUT_S``; ``destroy_group`` meanwhile calls the join off (at once while the trainer's store does
+        not answer; once connected, the join ends when the trainer closes its store). It touches no weights, so it
+        runs outside the model thread (generation goes on)."""
+        if group_name in self.groups or group_name in self.joining:
+            raise WeightError(f"weight update group {group_name!r} already exists (or is being joined); destroy it "
+                              "first")
         device = self.model.get_input_embeddings().weight.device
         if backend == "nccl" and device.type != "cuda":
             raise WeightError("backend 'nccl' needs the engine on CUDA; use 'gloo' for a CPU engine")
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # NCCL works on the current device
+        call_off = self.joining[group_name] = threading.Event()
         try:
             group = WeightUpdateGroup(master_address, int(master_port), int(rank_offset), int(world_size), backend,
-                                      group_name, timeout_s=GROUP_TIMEOUT_S)
+                                      group_name, timeout_s=GROUP_TIMEOUT_S, cancelled=call_off.is_set)
+        except GroupJoinCancelled:
+            raise WeightError(f"joining weight update group {group_name!r} was called off "
+                              "(/destroy_weights_update_group)") from None
         except Exception as exc:  # noqa: BLE001 - a timeout, a refused connection: the group is not formed
             raise WeightError(f"could not join weight update group {group_name!r} at {master_address}:{master_port} "
                               f"within {GROUP_TIMEOUT_S:g}s: {type(exc).__name__}: {exc}") from None
+        finally:
+            self.joining.pop(group_name, None)
         self.groups[group_name] = group
 
     def update_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
@@ -290,9 +302,14 @@ class Weights:
         return self.load_named(staging)
 
     def destroy_group(self, group_name: str) -> None:
+        """Leave ``group_name``, or call its join off while it is being joined."""
         group = self.groups.pop(group_name, None)
         if group is None:
-            raise WeightError(f"no weight update group {group_name!r}")
+            call_off = self.joining.get(group_name)
+            if call_off is None:
+                raise WeightError(f"no weight update group {group_name!r}")
+            call_off.set()
+            return
         group.destroy()
 
     def get_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
@@ -323,5 +340,7 @@ class Weights:
         return {n: by_id[id(t)] for n, t in tensors.items()}
 
     def destroy_all(self) -> None:
+        for event in list(self.joining.values()):  # joins still waiting for the trainer are called off
+            event.set()
         for name in list(self.groups):
             self.destroy_group(name)

@@ -3,9 +3,12 @@ and a weight update group that never forms, or never sends, ends in an error whi
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 from engine_helpers import generate, http, in_thread
 
 from slime_lite.io import free_port
@@ -91,3 +94,71 @@ def test_a_receive_that_never_comes_times_out_and_destroys_the_group(engine, mon
         assert http(engine.url, "/destroy_weights_update_group", {"group_name": "silent"})[0] == 400
     finally:
         trainer.destroy()
+
+
+class FakeRefusingEngine(ThreadingHTTPServer):
+    """FAKE engine: answers every POST with a 400, as an SGLang server refusing /init_weights_update_group does
+    (a group already there, a backend it cannot use); ``asked`` lists the routes it got."""
+
+    def __init__(self) -> None:
+        asked = self.asked = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                asked.append(self.path)
+                body = json.dumps({"success": False, "message": "FAKE: group 'weight_update_group' exists"}).encode()
+                self.send_response(400)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.mark.timeout(60, method="thread")  # the group's timeout is 300 s: only noticing the refusal ends in time
+def test_an_engine_refusing_the_group_stops_the_push_at_once_and_the_others_leave(engine):
+    """One engine refuses to join (a 400) while another joins: the push fails at once naming the refusing engine
+    and its answer, and the engine that was joining is not left waiting for the group (it can join a new one)."""
+    import torch
+
+    from slime_lite.backends.megatron import weight_push
+    from slime_lite.errors import EngineError
+
+    fake = FakeRefusingEngine()
+    try:
+        with pytest.raises(EngineError, match=rf"{fake.url}/init_weights_update_group.*400.*FAKE: group"):
+            weight_push._push_distributed({"model.norm.weight": torch.ones(128)}, [engine.url, fake.url], 1)
+    finally:
+        fake.shutdown()
+    assert fake.asked == ["/init_weights_update_group"]  # the refusing engine is not asked to destroy anything
+    weights = engine.scheduler.weights
+    deadline = time.monotonic() + 30
+    while weights.joining or "weight_update_group" in weights.groups:
+        assert time.monotonic() < deadline, "the engine was left in the failed group"
+        time.sleep(0.05)
+    assert not weight_push._groups
+    weight_push._group([engine.url], "gloo")  # the engine can join the next one
+    weight_push._drop_group((engine.url,))
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_destroying_a_group_being_joined_calls_the_join_off(engine):
+    init = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "off", "backend": "gloo"}  # no trainer (rank 0) comes
+    t, box = in_thread(http, engine.url, "/init_weights_update_group", init)
+    while "off" not in engine.scheduler.weights.joining:
+        assert t.is_alive()
+        time.sleep(0.01)
+    assert http(engine.url, "/init_weights_update_group", init)[0] == 400  # one join of a name at a time
+    assert http(engine.url, "/destroy_weights_update_group", {"group_name": "off"})[0] == 200
+    t.join(30)
+    status, out = box["result"]
+    assert status == 400 and "called off" in out["message"]
+    assert http(engine.url, "/destroy_weights_update_group", {"group_name": "off"})[0] == 400  # nothing left

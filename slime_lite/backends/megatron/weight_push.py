@@ -19,8 +19,9 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,7 +32,7 @@ from slime_lite.checks.weight_check import WeightCheckUnavailable, check_weights
 from slime_lite.engine_client import lora_adapter_name, on_all, request_json, sent_to_all
 from slime_lite.errors import EngineError, EngineUnreachable, SlimeLiteError
 from slime_lite.io import free_port, write_hf_folder
-from slime_lite.weight_transport import WeightUpdateGroup, check_group_address
+from slime_lite.weight_transport import GroupStore, WeightUpdateGroup, check_group_address
 from slime_lite.weight_wire import flatten_bucket, serialize
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,12 @@ def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], ver
 
 
 def _group(urls: list[str], backend: str) -> Any:
-    """One broadcast group trainer(rank 0) + engines, made on the first push and kept for the later ones."""
+    """One broadcast group trainer(rank 0) + engines, made on the first push and kept for the later ones.
+
+    The trainer's store listens before the engines are asked; the trainer's own join runs in a thread while the
+    engines' answers are watched, so an engine that refuses (a 400: a group already there, a backend it cannot use)
+    stops the push at once instead of after the group's timeout: the store is closed (which ends the joins waiting
+    on it) and the other engines are told to destroy the group (which calls off a join still connecting)."""
 
     key = tuple(urls)
     if key in _groups:
@@ -252,18 +258,94 @@ def _group(urls: list[str], backend: str) -> Any:
         raise SlimeLiteError(f"SLIME_LITE_WEIGHT_MASTER_ADDR: {exc}") from None
     port = free_port()
     world = 1 + len(urls)
-    with ThreadPoolExecutor(max_workers=len(urls) + 1) as pool:
-        futures = [
-            pool.submit(request_json, u, "/init_weights_update_group",
-                        {"master_address": host, "master_port": port, "rank_offset": 1 + i, "world_size": world,
-                         "group_name": "weight_update_group", "backend": backend}, timeout=300)
-            for i, u in enumerate(urls)
-        ]
-        group = WeightUpdateGroup(host, port, 0, world, backend=backend)
-        for u, f in zip(urls, futures):
-            _check(f.result(), u, "/init_weights_update_group")
-    _groups[key] = group
-    return group
+    server = GroupStore(host, port, world)
+    joins = [_in_background(request_json, u, "/init_weights_update_group",
+                            {"master_address": host, "master_port": port, "rank_offset": 1 + i, "world_size": world,
+                             "group_name": "weight_update_group", "backend": backend}, timeout=300)
+             for i, u in enumerate(urls)]
+    cuda = torch.cuda.current_device() if backend == "nccl" else None
+    own = _in_background(_rank0, host, port, world, backend, server, cuda)
+    while True:  # until every side joined, an engine refused, or the trainer's side failed
+        refused = next(((u, exc) for u, f in zip(urls, joins) if (exc := _join_error(u, f)) is not None), None)
+        pending = [f for f in (*joins, own) if not f.done()]
+        if refused or not pending or (own.done() and own.exception() is not None):
+            break
+        wait(pending, return_when=FIRST_COMPLETED)
+    if refused is None and own.exception() is None:
+        _groups[key] = own.result()
+        return _groups[key]
+    server.close()  # every join still waiting on the store ends: the trainer's own, the engines' connected ones
+    with contextlib.suppress(Exception):  # (the trainer's side failed, or formed while an engine refused)
+        own.result(timeout=_LEAVE_S).destroy()
+    _leave(urls, joins, refused[0] if refused else None)
+    if refused is None:
+        raise own.exception()
+    exc = refused[1]
+    if isinstance(exc, EngineUnreachable):
+        raise exc
+    raise EngineError(f"{exc}; the weight update group cannot form without it: the push stopped at once and the "
+                      "other engines were told to destroy the group") from None
+
+
+_LEAVE_S = 10.0  # how long a failed group's engines are asked to leave it
+
+
+def _in_background(fn: Any, *args: Any, **kwargs: Any) -> Future:
+    """``fn(*args, **kwargs)`` in a daemon thread: a join abandoned when the group fails never holds the exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="weight-group-join", daemon=True).start()
+    return future
+
+
+def _rank0(host: str, port: int, world: int, backend: str, server: GroupStore, cuda: int | None) -> Any:
+    if cuda is not None:
+        torch.cuda.set_device(cuda)  # NCCL works on the current device, which is per thread
+    return WeightUpdateGroup(host, port, 0, world, backend=backend, server=server)
+
+
+def _join_error(url: str, join: Future) -> EngineError | None:
+    """The engine's refusal to join (its HTTP error, or a reply that says it failed); None while it joins or once
+    it joined."""
+    if not join.done():
+        return None
+    exc = join.exception()
+    if exc is None:
+        reply = join.result()
+        if not (isinstance(reply, dict) and reply.get("success") is False):
+            return None
+        exc = EngineError(f"engine {url}/init_weights_update_group refused to join: {reply.get('message')}")
+    return exc if isinstance(exc, EngineError) else EngineError(f"engine {url}/init_weights_update_group: {exc!r}")
+
+
+def _leave(urls: list[str], joins: list[Future], refused: str | None) -> None:
+    """Tell every engine but ``refused`` to destroy the group, again while its join is still pending (a request to
+    destroy can reach an engine before its join does), for at most ``_LEAVE_S``."""
+    deadline = time.monotonic() + _LEAVE_S
+    told: set[str] = set()
+    while True:
+        ask = [u for u, f in zip(urls, joins) if u != refused and (not f.done() or (u not in told and
+                                                                                   _join_error(u, f) is None))]
+        for u in ask:
+            told.add(u)
+            try:
+                request_json(u, "/destroy_weights_update_group", {"group_name": "weight_update_group"}, timeout=10)
+            except EngineError as exc:  # nothing (left) to destroy there
+                log.debug("%s: %s", u, exc)
+        pending = [f for u, f in zip(urls, joins) if u != refused and not f.done()]
+        if not pending or time.monotonic() > deadline:
+            if pending:
+                log.warning("engines %s did not leave the failed weight update group within %gs",
+                            [u for u, f in zip(urls, joins) if not f.done()], _LEAVE_S)
+            return
+        wait(pending, timeout=0.5)
 
 
 def _drop_group(key: tuple[str, ...]) -> None:
@@ -336,7 +418,8 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
     write_hf_folder(named, args.hf_checkpoint, out)
     body = {"model_path": out, "weight_version": str(version),
             "flush_cache": not args.fully_async}  # --fully-async: requests paused in place hold the cache
-    for url, reply in zip(urls, on_all(urls, lambda u: request_json(u, "/update_weights_from_disk", body, timeout=600))):
+    replies = on_all(urls, lambda u: request_json(u, "/update_weights_from_disk", body, timeout=600))
+    for url, reply in zip(urls, replies):
         _check(reply, url, "/update_weights_from_disk")
     old = os.path.join(root, f"v{version - 1}")
     if os.path.isdir(old):
