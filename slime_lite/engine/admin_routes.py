@@ -62,9 +62,11 @@ def _shapes(value: Any, name: str) -> list[list[int]]:
     return [[check.integer(d, name, 0) for d in shape] for shape in value]
 
 
-def add_admin_routes(app: Any, scheduler: Scheduler, profile_dir: str) -> None:
-    """``profile_dir``: the only folder /start_profile writes under."""
-    admin = _Admin(scheduler, profile_dir)
+def add_admin_routes(app: Any, scheduler: Scheduler, profile_dir: str,
+                     abort_waiting: Callable[[str, str], None] = lambda rid, message: None) -> None:
+    """``profile_dir``: the only folder /start_profile writes under; ``abort_waiting(rid, message)``: the server's
+    abort of requests not submitted yet (the rest of a batch waiting for its turn)."""
+    admin = _Admin(scheduler, profile_dir, abort_waiting)
     posts = {
         "/flush_cache": admin.flush_cache, "/abort_request": admin.abort_request,
         "/pause_generation": admin.pause_generation, "/continue_generation": admin.continue_generation,
@@ -90,8 +92,8 @@ def add_admin_routes(app: Any, scheduler: Scheduler, profile_dir: str) -> None:
 
 
 class _Admin:
-    def __init__(self, scheduler: Scheduler, profile_dir: str) -> None:
-        self.scheduler = scheduler
+    def __init__(self, scheduler: Scheduler, profile_dir: str, abort_waiting: Callable[[str, str], None]) -> None:
+        self.scheduler, self.abort_waiting = scheduler, abort_waiting
         self.profile_dir = Path(profile_dir).resolve()
         self.weight_session = False  # between /begin_weight_update and /end_weight_update (SGLang's session)
         self.profile = TorchProfile()  # /start_profile .. /stop_profile, in the model thread
@@ -145,6 +147,7 @@ class _Admin:
             self.scheduler.abort(None)
         elif rid:
             self.scheduler.abort(rid)
+            self.abort_waiting(rid, "aborted by /abort_request")
         else:
             raise BadRequest("send {'rid': ...} or {'abort_all': true}")
         return web.Response(status=200)

@@ -9,6 +9,12 @@ from typing import Any, Callable
 from slime_lite.engine.sampling import SamplingParams
 
 
+def rid_matches(request_rid: str, rid: str) -> bool:
+    """Whether an abort of ``rid`` reaches the request ``request_rid``: that request, and the ``rid_<i>`` ones a batch
+    or ``n`` made of it."""
+    return request_rid == rid or request_rid.startswith(rid + "_")
+
+
 @dataclass
 class RequestOutput:
     """A snapshot of a request, safe to read in another thread."""

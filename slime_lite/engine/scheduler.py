@@ -40,7 +40,7 @@ from slime_lite.engine.kv_cache import auto_max_running, kv_bytes_per_token
 from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.prefix_cache import PrefixCache
-from slime_lite.engine.request import Request, RequestOutput
+from slime_lite.engine.request import Request, RequestOutput, rid_matches
 from slime_lite.engine.sampling import mix64, sample
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
@@ -55,7 +55,8 @@ class Scheduler(AdmissionMixin, ControlMixin):
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
                  device: str | None = None, seed: int = 0, max_running_requests: int | None = 64,
-                 requests_hint: int | None = None, kv_cache_tokens: int | None = None, cpu_threads: int | None = None, cuda_graph: bool | None = None,
+                 requests_hint: int | None = None, kv_cache_tokens: int | None = None,
+                 cpu_threads: int | None = None, cuda_graph: bool | None = None,
                  cuda_graph_max_bs: int | None = None, enable_torch_compile: bool = False,
                  enable_return_routed_experts: bool = False,
                  disable_radix_cache: bool = False) -> None:
@@ -315,8 +316,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
             if rid is None:
                 self._abort_all(message, count=False)  # counted by abort()
             else:
-                match = lambda r: r.rid == rid or r.rid.startswith(rid + "_")  # noqa: E731
-                for r in [r for r in self.waiting if match(r)] + [r for r in self.running.values() if match(r)]:
+                for r in [r for r in [*self.waiting, *self.running.values()] if rid_matches(r.rid, rid)]:
                     self._finish(r, {"type": "abort", "message": message})
         elif kind == "cancel":
             _, reqs, message = msg

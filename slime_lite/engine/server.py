@@ -34,7 +34,7 @@ from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
 from slime_lite.engine.info_routes import add_info_routes
 from slime_lite.engine.openai_api import add_openai_routes
-from slime_lite.engine.request import Request
+from slime_lite.engine.request import Request, rid_matches
 from slime_lite.engine.sampling import SamplingParams
 from slime_lite.errors import SlimeLiteError
 
@@ -82,7 +82,8 @@ class EngineServer:
         self.max_request_bytes = int(max_request_bytes)
         self.scheduler = Scheduler(model_path, tokenizer_path=tokenizer_path, dtype=dtype, device=device,
                                    seed=seed, max_running_requests=max_running_requests,
-                                   requests_hint=requests_hint, kv_cache_tokens=kv_cache_tokens, cpu_threads=cpu_threads,
+                                   requests_hint=requests_hint, kv_cache_tokens=kv_cache_tokens,
+                                   cpu_threads=cpu_threads,
                                    cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
                                    enable_torch_compile=enable_torch_compile,
                                    disable_radix_cache=disable_radix_cache,
@@ -92,6 +93,7 @@ class EngineServer:
         self.served_model_name = served_model_name or model_path
         self.url: str | None = None
         self._live_rids: set[str] = set()  # ids of the /generate requests in flight (read and written in the loop)
+        self._waiting_turn: dict[str, Any] = {}  # rid -> request of a batch not submitted yet (in the loop too)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner = None
@@ -167,7 +169,7 @@ class EngineServer:
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         add_info_routes(app, self)
-        add_admin_routes(app, self.scheduler, self.profile_dir)
+        add_admin_routes(app, self.scheduler, self.profile_dir, abort_waiting=self.abort_waiting)
         # /flush_cache answers GET too (SGLang takes both; slime sends GET)
         r.add_get("/flush_cache", next(x.handler for x in r.routes()
                                        if x.method == "POST" and x.resource.canonical == "/flush_cache"))
@@ -313,32 +315,57 @@ class EngineServer:
 
         Admission by token budget: the requests of one HTTP request hold at most the KV cache's tokens (prompt plus
         max new tokens each) in the engine at a time, queued or running; the rest are submitted as those finish, so
-        a big batch takes turns with other clients' requests instead of queueing ahead of them all."""
+        a big batch takes turns with other clients' requests instead of queueing ahead of them all. Those waiting
+        for their turn are ended by an abort of their rid (``abort_waiting``) or an abort of every request."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         for i, req in enumerate(reqs):
             req.on_output = lambda out, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, out))
+            self._waiting_turn[req.rid] = req
         cost = [len(r.input_ids) + r.max_new for r in reqs]
+        in_engine = [False] * len(reqs)
         budget, held, submitted, remaining = self.scheduler.kv_cache_tokens, 0, 0, len(reqs)
         try:
             while remaining:
                 while submitted < len(reqs) and (held == 0 or held + cost[submitted] <= budget):
-                    self.scheduler.submit(reqs[submitted])
-                    held += cost[submitted]
+                    req = reqs[submitted]
+                    if req.finish_reason is None:  # else aborted while it waited: its output is on its way
+                        self._waiting_turn.pop(req.rid, None)
+                        self.scheduler.submit(req)
+                        held += cost[submitted]
+                        in_engine[submitted] = True
                     submitted += 1
                 i, out = await q.get()
                 if out.finish_reason is not None:
                     remaining -= 1
-                    held -= cost[i]
-                    if out.finish_reason["type"] == "abort":  # aborted (pause, abort_all, ...): so is the rest
+                    held -= cost[i] if in_engine[i] else 0
+                    if out.finish_reason["type"] == "abort" and self._aborted_all(reqs[i]):  # so is the rest
                         for j in range(submitted, len(reqs)):
-                            reqs[j].finish_reason = out.finish_reason
-                            q.put_nowait((j, reqs[j].snapshot(self.scheduler.weight_version)))
-                        held, submitted = held + sum(cost[submitted:]), len(reqs)
+                            if reqs[j].finish_reason is None:
+                                self._waiting_turn.pop(reqs[j].rid, None)
+                                reqs[j].finish_reason = out.finish_reason
+                                q.put_nowait((j, reqs[j].snapshot(self.scheduler.weight_version)))
+                        submitted = len(reqs)
                 yield i, out
         finally:
+            for req in reqs:
+                if self._waiting_turn.get(req.rid) is req:
+                    del self._waiting_turn[req.rid]
             if remaining:
-                self.scheduler.cancel(reqs[:submitted], "client disconnected")
+                self.scheduler.cancel([r for r, sent in zip(reqs, in_engine) if sent], "client disconnected")
+
+    def _aborted_all(self, req: Any) -> bool:
+        """Whether every request was aborted since ``req`` was made (abort_all, a pause, shutdown): not an abort of
+        its rid alone."""
+        return req.abort_epoch is None or self.scheduler.abort_epoch > req.abort_epoch
+
+    def abort_waiting(self, rid: str, message: str) -> None:
+        """End the requests ``rid`` and ``rid_<i>`` that wait for their batch's turn (not submitted yet, so the
+        scheduler's abort misses them) with finish reason abort, as SGLang ends a queued request. In the loop."""
+        for key in [k for k in self._waiting_turn if rid_matches(k, rid)]:
+            req = self._waiting_turn.pop(key)
+            req.finish_reason = {"type": "abort", "message": message}
+            req.on_output(req.snapshot(self.scheduler.weight_version))
 
     @contextlib.contextmanager
     def _claim_rids(self, reqs: list[Any]):
@@ -394,7 +421,8 @@ class EngineServer:
         reqs = self.new_requests(
             prompts, body.get("sampling_params"), rid=body.get("rid"), return_logprob=opt("return_logprob", False),
             logprob_start_len=opt("logprob_start_len", -1), top_logprobs_num=opt("top_logprobs_num", 0),
-            token_ids_logprob=body.get("token_ids_logprob"), return_text_in_logprobs=opt("return_text_in_logprobs", False), stream=opt("stream", False),
+            token_ids_logprob=body.get("token_ids_logprob"),
+            return_text_in_logprobs=opt("return_text_in_logprobs", False), stream=opt("stream", False),
         )
         self._routed_experts(reqs, opt("return_routed_experts", False), opt("routed_experts_start_len", 0))
         with self._claim_rids(reqs):

@@ -243,6 +243,38 @@ def test_abort_all_ends_the_rest_of_a_batch_that_waits_for_its_turn(tiny_model_d
         server.stop()
 
 
+def test_an_abort_by_rid_ends_that_item_of_a_batch_whether_it_waits_for_its_turn_or_not(tiny_model_dir):
+    """A batch bigger than the KV cache enters the engine a part at a time. An abort by one item's rid ends that item
+    (finish reason abort) also while it waits for its turn (not submitted yet), and only that item: the others
+    complete, as where SGLang holds the whole batch."""
+    from engine_helpers import start_engine
+
+    server = start_engine(tiny_model_dir, max_running_requests=2, kv_cache_tokens=256)
+    try:
+        sp = {"max_new_tokens": 99, **GREEDY}  # 30 + 99 tokens each: one item at a time
+        for batch, aborted in (("held", ["held_2"]), ("queued", ["queued_0"])):
+            assert http(server.url, "/pause_generation", {"mode": "in_place"})[0] == 200
+            t, box = in_thread(http, server.url, "/generate", {"input_ids": [[1] * 30] * 3, "rid": batch,
+                                                                "sampling_params": sp})
+            deadline = time.monotonic() + 10
+            while server.scheduler.num_waiting < 1:  # item 0 in the engine's queue, items 1 and 2 held back
+                assert time.monotonic() < deadline, "the batch never came in"
+                time.sleep(0.005)
+            for rid in aborted:
+                assert http(server.url, "/abort_request", {"rid": rid})[0] == 200
+            assert http(server.url, "/continue_generation", {})[0] == 200
+            t.join(60)
+            status, outs = box["result"]
+            assert status == 200, outs
+            reasons = {o["meta_info"]["id"]: o["meta_info"]["finish_reason"]["type"] for o in outs}
+            assert reasons == {f"{batch}_{i}": "abort" if f"{batch}_{i}" in aborted else "length" for i in range(3)}
+            assert all(len(o["output_ids"]) == 99 for o in outs if o["meta_info"]["id"] not in aborted)
+            assert server.scheduler.num_waiting == server.scheduler.num_running == 0
+        assert generate(server.url, input_ids=[1, 2], rid="held_2", sampling_params={"max_new_tokens": 2})  # freed
+    finally:
+        server.stop()
+
+
 def test_a_request_sent_after_abort_all_returned_is_not_aborted(engine):
     """An abort_all ends the requests received before it, not one sent after it returned, even while the model
     thread has not reached the abort yet (busy here)."""
