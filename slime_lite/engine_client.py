@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 API_KEY_ENV = "SLIME_LITE_ENGINE_API_KEY"  # the engines' API key (never on a command line)
 API_KEY_FILE_ENV = "SLIME_LITE_ENGINE_API_KEY_FILE"  # or a file holding it
 REPLACEMENT_WAIT_S = 3600.0  # --use-fault-tolerance: the longest a request waits for a restarted engine
+# engines are reached directly, as the async client and SentRequest reach them: an http_proxy of the environment
+# (set on many clusters for pip) would send the health checks of servers on 127.0.0.1 or this node to the proxy
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def lora_adapter_name(version: int) -> str:
@@ -67,7 +70,8 @@ def _describe(body: Any) -> str:
 
 
 def request_json(url: str, route: str, body: Any = None, *, timeout: float = 60.0, method: str | None = None) -> Any:
-    """Synchronous JSON request; ``body=None`` means GET. Raises EngineError naming the URL on failure."""
+    """Synchronous JSON request (direct, no proxy); ``body=None`` means GET. Raises EngineError naming the URL on
+    failure."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
         url.rstrip("/") + route,
@@ -76,7 +80,7 @@ def request_json(url: str, route: str, body: Any = None, *, timeout: float = 60.
         headers={"Content-Type": "application/json", **auth_headers()},
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _DIRECT.open(req, timeout=timeout) as resp:
             raw = resp.read()
     except urllib.error.HTTPError as exc:
         raise _http_error(url, route, exc.code, exc.read(), body) from None

@@ -143,8 +143,6 @@ def _clean(out: str) -> None:
     os.makedirs(out, exist_ok=True)
 
 
-
-
 def run_train(argv: list[str], out: str, timeout: float) -> TrainRun:
     """Run ``slime-lite train argv`` (its output to OUT/train.log); read back its error line and metrics."""
     _clean(out)
@@ -153,18 +151,23 @@ def run_train(argv: list[str], out: str, timeout: float) -> TrainRun:
     log.info("doctor: running slime-lite train (log: %s)", log_path)
     t0 = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc, rc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True), None
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: its Ray workers go with it
-            proc.wait()
-            rc = -9
+            pass
+        finally:  # at the timeout, or on Ctrl-C (it reaches the doctor only): the run's session, Ray workers too
+            if rc is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     text = open(log_path, encoding="utf-8", errors="replace").read()
     errors = [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
     error = errors[-1] if errors else ""
-    if rc == -9:
-        error = f"the run did not finish within {timeout:g}s (see {log_path})"
+    if rc is None:
+        rc, error = -9, f"the run did not finish within {timeout:g}s (see {log_path})"
+    elif rc < 0 and not error:  # not by the doctor (SIGKILL: most often the out-of-memory killer)
+        error = f"the run was killed by signal {-rc}{' (SIGKILL: out of memory?)' * (rc == -9)} (see {log_path})"
     elif rc and not error:
         last = [line.strip() for line in text.splitlines() if line.strip()][-1:]
         error = f"exit code {rc}: {last[0] if last else 'no output'} (see {log_path})"
@@ -184,7 +187,6 @@ def run_train(argv: list[str], out: str, timeout: float) -> TrainRun:
 def _load_rollout(out: str, rollout_id: int) -> tuple[list, list | None]:
     """(samples, trainer per-token log-probs per sample or None) of one rollout from the run's dumps."""
     import torch  # torch: `slime-lite doctor --help` stays instant
-
 
     path = os.path.join(out, "rollout_data", f"{rollout_id}.pt")
     if not os.path.exists(path):
@@ -250,7 +252,6 @@ def prompt_format_check(args: Any, samples: list, max_prompts: int = 8, margin: 
     A run whose format makes the answers much less likely than the other format fails."""
     import torch  # torch: `slime-lite doctor --help` stays instant
 
-
     name, flag = "on_task_prompt_format", "--apply-chat-template"
     tok = load_tokenizer(args.hf_checkpoint)
     picked = [s for s in samples if isinstance(s.prompt, str)][:: max(1, args.n_samples_per_prompt)][:max_prompts]
@@ -293,7 +294,6 @@ def _checkpoint_bytes(hf_dir: str) -> int:
 def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str, Any] | None:
     """Layer-by-layer localisation of the worst train/rollout mismatch of ``rollout_id`` (weights of the
     checkpoint the run pushed first: ``--hf-checkpoint``)."""
-
     samples, lps = _load_rollout(run.out, rollout_id)
     if not samples or lps is None:
         return None

@@ -394,6 +394,7 @@ def run_bisect(opts: argparse.Namespace, train_argv: list[str]) -> list[ComboRes
     for n, off in enumerate(combos):
         job_dir = os.path.join(out, f"{n:02d}_" + ("all-on" if not off else "off-" + "+".join(sorted(off))))
         engine_logs = os.path.join(job_dir, "engine_logs")
+        shutil.rmtree(engine_logs, ignore_errors=True)  # an earlier bisect into this --out: its logs are not this job's
         os.makedirs(engine_logs, exist_ok=True)
         env_vars = {"CUDA_LAUNCH_BLOCKING": "1", "SLIME_LITE_ENGINE_LOG_DIR": engine_logs}
         if opts.core_dump:

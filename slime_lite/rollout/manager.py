@@ -58,7 +58,9 @@ class RolloutManager:
             self.generator = Generator(args, self.tokenizer, client)
             self.generator.over.abort_urls = list(worker_urls or engine_urls)
             if fault_engine is not None:  # --debug-inject-fault kill-engine: engine 0's actor, to kill its server
-                self.generator.kill_engine = lambda: kill_engine(fault_engine, engine_urls[0])
+                # engine 0's own URL, not the router's (which answers /health whatever its workers do)
+                engine0 = (worker_urls or engine_urls)[0]
+                self.generator.kill_engine = lambda: kill_engine(fault_engine, engine0)
         if args.prompt_data and not args.debug_train_only:
             prompts = read_prompts(args.prompt_data, args.input_key, args.label_key)
             self.source = PromptSource(prompts, args.rollout_shuffle, args.rollout_seed)

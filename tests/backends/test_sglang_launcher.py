@@ -317,3 +317,38 @@ def test_rollout_only_against_external_engine_places_nothing(tiny_model_dir, tas
         assert served >= sum(s.response_length for s in dump.samples)
     finally:
         engine.stop()
+
+
+def test_health_check_of_a_server_on_this_host_ignores_the_environments_http_proxy(engine_logs, monkeypatch):
+    """A cluster node with ``http_proxy`` set (for pip) and no ``no_proxy``: the launcher's health check (and every
+    other synchronous request to an engine) must go to the server itself, not through the proxy (here a port where
+    nothing listens: a proxied check never succeeds). The server is the FAKE SGLang router in front of a stdlib
+    stand-in worker that answers /health."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from slime_lite.io import free_port
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    worker = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=worker.serve_forever, daemon=True).start()
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")
+    router = SGLangRouter([f"http://127.0.0.1:{worker.server_address[1]}"], module="tests.fakes.fake_sglang_router",
+                          start_timeout=30)
+    try:
+        url = router.start()
+        assert launcher.request_json(url, "/health") is None
+    finally:
+        router.stop()
+        worker.shutdown()

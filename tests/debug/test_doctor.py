@@ -168,6 +168,55 @@ def test_the_gibberish_score_separates_answers_from_noise(tiny_model_dir):
     assert doctor.repetition_rate([1, 2, 1, 2, 1, 2]) == pytest.approx(0.6) and doctor.repetition_rate([1, 2, 3]) == 0
 
 
+class _FakeTrainRun:
+    """FAKE ``slime-lite train`` process for run_train: the same Popen call, running ``code`` instead."""
+
+    def __init__(self, code: str, interrupt_wait: bool = False) -> None:
+        import subprocess
+
+        self.code, self.interrupt_wait, self.procs = code, interrupt_wait, []
+        self.popen = subprocess.Popen  # the real one (the test patches the module's attribute)
+
+    def __call__(self, cmd, **kwargs):
+        import sys
+
+        proc = self.popen([sys.executable, "-c", self.code], **kwargs)
+        self.procs.append(proc)
+        if self.interrupt_wait:  # Ctrl-C while the doctor waits for the run (the first wait only)
+            real_wait = proc.wait
+
+            def wait(timeout=None):
+                proc.wait = real_wait
+                raise KeyboardInterrupt
+
+            proc.wait = wait
+        return proc
+
+
+def test_an_interrupted_doctor_ends_its_train_run(tmp_path, monkeypatch):
+    """Ctrl-C reaches the doctor only (the run is in a session of its own): the run must not go on without it."""
+    fake = _FakeTrainRun("import time; print('training', flush=True); time.sleep(600)", interrupt_wait=True)
+    monkeypatch.setattr(doctor.subprocess, "Popen", fake)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            doctor.run_train([], str(tmp_path), 600)
+        assert fake.procs and fake.procs[0].poll() is not None  # ended and reaped, not left running
+    finally:
+        for proc in fake.procs:  # the test's own cleanup when the doctor left it running
+            proc.kill()
+            proc.wait()
+
+
+def test_a_run_killed_from_outside_is_not_reported_as_a_timeout(tmp_path, monkeypatch):
+    """A run SIGKILLed by something else (the kernel's OOM killer) ends with -9 like one the doctor killed at
+    --run-timeout: the error must say it was killed, not that it ran too long."""
+    monkeypatch.setattr(doctor.subprocess, "Popen", _FakeTrainRun("import os, signal; os.kill(os.getpid(), "
+                                                                  "signal.SIGKILL)"))
+    run = doctor.run_train([], str(tmp_path), 600)
+    assert run.returncode == -9 and "did not finish within" not in run.error
+    assert "SIGKILL" in run.error and "out of memory" in run.error and "train.log" in run.error
+
+
 # ------------------------------------------------------------------------------------------ doctor runs (slow)
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:

@@ -324,3 +324,26 @@ def test_no_working_combination_exits_nonzero_fake(tiny_model_dir, task_data, tm
     assert [r["status"] for r in res["results"]] == ["crashed", "crashed"] and res["minimal_off"] == []
     assert "does not depend on these toggles" in proc.stdout
     assert not marked_by_test(mark)
+
+
+def test_rerun_into_the_same_out_folder_ignores_the_last_runs_engine_logs(tmp_path, monkeypatch):
+    """A second ima-bisect into the same --out: the engine log a crashed job of the first one left in
+    00_all-on/engine_logs must not make the new, clean job count as crashed. The job itself is a FAKE (run_job
+    stubbed: it exits 0 and writes no log), so only the classification of what the folder holds is tested."""
+    import slime_lite.debug.ima_bisect as ib
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    out = tmp_path / "out"
+    stale = out / "00_all-on" / "engine_logs"
+    stale.mkdir(parents=True)
+    (stale / "sglang_engine0_41234.log").write_text(CRASH_LOG)  # the first run's crash
+    monkeypatch.setattr(ib, "run_job", lambda cmd, env, timeout, log_path, *rest: (0, "", 0.1))
+    opts, train = parse_bisect_args(["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rm-type",
+                                     "addition", "--rollout-backend", "sglang", "--sglang-server-module",
+                                     "tests.fakes.fake_sglang_server", "--out", str(out)])
+    results = ib.run_bisect(opts, train)
+    assert [(x.off, x.status) for x in results] == [([], "ok"), (["cuda-graph"], "ok")]

@@ -129,3 +129,36 @@ def test_a_colocated_engine_killed_on_a_gpu_is_restarted_there_with_the_trained_
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0]
     assert rows[1]["rollout/weight_version"] == 1.0 and rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-3
+
+
+def test_kill_engine_behind_a_router_waits_for_the_engine_not_the_router(tiny_model_dir, tmp_path, monkeypatch):
+    """--debug-inject-fault kill-engine with --use-sglang-router: /generate goes to the router, but the fault kills
+    engine 0's server, so it must wait for engine 0's own URL to stop answering (a router keeps answering /health
+    whatever its workers do: waiting on it ends in "still answers 30 s after SIGKILL"). The engine actor is a FAKE
+    and the health probe is stubbed: nothing listens; only which URL is probed is under test."""
+    from slime_lite.args import parser_defaults
+    from slime_lite.rollout import manager as manager_mod
+
+    class FakeEngineActor:
+        class kill_server:  # noqa: N801 - the shape of a Ray actor method handle
+            calls = 0
+
+            @classmethod
+            def remote(cls):
+                cls.calls += 1
+
+    probed = []
+
+    def health(url, route, *a, **kw):
+        probed.append(url)
+        raise EngineError(f"engine {url}{route} did not answer")
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), prompt_data=str(prompts), rm_type="addition",
+                           rollout_batch_size=1, n_samples_per_prompt=1, rollout_max_response_len=2)
+    router, worker = "http://127.0.0.1:1111", "http://127.0.0.1:2222"
+    manager = manager_mod.RolloutManager(args, [router], FakeEngineActor(), [worker])
+    monkeypatch.setattr(manager_mod, "request_json", health)
+    asyncio.run(manager.generator.kill_engine())
+    assert FakeEngineActor.kill_server.calls == 1 and probed == [worker]
