@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout.turns import RESTARTED
+from slime_lite.types import FINISHED_BEFORE, TOKEN_VERSIONS
+
+log = logging.getLogger(__name__)
+
+# Sample metadata keys slime-lite itself writes and reads (the prompt's rendering, multi-turn turns and messages, the
+# weight version of each token, ...): a data field of one of these names would be read as that, so it is left out.
+RESERVED_METADATA = frozenset({
+    "prompt_index", "prompt_text", "turns", "messages", "tool_calls", "tool_errors", "malformed_tool_calls",
+    "sampling_params", "generation_time", "failure", "truncated_by", "agent_error", "start_rollout_id",
+    TOKEN_VERSIONS, FINISHED_BEFORE, RESTARTED})
 
 
 @dataclass
 class Prompt:
     index: int
     prompt: str | list[dict[str, str]]
-    label: str | None
+    label: Any  # text (a number label as its text); a list or dict (e.g. test cases) as the data has it, as in slime
     metadata: dict[str, Any]
 
 
@@ -30,7 +42,10 @@ def _rows(path: str, flag: str) -> Any:
         yield from enumerate(rows, 1)
         return
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        # utf-8-sig: a byte-order mark (editors on Windows write one) is not part of the first line. Lines end at a
+        # newline only (\n, \r\n or \r, read as \n): str.splitlines would also split inside a JSON string at
+        # U+2028, U+2029 or U+0085, which JSON writers leave unescaped (ensure_ascii=False): invalid JSON then.
+        lines = open(path, encoding="utf-8-sig").read().split("\n")
     except OSError as exc:
         raise SlimeLiteError(f"{flag} {path}: cannot read ({exc.strerror}).") from None
     except UnicodeDecodeError:
@@ -44,8 +59,20 @@ def _rows(path: str, flag: str) -> Any:
             raise SlimeLiteError(f"{flag} {path}:{lineno}: not valid JSON ({exc.msg}).") from None
 
 
+def _row_metadata(row: dict[str, Any], input_key: str, label_key: str | None) -> dict[str, Any]:
+    """A row's fields other than the prompt and the label, with the entries of its ``metadata`` dict at the top (as
+    slime makes a row's ``metadata`` field the sample's metadata)."""
+    meta = {k: v for k, v in row.items() if k not in (input_key, label_key)}
+    nested = meta.get("metadata")
+    if isinstance(nested, dict):
+        del meta["metadata"]
+        meta.update(nested)
+    return meta
+
+
 def read_prompts(path: str, input_key: str, label_key: str | None, flag: str = "--prompt-data") -> list[Prompt]:
     prompts = []
+    reserved: set[str] = set()
     for lineno, row in _rows(path, flag):
         if not isinstance(row, dict) or input_key not in row:
             raise SlimeLiteError(
@@ -53,10 +80,17 @@ def read_prompts(path: str, input_key: str, label_key: str | None, flag: str = "
                 f"this line has {sorted(row) if isinstance(row, dict) else type(row).__name__})."
             )
         label = row.get(label_key) if label_key else None
-        meta = {k: v for k, v in row.items() if k not in (input_key, label_key)}
-        prompts.append(Prompt(len(prompts), row[input_key], None if label is None else str(label), meta))
+        meta = _row_metadata(row, input_key, label_key)
+        reserved.update(k for k in meta if k in RESERVED_METADATA)
+        meta = {k: v for k, v in meta.items() if k not in RESERVED_METADATA}
+        if label is not None and not isinstance(label, (list, dict)):
+            label = str(label)
+        prompts.append(Prompt(len(prompts), row[input_key], label, meta))
     if not prompts:
         raise SlimeLiteError(f"{flag} {path}: the file has no prompts.")
+    if reserved:
+        log.warning("%s %s: the data fields %s are left out of the samples' metadata: slime-lite keeps its own "
+                    "values under these names (rename them in the data to keep them)", flag, path, sorted(reserved))
     return prompts
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import inspect
 import logging
 import time
@@ -44,7 +45,7 @@ def new_group(prompt: Prompt, n: int, group_index: int, first_index: int, text: 
             prompt=prompt.prompt,
             tokens=list(ids),
             label=prompt.label,
-            metadata={"prompt_index": prompt.index, "prompt_text": text, **prompt.metadata},
+            metadata={**prompt.metadata, "prompt_index": prompt.index, "prompt_text": text},
         )
         for j in range(n)
     ]
@@ -142,6 +143,18 @@ def split_samples(out: Any, sample: Sample) -> list[Sample]:
     return parts
 
 
+def keep_flag(filter_fn: Callable[..., Any]) -> Callable[..., bool]:
+    """A dynamic-sampling filter as a bool: slime's filters return ``DynamicFilterOutput(keep=..., reason=...)``,
+    an object that is always true, so its ``keep`` is read; a plain bool (or a one-element tensor) as it is."""
+
+    @functools.wraps(filter_fn)
+    def keep(args: Any, samples: list[Sample], **kwargs: Any) -> bool:
+        out = filter_fn(args, samples, **kwargs)
+        return bool(getattr(out, "keep", out))
+
+    return keep
+
+
 class Generator:
     """Generates groups of samples for a rollout (with dynamic sampling) or for an eval set."""
 
@@ -157,7 +170,7 @@ class Generator:
         # slime passes evaluation= to a generate hook that takes it
         self.takes_evaluation = "evaluation" in inspect.signature(self.generate_fn).parameters
         path = args.dynamic_sampling_filter_path
-        self.filter_fn = load_hook(path, "--dynamic-sampling-filter-path") if path else None
+        self.filter_fn = keep_flag(load_hook(path, "--dynamic-sampling-filter-path")) if path else None
         self.progress = [0, 0]  # samples finished, samples wanted (read by the driver's progress bar)
         self.kill_engine: Callable[[], Any] | None = None  # --debug-inject-fault kill-engine (set by the manager)
         # monotonic times of this rollout's first request sent and last response back (perf/rollout/generate_time)

@@ -74,11 +74,26 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
+_FRAC = re.compile(r"(-?)\\[dt]?frac(?:\{(-?\d+)\}|(\d))(?:\{(\d+)\}|(\d))")  # \frac{1}{2}, -\dfrac12
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 1,234,567.5: the only commas a number has
+_LATEX_NOISE = ("$", "\\!", "\\,", "\\;", "\\ ", "\\left", "\\right", "^{\\circ}", "^\\circ", "\\%", "%")
+
+
 def _to_number(text: str) -> Fraction | None:
-    text = text.strip().replace(",", "").rstrip(".")
-    frac = re.fullmatch(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", text)
+    """The number an answer or label writes (a LaTeX fraction, a thousands-separated or signed number, ``$...$``,
+    a percent or degree sign, an ``x = `` in front), else None."""
+    text = text.strip().replace("\u2212", "-")
+    for noise in _LATEX_NOISE:
+        text = text.replace(noise, "")
+    text = re.sub(r"^[A-Za-z]\w?\s*=\s*", "", text.strip()).rstrip(".,").strip()
+    if "," in text:
+        if not _THOUSANDS.fullmatch(text):
+            return None  # "3,4" is two numbers, not 34
+        text = text.replace(",", "")
+    frac = _FRAC.fullmatch(text)
     if frac:
-        text = f"{frac.group(1)}/{frac.group(2)}"
+        sign, num, den = frac.group(1), frac.group(2) or frac.group(3), frac.group(4) or frac.group(5)
+        text = f"{sign}{num}/{den}" if not (sign and num.startswith("-")) else f"{num[1:]}/{den}"
     try:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):

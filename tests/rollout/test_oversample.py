@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -235,6 +236,25 @@ def test_groups_the_filter_drops_are_replaced_by_more_prompts(tokenizer, tiny_mo
     assert len(kept) == 3 and all(i % 2 for i in kept) and {1, 3} <= set(kept)
     assert stats["rollout/over_sampling/submitted_groups"] == 8.0  # 4, then 4 more once 2 of them were dropped
     assert stats["rollout/dynamic_filter/dropped_groups"] >= 2 and all(s.status is Status.COMPLETED for s in samples)
+
+
+@dataclass
+class FilterOutput:  # the shape of slime's DynamicFilterOutput
+    keep: bool
+    reason: str | None = None
+
+
+def odd_prompts_slime_style(args, group) -> FilterOutput:  # slime's filters return an object, always true
+    keep = group[0].metadata["prompt_index"] % 2 == 1
+    return FilterOutput(keep=keep, reason=None if keep else "even")
+
+
+def test_a_filter_returning_slimes_filter_output_is_read_by_its_keep_field(tokenizer, tiny_model_dir) -> None:
+    gen, source, _ = make(tokenizer, tiny_model_dir, "s" * 16, rollout_batch_size=3,
+                          dynamic_sampling_filter_path="tests.rollout.test_oversample.odd_prompts_slime_style")
+    samples, stats = rollout(gen, source, 0)
+    assert all(s.metadata["prompt_index"] % 2 for s in samples) and len(samples) == 6
+    assert stats["rollout/dynamic_filter/dropped_groups"] >= 2
 
 
 def test_a_filter_that_keeps_nothing_stops_the_rollout_naming_it(tokenizer, tiny_model_dir) -> None:

@@ -60,6 +60,27 @@ def test_math_compares_the_final_answer_numerically(response, label, expected):
     assert reward(parser_defaults(rm_type="math"), response, label) == expected
 
 
+@pytest.mark.parametrize("rm_type", ["math", "boxed_math"])
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("\\boxed{-\\frac{1}{2}}", "-1/2", 1.0),  # the sign in front of the fraction
+        ("\\boxed{-\\dfrac{1}{2}}", "-0.5", 1.0),
+        ("\\boxed{\\frac12}", "0.5", 1.0),  # LaTeX's one-digit shorthand
+        ("\\boxed{$5$}", "5", 1.0),
+        ("\\boxed{10\\%}", "10", 1.0),
+        ("\\boxed{x = 5}", "5", 1.0),
+        ("\\boxed{\u22123}", "-3", 1.0),  # a Unicode minus sign
+        ("\\boxed{1,000,000}", "1000000", 1.0),
+        ("\\boxed{-\\frac{1}{2}}", "1/2", 0.0),
+        ("\\boxed{3,4}", "34", 0.0),  # two numbers, not thirty-four
+        ("\\boxed{34}", "3,4", 0.0),
+    ],
+)
+def test_math_reads_plausible_forms_of_a_number(rm_type, response, label, expected):
+    assert reward(parser_defaults(rm_type=rm_type), response, label) == expected
+
+
 def test_math_extracts_nested_boxed():
     assert extract_final_answer("x \\boxed{\\frac{3}{4}} y") == "\\frac{3}{4}"
 
