@@ -84,6 +84,7 @@ class AdmissionMixin:
         else:
             hidden = self.lm.prefill(tokens.to(dev), slots, self.cache)
         for i, r in enumerate(batch):
+            r.kv_version = self.weights.version  # the prefix cache reuses it only under these weights
             if not r.output_ids:
                 r.cached_tokens = reused[i]
             if r.return_logprob and r.input_logprobs is None:

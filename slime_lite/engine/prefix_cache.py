@@ -10,7 +10,8 @@ the number of free slots, so KV pressure, i.e. many running requests, leaves few
 
 What is cached is dropped whole (``clear``) by ``/flush_cache``, whenever the KV cache is freed, and by every
 weight update: entries carry the weights' write counter (``Weights.version``), and a lookup under another counter
-clears everything first, so no route that writes weights can leave stale KV behind.
+clears everything first, so no route that writes weights can leave stale KV behind; a request that was running
+during an update (its prompt's K/V is the old weights') leaves nothing in the cache.
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ class PrefixCache:
             self.clear()
             self._seen_version = version
 
-    def release(self, slot: int, tokens: list[int] | None) -> None:
-        """``slot`` is free again and holds the K/V of ``tokens`` (None: nothing reusable)."""
+    def release(self, slot: int, tokens: list[int] | None, version: int | None = None) -> None:
+        """``slot`` is free again and holds the K/V of ``tokens`` (None: nothing reusable), computed under the
+        weights' write counter ``version`` (None: the current one). K/V of other weights is not kept: a request that
+        ran across a weight update holds its prompt's K/V under the old weights."""
         self._check_version()
-        if self.enabled and tokens:
+        if self.enabled and tokens and version in (None, self._seen_version):
             self._tokens[slot] = list(tokens)
             self._used[slot] = next(self._clock)
         else:

@@ -66,6 +66,7 @@ class Request:
     max_new: int = 0  # max_new_tokens capped to what the slot holds
     slot: int = -1
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    kv_version: int = -1  # the weights' write counter (Weights.version) its K/V was computed under (prefill)
     created: float = field(default_factory=time.monotonic)
     # the scheduler's abort-all count when the request was made (Scheduler.prepare): an abort-all after that aborts
     # it when it is submitted later (the rest of a batch waiting for its turn)

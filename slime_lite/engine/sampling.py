@@ -1,7 +1,8 @@
 """Sampling parameters and the batched sampler of the embedded engine.
 
 Log-probs: each generated token's log-prob is taken from ``log_softmax(logits / temperature)`` over the whole
-vocabulary, before top-k/top-p/min-p truncation and before the ``min_new_tokens`` ban; greedy rows
+vocabulary, before top-k/top-p/min-p truncation and before the ``min_new_tokens`` ban (which, as in SGLang, applies
+before top-p: top-p keeps its share of the tokens not banned); greedy rows
 (temperature < 1e-6) use temperature 1. That is the quantity the trainer recomputes (it divides its logits by
 ``--rollout-temperature``), so rollout and training log-probs agree at step 1.
 
@@ -219,9 +220,12 @@ def _last_positive(x: torch.Tensor) -> torch.Tensor:
 
 
 def _ban(t: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Log-probs ``t`` with row ``i``'s ``banned[i]`` at -inf and the row normalized again (SGLang bans them in the
+    logits, before the softmax: top-p counts the mass of the tokens left). Rows with no ban are left as they are."""
     for i, ids in enumerate(banned):
         if ids:
             t[i, list(ids)] = float("-inf")
+            t[i] -= torch.logsumexp(t[i], dim=-1).nan_to_num(neginf=0.0)  # nothing left: unchanged
     return t
 
 
@@ -278,9 +282,9 @@ def _truncate(samp: torch.Tensor, logp: torch.Tensor, params: Sequence[SamplingP
         k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
         remove |= ranks >= k[:, None]
     probs = sorted_lp.exp()
-    if need_p:
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        remove |= (probs.cumsum(-1) - probs) > top_p[:, None]
+    if need_p:  # only rows that ask: float32 cumsums pass 1.0 in the tail, which top_p = 1 must keep
+        top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+        remove |= ((probs.cumsum(-1) - probs) > top_p) & (top_p < 1.0)
     min_p = torch.tensor([p.min_p for p in params], device=dev)
     remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False

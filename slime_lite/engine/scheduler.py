@@ -389,9 +389,9 @@ class Scheduler(AdmissionMixin, ControlMixin):
         if req.slot >= 0:
             del self.running[req.slot]
             heapq.heappush(self._free_slots, req.slot)
-            # the slot keeps the K/V of what went through the model (the prefix cache); not after a failed prefill
-            done = req.output_ids or reason == {"type": "length", "length": 0}
-            self.prefix.release(req.slot, self._prefill_seq(req) if done else None)
+            # the slot keeps the K/V of what went through the model (prefix cache): not after a failed prefill, nor
+            done = req.output_ids or reason == {"type": "length", "length": 0}  # when the weights changed since
+            self.prefix.release(req.slot, self._prefill_seq(req) if done else None, req.kv_version)
             req.slot = -1
             if not self.running and not self.pipeline.holds_cache and not len(self.prefix):
                 self.cache.free()  # memory does not grow from batch to batch

@@ -115,3 +115,28 @@ def test_the_sampler_kernels_in_the_triton_interpreter():
     from tests.triton_interpreter import run_interpreted
 
     run_interpreted("tests.engine.test_sampling:_triton_sample_on_cpu")
+
+
+def test_top_p_shares_out_the_mass_the_min_new_tokens_ban_leaves():
+    """SGLang bans stop tokens in the logits, before the softmax: top-p keeps its share of the tokens left, even
+    when a banned token held most of the mass; the log-prob stays that of the unbanned distribution."""
+    logits = torch.tensor([5.0, 2.0, 1.9, 0.0, 0.0, 0.0, 0.0, 0.0])  # token 0 (banned) holds 0.89 of the mass
+    n = 400
+    tokens, logprobs = sample(logits.repeat(n, 1), [SamplingParams(top_p=0.5)] * n, list(range(n)), [0] * n,
+                              [[0]] * n)
+    assert set(tokens.tolist()) == {1, 2}  # 0.39 and 0.35 of what is left
+    assert torch.allclose(logprobs, torch.log_softmax(logits, -1)[tokens])
+
+
+def test_a_row_keeps_its_whole_support_next_to_a_row_asking_top_p():
+    """top_p = 1 truncates nothing, whatever the other rows of the batch ask (float32 cumsums pass 1.0 in a large
+    vocabulary's tail: a batch-wide top-p pass dropped those tokens from rows that did not ask for it)."""
+    from slime_lite.engine.sampling import _truncate
+
+    logp = torch.log_softmax(torch.randn(8, 32000, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    plain, top_p = SamplingParams(top_k=32000), SamplingParams(top_p=0.5)
+    alone = _truncate(logp, logp, [plain] * 8, True, False)
+    both = torch.cat([logp, logp[:1]])
+    mixed = _truncate(both, both, [plain] * 8 + [top_p], True, True)
+    assert torch.isfinite(alone).all()  # top_k = the vocabulary keeps every token
+    assert torch.equal(mixed[:8], alone)
