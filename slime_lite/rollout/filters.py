@@ -9,6 +9,7 @@ from slime_lite.types import Sample
 
 
 def check_reward_nonzero_std(args: Any, samples: list[Sample], **kwargs: Any) -> bool:
-    """Keep a prompt group only when its rewards disagree (a group whose rewards all agree has zero advantage)."""
+    """Keep a prompt group only when its rewards disagree (a group whose rewards all agree has zero advantage; so
+    has one with fewer than two rewards, e.g. every sample failed)."""
     rewards = list(scalar_rewards(samples, args.reward_key).values())
-    return max(rewards) - min(rewards) > 1e-8
+    return len(rewards) > 1 and max(rewards) - min(rewards) > 1e-8

@@ -163,3 +163,16 @@ def test_batched_builtin_rewards_in_order():
     samples = [Sample(index=i, response=r, label="7") for i, r in enumerate(["7", "8", "7<|endoftext|>"])]
     assert score(args, samples) == [1.0, 0.0, 1.0]
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
+
+
+def test_the_nonzero_std_filter_drops_a_group_without_two_rewards():
+    """A group whose samples all failed (no reward) has no advantage to give: dropped, not a crash on max([])."""
+    from types import SimpleNamespace
+
+    from slime_lite.rollout.filters import check_reward_nonzero_std
+
+    args = SimpleNamespace(reward_key=None)
+    assert not check_reward_nonzero_std(args, [Sample(index=0, prompt="p"), Sample(index=1, prompt="p")])
+    assert not check_reward_nonzero_std(args, [Sample(index=0, prompt="p", reward=1.0), Sample(index=1, prompt="p")])
+    assert check_reward_nonzero_std(args, [Sample(index=0, prompt="p", reward=1.0),
+                                           Sample(index=1, prompt="p", reward=0.0)])
