@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "generated before it was aborted (samples that had finished in an earlier rollout are "
                         "trained as they are, as in slime)")
     g.add_argument("--dynamic-sampling-filter-path", default=None,
-                   help="module.fn keep(args, samples)->bool over one group; "
+                   help="module.fn keep(args, samples) over one group: a bool, or an object with a .keep bool (slime's "
+                        "DynamicFilterOutput); "
                         "'slime_lite.rollout.filters.check_reward_nonzero_std' drops groups whose rewards agree")
     g.add_argument("--rollout-request-timeout", type=float, default=300.0,
                    help="seconds per engine request (default: %(default)s)")
