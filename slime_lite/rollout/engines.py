@@ -102,11 +102,19 @@ class EngineFleet:
     urls: list[str]
     router: Any = None
 
-    def stop(self) -> None:
-        for engine in self.engines:
-            ray.get(engine.stop.remote())
-        if self.router is not None:
-            self.router.stop()
+    def stop(self, timeout: float = 120.0) -> None:
+        """Stop every engine (all asked at once, each waited for at most ``timeout`` s), then the router: an engine
+        that is dead or stuck is logged and does not leave the others, or the router, running."""
+        try:
+            refs = [engine.stop.remote() for engine in self.engines]
+            for i, ref in enumerate(refs):
+                try:
+                    ray.get(ref, timeout=timeout)
+                except Exception as exc:  # noqa: BLE001 - the others still stop
+                    log.warning("engine %d did not stop cleanly: %s", i, exc)
+        finally:
+            if self.router is not None:
+                self.router.stop()
 
 
 def start_engines(args: Any, pg: Any, bundles: list[int]) -> EngineFleet:

@@ -162,3 +162,30 @@ def test_kill_engine_behind_a_router_waits_for_the_engine_not_the_router(tiny_mo
     monkeypatch.setattr(manager_mod, "request_json", health)
     asyncio.run(manager.generator.kill_engine())
     assert FakeEngineActor.kill_server.calls == 1 and probed == [worker]
+
+
+def test_stopping_the_fleet_stops_every_engine_and_the_router_past_a_dead_engine(monkeypatch):
+    """Shutdown with a dead engine actor (its stop raises) and a stuck one (its stop never answers): the others and
+    the router are still stopped, and the stuck one costs at most the timeout. The actors, their refs and the router
+    are FAKES (ray.get is stubbed): only the fleet's order of stops is under test."""
+    import slime_lite.rollout.engines as engines
+
+    stopped: list[str] = []
+
+    class Actor:
+        def __init__(self, name: str) -> None:
+            self.stop = type("M", (), {"remote": staticmethod(lambda: name)})
+
+    def get(ref, timeout=None):
+        assert timeout is not None  # a stuck engine must not hold the shutdown forever
+        if ref == "dead":
+            raise RuntimeError("ActorDiedError (fake)")
+        if ref == "stuck":
+            raise TimeoutError("GetTimeoutError (fake)")
+        stopped.append(ref)
+
+    monkeypatch.setattr(engines.ray, "get", get)
+    router = type("Router", (), {"stop": lambda self: stopped.append("router")})()
+    fleet = engines.EngineFleet([Actor("dead"), Actor("stuck"), Actor("e2")], ["u0", "u1", "u2"], router)
+    fleet.stop(timeout=1.0)
+    assert stopped == ["e2", "router"]
