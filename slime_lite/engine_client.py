@@ -73,15 +73,17 @@ def request_json(url: str, route: str, body: Any = None, *, timeout: float = 60.
     """Synchronous JSON request (direct, no proxy); ``body=None`` means GET. Raises EngineError naming the URL on
     failure."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url.rstrip("/") + route,
-        data=data,
-        method=method or ("GET" if body is None else "POST"),
-        headers={"Content-Type": "application/json", **auth_headers()},
-    )
     try:
+        req = urllib.request.Request(
+            url.rstrip("/") + route,
+            data=data,
+            method=method or ("GET" if body is None else "POST"),
+            headers={"Content-Type": "application/json", **auth_headers()},
+        )
         with _DIRECT.open(req, timeout=timeout) as resp:
             raw = resp.read()
+    except (ValueError, OverflowError, http.client.InvalidURL) as exc:  # the URL: no scheme, a port not a number
+        raise EngineError(f"{url}: not an engine URL http://HOST:PORT ({exc})") from None
     except urllib.error.HTTPError as exc:
         raise _http_error(url, route, exc.code, exc.read(), body) from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:

@@ -81,6 +81,10 @@ def test_unreachable_engine_names_the_url(tmp_path: Path, capsys, samples_factor
     assert main(["--load-debug-rollout-data", template, "--rollout-id", "0", "--url", url, "--timeout", "5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and url in err and "Traceback" not in err
+    for bad in ("http://127.0.0.1:abc", "http://[::1"):  # not a URL: an error line naming it, not a traceback
+        assert main(["--load-debug-rollout-data", template, "--rollout-id", "0", "--url", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {bad}: not an engine URL") and "Traceback" not in err, err
 
 
 class _FakeSGLang(BaseHTTPRequestHandler):
