@@ -41,7 +41,10 @@ class CriticActor(TrainWorker):
     def _adapt_model(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         if ps.is_pipeline_last_stage():
             model.output_layer = ValueHead(self.hf_config.hidden_size, dtype, model.config.sequence_parallel)
-            model.share_embeddings_and_output_weights = False
+        # the value head replaces the (tied) output layer: nothing is tied any more, on any stage. Under PP a first
+        # stage still marked as tied would all-reduce its embedding gradient with the last stage, which no longer
+        # takes part (a hang in the first step of a tied model such as Qwen2.5-0.5B)
+        model.share_embeddings_and_output_weights = False
 
     def _values(self, mb: B.MicroBatch, output: torch.Tensor) -> list[torch.Tensor]:
         """Response-token values of each sample of a micro-batch (the value at a position predicts what follows)."""
