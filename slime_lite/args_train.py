@@ -104,7 +104,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=nonneg_float, default=1e-6, help="actor learning rate (default: %(default)s)")
     g.add_argument("--critic-lr", type=nonneg_float, default=None, help="critic learning rate (default: --lr)")
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0,
-                   help="Adam weight decay (default: %(default)s)")
+                   help="AdamW (decoupled) weight decay; biases and 1-D weights (the norms) are not decayed, as in "
+                        "Megatron (default: %(default)s)")
     g.add_argument("--clip-grad", type=nonneg_float, default=1.0,
                    help="clip the global gradient norm to this value (default: %(default)s)")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: %(default)s)")

@@ -140,7 +140,8 @@ class TrainWorker:
         self.reporter = self.last_stage and ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
         state = {"next_rollout_id": 0, "data_state": None}
         if a.load and checkpoint.latest(a.load) is not None:
-            state = checkpoint.load(self, a.load)
+            state = checkpoint.load(self, a.load)  # replaces the param groups with the checkpoint's
+        set_group_hyperparameters(self.optimizer, lr, a.weight_decay, log_changes=self.rank == 0)
         return state
 
     def _lr(self) -> float:
@@ -345,6 +346,25 @@ class TrainWorker:
 
     def save(self, rollout_id: int, data_state: Any) -> None:
         checkpoint.save(self, self.args.save, rollout_id, data_state)
+
+
+def set_group_hyperparameters(optimizer: Any, lr: float, weight_decay: float, log_changes: bool = False) -> None:
+    """Each param group's learning rate and weight decay from the flags, times the group's ``lr_mult`` and
+    ``wd_mult``, as Megatron's learning-rate scheduler sets them before every step (slime-lite runs without one: the
+    rate is constant). Megatron builds the groups with ``wd_mult`` 0 for biases and 1-D weights (the norms), which
+    are never decayed, but leaves the torch optimizer's ``weight_decay`` at the flag's value in every group until a
+    scheduler applies the multipliers. Called after a checkpoint's groups replaced the fresh ones too: the flags of
+    this run hold (a changed --lr / --critic-lr / --weight-decay is logged)."""
+    changed: dict[str, tuple[float, float]] = {}
+    for group in optimizer.param_groups:
+        for key, value, mult in (("lr", lr, group.get("lr_mult", 1.0)),
+                                 ("weight_decay", weight_decay, group.get("wd_mult", 1.0))):
+            if mult and group.get(key, value * mult) != value * mult:
+                changed[key] = (group[key] / mult, value)
+            group[key] = value * mult
+    if log_changes:
+        for key, (old, new) in changed.items():
+            log.info("optimizer %s: %g (this run's flags), not the checkpoint's %g", key, new, old)
 
 
 def _summed(reported: list[dict]) -> dict[str, float]:
