@@ -6,6 +6,7 @@ every phase does nothing (nothing of Megatron is imported: the groups import the
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -13,8 +14,11 @@ import ray
 
 from slime_lite.backends.megatron.group import ActorGroup, CriticGroup
 from slime_lite.config import TrainSideConfig
+from slime_lite.errors import SlimeLiteError
 from slime_lite.metrics import check_finite_losses, memory_record
 from slime_lite.profiling import DRIVER_TIMELINE, timed
+
+log = logging.getLogger(__name__)
 
 
 class TrainSide:
@@ -22,6 +26,7 @@ class TrainSide:
         """Create the groups' workers (their processes start while the engines load; ``init`` builds the models)."""
         self.config = c = TrainSideConfig.from_args(args)
         self.offload_train = c.offload_train
+        self.global_batch_size = args.global_batch_size
         self.actor = ActorGroup(args, pg, layout.actor) if c.trains else None
         self.critic = CriticGroup(args, pg, layout.critic) if c.has_critic else None
         self.groups = [g for g in (self.actor, self.critic) if g is not None]
@@ -55,6 +60,7 @@ class TrainSide:
         returns each role's per-step grad-norms."""
         if self.actor is None:
             return {}
+        samples = self.whole_steps(rollout_id, samples)
         with timed(record, "perf/train_time"):
             t0 = time.monotonic()
             data = ray.put(samples)
@@ -69,6 +75,23 @@ class TrainSide:
                 norms["critic"] = critic.grad_norms
         check_finite_losses(record, rollout_id)
         return norms
+
+    def whole_steps(self, rollout_id: int, samples: list) -> list:
+        """The samples that fill whole optimizer steps of --global-batch-size: a rollout whose sample count is not
+        a multiple of it (a generate hook or agent that splits trajectories into a varying number of samples, with
+        a per-sample estimator) trains its first whole steps and leaves the rest out, as slime trims; fewer samples
+        than one step is an error naming the flags."""
+        g = self.global_batch_size
+        kept = len(samples) // g * g
+        if kept == len(samples):
+            return samples
+        if kept == 0:
+            raise SlimeLiteError(f"rollout {rollout_id} has {len(samples)} samples, fewer than one optimizer step of "
+                                 f"--global-batch-size {g}: lower --global-batch-size (it must divide by the "
+                                 "data-parallel size x --micro-batch-size) or raise --rollout-batch-size.")
+        log.warning("rollout %d: %d samples are not a multiple of --global-batch-size %d: training the first %d "
+                    "(%d step(s)), %d left out", rollout_id, len(samples), g, kept, kept // g, len(samples) - kept)
+        return samples[:kept]
 
     def save(self, rollout_id: int, data_state: Any) -> None:
         """Every --save-interval rollouts: each group's checkpoint (``data_state()``: the actor's copy of the

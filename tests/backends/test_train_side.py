@@ -1,0 +1,40 @@
+"""The driver's train side hands the workers whole optimizer steps: a rollout whose sample count is not a multiple
+of --global-batch-size (a generate hook or agent that splits trajectories, with a per-sample estimator) trains its
+first whole steps, as slime trims, instead of stopping the run in the workers' batch planner; fewer samples than
+one step is an error naming the flags. No Ray, no Megatron: the actor group is a stand-in that plans as the
+workers do."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime_lite.backends.megatron import batch as B
+from slime_lite.backends.megatron import side
+from slime_lite.errors import SlimeLiteError
+from slime_lite.types import Sample, TrainResult
+
+
+class _Actor:
+    def __init__(self) -> None:
+        self.trained: list[list[int]] = []
+
+    def train(self, rollout_id: int, data: list, values: object) -> tuple:
+        for dp_rank in range(2):  # the workers' plan: 4-sample steps over two data-parallel ranks
+            B.step_shards(len(data), 4, dp_rank, 2, 1)
+        self.trained.append([s.index for s in data])
+        return TrainResult({"train/loss": 0.5}, [1.0] * (len(data) // 4)), None
+
+
+def test_a_rollout_of_partial_steps_trains_its_whole_steps(monkeypatch):
+    monkeypatch.setattr(side.ray, "put", lambda value: value)
+    train = object.__new__(side.TrainSide)
+    train.actor, train.critic, train.global_batch_size = _Actor(), None, 4
+    samples = [Sample(index=i, tokens=[1, 2, 3], response_length=1) for i in range(11)]
+    record: dict = {}
+    assert train.train(0, samples, record) == {"actor": [1.0, 1.0]}
+    assert train.actor.trained == [list(range(8))] and record["train/loss"] == 0.5
+    assert train.train(1, samples[:8], {}) == {"actor": [1.0, 1.0]}  # whole steps: all of them
+    assert train.actor.trained[-1] == list(range(8))
+    with pytest.raises(SlimeLiteError, match="rollout 2 has 3 samples, fewer than one optimizer step of "
+                                             "--global-batch-size 4"):
+        train.train(2, samples[:3], {})
