@@ -148,7 +148,11 @@ def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
     heads = cfg.get("num_attention_heads")
     kv = cfg.get("num_key_value_heads", heads)
     layers = cfg.get("num_hidden_layers")
-    for what, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+    family = FAMILIES.get(cfg.get("model_type"))
+    moe = moe_config(cfg, f"--hf-checkpoint {args.hf_checkpoint}") if family else None
+    ffn = ("shared_expert_intermediate_size", moe.shared_expert_size) if moe else (
+        "intermediate_size", cfg.get("intermediate_size"))  # the dense MLP's columns are split over TP too
+    for what, value in (("num_attention_heads", heads), ("num_key_value_heads", kv), ffn):
         if value and value % tp:
             raise SlimeLiteError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({value}).")
     if layers and layers % pp:
