@@ -11,6 +11,7 @@ and tools that build one without a command line).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -31,6 +32,16 @@ def _nonneg_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"enable_thinking\": false}}', got {text!r}")
     return value
 
 
@@ -161,8 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-data", default=None, help="JSONL file of prompts (required unless --debug-train-only)")
     g.add_argument("--input-key", default="prompt", help="JSONL key of the prompt (default: %(default)s)")
     g.add_argument("--label-key", default="label", help="JSONL key of the label (default: %(default)s)")
+    g.add_argument("--metadata-key", default="metadata",
+                   help="JSONL key of a dict whose entries join the sample's metadata (the row's other fields are "
+                        "kept there too) (default: %(default)s)")
+    g.add_argument("--tool-key", default="tools",
+                   help="JSONL key of a prompt's tools (a list of function schemas, or its JSON text): given to the "
+                        "chat template with --apply-chat-template, and kept as metadata['tools'] (default: "
+                        "%(default)s)")
     g.add_argument("--apply-chat-template", action="store_true",
                    help="render each prompt with the tokenizer's chat template")
+    g.add_argument("--apply-chat-template-kwargs", type=_json_object, default="{}", metavar="JSON",
+                   help="extra arguments of the chat template as a JSON object, e.g. '{\"enable_thinking\": false}' "
+                        "for Qwen3; used for the prompts and every inserted multi-turn turn (default: none)")
     g.add_argument("--rollout-shuffle", action="store_true", help="shuffle the prompts every epoch")
     g.add_argument("--num-rollout", type=_positive_int, default=1,
                    help="rollouts (generate + train iterations) to run (default: %(default)s)")
@@ -193,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate every N rollouts, before training and at the end (needs --eval-prompt-data); 0 "
                         "turns eval off (e.g. appended to a script's flags)")
     g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
-                   help="eval sets as pairs NAME PATH (JSONL, same keys as --prompt-data)")
+                   help="eval sets as pairs NAME PATH (JSONL; keys as --prompt-data unless --eval-*-key)")
+    g.add_argument("--eval-input-key", default=None, help="JSONL key of an eval prompt (default: --input-key)")
+    g.add_argument("--eval-label-key", default=None, help="JSONL key of an eval label (default: --label-key)")
+    g.add_argument("--eval-tool-key", default=None, help="JSONL key of an eval prompt's tools (default: --tool-key)")
     g.add_argument("--n-samples-per-eval-prompt", type=_positive_int, default=1,
                    help="responses per eval prompt (default: %(default)s)")
     g.add_argument("--eval-temperature", type=_nonneg_float, default=None,

@@ -225,14 +225,14 @@ def test_parquet_and_jsonl_prompts_read_alike_and_slime_reward_rules(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from slime_lite.rollout.data import read_prompts
+    from slime_lite.rollout.data import DataKeys, read_prompts
     from slime_lite.rollout.rewards import boxed_math_reward, deepscaler_reward
 
     rows = [{"messages": [{"role": "user", "content": "1+1?"}], "label": "2", "source": "gsm8k"},
             {"messages": [{"role": "user", "content": "2+3?"}], "label": "5", "source": "gsm8k"}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = [read_prompts(str(tmp_path / f), "messages", "label") for f in ("train.parquet", "train.jsonl")]
+    got = [read_prompts(str(tmp_path / f), DataKeys("messages", "label")) for f in ("train.parquet", "train.jsonl")]
     assert got[0] == got[1] and got[0][1].prompt[0]["content"] == "2+3?" and got[0][1].metadata == {"source": "gsm8k"}
     assert deepscaler_reward("<think>2+3</think> The answer is \\boxed{5}.", "5") == 1.0
     assert deepscaler_reward("The answer is \\boxed{5}.", "5") == 0.0  # no end of reasoning: slime scores 0

@@ -268,7 +268,8 @@ def prompt_format_check(args: Any, samples: list, max_prompts: int = 8, margin: 
         for s in picked:
             target = str(s.label) if s.label is not None and str(s.label) else \
                 s.response.replace(tok.eos_token or "\0", "")
-            p = tok(render_prompt(s.prompt, tok, apply), add_special_tokens=False)["input_ids"]
+            text = render_prompt(s.prompt, tok, apply, s.metadata.get("tools"), args.apply_chat_template_kwargs)
+            p = tok(text, add_special_tokens=False)["input_ids"]
             t = tok(target, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
             ids = torch.tensor([p + t], device=device)
             with torch.no_grad():

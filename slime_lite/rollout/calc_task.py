@@ -145,7 +145,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
                             + format_tool_call(TOOL, {"expr": "12*34"})})
         messages.append({"role": "assistant", "content": parsed.content,
                          "tool_calls": [{"type": "function", "function": c} for c in parsed.calls]})
-        text = inserted_text(tok, messages, results, END_OF_TURN)
+        text = inserted_text(tok, messages, results, END_OF_TURN, template_kwargs=args.apply_chat_template_kwargs)
         if sample.response_length + len(tok(text, add_special_tokens=False)["input_ids"]) >= budget:
             sample.status = Status.TRUNCATED  # no room left for the next model turn
             break

@@ -59,30 +59,71 @@ def _rows(path: str, flag: str) -> Any:
             raise SlimeLiteError(f"{flag} {path}:{lineno}: not valid JSON ({exc.msg}).") from None
 
 
-def _row_metadata(row: dict[str, Any], input_key: str, label_key: str | None) -> dict[str, Any]:
-    """A row's fields other than the prompt and the label, with the entries of its ``metadata`` dict at the top (as
-    slime makes a row's ``metadata`` field the sample's metadata)."""
-    meta = {k: v for k, v in row.items() if k not in (input_key, label_key)}
-    nested = meta.get("metadata")
+def _row_metadata(row: dict[str, Any], keys: DataKeys) -> dict[str, Any]:
+    """A row's fields other than the prompt and the label, with the entries of its ``--metadata-key`` dict at the top
+    (as slime makes that field the sample's metadata)."""
+    meta = {k: v for k, v in row.items() if k not in (keys.input_key, keys.label_key)}
+    nested = meta.get(keys.metadata_key)
     if isinstance(nested, dict):
-        del meta["metadata"]
+        del meta[keys.metadata_key]
         meta.update(nested)
     return meta
 
 
-def read_prompts(path: str, input_key: str, label_key: str | None, flag: str = "--prompt-data") -> list[Prompt]:
+def _tools(row: dict[str, Any], keys: DataKeys, where: str) -> list[Any] | None:
+    """The row's ``--tool-key`` field: a list of tool schemas (or its JSON text, as slime reads it); None without."""
+    tools = row.get(keys.tool_key) if keys.tool_key else None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise SlimeLiteError(f"{where}: the {keys.tool_key!r} field is text but not JSON ({exc.msg}); "
+                                 f"{keys.tool_flag} names the field of a list of tool schemas.") from None
+    if tools is not None and not isinstance(tools, list):
+        raise SlimeLiteError(f"{where}: the {keys.tool_key!r} field is a {type(tools).__name__}, not a list of tool "
+                             f"schemas (set {keys.tool_flag} to the field that holds them).")
+    return tools
+
+
+@dataclass(frozen=True)
+class DataKeys:
+    """The fields of a prompt file's rows (slime's --input-key, --label-key, --metadata-key, --tool-key)."""
+    input_key: str = "prompt"
+    label_key: str | None = "label"
+    metadata_key: str = "metadata"
+    tool_key: str | None = "tools"
+    input_flag: str = "--input-key"  # the flags that set them, named in errors
+    tool_flag: str = "--tool-key"
+
+    @classmethod
+    def from_args(cls, args: Any, evaluation: bool = False) -> DataKeys:
+        """The train data's keys, or the eval data's (each --eval-*-key, else the train data's)."""
+        def pick(name: str) -> Any:
+            value = getattr(args, f"eval_{name}", None) if evaluation else None
+            return getattr(args, name) if value is None else value
+        pre = "--eval-" if evaluation else "--"
+        return cls(pick("input_key"), pick("label_key"), args.metadata_key, pick("tool_key"),
+                   f"{pre}input-key", f"{pre}tool-key")
+
+
+def read_prompts(path: str, keys: DataKeys = DataKeys(), flag: str = "--prompt-data") -> list[Prompt]:
     prompts = []
     reserved: set[str] = set()
+    input_key, label_key = keys.input_key, keys.label_key
     for lineno, row in _rows(path, flag):
         if not isinstance(row, dict) or input_key not in row:
             raise SlimeLiteError(
-                f"{flag} {path}:{lineno}: no {input_key!r} key (set --input-key to the prompt's key; "
+                f"{flag} {path}:{lineno}: no {input_key!r} key (set {keys.input_flag} to the prompt's key; "
                 f"this line has {sorted(row) if isinstance(row, dict) else type(row).__name__})."
             )
         label = row.get(label_key) if label_key else None
-        meta = _row_metadata(row, input_key, label_key)
+        tools = _tools(row, keys, f"{flag} {path}:{lineno}")
+        meta = _row_metadata(row, keys)
+        meta.pop(keys.tool_key, None)
         reserved.update(k for k in meta if k in RESERVED_METADATA)
         meta = {k: v for k, v in meta.items() if k not in RESERVED_METADATA}
+        if tools is not None:
+            meta["tools"] = tools  # as slime keeps them: a custom generate function's tools
         if label is not None and not isinstance(label, (list, dict)):
             label = str(label)
         prompts.append(Prompt(len(prompts), row[input_key], label, meta))
@@ -131,11 +172,14 @@ class PromptSource:
         self._order = self._make_order()
 
 
-def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool) -> str:
-    """The text sent to the engine: the prompt itself, or the tokenizer's chat template with a generation prompt."""
+def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool,
+                  tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The text sent to the engine: the prompt itself, or the tokenizer's chat template with a generation prompt, the
+    prompt's tools and --apply-chat-template-kwargs (both unused without the template, as in slime)."""
     if apply_chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
     if not isinstance(prompt, str):
         raise SlimeLiteError("a prompt is a chat message list: add --apply-chat-template to render it.")
     return prompt

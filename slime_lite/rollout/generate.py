@@ -186,7 +186,8 @@ class Generator:
         self.last_back = time.monotonic()
 
     def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
-        text = render_prompt(prompt.prompt, self.tokenizer, self.args.apply_chat_template)
+        text = render_prompt(prompt.prompt, self.tokenizer, self.args.apply_chat_template,
+                             prompt.metadata.get("tools"), self.args.apply_chat_template_kwargs)
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     async def _run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int,

@@ -21,7 +21,7 @@ from slime_lite.hooks import HookArgs, load_hook
 from slime_lite.logging_setup import setup_logging
 from slime_lite.metrics import process_memory
 from slime_lite.rollout import drift, dumps, functions
-from slime_lite.rollout.data import PromptSource, read_prompts
+from slime_lite.rollout.data import DataKeys, PromptSource, read_prompts
 from slime_lite.rollout.fully_async import FullyAsyncWorker
 from slime_lite.rollout.generate import Generator
 from slime_lite.rollout.stats import eval_metrics, groups_rewards, rollout_metrics
@@ -62,12 +62,13 @@ class RolloutManager:
                 engine0 = (worker_urls or engine_urls)[0]
                 self.generator.kill_engine = lambda: kill_engine(fault_engine, engine0)
         if args.prompt_data and not args.debug_train_only:
-            prompts = read_prompts(args.prompt_data, args.input_key, args.label_key)
+            prompts = read_prompts(args.prompt_data, DataKeys.from_args(args))
             self.source = PromptSource(prompts, args.rollout_shuffle, args.rollout_seed)
         if args.eval_prompt_data and not args.debug_train_only:
             pairs = args.eval_prompt_data
             for name, path in zip(pairs[0::2], pairs[1::2]):
-                self.eval_sets[name] = read_prompts(path, args.input_key, args.label_key, "--eval-prompt-data")
+                self.eval_sets[name] = read_prompts(path, DataKeys.from_args(args, evaluation=True),
+                                                   "--eval-prompt-data")
         self.vocab_size = model_vocab_size(args.hf_checkpoint) or len(self.tokenizer)
         self.rollout_fn = load_hook(args.rollout_function_path, "--rollout-function-path")
         self.eval_fn = load_hook(args.eval_function_path or args.rollout_function_path, "--eval-function-path")

@@ -74,16 +74,18 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
 
 
 def inserted_text(tokenizer: Any, history: list[dict[str, Any]], new_messages: list[dict[str, Any]],
-                  end_of_turn: str, closed: bool = True) -> str:
+                  end_of_turn: str, closed: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
     """The text the chat template puts after the model's last turn (which ended with ``end_of_turn``, the stop
     token the engine returned) up to the next generation prompt: the rest of that turn's closing, then
     ``new_messages`` (tool results, user or environment turns), then the assistant's generation prompt. A turn
     that did not end with it (``closed`` False: cut by its length or a stop string) gets ``end_of_turn`` too.
 
     ``history`` ends with that assistant turn. Only the new text is rendered, so earlier turns keep the engine's
-    tokens; a template that renders history differently once more messages follow is refused."""
-    before = tokenizer.apply_chat_template(history, tokenize=False)
-    after = tokenizer.apply_chat_template(history + new_messages, tokenize=False, add_generation_prompt=True)
+    tokens; a template that renders history differently once more messages follow is refused. ``template_kwargs``
+    (--apply-chat-template-kwargs) go to the template as they went when the prompt was rendered."""
+    kw = template_kwargs or {}
+    before = tokenizer.apply_chat_template(history, tokenize=False, **kw)
+    after = tokenizer.apply_chat_template(history + new_messages, tokenize=False, add_generation_prompt=True, **kw)
     if not after.startswith(before):
         raise SlimeLiteError(
             "the chat template renders the conversation so far differently once new messages follow it; a turn's "

@@ -18,14 +18,14 @@ def test_a_line_separator_inside_a_json_string_does_not_split_the_line(tmp_path)
     # ensure_ascii=False leaves U+2028 / U+2029 / U+0085 unescaped: still one valid JSON line each
     path = _write(tmp_path / "p.jsonl", [{"prompt": "a\u2028b", "label": "1"},
                                          {"prompt": "c\u2029d\x85e", "label": "2"}])
-    prompts = read_prompts(path, "prompt", "label")
+    prompts = read_prompts(path)
     assert [(p.prompt, p.label) for p in prompts] == [("a\u2028b", "1"), ("c\u2029d\x85e", "2")]
 
 
 def test_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+1=", "label": 2}\r\n\r\n{"prompt": "2+2=", "label": 4}\r\n')
-    assert [(p.prompt, p.label) for p in read_prompts(str(path), "prompt", "label")] == [("1+1=", "2"), ("2+2=", "4")]
+    assert [(p.prompt, p.label) for p in read_prompts(str(path))] == [("1+1=", "2"), ("2+2=", "4")]
 
 
 def test_data_fields_never_pass_for_slime_lites_own_sample_metadata(tmp_path) -> None:
@@ -36,7 +36,7 @@ def test_data_fields_never_pass_for_slime_lites_own_sample_metadata(tmp_path) ->
         {"prompt": "1+1=", "label": "2", "prompt_index": 99, "prompt_text": "other", "source": "mtbench",
          "turns": ["first question", "second question"], "messages": [{"role": "user", "content": "x"}],
          "metadata": {"difficulty": 3, "rm_type": "math"}}])
-    prompt = read_prompts(path, "prompt", "label")[0]
+    prompt = read_prompts(path)[0]
     assert prompt.metadata == {"source": "mtbench", "difficulty": 3, "rm_type": "math"}
     group = new_group(prompt, 2, 0, 0, "rendered 1+1=", [1, 2, 3])
     assert all(s.metadata["prompt_index"] == 0 and s.metadata["prompt_text"] == "rendered 1+1=" for s in group)
@@ -55,8 +55,86 @@ def test_a_label_keeps_its_data_type_as_in_slime(tmp_path) -> None:
 
     path = _write(tmp_path / "p.jsonl", [{"prompt": "a", "label": ["x", "y"]}, {"prompt": "b", "label": {"n": 1}},
                                          {"prompt": "c", "label": -3}, {"prompt": "d"}])
-    prompts = read_prompts(path, "prompt", "label")
+    prompts = read_prompts(path)
     assert [p.label for p in prompts] == [["x", "y"], {"n": 1}, "-3", None]
     group = new_group(prompts[2], 1, 0, 0, "c", [1])
     group[0].response = "so it is \\boxed{-3}."
     assert asyncio.run(compute_reward(parser_defaults(rm_type="math"), group[0])) == 1.0
+
+
+# A Qwen3-like chat template (tools in a system turn, enable_thinking closing an empty think block), on the tiny
+# char tokenizer: what the tiny model's own template does not show.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_slime_data_keys_tools_and_template_kwargs_reach_the_rendered_prompts(tmp_path, tiny_model_dir):
+    """slime's --metadata-key, --tool-key, --eval-input-key/--eval-label-key/--eval-tool-key and
+    --apply-chat-template-kwargs: the eval set is read with its own keys, a prompt's tools (a list, or its JSON
+    text) go to the chat template and the metadata, the template kwargs to the template, the meta dict's entries
+    to the metadata."""
+    from slime_lite.args import parse_args
+    from slime_lite.rollout.data import DataKeys
+    from slime_lite.rollout.generate import Generator
+    from slime_lite.tokenizer import load_tokenizer
+
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {}}}
+    train = _write(tmp_path / "t.jsonl", [{"prompt": "1+1=", "label": "2", "functions": [tool], "info": {"d": 1}},
+                                          {"prompt": "2+2=", "label": "4", "functions": json.dumps([tool])}])
+    evals = _write(tmp_path / "e.jsonl", [{"q": "3+3=", "a": "6", "fns": [tool], "tools": "kept as data"}])
+    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", train, "--rm-type", "math",
+                       "--eval-prompt-data", "e", evals, "--eval-input-key", "q", "--eval-label-key", "a",
+                       "--eval-tool-key", "fns", "--tool-key", "functions", "--metadata-key", "info",
+                       "--apply-chat-template", "--apply-chat-template-kwargs", '{"enable_thinking": false}'])
+    train_prompts = read_prompts(train, DataKeys.from_args(args))
+    eval_prompt = read_prompts(evals, DataKeys.from_args(args, evaluation=True), "--eval-prompt-data")[0]
+    assert train_prompts[0].metadata == {"d": 1, "tools": [tool]}
+    assert train_prompts[1].metadata == {"tools": [tool]}  # the JSON text parsed, as slime does
+    assert (eval_prompt.prompt, eval_prompt.label, eval_prompt.metadata["tools"]) == ("3+3=", "6", [tool])
+    tok = load_tokenizer(str(tiny_model_dir))
+    tok.chat_template = TOOLS_TEMPLATE
+    text, ids = Generator(args, tok, None).encode(eval_prompt)
+    assert text == (f"<|im_start|>system\ntools: {json.dumps([tool])}<|im_end|>\n<|im_start|>user\n3+3=<|im_end|>\n"
+                    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_bad_tools_and_template_kwargs_are_refused_naming_the_flag_and_line(tmp_path, capsys):
+    import pytest
+
+    from slime_lite.args import parse_args
+    from slime_lite.errors import SlimeLiteError
+    from slime_lite.rollout.data import DataKeys
+
+    bad = _write(tmp_path / "p.jsonl", [{"prompt": "a", "tools": []}, {"prompt": "b", "tools": {"name": "calc"}}])
+    with pytest.raises(SlimeLiteError, match=r"p.jsonl:2: the 'tools' field is a dict, not a list .*--tool-key"):
+        read_prompts(bad)
+    bad = _write(tmp_path / "q.jsonl", [{"q": "a", "fns": "[{oops"}])
+    keys = DataKeys("q", None, "metadata", "fns", "--eval-input-key", "--eval-tool-key")
+    with pytest.raises(SlimeLiteError, match=r"--eval-prompt-data .*q.jsonl:1: the 'fns' field is text but not JSON.*"
+                                             r"--eval-tool-key"):
+        read_prompts(bad, keys, "--eval-prompt-data")
+    with pytest.raises(SlimeLiteError, match=r"no 'q' key \(set --eval-input-key"):
+        read_prompts(_write(tmp_path / "r.jsonl", [{"prompt": "a"}]), keys, "--eval-prompt-data")
+    for value, says in (("{oops", "not JSON"), ("[1]", "expected a JSON object")):
+        with pytest.raises(SystemExit):
+            parse_args(["--hf-checkpoint", "m", "--apply-chat-template-kwargs", value])
+        assert f"--apply-chat-template-kwargs: {says}" in capsys.readouterr().err
+
+
+def test_an_inserted_turn_is_rendered_with_the_template_kwargs_of_the_prompt(tiny_model_dir):
+    """A multi-turn sample's tool turn ends in the same generation prompt as the first turn (Qwen3 with
+    enable_thinking false: the closed think block), not the template's default."""
+    from slime_lite.rollout.tool_calls import inserted_text
+    from slime_lite.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    tok.chat_template = TOOLS_TEMPLATE
+    history = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "calc"}]
+    tool = [{"role": "tool", "content": "2"}]
+    text = inserted_text(tok, history, tool, "<|im_end|>", template_kwargs={"enable_thinking": False})
+    assert text == "\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert inserted_text(tok, history, tool, "<|im_end|>").endswith("<|im_start|>assistant\n")
