@@ -368,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-team", default=None, help="wandb entity (team) the run belongs to")
     g.add_argument("--wandb-host", default=None, help="wandb server URL (WANDB_BASE_URL)")
     g.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
+    g.add_argument("--log-passrate", action="store_true",
+                   help="log pass@k (k = 1, 2, 4, ... up to the group size; a sample passes with reward 1) over the "
+                        "prompt groups: passrate/pass@k of every rollout, eval/<name>-pass@k of every eval set")
 
     g = p.add_argument_group("profiling", "traces and snapshots go to --tensorboard-dir (as in slime)")
     g.add_argument("--use-pytorch-profiler", action="store_true",

@@ -156,7 +156,7 @@ class RolloutManager:
             except Exception:  # noqa: BLE001 - the sample error is the one to report
                 log.exception("writing a debug dump failed too")
             raise
-        metrics = rollout_metrics(samples, a.reward_key, grouped=self.grouped)
+        metrics = rollout_metrics(samples, a.reward_key, grouped=self.grouped, passrate=a.log_passrate)
         metrics.update(drift.rollout_metrics(samples, self.tokenizer))
         metrics.update(extra)
         # the trained samples' last requests (not a sample carried already finished: made in an earlier rollout)
@@ -211,7 +211,7 @@ class RolloutManager:
         t0 = time.monotonic()
         sets, extra = functions.eval_samples(self._call(self.eval_fn, rollout_id, True), "--eval-function-path")
         for name, samples in sets.items():
-            metrics.update(eval_metrics(name, samples, a.reward_key))
+            metrics.update(eval_metrics(name, samples, a.reward_key, a.log_passrate))
             if a.save_debug_rollout_data:
                 path = dumps.dump_path(a.save_debug_rollout_data, rollout_id, evaluation=True)
                 if len(sets) > 1:

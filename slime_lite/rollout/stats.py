@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -54,6 +55,22 @@ def _group_centred(samples: list[Sample], rewards: dict[int, float]) -> list[flo
     return [r - sum(g) / len(g) for g in groups.values() for r in g]
 
 
+def pass_at_k(samples: list[Sample], rewards: dict[int, float]) -> dict[str, float]:
+    """``pass@k`` for k = 1, 2, 4, ... up to the smallest prompt group (``group_index``), as slime's --log-passrate:
+    per group of n samples with c rewards of exactly 1 (a sample without a reward fails), the unbiased estimate
+    1 - C(n - c, k) / C(n, k), averaged over the groups; {} when a group has one sample."""
+    groups: dict[Any, list[bool]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        groups[s.group_index if s.group_index is not None else ("sample", i)].append(rewards.get(i) == 1.0)
+    smallest = min((len(g) for g in groups.values()), default=0)
+    out, k = {}, 1
+    while smallest > 1 and k <= smallest:
+        est = [1.0 - math.comb(len(g) - sum(g), k) / math.comb(len(g), k) for g in groups.values()]
+        out[f"pass@{k}"] = _mean(est)
+        k *= 2
+    return out
+
+
 def groups_rewards(args: Any) -> bool:
     """Whether the run's estimator normalises rewards within each prompt's group (GRPO, REINFORCE++-baseline)."""
     from slime_lite.rl_math import estimator  # torch
@@ -62,14 +79,15 @@ def groups_rewards(args: Any) -> bool:
 
 
 def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
-                    grouped: bool = False) -> dict[str, float]:
+                    grouped: bool = False, passrate: bool = False) -> dict[str, float]:
     """Metrics of one rollout batch: ``rollout/raw_reward``, ``rollout/response_len/mean`` and so on.
 
     Rewards are averaged over the samples that have one. ``rollout/rewards`` is, as in slime, the mean of the
     rewards the estimator trains on: with ``grouped`` (the estimator normalises within each prompt's group) each
     reward minus its group's mean (slime also divides by the group's std for GRPO, which leaves the mean alone),
     so it stays about 0; otherwise the raw rewards. ``rollout/rollout_log_probs`` is the per-sample token mean
-    (loss-masked) averaged over samples, as slime averages per-token quantities.
+    (loss-masked) averaged over samples, as slime averages per-token quantities. With ``passrate``
+    (--log-passrate): ``passrate/pass@k`` over the prompt groups.
     """
     if not samples:
         return {}
@@ -93,6 +111,8 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
     zero_std = _zero_std_group_ratio(samples, rewards)
     if zero_std is not None:
         out["rollout/zero_std_groups"] = zero_std
+    if passrate:
+        out.update({f"passrate/{k}": v for k, v in pass_at_k(samples, rewards).items()})
     return out
 
 
@@ -110,12 +130,17 @@ def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
             "rollout/masked_token_share": masked / response if response else 0.0}
 
 
-def eval_metrics(name: str, samples: list[Sample], reward_key: str | None = None) -> dict[str, float]:
-    """``eval/<name>`` (mean reward), ``eval/<name>/response_len/mean`` and ``eval/<name>/truncated_ratio``."""
+def eval_metrics(name: str, samples: list[Sample], reward_key: str | None = None,
+                 passrate: bool = False) -> dict[str, float]:
+    """``eval/<name>`` (mean reward), ``eval/<name>/response_len/mean`` and ``eval/<name>/truncated_ratio``; with
+    ``passrate`` (--log-passrate) ``eval/<name>-pass@k`` over the prompts' groups of --n-samples-per-eval-prompt."""
     if not samples:
         return {}
-    rewards = list(scalar_rewards(samples, reward_key).values())
+    by_position = scalar_rewards(samples, reward_key)
+    rewards = list(by_position.values())
     out: dict[str, float] = {}
+    if passrate:
+        out.update({f"eval/{name}-{k}": v for k, v in pass_at_k(samples, by_position).items()})
     if rewards:
         out[f"eval/{name}"] = _mean(rewards)
     out[f"eval/{name}/response_len/mean"] = _mean([s.response_length for s in samples])

@@ -127,14 +127,19 @@ def test_a_custom_rollout_and_eval_function_replace_the_step(tiny_model_dir, eng
     held_out.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(2)))
     manager = _manager(tiny_model_dir, engine, tmp_path, rollout_function_path="my_rollout.generate_rollout",
                        eval_function_path="my_rollout.evaluate", eval_prompt_data=["held_out", str(held_out)],
-                       save_debug_rollout_data=str(tmp_path / "d_{rollout_id}.pt"))
+                       save_debug_rollout_data=str(tmp_path / "d_{rollout_id}.pt"), log_passrate=True)
     samples, metrics = manager.generate(3)
     assert [(s.group_index, s.index) for s in samples] == [(0, 0), (0, 1), (1, 2), (1, 3)]
     assert all(s.response_length == 3 and len(s.rollout_log_probs) == 3 for s in samples)
     assert metrics["custom/rollout_id"] == 3 and metrics["rollout/raw_reward"] == pytest.approx(
         sum(len(s.response) for s in samples) / 4)
+    from slime_lite.rollout.stats import pass_at_k
+
+    passrate = {k.removeprefix("passrate/"): v for k, v in metrics.items() if k.startswith("passrate/")}
+    assert passrate == pass_at_k(samples, {i: s.reward for i, s in enumerate(samples)}) and len(passrate) == 2
     out = manager.evaluate(3)
     assert out["custom/evaluated"] == 1.0 and out["eval/mine"] == 1.0 and out["eval/mine/response_len/mean"] == 2
+    assert not any("pass@" in k for k in out)  # one sample per eval prompt: no pass@k
     manager.close()
     assert len(load_rollout_dump(str(tmp_path / "d_3.pt")).samples) == 4
 

@@ -68,3 +68,24 @@ def test_rollout_rewards_are_the_group_centred_rewards_as_slime_logs_them() -> N
         m = rollout_metrics(samples, grouped=grouped)
         assert m["rollout/raw_reward"] == pytest.approx(0.4)
         assert m["rollout/rewards"] == pytest.approx(0.0 if grouped else 0.4, abs=1e-9)
+
+
+def test_pass_at_k_is_the_unbiased_estimate_per_group_and_logged_under_slimes_names():
+    """--log-passrate: per group of n samples with c rewards of 1, 1 - C(n-c, k) / C(n, k), averaged over the
+    groups, for k = 1, 2, 4 up to the group size; a sample without a reward or with 0.5 fails."""
+    from math import comb
+
+    from slime_lite.rollout.stats import eval_metrics, pass_at_k, rollout_metrics
+
+    rewards = [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.5, None], [0.0] * 4]
+    samples = [Sample(group_index=g, index=4 * g + i, reward=r, response_length=1)
+               for g, group in enumerate(rewards) for i, r in enumerate(group)]
+    want = {f"pass@{k}": (1 - comb(3, k) / comb(4, k) + 1 - comb(2, k) / comb(4, k) + 0) / 3 for k in (1, 2, 4)}
+    assert want["pass@1"] == (1 / 4 + 2 / 4) / 3 and want["pass@4"] == 2 / 3
+    got = rollout_metrics(samples, passrate=True)
+    assert {k: got[f"passrate/{k}"] for k in want} == pytest.approx(want)
+    assert not any(k.startswith("passrate/") for k in rollout_metrics(samples))  # off without the flag
+    got = eval_metrics("gsm8k", samples, passrate=True)
+    assert {k: got[f"eval/gsm8k-{k}"] for k in want} == pytest.approx(want)
+    assert pass_at_k(samples[:4] + [Sample(group_index=9, reward=1.0)], {0: 1.0, 4: 1.0}) == {}  # a group of one
+    assert pass_at_k([Sample(reward=1.0), Sample(reward=0.0)], {0: 1.0, 1: 0.0}) == {}  # no groups
