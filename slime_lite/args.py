@@ -304,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reward-key", default=None, help="key to pick when the reward is a dict")
     g.add_argument("--custom-rm-path", default=None,
                    help="module.fn async reward(args, sample) -> float or dict; replaces --rm-type")
+    g.add_argument("--rm-url", default=None,
+                   help="URL of a reward model service for --rm-type remote_rm (or rows whose rm_type field is "
+                        "remote_rm): it gets POST {prompt, response, label} and answers a JSON number or object")
+    g.add_argument("--group-rm", action="store_true",
+                   help="score each prompt's group at once: --custom-rm-path gets (args, samples) and returns one "
+                        "reward per sample (e.g. a reward model that ranks the responses)")
 
     g = p.add_argument_group("debug")
     g.add_argument("--debug-rollout-only", action="store_true", help="engines only; Megatron is never imported")

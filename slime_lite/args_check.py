@@ -85,6 +85,9 @@ def check_partial_rollout(args: argparse.Namespace) -> None:
                              "add --partial-rollout, or drop it.")
     if not args.partial_rollout:
         return
+    if args.group_rm:
+        raise SlimeLiteError("--group-rm scores a prompt's group at once, but --partial-rollout finishes a carried "
+                             "group's samples over two rollouts: drop one of them.")
     if args.debug_train_only:
         raise SlimeLiteError("--partial-rollout continues aborted samples in the next generated rollout, but "
                              "--debug-train-only (or --load-debug-rollout-data) generates none: drop --partial-rollout "
@@ -198,6 +201,8 @@ def validate_args(args: argparse.Namespace) -> None:
         _need_file(args.prompt_data, "--prompt-data")
         if args.rm_type is None and args.custom_rm_path is None:
             raise SlimeLiteError("a reward is needed: give --rm-type or --custom-rm-path.")
+    if args.rm_type == "remote_rm" and not args.custom_rm_path and not args.rm_url:
+        raise SlimeLiteError("--rm-type remote_rm posts each sample to a reward model service: give its --rm-url.")
     if args.eval_prompt_data is not None:
         if len(args.eval_prompt_data) % 2:
             raise SlimeLiteError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...].")

@@ -16,7 +16,7 @@ from rich.text import Text
 from slime_lite.debug import make_console, select_dumps, shorten
 from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.rollout.dumps import load_rollout_dump
-from slime_lite.rollout.rewards import compute_reward
+from slime_lite.rollout.rewards import compute_group_rewards, compute_reward
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout-id", type=int, default=None, help="only this rollout id (default: all found)")
     p.add_argument("--rm-type", default=None, help="built-in reward type (as for train)")
     p.add_argument("--custom-rm-path", default=None, help="module.function reward hook (as for train)")
+    p.add_argument("--rm-url", default=None, help="reward model service of --rm-type remote_rm (as for train)")
+    p.add_argument("--group-rm", action="store_true", help="score each prompt's group at once (as for train)")
+    p.add_argument("--rollout-request-timeout", type=float, default=300.0,
+                   help="seconds per --rm-url request (default: %(default)s)")
     p.add_argument("--reward-key", default=None, help="compare only this key of dict rewards")
     p.add_argument("--atol", type=float, default=1e-6, help="rewards closer than this count as the same")
     p.add_argument("--max-rows", type=int, default=50, help="show at most this many differing samples per file")
@@ -53,7 +57,16 @@ def _pick(reward: Any, key: str | None) -> Any:
 
 
 async def _recompute(args: argparse.Namespace, samples: list[Any]) -> list[Any]:
-    return list(await asyncio.gather(*(compute_reward(args, s) for s in samples)))
+    if not args.group_rm:
+        return list(await asyncio.gather(*(compute_reward(args, s) for s in samples)))
+    groups: dict[Any, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.group_index if s.group_index is not None else ("sample", i), []).append(i)
+    out: list[Any] = [None] * len(samples)
+    for positions in groups.values():
+        for i, r in zip(positions, await compute_group_rewards(args, [samples[i] for i in positions])):
+            out[i] = r
+    return out
 
 
 def _run(argv: list[str] | None) -> int:

@@ -17,7 +17,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import HookArgs, call_maybe_async, load_hook
 from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
 from slime_lite.rollout.oversample import MAX_SUBMITS, OverSampler, stamp_versions
-from slime_lite.rollout.rewards import compute_reward
+from slime_lite.rollout.rewards import compute_group_rewards, compute_reward
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
@@ -197,33 +197,38 @@ class Generator:
             s.metadata["sampling_params"] = p
             s.generate_function_path = self.args.custom_generate_function_path
 
-        async def reward(sample: Sample, t0: float) -> Sample:
-            if sample.status is Status.ABORTED:  # cut short (over-sampling): dropped, or continued and scored later
-                return sample
+        async def reward(samples: list[Sample], t0: float) -> list[Sample]:
+            # an aborted sample (over-sampling) is dropped, or continued and scored later
+            live = [s for s in samples if s.status is not Status.ABORTED]
             t1 = time.monotonic()
-            sample.reward = await compute_reward(self.args, sample)
-            if not self.config.deterministic_mode:  # wall-clock values would tell two identical dumps apart
-                sample.non_generation_time = time.monotonic() - t1
-                sample.metadata["generation_time"] = t1 - t0
-            self.progress[0] += 1
-            return sample
+            if self.args.group_rm:
+                rewards = await compute_group_rewards(self.args, live)
+            else:
+                rewards = await asyncio.gather(*(compute_reward(self.args, s) for s in live))
+            for sample, r in zip(live, rewards):
+                sample.reward = r
+                if not self.config.deterministic_mode:  # wall-clock values would tell two identical dumps apart
+                    sample.non_generation_time = time.monotonic() - t1
+                    sample.metadata["generation_time"] = t1 - t0
+            self.progress[0] += len(live)
+            return samples
 
         t0 = time.monotonic()
         self._sent()
         if self.generate_fn is default_generate:
             group = await generate_group(self.args, group, per_sample)
             self._back()
-            return list(await asyncio.gather(*(reward(s, t0) for s in group)))
+            return await reward(group, t0)
 
         async def one(sample: Sample, p: dict[str, Any]) -> list[Sample]:
             kwargs = {"evaluation": evaluation} if self.takes_evaluation else {}
             out = await call_maybe_async(self.generate_fn, self.args, sample, p, **kwargs)
             self._back()
             parts = split_samples(out, sample)
-            return [await reward(s, t0) for s in parts]
+            return parts if self.args.group_rm else await reward(parts, t0)
 
-        done = await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample)))
-        return [s for parts in done for s in parts]
+        done = [s for parts in await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample))) for s in parts]
+        return await reward(done, t0) if self.args.group_rm else done
 
     def new_group(self, prompt: Prompt, first_index: int) -> list[Sample]:
         """A prompt's group of ``--n-samples-per-prompt`` samples, numbered from ``first_index``."""

@@ -24,6 +24,7 @@ from slime_lite.rollout import drift, dumps, functions
 from slime_lite.rollout.data import DataKeys, PromptSource, read_prompts
 from slime_lite.rollout.fully_async import FullyAsyncWorker
 from slime_lite.rollout.generate import Generator
+from slime_lite.rollout.rewards import check_data_rm_types
 from slime_lite.rollout.stats import eval_metrics, groups_rewards, rollout_metrics
 from slime_lite.rollout.timing import engine_step_stats, phase_metrics
 from slime_lite.rollout.turns import turns
@@ -63,12 +64,14 @@ class RolloutManager:
                 self.generator.kill_engine = lambda: kill_engine(fault_engine, engine0)
         if args.prompt_data and not args.debug_train_only:
             prompts = read_prompts(args.prompt_data, DataKeys.from_args(args))
+            check_data_rm_types(args, [p.metadata for p in prompts], f"--prompt-data {args.prompt_data}")
             self.source = PromptSource(prompts, args.rollout_shuffle, args.rollout_seed)
         if args.eval_prompt_data and not args.debug_train_only:
             pairs = args.eval_prompt_data
             for name, path in zip(pairs[0::2], pairs[1::2]):
                 self.eval_sets[name] = read_prompts(path, DataKeys.from_args(args, evaluation=True),
                                                    "--eval-prompt-data")
+                check_data_rm_types(args, [p.metadata for p in self.eval_sets[name]], f"--eval-prompt-data {path}")
         self.vocab_size = model_vocab_size(args.hf_checkpoint) or len(self.tokenizer)
         self.rollout_fn = load_hook(args.rollout_function_path, "--rollout-function-path")
         self.eval_fn = load_hook(args.eval_function_path or args.rollout_function_path, "--eval-function-path")

@@ -1,16 +1,23 @@
-"""Reward functions: ``--rm-type {addition,math,boxed_math,deepscaler}`` or ``--custom-rm-path module.fn`` (slime's
-signature). ``deepscaler`` and ``boxed_math`` follow slime's rm_hub rules (the answer after the reasoning, in
-``\\boxed{}``), graded by the same number-or-text comparison as ``math``.
+"""Reward functions: ``--rm-type {addition,math,boxed_math,deepscaler,f1,remote_rm}`` or ``--custom-rm-path
+module.fn`` (slime's signature). ``deepscaler`` and ``boxed_math`` follow slime's rm_hub rules (the answer after the
+reasoning, in ``\\boxed{}``), graded by the same number-or-text comparison as ``math``; ``f1`` is the token F1 of
+the normalised answer; ``remote_rm`` posts ``{"prompt", "response", "label"}`` to ``--rm-url`` and takes the JSON
+answer as the reward. A sample's ``metadata["rm_type"]`` (a data field) picks its type, as in slime.
 
-A custom reward model is ``async def rm(args, sample, **kwargs) -> float | dict`` (a plain ``def`` works too).
+A custom reward model is ``async def rm(args, sample, **kwargs) -> float | dict`` (a plain ``def`` works too); with
+``--group-rm`` it gets a prompt's whole group, ``rm(args, samples)``, and returns one reward per sample.
 A dict reward is stored whole in ``sample.reward`` and ``--reward-key`` picks the scalar the trainer uses.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import numbers
 import re
+import string
+from collections import Counter
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -18,7 +25,8 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import call_maybe_async, load_hook
 from slime_lite.types import Sample
 
-RM_TYPES = ("addition", "math", "boxed_math", "deepscaler")
+RM_TYPES = ("addition", "math", "boxed_math", "deepscaler", "f1", "remote_rm")
+REMOTE_RM_ATTEMPTS = 5  # a remote reward model's request is sent at most this often (backoff 0.5, 1, 2, 4 s)
 # End-of-text markers an engine may leave in the response text when it does not skip special tokens.
 _EOS_STRINGS = ("<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
@@ -103,12 +111,7 @@ def _to_number(text: str) -> Fraction | None:
 def math_reward(response: str, label: str) -> float:
     """1.0 when the final answer equals the label as a number (or as text when either is not a number)."""
     answer = extract_final_answer(response)
-    if answer is None:
-        return 0.0
-    got, want = _to_number(answer), _to_number(label)
-    if got is None or want is None:
-        return 1.0 if answer.strip() == label.strip() else 0.0
-    return 1.0 if got == want else 0.0
+    return 0.0 if answer is None else _same_answer(answer, label)
 
 
 def _same_answer(answer: str, label: str) -> float:
@@ -140,8 +143,74 @@ def deepscaler_reward(response: str, label: str) -> float:
     return _same_answer(answer, label)
 
 
+def _normalised_words(text: str) -> list[str]:
+    """Lower case, no punctuation, no English articles: the words of an answer as F1 compares them."""
+    text = "".join(c for c in text.lower() if c not in string.punctuation)
+    return re.sub(r"\b(a|an|the)\b", " ", text).split()
+
+
+def f1_reward(response: str, label: str) -> float:
+    """slime's ``f1``: the F1 of the response's and the label's words (normalised as above); a yes/no/noanswer
+    answer or label scores only an exact match."""
+    got, want = _normalised_words(strip_response(response)), _normalised_words(label)
+    if (" ".join(got) in ("yes", "no", "noanswer") or " ".join(want) in ("yes", "no", "noanswer")) and got != want:
+        return 0.0
+    same = sum((Counter(got) & Counter(want)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(got), same / len(want)
+    return 2 * precision * recall / (precision + recall)
+
+
 _BUILTIN: dict[str, Callable[[str, str], float]] = {"addition": addition_reward, "math": math_reward,
-                                                    "boxed_math": boxed_math_reward, "deepscaler": deepscaler_reward}
+                                                    "boxed_math": boxed_math_reward, "deepscaler": deepscaler_reward,
+                                                    "f1": f1_reward}
+
+
+def sample_rm_type(args: Any, sample: Sample) -> str | None:
+    """The reward type of a sample: its metadata's ``rm_type`` (a data field: mixed data sets), else --rm-type."""
+    rm_type = sample.metadata.get("rm_type") or args.rm_type
+    return rm_type.strip() if isinstance(rm_type, str) else rm_type
+
+
+async def remote_reward(args: Any, sample: Sample) -> float | dict:
+    """``remote_rm``: POST ``{"prompt", "response", "label"}`` to --rm-url; the JSON answer (a number or a dict) is
+    the reward. A connection error, a timeout or a 5xx answer is retried with backoff; a 4xx answer is not."""
+    import aiohttp  # aiohttp: only with a remote reward model
+
+    body = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
+    timeout = aiohttp.ClientTimeout(total=args.rollout_request_timeout)
+    error = ""
+    for attempt in range(REMOTE_RM_ATTEMPTS):
+        if attempt:
+            await asyncio.sleep(0.5 * 2 ** (attempt - 1))
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session, \
+                    session.post(args.rm_url, json=body) as resp:
+                text = await resp.text()
+                if resp.status < 400:
+                    reward = _parse_reward(text)
+                    if reward is not None:
+                        return reward
+                    raise SlimeLiteError(f"--rm-url {args.rm_url}: sample {sample.index}: the answer is not a "
+                                         f"JSON number or object: {text[:200]!r}.")
+                error = f"HTTP {resp.status}: {text[:200]}"
+                if resp.status < 500:
+                    break  # the request itself is wrong: sending it again gives the same answer
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    raise SlimeLiteError(f"--rm-url {args.rm_url}: sample {sample.index}: the reward model did not answer "
+                         f"({error}; {attempt + 1} attempt(s)).")
+
+
+def _parse_reward(text: str) -> float | dict | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(value, dict):
+        return value
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,10 +230,45 @@ async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | di
                 f"--custom-rm-path {custom}: returned {type(reward).__name__}; it must return a float or a dict."
             )
         return float(reward)
-    rm_type = args.rm_type
+    rm_type = sample_rm_type(args, sample)
+    if rm_type == "remote_rm":
+        return await remote_reward(args, sample)
     if rm_type not in _BUILTIN:
-        raise SlimeLiteError(
-            f"--rm-type {rm_type!r}: unknown reward type; choose one of {', '.join(RM_TYPES)} "
-            "or give --custom-rm-path module.fn."
-        )
+        where = (f"--rm-type {rm_type!r}" if rm_type == args.rm_type
+                 else f"sample {sample.index}: its data's rm_type field {rm_type!r}")
+        raise SlimeLiteError(f"{where}: unknown reward type; choose one of {', '.join(RM_TYPES)} "
+                             "or give --custom-rm-path module.fn.")
     return _BUILTIN[rm_type](sample.response, _label(sample))
+
+
+def check_data_rm_types(args: Any, metadata: list[dict[str, Any]], where: str) -> None:
+    """Before any rollout: every row's rm_type field names a reward type (remote_rm only with --rm-url)."""
+    if args.custom_rm_path:
+        return  # the custom reward model reads the field, if it wants
+    for i, meta in enumerate(metadata):
+        rm_type = meta.get("rm_type")
+        if rm_type is None:
+            continue
+        if rm_type not in RM_TYPES:
+            raise SlimeLiteError(f"{where}: prompt {i} has rm_type {rm_type!r}: not a reward type; the field picks "
+                                 f"one of {', '.join(RM_TYPES)} for its row (or use --custom-rm-path).")
+        if rm_type == "remote_rm" and not args.rm_url:
+            raise SlimeLiteError(f"{where}: prompt {i} has rm_type remote_rm: give the reward model's --rm-url.")
+
+
+async def compute_group_rewards(args: Any, samples: list[Sample]) -> list[float | dict]:
+    """--group-rm: the rewards of one prompt's group; a custom reward model gets the whole list at once (slime's
+    batched reward model, e.g. one that ranks the responses) and returns one reward per sample."""
+    custom = args.custom_rm_path
+    if not custom:
+        return list(await asyncio.gather(*(compute_reward(args, s) for s in samples)))
+    rewards = await call_maybe_async(_custom_rm(custom), args, samples)
+    if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
+        got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else type(rewards).__name__
+        raise SlimeLiteError(f"--custom-rm-path {custom} with --group-rm: returned {got} for a group of "
+                             f"{len(samples)}; it must return one reward (a float or a dict) per sample.")
+    bad = [r for r in rewards if not isinstance(r, (dict, numbers.Real))]
+    if bad:
+        raise SlimeLiteError(f"--custom-rm-path {custom} with --group-rm: returned a {type(bad[0]).__name__} "
+                             "reward; each must be a float or a dict.")
+    return [r if isinstance(r, dict) else float(r) for r in rewards]

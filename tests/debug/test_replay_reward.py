@@ -80,3 +80,24 @@ def test_builtin_rm_type(tmp_path: Path, capsys, samples_factory) -> None:
     assert main(["--load-debug-rollout-data", template, "--rm-type", "addition", "--fail-on-diff"]) == 1
     out = capsys.readouterr().out
     assert "1 rewards differ" in out and "something else" in out
+
+
+GROUP_RM = """
+CALLS = []
+
+async def reward(args, samples):
+    CALLS.append(len(samples))
+    return [1.0 if s.response == "answer-2" else 0.0 for s in samples]
+"""
+
+
+def test_group_rm_replays_a_group_reward_model_over_each_group(dump_template, tmp_path, monkeypatch, capsys):
+    rm = _rm_module(tmp_path, monkeypatch, GROUP_RM)
+    argv = ["--load-debug-rollout-data", dump_template, "--rollout-id", "0", "--custom-rm-path", rm, "--group-rm"]
+    assert main(argv) == 0
+    import importlib
+
+    calls = importlib.import_module(rm.split(".")[0]).CALLS
+    out = capsys.readouterr().out
+    assert sorted(calls) == [1, 2, 2]  # the train dump's two groups of two, the eval dump's one sample
+    assert "3 rewards differ" in out  # every stored 1.0 but answer-2's differs from what the group model says

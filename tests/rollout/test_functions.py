@@ -225,3 +225,23 @@ def test_a_response_the_engine_cuts_before_its_max_new_tokens_is_warned_once(mon
             asyncio.run(gen.default_generate(args, Sample(index=i, tokens=[1, 2]), {"max_new_tokens": 8}))
     assert len(caplog.records) == 1
     assert "2 of the 8 tokens asked" in caplog.text and "--engine-kv-cache-tokens" in caplog.text
+
+
+def test_group_rm_scores_each_generated_group_at_once(engine, tiny_model_dir, tmp_path, hooks):
+    """--group-rm through the default rollout: the custom reward model gets each prompt's group (as generated, the
+    engine's responses) in one call and its rewards land on the samples."""
+    hooks("group_rm_hook", """
+        CALLS = []
+
+        async def rank(args, samples):
+            CALLS.append([s.index for s in samples])
+            return [float(s.index % 2) + len(s.response) / 100 for s in samples]
+    """)
+    import group_rm_hook
+
+    manager = _manager(tiny_model_dir, engine, tmp_path, custom_rm_path="group_rm_hook.rank",
+                       group_rm=True)
+    samples, _ = manager.generate(0)
+    manager.close()
+    assert sorted(group_rm_hook.CALLS) == [[0, 1], [2, 3]]  # once per group of --n-samples-per-prompt 2
+    assert [s.reward for s in samples] == [s.index % 2 + len(s.response) / 100 for s in samples]

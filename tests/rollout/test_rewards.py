@@ -87,7 +87,7 @@ def test_math_extracts_nested_boxed():
 
 def test_unknown_rm_type_names_the_flag_and_choices():
     with pytest.raises(SlimeLiteError, match="--rm-type") as exc:
-        reward(parser_defaults(rm_type="f1"), "1", "1")
+        reward(parser_defaults(rm_type="gpqa"), "1", "1")
     assert all(name in str(exc.value) for name in RM_TYPES)
 
 
@@ -176,3 +176,121 @@ def test_the_nonzero_std_filter_drops_a_group_without_two_rewards():
     assert not check_reward_nonzero_std(args, [Sample(index=0, prompt="p", reward=1.0), Sample(index=1, prompt="p")])
     assert check_reward_nonzero_std(args, [Sample(index=0, prompt="p", reward=1.0),
                                            Sample(index=1, prompt="p", reward=0.0)])
+
+
+def test_f1_is_the_normalised_word_f1_and_yes_no_answers_match_exactly():
+    from slime_lite.rollout.rewards import f1_reward
+
+    assert f1_reward("The Eiffel Tower!", "eiffel tower") == 1.0  # case, punctuation and articles dropped
+    assert f1_reward("Paris France", "Paris") == pytest.approx(2 * 0.5 * 1.0 / 1.5)  # precision 1/2, recall 1
+    assert f1_reward("yes", "yes it is") == 0.0 and f1_reward("Yes.", "yes") == 1.0
+    assert f1_reward("", "Paris") == 0.0 and f1_reward("London", "Paris") == 0.0
+    assert reward(parser_defaults(rm_type="f1"), "the tower", "tower") == 1.0
+
+
+def test_a_rows_rm_type_picks_its_reward_and_a_bad_one_is_refused_before_the_rollout():
+    """slime reads a sample's metadata rm_type (a field of a mixed data set) before --rm-type."""
+    from slime_lite.rollout.rewards import check_data_rm_types
+
+    args = parser_defaults(rm_type="addition")
+    text = Sample(index=0, response="the tower", label="tower", metadata={"rm_type": "f1"})
+    number = Sample(index=1, response="so 12", label="12")  # no field: --rm-type addition
+    assert score(args, [text, number]) == [1.0, 0.0]
+    check_data_rm_types(args, [{"rm_type": "f1"}, {}], "--prompt-data p.jsonl")
+    with pytest.raises(SlimeLiteError, match=r"--prompt-data p.jsonl: prompt 1 has rm_type 'gpqa': not a reward"):
+        check_data_rm_types(args, [{}, {"rm_type": "gpqa"}], "--prompt-data p.jsonl")
+    with pytest.raises(SlimeLiteError, match="prompt 0 has rm_type remote_rm: give the reward model's --rm-url"):
+        check_data_rm_types(args, [{"rm_type": "remote_rm"}], "--prompt-data p.jsonl")
+    check_data_rm_types(parser_defaults(custom_rm_path="m.f"), [{"rm_type": "anything"}], "x")  # the hook's field
+    with pytest.raises(SlimeLiteError, match="sample 3: its data's rm_type field 'gpqa'"):
+        reward_of = Sample(index=3, response="1", label="1", metadata={"rm_type": "gpqa"})
+        asyncio.run(compute_reward(args, reward_of))
+
+
+@pytest.fixture
+def reward_server():
+    """A local HTTP reward model service (a real server on a port): answers each POST with the next of
+    ``answers`` (status, body), recording the bodies it got."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers: list[tuple[int, str]] = []
+    got: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            status, body = answers.pop(0) if answers else (200, "1.0")
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/score", answers, got
+    server.shutdown()
+    server.server_close()
+
+
+def test_remote_rm_posts_the_sample_and_retries_only_what_may_pass(reward_server, monkeypatch):
+    from slime_lite.rollout import rewards
+
+    url, answers, got = reward_server
+    args = parser_defaults(rm_type="remote_rm", rm_url=url, reward_key="acc")
+    sample = Sample(index=4, prompt="1+1=", response="2", label="2")
+    answers += [(200, "0.75"), (200, '{"acc": 1, "why": "ok"}'), (503, "busy"), (200, "1")]
+    assert asyncio.run(compute_reward(args, sample)) == 0.75
+    assert got[0] == {"prompt": "1+1=", "response": "2", "label": "2"}
+    assert asyncio.run(compute_reward(args, sample)) == {"acc": 1, "why": "ok"}
+    assert asyncio.run(compute_reward(args, sample)) == 1.0 and len(got) == 4  # the 503 was sent again
+    answers += [(400, "no label field"), (200, "1")]
+    with pytest.raises(SlimeLiteError, match=r"--rm-url .*: sample 4: .*HTTP 400: no label field; 1 attempt"):
+        asyncio.run(compute_reward(args, sample))  # a 4xx is the request's fault: not sent again
+    assert answers == [(200, "1")]
+    answers[:] = [(200, "<html>")]
+    with pytest.raises(SlimeLiteError, match="not a JSON number or object: '<html>'"):
+        asyncio.run(compute_reward(args, sample))
+    monkeypatch.setattr(rewards, "REMOTE_RM_ATTEMPTS", 2)
+    closed = parser_defaults(rm_type="remote_rm", rm_url="http://127.0.0.1:9/score")
+    with pytest.raises(SlimeLiteError, match=r"did not answer \(ClientConnectorError.*; 2 attempt"):
+        asyncio.run(compute_reward(closed, sample))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--rm-type", "remote_rm"], "--rm-type remote_rm posts each sample to a reward model service: give its --rm-url"),
+    (["--rm-type", "math", "--group-rm", "--partial-rollout", "--over-sampling-batch-size", "16"],
+     "--group-rm scores a prompt's group at once, but --partial-rollout"),
+])
+def test_remote_and_group_reward_flags_are_checked_before_ray_starts(tmp_path, flags, says):
+    from slime_lite.args import parse_args
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    with pytest.raises(SlimeLiteError, match=says):
+        parse_args(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "p.jsonl"), *flags])
+
+
+def test_group_rm_gives_a_custom_reward_model_the_group_and_checks_its_answer(tmp_path, monkeypatch):
+    from slime_lite.rollout.rewards import compute_group_rewards
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = f"group_rm_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{mod}.py").write_text(
+        "async def rank(args, samples):\n"
+        "    order = sorted(range(len(samples)), key=lambda i: len(samples[i].response))\n"
+        "    return [order.index(i) / (len(samples) - 1) for i in range(len(samples))]\n"
+        "def short(args, samples):\n    return [1.0]\n"
+        "def text(args, samples):\n    return ['good'] * len(samples)\n")
+    group = [Sample(index=i, response="x" * n) for i, n in enumerate((5, 1, 3))]
+    assert asyncio.run(compute_group_rewards(parser_defaults(custom_rm_path=f"{mod}.rank"), group)) == [1.0, 0, 0.5]
+    with pytest.raises(SlimeLiteError, match=r"\.short with --group-rm: returned 1 values for a group of 3"):
+        asyncio.run(compute_group_rewards(parser_defaults(custom_rm_path=f"{mod}.short"), group))
+    with pytest.raises(SlimeLiteError, match=r"\.text with --group-rm: returned a str reward"):
+        asyncio.run(compute_group_rewards(parser_defaults(custom_rm_path=f"{mod}.text"), group))
+    group[0].label = group[1].label = group[2].label = "xxx"  # without a hook: the built-in type, sample by sample
+    assert asyncio.run(compute_group_rewards(parser_defaults(rm_type="addition"), group)) == [0.0, 0.0, 1.0]
