@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-max-response-len", type=_positive_int, default=32,
                    help="max new tokens per response (default: %(default)s)")
     g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings (default: the EOS token only)")
+    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None,
+                   help="token ids that also end a response (rollouts and evals), besides the EOS token")
+    g.add_argument("--rollout-max-prompt-len", type=_positive_int, default=None,
+                   help="leave out, when the data is read, the prompts of more tokens (as rendered), logged "
+                        "(default: keep all)")
     g.add_argument("--rollout-seed", type=int, default=42,
                    help="seed of prompt shuffling and sampling; engine i gets seed + i (default: %(default)s)")
     g.add_argument("--rollout-function-path", default=DEFAULT_ROLLOUT_FUNCTION,
@@ -215,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "turns eval off (e.g. appended to a script's flags)")
     g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
                    help="eval sets as pairs NAME PATH (JSONL; keys as --prompt-data unless --eval-*-key)")
+    g.add_argument("--skip-eval-before-train", action="store_true",
+                   help="no eval before the first rollout (--eval-interval still evaluates after training)")
+    g.add_argument("--eval-max-prompt-len", type=_positive_int, default=None,
+                   help="leave out the eval prompts of more tokens (default: keep all)")
+    g.add_argument("--eval-min-new-tokens", type=_nonneg_int, default=None,
+                   help="eval responses are at least this many tokens (the EOS token is banned before; default: 0)")
+    g.add_argument("--eval-reward-key", default=None,
+                   help="key of a dict reward that eval metrics read (default: --reward-key)")
     g.add_argument("--eval-input-key", default=None, help="JSONL key of an eval prompt (default: --input-key)")
     g.add_argument("--eval-label-key", default=None, help="JSONL key of an eval label (default: --label-key)")
     g.add_argument("--eval-tool-key", default=None, help="JSONL key of an eval prompt's tools (default: --tool-key)")
@@ -374,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-team", default=None, help="wandb entity (team) the run belongs to")
     g.add_argument("--wandb-host", default=None, help="wandb server URL (WANDB_BASE_URL)")
     g.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
+    g.add_argument("--log-reward-category", default=None, metavar="KEY",
+                   help="with dict rewards: log the share of each value of reward[KEY] over the rollout's samples "
+                        "(e.g. why a reward function failed them) as error_cat/<value>")
     g.add_argument("--log-passrate", action="store_true",
                    help="log pass@k (k = 1, 2, 4, ... up to the group size; a sample passes with reward 1) over the "
                         "prompt groups: passrate/pass@k of every rollout, eval/<name>-pass@k of every eval set")

@@ -211,6 +211,10 @@ def validate_args(args: argparse.Namespace) -> None:
     check_fault_tolerance(args)
     if args.eval_interval and args.eval_prompt_data is None:
         raise SlimeLiteError("--eval-interval needs --eval-prompt-data NAME PATH.")
+    eval_len = args.eval_max_response_len or args.rollout_max_response_len
+    if args.eval_min_new_tokens is not None and args.eval_min_new_tokens > eval_len:
+        raise SlimeLiteError(f"--eval-min-new-tokens {args.eval_min_new_tokens} is more than the eval responses may "
+                             f"hold (--eval-max-response-len, else --rollout-max-response-len: {eval_len}).")
     if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < args.rollout_batch_size:
         raise SlimeLiteError(
             f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "

@@ -153,6 +153,8 @@ class RolloutConfig(_FromArgs):
     rollout_top_k: int
     rollout_max_response_len: int
     rollout_stop: list[str] | None
+    rollout_stop_token_ids: list[int] | None
+    eval_min_new_tokens: int | None
     eval_temperature: float
     eval_max_response_len: int
     eval_top_p: float

@@ -69,7 +69,7 @@ def run(args) -> int:
     rollout.start(start, data_state)
     rollout.push_initial(push, start)
     train.offload({})
-    if start == 0:  # eval ids count the rollouts trained so far: 0 = before training
+    if start == 0 and not args.skip_eval_before_train:  # eval ids count the rollouts trained so far: 0 = before
         metrics.log(rollout.evaluate(0), -1)
     checks = RunChecks(args, rollout.urls, start, train.trains)
     profiler = RunProfiler(args, train.groups, rollout.urls)  # --use-pytorch-profiler, memory snapshots

@@ -56,10 +56,10 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
         "--get-mismatch-metrics", "--use-tis", "--tis-level", "geometric", "--tis-mode", "mask", "--use-rs",
         "--rs-level", "sequence", "--rs-veto-threshold", "1e-4"]
     if estimator == "ppo":
-        extra += ["--kl-coef", "0.01"]
-    else:  # the other logging sinks, next to --metrics-path
+        extra += ["--kl-coef", "0.01", "--skip-eval-before-train"]
+    else:  # the other logging sinks, next to --metrics-path; pass@k
         extra += ["--use-tensorboard", "--tensorboard-dir", str(tmp_path / "tb"), "--use-wandb", "--wandb-dir",
-                  str(tmp_path)]
+                  str(tmp_path), "--log-passrate"]
     proc = train(base(tiny_model_dir, data, tmp_path, *extra), env={**os.environ, "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = rows(tmp_path)
@@ -74,7 +74,9 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
     assert ("train/rejected_frac" in trained[0]) == (estimator == "grpo")
     for x in trained:  # the step's tokens per second of the step
         assert x["perf/tokens_per_s"] * x["perf/step_time"] > 16  # 16 samples of prompt and response tokens
-    assert [x["rollout_id"] for x in r if "eval/add" in x] == [-1, 1, 2]
+    # --skip-eval-before-train (ppo): no eval before the first rollout
+    assert [x["rollout_id"] for x in r if "eval/add" in x] == ([1, 2] if estimator == "ppo" else [-1, 1, 2])
+    assert all(("passrate/pass@1" in x) == (estimator == "grpo") for x in trained)
     if estimator == "ppo":
         assert "critic/value_loss" in trained[0]
     else:

@@ -183,3 +183,25 @@ def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat
     if not isinstance(prompt, str):
         raise SlimeLiteError("a prompt is a chat message list: add --apply-chat-template to render it.")
     return prompt
+
+
+def encode_prompt(prompt: Prompt, tokenizer: Any, args: Any) -> tuple[str, list[int]]:
+    """The text and token ids sent to the engine for a prompt: rendered as the run's flags say."""
+    text = render_prompt(prompt.prompt, tokenizer, args.apply_chat_template, prompt.metadata.get("tools"),
+                         args.apply_chat_template_kwargs)
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def drop_long_prompts(prompts: list[Prompt], limit: int | None, tokenizer: Any, args: Any,
+                      where: str) -> list[Prompt]:
+    """The prompts of at most ``limit`` tokens as rendered (--rollout-max-prompt-len / --eval-max-prompt-len; the
+    others are left out, logged); every one longer is an error naming the flag."""
+    if limit is None:
+        return prompts
+    kept = [p for p in prompts if len(encode_prompt(p, tokenizer, args)[1]) <= limit]
+    if not kept:
+        raise SlimeLiteError(f"{where}: every prompt is longer than {limit} tokens; raise the limit or drop it.")
+    if len(kept) < len(prompts):
+        log.info("%s: %d of %d prompts are longer than %d tokens and left out", where, len(prompts) - len(kept),
+                 len(prompts), limit)
+    return kept

@@ -15,7 +15,7 @@ from slime_lite.config import RolloutConfig
 from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import HookArgs, call_maybe_async, load_hook
-from slime_lite.rollout.data import Prompt, PromptSource, render_prompt
+from slime_lite.rollout.data import Prompt, PromptSource, encode_prompt
 from slime_lite.rollout.oversample import MAX_SUBMITS, OverSampler, stamp_versions
 from slime_lite.rollout.rewards import compute_group_rewards, compute_reward
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def sampling_params(cfg: RolloutConfig, evaluation: bool = False) -> dict[str, Any]:
     temperature = sampling_temperature(cfg.debug_inject_fault,
                                        cfg.eval_temperature if evaluation else cfg.rollout_temperature, evaluation)
-    return {
+    params = {
         "temperature": temperature,
         "top_p": cfg.eval_top_p if evaluation else cfg.rollout_top_p,
         "top_k": cfg.eval_top_k if evaluation else cfg.rollout_top_k,
@@ -35,6 +35,11 @@ def sampling_params(cfg: RolloutConfig, evaluation: bool = False) -> dict[str, A
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
+    if cfg.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(cfg.rollout_stop_token_ids)
+    if evaluation and cfg.eval_min_new_tokens:
+        params["min_new_tokens"] = cfg.eval_min_new_tokens
+    return params
 
 
 def new_group(prompt: Prompt, n: int, group_index: int, first_index: int, text: str, ids: list[int]) -> list[Sample]:
@@ -186,9 +191,7 @@ class Generator:
         self.last_back = time.monotonic()
 
     def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
-        text = render_prompt(prompt.prompt, self.tokenizer, self.args.apply_chat_template,
-                             prompt.metadata.get("tools"), self.args.apply_chat_template_kwargs)
-        return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_prompt(prompt, self.tokenizer, self.args)
 
     async def _run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int,
                          evaluation: bool = False) -> list[Sample]:

@@ -21,7 +21,7 @@ from slime_lite.hooks import HookArgs, load_hook
 from slime_lite.logging_setup import setup_logging
 from slime_lite.metrics import process_memory
 from slime_lite.rollout import drift, dumps, functions
-from slime_lite.rollout.data import DataKeys, PromptSource, read_prompts
+from slime_lite.rollout.data import DataKeys, PromptSource, drop_long_prompts, read_prompts
 from slime_lite.rollout.fully_async import FullyAsyncWorker
 from slime_lite.rollout.generate import Generator
 from slime_lite.rollout.rewards import check_data_rm_types
@@ -63,15 +63,19 @@ class RolloutManager:
                 engine0 = (worker_urls or engine_urls)[0]
                 self.generator.kill_engine = lambda: kill_engine(fault_engine, engine0)
         if args.prompt_data and not args.debug_train_only:
+            where = f"--prompt-data {args.prompt_data}"
             prompts = read_prompts(args.prompt_data, DataKeys.from_args(args))
-            check_data_rm_types(args, [p.metadata for p in prompts], f"--prompt-data {args.prompt_data}")
+            check_data_rm_types(args, [p.metadata for p in prompts], where)
+            prompts = drop_long_prompts(prompts, args.rollout_max_prompt_len, self.tokenizer, args,
+                                        f"{where} with --rollout-max-prompt-len")
             self.source = PromptSource(prompts, args.rollout_shuffle, args.rollout_seed)
         if args.eval_prompt_data and not args.debug_train_only:
             pairs = args.eval_prompt_data
             for name, path in zip(pairs[0::2], pairs[1::2]):
-                self.eval_sets[name] = read_prompts(path, DataKeys.from_args(args, evaluation=True),
-                                                   "--eval-prompt-data")
-                check_data_rm_types(args, [p.metadata for p in self.eval_sets[name]], f"--eval-prompt-data {path}")
+                prompts = read_prompts(path, DataKeys.from_args(args, evaluation=True), "--eval-prompt-data")
+                check_data_rm_types(args, [p.metadata for p in prompts], f"--eval-prompt-data {path}")
+                self.eval_sets[name] = drop_long_prompts(prompts, args.eval_max_prompt_len, self.tokenizer, args,
+                                                         f"--eval-prompt-data {path} with --eval-max-prompt-len")
         self.vocab_size = model_vocab_size(args.hf_checkpoint) or len(self.tokenizer)
         self.rollout_fn = load_hook(args.rollout_function_path, "--rollout-function-path")
         self.eval_fn = load_hook(args.eval_function_path or args.rollout_function_path, "--eval-function-path")
@@ -159,7 +163,8 @@ class RolloutManager:
             except Exception:  # noqa: BLE001 - the sample error is the one to report
                 log.exception("writing a debug dump failed too")
             raise
-        metrics = rollout_metrics(samples, a.reward_key, grouped=self.grouped, passrate=a.log_passrate)
+        metrics = rollout_metrics(samples, a.reward_key, grouped=self.grouped, passrate=a.log_passrate,
+                                  reward_category=a.log_reward_category)
         metrics.update(drift.rollout_metrics(samples, self.tokenizer))
         metrics.update(extra)
         # the trained samples' last requests (not a sample carried already finished: made in an earlier rollout)
@@ -214,7 +219,7 @@ class RolloutManager:
         t0 = time.monotonic()
         sets, extra = functions.eval_samples(self._call(self.eval_fn, rollout_id, True), "--eval-function-path")
         for name, samples in sets.items():
-            metrics.update(eval_metrics(name, samples, a.reward_key, a.log_passrate))
+            metrics.update(eval_metrics(name, samples, a.eval_reward_key or a.reward_key, a.log_passrate))
             if a.save_debug_rollout_data:
                 path = dumps.dump_path(a.save_debug_rollout_data, rollout_id, evaluation=True)
                 if len(sets) > 1:

@@ -79,7 +79,8 @@ def groups_rewards(args: Any) -> bool:
 
 
 def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
-                    grouped: bool = False, passrate: bool = False) -> dict[str, float]:
+                    grouped: bool = False, passrate: bool = False,
+                    reward_category: str | None = None) -> dict[str, float]:
     """Metrics of one rollout batch: ``rollout/raw_reward``, ``rollout/response_len/mean`` and so on.
 
     Rewards are averaged over the samples that have one. ``rollout/rewards`` is, as in slime, the mean of the
@@ -87,7 +88,8 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
     reward minus its group's mean (slime also divides by the group's std for GRPO, which leaves the mean alone),
     so it stays about 0; otherwise the raw rewards. ``rollout/rollout_log_probs`` is the per-sample token mean
     (loss-masked) averaged over samples, as slime averages per-token quantities. With ``passrate``
-    (--log-passrate): ``passrate/pass@k`` over the prompt groups.
+    (--log-passrate): ``passrate/pass@k`` over the prompt groups. With ``reward_category`` (--log-reward-category
+    KEY): ``error_cat/<value>``, the share of the samples whose dict reward has that value at KEY.
     """
     if not samples:
         return {}
@@ -113,6 +115,10 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
         out["rollout/zero_std_groups"] = zero_std
     if passrate:
         out.update({f"passrate/{k}": v for k, v in pass_at_k(samples, rewards).items()})
+    if reward_category is not None:
+        cats = [s.reward[reward_category] for s in samples
+                if isinstance(s.reward, dict) and reward_category in s.reward]
+        out.update({f"error_cat/{c}": cats.count(c) / len(samples) for c in dict.fromkeys(map(str, cats))})
     return out
 
 

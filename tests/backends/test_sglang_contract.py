@@ -84,6 +84,7 @@ def _rollout_params() -> list[dict]:
         {},
         {"rollout_temperature": 0.0, "rollout_top_k": 5, "rollout_top_p": 0.9, "rollout_stop": ["\n", "END"]},
         {"rollout_max_response_len": 1, "eval_temperature": 0.6, "eval_max_response_len": 7},
+        {"rollout_stop_token_ids": [7, 9], "eval_min_new_tokens": 3, "eval_max_response_len": 7},
     ]
     out = []
     for v in variants:
@@ -109,7 +110,7 @@ def test_every_rollout_body_is_accepted_by_sglang():
         per_sample = [dict(params, sampling_seed=100 * i + s.index) for s in group]  # as Generator._run_group
         asyncio.run(generate.generate_group(args, group, per_sample))
         asyncio.run(generate.default_generate(args, Sample(index=0, tokens=[4, 5]), per_sample[0]))
-    assert len(client.bodies) == 12
+    assert len(client.bodies) == 16
     for body in client.bodies:
         req = _check(body)
         if isinstance(body["input_ids"][0], list):  # a group: SGLang sees one request per prompt, in order

@@ -138,3 +138,37 @@ def test_an_inserted_turn_is_rendered_with_the_template_kwargs_of_the_prompt(tin
     text = inserted_text(tok, history, tool, "<|im_end|>", template_kwargs={"enable_thinking": False})
     assert text == "\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert inserted_text(tok, history, tool, "<|im_end|>").endswith("<|im_start|>assistant\n")
+
+
+def test_slimes_length_stop_and_eval_flags_shape_the_prompts_and_sampling(tmp_path, tiny_model_dir):
+    """--rollout-max-prompt-len / --eval-max-prompt-len leave out the prompts longer as rendered (every one: an
+    error naming the flag); --rollout-stop-token-ids reach every request, --eval-min-new-tokens the evals only."""
+    import pytest
+
+    from slime_lite.args import parse_args
+    from slime_lite.config import RolloutConfig
+    from slime_lite.errors import SlimeLiteError
+    from slime_lite.rollout.data import drop_long_prompts, encode_prompt
+    from slime_lite.rollout.generate import sampling_params
+    from slime_lite.tokenizer import load_tokenizer
+
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "1+1="}, {"prompt": "12+34="}, {"prompt": "1+2="}])
+    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", path, "--rm-type", "math",
+                       "--rollout-max-prompt-len", "4", "--rollout-stop-token-ids", "5", "7",
+                       "--eval-min-new-tokens", "2", "--apply-chat-template"])
+    tok = load_tokenizer(str(tiny_model_dir))
+    prompts = read_prompts(path)
+    assert [len(encode_prompt(p, tok, args)[1]) for p in prompts] == [23, 25, 23]  # rendered with the template
+    kept = drop_long_prompts(prompts, 24, tok, args, "--prompt-data p with --rollout-max-prompt-len")
+    assert [p.index for p in kept] == [0, 2]
+    with pytest.raises(SlimeLiteError, match="--prompt-data p with --rollout-max-prompt-len: every prompt is longer "
+                                             "than 4 tokens"):
+        drop_long_prompts(prompts, args.rollout_max_prompt_len, tok, args, "--prompt-data p with "
+                                                                           "--rollout-max-prompt-len")
+    cfg = RolloutConfig.from_args(args)
+    train, evaluation = sampling_params(cfg), sampling_params(cfg, evaluation=True)
+    assert train["stop_token_ids"] == evaluation["stop_token_ids"] == [5, 7]
+    assert "min_new_tokens" not in train and evaluation["min_new_tokens"] == 2
+    with pytest.raises(SlimeLiteError, match="--eval-min-new-tokens 9 is more than the eval responses may hold"):
+        parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", path, "--rm-type", "math",
+                    "--eval-min-new-tokens", "9", "--rollout-max-response-len", "8"])

@@ -245,3 +245,20 @@ def test_group_rm_scores_each_generated_group_at_once(engine, tiny_model_dir, tm
     manager.close()
     assert sorted(group_rm_hook.CALLS) == [[0, 1], [2, 3]]  # once per group of --n-samples-per-prompt 2
     assert [s.reward for s in samples] == [s.index % 2 + len(s.response) / 100 for s in samples]
+
+
+def test_eval_reward_key_picks_the_eval_metrics_scalar_of_a_dict_reward(engine, tiny_model_dir, tmp_path, hooks):
+    """--eval-reward-key: the eval sets' metrics read that key of a dict reward; the rollout keeps --reward-key."""
+    hooks("dict_rm_hook", """
+        async def rm(args, sample):
+            return {"score": 0.25, "acc": 1.0}
+    """)
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(2)))
+    manager = _manager(tiny_model_dir, engine, tmp_path, custom_rm_path="dict_rm_hook.rm", reward_key="score",
+                       eval_reward_key="acc", eval_prompt_data=["held", str(held_out)], eval_interval=1,
+                       eval_max_response_len=2)
+    _, metrics = manager.generate(0)
+    out = manager.evaluate(1)
+    manager.close()
+    assert metrics["rollout/raw_reward"] == 0.25 and out["eval/held"] == 1.0

@@ -89,3 +89,16 @@ def test_pass_at_k_is_the_unbiased_estimate_per_group_and_logged_under_slimes_na
     assert {k: got[f"eval/gsm8k-{k}"] for k in want} == pytest.approx(want)
     assert pass_at_k(samples[:4] + [Sample(group_index=9, reward=1.0)], {0: 1.0, 4: 1.0}) == {}  # a group of one
     assert pass_at_k([Sample(reward=1.0), Sample(reward=0.0)], {0: 1.0, 1: 0.0}) == {}  # no groups
+
+
+def test_reward_category_shares_count_the_dict_rewards_values():
+    """--log-reward-category KEY: error_cat/<value> = the share of the rollout's samples whose reward[KEY] is it."""
+    from slime_lite.rollout.stats import rollout_metrics
+
+    rewards = [{"score": 0.0, "why": "no_answer"}, {"score": 0.0, "why": "wrong"}, {"score": 1.0, "why": "ok"},
+               {"score": 0.0, "why": "wrong"}]
+    samples = [Sample(index=i, reward=r, response_length=1) for i, r in enumerate(rewards)]
+    got = rollout_metrics(samples, "score", reward_category="why")
+    assert {k: v for k, v in got.items() if k.startswith("error_cat/")} == {
+        "error_cat/no_answer": 0.25, "error_cat/wrong": 0.5, "error_cat/ok": 0.25}
+    assert not any(k.startswith("error_cat/") for k in rollout_metrics(samples, "score"))
