@@ -7,7 +7,7 @@ follow SGLang's OpenAI server: completions take ``logprobs: k`` (``top_logprobs`
 chat takes ``logprobs: true`` and ``top_logprobs: k``. Stream chunks carry the log-probs of the tokens they add.
 Without ``max_tokens`` / ``max_completion_tokens`` a completion stops at 16 tokens and a chat reply runs up to the
 context; null is up to the context (SGLang's defaults). A message's content may be OpenAI text parts (joined by a
-space, as SGLang renders them for a template that takes a string).
+space, as SGLang renders them for a template that takes a string). Chat takes SGLang's ``chat_template_kwargs``.
 """
 
 from __future__ import annotations
@@ -62,8 +62,12 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str,
     return sp
 
 
-_FIELD_NAMES = (("sampling_params.max_new_tokens", "max_tokens"), ("sampling_params.min_new_tokens", "min_tokens"),
-                ("sampling_params.sampling_seed", "seed"), ("sampling_params.", ""))
+def _field_names(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The engine's field names in an error -> the OpenAI field the caller sent (``max_completion_tokens`` when it
+    gave the limit, as ``_max_tokens`` reads it)."""
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return (("sampling_params.max_new_tokens", limit), ("sampling_params.min_new_tokens", "min_tokens"),
+            ("sampling_params.sampling_seed", "seed"), ("sampling_params.", ""))
 
 
 # OpenAI (and SGLang-extension) fields that change the output and that the engine does not implement: a 400.
@@ -138,15 +142,15 @@ class _OpenAI:
 
     def _requests(self, prompts: list[list[int]], body: dict[str, Any], default_max_tokens: int | None,
                   want_lp: bool, top: int = 0, logprob_start_len: int = -1) -> list[Any]:
-        """``new_requests`` for an OpenAI body; an error names the OpenAI field (``max_tokens``, not
-        ``sampling_params.max_new_tokens``)."""
+        """``new_requests`` for an OpenAI body; an error names the OpenAI field (``max_tokens`` or
+        ``max_completion_tokens``, not ``sampling_params.max_new_tokens``)."""
         try:
             return self.server.new_requests(prompts, _sampling(body, default_max_tokens), return_logprob=want_lp,
                                             top_logprobs_num=top, logprob_start_len=logprob_start_len,
                                             stream=_stream(body))
         except BadRequest as exc:
             message = str(exc)
-            for ours, theirs in _FIELD_NAMES:
+            for ours, theirs in _field_names(body):
                 message = message.replace(ours, theirs)
             raise BadRequest(message) from None
 
@@ -214,9 +218,13 @@ class _OpenAI:
                 "model": self.server.served_model_name}
         return await self._respond(request, body, prompts, reqs, head, choice, n)
 
-    def _render_chat(self, messages: Any, add_generation_prompt: bool) -> str:
+    def _render_chat(self, messages: Any, add_generation_prompt: bool, template_kwargs: Any = None) -> str:
+        """The chat template's text of ``messages``; ``template_kwargs`` is SGLang's ``chat_template_kwargs`` (extra
+        template variables, e.g. Qwen3's enable_thinking)."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise BadRequest(f"chat_template_kwargs={template_kwargs!r:.80} must be an object")
         tok = self.server.scheduler.tokenizer
         if not getattr(tok, "chat_template", None):
             raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")
@@ -224,7 +232,7 @@ class _OpenAI:
         try:
             with self.server.scheduler.tokenizer_lock:
                 return tok.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+                                               add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise BadRequest(f"cannot apply the chat template: {exc}") from None
 
@@ -282,7 +290,7 @@ class _OpenAI:
 
     async def chat_completions(self, request):
         body = await read_body(request)
-        text = self._render_chat(body.get("messages"), True)
+        text = self._render_chat(body.get("messages"), True, body.get("chat_template_kwargs"))
         prompts, _ = await self.server.encode_prompts(text=text)
         want_lp = bool(body.get("logprobs"))
         top = self._count(body, "top_logprobs", 0, 20)

@@ -19,8 +19,10 @@ The rollout's sampling parameters apply, whatever the agent sends (the trainer s
 ``--rollout-temperature``): the agent's temperature, top_p and seed are ignored, its ``max_tokens`` is honoured
 below the trajectory's budget, ``--rollout-max-response-len`` tokens of response in all (model and inserted
 tokens), and its ``stop`` strings end the turn (kept in the trained tokens, cut from the content as OpenAI does).
-``logprobs`` / ``top_logprobs`` return the engine's. A turn that did not end at ``<|im_end|>`` (cut by its length
-or a stop string) gets it at the start of the next call's inserted tokens, as the chat template renders the turn.
+``logprobs`` / ``top_logprobs`` return the engine's. The chat template gets ``--apply-chat-template-kwargs`` (as the
+prompts do) and the agent's ``chat_template_kwargs`` (SGLang's field; its keys win). A turn that did not end at
+``<|im_end|>`` (cut by its length or a stop string) gets it at the start of the next call's inserted tokens, as the
+chat template renders the turn.
 A call past the budget is answered 400 and the sample ends TRUNCATED; an agent that raises ends it FAILED
 (``metadata["agent_error"]``); a call the rollout aborts (over-sampling) is answered 400, as is every later one,
 and the sample ends ABORTED; what was recorded is kept in each case. Assistant turns end at ``<|im_end|>`` (ChatML
@@ -153,9 +155,11 @@ class Trajectory:
     """The calls of one agent run and the budget they share."""
 
     def __init__(self, endpoint: "AgentEndpoint", key: str, sampling_params: dict[str, Any],
-                 max_turns: int | None = None, context: int | None = None) -> None:
+                 max_turns: int | None = None, context: int | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.endpoint, self.key, self.max_turns, self.context = endpoint, key, max_turns, context
         self.sampling_params = dict(sampling_params)
+        self.template_kwargs = dict(template_kwargs or {})  # --apply-chat-template-kwargs
         self.budget = int(sampling_params.get("max_new_tokens") or 0) or None
         self.calls: list[Call] = []
         self.sent = 0  # calls sent to the engine, those in flight included (--max-turns counts them)
@@ -176,7 +180,8 @@ class Trajectory:
                 return prev
         return None
 
-    def _render(self, messages: list[dict[str, Any]], parent: Call | None, tools: Any) -> tuple[str, Call | None]:
+    def _render(self, messages: list[dict[str, Any]], parent: Call | None, tools: Any,
+                template_kwargs: dict[str, Any]) -> tuple[str, Call | None]:
         """The text to send after ``parent``'s tokens (the whole prompt without one), and the parent kept: none
         when the chat template renders the history differently once the new messages follow (e.g. Qwen3 dropping
         an earlier turn's thinking), which starts a new segment as a rewritten history does."""
@@ -186,10 +191,12 @@ class Trajectory:
                 n = len(parent.messages) + 1
                 closed = bool(parent.completion_ids) and parent.completion_ids[-1] in self.endpoint.stop_ids
                 try:
-                    return inserted_text(tok, messages[:n], messages[n:], END_OF_TURN, closed=closed), parent
+                    return inserted_text(tok, messages[:n], messages[n:], END_OF_TURN, closed=closed,
+                                         template_kwargs=template_kwargs), parent
                 except SlimeLiteError as exc:
                     log.debug("trajectory %s: a new segment (%s)", self.key, exc)
-            return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True), None
+            return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                           **template_kwargs), None
         except Exception as exc:  # noqa: BLE001 - a template error is the agent's input
             raise BadRequest(f"messages: the chat template cannot render them ({type(exc).__name__}: {exc})") from None
 
@@ -204,13 +211,17 @@ class Trajectory:
             raise BadRequest(f"top_logprobs={top!r:.40} must be an integer in [0, 20]")
         if top and not want_lp:
             raise BadRequest("top_logprobs needs logprobs: true")
+        agent_kwargs = body.get("chat_template_kwargs")
+        if agent_kwargs is not None and not isinstance(agent_kwargs, dict):
+            raise BadRequest(f"chat_template_kwargs={agent_kwargs!r:.80} must be an object")
         asked_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         asked = body.get(asked_field)
         if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
             raise BadRequest(f"{asked_field}={asked!r:.40} must be a positive integer (or null)")
         if self.aborted:
             raise Aborted("the engine aborted an earlier call of this trajectory; the sample ends aborted")
-        text, parent = self._render(messages, self._parent(messages), body.get("tools"))
+        text, parent = self._render(messages, self._parent(messages), body.get("tools"),
+                                    {**self.template_kwargs, **(agent_kwargs or {})})
         new_ids = ep.tokenizer(text, add_special_tokens=False)["input_ids"]
         if parent is not None:
             prompt_ids, start = parent.prompt_ids + parent.completion_ids + new_ids, parent.start
@@ -364,7 +375,9 @@ class AgentEndpoint:
         app = web.Application(client_max_size=64 * 1024**2)
         app.router.add_post("/t/{key}/v1/chat/completions", self._chat)
         app.router.add_get("/t/{key}/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: an agent that leaves a call (cancelled, its client's timeout) cancels the call's
+        # engine request, which the engine then aborts; the reply it never got is not recorded
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -378,9 +391,9 @@ class AgentEndpoint:
             self._runner = None
 
     def open(self, sampling_params: dict[str, Any], max_turns: int | None = None,
-             context: int | None = None) -> Trajectory:
+             context: int | None = None, template_kwargs: dict[str, Any] | None = None) -> Trajectory:
         key = f"{next(self._keys)}-{uuid.uuid4().hex[:8]}"
-        traj = self.trajectories[key] = Trajectory(self, key, sampling_params, max_turns, context)
+        traj = self.trajectories[key] = Trajectory(self, key, sampling_params, max_turns, context, template_kwargs)
         return traj
 
     def close(self, traj: Trajectory) -> None:
@@ -424,6 +437,7 @@ def _error(status: int, message: str) -> web.Response:
 
 
 _ENDPOINTS: dict[int, AgentEndpoint] = {}  # per event loop of this process (the rollout manager has one)
+_STARTING: dict[int, asyncio.Task] = {}  # per event loop: the endpoint being started, which every first call awaits
 
 
 @functools.lru_cache(maxsize=4)
@@ -436,8 +450,16 @@ async def endpoint_for(args: Any) -> AgentEndpoint:
     loop = asyncio.get_running_loop()
     ep = _ENDPOINTS.get(id(loop))
     if ep is None or ep.loop is not loop:
-        ep = _ENDPOINTS[id(loop)] = await AgentEndpoint(args.engine_client, _tokenizer(args.hf_checkpoint),
-                                                        str(args.hf_checkpoint)).start()
+        # a rollout starts its hooks at once: they all wait for one server (a failed start is tried again)
+        starting = _STARTING.get(id(loop))
+        if starting is None or starting.get_loop() is not loop:
+            starting = _STARTING[id(loop)] = loop.create_task(AgentEndpoint(
+                args.engine_client, _tokenizer(args.hf_checkpoint), str(args.hf_checkpoint)).start())
+        try:
+            ep = _ENDPOINTS[id(loop)] = await asyncio.shield(starting)
+        finally:
+            if starting.done() and _STARTING.get(id(loop)) is starting:
+                del _STARTING[id(loop)]
     ep.engine_client = args.engine_client
     return ep
 
@@ -453,7 +475,7 @@ def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awai
         if sample.status is Status.ABORTED:  # carried by --partial-rollout: the agent runs again from the start
             restart(sample)
         ep = await endpoint_for(args)
-        traj = ep.open(sampling_params, args.max_turns, context_bound(args))
+        traj = ep.open(sampling_params, args.max_turns, context_bound(args), args.apply_chat_template_kwargs)
         error = None
         agent = asyncio.ensure_future(run(traj.base_url, sample))
         try:
@@ -462,6 +484,8 @@ def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awai
                 agent.cancel()
                 await asyncio.gather(agent, return_exceptions=True)
                 error = f"the agent did not finish within its {timeout:g} s (openai_agent's timeout)"
+            elif agent.cancelled():  # it raised CancelledError itself (the hook was not cancelled: it is here)
+                error = "the agent was cancelled (it raised CancelledError)"
             elif agent.exception() is not None:  # the agent's failure ends this sample, not the rollout
                 error = f"{type(agent.exception()).__name__}: {agent.exception()}"
         finally:

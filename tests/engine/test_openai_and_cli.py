@@ -76,6 +76,31 @@ def test_v1_chat_completions_content_parts_null_max_tokens_and_the_default_lengt
     assert out["usage"]["completion_tokens"] > 128  # up to the context: 512 tokens of the tiny model
 
 
+def test_v1_chat_completions_chat_template_kwargs_and_the_max_completion_tokens_field(engine):
+    """``chat_template_kwargs`` (SGLang's field: Qwen3's enable_thinking) reach the chat template; one that is not
+    an object is a 400 naming it. A bad ``max_completion_tokens`` is a 400 naming that field, not max_tokens."""
+    tok = engine.scheduler.tokenizer
+    template = tok.chat_template
+    msgs = [{"role": "user", "content": "hi"}]
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined "
+                         "and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    try:
+        plain, off = (http(engine.url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, **extra})[1]
+                      for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}}))
+        status, bad = http(engine.url, "/v1/chat/completions", {"messages": msgs, "chat_template_kwargs": [1]})
+    finally:
+        tok.chat_template = template
+    think = len(tok.encode("<think></think>", add_special_tokens=False))
+    assert off["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + think
+    assert status == 400 and "chat_template_kwargs" in bad["error"]["message"]
+    for value in (-1, 100000):
+        status, out = http(engine.url, "/v1/chat/completions", {"messages": msgs, "max_completion_tokens": value})
+        assert status == 400 and "max_completion_tokens" in out["error"]["message"], out
+    status, out = http(engine.url, "/v1/completions", {"prompt": "ab", "max_tokens": -1})
+    assert status == 400 and out["error"]["message"].startswith("max_tokens"), out
+
+
 def test_v1_chat_completions_stream(engine):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "stream": True}
     req = urllib.request.Request(engine.url + "/v1/chat/completions", data=json.dumps(body).encode(),

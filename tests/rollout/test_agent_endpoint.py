@@ -122,9 +122,10 @@ class ScriptedEngine:
 
 
 def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine_box=None, chat_template=None,
-              sample=None, version=None, timeout=None, context=4096):
+              sample=None, version=None, timeout=None, context=4096, **flags):
     """Run ``agent(base_url, sample)`` through the openai_agent hook over a scripted engine (kept in
-    ``engine_box["engine"]`` when given; reporting weight ``version`` when given)."""
+    ``engine_box["engine"]`` when given; reporting weight ``version`` when given); ``flags`` are more of the run's
+    flags."""
     tok = build_tokenizer()
     if chat_template is not None:
         tok.chat_template = chat_template
@@ -139,7 +140,8 @@ def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine
 
         mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep
         args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=max_turns,
-                                        rollout_max_context_len=context), engine)
+                                        rollout_max_context_len=context, **{"apply_chat_template_kwargs": {},
+                                                                            **flags}), engine)
         given = sample or Sample(index=4, prompt="1+2*3=", label="7", tokens=[5])
         try:
             return await openai_agent(agent, timeout)(args, given, sampling_params or {"temperature": 1.0,

@@ -1,0 +1,136 @@
+"""The agent endpoint's edges: one server per event loop however many hooks start at once, an agent that ends
+cancelled, and the chat template's extra arguments (--apply-chat-template-kwargs, the agent's
+``chat_template_kwargs``)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import openai
+
+import slime_lite.rollout.agent_endpoint as mod
+from slime_lite.tokenizer import build_tokenizer
+from slime_lite.types import Status
+from tests.rollout.test_agent_endpoint import _client, run_agent
+
+
+def test_hooks_starting_at_once_share_one_endpoint(monkeypatch):
+    """A rollout starts every sample's hook at once: the first calls of endpoint_for all wait for one server
+    (not one each, the others never stopped)."""
+    monkeypatch.setattr(mod, "_tokenizer", lambda path: build_tokenizer())
+
+    async def main():
+        args = SimpleNamespace(engine_client=object(), hf_checkpoint="unused")
+        eps = await asyncio.gather(*(mod.endpoint_for(args) for _ in range(8)))
+        again = await mod.endpoint_for(args)
+        for ep in {id(e): e for e in eps}.values():
+            await ep.stop()
+        mod._ENDPOINTS.pop(id(asyncio.get_running_loop()), None)
+        return eps, again
+
+    eps, again = asyncio.run(main())
+    assert len({id(e) for e in eps}) == 1 and again is eps[0]
+
+
+def test_an_agent_that_ends_cancelled_fails_its_sample_not_the_rollout():
+    """An agent whose task ends cancelled (it raised CancelledError itself) is an agent that raised: its sample
+    ends FAILED with what it recorded, and the hook returns (a CancelledError out of it would end the rollout)."""
+    async def agent(base_url, task):
+        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        raise asyncio.CancelledError()
+
+    sample = run_agent(["x<|im_end|>"], agent)
+    assert sample.status == Status.FAILED and "cancelled" in sample.metadata["agent_error"]
+    assert sample.metadata["agent_calls"] == 1 and sample.response_length == 2
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_render_every_call_of_the_trajectory():
+    """--apply-chat-template-kwargs render the agent's calls as they render the prompts (Qwen3's enable_thinking
+    false: an empty think block after each generation prompt), the first call's and the inserted turns of the
+    next; the agent's own chat_template_kwargs (SGLang's field) override them; one that is not an object is a 400
+    naming the field."""
+    answers = []
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "a"}]
+        try:
+            await client.chat.completions.create(model="m", messages=messages,
+                                                 extra_body={"chat_template_kwargs": ["enable_thinking"]})
+        except openai.BadRequestError as exc:
+            answers.append(exc.message)
+        for _ in range(2):
+            reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0]
+            messages += [reply.message, {"role": "user", "content": "b"}]
+
+    box = {}
+    sample = run_agent(["x<|im_end|>", "y<|im_end|>"], agent, chat_template=THINKING, engine_box=box,
+                       apply_chat_template_kwargs={"enable_thinking": False})
+    tok = build_tokenizer()
+    assert "chat_template_kwargs" in answers[0]
+    first, second = (tok.decode(b["input_ids"]) for b in box["engine"].seen)
+    assert first == "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n<think></think>"
+    assert second == first + "x<|im_end|>\n<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n<think></think>"
+    assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 2
+
+    async def thinking(base_url, task):
+        await _client(base_url).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "a"}],
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+
+    run_agent(["x<|im_end|>"], thinking, chat_template=THINKING, engine_box=box,
+              apply_chat_template_kwargs={"enable_thinking": False})
+    assert tok.decode(box["engine"].seen[0]["input_ids"]).endswith("<|im_start|>assistant\n")
+
+
+def test_a_call_its_agent_left_is_cancelled_at_the_engine_and_not_recorded():
+    """An agent cancelled (openai_agent's timeout) while its call generates: the call's engine request is
+    cancelled (the engine aborts a request whose client left), not run to its end for nobody, and the reply the
+    agent never got is not recorded."""
+    from slime_lite.hooks import HookArgs
+    from slime_lite.types import Sample
+
+    class SlowEngine:
+        def __init__(self):
+            self.cancelled = self.finished = 0
+
+        async def generate(self, body):
+            try:
+                await asyncio.sleep(3)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            self.finished += 1
+            return {"text": "x", "output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.1, 7, None]],
+                                                                  "finish_reason": {"type": "stop"}}}
+
+    async def stuck(base_url, task):
+        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+
+    async def main():
+        engine = SlowEngine()
+        ep = await mod.AgentEndpoint(engine, build_tokenizer()).start()
+        mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep
+        args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=8, rollout_max_context_len=4096,
+                                        apply_chat_template_kwargs={}), engine)
+        try:
+            sample = await mod.openai_agent(stuck, timeout=0.3)(args, Sample(index=0, prompt="a", tokens=[5]),
+                                                                {"max_new_tokens": 50})
+            for _ in range(40):
+                if engine.cancelled:
+                    break
+                await asyncio.sleep(0.05)
+            return sample, engine.cancelled, engine.finished
+        finally:
+            await ep.stop()
+            mod._ENDPOINTS.pop(id(asyncio.get_running_loop()), None)
+
+    sample, cancelled, finished = asyncio.run(main())
+    assert sample.status == Status.FAILED and "timeout" in sample.metadata["agent_error"]
+    assert cancelled == 1 and finished == 0 and sample.response_length == 0
