@@ -87,6 +87,7 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         "next_rollout_id": rollout_id + 1,
         "data_state": data_state,
         "layout": {"world": actor.world_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size},
+        "lora": _lora_layout(actor),
     }
     try:
         atomic_torch_save(plain_state(state), os.path.join(tmp, f"rank_{actor.rank:03d}.pt"))
@@ -109,6 +110,12 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         os.replace(tmp, final)
         atomic_write_text(name, os.path.join(os.path.dirname(final), "latest"))
     dist.barrier()
+
+
+def _lora_layout(actor: Any) -> dict[str, float] | None:
+    """The adapters' rank and alpha (their scaling alpha/rank), None without LoRA."""
+    settings = getattr(actor, "lora", None)
+    return None if settings is None else {"rank": settings.rank, "alpha": settings.alpha}
 
 
 def _trainable(model: torch.nn.Module) -> set[str]:
@@ -187,6 +194,12 @@ def load(actor: Any, root: str) -> dict[str, Any]:
         raise SlimeLiteError(f"--load {root}: {file} was saved {'with' if saved_lora else 'without'} LoRA adapters "
                              f"and this run is {'with' if lora_on else 'without'} them; resume with the same "
                              "--lora-* flags.")
+    saved_layout, layout = state.get("lora"), _lora_layout(actor)
+    if saved_lora and saved_layout is not None and saved_layout != layout:  # older checkpoints have none
+        raise SlimeLiteError(f"--load {root}: {file} holds adapters of --lora-rank {saved_layout['rank']} "
+                             f"--lora-alpha {saved_layout['alpha']:g} and this run has --lora-rank {layout['rank']} "
+                             f"--lora-alpha {layout['alpha']:g} (the adapters are scaled by alpha/rank): resume with "
+                             f"--lora-rank {saved_layout['rank']} --lora-alpha {saved_layout['alpha']:g}.")
     # the module's own load (Megatron's DDP wrapper returns no missing keys); LoRA: the base is not saved
     result = unwrap(actor.model).load_state_dict(state["model"], strict=not lora_on)
     absent = [k for k in result.missing_keys if k in _trainable(actor.model)] + list(result.unexpected_keys)

@@ -255,6 +255,9 @@ class TrainWorker:
             pending.append((mb.indices, [t.shape for t in outs], torch.cat([t.reshape(-1) for t in outs])))
             return torch.zeros((), device=output.device), {}
 
+        # eval mode: no dropout (--lora-dropout) in the log-prob and value passes, whose results must be those of
+        # the weights the engines serve; _train_steps sets train mode again
+        self.model.eval()
         with torch.no_grad():
             for mbs in steps:
                 self._run(samples, mbs, length, True, collect)
