@@ -55,6 +55,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from slime_lite.errors import EngineError, SlimeLiteError
+from slime_lite.rollout.agent_messages import BadRequest, normalise, stop_strings
 from slime_lite.rollout.multi_turn import context_bound
 from slime_lite.rollout.tool_calls import inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import append_turn, restart
@@ -93,62 +94,6 @@ class BudgetExhausted(Exception):
 class Aborted(Exception):
     """The engine aborted a call of the trajectory (over-sampling has its groups, an engine error): the sample ends
     ABORTED."""
-
-
-class BadRequest(ValueError):
-    """A call the endpoint refuses (HTTP 400, the message names the field); nothing is recorded."""
-
-
-def _text_content(content: Any, where: str) -> str:
-    """A message's content as text: a string, null, or OpenAI content parts of type "text"."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string, null or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
-            raise BadRequest(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
-                             "supported by the agent endpoint")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _normalise(message: Any, where: str = "message") -> dict[str, Any]:
-    """A message as compared between calls: role, content ("" for none), tool calls (name, parsed arguments).
-    ``BadRequest`` names the field (``where``) that is not a chat message's."""
-    if not isinstance(message, dict):
-        raise BadRequest(f"{where} must be an object with a role and content")
-    if not isinstance(message.get("role"), str):
-        raise BadRequest(f"{where}.role: a string (system, user, assistant or tool) is required")
-    calls = []
-    raw_calls = message.get("tool_calls") or []
-    if not isinstance(raw_calls, list):
-        raise BadRequest(f"{where}.tool_calls must be a list")
-    for j, call in enumerate(raw_calls):
-        fn = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise BadRequest(f"{where}.tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
-                             "{\"name\": ..., \"arguments\": ...}}")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                pass
-        calls.append({"name": fn["name"], "arguments": args})
-    out: dict[str, Any] = {"role": message["role"], "content": _text_content(message.get("content"), where)}
-    if calls:
-        out["tool_calls"] = [{"type": "function", "function": c} for c in calls]
-    return out
-
-
-def _stop_strings(value: Any) -> list[str]:
-    """The agent's ``stop``: a string or a list of strings, none empty."""
-    stops = [] if value is None else [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
-        raise BadRequest(f"stop={value!r:.80} must be a string or a list of non-empty strings")
-    return stops
 
 
 class Trajectory:
@@ -202,8 +147,8 @@ class Trajectory:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = self.endpoint
-        messages = [_normalise(m, f"messages[{i}]") for i, m in enumerate(body["messages"])]
-        stops = _stop_strings(body.get("stop"))
+        messages = [normalise(m, f"messages[{i}]") for i, m in enumerate(body["messages"])]
+        stops = stop_strings(body.get("stop"))
         want_lp, top = body.get("logprobs"), body.get("top_logprobs")
         if want_lp not in (None, True, False):
             raise BadRequest(f"logprobs={want_lp!r:.40} must be true or false")
@@ -280,7 +225,7 @@ class Trajectory:
             reply["tool_calls"] = tool_calls
         n_prev = len(parent.messages) + 1 if parent is not None else 0
         self.calls.append(Call(
-            messages=messages, reply=_normalise(reply), prompt_ids=list(prompt_ids), completion_ids=ids,
+            messages=messages, reply=normalise(reply), prompt_ids=list(prompt_ids), completion_ids=ids,
             log_probs=log_probs, text=out["text"], finish_reason=finish, extends=parent is not None,
             new_roles=[m["role"] for m in messages[n_prev:]] if parent is not None else [],
             weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
@@ -465,6 +410,13 @@ async def endpoint_for(args: Any) -> AgentEndpoint:
 
 
 Agent = Callable[[str, Sample], Awaitable[Any]]
+
+
+async def stop_endpoint() -> None:
+    """Stop the running event loop's endpoint, if a hook started one (the rollout manager's close)."""
+    ep = _ENDPOINTS.pop(id(asyncio.get_running_loop()), None)
+    if ep is not None:
+        await ep.stop()
 
 
 def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awaitable[Sample | list[Sample]]]:

@@ -265,6 +265,9 @@ class RolloutManager:
             self._run(self.worker.stop())
         if self.generator is not None:
             self._run(self.generator.client.close())
+        agents = sys.modules.get("slime_lite.rollout.agent_endpoint")  # imported only by an agent hook
+        if agents is not None:
+            self._run(agents.stop_endpoint())  # its HTTP server, on the rollout's loop
         if self._loop_thread is not None:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._loop_thread.join(timeout=10)

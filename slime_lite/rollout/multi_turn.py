@@ -96,7 +96,8 @@ async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
         return _context_full(sample)
     params = dict(sampling_params)
     if room is not None:
-        params["max_new_tokens"] = min(params.get("max_new_tokens") or room, room)
+        asked = params.get("max_new_tokens")  # 0 is 0 tokens (a spent budget), None is up to the context
+        params["max_new_tokens"] = room if asked is None else min(int(asked), room)
     out = await args.engine_client.generate({"input_ids": list(sample.tokens), "sampling_params": params,
                                              "return_logprob": True})
     meta = out["meta_info"]

@@ -8,6 +8,7 @@ import asyncio
 from types import SimpleNamespace
 
 import openai
+import pytest
 
 import slime_lite.rollout.agent_endpoint as mod
 from slime_lite.tokenizer import build_tokenizer
@@ -134,3 +135,26 @@ def test_a_call_its_agent_left_is_cancelled_at_the_engine_and_not_recorded():
     sample, cancelled, finished = asyncio.run(main())
     assert sample.status == Status.FAILED and "timeout" in sample.metadata["agent_error"]
     assert cancelled == 1 and finished == 0 and sample.response_length == 0
+
+
+def test_the_managers_close_stops_the_endpoint_an_agent_hook_started(monkeypatch):
+    """stop_endpoint (run by RolloutManager.close on its loop) stops the loop's endpoint: its port is closed and
+    the next hook starts a new one."""
+    import socket
+    from urllib.parse import urlsplit
+
+    monkeypatch.setattr(mod, "_tokenizer", lambda path: build_tokenizer())
+
+    async def main():
+        args = SimpleNamespace(engine_client=object(), hf_checkpoint="unused")
+        ep = await mod.endpoint_for(args)
+        port = urlsplit(ep.url).port
+        await mod.stop_endpoint()
+        again = await mod.endpoint_for(args)
+        await mod.stop_endpoint()
+        return ep, port, again
+
+    ep, port, again = asyncio.run(main())
+    assert again is not ep
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()

@@ -152,6 +152,31 @@ def test_a_turn_at_the_models_context_ends_the_sample_truncated_not_refused(tiny
     assert len(sample.tokens) == 511
 
 
+def test_a_turn_asked_for_no_tokens_generates_none(tiny_model_dir, engine):
+    """A hook whose budget is spent sends max_new_tokens 0: that is 0 tokens, not "up to the context"."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slime_lite.engine_client import AsyncEngineClient
+    from slime_lite.rollout import multi_turn as mt
+    from slime_lite.types import Sample
+
+    async def main():
+        client = AsyncEngineClient([engine.url])
+        args = SimpleNamespace(engine_client=client, hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=None,
+                               max_turns=4, max_inserted_tokens_per_turn=8, tool_call_timeout=5.0)
+        sample = Sample(index=0, prompt="x", tokens=[60, 61, 62])
+        try:
+            await mt.model_turn(args, sample, {"max_new_tokens": 0, "ignore_eos": True}, mt.TurnLimits.from_args(args))
+        finally:
+            await client.close()
+        return sample
+
+    sample = asyncio.run(main())
+    assert sample.response_length == 0 and sample.tokens == [60, 61, 62]
+    assert sample.metadata["turns"][-1]["sampling_params"]["max_new_tokens"] == 0
+
+
 def test_call_tool_awaits_every_kind_of_async_tool_and_names_a_failure():
     """Plain, async, a lambda around an async call, an object with an async __call__: each returns its value (not a
     coroutine); a raise and a hang past the timeout are ToolErrors naming the tool, counted."""

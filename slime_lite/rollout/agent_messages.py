@@ -1,0 +1,63 @@
+"""The agent endpoint's reading of OpenAI chat messages: text content, tool calls, stop strings; a message that is
+not a chat message's is a ``BadRequest`` naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class BadRequest(ValueError):
+    """A call the endpoint refuses (HTTP 400, the message names the field); nothing is recorded."""
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's content as text: a string, null, or OpenAI content parts of type "text"."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a string, null or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                             "supported by the agent endpoint")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def normalise(message: Any, where: str = "message") -> dict[str, Any]:
+    """A message as compared between calls: role, content ("" for none), tool calls (name, parsed arguments).
+    ``BadRequest`` names the field (``where``) that is not a chat message's."""
+    if not isinstance(message, dict):
+        raise BadRequest(f"{where} must be an object with a role and content")
+    if not isinstance(message.get("role"), str):
+        raise BadRequest(f"{where}.role: a string (system, user, assistant or tool) is required")
+    calls = []
+    raw_calls = message.get("tool_calls") or []
+    if not isinstance(raw_calls, list):
+        raise BadRequest(f"{where}.tool_calls must be a list")
+    for j, call in enumerate(raw_calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"{where}.tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                             "{\"name\": ..., \"arguments\": ...}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        calls.append({"name": fn["name"], "arguments": args})
+    out: dict[str, Any] = {"role": message["role"], "content": _text_content(message.get("content"), where)}
+    if calls:
+        out["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+    return out
+
+
+def stop_strings(value: Any) -> list[str]:
+    """The agent's ``stop``: a string or a list of strings, none empty."""
+    stops = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        raise BadRequest(f"stop={value!r:.80} must be a string or a list of non-empty strings")
+    return stops
