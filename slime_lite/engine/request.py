@@ -9,6 +9,11 @@ from typing import Any, Callable
 from slime_lite.engine.sampling import SamplingParams
 
 
+def abort_reason(message: str) -> dict[str, Any]:
+    """An aborted request's finish reason, in SGLang's shape (its FINISH_ABORT: no HTTP status or error type set)."""
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
 def rid_matches(request_rid: str, rid: str) -> bool:
     """Whether an abort of ``rid`` reaches the request ``request_rid``: that request, and the ``rid_<i>`` ones a batch
     or ``n`` made of it."""

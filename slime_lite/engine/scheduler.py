@@ -40,7 +40,7 @@ from slime_lite.engine.kv_cache import auto_max_running, kv_bytes_per_token
 from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.prefix_cache import PrefixCache
-from slime_lite.engine.request import Request, RequestOutput, rid_matches
+from slime_lite.engine.request import Request, RequestOutput, abort_reason, rid_matches
 from slime_lite.engine.sampling import mix64, sample
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
@@ -308,7 +308,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
         if kind == "add":
             req = msg[1]
             if req.abort_epoch is not None and req.abort_epoch < self.abort_epoch:  # an abort-all came after it
-                self._finish(req, {"type": "abort", "message": self._abort_message})
+                self._finish(req, abort_reason(self._abort_message))
             else:
                 self.waiting.append(req)
         elif kind == "abort":
@@ -317,12 +317,12 @@ class Scheduler(AdmissionMixin, ControlMixin):
                 self._abort_all(message, count=False)  # counted by abort()
             else:
                 for r in [r for r in [*self.waiting, *self.running.values()] if rid_matches(r.rid, rid)]:
-                    self._finish(r, {"type": "abort", "message": message})
+                    self._finish(r, abort_reason(message))
         elif kind == "cancel":
             _, reqs, message = msg
             for r in reqs:
                 if r.finish_reason is None and (self.running.get(r.slot) is r or r in self.waiting):
-                    self._finish(r, {"type": "abort", "message": message})
+                    self._finish(r, abort_reason(message))
         elif kind == "call":
             try:
                 self._collect()  # calls (weight updates, memory, pause) see no step in flight
@@ -341,7 +341,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
         everything only when no request is to blame (the model itself failed)."""
         logger.exception("engine step failed")
         self.pipeline.drop()
-        reason = {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"}
+        reason = abort_reason(f"engine error: {type(exc).__name__}: {exc}")
         blamed = [r for r in [*self.running.values(), *self.waiting] if not self._samples_alone(r)]
         if not blamed:  # requests on their way in were not in the failed step: they run
             self._abort_all(reason["message"], count=False)
@@ -372,7 +372,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
             self._count_abort_all(message)
         self.pipeline.drop()
         for r in list(self.waiting) + list(self.running.values()):
-            self._finish(r, {"type": "abort", "message": message})
+            self._finish(r, abort_reason(message))
 
     def _emit(self, req: Request) -> None:
         if req.on_output is not None:

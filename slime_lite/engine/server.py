@@ -34,7 +34,7 @@ from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
 from slime_lite.engine.info_routes import add_info_routes
 from slime_lite.engine.openai_api import add_openai_routes
-from slime_lite.engine.request import Request, rid_matches
+from slime_lite.engine.request import Request, abort_reason, rid_matches
 from slime_lite.engine.sampling import SamplingParams
 from slime_lite.errors import SlimeLiteError
 
@@ -364,7 +364,7 @@ class EngineServer:
         scheduler's abort misses them) with finish reason abort, as SGLang ends a queued request. In the loop."""
         for key in [k for k in self._waiting_turn if rid_matches(k, rid)]:
             req = self._waiting_turn.pop(key)
-            req.finish_reason = {"type": "abort", "message": message}
+            req.finish_reason = abort_reason(message)
             req.on_output(req.snapshot(self.scheduler.weight_version))
 
     @contextlib.contextmanager

@@ -11,6 +11,8 @@ import time
 import pytest
 from engine_helpers import generate, http, in_thread, stream_started
 
+from tests import sglang_oracle as oracle
+
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 NAN, INF = float("nan"), float("inf")
 
@@ -191,7 +193,11 @@ def test_a_client_that_leaves_cancels_only_its_own_requests(engine):
     assert t.is_alive()
     http(engine.url, "/abort_request", {"rid": "job_1"})
     t.join(30)
-    assert box["result"]["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted by /abort_request"}
+    reason = box["result"]["meta_info"]["finish_reason"]
+    assert reason == {"type": "abort", "message": "aborted by /abort_request", "status_code": None, "err_type": None}
+    if oracle.sglang_available():  # SGLang's own abort finish reason has this shape
+        sglang_abort = oracle.sglang_module("sglang.srt.managers.schedule_batch").FINISH_ABORT
+        assert reason == sglang_abort("aborted by /abort_request").to_json()
 
 
 def test_a_big_batch_takes_turns_with_a_later_small_request(tiny_model_dir):
