@@ -16,7 +16,7 @@ from slime_lite.backends.megatron.train_dump import train_dump_path
 from slime_lite.checks.grad_norm import grad_norm_path
 from slime_lite.config import TokenBudget, TrainSideConfig
 from slime_lite.errors import SlimeLiteError
-from slime_lite.hooks import SIGNATURES, load_hook
+from slime_lite.hooks import REPLAY_HOOKS, SIGNATURES, load_hook
 from slime_lite.io import probe_folder
 from slime_lite.model_families import check_family, check_trainable, num_experts
 from slime_lite.profiling import profile_targets, trace_dir
@@ -39,6 +39,24 @@ def preflight(args: Any) -> None:
         check_loadable(args.load, TrainSideConfig.from_args(args).has_critic)
     if args.load_debug_rollout_data:
         check_replay_dumps(args)
+        check_replay_keeps_train_dumps(args)
+
+
+def check_replay_keeps_train_dumps(args: Any) -> None:
+    """A replay writes its train dumps where none is yet: one already there is most often the original run's (the
+    train_data folder beside the rollout dumps replayed), which a replay is compared against."""
+    if not args.save_debug_train_data:
+        return
+    for rollout_id in replay_ids(args):
+        for rank in range(world_size(args)):
+            path = train_dump_path(args.save_debug_train_data, rollout_id, rank)
+            if os.path.exists(path):
+                flag = (f"--dump-details {args.dump_details}" if args.dump_details
+                        else f"--save-debug-train-data {args.save_debug_train_data}")
+                raise SlimeLiteError(
+                    f"{flag}: the replay would overwrite the train dump {path} (rollout {rollout_id}, rank {rank}), "
+                    "e.g. the original run's, which the replay is compared against; give the replay a path of its "
+                    "own, or move the file away.")
 
 
 def check_train_only(args: Any) -> None:
@@ -53,12 +71,12 @@ def check_train_only(args: Any) -> None:
 
 def check_hooks(args: Any) -> None:
     """Every ``--*-path`` hook the rollout will call imports and takes the arguments it is called with (else a
-    SlimeLiteError naming the flag, the module and the signature expected), before Ray starts."""
-    if args.debug_train_only or args.load_debug_rollout_data:
-        return
+    SlimeLiteError naming the flag, the module and the signature expected), before Ray starts; a replay calls only
+    the rollout manager's (``REPLAY_HOOKS``)."""
+    replay = args.debug_train_only or args.load_debug_rollout_data
     for flag in SIGNATURES:
         path = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if path:
+        if path and (not replay or flag in REPLAY_HOOKS):
             load_hook(path, flag)
 
 
@@ -88,6 +106,8 @@ def output_folders(args: Any) -> list[tuple[str, str]]:
     out = []
     if args.save:
         out.append((f"--save {args.save}", args.save))
+    if args.save_hf:  # the folder that holds the HF exports (each is written beside it, then renamed)
+        out.append((f"--save-hf {args.save_hf}", os.path.dirname(os.path.abspath(args.save_hf.format(rollout_id=0)))))
     if args.save_debug_rollout_data:  # eval dumps share the train dumps' folder
         flag = f"--dump-details {args.dump_details}" if args.dump_details else \
             f"--save-debug-rollout-data {args.save_debug_rollout_data}"
@@ -209,8 +229,9 @@ def check_replay_dumps(args: Any) -> None:
         # as a generated rollout's groups (a dump is written before that check); not slime's dumps (no meta: their
         # settings are taken on trust), nor when a wrong count or --n-samples-per-prompt is named already
         made_with = (dump.meta or {}).get("n_samples_per_prompt")
+        # (--custom-reward-post-process-path normalises the rewards itself: any groups)
         if rl_math.estimator(args.advantage_estimator).needs_groups and not split \
-                and made_with == args.n_samples_per_prompt:
+                and made_with == args.n_samples_per_prompt and not args.custom_reward_post_process_path:
             grouping = group_problem(dump.samples, args.n_samples_per_prompt, args.advantage_estimator)
             split += [grouping] if grouping else []
         check_replay_meta(dump, expected, split)  # every mismatched setting in one error

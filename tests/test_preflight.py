@@ -45,6 +45,21 @@ def test_good_replay_passes(tiny_model_dir, replay) -> None:
     preflight(_args(tiny_model_dir, replay))
 
 
+def test_a_replay_never_overwrites_a_train_dump_already_there(tiny_model_dir, replay, tmp_path) -> None:
+    """The original run's train dumps (train_data/ beside the rollout dumps replayed) are what a replay is compared
+    against: a replay whose --save-debug-train-data names them is refused before Ray starts; a fresh path passes."""
+    train = str(tmp_path / "train_data" / "{rollout_id}_{rank}.pt")
+    preflight(_args(tiny_model_dir, replay, "--save-debug-train-data", train))  # nothing there yet
+    (tmp_path / "train_data").mkdir(exist_ok=True)
+    (tmp_path / "train_data" / "2_0.pt").write_bytes(b"the original run's")
+    with pytest.raises(SlimeLiteError, match=r"--save-debug-train-data .*: the replay would overwrite the train dump "
+                                             r".*2_0\.pt \(rollout 2, rank 0\)"):
+        preflight(_args(tiny_model_dir, replay, "--save-debug-train-data", train))
+    assert (tmp_path / "train_data" / "2_0.pt").read_bytes() == b"the original run's"
+    fresh = str(tmp_path / "replay" / "{rollout_id}_{rank}.pt")
+    preflight(_args(tiny_model_dir, replay, "--save-debug-train-data", fresh))
+
+
 @pytest.mark.parametrize("rollout", [1, 2])
 def test_every_dump_of_the_replay_is_checked_not_only_the_first(tiny_model_dir, replay, tmp_path, rollout) -> None:
     bad = _samples()
