@@ -24,6 +24,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,6 +122,27 @@ def _wait_listening(address: str, port: int, deadline: float, cancelled: Callabl
         time.sleep(min(0.1, max(0.0, left)))
 
 
+CONNECT_TRY_S = 5.0  # one try of a member's connect to rank 0's store (then the call-off is checked again)
+
+
+def _connect(address: str, port: int, world_size: int, deadline: float, cancelled: Callable[[], bool]) -> Any:
+    """A member's client of rank 0's store. torch's connect retries until its timeout, with backoff delays of up to
+    a minute, and cannot be called off: a store closed between ``_wait_listening`` and the connect (the trainer
+    gave up on the group) would hold the join for the whole group timeout. So each try gets ``CONNECT_TRY_S``, and
+    ``cancelled`` is checked between them."""
+    while True:
+        _wait_listening(address, port, deadline, cancelled)
+        left = deadline - time.monotonic()
+        try:
+            return dist.TCPStore(address, port, world_size, False,
+                                 datetime.timedelta(seconds=max(0.5, min(CONNECT_TRY_S, left))), wait_for_workers=True)
+        except Exception:  # noqa: BLE001 - torch's DistNetworkError / DistStoreError / RuntimeError: try again
+            if cancelled():
+                raise GroupJoinCancelled("the join was called off while connecting to rank 0's store") from None
+            if time.monotonic() >= deadline:
+                raise
+
+
 class WeightUpdateGroup:
     """One member of a broadcast group between the trainer (rank 0) and engine ranks.
 
@@ -160,9 +182,11 @@ class WeightUpdateGroup:
         self._pg = None
         try:
             if rank:
-                _wait_listening(master_address, int(master_port), time.monotonic() + timeout_s, cancelled)
-            store = dist.TCPStore(master_address, int(master_port), world_size, False, timeout,
-                                  wait_for_workers=rank != 0)
+                store = _connect(master_address, int(master_port), world_size, time.monotonic() + timeout_s,
+                                 cancelled)
+            else:
+                store = dist.TCPStore(master_address, int(master_port), world_size, False, timeout,
+                                      wait_for_workers=False)
             store.set_timeout(timeout)
             device = "cuda" if backend == "nccl" else "cpu"
             store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/",

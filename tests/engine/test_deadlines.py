@@ -162,3 +162,21 @@ def test_destroying_a_group_being_joined_calls_the_join_off(engine):
     status, out = box["result"]
     assert status == 400 and "called off" in out["message"]
     assert http(engine.url, "/destroy_weights_update_group", {"group_name": "off"})[0] == 400  # nothing left
+
+
+def test_a_join_whose_store_closes_before_it_connects_is_still_called_off(monkeypatch):
+    """The trainer's store closes between the member's check that it listens and the member's connect (the push
+    gave up on the group): torch's connect would then retry for the whole group timeout, deaf to the call-off. The
+    join must end soon after it is called off."""
+    import threading
+
+    from slime_lite import weight_transport as wt
+
+    monkeypatch.setattr(wt, "_wait_listening", lambda *a: None)  # "it listened": then it closed
+    monkeypatch.setattr(wt, "CONNECT_TRY_S", 1.0)
+    called_off = threading.Event()
+    threading.Timer(0.5, called_off.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(wt.GroupJoinCancelled, match="called off while connecting"):
+        wt.WeightUpdateGroup("127.0.0.1", free_port(), 1, 2, "gloo", "gone", timeout_s=120, cancelled=called_off.is_set)
+    assert time.monotonic() - t0 < 20  # not the group's 120 s
