@@ -16,7 +16,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template, dump_path
-from slime_lite.args_train import validate_train_args, world_size
+from slime_lite.args_train import check_slime_train_flags, validate_train_args, world_size
 from slime_lite.slime_flags import check as check_slime_flags
 
 log = logging.getLogger("slime_lite.args")
@@ -254,6 +254,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.save_interval is not None and args.save is None:
         raise SlimeLiteError("--save-interval needs --save DIR.")
     check_debug_tool_args(args)
+    check_slime_train_flags(args)  # --save-hf, --ref-update-interval, --update-weights-interval, ...
     if args.load is not None and not os.path.exists(os.path.join(args.load, "latest")):
         # as slime: a --load folder without a checkpoint yet (missing or empty; --save usually names the same one)
         # is a fresh start from the initial weights, not an error
@@ -399,6 +400,10 @@ def check_fully_async(args: argparse.Namespace) -> None:
                   "works with --fully-async)")
     elif args.use_fault_tolerance or args.debug_inject_fault == "kill-engine":
         refuse = "--use-fault-tolerance / --debug-inject-fault kill-engine are not supported with --fully-async yet"
+    elif args.rollout_sample_filter_path or args.rollout_all_samples_process_path:
+        refuse = ("--rollout-sample-filter-path and --rollout-all-samples-process-path are called by the default "
+                  "rollout function at the end of a rollout, and --fully-async's background loop replaces it: drop "
+                  "them (a generate hook may set remove_sample)")
     if refuse:
         raise SlimeLiteError(f"--fully-async: {refuse}.")
     if args.rollout_backend == "sglang":

@@ -12,7 +12,7 @@ from typing import Any
 
 from slime_lite import rl_math
 from slime_lite.backends.megatron.lora_config import check_lora_args
-from slime_lite.config import TokenBudget
+from slime_lite.config import TokenBudget, has_reference_model
 from slime_lite.errors import SlimeLiteError
 from slime_lite.model_families import FAMILIES, moe_config
 
@@ -136,6 +136,70 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the "
                         "adapters from, on the --hf-checkpoint base")
 
+    g = p.add_argument_group("checkpoints, reference model and weight pushes (slime's flags)")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="checkpoints without the optimizer state (Adam moments; smaller files). As in slime, such a "
+                        "checkpoint cannot resume training: --load refuses it (start from its hf/ export with "
+                        "--hf-checkpoint instead, with a fresh optimizer)")
+    g.add_argument("--save-hf", default=None, metavar="PATH",
+                   help="at each checkpoint (--save-interval) also write the actor as a Hugging Face model folder "
+                        "to PATH.format(rollout_id=i), e.g. /out/hf_{rollout_id} (with --lora-rank: the adapters "
+                        "merged into the base weights)")
+    g.add_argument("--reset-optimizer-states", action="store_true",
+                   help="clear the optimizer's state (Adam moments and step count) after each rollout's training, "
+                        "so every rollout starts with a fresh Adam")
+    g.add_argument("--ref-update-interval", type=positive_int, default=None, metavar="N",
+                   help="every N rollouts the reference model's weights become the actor's current ones (after the "
+                        "training of rollouts N-1, 2N-1, ...; saved with checkpoints); needs a reference model "
+                        "(--use-kl-loss, --kl-coef or --ref-load) (default: the reference never changes)")
+    g.add_argument("--update-weights-interval", type=positive_int, default=1, metavar="N",
+                   help="push the trainer's weights to the engines after every N-th rollout (and always before an "
+                        "eval), so the rollouts between pushes are generated with older weights; synchronous "
+                        "training on engines of their own only (default: %(default)s, every rollout)")
+
+
+
+def check_slime_train_flags(args: argparse.Namespace) -> None:
+    """--save-hf, --ref-update-interval, --reset-optimizer-states and --update-weights-interval: each needs what it
+    acts on, and the pushes may be spaced out only where the engines keep their weights between pushes."""
+    if args.save_hf is not None:
+        if args.save_interval is None:
+            raise SlimeLiteError("--save-hf writes a Hugging Face model at each checkpoint: add --save DIR and "
+                                 "--save-interval N, or drop --save-hf.")
+        try:
+            first = args.save_hf.format(rollout_id=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise SlimeLiteError(f"--save-hf {args.save_hf}: the only placeholder it takes is {{rollout_id}} "
+                                 f"({type(exc).__name__}: {exc}).") from None
+        for flag in ("hf_checkpoint", "ref_load"):
+            value = getattr(args, flag)
+            if value and "{rollout_id}" not in args.save_hf and os.path.realpath(first) == os.path.realpath(value):
+                raise SlimeLiteError(f"--save-hf {args.save_hf} is the --{flag.replace('_', '-')} folder: each save "
+                                     "would replace the model this run starts from; give --save-hf another path.")
+    if args.ref_update_interval and not has_reference_model(args):
+        raise SlimeLiteError("--ref-update-interval updates the reference model, and this run keeps none (no "
+                             "--use-kl-loss, --kl-coef or --ref-load): add a KL term or drop the flag.")
+    if args.ref_update_interval and args.lora_rank:
+        raise SlimeLiteError("--ref-update-interval with --lora-rank is not supported: the reference is the base "
+                             "model without the adapters, which never changes. Drop one of them.")
+    if args.reset_optimizer_states and args.optimizer_cpu_offload:
+        raise SlimeLiteError("--reset-optimizer-states with --optimizer-cpu-offload is not supported (the hybrid CPU "
+                             "optimizer keeps copies of its state); drop one of them.")
+    n = args.update_weights_interval
+    if n == 1:
+        return
+    refuse = None
+    if args.async_train or args.fully_async:
+        refuse = (f"--{'async' if args.async_train else 'fully-async'} already generates with older weights on its "
+                  "own schedule (and checks that lag): drop one of them")
+    elif args.colocate or args.offload_rollout:
+        refuse = (f"--{'colocate' if args.colocate else 'offload-rollout'} releases the engines' weights while the "
+                  "trainer trains, and only a push gives them back: drop one of them")
+    elif args.use_fault_tolerance:
+        refuse = ("--use-fault-tolerance gives a restarted engine the trainer's current weights, which the other "
+                  "engines do not serve between pushes: drop one of them")
+    if refuse:
+        raise SlimeLiteError(f"--update-weights-interval {n}: {refuse}.")
 
 
 def world_size(args: Any) -> int:

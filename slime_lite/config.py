@@ -223,6 +223,7 @@ class TrainSideConfig(_FromArgs):
     save_interval: int | None
     num_rollout: int
     offload_train: bool
+    ref_update_interval: int | None
 
     @property
     def trains(self) -> bool:
@@ -246,6 +247,11 @@ class TrainSideConfig(_FromArgs):
         return bool(self.save and self.save_interval
                     and ((rollout_id + 1) % self.save_interval == 0 or rollout_id + 1 == self.num_rollout))
 
+    def updates_reference_after(self, rollout_id: int) -> bool:
+        """--ref-update-interval N: the reference takes the actor's weights after rollouts N-1, 2N-1, ... trained
+        (as slime)."""
+        return bool(self.trains and self.ref_update_interval and (rollout_id + 1) % self.ref_update_interval == 0)
+
 
 @dataclass(frozen=True)
 class RolloutSideConfig(_FromArgs):
@@ -263,6 +269,7 @@ class RolloutSideConfig(_FromArgs):
     debug_inject_fault: str | None
     rollout_backend: str
     lora_rank: int | None
+    update_weights_interval: int
 
     @property
     def names_lora_adapter(self) -> bool:
@@ -274,3 +281,17 @@ class RolloutSideConfig(_FromArgs):
         if not (self.eval_prompt_data and self.eval_interval):
             return False
         return (rollout_id + 1) % self.eval_interval == 0 or rollout_id + 1 == self.num_rollout
+
+    def pushes_after(self, rollout_id: int) -> bool:
+        """Whether the trainer's weights go to the engines after rollout_id trained: every
+        --update-weights-interval rollouts (as slime), and before every eval, which must see the trained weights."""
+        n = self.update_weights_interval
+        return n == 1 or (rollout_id + 1) % n == 0 or self.evaluates_after(rollout_id)
+
+    def served_version(self, rollout_id: int, start: int) -> int:
+        """The weight version the engines serve while rollout_id is generated (synchronous training): that of the
+        last push before it, ``start`` being the initial push's."""
+        version = rollout_id
+        while version > start and not self.pushes_after(version - 1):
+            version -= 1
+        return version

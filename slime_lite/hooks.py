@@ -47,7 +47,16 @@ SIGNATURES = {
                                         3, ()),
     "--custom-rm-path": ("reward(args, sample) -> float or dict", 2, ()),
     "--dynamic-sampling-filter-path": ("keep(args, samples) -> bool", 2, ()),
+    "--rollout-sample-filter-path": ("filter(args, samples) -> None", 2, ()),
+    "--rollout-all-samples-process-path": ("process(args, all_samples, data_source) -> None", 3, ()),
+    "--custom-reward-post-process-path": ("post_process(args, samples) -> (raw_rewards, rewards)", 2, ()),
+    "--custom-rollout-log-function-path": ("log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, "
+                                           "rollout_time) -> bool", 5, ()),
+    "--custom-eval-rollout-log-function-path": ("log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> "
+                                                "bool", 4, ()),
 }
+# the hooks a replay (--load-debug-rollout-data) calls too: the rollout manager's, on the loaded samples
+REPLAY_HOOKS = ("--custom-reward-post-process-path", "--custom-rollout-log-function-path")
 
 
 def load_hook(path: str, flag: str) -> Callable[..., Any]:

@@ -44,7 +44,8 @@ Tensors = Sequence["torch.Tensor"]
 class AdvantageInputs:
     """What an advantage estimator gets, per sample: scalar ``rewards`` [N] (groups of ``group_size`` adjacent), the
     old-policy ``log_probs``, the critic's ``values`` (None without a critic), the ``loss_masks`` and the per-token
-    ``kl`` to the reference (zeros without one or with ``kl_coef`` 0)."""
+    ``kl`` to the reference (zeros without one or with ``kl_coef`` 0). ``normalized``: the rewards come normalised
+    already (a reward post-process hook did it), so a group estimator takes them as they are."""
 
     rewards: torch.Tensor
     log_probs: Tensors
@@ -56,6 +57,7 @@ class AdvantageInputs:
     gamma: float
     lambd: float
     std_normalization: bool
+    normalized: bool = False
 
 
 @dataclass(frozen=True)
@@ -303,10 +305,11 @@ def reinforce_plus_plus_returns(
 
 
 def reinforce_plus_plus_baseline(
-    rewards: torch.Tensor, kl: Tensors, masks: Tensors, kl_coef: float, group_size: int
+    rewards: torch.Tensor, kl: Tensors, masks: Tensors, kl_coef: float, group_size: int, centered: bool = False
 ) -> list[torch.Tensor]:
-    """REINFORCE++-baseline advantages (before whitening): R minus its group mean, minus kl_coef*kl*m per token."""
-    centered = grpo_advantages(rewards, group_size, std_normalization=False)
+    """REINFORCE++-baseline advantages (before whitening): R minus its group mean (``centered``: R is centred
+    already), minus kl_coef*kl*m per token."""
+    centered = rewards if centered else grpo_advantages(rewards, group_size, std_normalization=False)
     return [c + r for c, r in zip(centered, _masked_kl_rewards(kl, masks, kl_coef))]
 
 
@@ -329,7 +332,7 @@ def whiten(values: Tensors, masks: Tensors, eps: float = 1e-8) -> list[torch.Ten
 def _grpo(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The group-normalised reward on every token; returns = advantages. As in slime, GRPO puts the KL into the
     loss (--use-kl-loss), not into the reward."""
-    per_sample = grpo_advantages(x.rewards, x.group_size, x.std_normalization)
+    per_sample = x.rewards if x.normalized else grpo_advantages(x.rewards, x.group_size, x.std_normalization)
     advantages = [torch.ones_like(lp) * a for lp, a in zip(x.log_probs, per_sample)]
     return advantages, list(advantages)
 
@@ -360,7 +363,7 @@ def _reinforce_plus_plus(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[t
 @register_estimator("reinforce_plus_plus_baseline", needs_groups=True, whitened=True)
 def _reinforce_plus_plus_baseline(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Group-centred R minus the KL penalty; advantages whitened, returns unwhitened."""
-    returns = reinforce_plus_plus_baseline(x.rewards, x.kl, x.loss_masks, x.kl_coef, x.group_size)
+    returns = reinforce_plus_plus_baseline(x.rewards, x.kl, x.loss_masks, x.kl_coef, x.group_size, x.normalized)
     return whiten(returns, x.loss_masks), returns
 
 
@@ -379,12 +382,15 @@ def compute_advantages_and_returns(
     lambd: float = 1.0,
     std_normalization: bool = True,
     normalize_advantages: bool = False,
+    rewards_normalized: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Advantages and returns per sample (lists of per-token tensors) by the registered estimator ``estimator_name``.
 
     `log_probs` are the old-policy log-probs of each response token, `ref_log_probs` the reference model's (None:
     KL is zero), `values` the critic's (estimators that need a critic only), `rewards` one scalar per sample, groups
     of `group_size` adjacent. `normalize_advantages` whitens the advantages of estimators that do not always do it.
+    `rewards_normalized`: the rewards are normalised already (--custom-reward-post-process-path), so GRPO and
+    REINFORCE++-baseline take them as they are instead of normalising them in their groups (any group sizes).
     """
     spec = estimator(estimator_name)
     n = len(log_probs)
@@ -400,7 +406,7 @@ def compute_advantages_and_returns(
     else:
         kl = [compute_kl(lp, rl, kl_type) for lp, rl in zip(log_probs, ref_log_probs)]
     advantages, returns = spec.fn(AdvantageInputs(r, log_probs, values, loss_masks, kl, group_size, kl_coef, gamma,
-                                                  lambd, std_normalization))
+                                                  lambd, std_normalization, rewards_normalized))
     if normalize_advantages and not spec.whitened:
         advantages = whiten(advantages, loss_masks)
     return advantages, returns

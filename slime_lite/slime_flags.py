@@ -114,6 +114,11 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
 
 # ---- not supported yet: flag -> (argparse kwargs, reason) -------------------------------------------------------
 NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
+    "--custom-convert-samples-to-train-data-path": (_value(), "slime's hook returns its trainer's dict of per-sample "
+                                                              "lists; slime-lite's trainer takes the Samples "
+                                                              "themselves, so no dict replaces that step (rewards: "
+                                                              "--custom-reward-post-process-path; loss masks: a "
+                                                              "generate hook or --rollout-sample-filter-path)"),
     "--custom-tis-function-path": (_value(), "slime's hook for a custom importance-sampling weight (the built-in "
                                              "ones: --use-tis with --tis-mode truncate|mask and --tis-level "
                                              "token|sequence|geometric)"),

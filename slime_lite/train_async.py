@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from slime_lite.config import RolloutSideConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.types import FINISHED_BEFORE
 
@@ -47,6 +48,7 @@ class RolloutSchedule:
             get = ray.get
         self.args, self.manager, self.wait, self.fetch = args, manager, wait, get
         self.overlap = bool(args.async_train)
+        self.pushes = RolloutSideConfig.from_args(args)  # when the weights are pushed (--update-weights-interval)
         self.start = start_rollout_id
         self.t0 = time.time()
         self.pending: tuple[int, Any, float] | None = None  # (rollout id, ref, start time) of the generation ahead
@@ -116,8 +118,12 @@ class RolloutSchedule:
         return self.fetch(self.manager.state.remote())
 
     def expected_version(self, rollout_id: int) -> int:
-        """The weight version rollout_id must be generated with: r (synchronous), r - 1 after the first (--async)."""
-        return max(rollout_id - 1, self.start) if self.overlap else rollout_id
+        """The weight version rollout_id must be generated with: r (synchronous), r - 1 after the first (--async);
+        with --update-weights-interval that of the last push before it (a push skipped by the interval is expected,
+        one that was due and did not land is not)."""
+        if self.overlap:
+            return max(rollout_id - 1, self.start)
+        return self.pushes.served_version(rollout_id, self.start)
 
     def on_policy(self, rollout_id: int) -> bool:
         return self.expected_version(rollout_id) == rollout_id

@@ -21,6 +21,8 @@ TOKEN_VERSIONS = "token_weight_versions"
 # metadata key set on a sample --partial-rollout carried already finished: the rollout that took it so (its last
 # request was made in an earlier rollout, with older weights, so it tells nothing of the weights this rollout used)
 FINISHED_BEFORE = "finished_before_rollout_id"
+# metadata key of the reward --custom-reward-post-process-path gave the sample: the one the advantage estimator takes
+POST_PROCESSED_REWARD = "post_processed_reward"
 
 
 def version_number(version: Any) -> int:

@@ -60,12 +60,19 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
     else:  # the other logging sinks, next to --metrics-path; pass@k
         extra += ["--use-tensorboard", "--tensorboard-dir", str(tmp_path / "tb"), "--use-wandb", "--wandb-dir",
                   str(tmp_path), "--log-passrate"]
+    # slime's --ref-update-interval (grpo: the reference takes the actor's weights after rollout 1) and
+    # --reset-optimizer-states (ppo: actor and critic start each rollout with a fresh Adam)
+    extra += ["--reset-optimizer-states"] if estimator == "ppo" else ["--ref-update-interval", "2"]
     proc = train(base(tiny_model_dir, data, tmp_path, *extra), env={**os.environ, "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = rows(tmp_path)
     trained = [x for x in r if x["rollout_id"] >= 0]
     assert [x["rollout_id"] for x in trained] == [0, 1, 2]
     assert trained[0]["rollout/kl"] == 0.0 and trained[0]["train/first_step/ppo_kl"] == 0.0
+    if estimator == "grpo":  # rollout 1 against the start weights; rollout 2 against the actor's after rollout 1
+        assert trained[1]["rollout/kl"] > 0 and trained[2]["rollout/kl"] == 0.0
+    else:  # logged by the actor's and the critic's rank 0 after each rollout (Ray folds repeated lines)
+        assert "--reset-optimizer-states: cleared the optimizer state" in proc.stdout + proc.stderr
     assert all(x["train/train_rollout_logprob_abs_diff"] < 1e-5 for x in trained)
     for x in trained:  # float32 engine and trainer agree: ratios 1, nothing truncated or rejected
         assert abs(x["mismatch/token_ratio_max"] - 1) < 1e-4 and x["mismatch/seq_ratio_outside_frac"] == 0.0
@@ -159,6 +166,28 @@ def test_weight_transport_engine_samples_new_weights(tiny_model_dir, data, tmp_p
         assert re.search(r"engine 0 restarted at http://[\d.:]+ in [\d.]+s \(weights version 1 pushed, weight "
                          r"check passed\)", log)
         assert [x["rollout/engine_restarts"] for x in r] == [0.0, 1.0]
+
+
+def test_update_weights_interval_pushes_every_n_rollouts_and_before_evals(tiny_model_dir, data, tmp_path):
+    """--update-weights-interval 3 with an eval after 2 trained rollouts: the push after rollout 0 is skipped
+    (rollout 1 is generated with version 0, and --ci-test expects it), the one before the eval is not (rollout 2
+    gets version 2). The same run saves with --save-hf and --no-save-optim."""
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    proc = train(base(tiny_model_dir, data, tmp_path, "--num-rollout", "3", "--update-weights-interval", "3",
+                      "--ci-test", "--check-weight-update-equal", "--eval-interval", "2", "--skip-eval-before-train",
+                      "--eval-prompt-data", "add", str(data.with_name("addition_eval.jsonl")), "--save", str(ckpt),
+                      "--save-interval", "2", "--no-save-optim", "--save-hf", str(hf / "{rollout_id}")))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r = rows(tmp_path)
+    trained = [x for x in r if x["rollout_id"] >= 0]
+    assert [x["rollout/weight_version"] for x in trained] == [0.0, 0.0, 2.0]
+    assert [x["rollout_id"] for x in r if "eval/add" in x] == [1, 2]
+    assert ["perf/update_weights_time" in x for x in trained] == [False, True, True]
+    diffs = [x["train/train_rollout_logprob_abs_diff"] for x in trained]
+    assert diffs[0] < 1e-5 and diffs[1] > 1e-3 and diffs[2] < 1e-5, diffs  # rollout 1: the trainer moved since v0
+    assert sorted(p.name for p in hf.iterdir()) == ["1", "2"]
+    assert all((hf / n / "model.safetensors").exists() and (hf / n / "config.json").exists() for n in ("1", "2"))
+    assert "optimizer" not in torch.load(ckpt / "iter_0000002" / "rank_000.pt", weights_only=True)
 
 
 def test_async_overlaps_generation_with_training(tiny_model_dir, data, tmp_path):

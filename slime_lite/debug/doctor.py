@@ -72,7 +72,9 @@ DROPPED = ("--ci-test", "--metrics-path", "--dump-details", "--save-debug-rollou
            # the doctor's run is synchronous: its iteration-2 check needs rollout 1 from the trained weights, and
            # every rollout is checked against the version the pushes so far give (a skipped push is caught)
            "--async", "--fully-async", "--max-weight-staleness", "--max-policy-version-lag",
-           "--max-weight-staleness-mode")
+           "--max-weight-staleness-mode",
+           # every rollout is checked against a push after every rollout; --save-hf writes at --save's checkpoints
+           "--update-weights-interval", "--save-hf")
 INCOMPATIBLE = ("--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data")
 TASK_CHARS = {"addition": set("0123456789"), "math": set("0123456789-")}
 

@@ -9,7 +9,8 @@ where ``args.engine_client`` lives; a plain function is called outside it (it ma
 
 The default, ``slime_lite.rollout.functions.generate_rollout``, is registered through the same flag: prompts from
 ``--prompt-data``, one ``--custom-generate-function-path`` call (or the built-in generate) per sample, rewards, the
-dynamic-sampling filter; eval over every ``--eval-prompt-data`` set.
+dynamic-sampling filter, then ``--rollout-sample-filter-path`` and ``--rollout-all-samples-process-path`` as slime's
+default rollout calls them; eval over every ``--eval-prompt-data`` set.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from slime_lite import rl_math
 from slime_lite.errors import SlimeLiteError
+from slime_lite.hooks import call_maybe_async, load_hook
 from slime_lite.rollout.data import PromptSource
 from slime_lite.rollout.generate import Generator, new_group
 from slime_lite.types import Sample
@@ -87,6 +89,13 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: DataSource,
         raise SlimeLiteError("no prompts to generate from: give --prompt-data (a JSONL file of prompts).")
     samples, metrics = await gen.rollout(rollout_id, data_source.prompts)
     groups = [list(g) for _, g in itertools.groupby(samples, key=lambda s: s.group_index)]
+    # slime's end-of-rollout hooks: the kept groups (a sample may be given remove_sample), then every group back
+    if args.rollout_sample_filter_path:
+        fn = load_hook(args.rollout_sample_filter_path, "--rollout-sample-filter-path")
+        await call_maybe_async(fn, args, groups)
+    if args.rollout_all_samples_process_path:
+        fn = load_hook(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")
+        await call_maybe_async(fn, args, gen.all_groups, data_source)
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
 

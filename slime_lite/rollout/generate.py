@@ -182,6 +182,8 @@ class Generator:
         self.first_sent: float | None = None
         self.last_back: float | None = None
         self.over = OverSampler(self)  # over-sampling, aborts, and the samples carried between rollouts
+        # the last rollout's groups that came back, kept or not, in the order they started (slime's all_samples)
+        self.all_groups: list[list[Sample]] = []
 
     def _sent(self) -> None:
         if self.first_sent is None:
@@ -259,6 +261,7 @@ class Generator:
         kept: list[list[Sample]] = []
         generated = dropped = 0
         next_index = 0
+        self.all_groups = []
         for _ in range(MAX_SUBMITS):
             groups = []
             for prompt in source.next_batch(wave):
@@ -266,6 +269,7 @@ class Generator:
                 next_index += a.n_samples_per_prompt
             for group in await self._run_together(groups, params, seed_base):
                 generated += 1
+                self.all_groups.append(group)
                 if self.filter_fn is None or self.filter_fn(self.args, group):
                     if len(kept) < a.rollout_batch_size:
                         kept.append(group)

@@ -20,7 +20,7 @@ from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.hooks import HookArgs, load_hook
 from slime_lite.logging_setup import setup_logging
 from slime_lite.metrics import process_memory
-from slime_lite.rollout import drift, dumps, functions
+from slime_lite.rollout import drift, dumps, functions, train_data
 from slime_lite.rollout.data import DataKeys, PromptSource, drop_long_prompts, read_prompts
 from slime_lite.rollout.fully_async import FullyAsyncWorker
 from slime_lite.rollout.generate import Generator
@@ -80,6 +80,11 @@ class RolloutManager:
         self.rollout_fn = load_hook(args.rollout_function_path, "--rollout-function-path")
         self.eval_fn = load_hook(args.eval_function_path or args.rollout_function_path, "--eval-function-path")
         self.hook_args = self.generator.args if self.generator is not None else HookArgs(args)
+        # slime's hooks around logging and training data, None when not given
+        self.manager_hooks = {flag: load_hook(getattr(args, flag[2:].replace("-", "_")), flag)
+                              if getattr(args, flag[2:].replace("-", "_")) else None
+                              for flag in (train_data.FLAG, "--custom-rollout-log-function-path",
+                                           "--custom-eval-rollout-log-function-path")}
         # --fully-async: generation goes on between the driver's calls, so the event loop runs in its own thread
         self.worker = None
         self._loop_thread: threading.Thread | None = None
@@ -149,15 +154,15 @@ class RolloutManager:
             elapsed = t1 - t0
             sent, back = (getattr(self.generator, k, None) for k in ("first_sent", "last_back"))
             extra.update(phase_metrics(t0, sent, back, t1, before, self._run(engine_step_stats(urls))))
-        if a.save_debug_rollout_data:
-            self._save(dumps.dump_path(a.save_debug_rollout_data, rollout_id), rollout_id, samples)
         try:
             if not a.load_debug_rollout_data:  # a replay's dumps were checked before Ray started
                 dumps.check_generated_samples(samples, self.vocab_size, f"rollout {rollout_id}")
-                if not a.debug_rollout_only:  # nothing compares groups without a trainer
+                # nothing compares groups without a trainer, nor when a post-process hook normalises the rewards
+                if not a.debug_rollout_only and not a.custom_reward_post_process_path:
                     functions.check_group_sizes(samples, a.n_samples_per_prompt, a.advantage_estimator)
             dumps.check_rewards(samples, a.reward_key, f"rollout {rollout_id}", strict=False)
         except SlimeLiteError:
+            self._dump(rollout_id, samples)
             try:
                 self.wait_dumps()  # the rollout's dump is on disk before the user reads the error: inspect it
             except Exception:  # noqa: BLE001 - the sample error is the one to report
@@ -165,7 +170,8 @@ class RolloutManager:
             raise
         metrics = rollout_metrics(samples, a.reward_key, grouped=self.grouped, passrate=a.log_passrate,
                                   reward_category=a.log_reward_category)
-        metrics.update(drift.rollout_metrics(samples, self.tokenizer))
+        drift_metrics = drift.rollout_metrics(samples, self.tokenizer)
+        metrics.update(drift_metrics)
         metrics.update(extra)
         # the trained samples' last requests (not a sample carried already finished: made in an earlier rollout)
         served = [version_number(str(v)) for s in samples if FINISHED_BEFORE not in s.metadata
@@ -183,7 +189,29 @@ class RolloutManager:
             # the tokens the engines generated: a multi-turn sample's inserted turns are not
             tokens = sum(t["length"] for s in samples for t in turns(s) if t["source"] == "model")
             metrics["perf/rollout_tokens_per_s"] = tokens / elapsed if elapsed > 0 else 0.0
+        log_fn = self.manager_hooks["--custom-rollout-log-function-path"]
+        hook_logs = log_fn is not None and bool(self._call_hook(log_fn, rollout_id, self.hook_args, samples,
+                                                                dict(extra), elapsed))
+        if hook_logs:  # True: the hook logged the rollout (slime's contract)
+            metrics = train_data.checked_only(metrics, set(drift_metrics))
+        if not a.debug_rollout_only:  # slime's conversion to training data (none without a trainer)
+            train_data.mask_removed(samples)
+            post_process = self.manager_hooks[train_data.FLAG]
+            if post_process is not None:
+                means = train_data.keep_post_processed(self._call_hook(post_process, self.hook_args, samples),
+                                                       samples)
+                metrics.update({} if hook_logs else means)
+        self._dump(rollout_id, samples)  # after the conversion: the dump holds what is trained
         return samples, metrics
+
+    def _dump(self, rollout_id: int, samples: list[Sample]) -> None:
+        if self.args.save_debug_rollout_data:
+            self._save(dumps.dump_path(self.args.save_debug_rollout_data, rollout_id), rollout_id, samples)
+
+    def _call_hook(self, fn: Any, *args: Any) -> Any:
+        """A plain or async hook; a coroutine runs on this actor's event loop."""
+        result = fn(*args)
+        return self._run(result) if inspect.isawaitable(result) else result
 
     def _engine_weight_version(self, rollout_id: int) -> dict[str, float]:
         """A generate hook that records no ``weight_versions`` (many slime hooks do not): the version is read from
@@ -217,7 +245,8 @@ class RolloutManager:
         if self.generator is None:
             return metrics
         t0 = time.monotonic()
-        sets, extra = functions.eval_samples(self._call(self.eval_fn, rollout_id, True), "--eval-function-path")
+        output = self._call(self.eval_fn, rollout_id, True)
+        sets, extra = functions.eval_samples(output, "--eval-function-path")
         for name, samples in sets.items():
             metrics.update(eval_metrics(name, samples, a.eval_reward_key or a.reward_key, a.log_passrate))
             if a.save_debug_rollout_data:
@@ -228,6 +257,10 @@ class RolloutManager:
                 self._save(path, rollout_id, samples, eval_name=name)
         metrics.update(extra)
         metrics["perf/eval_time"] = time.monotonic() - t0
+        log_fn = self.manager_hooks["--custom-eval-rollout-log-function-path"]
+        data = output.data if isinstance(output, functions.RolloutFnEvalOutput) else output
+        if log_fn is not None and self._call_hook(log_fn, rollout_id, self.hook_args, data, dict(extra)):
+            return {}
         return metrics
 
     def _call(self, fn: Any, rollout_id: int, evaluation: bool) -> Any:

@@ -135,6 +135,7 @@ class OverSampler:
         target, chunk = a.rollout_batch_size, a.over_sampling_batch_size or a.rollout_batch_size
         kept: list[list[Sample]] = []
         late: list[list[Sample]] = []  # finished or cut short by the engine, not trained: carried or dropped
+        came_back: list[list[Sample]] = []  # every group back before the abort (--rollout-all-samples-process-path)
         pending: set[asyncio.Future] = set()
         in_play = generated = dropped = submits = sent = 0
         next_index = 0
@@ -172,6 +173,7 @@ class OverSampler:
                 for task in done:
                     group = task.result()
                     generated += 1
+                    came_back.append(group)
                     if not complete(group):  # the engine cut it short (e.g. an engine error): never trained
                         in_play -= 1
                         late.append(group)
@@ -197,6 +199,7 @@ class OverSampler:
         stats["rollout/over_sampling/aborted_groups"] = float(sum(not complete(g) for g in leftovers))
         stats["rollout/over_sampling/submitted_groups"] = float(sent)
         kept.sort(key=lambda g: g[0].index)  # in the order they were started (carried ones first), as slime
+        gen.all_groups = sorted(came_back, key=lambda g: g[0].index)  # before the kept ones are renumbered
         samples = [s for g in kept for s in g]
         stats.update(self._carried_in(samples, had, current))
         for gi, group in enumerate(kept):

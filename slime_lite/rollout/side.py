@@ -105,8 +105,9 @@ class RolloutSide:
     def push_weights(self, push: Push | None, version: int, record: dict) -> None:
         """The trainer's weights to every engine as ``version`` (``push``: None without a trainer): under
         --offload-rollout the engines' weight memory comes back first; an engine that died since the rollout is
-        replaced before (--use-fault-tolerance)."""
-        if push is None or not self.urls:
+        replaced before (--use-fault-tolerance). With --update-weights-interval N only after every N-th rollout and
+        before an eval (``pushes_after``): the engines keep serving the last version pushed."""
+        if push is None or not self.urls or not self.config.pushes_after(version - 1):
             return
         with timed(record, "perf/update_weights_time"):
             if self.config.offload_rollout:  # room for the weights now, for the KV cache after the trainer offloads

@@ -15,7 +15,8 @@ from tests.fakes.evil_pickle import Evil
 
 
 def _actor(model: torch.nn.Module | None = None, optimizer=None) -> SimpleNamespace:
-    args = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    args = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, no_save_optim=False,
+                           ref_update_interval=None, save_hf=None)
     return SimpleNamespace(role="actor", rank=0, world_size=1, args=args, model=model, optimizer=optimizer)
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from slime_lite.backends.megatron import batch as B
 from slime_lite.backends.megatron import side
+from slime_lite.args import parser_defaults
+from slime_lite.config import TrainSideConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.types import Sample, TrainResult
 
@@ -29,6 +31,7 @@ def test_a_rollout_of_partial_steps_trains_its_whole_steps(monkeypatch):
     monkeypatch.setattr(side.ray, "put", lambda value: value)
     train = object.__new__(side.TrainSide)
     train.actor, train.critic, train.global_batch_size = _Actor(), None, 4
+    train.config = TrainSideConfig.from_args(parser_defaults())  # no --ref-update-interval
     samples = [Sample(index=i, tokens=[1, 2, 3], response_length=1) for i in range(11)]
     record: dict = {}
     assert train.train(0, samples, record) == {"actor": [1.0, 1.0]}

@@ -59,6 +59,18 @@ class TrainActor(TrainWorker):
             if torch.cuda.is_available():  # pinned: each rollout's copy to the GPU runs at full speed
                 self.ref_state = {n: t.pin_memory() for n, t in self.ref_state.items()}
 
+    def update_reference(self) -> None:
+        """--ref-update-interval: the reference weights become the actor's current ones (copied into the host copy
+        in place, so it stays pinned on CUDA)."""
+        if self.ref_state is None:
+            return
+        with torch.no_grad():
+            for n, p in self.gpt().named_parameters():
+                self.ref_state[n].copy_(p.detach())
+        if self.rank == 0:
+            log.info("the reference model now has the actor's current weights (--ref-update-interval %d)",
+                     self.args.ref_update_interval)
+
     def _log_probs(self, mb: B.MicroBatch, output: torch.Tensor, entropy: bool = False) -> list[torch.Tensor]:
         """Response-token log-probs of each sample of a micro-batch, from the model output ([2, R]: log-probs and
         entropy, with ``entropy``)."""
@@ -142,12 +154,14 @@ class TrainActor(TrainWorker):
         logp = [old[i] for i in range(n)]
         ref_logp = [ref[i] for i in range(n)] if ref is not None else None
         values = [values[i] for i in range(n)] if values is not None else None
+        post_processed = bool(a.custom_reward_post_process_path)  # the hook's rewards, normalised by it
+        rewards = B.post_processed_rewards(samples) if post_processed else B.scalar_rewards(samples, a.reward_key)
         advantages, returns = rl_math.compute_advantages_and_returns(
-            a.advantage_estimator, B.scalar_rewards(samples, a.reward_key), logp, ref_logp,
+            a.advantage_estimator, rewards, logp, ref_logp,
             values, masks,
             group_size=a.n_samples_per_prompt, kl_coef=a.kl_coef, kl_type=a.kl_loss_type, gamma=a.gamma,
             lambd=a.lambd, std_normalization=not a.disable_grpo_std_normalization,
-            normalize_advantages=a.normalize_advantages,
+            normalize_advantages=a.normalize_advantages, rewards_normalized=post_processed,
         )
         rollout_lp = B.rollout_log_probs(samples)
         if dump and self.ps.get_tensor_model_parallel_rank() == 0:  # this rank's samples, before the update

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.types import TOKEN_VERSIONS, RewardError, Sample
+from slime_lite.types import POST_PROCESSED_REWARD, TOKEN_VERSIONS, RewardError, Sample
 
 
 class SampleTensors(dict):
@@ -229,6 +229,16 @@ def rollout_log_probs(samples: list[Any]) -> list[torch.Tensor] | None:
     if any(s.rollout_log_probs is None for s in samples):
         return None
     return [torch.tensor(s.rollout_log_probs) for s in samples]
+
+
+def post_processed_rewards(samples: list[Sample]) -> list[float]:
+    """The rewards --custom-reward-post-process-path gave the samples (the rollout manager stores them)."""
+    missing = [s.index for s in samples if POST_PROCESSED_REWARD not in (s.metadata or {})]
+    if missing:
+        raise SlimeLiteError(f"sample {missing[0]} has no metadata[{POST_PROCESSED_REWARD!r}]: the samples did not "
+                             "go through --custom-reward-post-process-path (the rollout manager calls it on every "
+                             "rollout it hands to training).")
+    return [float(s.metadata[POST_PROCESSED_REWARD]) for s in samples]
 
 
 def scalar_rewards(samples: list[Sample], reward_key: str | None) -> list[float]:

@@ -68,6 +68,7 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     name = f"iter_{rollout_id:07d}"
     final = os.path.join(root, actor.role, name) if actor.role != "actor" else os.path.join(root, name)
     tmp = os.path.join(os.path.dirname(final), f".tmp-{name}")
+    hf_out = save_hf_path(actor.args, rollout_id) if actor.args.save_hf and actor.role == "actor" else None
     if actor.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
@@ -79,20 +80,26 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     model_state = actor.model.state_dict()
     if lora_on:  # the base is --hf-checkpoint, frozen: what trains (adapters; the critic's head) is the state
         model_state = {k: v for k, v in model_state.items() if k in _trainable(actor.model)}
-    state = {
-        "model": model_state,
+    optim = {} if a.no_save_optim else {  # --no-save-optim: a smaller checkpoint that cannot resume training
         "optimizer": plain_groups(actor.optimizer.state_dict()),
         "optimizer_param_state": param_state(actor.optimizer),  # --optimizer-cpu-offload (optimizer_offload.py)
+    }
+    state = {
+        "model": model_state,
+        **optim,
         "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "next_rollout_id": rollout_id + 1,
         "data_state": data_state,
         "layout": {"world": actor.world_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size},
         "lora": _lora_layout(actor),
     }
+    if a.ref_update_interval and getattr(actor, "ref_state", None) is not None:  # the reference moves: keep it
+        state["reference"] = actor.ref_state
     try:
         atomic_torch_save(plain_state(state), os.path.join(tmp, f"rank_{actor.rank:03d}.pt"))
         export = "adapter" if lora_on else "hf"  # LoRA: a PEFT folder for the --hf-checkpoint base (peft_format.py)
         named = (actor.hf_lora() if lora_on else actor.hf_weights()) if actor.role == "actor" else None
+        hf_model = save_hf_weights(actor, named) if hf_out else None
         if actor.rank == 0 and named is not None:
             try:
                 if lora_on:
@@ -109,7 +116,31 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         atomic_write_text(name, os.path.join(os.path.dirname(final), "latest"))
+        if hf_model is not None:  # --save-hf: written whole or not at all (a full disk: an error naming it)
+            write_hf_folder(hf_model, a.hf_checkpoint, hf_out)
+            logger.info("--save-hf: wrote the actor's Hugging Face model to %s", hf_out)
     dist.barrier()
+
+
+def save_hf_weights(actor: Any, named: dict | None) -> dict | None:
+    """--save-hf: the actor's whole model, HF-named, on global rank 0 (None elsewhere); collective. With LoRA the
+    adapters (``named``, from ``hf_lora``) merged into the base weights, as an engine serves them."""
+    if getattr(actor, "lora", None) is None:
+        return named
+    base = actor.hf_weights()
+    return actor._effective(base, named) if actor.rank == 0 else None
+
+
+def save_hf_path(a: Any, rollout_id: int) -> str:
+    """--save-hf PATH's folder for this save, PATH.format(rollout_id=...); checked on every rank before the save
+    starts: a PATH that names the model this run starts from is refused (args_check refuses a fixed one)."""
+    out = a.save_hf.format(rollout_id=rollout_id)
+    for flag in ("hf_checkpoint", "ref_load"):
+        value = getattr(a, flag)
+        if value and os.path.realpath(out) == os.path.realpath(value):
+            raise SlimeLiteError(f"--save-hf {a.save_hf} names the --{flag.replace('_', '-')} folder {value} at "
+                                 f"rollout {rollout_id}: it would be replaced; give --save-hf another path.")
+    return out
 
 
 def _lora_layout(actor: Any) -> dict[str, float] | None:
@@ -148,7 +179,7 @@ def check_loadable(root: str, critic: bool = True) -> None:
         newest[folder] = path
         for name in sorted(os.listdir(path)):
             if re.fullmatch(r"rank_\d{3}\.pt", name):
-                _load_rank_file(root, folder, os.path.join(path, name), mmap=True)
+                check_has_optimizer(root, path, _load_rank_file(root, folder, os.path.join(path, name), mmap=True))
     actor, critics = newest.get(root), newest.get(os.path.join(root, "critic"))
     if critic and actor is not None and critics is not None and iteration(actor) != iteration(critics):
         name = os.path.basename(min(actor, critics, key=iteration))
@@ -157,6 +188,35 @@ def check_loadable(root: str, critic: bool = True) -> None:
             f"{os.path.basename(critics)} (the run stopped between the two saves): resuming would continue them at "
             f"different rollouts. Resume from the iteration both have: write {name} into "
             f"{os.path.join(root, 'latest')} and {os.path.join(root, 'critic', 'latest')}.")
+
+
+def check_has_optimizer(root: str, path: str, state: Any) -> None:
+    """A checkpoint saved with --no-save-optim holds no optimizer state and, as in slime, cannot resume training."""
+    if isinstance(state, dict) and {"model", "next_rollout_id"} <= set(state) and "optimizer" not in state:
+        start = (f"--lora-adapter-path {os.path.join(path, 'adapter')}" if state.get("lora")
+                 else f"--hf-checkpoint {os.path.join(path, 'hf')}")
+        raise SlimeLiteError(f"--load {root}: {path} was saved with --no-save-optim (no optimizer state), so it "
+                             f"cannot resume training. Start from its weights with a fresh optimizer: {start}, and "
+                             "give --load and --save another folder.")
+
+
+def load_reference(actor: Any, root: str, state: dict) -> None:
+    """--ref-update-interval: the reference weights saved with the checkpoint replace the start weights; a
+    checkpoint without them (saved without the flag) leaves the reference at the start weights, logged."""
+    ref = getattr(actor, "ref_state", None)
+    if ref is None or not actor.args.ref_update_interval:
+        return
+    saved = state.get("reference")
+    if saved is None:
+        if actor.rank == 0:
+            logger.warning("--load %s: the checkpoint holds no reference weights (saved without "
+                           "--ref-update-interval): the reference is the start weights until its next update", root)
+        return
+    if set(saved) != set(ref):
+        raise SlimeLiteError(f"--load {root}: the checkpoint's reference weights are not this model's; resume with "
+                             "the same --hf-checkpoint and layout.")
+    for n, t in saved.items():
+        ref[n].copy_(t)
 
 
 def load(actor: Any, root: str) -> dict[str, Any]:
@@ -169,9 +229,10 @@ def load(actor: Any, root: str) -> dict[str, Any]:
         raise SlimeLiteError(f"--load {root}: {file} is missing; the checkpoint was made with another GPU count "
                              "or is incomplete.")
     state = _load_rank_file(root, folder, file)
-    if not isinstance(state, dict) or not {"model", "optimizer", "rng", "next_rollout_id"} <= set(state):
+    if not isinstance(state, dict) or not {"model", "rng", "next_rollout_id"} <= set(state):
         raise SlimeLiteError(f"--load {root}: {file} is not a slime_lite checkpoint (expected a dict with model, "
                              "optimizer, rng and next_rollout_id).")
+    check_has_optimizer(root, path, state)
     a = actor.args
     want = {"world": actor.world_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size}
     if state.get("layout") != want:
@@ -211,6 +272,7 @@ def load(actor: Any, root: str) -> dict[str, Any]:
     check_param_state(actor.optimizer, state.get("optimizer_param_state"), f"--load {root}: {file}")
     actor.optimizer.load_state_dict(state["optimizer"])
     load_param_state(actor.optimizer, state.get("optimizer_param_state"))
+    load_reference(actor, root, state)
     torch.set_rng_state(state["rng"]["cpu"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])

@@ -86,6 +86,10 @@ class ActorGroup(TrainGroup):
         result = next(r for r in ray.get([p[0] for p in pairs]) if r is not None)
         return result, [p[1] for p in pairs]
 
+    def update_reference(self) -> None:
+        """--ref-update-interval: the reference model takes the actor's current weights on every rank."""
+        self._all("update_reference")
+
     def update_weights(self, urls: list[str], version: int, check: bool = False) -> dict[str, float]:
         """Push the weights to ``urls`` as ``version``; ``check`` runs the weight-equality check even without
         --check-weight-update-equal (an engine restarted by --use-fault-tolerance). Returns the push's parts in

@@ -79,3 +79,23 @@ def use_fused_adam(optimizer: Any) -> int:
             group["fused"], group["foreach"] = True, False
         switched += 1
     return switched
+
+
+def reset_states(optimizer: Any) -> int:
+    """--reset-optimizer-states: every Adam moment and step count of ``torch_adams(optimizer)`` set to zero in place
+    (the tensors stay where they are: an offload keeps its references), so the next step is a fresh Adam's first.
+    Returns how many parameter states were cleared."""
+    cleared = 0
+    for adam in torch_adams(optimizer):
+        for group in adam.param_groups:
+            if "step" in group:
+                group["step"] = 0
+        for state in adam.state.values():
+            for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                value = state.get(key)
+                if torch.is_tensor(value):
+                    value.zero_()
+                elif value is not None:
+                    state[key] = 0
+            cleared += 1
+    return cleared

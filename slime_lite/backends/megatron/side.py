@@ -73,6 +73,8 @@ class TrainSide:
                 critic = self.critic.train(rollout_id, data, values, returns)
                 record.update(critic.metrics)
                 norms["critic"] = critic.grad_norms
+            if self.config.updates_reference_after(rollout_id):  # --ref-update-interval
+                self.actor.update_reference()
         check_finite_losses(record, rollout_id)
         return norms
 

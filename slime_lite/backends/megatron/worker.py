@@ -308,6 +308,10 @@ class TrainWorker:
                 first = dict(step)
             for key, v in step.items():
                 sums[key] = sums.get(key, 0.0) + v
+        if self.args.reset_optimizer_states:  # as slime: at the end of each rollout's training
+            cleared = optimizer_ops.reset_states(self.optimizer)
+            if self.rank == 0:
+                log.info("--reset-optimizer-states: cleared the optimizer state of %d parameter(s)", cleared)
         prefix = self.metric_prefix
         out: dict[str, Any] = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
         if self.expert_load is not None:  # all ranks

@@ -1,0 +1,67 @@
+"""What the rollout manager does to a rollout after logging it and before training takes it: the steps of slime's
+samples-to-train-data conversion that apply to Samples (slime-lite's trainer takes the Samples themselves), and the
+custom log hooks' say over the default logging.
+
+- A sample with ``remove_sample`` set (by ``--rollout-sample-filter-path``, or any hook) trains with loss mask 0;
+  its reward still enters the group normalisation, as in slime.
+- ``--custom-reward-post-process-path``: ``post_process(args, samples) -> (raw_rewards, rewards)`` over the
+  rollout's samples; each sample's reward for the estimator is kept as ``metadata["post_processed_reward"]``
+  (the trainer takes it as it is, in place of its group normalisation), and ``rollout/raw_reward`` /
+  ``rollout/rewards`` log the means of the two lists.
+- ``--custom-rollout-log-function-path`` returning True: the rollout's metrics are left out of the log, but for
+  those the driver's checks read (``READ_BY_CHECKS``, the token-drift counts).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from slime_lite.errors import SlimeLiteError
+from slime_lite.types import POST_PROCESSED_REWARD, Sample
+
+FLAG = "--custom-reward-post-process-path"
+# the rollout metrics the driver reads back (the --ci-test checks, the async timeline); the drift counts too
+READ_BY_CHECKS = ("rollout/weight_version", "rollout/async/newest_lag", "perf/rollout_time")
+
+
+def mask_removed(samples: list[Sample]) -> None:
+    """Loss mask 0 on every sample with ``remove_sample`` set."""
+    for s in samples:
+        if s.remove_sample:
+            s.loss_mask = [0] * s.response_length
+
+
+def _floats(values: Any, name: str, n: int) -> list[float]:
+    try:
+        out = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise SlimeLiteError(f"{FLAG} returned {name} {values!r:.200}: expected {n} numbers, one per sample.") from None
+    if len(out) != n:
+        raise SlimeLiteError(f"{FLAG} returned {len(out)} {name} for the rollout's {n} samples: give one per sample, "
+                             "in the order of the samples it was given.")
+    bad = next((i for i, v in enumerate(out) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise SlimeLiteError(f"{FLAG} returned {name}[{bad}] = {out[bad]}: every reward must be a finite number.")
+    return out
+
+
+def keep_post_processed(out: Any, samples: list[Sample]) -> dict[str, float]:
+    """The hook's answer ``out`` for ``samples``: each sample's reward for the estimator kept in its metadata;
+    returns the metrics of the two lists."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise SlimeLiteError(f"{FLAG} returned {type(out).__name__}: expected (raw_rewards, rewards), two lists with "
+                             "one number per sample (slime's signature).")
+    raw = _floats(out[0], "raw_rewards", len(samples))
+    rewards = _floats(out[1], "rewards", len(samples))
+    for s, r in zip(samples, rewards):
+        s.metadata[POST_PROCESSED_REWARD] = r
+    if not samples:
+        return {}
+    return {"rollout/raw_reward": sum(raw) / len(raw), "rollout/rewards": sum(rewards) / len(rewards)}
+
+
+def checked_only(metrics: dict[str, Any], drift_keys: set[str]) -> dict[str, Any]:
+    """What a rollout's record keeps when ``--custom-rollout-log-function-path`` took over its logging."""
+    return {k: v for k, v in metrics.items() if k in READ_BY_CHECKS or k in drift_keys}
+
