@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(its reward still enters the group normalisation)")
     g.add_argument("--rollout-all-samples-process-path", default=None,
                    help="module.fn process(args, all_samples, data_source) -> None, called by the default rollout "
-                        "function next, with every group that came back (the dynamic-sampling filter's drops too)")
+                        "function next, with every group that came back (the dynamic-sampling filter's drops too) "
+                        "and, as slime, the data source's get_samples(n)")
     g.add_argument("--rollout-request-timeout", type=float, default=300.0,
                    help="seconds per engine request (default: %(default)s)")
     g.add_argument("--use-fault-tolerance", action="store_true",

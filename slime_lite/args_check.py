@@ -221,6 +221,11 @@ def validate_args(args: argparse.Namespace) -> None:
             f"{args.rollout_batch_size}."
         )
     check_partial_rollout(args)
+    if ((args.rollout_sample_filter_path or args.rollout_all_samples_process_path)
+            and args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION):
+        log.warning("--rollout-sample-filter-path / --rollout-all-samples-process-path are called by the default "
+                    "rollout function only (as in slime): --rollout-function-path %s replaces it, so they are not "
+                    "called unless it calls them", args.rollout_function_path)
     if not 0 < args.rollout_top_p <= 1:
         raise SlimeLiteError(f"--rollout-top-p {args.rollout_top_p} must be in (0, 1].")
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:

@@ -171,11 +171,7 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
         except (KeyError, IndexError, ValueError) as exc:
             raise SlimeLiteError(f"--save-hf {args.save_hf}: the only placeholder it takes is {{rollout_id}} "
                                  f"({type(exc).__name__}: {exc}).") from None
-        for flag in ("hf_checkpoint", "ref_load"):
-            value = getattr(args, flag)
-            if value and "{rollout_id}" not in args.save_hf and os.path.realpath(first) == os.path.realpath(value):
-                raise SlimeLiteError(f"--save-hf {args.save_hf} is the --{flag.replace('_', '-')} folder: each save "
-                                     "would replace the model this run starts from; give --save-hf another path.")
+        _check_save_hf_apart(args, first)
     if args.ref_update_interval and not has_reference_model(args):
         raise SlimeLiteError("--ref-update-interval updates the reference model, and this run keeps none (no "
                              "--use-kl-loss, --kl-coef or --ref-load): add a KL term or drop the flag.")
@@ -200,6 +196,22 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
                   "engines do not serve between pushes: drop one of them")
     if refuse:
         raise SlimeLiteError(f"--update-weights-interval {n}: {refuse}.")
+
+
+def _check_save_hf_apart(args: argparse.Namespace, first: str) -> None:
+    """Each --save-hf export replaces its folder: no export may be, or hold, a folder the run reads or writes
+    otherwise (its checkpoints, the models it starts from); every save point's folder is checked."""
+    saves = [i for i in range(args.num_rollout) if (i + 1) % args.save_interval == 0 or i + 1 == args.num_rollout]
+    exports = {os.path.realpath(args.save_hf.format(rollout_id=i)) for i in saves} | {os.path.realpath(first)}
+    for flag in ("hf_checkpoint", "ref_load", "lora_adapter_path", "load", "save"):  # the models first
+        value = getattr(args, flag)
+        other = os.path.realpath(value) if value else None
+        hit = next((x for x in sorted(exports) if other and os.path.commonpath([x, other]) == x), None)
+        if hit is not None:
+            raise SlimeLiteError(
+                f"--save-hf {args.save_hf} writes {hit}, which is or holds --{flag.replace('_', '-')} {value}: each "
+                "export replaces its folder, deleting what is there; give --save-hf a folder of its own (e.g. "
+                "beside --save).")
 
 
 def world_size(args: Any) -> int:

@@ -136,7 +136,7 @@ def _connect(address: str, port: int, world_size: int, deadline: float, cancelle
         try:
             return dist.TCPStore(address, port, world_size, False,
                                  datetime.timedelta(seconds=max(0.5, min(CONNECT_TRY_S, left))), wait_for_workers=True)
-        except Exception:  # noqa: BLE001 - torch's DistNetworkError / DistStoreError / RuntimeError: try again
+        except dist.DistNetworkError:  # no answer in this try (a store error of another kind is raised at once)
             if cancelled():
                 raise GroupJoinCancelled("the join was called off while connecting to rank 0's store") from None
             if time.monotonic() >= deadline:

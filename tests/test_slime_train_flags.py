@@ -6,6 +6,7 @@ tests/backends/test_train_flags_worker.py; the whole loop: tests/test_loop.py.""
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -43,8 +44,18 @@ def test_rules_name_the_flag_and_the_fix(base, tmp_path):
     assert "add --save DIR and --save-interval N" in err(base + ["--save-hf", "/x/{rollout_id}"])
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
     assert "only placeholder it takes is {rollout_id}" in err(base + save + ["--save-hf", "/x/{step}"])
-    assert "is the --hf-checkpoint folder" in err(base + save + ["--save-hf", base[1]])
+    assert "which is or holds --hf-checkpoint" in err(base + save + ["--save-hf", base[1]])
+    # an export replaces its folder: never one that is or holds the checkpoints or a model the run reads
+    assert f"writes {tmp_path / 'ckpt'}, which is or holds --save" in err(base + save + ["--save-hf",
+                                                                                          str(tmp_path / "ckpt")])
+    model_parent = os.path.dirname(os.path.realpath(base[1]))
+    assert "which is or holds --hf-checkpoint" in err(base + save + ["--save-hf", model_parent])
+    # {rollout_id} at a save point naming the checkpoint folder (--num-rollout 3, a save after every rollout)
+    said = err(base + save + ["--num-rollout", "3", "--save-hf", str(tmp_path / "{rollout_id}"),
+                              "--save", str(tmp_path / "2")])
+    assert f"writes {tmp_path / '2'}, which is or holds --save" in said
     parse_args(base + save + ["--save-hf", str(tmp_path / "hf_{rollout_id}")])
+    parse_args(base + save + ["--save-hf", str(tmp_path / "ckpt" / "hf_{rollout_id}")])  # inside --save: no harm
     assert "keeps none (no --use-kl-loss" in err(base + ["--ref-update-interval", "2"])
     assert "with --lora-rank is not supported" in err(base + kl + ["--ref-update-interval", "2", "--lora-rank", "4"])
     assert parse_args(base + kl + ["--ref-update-interval", "2"]).ref_update_interval == 2

@@ -72,9 +72,8 @@ DROPPED = ("--ci-test", "--metrics-path", "--dump-details", "--save-debug-rollou
            # the doctor's run is synchronous: its iteration-2 check needs rollout 1 from the trained weights, and
            # every rollout is checked against the version the pushes so far give (a skipped push is caught)
            "--async", "--fully-async", "--max-weight-staleness", "--max-policy-version-lag",
-           "--max-weight-staleness-mode",
-           # every rollout is checked against a push after every rollout; --save-hf writes at --save's checkpoints
-           "--update-weights-interval", "--save-hf")
+           "--max-weight-staleness-mode", "--update-weights-interval",  # (a push after every rollout, too)
+           "--save-hf")  # it writes at --save's checkpoints, which the doctor drops
 INCOMPATIBLE = ("--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data")
 TASK_CHARS = {"addition": set("0123456789"), "math": set("0123456789-")}
 
@@ -270,8 +269,8 @@ def prompt_format_check(args: Any, samples: list, max_prompts: int = 8, margin: 
         for s in picked:
             target = str(s.label) if s.label is not None and str(s.label) else \
                 s.response.replace(tok.eos_token or "\0", "")
-            text = render_prompt(s.prompt, tok, apply, s.metadata.get("tools"), args.apply_chat_template_kwargs)
-            p = tok(text, add_special_tokens=False)["input_ids"]
+            p = tok(render_prompt(s.prompt, tok, apply, s.metadata.get("tools"), args.apply_chat_template_kwargs),
+                    add_special_tokens=False)["input_ids"]
             t = tok(target, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
             ids = torch.tensor([p + t], device=device)
             with torch.no_grad():

@@ -56,7 +56,7 @@ from aiohttp import web
 
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.rollout.agent_messages import BadRequest, normalise, stop_strings
-from slime_lite.rollout.multi_turn import context_bound
+from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
 from slime_lite.rollout.tool_calls import inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import append_turn, restart
 from slime_lite.tokenizer import load_tokenizer
@@ -178,7 +178,7 @@ class Trajectory:
         rollout_stop = self.sampling_params.get("stop") or []
         rollout_stop = [rollout_stop] if isinstance(rollout_stop, str) else list(rollout_stop)
         params = dict(self.sampling_params, no_stop_trim=True, skip_special_tokens=False,
-                      stop_token_ids=ep.stop_ids)
+                      stop_token_ids=sorted({*ep.stop_ids, *(self.sampling_params.get("stop_token_ids") or [])}))
         if stops:
             params["stop"] = rollout_stop + [x for x in stops if x not in rollout_stop]
         if self.budget is not None:
@@ -196,6 +196,7 @@ class Trajectory:
                 self.truncated = True
                 raise BudgetExhausted(f"the conversation fills its {self.context} tokens (--rollout-max-context-len)")
             params["max_new_tokens"] = min(params.get("max_new_tokens") or room, room)
+        cap_min_new_tokens(params)
         if params.get("sampling_seed") is not None:
             params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * self.sent
         request = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True}

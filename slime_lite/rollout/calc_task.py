@@ -116,7 +116,8 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     limits = TurnLimits.from_args(args)
     budget = int(sampling_params["max_new_tokens"])
     params = dict(sampling_params, no_stop_trim=True, skip_special_tokens=False,
-                  stop_token_ids=[tok.convert_tokens_to_ids(END_OF_TURN)])
+                  stop_token_ids=sorted({tok.convert_tokens_to_ids(END_OF_TURN),
+                                         *(sampling_params.get("stop_token_ids") or [])}))
     if sample.status is Status.ABORTED:  # carried by --partial-rollout mid-trajectory: generated again
         restart(sample)
     messages: list[dict[str, Any]] = [{"role": "user", "content": sample.prompt}]

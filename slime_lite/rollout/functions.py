@@ -82,7 +82,9 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: DataSource,
         data = {}
         for name, prompts in data_source.eval_sets.items():
             samples = await gen.evaluate(name, prompts, rollout_id)
-            data[name] = {"rewards": [s.reward for s in samples],
+            key = args.eval_reward_key or args.reward_key  # as slime: the scalar of a dict reward
+            data[name] = {"rewards": [s.reward[key] if key and isinstance(s.reward, dict) else s.reward
+                                      for s in samples],
                           "truncated": [s.status == Sample.Status.TRUNCATED for s in samples], "samples": samples}
         return RolloutFnEvalOutput(data=data)
     if data_source.prompts is None:
@@ -95,7 +97,7 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: DataSource,
         await call_maybe_async(fn, args, groups)
     if args.rollout_all_samples_process_path:
         fn = load_hook(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")
-        await call_maybe_async(fn, args, gen.all_groups, data_source)
+        await call_maybe_async(fn, args, gen.all_groups, data_source.get_samples)  # slime passes the getter
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
 

@@ -196,44 +196,59 @@ class Generator:
         return encode_prompt(prompt, self.tokenizer, self.args)
 
     async def _run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int,
-                         evaluation: bool = False) -> list[Sample]:
+                         evaluation: bool = False, sizes: list[int] | None = None) -> list[Sample]:
+        """Generate and score ``group`` (with ``sizes``: several prompts' groups back to back, one request: the
+        deterministic waves). A generate hook may split a sample into several. With --group-rm each prompt's group
+        is scored at once, after all of it came back."""
         per_sample = [dict(params, sampling_seed=seed_base + s.index) for s in group]
         for s, p in zip(group, per_sample):
             s.metadata["sampling_params"] = p
             s.generate_function_path = self.args.custom_generate_function_path
-
-        async def reward(samples: list[Sample], t0: float) -> list[Sample]:
-            # an aborted sample (over-sampling) is dropped, or continued and scored later
-            live = [s for s in samples if s.status is not Status.ABORTED]
-            t1 = time.monotonic()
-            if self.args.group_rm:
-                rewards = await compute_group_rewards(self.args, live)
-            else:
-                rewards = await asyncio.gather(*(compute_reward(self.args, s) for s in live))
-            for sample, r in zip(live, rewards):
-                sample.reward = r
-                if not self.config.deterministic_mode:  # wall-clock values would tell two identical dumps apart
-                    sample.non_generation_time = time.monotonic() - t1
-                    sample.metadata["generation_time"] = t1 - t0
-            self.progress[0] += len(live)
-            return samples
-
         t0 = time.monotonic()
         self._sent()
         if self.generate_fn is default_generate:
-            group = await generate_group(self.args, group, per_sample)
+            parts = [[s] for s in await generate_group(self.args, group, per_sample)]
             self._back()
-            return await reward(group, t0)
+        else:
+            async def one(sample: Sample, p: dict[str, Any]) -> list[Sample]:
+                kwargs = {"evaluation": evaluation} if self.takes_evaluation else {}
+                out = await call_maybe_async(self.generate_fn, self.args, sample, p, **kwargs)
+                self._back()
+                split = split_samples(out, sample)
+                return split if self.args.group_rm else await self._score(split, t0)  # as each sample ends
 
-        async def one(sample: Sample, p: dict[str, Any]) -> list[Sample]:
-            kwargs = {"evaluation": evaluation} if self.takes_evaluation else {}
-            out = await call_maybe_async(self.generate_fn, self.args, sample, p, **kwargs)
-            self._back()
-            parts = split_samples(out, sample)
-            return parts if self.args.group_rm else await reward(parts, t0)
+            parts = list(await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample))))
+        if not self.args.group_rm:
+            if self.generate_fn is default_generate:
+                await self._score([s for p in parts for s in p], t0)
+            return [s for p in parts for s in p]
+        out: list[Sample] = []
+        start = 0
+        for n in sizes or [len(group)]:  # each prompt's group: the samples its samples became
+            prompt_group = [s for p in parts[start:start + n] for s in p]
+            start += n
+            if any(s.status is Status.ABORTED for s in prompt_group):  # cut short: no group reward (as slime)
+                out += prompt_group
+                continue
+            out += await self._score(prompt_group, t0)
+        return out
 
-        done = [s for parts in await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample))) for s in parts]
-        return await reward(done, t0) if self.args.group_rm else done
+    async def _score(self, samples: list[Sample], t0: float) -> list[Sample]:
+        """Rewards of the samples that were not aborted (an aborted one is dropped, or continued and scored later):
+        one call of the group reward model with --group-rm, else each sample's."""
+        live = [s for s in samples if s.status is not Status.ABORTED]
+        t1 = time.monotonic()
+        if self.args.group_rm:
+            rewards = await compute_group_rewards(self.args, live)
+        else:
+            rewards = await asyncio.gather(*(compute_reward(self.args, s) for s in live))
+        for sample, r in zip(live, rewards):
+            sample.reward = r
+            if not self.config.deterministic_mode:  # wall-clock values would tell two identical dumps apart
+                sample.non_generation_time = time.monotonic() - t1
+                sample.metadata["generation_time"] = t1 - t0
+        self.progress[0] += len(live)
+        return samples
 
     def new_group(self, prompt: Prompt, first_index: int) -> list[Sample]:
         """A prompt's group of ``--n-samples-per-prompt`` samples, numbered from ``first_index``."""
@@ -298,8 +313,8 @@ class Generator:
         """--deterministic-mode: the whole wave in one /generate call, so the engine admits and batches the same
         sequences in the same order every run (concurrent group requests arrive in a different order each time,
         and batch composition changes the numerics)."""
-        flat = await self._run_group([s for g in groups for s in g], params, seed_base)
         sizes = [len(g) for g in groups]
+        flat = await self._run_group([s for g in groups for s in g], params, seed_base, sizes=sizes)
         return [flat[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(groups))]
 
     async def _kill_engine_before(self, run: Any, wait_for_a_group: bool) -> list[Sample]:

@@ -81,6 +81,13 @@ def can_continue(sample: Sample, limits: TurnLimits) -> bool:
             and model_turns(sample) < limits.max_turns)
 
 
+def cap_min_new_tokens(params: dict[str, Any]) -> None:
+    """A turn's min_new_tokens (--eval-min-new-tokens) at most its max_new_tokens, which a turn lowers to the room
+    left: the engine (as SGLang) refuses a minimum above the maximum."""
+    if params.get("min_new_tokens") and params.get("max_new_tokens") is not None:
+        params["min_new_tokens"] = min(int(params["min_new_tokens"]), int(params["max_new_tokens"]))
+
+
 def _context_full(sample: Sample) -> Sample:
     sample.status = Status.TRUNCATED
     sample.metadata["truncated_by"] = CONTEXT_FULL
@@ -98,6 +105,7 @@ async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
     if room is not None:
         asked = params.get("max_new_tokens")  # 0 is 0 tokens (a spent budget), None is up to the context
         params["max_new_tokens"] = room if asked is None else min(int(asked), room)
+    cap_min_new_tokens(params)
     out = await args.engine_client.generate({"input_ids": list(sample.tokens), "sampling_params": params,
                                              "return_logprob": True})
     meta = out["meta_info"]

@@ -17,6 +17,7 @@ import json
 import numbers
 import re
 import string
+import weakref
 from collections import Counter
 from fractions import Fraction
 from typing import Any, Callable
@@ -27,6 +28,8 @@ from slime_lite.types import Sample
 
 RM_TYPES = ("addition", "math", "boxed_math", "deepscaler", "f1", "remote_rm")
 REMOTE_RM_ATTEMPTS = 5  # a remote reward model's request is sent at most this often (backoff 0.5, 1, 2, 4 s)
+REMOTE_RM_CONCURRENCY = 64  # requests in flight to --rm-url at once (a rollout scores every sample together)
+_REMOTE_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its Semaphore
 # End-of-text markers an engine may leave in the response text when it does not skip special tokens.
 _EOS_STRINGS = ("<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
@@ -180,6 +183,15 @@ async def remote_reward(args: Any, sample: Sample) -> float | dict:
 
     body = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
     timeout = aiohttp.ClientTimeout(total=args.rollout_request_timeout)
+    limit = _REMOTE_LIMITS.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(REMOTE_RM_CONCURRENCY))
+    async with limit:
+        return await _post_reward(args, sample, body, timeout)
+
+
+async def _post_reward(args: Any, sample: Sample, body: dict[str, Any], timeout: Any) -> float | dict:
+    """One sample's POST, sent again (with backoff) while the answer may change."""
+    import aiohttp
+
     error = ""
     for attempt in range(REMOTE_RM_ATTEMPTS):
         if attempt:

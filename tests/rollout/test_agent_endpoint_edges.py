@@ -158,3 +158,19 @@ def test_the_managers_close_stops_the_endpoint_an_agent_hook_started(monkeypatch
     assert again is not ep
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_the_runs_stop_token_ids_and_min_new_tokens_reach_every_call():
+    """--rollout-stop-token-ids join the endpoint's own stop ids; an eval's min_new_tokens above a call's room is
+    cut to it (the engine refuses a minimum above the maximum)."""
+    async def agent(base_url, task):
+        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}],
+                                                        max_tokens=3)
+
+    box = {}
+    run_agent(["xy<|im_end|>"], agent, engine_box=box,
+              sampling_params={"temperature": 1.0, "max_new_tokens": 500, "stop_token_ids": [7],
+                               "min_new_tokens": 10})
+    params = box["engine"].seen[0]["sampling_params"]
+    assert 7 in params["stop_token_ids"] and len(params["stop_token_ids"]) > 1  # with <|im_end|> and eos
+    assert params["max_new_tokens"] == 3 and params["min_new_tokens"] == 3

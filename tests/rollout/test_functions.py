@@ -44,8 +44,9 @@ def _prompts(tmp_path: Path, n: int = 4) -> str:
 def _manager(tiny_model_dir, engine, tmp_path, **flags):
     from slime_lite.rollout.manager import RolloutManager
 
-    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), prompt_data=_prompts(tmp_path), rm_type="addition",
-                           rollout_batch_size=2, n_samples_per_prompt=2, rollout_max_response_len=4, **flags)
+    args = parser_defaults(**{"hf_checkpoint": str(tiny_model_dir), "prompt_data": _prompts(tmp_path),
+                              "rm_type": "addition", "rollout_batch_size": 2, "n_samples_per_prompt": 2,
+                              "rollout_max_response_len": 4, **flags})
     return RolloutManager(args, [engine.url])
 
 
@@ -250,15 +251,48 @@ def test_group_rm_scores_each_generated_group_at_once(engine, tiny_model_dir, tm
 def test_eval_reward_key_picks_the_eval_metrics_scalar_of_a_dict_reward(engine, tiny_model_dir, tmp_path, hooks):
     """--eval-reward-key: the eval sets' metrics read that key of a dict reward; the rollout keeps --reward-key."""
     hooks("dict_rm_hook", """
+        SEEN = []
+
         async def rm(args, sample):
             return {"score": 0.25, "acc": 1.0}
+
+        def log_eval(rollout_id, args, data, extra_metrics):
+            SEEN.append(data["held"]["rewards"])
+            return False
     """)
     held_out = tmp_path / "eval.jsonl"
     held_out.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(2)))
     manager = _manager(tiny_model_dir, engine, tmp_path, custom_rm_path="dict_rm_hook.rm", reward_key="score",
                        eval_reward_key="acc", eval_prompt_data=["held", str(held_out)], eval_interval=1,
-                       eval_max_response_len=2)
+                       eval_max_response_len=2, custom_eval_rollout_log_function_path="dict_rm_hook.log_eval")
     _, metrics = manager.generate(0)
     out = manager.evaluate(1)
     manager.close()
     assert metrics["rollout/raw_reward"] == 0.25 and out["eval/held"] == 1.0
+    import dict_rm_hook
+
+    assert dict_rm_hook.SEEN == [[1.0, 1.0]]  # the eval log hook gets the scalars, as slime gives them
+
+
+@pytest.mark.parametrize("flags", [{"deterministic_mode": True},  # the wave in one request: still per group
+                                   {"over_sampling_batch_size": 8, "rollout_batch_size": 1,
+                                    "rollout_max_response_len": 200}])  # groups cut short: not scored
+def test_group_rm_gets_whole_groups_in_waves_and_never_a_group_cut_short(engine, tiny_model_dir, tmp_path, hooks,
+                                                                         flags):
+    hooks("group_rm_whole", """
+        CALLS = []
+
+        async def rank(args, samples):
+            CALLS.append(sorted(s.index for s in samples))
+            return [0.0 for s in samples]
+    """)
+    import group_rm_whole
+
+    group_rm_whole.CALLS.clear()
+    manager = _manager(tiny_model_dir, engine, tmp_path, custom_rm_path="group_rm_whole.rank", group_rm=True,
+                       **flags)
+    manager.generate(0)
+    manager.close()
+    assert group_rm_whole.CALLS and all(len(c) == 2 and c[1] == c[0] + 1 for c in group_rm_whole.CALLS)
+    if flags.get("deterministic_mode"):
+        assert sorted(group_rm_whole.CALLS) == [[0, 1], [2, 3]]

@@ -177,6 +177,33 @@ def test_a_turn_asked_for_no_tokens_generates_none(tiny_model_dir, engine):
     assert sample.metadata["turns"][-1]["sampling_params"]["max_new_tokens"] == 0
 
 
+def test_a_turn_with_less_room_than_the_eval_minimum_asks_for_what_fits(tiny_model_dir, engine):
+    """--eval-min-new-tokens 4 in a turn whose room (the context bound) is 2: the minimum is cut to the turn's
+    maximum (the engine refuses a minimum above it, which ended the whole eval)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slime_lite.engine_client import AsyncEngineClient
+    from slime_lite.rollout import multi_turn as mt
+    from slime_lite.types import Sample
+
+    async def main():
+        client = AsyncEngineClient([engine.url])
+        args = SimpleNamespace(engine_client=client, hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=8,
+                               max_turns=4, max_inserted_tokens_per_turn=8, tool_call_timeout=5.0)
+        sample = Sample(index=0, prompt="x", tokens=[60, 61, 62, 63, 64, 65])  # room for 2
+        try:
+            await mt.model_turn(args, sample, {"max_new_tokens": 16, "min_new_tokens": 4},
+                                mt.TurnLimits.from_args(args))
+        finally:
+            await client.close()
+        return sample
+
+    sample = asyncio.run(main())
+    assert sample.response_length == 2 and sample.status == Status.TRUNCATED
+    assert sample.metadata["turns"][-1]["sampling_params"]["min_new_tokens"] == 2
+
+
 def test_call_tool_awaits_every_kind_of_async_tool_and_names_a_failure():
     """Plain, async, a lambda around an async call, an object with an async __call__: each returns its value (not a
     coroutine); a raise and a hang past the timeout are ToolErrors naming the tool, counted."""

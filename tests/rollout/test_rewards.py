@@ -294,3 +294,43 @@ def test_group_rm_gives_a_custom_reward_model_the_group_and_checks_its_answer(tm
         asyncio.run(compute_group_rewards(parser_defaults(custom_rm_path=f"{mod}.text"), group))
     group[0].label = group[1].label = group[2].label = "xxx"  # without a hook: the built-in type, sample by sample
     assert asyncio.run(compute_group_rewards(parser_defaults(rm_type="addition"), group)) == [0.0, 0.0, 1.0]
+
+
+def test_remote_rm_keeps_at_most_its_limit_of_requests_in_flight(monkeypatch):
+    """A rollout scores every sample at once: the requests to --rm-url in flight are capped (file descriptors)."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from slime_lite.rollout import rewards
+
+    state = {"now": 0, "most": 0}
+    lock = threading.Lock()
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            time.sleep(0.2)
+            with lock:
+                state["now"] -= 1
+            self.send_response(200)
+            self.send_header("Content-Length", "1")
+            self.end_headers()
+            self.wfile.write(b"1")
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(rewards, "REMOTE_RM_CONCURRENCY", 2)
+    args = parser_defaults(rm_type="remote_rm", rm_url=f"http://127.0.0.1:{server.server_address[1]}/")
+    try:
+        got = score(args, [Sample(index=i, response="r", label="l") for i in range(6)])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got == [1.0] * 6 and state["most"] == 2

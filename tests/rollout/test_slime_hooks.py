@@ -102,7 +102,7 @@ def test_sample_filter_and_all_samples_hooks_run_at_the_end_of_the_default_rollo
 
         async def process(args, all_samples, data_source):
             SEEN["all"] = [g[0].metadata["prompt_index"] for g in all_samples]
-            SEEN["source"] = type(data_source).__name__
+            SEEN["source"] = data_source.__name__
     """)
     import end_hooks
 
@@ -117,7 +117,7 @@ def test_sample_filter_and_all_samples_hooks_run_at_the_end_of_the_default_rollo
     assert all(s.response_length and any(s.loss_mask) for s in samples[1::2])
     trained = {s.metadata["prompt_index"] for s in samples}
     assert 0 not in trained and 0 in end_hooks.SEEN["all"] and trained <= set(end_hooks.SEEN["all"])
-    assert end_hooks.SEEN["all"] == sorted(end_hooks.SEEN["all"]) and end_hooks.SEEN["source"] == "DataSource"
+    assert end_hooks.SEEN["all"] == sorted(end_hooks.SEEN["all"]) and end_hooks.SEEN["source"] == "get_samples"
     from slime_lite.rollout.dumps import load_rollout_dump
 
     dumped = load_rollout_dump(str(tmp_path / "d_0.pt")).samples

@@ -286,6 +286,10 @@ class TrainWorker:
         sums: dict[str, float] = {}
         first: dict[str, float] = {}
         norms: list[float] = []  # every step's grad-norm, for --ci-save-grad-norm / --ci-load-grad-norm
+        if self.args.reset_optimizer_states:  # as slime: before each rollout's steps (a resumed run's loaded state too)
+            cleared = optimizer_ops.reset_states(self.optimizer)
+            if self.rank == 0 and cleared:
+                log.info("--reset-optimizer-states: cleared the optimizer state of %d parameter(s)", cleared)
         self.model.train()
         if self.expert_load is not None:
             self.expert_load.start()
@@ -308,10 +312,6 @@ class TrainWorker:
                 first = dict(step)
             for key, v in step.items():
                 sums[key] = sums.get(key, 0.0) + v
-        if self.args.reset_optimizer_states:  # as slime: at the end of each rollout's training
-            cleared = optimizer_ops.reset_states(self.optimizer)
-            if self.rank == 0:
-                log.info("--reset-optimizer-states: cleared the optimizer state of %d parameter(s)", cleared)
         prefix = self.metric_prefix
         out: dict[str, Any] = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
         if self.expert_load is not None:  # all ranks
