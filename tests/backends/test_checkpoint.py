@@ -16,7 +16,8 @@ from tests.fakes.evil_pickle import Evil
 
 def _actor(model: torch.nn.Module | None = None, optimizer=None) -> SimpleNamespace:
     args = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, no_save_optim=False,
-                           ref_update_interval=None, save_hf=None)
+                           ref_update_interval=None, save_hf=None, expert_model_parallel_size=1,
+                           expert_tensor_parallel_size=None)
     return SimpleNamespace(role="actor", rank=0, world_size=1, args=args, model=model, optimizer=optimizer)
 
 
@@ -67,6 +68,13 @@ def test_saved_state_round_trips_through_a_weights_only_load(tmp_path: Path, cap
     assert torch.equal(model2.weight, model.weight)
     assert opt2.state_dict()["param_groups"][0]["betas"] == (0.8, 0.9)
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    other_ep = _actor(torch.nn.Linear(3, 2), None)
+    other_ep.args.expert_model_parallel_size = 2  # the saved layout (world, tp, pp) holds; its EP would not
+    state["layout"] = {"world": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1}
+    _checkpoint(tmp_path / "ep", checkpoint.plain_state(state))
+    with pytest.raises(SlimeLiteError, match=r"saved with \{'world': 1, 'tp': 1, 'pp': 1, 'ep': 1, 'etp': 1\} but "
+                                             r"this run uses .*'ep': 2.*--expert-model-parallel-size"):
+        checkpoint.load(other_ep, str(tmp_path / "ep"))
     bf16 = torch.nn.Linear(3, 2).to(torch.bfloat16)  # another --bf16 (or float32 norms of an older bf16 save)
     with pytest.raises(SlimeLiteError, match=r"--load .*2 weight\(s\) in another dtype .*weight: float32 saved, "
                                              r"bfloat16 here.*--hf-checkpoint .*iter_0000000/hf"):

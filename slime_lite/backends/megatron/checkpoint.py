@@ -90,7 +90,7 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "next_rollout_id": rollout_id + 1,
         "data_state": data_state,
-        "layout": {"world": actor.world_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size},
+        "layout": _layout(actor),
         "lora": _lora_layout(actor),
     }
     if a.ref_update_interval and getattr(actor, "ref_state", None) is not None:  # the reference moves: keep it
@@ -141,6 +141,13 @@ def save_hf_path(a: Any, rollout_id: int) -> str:
             raise SlimeLiteError(f"--save-hf {a.save_hf} names the --{flag.replace('_', '-')} folder {value} at "
                                  f"rollout {rollout_id}: it would be replaced; give --save-hf another path.")
     return out
+
+
+def _layout(actor: Any) -> dict[str, int]:
+    """The parallel layout the rank files are cut by: world, TP, PP, and the experts' EP and expert-TP."""
+    a = actor.args
+    return {"world": actor.world_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size,
+            "ep": a.expert_model_parallel_size, "etp": a.expert_tensor_parallel_size or a.tensor_model_parallel_size}
 
 
 def _lora_layout(actor: Any) -> dict[str, float] | None:
@@ -233,11 +240,11 @@ def load(actor: Any, root: str) -> dict[str, Any]:
         raise SlimeLiteError(f"--load {root}: {file} is not a slime_lite checkpoint (expected a dict with model, "
                              "optimizer, rng and next_rollout_id).")
     check_has_optimizer(root, path, state)
-    a = actor.args
-    want = {"world": actor.world_size, "tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size}
-    if state.get("layout") != want:
-        raise SlimeLiteError(f"--load {root}: the checkpoint was saved with {state.get('layout')} but this run uses "
-                             f"{want}; resume with the same --actor-num-gpus-per-node, TP and PP.")
+    saved, want = state.get("layout") or {}, _layout(actor)
+    if not saved or {k: want.get(k) for k in saved} != saved:  # (checkpoints before EP was recorded: no ep, etp)
+        raise SlimeLiteError(f"--load {root}: the checkpoint was saved with {saved or 'no layout'} but this run uses "
+                             f"{want}; resume with the same --actor-num-gpus-per-node, TP, PP, "
+                             "--expert-model-parallel-size and --expert-tensor-parallel-size.")
     current = actor.model.state_dict()
     other = [(k, v.dtype, current[k].dtype) for k, v in state["model"].items()
              if torch.is_tensor(v) and torch.is_tensor(current.get(k)) and v.dtype != current[k].dtype]
