@@ -49,7 +49,8 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
     g.add_argument("--log-reward-category", default=None, metavar="KEY",
                    help="with dict rewards: log the share of each value of reward[KEY] over the rollout's samples "
-                        "(e.g. why a reward function failed them) as error_cat/<value>")
+                        "(e.g. why a reward function failed them) as error_cat/<value>, and of each eval set's as "
+                        "eval/<name>/error_cat/<value>")
     g.add_argument("--log-passrate", action="store_true",
                    help="log pass@k (k = 1, 2, 4, ... up to the group size; a sample passes with reward 1) over the "
                         "prompt groups: passrate/pass@k of every rollout, eval/<name>-pass@k of every eval set")

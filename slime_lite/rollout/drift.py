@@ -83,13 +83,14 @@ def _text_report(sample: Sample, tokenizer: Any, offset: int, tokens: list[int],
     return _report(sample, offset + _token_at_char(tokenizer, tokens, c), check, got[lo:hi], want[lo:hi])
 
 
-def token_drift(sample: Sample, tokenizer: Any) -> dict[str, Any] | None:
+def token_drift(sample: Sample, tokenizer: Any,
+                template_kwargs: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The first place where the sample's tokens differ from its text, as a report dict (None when they agree).
 
     The prompt and inserted turns were tokenised from their text: their tokens must be what re-tokenising it gives.
     A model turn's tokens are the engine's ids, which need not be the canonical tokenisation of their text: they
     must decode to the turn's text. A chat sample (``metadata["messages"]``) must read as the tokenizer's chat
-    template over its conversation."""
+    template over its conversation, with its tools and the run's ``template_kwargs`` (--apply-chat-template-kwargs)."""
     start = sample.prompt_length
     tokens = list(sample.tokens)
     prompt_text = sample.metadata.get("prompt_text")
@@ -110,7 +111,8 @@ def token_drift(sample: Sample, tokenizer: Any) -> dict[str, Any] | None:
             return r
     messages = sample.metadata.get("messages")
     if messages:
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        rendered = tokenizer.apply_chat_template(messages, tools=sample.metadata.get("tools"), tokenize=False,
+                                                 add_generation_prompt=False, **(template_kwargs or {}))
         return _text_report(sample, tokenizer, 0, tokens, tokenizer.decode(tokens), rendered,
                             "re-rendered chat template", prefix=True)
     return None
@@ -131,7 +133,8 @@ def mask_problems(sample: Sample) -> tuple[list[int], list[int]]:
     return masked_turns, sorted(set(no_logprob))
 
 
-def rollout_metrics(samples: list[Sample], tokenizer: Any) -> dict[str, Any]:
+def rollout_metrics(samples: list[Sample], tokenizer: Any,
+                    template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The two checks over a rollout's multi-turn samples; {} when none has turns. Beside each count,
     ``rollout/<check>/examples``: up to three lines naming the sample and where (read by --ci-test and the
     doctor)."""
@@ -141,7 +144,7 @@ def rollout_metrics(samples: list[Sample], tokenizer: Any) -> dict[str, Any]:
     drift, masked, untrained = [], [], []
     n_masked = n_untrained = 0
     for s in checked:
-        r = token_drift(s, tokenizer)
+        r = token_drift(s, tokenizer, template_kwargs)
         if r is not None:
             drift.append(f"sample {r['sample']} token {r['position']} ({r['in']}, {r['check']}): trained "
                          f"{r['trained']!r}, expected {r['retokenized']!r}")

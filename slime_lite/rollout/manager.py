@@ -170,7 +170,7 @@ class RolloutManager:
             raise
         metrics = rollout_metrics(samples, a.reward_key, grouped=self.grouped, passrate=a.log_passrate,
                                   reward_category=a.log_reward_category)
-        drift_metrics = drift.rollout_metrics(samples, self.tokenizer)
+        drift_metrics = drift.rollout_metrics(samples, self.tokenizer, a.apply_chat_template_kwargs)
         metrics.update(drift_metrics)
         metrics.update(extra)
         # the trained samples' last requests (not a sample carried already finished: made in an earlier rollout)
@@ -248,7 +248,8 @@ class RolloutManager:
         output = self._call(self.eval_fn, rollout_id, True)
         sets, extra = functions.eval_samples(output, "--eval-function-path")
         for name, samples in sets.items():
-            metrics.update(eval_metrics(name, samples, a.eval_reward_key or a.reward_key, a.log_passrate))
+            metrics.update(eval_metrics(name, samples, a.eval_reward_key or a.reward_key, a.log_passrate,
+                                        a.log_reward_category))
             if a.save_debug_rollout_data:
                 path = dumps.dump_path(a.save_debug_rollout_data, rollout_id, evaluation=True)
                 if len(sets) > 1:

@@ -115,11 +115,17 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
         out["rollout/zero_std_groups"] = zero_std
     if passrate:
         out.update({f"passrate/{k}": v for k, v in pass_at_k(samples, rewards).items()})
-    if reward_category is not None:
-        cats = [s.reward[reward_category] for s in samples
-                if isinstance(s.reward, dict) and reward_category in s.reward]
-        out.update({f"error_cat/{c}": cats.count(c) / len(samples) for c in dict.fromkeys(map(str, cats))})
+    out.update(category_shares(samples, reward_category, "error_cat/"))
     return out
+
+
+def category_shares(samples: list[Sample], key: str | None, prefix: str) -> dict[str, float]:
+    """--log-reward-category KEY: ``<prefix><value>``, the share of the samples whose dict reward has that value at
+    KEY (as slime logs them); {} without KEY."""
+    if key is None or not samples:
+        return {}
+    cats = [str(s.reward[key]) for s in samples if isinstance(s.reward, dict) and key in s.reward]
+    return {f"{prefix}{c}": cats.count(c) / len(samples) for c in dict.fromkeys(cats)}
 
 
 def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -137,7 +143,7 @@ def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
 
 
 def eval_metrics(name: str, samples: list[Sample], reward_key: str | None = None,
-                 passrate: bool = False) -> dict[str, float]:
+                 passrate: bool = False, reward_category: str | None = None) -> dict[str, float]:
     """``eval/<name>`` (mean reward), ``eval/<name>/response_len/mean`` and ``eval/<name>/truncated_ratio``; with
     ``passrate`` (--log-passrate) ``eval/<name>-pass@k`` over the prompts' groups of --n-samples-per-eval-prompt."""
     if not samples:
@@ -151,4 +157,5 @@ def eval_metrics(name: str, samples: list[Sample], reward_key: str | None = None
         out[f"eval/{name}"] = _mean(rewards)
     out[f"eval/{name}/response_len/mean"] = _mean([s.response_length for s in samples])
     out[f"eval/{name}/truncated_ratio"] = _mean([s.status == Status.TRUNCATED for s in samples])
+    out.update(category_shares(samples, reward_category, f"eval/{name}/error_cat/"))
     return out

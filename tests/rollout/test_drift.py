@@ -171,3 +171,24 @@ def test_trained_tool_tokens_are_caught_and_the_logprob_failure_names_the_loss_m
     assert failed["train_rollout_logprob_diff"].cause.startswith(
         "the loss mask: 8 tokens the engine did not generate (inserted turns) are trained with placeholder "
         "log-probs (sample 0: 4 tokens from response position 4 in turn 1 (tool)")
+
+
+def test_a_chat_sample_is_re_rendered_with_the_runs_template_kwargs_and_its_tools(tiny_model_dir):
+    """--apply-chat-template-kwargs (and the sample's tools) shape what the chat template renders: a sample rendered
+    with them reads as its messages only when the check renders them with them too (no false drift)."""
+    from slime_lite.rollout.drift import token_drift
+    from slime_lite.tokenizer import load_tokenizer
+    from slime_lite.types import Sample
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    tok.chat_template = ("{% if greeting %}<|im_start|>system\n{{ greeting }}{{ tools | length }}<|im_end|>\n"
+                         "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<|im_end|>\n{% endfor %}")
+    messages = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    tools = [{"type": "function", "function": {"name": "calc"}}]
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, greeting="hi")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    sample = Sample(index=3, tokens=ids, response_length=0, metadata={"messages": messages, "tools": tools})
+    assert token_drift(sample, tok, {"greeting": "hi"}) is None
+    report = token_drift(sample, tok)  # without the run's kwargs: another text
+    assert report is not None and report["sample"] == 3

@@ -102,3 +102,5 @@ def test_reward_category_shares_count_the_dict_rewards_values():
     assert {k: v for k, v in got.items() if k.startswith("error_cat/")} == {
         "error_cat/no_answer": 0.25, "error_cat/wrong": 0.5, "error_cat/ok": 0.25}
     assert not any(k.startswith("error_cat/") for k in rollout_metrics(samples, "score"))
+    got = eval_metrics("gsm8k", samples, "score", reward_category="why")  # eval sets too, as slime
+    assert got["eval/gsm8k/error_cat/wrong"] == 0.5 and got["eval/gsm8k/error_cat/ok"] == 0.25
