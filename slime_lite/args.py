@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="move the trainer's weights and optimizer state off the GPU while engines generate")
     g.add_argument("--offload-rollout", action="store_true",
                    help="release the engines' weights and KV cache while the trainer trains")
+    g.add_argument("--offload", action="store_true", help="--offload-train and --offload-rollout together")
+    g.add_argument("--num-gpus-per-node", type=_positive_int, default=None,
+                   help="GPUs per node for the engines (Ray places each engine's GPUs on one node): refused when "
+                        "--rollout-num-gpus-per-engine does not divide it")
     g.add_argument("--rollout-backend", choices=("embedded", "sglang"), default="embedded",
                    help="rollout engines: slime_lite's own SGLang-compatible engine, or SGLang servers (GPU) "
                         "(default: %(default)s)")
@@ -198,8 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra arguments of the chat template as a JSON object, e.g. '{\"enable_thinking\": false}' "
                         "for Qwen3; used for the prompts and every inserted multi-turn turn (default: none)")
     g.add_argument("--rollout-shuffle", action="store_true", help="shuffle the prompts every epoch")
-    g.add_argument("--num-rollout", type=_positive_int, default=1,
-                   help="rollouts (generate + train iterations) to run (default: %(default)s)")
+    g.add_argument("--num-rollout", type=_positive_int, default=None,
+                   help="rollouts (generate + train iterations) to run (default: 1, or as --num-epoch implies)")
+    g.add_argument("--num-epoch", type=_positive_int, default=None,
+                   help="without --num-rollout: --num-epoch x (prompts of --prompt-data, after "
+                        "--rollout-max-prompt-len, // --rollout-batch-size) rollouts, as slime")
     g.add_argument("--rollout-batch-size", type=_positive_int, default=8,
                    help="prompts per rollout (default: %(default)s)")
     g.add_argument("--n-samples-per-prompt", type=_positive_int, default=1,
@@ -252,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     critics = ", ".join(e.name for e in rl_math.ESTIMATORS.values() if e.needs_critic)
     g.add_argument("--advantage-estimator", choices=tuple(rl_math.ESTIMATORS), default="grpo",
                    help=f"(default: %(default)s; {critics} train(s) a critic)")
-    g.add_argument("--loss-type", choices=tuple(rl_math.POLICY_LOSSES), default="policy_loss",
-                   help="the policy loss: policy_loss is PPO's clipped surrogate (default: %(default)s)")
+    g.add_argument("--loss-type", choices=(*rl_math.POLICY_LOSSES, rl_math.CUSTOM_LOSS), default="policy_loss",
+                   help="the policy loss: policy_loss is PPO's clipped surrogate, custom_loss the one of "
+                        "--custom-loss-function-path (default: %(default)s)")
     g.add_argument("--use-kl-loss", action="store_true",
                    help="add --kl-loss-coef x KL(actor || reference) to the policy loss")
     g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0,

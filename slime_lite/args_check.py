@@ -16,6 +16,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template, dump_path
+from slime_lite.args_observe import check_logging_flags
 from slime_lite.args_train import check_slime_train_flags, validate_train_args, world_size
 from slime_lite.slime_flags import check as check_slime_flags
 
@@ -34,6 +35,8 @@ def _need_file(path: str | None, flag: str) -> None:
 
 def fill_implied(args: argparse.Namespace) -> None:
     """Flags whose default is another flag's value."""
+    if args.num_rollout is None:  # (validate_args first counts --num-epoch's rollouts from the data)
+        args.num_rollout = 1
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     if args.critic_lr is None:
@@ -77,6 +80,32 @@ def check_no_checkpoint(folder: str) -> None:
             "folder without checkpoints to start afresh.")
 
 
+def fill_num_epoch(args: argparse.Namespace) -> None:
+    """--num-epoch without --num-rollout: num_epoch x (prompts // --rollout-batch-size) rollouts, as slime."""
+    if args.num_epoch is None:
+        return
+    if args.num_rollout is not None:
+        log.info("--num-rollout %d given: --num-epoch %d is not used (as in slime)", args.num_rollout, args.num_epoch)
+        return
+    if args.prompt_data is None or args.debug_train_only:
+        raise SlimeLiteError(f"--num-epoch {args.num_epoch} counts the rollouts of an epoch from --prompt-data, and "
+                             "this run reads none: give --num-rollout N instead.")
+    from slime_lite.rollout.data import DataKeys, drop_long_prompts, read_prompts
+
+    prompts = read_prompts(args.prompt_data, DataKeys.from_args(args))
+    if args.rollout_max_prompt_len is not None:  # slime counts the prompts left after its length filter
+        from slime_lite.tokenizer import load_tokenizer
+
+        prompts = drop_long_prompts(prompts, args.rollout_max_prompt_len, load_tokenizer(args.hf_checkpoint), args,
+                                    f"--prompt-data {args.prompt_data} with --rollout-max-prompt-len")
+    per_epoch = len(prompts) // args.rollout_batch_size
+    if per_epoch == 0:
+        raise SlimeLiteError(f"--num-epoch {args.num_epoch}: --prompt-data {args.prompt_data} has fewer prompts "
+                             f"than one rollout takes (--rollout-batch-size {args.rollout_batch_size}).")
+    args.num_rollout = args.num_epoch * per_epoch
+    log.info("--num-epoch %d: %d rollouts (%d per epoch)", args.num_epoch, args.num_rollout, per_epoch)
+
+
 def check_partial_rollout(args: argparse.Namespace) -> None:
     """--partial-rollout continues the samples over-sampling aborted, in generated rollouts that may differ run to
     run; --mask-offpolicy-in-partial-rollout acts on those samples only."""
@@ -106,6 +135,9 @@ def check_partial_rollout(args: argparse.Namespace) -> None:
 def validate_args(args: argparse.Namespace) -> None:
     """Enforce the rules between flags; set implied flags (with a log line)."""
 
+    if args.offload:  # slime's shorthand
+        args.offload_train = args.offload_rollout = True
+    check_logging_flags(args)
     if args.debug_rollout_only and args.debug_train_only:
         raise SlimeLiteError(
             "--debug-rollout-only and --debug-train-only cannot be used together: one runs only the engines, "
@@ -230,6 +262,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SlimeLiteError(f"--rollout-top-p {args.rollout_top_p} must be in (0, 1].")
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:
         raise SlimeLiteError(f"--eps-clip-c {args.eps_clip_c} must be > 1 (dual-clip bound).")
+    fill_num_epoch(args)
     fill_implied(args)
     if not 0 < args.eval_top_p <= 1:
         raise SlimeLiteError(f"--eval-top-p {args.eval_top_p} must be in (0, 1].")
@@ -238,6 +271,10 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
             f"{args.rollout_num_gpus_per_engine}."
         )
+    if args.num_gpus_per_node is not None and args.num_gpus_per_node % args.rollout_num_gpus_per_engine:
+        raise SlimeLiteError(f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} must divide "
+                             f"--num-gpus-per-node {args.num_gpus_per_node}: an engine's GPUs are on one node "
+                             "(slime-lite runs no engine across nodes).")
     if args.rollout_backend == "embedded" and args.rollout_num_gpus_per_engine != 1:
         raise SlimeLiteError("--rollout-backend embedded runs one GPU per engine: use --rollout-num-gpus-per-engine 1.")
     if args.sglang_args and args.rollout_backend != "sglang":

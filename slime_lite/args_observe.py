@@ -4,11 +4,17 @@ the custom log hooks) and profiling. Added to the ``train`` parser by args.py; d
 from __future__ import annotations
 
 import argparse
+import datetime
+import logging
+import os
 
 from slime_lite.args_train import nonneg_float as _nonneg_float
 from slime_lite.args_train import positive_int as _positive_int
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE
+from slime_lite.errors import SlimeLiteError
 from slime_lite.profiling import PROFILE_TARGETS
+
+log = logging.getLogger("slime_lite.args")
 
 
 def add_observability_flags(p: argparse.ArgumentParser) -> None:
@@ -46,6 +52,24 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-group", default=None, help="wandb run group")
     g.add_argument("--wandb-team", default=None, help="wandb entity (team) the run belongs to")
     g.add_argument("--wandb-host", default=None, help="wandb server URL (WANDB_BASE_URL)")
+    g.add_argument("--wandb-mode", choices=("online", "offline", "disabled"), default=None,
+                   help="wandb mode, set as WANDB_MODE (default: the environment's WANDB_MODE, else offline)")
+    g.add_argument("--wandb-key", default=None,
+                   help="wandb API key: wandb.login with it (and --wandb-host) unless the mode is offline or "
+                        "disabled")
+    g.add_argument("--wandb-run-id", default=None,
+                   help="wandb run id: log to (resume) the run of this id (default: a new run; slime overwrites "
+                        "the value with its new run's id)")
+    g.add_argument("--disable-wandb-random-suffix", dest="wandb_random_suffix", action="store_false",
+                   help="name the wandb run --wandb-group exactly (default: wandb's random run name)")
+    g.add_argument("--wandb-always-use-train-step", action="store_true",
+                   help="wandb x-axis: the train step (rollout_id x --num-steps-per-rollout, logged as train_step) "
+                        "for every metric instead of rollout_id")
+    g.add_argument("--tb-project-name", default=None,
+                   help="TensorBoard folder tensorboard_log/PROJECT/EXPERIMENT, as slime (instead of "
+                        "--tensorboard-dir)")
+    g.add_argument("--tb-experiment-name", default=None,
+                   help="with --tb-project-name: EXPERIMENT (default: the start time, YYYYmmdd_HHMMSS)")
     g.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
     g.add_argument("--log-reward-category", default=None, metavar="KEY",
                    help="with dict rewards: log the share of each value of reward[KEY] over the rollout's samples "
@@ -81,3 +105,25 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
                    help="folder of the --record-memory-history snapshots (default: %(default)s)")
     g.add_argument("--memory-snapshot-num-steps", type=_positive_int, default=1,
                    help="dump the snapshot after this many trained rollouts (default: %(default)s)")
+
+
+WANDB_ONLY = ("wandb_mode", "wandb_key", "wandb_run_id", "wandb_always_use_train_step")
+
+
+def check_logging_flags(args: argparse.Namespace) -> None:
+    """slime's TensorBoard names become --tensorboard-dir (tensorboard_log/PROJECT/EXPERIMENT); the wandb flags
+    act only with --use-wandb (said, not refused: slime takes them then too)."""
+    if args.tb_experiment_name is not None and args.tb_project_name is None:
+        raise SlimeLiteError(f"--tb-experiment-name {args.tb_experiment_name} names a folder under --tb-project-name "
+                             "PROJECT (tensorboard_log/PROJECT/EXPERIMENT): add --tb-project-name, or drop it.")
+    if args.tb_project_name is not None:
+        if args.tensorboard_dir is not None:
+            raise SlimeLiteError(f"--tb-project-name {args.tb_project_name} and --tensorboard-dir "
+                                 f"{args.tensorboard_dir} both name the TensorBoard folder: give one of them.")
+        experiment = args.tb_experiment_name or datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+        args.tensorboard_dir = os.path.join("tensorboard_log", args.tb_project_name, experiment)
+        log.info("--tb-project-name: TensorBoard folder %s", args.tensorboard_dir)
+    given = [f for f in WANDB_ONLY if getattr(args, f)] + ([] if args.wandb_random_suffix else
+                                                         ["disable_wandb_random_suffix"])
+    if given and not args.use_wandb:
+        log.warning("%s: no effect without --use-wandb", ", ".join("--" + f.replace("_", "-") for f in given))

@@ -111,6 +111,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: %(default)s)")
     g.add_argument("--adam-beta2", type=float, default=0.98, help="Adam beta2 (default: %(default)s)")
     g.add_argument("--seed", type=int, default=1234, help="trainer random seed (default: %(default)s)")
+    g.add_argument("--distributed-timeout-minutes", type=positive_int, default=30,
+                   help="timeout of the train ranks' process group (torch.distributed) in minutes (default: "
+                        "%(default)s; slime's is 10)")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="bitwise-reproducible runs: deterministic torch algorithms in trainer and engines, each "
                         "rollout sent to the engines in one fixed order, no wall-clock values in dumps (two runs "
@@ -157,6 +160,34 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                         "eval), so the rollouts between pushes are generated with older weights; synchronous "
                         "training on engines of their own only (default: %(default)s, every rollout)")
 
+    g = p.add_argument_group("algorithm hooks (slime's trainer-side hooks)",
+                             "module.fn paths called by the trainer with slime's signatures, checked before Ray "
+                             "starts; per-sample values are lists of per-token tensors under slime's key names")
+    g.add_argument("--custom-advantage-function-path", default=None, metavar="MODULE.FN",
+                   help="advantage(args, rollout_data) -> None replaces --advantage-estimator's advantages: it sets "
+                        "rollout_data['advantages'] and rollout_data['returns'] (one tensor per sample, as long as "
+                        "its response; the returns train the critic). rollout_data holds the whole rollout (slime: "
+                        "one data-parallel rank's share): tokens, total_lengths, response_lengths, loss_masks, "
+                        "rewards (normalised as slime's rollout manager does for GRPO / REINFORCE++-baseline), "
+                        "raw_reward, log_probs, kl, and ref_log_probs, values, rollout_log_probs when there are "
+                        "any; --normalize-advantages then whitens the advantages")
+    g.add_argument("--custom-loss-function-path", default=None, metavar="MODULE.FN",
+                   help="with --loss-type custom_loss: loss(args, batch, logits, sum_of_sample_mean) -> (loss, "
+                        "metrics) is the whole policy loss of a micro-batch. batch: the micro-batch's "
+                        "unconcat_tokens, total_lengths, response_lengths, loss_masks, log_probs (old), advantages, "
+                        "returns, ref_log_probs / rollout_log_probs / values when there are any, and (slime-lite's, "
+                        "for slime's log-prob helpers) cur_log_probs and entropy of the current policy, "
+                        "differentiable; logits: the model output of the micro-batch (padded rows, or one packed "
+                        "row; a vocabulary slice per tensor-parallel rank); sum_of_sample_mean(x) sums the "
+                        "samples' masked token means of a flat per-token x (per token with "
+                        "--calculate-per-token-loss); the loss and metrics are divided by the step's samples (or "
+                        "tokens) per data-parallel rank, as in slime")
+    g.add_argument("--custom-pg-loss-reducer-function-path", default=None, metavar="MODULE.FN",
+                   help="get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) "
+                        "-> reducer, per micro-batch: reducer(pg_loss) replaces the reduction of the policy-gradient "
+                        "term of the policy loss only (e.g. Dr.GRPO's constant divisor); loss_masks without the "
+                        "tokens --use-rs / --tis-mode mask rejected; the KL, entropy and metrics keep the default")
+
 
 
 def check_slime_train_flags(args: argparse.Namespace) -> None:
@@ -181,6 +212,13 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
     if args.reset_optimizer_states and args.optimizer_cpu_offload:
         raise SlimeLiteError("--reset-optimizer-states with --optimizer-cpu-offload is not supported (the hybrid CPU "
                              "optimizer keeps copies of its state); drop one of them.")
+    custom = args.loss_type == "custom_loss"
+    if custom and not args.custom_loss_function_path:
+        raise SlimeLiteError("--loss-type custom_loss takes its loss from --custom-loss-function-path MODULE.FN: "
+                             "add it, or choose another --loss-type.")
+    if args.custom_loss_function_path and not custom:
+        log.warning("--custom-loss-function-path is used with --loss-type custom_loss only (as in slime): this run's "
+                    "loss is --loss-type %s", args.loss_type)
     n = args.update_weights_interval
     if n == 1:
         return

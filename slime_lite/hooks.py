@@ -54,7 +54,15 @@ SIGNATURES = {
                                            "rollout_time) -> bool", 5, ()),
     "--custom-eval-rollout-log-function-path": ("log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> "
                                                 "bool", 4, ()),
+    # the trainer's (backends/megatron/train_hooks.py)
+    "--custom-advantage-function-path": ("advantage(args, rollout_data) -> None", 2, ()),
+    "--custom-loss-function-path": ("loss(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)", 4, ()),
+    "--custom-pg-loss-reducer-function-path": ("get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, "
+                                               "calculate_per_token_loss) -> reducer", 4, ()),
 }
+# the hooks the trainer calls: in a replay too (--debug-train-only), never with --debug-rollout-only
+TRAIN_HOOKS = ("--custom-advantage-function-path", "--custom-loss-function-path",
+               "--custom-pg-loss-reducer-function-path")
 # the hooks a replay (--load-debug-rollout-data) calls too: the rollout manager's, on the loaded samples
 REPLAY_HOOKS = ("--custom-reward-post-process-path", "--custom-rollout-log-function-path")
 

@@ -59,6 +59,7 @@ class MetricsLogger:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self.tb = None
         self.wandb = None
+        self.train_steps = None  # --wandb-always-use-train-step: optimizer steps per rollout
         if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # torch, tensorboard: only with --use-tensorboard
 
@@ -66,11 +67,21 @@ class MetricsLogger:
         if args.use_wandb:
             import wandb  # validate_args checked that it is installed
 
+            if args.wandb_mode:  # slime's: overrides the environment's WANDB_MODE
+                os.environ["WANDB_MODE"] = args.wandb_mode
             os.environ.setdefault("WANDB_MODE", "offline")
             if args.wandb_host:
                 os.environ["WANDB_BASE_URL"] = args.wandb_host
+            if args.wandb_key and os.environ["WANDB_MODE"] not in ("offline", "disabled"):
+                wandb.login(key=args.wandb_key, host=args.wandb_host)
+            resume = {"id": args.wandb_run_id, "resume": "allow"} if args.wandb_run_id else {}
+            name = {} if args.wandb_random_suffix else {"name": args.wandb_group}  # --disable-wandb-random-suffix
             self.wandb = wandb.init(project=args.wandb_project, dir=args.wandb_dir, group=args.wandb_group,
-                                    entity=args.wandb_team, config=_plain_args(args))
+                                    entity=args.wandb_team, config=_plain_args(args), **resume, **name)
+            self.train_steps = args.num_steps_per_rollout if args.wandb_always_use_train_step else None
+            if self.train_steps:  # --wandb-always-use-train-step: every metric against the train step
+                self.wandb.define_metric("train_step")
+                self.wandb.define_metric("*", step_metric="train_step")
 
     def log(self, record: dict[str, Any], step: int, step_key: str = "rollout_id", quiet: bool = False) -> None:
         if not record:  # nothing measured (e.g. no eval before training): no line, no row
@@ -95,7 +106,9 @@ class MetricsLogger:
             if self.tb is not None:
                 self.tb.add_scalar(key, value, step)
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))} | {step_key: step})
+            steps = {"train_step": step * self.train_steps} if self.train_steps else {}
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))} | {step_key: step}
+                           | steps)
 
     def close(self) -> None:
         if self.tb is not None:

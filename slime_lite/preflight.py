@@ -16,7 +16,7 @@ from slime_lite.backends.megatron.train_dump import train_dump_path
 from slime_lite.checks.grad_norm import grad_norm_path
 from slime_lite.config import TokenBudget, TrainSideConfig
 from slime_lite.errors import SlimeLiteError
-from slime_lite.hooks import REPLAY_HOOKS, SIGNATURES, load_hook
+from slime_lite.hooks import REPLAY_HOOKS, SIGNATURES, TRAIN_HOOKS, load_hook
 from slime_lite.io import probe_folder
 from slime_lite.model_families import check_family, check_trainable, num_experts
 from slime_lite.profiling import profile_targets, trace_dir
@@ -70,13 +70,14 @@ def check_train_only(args: Any) -> None:
 
 
 def check_hooks(args: Any) -> None:
-    """Every ``--*-path`` hook the rollout will call imports and takes the arguments it is called with (else a
+    """Every ``--*-path`` hook the run will call imports and takes the arguments it is called with (else a
     SlimeLiteError naming the flag, the module and the signature expected), before Ray starts; a replay calls only
-    the rollout manager's (``REPLAY_HOOKS``)."""
+    the rollout manager's (``REPLAY_HOOKS``) and the trainer's (``TRAIN_HOOKS``), --debug-rollout-only no trainer's."""
     replay = args.debug_train_only or args.load_debug_rollout_data
     for flag in SIGNATURES:
         path = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if path and (not replay or flag in REPLAY_HOOKS):
+        called = not args.debug_rollout_only if flag in TRAIN_HOOKS else (not replay or flag in REPLAY_HOOKS)
+        if path and called:
             load_hook(path, flag)
 
 

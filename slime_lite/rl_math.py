@@ -35,6 +35,7 @@ else:
     torch = _Torch()
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+CUSTOM_LOSS = "custom_loss"  # the --loss-type whose loss is --custom-loss-function-path's (slime's name)
 
 Tensors = Sequence["torch.Tensor"]
 
@@ -212,14 +213,22 @@ def aggregate_loss(
         per_token = torch.split(per_token, [m.numel() for m in masks])
     if len(per_token) != len(masks):
         raise ValueError(f"{len(per_token)} per-token tensors for {len(masks)} masks")
-    n = len(masks) if normalizer is None else normalizer
     if len(masks) == 0:
         return torch.zeros(())
     if isinstance(normalizer, PerTokenNormalizer):
         total = torch.stack([(x * m.to(x.dtype)).sum() for x, m in zip(per_token, masks)]).sum()
-        return total / (n if n > 0 else 1.0)
+        return total / loss_divisor(normalizer, len(masks))
     means = torch.stack([masked_mean(x, m.to(x.dtype)) for x, m in zip(per_token, masks)])
-    return means.sum() / max(n, 1)
+    return means.sum() / loss_divisor(normalizer, len(masks))
+
+
+def loss_divisor(normalizer: float | None, num_samples: int) -> float:
+    """What `aggregate_loss` divides its sum (of per-sample means, or per token of token values) by: `normalizer`
+    (default: `num_samples`), at least 1 for per-sample means, and 1 for a per-token normalizer of 0."""
+    n = num_samples if normalizer is None else normalizer
+    if isinstance(normalizer, PerTokenNormalizer):
+        return float(n) if n > 0 else 1.0
+    return float(max(n, 1))
 
 
 def grpo_advantages(

@@ -84,6 +84,8 @@ ARCH_FLAGS: dict[str, tuple[dict[str, Any], str]] = {
     "--moe-router-pre-softmax": (STORE_TRUE, "norm_topk_prob"),
     "--moe-shared-expert-intermediate-size": (_value(int), "shared_expert_intermediate_size"),
     "--moe-layer-freq": (_value(layer_freq), "decoder_sparse_step / mlp_only_layers"),
+    "--padded-vocab-size": (_value(int), "vocab_size (slime-lite's embedding has vocab_size rows, unpadded)"),
+    "--model-name": (_value(), "model_type (slime's weight-converter name: it must name that family)"),
 }
 # What the architecture flags mean per config.json model_type: the families slime-lite builds (model_families.py),
 # and others whose configs slime's scripts may name (checked against them too; the trainer refuses to build them).
@@ -110,6 +112,19 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
                                                   "the fused kernel)"),
     "--moe-token-drop-policy": (_value(), ("probs", "position"), "no token dropping (no expert capacity factor), "
                                                                 "so the drop policy never applies"),
+    "--train-backend": (_value(), ("megatron",), "Megatron-core as the trainer"),
+    "--distributed-backend": (_value(), ("nccl",), "NCCL between the train ranks (gloo on a machine without CUDA)"),
+    "--log-probs-chunk-size": (_value(int), (1024, -1), "log-probs 1024 tokens at a time (one fused pass on CUDA); "
+                                                        "a token's log-prob does not depend on its chunk, so -1 "
+                                                        "(slime's single pass) gives the same numbers"),
+    "--recompute-loss-function": (STORE_TRUE, (True,), "the log-prob and loss pass keeps only per-token statistics "
+                                                       "and rebuilds the softmax in the backward pass (no float32 "
+                                                       "[tokens, vocab] tensor kept)"),
+    "--data-pad-size-multiplier": (_value(int), (1,), "packed micro-batches without padding (a multiple of "
+                                                      "--tensor-model-parallel-size under --sequence-parallel only); "
+                                                      "padding changes no result, so drop the flag"),
+    "--memory-recorder": (_value(), ("torch",), "the CUDA allocator's history (torch.cuda.memory) for "
+                                                "--record-memory-history"),
 }
 
 # ---- not supported yet: flag -> (argparse kwargs, reason) -------------------------------------------------------
@@ -128,6 +143,29 @@ NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
     "--use-rollout-logprobs": (STORE_TRUE, "the old log-probs of the PPO ratio are always the trainer's, recomputed "
                                            "(the engine's rollout log-probs enter through --use-tis)"),
     "--use-unbiased-kl": (STORE_TRUE, "the KL estimator is --kl-loss-type's, not importance-weighted"),
+    "--use-rollout-entropy": (STORE_TRUE, "the log-prob passes of actor and reference compute no entropy for a "
+                                          "custom loss mask (the actor's train entropy: train/entropy; masks: a "
+                                          "generate hook's loss_mask)"),
+    "--keep-old-actor": (STORE_TRUE, "no second copy of the actor: the old log-probs are the trainer's, recomputed "
+                                     "before each rollout's steps (the engine's log-probs enter through --use-tis)"),
+    "--loss-mask-type": (_value(), "read only by slime's SFT rollout (slime.rollout.sft_rollout), which slime-lite "
+                                   "does not have; loss masks come from the rollout (a generate hook's loss_mask)"),
+    "--start-rollout-id": (_value(int), "the first rollout is 0, or the one after the checkpoint --load resumes: "
+                                        "resume with --load"),
+    "--rollout-skip-special-tokens": (STORE_TRUE, "response text is decoded with its special tokens, so that text "
+                                                  "and tokens agree; strip them in --custom-rm-path if needed"),
+    "--rollout-health-check-interval": (_value(float), "no periodic /health_generate monitor: --use-fault-tolerance "
+                                                       "restarts an engine whose requests fail (its server died)"),
+    "--rollout-health-check-timeout": (_value(float), "no periodic /health_generate monitor (see "
+                                                      "--use-fault-tolerance)"),
+    "--rollout-health-check-first-wait": (_value(float), "no periodic /health_generate monitor (see "
+                                                         "--use-fault-tolerance)"),
+    "--http-proxy": (_value(), "slime parses it but no slime code reads it; slime-lite reaches the engines and "
+                               "--rm-url directly, without a proxy: drop it"),
+    "--log-multi-turn": (STORE_TRUE, "slime's multi-turn train metrics are not logged (log them from "
+                                     "--custom-rollout-log-function-path)"),
+    "--log-correct-samples": (STORE_TRUE, "slime's length quantiles of correct samples are not logged (log them "
+                                          "from --custom-rollout-log-function-path)"),
 }
 
 
@@ -211,7 +249,12 @@ def hf_values(cfg: dict[str, Any]) -> dict[str, Any]:
         else cfg.get("shared_expert_intermediate_size"),
         "moe_layer_freq": False if dense else [int(i not in only_dense and (i + 1) % sparse_step == 0)
                                                 for i in range(layers)] if moe and layers else None,
+        "padded_vocab_size": cfg.get("vocab_size"),
     }
+
+
+def _squash(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "")
 
 
 def _same(given: Any, want: Any) -> bool:
@@ -240,6 +283,11 @@ def check_architecture(args: argparse.Namespace) -> None:
             if model_type and not (model_type.startswith(spec_type) or spec_type.startswith(model_type)):
                 problems.append(f"{flag} {' '.join(value)} is a {spec_type} layer spec, but {path} has model_type "
                                 f"{model_type!r}")
+            continue
+        if dest == "model_name":  # slime picks its converter by the family's name inside it (qwen3config: qwen3)
+            if model_type and _squash(model_type) not in _squash(value):
+                problems.append(f"{flag} {value} contradicts {path}: model_type {model_type!r} means a --model-name "
+                                f"naming {model_type} (e.g. {model_type})")
             continue
         if dest == "group_query_attention":
             continue  # a switch; --num-query-groups carries the number and is checked

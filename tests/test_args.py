@@ -310,7 +310,7 @@ def test_estimator_and_kl_names_come_from_rl_math():
 
     actions = build_parser()._option_string_actions
     assert tuple(actions["--advantage-estimator"].choices) == tuple(rl_math.ESTIMATORS)
-    assert tuple(actions["--loss-type"].choices) == tuple(rl_math.POLICY_LOSSES)
+    assert tuple(actions["--loss-type"].choices) == (*rl_math.POLICY_LOSSES, rl_math.CUSTOM_LOSS)
     assert tuple(actions["--kl-loss-type"].choices) == rl_math.KL_TYPES
     assert tuple(actions["--tis-level"].choices) == rollout_correction.IS_LEVELS
 

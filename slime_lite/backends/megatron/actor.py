@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from slime_lite import rl_math
 from slime_lite.backends.megatron import batch as B
-from slime_lite.backends.megatron import lora
+from slime_lite.backends.megatron import lora, train_hooks
 from slime_lite.backends.megatron.convert import iter_hf_weights
 from slime_lite.backends.megatron.logprobs import sample_log_probs
 from slime_lite.backends.megatron.loss import mismatch_report, rl_loss
@@ -156,14 +156,19 @@ class TrainActor(TrainWorker):
         values = [values[i] for i in range(n)] if values is not None else None
         post_processed = bool(a.custom_reward_post_process_path)  # the hook's rewards, normalised by it
         rewards = B.post_processed_rewards(samples) if post_processed else B.scalar_rewards(samples, a.reward_key)
-        advantages, returns = rl_math.compute_advantages_and_returns(
-            a.advantage_estimator, rewards, logp, ref_logp,
-            values, masks,
-            group_size=a.n_samples_per_prompt, kl_coef=a.kl_coef, kl_type=a.kl_loss_type, gamma=a.gamma,
-            lambd=a.lambd, std_normalization=not a.disable_grpo_std_normalization,
-            normalize_advantages=a.normalize_advantages, rewards_normalized=post_processed,
-        )
         rollout_lp = B.rollout_log_probs(samples)
+        hooks = self._train_hooks()
+        if hooks.advantage is not None:  # --custom-advantage-function-path: slime's hook in place of the estimator
+            advantages, returns = train_hooks.advantages_by_hook(hooks, samples, rewards, post_processed, logp,
+                                                                 ref_logp, values, rollout_lp, masks)
+        else:
+            advantages, returns = rl_math.compute_advantages_and_returns(
+                a.advantage_estimator, rewards, logp, ref_logp,
+                values, masks,
+                group_size=a.n_samples_per_prompt, kl_coef=a.kl_coef, kl_type=a.kl_loss_type, gamma=a.gamma,
+                lambd=a.lambd, std_normalization=not a.disable_grpo_std_normalization,
+                normalize_advantages=a.normalize_advantages, rewards_normalized=post_processed,
+            )
         if dump and self.ps.get_tensor_model_parallel_rank() == 0:  # this rank's samples, before the update
 
             save_train_dump(dump, rollout_id, self.rank, samples, list(entropy), {
@@ -174,15 +179,24 @@ class TrainActor(TrainWorker):
 
         def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
             temp = rl_math.scoring_temperature(a.rollout_temperature)
-            lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size, with_entropy=a.entropy_coef > 0)
+            custom = hooks.loss is not None  # --loss-type custom_loss: slime's hook is the whole loss
+            lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size,
+                                       with_entropy=custom or a.entropy_coef > 0)
             idx, dev = mb.indices, output.device
             def on(xs: list) -> list[torch.Tensor]:  # per-sample inputs of this micro-batch: one host->device copy
                 return B.samples_to_device(xs, idx, dev)
 
+            if custom:
+                batch = train_hooks.loss_batch(samples, idx, dev, on, lp, ent, {
+                    "loss_masks": masks, "log_probs": old, "ref_log_probs": ref, "rollout_log_probs": rollout_lp,
+                    "advantages": advantages, "returns": returns, "values": values})
+                loss, m = train_hooks.custom_loss(hooks, batch, output, batch["loss_masks"], normalizer)
+                return loss * self._num_mb, m
             loss, m = rl_loss(
                 lp, on(old), on(ref) if ref is not None else None,
                 on(rollout_lp) if rollout_lp is not None else None, on(advantages),
-                on(masks), ent, loss_cfg, normalizer,
+                on(masks), ent, loss_cfg, normalizer, train_hooks.pg_reducer(hooks, mb.prompt_lengths,
+                                                                             mb.response_lengths),
             )
             return loss * self._num_mb, m
 
@@ -216,6 +230,12 @@ class TrainActor(TrainWorker):
         # this call inside the actor: the driver's perf/train_time less this is Ray's share (samples in, results out)
         metrics["perf/actor_train_time"] = time.monotonic() - t0
         return result, B.SampleTensors(enumerate(returns))
+
+    def _train_hooks(self) -> train_hooks.TrainHooks:
+        """slime's trainer-side hooks the flags name, loaded (and their signatures checked) at the first rollout."""
+        if getattr(self, "_hooks", None) is None:
+            self._hooks = train_hooks.TrainHooks.load(self.args)
+        return self._hooks
 
     def _own_routing_log_probs(self, samples: list, steps: list, length: int) -> B.SampleTensors | None:
         """With --use-rollout-routing-replay and --get-mismatch-metrics: the old policy's log-probs again, every

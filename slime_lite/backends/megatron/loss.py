@@ -8,7 +8,7 @@ global per-sample mean, so the sums over micro-batches equal the single-batch va
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -90,8 +90,13 @@ def rl_loss(
     entropy: Tensors | None,
     cfg: LossConfig,
     normalizer: float | None = None,
+    pg_reducer: Callable[[list[torch.Tensor]], Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss = pg_loss - entropy_coef*entropy + kl_loss_coef*kl (KL only with use_kl_loss), ``cfg``'s flags.
+
+    ``pg_reducer`` (--custom-pg-loss-reducer-function-path): called with the loss masks (a rejected token's 0 there),
+    it gives the reducer of the flat per-token policy loss in place of the sum of per-sample means; its value is
+    divided by `normalizer` as every other term (slime's units). The other terms and metrics keep the default.
 
     Each term is aggregated as per-sample token means divided by `normalizer` (default: samples here).
     `old_logp` None means on-policy (old = logp detached). Rollout correction (use_tis / use_rs, slime_lite.rollout_correction
@@ -136,7 +141,12 @@ def rl_loss(
     elif cfg.use_tis or cfg.use_rs:
         raise ValueError("--use-tis / --use-rs need the rollout log-probs of every sample")
 
-    pg_loss = agg(pg)
+    if pg_reducer is None:
+        pg_loss = agg(pg)
+    else:
+        kept = list(masks) if keep is None else [m * k for m, k in zip(masks, torch.split(keep, [m.numel()
+                                                                                               for m in masks]))]
+        pg_loss = pg_reducer(kept)(pg if keep is None else pg * keep) / rl_math.loss_divisor(normalizer, len(masks))
     loss = pg_loss
     metrics.update(pg_loss=pg_loss, pg_clipfrac=agg(clipfrac), ppo_kl=agg(ppo_kl))
 

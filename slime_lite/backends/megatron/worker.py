@@ -98,7 +98,7 @@ class TrainWorker:
         store = self._store or open_store(self.master_addr, master_port, self.rank, self.world_size)
         init_distributed(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, self.rank, self.world_size,
                          self.master_addr, master_port, seed=a.seed, store=store, ep=a.expert_model_parallel_size,
-                         etp=a.expert_tensor_parallel_size)
+                         etp=a.expert_tensor_parallel_size, timeout_s=60.0 * a.distributed_timeout_minutes)
         self.hf_config = AutoConfig.from_pretrained(a.hf_checkpoint)
         dtype = torch.bfloat16 if a.bf16 else torch.float32
         model = build_gpt_model(self.hf_config, params_dtype=dtype, transformer_impl=a.transformer_impl,
