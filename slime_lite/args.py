@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of a multi-turn sample, prompt included; a sample that would overflow ends "
                         "TRUNCATED (default, and at most: the model's max_position_embeddings - 1, what the "
                         "engine serves)")
+    g.add_argument("--eval-max-context-len", type=_positive_int, default=None,
+                   help="the same bound for eval samples: the multi-turn helpers and the built-in generate hooks "
+                        "apply it when called with evaluation=True (default: --rollout-max-context-len)")
     g.add_argument("--tool-call-timeout", type=float, default=30.0,
                    help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
                         "(default: %(default)s)")
@@ -365,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after every weight push, check that each engine holds exactly the trainer's weights")
     g.add_argument("--debug-env", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="set an environment variable in every Ray process, e.g. CUDA_LAUNCH_BLOCKING=1 (repeatable)")
+    g.add_argument("--train-env-vars", type=_json_object, default="{}", metavar="JSON",
+                   help="environment variables of the train processes only (actor and critic ranks), as slime: a "
+                        "JSON object, e.g. '{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'; over "
+                        "--debug-env's (default: none)")
     g.add_argument("--debug-scramble-engine-weights", action="store_true",
                    help="overwrite engine weights with noise before each push, so a parameter the push skips is "
                         "caught by --check-weight-update-equal even if it equals the old value")

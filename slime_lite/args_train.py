@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import os
+import re
 from typing import Any
 
 from slime_lite import rl_math
@@ -138,6 +139,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-adapter-path", default=None,
                    help="PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the "
                         "adapters from, on the --hf-checkpoint base")
+    g = p.add_argument_group("frozen parameters (slime's flags)", "Python regexes searched in the Megatron "
+                             "parameter names (e.g. embedding, output_layer, decoder.layers.3.mlp), actor and critic")
+    g.add_argument("--only-train-params-name-list", nargs="*", default=None, metavar="REGEX",
+                   help="train only the parameters whose name one pattern matches; the others are frozen")
+    g.add_argument("--freeze-params-name-list", nargs="*", default=None, metavar="REGEX",
+                   help="freeze the parameters whose name one pattern matches; the others train")
 
     g = p.add_argument_group("checkpoints, reference model and weight pushes (slime's flags)")
     g.add_argument("--no-save-optim", action="store_true",
@@ -190,6 +197,22 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
 
 
 
+def _check_frozen(args: argparse.Namespace) -> None:
+    """--only-train-params-name-list / --freeze-params-name-list: one of them, valid regexes, no LoRA."""
+    given = [f for f in ("only_train_params_name_list", "freeze_params_name_list") if getattr(args, f)]
+    names = " and ".join("--" + f.replace("_", "-") for f in given)
+    if len(given) == 2:
+        raise SlimeLiteError(f"{names}: give one of them (as slime).")
+    if given and args.lora_rank:
+        raise SlimeLiteError(f"{names} with --lora-rank: LoRA freezes the base itself and trains the adapters "
+                             "(--lora-target-modules picks the linears); drop one of them.")
+    for pattern in getattr(args, given[0]) if given else []:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise SlimeLiteError(f"{names} {pattern!r} is not a Python regex ({exc}).") from None
+
+
 def check_slime_train_flags(args: argparse.Namespace) -> None:
     """--save-hf, --ref-update-interval, --reset-optimizer-states and --update-weights-interval: each needs what it
     acts on, and the pushes may be spaced out only where the engines keep their weights between pushes."""
@@ -209,6 +232,7 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
     if args.ref_update_interval and args.lora_rank:
         raise SlimeLiteError("--ref-update-interval with --lora-rank is not supported: the reference is the base "
                              "model without the adapters, which never changes. Drop one of them.")
+    _check_frozen(args)
     if args.reset_optimizer_states and args.optimizer_cpu_offload:
         raise SlimeLiteError("--reset-optimizer-states with --optimizer-cpu-offload is not supported (the hybrid CPU "
                              "optimizer keeps copies of its state); drop one of them.")

@@ -23,6 +23,7 @@ from typing import Any
 
 from slime_lite.errors import SlimeLiteError
 from slime_lite.model_families import FAMILIES, num_experts, partial_rotary_factor, qkv_bias, rope_parameters
+from slime_lite.slime_flags_refused import REFUSED
 
 STORE_TRUE = {"action": "store_true", "default": None}
 
@@ -125,6 +126,12 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
                                                       "padding changes no result, so drop the flag"),
     "--memory-recorder": (_value(), ("torch",), "the CUDA allocator's history (torch.cuda.memory) for "
                                                 "--record-memory-history"),
+    "--update-weight-mode": (_value(choices=("full", "delta")), ("full",), "every weight pushed in full at each "
+                                                                          "sync"),
+    "--rollout-data-transport": (_value(choices=("object-store", "nixl")), ("object-store",),
+                                 "rollout samples sent to the train ranks through Ray's object store"),
+    "--num-critic-only-steps": (_value(int), (0,), "the actor trained from the first rollout on, with the critic "
+                                                   "(PPO)"),
 }
 
 # ---- not supported yet: flag -> (argparse kwargs, reason) -------------------------------------------------------
@@ -166,6 +173,7 @@ NOT_SUPPORTED: dict[str, tuple[dict[str, Any], str]] = {
                                      "--custom-rollout-log-function-path)"),
     "--log-correct-samples": (STORE_TRUE, "slime's length quantiles of correct samples are not logged (log them "
                                           "from --custom-rollout-log-function-path)"),
+    **REFUSED,  # slime_lite/slime_flags_refused.py
 }
 
 
@@ -307,7 +315,10 @@ def check_architecture(args: argparse.Namespace) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refused flags (all of them, with reasons), then the architecture flags against config.json."""
+    """Refused flags (all of them, with reasons), then the architecture flags against config.json; and, as slime,
+    --eval-max-context-len defaults to --rollout-max-context-len (for hooks that read it)."""
+    if args.eval_max_context_len is None:
+        args.eval_max_context_len = args.rollout_max_context_len
     lines = refused(args)
     if lines:
         raise SlimeLiteError("slime flags that slime-lite does not support yet (drop them or use slime itself):\n  "

@@ -111,6 +111,7 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_i
     start at the reference's weights (``policy_off_reference``), so the step-1 KL is not expected to be zero."""
     checks: list[Check] = []
     expected = rollout_id if expected_version is None else expected_version
+    step1_kl = step1_kl and not cfg.ci_disable_kl_checker  # --ci-disable-kl-checker: no zero-KL checks
     if first and step1_kl and "rollout/log_probs_ref_max_abs_diff" in record:
         diff = record["rollout/log_probs_ref_max_abs_diff"]
         checks.append(_check("step1_kl_zero", diff, "== 0 (log_probs == ref_log_probs)", diff == 0.0))
@@ -118,7 +119,7 @@ def rollout_checks(cfg: CiConfig, record: dict[str, Any], first: bool, rollout_i
         lp = -record["rollout/log_probs"]
         bound = cfg.ci_nll_threshold
         checks.append(_check("step1_log_probs_small", lp, f"mean NLL < {bound}", lp < bound))
-    if "train/first_step/ppo_kl" in record:
+    if "train/first_step/ppo_kl" in record and not cfg.ci_disable_kl_checker:
         value = record["train/first_step/ppo_kl"]
         checks.append(_check("first_step_ppo_kl_zero", value, "== 0", value == 0.0))
     if engines and rollout_id is not None and "rollout/weight_version" in record:  # stale weights: a log-prob gap

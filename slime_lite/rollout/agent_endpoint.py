@@ -424,11 +424,13 @@ def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awai
     """A ``--custom-generate-function-path`` hook that runs ``run(base_url, sample)`` against a fresh trajectory
     and returns the sample built from its records (a list when the agent rewrote its history)."""
 
-    async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample | list[Sample]:
+    async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any],
+                       evaluation: bool = False) -> Sample | list[Sample]:
         if sample.status is Status.ABORTED:  # carried by --partial-rollout: the agent runs again from the start
             restart(sample)
         ep = await endpoint_for(args)
-        traj = ep.open(sampling_params, args.max_turns, context_bound(args), args.apply_chat_template_kwargs)
+        traj = ep.open(sampling_params, args.max_turns, context_bound(args, evaluation),
+                       args.apply_chat_template_kwargs)
         error = None
         agent = asyncio.ensure_future(run(traj.base_url, sample))
         try:

@@ -109,11 +109,11 @@ def _tokenizer(path: str) -> Any:
     return load_tokenizer(path)
 
 
-async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False) -> Sample:
     """One problem as a multi-turn sample: model turns from the engine, tool turns from ``calc`` (the multi_turn
     helpers: --max-turns, --tool-call-timeout, --rollout-max-context-len apply)."""
     tok = _tokenizer(args.hf_checkpoint)
-    limits = TurnLimits.from_args(args)
+    limits = TurnLimits.from_args(args, evaluation)  # an eval sample: --eval-max-context-len
     budget = int(sampling_params["max_new_tokens"])
     params = dict(sampling_params, no_stop_trim=True, skip_special_tokens=False,
                   stop_token_ids=sorted({tok.convert_tokens_to_ids(END_OF_TURN),

@@ -48,21 +48,25 @@ class TurnLimits:
     tool_timeout: float
 
     @classmethod
-    def from_args(cls, args: Any) -> "TurnLimits":
-        return cls(args.max_turns, args.max_inserted_tokens_per_turn, context_bound(args), args.tool_call_timeout)
+    def from_args(cls, args: Any, evaluation: bool = False) -> "TurnLimits":
+        return cls(args.max_turns, args.max_inserted_tokens_per_turn, context_bound(args, evaluation),
+                   args.tool_call_timeout)
 
 
-def context_bound(args: Any) -> int | None:
-    """Tokens a multi-turn sample may hold, prompt included: ``--rollout-max-context-len``, and below the model's
-    context: the engine (as SGLang) refuses a request whose input + max_new_tokens reach
-    ``max_position_embeddings``, so a sample holds one token less."""
+def context_bound(args: Any, evaluation: bool = False) -> int | None:
+    """Tokens a multi-turn sample may hold, prompt included: ``--rollout-max-context-len`` (an eval sample's:
+    ``--eval-max-context-len``, else that), and below the model's context: the engine (as SGLang) refuses a request
+    whose input + max_new_tokens reach ``max_position_embeddings``, so a sample holds one token less."""
+    limit = args.rollout_max_context_len
+    if evaluation and args.eval_max_context_len is not None:
+        limit = args.eval_max_context_len
     try:
         model = _model_context(args.hf_checkpoint)
     except OSError:
-        if args.rollout_max_context_len is None:
+        if limit is None:
             raise
         model = None
-    bounds = [b for b in (args.rollout_max_context_len, None if model is None else model - 1) if b is not None]
+    bounds = [b for b in (limit, None if model is None else model - 1) if b is not None]
     return min(bounds) if bounds else None
 
 

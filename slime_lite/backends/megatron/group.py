@@ -24,6 +24,12 @@ class _Worker:
         return getattr(self.impl, method)(*args)
 
 
+def train_env(args: Any) -> dict[str, Any]:
+    """--train-env-vars as Ray actor options: a runtime_env whose env_vars Ray merges over the job's (--debug-env)."""
+    env = {str(k): str(v) for k, v in args.train_env_vars.items()}
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 class TrainGroup:
     def __init__(self, args: Any, pg: Any, bundles: list[int], role: str, module: str, name: str) -> None:
         self.args = args
@@ -33,7 +39,8 @@ class TrainGroup:
         share = 0.4 if args.colocate else 1.0
         cls = ray.remote(type(name, (_Worker,), {}))  # Ray names the process by the class: "(TrainActor pid=...)"
         self.workers = [
-            cls.options(**bundle_options(pg, b, share)).remote(module, name, args, rank, world, "127.0.0.1")
+            cls.options(**bundle_options(pg, b, share), **train_env(args)).remote(module, name, args, rank, world,
+                                                                                  "127.0.0.1")
             for rank, b in enumerate(bundles)
         ]
 

@@ -33,6 +33,7 @@ from slime_lite.backends.megatron import (
     train_offload,
 )
 from slime_lite.backends.megatron.convert import load_hf_weights
+from slime_lite.backends.megatron.freeze import freeze_by_name
 from slime_lite.backends.megatron.model import (
     build_gpt_model,
     hf_arch,
@@ -117,6 +118,7 @@ class TrainWorker:
                 lora.load_hf_adapters(model, self.hf_config, peft_format.read(a.lora_adapter_path),
                                       f"--lora-adapter-path {a.lora_adapter_path}")
         self._adapt_model(model, dtype)
+        freeze_by_name(model, a.only_train_params_name_list, a.freeze_params_name_list)  # slime's, every role
         config = model.config
         # --optimizer-cpu-offload: Megatron's hybrid optimizer, which runs under its distributed optimizer
         distributed = bool(a.optimizer_cpu_offload)
