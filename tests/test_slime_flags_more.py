@@ -143,3 +143,16 @@ def test_what_slime_lite_always_does_is_accepted(run, flags):
 def test_other_values_are_refused(run, flags, error):
     with pytest.raises(SlimeLiteError, match=error):
         run(*flags)
+
+
+def test_every_flag_of_slimes_parser_is_a_flag_here():
+    """slime's whole argument parser (its option strings, recorded in tests/data/slime_parser_flags.json): a slime
+    script never dies with argparse's "unrecognized arguments"; each flag is implemented, honoured at slime-lite's
+    only value, or refused by name with a reason."""
+    from pathlib import Path
+
+    from slime_lite.args import build_parser
+
+    recorded = json.loads((Path(__file__).parent / "data" / "slime_parser_flags.json").read_text())["flags"]
+    ours = {s for action in build_parser()._actions for s in action.option_strings}
+    assert len(recorded) == 223 and not [f for f in recorded if f not in ours]
