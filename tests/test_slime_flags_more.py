@@ -9,7 +9,7 @@ import json
 import pytest
 
 from slime_lite import slime_flags
-from slime_lite.args import parse_args, parser_defaults
+from slime_lite.args import parser_defaults
 from slime_lite.backends.megatron import group
 from slime_lite.checks import ci as cc
 from slime_lite.config import CiConfig
@@ -17,25 +17,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout import agent_endpoint, calc_task
 from slime_lite.rollout.multi_turn import TurnLimits, context_bound
 from slime_lite.slime_flags_refused import REFUSED
-
-CONFIG = {"model_type": "qwen3", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-          "vocab_size": 151936, "max_position_embeddings": 32768, "hidden_size": 256, "intermediate_size": 512,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-          "tie_word_embeddings": True}
-
-
-@pytest.fixture
-def run(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(CONFIG))
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8)))
-
-    def parse(*flags: str):
-        return parse_args(["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rm-type", "math",
-                           "--rollout-batch-size", "4", *flags])
-    return parse
+from tests.test_slime_compat_flags import run  # noqa: F401 - the fixture: a minimal valid run
 
 
 def test_slimes_logprob_threshold_name_is_an_alias_with_one_default(run):

@@ -7,7 +7,6 @@ them), run by the rollout manager against a real in-process embedded engine (no 
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,25 +15,7 @@ from slime_lite.args import parser_defaults
 from slime_lite.errors import SlimeLiteError
 from slime_lite.preflight import check_hooks
 from slime_lite.types import POST_PROCESSED_REWARD
-from tests.engine.engine_helpers import start_engine
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    server = start_engine(tiny_model_dir, max_running_requests=8)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def hooks(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def write(name: str, source: str) -> str:
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        return name
-
-    return write
+from tests.rollout.test_functions import engine, hooks  # noqa: F401 - the shared fixtures
 
 
 def _prompts(tmp_path: Path, n: int = 4, name: str = "prompts.jsonl") -> str:
