@@ -87,6 +87,14 @@ def test_push_and_generate_bodies_are_sglangs_requests(tmp_path, monkeypatch):
     assert reqs[2].lora_name == lora_adapter_name(2) and reqs[4].lora_name == lora_adapter_name(1)
     assert reqs[2].lora_path == str(tmp_path / "lora_push" / "v2") and not (tmp_path / "lora_push" / "v1").exists()
 
+    # an engine restarted by --use-fault-tolerance at the same URL holds no adapter: version 2 is loaded again and
+    # nothing is unloaded (unloading the name just loaded would leave it with none)
+    del sent[:]
+    weight_push.push_lora_to_sglang(args, _adapters(2), LoraSettings(4, 8.0, 0.0, ()), ["http://e"], 2,
+                                    _adapters(2), None, restarted=True)
+    assert [(r, b.get("lora_name")) for r, b in sent] == [("/load_lora_adapter", lora_adapter_name(2)),
+                                                          ("/update_weight_version", None)]
+
     class Capture(AsyncEngineClient):
         async def post(self, url, route, body):
             sent.append((route, body))

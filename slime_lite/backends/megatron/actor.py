@@ -369,7 +369,8 @@ class TrainActor(TrainWorker):
             return {"perf/update_weights/gather_time": time.perf_counter() - t0,
                     "perf/update_weights/bytes": float(sum(x.numel() * x.element_size() for ab in sent.values()
                                                            for x in ab)),
-                    **push_lora_to_sglang(a, sent, self.lora, urls, version, adapters, base)}
+                    # check is asked for an engine restarted by --use-fault-tolerance only (push_checked)
+                    **push_lora_to_sglang(a, sent, self.lora, urls, version, adapters, base, restarted=check)}
         base = self.hf_weights(on_device=on_device, views=on_device and not disk) if disk or check or \
             a.check_weight_update_equal else None
         if self.rank != 0:

@@ -431,12 +431,13 @@ _lora_loaded: dict[str, str] = {}  # engine URL -> the adapter name it serves (L
 
 def push_lora_to_sglang(args: Any, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: Any,
                         urls: list[str], version: int, reference: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                        base: dict[str, torch.Tensor] | None) -> dict[str, float]:
+                        base: dict[str, torch.Tensor] | None, restarted: bool = False) -> dict[str, float]:
     """LoRA on real SGLang, through SGLang's own routes (SGLang applies the adapters itself; nothing is merged):
     the adapters ({HF weight name: (A, B unscaled)}) as a PEFT folder, loaded by every engine under
     ``lora_adapter_name(version)`` (/load_lora_adapter), the engines' weight version set (/update_weight_version),
     then the adapter the engine served before unloaded (/unload_lora_adapter; SGLang lets its running requests
-    finish first) and its folder removed. The folder must be readable by the engines: under --save when given (a
+    finish first) and its folder removed. ``restarted``: the engines at ``urls`` were just started again
+    (--use-fault-tolerance) and hold no adapter, whatever the engine that had their URL before held. The folder must be readable by the engines: under --save when given (a
     file system the nodes share), else this host's temporary folder.
 
     The weight check (with ``base``, the trainer's frozen base weights): the folder the engines loaded holds exactly
@@ -454,6 +455,9 @@ def push_lora_to_sglang(args: Any, adapters: dict[str, tuple[torch.Tensor, torch
         log.warning("--debug-inject-fault skip-weight-push: the engines keep their old adapters")
     else:
         peft_format.write(adapters, settings, args.hf_checkpoint, folder)
+        if restarted:
+            for url in urls:
+                _lora_loaded.pop(url, None)
         fresh = [u for u in urls if _lora_loaded.get(u) != name]
         on_all(fresh, lambda u: request_json(u, "/load_lora_adapter", {"lora_name": name, "lora_path": folder},
                                              timeout=600))
