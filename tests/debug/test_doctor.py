@@ -128,6 +128,9 @@ def test_every_check_row_shows_and_a_skipped_one_says_why(capsys):
                                                                              "grad_norm_finite"}, stopped)
     assert [(c.name, c.passed) for c in adapters] == [("step1_kl_zero", True)]  # KL > 0 from the start, by design
     assert adapters[0].cause.startswith("skipped: --lora-adapter-path")
+    off = skipped_rows(flags(use_kl_loss=True, ci_disable_kl_checker=True), {"grad_norm_finite"}, stopped)
+    assert [(c.name, c.passed) for c in off] == [("step1_kl_zero", True), ("first_step_ppo_kl_zero", True)]
+    assert all(c.cause.startswith("skipped: --ci-disable-kl-checker") for c in off)
 
 
 def test_the_doctor_does_not_hold_a_run_from_trained_adapters_to_a_zero_step1_kl():
