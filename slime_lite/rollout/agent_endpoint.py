@@ -34,7 +34,10 @@ own.
 
 Use: ``generate = openai_agent(run)`` in the agent's module, where ``async def run(base_url, sample)`` is the agent
 (``sample.prompt``, ``sample.label``, ``sample.metadata`` are the task), and pass
-``--custom-generate-function-path module.generate``. ``openai_agent(run, timeout=S)``: an agent still running after
+``--custom-generate-function-path module.generate``. An agent written for the synchronous client (``openai.OpenAI``)
+is a plain ``def run(base_url, sample)``: it runs in a thread of its own. An ``async def`` agent must use
+``openai.AsyncOpenAI``: a blocking call inside it stops the event loop that serves the endpoint, and the call never
+gets its answer. ``openai_agent(run, timeout=S)``: an agent still running after
 S seconds (stuck on its own I/O, or retrying a refused call forever) is cancelled and its sample ends FAILED, what it
 recorded kept; without it an agent may run as long as it likes.
 """
@@ -44,11 +47,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import inspect
 import itertools
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -410,7 +415,19 @@ async def endpoint_for(args: Any) -> AgentEndpoint:
     return ep
 
 
-Agent = Callable[[str, Sample], Awaitable[Any]]
+Agent = Callable[[str, Sample], Awaitable[Any] | Any]  # async def, or a plain def run in a thread
+_AGENT_THREADS: ThreadPoolExecutor | None = None  # the plain-def agents' threads (made when the first one runs)
+
+
+def _start(run: Agent, base_url: str, sample: Sample) -> asyncio.Future:
+    """``run(base_url, sample)`` as a future of this loop: an ``async def`` agent as a task, a plain ``def`` one (the
+    synchronous openai client) in a thread, so the loop goes on serving its calls."""
+    global _AGENT_THREADS
+    if inspect.iscoroutinefunction(run) or inspect.iscoroutinefunction(getattr(run, "__call__", None)):
+        return asyncio.ensure_future(run(base_url, sample))
+    if _AGENT_THREADS is None:  # threads are made as agents start: the cap only bounds agents running at once
+        _AGENT_THREADS = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="slime-lite-agent")
+    return asyncio.get_running_loop().run_in_executor(_AGENT_THREADS, run, base_url, sample)
 
 
 async def stop_endpoint() -> None:
@@ -432,10 +449,10 @@ def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awai
         traj = ep.open(sampling_params, args.max_turns, context_bound(args, evaluation),
                        args.apply_chat_template_kwargs)
         error = None
-        agent = asyncio.ensure_future(run(traj.base_url, sample))
+        agent = _start(run, traj.base_url, sample)
         try:
             done, _ = await asyncio.wait({agent}, timeout=timeout)
-            if not done:
+            if not done:  # (a thread cannot be stopped: its calls from now on are answered 404)
                 agent.cancel()
                 await asyncio.gather(agent, return_exceptions=True)
                 error = f"the agent did not finish within its {timeout:g} s (openai_agent's timeout)"

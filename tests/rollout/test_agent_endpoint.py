@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -212,6 +213,34 @@ def test_rewritten_history_splits_the_trajectory_and_limits_end_it():
         raise RuntimeError("tool server down")
 
     sample = run_agent(["x<|im_end|>"], broken)
+    assert sample.status == Status.FAILED and "tool server down" in sample.metadata["agent_error"]
+    assert sample.response_length == 2  # what was generated is kept
+
+
+def test_an_agent_on_the_synchronous_client_runs_in_a_thread_and_gets_its_answers():
+    """A plain ``def`` agent with ``openai.OpenAI`` (blocking calls): it runs in a thread while the rollout's event
+    loop serves its calls (on the loop it would block it, and its first call would never be answered)."""
+    threads = []
+
+    def sync_agent(base_url, task):
+        threads.append(threading.current_thread().name)
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=20)
+        messages = [{"role": "user", "content": task.prompt}]
+        for _ in range(2):
+            reply = client.chat.completions.create(model="m", messages=messages).choices[0]
+            messages += [reply.message, {"role": "user", "content": "again"}]
+        task.metadata["answer"] = reply.message.content
+
+    sample = run_agent(["x<|im_end|>", "y<|im_end|>"], sync_agent)
+    assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 2
+    assert sample.metadata["answer"] == "y" and threads[0].startswith("slime-lite-agent")
+
+    def sync_broken(base_url, task):
+        openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "a"}])
+        raise RuntimeError("tool server down")
+
+    sample = run_agent(["x<|im_end|>"], sync_broken)
     assert sample.status == Status.FAILED and "tool server down" in sample.metadata["agent_error"]
     assert sample.response_length == 2  # what was generated is kept
 
