@@ -135,3 +135,41 @@ def test_a_checkpoint_that_cannot_resume_exactly_is_refused_before_ray(tmp_path:
     (root / "critic" / "latest").write_text("iter_0000000")
     (root / "latest").write_text("iter_0000000")
     checkpoint.check_loadable(str(root))
+
+
+def _save_rank(rank: int, port: int, out: str) -> None:
+    import datetime
+    import errno
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))  # a rank left waiting fails the test, late
+    model = torch.nn.Linear(3, 2)
+    actor = _actor(model, torch.optim.Adam(model.parameters()))
+    actor.rank, actor.world_size, actor.hf_weights = rank, 2, lambda: None
+    if rank == 1:
+        def full(obj, path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        checkpoint.atomic_torch_save = full
+    try:
+        checkpoint.save(actor, f"{out}/ckpt", 3, None)
+        result = "saved"
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        result = f"{type(exc).__name__}: {exc}"
+    Path(f"{out}/rank{rank}.txt").write_text(result)
+    dist.destroy_process_group()
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(tmp_path: Path) -> None:
+    """Rank 1's disk is full: rank 1 raises its error, rank 0 one naming rank 1, at once (not at the process
+    group's timeout, waiting at a barrier for a rank that left), and no checkpoint folder is left."""
+    import torch.multiprocessing as mp
+
+    from slime_lite.io import free_port
+
+    mp.spawn(_save_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    assert (tmp_path / "rank1.txt").read_text() == "OSError: [Errno 28] No space left on device"
+    assert (tmp_path / "rank0.txt").read_text() == (f"SlimeLiteError: saving checkpoint {tmp_path}/ckpt/iter_0000003: "
+                                                    "failed on rank 1 (its error is in that rank's log)")
+    assert list((tmp_path / "ckpt").iterdir()) == []

@@ -95,11 +95,13 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     }
     if a.ref_update_interval and getattr(actor, "ref_state", None) is not None:  # the reference moves: keep it
         state["reference"] = actor.ref_state
-    try:
+    # the collectives first (the HF gathers), then what may fail on one rank alone (the files), checked together
+    export = "adapter" if lora_on else "hf"  # LoRA: a PEFT folder for the --hf-checkpoint base (peft_format.py)
+    named = (actor.hf_lora() if lora_on else actor.hf_weights()) if actor.role == "actor" else None
+    hf_model = save_hf_weights(actor, named) if hf_out else None
+
+    def write_parts() -> None:
         atomic_torch_save(plain_state(state), os.path.join(tmp, f"rank_{actor.rank:03d}.pt"))
-        export = "adapter" if lora_on else "hf"  # LoRA: a PEFT folder for the --hf-checkpoint base (peft_format.py)
-        named = (actor.hf_lora() if lora_on else actor.hf_weights()) if actor.role == "actor" else None
-        hf_model = save_hf_weights(actor, named) if hf_out else None
         if actor.rank == 0 and named is not None:
             try:
                 if lora_on:
@@ -108,18 +110,46 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
                     write_hf_folder(named, a.hf_checkpoint, os.path.join(tmp, export))
             except OSError as exc:  # the folder is renamed into place only when complete
                 raise (no_space_error(exc, os.path.join(final, export)) or exc) from None
+
+    try:
+        on_every_rank(write_parts, f"saving checkpoint {final}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
         raise
-    dist.barrier()
-    if actor.rank == 0:
+
+    def publish() -> None:
+        if actor.rank != 0:
+            return
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         atomic_write_text(name, os.path.join(os.path.dirname(final), "latest"))
         if hf_model is not None:  # --save-hf: written whole or not at all (a full disk: an error naming it)
             write_hf_folder(hf_model, a.hf_checkpoint, hf_out)
             logger.info("--save-hf: wrote the actor's Hugging Face model to %s", hf_out)
-    dist.barrier()
+
+    on_every_rank(publish, f"publishing checkpoint {final}")
+
+
+def on_every_rank(step: Any, what: str) -> None:
+    """``step()`` on every rank, then a collective in place of a barrier: when it raised on some rank, every rank
+    raises (that rank its own error, the others one naming it) rather than the others waiting at the next barrier
+    until the process group's timeout."""
+    if not dist.is_initialized():  # one process, no group: nobody to tell
+        step()
+        return
+    error = None
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+        error = exc
+    failed = torch.zeros(dist.get_world_size(), device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    failed[dist.get_rank()] = float(error is not None)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.any():
+        ranks = ", ".join(str(r) for r in failed.nonzero().flatten().tolist())
+        raise SlimeLiteError(f"{what}: failed on rank {ranks} (its error is in that rank's log)")
 
 
 def save_hf_weights(actor: Any, named: dict | None) -> dict | None:
