@@ -26,9 +26,14 @@ def _text_content(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+PASSED_FIELDS = ("name", "tool_call_id", "reasoning_content")  # kept for the chat templates that render them
+
+
 def normalise(message: Any, where: str = "message") -> dict[str, Any]:
-    """A message as compared between calls: role, content ("" for none), tool calls (name, parsed arguments).
-    ``BadRequest`` names the field (``where``) that is not a chat message's."""
+    """A message as compared between calls and given to the chat template: role, content ("" for none), tool calls
+    (name, parsed arguments) and the ``PASSED_FIELDS`` it has (a tool result's ``tool_call_id`` and ``name``, an
+    assistant turn's ``reasoning_content``). ``BadRequest`` names the field (``where``) that is not a chat
+    message's."""
     if not isinstance(message, dict):
         raise BadRequest(f"{where} must be an object with a role and content")
     if not isinstance(message.get("role"), str):
@@ -52,6 +57,12 @@ def normalise(message: Any, where: str = "message") -> dict[str, Any]:
     out: dict[str, Any] = {"role": message["role"], "content": _text_content(message.get("content"), where)}
     if calls:
         out["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+    for key in PASSED_FIELDS:
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise BadRequest(f"{where}.{key} must be a string")
+        if value:
+            out[key] = value
     return out
 
 

@@ -174,3 +174,32 @@ def test_the_runs_stop_token_ids_and_min_new_tokens_reach_every_call():
     params = box["engine"].seen[0]["sampling_params"]
     assert 7 in params["stop_token_ids"] and len(params["stop_token_ids"]) > 1  # with <|im_end|> and eos
     assert params["max_new_tokens"] == 3 and params["min_new_tokens"] == 3
+
+
+def test_tool_call_ids_names_and_reasoning_reach_the_chat_template():
+    """A template that renders a tool result's tool_call_id and name and an assistant turn's reasoning_content (as
+    Llama/Mistral and Qwen3 templates do) gets them from the agent's messages; a non-string one is a 400 naming it."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}{{ (':' + m.name) if m.name else '' }}"
+                "{{ ('#' + m.tool_call_id) if m.tool_call_id else '' }}\n"
+                "{{ ('<think>' + m.reasoning_content + '</think>') if m.reasoning_content else '' }}"
+                "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    answers = []
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+        try:
+            await client.chat.completions.create(model="m", messages=[
+                {"role": "tool", "content": "1", "tool_call_id": 7}])
+        except openai.BadRequestError as exc:
+            answers.append(exc.message)
+        await client.chat.completions.create(model="m", messages=[
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b", "reasoning_content": "r"},
+            {"role": "tool", "content": "3", "tool_call_id": "c1", "name": "calc"}])
+
+    box = {}
+    run_agent(["x<|im_end|>"], agent, chat_template=template, engine_box=box)
+    assert "messages[0].tool_call_id must be a string" in answers[0]
+    assert build_tokenizer().decode(box["engine"].seen[0]["input_ids"]) == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n<think>r</think>b<|im_end|>\n"
+        "<|im_start|>tool:calc#c1\n3<|im_end|>\n<|im_start|>assistant\n")
