@@ -20,13 +20,14 @@ The rollout's sampling parameters apply, whatever the agent sends (the trainer s
 below the trajectory's budget, ``--rollout-max-response-len`` tokens of response in all (model and inserted
 tokens), and its ``stop`` strings end the turn (kept in the trained tokens, cut from the content as OpenAI does).
 ``logprobs`` / ``top_logprobs`` return the engine's. The chat template gets ``--apply-chat-template-kwargs`` (as the
-prompts do) and the agent's ``chat_template_kwargs`` (SGLang's field; its keys win). A turn that did not end at
-``<|im_end|>`` (cut by its length or a stop string) gets it at the start of the next call's inserted tokens, as the
-chat template renders the turn.
+prompts do) and the agent's ``chat_template_kwargs`` (SGLang's field; its keys win). A turn that did not end at the
+template's end of turn (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in Llama 3: what the template renders after an
+assistant message) because its length or a stop string cut it gets it at the start of the next call's inserted
+tokens, as the chat template renders the turn.
 A call past the budget is answered 400 and the sample ends TRUNCATED; an agent that raises ends it FAILED
 (``metadata["agent_error"]``); a call the rollout aborts (over-sampling) is answered 400, as is every later one,
-and the sample ends ABORTED; what was recorded is kept in each case. Assistant turns end at ``<|im_end|>`` (ChatML
-templates: Qwen and the tiny model) or the model's EOS. More than ``--max-turns`` calls (those in flight counted)
+and the sample ends ABORTED; what was recorded is kept in each case. Assistant turns end at that end of turn or the
+model's EOS. More than ``--max-turns`` calls (those in flight counted)
 is answered 400 too (TRUNCATED). Bad input is a 400 naming the field; the engine refusing a call a 400 with its
 reason, an engine failure a 502; neither is recorded. Calls sent at once from the same history (branches) each
 extend the call they branch from: the first to finish continues that sample, the others start samples of their
@@ -62,14 +63,12 @@ from aiohttp import web
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.rollout.agent_messages import BadRequest, normalise, stop_strings
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
-from slime_lite.rollout.tool_calls import inserted_text, parse_tool_calls
+from slime_lite.rollout.tool_calls import end_of_turn, inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import append_turn, restart
 from slime_lite.tokenizer import load_tokenizer
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
-
-END_OF_TURN = "<|im_end|>"
 
 
 @dataclass
@@ -141,7 +140,7 @@ class Trajectory:
                 n = len(parent.messages) + 1
                 closed = bool(parent.completion_ids) and parent.completion_ids[-1] in self.endpoint.stop_ids
                 try:
-                    return inserted_text(tok, messages[:n], messages[n:], END_OF_TURN, closed=closed,
+                    return inserted_text(tok, messages[:n], messages[n:], self.endpoint.end_of_turn, closed=closed,
                                          template_kwargs=template_kwargs), parent
                 except SlimeLiteError as exc:
                     log.debug("trajectory %s: a new segment (%s)", self.key, exc)
@@ -314,9 +313,10 @@ class AgentEndpoint:
     def __init__(self, engine_client: Any, tokenizer: Any, model_name: str = "slime-lite") -> None:
         self.engine_client, self.tokenizer, self.model_name = engine_client, tokenizer, model_name
         self.trajectories: dict[str, Trajectory] = {}
-        self.stop_texts = tuple(t for t in (END_OF_TURN, tokenizer.eos_token) if t)
-        self.stop_ids = sorted({tokenizer.convert_tokens_to_ids(t) for t in self.stop_texts
-                                if tokenizer.convert_tokens_to_ids(t) is not None})
+        self.end_of_turn = end_of_turn(tokenizer)  # the chat template's (``<|im_end|>`` for ChatML)
+        self.stop_texts = tuple(t for t in (self.end_of_turn, tokenizer.eos_token) if t)
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in self.stop_texts}  # a text that is one token only
+        self.stop_ids = sorted({i for t, i in ids.items() if i is not None and tokenizer.convert_ids_to_tokens(i) == t})
         self._keys = itertools.count()
         self._runner: web.AppRunner | None = None
         self.url = ""

@@ -93,3 +93,16 @@ def inserted_text(tokenizer: Any, history: list[dict[str, Any]], new_messages: l
     end = before.rfind(end_of_turn) if end_of_turn else -1
     closing = before[end + (len(end_of_turn) if closed else 0):] if end >= 0 else ""
     return closing + after[len(before):]
+
+
+def end_of_turn(tokenizer: Any) -> str:
+    """The text the chat template closes an assistant turn with (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for
+    Llama 3): what it renders right after an assistant message's content, trailing whitespace left out. "" for a
+    template that closes no turn (the next role's tag starts the next one) or that cannot render such a turn."""
+    mark = "\u2063slime-lite-end-of-turn\u2063"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that needs more than this (tools, a system turn) closes with ""
+        return ""
+    return text[text.rindex(mark) + len(mark):].rstrip() if mark in text else ""

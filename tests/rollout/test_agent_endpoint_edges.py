@@ -203,3 +203,28 @@ def test_tool_call_ids_names_and_reasoning_reach_the_chat_template():
     assert build_tokenizer().decode(box["engine"].seen[0]["input_ids"]) == (
         "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n<think>r</think>b<|im_end|>\n"
         "<|im_start|>tool:calc#c1\n3<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_that_closes_turns_with_another_token_gets_it_after_a_cut_turn():
+    """A Llama-3-like template closing each turn with a token other than <|im_end|> (<|endoftext|> here, a single
+    token of the tiny tokenizer): a turn cut by its length gets that token at the start of the next call's inserted
+    text, as the template renders the turn, and the engine is told to stop at it."""
+    template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}<|endoftext|>{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "a"}]
+        reply = (await client.chat.completions.create(model="m", messages=messages, max_tokens=3)).choices[0]
+        messages += [reply.message, {"role": "user", "content": "b"}]
+        await client.chat.completions.create(model="m", messages=messages)
+
+    box = {}
+    sample = run_agent([("xyz", {"type": "length", "length": 3}), "w<|endoftext|>"], agent, chat_template=template,
+                       engine_box=box)
+    tok = build_tokenizer()
+    assert mod.end_of_turn(tok) == "<|im_end|>"  # the tiny model's own template is ChatML
+    assert tok.decode(sample.tokens) == "[user]a<|endoftext|>[assistant]xyz<|endoftext|>[user]b<|endoftext|>" \
+                                        "[assistant]w<|endoftext|>"
+    assert tok.convert_tokens_to_ids("<|endoftext|>") in box["engine"].seen[0]["sampling_params"]["stop_token_ids"]
+    assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 2
