@@ -182,7 +182,8 @@ def test_tool_call_ids_names_and_reasoning_reach_the_chat_template():
     template = ("{% for m in messages %}<|im_start|>{{ m.role }}{{ (':' + m.name) if m.name else '' }}"
                 "{{ ('#' + m.tool_call_id) if m.tool_call_id else '' }}\n"
                 "{{ ('<think>' + m.reasoning_content + '</think>') if m.reasoning_content else '' }}"
-                "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+                "{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     answers = []
 
     async def agent(base_url, task):
