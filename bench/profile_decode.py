@@ -136,6 +136,9 @@ def main() -> None:
                     help="also time the step with these gemv.SILU_IN_MAX_ROWS (32: past 16 rows the down product by "
                          "gemv with the SiLU inside, after cuBLAS's gate/up; gemv.SILU_IN_CONFIG's tiles, which "
                          "--gemv-configs does not change), comma-separated, *_siluinN keys")
+    ap.add_argument("--compare-blaslt", action="store_true",
+                    help="also time the step with torch's preferred BLAS library cuBLASLt for the cuBLAS products "
+                         "(gate/up and down past 16 rows, the output projection), *_blaslt keys")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
@@ -174,7 +177,11 @@ def main() -> None:
         variants += [f"_attn{n}" for n in args.attention_bytes.split(",") if n]
         variants += [f"_wide{n}{norm}" for n in args.wide_rows.split(",") if n for norm in ("", "_norm")]
         variants += [f"_siluin{n}" for n in args.silu_in_rows.split(",") if n]
+        variants += ["_blaslt"] * args.compare_blaslt
+        blas = torch.backends.cuda.preferred_blas_library()
         for suffix in variants:
+            if args.device == "cuda":
+                torch.backends.cuda.preferred_blas_library("cublaslt" if suffix == "_blaslt" else blas)
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
             decode_attention.ROPE_MAX_ROWS = 0 if suffix == "_ropekernel" else rope_rows
@@ -193,6 +200,8 @@ def main() -> None:
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
         decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = True
+        if args.device == "cuda":
+            torch.backends.cuda.preferred_blas_library(blas)
         decode_attention.ROPE_MAX_ROWS = rope_rows
         gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES = auto_config, norm_rows, block_bytes
         gemv.WIDE_MAX_ROWS, gemv.SILU_IN_MAX_ROWS = wide_rows, silu_rows
