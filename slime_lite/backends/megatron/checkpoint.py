@@ -69,10 +69,12 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     final = os.path.join(root, actor.role, name) if actor.role != "actor" else os.path.join(root, name)
     tmp = os.path.join(os.path.dirname(final), f".tmp-{name}")
     hf_out = save_hf_path(actor.args, rollout_id) if actor.args.save_hf and actor.role == "actor" else None
-    if actor.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp, exist_ok=True)
-    dist.barrier()
+    def prepare() -> None:
+        if actor.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp, exist_ok=True)
+
+    on_every_rank(prepare, f"making the folder {tmp}")
     a = actor.args
     lora_on = getattr(actor, "lora", None) is not None
     from slime_lite.backends.megatron.optimizer_offload import param_state, plain_groups

@@ -437,8 +437,9 @@ def push_lora_to_sglang(args: Any, adapters: dict[str, tuple[torch.Tensor, torch
     ``lora_adapter_name(version)`` (/load_lora_adapter), the engines' weight version set (/update_weight_version),
     then the adapter the engine served before unloaded (/unload_lora_adapter; SGLang lets its running requests
     finish first) and its folder removed. ``restarted``: the engines at ``urls`` were just started again
-    (--use-fault-tolerance) and hold no adapter, whatever the engine that had their URL before held. The folder must be readable by the engines: under --save when given (a
-    file system the nodes share), else this host's temporary folder.
+    (--use-fault-tolerance) and hold no adapter, whatever the engine that had their URL before held. The folder
+    must be readable by the engines: under --save when given (a file system the nodes share), else this host's
+    temporary folder.
 
     The weight check (with ``base``, the trainer's frozen base weights): the folder the engines loaded holds exactly
     ``reference`` (the trainer's adapters), and the engines' base weights equal ``base`` (``check_weights_equal``,
