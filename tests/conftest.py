@@ -59,7 +59,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = session.config.getoption("--record-durations")
-    if path:
+    if path and not hasattr(session.config, "workerinput"):  # under xdist the controller has every test's report
         import json
 
         Path(path).write_text(json.dumps({k: round(v, 2) for k, v in sorted(_SECONDS.items())}, indent=1) + "\n")

@@ -146,8 +146,9 @@ class _FakeWandb(types.ModuleType):
 def fake_wandb(monkeypatch):
     fake = _FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    monkeypatch.setenv("WANDB_MODE", "")  # restored after the test: the logger sets it
-    monkeypatch.delenv("WANDB_MODE")
+    for name in ("WANDB_MODE", "WANDB_BASE_URL"):  # restored after the test (absent or not): the logger sets them
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return fake
 
 
