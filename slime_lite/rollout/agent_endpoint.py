@@ -22,8 +22,8 @@ tokens), and its ``stop`` strings end the turn (kept in the trained tokens, cut 
 ``logprobs`` / ``top_logprobs`` return the engine's. The chat template gets ``--apply-chat-template-kwargs`` (as the
 prompts do) and the agent's ``chat_template_kwargs`` (SGLang's field; its keys win). A turn that did not end at the
 template's end of turn (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in Llama 3: what the template renders after an
-assistant message) because its length or a stop string cut it gets it at the start of the next call's inserted
-tokens, as the chat template renders the turn.
+assistant message), because its length, a stop string or the model's EOS ended it, gets it at the start of the next
+call's inserted tokens, as the chat template renders the turn.
 A call past the budget is answered 400 and the sample ends TRUNCATED; an agent that raises ends it FAILED
 (``metadata["agent_error"]``); a call the rollout aborts (over-sampling) is answered 400, as is every later one,
 and the sample ends ABORTED; what was recorded is kept in each case. Assistant turns end at that end of turn or the
@@ -138,7 +138,7 @@ class Trajectory:
         try:
             if parent is not None:
                 n = len(parent.messages) + 1
-                closed = bool(parent.completion_ids) and parent.completion_ids[-1] in self.endpoint.stop_ids
+                closed = bool(parent.completion_ids) and parent.completion_ids[-1] in self.endpoint.closing_ids
                 try:
                     return inserted_text(tok, messages[:n], messages[n:], self.endpoint.end_of_turn, closed=closed,
                                          template_kwargs=template_kwargs), parent
@@ -317,6 +317,10 @@ class AgentEndpoint:
         self.stop_texts = tuple(t for t in (self.end_of_turn, tokenizer.eos_token) if t)
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in self.stop_texts}  # a text that is one token only
         self.stop_ids = sorted({i for t, i in ids.items() if i is not None and tokenizer.convert_ids_to_tokens(i) == t})
+        # a turn is closed by the end of turn itself (a turn that ended at EOS still gets it, as the template renders
+        # the turn); by any stop token where the end of turn is not one token
+        one = ids.get(self.end_of_turn)
+        self.closing_ids = {one} if one in self.stop_ids else set(self.stop_ids)
         self._keys = itertools.count()
         self._runner: web.AppRunner | None = None
         self.url = ""

@@ -229,3 +229,20 @@ def test_a_template_that_closes_turns_with_another_token_gets_it_after_a_cut_tur
                                         "[assistant]w<|endoftext|>"
     assert tok.convert_tokens_to_ids("<|endoftext|>") in box["engine"].seen[0]["sampling_params"]["stop_token_ids"]
     assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 2
+
+
+def test_a_turn_that_ended_at_eos_gets_the_end_of_turn_before_the_next_messages():
+    """ChatML: a turn the model ended with its EOS (<|endoftext|>), not <|im_end|>, keeps its EOS (the model
+    sampled it) and gets <|im_end|> from the next call's inserted text, as the template closes the turn."""
+    async def agent(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "a"}]
+        reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0]
+        messages += [reply.message, {"role": "user", "content": "b"}]
+        await client.chat.completions.create(model="m", messages=messages)
+
+    sample = run_agent(["x<|endoftext|>", "y<|im_end|>"], agent)
+    assert build_tokenizer().decode(sample.tokens) == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nx<|endoftext|><|im_end|>\n<|im_start|>user\nb<|im_end|>\n"
+        "<|im_start|>assistant\ny<|im_end|>")
+    assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 2
