@@ -13,7 +13,9 @@ earlier turn's thinking).
 
 Tool calls in the model's text, Qwen/Hermes ``<tool_call>{json}</tool_call>`` blocks, become OpenAI ``tool_calls``
 (``finish_reason`` "tool_calls"); a malformed block is returned as content text, stays in the trajectory and is
-counted (``metadata["malformed_tool_calls"]``).
+counted (``metadata["malformed_tool_calls"]``). ``stream: true`` gets the finished reply as OpenAI's
+``chat.completion.chunk`` events (the whole message in one delta, then the finish reason, then the usage with
+``stream_options.include_usage``), for agents that always stream.
 
 The rollout's sampling parameters apply, whatever the agent sends (the trainer scores tokens at
 ``--rollout-temperature``): the agent's temperature, top_p and seed are ignored, its ``max_tokens`` is honoured
@@ -61,7 +63,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from slime_lite.errors import EngineError, SlimeLiteError
-from slime_lite.rollout.agent_messages import BadRequest, normalise, stop_strings
+from slime_lite.rollout.agent_messages import BadRequest, normalise, stop_strings, stream_chunks, stream_options
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
 from slime_lite.rollout.tool_calls import end_of_turn, inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import append_turn, restart
@@ -368,12 +370,24 @@ class AgentEndpoint:
             return _error(400, "the body is not JSON")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             return _error(400, "messages: a non-empty list is required")
-        if body.get("stream"):
-            return _error(400, "stream: not supported by the agent endpoint; call without stream")
+        stream = body.get("stream")
+        if stream not in (None, True, False):
+            return _error(400, f"stream={stream!r:.40} must be true or false")
         if body.get("n") not in (None, 1):
             return _error(400, f"n={body['n']!r:.40}: one choice per call (call again for another)")
         try:
-            return web.json_response(await traj.chat(body))
+            include_usage = stream_options(body) if stream else False
+            completion = await traj.chat(body)
+            if not stream:
+                return web.json_response(completion)
+            # streamed: the finished completion as OpenAI's chunks (errors above are plain HTTP errors, as OpenAI's)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            for chunk in stream_chunks(completion, include_usage):
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
         except BadRequest as exc:
             return _error(400, str(exc))
         except BudgetExhausted as exc:

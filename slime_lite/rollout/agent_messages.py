@@ -72,3 +72,34 @@ def stop_strings(value: Any) -> list[str]:
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
         raise BadRequest(f"stop={value!r:.80} must be a string or a list of non-empty strings")
     return stops
+
+
+def stream_options(body: dict[str, Any]) -> bool:
+    """``stream_options`` of a streamed call: whether the last chunk carries the usage (``include_usage``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise BadRequest(f"stream_options={options!r:.80} must be an object with a boolean include_usage")
+    return options.get("include_usage", False)
+
+
+def stream_chunks(completion: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A finished chat completion as the ``chat.completion.chunk`` events OpenAI streams: the message (role, content,
+    tool calls with their index) and its log-probs in one delta, then the finish reason, then the usage when asked
+    (``include_usage``; ``usage`` null in the others then)."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    head = {k: completion[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    usage = {"usage": None} if include_usage else {}
+    chunks = [{**head, "choices": [{"index": 0, "delta": delta, "logprobs": choice["logprobs"],
+                                    "finish_reason": None}], **usage},
+              {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                    "finish_reason": choice["finish_reason"]}], **usage}]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": completion["usage"]})
+    return chunks

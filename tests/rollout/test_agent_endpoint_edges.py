@@ -246,3 +246,40 @@ def test_a_turn_that_ended_at_eos_gets_the_end_of_turn_before_the_next_messages(
         "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nx<|endoftext|><|im_end|>\n<|im_start|>user\nb<|im_end|>\n"
         "<|im_start|>assistant\ny<|im_end|>")
     assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 2
+
+
+def test_a_streamed_call_gets_openais_chunks_and_is_recorded_like_any_other():
+    """``stream=True`` through the official client: the chunks rebuild the reply (content, tool calls, finish
+    reason), the usage comes last with include_usage, and the call is recorded as an unstreamed one."""
+    got = {}
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "1+2*3="}]
+        chunks = [c async for c in await client.chat.completions.create(
+            model="m", messages=messages, stream=True, stream_options={"include_usage": True})]
+        got["content"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        got["calls"] = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+        got["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices]
+        got["usage"] = chunks[-1].usage
+        call = got["calls"][0]
+        messages += [{"role": "assistant", "content": got["content"], "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                             "arguments": call.function.arguments}}]},
+                     {"role": "tool", "content": "7"}]
+        streamed = await client.chat.completions.create(model="m", messages=messages, stream=True)
+        got["answer"] = "".join([c.choices[0].delta.content or "" async for c in streamed])
+        try:
+            await client.chat.completions.create(model="m", messages=messages, stream=True,
+                                                 stream_options={"include_usage": "yes"})
+        except openai.BadRequestError as exc:
+            got["error"] = exc.message
+
+    call = '<tool_call>{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call><|im_end|>'
+    sample = run_agent(["ok " + call, "7<|im_end|>"], agent)
+    assert got["content"] == "ok" and [(c.index, c.function.name, c.function.arguments) for c in got["calls"]] == [
+        (0, "calc", '{"expr": "2*3"}')]
+    assert got["finish"] == [None, "tool_calls"] and got["usage"].completion_tokens > 0 and got["answer"] == "7"
+    assert "stream_options" in got["error"]
+    assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 2
+    assert sample.metadata["tool_calls"] == 1  # the second call extended the first: one sample, as unstreamed
