@@ -32,9 +32,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="write each test's seconds (setup + call + teardown) to PATH as JSON (for --slice)")
 
 
+# the CPU suite's files by their seconds (summed from a --record-durations run of scripts/test.sh): the heaviest go
+# first, so the two xdist workers (each taking whole files) end together instead of one waiting on a late long file
+FILE_SECONDS = Path(__file__).with_name("cpu_file_seconds.json")  # {test file: seconds}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     spec = config.getoption("--slice")
     if not spec:
+        if FILE_SECONDS.exists():
+            import json
+
+            seconds = json.loads(FILE_SECONDS.read_text())
+            items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable: files stay whole
         return
     try:
         k, n = (int(x) for x in spec.split("/"))

@@ -260,7 +260,7 @@ def skipped_rows(args: Any, present: set[str], run: TrainRun) -> list[Check]:
     for name, threshold in FIRST_ITERATION_ROWS:
         if name in present:
             continue
-        if name != "grad_norm_finite" and getattr(args, "ci_disable_kl_checker", False):
+        if name != "grad_norm_finite" and args.ci_disable_kl_checker:
             why = "skipped: --ci-disable-kl-checker (drop it to check that the KL is zero at step 1)"
         elif name == "step1_kl_zero" and not has_reference_model(args):
             why = "skipped: no reference model in this run (add --use-kl-loss, --kl-coef or --ref-load to check it)"

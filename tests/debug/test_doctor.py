@@ -110,7 +110,7 @@ def test_every_check_row_shows_and_a_skipped_one_says_why(capsys):
 
     def flags(**kw):
         return argparse.Namespace(**{"use_kl_loss": False, "kl_coef": 0.0, "ref_load": None,
-                                     "lora_adapter_path": None, **kw})
+                                     "lora_adapter_path": None, "ci_disable_kl_checker": False, **kw})
 
     stopped = TrainRun(out="/x", returncode=1, seconds=1.0, error="engine 0 died")
     rows = skipped_rows(flags(), {"grad_norm_finite"}, stopped)
