@@ -172,3 +172,30 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(tm
     assert (tmp_path / "rank0.txt").read_text() == (f"SlimeLiteError: saving checkpoint {tmp_path}/ckpt/iter_0000003: "
                                                     "failed on rank 1 (its error is in that rank's log)")
     assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_failed_save_hf_export_says_the_checkpoint_was_saved(tmp_path: Path, monkeypatch) -> None:
+    """--save-hf's folder cannot be written after the checkpoint is in place: the error says both, and the
+    checkpoint stays (latest names it); a failure before (the checkpoint's own hf/ export) leaves no folder."""
+    model = torch.nn.Linear(3, 2)
+    actor = _actor(model, torch.optim.Adam(model.parameters()))
+    actor.role, actor.args.hf_checkpoint, actor.args.ref_load = "actor", str(tmp_path / "base"), None
+    actor.args.save_hf = str(tmp_path / "hf_{rollout_id}")
+    actor.hf_weights = lambda: {"w": torch.zeros(1)}
+
+    def no_room(named, base, out):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_hf_folder", no_room)
+    with pytest.raises(SlimeLiteError, match=r"no space left writing .*iter_0000003/hf "):  # the checkpoint's own
+        checkpoint.save(actor, str(tmp_path / "ckpt"), 3, None)  # export, before the checkpoint is in place
+    assert list((tmp_path / "ckpt").iterdir()) == []
+
+    calls = []
+    monkeypatch.setattr(checkpoint, "write_hf_folder", lambda named, base, out: calls.append(out) or (
+        None if out.endswith("hf") else no_room(named, base, out)))
+    with pytest.raises(SlimeLiteError, match=r"checkpoint .*iter_0000004 was saved, but writing the Hugging Face"):
+        checkpoint.save(actor, str(tmp_path / "ckpt"), 4, None)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000004"
+    assert (tmp_path / "ckpt" / "iter_0000004" / "rank_000.pt").exists() and calls[-1].endswith("hf_4")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000004", "latest"]

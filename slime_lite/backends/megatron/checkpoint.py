@@ -69,12 +69,43 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     final = os.path.join(root, actor.role, name) if actor.role != "actor" else os.path.join(root, name)
     tmp = os.path.join(os.path.dirname(final), f".tmp-{name}")
     hf_out = save_hf_path(actor.args, rollout_id) if actor.args.save_hf and actor.role == "actor" else None
+
     def prepare() -> None:
         if actor.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp, exist_ok=True)
 
     on_every_rank(prepare, f"making the folder {tmp}")
+    try:
+        hf_model = _write_parts(actor, tmp, final, rollout_id, data_state, hf_out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
+        raise
+
+    def publish() -> None:
+        if actor.rank != 0:
+            return
+        try:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        atomic_write_text(name, os.path.join(os.path.dirname(final), "latest"))
+        if hf_model is not None:  # --save-hf: written whole or not at all (a full disk: an error naming it)
+            try:
+                write_hf_folder(hf_model, actor.args.hf_checkpoint, hf_out)
+            except Exception as exc:
+                raise SlimeLiteError(f"--save-hf: checkpoint {final} was saved, but writing the Hugging Face model "
+                                     f"to {hf_out} failed: {exc}") from exc
+            logger.info("--save-hf: wrote the actor's Hugging Face model to %s", hf_out)
+
+    on_every_rank(publish, f"publishing checkpoint {final}")
+
+
+def _write_parts(actor: Any, tmp: str, final: str, rollout_id: int, data_state: Any, hf_out: str | None) -> dict | None:
+    """Every rank's file into ``tmp`` and the actor's export (rank 0); returns --save-hf's model on rank 0. The HF
+    gathers (collectives) come first, then what may fail on one rank alone, checked on every rank together."""
     a = actor.args
     lora_on = getattr(actor, "lora", None) is not None
     from slime_lite.backends.megatron.optimizer_offload import param_state, plain_groups
@@ -86,10 +117,11 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
         "optimizer": plain_groups(actor.optimizer.state_dict()),
         "optimizer_param_state": param_state(actor.optimizer),  # --optimizer-cpu-offload (optimizer_offload.py)
     }
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     state = {
         "model": model_state,
         **optim,
-        "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "rng": {"cpu": torch.get_rng_state(), "cuda": cuda_rng},
         "next_rollout_id": rollout_id + 1,
         "data_state": data_state,
         "layout": _layout(actor),
@@ -97,13 +129,16 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
     }
     if a.ref_update_interval and getattr(actor, "ref_state", None) is not None:  # the reference moves: keep it
         state["reference"] = actor.ref_state
-    # the collectives first (the HF gathers), then what may fail on one rank alone (the files), checked together
     export = "adapter" if lora_on else "hf"  # LoRA: a PEFT folder for the --hf-checkpoint base (peft_format.py)
     named = (actor.hf_lora() if lora_on else actor.hf_weights()) if actor.role == "actor" else None
-    hf_model = save_hf_weights(actor, named) if hf_out else None
+    # --save-hf with LoRA: the base weights gathered here, the adapters merged into them on rank 0 below
+    hf_base = actor.hf_weights() if hf_out and lora_on else None
+    hf_model: dict[str, Any] = {}
 
     def write_parts() -> None:
         atomic_torch_save(plain_state(state), os.path.join(tmp, f"rank_{actor.rank:03d}.pt"))
+        if actor.rank == 0 and hf_out:  # the whole model, as an engine serves it
+            hf_model["weights"] = actor._effective(hf_base, named) if lora_on else named
         if actor.rank == 0 and named is not None:
             try:
                 if lora_on:
@@ -113,23 +148,8 @@ def save(actor: Any, root: str, rollout_id: int, data_state: Any) -> None:
             except OSError as exc:  # the folder is renamed into place only when complete
                 raise (no_space_error(exc, os.path.join(final, export)) or exc) from None
 
-    try:
-        on_every_rank(write_parts, f"saving checkpoint {final}")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
-        raise
-
-    def publish() -> None:
-        if actor.rank != 0:
-            return
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        atomic_write_text(name, os.path.join(os.path.dirname(final), "latest"))
-        if hf_model is not None:  # --save-hf: written whole or not at all (a full disk: an error naming it)
-            write_hf_folder(hf_model, a.hf_checkpoint, hf_out)
-            logger.info("--save-hf: wrote the actor's Hugging Face model to %s", hf_out)
-
-    on_every_rank(publish, f"publishing checkpoint {final}")
+    on_every_rank(write_parts, f"saving checkpoint {final}")
+    return hf_model.get("weights")
 
 
 def on_every_rank(step: Any, what: str) -> None:
@@ -152,15 +172,6 @@ def on_every_rank(step: Any, what: str) -> None:
     if failed.any():
         ranks = ", ".join(str(r) for r in failed.nonzero().flatten().tolist())
         raise SlimeLiteError(f"{what}: failed on rank {ranks} (its error is in that rank's log)")
-
-
-def save_hf_weights(actor: Any, named: dict | None) -> dict | None:
-    """--save-hf: the actor's whole model, HF-named, on global rank 0 (None elsewhere); collective. With LoRA the
-    adapters (``named``, from ``hf_lora``) merged into the base weights, as an engine serves them."""
-    if getattr(actor, "lora", None) is None:
-        return named
-    base = actor.hf_weights()
-    return actor._effective(base, named) if actor.rank == 0 else None
 
 
 def save_hf_path(a: Any, rollout_id: int) -> str:
