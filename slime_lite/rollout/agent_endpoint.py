@@ -50,13 +50,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import inspect
 import itertools
 import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -64,6 +62,7 @@ from aiohttp import web
 
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.rollout.agent_messages import BadRequest, normalise, stop_strings, stream_chunks, stream_options
+from slime_lite.rollout.agent_runner import start_agent
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
 from slime_lite.rollout.tool_calls import end_of_turn, inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import append_turn, restart
@@ -126,7 +125,8 @@ class Trajectory:
         (calls sent at once from the same history each find the call they branch from)."""
         for prev in reversed(self.calls):
             n = len(prev.messages)
-            if (len(messages) > n and messages[:n] == prev.messages and messages[n] == prev.reply
+            echo = {k: v for k, v in messages[n].items() if k != "name"} if len(messages) > n else None
+            if (echo == prev.reply and messages[:n] == prev.messages  # (a reply echoed with a name: AutoGen's)
                     and all(m["role"] != "assistant" for m in messages[n + 1:])):
                 return prev
         return None
@@ -434,18 +434,6 @@ async def endpoint_for(args: Any) -> AgentEndpoint:
 
 
 Agent = Callable[[str, Sample], Awaitable[Any] | Any]  # async def, or a plain def run in a thread
-_AGENT_THREADS: ThreadPoolExecutor | None = None  # the plain-def agents' threads (made when the first one runs)
-
-
-def _start(run: Agent, base_url: str, sample: Sample) -> asyncio.Future:
-    """``run(base_url, sample)`` as a future of this loop: an ``async def`` agent as a task, a plain ``def`` one (the
-    synchronous openai client) in a thread, so the loop goes on serving its calls."""
-    global _AGENT_THREADS
-    if inspect.iscoroutinefunction(run) or inspect.iscoroutinefunction(getattr(run, "__call__", None)):
-        return asyncio.ensure_future(run(base_url, sample))
-    if _AGENT_THREADS is None:  # threads are made as agents start: the cap only bounds agents running at once
-        _AGENT_THREADS = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="slime-lite-agent")
-    return asyncio.get_running_loop().run_in_executor(_AGENT_THREADS, run, base_url, sample)
 
 
 async def stop_endpoint() -> None:
@@ -467,7 +455,7 @@ def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awai
         traj = ep.open(sampling_params, args.max_turns, context_bound(args, evaluation),
                        args.apply_chat_template_kwargs)
         error = None
-        agent = _start(run, traj.base_url, sample)
+        agent = start_agent(run, traj.base_url, sample)
         try:
             done, _ = await asyncio.wait({agent}, timeout=timeout)
             if not done:  # (a thread cannot be stopped: its calls from now on are answered 404)

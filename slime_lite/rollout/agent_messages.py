@@ -90,7 +90,7 @@ def stream_chunks(completion: dict[str, Any], include_usage: bool) -> list[dict[
     (``include_usage``; ``usage`` null in the others then)."""
     choice = completion["choices"][0]
     message = choice["message"]
-    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
     if message.get("tool_calls"):
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
     head = {k: completion[k] for k in ("id", "created", "model")}

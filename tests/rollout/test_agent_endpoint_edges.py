@@ -283,3 +283,45 @@ def test_a_streamed_call_gets_openais_chunks_and_is_recorded_like_any_other():
     assert "stream_options" in got["error"]
     assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 2
     assert sample.metadata["tool_calls"] == 1  # the second call extended the first: one sample, as unstreamed
+
+
+def test_wrapped_async_agents_and_thread_agents_past_their_timeout():
+    """A lambda around an async agent (it returns the agent's coroutine) runs as the agent itself; a plain-def
+    agent still running at the timeout works on its own copy of the sample: what it does later is not kept."""
+    import threading
+    import time
+
+    async def agent(base_url, task, greeting):
+        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": greeting}])
+        task.metadata["said"] = greeting
+
+    sample = run_agent(["x<|im_end|>"], lambda url, task: agent(url, task, "hi"))
+    assert sample.status == Status.COMPLETED and sample.metadata["said"] == "hi" and sample.metadata["agent_calls"] == 1
+
+    late = threading.Event()
+
+    def slow(base_url, task):
+        time.sleep(1.0)
+        task.metadata["late"] = True  # after the hook returned: on the agent's copy only
+        late.set()
+
+    sample = run_agent([], slow, timeout=0.2)
+    assert sample.status == Status.FAILED and "timeout" in sample.metadata["agent_error"]
+    assert late.wait(5) and "late" not in sample.metadata
+
+
+def test_a_reply_echoed_back_with_a_name_still_extends_its_call():
+    """AutoGen echoes the assistant's reply with its own ``name``: the next call still extends the call that
+    replied (one sample), not a rewritten history (a new segment)."""
+    async def agent(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "a"}]
+        reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+        messages += [{"role": "assistant", "content": reply.content, "name": "solver"},
+                     {"role": "user", "content": "b"}]
+        await client.chat.completions.create(model="m", messages=messages)
+
+    sample = run_agent(["x<|im_end|>", "y<|im_end|>"], agent)
+    assert not isinstance(sample, list) and sample.metadata["agent_calls"] == 2
+    assert build_tokenizer().decode(sample.tokens).endswith("x<|im_end|>\n<|im_start|>user\nb<|im_end|>\n"
+                                                            "<|im_start|>assistant\ny<|im_end|>")
