@@ -4,7 +4,7 @@
 #   bash scripts/test-gpu.sh [--quick] [--slice K/N] [pytest args]
 # --slice K/N: the K-th of N parts of the suite, the same every time, balanced by the seconds each test took in the
 #   run recorded in tests/gpu_durations.json (`--record-durations FILE` writes them). The default split is
-#   --slice 1/4 .. 4/4 (about 250 s of tests each by the recorded seconds), each meant to finish under 7 minutes on
+#   --slice 1/4 .. 4/4 (about 260 s of tests each by the recorded seconds), each meant to finish under 7 minutes on
 #   one H200 (BENCHMARKS.md: "The GPU suite in slices").
 # --quick: the engine's captured decode steps and fused kernels, the log-prob kernels, the bf16 precision checks and
 #   the colocated loop of a half-billion shape under --ci-test, offload, the colocated push by CUDA IPC.
