@@ -48,6 +48,7 @@ RUN = {  # README command -> the command run in the sandbox
 _SAME_AS_QUICKSTART = "quickstart.sh (run above) runs exactly this script with the same arguments"
 SKIP = {
     "bash scripts/test.sh": "runs this test suite",
+    "bash scripts/test.sh -n 0": "runs this test suite (in one process)",
     "scripts/setup.sh": "the installer: scripts/test.sh runs it before the tests, and every script run here calls it",
     "slime-lite make-tiny-model": "named without its required --out; prepare-tiny.sh runs it, but its warm start takes "
                                   "minutes, so the sandbox gets the session's tiny model (tests/test_tiny_model.py)",
