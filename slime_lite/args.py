@@ -25,6 +25,7 @@ from slime_lite.checks.faults import FAULTS
 from slime_lite.config import FrozenFlags, freeze
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 from slime_lite.rollout.rewards import RM_TYPES
+from slime_lite.rollout.tool_calls import PARSER_CHOICES
 from slime_lite.slime_flags import add_args as add_slime_flags
 
 
@@ -153,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-max-context-len", type=_positive_int, default=None,
                    help="the same bound for eval samples: the multi-turn helpers and the built-in generate hooks "
                         "apply it when called with evaluation=True (default: --rollout-max-context-len)")
+    g.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto",
+                   help="the format the agent endpoint (rollout.agent_endpoint.openai_agent) reads the model's tool "
+                        "calls in, SGLang's names: qwen25 (qwen, hermes: <tool_call>{json}</tool_call>), llama3 "
+                        "(JSON after <|python_tag|>), pythonic ([f(a=1)]), qwen3_coder (<function=...> XML); auto "
+                        "(default): the one the chat template writes, else qwen25")
     g.add_argument("--tool-call-timeout", type=float, default=30.0,
                    help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
                         "(default: %(default)s)")

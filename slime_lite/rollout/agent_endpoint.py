@@ -11,11 +11,13 @@ that rewrites the history starts a new segment (one more sample of the same traj
 does one whose history the chat template renders differently once the new messages follow (Qwen3 dropping an
 earlier turn's thinking).
 
-Tool calls in the model's text, Qwen/Hermes ``<tool_call>{json}</tool_call>`` blocks, become OpenAI ``tool_calls``
-(``finish_reason`` "tool_calls"); a malformed block is returned as content text, stays in the trajectory and is
-counted (``metadata["malformed_tool_calls"]``). ``stream: true`` gets the finished reply as OpenAI's
-``chat.completion.chunk`` events (the whole message in one delta, then the finish reason, then the usage with
-``stream_options.include_usage``), for agents that always stream.
+Tool calls in the model's text become OpenAI ``tool_calls`` (``finish_reason`` "tool_calls"), read in the format
+``--tool-call-parser`` names (by default the one the chat template writes: Qwen/Hermes ``<tool_call>{json}
+</tool_call>`` blocks, Llama 3's JSON, Qwen3-Coder's XML); a malformed call is returned as content text, stays in the
+trajectory and is counted (``metadata["malformed_tool_calls"]``). ``tool_choice`` "none" hides the tools from the
+chat template and parses no call, a named function shows only that tool; decoding is not constrained.
+``stream: true`` gets the finished reply as OpenAI's ``chat.completion.chunk`` events (the whole message in one
+delta, then the finish reason, then the usage with ``stream_options.include_usage``), for agents that always stream.
 
 The rollout's sampling parameters apply, whatever the agent sends (the trainer scores tokens at
 ``--rollout-temperature``): the agent's temperature, top_p and seed are ignored, its ``max_tokens`` is honoured
@@ -61,10 +63,11 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from slime_lite.errors import EngineError, SlimeLiteError
-from slime_lite.rollout.agent_messages import BadRequest, normalise, stop_strings, stream_chunks, stream_options
+from slime_lite.rollout.agent_messages import (BadRequest, normalise, stop_strings, stream_chunks, stream_options,
+                                                tool_choice)
 from slime_lite.rollout.agent_runner import start_agent
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
-from slime_lite.rollout.tool_calls import end_of_turn, inserted_text, parse_tool_calls
+from slime_lite.rollout.tool_calls import detect_parser, end_of_turn, inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import append_turn, restart
 from slime_lite.tokenizer import load_tokenizer
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
@@ -171,7 +174,8 @@ class Trajectory:
             raise BadRequest(f"{asked_field}={asked!r:.40} must be a positive integer (or null)")
         if self.aborted:
             raise Aborted("the engine aborted an earlier call of this trajectory; the sample ends aborted")
-        text, parent = self._render(messages, self._parent(messages), body.get("tools"),
+        tools, parse = tool_choice(body)
+        text, parent = self._render(messages, self._parent(messages), tools,
                                     {**self.template_kwargs, **(agent_kwargs or {})})
         new_ids = ep.tokenizer(text, add_special_tokens=False)["input_ids"]
         if parent is not None:
@@ -223,7 +227,8 @@ class Trajectory:
         matched = finish_info.get("matched")
         if isinstance(matched, str) and matched in content:  # as OpenAI's: the content ends before the stop string
             content = content[:content.find(matched)]
-        parsed = parse_tool_calls(content, strip=ep.stop_texts)
+        strip = ep.stop_texts + ((ep.tokenizer.decode([matched]),) if isinstance(matched, int) else ())
+        parsed = parse_tool_calls(content, strip, ep.parser if parse else None, tools)
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
                       for c in parsed.calls]
@@ -312,8 +317,12 @@ class AgentEndpoint:
     """The HTTP server of the trajectories of one process (one event loop): ``/t/<key>/v1/chat/completions`` and
     ``/t/<key>/v1/models`` on 127.0.0.1, a free port."""
 
-    def __init__(self, engine_client: Any, tokenizer: Any, model_name: str = "slime-lite") -> None:
+    def __init__(self, engine_client: Any, tokenizer: Any, model_name: str = "slime-lite",
+                 tool_call_parser: str = "auto") -> None:
         self.engine_client, self.tokenizer, self.model_name = engine_client, tokenizer, model_name
+        self.parser = detect_parser(tokenizer) if tool_call_parser == "auto" else tool_call_parser
+        log.info("agent endpoint: tool calls read in the %s format (--tool-call-parser %s)", self.parser,
+                 tool_call_parser)
         self.trajectories: dict[str, Trajectory] = {}
         self.end_of_turn = end_of_turn(tokenizer)  # the chat template's (``<|im_end|>`` for ChatML)
         self.stop_texts = tuple(t for t in (self.end_of_turn, tokenizer.eos_token) if t)
@@ -423,7 +432,8 @@ async def endpoint_for(args: Any) -> AgentEndpoint:
         starting = _STARTING.get(id(loop))
         if starting is None or starting.get_loop() is not loop:
             starting = _STARTING[id(loop)] = loop.create_task(AgentEndpoint(
-                args.engine_client, _tokenizer(args.hf_checkpoint), str(args.hf_checkpoint)).start())
+                args.engine_client, _tokenizer(args.hf_checkpoint), str(args.hf_checkpoint),
+                args.tool_call_parser).start())
         try:
             ep = _ENDPOINTS[id(loop)] = await asyncio.shield(starting)
         finally:

@@ -66,6 +66,36 @@ def normalise(message: Any, where: str = "message") -> dict[str, Any]:
     return out
 
 
+def tool_choice(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
+    """The tools the chat template is given and whether the reply's tool calls are parsed, from the call's ``tools``
+    and ``tool_choice`` (as SGLang reads them): "none" hides the tools and parses no call; a named function
+    (``{"type": "function", "function": {"name": ...}}``) shows only that tool; "auto" (the default) and "required"
+    show them all. Decoding is not constrained: under "required" or a named function the model may still answer in
+    text, and that reply is returned (and trained) as it is."""
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}')
+    tools = tools or None
+    choice = body.get("tool_choice")
+    if choice in (None, "auto"):
+        return tools, True
+    if choice == "none":
+        return None, False
+    if choice == "required":
+        if tools is None:
+            raise BadRequest('tool_choice "required" needs tools')
+        return tools, True
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(
+        choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise BadRequest(f'tool_choice={choice!r:.80} must be "none", "auto", "required" or {{"type": "function", '
+                         '"function": {"name": ...}}')
+    chosen = [t for t in tools or [] if isinstance(t.get("function"), dict) and t["function"].get("name") == name]
+    if not chosen:
+        raise BadRequest(f"tool_choice names the function {name!r:.60}, which is not in tools")
+    return chosen, True
+
+
 def stop_strings(value: Any) -> list[str]:
     """The agent's ``stop``: a string or a list of strings, none empty."""
     stops = [] if value is None else [value] if isinstance(value, str) else value
