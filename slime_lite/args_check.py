@@ -253,11 +253,13 @@ def validate_args(args: argparse.Namespace) -> None:
             f"{args.rollout_batch_size}."
         )
     check_partial_rollout(args)
-    if ((args.rollout_sample_filter_path or args.rollout_all_samples_process_path)
-            and args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION):
-        log.warning("--rollout-sample-filter-path / --rollout-all-samples-process-path are called by the default "
-                    "rollout function only (as in slime): --rollout-function-path %s replaces it, so they are not "
-                    "called unless it calls them", args.rollout_function_path)
+    default_only = [f"--{k.replace('_', '-')}" for k in ("rollout_sample_filter_path",
+                    "rollout_all_samples_process_path", "dynamic_sampling_filter_path", "over_sampling_batch_size",
+                    "partial_rollout") if getattr(args, k)]
+    if default_only and args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION:
+        log.warning("%s act in the default rollout function only (as in slime): --rollout-function-path %s replaces "
+                    "it, so they do nothing unless it calls %s", " / ".join(default_only), args.rollout_function_path,
+                    DEFAULT_ROLLOUT_FUNCTION)
     if not 0 < args.rollout_top_p <= 1:
         raise SlimeLiteError(f"--rollout-top-p {args.rollout_top_p} must be in (0, 1].")
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:

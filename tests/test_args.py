@@ -252,6 +252,15 @@ def test_partial_rollout_and_over_sampling_bad_input_names_the_flags(base, argv,
     assert all(flag in msg for flag in named), msg
 
 
+def test_over_sampling_flags_with_a_custom_rollout_function_are_named_in_a_warning(base, caplog):
+    """They act in the default rollout function only: a --rollout-function-path that replaces it is told so."""
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + ["--rollout-batch-size", "4", "--over-sampling-batch-size", "6", "--partial-rollout",
+                           "--rollout-function-path", "my_mod.rollout"])
+    assert "--over-sampling-batch-size / --partial-rollout act in the default rollout function only" in caplog.text
+    assert "--rollout-function-path my_mod.rollout" in caplog.text
+
+
 def test_partial_rollout_with_over_sampling_is_accepted(base):
     args = parse_args(base + ["--rollout-batch-size", "4", "--over-sampling-batch-size", "6", "--partial-rollout",
                               "--mask-offpolicy-in-partial-rollout"])

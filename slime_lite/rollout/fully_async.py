@@ -43,6 +43,8 @@ from slime_lite.rollout.oversample import MAX_SUBMITS, complete
 from slime_lite.types import TOKEN_VERSIONS, Sample, version_number
 
 log = logging.getLogger(__name__)
+_UNVERSIONED: list[bool] = []  # warned once per process
+MAX_CUT = 3  # a group the engines cut short this many times in a row is dropped (they refuse it), not regenerated
 
 
 def token_versions(sample: Sample) -> list[int]:
@@ -64,6 +66,11 @@ def apply_staleness(groups: list[list[Sample]], trainer_version: int, max_stalen
     oldest_bound = None if max_staleness is None else trainer_version - max_staleness
     for group in groups:
         versions = [token_versions(s) for s in group]
+        if max_staleness is not None and not _UNVERSIONED and any(s.response_length and not v
+                                                                  for s, v in zip(group, versions)):
+            _UNVERSIONED.append(True)
+            log.warning("--max-weight-staleness %d: a sample carries no weight version (a generate hook that records "
+                        "no meta_info.weight_version), so the bound cannot apply to it (logged once)", max_staleness)
         stale = oldest_bound is not None and any(v and min(v) < oldest_bound for v in versions)
         if stale and mode == "drop":
             dropped += len(group)
@@ -104,8 +111,9 @@ class FullyAsyncWorker:
         self.room: asyncio.Event | None = None  # set when a rollout took groups: the loop refills
         self.arrived: asyncio.Event | None = None  # set when a group finished: a waiting rollout looks again
         self.next_index = 0
-        self.filtered = self.failed = 0
-        self.logged = (0, 0)  # self.filtered, self.failed as the last rollout's metrics counted them
+        self.filtered = self.failed = self.refused = 0
+        self.cut: dict[Any, int] = {}  # prompt index -> times its group came back cut short in a row
+        self.logged = (0, 0, 0)  # self.filtered, self.failed, self.refused as the last rollout's metrics saw them
 
     def load_state(self, groups: list[list[dict[str, Any]]], next_index: int | None = None) -> None:
         """Groups of a checkpoint: the finished ones wait to be trained first, in the order they finished; the
@@ -155,12 +163,22 @@ class FullyAsyncWorker:
             for task in done:
                 sent = self.in_flight.pop(task)
                 group = task.result()  # an error (a hook's, the engines') ends the loop: rollout() raises it
+                key = group[0].metadata.get("prompt_index")
                 if not complete(group):  # cut short by an engine (nothing here aborts): never trained
                     self.failed += 1
+                    self.cut[key] = self.cut.get(key, 0) + 1
+                    if self.cut[key] >= MAX_CUT:  # the engines refuse it (e.g. its input): not forever
+                        del self.cut[key]
+                        self.refused += 1
+                        log.warning("--fully-async: the engines cut the group of prompt %s short %d times: dropped",
+                                    key, MAX_CUT)
+                        continue
                     log.warning("--fully-async: a group came back unfinished (an engine error); generating its "
                                 "prompt again")
                     self.pending.append([Sample.from_dict(d) for d in sent])
-                elif self.gen.filter_fn is not None and not self.gen.filter_fn(self.gen.args, group):
+                    continue
+                self.cut.pop(key, None)
+                if self.gen.filter_fn is not None and not self.gen.filter_fn(self.gen.args, group):
                     self.filtered += 1
                 else:
                     self.finished.append(group)
@@ -190,17 +208,19 @@ class FullyAsyncWorker:
         kept: list[list[Sample]] = []
         stats = {"rollout/async/dropped_stale_samples": 0.0, "rollout/async/masked_tokens": 0.0,
                  "rollout/async/masked_samples": 0.0}
-        filtered0 = self.filtered
+        lost0 = self.filtered + self.refused
         self.gen.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
         self.gen.first_sent = self.gen.last_back = None  # perf/rollout/*: the requests sent and back during the take
         while len(kept) < a.rollout_batch_size:
             while not self.finished:
                 await self._wait()
-                if self.filtered - filtered0 > MAX_SUBMITS * a.rollout_batch_size:  # as over-sampling: not forever
+                lost = self.filtered + self.refused - lost0
+                if lost > MAX_SUBMITS * a.rollout_batch_size:  # as over-sampling: not forever
                     raise SlimeLiteError(
                         f"--fully-async rollout {rollout_id}: only {len(kept)} of --rollout-batch-size "
-                        f"{a.rollout_batch_size} groups kept after {self.filtered - filtered0} groups were dropped by "
-                        "--dynamic-sampling-filter-path: the filter is too strict for this model/data.")
+                        f"{a.rollout_batch_size} groups kept after {lost} groups were dropped by "
+                        "--dynamic-sampling-filter-path or refused by the engines: the filter is too strict for this "
+                        "model/data, or the engines abort requests.")
             take, self.finished = self.finished[: a.rollout_batch_size - len(kept)], \
                 self.finished[a.rollout_batch_size - len(kept):]
             self.room.set()
@@ -220,17 +240,19 @@ class FullyAsyncWorker:
         stats["rollout/async/in_flight_groups"] = float(len(self.in_flight))
         # since the last rollout's metrics: the loop generates (and drops) while the trainer trains, too
         stats["rollout/async/regenerated_groups"] = float(self.failed - self.logged[1])
+        stats["rollout/async/refused_groups"] = float(self.refused - self.logged[2])
         if self.gen.filter_fn is not None:
             stats["rollout/dynamic_filter/dropped_groups"] = float(self.filtered - self.logged[0])
-        self.logged = (self.filtered, self.failed)
+        self.logged = (self.filtered, self.failed, self.refused)
+        self.gen.over.requested.clear()  # the over-sampler's per-rollout record, unused here
         if engine_version is not None:
             stats["rollout/weight_version"] = float(engine_version)
         return samples, stats
 
     async def _engine_version(self) -> int | None:
-        """The oldest weight version any engine serves now."""
+        """The oldest weight version any engine serves now (asked of each engine, not of a router)."""
         infos = await asyncio.gather(*(asyncio.to_thread(request_json, u, "/get_model_info", timeout=30.0,
-                                                         method="GET") for u in self.gen.client.urls))
+                                                         method="GET") for u in self.gen.over.engine_urls()))
         versions = [version_number(str(i.get("weight_version"))) for i in infos if isinstance(i, dict)]
         return min(versions) if versions else None
 

@@ -16,7 +16,7 @@ from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import HookArgs, call_maybe_async, load_hook
 from slime_lite.rollout.data import Prompt, PromptSource, encode_prompt
-from slime_lite.rollout.oversample import MAX_SUBMITS, OverSampler, stamp_versions
+from slime_lite.rollout.oversample import MAX_SUBMITS, OverSampler, complete, stamp_versions
 from slime_lite.rollout.rewards import compute_group_rewards, compute_reward
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
 
@@ -274,7 +274,7 @@ class Generator:
         a = self.config
         wave = a.over_sampling_batch_size or a.rollout_batch_size
         kept: list[list[Sample]] = []
-        generated = dropped = 0
+        generated = dropped = cut = 0
         next_index = 0
         self.all_groups = []
         for _ in range(MAX_SUBMITS):
@@ -285,7 +285,9 @@ class Generator:
             for group in await self._run_together(groups, params, seed_base):
                 generated += 1
                 self.all_groups.append(group)
-                if self.filter_fn is None or self.filter_fn(self.args, group):
+                if not complete(group):  # the engine cut it short (an engine error): never trained
+                    cut += 1
+                elif self.filter_fn is None or self.filter_fn(self.args, group):
                     if len(kept) < a.rollout_batch_size:
                         kept.append(group)
                 else:
@@ -294,8 +296,9 @@ class Generator:
                 break
         else:
             raise SlimeLiteError(
-                f"--dynamic-sampling-filter-path kept only {len(kept)} of {generated} groups after {MAX_SUBMITS} "
-                "waves; the filter is too strict for this model/data."
+                f"only {len(kept)} of {generated} groups were kept after {MAX_SUBMITS} waves ({dropped} dropped by "
+                f"--dynamic-sampling-filter-path, {cut} cut short by the engines): the filter is too strict for this "
+                "model/data, or the engines abort requests."
             )
         samples = []
         for gi, group in enumerate(kept):
@@ -306,6 +309,8 @@ class Generator:
                 samples.append(s)
         stats = {"rollout/dynamic_filter/generated_groups": float(generated),
                  "rollout/dynamic_filter/dropped_groups": float(dropped)} if self.filter_fn else {}
+        if cut:
+            stats["rollout/over_sampling/aborted_groups"] = float(cut)
         return samples, stats
 
     async def _run_together(self, groups: list[list[Sample]], params: dict[str, Any],

@@ -27,7 +27,8 @@ from slime_lite.rollout.generate import Generator
 from slime_lite.rollout.rewards import check_data_rm_types
 from slime_lite.rollout.stats import eval_metrics, groups_rewards, rollout_metrics
 from slime_lite.rollout.timing import engine_step_stats, phase_metrics
-from slime_lite.rollout.turns import turns
+from slime_lite.rollout.oversample import GENERATED_TOKENS
+from slime_lite.rollout.turns import model_tokens
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
 from slime_lite.types import FINISHED_BEFORE, Sample, version_number
 
@@ -186,8 +187,9 @@ class RolloutManager:
             metrics.update(self._engine_weight_version(rollout_id))
         if not a.load_debug_rollout_data:
             metrics["perf/rollout_time"] = elapsed
-            # the tokens the engines generated: a multi-turn sample's inserted turns are not
-            tokens = sum(t["length"] for s in samples for t in turns(s) if t["source"] == "model")
+            # the tokens the engines generated this rollout (over-sampling counts those of aborted and carried
+            # samples too); else the trained samples' model turns (a multi-turn sample's inserted turns are not)
+            tokens = metrics.get(GENERATED_TOKENS, sum(model_tokens(s) for s in samples))
             metrics["perf/rollout_tokens_per_s"] = tokens / elapsed if elapsed > 0 else 0.0
         log_fn = self.manager_hooks["--custom-rollout-log-function-path"]
         hook_logs = log_fn is not None and bool(self._call_hook(log_fn, rollout_id, self.hook_args, samples,
@@ -222,7 +224,8 @@ class RolloutManager:
             log.info("rollout %d: the samples carry no weight_versions (a generate hook that does not record "
                      "meta_info.weight_version); the weight version is read from the engines instead", rollout_id)
             self._told_engine_version = True
-        infos = [request_json(u, "/get_model_info", timeout=30.0, method="GET") for u in self.generator.client.urls]
+        infos = [request_json(u, "/get_model_info", timeout=30.0, method="GET")
+                 for u in self.generator.over.engine_urls()]  # each engine's, not a router's
         versions = [version_number(str(i.get("weight_version"))) for i in infos if isinstance(i, dict)]
         if not versions:
             return {}

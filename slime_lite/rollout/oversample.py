@@ -30,13 +30,15 @@ from typing import Any
 
 from slime_lite.checks.faults import kills_engine
 from slime_lite.errors import EngineError, SlimeLiteError
-from slime_lite.rollout.turns import RESTARTED
+from slime_lite.rollout.turns import RESTARTED, model_tokens
 from slime_lite.types import FINISHED_BEFORE, TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 0.5  # a request that reached an engine after the abort is aborted by the next one
 MAX_SUBMITS = 100  # bounded: a filter that never keeps a group stops the run, not hangs it
+GENERATED_TOKENS = "perf/rollout_generated_tokens"  # what perf/rollout_tokens_per_s counts, where it is known
+REFUSED = "engine_aborted_unchanged"  # metadata: a continued sample the engine aborted again, generating nothing
 
 
 def stamp_versions(sample: Sample) -> None:
@@ -70,6 +72,8 @@ class OverSampler:
         self.aborting = False
         self.restarted: dict[int, int] = {}  # this rollout's samples generated again from their prompt: tokens dropped
         self.requested: set[int] = set()  # this rollout's samples sent to the engines (their hook ran)
+        self.generated = 0  # model tokens this rollout's requests generated (aborted and carried ones included)
+        self.passed: set[int] = set()  # id() of the first sample of carried groups that finished and were filtered
 
     def load_state(self, groups: list[list[dict[str, Any]]]) -> None:
         self.carried = [[Sample.from_dict(d) for d in g] for g in groups]
@@ -83,13 +87,17 @@ class OverSampler:
                 s.status = Status.ABORTED
             return group
         before = {s.index: s.metadata.get(RESTARTED, 0) for s in todo}
+        had = {s.index: model_tokens(s) for s in todo}
         lengths = {s.index: s.response_length for s in todo if s.status is Status.ABORTED}
         done = await self.gen._run_group(todo, params, seed_base) if todo else []  # a hook may split a sample
-        stuck = [s.index for s in done if s.status is Status.ABORTED and lengths.get(s.index) == s.response_length]
-        if stuck and not self.aborting and self.gen.args.custom_generate_function_path:
+        stuck = [s for s in done if s.status is Status.ABORTED and lengths.get(s.index) == s.response_length]
+        if stuck and not self.aborting and not self.gen.args.custom_generate_function_path:
+            for s in stuck:  # the engine aborted it again with nothing new (e.g. refused the input): not carried
+                s.metadata[REFUSED] = True
+        elif stuck and not self.aborting:
             raise SlimeLiteError(
                 f"--custom-generate-function-path {self.gen.args.custom_generate_function_path} returned sample "
-                f"{stuck[0]}, which --partial-rollout carried aborted, still aborted and unchanged: it would be "
+                f"{stuck[0].index}, which --partial-rollout carried aborted, still aborted and unchanged: it would be "
                 "carried forever. A hook must continue such a sample (status ABORTED, its response so far), or "
                 "generate it again from its prompt: slime_lite.rollout.multi_turn.restart(sample) first.")
         for s in done:
@@ -98,12 +106,17 @@ class OverSampler:
             dropped = s.metadata.get(RESTARTED, 0) - before.pop(s.index, s.metadata.get(RESTARTED, 0))
             if dropped:  # a multi-turn hook generated a carried sample again from its prompt
                 self.restarted[s.index] = dropped
+            self.generated += model_tokens(s) - (0 if dropped else had.get(s.index, 0))
         return sorted(finished + done, key=lambda s: s.index)
+
+    def engine_urls(self) -> list[str]:
+        """Every engine's own URL (behind --use-sglang-router the client knows only the router's)."""
+        return list(self.abort_urls or self.gen.client.urls)
 
     async def _abort(self, pending: set[asyncio.Future]) -> list[list[Sample]]:
         """Abort every request on the engines until the ``pending`` groups have all come back; returns them."""
         back: list[list[Sample]] = []
-        urls = self.abort_urls or list(self.gen.client.urls)
+        urls = self.engine_urls()
         self.aborting = True
         try:
             while pending:
@@ -135,12 +148,13 @@ class OverSampler:
         target, chunk = a.rollout_batch_size, a.over_sampling_batch_size or a.rollout_batch_size
         kept: list[list[Sample]] = []
         late: list[list[Sample]] = []  # finished or cut short by the engine, not trained: carried or dropped
+        refused: list[list[Sample]] = []  # continued groups the engines aborted again with nothing new: dropped
         came_back: list[list[Sample]] = []  # every group back before the abort (--rollout-all-samples-process-path)
         pending: set[asyncio.Future] = set()
         in_play = generated = dropped = submits = sent = 0
         next_index = 0
         had: dict[int, int] = {}  # sample index -> response tokens it brought from an earlier rollout
-        self.restarted, self.requested = {}, set()
+        self.restarted, self.requested, self.generated = {}, set(), 0
         kill = gen.kill_engine is not None and kills_engine(a.debug_inject_fault, rollout_id)
         done: set[asyncio.Future] = set()
         try:
@@ -172,16 +186,27 @@ class OverSampler:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     group = task.result()
-                    generated += 1
-                    came_back.append(group)
+                    seen = id(group[0]) in self.passed  # carried finished: filtered and counted when it came back
+                    generated += not seen
+                    if not seen:
+                        came_back.append(group)
                     if not complete(group):  # the engine cut it short (e.g. an engine error): never trained
                         in_play -= 1
-                        late.append(group)
-                    elif gen.filter_fn is not None and not gen.filter_fn(gen.args, group):
+                        if any([s.metadata.pop(REFUSED, False) for s in group]):  # twice: dropped, not carried
+                            refused.append(group)
+                            log.warning("rollout %d: the engines aborted the continued group of sample %d again "
+                                        "without a new token (they refuse it, e.g. its input): dropped, not carried",
+                                        rollout_id, group[0].index)
+                        else:
+                            late.append(group)
+                    elif not seen and gen.filter_fn is not None and not gen.filter_fn(gen.args, group):
                         in_play -= 1
                         dropped += 1
+                    elif len(kept) < target:
+                        kept.append(group)
                     else:
-                        (kept if len(kept) < target else late).append(group)
+                        late.append(group)
+                        self.passed.add(id(group[0]))
         except BaseException:  # a hook or the filter raised: the other groups stop too, their errors read
             for task in pending:
                 task.cancel()
@@ -195,13 +220,22 @@ class OverSampler:
                     if s.index in self.requested and s.weight_versions]
         current = max(versions, default=None)
         stats = self._leftovers(rollout_id, leftovers)
-        stats["rollout/over_sampling/tokens_wasted"] += float(sum(self.restarted.values()))
+        self.passed &= {id(g[0]) for g in self.carried}  # live groups only (a checkpoint forgets: filtered again)
+        stats["rollout/over_sampling/tokens_wasted"] += float(sum(self.restarted.values()) + sum(
+            s.response_length for g in refused for s in g))
+        if refused:
+            stats["rollout/over_sampling/refused_groups"] = float(len(refused))
         stats["rollout/over_sampling/aborted_groups"] = float(sum(not complete(g) for g in leftovers))
         stats["rollout/over_sampling/submitted_groups"] = float(sent)
+        stats[GENERATED_TOKENS] = float(self.generated)
         kept.sort(key=lambda g: g[0].index)  # in the order they were started (carried ones first), as slime
         gen.all_groups = sorted(came_back, key=lambda g: g[0].index)  # before the kept ones are renumbered
         samples = [s for g in kept for s in g]
         stats.update(self._carried_in(samples, had, current))
+        trained = [v for s in samples if (v := s.metadata.get(TOKEN_VERSIONS))]
+        if a.partial_rollout and current is not None and trained:  # all carried finished: no token of the
+            # rollout's weights is trained, and the train/rollout log-prob check must not compare them
+            stats["rollout/async/newest_lag"] = float(current - max(max(v) for v in trained))
         for gi, group in enumerate(kept):
             for s in group:
                 s.group_index = gi

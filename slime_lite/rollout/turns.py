@@ -95,6 +95,11 @@ def turns(sample: Sample) -> list[dict[str, Any]]:
              "trainable": True, "text": sample.response}]
 
 
+def model_tokens(sample: Sample) -> int:
+    """The tokens of the sample's model turns (what the engines generated; inserted turns are not)."""
+    return sum(t["length"] for t in turns(sample) if t["source"] == "model")
+
+
 def inserted_and_trained(samples: list[Sample]) -> tuple[int, int]:
     """(tokens of inserted turns, model-turn tokens at loss_mask 1) over multi-turn samples; raises ValueError naming
     the first sample with an inserted token at loss_mask 1 (it would be trained as if the model wrote it)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout.data import Prompt, PromptSource
 from slime_lite.rollout.fully_async import FullyAsyncWorker, apply_staleness, lag_metrics
 from slime_lite.rollout.generate import Generator
+from slime_lite.rollout.oversample import OverSampler
 from slime_lite.tokenizer import load_tokenizer
 from slime_lite.types import TOKEN_VERSIONS, Sample
 
@@ -141,7 +143,6 @@ def test_a_checkpoints_unfinished_groups_are_generated_again_not_trained():
     """load_state: a group is trained as it is only once every sample finished (complete(): an ABORTED sample, e.g.
     carried by --partial-rollout in the run that saved it, is continued; a hook's sample with a reward and no
     status is finished)."""
-    from types import SimpleNamespace
 
     from slime_lite.types import Status
 
@@ -208,6 +209,47 @@ def test_groups_dropped_while_the_trainer_trains_are_counted_in_the_next_rollout
     assert m0["rollout/dynamic_filter/dropped_groups"] + m1["rollout/dynamic_filter/dropped_groups"] == total
 
 
+def test_a_group_the_engines_keep_cutting_short_is_dropped_after_a_few_tries_not_regenerated_forever(tiny_model_dir):
+    """An engine that refuses one prompt (aborts it at once, every time; the FAKE engine of test_oversample): the
+    loop generates its group again MAX_CUT times, then drops it and counts it; the other prompts train."""
+    from slime_lite.rollout.fully_async import MAX_CUT
+    from tests.rollout.test_oversample import make
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    gen, source, engine = make(tok, tiny_model_dir, "s" * 16, fully_async=True, over_sampling_batch_size=None)
+    refused = tok("As=?", add_special_tokens=False)["input_ids"][0]
+    served, asked = engine._one, []
+
+    async def one(ids, params):
+        if ids[0] != refused:
+            return await served(ids, params)
+        asked.append(ids)
+        await asyncio.sleep(0.01)
+        return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "refused"},
+                                                            "weight_version": "0", "output_token_logprobs": []}}
+
+    engine._one = one
+    worker = FullyAsyncWorker(gen, source)
+
+    async def engine_version():
+        return 0
+
+    worker._engine_version = engine_version
+
+    async def run():
+        try:
+            out = [await worker.rollout(r) for r in range(3)]
+            return out
+        finally:
+            await worker.stop()
+
+    out = asyncio.run(run())
+    trained = {s.metadata["prompt_index"] for samples, _ in out for s in samples}
+    assert 0 not in trained and len(trained) == 6
+    assert sum(m["rollout/async/refused_groups"] for _, m in out) == 1.0
+    assert len(asked) == MAX_CUT * 2  # its two samples, MAX_CUT times, then no more
+
+
 def test_staleness_mask_counts_only_the_tokens_it_takes_out_of_the_loss():
     """A multi-turn sample's tool tokens are out of the loss already: masking them again is not counted."""
     tool = sample([1, 1, 3])
@@ -217,6 +259,20 @@ def test_staleness_mask_counts_only_the_tokens_it_takes_out_of_the_loss():
     kept, counts = apply_staleness([[tool, only_tool]], trainer_version=3, max_staleness=1, mode="mask")
     assert tool.loss_mask == [0, 0, 1] and only_tool.loss_mask == [0, 1]
     assert counts["rollout/async/masked_tokens"] == 1.0 and counts["rollout/async/masked_samples"] == 1.0
+
+
+def test_a_staleness_bound_over_samples_without_versions_says_it_cannot_apply(caplog, monkeypatch):
+    """A generate hook that records no weight version: the bound cannot judge its samples; the run says so (once)
+    instead of keeping them silently."""
+    import slime_lite.rollout.fully_async as fa
+
+    monkeypatch.setattr(fa, "_UNVERSIONED", [])
+    bare = Sample(response_length=2, loss_mask=[1, 1])
+    kept, counts = apply_staleness([[bare], [sample([0, 0])]], trainer_version=3, max_staleness=1, mode="drop")
+    assert kept == [[bare]] and counts["rollout/async/dropped_stale_samples"] == 1.0
+    assert caplog.text.count("carries no weight version") == 1
+    apply_staleness([[Sample(response_length=1)]], trainer_version=3, max_staleness=1, mode="drop")
+    assert caplog.text.count("carries no weight version") == 1  # once
 
 
 def seed_recorder(worker: FullyAsyncWorker) -> list[int]:
@@ -276,3 +332,41 @@ def test_a_resumed_run_never_repeats_a_sampling_seed(tiny_model_dir, tmp_path):
     old = FullyAsyncWorker(SimpleNamespace(config=SimpleNamespace(rollout_batch_size=2)), None)
     old.load_state(state["carried"])
     assert old.next_index == state["next_index"]
+
+
+def test_the_served_version_is_asked_of_every_engine_not_of_the_router():
+    """Behind --use-sglang-router the client knows the router's URL only; the oldest served version (what
+    --ci-test's weight_version_served checks) comes from each engine's /get_model_info (FAKE engines: two HTTP
+    servers answering it, one a push behind, and a router that answers like the first)."""
+    import json as _json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    def serve(version):
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = _json.dumps({"weight_version": version}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+    servers = [serve(v) for v in ("3", "2", "3")]
+    router, engines = servers[0][1], [servers[1][1], servers[2][1]]
+    try:
+        gen = SimpleNamespace(client=SimpleNamespace(urls=[router]), config=SimpleNamespace(rollout_batch_size=2))
+        gen.over = OverSampler(gen)
+        gen.over.abort_urls = engines  # as the rollout manager sets them
+        worker = FullyAsyncWorker(gen, None)
+        assert asyncio.run(worker._engine_version()) == 2  # the router alone says 3: a missed push unseen
+    finally:
+        for server, _ in servers:
+            server.shutdown()

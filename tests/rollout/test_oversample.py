@@ -162,7 +162,11 @@ def test_partial_rollout_continues_carried_samples_from_their_tokens_with_per_to
     assert all(s.metadata["start_rollout_id"] == 0 for s in carried if s.response_length)
     for version, rollout_id in (("1", 1), ("2", 2)):
         engine.version = version  # the weight push between rollouts
+        logged_before = len(engine.log)
         samples, stats = rollout(gen, source, rollout_id)
+        # what perf/rollout_tokens_per_s counts: the tokens this rollout's requests generated (aborted ones too),
+        # not the trained samples' carried tokens
+        assert stats["perf/rollout_generated_tokens"] == float(sum(n for _, n, _ in engine.log[logged_before:]))
     assert {s.metadata["prompt_index"] for s in samples} == {2, 3}  # the carried groups, none lost
     assert stats["rollout/partial/samples_carried"] == 4.0 and stats["rollout/partial/age_max"] == 2.0
     carried_tokens = 0
@@ -238,6 +242,41 @@ def test_groups_the_filter_drops_are_replaced_by_more_prompts(tokenizer, tiny_mo
     assert stats["rollout/dynamic_filter/dropped_groups"] >= 2 and all(s.status is Status.COMPLETED for s in samples)
 
 
+FILTERED: list[int] = []
+
+
+def counting_filter(args, group) -> bool:  # keeps every group, recording which it saw
+    FILTERED.append(group[0].metadata["prompt_index"])
+    return True
+
+
+def test_a_group_carried_finished_is_filtered_and_counted_once(tokenizer, tiny_model_dir) -> None:
+    """--partial-rollout carries a group that finished after the rollout had its groups; it passed the filter when
+    it came back, so the next rollout trains it without filtering (a random filter could drop a group it kept) or
+    counting it again."""
+    FILTERED.clear()
+    gen, source, engine = make(tokenizer, tiny_model_dir, "s" * 32, partial_rollout=True,
+                               dynamic_sampling_filter_path="tests.rollout.test_oversample.counting_filter")
+    served, together = engine._one, []
+
+    async def at_once(ids, params):  # rollout 0's 8 requests answer together: 2 groups finish after the 2 kept
+        out = await served(ids, params)
+        if not together:
+            together.append(asyncio.Barrier(8))
+        await together[0].wait()
+        return out
+
+    engine._one = at_once
+    generated, carried_finished = 0, 0
+    for rollout_id in range(3):
+        samples, stats = rollout(gen, source, rollout_id)
+        engine._one = served
+        generated += stats["rollout/dynamic_filter/generated_groups"]
+        carried_finished += sum(FINISHED_BEFORE in s.metadata for s in samples)
+    assert carried_finished == 4  # rollout 1 trained the two groups that finished late in rollout 0
+    assert len(FILTERED) == len(set(FILTERED)) == generated
+
+
 @dataclass
 class FilterOutput:  # the shape of slime's DynamicFilterOutput
     keep: bool
@@ -290,6 +329,58 @@ def test_ages_count_the_rollouts_weights_when_every_trained_sample_finished_earl
     assert all(s.metadata[FINISHED_BEFORE] == 1 for s in samples)
     assert stats["rollout/partial/age_max"] == 1.0 and stats["rollout/partial/age_mean"] == 1.0
     assert stats["rollout/weight_version"] == 1.0  # what --ci-test's weight_version_served reads: not 0
+    # no trained token is of the rollout's weights: the train/rollout log-prob check must skip this batch
+    assert stats["rollout/async/newest_lag"] == 1.0
+
+
+def test_a_continued_group_the_engine_aborts_again_without_a_token_is_dropped_not_carried_forever(
+        tokenizer, tiny_model_dir, caplog) -> None:
+    """An engine that refuses one prompt (aborts it at once, every time: SGLang does so for an input it cannot
+    serve): --partial-rollout carries the group once, and when its continuation comes back aborted with nothing
+    new it is dropped (counted, named in a warning), not carried into every later rollout."""
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssssssss", partial_rollout=True)
+    refused = tokenizer("As=?", add_special_tokens=False)["input_ids"][0]
+    served = engine._one
+
+    async def one(ids, params):
+        if ids[0] != refused:
+            return await served(ids, params)
+        engine.log.append((list(ids), 0, engine.version))
+        return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "refused"},
+                                                            "weight_version": engine.version,
+                                                            "output_token_logprobs": [], "prompt_tokens": len(ids)}}
+
+    engine._one = one
+    first, _ = rollout(gen, source, 0)
+    assert 0 not in {s.metadata["prompt_index"] for s in first}
+    assert any(g[0].metadata["prompt_index"] == 0 for g in gen.over.carried)  # carried once: it may be a blip
+    samples, stats = rollout(gen, source, 1)
+    assert 0 not in {s.metadata["prompt_index"] for s in samples}
+    assert not any(g[0].metadata["prompt_index"] == 0 for g in gen.over.carried)
+    assert stats["rollout/over_sampling/refused_groups"] == 1.0 and "again without a new token" in caplog.text
+    assert sum(1 for ids, _, _ in engine.log if ids[0] == refused) == 2 * 2  # two requests of two samples, no more
+    assert all(s.status is Status.COMPLETED for s in first + samples)
+
+
+def test_deterministic_waves_never_keep_a_group_the_engine_cut_short(tokenizer, tiny_model_dir) -> None:
+    """--deterministic-mode's waves (nothing aborted by the rollout): a group the engine itself aborted is not
+    kept (it has no reward), as over-sampling never keeps one; the rollout takes another wave."""
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssssssss", deterministic_mode=True,
+                               over_sampling_batch_size=None)
+    served = engine.generate
+
+    async def first_aborted(body):
+        outs = await served(body)
+        if not getattr(engine, "did", False):
+            engine.did = True
+            outs[0]["meta_info"]["finish_reason"] = {"type": "abort", "message": "engine-side abort"}
+        return outs
+
+    engine.generate = first_aborted
+    samples, stats = rollout(gen, source, 0)
+    assert len(samples) == 4 and all(s.status is Status.COMPLETED and s.reward is not None for s in samples)
+    assert 0 not in {s.metadata["prompt_index"] for s in samples}
+    assert stats["rollout/over_sampling/aborted_groups"] == 1.0
 
 
 def test_off_policy_lag_counts_only_the_requests_of_the_rollout(tokenizer, tiny_model_dir) -> None:
@@ -303,10 +394,11 @@ def test_off_policy_lag_counts_only_the_requests_of_the_rollout(tokenizer, tiny_
     first, _ = rollout(gen, source, 0)
     gen.over.carried.insert(0, carried_copy(first[:2]))  # finished under version 0
     engine.version = "1"
-    samples, _ = rollout(gen, source, 1)  # the carried finished group, and prompt 4 generated under version 1
+    samples, stats = rollout(gen, source, 1)  # the carried finished group, and prompt 4 generated under version 1
     assert [s.metadata["prompt_index"] for s in samples] == [0, 0, 4, 4]
     assert [s.weight_versions[-1] for s in samples] == ["0", "0", "1", "1"]
     assert off_policy_lag(samples, 1) == 0
+    assert stats["rollout/async/newest_lag"] == 0.0  # prompt 4's tokens are the rollout's weights'
     record: dict[str, float] = {}
     record_lag(SimpleNamespace(overlap=True), samples, 2, record)  # --async: trainer at 2, engines served 1
     assert record["rollout/off_policy_lag"] == 1.0
