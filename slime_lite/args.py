@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto",
                    help="the format the agent endpoint (rollout.agent_endpoint.openai_agent) reads the model's tool "
                         "calls in, SGLang's names: qwen25 (qwen, hermes: <tool_call>{json}</tool_call>), llama3 "
-                        "(JSON after <|python_tag|>), pythonic ([f(a=1)]), qwen3_coder (<function=...> XML); auto "
-                        "(default): the one the chat template writes, else qwen25")
+                        "(JSON after <|python_tag|>), pythonic ([f(a=1)]), qwen3_coder (<function=...> XML), glm45 "
+                        "(glm: <arg_key> pairs); auto (default): the one the chat template writes, else qwen25")
     g.add_argument("--tool-call-timeout", type=float, default=30.0,
                    help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
                         "(default: %(default)s)")

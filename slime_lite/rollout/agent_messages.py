@@ -68,17 +68,17 @@ def normalise(message: Any, where: str = "message") -> dict[str, Any]:
 
 def tool_choice(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
     """The tools the chat template is given and whether the reply's tool calls are parsed, from the call's ``tools``
-    and ``tool_choice`` (as SGLang reads them): "none" hides the tools and parses no call; a named function
-    (``{"type": "function", "function": {"name": ...}}``) shows only that tool; "auto" (the default) and "required"
-    show them all. Decoding is not constrained: under "required" or a named function the model may still answer in
-    text, and that reply is returned (and trained) as it is."""
+    and ``tool_choice`` (as SGLang reads them): "none", or no tools, parses no call ("none" hides the tools); a
+    named function (``{"type": "function", "function": {"name": ...}}``) shows only that tool; "auto" (the
+    default) and "required" show them all. Decoding is not constrained: under "required" or a named function the
+    model may still answer in text, and that reply is returned (and trained) as it is."""
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}')
     tools = tools or None
     choice = body.get("tool_choice")
     if choice in (None, "auto"):
-        return tools, True
+        return tools, tools is not None
     if choice == "none":
         return None, False
     if choice == "required":

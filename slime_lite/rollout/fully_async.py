@@ -44,7 +44,8 @@ from slime_lite.types import TOKEN_VERSIONS, Sample, version_number
 
 log = logging.getLogger(__name__)
 _UNVERSIONED: list[bool] = []  # warned once per process
-MAX_CUT = 3  # a group the engines cut short this many times in a row is dropped (they refuse it), not regenerated
+MAX_CUT = 3  # a group the engines cut short this many times is dropped (they refuse it), not regenerated
+CUTS = "engine_cuts"  # metadata: the times the engines cut the sample's group short before
 
 
 def token_versions(sample: Sample) -> list[int]:
@@ -112,7 +113,6 @@ class FullyAsyncWorker:
         self.arrived: asyncio.Event | None = None  # set when a group finished: a waiting rollout looks again
         self.next_index = 0
         self.filtered = self.failed = self.refused = 0
-        self.cut: dict[Any, int] = {}  # prompt index -> times its group came back cut short in a row
         self.logged = (0, 0, 0)  # self.filtered, self.failed, self.refused as the last rollout's metrics saw them
 
     def load_state(self, groups: list[list[dict[str, Any]]], next_index: int | None = None) -> None:
@@ -163,21 +163,19 @@ class FullyAsyncWorker:
             for task in done:
                 sent = self.in_flight.pop(task)
                 group = task.result()  # an error (a hook's, the engines') ends the loop: rollout() raises it
-                key = group[0].metadata.get("prompt_index")
                 if not complete(group):  # cut short by an engine (nothing here aborts): never trained
-                    self.failed += 1
-                    self.cut[key] = self.cut.get(key, 0) + 1
-                    if self.cut[key] >= MAX_CUT:  # the engines refuse it (e.g. its input): not forever
-                        del self.cut[key]
+                    cuts = sent[0]["metadata"].get(CUTS, 0) + 1  # this group's, kept through the re-queues
+                    if cuts >= MAX_CUT:  # the engines refuse it (e.g. its input): not forever
                         self.refused += 1
                         log.warning("--fully-async: the engines cut the group of prompt %s short %d times: dropped",
-                                    key, MAX_CUT)
+                                    group[0].metadata.get("prompt_index"), MAX_CUT)
                         continue
+                    self.failed += 1
                     log.warning("--fully-async: a group came back unfinished (an engine error); generating its "
                                 "prompt again")
-                    self.pending.append([Sample.from_dict(d) for d in sent])
+                    self.pending.append([Sample.from_dict({**d, "metadata": {**d["metadata"], CUTS: cuts}})
+                                         for d in sent])
                     continue
-                self.cut.pop(key, None)
                 if self.gen.filter_fn is not None and not self.gen.filter_fn(self.gen.args, group):
                     self.filtered += 1
                 else:

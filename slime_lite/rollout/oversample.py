@@ -88,18 +88,23 @@ class OverSampler:
             return group
         before = {s.index: s.metadata.get(RESTARTED, 0) for s in todo}
         had = {s.index: model_tokens(s) for s in todo}
+        asked = {s.index: (s.weight_versions, len(s.weight_versions)) for s in todo}
         lengths = {s.index: s.response_length for s in todo if s.status is Status.ABORTED}
         done = await self.gen._run_group(todo, params, seed_base) if todo else []  # a hook may split a sample
         stuck = [s for s in done if s.status is Status.ABORTED and lengths.get(s.index) == s.response_length]
-        if stuck and not self.aborting and not self.gen.args.custom_generate_function_path:
-            for s in stuck:  # the engine aborted it again with nothing new (e.g. refused the input): not carried
-                s.metadata[REFUSED] = True
-        elif stuck and not self.aborting:
+        # a hook that sent it again restarted it (turns.restart: a new version list) or its request reported a
+        # version; one that did neither ignored it
+        ignored = [s for s in stuck if self.gen.args.custom_generate_function_path
+                   and s.weight_versions is asked[s.index][0] and len(s.weight_versions) == asked[s.index][1]]
+        if stuck and not self.aborting and ignored:
             raise SlimeLiteError(
                 f"--custom-generate-function-path {self.gen.args.custom_generate_function_path} returned sample "
-                f"{stuck[0].index}, which --partial-rollout carried aborted, still aborted and unchanged: it would be "
-                "carried forever. A hook must continue such a sample (status ABORTED, its response so far), or "
+                f"{ignored[0].index}, which --partial-rollout carried aborted, still aborted and unchanged: it would "
+                "be carried forever. A hook must continue such a sample (status ABORTED, its response so far), or "
                 "generate it again from its prompt: slime_lite.rollout.multi_turn.restart(sample) first.")
+        if stuck and not self.aborting:
+            for s in stuck:  # the engine aborted it again with nothing new (e.g. refused the input): not carried
+                s.metadata[REFUSED] = True
         for s in done:
             self.requested.add(s.index)
             stamp_versions(s)

@@ -7,12 +7,15 @@
 - ``pythonic`` (Llama 3.2 / 4 pythonic templates): one Python list of calls, ``[f(a=1), g(b="x")]``, with literal
   keyword arguments;
 - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
-  </tool_call>``, each value typed by the tool's JSON schema (a string kept as written).
+  </tool_call>``, each value typed by the tool's JSON schema (a string kept as written);
+- ``glm45`` (alias ``glm``; GLM-4.5 and later): ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...
+  </tool_call>``, values typed by the schema, JSON where it gives no type.
 
-In every format the JSON key ``arguments`` or ``parameters`` holds the arguments (a JSON string of them is read too).
-``detect_parser`` picks the format from the model's chat template. A call whose block is not closed, does not parse,
-or lacks a name or an object of arguments is malformed: it stays in the turn's text (the model wrote it) and is
-counted, never dropped. Also here: the chat template's text between a model turn and the next one (tool results,
+In every JSON format the key ``arguments`` or ``parameters`` holds the arguments (a JSON string of them is read too).
+``detect_parser`` picks the format from the model's chat template. A call must name one of the request's tools (as
+SGLang's parsers ask); what names another stays text. A call whose block is not closed, does not parse, or lacks a
+name or an object of arguments is malformed: it stays in the turn's text (the model wrote it) and is counted, never
+dropped. Also here: the chat template's text between a model turn and the next one (tool results,
 the next generation prompt) and the text it closes an assistant turn with.
 """
 
@@ -20,19 +23,25 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from slime_lite.errors import SlimeLiteError
 
+log = logging.getLogger(__name__)
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.S)
+# a block ends at its closing tag, at the next opening one (the first was a mention, not a call) or at the end
+_BLOCK = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)(</tool_call>|(?=<tool_call>)|\Z)", re.S)
 PYTHON_TAG = "<|python_tag|>"
-_LOOKS_LIKE_JSON_CALL = re.compile(r'\s*\{\s*"name"\s*:')
-_PY_LIST_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?=</parameter>|<parameter=|</function>|$)(?:</parameter>)?", re.S)
+_PY_LIST_START = re.compile(r"\[\s*([A-Za-z_][\w.]*)\s*\(")
+_FUNCTION = re.compile(r"<function=([^<>\n]+)>(.*?)(?:</function>|(?=<function=)|\Z)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^<>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+PY_CANDIDATES = 16  # lists tried per turn: each is scanned to its closing bracket (a long turn stays linear)
+_ARG = re.compile(r"<arg_key>((?:(?!<arg_).)*?)</arg_key>\s*<arg_value>((?:(?!<arg_).)*?)</arg_value>", re.S)
+_INT = re.compile(r"[-+]?\d+")
 
 
 @dataclass
@@ -44,9 +53,38 @@ class ParsedTurn:
     malformed: int = 0
 
 
-def _json_call(call: Any) -> dict[str, Any] | None:
-    """``{"name": str, "arguments" or "parameters": object or a JSON string of one}`` as a call, else None."""
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+class _Tools:
+    """A request's ``tools``: the functions a call may name (None: any, for callers without a tool list) and the
+    JSON schema of each one's parameters."""
+
+    def __init__(self, tools: Any) -> None:
+        self.names: set[str] | None = None if tools is None else set()
+        self.params: dict[str, dict[str, Any]] = {}
+        for tool in tools or []:
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                continue
+            self.names.add(fn["name"])
+            schema = fn.get("parameters")
+            props = schema.get("properties") if isinstance(schema, dict) else None
+            self.params[fn["name"]] = props if isinstance(props, dict) else {}
+
+    def known(self, name: str) -> bool:
+        return self.names is None or name in self.names
+
+
+def _json_safe(arguments: Any) -> bool:
+    try:
+        json.dumps(arguments, allow_nan=False)  # NaN / Infinity are no JSON an agent's parser takes
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _json_call(call: Any, tools: _Tools) -> dict[str, Any] | None:
+    """``{"name": str, "arguments" or "parameters": object or a JSON string of one}`` naming a known function as
+    a call, else None."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not tools.known(call["name"]):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI sends them
@@ -54,43 +92,46 @@ def _json_call(call: Any) -> dict[str, Any] | None:
             arguments = json.loads(arguments)
         except ValueError:
             return None
-    if not isinstance(arguments, dict):
+    if not isinstance(arguments, dict) or not _json_safe(arguments):
         return None
     return {"name": call["name"], "arguments": arguments}
 
 
-def _blocks(text: str, read: Callable[[str], dict[str, Any] | None]) -> ParsedTurn:
-    """``<tool_call>...</tool_call>`` blocks, each body read by ``read``; an unclosed block runs to the end."""
+def _blocks(text: str, read: Callable[[str], list[dict[str, Any]] | None]) -> ParsedTurn:
+    """``<tool_call>...</tool_call>`` blocks, each body read by ``read`` into its calls (None: malformed). An
+    opening tag followed by another before any closing one is a mention, kept as text; one never closed is a call
+    cut short (malformed)."""
     calls, kept, malformed, last = [], [], 0, 0
     for m in _BLOCK.finditer(text):
-        call = read(m.group(1).strip()) if m.group(0).endswith(CLOSE) else None
         kept.append(text[last:m.start()])
-        if call is None:
+        last = m.end()
+        if not m.group(2) and m.end() < len(text):  # a mention of the tag
+            kept.append(m.group(0))
+            continue
+        got = read(m.group(1).strip()) if m.group(2) else None
+        if got is None:
             malformed += 1
             kept.append(m.group(0))
         else:
-            calls.append(call)
-        last = m.end()
+            calls.extend(got)
     kept.append(text[last:])
     return ParsedTurn("".join(kept).strip(), calls, malformed)
 
 
-def _hermes(text: str, tools: Any) -> ParsedTurn:
-    def read(body: str) -> dict[str, Any] | None:
+def _hermes(text: str, tools: _Tools) -> ParsedTurn:
+    def read(body: str) -> list[dict[str, Any]] | None:
         try:
-            return _json_call(json.loads(body))
+            call = _json_call(json.loads(body), tools)
         except ValueError:
             return None
+        return None if call is None else [call]
     return _blocks(text, read)
 
 
-def _llama3(text: str, tools: Any) -> ParsedTurn:
+def _llama3(text: str, tools: _Tools) -> ParsedTurn:
     tag = text.find(PYTHON_TAG)
-    if tag >= 0:
-        head, body = text[:tag], text[tag + len(PYTHON_TAG):]
-    elif text.lstrip().startswith("{"):
-        head, body = "", text.lstrip()
-    else:
+    head, body = (text[:tag], text[tag + len(PYTHON_TAG):]) if tag >= 0 else ("", text)
+    if tag < 0 and not body.lstrip().startswith("{"):
         return ParsedTurn(text.strip())
     calls, pos, decoder = [], 0, json.JSONDecoder()
     while True:
@@ -100,14 +141,14 @@ def _llama3(text: str, tools: Any) -> ParsedTurn:
             obj, end = decoder.raw_decode(body, pos)
         except ValueError:
             break
-        call = _json_call(obj)
+        call = _json_call(obj, tools)
         if call is None:
             break
         calls.append(call)
         pos = end
     rest = body[pos:]
-    if not calls:  # a JSON answer that is no call is content; a tagged or call-shaped one is a malformed call
-        return ParsedTurn(text.strip(), [], int(tag >= 0 or bool(_LOOKS_LIKE_JSON_CALL.match(body))))
+    if not calls:  # untagged JSON that is no call of a known function is an answer; a tagged one a bad call
+        return ParsedTurn(text.strip(), [], int(tag >= 0))
     return ParsedTurn((head + rest).strip(), calls, int(rest.lstrip().startswith("{")))  # a call cut short
 
 
@@ -133,12 +174,9 @@ def _closing_bracket(text: str, start: int) -> int | None:
     return None
 
 
-def _python_calls(source: str) -> list[dict[str, Any]] | None:
-    """``[f(a=1), g(b="x")]``: calls of names with literal keyword arguments only, else None."""
-    try:
-        tree = ast.parse(source, mode="eval").body
-    except SyntaxError:
-        return None
+def _python_calls(source: str, tools: _Tools) -> list[dict[str, Any]] | None:
+    """``[f(a=1), g(b="x")]``: calls of known names with literal keyword arguments only, else None."""
+    tree = ast.parse(source, mode="eval").body
     if not isinstance(tree, ast.List) or not tree.elts:
         return None
     calls = []
@@ -146,106 +184,138 @@ def _python_calls(source: str) -> list[dict[str, Any]] | None:
         if (not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute))
                 or any(kw.arg is None for kw in node.keywords)):
             return None
-        try:
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            json.dumps(arguments)  # a set or bytes is no JSON argument
-        except (ValueError, TypeError, SyntaxError, RecursionError):
+        arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        name = ast.unparse(node.func)
+        if not tools.known(name) or not _json_safe(arguments):  # a set or bytes is no JSON argument either
             return None
-        calls.append({"name": ast.unparse(node.func), "arguments": arguments})
+        calls.append({"name": name, "arguments": arguments})
     return calls
 
 
-def _pythonic(text: str, tools: Any) -> ParsedTurn:
+def _pythonic(text: str, tools: _Tools) -> ParsedTurn:
     text = text.replace("<|python_start|>", "").replace("<|python_end|>", "")
-    start = _PY_LIST_START.search(text)
-    if start is None:
-        return ParsedTurn(text.strip())
-    end = _closing_bracket(text, start.start())
-    calls = _python_calls(text[start.start():end + 1]) if end is not None else None
-    if calls is None:
-        return ParsedTurn(text.strip(), [], 1)
-    return ParsedTurn((text[:start.start()] + text[end + 1:]).strip(), calls)
-
-
-def _schema_types(tools: Any) -> dict[str, dict[str, Any]]:
-    """{function name: {parameter: its JSON-schema type}} of a request's ``tools`` (what is not a schema skipped)."""
-    out: dict[str, dict[str, Any]] = {}
-    for tool in tools if isinstance(tools, list) else []:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        props = fn.get("parameters", {}).get("properties") if isinstance(fn, dict) and isinstance(
-            fn.get("parameters"), dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(props, dict):
-            out[fn["name"]] = {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
-    return out
-
-
-def _typed(value: str, kind: Any) -> Any:
-    """A ``<parameter=...>`` value read as its schema type says (``kind``: a type name, a list of them, None)."""
-    kinds = [k for k in (kind if isinstance(kind, list) else [kind]) if k != "null"]
-    kind = kinds[0] if kinds else None
-    if value.strip().lower() == "null" and kind != "string":
-        return None
-    try:
-        if kind == "string":
-            return value
-        if kind == "integer":
-            return int(value.strip())
-        if kind == "number":
-            number = float(value.strip())
-            return int(number) if number.is_integer() and not any(c in value for c in ".eE") else number
-        if kind == "boolean":
-            return {"true": True, "false": False}[value.strip().lower()]
+    pos, attempted = 0, False
+    for _ in range(PY_CANDIDATES):
+        start = _PY_LIST_START.search(text, pos)
+        if start is None:
+            break
+        end = _closing_bracket(text, start.start())
         try:
-            return json.loads(value)
+            calls = _python_calls(text[start.start():end + 1], tools) if end is not None else None
+        except (SyntaxError, ValueError, TypeError):  # not Python, or an argument that is no literal
+            calls = None
+        if calls:
+            return ParsedTurn((text[:start.start()] + text[end + 1:]).strip(), calls)
+        attempted = attempted or tools.known(start.group(1))  # a list that begins with a call of a tool
+        pos = start.start() + 1
+    return ParsedTurn(text.strip(), [], int(attempted))
+
+
+def _kinds(schema: Any) -> set[str]:
+    """The JSON types a parameter's schema allows (``type``, a list of them, ``anyOf`` / ``oneOf`` branches, the
+    types of an ``enum``'s values)."""
+    if not isinstance(schema, dict):
+        return set()
+    kind = schema.get("type")
+    kinds = set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
+    for branch in (schema.get("anyOf") or []) + (schema.get("oneOf") or []):
+        kinds |= _kinds(branch)
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
+    kinds |= {names.get(type(v), "object") for v in schema.get("enum") or []}
+    return {k for k in kinds if isinstance(k, str)}
+
+
+def _typed(value: str, schema: Any, untyped_json: bool) -> Any:
+    """A parameter written as text, read as its schema's type. Kept as written (the tool sees the model's mistake)
+    where the schema allows a string, gives no type (``untyped_json`` False: Qwen3-Coder writes strings bare, so
+    an untyped "123" stays a string) or the text does not read as the type; "null" is None unless a string."""
+    kinds, text = _kinds(schema), value.strip()
+    if text.lower() == "null" and "string" not in kinds and (kinds or untyped_json):
+        return None
+    if "string" in kinds or (not kinds and not untyped_json):
+        return value
+    if "integer" in kinds and _INT.fullmatch(text):
+        return int(text)
+    if "number" in kinds:
+        try:
+            number = int(text) if _INT.fullmatch(text) else float(text)  # an int keeps every digit
         except ValueError:
-            if kind in ("object", "array"):
-                return ast.literal_eval(value.strip())
-    except (ValueError, KeyError, SyntaxError, RecursionError):
-        pass
-    return value  # as the model wrote it: the tool sees its mistake
+            number = None
+        if number is not None and _json_safe(number):
+            return number
+    if "boolean" in kinds and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if kinds & {"object", "array"} or (not kinds and untyped_json):
+        for parse in (json.loads, ast.literal_eval):
+            try:
+                out = parse(text)
+            except (ValueError, SyntaxError, TypeError):
+                continue
+            if (not kinds or isinstance(out, (dict, list))) and _json_safe(out):
+                return out
+    return value
 
 
-def _qwen3_coder(text: str, tools: Any) -> ParsedTurn:
-    types = _schema_types(tools)
-
-    def read(body: str) -> dict[str, Any] | None:
-        m = _FUNCTION.match(body)
-        if m is None:
-            return None
-        name, inner = m.group(1).strip(), m.group(2)
-        schema = types.get(name, {})
-        arguments = {}
-        for p in _PARAMETER.finditer(inner):
-            value = p.group(2)
-            value = value[1:] if value.startswith("\n") else value
-            value = value[:-1] if value.endswith("\n") else value
-            arguments[p.group(1).strip()] = _typed(value, schema.get(p.group(1).strip()))
-        return {"name": name, "arguments": arguments}
+def _qwen3_coder(text: str, tools: _Tools) -> ParsedTurn:
+    def read(body: str) -> list[dict[str, Any]] | None:
+        calls, last = [], 0
+        for m in _FUNCTION.finditer(body):
+            name = m.group(1).strip()
+            if body[last:m.start()].strip() or not tools.known(name):  # text outside a function: not a call
+                return None
+            schema = tools.params.get(name, {})
+            arguments = {}
+            for p in _PARAMETER.finditer(m.group(2)):
+                value = p.group(2).replace("\r\n", "\n")
+                value = value[1:] if value.startswith("\n") else value
+                value = value[:-1] if value.endswith("\n") else value
+                arguments[p.group(1).strip()] = _typed(value, schema.get(p.group(1).strip()), untyped_json=False)
+            calls.append({"name": name, "arguments": arguments})
+            last = m.end()
+        return calls if calls and not body[last:].strip() else None
     return _blocks(text, read)
 
 
-PARSERS: dict[str, Callable[[str, Any], ParsedTurn]] = {
-    "qwen25": _hermes, "llama3": _llama3, "pythonic": _pythonic, "qwen3_coder": _qwen3_coder}
-ALIASES = {"qwen": "qwen25", "hermes": "qwen25"}
+def _glm45(text: str, tools: _Tools) -> ParsedTurn:
+    def read(body: str) -> list[dict[str, Any]] | None:
+        name, _, rest = body.partition("<arg_key>")
+        name, rest = name.strip(), "<arg_key>" + rest if rest else ""
+        if not name or "\n" in name or not tools.known(name) or _ARG.sub("", rest).strip():
+            return None
+        schema = tools.params.get(name, {})
+        return [{"name": name, "arguments": {k.strip(): _typed(v, schema.get(k.strip()), untyped_json=True)
+                                             for k, v in _ARG.findall(rest)}}]
+    return _blocks(text, read)
+
+
+PARSERS: dict[str, Callable[[str, _Tools], ParsedTurn]] = {
+    "qwen25": _hermes, "llama3": _llama3, "pythonic": _pythonic, "qwen3_coder": _qwen3_coder, "glm45": _glm45}
+ALIASES = {"qwen": "qwen25", "hermes": "qwen25", "glm": "glm45"}
 PARSER_CHOICES = ("auto", *PARSERS, *ALIASES)  # --tool-call-parser
+# what a chat template writes a call with, in the order tried: the first found names the format
+_TEMPLATE_MARKS = (("<function=", "qwen3_coder"), ("<arg_key>", "glm45"), (OPEN, "qwen25"), (PYTHON_TAG, "llama3"),
+                   ('"parameters"', "llama3"), ("<|python_start|>", "pythonic"))
 
 
 def detect_parser(tokenizer: Any) -> str:
-    """The format the model's chat template writes tool calls in (``qwen25`` when it shows none)."""
+    """The format the model's chat template writes tool calls in (``qwen25``, with a warning, when it shows
+    none)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     template = " ".join(template.values()) if isinstance(template, dict) else str(template)
-    for mark, name in (("<function=", "qwen3_coder"), (OPEN, "qwen25"), ("<|python_start|>", "pythonic"),
-                       (PYTHON_TAG, "llama3")):
+    for mark, name in _TEMPLATE_MARKS:
         if mark in template:
             return name
+    log.warning("the chat template writes no tool call this tool-call parser knows: reading them as qwen25 "
+                "(<tool_call>{json}</tool_call>); set --tool-call-parser if the model writes another format")
     return "qwen25"
 
 
 def parse_tool_calls(text: str, strip: tuple[str, ...] = (), parser: str | None = "qwen25",
                      tools: Any = None) -> ParsedTurn:
     """Split a model turn's ``text`` (after removing trailing end-of-turn markers ``strip``) into content and calls,
-    in the format ``parser`` (a name of ``PARSERS`` or ``ALIASES``; None: no calls, all content); ``tools``, the
-    request's, type the values of formats that write them as text."""
+    in the format ``parser`` (a name of ``PARSERS`` or ``ALIASES``; None: no calls, all content). ``tools``, the
+    request's: a call must name one of them (a call of another is kept as text, as SGLang does), and they type
+    the values of formats that write them as text; None: any name."""
     changed = True
     while changed:
         changed = False
@@ -254,7 +324,11 @@ def parse_tool_calls(text: str, strip: tuple[str, ...] = (), parser: str | None 
                 text, changed = text[: -len(marker)], True
     if parser is None:
         return ParsedTurn(text.strip())
-    return PARSERS[ALIASES.get(parser, parser)](text, tools)
+    try:
+        return PARSERS[ALIASES.get(parser, parser)](text, _Tools(tools))
+    except (RecursionError, MemoryError) as exc:  # nesting deeper than the parsers go: the text is kept
+        log.debug("tool-call parsing gave up (%s): the turn is kept as text", type(exc).__name__)
+        return ParsedTurn(text.strip(), [], 1)
 
 
 def format_tool_call(name: str, arguments: dict[str, Any]) -> str:

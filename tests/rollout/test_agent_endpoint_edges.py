@@ -13,7 +13,7 @@ import pytest
 import slime_lite.rollout.agent_endpoint as mod
 from slime_lite.tokenizer import build_tokenizer
 from slime_lite.types import Status
-from tests.rollout.test_agent_endpoint import _client, run_agent
+from tests.rollout.test_agent_endpoint import CALC, _client, run_agent
 
 
 def test_hooks_starting_at_once_share_one_endpoint(monkeypatch):
@@ -257,7 +257,7 @@ def test_a_streamed_call_gets_openais_chunks_and_is_recorded_like_any_other():
         client = _client(base_url)
         messages = [{"role": "user", "content": "1+2*3="}]
         chunks = [c async for c in await client.chat.completions.create(
-            model="m", messages=messages, stream=True, stream_options={"include_usage": True})]
+            model="m", messages=messages, tools=[CALC], stream=True, stream_options={"include_usage": True})]
         got["content"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         got["calls"] = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
         got["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices]

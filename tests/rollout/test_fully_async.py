@@ -247,6 +247,7 @@ def test_a_group_the_engines_keep_cutting_short_is_dropped_after_a_few_tries_not
     trained = {s.metadata["prompt_index"] for samples, _ in out for s in samples}
     assert 0 not in trained and len(trained) == 6
     assert sum(m["rollout/async/refused_groups"] for _, m in out) == 1.0
+    assert sum(m["rollout/async/regenerated_groups"] for _, m in out) == MAX_CUT - 1  # not the refused one
     assert len(asked) == MAX_CUT * 2  # its two samples, MAX_CUT times, then no more
 
 

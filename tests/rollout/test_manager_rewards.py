@@ -21,6 +21,7 @@ class _Generator:
         self.reward = reward
         self.progress = [0, 0]
         self.client = SimpleNamespace(urls=[])  # no engine to read step counters from
+        self.over = SimpleNamespace(engine_urls=lambda: [])  # nor a weight version
 
     async def rollout(self, rollout_id: int, source) -> tuple[list[Sample], dict[str, float]]:  # noqa: ANN001
         samples = [Sample(group_index=i // 2, index=i, tokens=[5, 6, 7], response_length=1, loss_mask=[1],

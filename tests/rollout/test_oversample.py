@@ -333,12 +333,17 @@ def test_ages_count_the_rollouts_weights_when_every_trained_sample_finished_earl
     assert stats["rollout/async/newest_lag"] == 1.0
 
 
+@pytest.mark.parametrize("hook", [None, "carry_hooks.again"])
 def test_a_continued_group_the_engine_aborts_again_without_a_token_is_dropped_not_carried_forever(
-        tokenizer, tiny_model_dir, caplog) -> None:
+        tokenizer, tiny_model_dir, caplog, tmp_path, monkeypatch, hook) -> None:
     """An engine that refuses one prompt (aborts it at once, every time: SGLang does so for an input it cannot
     serve): --partial-rollout carries the group once, and when its continuation comes back aborted with nothing
-    new it is dropped (counted, named in a warning), not carried into every later rollout."""
-    gen, source, engine = make(tokenizer, tiny_model_dir, "ssssssss", partial_rollout=True)
+    new it is dropped (counted, named in a warning), not carried into every later rollout; so with a hook that
+    generates carried samples again from their prompt (the multi-turn hooks), which is not blamed for it."""
+    (tmp_path / "carry_hooks.py").write_text(HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssssssss", partial_rollout=True,
+                               custom_generate_function_path=hook)
     refused = tokenizer("As=?", add_special_tokens=False)["input_ids"][0]
     served = engine._one
 

@@ -29,9 +29,17 @@ def test_llama3_json_calls_after_the_python_tag_or_alone():
     assert alone.calls == [{"name": "f", "arguments": {}}] and alone.content == ""
     answer = parse_tool_calls('{"answer": 3}', parser="llama3")  # JSON, but no call: content, not malformed
     assert answer.calls == [] and answer.content == '{"answer": 3}' and answer.malformed == 0
-    for bad in ('<|python_tag|>{"name": "f", "parameters": {"a": }', '{"name": "f", "parameters": [1]}'):
-        parsed = parse_tool_calls("x " + bad if bad.startswith("<") else bad, parser="llama3")
+    for bad in ('<|python_tag|>{"name": "f", "parameters": {"a": }', '<|python_tag|>{"name": "f", "parameters": [1]}'):
+        parsed = parse_tool_calls("x " + bad, parser="llama3")
         assert parsed.calls == [] and parsed.malformed == 1 and bad in parsed.content  # kept as written
+    # untagged JSON that is no call of a known function is an answer: kept, not counted
+    for answer, tools in (('{"name": "f", "parameters": [1]}', None), ('{"name": "Ada", "born": 1815}', [_tool("f")])):
+        parsed = parse_tool_calls(answer, parser="llama3", tools=tools)
+        assert parsed.calls == [] and parsed.malformed == 0 and parsed.content == answer
+    unknown = parse_tool_calls('<|python_tag|>{"name": "g", "parameters": {}}', parser="llama3", tools=[_tool("f")])
+    assert unknown.calls == [] and unknown.malformed == 1  # tagged, but no tool of the request: kept as text
+    nan = parse_tool_calls('<|python_tag|>{"name": "f", "parameters": {"x": NaN}}', parser="llama3")
+    assert nan.calls == [] and nan.malformed == 1  # NaN is no JSON an agent's parser reads
     cut = parse_tool_calls('<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "para', parser="llama3")
     assert len(cut.calls) == 1 and cut.malformed == 1 and cut.content == '{"name": "g", "para'
     plain = parse_tool_calls("no call here", parser="llama3")
@@ -44,6 +52,11 @@ def test_pythonic_calls_with_literal_keyword_arguments_only():
     assert parsed.calls == [{"name": "get", "arguments": {"city": "S]F(", "n": 3}},
                             {"name": "a.b", "arguments": {"x": {"k": [1, None]}}}]
     assert parsed.content == "Sure.  done" and parsed.malformed == 0
+    tools = [_tool("f")]
+    code = parse_tool_calls("Use `[dict(a=1)]`, as [len(s) for s in xs] does; now [f(n=3)]", parser="pythonic",
+                            tools=tools)  # lists that are no call of a tool are text, and the call after them read
+    assert code.calls == [{"name": "f", "arguments": {"n": 3}}] and code.malformed == 0
+    assert code.content == "Use `[dict(a=1)]`, as [len(s) for s in xs] does; now"
     for bad in ('[f(1)]', '[f(x=g())]', '[f(x={1, 2})]', '[f(**k)]', '[f(x=1)', '[f(x=1), 3]'):
         got = parse_tool_calls("try " + bad, parser="pythonic")
         assert got.calls == [] and got.malformed == 1 and got.content == "try " + bad, bad
@@ -52,25 +65,64 @@ def test_pythonic_calls_with_literal_keyword_arguments_only():
 
 def test_qwen3_coder_xml_values_typed_by_the_tools_schema():
     tools = [_tool("w", city="string", days="integer", t="number", ok="boolean", opts="object", ids="array",
-                   code="string")]
+                   code="string", big="number", neg="integer"),
+             {"type": "function", "function": {"name": "v", "parameters": {"properties": {
+                 "maybe": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "n": {"type": ["integer", "null"]},
+                 "pick": {"enum": ["1", "2"]}, "free": {"description": "no type"}}}}}]
     text = ("I will.\n<tool_call>\n<function=w>\n<parameter=city>\n123\n</parameter>\n<parameter=days>\n3\n"
             "</parameter>\n<parameter=t>\n2.5\n</parameter>\n<parameter=ok>\nTrue\n</parameter>\n<parameter=opts>\n"
             "{'a': 1}\n</parameter>\n<parameter=ids>\n[1, 2]\n</parameter>\n<parameter=code>\nx = 1\n\ny = 2\n"
-            "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=other>\n<parameter=n>\n7\n"
-            "<parameter=s>\nnull\n</function>\n</tool_call>")
+            "</parameter>\n<parameter=big>\n9007199254740993\n</parameter>\n<parameter=neg>\n-4\n</parameter>\n"
+            "</function>\n</tool_call>\n<tool_call>\n<function=v>\n<parameter=maybe>\n12\n<parameter=n>\nnull\n"
+            "<parameter=pick>\n1\n</parameter>\n<parameter=free>\ntrue\n</parameter>\n</function>\n"
+            "<function=w>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>")
     parsed = parse_tool_calls(text, parser="qwen3_coder", tools=tools)
     assert parsed.content == "I will." and parsed.malformed == 0
-    assert parsed.calls[0] == {"name": "w", "arguments": {"city": "123", "days": 3, "t": 2.5, "ok": True,
-                                                          "opts": {"a": 1}, "ids": [1, 2], "code": "x = 1\n\ny = 2"}}
-    # a function the tools do not describe: values read as JSON where they are JSON; an unclosed parameter ends at
-    # the next one or at </function>
-    assert parsed.calls[1] == {"name": "other", "arguments": {"n": 7, "s": None}}
-    wrong = parse_tool_calls("<tool_call><function=w><parameter=days>three</parameter></function></tool_call>",
-                             parser="qwen3_coder", tools=tools)
-    assert wrong.calls == [{"name": "w", "arguments": {"days": "three"}}]  # as written: the tool sees the mistake
-    for bad in ("<tool_call>\n<parameter=a>1</parameter>\n</tool_call>", "<tool_call>\n<function=w>\n"):
+    assert parsed.calls[0] == {"name": "w", "arguments": {
+        "city": "123", "days": 3, "t": 2.5, "ok": True, "opts": {"a": 1}, "ids": [1, 2], "code": "x = 1\n\ny = 2",
+        "big": 9007199254740993, "neg": -4}}
+    # a string in any branch stays a string; an unclosed parameter ends at the next one; no type: as written;
+    # two functions in one block are two calls; a value that does not read as its type is kept as written
+    assert parsed.calls[1:] == [{"name": "v", "arguments": {"maybe": "12", "n": None, "pick": "1", "free": "true"}},
+                                {"name": "w", "arguments": {"days": "three"}}]
+    for bad in ("<tool_call>\n<parameter=a>1</parameter>\n</tool_call>",  # no function
+                "<tool_call>\n<function=w>\n",  # never closed
+                "<tool_call>\n<function=other>\n</function>\n</tool_call>",  # no tool of the request
+                "<tool_call>\nSure:\n<function=w>\n</function>\n</tool_call>",  # text outside the function
+                "<tool_call><function=w><parameter=t>\nnan\n</parameter></function></tool_call>"):  # kept, no NaN
         got = parse_tool_calls("x " + bad, parser="qwen3_coder", tools=tools)
-        assert got.calls == [] and got.malformed == 1 and got.content == ("x " + bad).strip()
+        if "nan" in bad:
+            assert got.calls == [{"name": "w", "arguments": {"t": "nan"}}]
+            continue
+        assert got.calls == [] and got.malformed == 1 and got.content == ("x " + bad).strip(), bad
+
+
+def test_a_mention_of_the_tag_before_a_call_is_text_and_adversarial_text_parses_fast():
+    mention = parse_tool_calls('<think>use a <tool_call> block</think>\n<tool_call>{"name": "f", "arguments": {}}'
+                               "</tool_call>", parser="qwen25")
+    assert mention.calls == [{"name": "f", "arguments": {}}] and mention.malformed == 0
+    assert mention.content == "<think>use a <tool_call> block</think>"
+    import time
+    for parser, text in (("qwen3_coder", "<tool_call><function=w>" + "<parameter=" * 20000),
+                         ("qwen25", "<tool_call>" * 20000), ("pythonic", "[f(" * 20000),
+                         ("llama3", "<|python_tag|>" + "[" * 20000), ("glm45", "<tool_call>w" + "<arg_key>" * 20000),
+                         ("glm45", "<tool_call>w" + "<arg_key>a</arg_key><arg_value>" * 20000 + "</tool_call>")):
+        t0 = time.perf_counter()
+        got = parse_tool_calls(text, parser=parser, tools=[_tool("w"), _tool("f")])
+        assert got.calls == [] and time.perf_counter() - t0 < 5, parser  # no exception, no quadratic blow-up
+
+
+def test_glm45_arg_key_value_pairs():
+    tools = [_tool("w", city="string", days="integer")]
+    parsed = parse_tool_calls("ok<tool_call>w\n<arg_key>city</arg_key>\n<arg_value>北京</arg_value>\n"
+                              "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>extra</arg_key>"
+                              '<arg_value>{"a": [1]}</arg_value>\n</tool_call><tool_call>w</tool_call>',
+                              parser="glm", tools=tools)
+    assert parsed.calls == [{"name": "w", "arguments": {"city": "北京", "days": 3, "extra": {"a": [1]}}},
+                            {"name": "w", "arguments": {}}]
+    assert parsed.content == "ok" and parsed.malformed == 0
+    bad = parse_tool_calls("<tool_call>w\n<arg_key>a</arg_key>stray</tool_call>", parser="glm45", tools=tools)
+    assert bad.calls == [] and bad.malformed == 1
 
 
 def test_the_format_is_picked_from_the_chat_template_and_the_flag_names_it():
@@ -78,6 +130,8 @@ def test_the_format_is_picked_from_the_chat_template_and_the_flag_names_it():
     assert detect_parser(tok) == "qwen25"  # the tiny model's template writes <tool_call>{json}</tool_call>
     for template, name in (("{{ '<tool_call>\\n<function=' + name + '>' }}", "qwen3_coder"),
                            ("{{ '<|python_tag|>' }}{{ tool_call | tojson }}", "llama3"),
+                           ('{{ \'{"name": "\' + name + \'", "parameters": \' }}', "llama3"),  # Llama 3.2
+                           ("{{ '<tool_call>' + name }}<arg_key>{{ k }}</arg_key>", "glm45"),
                            ("{{ '<|python_start|>' }}", "pythonic"), ("{{ messages }}", "qwen25")):
         tok.chat_template = template
         assert detect_parser(tok) == name
