@@ -50,7 +50,8 @@ class AdmissionMixin:
         while self.waiting and self._free_slots:
             req = self.waiting[0]
             seq = self._prefill_seq(req)
-            slot, hit = self.prefix.match(self._free_slots, seq, self._reuse_limit(req, len(seq)))
+            slot, hit = self.prefix.match(self._free_slots, seq, self._reuse_limit(req, len(seq)),
+                                          req.cache_namespace)
             n = len(seq) - hit
             if batch and (len(batch) + 1) * max(width, n) > PREFILL_MAX_TOKENS:
                 break

@@ -4,6 +4,7 @@ and the 400 error every route raises for a request it refuses."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -14,8 +15,28 @@ class BadRequest(ValueError):
     """A request the engine refuses (HTTP 400 with {"error": {"message": ...}})."""
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps(data: Any) -> str:
+    """Standard JSON text of ``data``: a NaN or infinite float (NaN weights give NaN log-probs) is null, as SGLang's
+    orjson writes it, never the ``NaN`` / ``Infinity`` that JSON parsers refuse."""
+    try:
+        return json.dumps(data, allow_nan=False)
+    except ValueError:  # a non-finite float somewhere: the rare case pays for the walk
+        return json.dumps(_finite(data), allow_nan=False)
+
+
 def json_response(data: Any, status: int = 200):
-    return web.Response(text=json.dumps(data), status=status, content_type="application/json")
+    return web.Response(text=dumps(data), status=status, content_type="application/json")
 
 
 def error_response(message: str, status: int = 400):

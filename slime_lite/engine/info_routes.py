@@ -1,7 +1,8 @@
 """Health, info and load routes of the embedded engine (SGLang's names and shapes).
 
 - ``/``, ``/ready`` (the model thread runs), ``/health``, ``/health_generate``: SGLang's semantics (see ``health``).
-- ``/get_model_info`` (``/model_info``), ``/get_server_info`` (``/server_info``), ``/get_weight_version``.
+- ``/get_model_info`` (``/model_info``: paths, names, the HF config's model_type and architectures),
+  ``/get_server_info`` (``/server_info``), ``/get_weight_version``.
   ``/get_server_info`` carries the ``ServerArgs`` fields slime reads or compares for an external engine
   (``tp_size``, ``dp_size``, ``pp_size``, ``ep_size``, ``dtype``, ``enable_memory_saver``,
   ``disaggregation_mode``, ``encoder_only``, ``enable_return_routed_experts``, ...), plus live state.
@@ -84,9 +85,13 @@ class _Info:
         return web.Response(status=200)
 
     async def model_info(self, request):
-        s = self.server.scheduler
+        s, config = self.server.scheduler, self.server.scheduler.hf.config
         return json_response({"model_path": s.model_path, "tokenizer_path": s.tokenizer_path, "is_generation": True,
-                              "preferred_sampling_params": None, "weight_version": s.weight_version})
+                              "served_model_name": self.server.served_model_name,
+                              "preferred_sampling_params": None, "weight_version": s.weight_version,
+                              "has_image_understanding": False, "has_audio_understanding": False,  # text models
+                              "model_type": getattr(config, "model_type", None),
+                              "architectures": getattr(config, "architectures", None)})
 
     async def server_info(self, request):
         srv, s = self.server, self.server.scheduler

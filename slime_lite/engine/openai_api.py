@@ -8,13 +8,15 @@ chat takes ``logprobs: true`` and ``top_logprobs: k``. Stream chunks carry the l
 Without ``max_tokens`` / ``max_completion_tokens`` a completion stops at 16 tokens and a chat reply runs up to the
 context; null is up to the context (SGLang's defaults). A message's content may be OpenAI text parts (joined by a
 space, as SGLang renders them for a template that takes a string). Chat takes SGLang's ``chat_template_kwargs``.
+``rid``, ``extra_key`` and ``cache_salt`` act as on ``/generate``. A field the route does not implement is accepted
+only at its default, unless it merely labels the request (``validate.openai_fields``); booleans are JSON booleans.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import os
 import time
 import uuid
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from slime_lite.engine import validate as check
-from slime_lite.engine.http_json import BadRequest, json_response, read_body
+from slime_lite.engine.http_json import BadRequest, dumps, json_response, read_body
 
 
 def add_openai_routes(app: Any, server: Any) -> None:
@@ -70,30 +72,47 @@ def _field_names(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
             ("sampling_params.sampling_seed", "seed"), ("sampling_params.", ""))
 
 
-# OpenAI (and SGLang-extension) fields that change the output and that the engine does not implement: a 400.
-_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "response_format", "suffix", "regex",
-                "json_schema", "ebnf", "structural_tag", "lora_path", "return_hidden_states", "continue_final_message")
-
-
-def _unsupported(body: dict[str, Any]) -> None:
-    for key in _UNSUPPORTED:
-        value = body.get(key)
-        if value in (None, False, "", [], {}, "none", "auto", {"type": "text"}):
-            continue
-        raise BadRequest(f"{key}: not supported by the embedded engine's OpenAI routes")
+def _check_fields(body: dict[str, Any], route: str) -> None:
+    """Before any work: every field of ``body`` is one ``route`` (completions, chat, tokenize) implements, a label,
+    or at its default (``validate.openai_fields``); ``model`` is a string."""
+    try:
+        check.openai_fields(body, route)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
     if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n", 1):
         raise BadRequest("best_of: only best_of == n is supported by the embedded engine")
-
-
-def _stream(body: dict[str, Any]) -> Any:
-    """``stream`` as sent (new_requests checks it is a boolean); ``stream_options`` must be an object. Fields the
-    engine does not implement are refused here (every route builds its requests through this)."""
-    _unsupported(body)
-    if not isinstance(body.get("stream_options") or {}, dict):
-        raise BadRequest("stream_options must be an object")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise BadRequest(f"model={body['model']!r:.80} must be a string (the served model's name)")
-    return False if body.get("stream") is None else body["stream"]
+    _include_usage(body)
+
+
+def _flag(value: Any, name: str, default: bool) -> bool:
+    """A boolean field: JSON true/false (or 0/1), null or absent is ``default``; a string such as "false" is a
+    400, not read as true."""
+    try:
+        return default if value is None else check.boolean(value, name)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage`` (``stream_options`` must be an object)."""
+    options = body.get("stream_options")
+    if not isinstance(options or {}, dict):
+        raise BadRequest("stream_options must be an object")
+    return _flag((options or {}).get("include_usage"), "stream_options.include_usage", False)
+
+
+def _stream_delta(sent: str, text: str, final: bool) -> tuple[str, str]:
+    """``(delta, sent)``: what a stream chunk adds to ``sent`` (the text streamed so far) for the request's text
+    now. Until the request finishes, a trailing U+FFFD is held back: it is the start of a character whose other
+    bytes come with later tokens. A text that does not continue ``sent`` (a stop string cut at the finish) is sent
+    from where the two part."""
+    if not final:
+        text = text.rstrip("\ufffd")
+    if text.startswith(sent):
+        return text[len(sent):], text
+    return text[len(os.path.commonprefix([sent, text])):], text
 
 
 def _text_parts(message: Any, i: int) -> Any:
@@ -145,9 +164,11 @@ class _OpenAI:
         """``new_requests`` for an OpenAI body; an error names the OpenAI field (``max_tokens`` or
         ``max_completion_tokens``, not ``sampling_params.max_new_tokens``)."""
         try:
-            return self.server.new_requests(prompts, _sampling(body, default_max_tokens), return_logprob=want_lp,
-                                            top_logprobs_num=top, logprob_start_len=logprob_start_len,
-                                            stream=_stream(body))
+            return self.server.new_requests(prompts, _sampling(body, default_max_tokens), rid=body.get("rid"),
+                                            return_logprob=want_lp, top_logprobs_num=top,
+                                            logprob_start_len=logprob_start_len,
+                                            stream=False if body.get("stream") is None else body["stream"],
+                                            extra_key=body.get("extra_key"), cache_salt=body.get("cache_salt"))
         except BadRequest as exc:
             message = str(exc)
             for ours, theirs in _field_names(body):
@@ -170,6 +191,10 @@ class _OpenAI:
 
     async def completions(self, request):
         body = await read_body(request)
+        _check_fields(body, "completions")
+        want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
+        top = self._count(body, "logprobs", 0, check.MAX_TOP_LOGPROBS)
+        echo = _flag(body.get("echo"), "echo", False)
         prompt = body.get("prompt")
         if prompt is None:
             raise BadRequest("'prompt' is required")
@@ -184,9 +209,6 @@ class _OpenAI:
                                                              else {"input_ids": prompt}))
         except BadRequest as exc:  # the error names OpenAI's field
             raise BadRequest(str(exc).replace("'input_ids'", "'prompt'").replace("input_ids", "prompt")) from None
-        want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
-        top = self._count(body, "logprobs", 0, 20)
-        echo = bool(body.get("echo"))
         reqs = self._requests(prompts, body, 16, want_lp, top, 0 if echo and top else -1)
         n = len(reqs) // len(prompts)
         sch = self.server.scheduler
@@ -216,7 +238,7 @@ class _OpenAI:
 
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.server.served_model_name}
-        return await self._respond(request, body, prompts, reqs, head, choice, n)
+        return await self._respond(request, body, prompts, reqs, head, choice)
 
     def _render_chat(self, messages: Any, add_generation_prompt: bool, template_kwargs: Any = None) -> str:
         """The chat template's text of ``messages``; ``template_kwargs`` is SGLang's ``chat_template_kwargs`` (extra
@@ -241,7 +263,7 @@ class _OpenAI:
         (rendered with the chat template, ``add_generation_prompt`` default true) -> ``{tokens, count,
         max_model_len}``. ``add_special_tokens`` (default true) is passed to the tokenizer for a ``prompt``."""
         body = await read_body(request)
-        _unsupported(body)
+        _check_fields(body, "tokenize")
         prompt, messages = body.get("prompt"), body.get("messages")
         special = body.get("add_special_tokens", True)
         if not isinstance(special, bool):
@@ -250,8 +272,8 @@ class _OpenAI:
         if (prompt is None) == (messages is None):
             raise BadRequest("send exactly one of 'prompt' and 'messages'")
         if messages is not None:
-            gen = body.get("add_generation_prompt")
-            texts, special = [self._render_chat(messages, True if gen is None else bool(gen))], False
+            gen = _flag(body.get("add_generation_prompt"), "add_generation_prompt", True)
+            texts, special = [self._render_chat(messages, gen, body.get("chat_template_kwargs"))], False
         elif isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)):
             texts = [prompt] if isinstance(prompt, str) else prompt
         else:
@@ -290,12 +312,14 @@ class _OpenAI:
 
     async def chat_completions(self, request):
         body = await read_body(request)
-        text = self._render_chat(body.get("messages"), True, body.get("chat_template_kwargs"))
-        prompts, _ = await self.server.encode_prompts(text=text)
-        want_lp = bool(body.get("logprobs"))
-        top = self._count(body, "top_logprobs", 0, 20)
+        _check_fields(body, "chat")
+        want_lp = _flag(body.get("logprobs"), "logprobs", False)
+        top = self._count(body, "top_logprobs", 0, check.MAX_TOP_LOGPROBS)
         if top and not want_lp:
             raise BadRequest("top_logprobs needs logprobs: true")
+        text = self._render_chat(body.get("messages"), True, body.get("chat_template_kwargs"))
+        # the template's text holds its special tokens already (a BOS too, where the template writes one)
+        prompts, _ = await self.server.encode_prompts(text=text, add_special_tokens=False)
         reqs = self._requests(prompts, body, None, want_lp, top)
 
         def entry(v: float, t: int) -> dict[str, Any]:
@@ -313,10 +337,15 @@ class _OpenAI:
 
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.server.served_model_name}
-        return await self._respond(request, body, prompts, reqs, head, choice, len(reqs))
+        return await self._respond(request, body, prompts, reqs, head, choice)
 
     async def _respond(self, request, body: dict[str, Any], prompts: list[list[int]], reqs: list[Any],
-                       head: dict[str, Any], choice, n: int):
+                       head: dict[str, Any], choice):
+        with self.server.claim_rids(reqs):  # an abort of a rid reaches these requests and no one else's
+            return await self._answer(request, body, prompts, reqs, head, choice)
+
+    async def _answer(self, request, body: dict[str, Any], prompts: list[list[int]], reqs: list[Any],
+                      head: dict[str, Any], choice):
         sch = self.server.scheduler
         if not reqs[0].stream:
             outs = await self.server.run_requests(reqs)
@@ -332,18 +361,16 @@ class _OpenAI:
         try:
             async with contextlib.aclosing(self.server.iter_outputs(reqs)) as stream:
                 async for i, out in stream:
-                    text = sch.output_text(out)
-                    delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
-                    sent[i] = text if text.startswith(sent[i]) else sent[i]
+                    delta, sent[i] = _stream_delta(sent[i], sch.output_text(out), out.finish_reason is not None)
                     lo, first = sent_tokens[i], sent_tokens[i] == 0
                     sent_tokens[i] = len(out.output_ids)
                     c = choice(i, out, delta, lo, first, True) if chat else choice(i, out, delta, lo, first)
-                    await resp.write(b"data: " + json.dumps({**chunk_head, "choices": [c]}).encode() + b"\n\n")
+                    await resp.write(b"data: " + dumps({**chunk_head, "choices": [c]}).encode() + b"\n\n")
                     if out.finish_reason is not None:
                         outs[i] = out
-            if (body.get("stream_options") or {}).get("include_usage"):
+            if _include_usage(body):
                 usage = {**chunk_head, "choices": [], "usage": self._usage(prompts, outs)}
-                await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+                await resp.write(b"data: " + dumps(usage).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:

@@ -8,6 +8,10 @@ slot whose remembered tokens share the longest prefix with its prompt; only the 
 takes a slot that remembers nothing, else the least recently used one (eviction: the number of cached prefixes is
 the number of free slots, so KV pressure, i.e. many running requests, leaves fewer of them).
 
+Namespaces: each entry keeps the namespace of the request that left it (SGLang's ``extra_key`` and ``cache_salt``;
+both absent is the default namespace), and a prompt matches only entries of its own namespace. So a client that
+salts its requests shares no K/V with others, and ``cached_tokens`` tells no one else how its prompts begin.
+
 What is cached is dropped whole (``clear``) by ``/flush_cache``, whenever the KV cache is freed, and by every
 weight update: entries carry the weights' write counter (``Weights.version``), and a lookup under another counter
 clears everything first, so no route that writes weights can leave stale KV behind; a request that was running
@@ -17,7 +21,9 @@ during an update (its prompt's K/V is the old weights') leaves nothing in the ca
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Callable, Hashable
+
+DEFAULT_NAMESPACE = (None, None)  # (extra_key, cache_salt) of a request that sets neither
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -36,6 +42,7 @@ class PrefixCache:
         self._version = weights_version
         self._seen_version = weights_version()
         self._tokens: dict[int, list[int]] = {}  # free slot -> tokens whose K/V it holds, positions 0..len-1
+        self._namespace: dict[int, Hashable] = {}  # free slot -> the namespace of the request that left it
         self._used: dict[int, int] = {}  # free slot -> last use (LRU)
         self._clock = itertools.count()
         self.hits = self.lookups = self.hit_tokens = self.prompt_tokens = 0
@@ -49,6 +56,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._tokens.clear()
+        self._namespace.clear()
         self._used.clear()
 
     def _check_version(self) -> None:
@@ -57,30 +65,36 @@ class PrefixCache:
             self.clear()
             self._seen_version = version
 
-    def release(self, slot: int, tokens: list[int] | None, version: int | None = None) -> None:
-        """``slot`` is free again and holds the K/V of ``tokens`` (None: nothing reusable), computed under the
-        weights' write counter ``version`` (None: the current one). K/V of other weights is not kept: a request that
-        ran across a weight update holds its prompt's K/V under the old weights."""
+    def release(self, slot: int, tokens: list[int] | None, version: int | None = None,
+                namespace: Hashable = DEFAULT_NAMESPACE) -> None:
+        """``slot`` is free again and holds the K/V of ``tokens`` (None: nothing reusable) of a request of
+        ``namespace``, computed under the weights' write counter ``version`` (None: the current one). K/V of other
+        weights is not kept: a request that ran across a weight update holds its prompt's K/V under the old
+        weights."""
         self._check_version()
         if self.enabled and tokens and version in (None, self._seen_version):
             self._tokens[slot] = list(tokens)
+            self._namespace[slot] = namespace
             self._used[slot] = next(self._clock)
         else:
             self.forget(slot)
 
     def forget(self, slot: int) -> None:
         self._tokens.pop(slot, None)
+        self._namespace.pop(slot, None)
         self._used.pop(slot, None)
 
-    def match(self, free: list[int], prompt: list[int], limit: int) -> tuple[int, int]:
-        """``(slot, reused)``: the free slot for ``prompt`` and how many of its first tokens already have K/V there
-        (at most ``limit``); with no match, a slot that holds nothing, else the least recently used one."""
+    def match(self, free: list[int], prompt: list[int], limit: int,
+              namespace: Hashable = DEFAULT_NAMESPACE) -> tuple[int, int]:
+        """``(slot, reused)``: the free slot for ``prompt`` (of a request of ``namespace``) and how many of its first
+        tokens already have K/V there (at most ``limit``), from entries of that namespace only; with no match, a
+        slot that holds nothing, else the least recently used one."""
         self._check_version()
         best, best_len = -1, 0
         if self.enabled and limit > 0:
             for slot in free:
                 held = self._tokens.get(slot)
-                if held:
+                if held and self._namespace[slot] == namespace:
                     n = min(common_prefix(held, prompt), limit)
                     if n > best_len:
                         best, best_len = slot, n

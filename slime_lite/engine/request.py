@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from slime_lite.engine.prefix_cache import DEFAULT_NAMESPACE
 from slime_lite.engine.sampling import SamplingParams
 
 
@@ -71,6 +72,8 @@ class Request:
     max_new: int = 0  # max_new_tokens capped to what the slot holds
     slot: int = -1
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # (extra_key, cache_salt): the prefix cache shares K/V only between requests of the same namespace
+    cache_namespace: tuple[str | None, str | None] = DEFAULT_NAMESPACE
     kv_version: int = -1  # the weights' write counter (Weights.version) its K/V was computed under (prefill)
     created: float = field(default_factory=time.monotonic)
     # the scheduler's abort-all count when the request was made (Scheduler.prepare): an abort-all after that aborts

@@ -137,8 +137,8 @@ class SamplingParams:
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
-    """SGLang's ``logit_bias``: ``{"token_id": bias}`` (keys are strings in JSON); the vocabulary range is checked
-    by the scheduler."""
+    """SGLang's ``logit_bias``: ``{"token_id": bias}`` (keys are strings in JSON), each bias within
+    +-``MAX_LOGIT_BIAS``; the vocabulary range is checked by the scheduler."""
     if value is None:
         return None
     name = "sampling_params.logit_bias"
@@ -150,7 +150,7 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
             tid = int(key)
         except (TypeError, ValueError):
             raise ValueError(f"{name}: key {key!r} is not a token id") from None
-        out[tid] = check.number(bias, f"{name}[{key}]")
+        out[tid] = check.number(bias, f"{name}[{key}]", -check.MAX_LOGIT_BIAS, check.MAX_LOGIT_BIAS)
     return out or None
 
 

@@ -226,9 +226,10 @@ class Scheduler(AdmissionMixin, ControlMixin):
         with self.tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids; with the special tokens the tokenizer adds (a BOS for some) unless told not to."""
         with self.tokenizer_lock:
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def output_text(self, out: RequestOutput) -> str:
         """The response text, trimmed as SGLang's detokenizer does: without the matched stop token (kept with
@@ -391,7 +392,8 @@ class Scheduler(AdmissionMixin, ControlMixin):
             heapq.heappush(self._free_slots, req.slot)
             # the slot keeps the K/V of what went through the model (prefix cache): not after a failed prefill, nor
             done = req.output_ids or reason == {"type": "length", "length": 0}  # when the weights changed since
-            self.prefix.release(req.slot, self._prefill_seq(req) if done else None, req.kv_version)
+            self.prefix.release(req.slot, self._prefill_seq(req) if done else None, req.kv_version,
+                                req.cache_namespace)
             req.slot = -1
             if not self.running and not self.pipeline.holds_cache and not len(self.prefix):
                 self.cache.free()  # memory does not grow from batch to batch

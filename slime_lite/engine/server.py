@@ -17,7 +17,6 @@ import asyncio
 import base64
 import contextlib
 import hmac
-import json
 import logging
 import os
 import signal
@@ -31,7 +30,7 @@ from aiohttp import web
 
 from slime_lite.engine import logprobs as lpx
 from slime_lite.engine import validate as check
-from slime_lite.engine.http_json import BadRequest, error_response, json_response, read_body
+from slime_lite.engine.http_json import BadRequest, dumps, error_response, json_response, read_body
 from slime_lite.engine.info_routes import add_info_routes
 from slime_lite.engine.openai_api import add_openai_routes
 from slime_lite.engine.request import Request, abort_reason, rid_matches
@@ -206,29 +205,32 @@ class EngineServer:
     def new_requests(self, prompts: list[list[int]], sampling_params: Any, *, rid: Any = None,
                      return_logprob: Any = False, logprob_start_len: Any = -1, top_logprobs_num: Any = 0,
                      token_ids_logprob: Any = None, return_text_in_logprobs: Any = False,
-                     stream: Any = False) -> list[Any]:
+                     stream: Any = False, extra_key: Any = None, cache_salt: Any = None) -> list[Any]:
         """Validated ``Request`` objects: one per prompt and sample (``n``), in prompt-major order. ``BadRequest``
         names the field that is wrong; nothing is submitted."""
         try:
             return self._new_requests(prompts, sampling_params, rid, return_logprob, logprob_start_len,
-                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream)
+                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream,
+                                      check.cache_namespaces(extra_key, cache_salt, len(prompts)))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
     def _new_requests(self, prompts, sampling_params, rid, return_logprob, logprob_start_len, top_logprobs_num,
-                      token_ids_logprob, return_text_in_logprobs, stream) -> list[Any]:
+                      token_ids_logprob, return_text_in_logprobs, stream, spaces) -> list[Any]:
         n_prompts = len(prompts)
         sps = _as_list(sampling_params if sampling_params is not None else {}, n_prompts, "sampling_params")
+        if isinstance(sampling_params, list):
+            check.objects(sps, "sampling_params")
         lps = [check.boolean(x, "return_logprob") for x in _as_list(return_logprob, n_prompts, "return_logprob")]
         starts = [check.integer(-1 if x is None else x, "logprob_start_len", -1)
                   for x in _as_list(logprob_start_len, n_prompts, "logprob_start_len")]
-        tops = [check.integer(0 if x is None else x, "top_logprobs_num", 0, self.scheduler.lm.vocab_size)
+        tops = [check.integer(0 if x is None else x, "top_logprobs_num", 0, check.MAX_TOP_LOGPROBS)
                 for x in _as_list(top_logprobs_num, n_prompts, "top_logprobs_num")]
         if isinstance(token_ids_logprob, list) and token_ids_logprob and isinstance(token_ids_logprob[0], list):
             id_lists = _as_list(token_ids_logprob, n_prompts, "token_ids_logprob")
         else:  # SGLang reads an empty list as not given
             id_lists = [token_ids_logprob if token_ids_logprob != [] else None] * n_prompts
-        id_lists = [None if x is None else check.token_id_list(x, "token_ids_logprob") for x in id_lists]
+        id_lists = [None if x is None else check.logprob_token_ids(x) for x in id_lists]
         text_lp = check.boolean(return_text_in_logprobs, "return_text_in_logprobs")
         stream = check.boolean(stream, "stream")
         if isinstance(rid, list):
@@ -243,7 +245,8 @@ class EngineServer:
             raise BadRequest(f"{n_prompts} prompts x sampling_params.n make {sum(ns)} sequences; at most "
                              f"{check.MAX_SEQUENCES} per request")
         reqs = []
-        for ids, sp, n, user_rid, lp, start, top, tids in zip(prompts, sps, ns, rids, lps, starts, tops, id_lists):
+        for ids, sp, n, user_rid, lp, start, top, tids, space in zip(prompts, sps, ns, rids, lps, starts, tops,
+                                                                      id_lists, spaces):
             params = SamplingParams.from_dict(sp)
             base = user_rid if user_rid is not None else uuid.uuid4().hex
             for j in range(n):
@@ -252,9 +255,12 @@ class EngineServer:
                     seed=self.scheduler.derive_seed(params.sampling_seed, user_rid, j), return_logprob=lp,
                     logprob_start_len=start if lp else -1, top_logprobs_num=top if lp else 0,
                     token_ids_logprob=tids if lp else None, return_text_in_logprobs=text_lp, stream=stream,
+                    cache_namespace=space,
                 )
                 self.scheduler.prepare(req)
                 reqs.append(req)
+            check.logprob_entries(len(ids) - req.logprob_start_len + req.max_new, req.top_logprobs_num,
+                                  req.token_ids_logprob)
             check.fits_context(len(ids), params.max_new_tokens if sp.get("max_new_tokens") is not None else None,
                                self.scheduler.context_len)
         return reqs
@@ -273,9 +279,12 @@ class EngineServer:
                 raise BadRequest(f"routed_experts_start_len {start} is past the prompt's {len(req.input_ids)} tokens")
             req.return_routed_experts, req.routed_experts_start_len = True, start
 
-    async def encode_prompts(self, text: Any = None, input_ids: Any = None) -> tuple[list[list[int]], bool]:
+    async def encode_prompts(self, text: Any = None, input_ids: Any = None, *,
+                             add_special_tokens: bool = True) -> tuple[list[list[int]], bool]:
         """``text`` or ``input_ids`` (one or a list) -> (token id lists, whether the input was a single prompt).
-        Texts are tokenized in a worker thread: a big batch of them leaves the other requests' HTTP alone."""
+        Texts are tokenized in a worker thread: a big batch of them leaves the other requests' HTTP alone; with the
+        tokenizer's special tokens (a BOS where it adds one), as SGLang tokenizes a text prompt, unless
+        ``add_special_tokens`` is False (a chat template's text, which holds them already)."""
         if (text is None) == (input_ids is None):
             raise BadRequest("send exactly one of 'text' and 'input_ids'")
         if text is not None:
@@ -286,7 +295,8 @@ class EngineServer:
             if len(texts) > check.MAX_SEQUENCES:
                 raise BadRequest(f"'text': {len(texts)} prompts; at most {check.MAX_SEQUENCES} per request")
             ids = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: [self._encode(t, "text" if single else f"text[{i}]") for i, t in enumerate(texts)])
+                None, lambda: [self._encode(t, "text" if single else f"text[{i}]", add_special_tokens)
+                               for i, t in enumerate(texts)])
             return ids, single
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest("'input_ids' must be a non-empty list of token ids (or a list of such lists)")
@@ -301,14 +311,14 @@ class EngineServer:
                 raise BadRequest(str(exc)) from None
         return prompts, single
 
-    def _encode(self, text: str, name: str) -> list[int]:
+    def _encode(self, text: str, name: str, special: bool) -> list[int]:
         """Token ids of ``text``; a text whose first 64 characters per slot token already overflow the slot is
         refused without tokenizing the rest (tokenizing megabytes holds the tokenizer, and this thread, for seconds)."""
         slot, cut = self.scheduler.slot_len, 64 * self.scheduler.slot_len
-        if len(text) > cut and len(self.scheduler.encode(text[:cut])) >= slot:
+        if len(text) > cut and len(self.scheduler.encode(text[:cut], special)) >= slot:
             raise BadRequest(f"{name}: more than {slot} tokens; the batch slot holds {slot} (model context or "
                              "--kv-cache-tokens / --max-running-requests)")
-        return self.scheduler.encode(text)
+        return self.scheduler.encode(text, special)
 
     async def iter_outputs(self, reqs: list[Any]) -> AsyncIterator[tuple[int, Any]]:
         """Submit ``reqs``; yield ``(index, RequestOutput)`` as they come; abort what is left if the consumer stops.
@@ -368,7 +378,7 @@ class EngineServer:
             req.on_output(req.snapshot(self.scheduler.weight_version))
 
     @contextlib.contextmanager
-    def _claim_rids(self, reqs: list[Any]):
+    def claim_rids(self, reqs: list[Any]):
         """The requests' ids are taken while they run. A request with an id that is live, or twice in one batch, is
         a 400 (SGLang's rule): an abort by that id, or a client's disconnect, must not end another one's request."""
         rids = [r.rid for r in reqs]
@@ -423,9 +433,10 @@ class EngineServer:
             logprob_start_len=opt("logprob_start_len", -1), top_logprobs_num=opt("top_logprobs_num", 0),
             token_ids_logprob=body.get("token_ids_logprob"),
             return_text_in_logprobs=opt("return_text_in_logprobs", False), stream=opt("stream", False),
+            extra_key=body.get("extra_key"), cache_salt=body.get("cache_salt"),
         )
         self._routed_experts(reqs, opt("return_routed_experts", False), opt("routed_experts_start_len", 0))
-        with self._claim_rids(reqs):
+        with self.claim_rids(reqs):
             return await self._generate(request, reqs, single)
 
     async def _generate(self, request, reqs: list[Any], single: bool):
@@ -443,7 +454,7 @@ class EngineServer:
                     chunk = self.format_output(reqs[i], out)
                     if not single:
                         chunk["index"] = i
-                    await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    await resp.write(b"data: " + dumps(chunk).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:

@@ -15,6 +15,13 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_N = 256  # samples per prompt (sampling_params.n)
 MAX_SEQUENCES = 4096  # prompts x n in one HTTP request
 MAX_STOP = 256  # stop strings per request (each one is searched for after every token)
+# Log-probs besides the sampled token's, per scored position (each one is computed, held and sent as JSON):
+MAX_TOP_LOGPROBS = 20  # top_logprobs_num (/generate), logprobs (completions), top_logprobs (chat); OpenAI's cap
+MAX_TOKEN_IDS_LOGPROB = 1024  # entries of token_ids_logprob per prompt
+MAX_LOGPROB_ENTRIES = 1 << 18  # per prompt: scored positions x (top_logprobs_num + entries of token_ids_logprob)
+# |bias| of a logit_bias entry: past any ban (-1e9 is a common one); divided by the smallest sampling temperature
+# (sampling.GREEDY_EPS) it stays far inside float32, whose overflow (1e39 is inf) made NaN log-probs
+MAX_LOGIT_BIAS = 1e9
 
 
 def integer(value: Any, name: str, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
@@ -94,13 +101,56 @@ def token_id_list(value: Any, name: str) -> list[int]:
     return [integer(t, name, 0) for t in value]
 
 
+def logprob_token_ids(value: Any, name: str = "token_ids_logprob") -> list[int]:
+    """``token_ids_logprob``: at most ``MAX_TOKEN_IDS_LOGPROB`` token ids. Each entry, a repeated id too, gets its
+    own ``[logprob, token_id, text]`` at every scored position, in the order given (SGLang's shape)."""
+    ids = token_id_list(value, name)
+    if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+        raise ValueError(f"{name}: {len(ids)} token ids; at most {MAX_TOKEN_IDS_LOGPROB} per prompt (each one adds "
+                         "a log-prob at every scored position); ask for fewer")
+    return ids
+
+
+def logprob_entries(positions: int, top: int, ids: list[int] | None) -> None:
+    """The top / token-id log-probs of one prompt, ``positions`` scored positions (prompt from logprob_start_len,
+    plus max_new_tokens) each with ``top + len(ids)`` of them, stay within ``MAX_LOGPROB_ENTRIES``."""
+    entries = positions * (top + len(ids or ()))
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise ValueError(f"top_logprobs_num / token_ids_logprob: {positions} scored positions x {top + len(ids or ())} "
+                         f"log-probs each = {entries}; at most {MAX_LOGPROB_ENTRIES} per prompt: ask for fewer, or "
+                         "score fewer positions (a later logprob_start_len, a lower max_new_tokens)")
+
+
+def objects(values: list[Any], name: str) -> None:
+    """Each entry of a per-prompt list is an object (``name[i]`` in the error)."""
+    for i, value in enumerate(values):
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}[{i}]={value!r:.40} must be an object (one per prompt; {{}} for the defaults)")
+
+
+def cache_namespaces(extra_key: Any, cache_salt: Any, n: int) -> list[tuple[str | None, str | None]]:
+    """Each prompt's prefix-cache namespace ``(extra_key, cache_salt)``: SGLang's fields, each a string or a list of
+    ``n`` strings (one per prompt); null and "" are the default namespace. A prompt reuses cached K/V only from
+    prompts of its own namespace."""
+
+    def per_prompt(value: Any, name: str) -> list[str | None]:
+        if value is None or isinstance(value, str):
+            return [value or None] * n
+        if isinstance(value, list) and len(value) == n and all(isinstance(v, str) for v in value):
+            return [v or None for v in value]
+        raise ValueError(f"{name}={value!r:.80} must be a string (or a list of strings, one for each of the {n} "
+                         "prompts)")
+
+    return list(zip(per_prompt(extra_key, "extra_key"), per_prompt(cache_salt, "cache_salt")))
+
+
 # /generate fields (SGLang's GenerateReqInput) the engine implements.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "return_routed_experts", "routed_experts_start_len",
+                   "return_routed_experts", "routed_experts_start_len", "extra_key", "cache_salt",
                    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream"}
 # Fields that only label, route or log a request: any value is accepted and changes nothing in the output.
 GENERATE_LABELS = {"log_metrics", "no_logs", "custom_labels", "received_time", "external_trace_header",
-                   "routing_key", "conversation_id", "priority", "extra_key", "cache_salt", "http_worker_ipc"}
+                   "routing_key", "conversation_id", "priority", "http_worker_ipc"}
 # SGLang's other fields: accepted at their default (absent, null, false, 0 or the values listed), else a 400.
 GENERATE_DEFAULTS: dict[str, tuple[Any, ...]] = {name: () for name in (
     "session_id", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
@@ -139,8 +189,49 @@ def generate_fields(body: dict[str, Any]) -> None:
                              "absent or null, is accepted); use --rollout-backend sglang for it")
 
 
+# OpenAI route fields the engine implements (SGLang's CompletionRequest / ChatCompletionRequest / TokenizeRequest
+# names; max_completion_tokens also on completions).
+_OPENAI_SAMPLING = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n",
+                    "stop", "seed", "stream", "stream_options", "logprobs", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "no_stop_trim", "ignore_eos",
+                    "skip_special_tokens", "rid", "extra_key", "cache_salt"}
+OPENAI_FIELDS = {
+    "completions": _OPENAI_SAMPLING | {"prompt", "echo", "best_of"},
+    "chat": _OPENAI_SAMPLING | {"messages", "top_logprobs", "chat_template_kwargs"},
+    "tokenize": {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "chat_template_kwargs"},
+}
+# Fields that only label or route a request (any value; the answer does not change). separate_reasoning and
+# stream_reasoning act only with a reasoning parser, which the engine has none of.
+OPENAI_LABELS = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "priority",
+                 "custom_labels", "separate_reasoning", "stream_reasoning"}
+# Any other field is accepted only at its default: absent or null, and then the values listed here (what clients
+# send when the user set nothing), or for a field not listed false, 0, "", [] or {}.
+OPENAI_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "tool_choice": ("auto", "none"), "function_call": ("auto", "none"), "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (True, False),
+    "add_generation_prompt": (True,), "spaces_between_special_tokens": (True,), "length_penalty": (1, 1.0),
+    "return_flat_raw_top_logprobs_b64": (True,), "modalities": (["text"],), "best_of": (1,)}
+
+
+def _at_default(value: Any, allowed: tuple[Any, ...] | None) -> bool:
+    if allowed is None:
+        return _is_default(value, ())
+    return value is None or any(value == a and type(value) is type(a) for a in allowed)
+
+
+def openai_fields(body: dict[str, Any], route: str) -> None:
+    """An OpenAI-route body (``route``: completions, chat or tokenize) asks only for what the route does: any field
+    it does not implement and that is not a label, at a value other than its default, is a ValueError naming it."""
+    bad = [f"{key}={value!r:.60}" for key, value in body.items() if not (
+        key in OPENAI_FIELDS[route] or key in OPENAI_LABELS or _at_default(value, OPENAI_DEFAULTS.get(key)))]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: not supported by the embedded engine's OpenAI {route} route (only the "
+                         "default, absent or null, is accepted); drop the field or use --rollout-backend sglang")
+
+
 # JSON types of /generate fields as SGLang's generate contract checks them (strictly: an integer field takes no
-# 2.0, a boolean field no 0/1); floats take integers. The OpenAI routes read their own fields as pydantic does.
+# 2.0, a boolean field no 0/1); floats take integers. The OpenAI routes read their numbers as pydantic does
+# (n: 1.0 passes) and their booleans with ``boolean`` (true/false or 0/1; a string such as "false" is refused).
 _SP_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "sampling_seed", "n", "stream_interval")
 _SP_BOOLS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens")
 _TOP_BOOLS = ("return_logprob", "return_text_in_logprobs", "stream")  # return_logprob: or one per prompt

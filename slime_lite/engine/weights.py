@@ -35,6 +35,9 @@ from slime_lite.weight_transport import GroupJoinCancelled, WeightUpdateGroup, d
 logger = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 300.0  # joining a weight update group (every member), and each receive on it
+# Rotary-embedding buffers some checkpoints hold (the model computes them from its config; loading at startup skips
+# them too): a checkpoint on disk may carry them, an update of named tensors may not.
+NON_PARAMETER_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
 class WeightError(ValueError):
@@ -206,7 +209,8 @@ class Weights:
         return out
 
     def load_from_disk(self, model_path: str) -> int:
-        """Load every parameter from a safetensors checkpoint folder of the same architecture."""
+        """Load every parameter from a safetensors checkpoint folder of the same architecture (its
+        ``NON_PARAMETER_BUFFERS`` are skipped)."""
 
         path = Path(model_path)
         if not path.is_dir():
@@ -217,6 +221,7 @@ class Weights:
                 named.update(load_file(str(f), device="cpu"))
             except (SafetensorError, OSError) as exc:  # empty, truncated or not safetensors at all
                 raise WeightError(f"{f}: not a readable safetensors file ({exc}); no weight was changed") from None
+        named = {n: t for n, t in named.items() if not n.endswith(NON_PARAMETER_BUFFERS)}
         missing = set(self.params.canonical) - set(named)
         if getattr(self.model.config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")

@@ -251,6 +251,46 @@ def test_health_info_and_weight_version_routes(engine):
     assert http(engine.url, "/get_weight_version")[1] == {"weight_version": "default"}
 
 
+def test_model_info_carries_sglangs_model_keys(engine):
+    """The keys SGLang's /model_info has that clients read: the HF config's model_type and architectures, the
+    served name, and that the model takes no images or audio."""
+    status, info = http(engine.url, "/model_info")
+    config = engine.scheduler.hf.config
+    assert status == 200 and info["model_type"] == config.model_type == "qwen2"
+    assert info["architectures"] == config.architectures == ["Qwen2ForCausalLM"]
+    assert info["served_model_name"] == engine.served_model_name
+    assert info["has_image_understanding"] is False and info["has_audio_understanding"] is False
+
+
+def test_prefix_cache_is_shared_only_within_one_cache_salt_and_extra_key(engine):
+    """SGLang's cache_salt and extra_key namespace the prefix cache: a prompt reuses no K/V of another namespace's
+    identical prompt, so cached_tokens tells no other client how a salted prompt begins; within the namespace it
+    is reused as before ("" is no key). The OpenAI routes take both fields too."""
+    prompt = "tenant secret: key=sk-12345; please summarise"
+
+    def cached(**namespace) -> int:
+        out = generate(engine.url, text=prompt, sampling_params={"max_new_tokens": 1}, **namespace)
+        return out["meta_info"]["cached_tokens"]
+
+    assert cached(cache_salt="A") == 0
+    assert cached(cache_salt="B") == 0 and cached(extra_key="A") == 0 and cached() == 0
+    assert cached(cache_salt="A") == cached(cache_salt="A", extra_key="") == len(prompt) - 1
+    assert cached(extra_key="A", cache_salt=None) == len(prompt) - 1
+    outs = generate(engine.url, text=[prompt, prompt], cache_salt=["B", "C"], sampling_params={"max_new_tokens": 1})
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [len(prompt) - 1, 0]
+
+    def hit_tokens() -> int:
+        return http(engine.url, "/get_server_info")[1]["prefix_cache"]["hit_tokens"]
+
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+    before = hit_tokens()
+    for salt in ("D", "E"):
+        assert http(engine.url, "/v1/chat/completions", {**chat, "cache_salt": salt})[0] == 200
+    assert hit_tokens() == before
+    assert http(engine.url, "/v1/chat/completions", {**chat, "cache_salt": "D"})[0] == 200
+    assert hit_tokens() > before
+
+
 def test_kv_cache_is_freed_when_idle_and_flushed(engine):
     generate(engine.url, input_ids=[[1, 2, 3]] * 3, sampling_params={"max_new_tokens": 20, **GREEDY})
     assert http(engine.url, "/get_server_info")[1]["prefix_cache"]["entries"] > 0  # the prefix cache holds it

@@ -7,10 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
-from engine_helpers import http
+from engine_helpers import generate, http, in_thread
 
 from slime_lite.engine.serve_cli import main
 from slime_lite.errors import SlimeLiteError
@@ -115,6 +116,110 @@ def test_v1_chat_completions_stream(engine):
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == full["choices"][0]["message"]["content"]
 
 
+def _streamed(url: str, route: str, body: dict) -> tuple[str, list[dict]]:
+    """The text a stream's chunks add up to, and the chunks."""
+    req = urllib.request.Request(url + route, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        chunks = [json.loads(ln[len(b"data: "):]) for ln in resp if ln.startswith(b"data: {")]
+    parts = [c["choices"][0].get("text", c["choices"][0].get("delta", {}).get("content")) for c in chunks
+             if c["choices"]]
+    return "".join(parts), chunks
+
+
+def test_openai_stream_holds_back_a_character_split_across_tokens(engine, monkeypatch):
+    """A byte-level tokenizer decodes a token holding part of a UTF-8 character as U+FFFD until the rest arrives.
+    Here the in-process engine's decode is replaced so that the first two generated tokens carry the three bytes of
+    one character (the tiny tokenizer is character-level): the stream holds the partial character back, so its
+    chunks add up to the non-streamed text instead of stopping at the split."""
+    sch = engine.scheduler
+    orig = sch.decode
+    messages = [{"role": "user", "content": "hello world"}]
+    chat_text = sch.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    cases = [("/v1/completions", {"prompt": "hello world"}, sch.encode("hello world")),
+             ("/v1/chat/completions", {"messages": messages}, sch.encode(chat_text, False))]
+    for route, body, prompt_ids in cases:
+        body = {**body, "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+        first, second = generate(engine.url, input_ids=prompt_ids, sampling_params={
+            "max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True})["output_ids"]
+        assert first != second
+        split = {first: "\u4f60".encode()[:2], second: "\u4f60".encode()[2:]}
+
+        def decode(token_ids, skip_special_tokens=True):
+            return b"".join(split.get(t, orig([t], skip_special_tokens).encode())
+                            for t in token_ids).decode("utf-8", "replace")
+
+        monkeypatch.setattr(sch, "decode", decode)
+        full = http(engine.url, route, body)[1]["choices"][0]
+        full = full.get("text", full.get("message", {}).get("content"))
+        streamed, chunks = _streamed(engine.url, route, body)
+        monkeypatch.setattr(sch, "decode", orig)
+        assert full.startswith("\u4f60") and len(full) > 1 and streamed == full, (route, full, streamed)
+        assert len(chunks) >= 12
+
+
+def test_openai_routes_accept_what_clients_send_by_default(engine):
+    """Fields a client or framework sends at their defaults (or that only label the request) are accepted; the same
+    fields away from their defaults are 400s naming them (test_validate)."""
+    defaults = {"user": "u", "n": 1, "seed": None, "stream": False, "stream_options": None, "parallel_tool_calls": True,
+                "tool_choice": "none", "tools": [], "response_format": {"type": "text"}, "metadata": {"k": "v"},
+                "store": False, "service_tier": "auto", "logit_bias": None, "frequency_penalty": 0,
+                "presence_penalty": 0.0, "top_logprobs": None, "logprobs": False, "functions": None,
+                "prompt_cache_key": "k", "separate_reasoning": True, "add_generation_prompt": True,
+                "spaces_between_special_tokens": True, "include_stop_str_in_output": False, "echo": False,
+                "rid": None, "extra_key": None, "cache_salt": "", "priority": 1, "return_hidden_states": False}
+    status, out = http(engine.url, "/v1/chat/completions",
+                       {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **defaults})
+    assert status == 200, out
+    completion = {k: v for k, v in defaults.items() if k not in ("top_logprobs", "add_generation_prompt")}
+    status, out = http(engine.url, "/v1/completions", {"prompt": "ab", "max_tokens": 1, "best_of": 1, "suffix": None,
+                                                       "logprobs": None, **completion})
+    assert status == 200, out
+
+
+def test_openai_rid_names_the_request_as_on_generate(engine):
+    """SGLang's rid on the OpenAI routes: /abort_request by it ends that request, and a rid in flight is a 400."""
+    body = {"prompt": "ab", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "rid": "oa-long"}
+    t, box = in_thread(http, engine.url, "/v1/completions", body)
+    deadline = time.monotonic() + 10
+    while not http(engine.url, "/get_server_info")[1]["num_running_reqs"]:
+        assert time.monotonic() < deadline, "request never started"
+        time.sleep(0.01)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "rid": "oa-long"}
+    status, out = http(engine.url, "/v1/chat/completions", chat)
+    assert status == 400 and "oa-long" in out["error"]["message"], out
+    http(engine.url, "/abort_request", {"rid": "oa-long"})
+    t.join(30)
+    assert box["result"][1]["choices"][0]["finish_reason"] == "abort"
+    assert http(engine.url, "/v1/chat/completions", chat)[0] == 200  # free again
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens_chat_prompts_do_not(engine, monkeypatch):
+    """A text prompt (/generate text, /v1/completions prompt) is tokenized with the tokenizer's special tokens, as
+    SGLang and /tokenize do (here a tokenizer that adds a BOS, made from the tiny one); a chat prompt is not: its
+    template wrote what it needs."""
+    from tokenizers import processors
+
+    from slime_lite.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(engine.scheduler.tokenizer_path)
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                                         special_tokens=[("<|im_start|>", bos)])
+    monkeypatch.setattr(engine.scheduler, "tokenizer", tok)
+    expected = [bos] + tok.encode("ab", add_special_tokens=False)
+    assert http(engine.url, "/tokenize", {"prompt": "ab"})[1]["tokens"] == expected
+    out = generate(engine.url, text="ab", return_logprob=True, logprob_start_len=0, sampling_params={"max_new_tokens": 1})
+    assert [t[1] for t in out["meta_info"]["input_token_logprobs"]] == expected
+    out = http(engine.url, "/v1/completions", {"prompt": ["ab", "ab"], "max_tokens": 1})[1]
+    assert out["usage"]["prompt_tokens"] == 2 * len(expected)
+    messages = [{"role": "user", "content": "ab"}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = http(engine.url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})[1]
+    assert out["usage"]["prompt_tokens"] == len(tok.encode(rendered, add_special_tokens=False))
+    assert out["usage"]["prompt_tokens"] == http(engine.url, "/tokenize", {"messages": messages})[1]["count"]
+
+
 def _sglang_protocol():
     """SGLang's OpenAI protocol models (tests/sglang_oracle.py), or None where the pinned sglang is not installed."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -177,7 +282,8 @@ def test_official_openai_client_models_logprobs_echo_and_streams(engine):
     ("/v1/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
 ])
 def test_openai_fields_the_engine_does_not_implement_are_a_400(engine, route, extra, field):
-    body = {"prompt": "ab", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, **extra}
+    prompt = {"prompt": "ab"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "a"}]}
+    body = {**prompt, "max_tokens": 2, **extra}  # the other route's input field would be refused too
     status, out = http(engine.url, route, body)
     assert status == 400 and field in out["error"]["message"], out
 

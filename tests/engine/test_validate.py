@@ -60,6 +60,16 @@ BAD_GENERATE = [  # (body, the field the error names)
     ({"text": {"a": 1}}, "text"),
     ({"text": ["a", 1]}, "text"),
     ({"text": ["a", "b" * 40_000]}, "text[1]"),  # refused before the whole text is tokenized
+    ({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}, None]}, "sampling_params[1]"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}, 5]}, "sampling_params[1]"),
+    ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),  # over 20
+    ({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [1] * 1025}, "token_ids_logprob"),
+    ({"input_ids": [1] * 300, "return_logprob": True, "logprob_start_len": 0, "token_ids_logprob": [1] * 1024,
+      "sampling_params": {"max_new_tokens": 1}}, "token_ids_logprob"),  # 301 positions x 1024 ids
+    ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"9": 1e39}}}, "logit_bias"),  # NaN log-probs
+    ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"9": -2e9}}}, "logit_bias"),
+    ({"input_ids": [1, 2], "cache_salt": 5}, "cache_salt"),
+    ({"input_ids": [[1], [2]], "extra_key": ["a"]}, "extra_key"),  # one per prompt
 ]
 
 
@@ -77,6 +87,33 @@ def test_bad_generate_values_answer_400_naming_the_field(engine, body, field):
     ("/v1/completions", {"prompt": "ab", "stream_options": "x", "stream": True}, "stream_options"),
     ("/v1/completions", {"max_tokens": 2}, "prompt"),
     ("/v1/completions", {"prompt": "ab", "seed": 1.5}, "seed"),
+    ("/v1/completions", {"prompt": "ab", "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/completions", {"prompt": "ab", "logit_bias": {"1": 1e39}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "ab", "cache_salt": ["a", "b"]}, "cache_salt"),
+    # booleans are JSON booleans: "false" is not read as true
+    ("/v1/completions", {"prompt": "ab", "echo": "false"}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": "false"}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream": True,
+                              "stream_options": {"include_usage": "false"}}, "include_usage"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": "false"},
+     "add_generation_prompt"),
+    # fields the OpenAI routes do not implement, away from their defaults
+    ("/v1/completions", {"prompt": "ab", "stop_regex": "x"}, "stop_regex"),
+    ("/v1/completions", {"prompt": "ab", "return_token_ids": True}, "return_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "custom_logit_processor": "x"},
+     "custom_logit_processor"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "session_params": {"id": "s"}},
+     "session_params"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "custom_params": {"a": 1}},
+     "custom_params"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "watermark": {"key": "k"}}, "watermark"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": False},
+     "add_generation_prompt"),
+    ("/v1/completions", {"prompt": "ab", "top_logprobs": 2}, "top_logprobs"),  # a chat field
     ("/abort_request", {"rid": ["a"]}, "rid"),
     ("/pause_generation", {"mode": ["abort"]}, "mode"),
     ("/update_weights_from_disk", {"model_path": 5}, "model_path"),
@@ -92,6 +129,41 @@ def test_bad_values_on_other_routes_answer_400_naming_the_field(engine, route, b
     status, out = http(engine.url, route, body)
     assert status == 400, out
     assert field in out["error"]["message"]
+
+
+def test_log_prob_and_logit_bias_limits_are_named_and_values_at_them_accepted(engine):
+    """top_logprobs_num, token_ids_logprob and their product with the scored positions are bounded (else one small
+    body makes a 100 MB answer and stalls everyone for seconds), and so is |logit_bias| (far above it float32
+    logits overflow into NaN log-probs): each refusal names the bound; the bound itself is served."""
+    from slime_lite.engine import validate
+
+    lp = {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 2}}
+    for extra, bound in (({"top_logprobs_num": validate.MAX_TOP_LOGPROBS + 1}, validate.MAX_TOP_LOGPROBS),
+                         ({"token_ids_logprob": [3] * (validate.MAX_TOKEN_IDS_LOGPROB + 1)},
+                          validate.MAX_TOKEN_IDS_LOGPROB),
+                         ({"input_ids": [1] * 400, "token_ids_logprob": [3] * 1000}, validate.MAX_LOGPROB_ENTRIES),
+                         ({"sampling_params": {"logit_bias": {"3": 1e39}}}, validate.MAX_LOGIT_BIAS)):
+        status, out = http(engine.url, "/generate", {**lp, **extra})
+        assert status == 400 and str(bound) in out["error"]["message"], out
+    out = generate(engine.url, **lp, top_logprobs_num=validate.MAX_TOP_LOGPROBS,
+                   token_ids_logprob=[3, 4, 3] * (validate.MAX_TOKEN_IDS_LOGPROB // 3))
+    rows = out["meta_info"]["output_token_ids_logprobs"]
+    assert [len(r) for r in rows] == [validate.MAX_TOKEN_IDS_LOGPROB // 3 * 3] * 2  # a repeated id: its own entry
+    assert [t[1] for t in rows[0][:4]] == [3, 4, 3, 3] and rows[0][0] == rows[0][2]
+    assert len(out["meta_info"]["output_top_logprobs"][0]) == validate.MAX_TOP_LOGPROBS
+    biased = generate(engine.url, input_ids=[1, 2], return_logprob=True,
+                      sampling_params={"max_new_tokens": 1, "logit_bias": {"3": validate.MAX_LOGIT_BIAS}})
+    assert biased["output_ids"] == [3]
+
+
+def test_json_answers_write_non_finite_numbers_as_null():
+    """NaN weights make NaN log-probs: answers carry null there (as SGLang's orjson writes it), never the NaN or
+    Infinity that standard JSON parsers refuse."""
+    from slime_lite.engine.http_json import dumps, json_response
+
+    data = {"a": float("nan"), "b": [1.5, float("inf"), (float("-inf"), 2)], "c": {"d": [[float("nan")]]}}
+    assert json.loads(dumps(data)) == {"a": None, "b": [1.5, None, [None, 2]], "c": {"d": [[None]]}}
+    assert "NaN" not in json_response(data).text and dumps({"x": 1.0}) == '{"x": 1.0}'
 
 
 def test_values_at_the_limits_are_still_accepted(engine):

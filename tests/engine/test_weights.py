@@ -208,6 +208,29 @@ def test_update_weight_version_shows_in_generate(fresh_engine):
     assert meta["weight_version"] == "step-3"
 
 
+def test_a_checkpoint_with_rotary_buffers_loads_from_disk_but_no_tensor_update_takes_them(tiny_model_dir, tmp_path):
+    """Checkpoints may hold the rotary embedding's buffers (inv_freq, cos/sin caches): Hugging Face loads such a
+    folder, and so does /update_weights_from_disk, skipping them; an update of named tensors still refuses a name
+    that is no parameter."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from slime_lite.engine.weights import NON_PARAMETER_BUFFERS, WeightError, Weights
+
+    tensors = load_file(str(tiny_model_dir / "model.safetensors"))
+    buffers = {f"model.layers.0.self_attn.{name}": torch.ones(4) for name in NON_PARAMETER_BUFFERS}
+    save_file({**tensors, **buffers, "model.rotary_emb.inv_freq": torch.ones(4)}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)  # what startup loads
+    weights = Weights(model)
+    assert weights.load_from_disk(str(tmp_path)) == len(tensors)
+    with pytest.raises(WeightError, match="inv_freq"):
+        weights.load_named({"model.rotary_emb.inv_freq": torch.ones(4)})
+
+
 def test_checksums_follow_swapped_storage_and_tied_names():
     """``Weights.params`` is made once: a parameter whose ``.data`` is swapped (the engine's fusing, offload) is
     hashed from its new storage; tied names share one digest; a subset of names gets the same digests."""
