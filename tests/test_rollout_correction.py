@@ -155,3 +155,16 @@ def test_mismatch_metrics_at_step_one_are_exactly_on_policy():
     assert got["token_ratio_max"] == got["token_ratio_min"] == got["seq_ratio_mean"] == 1.0
     assert got["k3_kl"] == 0.0 and got["token_ratio_outside_frac"] == 0.0 and worst[0][2] == worst[0][3]
     assert rollout_correction.mismatch_metrics([], [], [], 2.0) == ({}, [])
+
+
+def test_mismatch_metrics_without_rollout_log_probs_are_left_out_with_a_warning(caplog):
+    """--get-mismatch-metrics (which the doctor always asks for) over samples a generate hook gave no rollout
+    log-probs: no mismatch/* metrics and a warning, not a crash of the train step."""
+    from types import SimpleNamespace
+
+    from slime_lite.backends.megatron.actor import TrainActor
+
+    stub = SimpleNamespace(args=SimpleNamespace())
+    assert TrainActor._mismatch(stub, 0, [], [], None, []) == {}
+    assert TrainActor._mismatch(stub, 1, [], [], None, []) == {}
+    assert caplog.text.count("no rollout log-probs") == 1  # once

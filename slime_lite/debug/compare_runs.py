@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,12 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
                     rows.append(row)
     except FileNotFoundError:
         raise SlimeLiteError(f"{path}: no such metrics file (written by slime-lite train --metrics-path).") from None
+    except IsADirectoryError:
+        inside = os.path.join(path, "metrics.jsonl")
+        raise SlimeLiteError(f"{path} is a folder: give the metrics file in it (e.g. {inside}, as slime-lite train "
+                             "--metrics-path wrote it).") from None
+    except OSError as exc:
+        raise SlimeLiteError(f"{path}: cannot be read ({exc.strerror or exc}).") from None
     except ValueError as exc:
         raise SlimeLiteError(f"{path}: not a metrics JSONL file ({exc}).") from None
     return rows
@@ -61,6 +68,12 @@ def _by_step(rows: list[dict[str, Any]], step_key: str) -> dict[Any, dict[str, A
 
 
 def _rel(a: Any, b: Any) -> float:
+    """The relative difference of two values; of lists and objects (mismatch/worst_tokens) the largest of their
+    entries', inf where their shapes or keys differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return max((_rel(a[k], b[k]) if k in a and k in b else math.inf for k in set(a) | set(b)), default=0.0)
+    if isinstance(a, list) and isinstance(b, list):
+        return max(map(_rel, a, b), default=0.0) if len(a) == len(b) else math.inf
     if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
         return 0.0 if a == b else math.inf
     if math.isnan(a) or math.isnan(b):

@@ -31,7 +31,6 @@ from slime_lite import rl_math
 from slime_lite.args import parse_args
 from slime_lite.checks.ci import (
     Check,
-    cuda_available,
     dtype_name,
     logprob_diff_threshold,
     policy_off_reference,
@@ -41,6 +40,7 @@ from slime_lite.checks.ci import make_check as _c
 from slime_lite.config import CiConfig
 from slime_lite.debug import make_console
 from slime_lite.debug.localize import first_mismatch, localize_sample
+from slime_lite.debug.on_task import on_task_checks, prompt_format_check
 from slime_lite.debug.run_checks import (
     TrainRun,
     describe_worst_tokens,
@@ -55,9 +55,7 @@ from slime_lite.debug.run_checks import (
 )
 from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.logging_setup import setup_logging
-from slime_lite.rollout.data import render_prompt
 from slime_lite.rollout.dumps import load_rollout_dump
-from slime_lite.tokenizer import load_tokenizer
 
 log = logging.getLogger("slime_lite.doctor")
 
@@ -75,7 +73,6 @@ DROPPED = ("--ci-test", "--metrics-path", "--dump-details", "--save-debug-rollou
            "--max-weight-staleness-mode", "--update-weights-interval",  # (a push after every rollout, too)
            "--save-hf")  # it writes at --save's checkpoints, which the doctor drops
 INCOMPATIBLE = ("--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data")
-TASK_CHARS = {"addition": set("0123456789"), "math": set("0123456789-")}
 
 
 # ----------------------------------------------------------------------------------------------- the run itself
@@ -198,101 +195,6 @@ def _load_rollout(out: str, rollout_id: int) -> tuple[list, list | None]:
     return samples, lps
 
 
-def _response_ids(sample: Any, eos_id: int | None) -> list[int]:
-    ids = list(sample.tokens[len(sample.tokens) - sample.response_length:])
-    return ids[:-1] if ids and eos_id is not None and ids[-1] == eos_id else ids
-
-
-def repetition_rate(ids: list[int]) -> float:
-    """Share of a response's token bigrams that repeat an earlier bigram of the same response."""
-    grams = list(zip(ids, ids[1:]))
-    return 0.0 if len(grams) < 2 else 1.0 - len(set(grams)) / len(grams)
-
-
-def on_task_checks(args: Any, samples: list, log_probs: list | None, nll_threshold: float,
-                   missing: str = "no rollout dump: the run stopped before its first rollout was saved") -> list[Check]:
-    """The gibberish score of step 1: trainer NLL per response token, repetition, share of valid characters."""
-
-    if not samples:
-        return [Check(n, None, t, False, missing)
-                for n, t in (("on_task_nll", f"< {nll_threshold:g}"), ("on_task_repetition", "< 0.5"),
-                             ("on_task_valid_chars", ">= 0.9"))]
-    tok = load_tokenizer(args.hf_checkpoint)
-    eos = tok.eos_token_id
-    special = set(getattr(tok, "all_special_ids", []) or [])
-    if log_probs is not None:
-        flat = [-float(x) for lp in log_probs for x in lp]
-    else:
-        flat = [-float(x) for s in samples for x in (s.rollout_log_probs or [])]
-    nll = sum(flat) / len(flat) if flat else None
-    ids = [_response_ids(s, eos) for s in samples]
-    rep = sum(repetition_rate(r) for r in ids) / len(ids)
-    allowed = TASK_CHARS.get(args.rm_type or "")
-    good = total = 0
-    for r in ids:
-        for t in r:
-            total += 1
-            text = tok.decode([t])
-            if allowed is not None:
-                good += t not in special and bool(text) and all(c in allowed for c in text)
-            else:
-                good += t not in special and bool(text.strip()) and text.isprintable()
-    valid = good / total if total else 0.0
-    what = f"characters valid for --rm-type {args.rm_type}" if allowed is not None else "printable, non-special tokens"
-    return [
-        _c("on_task_nll", nll, f"< {nll_threshold:g} (trainer NLL per response token)",
-           nll is not None and nll < nll_threshold),
-        _c("on_task_repetition", rep, "< 0.5 (repeated bigrams)", rep < 0.5),
-        _c("on_task_valid_chars", valid, f">= 0.9 ({what})", valid >= 0.9),
-    ]
-
-
-def prompt_format_check(args: Any, samples: list, max_prompts: int = 8, margin: float = 0.5) -> Check:
-    """Are the prompts formatted as the model expects? The trainer-side model's NLL per token of the answers
-    (labels, else the sampled responses) after the prompt as the run rendered it vs with the chat template toggled.
-    A run whose format makes the answers much less likely than the other format fails."""
-    import torch  # torch: `slime-lite doctor --help` stays instant
-
-    name, flag = "on_task_prompt_format", "--apply-chat-template"
-    tok = load_tokenizer(args.hf_checkpoint)
-    picked = [s for s in samples if isinstance(s.prompt, str)][:: max(1, args.n_samples_per_prompt)][:max_prompts]
-    if not picked or not getattr(tok, "chat_template", None) or _checkpoint_bytes(args.hf_checkpoint) > 4 << 30:
-        return _c(name, None, "not measured (no text prompts, no chat template, or a model over 4 GB)", True)
-    from transformers import AutoModelForCausalLM  # transformers: only for the on-task checks
-
-    device = "cuda" if cuda_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.hf_checkpoint, dtype=torch.float32).to(device).eval()
-    eos = tok.eos_token_id
-
-    def nll(apply: bool) -> float:
-        total, count = 0.0, 0
-        for s in picked:
-            target = str(s.label) if s.label is not None and str(s.label) else \
-                s.response.replace(tok.eos_token or "\0", "")
-            p = tok(render_prompt(s.prompt, tok, apply, s.metadata.get("tools"), args.apply_chat_template_kwargs),
-                    add_special_tokens=False)["input_ids"]
-            t = tok(target, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
-            ids = torch.tensor([p + t], device=device)
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(p) - 1: -1].float()
-            total -= float(torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None]).sum())
-            count += len(t)
-        return total / max(count, 1)
-
-    used, other = nll(args.apply_chat_template), nll(not args.apply_chat_template)
-    what = "with" if args.apply_chat_template else "without"
-    passed = used <= other + margin
-    cause = (f"prompts are formatted unlike the model's warm-start data: the answers cost {used:.2f} nats/token "
-             f"{what} {flag} but {other:.2f} {'without' if args.apply_chat_template else 'with'} it; "
-             f"{'drop' if args.apply_chat_template else 'add'} {flag} (or warm-start the model in this format)")
-    return _c(name, used, f"<= {other:.2f} + {margin:g} (answer NLL/token, {flag} toggled)", passed, cause)
-
-
-def _checkpoint_bytes(hf_dir: str) -> int:
-    return sum(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir)
-               if f.endswith((".safetensors", ".bin")))
-
-
 # ----------------------------------------------------------------------------------------------- the doctor
 def localize_mismatch(run: TrainRun, args: Any, rollout_id: int = 0) -> dict[str, Any] | None:
     """Layer-by-layer localisation of the worst train/rollout mismatch of ``rollout_id`` (weights of the
@@ -325,6 +227,8 @@ def diagnose(user_argv: list[str], out: str, timeout: float = 600.0, rerun: bool
 
     argv = train_argv(user_argv, out)
     args = parse_args(argv)  # a flag error stops here, before anything starts
+    if args.rollout_backend != "embedded":  # an SGLang server has no /get_weights_checksum: no weight check
+        argv = train_argv(user_argv, out, weight_check=False)
     run = run_train(argv, out, timeout)
     measured = run
     if run.weight_check_failed and rerun:

@@ -135,8 +135,11 @@ def join(rollout: Any, train: TrainDump, index: int, threshold: float, texts: An
         v = {"rollout": rollout_lp[k] if rollout_lp is not None else None, "train": train_lp[k], "diff": diff}
         v.update({name: c[k] if c is not None else None for name, c in cols.items()})
         off = v["mask"] is not None and v["mask"] <= 0  # not trained: its log-prob difference is not a fault
-        rows.append(Row(k, ids[k], text[k], v, diff is not None and not off and not abs(diff) <= threshold,
-                        label[k]))
+        # a token of older weights than the sample's newest (continued by --partial-rollout, or generated across a
+        # push): the trainer's weights are not the ones that sampled it, so a difference is expected (as the checks)
+        old = cols["version"] is not None and cols["version"][k] < max(cols["version"])
+        rows.append(Row(k, ids[k], text[k], v, diff is not None and not off and not old and not abs(diff) <= threshold,
+                        label[k] + (" (older weights)" if old else "")))
     ex = Explained(train.rollout_id, index, sample, rows, threshold, [rollout.path, *train.paths])
     ex.summary = _summary(ex)
     return ex
@@ -145,8 +148,9 @@ def join(rollout: Any, train: TrainDump, index: int, threshold: float, texts: An
 def _summary(ex: Explained) -> dict[str, str]:
     s = ex.sample
     kept = [r for r in ex.rows if r.values["mask"] is None or r.values["mask"] > 0]
-    diffs = [abs(r.values["diff"]) for r in kept if r.values["diff"] is not None]
-    worst = max(kept, key=lambda r: abs(r.values["diff"]) if r.values["diff"] is not None else -1.0, default=None)
+    compared = [r for r in kept if not r.turn.endswith("(older weights)")]  # the sampling weights' tokens
+    diffs = [abs(r.values["diff"]) for r in compared if r.values["diff"] is not None]
+    worst = max(compared, key=lambda r: abs(r.values["diff"]) if r.values["diff"] is not None else -1.0, default=None)
     out = {"rollout / sample": f"{ex.rollout_id} / {ex.index} (group {s.group_index})",
            "status / reward": f"{s.status.value} / {s.reward!r}",
            "prompt": _short(s.prompt if isinstance(s.prompt, str) else repr(s.prompt)),
@@ -156,7 +160,8 @@ def _summary(ex: Explained) -> dict[str, str]:
         out["turns"] = ", ".join(_turn_line(ex, t, turn) for t, turn in enumerate(turns(s)))
     if diffs:
         out["|train - rollout|"] = (f"mean {sum(diffs) / len(diffs):.3g}, max {max(diffs):.3g} at token "
-                                    f"{worst.pos} {worst.text!r}")
+                                    f"{worst.pos} {worst.text!r}" + (f" (the {len(kept) - len(compared)} tokens "
+                                    "of older weights not compared)" if len(compared) < len(kept) else ""))
     else:
         out["|train - rollout|"] = "no rollout log-probs in either dump"
     versions = s.metadata.get(TOKEN_VERSIONS)

@@ -80,6 +80,11 @@ def _run(argv: list[str] | None) -> int:
     total_differ = 0
     for kind, _, path in select_dumps(args.load_debug_rollout_data, args.rollout_id):
         dump = load_rollout_dump(path)
+        unlabelled = next((s for s in dump.samples if s.label is None), None)
+        if unlabelled is not None and not args.custom_rm_path:
+            raise SlimeLiteError(f"{path}: sample {unlabelled.index} has no label (the run that wrote the dump read "
+                                 "none: its --label-key); --rm-type scores against the label, so replay these with "
+                                 "--custom-rm-path module.function, or dump a run that reads the labels.")
         new_rewards = asyncio.run(_recompute(args, dump.samples))
         differ = [
             (pos, s, new)

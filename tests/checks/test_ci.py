@@ -83,6 +83,15 @@ def test_the_weight_check_names_a_push_that_never_arrived(tiny_model_dir):
     assert not other.passed and "never ran" in other.cause
 
 
+def test_the_weight_check_is_skipped_where_the_engines_cannot_be_checked():
+    """SGLang servers have no /get_weights_checksum: the row says so (skipped), it does not fail the run's push."""
+    check = rc.weight_check(rc.TrainRun("/x", 0, 1.0), make_args(rollout_backend="sglang"))
+    assert check.passed and check.cause.startswith("skipped") and "--rollout-backend embedded" in check.cause
+    external = "--check-weight-update-equal: engine http://h:1 has no /get_weights_checksum: it is not slime-lite's"
+    check = rc.weight_check(rc.TrainRun("/x", 2, 1.0, error=external), make_args())  # external engines
+    assert check.passed and check.cause.startswith("skipped")
+
+
 def test_weight_versions_must_follow_the_rollouts():
     ok = rc.TrainRun("/x", 0, 1.0, records={0: {"rollout/weight_version": 0.0}, 1: {"rollout/weight_version": 1.0}})
     assert rc.version_check(ok).passed
@@ -101,6 +110,10 @@ def test_iteration2_tells_a_missed_reload_from_a_mismatch_from_the_start():
     stopped = rc.iteration2(rc.TrainRun("/x", 2, 1.0, error="boom", records={0: {lp: 1e-7}}), ci())
     assert not stopped.passed and stopped.name == "iteration2_ran" and "boom" in stopped.cause
     assert rc.iteration2(rc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7}, 1: {lp: 2e-7}}), ci()).passed
+    kl = "train/first_step/ppo_kl"  # (LoRA dropout: 0 at the first step, not at the second)
+    second_kl = rc.TrainRun("/x", 0, 1.0, records={0: {lp: 1e-7, kl: 0.0}, 1: {lp: 2e-7, kl: 3e-4}})
+    assert not rc.iteration2(second_kl, ci()).passed
+    assert rc.iteration2(second_kl, ci(ci_disable_kl_checker=True)).passed  # as first_step_ppo_kl_zero: skipped
 
 
 def test_memory_rows_per_process_group_and_headroom():
@@ -111,6 +124,16 @@ def test_memory_rows_per_process_group_and_headroom():
     huge = rc.TrainRun("/x", 0, 1.0, records={0: {"perf/memory/actor/peak_rss_mb": 1e9}})
     low = by_name(rc.memory_checks(huge, make_args()))["memory_headroom"]
     assert not low.passed and "--offload-train" in low.cause
+
+
+def test_gpu_headroom_adds_the_peaks_only_where_trainer_and_engines_hold_memory_at_once(monkeypatch):
+    monkeypatch.setattr(rc, "_gpu_total_mb", lambda: 80_000.0)
+    run = rc.TrainRun("/x", 0, 1.0, records={0: {"perf/memory/actor/cuda_peak_mb": 50_000.0,
+                                                 "perf/memory/engine/cuda_peak_mb": 45_000.0}})
+    offloaded = by_name(rc.memory_checks(run, make_args(colocate=True, offload_train=True, offload_rollout=True)))
+    assert offloaded["gpu_memory_headroom"].passed  # the peaks are in different phases
+    shared = by_name(rc.memory_checks(run, make_args(colocate=True)))
+    assert not shared["gpu_memory_headroom"].passed and shared["gpu_memory_headroom"].value < 0
 
 
 def test_an_engine_in_lower_precision_than_the_trainer_fails_the_precision_check():

@@ -58,6 +58,20 @@ def test_not_a_metrics_file_is_a_clear_error(tmp_path):
     (tmp_path / "bad.jsonl").write_text("[1, 2]\n")
     with pytest.raises(SlimeLiteError, match="bad.jsonl: not a metrics JSONL file"):
         main([str(tmp_path / "bad.jsonl"), str(tmp_path / "bad.jsonl")])
+    with pytest.raises(SlimeLiteError, match="is a folder: give the metrics file in it .*metrics.jsonl"):
+        main([str(tmp_path), str(tmp_path / "bad.jsonl")])  # the run's folder instead of its metrics file
+
+
+def test_list_and_object_metrics_are_compared_entry_by_entry_within_the_tolerance(tmp_path):
+    """mismatch/worst_tokens (a list of objects with floats): float noise is within rtol, as for scalars; a token
+    that differs, or a list of another length, is a difference."""
+    worst = [{"sample": 0, "token": "7", "abs_diff": 1e-7}, {"sample": 2, "token": "+", "abs_diff": 5e-8}]
+    noisy = [dict(w, abs_diff=w["abs_diff"] * (1 + 1e-7)) for w in worst]
+    rows = lambda w: [{"rollout_id": 0, "mismatch/worst_tokens": w}]  # noqa: E731
+    assert compare(rows(worst), rows(noisy), rtol=1e-5) == []
+    assert [d.key for d in compare(rows(worst), rows([dict(worst[0], token="8"), worst[1]]), rtol=1e-5)] == [
+        "mismatch/worst_tokens"]
+    assert compare(rows(worst), rows(worst[:1]), rtol=1e-5)[0].rel == float("inf")
 
 
 def test_float32_noise_between_runs_that_should_agree_passes_by_default(tmp_path, capsys):

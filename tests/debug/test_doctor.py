@@ -157,6 +157,7 @@ def _samples(tok, responses: list[str], lp: float) -> tuple[list[Sample], list[l
 
 
 def test_the_gibberish_score_separates_answers_from_noise(tiny_model_dir):
+    from slime_lite.debug.on_task import repetition_rate
     from slime_lite.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
@@ -168,7 +169,31 @@ def test_the_gibberish_score_separates_answers_from_noise(tiny_model_dir):
     assert not bad["on_task_nll"].passed and "weights not loaded" in bad["on_task_nll"].cause
     assert not bad["on_task_valid_chars"].passed and bad["on_task_valid_chars"].value == pytest.approx(10 / 26)
     assert not bad["on_task_repetition"].passed    # each response repeats its bigrams
-    assert doctor.repetition_rate([1, 2, 1, 2, 1, 2]) == pytest.approx(0.6) and doctor.repetition_rate([1, 2, 3]) == 0
+    assert repetition_rate([1, 2, 1, 2, 1, 2]) == pytest.approx(0.6) and repetition_rate([1, 2, 3]) == 0
+
+
+def test_the_gibberish_score_reads_model_turns_only_and_counts_whitespace_valid(tiny_model_dir):
+    """A tool-using sample: the tool's tokens (loss_mask 0, a log-prob the trainer gives them anyway) are no sign
+    of the model; a model answering in words and newlines under a non-addition task is on task."""
+    from slime_lite.rollout.turns import append_turn
+    from slime_lite.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    samples, lps = [], []
+    for _ in range(4):
+        s = Sample(tokens=enc("12+3="), response_length=0)
+        model1, tool, model2 = enc("First 3*4 = 12,\nthen"), enc("#~#~#~#~#~#~#~#~"), enc(" 12+5 = 17.")
+        append_turn(s, model1, [-0.2] * len(model1))
+        append_turn(s, tool, source="tool")
+        append_turn(s, model2, [-0.2] * len(model2))
+        samples.append(s)
+        lps.append([-0.2] * len(model1) + [-6.0] * len(tool) + [-0.2] * len(model2))  # the trainer scores all
+    args = argparse.Namespace(hf_checkpoint=str(tiny_model_dir), rm_type="math")
+    rows = {c.name: c for c in doctor.on_task_checks(args, samples, lps, 1.5)}
+    assert rows["on_task_nll"].value == pytest.approx(0.2) and rows["on_task_nll"].passed
+    assert rows["on_task_valid_chars"].value == 1.0 and rows["on_task_repetition"].passed
+    assert rows["on_task_repetition"].value < 0.2  # the tool's repeated "#~" is not the model's
 
 
 class _FakeTrainRun:

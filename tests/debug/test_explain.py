@@ -100,6 +100,19 @@ def test_a_continued_sample_shows_the_weight_version_of_each_token(dumps, tmp_pa
     assert "2 x1, 3 x1" in capsys.readouterr().out
 
 
+def test_tokens_of_older_weights_are_not_highlighted_as_mismatches(dumps, tmp_path, capsys, tiny_model_dir):
+    """Sample 1's differing token ('6') came from weights 2, the newest of the sample being 3: the trainer's
+    weights did not sample it, so its difference is no fault (as the log-prob check reads the batch)."""
+    batch = samples(dumps["tok"])
+    batch[1].metadata.update(token_weight_versions=[3, 2])  # '6', the differing token, from the older weights 2
+    save_rollout_dump(str(tmp_path / "data_3.pt"), 3, batch, {"model_path": str(tiny_model_dir)})
+    assert cli(["explain", "--rollout-dump", str(tmp_path / "data_3.pt"), "--train-dump", *dumps["train"],
+                "--sample", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "0 token(s) with |diff| > 0.05" in out and "older weights" in out
+    assert "the 1 tokens of older weights not compared" in out
+
+
 def _fails(argv: list[str], capsys) -> str:
     assert cli(argv) == 2
     return capsys.readouterr().err

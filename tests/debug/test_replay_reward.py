@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,17 @@ def test_builtin_rm_type(tmp_path: Path, capsys, samples_factory) -> None:
     assert main(["--load-debug-rollout-data", template, "--rm-type", "addition", "--fail-on-diff"]) == 1
     out = capsys.readouterr().out
     assert "1 rewards differ" in out and "something else" in out
+
+
+def test_a_dump_without_labels_names_what_to_do_not_a_flag_replay_reward_lacks(tmp_path: Path, samples_factory,
+                                                                               capsys):
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    samples = samples_factory(1, 2)
+    samples[1].label = None  # a run that read no labels
+    save_rollout_dump(template.format(rollout_id=0), 0, samples)
+    assert main(["--load-debug-rollout-data", template, "--rm-type", "addition"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"sample \d+ has no label .*--custom-rm-path", err) and "set --label-key" not in err
 
 
 GROUP_RM = """

@@ -74,6 +74,27 @@ def test_honest_dump_matches_and_perturbed_logprobs_do_not(engine_url: str, tmp_
     assert "--sample-index 7" in capsys.readouterr().err
 
 
+def test_a_sample_continued_across_weight_versions_compares_its_newest_tokens_only(engine_url, tmp_path, capsys):
+    """--partial-rollout: a sample whose first tokens older weights generated (here: their log-probs off by 0.5,
+    as other weights give) and whose seed is the continuation's. Its older tokens are not compared and its
+    regeneration is not expected to match: MATCH, not DIFFER. An empty dump is an error, not a MATCH."""
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    sample = _sample_from_engine(engine_url, 0, [5, 6, 7, 8], dict(PARAMS, sampling_seed=11))
+    n = sample.response_length
+    assert n >= 2
+    sample.rollout_log_probs = [x + 0.5 for x in sample.rollout_log_probs[:1]] + sample.rollout_log_probs[1:]
+    sample.metadata.update(token_weight_versions=[0] + [1] * (n - 1), start_rollout_id=0)
+    sample.metadata["sampling_params"] = dict(PARAMS, sampling_seed=99)  # the continuation request's
+    save_rollout_dump(template.format(rollout_id=1), 1, [sample])
+    argv = ["--load-debug-rollout-data", template, "--rollout-id", "1", "--url", engine_url, "--all"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert _teacher_forced_max(out)[0] < 1e-4 and "several weight versions" in out and "verdict: MATCH" in out
+    save_rollout_dump(template.format(rollout_id=2), 2, [])
+    assert main(argv[:3] + ["2", "--url", engine_url, "--all"]) == 2
+    assert "holds no samples" in capsys.readouterr().err
+
+
 def test_unreachable_engine_names_the_url(tmp_path: Path, capsys, samples_factory) -> None:
     template = str(tmp_path / "d_{rollout_id}.pt")
     save_rollout_dump(template.format(rollout_id=0), 0, samples_factory(1, 1))

@@ -254,9 +254,12 @@ class TrainActor(TrainWorker):
 
 
         a = self.args
-        if rollout_lp is None:
-            raise ValueError("--get-mismatch-metrics needs the rollout log-probs of every sample (a replayed dump "
-                             "without them has nothing to compare)")
+        if rollout_lp is None:  # (the doctor asks for them whatever the run's generate hook records)
+            if not getattr(self, "_told_no_rollout_lp", False):
+                log.warning("--get-mismatch-metrics: a sample has no rollout log-probs (a generate hook that records "
+                            "none, or a dump made without them): no mismatch/* metrics")
+                self._told_no_rollout_lp = True
+            return {}
         if getattr(self, "_tokenizer", None) is None:
             self._tokenizer = load_tokenizer(a.hf_checkpoint)
         out, worst = mismatch_report(samples, logp, rollout_lp, masks, a.mismatch_ratio_bound, a.mismatch_top_k,
