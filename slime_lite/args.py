@@ -19,6 +19,7 @@ from slime_lite import rl_math, rollout_correction
 from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args
 from slime_lite.args_observe import add_observability_flags
 from slime_lite.args_train import add_train_flags
+from slime_lite.args_train import fraction, nonempty, nonneg_int, positive_float, top_k
 from slime_lite.args_train import nonneg_float as _nonneg_float
 from slime_lite.args_train import positive_int as _positive_int
 from slime_lite.checks.faults import FAULTS
@@ -29,13 +30,6 @@ from slime_lite.rollout.tool_calls import PARSER_CHOICES
 from slime_lite.slime_flags import add_args as add_slime_flags
 
 
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -43,6 +37,18 @@ def _json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"enable_thinking\": false}}', got {text!r}")
+    return value
+
+
+TEMPLATE_OWN_ARGS = ("add_generation_prompt", "tokenize", "tools", "conversation")  # what the renderer passes
+
+
+def _template_kwargs(text: str) -> dict[str, Any]:
+    value = _json_object(text)
+    own = [k for k in TEMPLATE_OWN_ARGS if k in value]
+    if own:
+        raise argparse.ArgumentTypeError(f"{', '.join(own)}: set by slime-lite for each rendering (the generation "
+                                         "prompt, the tools of a row); give only the template's own arguments")
     return value
 
 
@@ -85,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "a weight push pauses generation between decode steps and in-flight requests continue under "
                         "the new weights; needs disaggregated placement")
     g.add_argument("--max-weight-staleness", "--max-policy-version-lag", dest="max_weight_staleness",
-                   type=_nonneg_int, default=None, metavar="K",
+                   type=nonneg_int, default=None, metavar="K",
                    help="--fully-async: a sample whose oldest token is more than K weight versions behind the "
                         "trainer is handled by --max-weight-staleness-mode (default: no bound)")
     g.add_argument("--max-weight-staleness-mode", choices=("drop", "mask"), default="drop",
@@ -123,11 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature; the trainer scores log-probs at the same one (default: %(default)s)")
     g.add_argument("--rollout-top-p", type=float, default=1.0,
                    help="nucleus sampling, in (0, 1] (default: %(default)s)")
-    g.add_argument("--rollout-top-k", type=int, default=-1, help="top-k sampling, -1 for off (default: %(default)s)")
+    g.add_argument("--rollout-top-k", type=top_k, default=-1, help="top-k sampling, -1 for off (default: %(default)s)")
     g.add_argument("--rollout-max-response-len", type=_positive_int, default=32,
                    help="max new tokens per response (default: %(default)s)")
-    g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings (default: the EOS token only)")
-    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None,
+    g.add_argument("--rollout-stop", type=nonempty, nargs="+", default=None,
+                   help="stop strings (default: the EOS token only)")
+    g.add_argument("--rollout-stop-token-ids", type=nonneg_int, nargs="+", default=None,
                    help="token ids that also end a response (rollouts and evals), besides the EOS token")
     g.add_argument("--rollout-max-prompt-len", type=_positive_int, default=None,
                    help="leave out, when the data is read, the prompts of more tokens (as rendered), logged "
@@ -159,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "calls in, SGLang's names: qwen25 (qwen, hermes: <tool_call>{json}</tool_call>), llama3 "
                         "(JSON after <|python_tag|>), pythonic ([f(a=1)]), qwen3_coder (<function=...> XML), glm45 "
                         "(glm: <arg_key> pairs); auto (default): the one the chat template writes, else qwen25")
-    g.add_argument("--tool-call-timeout", type=float, default=30.0,
+    g.add_argument("--tool-call-timeout", type=positive_float, default=30.0,
                    help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
                         "(default: %(default)s)")
     g.add_argument("--over-sampling-batch-size", type=_positive_int, default=None,
@@ -187,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="module.fn process(args, all_samples, data_source) -> None, called by the default rollout "
                         "function next, with every group that came back (the dynamic-sampling filter's drops too) "
                         "and, as slime, the data source's get_samples(n)")
-    g.add_argument("--rollout-request-timeout", type=float, default=300.0,
+    g.add_argument("--rollout-request-timeout", type=positive_float, default=300.0,
                    help="seconds per engine request (default: %(default)s)")
     g.add_argument("--use-fault-tolerance", action="store_true",
                    help="restart an engine that dies during the run (same placement, same launch), push it the "
@@ -207,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s)")
     g.add_argument("--apply-chat-template", action="store_true",
                    help="render each prompt with the tokenizer's chat template")
-    g.add_argument("--apply-chat-template-kwargs", type=_json_object, default="{}", metavar="JSON",
+    g.add_argument("--apply-chat-template-kwargs", type=_template_kwargs, default="{}", metavar="JSON",
                    help="extra arguments of the chat template as a JSON object, e.g. '{\"enable_thinking\": false}' "
                         "for Qwen3; used for the prompts and every inserted multi-turn turn (default: none)")
     g.add_argument("--rollout-shuffle", action="store_true", help="shuffle the prompts every epoch")
@@ -239,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="average the loss over all response tokens of a step instead of per-sample token means")
 
     g = p.add_argument_group("eval")
-    g.add_argument("--eval-interval", type=_nonneg_int, default=None,
+    g.add_argument("--eval-interval", type=nonneg_int, default=None,
                    help="evaluate every N rollouts, before training and at the end (needs --eval-prompt-data); 0 "
                         "turns eval off (e.g. appended to a script's flags)")
     g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
@@ -248,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no eval before the first rollout (--eval-interval still evaluates after training)")
     g.add_argument("--eval-max-prompt-len", type=_positive_int, default=None,
                    help="leave out the eval prompts of more tokens (default: keep all)")
-    g.add_argument("--eval-min-new-tokens", type=_nonneg_int, default=None,
+    g.add_argument("--eval-min-new-tokens", type=nonneg_int, default=None,
                    help="eval responses are at least this many tokens (the EOS token is banned before; default: 0)")
     g.add_argument("--eval-reward-key", default=None,
                    help="key of a dict reward that eval metrics read (default: --reward-key)")
@@ -263,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max new tokens per eval response (default: --rollout-max-response-len)")
 
     g.add_argument("--eval-top-p", type=float, default=None, help="eval nucleus sampling (default: --rollout-top-p)")
-    g.add_argument("--eval-top-k", type=int, default=None, help="eval top-k sampling (default: --rollout-top-k)")
+    g.add_argument("--eval-top-k", type=top_k, default=None, help="eval top-k sampling (default: --rollout-top-k)")
     g = p.add_argument_group("algorithm", "advantages and losses")
     critics = ", ".join(e.name for e in rl_math.ESTIMATORS.values() if e.needs_critic)
     g.add_argument("--advantage-estimator", choices=tuple(rl_math.ESTIMATORS), default="grpo",
@@ -291,9 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whiten the advantages over the batch (REINFORCE++ always does)")
     g.add_argument("--disable-grpo-std-normalization", action="store_true",
                    help="GRPO: subtract the group mean only, do not divide by the group std")
-    g.add_argument("--gamma", type=float, default=1.0,
+    g.add_argument("--gamma", type=fraction, default=1.0,
                    help="discount of PPO/REINFORCE++ returns (default: %(default)s)")
-    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda of PPO (default: %(default)s)")
+    g.add_argument("--lambd", type=fraction, default=1.0, help="GAE lambda of PPO (default: %(default)s)")
     g.add_argument("--value-clip", type=_nonneg_float, default=0.2,
                    help="PPO critic: clip of the value change (default: %(default)s)")
     g.add_argument("--use-tis", action="store_true",

@@ -236,8 +236,8 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.rm_type == "remote_rm" and not args.custom_rm_path and not args.rm_url:
         raise SlimeLiteError("--rm-type remote_rm posts each sample to a reward model service: give its --rm-url.")
     if args.eval_prompt_data is not None:
-        if len(args.eval_prompt_data) % 2:
-            raise SlimeLiteError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...].")
+        if len(args.eval_prompt_data) % 2 or len(set(args.eval_prompt_data[::2])) < len(args.eval_prompt_data) // 2:
+            raise SlimeLiteError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...], each NAME once.")
         for path in args.eval_prompt_data[1::2]:
             _need_file(path, "--eval-prompt-data")
     check_fault_tolerance(args)
@@ -262,7 +262,7 @@ def validate_args(args: argparse.Namespace) -> None:
                     DEFAULT_ROLLOUT_FUNCTION)
     if not 0 < args.rollout_top_p <= 1:
         raise SlimeLiteError(f"--rollout-top-p {args.rollout_top_p} must be in (0, 1].")
-    if args.eps_clip_c is not None and args.eps_clip_c <= 1:
+    if args.eps_clip_c is not None and not args.eps_clip_c > 1:  # (NaN too)
         raise SlimeLiteError(f"--eps-clip-c {args.eps_clip_c} must be > 1 (dual-clip bound).")
     fill_num_epoch(args)
     fill_implied(args)

@@ -75,7 +75,8 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
                         "--tensorboard-dir)")
     g.add_argument("--tb-experiment-name", default=None,
                    help="with --tb-project-name: EXPERIMENT (default: the start time, YYYYmmdd_HHMMSS)")
-    g.add_argument("--log-level", default="INFO", help="Python logging level (default: %(default)s)")
+    g.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                   default="INFO", help="Python logging level (default: %(default)s)")
     g.add_argument("--log-reward-category", default=None, metavar="KEY",
                    help="with dict rewards: log the share of each value of reward[KEY] over the rollout's samples "
                         "(e.g. why a reward function failed them) as error_cat/<value>, and of each eval set's as "

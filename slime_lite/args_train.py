@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 from typing import Any
@@ -29,9 +30,53 @@ def positive_int(text: str) -> int:
 
 def nonneg_float(text: str) -> float:
     value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
     return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return value
+
+
+def unit_float(text: str) -> float:
+    """In [0, 1) (Adam's betas)."""
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """In [0, 1] (a discount, GAE's lambda)."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def top_k(text: str) -> int:
+    """SGLang's top_k: -1 (off) or at least 1."""
+    value = int(text)
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"must be -1 (off) or >= 1, got {value}")
+    return value
+
+
+def nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -109,8 +154,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                         "Megatron (default: %(default)s)")
     g.add_argument("--clip-grad", type=nonneg_float, default=1.0,
                    help="clip the global gradient norm to this value (default: %(default)s)")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: %(default)s)")
-    g.add_argument("--adam-beta2", type=float, default=0.98, help="Adam beta2 (default: %(default)s)")
+    g.add_argument("--adam-beta1", type=unit_float, default=0.9, help="Adam beta1 (default: %(default)s)")
+    g.add_argument("--adam-beta2", type=unit_float, default=0.98, help="Adam beta2 (default: %(default)s)")
     g.add_argument("--seed", type=int, default=1234, help="trainer random seed (default: %(default)s)")
     g.add_argument("--distributed-timeout-minutes", type=positive_int, default=30,
                    help="timeout of the train ranks' process group (torch.distributed) in minutes (default: "
@@ -128,9 +173,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA", "low-rank adapters on a frozen base model (the reference model is the base)")
     g.add_argument("--lora-rank", type=int, default=None,
                    help="train LoRA adapters of this rank instead of every weight (default: off)")
-    g.add_argument("--lora-alpha", type=float, default=None,
+    g.add_argument("--lora-alpha", type=positive_float, default=None,
                    help="LoRA alpha: the adapters are scaled by alpha/rank (default: the rank, scaling 1)")
-    g.add_argument("--lora-dropout", type=float, default=0.0,
+    g.add_argument("--lora-dropout", type=unit_float, default=0.0,
                    help="dropout on the adapters' input (default: %(default)s)")
     g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"],
                    help="linears that get adapters: all-linear, or HF names q_proj,k_proj,v_proj (Megatron's fused "
@@ -470,3 +515,6 @@ def validate_train_args(args: argparse.Namespace) -> None:
     if not spec.kl_in_reward and args.kl_coef > 0:
         log.warning("--kl-coef %g has no effect with --advantage-estimator %s (its KL goes into the loss: "
                     "--use-kl-loss --kl-loss-coef)", args.kl_coef, spec.name)
+    if args.kl_loss_coef > 0 and not args.use_kl_loss:
+        log.warning("--kl-loss-coef %g has no effect without --use-kl-loss (as in slime): add it, or drop the coef",
+                    args.kl_loss_coef)

@@ -20,7 +20,9 @@ from slime_lite.hooks import REPLAY_HOOKS, SIGNATURES, TRAIN_HOOKS, load_hook
 from slime_lite.io import probe_folder
 from slime_lite.model_families import check_family, check_trainable, num_experts
 from slime_lite.profiling import profile_targets, trace_dir
+from slime_lite.rollout.data import DataKeys, check_renders, read_prompts
 from slime_lite.rollout.dumps import dump_path
+from slime_lite.rollout.rewards import check_data_labels, check_data_rm_types
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
 
 log = logging.getLogger("slime_lite.preflight")
@@ -29,6 +31,7 @@ log = logging.getLogger("slime_lite.preflight")
 def preflight(args: Any) -> None:
     check_hooks(args)
     check_model_family(args)
+    check_prompt_data(args)
     check_train_only(args)
     check_outputs(args)
     check_profiling_device(args)
@@ -40,6 +43,24 @@ def preflight(args: Any) -> None:
     if args.load_debug_rollout_data:
         check_replay_dumps(args)
         check_replay_keeps_train_dumps(args)
+
+
+def check_prompt_data(args: Any) -> None:
+    """Every prompt file the run reads (--prompt-data, each --eval-prompt-data) parses, each row has a prompt, the
+    labels and rm_type fields its rewards need, and renders as the flags say (the chat template, its kwargs, the
+    row's tools): a bad row is named by file and line here, not after the trainer and the engines have started."""
+    if args.debug_train_only:
+        return
+    sets = [("--prompt-data", args.prompt_data, DataKeys.from_args(args))] if args.prompt_data else []
+    sets += [("--eval-prompt-data", path, DataKeys.from_args(args, evaluation=True))
+             for path in (args.eval_prompt_data or [])[1::2]]
+    tokenizer = load_tokenizer(args.hf_checkpoint) if sets else None
+    for flag, path, keys in sets:
+        where = f"{flag} {path}"
+        prompts = read_prompts(path, keys, flag)
+        check_data_rm_types(args, [p.metadata for p in prompts], where)
+        check_data_labels(args, prompts, where, keys.label_flag)
+        check_renders(prompts, tokenizer, args, where)
 
 
 def check_replay_keeps_train_dumps(args: Any) -> None:

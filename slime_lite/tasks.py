@@ -93,6 +93,9 @@ def make_data(task: str, out_path: str | Path, *, n_train: int = DEFAULT_N_TRAIN
     out = Path(out_path)
     if out.is_dir():
         raise SlimeLiteError(f"--out {out}: is a folder; give a file path such as {out / (task + '.jsonl')}.")
+    if out.suffix != ".jsonl":  # training reads a file by its suffix: JSONL written as .parquet would not load
+        raise SlimeLiteError(f"--out {out}: make-data writes JSONL; give a path ending in .jsonl "
+                             f"({out.with_suffix('.jsonl')}).")
     out.parent.mkdir(parents=True, exist_ok=True)
     eval_out = eval_path_for(out)
     _write_jsonl(out, train)

@@ -261,6 +261,12 @@ def test_over_sampling_flags_with_a_custom_rollout_function_are_named_in_a_warni
     assert "--rollout-function-path my_mod.rollout" in caplog.text
 
 
+def test_a_kl_loss_coef_without_use_kl_loss_is_named_in_a_warning(base, caplog):
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + ["--kl-loss-coef", "0.1"])
+    assert "--kl-loss-coef 0.1 has no effect without --use-kl-loss" in caplog.text
+
+
 def test_partial_rollout_with_over_sampling_is_accepted(base):
     args = parse_args(base + ["--rollout-batch-size", "4", "--over-sampling-batch-size", "6", "--partial-rollout",
                               "--mask-offpolicy-in-partial-rollout"])

@@ -277,3 +277,79 @@ def test_an_architecture_only_sglang_serves_passes_a_rollout_only_run_on_sglang(
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
     preflight(parse_args(["--hf-checkpoint", str(mistral_model), "--prompt-data", str(data), "--rm-type", "addition",
                           "--debug-rollout-only", "--rollout-backend", "sglang", *RUN]))
+
+
+BAD_ROWS = [
+    ('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"', r":2: not valid JSON"),
+    ('{"question": "1+1=", "label": "2"}', r":1: no 'prompt' key \(set --input-key"),
+    ('{"prompt": "", "label": "2"}', r":1: the 'prompt' field is empty text"),
+    ('{"prompt": null, "label": "2"}', r":1: the 'prompt' field is a NoneType"),
+    ('{"prompt": 5, "label": "2"}', r":1: the 'prompt' field is a int"),
+    ('{"prompt": [], "label": "2"}', r":1: the 'prompt' field is an empty list"),
+    ('{"prompt": [{"rol": "user", "content": "x"}], "label": "2"}', r":1: .* a list that is not of chat messages"),
+    ('{"prompt": "1+1="}', r":1: no label; --rm-type addition compares .* \(set --label-key"),
+    ('{"prompt": "1+1=", "label": ["2"]}', r":1: a list label"),
+    ('{"prompt": "1+1=", "label": "2", "rm_type": "dapo"}', r"rm_type 'dapo': not a reward type"),
+    ('{"prompt": [{"role": "user", "content": "x"}], "label": "2"}', r":1: a prompt is a chat message list: add "
+                                                                      r"--apply-chat-template"),
+]
+
+
+@pytest.mark.parametrize("text, problem", BAD_ROWS)
+def test_a_bad_prompt_row_is_named_by_file_and_line_before_ray(tiny_model_dir, tmp_path, text, problem) -> None:
+    """Each of these failed after the trainer and the engines had started (a traceback from a Ray actor), or was
+    trained as garbage (an empty or null prompt rendered as an empty user turn)."""
+    data = tmp_path / "p.jsonl"
+    data.write_text(text + "\n")
+    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition",
+                       *RUN])
+    with pytest.raises(SlimeLiteError, match=re.escape(str(data)) + ".*" + problem):
+        preflight(args)
+
+
+def test_eval_data_and_the_chat_template_are_checked_too(tiny_model_dir, tmp_path) -> None:
+    good, bad = tmp_path / "good.jsonl", tmp_path / "eval.jsonl"
+    good.write_text('{"prompt": "1+1=", "label": 2.0}\n')
+    bad.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": [{"content": "x"}], "label": "2"}\n')
+    base = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(good), "--rm-type", "addition", *RUN]
+    preflight(parse_args(base))  # 2.0 is the label 2
+    with pytest.raises(SlimeLiteError, match=re.escape(str(bad)) + r":2: .*chat messages"):
+        preflight(parse_args(base + ["--eval-prompt-data", "e", str(bad)]))
+    template = ["--apply-chat-template", "--apply-chat-template-kwargs", '{"x": 1}']
+    boom = tmp_path / "boom.jsonl"  # a tool call without a name: the tiny template adds its name to a string
+    boom.write_text('{"prompt": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", '
+                    '"tool_calls": [{"function": {"arguments": {}}}]}], "label": "2"}\n')
+    with pytest.raises(SlimeLiteError, match=re.escape(str(boom)) + r":1: the chat template cannot render"):
+        preflight(parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(boom), "--rm-type",
+                              "addition", *RUN, *template]))
+    from slime_lite.rollout.data import read_prompts
+
+    assert read_prompts(str(good))[0].label == "2"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--rollout-temperature", "nan"], "--rollout-temperature"), (["--lr", "inf"], "--lr"),
+    (["--rollout-top-k", "0"], "--rollout-top-k"), (["--eval-top-k", "-7"], "--eval-top-k"),
+    (["--rollout-stop", ""], "--rollout-stop"), (["--rollout-stop-token-ids", "-5"], "--rollout-stop-token-ids"),
+    (["--rollout-request-timeout", "0"], "--rollout-request-timeout"), (["--tool-call-timeout", "-1"],
+                                                                        "--tool-call-timeout"),
+    (["--adam-beta1", "5"], "--adam-beta1"), (["--gamma", "1.5"], "--gamma"), (["--log-level", "verbose"],
+                                                                               "--log-level"),
+    (["--lora-dropout", "1"], "--lora-dropout"),
+    (["--apply-chat-template-kwargs", '{"add_generation_prompt": false}'], "--apply-chat-template-kwargs"),
+])
+def test_numeric_and_text_flags_refuse_values_the_run_cannot_use(tiny_model_dir, capsys, flags, named) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--hf-checkpoint", str(tiny_model_dir), "--rm-type", "addition", *flags])
+    assert f"argument {named}" in capsys.readouterr().err
+
+
+def test_a_duplicate_eval_name_and_a_nan_dual_clip_are_refused(tiny_model_dir, tmp_path) -> None:
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition"]
+    with pytest.raises(SlimeLiteError, match="each NAME once"):
+        parse_args(base + ["--eval-prompt-data", "aime", str(data), "aime", str(data)])
+    with pytest.raises(SlimeLiteError, match="--eps-clip-c nan must be > 1"):
+        parse_args(base + ["--eps-clip-c", "nan"])
+    assert parse_args(base + ["--log-level", "debug"]).log_level == "DEBUG"

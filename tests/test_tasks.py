@@ -60,3 +60,10 @@ def test_cli_writes_files_and_rejects_bad_input(tmp_path, capsys):
     assert "--out" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--task", "sudoku", "--out", str(tmp_path / "s.jsonl")])
+
+
+def test_out_must_be_a_jsonl_path(tmp_path):
+    """Training reads a prompt file by its suffix: JSONL written as x.parquet would fail only when the run reads it."""
+    with pytest.raises(SlimeLiteError, match=r"make-data writes JSONL; give a path ending in .jsonl"):
+        make_data("addition", tmp_path / "add.parquet", n_train=10, n_eval=2)
+    assert not (tmp_path / "add.parquet").exists()

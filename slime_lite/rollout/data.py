@@ -28,6 +28,7 @@ class Prompt:
     prompt: str | list[dict[str, str]]
     label: Any  # text (a number label as its text); a list or dict (e.g. test cases) as the data has it, as in slime
     metadata: dict[str, Any]
+    line: int = 0  # its line (row) in the file, for errors
 
 
 def _rows(path: str, flag: str) -> Any:
@@ -94,6 +95,7 @@ class DataKeys:
     tool_key: str | None = "tools"
     input_flag: str = "--input-key"  # the flags that set them, named in errors
     tool_flag: str = "--tool-key"
+    label_flag: str = "--label-key"
 
     @classmethod
     def from_args(cls, args: Any, evaluation: bool = False) -> DataKeys:
@@ -103,7 +105,21 @@ class DataKeys:
             return getattr(args, name) if value is None else value
         pre = "--eval-" if evaluation else "--"
         return cls(pick("input_key"), pick("label_key"), args.metadata_key, pick("tool_key"),
-                   f"{pre}input-key", f"{pre}tool-key")
+                   f"{pre}input-key", f"{pre}tool-key", f"{pre}label-key")
+
+
+def _check_prompt(value: Any, where: str, keys: DataKeys) -> None:
+    """A prompt is non-empty text, or a non-empty list of chat messages (objects with a string role)."""
+    if isinstance(value, str) and value.strip():
+        return
+    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str) and
+                                                 isinstance(m.get("content"), (str, list, type(None))) for m in value):
+        return
+    what = "empty text" if isinstance(value, str) else "an empty list" if value == [] else (
+        "a list that is not of chat messages ({\"role\": ..., \"content\": ...})" if isinstance(value, list)
+        else f"a {type(value).__name__}")
+    raise SlimeLiteError(f"{where}: the {keys.input_key!r} field is {what}; a prompt is text or a list of chat "
+                         f"messages (set {keys.input_flag} to the field that holds it, or fix the row).")
 
 
 def read_prompts(path: str, keys: DataKeys = DataKeys(), flag: str = "--prompt-data") -> list[Prompt]:
@@ -117,6 +133,7 @@ def read_prompts(path: str, keys: DataKeys = DataKeys(), flag: str = "--prompt-d
                 f"this line has {sorted(row) if isinstance(row, dict) else type(row).__name__})."
             )
         label = row.get(label_key) if label_key else None
+        _check_prompt(row[input_key], f"{flag} {path}:{lineno}", keys)
         tools = _tools(row, keys, f"{flag} {path}:{lineno}")
         meta = _row_metadata(row, keys)
         meta.pop(keys.tool_key, None)
@@ -124,9 +141,11 @@ def read_prompts(path: str, keys: DataKeys = DataKeys(), flag: str = "--prompt-d
         meta = {k: v for k, v in meta.items() if k not in RESERVED_METADATA}
         if tools is not None:
             meta["tools"] = tools  # as slime keeps them: a custom generate function's tools
+        if isinstance(label, float) and label.is_integer():
+            label = int(label)  # 85.0 in the data is the answer 85
         if label is not None and not isinstance(label, (list, dict)):
             label = str(label)
-        prompts.append(Prompt(len(prompts), row[input_key], label, meta))
+        prompts.append(Prompt(len(prompts), row[input_key], label, meta, lineno))
     if not prompts:
         raise SlimeLiteError(f"{flag} {path}: the file has no prompts.")
     if reserved:
@@ -190,6 +209,19 @@ def encode_prompt(prompt: Prompt, tokenizer: Any, args: Any) -> tuple[str, list[
     text = render_prompt(prompt.prompt, tokenizer, args.apply_chat_template, prompt.metadata.get("tools"),
                          args.apply_chat_template_kwargs)
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def check_renders(prompts: list[Prompt], tokenizer: Any, args: Any, where: str) -> None:
+    """Every prompt renders as the run's flags say (the chat template, its kwargs, the row's tools)."""
+    for p in prompts:
+        try:
+            render_prompt(p.prompt, tokenizer, args.apply_chat_template, p.metadata.get("tools"),
+                          args.apply_chat_template_kwargs)
+        except SlimeLiteError as exc:
+            raise SlimeLiteError(f"{where}:{p.line}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a template error is the data's (or the flags')
+            raise SlimeLiteError(f"{where}:{p.line}: the chat template cannot render this prompt "
+                                 f"({type(exc).__name__}: {exc}).") from None
 
 
 def drop_long_prompts(prompts: list[Prompt], limit: int | None, tokenizer: Any, args: Any,

@@ -172,8 +172,13 @@ _BUILTIN: dict[str, Callable[[str, str], float]] = {"addition": addition_reward,
 
 def sample_rm_type(args: Any, sample: Sample) -> str | None:
     """The reward type of a sample: its metadata's ``rm_type`` (a data field: mixed data sets), else --rm-type."""
-    rm_type = sample.metadata.get("rm_type") or args.rm_type
-    return rm_type.strip() if isinstance(rm_type, str) else rm_type
+    return _row_rm_type(sample.metadata) or args.rm_type
+
+
+def _row_rm_type(meta: dict[str, Any]) -> Any:
+    """A row's ``rm_type`` field, stripped; None when absent or blank (the row then has --rm-type)."""
+    rm_type = meta.get("rm_type")
+    return (rm_type.strip() or None) if isinstance(rm_type, str) else rm_type
 
 
 async def remote_reward(args: Any, sample: Sample) -> float | dict:
@@ -258,7 +263,7 @@ def check_data_rm_types(args: Any, metadata: list[dict[str, Any]], where: str) -
     if args.custom_rm_path:
         return  # the custom reward model reads the field, if it wants
     for i, meta in enumerate(metadata):
-        rm_type = meta.get("rm_type")
+        rm_type = _row_rm_type(meta)
         if rm_type is None:
             continue
         if rm_type not in RM_TYPES:
@@ -266,6 +271,21 @@ def check_data_rm_types(args: Any, metadata: list[dict[str, Any]], where: str) -
                                  f"one of {', '.join(RM_TYPES)} for its row (or use --custom-rm-path).")
         if rm_type == "remote_rm" and not args.rm_url:
             raise SlimeLiteError(f"{where}: prompt {i} has rm_type remote_rm: give the reward model's --rm-url.")
+
+
+def check_data_labels(args: Any, prompts: list[Any], where: str, label_flag: str = "--label-key") -> None:
+    """Before any rollout: a row a built-in reward type scores (not remote_rm, no --custom-rm-path) has a label it
+    can compare with, text or a number (a list or object label is for a custom reward model)."""
+    if args.custom_rm_path:
+        return
+    for p in prompts:
+        if (_row_rm_type(p.metadata) or args.rm_type) == "remote_rm":
+            continue
+        if p.label is None or isinstance(p.label, (list, dict)):
+            what = "no label" if p.label is None else f"a {type(p.label).__name__} label"
+            raise SlimeLiteError(f"{where}:{p.line}: {what}; --rm-type {args.rm_type} compares the response with a "
+                                 f"text or number label (set {label_flag} to the field that holds it, or score with "
+                                 "--custom-rm-path).")
 
 
 async def compute_group_rewards(args: Any, samples: list[Sample]) -> list[float | dict]:

@@ -296,3 +296,27 @@ def test_group_rm_gets_whole_groups_in_waves_and_never_a_group_cut_short(engine,
     assert group_rm_whole.CALLS and all(len(c) == 2 and c[1] == c[0] + 1 for c in group_rm_whole.CALLS)
     if flags.get("deterministic_mode"):
         assert sorted(group_rm_whole.CALLS) == [[0, 1], [2, 3]]
+
+
+def test_a_nan_eval_reward_stops_the_eval_naming_the_set_after_its_dump(engine, tiny_model_dir, tmp_path, hooks):
+    """A reward model answering NaN for the eval samples: the eval set is named (its dump written first, to
+    inspect), not logged as a NaN metric."""
+    from slime_lite.errors import SlimeLiteError
+
+    hooks("nan_rm_hook", """
+        async def rm(args, sample):
+            return float("nan") if sample.prompt.startswith(("7+", "8+")) else 1.0
+    """)
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in (7, 8)))
+    manager = _manager(tiny_model_dir, engine, tmp_path, custom_rm_path="nan_rm_hook.rm",
+                       eval_prompt_data=["held", str(held_out)], eval_interval=1, eval_max_response_len=2,
+                       save_debug_rollout_data=str(tmp_path / "dumps" / "d_{rollout_id}.pt"))
+    try:
+        manager.generate(0)  # the rollout's rewards are 1.0
+        with pytest.raises(SlimeLiteError, match=r"eval held at rollout 1: samples\[0\]\.reward is nan"):
+            manager.evaluate(1)
+        manager.wait_dumps()
+        assert any("eval" in f.name and "1" in f.name for f in (tmp_path / "dumps").iterdir())
+    finally:
+        manager.close()

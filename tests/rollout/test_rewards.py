@@ -205,6 +205,11 @@ def test_a_rows_rm_type_picks_its_reward_and_a_bad_one_is_refused_before_the_rol
     with pytest.raises(SlimeLiteError, match="sample 3: its data's rm_type field 'gpqa'"):
         reward_of = Sample(index=3, response="1", label="1", metadata={"rm_type": "gpqa"})
         asyncio.run(compute_reward(args, reward_of))
+    # a blank field is no type (the row has --rm-type, as in slime); one with spaces around its name is that type
+    check_data_rm_types(args, [{"rm_type": ""}, {"rm_type": " f1 "}], "--prompt-data p.jsonl")
+    blank, spaced = (Sample(index=i, response="the tower", label="tower", metadata={"rm_type": t})
+                     for i, t in ((4, "  "), (5, " f1 ")))
+    assert score(args, [blank, spaced]) == [0.0, 1.0]
 
 
 @pytest.fixture
