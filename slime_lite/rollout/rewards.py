@@ -66,11 +66,13 @@ def extract_final_answer(response: str) -> str | None:
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
+    if "\\boxed{" in text:  # a boxed answer cut off before its closing brace (the length limit): no answer
+        return None
     hashes = re.findall(r"####\s*(" + _NUMBER + ")", text)
     if hashes:
         return hashes[-1]
-    numbers = re.findall(_NUMBER, text)
-    return numbers[-1] if numbers else None
+    numbers = list(re.finditer(_NUMBER, text)) + list(_FRAC.finditer(text))  # a LaTeX fraction is a number too
+    return max(numbers, key=lambda m: m.end()).group(0) if numbers else None
 
 
 def _last_boxed(text: str) -> str | None:
@@ -87,16 +89,24 @@ def _last_boxed(text: str) -> str | None:
 
 _FRAC = re.compile(r"(-?)\\[dt]?frac(?:\{(-?\d+)\}|(\d))(?:\{(\d+)\}|(\d))")  # \frac{1}{2}, -\dfrac12
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 1,234,567.5: the only commas a number has
-_LATEX_NOISE = ("$", "\\!", "\\,", "\\;", "\\ ", "\\left", "\\right", "^{\\circ}", "^\\circ", "\\%", "%")
+_LATEX_NOISE = ("\\$", "$", "\\!", "\\,", "\\;", "\\ ", "\\left", "\\right", "^{\\circ}", "^\\circ", "\\%", "%")
+_UNITS = re.compile(r"(?<=\S)\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 18 \text{ dollars}
+
+
+def _canonical(text: str) -> str:
+    """An answer as written, without what LaTeX may vary: spacing, ``\\left``/``\\right``, ``\\dfrac``, dollar
+    signs, ``{,}`` thousands, a unit in ``\\text{...}`` after it, a space after a sign."""
+    text = _UNITS.sub("", text.strip().replace("\u2212", "-"))
+    for noise in _LATEX_NOISE:
+        text = text.replace(noise, "")
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
+    return re.sub(r"\s+", "", text)
 
 
 def _to_number(text: str) -> Fraction | None:
     """The number an answer or label writes (a LaTeX fraction, a thousands-separated or signed number, ``$...$``,
-    a percent or degree sign, an ``x = `` in front), else None."""
-    text = text.strip().replace("\u2212", "-")
-    for noise in _LATEX_NOISE:
-        text = text.replace(noise, "")
-    text = re.sub(r"^[A-Za-z]\w?\s*=\s*", "", text.strip()).rstrip(".,").strip()
+    a percent or degree sign, a unit, an ``x = `` in front), else None."""
+    text = re.sub(r"^[A-Za-z]\w?=", "", _canonical(text)).rstrip(".,")
     if "," in text:
         if not _THOUSANDS.fullmatch(text):
             return None  # "3,4" is two numbers, not 34
@@ -118,9 +128,13 @@ def math_reward(response: str, label: str) -> float:
 
 
 def _same_answer(answer: str, label: str) -> float:
+    """1.0 when the answer and the label (unboxed if boxed) are the same number, or the same text as
+    ``_canonical`` writes both."""
+    if "\\boxed" in label:
+        label = _last_boxed(label) or label
     got, want = _to_number(answer), _to_number(label)
     if got is None or want is None:
-        return 1.0 if answer.strip() == label.strip() else 0.0
+        return 1.0 if _canonical(answer) == _canonical(label) else 0.0
     return 1.0 if got == want else 0.0
 
 
@@ -140,7 +154,6 @@ def deepscaler_reward(response: str, label: str) -> float:
     else:
         return 0.0
     answer = _last_boxed(solution)
-    label = _last_boxed(label) or label if "\\boxed" in label else label
     if answer is None or not label.strip():
         return 0.0
     return _same_answer(answer, label)

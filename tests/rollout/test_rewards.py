@@ -64,6 +64,32 @@ def test_math_compares_the_final_answer_numerically(response, label, expected):
 @pytest.mark.parametrize(
     ("response", "label", "expected"),
     [
+        ("\\boxed{5}", "\\boxed{5}", 1.0),  # a boxed label is its content (as slime's math and deepscaler)
+        ("\\boxed{\\$18}", "18", 1.0),
+        ("\\boxed{18 \\text{ dollars}}", "18", 1.0),  # a unit after the number
+        ("\\boxed{x^2 + 1}", "x^2+1", 1.0),  # text answers compared without LaTeX's spacing
+        ("\\boxed{\\dfrac{\\pi}{2}}", "\\frac{\\pi}{2}", 1.0),
+        ("\\boxed{\\left(1,2\\right)}", "(1,2)", 1.0),
+        ("\\boxed{1{,}000}", "1000", 1.0),
+        ("\\boxed{- 5}", "-5", 1.0),
+        ("\\boxed{\\frac {1}{2}}", "1/2", 1.0),
+        ("\\boxed{x^2 + 2}", "x^2+1", 0.0),
+        ("\\boxed{12", "12", 0.0),  # cut off inside its box: no answer (not the number before it)
+    ],
+)
+def test_math_answers_compare_through_latex_variants(rm_type, response, label, expected):
+    assert reward(parser_defaults(rm_type=rm_type), response, label) == expected
+
+
+def test_math_without_a_box_reads_a_latex_fraction_as_the_last_number():
+    assert reward(parser_defaults(rm_type="math"), "The answer is $\\frac{3}{4}$.", "3/4") == 1.0
+    assert reward(parser_defaults(rm_type="math"), "3 4", "34") == 0.0  # two numbers are not one
+
+
+@pytest.mark.parametrize("rm_type", ["math", "boxed_math"])
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
         ("\\boxed{-\\frac{1}{2}}", "-1/2", 1.0),  # the sign in front of the fraction
         ("\\boxed{-\\dfrac{1}{2}}", "-0.5", 1.0),
         ("\\boxed{\\frac12}", "0.5", 1.0),  # LaTeX's one-digit shorthand
