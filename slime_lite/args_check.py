@@ -16,6 +16,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template, dump_path
+from slime_lite.args_async import check_async_train, check_fully_async, check_partial_rollout
 from slime_lite.args_observe import check_logging_flags
 from slime_lite.args_train import check_slime_train_flags, validate_train_args, world_size
 from slime_lite.slime_flags import check as check_slime_flags
@@ -64,15 +65,20 @@ def _actor_start(args: argparse.Namespace) -> str:
 
 
 def check_no_checkpoint(folder: str) -> None:
-    """A --load folder without ``latest`` is a fresh start only when it holds no checkpoint: one it does hold (a
-    Megatron checkpoint of slime, or iteration folders whose ``latest`` is gone) would be ignored, and overwritten
-    by a --save to the same folder."""
-    if os.path.exists(os.path.join(folder, "latest_checkpointed_iteration.txt")):
-        raise SlimeLiteError(
-            f"--load {folder} is a Megatron checkpoint (slime's torch_dist format): slime-lite resumes only the "
-            "checkpoints its --save writes (latest, iter_*/rank_*.pt). Start from a Hugging Face export of it with "
-            "--hf-checkpoint, and give --load and --save another folder.")
-    saved = sorted(n for n in os.listdir(folder) if re.fullmatch(r"iter_\d{7}", n))
+    """A --load folder without ``latest`` is a fresh start only when it holds no checkpoint nor a model of another
+    kind (a Megatron checkpoint of slime, one iteration's folder, an HF model, iteration folders whose ``latest`` is
+    gone): those would be ignored, and overwritten by a --save to the same folder."""
+    names = os.listdir(folder)
+    kind = ("a Megatron checkpoint (slime's torch_dist format): slime-lite resumes only the checkpoints its --save "
+            "writes (latest, iter_*/rank_*.pt). Start from a Hugging Face export of it with --hf-checkpoint, and give "
+            "--load and --save another folder" if "latest_checkpointed_iteration.txt" in names else
+            f"one iteration of a checkpoint (rank_*.pt): give --load the folder that holds it and its 'latest' file "
+            f"({os.path.dirname(os.path.abspath(folder))})" if any(re.fullmatch(r"rank_\d{3}\.pt", n) for n in names)
+            else "a Hugging Face model folder: start from it with --hf-checkpoint (--load resumes what --save wrote)"
+            if "config.json" in names else None)
+    if kind:
+        raise SlimeLiteError(f"--load {folder} is {kind}.")
+    saved = sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n))
     if saved:
         raise SlimeLiteError(
             f"--load {folder} holds checkpoint(s) ({', '.join(saved[-3:])}) but no 'latest' file naming the one to "
@@ -104,32 +110,6 @@ def fill_num_epoch(args: argparse.Namespace) -> None:
                              f"than one rollout takes (--rollout-batch-size {args.rollout_batch_size}).")
     args.num_rollout = args.num_epoch * per_epoch
     log.info("--num-epoch %d: %d rollouts (%d per epoch)", args.num_epoch, args.num_rollout, per_epoch)
-
-
-def check_partial_rollout(args: argparse.Namespace) -> None:
-    """--partial-rollout continues the samples over-sampling aborted, in generated rollouts that may differ run to
-    run; --mask-offpolicy-in-partial-rollout acts on those samples only."""
-    if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
-        raise SlimeLiteError("--mask-offpolicy-in-partial-rollout masks the tokens continued by --partial-rollout: "
-                             "add --partial-rollout, or drop it.")
-    if not args.partial_rollout:
-        return
-    if args.group_rm:
-        raise SlimeLiteError("--group-rm scores a prompt's group at once, but --partial-rollout finishes a carried "
-                             "group's samples over two rollouts: drop one of them.")
-    if args.debug_train_only:
-        raise SlimeLiteError("--partial-rollout continues aborted samples in the next generated rollout, but "
-                             "--debug-train-only (or --load-debug-rollout-data) generates none: drop --partial-rollout "
-                             "(a replayed dump already holds the continued samples).")
-    if args.deterministic_mode:
-        raise SlimeLiteError("--partial-rollout cannot be used with --deterministic-mode: which samples are aborted "
-                             "depends on the engines' timing, so two runs would differ. Drop one of them.")
-    if args.over_sampling_batch_size is None or args.over_sampling_batch_size <= args.rollout_batch_size:
-        given = ("no --over-sampling-batch-size" if args.over_sampling_batch_size is None
-                 else f"--over-sampling-batch-size {args.over_sampling_batch_size}")
-        raise SlimeLiteError(f"--partial-rollout needs over-sampling, but {given} with --rollout-batch-size "
-                             f"{args.rollout_batch_size} aborts nothing: set --over-sampling-batch-size above "
-                             f"{args.rollout_batch_size} (e.g. {args.rollout_batch_size * 2}).")
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -310,6 +290,9 @@ def validate_args(args: argparse.Namespace) -> None:
         args.load = None
     elif args.load is None and args.ref_load is not None and not args.debug_rollout_only:
         log.info("no --load checkpoint to resume: the actor starts from %s", _actor_start(args))
+    if args.save and args.load is None and os.path.exists(os.path.join(args.save, "latest")):
+        log.warning("--save %s holds a checkpoint ('latest') that this run does not resume: its saves will replace "
+                    "that run's; give --load %s to resume it, or save into another folder", args.save, args.save)
     if args.use_wandb:
         if importlib.util.find_spec("wandb") is None:
             raise SlimeLiteError("--use-wandb needs the wandb package: .venv/bin/pip install wandb (it logs offline "
@@ -382,79 +365,6 @@ def check_fault_tolerance(args: argparse.Namespace) -> None:
         if on and args.debug_train_only:
             raise SlimeLiteError(f"{flag} acts on rollout engines, and --debug-train-only / "
                                  "--load-debug-rollout-data start none: drop it.")
-
-
-def check_async_train(args: argparse.Namespace) -> None:
-    """--async overlaps generation with training: it needs both, on different GPUs, and engines that stay up."""
-    if not args.async_train:
-        return
-    refuse = None
-    if args.colocate:
-        refuse = ("--colocate puts the engines on the trainer's GPUs, so there is nothing to overlap: drop --async, "
-                  "or drop --colocate and give the engines their own GPUs (--rollout-num-gpus)")
-    elif args.debug_rollout_only:
-        refuse = "--debug-rollout-only builds no trainer, so there is no training to overlap with: drop --async"
-    elif args.debug_train_only or args.load_debug_rollout_data:
-        refuse = ("--debug-train-only / --load-debug-rollout-data start no engine, so nothing generates while the "
-                  "trainer trains: drop --async")
-    elif args.offload_rollout:
-        refuse = ("--offload-rollout releases the engines' memory while the trainer trains, and under --async they "
-                  "generate then: drop --offload-rollout")
-    elif args.use_fault_tolerance or args.debug_inject_fault == "kill-engine":
-        refuse = ("--use-fault-tolerance / --debug-inject-fault kill-engine are not supported with --async yet "
-                  "(an engine restart mid-overlap is untested): drop one of them")
-    if refuse:
-        raise SlimeLiteError(f"--async: {refuse}.")
-
-
-def check_fully_async(args: argparse.Namespace) -> None:
-    """--fully-async keeps the engines generating through training and weight pushes: it needs engines and a
-    trainer on their own GPUs, and the built-in rollout (its background generation loop)."""
-    if args.max_weight_staleness is None and args.max_weight_staleness_mode != "drop":
-        raise SlimeLiteError(f"--max-weight-staleness-mode {args.max_weight_staleness_mode} has no effect without "
-                             "a bound: add --max-weight-staleness K (samples more than K weight versions behind the "
-                             "trainer are handled by it), or drop it.")
-    if not args.fully_async:
-        if args.max_weight_staleness is not None:
-            raise SlimeLiteError(f"--max-weight-staleness {args.max_weight_staleness} bounds the lag of samples "
-                                 "generated while the trainer trains, which only --fully-async does: add "
-                                 "--fully-async, or drop it.")
-        return
-    refuse = None
-    if args.async_train:
-        refuse = "--async is one-step-off training, and --fully-async replaces it: drop --async"
-    elif args.colocate:
-        refuse = ("--colocate puts the engines on the trainer's GPUs, so they cannot generate while it trains: drop "
-                  "--colocate and give the engines their own GPUs (--rollout-num-gpus)")
-    elif args.debug_rollout_only:
-        refuse = "--debug-rollout-only builds no trainer and pushes no weights: drop --fully-async"
-    elif args.debug_train_only or args.load_debug_rollout_data:
-        refuse = "--debug-train-only / --load-debug-rollout-data start no engine to generate: drop --fully-async"
-    elif args.deterministic_mode:
-        refuse = ("which groups finish first and which weights generate each token depend on timing, so two runs "
-                  "cannot match under --deterministic-mode: drop one of them")
-    elif args.offload_rollout:
-        refuse = "--offload-rollout releases the engines' memory while they would generate: drop --offload-rollout"
-    elif args.partial_rollout or args.over_sampling_batch_size is not None:
-        refuse = ("requests are never aborted (they continue across weight pushes), so --partial-rollout and "
-                  "--over-sampling-batch-size have nothing to do: drop them")
-    elif args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION:
-        refuse = (f"--rollout-function-path {args.rollout_function_path} replaces the built-in rollout, whose "
-                  "background generation loop --fully-async is: drop one of them (--custom-generate-function-path "
-                  "works with --fully-async)")
-    elif args.use_fault_tolerance or args.debug_inject_fault == "kill-engine":
-        refuse = "--use-fault-tolerance / --debug-inject-fault kill-engine are not supported with --fully-async yet"
-    elif args.rollout_sample_filter_path or args.rollout_all_samples_process_path:
-        refuse = ("--rollout-sample-filter-path and --rollout-all-samples-process-path are called by the default "
-                  "rollout function at the end of a rollout, and --fully-async's background loop replaces it: drop "
-                  "them (a generate hook may set remove_sample)")
-    if refuse:
-        raise SlimeLiteError(f"--fully-async: {refuse}.")
-    if args.rollout_backend == "sglang":
-        log.warning("--fully-async with --rollout-backend sglang: SGLang reports one weight version per request, so "
-                    "the tokens of a request in flight across a push all count as the version it ended with "
-                    "(--max-weight-staleness sees them younger than they are); the embedded engine reports each "
-                    "token's version")
 
 
 def check_debug_tool_args(args: Any) -> None:

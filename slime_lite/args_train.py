@@ -303,6 +303,11 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
                   "engines do not serve between pushes: drop one of them")
     if refuse:
         raise SlimeLiteError(f"--update-weights-interval {n}: {refuse}.")
+    if args.save_interval and args.save_interval % n:
+        log.warning("--update-weights-interval %d: a checkpoint every --save-interval %d rollouts falls between two "
+                    "pushes, and a run resumed from it pushes at once: its next rollouts are generated with newer "
+                    "weights than the run it continues (make --save-interval a multiple of %d to resume exactly)",
+                    n, args.save_interval, n)
 
 
 def _check_save_hf_apart(args: argparse.Namespace, first: str) -> None:

@@ -3,7 +3,9 @@ full disk as such (files, and Hugging Face model folders), the probe of an outpu
 
 from __future__ import annotations
 
+import collections
 import errno
+import json
 import os
 import pickle
 import re
@@ -172,6 +174,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _config_dtype(path: str, named: dict[str, Any]) -> None:
+    """The config's dtype (``torch_dtype``, ``dtype``) set to the written tensors' float dtype: a float32 export of
+    a model whose config says bfloat16 would be loaded rounded to bfloat16 (transformers' ``dtype="auto"``)."""
+    floats = collections.Counter(str(v.dtype).removeprefix("torch.") for v in named.values() if v.is_floating_point())
+    if not floats or not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    dtype = floats.most_common(1)[0][0]
+    keys = [k for k in ("torch_dtype", "dtype") if k in config]
+    if keys and any(config[k] != dtype for k in keys):
+        config.update(dict.fromkeys(keys, dtype))
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+
+
 def write_hf_folder(named: dict[str, Any], hf_checkpoint: str, out_dir: str) -> None:
     """A Hugging Face model folder: ``named`` tensors as model.safetensors, with the config and tokenizer files of
     ``hf_checkpoint``. Written to a temporary folder beside ``out_dir``, then renamed: a failed write (a full disk)
@@ -189,6 +207,7 @@ def write_hf_folder(named: dict[str, Any], hf_checkpoint: str, out_dir: str) -> 
                 shutil.copy2(src, tmp)
         save_file({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})
+        _config_dtype(os.path.join(tmp, "config.json"), named)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

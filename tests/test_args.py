@@ -90,6 +90,34 @@ def test_a_load_folder_holding_a_checkpoint_it_cannot_resume_is_refused_not_over
     assert "is a Megatron checkpoint (slime's torch_dist format)" in err(base + ["--load", str(slime)])
     (tmp_path / "fresh").mkdir()
     assert parse_args(base + ["--load", str(tmp_path / "fresh")]).load is None  # nothing saved yet: a fresh start
+    # one iteration's folder (not the folder of its 'latest'), or an HF model: was a silent fresh start too
+    (ckpt / "iter_0000009" / "rank_000.pt").write_bytes(b"")
+    msg = err(base + ["--load", str(ckpt / "iter_0000009")])
+    assert "is one iteration of a checkpoint (rank_*.pt): give --load the folder that holds it" in msg
+    assert str(ckpt) in msg
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert "is a Hugging Face model folder: start from it with --hf-checkpoint" in err(base + ["--load", str(hf)])
+
+
+def test_saving_over_a_checkpoint_the_run_does_not_resume_is_named(base, tmp_path, caplog):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000003").mkdir(parents=True)
+    (ckpt / "latest").write_text("iter_0000003")
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + ["--save", str(ckpt)])
+    assert f"--save {ckpt} holds a checkpoint ('latest') that this run does not resume" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + ["--save", str(ckpt), "--load", str(ckpt)])
+    assert "does not resume" not in caplog.text
+
+
+def test_a_save_between_two_pushes_is_named(base, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + ["--update-weights-interval", "2", "--save", str(tmp_path / "c"), "--save-interval", "3"])
+    assert "--update-weights-interval 2: a checkpoint every --save-interval 3 rollouts falls between" in caplog.text
 
 
 @pytest.mark.parametrize("flag", ["--save-debug-rollout-data", "--load-debug-rollout-data"])

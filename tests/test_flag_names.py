@@ -23,7 +23,8 @@ EXTERNAL = {
                                             "--enable-return-routed-experts",
                                             # SGLang's LoRA flags (tests/backends/test_sglang_lora.py parses them
                                             # with SGLang's own parser)
-                                            "--enable-lora", "--max-lora-rank", "--lora-paths"},
+                                            "--enable-lora", "--max-lora-rank", "--lora-paths",
+                                            "--enable-weights-cpu-backup"},
     "slime_lite.backends.megatron.lora_config": {"--enable-lora"},  # SGLang's, named in an error
     "slime_lite.backends.megatron.routing": {"--enable-return-routed-experts"},  # SGLang's, named in an error
     "slime_lite.backends.megatron.model": {"--no-build-isolation"},

@@ -115,3 +115,28 @@ def test_the_summary_line_names_the_critics_value_loss_and_the_step(caplog) -> N
     with caplog.at_level("INFO", logger="slime_lite.metrics"):
         logger.log({"train/loss": 0.5, "critic/value_loss": 0.25, "perf/step_time": 2.0}, 3)
     assert "rollout_id=3 loss=0.5000 v_loss=0.2500 step_s=2.0000" in caplog.text
+
+
+def test_an_hf_export_says_the_dtype_of_its_tensors_so_transformers_loads_them_unchanged(tiny_model_dir, tmp_path):
+    """A float32 export (training without --bf16) of a model whose config says bfloat16: transformers' default
+    dtype="auto" read the config's dtype and rounded every weight to bfloat16."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from slime_lite.io import write_hf_folder
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config.update({k: "bfloat16" for k in ("torch_dtype", "dtype") if k in config} or {"dtype": "bfloat16"})
+    (base / "config.json").write_text(json.dumps(config))
+    named = {k: v.float() + 1e-4 for k, v in load_file(str(tiny_model_dir / "model.safetensors")).items()}
+    write_hf_folder(named, str(base), str(tmp_path / "out"))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert all(written[k] == "float32" for k in ("torch_dtype", "dtype") if k in written)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    name, tensor = next(iter(named.items()))
+    assert model.dtype == torch.float32 and torch.equal(model.state_dict()[name], tensor)

@@ -134,6 +134,10 @@ def test_a_checkpoint_that_cannot_resume_exactly_is_refused_before_ray(tmp_path:
     (root / "critic" / "latest").write_text("iter_0000000")
     (root / "latest").write_text("iter_0000000")
     checkpoint.check_loadable(str(root))
+    (root / "critic" / "latest").unlink()  # a checkpoint of a run without a critic, resumed with one
+    with pytest.raises(SlimeLiteError, match=r"the run trains a critic, but the checkpoint has none"):
+        checkpoint.check_loadable(str(root))
+    checkpoint.check_loadable(str(root), critic=False)
 
 
 def _save_rank(rank: int, port: int, out: str) -> None:

@@ -63,3 +63,17 @@ def test_the_broadcast_group_is_gloo_where_an_engine_cannot_join_nccl(monkeypatc
     with pytest.raises(RuntimeError, match="no group"):
         weight_push._transport(args, {"w": torch.ones(2)}, ["http://engine"], 1)
     assert chosen == [expected]
+
+
+def test_the_disk_transport_keeps_only_the_newest_push_folder(monkeypatch, tmp_path):
+    """Pushes every --update-weights-interval 2 come at versions 0, 2, 4: each left its folder behind (only
+    v{version-1} was removed), a model's worth of disk per push."""
+    import os
+
+    from slime_lite.backends.megatron import weight_push
+
+    monkeypatch.setattr(weight_push, "write_hf_folder", lambda named, base, out: os.makedirs(out))
+    args = SimpleNamespace(save=str(tmp_path), hf_checkpoint="unused", fully_async=False)
+    for version in (0, 2, 4):
+        weight_push._push_disk(args, {}, [], version)
+    assert sorted(os.listdir(tmp_path / "weight_push")) == ["v4"]

@@ -57,6 +57,18 @@ def test_sglang_parses_the_lora_launch_flags(flags, targets, expected):
     assert served.enable_lora and served.max_lora_rank == 16 and set(served.lora_target_modules) == expected
 
 
+def test_colocated_lora_engines_keep_a_cpu_copy_of_the_weights_they_release(flags):
+    """Under --colocate the engines release their weights every rollout; a LoRA push sends adapters only, so the
+    base weights must come back from SGLang's CPU copy (without it they came back as uninitialised memory)."""
+    oracle.require_sglang()
+    oracle.sglang_module("sglang.srt.server_args")
+    colocated = parse_args(flags + ["--colocate"])
+    served = oracle.parse_server_args(launcher.build_command(EngineConfig.from_args(colocated), 0, 31000)[3:])
+    assert served.enable_memory_saver and served.enable_weights_cpu_backup and served.enable_lora
+    apart = oracle.parse_server_args(launcher.build_command(EngineConfig.from_args(parse_args(flags)), 0, 31000)[3:])
+    assert not apart.enable_weights_cpu_backup  # full-weight pushes, or weights never released: no copy needed
+
+
 def test_lora_flags_sglang_gets_from_us_or_cannot_serve_are_refused(flags):
     oracle.require_sglang()
     oracle.sglang_module("sglang.srt.server_args")

@@ -193,7 +193,7 @@ def test_custom_log_hooks_take_over_the_default_logging_when_they_return_true(
 
 
 def test_fully_async_refuses_the_default_rollouts_end_hooks():
-    from slime_lite.args_check import check_fully_async
+    from slime_lite.args_async import check_fully_async
 
     args = parser_defaults(fully_async=True, rollout_sample_filter_path="m.f")
     with pytest.raises(SlimeLiteError, match="--fully-async: --rollout-sample-filter-path and "

@@ -231,6 +231,11 @@ def check_loadable(root: str, critic: bool = True) -> None:
             if re.fullmatch(r"rank_\d{3}\.pt", name):
                 check_has_optimizer(root, path, _load_rank_file(root, folder, os.path.join(path, name), mmap=True))
     actor, critics = newest.get(root), newest.get(os.path.join(root, "critic"))
+    if critic and actor is not None and critics is None:
+        raise SlimeLiteError(
+            f"--load {root}: the run trains a critic, but the checkpoint has none ({os.path.join(root, 'critic')} "
+            "has no 'latest'): resuming would start the critic from scratch next to a trained actor. Resume a "
+            "checkpoint saved with the critic, or start afresh (another --load folder).")
     if critic and actor is not None and critics is not None and iteration(actor) != iteration(critics):
         name = os.path.basename(min(actor, critics, key=iteration))
         raise SlimeLiteError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -421,9 +422,9 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
     replies = on_all(urls, lambda u: request_json(u, "/update_weights_from_disk", body, timeout=600))
     for url, reply in zip(urls, replies):
         _check(reply, url, "/update_weights_from_disk")
-    old = os.path.join(root, f"v{version - 1}")
-    if os.path.isdir(old):
-        shutil.rmtree(old, ignore_errors=True)
+    for name in os.listdir(root):  # every earlier push (pushes every --update-weights-interval come 2, 4, ... apart)
+        if name != f"v{version}" and re.fullmatch(r"v\d+", name):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 _lora_loaded: dict[str, str] = {}  # engine URL -> the adapter name it serves (LoRA on real SGLang)

@@ -177,7 +177,8 @@ def keyed_command(cmd: list[str]) -> list[str]:
 
 
 def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.1") -> list[str]:
-    """The engine's command line: model, address, TP size, per-engine seed, memory saver under colocate, then
+    """The engine's command line: model, address, TP size, per-engine seed, memory saver under colocate (and with
+    LoRA a CPU copy of the weights it releases), then
     every passthrough flag in the order given (so a passthrough --random-seed overrides ours)."""
     cmd = [
         sys.executable, "-m", cfg.sglang_server_module,
@@ -196,6 +197,8 @@ def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.
         from slime_lite.backends.megatron.lora_config import sglang_target_modules
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
                 "--lora-target-modules", *sglang_target_modules(cfg.lora_target_modules)]
+        if cfg.colocate:  # the pushes send adapters only: the released base weights must come back from a copy
+            cmd.append("--enable-weights-cpu-backup")
     cmd += [str(a) for a in cfg.sglang_args]
     return cmd
 
