@@ -61,7 +61,7 @@ def fraction(text: str) -> float:
 def nonneg_int(text: str) -> int:
     value = int(text)
     if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -173,9 +173,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA", "low-rank adapters on a frozen base model (the reference model is the base)")
     g.add_argument("--lora-rank", type=int, default=None,
                    help="train LoRA adapters of this rank instead of every weight (default: off)")
-    g.add_argument("--lora-alpha", type=positive_float, default=None,
+    g.add_argument("--lora-alpha", type=float, default=None,
                    help="LoRA alpha: the adapters are scaled by alpha/rank (default: the rank, scaling 1)")
-    g.add_argument("--lora-dropout", type=unit_float, default=0.0,
+    g.add_argument("--lora-dropout", type=float, default=0.0,
                    help="dropout on the adapters' input (default: %(default)s)")
     g.add_argument("--lora-target-modules", nargs="+", default=["all-linear"],
                    help="linears that get adapters: all-linear, or HF names q_proj,k_proj,v_proj (Megatron's fused "

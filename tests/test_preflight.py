@@ -335,7 +335,6 @@ def test_eval_data_and_the_chat_template_are_checked_too(tiny_model_dir, tmp_pat
                                                                         "--tool-call-timeout"),
     (["--adam-beta1", "5"], "--adam-beta1"), (["--gamma", "1.5"], "--gamma"), (["--log-level", "verbose"],
                                                                                "--log-level"),
-    (["--lora-dropout", "1"], "--lora-dropout"),
     (["--apply-chat-template-kwargs", '{"add_generation_prompt": false}'], "--apply-chat-template-kwargs"),
 ])
 def test_numeric_and_text_flags_refuse_values_the_run_cannot_use(tiny_model_dir, capsys, flags, named) -> None:
