@@ -16,7 +16,7 @@ from slime_lite.backends.megatron.train_dump import train_dump_path
 from slime_lite.checks.grad_norm import grad_norm_path
 from slime_lite.config import TokenBudget, TrainSideConfig
 from slime_lite.errors import SlimeLiteError
-from slime_lite.hooks import REPLAY_HOOKS, SIGNATURES, TRAIN_HOOKS, load_hook
+from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION, REPLAY_HOOKS, SIGNATURES, TRAIN_HOOKS, load_hook
 from slime_lite.io import probe_folder
 from slime_lite.model_families import check_family, check_trainable, num_experts
 from slime_lite.profiling import profile_targets, trace_dir
@@ -59,7 +59,8 @@ def check_prompt_data(args: Any) -> None:
         where = f"{flag} {path}"
         prompts = read_prompts(path, keys, flag)
         check_data_rm_types(args, [p.metadata for p in prompts], where)
-        check_data_labels(args, prompts, where, keys.label_flag)
+        if args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION and not args.custom_generate_function_path:
+            check_data_labels(args, prompts, where, keys.label_flag)  # (a hook may score without the label)
         check_renders(prompts, tokenizer, args, where)
 
 

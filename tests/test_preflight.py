@@ -352,3 +352,14 @@ def test_a_duplicate_eval_name_and_a_nan_dual_clip_are_refused(tiny_model_dir, t
     with pytest.raises(SlimeLiteError, match="--eps-clip-c nan must be > 1"):
         parse_args(base + ["--eps-clip-c", "nan"])
     assert parse_args(base + ["--log-level", "debug"]).log_level == "DEBUG"
+
+
+def test_rows_without_labels_pass_where_a_hook_generates_the_samples(tiny_model_dir, tmp_path) -> None:
+    """A --custom-generate-function-path (or --rollout-function-path) hook may score without the data's label: the
+    label check is the built-in rollout's only; the prompt checks still apply."""
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1="}\n')
+    base = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition", *RUN]
+    preflight(parse_args(base + ["--custom-generate-function-path", "slime_lite.rollout.calc_task.generate"]))
+    with pytest.raises(SlimeLiteError, match="no label"):
+        preflight(parse_args(base))
