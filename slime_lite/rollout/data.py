@@ -211,9 +211,13 @@ def encode_prompt(prompt: Prompt, tokenizer: Any, args: Any) -> tuple[str, list[
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+RENDER_CHECKED = 20_000  # prompts rendered before Ray starts (a template error is most often the data's shape)
+
+
 def check_renders(prompts: list[Prompt], tokenizer: Any, args: Any, where: str) -> None:
-    """Every prompt renders as the run's flags say (the chat template, its kwargs, the row's tools)."""
-    for p in prompts:
+    """The first ``RENDER_CHECKED`` prompts render as the run's flags say (the chat template, its kwargs, the row's
+    tools); every row's shape was checked when the file was read."""
+    for p in prompts[:RENDER_CHECKED]:
         try:
             render_prompt(p.prompt, tokenizer, args.apply_chat_template, p.metadata.get("tools"),
                           args.apply_chat_template_kwargs)
