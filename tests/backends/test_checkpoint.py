@@ -36,7 +36,7 @@ def test_crafted_checkpoint_is_refused_and_its_payload_never_runs(tmp_path: Path
                                              r"write_marker.*nothing in it ran"):
         checkpoint.load(_actor(), str(tmp_path / "ckpt"))
     with pytest.raises(SlimeLiteError, match=rf"--load .*: checkpoint {file} is not a plain-tensor file"):
-        checkpoint.check_loadable(str(tmp_path / "ckpt"))  # preflight's check, before Ray starts
+        checkpoint.check_loadable(str(tmp_path / "ckpt"), critic=False)  # preflight's check, before Ray starts
     assert not marker.exists()
     torch.load(file, weights_only=False)  # the file really runs code when loaded unsafely
     assert marker.exists()
@@ -54,10 +54,10 @@ def test_saved_state_round_trips_through_a_weights_only_load(tmp_path: Path, cap
     root = tmp_path / "ckpt"
     _checkpoint(root, checkpoint.plain_state(state))
     _checkpoint(root / "critic", {"a": 1})
-    checkpoint.check_loadable(str(root))  # preflight passes a good checkpoint (memory-mapped, critic folder too)
+    checkpoint.check_loadable(str(root), critic=True)  # preflight passes a good checkpoint (mmapped, critic too)
     (root / "critic" / "iter_0000000" / "rank_000.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(SlimeLiteError, match=r"--load .*critic/iter_0000000/rank_000.pt is not a torch file"):
-        checkpoint.check_loadable(str(root))
+        checkpoint.check_loadable(str(root), critic=True)
     model2 = torch.nn.Linear(3, 2)
     opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
     with caplog.at_level("INFO", logger=checkpoint.__name__):
@@ -125,18 +125,18 @@ def test_a_checkpoint_that_cannot_resume_exactly_is_refused_before_ray(tmp_path:
     with pytest.raises(SlimeLiteError, match=r"the actor's newest checkpoint is iter_0000004 but the critic's is "
                                              r"iter_0000000 .*write iter_0000000 into .*ckpt/latest and "
                                              r".*ckpt/critic/latest"):
-        checkpoint.check_loadable(str(root))
+        checkpoint.check_loadable(str(root), critic=True)
     checkpoint.check_loadable(str(root), critic=False)  # a run without a critic resumes the actor's
     (root / "critic" / "latest").write_text("iter_0000004")
     with pytest.raises(SlimeLiteError, match=r"critic/latest names iter_0000004, but there is no folder "
                                              r".*critic/iter_0000004"):
-        checkpoint.check_loadable(str(root))
+        checkpoint.check_loadable(str(root), critic=True)
     (root / "critic" / "latest").write_text("iter_0000000")
     (root / "latest").write_text("iter_0000000")
-    checkpoint.check_loadable(str(root))
+    checkpoint.check_loadable(str(root), critic=True)
     (root / "critic" / "latest").unlink()  # a checkpoint of a run without a critic, resumed with one
     with pytest.raises(SlimeLiteError, match=r"the run trains a critic, but the checkpoint has none"):
-        checkpoint.check_loadable(str(root))
+        checkpoint.check_loadable(str(root), critic=True)
     checkpoint.check_loadable(str(root), critic=False)
 
 

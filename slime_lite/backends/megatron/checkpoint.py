@@ -212,7 +212,7 @@ def _load_rank_file(root: str, folder: str, file: str, mmap: bool = False) -> An
                              f"that iteration's name into {os.path.join(folder, 'latest')}.") from None
 
 
-def check_loadable(root: str, critic: bool = True) -> None:
+def check_loadable(root: str, critic: bool) -> None:
     """Before Ray starts (preflight): the newest iteration under ``root`` (and ``root/critic``) is a folder whose
     every rank file is a plain-tensor torch file (memory-mapped, so only the pickle is read, not the tensors'
     bytes), and, when the run trains a ``critic``, the critic's is the actor's iteration (a run stopped between the
