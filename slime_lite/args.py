@@ -19,9 +19,9 @@ from slime_lite import rl_math, rollout_correction
 from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args
 from slime_lite.args_observe import add_observability_flags
 from slime_lite.args_train import add_train_flags
-from slime_lite.args_train import fraction, nonempty, nonneg_int, positive_float, top_k
-from slime_lite.args_train import nonneg_float as _nonneg_float
-from slime_lite.args_train import positive_int as _positive_int
+from slime_lite.flag_types import fraction, nonempty, nonneg_int, positive_float, top_k
+from slime_lite.flag_types import nonneg_float as _nonneg_float
+from slime_lite.flag_types import positive_int as _positive_int
 from slime_lite.checks.faults import FAULTS
 from slime_lite.config import FrozenFlags, freeze
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION

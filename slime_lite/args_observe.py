@@ -8,8 +8,8 @@ import datetime
 import logging
 import os
 
-from slime_lite.args_train import nonneg_float as _nonneg_float
-from slime_lite.args_train import positive_int as _positive_int
+from slime_lite.flag_types import nonneg_float as _nonneg_float
+from slime_lite.flag_types import positive_int as _positive_int
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE
 from slime_lite.errors import SlimeLiteError
 from slime_lite.profiling import PROFILE_TARGETS

@@ -112,6 +112,7 @@ LAYERS = [
                         "slime_lite.hooks", "slime_lite.tokenizer", "slime_lite.io", "slime_lite.logging_setup",
                         "slime_lite.profiling", "slime_lite.determinism"]),
     ("leaves", ["slime_lite.types", "slime_lite.rl_math", "slime_lite.errors", "slime_lite.config",
+                "slime_lite.flag_types",
                 "slime_lite.model_families", "slime_lite"]),
 ]
 
