@@ -92,8 +92,8 @@ def print_kernels(s, step, top: int) -> None:
 
 
 def _fixed_config(spec: str):
-    """``--gemv-configs``' BNxBKxW[xKSTEPS] (every product) or A/B/C (q/k/v and o, gate/up, down) as a
-    ``gemv.config``."""
+    """``--gemv-configs``' BNxBKxW[xKSTEPS[xSWAP]] (every product) or A/B/C (q/k/v and o, gate/up, down) as a
+    ``gemv.config`` (SWAP 1: the tile products as ``w @ x.T``)."""
     kinds = [tuple(int(v) for v in part.split("x")) for part in spec.split("/")]
     kinds = [c + (1,) * (4 - len(c)) for c in kinds]
     from slime_lite.engine import gemv
@@ -127,7 +127,7 @@ def main() -> None:
                     help="also time the step with these decode_attention.BLOCK_BYTES (comma-separated), *_attnN keys")
     ap.add_argument("--gemv-configs", default="",
                     help="also time the step with these tile configs of engine/gemv.py: comma-separated, each "
-                         "BNxBKxWARPS[xKSTEPS] for every product or three of them joined by / (q/k/v and o, "
+                         "BNxBKxWARPS[xKSTEPS[xSWAP]] for every product or three of them joined by / (q/k/v and o, "
                          "gate/up, down), at every row count (the wide products by gemv past 16 rows too)")
     ap.add_argument("--wide-rows", default="",
                     help="also time the step with these gemv.WIDE_MAX_ROWS (32: gate/up and down by gemv at 17-32 "

@@ -1,15 +1,17 @@
 """Tile configurations of the decode step's small products (``engine/gemv.py``) against cuBLAS, on a GPU with PDL.
 
     python3 bench/sweep_gemv.py [--rows 1,8,16,32] [--model-shape 896,1152,4864] [--products gate_up,down]
-        [--ksteps 1,2,4,8]
+        [--ksteps 1,2,4,8] [--swap 0,1] [--tiles 32,64x128,256x4,8] [--best-out FILE]
 
 For each product of a layer of the given shape (hidden, q/k/v width, MLP width: q/k/v with bias, o, gate/up with the
 SiLU, down; down_silu: down from gate/up's output, the SiLU by its kernel then cuBLAS, or inside gemv's kernel) and
 each row count: a CUDA graph of 24 x (the engine's RMSNorm kernel, then the product), the norm
 launched with programmatic dependent launch as in the engine's steps; the product by cuBLAS (``F.linear``, plus the
 SiLU kernel for gate/up) or by ``gemv.linear`` with each configuration (BN x BK x warps x KSTEPS, the K slices a
-program adds up: 1 unless ``--ksteps`` lists more). Prints us per (norm + product) pair and the best configuration of
-each product and row count.
+program adds up: 1 unless ``--ksteps`` lists more; then 1 where ``--swap`` says so: the tile products as ``w @ x.T``).
+Prints us per (norm + product) pair and the best configuration of each product and row count; ``--best-out``
+writes, for the last row count, the best of each kind as ``profile_decode.py --gemv-configs`` reads it
+(q/k/v and o: the best of their sum, then gate/up, then down).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from slime_lite.engine import fused_layer, gemv  # noqa: E402
 from slime_lite.swiglu import silu_and_mul  # noqa: E402
 
-TILES = [(bn, bk, w) for bn in (32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)]
 
 
 def graph_us(fn, n: int = 200) -> float:
@@ -63,7 +64,12 @@ def main() -> None:
                          "the SiLU by silu_mul then cuBLAS, or inside gemv's kernel)")
     ap.add_argument("--ksteps", default="1", help="K slices per program to sweep, comma-separated (past a product's "
                                                   "slices: all of them)")
+    ap.add_argument("--swap", default="0", help="1: the tile products as w @ x.T; comma-separated values to sweep")
+    ap.add_argument("--tiles", default="32,64,128x128,256,512x4,8", help="BN values x BK values x warps values")
+    ap.add_argument("--best-out", default="", help="file for the last row count's best as --gemv-configs reads it")
     args = ap.parse_args()
+    bns, bks, warps = ([int(v) for v in part.split(",")] for part in args.tiles.split("x"))
+    tiles = [(bn, bk, w) for bn in bns for bk in bks for w in warps]
     hid, qkv, inter = (int(v) for v in args.model_shape.split(","))
     dt, dev = torch.bfloat16, torch.device("cuda")
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
@@ -74,6 +80,7 @@ def main() -> None:
 
     products = {"qkv": (qkv, hid, True, False), "o": (hid, hid, False, False), "gate_up": (2 * inter, hid, False, True),
                 "down": (hid, inter, False, False), "down_silu": (hid, inter, False, False)}
+    best_of = {}
     for rows in [int(r) for r in args.rows.split(",")]:
         for name in args.products.split(","):
             n, k, bias, swiglu = products[name]
@@ -96,7 +103,8 @@ def main() -> None:
                         gemv.linear(y, w, b, swiglu=swiglu, cfg=cfg)
 
             res = {"cublas": graph_us(lambda: chain(None)) / args.chain}
-            configs = {(bn, bk, w, min(int(s), -(-k // bk))) for bn, bk, w in TILES for s in args.ksteps.split(",")}
+            configs = {(bn, bk, w, min(int(s), -(-k // bk)), int(sw)) for bn, bk, w in tiles
+                       for s in args.ksteps.split(",") for sw in args.swap.split(",")}
             for cfg in sorted(configs):
                 if cfg[0] * cfg[1] * (2 if swiglu else 1) > 65536:  # the weight tile past 128 KB of registers
                     continue
@@ -108,6 +116,19 @@ def main() -> None:
             line = " ".join(f"{'x'.join(map(str, c))}={v:.2f}" for c, v in res.items() if c != "cublas")
             print(f"rows {rows:2d} {name:8s} cublas {res['cublas']:.2f} us, best {best} {res[best]:.2f} us | {line}",
                   flush=True)
+            best_of[name] = res
+            if args.best_out:  # after every product: a sweep cut short still leaves what it measured
+                write_best(args.best_out, best_of)
+
+
+def write_best(path: str, best_of: dict) -> None:
+    def spec(names):
+        common = set.intersection(*(set(best_of[n]) - {"cublas"} for n in names))
+        return "x".join(map(str, min(common, key=lambda c: sum(best_of[n][c] for n in names))))
+
+    kinds = [[n for n in ("qkv", "o") if n in best_of], ["gate_up"], ["down"]]
+    with open(path, "w") as f:
+        f.write("/".join(spec(names) for names in kinds if names and all(n in best_of for n in names)) + "\n")
 
 
 if __name__ == "__main__":

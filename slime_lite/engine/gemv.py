@@ -47,6 +47,11 @@ SILU_IN_MAX_ROWS = 0
 # its tiles (BN, BK, warps, KSTEPS): ptxas for sm_90 gives 101 registers a thread; plain down's 32 x 256 x 4 spills with
 # the SiLU's float32 tiles
 SILU_IN_CONFIG = (32, 128, 8, 8)
+# past this many rows the weight tile is the first operand of each tile product (``w @ x.T``, transposed after the
+# K loop): the warps split the weight's rows instead of sharing its columns, and on Hopper the product can be a
+# warpgroup MMA (its M is the weight's BN). Not yet measured on a GPU: MAX_ROWS (off) until then
+# (bench/sweep_gemv.py --swap, profile_decode.py --gemv-configs with a fifth element)
+SWAP_MIN_ROWS = MAX_ROWS
 MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.counters)
 
 
@@ -57,7 +62,7 @@ def _kernel(triton, tl):
              n_sq, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, KSTEPS: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
              TP: tl.constexpr, HAS_RES: tl.constexpr, SUMS: tl.constexpr, SILU_IN: tl.constexpr,
-             GDC: tl.constexpr):
+             SWAP: tl.constexpr, GDC: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -80,8 +85,12 @@ def _kernel(triton, tl):
             ts = tl.arange(0, TP)
             sq = tl.load(sq_in_ptr + ts[:, None] * BM + rm[None, :], mask=(ts < n_sq)[:, None], other=0.0)
             inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        acc = tl.zeros((BM, BN), tl.float32)
-        acc_u = tl.zeros((BM, BN), tl.float32)
+        if SWAP:  # the weight tile is the product's first operand: w @ x.T, [BN, BM], transposed after the loop
+            acc = tl.zeros((BN, BM), tl.float32)
+            acc_u = tl.zeros((BN, BM), tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), tl.float32)
+            acc_u = tl.zeros((BM, BN), tl.float32)
         # the program's K slices, each product added to the sums in slice order; the first slice's weights came
         # before the wait, each next slice's are read while this one's product runs (a loop, not unrolled: two
         # slices' weights in registers, not KSTEPS)
@@ -106,7 +115,15 @@ def _kernel(triton, tl):
                 wu_next = tl.load(w_ptr + (rn[:, None] + OUT_N) * K + rk_next[None, :], mask=wm, other=0.0)
             if NORM:
                 ln = tl.load(ln_ptr + rk_next, mask=k_next, other=0.0).to(tl.float32)
-            if IEEE:
+            if SWAP and IEEE:
+                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+                if SWIGLU:
+                    acc_u += tl.dot(wu, tl.trans(x), input_precision="ieee")
+            elif SWAP:
+                acc += tl.dot(w, tl.trans(x))
+                if SWIGLU:
+                    acc_u += tl.dot(wu, tl.trans(x))
+            elif IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
                 if SWIGLU:
                     acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
@@ -115,6 +132,9 @@ def _kernel(triton, tl):
                 if SWIGLU:
                     acc_u += tl.dot(x, tl.trans(wu))
             w, wu, rk, k_ok = w_next, wu_next, rk_next, k_next
+        if SWAP:
+            acc = tl.trans(acc)
+            acc_u = tl.trans(acc_u)
         out_ok = row_ok[:, None] & col_ok[None, :]
         last = True
         if NSPLIT > 1:  # partials to the scratch; the tile's last program adds them in slice order
@@ -212,12 +232,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     of the output's rows, one per column tile (float32 ``[tiles, 16 or 32]``), returned as ``(y, sq)``.
     ``silu_in``: ``x [..., 2K]`` holds a gate/up projection's output (gate first) and the product is of
     ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds, computed as the kernel reads it. ``cfg``: ``config``'s
-    tuple (benchmarks)."""
+    tuple, or with a fifth element: whether to swap the tile product's operands (``SWAP_MIN_ROWS``) (benchmarks)."""
     k = x.shape[-1] // 2 if silu_in else x.shape[-1]
     rows = x.numel() // x.shape[-1]
     n = w.shape[0]
     out_n = n // 2 if swiglu else n
-    bn, bk, warps, ksteps = cfg or (_fit(SILU_IN_CONFIG, k) if silu_in else config(rows, out_n, k, swiglu))
+    bn, bk, warps, ksteps, *swap = cfg or (_fit(SILU_IN_CONFIG, k) if silu_in else config(rows, out_n, k, swiglu))
+    swap = bool(swap[0]) if swap else rows > SWAP_MIN_ROWS
     bm = 16 if rows <= 16 else 32
     grid = (-(-out_n // bn), -(-k // (bk * ksteps)))
     if (rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2)
@@ -243,5 +264,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
                         n_sq, float(norm[1]) if norm else 0.0, HAS_BIAS=b is not None, SWIGLU=swiglu, BM=bm, BN=bn,
                         BK=bk, KSTEPS=ksteps, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
                         TP=max(2, 1 << (n_sq - 1).bit_length()), HAS_RES=residual is not None, SUMS=sums,
-                        SILU_IN=silu_in, num_warps=warps, **pdl_args(x))
+                        SILU_IN=silu_in, SWAP=swap, num_warps=warps, **pdl_args(x))
     return (y, sq) if sums else y
