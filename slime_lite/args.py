@@ -25,7 +25,7 @@ from slime_lite.flag_types import positive_int as _positive_int
 from slime_lite.checks.faults import FAULTS
 from slime_lite.config import FrozenFlags, freeze
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
-from slime_lite.rollout.rewards import RM_TYPES
+from slime_lite.rollout.rewards import RM_TYPES, rm_type_arg
 from slime_lite.rollout.tool_calls import PARSER_CHOICES
 from slime_lite.slime_flags import add_args as add_slime_flags
 
@@ -345,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--get-mismatch-metrics: how many worst tokens to report (default: %(default)s)")
 
     g = p.add_argument_group("reward model")
-    g.add_argument("--rm-type", choices=RM_TYPES, default=None, help="built-in reward (or give --custom-rm-path)")
+    g.add_argument("--rm-type", type=rm_type_arg, default=None, metavar="{" + ",".join(RM_TYPES) + ",boxed_<type>}",
+                   help="built-in reward of rows without an rm_type field (or give --custom-rm-path)")
     g.add_argument("--reward-key", default=None, help="key to pick when the reward is a dict")
     g.add_argument("--custom-rm-path", default=None,
                    help="module.fn async reward(args, sample) -> float or dict; replaces --rm-type")

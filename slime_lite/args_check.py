@@ -211,8 +211,9 @@ def validate_args(args: argparse.Namespace) -> None:
                 and args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION):
             raise SlimeLiteError("--prompt-data is required to generate rollouts (a JSONL file of prompts).")
         _need_file(args.prompt_data, "--prompt-data")
-        if args.rm_type is None and args.custom_rm_path is None:
-            raise SlimeLiteError("a reward is needed: give --rm-type or --custom-rm-path.")
+    if (args.rm_type or "").removeprefix("boxed_") == "dapo" and not args.custom_rm_path and not args.reward_key:
+        raise SlimeLiteError(f"--rm-type {args.rm_type}: its reward is the dict {{score, acc, pred}}: give "
+                             "--reward-key score (as slime's DAPO scripts do).")
     if args.rm_type == "remote_rm" and not args.custom_rm_path and not args.rm_url:
         raise SlimeLiteError("--rm-type remote_rm posts each sample to a reward model service: give its --rm-url.")
     if args.eval_prompt_data is not None:

@@ -58,7 +58,7 @@ def check_prompt_data(args: Any) -> None:
     for flag, path, keys in sets:
         where = f"{flag} {path}"
         prompts = read_prompts(path, keys, flag)
-        check_data_rm_types(args, [p.metadata for p in prompts], where)
+        check_data_rm_types(args, [p.metadata for p in prompts], where, eval_data=flag == "--eval-prompt-data")
         if args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION and not args.custom_generate_function_path:
             check_data_labels(args, prompts, where, keys.label_flag)  # (a hook may score without the label)
         check_renders(prompts, tokenizer, args, where)

@@ -321,8 +321,15 @@ def test_engine_compile_needs_cuda_graphs(base):
 
 
 def test_reward_needed_for_generation(tmp_path, base):
-    argv = [a for a in base if a not in ("--rm-type", "addition")]
-    assert "--rm-type" in err(argv)
+    """Without --rm-type every row must name its reward in an rm_type field: checked when the data is read,
+    before the run starts (preflight)."""
+    from slime_lite.rollout.rewards import check_data_rm_types
+
+    args = parse_args([a for a in base if a not in ("--rm-type", "addition")])
+    with pytest.raises(SlimeLiteError, match="prompt 0 has no rm_type field and no --rm-type is given"):
+        check_data_rm_types(args, [{}], "--prompt-data data.jsonl")
+    check_data_rm_types(args, [{"rm_type": "math"}], "--prompt-data data.jsonl")
+    assert "--reward-key score" in err(base[:-1] + ["dapo"])
 
 
 def test_rm_types_match_rewards_module():

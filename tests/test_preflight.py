@@ -287,9 +287,11 @@ BAD_ROWS = [
     ('{"prompt": 5, "label": "2"}', r":1: the 'prompt' field is a int"),
     ('{"prompt": [], "label": "2"}', r":1: the 'prompt' field is an empty list"),
     ('{"prompt": [{"rol": "user", "content": "x"}], "label": "2"}', r":1: .* a list that is not of chat messages"),
-    ('{"prompt": "1+1="}', r":1: no label; --rm-type addition compares .* \(set --label-key"),
+    ('{"prompt": "1+1="}', r":1: no label; rm_type addition compares .* \(set --label-key"),
     ('{"prompt": "1+1=", "label": ["2"]}', r":1: a list label"),
-    ('{"prompt": "1+1=", "label": "2", "rm_type": "dapo"}', r"rm_type 'dapo': not a reward type"),
+    ('{"prompt": "1+1=", "label": "2", "rm_type": "ifbench"}', r"rm_type 'ifbench' is not a reward type.*"
+                                                                 r"score it with --custom-rm-path"),
+    ('{"prompt": "1+1=", "label": "2", "rm_type": "dapo"}', r"prompt 0 is scored by dapo.*--reward-key score"),
     ('{"prompt": [{"role": "user", "content": "x"}], "label": "2"}', r":1: a prompt is a chat message list: add "
                                                                       r"--apply-chat-template"),
 ]

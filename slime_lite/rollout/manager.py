@@ -74,7 +74,8 @@ class RolloutManager:
             pairs = args.eval_prompt_data
             for name, path in zip(pairs[0::2], pairs[1::2]):
                 prompts = read_prompts(path, DataKeys.from_args(args, evaluation=True), "--eval-prompt-data")
-                check_data_rm_types(args, [p.metadata for p in prompts], f"--eval-prompt-data {path}")
+                check_data_rm_types(args, [p.metadata for p in prompts], f"--eval-prompt-data {path}",
+                                    eval_data=True)
                 self.eval_sets[name] = drop_long_prompts(prompts, args.eval_max_prompt_len, self.tokenizer, args,
                                                          f"--eval-prompt-data {path} with --eval-max-prompt-len")
         self.vocab_size = model_vocab_size(args.hf_checkpoint) or len(self.tokenizer)

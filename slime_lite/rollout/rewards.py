@@ -1,8 +1,13 @@
-"""Reward functions: ``--rm-type {addition,math,boxed_math,deepscaler,f1,remote_rm}`` or ``--custom-rm-path
-module.fn`` (slime's signature). ``deepscaler`` and ``boxed_math`` follow slime's rm_hub rules (the answer after the
-reasoning, in ``\\boxed{}``), graded by the same number-or-text comparison as ``math``; ``f1`` is the token F1 of
-the normalised answer; ``remote_rm`` posts ``{"prompt", "response", "label"}`` to ``--rm-url`` and takes the JSON
-answer as the reward. A sample's ``metadata["rm_type"]`` (a data field) picks its type, as in slime.
+"""Reward functions: ``--rm-type {addition,math,boxed_math,deepscaler,dapo,gpqa,f1,remote_rm}`` or
+``--custom-rm-path module.fn`` (slime's signature). ``deepscaler`` and ``boxed_math`` follow slime's rm_hub rules
+(the answer after the reasoning, in ``\\boxed{}``), graded by the same number-or-text comparison as ``math``;
+``dapo`` is DAPO's rule (the last ``Answer: ...`` line of the response's end against an integer label, +1 or -1, as
+the dict ``{"score", "acc", "pred"}``: pick the scalar with ``--reward-key score``); ``gpqa`` reads the option letter
+a multiple-choice answer picks; ``f1`` is the token F1 of the normalised answer; ``remote_rm`` posts ``{"prompt",
+"response", "label"}`` to ``--rm-url`` and takes the JSON answer as the reward. ``boxed_<type>`` (as slime) scores
+only the response's last ``\\boxed{...}`` (none: an empty response) with ``<type>``. A sample's
+``metadata["rm_type"]`` (a data field) picks its type, as in slime; with every row's field set, no --rm-type is
+needed.
 
 A custom reward model is ``async def rm(args, sample, **kwargs) -> float | dict`` (a plain ``def`` works too); with
 ``--group-rm`` it gets a prompt's whole group, ``rm(args, samples)``, and returns one reward per sample.
@@ -26,7 +31,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import call_maybe_async, load_hook
 from slime_lite.types import Sample
 
-RM_TYPES = ("addition", "math", "boxed_math", "deepscaler", "f1", "remote_rm")
+RM_TYPES = ("addition", "math", "boxed_math", "deepscaler", "dapo", "gpqa", "f1", "remote_rm")
 REMOTE_RM_ATTEMPTS = 5  # a remote reward model's request is sent at most this often (backoff 0.5, 1, 2, 4 s)
 REMOTE_RM_CONCURRENCY = 64  # requests in flight to --rm-url at once (a rollout scores every sample together)
 _REMOTE_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its Semaphore
@@ -178,9 +183,116 @@ def f1_reward(response: str, label: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-_BUILTIN: dict[str, Callable[[str, str], float]] = {"addition": addition_reward, "math": math_reward,
-                                                    "boxed_math": boxed_math_reward, "deepscaler": deepscaler_reward,
-                                                    "f1": f1_reward}
+_DAPO_ANSWER = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
+_DAPO_UNITS = re.compile(r"\\(?:text|mbox|textbf|mathrm)\{([^{}]*)\}")
+
+
+def dapo_reward(response: str, label: str) -> dict:
+    """DAPO's rule (slime's ``dapo``): the last ``Answer: ...`` of the response's last 300 characters, normalised
+    (what follows its last ``=``; no spaces, ``$``, ``\\boxed``/``\\text`` wrappers, ``{,}`` thousands, a unit
+    in words after a number or a trailing period) equals the label, an integer (``42.0`` is 42; another label is
+    compared as text). ``score`` +1.0 or -1.0, ``acc`` the same as a bool, ``pred`` the normalised answer
+    (``None``: no answer line)."""
+    found = _DAPO_ANSWER.findall(strip_response(response)[-300:])
+    pred = _dapo_normal(found[-1]) if found else None
+    want = _dapo_normal(label)
+    try:
+        number = float(want)
+        want = str(int(number)) if number.is_integer() else want
+    except (ValueError, OverflowError):
+        pass
+    acc = pred is not None and pred == want
+    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+def _dapo_normal(answer: str) -> str:
+    answer = answer.split("=")[-1]
+    boxed = _last_boxed(answer)
+    answer = _DAPO_UNITS.sub(r"\1", boxed if boxed is not None else answer)
+    for noise in ("$", "\\!", "\\,", "\\;", "\\ ", "{,}", "^{\\circ}", "^\\circ", "\\%", "%"):
+        answer = answer.replace(noise, "")
+    number_then_words = re.fullmatch(r"\s*(-?\d[\d,]*(?:\.\d+)?)\s*[A-Za-z][A-Za-z ]*[.?!]?\s*", answer)
+    answer = number_then_words.group(1) if number_then_words else answer  # 18 dollars, 90 degrees
+    answer = re.sub(r"\s+", "", answer).rstrip(".")
+    return answer.replace(",", "") if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+", answer) else answer
+
+
+_LETTER_SAID = (re.compile(r"(?i:answer|option|choice)\s*(?i:is)?\s*:?\s*\(?([A-Z])\)?(?![A-Za-z])"),
+                re.compile(r"\(?([A-Z])\)?\s+(?i:is\s+(?:the\s+)?correct)"))
+
+
+def gpqa_reward(response: str, label: Any, metadata: dict[str, Any]) -> float:
+    """slime's ``gpqa``: 1.0 when the option letter the answer (after any ``</think>``) picks is the right one.
+    The right letter is the row's ``correct_letter`` field, else a one-letter label, else an integer label (an
+    index into the letters), else the letter of the choice (the row's ``choices``, a list or dict) whose text is
+    the label's. The letters are the row's ``valid_letters``, else A.. for its choices, else A-J. The picked letter
+    is the one after "answer"/"option"/"choice" (or before "is correct"), else the last lone capital among the
+    letters; with none, the right choice's text (or the label) inside the answer scores 1.0."""
+    text = response.rsplit("</think>", 1)[-1]
+    choices = metadata.get("choices")
+    choices = list(choices.values()) if isinstance(choices, dict) else list(choices or [])
+    letters = ([str(v).strip().upper() for v in metadata["valid_letters"]] if metadata.get("valid_letters")
+               else list(string.ascii_uppercase[:len(choices) or 10]))
+    right = metadata.get("correct_letter")
+    right = right.strip().upper() if isinstance(right, str) and right.strip() else None
+    said = str(label).strip() if label is not None and not isinstance(label, (int, float)) else ""
+    if right is None and said.upper() in letters:
+        right = said.upper()
+    elif right is None and isinstance(label, numbers.Integral) and 0 <= int(label) < len(letters):
+        right = letters[int(label)]
+    elif right is None and said:
+        right = next((letters[i] for i, c in enumerate(choices[:len(letters)])
+                      if _plain(str(c)) == _plain(said)), None)
+    picked = _picked_letter(text, letters)
+    if picked and right:
+        return 1.0 if picked == right else 0.0
+    targets = [str(metadata[k]) for k in ("correct_answer", "answer_text") if metadata.get(k)] + [said]
+    if right in letters and letters.index(right) < len(choices):
+        targets.append(str(choices[letters.index(right)]))
+    plain = _plain(text)
+    return 1.0 if any(t and len(t) > 1 and _plain(t) in plain for t in targets) else 0.0
+
+
+def _picked_letter(text: str, letters: list[str]) -> str | None:
+    for pattern in _LETTER_SAID:
+        m = pattern.search(text)
+        if m and m.group(1) in letters:
+            return m.group(1)
+    return next((c for c in reversed(re.findall(r"\b([A-Z])\b", text)) if c in letters), None)
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+
+
+_BUILTIN: dict[str, Callable[[str, str], float | dict]] = {
+    "addition": addition_reward, "math": math_reward, "boxed_math": boxed_math_reward,
+    "deepscaler": deepscaler_reward, "dapo": dapo_reward, "f1": f1_reward}
+_WITH_METADATA = {"gpqa": gpqa_reward}  # (response, label as the data has it, the row's fields)
+# boxed_<type>: the last \boxed{...} of the response scored by <type> (boxed_math is its own: the same with math's
+# comparison of the boxed text as it is)
+_BOXABLE = tuple(t for t in (*_BUILTIN, *_WITH_METADATA) if t != "boxed_math")
+
+
+def known_rm_type(name: Any) -> bool:
+    """A reward type --rm-type or a row's rm_type field may name: RM_TYPES or ``boxed_`` + a rule-based one."""
+    return name in RM_TYPES or (isinstance(name, str) and name.startswith("boxed_") and name[6:] in _BOXABLE)
+
+
+def rm_type_arg(value: str) -> str:
+    """argparse type of --rm-type."""
+    import argparse
+
+    if not known_rm_type(value):
+        raise argparse.ArgumentTypeError(_unknown_rm_type(value))
+    return value
+
+
+def _unknown_rm_type(name: Any) -> str:
+    hint = (" (slime's ifbench needs its instruction checkers, which are not built in: score it with "
+            "--custom-rm-path)" if isinstance(name, str) and name.endswith("ifbench") else "")
+    return (f"{name!r} is not a reward type: choose one of {', '.join(RM_TYPES)}, or boxed_<type> for "
+            f"{', '.join(_BOXABLE)}{hint}")
 
 
 def sample_rm_type(args: Any, sample: Sample) -> str | None:
@@ -263,27 +375,38 @@ async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | di
     rm_type = sample_rm_type(args, sample)
     if rm_type == "remote_rm":
         return await remote_reward(args, sample)
-    if rm_type not in _BUILTIN:
+    if rm_type is None or not known_rm_type(rm_type):
         where = (f"--rm-type {rm_type!r}" if rm_type == args.rm_type
                  else f"sample {sample.index}: its data's rm_type field {rm_type!r}")
-        raise SlimeLiteError(f"{where}: unknown reward type; choose one of {', '.join(RM_TYPES)} "
-                             "or give --custom-rm-path module.fn.")
-    return _BUILTIN[rm_type](sample.response, _label(sample))
+        raise SlimeLiteError(f"{where}: {_unknown_rm_type(rm_type)}; or give --custom-rm-path module.fn.")
+    response = sample.response
+    if rm_type.startswith("boxed_") and rm_type != "boxed_math":
+        rm_type, response = rm_type[6:], _last_boxed(strip_response(response)) or ""
+    if rm_type in _WITH_METADATA:
+        _label(sample)  # a label is needed
+        return _WITH_METADATA[rm_type](response, sample.label, sample.metadata)
+    return _BUILTIN[rm_type](response, _label(sample))
 
 
-def check_data_rm_types(args: Any, metadata: list[dict[str, Any]], where: str) -> None:
-    """Before any rollout: every row's rm_type field names a reward type (remote_rm only with --rm-url)."""
+def check_data_rm_types(args: Any, metadata: list[dict[str, Any]], where: str, eval_data: bool = False) -> None:
+    """Before any rollout: every row's rm_type field names a reward type (remote_rm only with --rm-url); a row
+    without one needs --rm-type; a type whose reward is a dict (dapo) needs --reward-key."""
     if args.custom_rm_path:
         return  # the custom reward model reads the field, if it wants
     for i, meta in enumerate(metadata):
         rm_type = _row_rm_type(meta)
-        if rm_type is None:
-            continue
-        if rm_type not in RM_TYPES:
-            raise SlimeLiteError(f"{where}: prompt {i} has rm_type {rm_type!r}: not a reward type; the field picks "
-                                 f"one of {', '.join(RM_TYPES)} for its row (or use --custom-rm-path).")
+        if rm_type is None and args.rm_type is None:
+            raise SlimeLiteError(f"{where}: prompt {i} has no rm_type field and no --rm-type is given: give "
+                                 "--rm-type (the reward of rows without the field) or --custom-rm-path.")
+        if rm_type is not None and not known_rm_type(rm_type):
+            raise SlimeLiteError(f"{where}: prompt {i}: its rm_type {_unknown_rm_type(rm_type)} "
+                                 "(or use --custom-rm-path).")
         if rm_type == "remote_rm" and not args.rm_url:
             raise SlimeLiteError(f"{where}: prompt {i} has rm_type remote_rm: give the reward model's --rm-url.")
+        key = (eval_data and args.eval_reward_key) or args.reward_key
+        if (rm_type or args.rm_type).removeprefix("boxed_") == "dapo" and not key:
+            raise SlimeLiteError(f"{where}: prompt {i} is scored by dapo, whose reward is the dict "
+                                 "{score, acc, pred}: give --reward-key score (as slime's DAPO scripts do).")
 
 
 def check_data_labels(args: Any, prompts: list[Any], where: str, label_flag: str = "--label-key") -> None:
@@ -296,7 +419,8 @@ def check_data_labels(args: Any, prompts: list[Any], where: str, label_flag: str
             continue
         if p.label is None or isinstance(p.label, (list, dict)):
             what = "no label" if p.label is None else f"a {type(p.label).__name__} label"
-            raise SlimeLiteError(f"{where}:{p.line}: {what}; --rm-type {args.rm_type} compares the response with a "
+            kind = _row_rm_type(p.metadata) or args.rm_type
+            raise SlimeLiteError(f"{where}:{p.line}: {what}; rm_type {kind} compares the response with a "
                                  f"text or number label (set {label_flag} to the field that holds it, or score with "
                                  "--custom-rm-path).")
 

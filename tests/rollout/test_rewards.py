@@ -111,10 +111,78 @@ def test_math_extracts_nested_boxed():
     assert extract_final_answer("x \\boxed{\\frac{3}{4}} y") == "\\frac{3}{4}"
 
 
-def test_unknown_rm_type_names_the_flag_and_choices():
+def test_unknown_rm_type_names_the_flag_and_choices(capsys):
     with pytest.raises(SlimeLiteError, match="--rm-type") as exc:
-        reward(parser_defaults(rm_type="gpqa"), "1", "1")
-    assert all(name in str(exc.value) for name in RM_TYPES)
+        reward(parser_defaults(rm_type="ifbench"), "1", "1")
+    assert all(name in str(exc.value) for name in RM_TYPES) and "--custom-rm-path" in str(exc.value)
+    from slime_lite.args import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--rm-type", "ifbench"])
+    err = capsys.readouterr().err
+    assert "--rm-type: 'ifbench' is not a reward type" in err and "score it with --custom-rm-path" in err
+    from slime_lite.args import build_parser
+
+    assert build_parser().parse_args(["--rm-type", "boxed_f1"]).rm_type == "boxed_f1"
+
+
+@pytest.mark.parametrize(("response", "label", "score", "pred"), [
+    ("so the total is 42.\nAnswer: 42", "42", 1.0, "42"),
+    ("Answer: 42", "42.0", 1.0, "42"),  # DAPO's labels are integers
+    ("Answer: $1,000$ dollars.", "1000", 1.0, "1000"),  # a unit in words after the number
+    ("Answer: 1,000 or so, maybe 2", "1000", -1.0, "1,000orso,maybe2"),
+    ("Answer: $1{,}000$", "1000", 1.0, "1000"),
+    ("Answer: x = \\boxed{7}.", "7", 1.0, "7"),
+    ("answer: 3\nwait, Answer: 5", "5", 1.0, "5"),  # the last answer line
+    ("the answer is 42", "42", -1.0, None),  # no "Answer:" line
+    ("Answer: 41", "42", -1.0, "41"),
+])
+def test_dapo_reads_the_last_answer_line_against_an_integer_label(response, label, score, pred):
+    got = reward(parser_defaults(rm_type="dapo", reward_key="score"), response, label)
+    assert got == {"score": score, "acc": score > 0, "pred": pred}
+
+
+def test_dapo_sees_only_the_last_300_characters():
+    assert reward(parser_defaults(rm_type="dapo"), "Answer: 42" + " " * 300 + "done", "42")["score"] == -1.0
+    assert reward(parser_defaults(rm_type="dapo"), "x" * 500 + "Answer: 42", "42")["score"] == 1.0
+
+
+@pytest.mark.parametrize(("response", "label", "meta", "expected"), [
+    ("The answer is (B).", "B", {}, 1.0),
+    ("The answer is (B).", "C", {}, 0.0),
+    ("<think>maybe A? The answer is A</think> Answer: C", "C", {}, 1.0),  # after the reasoning only
+    ("I pick D", 3, {}, 1.0),  # an integer label: an index into the letters
+    ("Option B is the one.", "blue", {"choices": ["red", "blue", "green"]}, 1.0),  # the label is a choice's text
+    ("It is blue, clearly.", "blue", {"choices": ["red", "blue", "green"]}, 1.0),  # no letter: the choice's text
+    ("the answer is a mixture", "A", {}, 0.0),  # a lower-case article is not option A
+    ("B is correct", "x", {"correct_letter": "b"}, 1.0),
+    ("The answer is E", "E", {"choices": ["1", "2", "3", "4"]}, 0.0),  # E is not among four choices' letters
+])
+def test_gpqa_reads_the_option_letter_the_answer_picks(response, label, meta, expected):
+    sample = Sample(index=0, response=response, label=label, metadata={**meta, "rm_type": "gpqa"})
+    assert asyncio.run(compute_reward(parser_defaults(rm_type="math"), sample)) == expected
+
+
+def test_boxed_prefix_scores_only_the_last_boxed_answer():
+    args = parser_defaults(rm_type="boxed_f1")
+    assert reward(args, "maybe Lyon... so \\boxed{Paris}", "Paris") == 1.0
+    assert reward(args, "Paris", "Paris") == 0.0  # nothing boxed: an empty answer
+    assert reward(parser_defaults(rm_type="boxed_addition"), "2+2: \\boxed{4}", "4") == 1.0
+
+
+def test_rows_with_their_own_rm_type_need_no_flag_and_dapo_needs_a_reward_key():
+    from slime_lite.rollout.rewards import check_data_rm_types
+
+    none = parser_defaults()
+    check_data_rm_types(none, [{"rm_type": "f1"}, {"rm_type": "math"}], "--prompt-data p.jsonl")
+    with pytest.raises(SlimeLiteError, match="prompt 1 has no rm_type field and no --rm-type is given"):
+        check_data_rm_types(none, [{"rm_type": "f1"}, {}], "--prompt-data p.jsonl")
+    with pytest.raises(SlimeLiteError, match="prompt 0 is scored by dapo.*--reward-key score"):
+        check_data_rm_types(none, [{"rm_type": "dapo"}], "--prompt-data p.jsonl")
+    check_data_rm_types(parser_defaults(reward_key="score"), [{"rm_type": "dapo"}], "x")
+    check_data_rm_types(parser_defaults(eval_reward_key="score"), [{"rm_type": "dapo"}], "x", eval_data=True)
+    with pytest.raises(SlimeLiteError, match="dapo"):
+        check_data_rm_types(parser_defaults(eval_reward_key="score"), [{"rm_type": "dapo"}], "x")
 
 
 def test_missing_label_names_label_key():
@@ -223,13 +291,13 @@ def test_a_rows_rm_type_picks_its_reward_and_a_bad_one_is_refused_before_the_rol
     number = Sample(index=1, response="so 12", label="12")  # no field: --rm-type addition
     assert score(args, [text, number]) == [1.0, 0.0]
     check_data_rm_types(args, [{"rm_type": "f1"}, {}], "--prompt-data p.jsonl")
-    with pytest.raises(SlimeLiteError, match=r"--prompt-data p.jsonl: prompt 1 has rm_type 'gpqa': not a reward"):
-        check_data_rm_types(args, [{}, {"rm_type": "gpqa"}], "--prompt-data p.jsonl")
+    with pytest.raises(SlimeLiteError, match=r"--prompt-data p.jsonl: prompt 1: its rm_type 'gpq' is not a reward"):
+        check_data_rm_types(args, [{}, {"rm_type": "gpq"}], "--prompt-data p.jsonl")
     with pytest.raises(SlimeLiteError, match="prompt 0 has rm_type remote_rm: give the reward model's --rm-url"):
         check_data_rm_types(args, [{"rm_type": "remote_rm"}], "--prompt-data p.jsonl")
     check_data_rm_types(parser_defaults(custom_rm_path="m.f"), [{"rm_type": "anything"}], "x")  # the hook's field
-    with pytest.raises(SlimeLiteError, match="sample 3: its data's rm_type field 'gpqa'"):
-        reward_of = Sample(index=3, response="1", label="1", metadata={"rm_type": "gpqa"})
+    with pytest.raises(SlimeLiteError, match="sample 3: its data's rm_type field 'gpq'"):
+        reward_of = Sample(index=3, response="1", label="1", metadata={"rm_type": "gpq"})
         asyncio.run(compute_reward(args, reward_of))
     # a blank field is no type (the row has --rm-type, as in slime); one with spaces around its name is that type
     check_data_rm_types(args, [{"rm_type": ""}, {"rm_type": " f1 "}], "--prompt-data p.jsonl")
