@@ -52,7 +52,9 @@ class PrefixCache:
 
     @property
     def cached_tokens(self) -> int:
-        return sum(len(t) for t in self._tokens.values())
+        # read by the HTTP thread (/get_server_info) while the model thread changes the dict: list() copies it in
+        # one C call, which no other Python thread interrupts
+        return sum(map(len, list(self._tokens.values())))
 
     def clear(self) -> None:
         self._tokens.clear()

@@ -364,7 +364,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
         req = self.running.pop(slot)
         heapq.heappush(self._free_slots, slot)
         self.prefix.release(slot, None)  # its prefill may be half done
-        req.slot = -1
+        req.slot, req.kv_version = -1, -1  # no K/V anywhere until its re-prefill completes (a failed one caches none)
         self.waiting.appendleft(req)
 
     def _abort_all(self, message: str, count: bool = True) -> None:
@@ -483,8 +483,8 @@ class Scheduler(AdmissionMixin, ControlMixin):
         length; so eos as the last allowed token is a stop. Stop strings are looked for in the text with special
         tokens, whatever ``skip_special_tokens`` says (SGLang decodes the tail that way)."""
         p = req.params
-        if p.stop:
-            window = max(len(s) for s in p.stop) + 8
+        if p.stop:  # the tail in tokens: a character may take up to 4 (byte-level tokens), so a string its bytes
+            window = max(len(s.encode("utf-8")) for s in p.stop) + 8
             tail = self.decode(req.output_ids[-window:], False)
             for s in p.stop:
                 if s in tail:

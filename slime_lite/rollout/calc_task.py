@@ -146,8 +146,13 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any], e
                             + format_tool_call(TOOL, {"expr": "12*34"})})
         messages.append({"role": "assistant", "content": parsed.content,
                          "tool_calls": [{"type": "function", "function": c} for c in parsed.calls]})
-        text = inserted_text(tok, messages, results, END_OF_TURN, template_kwargs=args.apply_chat_template_kwargs)
-        if sample.response_length + len(tok(text, add_special_tokens=False)["input_ids"]) >= budget:
+        # a turn that ended at EOS or a stop string, not at the end of turn, gets it before the tool turn (as the
+        # template renders the conversation)
+        closed = sample.tokens[-1] == tok.convert_tokens_to_ids(END_OF_TURN)
+        text = inserted_text(tok, messages, results, END_OF_TURN, closed=closed,
+                             template_kwargs=args.apply_chat_template_kwargs)
+        kept = min(len(tok(text, add_special_tokens=False)["input_ids"]), limits.max_inserted_tokens)  # as cut
+        if sample.response_length + kept >= budget:
             sample.status = Status.TRUNCATED  # no room left for the next model turn
             break
         insert_turn(sample, tok, text, limits, source="tool")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime_lite.rollout.turns import turns
+from slime_lite.rollout.turns import AGE_MASKED, turns
 from slime_lite.types import Sample
 
 EXAMPLES = 3
@@ -119,12 +119,15 @@ def token_drift(sample: Sample, tokenizer: Any,
 
 
 def mask_problems(sample: Sample) -> tuple[list[int], list[int]]:
-    """(model turns whose tokens are all masked, response positions trained without an engine log-prob)."""
+    """(model turns whose tokens are all masked, not for the age of their weights; response positions trained
+    without an engine log-prob)."""
     mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
+    aged = set(sample.metadata.get(AGE_MASKED, ()))  # --max-weight-staleness mask, --mask-offpolicy-in-partial-rollout
     masked_turns, no_logprob = [], []
     for k, t in enumerate(turns(sample)):
         span = range(t["start"], t["start"] + t["length"])
-        if t["source"] == "model" and t["length"] and not any(mask[i] for i in span):
+        if (t["source"] == "model" and t["length"] and not any(mask[i] for i in span)
+                and not any(i in aged for i in span)):
             masked_turns.append(k)
         if t["source"] != "model":
             no_logprob += [i for i in span if mask[i]]

@@ -40,6 +40,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout import dumps
 from slime_lite.rollout.generate import sampling_params
 from slime_lite.rollout.oversample import MAX_SUBMITS, complete
+from slime_lite.rollout.turns import mask_older
 from slime_lite.types import TOKEN_VERSIONS, Sample, version_number
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,7 @@ def apply_staleness(groups: list[list[Sample]], trainer_version: int, max_stalen
         if stale:
             for s, v in zip(group, versions):
                 if v and min(v) < oldest_bound:
-                    mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
-                    s.loss_mask = [m if ver >= oldest_bound else 0 for m, ver in zip(mask, v)]
-                    out = sum(bool(m) for m in mask) - sum(bool(m) for m in s.loss_mask)  # not tool tokens (0)
+                    out = mask_older(s, v, oldest_bound)  # not tool tokens (0 already)
                     masked_tokens += out
                     masked_samples += out > 0
         kept.append(group)

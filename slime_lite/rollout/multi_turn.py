@@ -22,6 +22,7 @@ import functools
 import inspect
 import json
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -136,16 +137,23 @@ async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
 def insert_turn(sample: Sample, tokenizer: Any, text: str, limits: TurnLimits, source: str = "tool") -> Sample:
     """Append inserted text (a tool's or the environment's), tokenised once, mask 0, cut to
     ``--max-inserted-tokens-per-turn`` tokens; when it would overflow ``--rollout-max-context-len`` what fits is
-    appended and the sample ends TRUNCATED. A cut turn keeps the text of the tokens it kept."""
+    appended and the sample ends TRUNCATED. A cut turn keeps the text of the tokens it kept (never half a
+    character)."""
     tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
     keep = limits.max_inserted_tokens
     if limits.max_context_len is not None and len(sample.tokens) + min(len(tokens), keep) >= limits.max_context_len:
         keep = min(keep, max(0, limits.max_context_len - len(sample.tokens)))
         _context_full(sample)
     if len(tokens) > keep:
-        sample.metadata["inserted_tokens_cut"] = sample.metadata.get("inserted_tokens_cut", 0) + len(tokens) - keep
-        tokens = tokens[:keep]
-        text = tokenizer.decode(tokens)
+        cut, text = tokens[:keep], tokenizer.decode(tokens[:keep])
+        for _ in range(3):  # a cut inside a character (byte-level tokens): back to its start, so the kept text
+            # is whole and tokenizes to the kept tokens again
+            if not (cut and text.endswith("\ufffd")):
+                break
+            cut = cut[:-1]
+            text = tokenizer.decode(cut)
+        sample.metadata["inserted_tokens_cut"] = sample.metadata.get("inserted_tokens_cut", 0) + len(tokens) - len(cut)
+        tokens = cut
     return append_turn(sample, tokens, source=source, text=text)
 
 
@@ -158,7 +166,7 @@ async def call_tool(sample: Sample, fn: Callable[..., Any], *args: Any, timeout:
 
     async def run() -> Any:
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-        out = fn(*args) if is_async else await asyncio.to_thread(fn, *args)
+        out = fn(*args) if is_async else await _own_thread(fn, *args)
         return await out if inspect.isawaitable(out) else out
 
     try:
@@ -169,6 +177,30 @@ async def call_tool(sample: Sample, fn: Callable[..., Any], *args: Any, timeout:
         reason = f"tool {name} raised {type(exc).__name__}: {exc}"
     sample.metadata["tool_errors"] = sample.metadata.get("tool_errors", 0) + 1
     raise ToolError(reason)
+
+
+def _own_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """``fn(*args)`` in a daemon thread of its own, as a future of this loop: not asyncio's shared pool, where tools
+    that hang past their timeout would keep its few threads and make every later call wait (and time out)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(out: Any, exc: BaseException | None) -> None:
+        if not future.done():  # not timed out (cancelled) meanwhile
+            future.set_exception(exc) if exc is not None else future.set_result(out)
+
+    def body() -> None:
+        try:
+            out, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            out, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, out, exc)
+        except RuntimeError:  # the loop closed while the tool ran
+            pass
+
+    threading.Thread(target=body, name="slime-lite-tool", daemon=True).start()
+    return future
 
 
 def fail(sample: Sample, reason: str) -> Sample:

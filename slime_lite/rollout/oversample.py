@@ -30,7 +30,7 @@ from typing import Any
 
 from slime_lite.checks.faults import kills_engine
 from slime_lite.errors import EngineError, SlimeLiteError
-from slime_lite.rollout.turns import RESTARTED, model_tokens
+from slime_lite.rollout.turns import RESTARTED, mask_older, model_tokens
 from slime_lite.types import FINISHED_BEFORE, TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
@@ -278,8 +278,7 @@ class OverSampler:
             for s in samples:
                 versions = None if FINISHED_BEFORE in s.metadata else s.metadata.get(TOKEN_VERSIONS)
                 if versions and min(versions) < current:
-                    mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
-                    s.loss_mask = [m if v >= current else 0 for m, v in zip(mask, versions)]
+                    mask_older(s, versions, current)
         carried = [s for s in samples if s.index in had and s.index not in self.restarted]
         ages = [current - min(s.metadata[TOKEN_VERSIONS]) for s in carried
                 if current is not None and s.metadata.get(TOKEN_VERSIONS)]

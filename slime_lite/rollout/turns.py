@@ -24,6 +24,8 @@ from typing import Any
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status
 
 SOURCES = ("model", "tool", "env", "user")  # who wrote a turn: only "model" turns come from the engine
+AGE_MASKED = "age_masked_positions"  # metadata: response positions masked for the age of their weights
+_LEADING = "_unversioned_leading_tokens"  # metadata: inserted tokens before the first model turn (see below)
 RESTARTED = "restarted_tokens"  # metadata: response tokens ``restart`` dropped (over the sample's restarts)
 
 
@@ -62,15 +64,31 @@ def append_turn(sample: Sample, tokens: list[int], log_probs: list[float] | None
 
 def _extend_versions(sample: Sample, n_before: int, n: int, versions: list[int] | None, model: bool) -> None:
     """One weight version per response token while every model turn gave its own; unknown (the key removed: the
-    rollout then stamps the last request's version on all) once one did not."""
+    rollout then stamps the last request's version on all) once one did not. Inserted turns before the first model
+    turn (an environment's opening observation) take that turn's first version, counted until it comes."""
     have = sample.metadata.get(TOKEN_VERSIONS)
-    if have is None and n_before == 0 and model and versions is not None:
-        have = []
+    lead = sample.metadata.pop(_LEADING, 0)
+    if have is None and n_before == lead and not model:
+        sample.metadata[_LEADING] = lead + n  # no version yet: the first model turn's
+        return
+    if have is None and n_before == lead and model and versions:
+        have = [int(versions[0])] * lead
     if have is None or len(have) != n_before or (model and (versions is None or len(versions) != n)) \
             or (not model and not have):
         sample.metadata.pop(TOKEN_VERSIONS, None)
         return
     sample.metadata[TOKEN_VERSIONS] = list(have) + ([int(v) for v in versions] if model else [have[-1]] * n)
+
+
+def mask_older(sample: Sample, versions: list[int], bound: int) -> int:
+    """Loss mask 0 on the response tokens written by weights older than ``bound`` (``versions``: one per token);
+    their positions go to ``metadata[AGE_MASKED]`` (the multi-turn mask check does not count a model turn masked
+    for its weights' age as one a hook masked). Returns the trained tokens it masked."""
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
+    sample.loss_mask = [m if v >= bound else 0 for m, v in zip(mask, versions)]
+    old = [i for i, v in enumerate(versions) if v < bound]
+    sample.metadata[AGE_MASKED] = sorted(set(sample.metadata.get(AGE_MASKED, [])) | set(old))
+    return sum(bool(m) for m in mask) - sum(bool(m) for m in sample.loss_mask)
 
 
 def restart(sample: Sample) -> int:
@@ -80,7 +98,7 @@ def restart(sample: Sample) -> int:
     sample.tokens = list(sample.tokens[:len(sample.tokens) - n])
     sample.response, sample.response_length, sample.loss_mask, sample.rollout_log_probs = "", 0, None, None
     sample.weight_versions, sample.status, sample.rollout_routed_experts = [], Status.PENDING, None
-    for key in ("turns", TOKEN_VERSIONS):
+    for key in ("turns", TOKEN_VERSIONS, _LEADING, AGE_MASKED):
         sample.metadata.pop(key, None)
     sample.metadata[RESTARTED] = sample.metadata.get(RESTARTED, 0) + n
     return n

@@ -99,10 +99,10 @@ def tok_dir(tmp_path_factory):
     return str(out)
 
 
-def run_hook(tok_dir, turns, prompt="12+34*5=", max_new_tokens=300, finish="stop", carried=0):
+def run_hook(tok_dir, turns, prompt="12+34*5=", max_new_tokens=300, finish="stop", carried=0, max_inserted=256):
     """``carried``: the sample comes as --partial-rollout carries one aborted, with that many response tokens."""
     engine = FakeEngine(turns, finish)
-    args = HookArgs(SimpleNamespace(hf_checkpoint=tok_dir, max_turns=5, max_inserted_tokens_per_turn=256,
+    args = HookArgs(SimpleNamespace(hf_checkpoint=tok_dir, max_turns=5, max_inserted_tokens_per_turn=max_inserted,
                                     rollout_max_context_len=4096, tool_call_timeout=5.0,
                                     apply_chat_template_kwargs={}), engine)
     text = TOK.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -177,6 +177,29 @@ def test_hook_stops_at_the_response_budget_and_at_max_turns(tok_dir):
     assert len(engine.requests) == 5 and calc_task.reward(None, sample) == 0.0
     sample, _, _ = run_hook(tok_dir, ["12"], finish="length")
     assert sample.status == Status.TRUNCATED
+
+
+def test_a_call_ended_at_eos_gets_the_end_of_turn_before_the_tool_turn(tok_dir):
+    """The engine stops at EOS too (finish "stop"): the tool turn then closes the assistant turn first, as the chat
+    template renders the conversation (the EOS the model wrote stays: it is what the engine generated)."""
+    from slime_lite.tokenizer import EOS
+
+    call = format_tool_call("calc", {"expr": "34*5"})
+    sample, _, prompt_ids = run_hook(tok_dir, [call + EOS, "182" + END])
+    tool = next(t for t in sample.metadata["turns"] if t["source"] == "tool")
+    assert tool["text"].startswith(END + "\n<|im_start|>tool\n170")
+    sample, _, _ = run_hook(tok_dir, [call + END, "182" + END])  # ended at the end of turn: not twice
+    tool = next(t for t in sample.metadata["turns"] if t["source"] == "tool")
+    assert tool["text"].startswith("\n<|im_start|>tool\n170")
+
+
+def test_the_budget_counts_a_tool_turn_as_it_is_cut(tok_dir):
+    """--max-inserted-tokens-per-turn cuts the tool turn: whether it fits the response budget is of the cut turn."""
+    call = format_tool_call("calc", {"expr": "34*5"}) + END
+    n_call = len(TOK(call, add_special_tokens=False)["input_ids"])
+    sample, engine, _ = run_hook(tok_dir, [call, "182" + END], max_new_tokens=n_call + 20, max_inserted=8)
+    assert [t["source"] for t in sample.metadata["turns"]] == ["model", "tool", "model"]
+    assert len(engine.requests) == 2 and sample.metadata["turns"][1]["length"] == 8
 
 
 def test_inserted_text_refuses_a_template_that_rewrites_history():

@@ -192,3 +192,46 @@ def test_a_chat_sample_is_re_rendered_with_the_runs_template_kwargs_and_its_tool
     assert token_drift(sample, tok, {"greeting": "hi"}) is None
     report = token_drift(sample, tok)  # without the run's kwargs: another text
     assert report is not None and report["sample"] == 3
+
+
+def test_a_model_turn_masked_for_its_weights_age_is_not_a_hooks_masked_turn():
+    """--max-weight-staleness's mask mode and --mask-offpolicy-in-partial-rollout mask a whole stale model turn on
+    purpose: --ci-test's masked-model-turn check must not stop the run for it (one the hook masks still counts)."""
+    from slime_lite.rollout.drift import mask_problems
+    from slime_lite.rollout.turns import append_turn, mask_older
+    from slime_lite.types import Sample
+
+    s = Sample(index=0, prompt="p", tokens=[1])
+    append_turn(s, [10, 11], [-0.1] * 2, versions=[1, 1])
+    append_turn(s, [8], source="tool")
+    append_turn(s, [12, 13], [-0.1] * 2, versions=[3, 3])
+    assert mask_older(s, [1, 1, 1, 3, 3], 3) == 2 and s.loss_mask == [0, 0, 0, 1, 1]
+    assert mask_problems(s) == ([], [])
+    s.loss_mask[3:] = [0, 0]  # a hook masking the new turn: caught
+    assert mask_problems(s) == ([2], [])
+
+
+def test_a_cut_inserted_turn_never_ends_inside_a_character():
+    """A byte-level tokenizer (Qwen's, Llama's) writes a character in several tokens: an inserted turn cut to
+    --max-inserted-tokens-per-turn inside one backs off to its start, so its text is whole and tokenizes to the
+    kept tokens again (no token drift reported for untouched tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from slime_lite.rollout import drift
+    from slime_lite.rollout.multi_turn import TurnLimits, insert_turn
+    from slime_lite.types import Sample
+
+    bpe = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                               merges=[]))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    prompt = tok("Q:", add_special_tokens=False)["input_ids"]
+    for text, keep, kept in (("xé!", 2, "x"), ("xé!", 3, "xé"), ("ab€c", 4, "ab")):  # é: 2 bytes, €: 3
+        s = Sample(index=0, prompt="Q:", tokens=list(prompt))
+        insert_turn(s, tok, text, TurnLimits(max_turns=4, max_inserted_tokens=keep, max_context_len=None,
+                                             tool_timeout=1.0))
+        turn = s.metadata["turns"][-1]
+        assert turn["text"] == kept and tok(kept, add_special_tokens=False)["input_ids"] == s.tokens[len(prompt):]
+        assert s.metadata["inserted_tokens_cut"] == len(text.encode()) - len(kept.encode())
+        assert drift.rollout_metrics([s], tok)["rollout/token_drift_samples"] == 0

@@ -240,3 +240,29 @@ def test_call_tool_awaits_every_kind_of_async_tool_and_names_a_failure():
     assert got == [10, 2, 2, 3]
     assert errors == ["tool hangs did not return within --tool-call-timeout 0.2 s", "tool raises raised ValueError: no"]
     assert s.metadata["tool_calls"] == 6 and s.metadata["tool_errors"] == 2
+
+
+def test_hung_plain_tools_do_not_hold_up_the_next_samples_tools():
+    """A plain tool runs in a thread of its own: tools hung past their timeout (more of them than asyncio's shared
+    pool has threads) do not make a later instant call wait for a thread and time out."""
+    import asyncio
+    import threading
+
+    from slime_lite.rollout import multi_turn as mt
+    from slime_lite.types import Sample
+
+    release = threading.Event()
+
+    def hangs(x):
+        release.wait(30)
+
+    async def main():
+        hung = await asyncio.gather(*(mt.call_tool(Sample(index=i), hangs, 1, timeout=0.2) for i in range(40)),
+                                    return_exceptions=True)
+        try:
+            return hung, await mt.call_tool(Sample(index=99), lambda x: x + 1, 1, timeout=2.0)
+        finally:
+            release.set()
+
+    hung, instant = asyncio.run(main())
+    assert all(isinstance(h, mt.ToolError) and "did not return within" in str(h) for h in hung) and instant == 2

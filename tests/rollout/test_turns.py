@@ -37,6 +37,29 @@ def test_turns_keep_one_weight_version_per_token_until_a_model_turn_has_none():
     assert TOKEN_VERSIONS not in s.metadata
 
 
+def test_an_opening_inserted_turn_takes_the_first_model_turns_version():
+    """An environment's observation before the first model turn has no version yet: it takes the first model
+    turn's, and the per-token versions are kept (--max-weight-staleness can mask the old turn)."""
+    from slime_lite.rollout.fully_async import apply_staleness
+    from slime_lite.rollout.oversample import stamp_versions
+
+    s = Sample(index=0, prompt="p", tokens=[1, 2], status=Status.COMPLETED, reward=1.0)
+    append_turn(s, [7, 7], source="env")
+    append_turn(s, [8], source="env")
+    assert TOKEN_VERSIONS not in s.metadata
+    append_turn(s, [10, 11, 12], [-0.1] * 3, versions=[1, 1, 1])
+    append_turn(s, [8], source="tool")
+    append_turn(s, [13, 14], [-0.1] * 2, versions=[3, 3])
+    assert s.metadata[TOKEN_VERSIONS] == [1, 1, 1, 1, 1, 1, 1, 3, 3]
+    s.weight_versions = ["1", "3"]
+    stamp_versions(s)
+    assert s.metadata[TOKEN_VERSIONS] == [1, 1, 1, 1, 1, 1, 1, 3, 3]
+    _, stats = apply_staleness([[s]], trainer_version=3, max_staleness=1, mode="mask")
+    assert stats["rollout/async/masked_tokens"] == 3 and s.loss_mask == [0] * 7 + [1, 1]
+    restart(s)
+    assert TOKEN_VERSIONS not in s.metadata and "age_masked_positions" not in s.metadata
+
+
 def test_restart_takes_a_carried_sample_back_to_its_prompt_and_counts_the_tokens():
     s = _sample(0)
     s.weight_versions, s.status, s.metadata[TOKEN_VERSIONS] = ["1"], Status.ABORTED, [1] * s.response_length

@@ -132,7 +132,7 @@ def check_parallel_sizes(arch: HFArch, tp: int, pp: int, ep: int = 1, etp: int |
             raise SlimeLiteError(
                 f"--tensor-model-parallel-size {tp} must divide the model's {what} ({n}); "
                 f"pick a TP size that divides {arch.num_heads} heads, {arch.num_kv_heads} KV heads "
-                f"and FFN size {n}."
+                f"and FFN size {ffn[0][1]}."
             )
     if pp < 1 or arch.num_layers % pp:
         raise SlimeLiteError(

@@ -1,0 +1,107 @@
+"""Scheduler edge cases found by review: a stop string of multi-byte characters written byte by byte, a retracted
+request whose re-prefill fails, the prefix cache's token count read while the model thread changes it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from slime_lite.engine.request import Request
+from slime_lite.engine.sampling import SamplingParams
+from slime_lite.engine.scheduler import Scheduler
+
+
+@pytest.mark.parametrize("stop", ["🙂🙂🙂", "最终的答案", "答案是", "ab"])
+def test_a_stop_string_is_found_however_many_tokens_its_characters_take(stop):
+    """With byte-level tokens (Qwen's and Llama's byte fallback) a character takes up to 4 tokens: the tail searched
+    for the stop string is sized by its bytes, not its characters (it ran on to max_new_tokens)."""
+    fake = SimpleNamespace(eos_ids=set(), decode=lambda ids, skip: bytes(ids).decode("utf-8", errors="replace"))
+    text = ("xy" + stop + "tail").encode()
+    req = Request(rid="r", input_ids=[1], params=SamplingParams(max_new_tokens=len(text), stop=[stop]), seed=0)
+    req.max_new = len(text)
+    for n, tok in enumerate(text, 1):  # one byte a token: the stop string's last byte is the first match
+        req.output_ids.append(tok)
+        finish = Scheduler._check_finished(fake, req, tok)
+        if finish is not None:
+            break
+    assert finish == {"type": "stop", "matched": stop} and n == len(("xy" + stop).encode())
+
+
+def _submit(sch: Scheduler, ids: list[int], **sp) -> tuple[Request, threading.Event]:
+    done = threading.Event()
+    params = SamplingParams.from_dict(sp)
+    req = Request(rid=f"r{time.monotonic_ns()}", input_ids=list(ids), params=params, seed=0,
+                  on_output=lambda out: out.finish_reason is not None and done.set())
+    sch.prepare(req)
+    sch.submit(req)
+    return req, done
+
+
+def test_a_retracted_request_whose_re_prefill_fails_leaves_nothing_in_the_prefix_cache(tiny_model_dir):
+    """pause(retract) frees the request's K/V; when its re-prefill then fails (a CUDA out-of-memory error, injected)
+    it is aborted, and its never-written slot must not be cached as holding prompt + output: a later prompt
+    starting the same way would reuse garbage K/V."""
+    sch = Scheduler(tiny_model_dir, device="cpu", max_running_requests=2, kv_cache_tokens=256)
+    sch.start()
+    try:
+        prompt = list(range(10, 40))
+        req, done = _submit(sch, prompt, max_new_tokens=60, temperature=0.0, ignore_eos=True)
+        deadline = time.monotonic() + 30
+        while len(req.output_ids) < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        sch.call(sch.pause, "retract").result(10)
+        real = sch.lm.prefill, sch.lm.prefill_extend
+
+        def fails(*a, **k):
+            raise torch.OutOfMemoryError("injected: out of memory in the re-prefill")
+
+        sch.lm.prefill = sch.lm.prefill_extend = fails
+        sch.call(sch.resume).result(10)
+        assert done.wait(30) and req.finish_reason["type"] == "abort" and req.output_ids
+        sch.lm.prefill, sch.lm.prefill_extend = real
+        assert sch.call(lambda: len(sch.prefix)).result(10) == 0
+        again, done = _submit(sch, prompt + req.output_ids[:-1] + [5], max_new_tokens=2, temperature=0.0)
+        assert done.wait(30) and again.cached_tokens == 0
+    finally:
+        sch.stop()
+
+
+def test_the_prefix_caches_token_count_survives_a_concurrent_change():
+    """/get_server_info reads cached_tokens from the HTTP thread while the model thread adds and drops slots: the
+    count copies the values first (it raised "dictionary changed size during iteration": a 500)."""
+    from slime_lite.engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(lambda: 0)
+    stop, errors = threading.Event(), []
+
+    def churn():
+        k = 0
+        while not stop.is_set():
+            cache.release(k % 64, [1, 2, 3], None)
+            cache.forget((k + 7) % 64)
+            k += 1
+
+    def read():
+        try:
+            for _ in range(20000):
+                cache.cached_tokens
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        t = threading.Thread(target=churn)
+        t.start()
+        read()
+        stop.set()
+        t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors
