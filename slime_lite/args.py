@@ -407,11 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of embedded engines (auto: the checkpoint's)")
     g.add_argument("--engine-max-running-requests", type=_positive_int, default=None,
                    help="embedded engine: requests decoded together (default: on CUDA every request of a rollout "
-                        "at once, at least 64, as many as fit with min(context, 4096) tokens each in 30%% of the "
-                        "GPU's memory or in --engine-kv-cache-tokens; on CPU 64)")
+                        "at once, at least 64, as many as fit with a slot's tokens each in 30%% of the GPU's memory "
+                        "or in --engine-kv-cache-tokens; on CPU 64)")
     g.add_argument("--engine-kv-cache-tokens", type=_positive_int, default=None,
-                   help="embedded engine: KV-cache size in tokens (default: max running requests x "
-                        "min(context, 4096))")
+                   help="embedded engine: KV-cache size in tokens (default: max running requests x a slot's tokens: "
+                        "4096 or a run's longest request, --rollout-max-context-len or the longest response plus "
+                        "--rollout-max-prompt-len, else 1024, within the model's context)")
     g.add_argument("--engine-disable-cuda-graph", action="store_true",
                    help="embedded engine on CUDA: decode eagerly instead of replaying CUDA graphs")
     g.add_argument("--engine-enable-torch-compile", action="store_true",

@@ -192,6 +192,10 @@ class EngineConfig(_FromArgs):
     colocate: bool
     rollout_external_engine_addrs: str | None
     use_sglang_router: bool
+    rollout_max_response_len: int
+    eval_max_response_len: int | None
+    rollout_max_prompt_len: int | None
+    rollout_max_context_len: int | None
     sglang_server_module: str
     sglang_args: list[str]
     use_rollout_routing_replay: bool
@@ -201,6 +205,16 @@ class EngineConfig(_FromArgs):
     rollout_batch_size: int
     over_sampling_batch_size: int | None
     n_samples_per_prompt: int
+
+    @property
+    def request_tokens(self) -> int:
+        """The tokens one request of the run may hold (the embedded engine sizes its batch slots to at least this
+        when --engine-kv-cache-tokens is not given): --rollout-max-context-len, else the longest response (train or
+        eval) and --rollout-max-prompt-len (else 1,024) prompt tokens."""
+        if self.rollout_max_context_len:
+            return self.rollout_max_context_len
+        return max(self.rollout_max_response_len, self.eval_max_response_len or 0) + (self.rollout_max_prompt_len
+                                                                                     or 1024)
 
     @property
     def requests_per_engine(self) -> int:

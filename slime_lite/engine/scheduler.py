@@ -48,6 +48,7 @@ from slime_lite.offload import TensorStash
 from slime_lite.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+DEFAULT_SLOT_TOKENS = 4096  # a batch slot's tokens by default (see Scheduler: request_tokens)
 
 
 class Scheduler(AdmissionMixin, ControlMixin):
@@ -56,6 +57,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
                  device: str | None = None, seed: int = 0, max_running_requests: int | None = 64,
                  requests_hint: int | None = None, kv_cache_tokens: int | None = None,
+                 request_tokens: int | None = None,
                  cpu_threads: int | None = None, cuda_graph: bool | None = None,
                  cuda_graph_max_bs: int | None = None, enable_torch_compile: bool = False,
                  enable_return_routed_experts: bool = False,
@@ -85,19 +87,23 @@ class Scheduler(AdmissionMixin, ControlMixin):
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.tokenizer_lock = threading.Lock()
         self.context_len = context = int(getattr(self.hf.config, "max_position_embeddings", 1 << 30))
+        # a batch slot's tokens when the cache size is not given: 4,096, or what one request of the run may hold
+        # (``request_tokens``: a long response and its prompt), within the model's context
+        slot_tokens = min(context, max(DEFAULT_SLOT_TOKENS, request_tokens or 0))
         if max_running_requests is None:
             memory = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-            max_running_requests = auto_max_running(memory, requests_hint, min(context, 4096),
+            max_running_requests = auto_max_running(memory, requests_hint, slot_tokens,
                                                     kv_bytes_per_token(self.hf), kv_cache_tokens)
             logger.info("engine: %d batch slots (requests of a rollout: %s; set --max-running-requests to choose)",
                         max_running_requests, requests_hint)
         self.max_running = int(max_running_requests)
-        kv_cache_tokens = int(kv_cache_tokens or self.max_running * min(context, 4096))
+        kv_cache_tokens = int(kv_cache_tokens or self.max_running * slot_tokens)
         self.slot_len = min(context, kv_cache_tokens // self.max_running)
         if self.slot_len < 2:
             raise SlimeLiteError(f"--kv-cache-tokens {kv_cache_tokens}: too small for {self.max_running} slots "
                                  "(each slot needs at least 2 tokens); raise it or lower --max-running-requests.")
         self.kv_cache_tokens = kv_cache_tokens
+        self._capped_warned = False
         self.lm = CausalLM(self.hf, self.slot_len)
         self.weights = Weights(self.hf)
         # off with --disable-radix-cache, and under --deterministic-mode (rollout/engines.py passes it): whether a
@@ -211,8 +217,11 @@ class Scheduler(AdmissionMixin, ControlMixin):
             asked = max(0, self.context_len - n - 2)
             req.params = dataclasses.replace(req.params, max_new_tokens=asked)
         req.max_new = min(asked, self.slot_len - n + 1)
-        if asked is not None and req.max_new < asked:
-            logger.debug("request %s: max_new_tokens %d capped to %d by the slot size", req.rid, asked, req.max_new)
+        if req.max_new < asked and not self._capped_warned:  # SGLang would generate them: say so, once
+            self._capped_warned = True
+            logger.warning("request %s: max_new_tokens %d capped to %d by a batch slot of %d tokens (raise "
+                           "--engine-kv-cache-tokens or lower --engine-max-running-requests; serve: --kv-cache-tokens, "
+                           "--max-running-requests); logged once", req.rid, asked, req.max_new, self.slot_len)
         for name, ids in (("sampling_params.logit_bias", list(req.params.logit_bias or ())),
                           ("sampling_params.stop_token_ids", req.params.stop_token_ids),
                           ("token_ids_logprob", req.token_ids_logprob or [])):

@@ -56,7 +56,7 @@ class EngineActor:
             self.server = EngineServer(
                 c.hf_checkpoint, device=device, dtype=c.engine_dtype, seed=c.rollout_seed + self.rank,
                 max_running_requests=c.engine_max_running_requests, requests_hint=c.requests_per_engine,
-                kv_cache_tokens=c.engine_kv_cache_tokens,
+                kv_cache_tokens=c.engine_kv_cache_tokens, request_tokens=c.request_tokens,
                 cuda_graph=False if c.engine_disable_cuda_graph else None,
                 enable_torch_compile=c.engine_enable_torch_compile,
                 disable_radix_cache=self.args.deterministic_mode,  # a cache hit depends on timing

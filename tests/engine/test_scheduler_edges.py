@@ -105,3 +105,27 @@ def test_the_prefix_caches_token_count_survives_a_concurrent_change():
     finally:
         sys.setswitchinterval(old)
     assert not errors
+
+
+def test_batch_slots_hold_a_runs_long_responses_and_a_cap_is_warned(tiny_model_dir, tmp_path, caplog):
+    """A slot held min(context, 4,096) tokens unless the cache size was given, so an 8K-token response of a
+    long-context model was cut at ~4K with finish "length" and a debug line. The run's longest request now sizes
+    the slots; a request capped by its slot anyway is a warning naming the flags."""
+    import json
+    import logging
+    import shutil
+
+    model = tmp_path / "long"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16384}))
+    for hint, slot in ((None, 4096), (9000, 9000), (40000, 16384)):
+        sch = Scheduler(str(model), device="cpu", max_running_requests=2, request_tokens=hint)
+        assert sch.slot_len == slot
+    req = Request(rid="r", input_ids=[5] * 100, params=SamplingParams(max_new_tokens=20000), seed=0)
+    with caplog.at_level(logging.WARNING, logger="slime_lite.engine.scheduler"):
+        sch.prepare(req)
+        sch.prepare(Request(rid="r2", input_ids=[5] * 100, params=SamplingParams(max_new_tokens=20000), seed=0))
+    assert req.max_new == 16384 - 100 + 1
+    warned = [r.getMessage() for r in caplog.records if "capped" in r.getMessage()]
+    assert len(warned) == 1 and "--engine-kv-cache-tokens" in warned[0] and "logged once" in warned[0]
