@@ -50,7 +50,6 @@ recorded kept; without it an agent may run as long as it likes.
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import itertools
 import json
@@ -66,11 +65,12 @@ from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.rollout.agent_messages import (BadRequest, normalise, stop_strings, stream_chunks, stream_options,
                                                 tool_choice)
 from slime_lite.rollout.agent_runner import start_agent
+from slime_lite.rollout.agent_samples import segments, trajectory_samples
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
 from slime_lite.rollout.tool_calls import detect_parser, end_of_turn, inserted_text, parse_tool_calls
-from slime_lite.rollout.turns import append_turn, restart
+from slime_lite.rollout.turns import restart
 from slime_lite.tokenizer import load_tokenizer
-from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
+from slime_lite.types import Sample, Status
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,8 @@ class Call:
     malformed: int = 0
     parent: "Call | None" = None  # the call whose messages and reply this one's messages extend
     start: int = 0  # prompt tokens of the first call of this call's chain (its response begins there)
+    tools: Any = None  # the tools and template kwargs it was rendered with
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class BudgetExhausted(Exception):
@@ -116,6 +118,7 @@ class Trajectory:
         self.budget = int(sampling_params.get("max_new_tokens") or 0) or None
         self.calls: list[Call] = []
         self.sent = 0  # calls sent to the engine, those in flight included (--max-turns counts them)
+        self.seeded = 0  # calls given a sampling seed (never decreases: a retried call gets a seed of its own)
         self.truncated = False
         self.aborted = False
 
@@ -141,12 +144,16 @@ class Trajectory:
         an earlier turn's thinking), which starts a new segment as a rewritten history does."""
         tok = self.endpoint.tokenizer
         try:
+            if parent is not None and (parent.tools, parent.kwargs) != (tools, template_kwargs) and (
+                    tok.apply_chat_template(parent.messages, tools=parent.tools, tokenize=False, **parent.kwargs)
+                    != tok.apply_chat_template(parent.messages, tools=tools, tokenize=False, **template_kwargs)):
+                parent = None  # other tools or kwargs render the conversation's start otherwise: a new segment
             if parent is not None:
                 n = len(parent.messages) + 1
                 closed = bool(parent.completion_ids) and parent.completion_ids[-1] in self.endpoint.closing_ids
                 try:
                     return inserted_text(tok, messages[:n], messages[n:], self.endpoint.end_of_turn, closed=closed,
-                                         template_kwargs=template_kwargs), parent
+                                         template_kwargs={**template_kwargs, "tools": tools}), parent
                 except SlimeLiteError as exc:
                     log.debug("trajectory %s: a new segment (%s)", self.key, exc)
             return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
@@ -175,8 +182,8 @@ class Trajectory:
         if self.aborted:
             raise Aborted("the engine aborted an earlier call of this trajectory; the sample ends aborted")
         tools, parse = tool_choice(body)
-        text, parent = self._render(messages, self._parent(messages), tools,
-                                    {**self.template_kwargs, **(agent_kwargs or {})})
+        kwargs = {**self.template_kwargs, **(agent_kwargs or {})}
+        text, parent = self._render(messages, self._parent(messages), tools, kwargs)
         new_ids = ep.tokenizer(text, add_special_tokens=False)["input_ids"]
         if parent is not None:
             prompt_ids, start = parent.prompt_ids + parent.completion_ids + new_ids, parent.start
@@ -191,8 +198,10 @@ class Trajectory:
                       stop_token_ids=sorted({*ep.stop_ids, *(self.sampling_params.get("stop_token_ids") or [])}))
         if stops:
             params["stop"] = rollout_stop + [x for x in stops if x not in rollout_stop]
-        if self.budget is not None:
-            left = self.budget - (len(prompt_ids) - start)
+        if self.budget is not None:  # shared by the trajectory's segments (the other ones' tokens are used)
+            used = sum(len(g[-1].prompt_ids) + len(g[-1].completion_ids) - len(g[0].prompt_ids)
+                       for g in self._segments() if g[-1] is not parent)
+            left = self.budget - (len(prompt_ids) - start) - used
             if left <= 0:
                 self.truncated = True
                 raise BudgetExhausted(f"the trajectory used its {self.budget} response tokens "
@@ -208,7 +217,8 @@ class Trajectory:
             params["max_new_tokens"] = min(params.get("max_new_tokens") or room, room)
         cap_min_new_tokens(params)
         if params.get("sampling_seed") is not None:
-            params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * self.sent
+            params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * self.seeded
+            self.seeded += 1
         request = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True}
         if top:
             request["top_logprobs_num"] = top
@@ -242,7 +252,7 @@ class Trajectory:
             new_roles=[m["role"] for m in messages[n_prev:]] if parent is not None else [],
             weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
             cached_tokens=int(meta.get("cached_tokens") or 0), malformed=parsed.malformed, parent=parent,
-            start=start))
+            start=start, tools=tools, kwargs=kwargs))
         if finish == "abort":
             self.aborted = True
             raise Aborted(f"the engine aborted this call ({finish_info.get('message') or 'abort'}: over-sampling "
@@ -264,53 +274,12 @@ class Trajectory:
         text = self.endpoint.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
+    def _segments(self) -> list[list[Call]]:
+        return segments(self.calls)
+
     def samples(self, sample: Sample) -> list[Sample]:
-        """The trajectory as samples built from the records: one per segment (usually one), sharing rollout_id.
-        Each starts from its first call's prompt ids; each later call, one whose parent is the segment's last call,
-        adds its new tokens (tool or user turns, loss_mask 0) and its completion (the engine's ids and log-probs).
-        A call whose parent already has a child in the segment (calls sent at once from the same history) starts a
-        segment of its own."""
-        segments: list[list[Call]] = []
-        for call in self.calls:
-            seg = next((g for g in segments if call.parent is not None and g[-1] is call.parent), None)
-            if seg is not None:
-                seg.append(call)
-            else:
-                segments.append([call])
-        out = []
-        for k, segment in enumerate(segments or [[]]):
-            s = sample if k == 0 else copy.deepcopy(sample)  # (k > 0: the fields below reset again)
-            s.response, s.response_length, s.loss_mask, s.rollout_log_probs = "", 0, None, None
-            s.metadata.pop("turns", None)
-            s.metadata.pop(TOKEN_VERSIONS, None)
-            s.weight_versions = []
-            s.tokens = list(segment[0].prompt_ids) if segment else list(s.tokens)
-            for call in segment:
-                new = call.prompt_ids[len(s.tokens):]
-                if new:
-                    source = "tool" if "tool" in call.new_roles else "user"
-                    append_turn(s, new, source=source, text=self.endpoint.tokenizer.decode(new))
-                versions = (None if call.weight_version is None
-                            else [version_number(call.weight_version)] * len(call.completion_ids))
-                append_turn(s, call.completion_ids, call.log_probs, source="model", text=call.text, versions=versions)
-                if call.weight_version is not None:
-                    s.weight_versions.append(call.weight_version)
-            last = segment[-1] if segment else None
-            s.status = Status.from_finish_reason(last.finish_reason) if last else Status.FAILED
-            if self.truncated:
-                s.status = Status.TRUNCATED
-            if self.aborted:
-                s.status = Status.ABORTED
-            s.prefix_cache_info.cached_tokens = sum(c.cached_tokens for c in segment)
-            s.prefix_cache_info.total_prompt_tokens = sum(len(c.prompt_ids) for c in segment)
-            s.metadata.update(agent_calls=len(segment), tool_calls=sum(len(c.reply.get("tool_calls", []))
-                                                                       for c in segment),
-                              malformed_tool_calls=sum(c.malformed for c in segment))
-            if len(segments) > 1:
-                s.rollout_id = sample.index if sample.rollout_id is None else sample.rollout_id
-                s.metadata["agent_segment"] = k
-            out.append(s)
-        return out
+        """The trajectory as training samples (agent_samples.py: one per segment)."""
+        return trajectory_samples(self, sample)
 
 
 class AgentEndpoint:

@@ -132,6 +132,22 @@ async def generate_group(args: Any, group: list[Sample], params: list[dict[str, 
     return [_filled(s, out, p["max_new_tokens"]) for s, out, p in zip(group, outs, ps)]
 
 
+async def gather_or_cancel(coros: Any) -> list[Any]:
+    """``asyncio.gather`` of ``coros`` that, when one raises, cancels the others (a group's other hooks would go on
+    calling the engines after the rollout failed) and waits a little for them before raising."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=10)
+        for t in tasks:  # retrieved: no "exception was never retrieved" for a second failure
+            if t.done() and not t.cancelled():
+                t.exception()
+        raise
+
+
 def split_samples(out: Any, sample: Sample) -> list[Sample]:
     """A generate hook's result: one Sample, or a list of them (one trajectory split into several training samples,
     which share ``rollout_id``: the index of the sample the hook was given)."""
@@ -217,7 +233,7 @@ class Generator:
                 split = split_samples(out, sample)
                 return split if self.args.group_rm else await self._score(split, t0)  # as each sample ends
 
-            parts = list(await asyncio.gather(*(one(s, p) for s, p in zip(group, per_sample))))
+            parts = await gather_or_cancel(one(s, p) for s, p in zip(group, per_sample))
         if not self.args.group_rm:
             if self.generate_fn is default_generate:
                 await self._score([s for p in parts for s in p], t0)
@@ -344,5 +360,5 @@ class Generator:
         if a.deterministic_mode and self.generate_fn is default_generate:
             results = await self._run_together(groups, params, seed_base)
         else:
-            results = await asyncio.gather(*(self._run_group(g, params, seed_base, True) for g in groups))
+            results = await gather_or_cancel(self._run_group(g, params, seed_base, True) for g in groups)
         return [s for g in results for s in g]

@@ -325,3 +325,112 @@ def test_a_reply_echoed_back_with_a_name_still_extends_its_call():
     assert not isinstance(sample, list) and sample.metadata["agent_calls"] == 2
     assert build_tokenizer().decode(sample.tokens).endswith("x<|im_end|>\n<|im_start|>user\nb<|im_end|>\n"
                                                             "<|im_start|>assistant\ny<|im_end|>")
+
+
+def test_the_response_budget_is_shared_by_a_trajectorys_segments():
+    """An agent that rebuilds its history each call starts a segment each time: --rollout-max-response-len bounds
+    the trajectory's response tokens in all, not each segment's (4 x 16 tokens had gone through a budget of 20)."""
+    refused = []
+
+    async def rewriting(base_url, task):
+        client = _client(base_url)
+        for i in range(4):
+            try:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}"}])
+            except openai.BadRequestError as exc:
+                refused.append(exc.message)
+                return
+
+    box = {}
+    out = run_agent(["x" * 15 + "<|im_end|>"] * 4, rewriting, {"temperature": 1.0, "max_new_tokens": 20},
+                    engine_box=box)
+    assert [b["sampling_params"]["max_new_tokens"] for b in box["engine"].seen] == [20, 4]
+    assert "used its 20 response tokens" in refused[0]
+    assert [s.status for s in out] == [Status.COMPLETED, Status.TRUNCATED]  # the end is the last segment's
+
+
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+                  "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_call_with_other_tools_is_rendered_whole_not_appended():
+    """Plan without tools, then act with them: the tools change the prompt's start, so the second call is rendered
+    whole (a new segment), not appended to the first call's tokens where the model never sees its tools."""
+    async def agent(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "a"}]
+        r = await client.chat.completions.create(model="m", messages=messages)
+        messages += [r.choices[0].message, {"role": "user", "content": "now use a tool"}]
+        await client.chat.completions.create(model="m", messages=messages, tools=[CALC])
+        messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="m", messages=messages, tools=[CALC])
+
+    box = {}
+    out = run_agent(["plan<|im_end|>", "ok<|im_end|>", "done<|im_end|>"], agent, engine_box=box,
+                    chat_template=TOOLS_TEMPLATE)
+    tok = build_tokenizer()
+    sent = [tok.decode(b["input_ids"]) for b in box["engine"].seen]
+    assert "Tools:" not in sent[0] and sent[1].startswith("<|im_start|>system\nTools: calc")
+    assert box["engine"].seen[2]["input_ids"][:len(box["engine"].seen[1]["input_ids"])] == \
+        box["engine"].seen[1]["input_ids"]  # the same tools again: extended
+    assert len(out) == 2 and [s.metadata["agent_calls"] for s in out] == [1, 2]
+
+
+def test_an_aborted_multi_segment_trajectory_is_one_aborted_sample():
+    """--partial-rollout runs an aborted sample again from its prompt: an aborted trajectory of two segments is one
+    ABORTED sample, so the agent runs again once (it ran once per segment)."""
+    async def agent(base_url, task):
+        client = _client(base_url)
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        try:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+        except openai.APIStatusError:
+            pass
+
+    out = run_agent(["x<|im_end|>", ("y", {"type": "abort", "message": "over-sampling"})], agent)
+    assert not isinstance(out, list) and out.status is Status.ABORTED
+
+
+def test_a_retried_call_gets_a_seed_of_its_own():
+    """Three identical calls at once (n > 1 is refused), the first failing (502) and retried: the retry must not
+    take the seed of a call still in flight (identical requests, identical completions)."""
+    from slime_lite.errors import EngineError
+    from tests.rollout.test_agent_endpoint import ScriptedEngine
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+
+        async def one():
+            for _ in range(2):
+                try:
+                    return await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+                except openai.InternalServerError:
+                    continue
+
+        await asyncio.gather(one(), one(), one())
+
+    class FailingFirst(ScriptedEngine):
+        calls = 0
+
+        async def generate(self, body):
+            self.calls += 1
+            n = self.calls
+            if n == 1:
+                self.seen.append(body)
+                await asyncio.sleep(0.05)
+                raise EngineError("engine http://e/generate failed (ConnectionResetError)")
+            await asyncio.sleep(0.2)  # still in flight when the first call is retried
+            return await super().generate(body)
+
+    import tests.rollout.test_agent_endpoint as t
+
+    box, real = {}, t.ScriptedEngine
+    t.ScriptedEngine = FailingFirst
+    try:
+        run_agent(["x<|im_end|>"] * 3, agent, {"temperature": 1.0, "max_new_tokens": 50, "sampling_seed": 3},
+                  engine_box=box)
+    finally:
+        t.ScriptedEngine = real
+    seeds = [b["sampling_params"]["sampling_seed"] for b in box["engine"].seen]
+    assert len(seeds) == 4 and len(set(seeds)) == 4

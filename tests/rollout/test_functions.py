@@ -320,3 +320,43 @@ def test_a_nan_eval_reward_stops_the_eval_naming_the_set_after_its_dump(engine, 
         assert any("eval" in f.name and "1" in f.name for f in (tmp_path / "dumps").iterdir())
     finally:
         manager.close()
+
+
+def test_a_failing_hook_cancels_its_groups_other_hooks():
+    """One sample's generate hook raising ends the rollout: the group's other hooks are cancelled, not left calling
+    the engines after it (gather_or_cancel, used for a group's hooks and an eval's groups)."""
+    import asyncio
+
+    from slime_lite.rollout.generate import gather_or_cancel
+
+    events = []
+
+    async def fails():
+        await asyncio.sleep(0.01)
+        raise RuntimeError("hook failed")
+
+    async def long():
+        try:
+            await asyncio.sleep(5)
+            events.append("finished")
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+
+    async def main():
+        with pytest.raises(RuntimeError, match="hook failed"):
+            await gather_or_cancel([fails(), long(), long()])
+        await asyncio.sleep(0.05)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(main()) == [] and events == ["cancelled", "cancelled"]
+    assert asyncio.run(gather_or_cancel_ok()) == [1, 2]
+
+
+async def gather_or_cancel_ok():
+    from slime_lite.rollout.generate import gather_or_cancel
+
+    async def v(x):
+        return x
+
+    return await gather_or_cancel(v(x) for x in (1, 2))
