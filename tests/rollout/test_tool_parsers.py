@@ -165,7 +165,8 @@ def test_the_endpoint_reads_calls_in_the_templates_format_and_strips_the_stop_to
                                                       tools=[_tool("calc", expr="string")])).choices[0]
         seen.append(reply)
         messages += [reply.message, {"role": "tool", "tool_call_id": reply.message.tool_calls[0].id, "content": "6"}]
-        seen.append((await client.chat.completions.create(model="m", messages=messages)).choices[0])
+        seen.append((await client.chat.completions.create(model="m", messages=messages,  # the same tools: extends
+                                                          tools=[_tool("calc", expr="string")])).choices[0])
 
     box = {}
     eom = build_tokenizer().convert_tokens_to_ids("<|im_start|>")
