@@ -422,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sglang-server-module", default="sglang.launch_server",
                    help="module run as 'python -m MODULE' for each SGLang engine (not passed to SGLang)")
     add_slime_flags(p)  # Megatron architecture flags and slime flags (slime_lite/slime_flags.py)
+    p.set_defaults(num_rollout_per_epoch=None)  # not a flag: --num-epoch's rollouts per epoch (args_check)
     return p
 
 

@@ -109,6 +109,7 @@ def fill_num_epoch(args: argparse.Namespace) -> None:
         raise SlimeLiteError(f"--num-epoch {args.num_epoch}: --prompt-data {args.prompt_data} has fewer prompts "
                              f"than one rollout takes (--rollout-batch-size {args.rollout_batch_size}).")
     args.num_rollout = args.num_epoch * per_epoch
+    args.num_rollout_per_epoch = per_epoch  # an epoch's end saves and evaluates too (as slime)
     log.info("--num-epoch %d: %d rollouts (%d per epoch)", args.num_epoch, args.num_rollout, per_epoch)
 
 

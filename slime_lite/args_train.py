@@ -13,7 +13,7 @@ from typing import Any
 
 from slime_lite import rl_math
 from slime_lite.backends.megatron.lora_config import check_lora_args
-from slime_lite.config import TokenBudget, has_reference_model
+from slime_lite.config import TokenBudget, has_reference_model, periodic
 from slime_lite.errors import SlimeLiteError
 from slime_lite.flag_types import nonneg_float, positive_int, unit_float
 from slime_lite.model_families import FAMILIES, moe_config
@@ -255,7 +255,8 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
 def _check_save_hf_apart(args: argparse.Namespace, first: str) -> None:
     """Each --save-hf export replaces its folder: no export may be, or hold, a folder the run reads or writes
     otherwise (its checkpoints, the models it starts from); every save point's folder is checked."""
-    saves = [i for i in range(args.num_rollout) if (i + 1) % args.save_interval == 0 or i + 1 == args.num_rollout]
+    saves = [i for i in range(args.num_rollout)
+             if periodic(i, args.save_interval, args.num_rollout, args.num_rollout_per_epoch)]
     exports = {os.path.realpath(args.save_hf.format(rollout_id=i)) for i in saves} | {os.path.realpath(first)}
     for flag in ("hf_checkpoint", "ref_load", "lora_adapter_path", "load", "save"):  # the models first
         value = getattr(args, flag)

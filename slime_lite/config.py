@@ -51,6 +51,15 @@ class _FromArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})  # type: ignore[arg-type]
 
 
+def periodic(rollout_id: int, interval: int | None, num_rollout: int, per_epoch: int | None = None) -> bool:
+    """A save or an eval after rollout_id (as slime's periodic actions): every ``interval`` rollouts, after the last
+    one, and at each epoch's end when --num-epoch counted the rollouts (``per_epoch``); never without an interval."""
+    if not interval:
+        return False
+    step = rollout_id + 1
+    return step % interval == 0 or step == num_rollout or bool(per_epoch and step % per_epoch == 0)
+
+
 @dataclass(frozen=True)
 class LossConfig(_FromArgs):
     """The actor's policy loss (backends/megatron/loss.py ``rl_loss``)."""
@@ -192,6 +201,7 @@ class EngineConfig(_FromArgs):
     colocate: bool
     rollout_external_engine_addrs: str | None
     use_sglang_router: bool
+    offload_rollout: bool
     rollout_max_response_len: int
     eval_max_response_len: int | None
     rollout_max_prompt_len: int | None
@@ -237,6 +247,7 @@ class TrainSideConfig(_FromArgs):
     save: str | None
     save_interval: int | None
     num_rollout: int
+    num_rollout_per_epoch: int | None
     offload_train: bool
     ref_update_interval: int | None
 
@@ -257,10 +268,10 @@ class TrainSideConfig(_FromArgs):
         return self.ref_load or self.hf_checkpoint
 
     def saves_after(self, rollout_id: int) -> bool:
-        """A checkpoint after rollout_id trained: every --save-interval rollouts, and after the last one (as slime:
-        a run's end is never left unsaved)."""
-        return bool(self.save and self.save_interval
-                    and ((rollout_id + 1) % self.save_interval == 0 or rollout_id + 1 == self.num_rollout))
+        """A checkpoint after rollout_id trained: every --save-interval rollouts, at the end of each --num-epoch
+        epoch, and after the last one (as slime: a run's end is never left unsaved)."""
+        return bool(self.save and periodic(rollout_id, self.save_interval, self.num_rollout,
+                                           self.num_rollout_per_epoch))
 
     def updates_reference_after(self, rollout_id: int) -> bool:
         """--ref-update-interval N: the reference takes the actor's weights after rollouts N-1, 2N-1, ... trained
@@ -281,6 +292,7 @@ class RolloutSideConfig(_FromArgs):
     eval_interval: int | None
     eval_prompt_data: list[str] | None
     num_rollout: int
+    num_rollout_per_epoch: int | None
     debug_inject_fault: str | None
     rollout_backend: str
     lora_rank: int | None
@@ -292,10 +304,10 @@ class RolloutSideConfig(_FromArgs):
         return self.lora_rank is not None and self.rollout_backend == "sglang"
 
     def evaluates_after(self, rollout_id: int) -> bool:
-        """Eval after rollout_id trained (and at the end): every --eval-interval rollouts, given eval sets."""
-        if not (self.eval_prompt_data and self.eval_interval):
-            return False
-        return (rollout_id + 1) % self.eval_interval == 0 or rollout_id + 1 == self.num_rollout
+        """Eval after rollout_id trained (and at the end, and at the end of each --num-epoch epoch): every
+        --eval-interval rollouts, given eval sets."""
+        return bool(self.eval_prompt_data and periodic(rollout_id, self.eval_interval, self.num_rollout,
+                                                       self.num_rollout_per_epoch))
 
     def pushes_after(self, rollout_id: int) -> bool:
         """Whether the trainer's weights go to the engines after rollout_id trained: every

@@ -545,3 +545,23 @@ def test_moe_layouts_and_flags_contradicting_the_model_are_refused_naming_flag_v
     msg = err(base + ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"])
     assert "--expert-model-parallel-size 2: the model (qwen3) has no experts; drop" in msg
     assert "--num-experts 8 contradicts" in err(base + ["--num-experts", "8"])
+
+
+def test_num_epoch_saves_and_evaluates_at_each_epochs_end(tmp_path):
+    """As slime's periodic actions: with --num-epoch, the end of each epoch saves and evaluates too (8 prompts, 2 a
+    rollout, 2 epochs: epoch 1 ends after rollout 3, which --save-interval 3 alone skips)."""
+    from slime_lite.args_check import fill_num_epoch
+    from slime_lite.config import RolloutSideConfig, TrainSideConfig
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": "1"}) + "\n" for i in range(8)))
+    args = parser_defaults(hf_checkpoint="/m", prompt_data=str(data), num_epoch=2, rollout_batch_size=2,
+                           save="/ckpt", save_interval=3, eval_interval=3, eval_prompt_data=["e", str(data)])
+    args.num_rollout = None
+    fill_num_epoch(args)
+    train, rollout = TrainSideConfig.from_args(args), RolloutSideConfig.from_args(args)
+    assert args.num_rollout == 8 and args.num_rollout_per_epoch == 4
+    assert [i for i in range(8) if train.saves_after(i)] == [2, 3, 5, 7]
+    assert [i for i in range(8) if rollout.evaluates_after(i)] == [2, 3, 5, 7]
+    args.num_rollout_per_epoch = None  # --num-rollout given: no epochs
+    assert [i for i in range(8) if TrainSideConfig.from_args(args).saves_after(i)] == [2, 5, 7]

@@ -261,8 +261,12 @@ class RolloutManager:
                     path = f"{root}_{name}{ext}"
                 self._save(path, rollout_id, samples, eval_name=name)
             # a NaN reward (a remote reward model's "NaN") would log a NaN eval metric: stopped, as in rollouts
-            dumps.check_rewards(samples, a.eval_reward_key or a.reward_key, f"eval {name} at rollout {rollout_id}",
-                                strict=False)
+            try:
+                dumps.check_rewards(samples, a.eval_reward_key or a.reward_key,
+                                    f"eval {name} at rollout {rollout_id}", strict=False)
+            except SlimeLiteError:
+                self.wait_dumps()  # the eval's dumps are on disk before the user reads the error
+                raise
         metrics.update(extra)
         metrics["perf/eval_time"] = time.monotonic() - t0
         log_fn = self.manager_hooks["--custom-eval-rollout-log-function-path"]

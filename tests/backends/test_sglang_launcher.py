@@ -68,6 +68,10 @@ def test_colocate_adds_memory_saver(flags):
     assert tail_after_seed(build_command(engine(args), 0, 1)) == ["--enable-memory-saver"]
     args = parse_args([f for f in flags if f != "--debug-rollout-only"])
     assert "--enable-memory-saver" not in build_command(engine(args), 0, 1)
+    # --offload-rollout without --colocate releases the engines' memory too: without the saver SGLang's
+    # release/resume do nothing
+    args = parse_args([f for f in flags if f != "--debug-rollout-only"] + ["--offload-rollout"])
+    assert tail_after_seed(build_command(engine(args), 0, 1)) == ["--enable-memory-saver"]
 
 
 def test_passthrough_values_booleans_and_negative_values_in_order(flags):

@@ -128,3 +128,18 @@ def test_dumps_are_written_in_the_background_and_a_failed_write_is_raised(tiny_m
     with pytest.raises(SlimeLiteError, match=r"no space left .*d_1\.pt"):
         manager.wait_dumps()
     manager.wait_dumps()  # raised once: nothing left to write
+
+
+def test_a_non_finite_eval_reward_stops_the_run_after_its_eval_dump_is_on_disk(tiny_model_dir, tmp_path) -> None:
+    """The eval before training runs outside the loop's failure handling: the manager itself waits for the eval's
+    dump before raising (a writer thread still writing when Ray shuts down leaves no dump to inspect)."""
+    manager = _manager(tiny_model_dir, tmp_path, 0.0)
+    samples = [Sample(group_index=0, index=i, tokens=[5, 6, 7], response_length=1, loss_mask=[1],
+                      reward=float("nan") if i == 1 else 1.0, status=Status.COMPLETED) for i in range(2)]
+    manager.eval_fn = lambda *a, **k: {"e": {"samples": samples}}
+    waited = []
+    real = manager.wait_dumps
+    manager.wait_dumps = lambda: (waited.append(True), real())[1]
+    with pytest.raises(SlimeLiteError, match=r"eval e at rollout 0: samples\[1\]\.reward is nan"):
+        manager.evaluate(0)
+    assert waited and load_rollout_dump(str(tmp_path / "d_eval_0.pt")).samples[1].reward != 1.0

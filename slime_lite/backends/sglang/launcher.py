@@ -177,9 +177,9 @@ def keyed_command(cmd: list[str]) -> list[str]:
 
 
 def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.1") -> list[str]:
-    """The engine's command line: model, address, TP size, per-engine seed, memory saver under colocate (and with
-    LoRA a CPU copy of the weights it releases), then
-    every passthrough flag in the order given (so a passthrough --random-seed overrides ours)."""
+    """The engine's command line: model, address, TP size, per-engine seed, memory saver under colocate or
+    --offload-rollout (and with LoRA a CPU copy of the weights it releases), then every passthrough flag in the
+    order given (so a passthrough --random-seed overrides ours)."""
     cmd = [
         sys.executable, "-m", cfg.sglang_server_module,
         "--model-path", str(cfg.hf_checkpoint),
@@ -188,7 +188,8 @@ def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.
         "--tp-size", str(cfg.rollout_num_gpus_per_engine),
         "--random-seed", str(cfg.rollout_seed + rank),
     ]
-    if cfg.colocate:
+    releases = cfg.colocate or cfg.offload_rollout  # the driver releases the engine's memory between rollouts
+    if releases:  # (without the memory saver SGLang's release and resume do nothing)
         cmd.append("--enable-memory-saver")
     if cfg.use_rollout_routing_replay:  # the experts of every token, in each response's meta_info
         cmd.append("--enable-return-routed-experts")
@@ -197,7 +198,7 @@ def build_command(cfg: EngineConfig, rank: int, port: int, host: str = "127.0.0.
         from slime_lite.backends.megatron.lora_config import sglang_target_modules
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
                 "--lora-target-modules", *sglang_target_modules(cfg.lora_target_modules)]
-        if cfg.colocate:  # the pushes send adapters only: the released base weights must come back from a copy
+        if releases:  # the pushes send adapters only: the released base weights must come back from a copy
             cmd.append("--enable-weights-cpu-backup")
     cmd += [str(a) for a in cfg.sglang_args]
     return cmd
