@@ -80,6 +80,8 @@ def add_admin_routes(app: Any, scheduler: Scheduler, profile_dir: str,
         "/release_memory_occupation": admin.release_memory, "/resume_memory_occupation": admin.resume_memory,
         "/start_profile": admin.start_profile, "/stop_profile": admin.stop_profile,
     }
+    for path in ("/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed"):
+        posts[path] = admin.in_session(posts[path])
     for path, handler in posts.items():
         app.router.add_post(path, handler)
     for path in ("/release_memory_occupation", "/resume_memory_occupation", "/start_profile", "/stop_profile"):
@@ -91,14 +93,37 @@ def add_admin_routes(app: Any, scheduler: Scheduler, profile_dir: str,
         app.router.add_post(path, handler)
 
 
+PARTIAL_VERSION = "partial"  # the weight version after a session whose updates did not all apply (read as -1)
+
+
 class _Admin:
     def __init__(self, scheduler: Scheduler, profile_dir: str, abort_waiting: Callable[[str, str], None]) -> None:
         self.scheduler, self.abort_waiting = scheduler, abort_waiting
         self.profile_dir = Path(profile_dir).resolve()
         self.weight_session = False  # between /begin_weight_update and /end_weight_update (SGLang's session)
+        # in a session: the version its updates name, set at its end only if none of them failed (a push of many
+        # buckets is one version: a failed bucket leaves old and new weights mixed, served as "partial")
+        self.session_version: str | None = None
+        self.session_failed = False
         self.profile = TorchProfile()  # /start_profile .. /stop_profile, in the model thread
         self.profile_path = ""
         self.weights_snapshot: dict[str, str] | None = None  # /weights_checker action=snapshot
+
+    def in_session(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """A weight update route that, refused or failed inside a session, marks the session failed (its earlier
+        updates may have applied: the session's end then serves the weights as "partial")."""
+        async def route(request):
+            session = self.weight_session
+            try:
+                response = await handler(request)
+            except BaseException:
+                self.session_failed = self.session_failed or session
+                raise
+            if response.status != 200:
+                self.session_failed = self.session_failed or session
+            return response
+
+        return route
 
     async def run_in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, *args))
@@ -110,7 +135,9 @@ class _Admin:
 
         def op():
             result = fn(*args)
-            if version is not None:
+            if version is not None and self.weight_session:
+                self.session_version = str(version)
+            elif version is not None:
                 self.scheduler.weight_version = str(version)
             return result
 
@@ -224,7 +251,7 @@ class _Admin:
         if self.weight_session:
             return json_response({"success": False, "message": "a weight-update session is already open; call "
                                   "end_weight_update() first"}, 400)
-        self.weight_session = True
+        self.weight_session, self.session_version, self.session_failed = True, None, False
         return json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request):
@@ -233,6 +260,13 @@ class _Admin:
             return json_response({"success": False, "message": "no weight-update session is open; call "
                                   "begin_weight_update() first"}, 400)
         self.weight_session = False
+        if self.session_failed:  # some of this session's weights are new, some old: no version names them
+            self.scheduler.weight_version = PARTIAL_VERSION
+            return json_response({"success": False, "message": "an update of this weight-update session failed: the "
+                                  f"engine holds old and new weights (weight_version {PARTIAL_VERSION!r}) until a "
+                                  "complete push"}, 400)
+        if self.session_version is not None:
+            self.scheduler.weight_version = self.session_version
         return json_response({"success": True, "message": "Success"})
 
     async def init_weights_update_group(self, request):

@@ -179,7 +179,8 @@ class Weights:
         # every tensor converted first: a failure here (memory, a bad dtype) leaves the weights as they were
         staged = {name: tensor.to(device=params[name].device, dtype=params[name].dtype)
                   for name, tensor in named.items()}
-        for name in set(staged) & set(self._lora_base):  # a full write of an adapted weight is its new base
+        # a full write of an adapted weight, or of one whose adapter comes in this update, is its new base
+        for name in set(staged) & (set(self._lora_base) | set(adapters)):
             self._lora_base[name] = staged[name].to("cpu", copy=True)
         staged.update(self._merge_adapters(adapters))
         if not staged:  # an empty bucket (slime sends them for idle ranks): nothing changes, the cache stays

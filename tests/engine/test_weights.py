@@ -93,6 +93,7 @@ def test_update_weights_from_tensor(fresh_engine, new_model):
                 "weight_version": version}
         status, out = http(url, "/update_weights_from_tensor", body)
         assert status == 200 and out["success"] is True, out
+        assert http(url, "/get_model_info")[1]["weight_version"] == "default"  # a session's version: at its end
     assert http(url, "/end_weight_update", {})[1]["success"] is True
     assert http(url, "/end_weight_update", {})[0] == 400
     assert_serves(url, new_model, "v2")
@@ -121,6 +122,31 @@ def join_group(url: str) -> WeightUpdateGroup:
     t.join(30)
     assert box["result"][0] == 200 and box["result"][1]["success"] is True
     return trainer
+
+
+def test_a_session_with_a_refused_bucket_ends_as_partial_weights(fresh_engine, new_model):
+    """A push is one version in many buckets: when one is refused after others applied, the engine holds old and
+    new weights. The session's end says so (400) and the engine serves weight_version "partial" (read as -1: the
+    weight-version checks fail), not the push's version, which it reported from the first bucket on."""
+    url = fresh_engine.url
+    named = {n: p.detach().clone() for n, p in new_model.named_parameters()}
+    half = list(named)[: len(named) // 2]
+    assert http(url, "/begin_weight_update", {})[1]["success"] is True
+    body = {"serialized_named_tensors": [weight_wire.serialize([(n, named[n]) for n in half])], "weight_version": "7"}
+    assert http(url, "/update_weights_from_tensor", body)[0] == 200
+    bad = {"serialized_named_tensors": [weight_wire.serialize([("model.nope.weight", torch.zeros(2))])],
+           "weight_version": "7"}
+    assert http(url, "/update_weights_from_tensor", bad)[0] == 400
+    status, out = http(url, "/end_weight_update", {})
+    assert status == 400 and "old and new weights" in out["message"]
+    assert http(url, "/get_model_info")[1]["weight_version"] == "partial"
+    out = generate(url, input_ids=PROMPT, sampling_params={"max_new_tokens": 1})
+    assert out["meta_info"]["weight_version"] == "partial"
+    assert http(url, "/begin_weight_update", {})[1]["success"] is True  # a complete push makes it a version again
+    full = {"serialized_named_tensors": [weight_wire.serialize(list(named.items()))], "weight_version": "8"}
+    assert http(url, "/update_weights_from_tensor", full)[0] == 200
+    assert http(url, "/end_weight_update", {})[1]["success"] is True
+    assert_serves(url, new_model, "8")
 
 
 def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
@@ -274,3 +300,29 @@ def test_a_whole_moe_model_in_one_distributed_bucket_is_received():
     assert weights.update_from_distributed(list(named), ["float32"] * len(named),
                                            [list(t.shape) for t in named.values()], "g", flattened=True) == len(named)
     assert weights.checksums() == dict(zip(named, tensor_checksums(list(named.values()))))
+
+
+def test_a_full_write_sent_with_its_adapter_is_the_base_the_adapter_merges_onto():
+    """An update carrying a weight and its LoRA adapter (both halves, or one half now and one later): the engine
+    serves new weight + BA; it had merged onto the old weight and kept that as the base for every later adapter."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from slime_lite.engine.weights import Weights
+    from slime_lite.lora_wire import adapter_names, merged
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64)
+    w = Weights(Qwen2ForCausalLM(cfg))
+    name = "model.layers.0.mlp.up_proj.weight"
+    na, nb = adapter_names(name)
+    base, a, b = torch.randn(32, 16), torch.randn(4, 16) * 0.1, torch.randn(32, 4) * 0.1
+    assert w.load_named({name: base, na: a, nb: b}) == 1
+    assert torch.equal(w.params[name].detach(), merged(base, a, b))
+    a2, b2 = torch.randn(4, 16) * 0.1, torch.randn(32, 4) * 0.1  # the next push: adapters only
+    w.load_named({na: a2, nb: b2})
+    assert torch.equal(w.params[name].detach(), merged(base, a2, b2))
+    base2 = torch.randn(32, 16)  # a new base with one half, the other half in the next bucket
+    w.load_named({name: base2, na: a})
+    w.load_named({nb: b})
+    assert torch.equal(w.params[name].detach(), merged(base2, a, b))
