@@ -48,7 +48,6 @@ from slime_lite.offload import TensorStash
 from slime_lite.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-DEFAULT_SLOT_TOKENS = 4096  # a batch slot's tokens by default (see Scheduler: request_tokens)
 
 
 class Scheduler(AdmissionMixin, ControlMixin):
@@ -57,8 +56,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
                  device: str | None = None, seed: int = 0, max_running_requests: int | None = 64,
                  requests_hint: int | None = None, kv_cache_tokens: int | None = None,
-                 request_tokens: int | None = None,
-                 cpu_threads: int | None = None, cuda_graph: bool | None = None,
+                 request_tokens: int | None = None, cpu_threads: int | None = None, cuda_graph: bool | None = None,
                  cuda_graph_max_bs: int | None = None, enable_torch_compile: bool = False,
                  enable_return_routed_experts: bool = False,
                  disable_radix_cache: bool = False) -> None:
@@ -87,9 +85,8 @@ class Scheduler(AdmissionMixin, ControlMixin):
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.tokenizer_lock = threading.Lock()
         self.context_len = context = int(getattr(self.hf.config, "max_position_embeddings", 1 << 30))
-        # a batch slot's tokens when the cache size is not given: 4,096, or what one request of the run may hold
-        # (``request_tokens``: a long response and its prompt), within the model's context
-        slot_tokens = min(context, max(DEFAULT_SLOT_TOKENS, request_tokens or 0))
+        # a slot's tokens without a cache size: 4,096 or a run's longest request (``request_tokens``), within context
+        slot_tokens = min(context, max(4096, request_tokens or 0))
         if max_running_requests is None:
             memory = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
             max_running_requests = auto_max_running(memory, requests_hint, slot_tokens,
@@ -219,9 +216,8 @@ class Scheduler(AdmissionMixin, ControlMixin):
         req.max_new = min(asked, self.slot_len - n + 1)
         if req.max_new < asked and not self._capped_warned:  # SGLang would generate them: say so, once
             self._capped_warned = True
-            logger.warning("request %s: max_new_tokens %d capped to %d by a batch slot of %d tokens (raise "
-                           "--engine-kv-cache-tokens or lower --engine-max-running-requests; serve: --kv-cache-tokens, "
-                           "--max-running-requests); logged once", req.rid, asked, req.max_new, self.slot_len)
+            logger.warning("request %s: max_new_tokens %d capped to %d by a batch slot of %d tokens (raise --engine-kv-"
+                           "cache-tokens / --kv-cache-tokens); logged once", req.rid, asked, req.max_new, self.slot_len)
         for name, ids in (("sampling_params.logit_bias", list(req.params.logit_bias or ())),
                           ("sampling_params.stop_token_ids", req.params.stop_token_ids),
                           ("token_ids_logprob", req.token_ids_logprob or [])):
