@@ -133,9 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--include-timings", action="store_true", help="also compare the timing metrics (perf/, timeline/)")
     p.add_argument("--step-key", default="rollout_id", help="the key that matches rows (default: %(default)s)")
     args = p.parse_args(argv)
-    if args.rtol < 0:
-        raise SlimeLiteError(f"--rtol {args.rtol} must be >= 0.")
+    if not args.rtol >= 0:  # NaN too: it would agree with nothing and report nothing
+        raise SlimeLiteError(f"--rtol {args.rtol} must be a number >= 0.")
     rows_a, rows_b = read_metrics(args.metrics_a), read_metrics(args.metrics_b)
+    for path, rows in ((args.metrics_a, rows_a), (args.metrics_b, rows_b)):
+        if rows and not any(args.step_key in row for row in rows):  # else every row is step None: last one wins
+            keys = sorted({k for row in rows for k in row if not k.startswith(("perf/", "timeline/"))})[:8]
+            raise SlimeLiteError(f"{path}: no record has --step-key {args.step_key!r} (keys such as {keys}); give "
+                                 "a key every record has, e.g. rollout_id.")
     diffs = compare(rows_a, rows_b, args.rtol, args.include_timings, args.step_key)
     scope = "" if args.include_timings else ", timings (perf/, timeline/) left out"
     extra = [(name, only_in(mine, theirs, args.step_key)) for name, mine, theirs in

@@ -49,12 +49,13 @@ class SampleDiff:
     response_differs: bool
     logprob_max_abs_diff: float | None  # over response positions before the first differing token
     logprob_note: str
+    mask_note: str = ""  # where the loss masks first differ
 
     def differs(self, atol: float) -> bool:
         lp = self.logprob_max_abs_diff is not None and self.logprob_max_abs_diff > atol
         return bool(
             self.first_token_diff is not None or self.reward or self.status or self.response_differs or lp
-            or self.logprob_note
+            or self.logprob_note or self.mask_note
         )
 
 
@@ -95,14 +96,14 @@ def compare_samples(position: int, sa: Any, sb: Any, atol: float) -> SampleDiff:
             n = min(n, max(0, first - sa.prompt_length))  # after a token differs, log-probs are not comparable
         if n:
             lp_diff = max(abs(float(x) - float(y)) for x, y in zip(la[:n], lb[:n]))
-    ma, mb = sa.loss_mask, sb.loss_mask
-    if ma is not None and mb is not None and list(ma) != list(mb) and not note:
+    ma, mb, mask_note = sa.loss_mask, sb.loss_mask, ""
+    if ma is not None and mb is not None and list(ma) != list(mb):
         at = first_difference([int(x) for x in ma], [int(x) for x in mb])
-        note = f"loss_mask differs from response token {at} ({_turn_of(sa, at)})"
+        mask_note = f"loss_mask differs from response token {at} ({_turn_of(sa, at)})"
     reward = None if rewards_equal(sa.reward, sb.reward, atol) else (sa.reward, sb.reward)
     status = None if sa.status == sb.status else (sa.status.value, sb.status.value)
     return SampleDiff(position, sa.group_index, sa.index, first, detail, reward, status,
-                      sa.response != sb.response, lp_diff, note)
+                      sa.response != sb.response, lp_diff, note, mask_note)
 
 
 def _run(argv: list[str] | None) -> int:
@@ -126,7 +127,7 @@ def _run(argv: list[str] | None) -> int:
                 Text(f"{d.reward[0]!r} / {d.reward[1]!r}" if d.reward else "same"),
                 Text(f"{d.status[0]} / {d.status[1]}" if d.status else "same"),
                 "differs" if d.response_differs else "same",
-                Text(lp + (f" ({d.logprob_note})" if d.logprob_note else "")),
+                Text(lp + "".join(f" ({n})" for n in (d.logprob_note, d.mask_note) if n)),
             )
         console.print(table)
         if len(differing) > args.max_rows:
@@ -143,9 +144,9 @@ def _run(argv: list[str] | None) -> int:
     summary.add_row("tokens differ", str(sum(d.first_token_diff is not None for d in diffs)))
     summary.add_row("responses differ", str(sum(d.response_differs for d in diffs)))
     summary.add_row("rewards differ", str(sum(d.reward is not None for d in diffs)))
-    masks = [d for d in diffs if d.logprob_note.startswith("loss_mask")]
+    masks = [d for d in diffs if d.mask_note]
     summary.add_row("loss masks differ", Text(f"{len(masks)}" + (f" (first: sample {masks[0].position}, "
-                                                                  f"{masks[0].logprob_note})" if masks else "")))
+                                                                  f"{masks[0].mask_note})" if masks else "")))
     summary.add_row("status differs", str(sum(d.status is not None for d in diffs)))
     summary.add_row("rollout log-probs max |A-B|",
                     f"{max(lp_values):.3g} (atol {args.atol:g})" if lp_values else "not compared")

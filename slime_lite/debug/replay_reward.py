@@ -16,7 +16,7 @@ from rich.text import Text
 from slime_lite.debug import make_console, select_dumps, shorten
 from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.rollout.dumps import load_rollout_dump
-from slime_lite.rollout.rewards import compute_group_rewards, compute_reward
+from slime_lite.rollout.rewards import compute_group_rewards, compute_reward, sample_rm_type
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +53,12 @@ def rewards_equal(a: Any, b: Any, atol: float) -> bool:
 
 
 def _pick(reward: Any, key: str | None) -> Any:
-    return reward.get(key) if key is not None and isinstance(reward, dict) else reward
+    if key is None or not isinstance(reward, dict):
+        return reward
+    if key not in reward:  # else both sides would read None and every reward would look the same
+        raise SlimeLiteError(f"--reward-key {key!r} is not in the reward dict (keys: {sorted(reward)}); pass one "
+                             "of those keys.")
+    return reward[key]
 
 
 async def _recompute(args: argparse.Namespace, samples: list[Any]) -> list[Any]:
@@ -71,8 +76,6 @@ async def _recompute(args: argparse.Namespace, samples: list[Any]) -> list[Any]:
 
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.rm_type and not args.custom_rm_path:
-        raise SlimeLiteError("replay-reward needs --rm-type NAME or --custom-rm-path module.function.")
     console = make_console()
     summary = Table(title="replay-reward summary", title_justify="left")
     for col in ("kind", "rollout", "file", "samples", "same", "differ"):
@@ -80,7 +83,12 @@ def _run(argv: list[str] | None) -> int:
     total_differ = 0
     for kind, _, path in select_dumps(args.load_debug_rollout_data, args.rollout_id):
         dump = load_rollout_dump(path)
-        unlabelled = next((s for s in dump.samples if s.label is None), None)
+        untyped = next((s for s in dump.samples if sample_rm_type(args, s) is None), None)
+        if untyped is not None and not args.custom_rm_path:
+            raise SlimeLiteError(f"{path}: sample {untyped.index} has no rm_type field; replay-reward needs --rm-type "
+                                 "NAME or --custom-rm-path module.function (as the run that wrote the dump).")
+        unlabelled = next((s for s in dump.samples if s.label is None and sample_rm_type(args, s) != "remote_rm"),
+                          None)
         if unlabelled is not None and not args.custom_rm_path:
             raise SlimeLiteError(f"{path}: sample {unlabelled.index} has no label (the run that wrote the dump read "
                                  "none: its --label-key); --rm-type scores against the label, so replay these with "

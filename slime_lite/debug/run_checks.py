@@ -206,7 +206,9 @@ def memory_checks(run: TrainRun, args: Any, headroom: float = 0.1) -> list[Check
     for rec in run.records.values():
         for key, value in rec.items():
             m = re.match(r"perf/memory/([^/]+)/(peak_rss_mb|cuda_peak_mb)$", key)
-            if m and isinstance(value, (int, float)):
+            # engine_released / actor_offloaded: the same processes measured after a release or offload (their
+            # lifetime peaks again), not more processes
+            if m and isinstance(value, (int, float)) and not m.group(1).endswith(("_released", "_offloaded")):
                 g = groups.setdefault(m.group(1), {})
                 g[m.group(2)] = max(g.get(m.group(2), 0.0), float(value))
     if not groups:

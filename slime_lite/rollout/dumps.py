@@ -154,6 +154,9 @@ def load_rollout_dump(path: str) -> RolloutDump:
         problem = _field_problem(item)
         if problem is not None:
             raise DumpError(f"rollout dump {path}: samples[{i}].{problem}")
+        item = {**item, **{k: _as_list(item[k]) for k in ("tokens", "loss_mask", "rollout_log_probs") if k in item}}
+        if isinstance(item.get("metadata"), dict) and TOKEN_VERSIONS in item["metadata"]:
+            item["metadata"] = {**item["metadata"], TOKEN_VERSIONS: _as_list(item["metadata"][TOKEN_VERSIONS])}
         try:
             sample = Sample.from_dict(item)
             sample.check()

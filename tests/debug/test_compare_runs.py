@@ -62,6 +62,21 @@ def test_not_a_metrics_file_is_a_clear_error(tmp_path):
         main([str(tmp_path), str(tmp_path / "bad.jsonl")])  # the run's folder instead of its metrics file
 
 
+def test_a_step_key_no_record_has_and_a_nan_rtol_are_errors(tmp_path):
+    import pytest
+
+    from slime_lite.errors import SlimeLiteError
+
+    other = [dict(r) for r in ROWS]
+    other[1]["train/loss"] = 9.0  # differs at rollout 0 only: with every row under one step the last would win
+    a, b = write(tmp_path / "a.jsonl", ROWS), write(tmp_path / "b.jsonl", other)
+    assert main([a, b]) == 1
+    with pytest.raises(SlimeLiteError, match="a.jsonl: no record has --step-key 'step'"):
+        main([a, b, "--step-key", "step"])
+    with pytest.raises(SlimeLiteError, match="--rtol nan must be a number >= 0"):
+        main([a, b, "--rtol", "nan"])
+
+
 def test_list_and_object_metrics_are_compared_entry_by_entry_within_the_tolerance(tmp_path):
     """mismatch/worst_tokens (a list of objects with floats): float noise is within rtol, as for scalars; a token
     that differs, or a list of another length, is a difference."""

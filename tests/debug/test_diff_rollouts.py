@@ -45,6 +45,19 @@ def test_finds_first_differing_token_and_other_fields(tmp_path: Path, samples_fa
     assert "IDENTICAL" not in out
 
 
+def test_a_loss_mask_difference_is_counted_when_log_probs_are_in_one_dump_only(tmp_path, samples_factory, capsys):
+    def edit(samples):
+        samples[1].loss_mask = [1, 0, 1][:samples[1].response_length]
+        for s in samples:
+            s.rollout_log_probs = None  # B has none: its note is that one
+
+    a, b = _pair(tmp_path, samples_factory, edit)
+    assert main([a, b]) == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("│ loss masks differ"))
+    assert "│ 1 (first: sample 1, loss_mask differs from response token 1" in row, row
+
+
 def test_small_logprob_noise_within_atol(tmp_path: Path, samples_factory, capsys) -> None:
     def edit(samples):
         samples[1].rollout_log_probs = [x + 1e-4 for x in samples[1].rollout_log_probs]

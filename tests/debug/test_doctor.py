@@ -156,6 +156,29 @@ def _samples(tok, responses: list[str], lp: float) -> tuple[list[Sample], list[l
     return out, lps
 
 
+def test_memory_after_a_release_or_offload_is_not_counted_as_more_processes():
+    """A colocated run also reports engine_released / actor_offloaded: the same processes (their lifetime RSS peaks
+    again). Actor and engine at 40% of RAM each and the manager at 2% leave 18% free: the headroom check passes."""
+    from types import SimpleNamespace
+
+    from slime_lite.debug.run_checks import TrainRun, _total_ram_mb, memory_checks
+
+    total = _total_ram_mb()
+    rec = {"perf/memory/actor/peak_rss_mb": 0.4 * total, "perf/memory/engine/peak_rss_mb": 0.4 * total,
+           "perf/memory/rollout_manager/peak_rss_mb": 0.02 * total,
+           "perf/memory/engine_released/peak_rss_mb": 0.4 * total,
+           "perf/memory/actor_offloaded/peak_rss_mb": 0.4 * total}
+    args = SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=1, critic_num_nodes=0, critic_num_gpus_per_node=0,
+                           rollout_num_gpus=1, rollout_num_gpus_per_engine=1, colocate=True, offload_train=True,
+                           offload_rollout=True)
+    checks = {c.name: c for c in memory_checks(TrainRun("/tmp", 0, 1.0, records={0: rec}), args)}
+    assert checks["memory_headroom"].passed and abs(checks["memory_headroom"].value - 0.18) < 1e-6
+    assert set(checks) == {"peak_memory/actor", "peak_memory/engine", "peak_memory/rollout_manager", "memory_headroom"}
+    rec["perf/memory/engine/peak_rss_mb"] = 0.6 * total  # 2% free: still caught
+    assert not {c.name: c for c in memory_checks(TrainRun("/tmp", 0, 1.0, records={0: rec}), args)}[
+        "memory_headroom"].passed
+
+
 def test_the_gibberish_score_separates_answers_from_noise(tiny_model_dir):
     from slime_lite.debug.on_task import repetition_rate
     from slime_lite.tokenizer import load_tokenizer

@@ -113,3 +113,46 @@ def test_group_rm_replays_a_group_reward_model_over_each_group(dump_template, tm
     out = capsys.readouterr().out
     assert sorted(calls) == [1, 2, 2]  # the train dump's two groups of two, the eval dump's one sample
     assert "3 rewards differ" in out  # every stored 1.0 but answer-2's differs from what the group model says
+
+
+def test_a_reward_key_no_reward_has_is_an_error_not_a_pass(tmp_path: Path, monkeypatch, capsys, samples_factory):
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    samples = samples_factory(1, 2)
+    for s in samples:
+        s.reward = {"acc": 1.0}
+    save_rollout_dump(template.format(rollout_id=0), 0, samples)
+    rm = _rm_module(tmp_path, monkeypatch, "def reward(args, sample):\n    return {'acc': 0.0}\n")
+    argv = ["--load-debug-rollout-data", template, "--custom-rm-path", rm, "--fail-on-diff", "--reward-key"]
+    assert main(argv + ["accuracy"]) == 2
+    assert "--reward-key 'accuracy' is not in the reward dict (keys: ['acc'])" in capsys.readouterr().err
+    assert main(argv + ["acc"]) == 1
+
+
+def test_remote_rm_and_per_row_rm_types_replay_as_they_trained(tmp_path: Path, monkeypatch, capsys, samples_factory):
+    """remote_rm needs no label (the reward model may not use one); rows that carry their rm_type need no
+    --rm-type. The remote reward model is a fake (an in-process function): no server runs here."""
+    import slime_lite.rollout.rewards as rewards
+
+    async def fake_remote(args, sample):
+        return 1.0
+
+    monkeypatch.setattr(rewards, "remote_reward", fake_remote)
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    samples = samples_factory(1, 2)
+    for s in samples:
+        s.label = None
+    save_rollout_dump(template.format(rollout_id=0), 0, samples)
+    base = ["--load-debug-rollout-data", template, "--fail-on-diff"]
+    assert main(base + ["--rm-type", "remote_rm", "--rm-url", "http://127.0.0.1:1/score"]) == 0
+    assert "all rewards are the same" in capsys.readouterr().out
+    samples = samples_factory(1, 2)  # label == response, stored reward 1.0
+    samples[1].label = "something else"
+    for s in samples:
+        s.metadata["rm_type"] = "addition"
+    save_rollout_dump(template.format(rollout_id=1), 1, samples)
+    assert main(base + ["--rollout-id", "1"]) == 1
+    assert "1 rewards differ" in capsys.readouterr().out
+    samples[0].metadata.pop("rm_type")  # a row without one, and no flag: named
+    save_rollout_dump(template.format(rollout_id=2), 2, samples)
+    assert main(base + ["--rollout-id", "2"]) == 2
+    assert "has no rm_type field; replay-reward needs --rm-type" in capsys.readouterr().err

@@ -253,8 +253,16 @@ def test_text_file_named_pt_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_slime_dump_with_tensor_tokens_loads(tmp_path: Path) -> None:
     path = tmp_path / "t_0.pt"
-    torch.save({"samples": [_raw(tokens=torch.tensor([5, 6, 7, 8]), loss_mask=torch.ones(2))]}, path)
-    assert load_rollout_dump(str(path)).samples[0].response_length == 2
+    torch.save({"samples": [_raw(tokens=torch.tensor([5, 6, 7, 8]), loss_mask=torch.ones(2),
+                                 rollout_log_probs=torch.tensor([-0.5, -0.25]))]}, path)
+    sample = load_rollout_dump(str(path)).samples[0]
+    assert sample.response_length == 2
+    # lists, as every reader (display-rollouts' stats, diff, explain, replay) takes them
+    assert sample.tokens == [5, 6, 7, 8] and sample.loss_mask == [1.0, 1.0]
+    assert sample.rollout_log_probs == [-0.5, -0.25]
+    from slime_lite.rollout.stats import _sample_logprob_mean
+
+    assert _sample_logprob_mean(sample) == -0.375
 
 
 def test_replay_checks_vocab_samples_and_rewards(tmp_path: Path) -> None:
