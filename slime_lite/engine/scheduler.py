@@ -41,7 +41,8 @@ from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.prefix_cache import PrefixCache
 from slime_lite.engine.request import Request, RequestOutput, abort_reason, rid_matches
-from slime_lite.engine.sampling import mix64, sample
+from slime_lite.engine.token_rules import TokenRulesMixin
+from slime_lite.engine.sampling import mix64
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
 from slime_lite.offload import TensorStash
@@ -50,7 +51,7 @@ from slime_lite.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(AdmissionMixin, ControlMixin):
+class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
     """Loads the model and runs the generation loop in a background thread (``start``/``stop``)."""
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "auto",
@@ -141,6 +142,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
         self._inbox: queue.Queue = queue.Queue()
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
+        self._stopped = False  # the model thread has ended: what arrives later is answered at once
         self.num_generated = 0
         # Work counters, only ever growing (the rollout manager reads /get_server_info before and after a rollout and
         # logs the differences as perf/rollout/engine_*): model-thread seconds spent stepping (prefill and decode,
@@ -160,10 +162,26 @@ class Scheduler(AdmissionMixin, ControlMixin):
         if self._thread is not None:
             self._inbox.put(("stop",))
             self._thread.join(timeout=30)
+            self._stopped = not self._thread.is_alive()
             self._thread = None
+            self._answer_stopped()
+
+    def _answer_stopped(self) -> None:
+        """Once the model thread has ended: what reached its inbox after ``stop`` (a request, a call) is answered
+        (aborted, or the call's future failed) instead of waiting forever."""
+        while self._stopped:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                self._finish(msg[1], abort_reason("engine shutting down"))
+            elif msg[0] == "call" and msg[3].set_running_or_notify_cancel():
+                msg[3].set_exception(RuntimeError("the engine has stopped"))
 
     def submit(self, req: Request) -> None:
         self._inbox.put(("add", req))
+        self._answer_stopped()
 
     def abort(self, rid: str | None = None, message: str = "aborted by /abort_request") -> None:
         """Abort the request ``rid`` and the ``rid_<i>`` requests a batch or ``n`` made of it, or every request
@@ -187,6 +205,7 @@ class Scheduler(AdmissionMixin, ControlMixin):
         """Run ``fn(*args)`` in the model thread between two steps."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", fn, args, fut))
+        self._answer_stopped()
         return fut
 
     def derive_seed(self, sampling_seed: int | None, rid: str | None, index: int = 0) -> int:
@@ -435,28 +454,6 @@ class Scheduler(AdmissionMixin, ControlMixin):
     def _collect(self) -> None:
         self._append(*self.pipeline.collect(self.running))
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float], list[Any]]:
-        """The general sampler (logit bias, truncation, ``min_new_tokens`` bans) over float32 ``logits`` of
-        ``reqs``; also each request's top / token-id log-probs (``logprobs.extras``; None when it asks none)."""
-        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
-        if biased:
-            logits = logits.clone()
-            for i in biased:
-                bias = reqs[i].params.logit_bias
-                logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-        banned = [self._banned(r) for r in reqs]
-        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                                  [len(r.output_ids) for r in reqs], banned if any(banned) else None)
-        tokens, logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()  # one device sync
-        extra: list[Any] = [None] * len(reqs)
-        for i, r in enumerate(reqs):
-            if r.top_logprobs_num or r.token_ids_logprob is not None:
-                t = 1.0 if r.params.greedy else r.params.temperature
-                top, ids = lpx.extras(torch.log_softmax(logits[i : i + 1].float() / t, dim=-1), r.top_logprobs_num,
-                                      r.token_ids_logprob)
-                extra[i] = (top and top[0], ids and ids[0])
-        return [int(t) for t in tokens], logprobs, extra
-
     def _append(self, reqs: list[Request], tokens: list[int], logprobs: list[float],
                 extra: list[Any] | None = None) -> None:
         self.num_generated += len(reqs)
@@ -475,27 +472,3 @@ class Scheduler(AdmissionMixin, ControlMixin):
                 self._finish(r, reason)
             elif r.stream:
                 self._emit(r)
-
-    def _banned(self, req: Request) -> list[int]:
-        """Below ``min_new_tokens``: the stop token ids and eos, ``ignore_eos`` or not (SGLang's penalizer)."""
-        if len(req.output_ids) >= req.params.min_new_tokens:
-            return []
-        ids = set(req.params.stop_token_ids) | self.eos_ids
-        return sorted(i for i in ids if 0 <= i < self.lm.vocab_size)
-
-    def _check_finished(self, req: Request, tok: int) -> dict[str, Any] | None:
-        """SGLang's order: stop strings first, then stop token ids / eos (neither under ``ignore_eos``), then the
-        length; so eos as the last allowed token is a stop. Stop strings are looked for in the text with special
-        tokens, whatever ``skip_special_tokens`` says (SGLang decodes the tail that way)."""
-        p = req.params
-        if p.stop:  # the tail in tokens: a character may take up to 4 (byte-level tokens), so a string its bytes
-            window = max(len(s.encode("utf-8")) for s in p.stop) + 8
-            tail = self.decode(req.output_ids[-window:], False)
-            for s in p.stop:
-                if s in tail:
-                    return {"type": "stop", "matched": s}
-        if not p.ignore_eos and (tok in p.stop_id_set or tok in self.eos_ids):
-            return {"type": "stop", "matched": tok}
-        if len(req.output_ids) >= req.max_new:
-            return {"type": "length", "length": len(req.output_ids)}
-        return None

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slime_lite.engine.request import Request
+from slime_lite.engine.request import Request, abort_reason
 from slime_lite.engine.sampling import SamplingParams
 from slime_lite.engine.scheduler import Scheduler
 
@@ -129,3 +129,13 @@ def test_batch_slots_hold_a_runs_long_responses_and_a_cap_is_warned(tiny_model_d
     assert req.max_new == 16384 - 100 + 1
     warned = [r.getMessage() for r in caplog.records if "capped" in r.getMessage()]
     assert len(warned) == 1 and "--engine-kv-cache-tokens" in warned[0] and "logged once" in warned[0]
+
+
+def test_a_stopped_engine_answers_requests_and_calls_instead_of_leaving_them_waiting(tiny_model_dir):
+    sch = Scheduler(tiny_model_dir, device="cpu", max_running_requests=2, kv_cache_tokens=256)
+    sch.start()
+    sch.stop()
+    req, done = _submit(sch, [10, 11, 12], max_new_tokens=4)
+    assert done.wait(5) and req.finish_reason == abort_reason("engine shutting down")
+    with pytest.raises(RuntimeError, match="the engine has stopped"):
+        sch.call(lambda: 1).result(5)

@@ -1,0 +1,64 @@
+"""What a decode step's next token is and whether it ends a request, as SGLang decides both.
+
+A mixin of ``Scheduler`` (scheduler.py), run in its model thread: the general sampler (logit bias, truncation, the
+``min_new_tokens`` bans, top / token-id log-probs) and the finish rules (stop strings, stop token ids and eos, the
+length), using its ``lm``, ``eos_ids`` and ``decode``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slime_lite.engine import logprobs as lpx
+from slime_lite.engine.request import Request
+from slime_lite.engine.sampling import sample
+
+
+class TokenRulesMixin:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float], list[Any]]:
+        """The general sampler (logit bias, truncation, ``min_new_tokens`` bans) over float32 ``logits`` of
+        ``reqs``; also each request's top / token-id log-probs (``logprobs.extras``; None when it asks none)."""
+        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased:
+            logits = logits.clone()
+            for i in biased:
+                bias = reqs[i].params.logit_bias
+                logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        banned = [self._banned(r) for r in reqs]
+        tokens, logprobs = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                                  [len(r.output_ids) for r in reqs], banned if any(banned) else None)
+        tokens, logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()  # one device sync
+        extra: list[Any] = [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if r.top_logprobs_num or r.token_ids_logprob is not None:
+                t = 1.0 if r.params.greedy else r.params.temperature
+                top, ids = lpx.extras(torch.log_softmax(logits[i : i + 1].float() / t, dim=-1), r.top_logprobs_num,
+                                      r.token_ids_logprob)
+                extra[i] = (top and top[0], ids and ids[0])
+        return [int(t) for t in tokens], logprobs, extra
+
+    def _banned(self, req: Request) -> list[int]:
+        """Below ``min_new_tokens``: the stop token ids and eos, ``ignore_eos`` or not (SGLang's penalizer)."""
+        if len(req.output_ids) >= req.params.min_new_tokens:
+            return []
+        ids = set(req.params.stop_token_ids) | self.eos_ids
+        return sorted(i for i in ids if 0 <= i < self.lm.vocab_size)
+
+    def _check_finished(self, req: Request, tok: int) -> dict[str, Any] | None:
+        """SGLang's order: stop strings first, then stop token ids / eos (neither under ``ignore_eos``), then the
+        length; so eos as the last allowed token is a stop. Stop strings are looked for in the text with special
+        tokens, whatever ``skip_special_tokens`` says (SGLang decodes the tail that way)."""
+        p = req.params
+        if p.stop:  # the tail in tokens: a character may take up to 4 (byte-level tokens), so a string its bytes
+            window = max(len(s.encode("utf-8")) for s in p.stop) + 8
+            tail = self.decode(req.output_ids[-window:], False)
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if not p.ignore_eos and (tok in p.stop_id_set or tok in self.eos_ids):
+            return {"type": "stop", "matched": tok}
+        if len(req.output_ids) >= req.max_new:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
