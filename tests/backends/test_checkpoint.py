@@ -79,6 +79,44 @@ def test_saved_state_round_trips_through_a_weights_only_load(tmp_path: Path, cap
     with pytest.raises(SlimeLiteError, match=r"--load .*2 weight\(s\) in another dtype .*weight: float32 saved, "
                                              r"bfloat16 here.*--hf-checkpoint .*iter_0000000/hf"):
         checkpoint.load(_actor(bf16, torch.optim.Adam(bf16.parameters())), str(root))
+    state["lora"] = {"rank": 8, "alpha": 16.0}  # a LoRA checkpoint exports its adapter, not hf/
+    _checkpoint(tmp_path / "lora", checkpoint.plain_state(state))
+    with pytest.raises(SlimeLiteError, match=r"--lora-adapter-path .*iter_0000000/adapter\.$"):
+        checkpoint.load(_actor(bf16, torch.optim.Adam(bf16.parameters())), str(tmp_path / "lora"))
+    critic = _actor(bf16, torch.optim.Adam(bf16.parameters()))
+    critic.role = "critic"  # no export at all
+    _checkpoint(tmp_path / "c" / "critic", checkpoint.plain_state(state))
+    with pytest.raises(SlimeLiteError, match=r"Resume with the same --bf16\.$"):
+        checkpoint.load(critic, str(tmp_path / "c"))
+    wider = torch.nn.Linear(3, 4)  # another model: a clear error, not load_state_dict's size mismatch
+    with pytest.raises(SlimeLiteError, match=r"holds weight of shape \[2, 3\] and this run's model has \[4, 3\].*"
+                                             r"--hf-checkpoint"):
+        checkpoint.load(_actor(wider, torch.optim.Adam(wider.parameters())), str(root))
+
+
+def test_a_resume_with_other_parameters_frozen_is_refused_not_given_their_optimizer_state(tmp_path: Path) -> None:
+    """Adam's state is restored by position over the trainable parameters: frozen ones changed, it would go to
+    other parameters (or fail to load) without a word."""
+    def model_and_opt(frozen: str):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+        for n, p in model.named_parameters():
+            p.requires_grad_(not n.startswith(frozen))
+        return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+
+    model, opt = model_and_opt("0.")
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    def critic(model, opt):  # a critic's save writes no HF export: the save runs on this fake actor as it is
+        out = _actor(model, opt)
+        out.role = "critic"
+        return out
+
+    checkpoint.save(critic(model, opt), str(tmp_path / "ckpt"), 0, None)
+    assert checkpoint.load(critic(*model_and_opt("0.")), str(tmp_path / "ckpt"))["next_rollout_id"] == 1
+    with pytest.raises(SlimeLiteError, match=r"trained with other parameters frozen \(0\.bias was frozen then\).*"
+                                             r"--freeze-params-name-list / --only-train-params-name-list"):
+        checkpoint.load(critic(*model_and_opt("1.")), str(tmp_path / "ckpt"))
 
 
 def test_plain_state_names_what_a_weights_only_load_could_not_read() -> None:

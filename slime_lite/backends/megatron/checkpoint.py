@@ -126,6 +126,7 @@ def _write_parts(actor: Any, tmp: str, final: str, rollout_id: int, data_state: 
         "data_state": data_state,
         "layout": _layout(actor),
         "lora": _lora_layout(actor),
+        "trainable": sorted(_trainable(actor.model)),  # the optimizer state is by position over these
     }
     if a.ref_update_interval and getattr(actor, "ref_state", None) is not None:  # the reference moves: keep it
         state["reference"] = actor.ref_state
@@ -298,12 +299,14 @@ def load(actor: Any, root: str) -> dict[str, Any]:
              if torch.is_tensor(v) and torch.is_tensor(current.get(k)) and v.dtype != current[k].dtype]
     if other:  # the optimizer state would not match either (which parameters have float32 master copies)
         k, saved, now = other[0]
+        start = ("" if actor.role != "actor" else " or start from its export (weights only; the optimizer starts "
+                 "afresh): " + (f"--lora-adapter-path {path}/adapter" if state.get("lora")
+                                else f"--hf-checkpoint {path}/hf"))
         raise SlimeLiteError(
             f"--load {root}: {file} holds {len(other)} weight(s) in another dtype than this run's model (e.g. {k}: "
             f"{str(saved).removeprefix('torch.')} saved, {str(now).removeprefix('torch.')} here): it was saved with "
             "another --bf16 setting, or by a slime-lite from before 2026-12-01 whose bf16 models kept their norms in "
-            f"float32. Resume with the same --bf16, or start from its HF export: --hf-checkpoint {path}/hf "
-            "(weights only; the optimizer starts afresh).")
+            f"float32. Resume with the same --bf16{start}.")
     lora_on = getattr(actor, "lora", None) is not None
     saved_lora = any(ADAPTER_MARK in k for k in state["model"])
     if lora_on != saved_lora:
@@ -316,12 +319,26 @@ def load(actor: Any, root: str) -> dict[str, Any]:
                              f"--lora-alpha {saved_layout['alpha']:g} and this run has --lora-rank {layout['rank']} "
                              f"--lora-alpha {layout['alpha']:g} (the adapters are scaled by alpha/rank): resume with "
                              f"--lora-rank {saved_layout['rank']} --lora-alpha {saved_layout['alpha']:g}.")
+    shaped = next(((k, v.shape, current[k].shape) for k, v in state["model"].items() if torch.is_tensor(v)
+                   and torch.is_tensor(current.get(k)) and v.shape != current[k].shape), None)
+    if shaped is not None:
+        k, saved, now = shaped
+        raise SlimeLiteError(f"--load {root}: {file} holds {k} of shape {list(saved)} and this run's model has "
+                             f"{list(now)}: the checkpoint was trained from another model. Resume with the "
+                             "--hf-checkpoint (and --lora-* flags) it was trained with.")
     # the module's own load (Megatron's DDP wrapper returns no missing keys); LoRA: the base is not saved
     result = unwrap(actor.model).load_state_dict(state["model"], strict=not lora_on)
     absent = [k for k in result.missing_keys if k in _trainable(actor.model)] + list(result.unexpected_keys)
     if absent:
         raise SlimeLiteError(f"--load {root}: {file} and this run's adapters differ (e.g. {absent[0]}): resume with "
                              "the same --lora-target-modules.")
+    trained, now_trained = state.get("trainable"), sorted(_trainable(actor.model))
+    if trained is not None and trained != now_trained:  # checkpoints before 2026-12-06 have no list
+        k = next(iter(sorted(set(trained) ^ set(now_trained))))
+        raise SlimeLiteError(f"--load {root}: {file} was trained with other parameters frozen ({k} "
+                             f"{'trained' if k in trained else 'was frozen'} then): its optimizer state would go to "
+                             "other parameters. Resume with the same --freeze-params-name-list / "
+                             "--only-train-params-name-list.")
     from slime_lite.backends.megatron.optimizer_offload import check_param_state, load_param_state
 
     check_param_state(actor.optimizer, state.get("optimizer_param_state"), f"--load {root}: {file}")
