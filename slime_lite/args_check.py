@@ -14,6 +14,7 @@ from slime_lite.backends.megatron.train_dump import check_train_template
 from slime_lite.config import EngineConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
+from slime_lite.model_families import read_config
 from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template, dump_path
 from slime_lite.args_async import check_async_train, check_fully_async, check_partial_rollout
@@ -197,6 +198,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if not os.path.exists(os.path.join(args.hf_checkpoint, "config.json")):
         raise SlimeLiteError(
             f"--hf-checkpoint {args.hf_checkpoint} has no config.json: not a Hugging Face model folder.")
+    read_config(args.hf_checkpoint)  # JSON, an object, its sizes ints: every later reader may rely on it
 
     check_slime_flags(args)
     _need_file(args.ref_load, "--ref-load")

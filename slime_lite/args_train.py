@@ -5,7 +5,6 @@ trains nothing. The flag rules of the whole run are in args_check.py."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
@@ -16,7 +15,7 @@ from slime_lite.backends.megatron.lora_config import check_lora_args
 from slime_lite.config import TokenBudget, has_reference_model, periodic
 from slime_lite.errors import SlimeLiteError
 from slime_lite.flag_types import nonneg_float, positive_int, unit_float
-from slime_lite.model_families import FAMILIES, moe_config
+from slime_lite.model_families import FAMILIES, moe_config, read_config
 
 log = logging.getLogger("slime_lite.args")
 
@@ -209,7 +208,7 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
                                  "--save-interval N, or drop --save-hf.")
         try:
             first = args.save_hf.format(rollout_id=0)
-        except (KeyError, IndexError, ValueError) as exc:
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
             raise SlimeLiteError(f"--save-hf {args.save_hf}: the only placeholder it takes is {{rollout_id}} "
                                  f"({type(exc).__name__}: {exc}).") from None
         _check_save_hf_apart(args, first)
@@ -274,8 +273,7 @@ def world_size(args: Any) -> int:
 
 
 def _check_model_split(args: argparse.Namespace, tp: int, pp: int) -> None:
-    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
+    cfg = read_config(args.hf_checkpoint)
     heads = cfg.get("num_attention_heads")
     kv = cfg.get("num_key_value_heads", heads)
     layers = cfg.get("num_hidden_layers")
@@ -418,8 +416,7 @@ def validate_train_args(args: argparse.Namespace) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     check_optimizer_offload(args)
     _check_model_split(args, tp, pp)
-    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
-        check_lora_args(args, json.load(f))
+    check_lora_args(args, read_config(args.hf_checkpoint))
     if world % (tp * pp):
         raise SlimeLiteError(
             f"--actor-num-nodes x --actor-num-gpus-per-node = {world} is not divisible by "

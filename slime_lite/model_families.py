@@ -4,6 +4,8 @@ refusal for any other architecture (run before Ray starts, and again where each 
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -133,3 +135,28 @@ def partial_rotary_factor(cfg: Any) -> float:
     if family is not None and family.partial_rotary is None:
         return 1.0
     return float(rope_parameters(cfg).get("partial_rotary_factor", family.partial_rotary if family else 1.0))
+
+
+# config.json sizes both sides compute with: an int when given (intermediate_size may be 0 in MoE configs)
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+          "vocab_size", "max_position_embeddings", "head_dim")
+
+
+def read_config(folder: str, flag: str = "--hf-checkpoint") -> dict[str, Any]:
+    """``folder``'s config.json as a dict, its sizes checked to be positive ints; else a SlimeLiteError naming the
+    file (not JSON, not an object, a size such as ``"4"``) instead of a traceback wherever it is first read."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as exc:
+        raise SlimeLiteError(f"{flag} {path}: cannot be read ({exc.strerror or exc}).") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise SlimeLiteError(f"{flag} {path}: not a JSON file ({exc}); give a Hugging Face model folder.") from None
+    if not isinstance(cfg, dict):
+        raise SlimeLiteError(f"{flag} {path}: holds a JSON {type(cfg).__name__}, not the model's config object.")
+    for key in _SIZES:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (key == "intermediate_size")):
+            raise SlimeLiteError(f"{flag} {path}: {key} is {v!r}; it must be a positive integer.")
+    return cfg

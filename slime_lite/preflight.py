@@ -5,7 +5,6 @@ later it costs a rollout (or a whole run) and ends in a traceback."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
@@ -18,9 +17,9 @@ from slime_lite.config import TokenBudget, TrainSideConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION, REPLAY_HOOKS, SIGNATURES, TRAIN_HOOKS, load_hook
 from slime_lite.io import probe_folder
-from slime_lite.model_families import check_family, check_trainable, num_experts
+from slime_lite.model_families import check_family, check_trainable, num_experts, read_config
 from slime_lite.profiling import profile_targets, trace_dir
-from slime_lite.rollout.data import DataKeys, check_renders, read_prompts
+from slime_lite.rollout.data import DataKeys, check_renders, drop_long_prompts, read_prompts
 from slime_lite.rollout.dumps import dump_path
 from slime_lite.rollout.rewards import check_data_labels, check_data_rm_types
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
@@ -37,9 +36,14 @@ def preflight(args: Any) -> None:
     check_profiling_device(args)
     check_grad_norm_file(args)
     if args.load and not args.debug_rollout_only:  # a corrupt or crafted checkpoint: refused before Ray starts
-        from slime_lite.backends.megatron.checkpoint import check_loadable  # torch: only with --load
+        from slime_lite.backends.megatron.checkpoint import check_loadable, iteration, latest  # torch: with --load
 
         check_loadable(args.load, TrainSideConfig.from_args(args).has_critic)
+        done = latest(args.load)
+        if done is not None and iteration(done) + 1 >= args.num_rollout:  # else the run would start, train nothing
+            raise SlimeLiteError(f"--load {args.load}: its checkpoint {done} has trained rollouts up to "
+                                 f"{iteration(done)}, and --num-rollout {args.num_rollout} ends there: nothing is "
+                                 "left to train. Raise --num-rollout to train on, or give --load a folder of its own.")
     if args.load_debug_rollout_data:
         check_replay_dumps(args)
         check_replay_keeps_train_dumps(args)
@@ -62,6 +66,9 @@ def check_prompt_data(args: Any) -> None:
         if args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION and not args.custom_generate_function_path:
             check_data_labels(args, prompts, where, keys.label_flag)  # (a hook may score without the label)
         check_renders(prompts, tokenizer, args, where)
+        limit, limit_flag = ((args.rollout_max_prompt_len, "--rollout-max-prompt-len") if flag == "--prompt-data"
+                             else (args.eval_max_prompt_len, "--eval-max-prompt-len"))
+        drop_long_prompts(prompts, limit, tokenizer, args, f"{where} with {limit_flag}")  # none left: an error
 
 
 def check_replay_keeps_train_dumps(args: Any) -> None:
@@ -115,12 +122,38 @@ def check_model_family(args: Any) -> None:
         sides.append("the embedded engine cannot serve it (--rollout-backend sglang can)")
     if not sides:
         return
+    files = os.listdir(args.hf_checkpoint)
+    if not any(f.endswith(".safetensors") for f in files) and (not args.debug_rollout_only or not any(
+            f.startswith("pytorch_model") and f.endswith(".bin") for f in files)):
+        raise SlimeLiteError(f"--hf-checkpoint {args.hf_checkpoint} holds no weights (*.safetensors"
+                             f"{'' if not args.debug_rollout_only else ' or pytorch_model*.bin'}): give the folder "
+                             "the model was saved to (save_pretrained writes config.json and the weights).")
     path = os.path.join(args.hf_checkpoint, "config.json")
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    cfg = read_config(args.hf_checkpoint)
+    check_generation_limits(args, cfg)
     check_family(cfg, f"--hf-checkpoint {path}", "; ".join(sides))
     if not args.debug_rollout_only:
         check_trainable(cfg, f"--hf-checkpoint {path}")
+
+
+def check_generation_limits(args: Any, cfg: dict[str, Any]) -> None:
+    """Stop token ids inside the vocabulary and, where the embedded engine generates, a response length its context
+    (config.json's max_position_embeddings) holds with a prompt token; else every request would be refused (HTTP
+    400) after the trainer and the engines started."""
+    if args.debug_train_only:
+        return
+    context, vocab = cfg.get("max_position_embeddings"), cfg.get("vocab_size")
+    embedded = args.rollout_backend == "embedded" and not args.rollout_external_engine_addrs
+    for flag, value in (("--rollout-max-response-len", args.rollout_max_response_len),
+                        ("--eval-max-response-len", args.eval_max_response_len)):
+        if embedded and context and value is not None and value >= context:
+            raise SlimeLiteError(f"{flag} {value}: the model's context ({context} tokens, max_position_embeddings "
+                                 f"of --hf-checkpoint {args.hf_checkpoint}) holds no prompt with such a response; "
+                                 f"give at most {context - 1} (minus the longest prompt).")
+    bad = [t for t in (args.rollout_stop_token_ids or []) if vocab and t >= vocab]
+    if bad:
+        raise SlimeLiteError(f"--rollout-stop-token-ids {' '.join(map(str, bad))}: outside the model's vocabulary "
+                             f"(vocab_size {vocab} in --hf-checkpoint {args.hf_checkpoint}'s config.json).")
 
 
 def output_folders(args: Any) -> list[tuple[str, str]]:
@@ -278,8 +311,7 @@ def check_routed_experts(args: Any, samples: list, path: str) -> None:
                              "more) has no rollout_routed_experts (its engine did not return them); replay a "
                              "dump made with --use-rollout-routing-replay, or use --use-routing-replay, which "
                              "records the trainer's own routing instead.")
-    with open(os.path.join(args.hf_checkpoint, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
+    cfg = read_config(args.hf_checkpoint)
     layers, top_k, experts = cfg.get("num_hidden_layers"), cfg.get("num_experts_per_tok"), num_experts(cfg)
     if not (layers and top_k and experts):  # not an MoE config: the flag checks refused the run already
         return

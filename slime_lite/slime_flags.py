@@ -15,14 +15,14 @@ Three kinds, each in one table here (args.py adds them to the ``train`` parser, 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.model_families import FAMILIES, num_experts, partial_rotary_factor, qkv_bias, rope_parameters
+from slime_lite.model_families import (FAMILIES, num_experts, partial_rotary_factor, qkv_bias, read_config,
+                                       rope_parameters)
 from slime_lite.slime_flags_refused import REFUSED
 
 STORE_TRUE = {"action": "store_true", "default": None}
@@ -38,11 +38,11 @@ def layer_freq(text: str) -> int | list[int]:
     m = re.fullmatch(r"\[([01])\]\*(\d+)", t)
     if m:
         return [int(m.group(1))] * int(m.group(2))
-    if re.fullmatch(r"\d+", t):
+    if re.fullmatch(r"\d+", t) and int(t) >= 1:
         return int(t)
     if re.fullmatch(r"\[[01](,[01])*\]", t):
         return [int(x) for x in t[1:-1].split(",")]
-    raise argparse.ArgumentTypeError(f"{text!r}: expected N, a list like [1,1,0,1] or ([1]*48)")
+    raise argparse.ArgumentTypeError(f"{text!r}: expected N >= 1, a list like [1,1,0,1] or ([1]*48)")
 
 
 def _moe_layers(freq: int | list[int], num_layers: int | None) -> list[int] | None:
@@ -278,8 +278,7 @@ def check_architecture(args: argparse.Namespace) -> None:
     if not given:
         return
     path = os.path.join(args.hf_checkpoint, "config.json")
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    cfg = read_config(args.hf_checkpoint)
     want = hf_values(cfg)
     model_type = cfg.get("model_type")
     problems = []

@@ -128,9 +128,11 @@ def test_template_needs_rollout_id(base, flag):
 
 
 @pytest.mark.parametrize("flag", ["--save-debug-rollout-data", "--load-debug-rollout-data"])
-@pytest.mark.parametrize("template", ["d_{rollout_id}_{rank}.pt", "d_{rollout_id}_{}.pt", "d_{rollout_id}_{.pt"])
+@pytest.mark.parametrize("template", ["d_{rollout_id}_{rank}.pt", "d_{rollout_id}_{}.pt", "d_{rollout_id}_{.pt",
+                                      "d_{rollout_id:03d}.pt", "d_{rollout_id.real}.pt", "d_{rollout_id[0]}.pt"])
 def test_template_with_another_placeholder_is_refused_before_any_work(base, flag, template):
-    """Not at the first dump (a KeyError after a whole rollout was generated), nor as a traceback in preflight."""
+    """Not at the first dump (a KeyError after a whole rollout was generated; a format spec at the first eval dump,
+    which fills the placeholder with 'eval_N'), nor as a traceback in preflight."""
     extra = ["--debug-rollout-only"] if flag.startswith("--save") else []
     msg = err(base + extra + [flag, template])
     assert f"{flag} {template!r} is not a valid template" in msg and "only the '{rollout_id}' placeholder" in msg
@@ -149,6 +151,9 @@ def test_a_replay_train_dump_never_overwrites_the_dumps_it_replays(base):
     msg = err(base + ["--load-debug-rollout-data", "d/{rollout_id}_1.pt", "--save-debug-train-data",
                       "d/{rollout_id}_{rank}.pt", "--actor-num-gpus-per-node", "2"])  # rank 1's file
     assert "would overwrite a rollout dump" in msg
+    msg = err(base + ["--load-debug-rollout-data", "d/{rollout_id}.pt", "--save-debug-train-data",
+                      "t/{rollout_id.x}_{rank}.pt"])  # an AttributeError: named, not a traceback
+    assert "--save-debug-train-data t/{rollout_id.x}_{rank}.pt: not a valid template (AttributeError" in msg
 
 
 def test_save_and_load_paths_differ(base):
@@ -565,3 +570,19 @@ def test_num_epoch_saves_and_evaluates_at_each_epochs_end(tmp_path):
     assert [i for i in range(8) if rollout.evaluates_after(i)] == [2, 3, 5, 7]
     args.num_rollout_per_epoch = None  # --num-rollout given: no epochs
     assert [i for i in range(8) if TrainSideConfig.from_args(args).saves_after(i)] == [2, 5, 7]
+
+
+def test_a_zero_moe_layer_freq_is_refused_by_the_parser(base, capsys):
+    with pytest.raises(SystemExit):  # it was a ZeroDivisionError
+        parse_args(base + ["--moe-layer-freq", "0"])
+    assert "argument --moe-layer-freq: '0': expected N >= 1" in capsys.readouterr().err
+
+
+def test_any_rollout_seed_gives_sampling_seeds_within_int64() -> None:
+    """SGLang (and the embedded engine) refuse a sampling_seed outside int64: a --rollout-seed of 10^13 failed every
+    request; the seeds of a small seed are what they were."""
+    from slime_lite.rollout.generate import seed_base
+
+    assert seed_base(42, 3 * 100_003) == 42 * 1_000_003 + 3 * 100_003
+    for seed in (10**13, -(10**13), 2**70):
+        assert 0 <= seed_base(seed, 7 * 100_003) + 10_000 < 2**63

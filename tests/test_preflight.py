@@ -365,3 +365,63 @@ def test_rows_without_labels_pass_where_a_hook_generates_the_samples(tiny_model_
     preflight(parse_args(base + ["--custom-generate-function-path", "slime_lite.rollout.calc_task.generate"]))
     with pytest.raises(SlimeLiteError, match="no label"):
         preflight(parse_args(base))
+
+
+def test_limits_every_request_would_be_refused_for_are_refused_before_ray(tiny_model_dir, tmp_path) -> None:
+    """Each of these passed the checks and failed after the trainer and the engines had started: a response the
+    model's context cannot hold, a stop token id outside the vocabulary, a prompt limit that leaves no prompt."""
+    import json
+
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    context, vocab = cfg["max_position_embeddings"], cfg["vocab_size"]
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition", *RUN]
+    preflight(parse_args(base + ["--rollout-max-response-len", str(context - 1), "--rollout-stop-token-ids",
+                                 str(vocab - 1), "--rollout-max-prompt-len", "64"]))
+    with pytest.raises(SlimeLiteError, match=rf"--rollout-max-response-len {context}: the model's context"):
+        preflight(parse_args(base + ["--rollout-max-response-len", str(context)]))
+    with pytest.raises(SlimeLiteError, match=rf"--eval-max-response-len {context}: the model's context"):
+        preflight(parse_args(base + ["--eval-max-response-len", str(context)]))
+    with pytest.raises(SlimeLiteError, match=rf"--rollout-stop-token-ids {vocab}: outside the model's vocabulary"):
+        preflight(parse_args(base + ["--rollout-stop-token-ids", "3", str(vocab)]))
+    with pytest.raises(SlimeLiteError, match=r"with --rollout-max-prompt-len: every prompt is longer than 1 tokens"):
+        preflight(parse_args(base + ["--rollout-max-prompt-len", "1"]))
+    with pytest.raises(SlimeLiteError, match=r"eval.jsonl with --eval-max-prompt-len: every prompt is longer"):
+        (tmp_path / "eval.jsonl").write_text(data.read_text())
+        preflight(parse_args(base + ["--eval-prompt-data", "e", str(tmp_path / "eval.jsonl"),
+                                     "--eval-max-prompt-len", "1"]))
+
+
+def test_a_model_folder_without_weights_or_with_a_broken_config_is_named(tiny_model_dir, tmp_path) -> None:
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    with pytest.raises(SlimeLiteError, match=rf"--hf-checkpoint {bare} holds no weights \(\*\.safetensors\)"):
+        preflight(parse_args(["--hf-checkpoint", str(bare), "--prompt-data", str(data), "--rm-type", "addition",
+                              *RUN]))
+    for text, problem in (("{not json", "not a JSON file"), ("[1, 2]", "holds a JSON list"),
+                          ('{"num_attention_heads": "4"}', "num_attention_heads is '4'; it must be a positive")):
+        (bare / "config.json").write_text(text)
+        with pytest.raises(SlimeLiteError, match=rf"--hf-checkpoint {bare}/config.json: {problem}"):
+            parse_args(["--hf-checkpoint", str(bare), "--rm-type", "addition", *RUN])
+
+
+def test_a_resume_whose_checkpoint_already_trained_every_rollout_is_refused(tiny_model_dir, tmp_path) -> None:
+    from slime_lite.backends.megatron.checkpoint import plain_state
+
+    root = tmp_path / "ckpt"
+    (root / "iter_0000001").mkdir(parents=True)
+    torch.save(plain_state({"model": {}, "optimizer": {}, "rng": {"cpu": torch.get_rng_state(), "cuda": None},
+                            "next_rollout_id": 2, "data_state": None}), root / "iter_0000001" / "rank_000.pt")
+    (root / "latest").write_text("iter_0000001")
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--load", str(root)]
+    preflight(parse_args(base + ["--num-rollout", "3"]))  # rollout 2 is left
+    with pytest.raises(SlimeLiteError, match=r"has trained rollouts up to 1, and --num-rollout 2 ends there"):
+        preflight(parse_args(base + ["--num-rollout", "2"]))

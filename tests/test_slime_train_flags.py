@@ -44,6 +44,8 @@ def test_rules_name_the_flag_and_the_fix(base, tmp_path):
     assert "add --save DIR and --save-interval N" in err(base + ["--save-hf", "/x/{rollout_id}"])
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
     assert "only placeholder it takes is {rollout_id}" in err(base + save + ["--save-hf", "/x/{step}"])
+    for bad in ("/x/{rollout_id.x}", "/x/{rollout_id[1]}"):  # AttributeError / TypeError: named, no traceback
+        assert "only placeholder it takes is {rollout_id}" in err(base + save + ["--save-hf", bad])
     assert "which is or holds --hf-checkpoint" in err(base + save + ["--save-hf", base[1]])
     # an export replaces its folder: never one that is or holds the checkpoints or a model the run reads
     assert f"writes {tmp_path / 'ckpt'}, which is or holds --save" in err(base + save + ["--save-hf",

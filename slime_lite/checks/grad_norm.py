@@ -43,7 +43,7 @@ def grad_norm_path(template: str, role: str, rollout_id: int, step: int) -> str:
     """The file of one step: ``template`` with slime's placeholders filled (a plain path is itself)."""
     try:
         return template.format(role=role, rollout_id=rollout_id, step_id=step)
-    except (KeyError, IndexError, ValueError) as exc:
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
         raise SlimeLiteError(
             f"grad-norm path {template!r}: only the placeholders {{role}}, {{rollout_id}} and {{step_id}} are "
             f"filled ({exc!r}); escape other braces as {{{{ }}}}.") from None

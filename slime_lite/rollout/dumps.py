@@ -11,6 +11,8 @@ import collections
 import itertools
 import math
 import os
+import re
+import string
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -42,9 +44,15 @@ class RolloutDump:
 
 def check_template(template: str, flag: str) -> None:
     """A dump path template must contain ``{rollout_id}`` (or every rollout would write, or read, one file) and no
-    other placeholder (it would stop the run at its first dump); a glob is not a template."""
+    other placeholder, nor a format spec (both would stop the run at a dump: eval dumps fill it with ``eval_N``); a
+    glob is not a template."""
     example = f"{template.rsplit('.', 1)[0]}_{{rollout_id}}.pt"
-    if "{rollout_id}" not in template:
+    try:  # {rollout_id:03d} names it too (and is refused below)
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+        has_id = any(re.match(r"rollout_id(?!\w)", name) for name in names)
+    except ValueError:
+        has_id = "{rollout_id}" in template
+    if not has_id:
         if any(c in template for c in "*?["):
             folder = os.path.dirname(template) or "."
             raise SlimeLiteError(
@@ -58,10 +66,12 @@ def check_template(template: str, flag: str) -> None:
         )
     try:
         template.format(rollout_id=0)
-    except (KeyError, IndexError, ValueError) as exc:
+        template.format(rollout_id="eval_0")
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
         raise SlimeLiteError(
             f"{flag} {template!r} is not a valid template ({type(exc).__name__}: {exc}): only the '{{rollout_id}}' "
-            "placeholder can be used (a literal brace is written '{{' or '}}').") from None
+            "placeholder can be used, without a format spec (eval dumps fill it with 'eval_N'; a literal brace is "
+            "written '{{' or '}}').") from None
 
 
 def dump_path(template: str, rollout_id: int, evaluation: bool = False) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 from slime_lite.engine_client import request_json
 from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout import dumps
-from slime_lite.rollout.generate import sampling_params
+from slime_lite.rollout.generate import sampling_params, seed_base
 from slime_lite.rollout.oversample import MAX_SUBMITS, complete
 from slime_lite.rollout.turns import mask_older
 from slime_lite.types import TOKEN_VERSIONS, Sample, version_number
@@ -148,12 +148,12 @@ class FullyAsyncWorker:
 
     async def _loop(self) -> None:
         params = sampling_params(self.config)
-        seed_base = self.config.rollout_seed * 1_000_003 + 500_009
+        base = seed_base(self.config.rollout_seed, 500_009)
         while True:
             while len(self.in_flight) + len(self.finished) < self.capacity:
                 group = self._next_group()
                 sent = [dumps.plain_sample(s) for s in group]
-                self.in_flight[asyncio.ensure_future(self.gen.over._run(group, params, seed_base))] = sent
+                self.in_flight[asyncio.ensure_future(self.gen.over._run(group, params, base))] = sent
             self.room.clear()
             waiter = asyncio.ensure_future(self.room.wait())  # full: a rollout takes some
             done, _ = await asyncio.wait([*self.in_flight, waiter], return_when=asyncio.FIRST_COMPLETED)

@@ -176,6 +176,13 @@ def keep_flag(filter_fn: Callable[..., Any]) -> Callable[..., bool]:
     return keep
 
 
+def seed_base(rollout_seed: int, salt: int) -> int:
+    """The base of a rollout's sampling seeds (each sample adds its index): --rollout-seed mixed with ``salt`` (the
+    rollout id's share, or fully async generation's), kept within int64 (SGLang and the embedded engine refuse a
+    sampling_seed outside it) whatever --rollout-seed is."""
+    return (rollout_seed * 1_000_003 + salt) % (1 << 62)
+
+
 class Generator:
     """Generates groups of samples for a rollout (with dynamic sampling) or for an eval set."""
 
@@ -278,10 +285,10 @@ class Generator:
         params = sampling_params(a)
         self.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
         self.first_sent = self.last_back = None
-        seed_base = a.rollout_seed * 1_000_003 + rollout_id * 100_003  # resumable: (seed, rollout id, position)
+        base = seed_base(a.rollout_seed, rollout_id * 100_003)  # resumable: (seed, rollout id, position)
         if not (a.deterministic_mode and self.generate_fn is default_generate):
-            return await self.over.rollout(rollout_id, source, params, seed_base)
-        return await self._rollout_in_waves(source, params, seed_base)
+            return await self.over.rollout(rollout_id, source, params, base)
+        return await self._rollout_in_waves(source, params, base)
 
     async def _rollout_in_waves(self, source: PromptSource, params: dict[str, Any],
                                 seed_base: int) -> tuple[list[Sample], dict[str, float]]:

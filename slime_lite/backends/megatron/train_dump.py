@@ -44,7 +44,7 @@ def check_train_template(template: str, rollout_template: str | None, writers: i
     flag = f"--save-debug-train-data {template}"
     try:
         train_dump_path(template, 0, 0)
-    except (KeyError, IndexError, ValueError) as exc:
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
         raise SlimeLiteError(f"{flag}: not a valid template ({type(exc).__name__}: {exc}); only {{rollout_id}} and "
                              "{rank} can be used, e.g. 'dumps/train_{rollout_id}_{rank}.pt'.") from None
     if "{rollout_id}" not in template:
