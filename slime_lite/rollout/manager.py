@@ -146,6 +146,9 @@ class RolloutManager:
                 raise SlimeLiteError("no engines to generate from.")
             urls = list(self.generator.client.urls)
             before = self._run(engine_step_stats(urls))  # outside perf/rollout_time, as the read after it
+            # this rollout's first request and last answer (a custom rollout function may run no request through
+            # the generator, or run an eval's before: not an earlier rollout's times)
+            self.generator.first_sent = self.generator.last_back = None
             t0 = time.monotonic()
             if self.worker is not None:
                 samples, extra = self._run(self.worker.rollout(rollout_id))
@@ -225,8 +228,15 @@ class RolloutManager:
             log.info("rollout %d: the samples carry no weight_versions (a generate hook that does not record "
                      "meta_info.weight_version); the weight version is read from the engines instead", rollout_id)
             self._told_engine_version = True
-        infos = [request_json(u, "/get_model_info", timeout=30.0, method="GET")
-                 for u in self.generator.over.engine_urls()]  # each engine's, not a router's
+        infos = []
+        dead = set(self.generator.client.failed())  # --use-fault-tolerance: replaced, not read
+        for u in self.generator.over.engine_urls():  # each engine's, not a router's
+            if u in dead:
+                continue
+            try:
+                infos.append(request_json(u, "/get_model_info", timeout=30.0, method="GET"))
+            except EngineError as exc:  # one engine that does not answer says nothing of the others' versions
+                log.warning("rollout %d: engine %s did not give its weight version (%s)", rollout_id, u, exc)
         versions = [version_number(str(i.get("weight_version"))) for i in infos if isinstance(i, dict)]
         if not versions:
             return {}

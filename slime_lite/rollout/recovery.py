@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.25  # how often the driver looks while a rollout runs
 ALIVE_TIMEOUT_S = 10.0  # an engine actor that cannot say whether its server runs is left to the request timeouts
-MAX_RESTARTS_PER_STEP = 3  # per engine and rollout step: an engine that keeps dying stops the run
+MAX_RESTARTS_PER_STEP = 3  # per engine and rollout step: an engine that keeps dying stops the run (the router too)
+ROUTER_FAILED = "requests to it failed"
 
 
 class NoRecovery:
@@ -62,6 +63,8 @@ class EngineRecovery:
         self.version = 0  # the weight version the engines serve (pushed() after each push)
         self.restarts = 0  # in the current step; take_restarts() reads and resets it
         self._per_engine = [0] * len(fleet.engines)
+        self._router_failures = 0  # relaunches of the router for its own failed requests, in the current step
+        self.router_restarts = 0
 
     def pushed(self, version: int) -> None:
         """The engines now serve weight ``version``: what a restarted engine gets."""
@@ -82,8 +85,10 @@ class EngineRecovery:
     def take_restarts(self) -> dict[str, float]:
         """``rollout/engine_restarts``: restarts since the last call; the per-engine bound resets."""
         n, self.restarts = self.restarts, 0
+        routers, self.router_restarts, self._router_failures = self.router_restarts, 0, 0
         self._per_engine = [0] * len(self.fleet.engines)
-        return {"rollout/engine_restarts": float(n)}
+        return {"rollout/engine_restarts": float(n),
+                **({"rollout/router_restarts": float(routers)} if self.fleet.router is not None else {})}
 
     # ---- finding the dead ---------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -99,7 +104,7 @@ class EngineRecovery:
         for i, why in sorted(dead.items()):
             self.restart(i, why)
         if self.fleet.router is not None:
-            self._restart_router("an engine behind it was restarted" if dead else "requests to it failed")
+            self._restart_router("an engine behind it was restarted" if dead else ROUTER_FAILED)
 
     def _not_running(self) -> dict[int, str]:
         """Engines whose Ray actor died or whose server process exited."""
@@ -148,7 +153,16 @@ class EngineRecovery:
         """The router is launched again over the current engines (it has no portable way to swap a worker)."""
 
         old = self.fleet.router.url
+        if why == ROUTER_FAILED:  # engines restarts are bounded by their own count; a router failing alone is not
+            self._router_failures += 1
+            if self._router_failures > MAX_RESTARTS_PER_STEP:
+                raise EngineError(
+                    f"--use-fault-tolerance: requests to the router ({old}) failed {self._router_failures} times in "
+                    "one rollout step while every engine behind it runs; not launching it again. An engine may hang "
+                    "(its process alive, its requests never answered): look at the engines' logs (for SGLang "
+                    "engines: SLIME_LITE_ENGINE_LOG_DIR, or the temp folder's slime_lite_engines).")
         log.warning("router %s: %s; launching it again over %s", old, why, ", ".join(self.fleet.urls))
         self.fleet.router.stop()
         self.fleet.router.worker_urls = list(self.fleet.urls)
         ray.get(self.manager.replace_engine.remote(old, self.fleet.router.start()))
+        self.router_restarts += 1

@@ -88,6 +88,7 @@ class RolloutSide:
         if not (self.config.offload_rollout and self.urls):
             return
         with timed(record, "perf/offload_time"):
+            self.recovery.check()  # an engine that died since the rollout: replaced first, then released
             t0 = time.monotonic()
             engine_memory(self.urls, "release")
             add_time(record, "perf/offload/engine_release_time", t0)
@@ -110,11 +111,12 @@ class RolloutSide:
         if push is None or not self.urls or not self.config.pushes_after(version - 1):
             return
         with timed(record, "perf/update_weights_time"):
+            released = list(self.urls)
+            self.recovery.check()  # first: a dead engine would fail the resume; its replacement released nothing
             if self.config.offload_rollout:  # room for the weights now, for the KV cache after the trainer offloads
                 t0 = time.monotonic()
-                engine_memory(self.urls, "resume", ["weights"])
+                engine_memory([u for u in self.urls if u in released], "resume", ["weights"])
                 add_time(record, "perf/offload/engine_resume_time", t0)
-            self.recovery.check()
             if self.config.fully_async:  # generation goes on: held between two decode steps, nothing aborted
                 engines_request(self.urls, "/pause_generation", {"mode": "in_place"})
                 try:

@@ -20,7 +20,7 @@ class _Generator:
 
         self.reward = reward
         self.progress = [0, 0]
-        self.client = SimpleNamespace(urls=[])  # no engine to read step counters from
+        self.client = SimpleNamespace(urls=[], failed=lambda: [])  # no engine to read step counters from
         self.over = SimpleNamespace(engine_urls=lambda: [])  # nor a weight version
 
     async def rollout(self, rollout_id: int, source) -> tuple[list[Sample], dict[str, float]]:  # noqa: ANN001
