@@ -454,6 +454,16 @@ def validate_train_args(args: argparse.Namespace) -> None:
             f"--micro-batch-size {micro}."
         )
     spec = rl_math.estimator(args.advantage_estimator)
+    if spec.needs_critic and not args.debug_rollout_only:  # the critic's own GPUs: the same TP/PP and batch
+        critic = args.critic_num_nodes * args.critic_num_gpus_per_node
+        flags = (f"--critic-num-nodes x --critic-num-gpus-per-node = {critic} (the critic of --advantage-estimator "
+                 f"{spec.name})")
+        if critic % (tp * pp):
+            raise SlimeLiteError(f"{flags} is not divisible by --tensor-model-parallel-size {tp} x "
+                                 f"--pipeline-model-parallel-size {pp}.")
+        if args.global_batch_size % (critic // (tp * pp) * micro):
+            raise SlimeLiteError(f"--global-batch-size {args.global_batch_size} is not divisible by the critic's "
+                                 f"data-parallel size {critic // (tp * pp)} ({flags}) x --micro-batch-size {micro}.")
     if spec.needs_groups and args.n_samples_per_prompt < 2:
         log.warning("--advantage-estimator %s compares the samples of a prompt: --n-samples-per-prompt 1 gives zero "
                     "advantages", spec.name)

@@ -586,3 +586,17 @@ def test_any_rollout_seed_gives_sampling_seeds_within_int64() -> None:
     assert seed_base(42, 3 * 100_003) == 42 * 1_000_003 + 3 * 100_003
     for seed in (10**13, -(10**13), 2**70):
         assert 0 <= seed_base(seed, 7 * 100_003) + 10_000 < 2**63
+
+
+def test_a_critic_layout_the_batch_or_tp_cannot_split_is_refused_before_ray(base):
+    """The critic has its own GPUs (--critic-num-*) with the actor's TP/PP and batch: a layout that does not split
+    failed after Ray, the engines and rollout 0 (a ValueError from the critic actor)."""
+    ppo = base + ["--advantage-estimator", "ppo", "--rollout-batch-size", "3", "--n-samples-per-prompt", "1"]
+    parse_args(ppo + ["--critic-num-gpus-per-node", "1"])
+    msg = err(ppo + ["--critic-num-gpus-per-node", "2"])
+    assert "--global-batch-size 3 is not divisible by the critic's data-parallel size 2" in msg
+    assert "--critic-num-nodes x --critic-num-gpus-per-node = 2" in msg
+    msg = err(base + ["--advantage-estimator", "ppo", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size",
+                      "2", "--critic-num-gpus-per-node", "1", "--sequence-parallel"])
+    assert "--critic-num-nodes x --critic-num-gpus-per-node = 1 (the critic of --advantage-estimator ppo) is not " \
+           "divisible by --tensor-model-parallel-size 2" in msg
