@@ -79,9 +79,12 @@ class MetricsLogger:
             self.wandb = wandb.init(project=args.wandb_project, dir=args.wandb_dir, group=args.wandb_group,
                                     entity=args.wandb_team, config=_plain_args(args), **resume, **name)
             self.train_steps = args.num_steps_per_rollout if args.wandb_always_use_train_step else None
-            if self.train_steps:  # --wandb-always-use-train-step: every metric against the train step
-                self.wandb.define_metric("train_step")
-                self.wandb.define_metric("*", step_metric="train_step")
+            # every metric against the rollout id (as TensorBoard and the JSONL), not wandb's count of log calls
+            # (an eval before training made every rollout one step late); --wandb-always-use-train-step: the
+            # train step
+            axis = "train_step" if self.train_steps else "rollout_id"
+            self.wandb.define_metric(axis)
+            self.wandb.define_metric("*", step_metric=axis)
 
     def log(self, record: dict[str, Any], step: int, step_key: str = "rollout_id", quiet: bool = False) -> None:
         if not record:  # nothing measured (e.g. no eval before training): no line, no row

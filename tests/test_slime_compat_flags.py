@@ -174,7 +174,9 @@ def test_wandb_defaults_offline_no_login_and_wandbs_own_run_name(fake_wandb):
 
     assert os.environ["WANDB_MODE"] == "offline" and not fake_wandb.called("login")
     init = fake_wandb.called("init")[0]
-    assert "id" not in init and "name" not in init and not fake_wandb.called("define_metric")
+    assert "id" not in init and "name" not in init
+    # plotted against rollout_id (an eval before training is -1), not wandb's count of log calls
+    assert {"step_metric": "rollout_id"} in fake_wandb.called("define_metric")
     logger.log({"train/loss": 0.5}, 2)
     assert [a[0] for n, a, _ in fake_wandb.calls if n == "log"] == [{"train/loss": 0.5, "rollout_id": 2}]
 
