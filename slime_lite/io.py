@@ -168,10 +168,17 @@ def probe_folder(folder: str, flag: str) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that is free on ``host`` (an IPv4 or IPv6 address, brackets or not) right now (the OS picks it)."""
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``; an IPv6 address in brackets."""
+    host = host.strip("[]")
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _config_dtype(path: str, named: dict[str, Any]) -> None:

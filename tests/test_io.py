@@ -140,3 +140,24 @@ def test_an_hf_export_says_the_dtype_of_its_tensors_so_transformers_loads_them_u
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     name, tensor = next(iter(named.items()))
     assert model.dtype == torch.float32 and torch.equal(model.state_dict()[name], tensor)
+
+
+def test_an_ipv6_engine_host_gets_a_port_and_a_url_in_brackets(monkeypatch):
+    """SLIME_LITE_ENGINE_HOST (or a Ray node IP) may be IPv6: the port was bound with an IPv4 socket (gaierror) and
+    the URL written http://::1:port (no port could be read from it)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from slime_lite.backends.sglang.launcher import engine_host
+    from slime_lite.io import free_port, http_url
+
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    for host in ("::1", "[::1]"):
+        monkeypatch.setenv("SLIME_LITE_ENGINE_HOST", host)
+        assert engine_host() == "::1"
+        port = free_port(host)
+        assert urlsplit(http_url(host, port)).port == port and http_url(host, port) == f"http://[::1]:{port}"
+    assert http_url("10.0.0.2", 30000) == "http://10.0.0.2:30000" and free_port("127.0.0.1") > 0

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime_lite.config import EngineConfig
 from slime_lite.engine_client import API_KEY_ENV, API_KEY_FILE_ENV, api_key, request_json
 from slime_lite.errors import EngineError, SlimeLiteError
-from slime_lite.io import free_port
+from slime_lite.io import free_port, http_url
 from slime_lite.placement import plan_layout
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def engine_host() -> str:
     """127.0.0.1 on one node; this node's IP when the Ray cluster has several (the rollout may run elsewhere).
     SLIME_LITE_ENGINE_HOST overrides both."""
     if os.environ.get("SLIME_LITE_ENGINE_HOST"):
-        return os.environ["SLIME_LITE_ENGINE_HOST"]
+        return os.environ["SLIME_LITE_ENGINE_HOST"].strip("[]")  # an IPv6 address without its URL brackets
     try:
         import ray
 
@@ -361,7 +361,7 @@ class SGLangServer(_ManagedProcess):
     def start(self) -> str:
         host = engine_host()
         port = free_port(host)
-        self.url = f"http://{host}:{port}"
+        self.url = http_url(host, port)
         env = dict(os.environ)
         gpus = self.gpu_ids if self.gpu_ids is not None else engine_gpu_ids(self.args, self.rank)
         if gpus:
@@ -407,7 +407,7 @@ class SGLangRouter(_ManagedProcess):
             raise SlimeLiteError("--use-sglang-router needs SGLang's router: pip install sglang-router.")
         host = engine_host()
         port = free_port(host)
-        self.url = f"http://{host}:{port}"
+        self.url = http_url(host, port)
         cmd, env = with_api_key(build_router_command(self.worker_urls, port, host, self.module), dict(os.environ),
                                 host, self.what)
         return self._launch(cmd, env, f"sglang_router_{port}.log", self.start_timeout)
