@@ -218,7 +218,7 @@ class Generator:
     def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
         return encode_prompt(prompt, self.tokenizer, self.args)
 
-    async def _run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int,
+    async def run_group(self, group: list[Sample], params: dict[str, Any], seed_base: int,
                          evaluation: bool = False, sizes: list[int] | None = None) -> list[Sample]:
         """Generate and score ``group`` (with ``sizes``: several prompts' groups back to back, one request: the
         deterministic waves). A generate hook may split a sample into several. With --group-rm each prompt's group
@@ -342,7 +342,7 @@ class Generator:
         sequences in the same order every run (concurrent group requests arrive in a different order each time,
         and batch composition changes the numerics)."""
         sizes = [len(g) for g in groups]
-        flat = await self._run_group([s for g in groups for s in g], params, seed_base, sizes=sizes)
+        flat = await self.run_group([s for g in groups for s in g], params, seed_base, sizes=sizes)
         return [flat[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(groups))]
 
     async def _kill_engine_before(self, run: Any, wait_for_a_group: bool) -> list[Sample]:
@@ -367,5 +367,5 @@ class Generator:
         if a.deterministic_mode and self.generate_fn is default_generate:
             results = await self._run_together(groups, params, seed_base)
         else:
-            results = await gather_or_cancel(self._run_group(g, params, seed_base, True) for g in groups)
+            results = await gather_or_cancel(self.run_group(g, params, seed_base, True) for g in groups)
         return [s for g in results for s in g]

@@ -90,7 +90,7 @@ class OverSampler:
         had = {s.index: model_tokens(s) for s in todo}
         asked = {s.index: (s.weight_versions, len(s.weight_versions)) for s in todo}
         lengths = {s.index: s.response_length for s in todo if s.status is Status.ABORTED}
-        done = await self.gen._run_group(todo, params, seed_base) if todo else []  # a hook may split a sample
+        done = await self.gen.run_group(todo, params, seed_base) if todo else []  # a hook may split a sample
         stuck = [s for s in done if s.status is Status.ABORTED and lengths.get(s.index) == s.response_length]
         # a hook that sent it again restarted it (turns.restart: a new version list) or its request reported a
         # version; one that did neither ignored it

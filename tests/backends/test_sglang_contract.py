@@ -107,7 +107,7 @@ def test_every_rollout_body_is_accepted_by_sglang():
         # every other variant asks for the routed experts too (--use-rollout-routing-replay)
         args = SimpleNamespace(engine_client=client, use_rollout_routing_replay=bool(i % 2))
         group = [Sample(index=j, tokens=[1, 2, 3]) for j in range(3)]
-        per_sample = [dict(params, sampling_seed=100 * i + s.index) for s in group]  # as Generator._run_group
+        per_sample = [dict(params, sampling_seed=100 * i + s.index) for s in group]  # as Generator.run_group
         asyncio.run(generate.generate_group(args, group, per_sample))
         asyncio.run(generate.default_generate(args, Sample(index=0, tokens=[4, 5]), per_sample[0]))
     assert len(client.bodies) == 16

@@ -118,7 +118,7 @@ def test_a_custom_rollout_functions_phase_times_are_its_own(tiny_model_dir, tmp_
         "    gen = data_source.generator\n"
         "    groups = data_source.get_samples(2)\n"
         "    await asyncio.sleep(0.3)\n"
-        "    return RolloutFnTrainOutput(samples=[await gen._run_group(g, sampling_params(gen.config), 0)\n"
+        "    return RolloutFnTrainOutput(samples=[await gen.run_group(g, sampling_params(gen.config), 0)\n"
         "                                         for g in groups])\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     engine = FakeEngine()
