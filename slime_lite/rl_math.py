@@ -175,12 +175,13 @@ def value_loss(
     """Clipped value loss per token -> (loss, clipfrac).
 
     loss = max((V - G)^2, (V_clip - G)^2), V_clip = V_old + clamp(V - V_old, -value_clip, value_clip).
-    No 0.5 factor (as slime's value loss). clipfrac is 1.0 where the clipped term was strictly larger.
+    No 0.5 factor (as slime's value loss). clipfrac is 1.0 where the value moved more than ``value_clip`` from
+    V_old (slime's definition: clipped, whichever term was larger).
     """
-    v_clip = old_values + (values - old_values).clamp(-value_clip, value_clip)
-    plain = (values - returns) ** 2
-    clipped = (v_clip - returns) ** 2
-    return torch.maximum(plain, clipped), (clipped > plain).to(values.dtype)
+    moved = values - old_values
+    v_clip = old_values + moved.clamp(-value_clip, value_clip)
+    loss = torch.maximum((values - returns) ** 2, (v_clip - returns) ** 2)
+    return loss, (moved.abs() > value_clip).to(values.dtype)
 
 
 def scoring_temperature(rollout_temperature: float) -> float:

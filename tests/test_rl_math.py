@@ -224,8 +224,11 @@ def test_value_loss_matches_reference():
         vc = v_old[i].item() + min(max(v[i].item() - v_old[i].item(), -0.2), 0.2)
         s1, s2 = (v[i].item() - ret[i].item()) ** 2, (vc - ret[i].item()) ** 2
         assert loss[i].item() == pytest.approx(max(s1, s2), abs=1e-12)  # no 0.5 factor
-        assert clipfrac[i].item() == (1.0 if s2 > s1 else 0.0)
+        assert clipfrac[i].item() == (1.0 if abs(v[i].item() - v_old[i].item()) > 0.2 else 0.0)  # as slime
     assert 0 < clipfrac.sum() < 200
+    # a value moved far toward its return is clipped (counted) though the clipped term is not the larger one
+    loss, clipfrac = rl_math.value_loss(torch.tensor([0.5, 0.5, 0.1]), torch.zeros(3), torch.tensor([1.0, 0, 0]), 0.2)
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0] and loss.mean().item() == pytest.approx(0.3)
 
 
 # ---------------------------------------------------------------- aggregation
@@ -402,3 +405,15 @@ def test_estimators_work_in_float32_without_touching_inputs():
         assert all(a.dtype == torch.float32 for a in adv + ret)
         assert [a.numel() for a in adv] == LENGTHS
     assert all(torch.equal(a, b) for a, b in zip(snapshot, logp32))
+
+
+def test_the_per_token_normalizer_counts_a_sample_without_loss_tokens_as_one_token_as_slime():
+    """slime's num_tokens is the sum of clamp_min(loss_mask.sum(), 1): a sample with an empty mask (removed, or a
+    multi-turn sample of inserted turns only) still counts 1 (it was 0 here: a larger loss than slime's)."""
+    from types import SimpleNamespace
+
+    from slime_lite.backends.megatron.worker import TrainWorker
+
+    samples = [SimpleNamespace(loss_mask=m, response_length=len(m)) for m in ([1, 1, 1], [1, 1], [0, 0])]
+    fake = SimpleNamespace(args=SimpleNamespace(global_batch_size=3, calculate_per_token_loss=True), dp_size=1)
+    assert float(TrainWorker._normalizer(fake, samples, 0)) == 6.0  # 3 + 2 + 1

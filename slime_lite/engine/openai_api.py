@@ -7,7 +7,9 @@ follow SGLang's OpenAI server: completions take ``logprobs: k`` (``top_logprobs`
 chat takes ``logprobs: true`` and ``top_logprobs: k``. Stream chunks carry the log-probs of the tokens they add.
 Without ``max_tokens`` / ``max_completion_tokens`` a completion stops at 16 tokens and a chat reply runs up to the
 context; null is up to the context (SGLang's defaults). A message's content may be OpenAI text parts (joined by a
-space, as SGLang renders them for a template that takes a string). Chat takes SGLang's ``chat_template_kwargs``.
+space, as SGLang renders them for a template that takes a string). Chat takes SGLang's ``chat_template_kwargs``,
+and the model's generation_config.json temperature / top_p / top_k / min_p for those a request leaves out (SGLang's
+chat route does so by default; completions and ``/generate`` do not).
 ``rid``, ``extra_key`` and ``cache_salt`` act as on ``/generate``. A field the route does not implement is accepted
 only at its default, unless it merely labels the request (``validate.openai_fields``); booleans are JSON booleans.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import os
 import time
 import uuid
@@ -25,6 +29,8 @@ from aiohttp import web
 
 from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, dumps, json_response, read_body
+
+logger = logging.getLogger(__name__)
 
 
 def add_openai_routes(app: Any, server: Any) -> None:
@@ -40,6 +46,10 @@ def add_openai_routes(app: Any, server: Any) -> None:
         app.router.add_post(f"{prefix}/detokenize", api.detokenize)
 
 
+def _given(body: dict[str, Any], key: str, default: Any) -> Any:
+    return default if body.get(key) is None else body[key]
+
+
 def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
     """``max_completion_tokens``, else ``max_tokens`` (a null one is not set); neither sent: ``default``. None: up
     to the context (SGLang's chat default; OpenAI's too)."""
@@ -49,13 +59,41 @@ def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
     return None if "max_completion_tokens" in body or "max_tokens" in body else default
 
 
-def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+def chat_defaults(model_path: str) -> dict[str, Any]:
+    """The sampling values the model's generation_config.json sets (temperature, top_p, top_k, min_p): SGLang's chat
+    route takes them for the fields a request leaves out (its ``--sampling-defaults model``, the default). Its
+    repetition_penalty is left out (the embedded engine runs none but 1.0), said once."""
+    try:
+        with open(os.path.join(model_path, "generation_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    out = {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p") if config.get(k) is not None}
+    if out:
+        logger.info("chat completions: sampling values the request leaves out are the model's %s", out)
+    if config.get("repetition_penalty") not in (None, 1, 1.0):
+        logger.warning("generation_config.json's repetition_penalty %s is not applied to chat completions (the "
+                       "embedded engine runs none): SGLang would", config["repetition_penalty"])
+    return out
+
+
+def _sampling(body: dict[str, Any], default_max_tokens: int | None,
+              defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A body's SGLang sampling params; a field left out (or null) takes ``defaults`` (the chat route's
+    ``chat_defaults``), else OpenAI's."""
+    defaults = defaults or {}
     sp: dict[str, Any] = {
-        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+        "temperature": _given(body, "temperature", defaults.get("temperature", 1.0)),
+        "top_p": _given(body, "top_p", defaults.get("top_p", 1.0)),
         "stop": body.get("stop"), "sampling_seed": body.get("seed"), "n": body.get("n", 1),
         "max_new_tokens": _max_tokens(body, default_max_tokens),  # None: up to the context
     }
-    for key in ("top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
+    for key in ("top_k", "min_p"):
+        if _given(body, key, defaults.get(key)) is not None:
+            sp[key] = _given(body, key, defaults.get(key))
+    for key in ("ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
                 "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"):
         if body.get(key) is not None:
             sp[key] = body[key]
@@ -137,6 +175,7 @@ def _finish(out: Any) -> str | None:
 class _OpenAI:
     def __init__(self, server: Any) -> None:
         self.server = server
+        self.chat_defaults = chat_defaults(server.scheduler.model_path)
 
     def _card(self) -> dict[str, Any]:
         return {"id": self.server.served_model_name, "object": "model", "created": 0, "owned_by": "slime_lite",
@@ -160,11 +199,12 @@ class _OpenAI:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _requests(self, prompts: list[list[int]], body: dict[str, Any], default_max_tokens: int | None,
-                  want_lp: bool, top: int = 0, logprob_start_len: int = -1) -> list[Any]:
+                  want_lp: bool, top: int = 0, logprob_start_len: int = -1, chat: bool = False) -> list[Any]:
         """``new_requests`` for an OpenAI body; an error names the OpenAI field (``max_tokens`` or
         ``max_completion_tokens``, not ``sampling_params.max_new_tokens``)."""
         try:
-            return self.server.new_requests(prompts, _sampling(body, default_max_tokens), rid=body.get("rid"),
+            sp = _sampling(body, default_max_tokens, self.chat_defaults if chat else None)
+            return self.server.new_requests(prompts, sp, rid=body.get("rid"),
                                             return_logprob=want_lp, top_logprobs_num=top,
                                             logprob_start_len=logprob_start_len,
                                             stream=False if body.get("stream") is None else body["stream"],
@@ -320,7 +360,7 @@ class _OpenAI:
         text = self._render_chat(body.get("messages"), True, body.get("chat_template_kwargs"))
         # the template's text holds its special tokens already (a BOS too, where the template writes one)
         prompts, _ = await self.server.encode_prompts(text=text, add_special_tokens=False)
-        reqs = self._requests(prompts, body, None, want_lp, top)
+        reqs = self._requests(prompts, body, None, want_lp, top, chat=True)
 
         def entry(v: float, t: int) -> dict[str, Any]:
             s = self._text(t)

@@ -269,12 +269,15 @@ class EngineServer:
     def _routed_experts(self, reqs: list[Any], wanted: Any, start: Any) -> None:
         """SGLang's return_routed_experts / routed_experts_start_len on each request (BadRequest when the server
         keeps no routing, or the start is past a prompt)."""
-        if not check.boolean(wanted, "return_routed_experts"):
-            return
+        try:  # a wrong type is the client's: 400 naming the field
+            if not check.boolean(wanted, "return_routed_experts"):
+                return
+            start = check.integer(start, "routed_experts_start_len", 0)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         if self.scheduler.lm.routes is None:
             raise BadRequest("return_routed_experts: start the server with --enable-return-routed-experts (an MoE "
                              "model) to get the experts each token was routed to")
-        start = check.integer(start, "routed_experts_start_len", 0)
         for req in reqs:
             if start > len(req.input_ids):
                 raise BadRequest(f"routed_experts_start_len {start} is past the prompt's {len(req.input_ids)} tokens")

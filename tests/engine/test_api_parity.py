@@ -188,6 +188,17 @@ def test_fields_at_their_default_are_accepted(engine):
     assert generate(engine.url, **body)["output_ids"]
 
 
+@pytest.mark.parametrize("extra,field", [
+    ({"return_routed_experts": "yes"}, "return_routed_experts='yes' must be true or false"),
+    ({"return_routed_experts": 2}, "return_routed_experts=2"),
+    ({"return_routed_experts": True, "routed_experts_start_len": 1.5}, "routed_experts_start_len=1.5 must be an "
+                                                                         "integer"),
+])
+def test_a_wrong_type_in_the_routed_experts_fields_is_a_400_not_a_500(engine, extra, field):
+    status, out = http(engine.url, "/generate", {"input_ids": [1, 2], **extra})
+    assert status == 400 and field in out["error"]["message"], (status, out)
+
+
 # ---- load and info routes --------------------------------------------------------------------------------------
 def _num_requests(load) -> int:
     """slime's reading of /v1/loads (slime/backends/sglang_utils/server_control.py)."""

@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 import pytest
-from engine_helpers import generate, http, in_thread
+from engine_helpers import generate, http, in_thread, start_engine
 
 from slime_lite.engine.serve_cli import main
 from slime_lite.errors import SlimeLiteError
@@ -328,3 +328,29 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_chat_takes_the_models_generation_config_for_the_sampling_fields_it_leaves_out(tiny_model_dir, tmp_path,
+                                                                                       caplog):
+    """As SGLang's chat route (--sampling-defaults model): generation_config.json's top_k 1 makes a chat request
+    without sampling fields greedy; a field the request gives wins; completions keep OpenAI's defaults."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 1, "top_p": 0.95,
+                                                               "repetition_penalty": 1.05}))
+    with caplog.at_level("INFO", logger="slime_lite.engine.openai_api"):
+        server = start_engine(model)
+    try:
+        assert "repetition_penalty 1.05 is not applied to chat completions" in caplog.text
+        body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 8, "n": 4}
+        texts = {c["message"]["content"] for c in http(server.url, "/v1/chat/completions", body)[1]["choices"]}
+        assert len(texts) == 1  # greedy: top_k 1
+        texts = {c["message"]["content"] for c in http(server.url, "/v1/chat/completions",
+                                                        dict(body, top_k=-1, temperature=1.0))[1]["choices"]}
+        assert len(texts) > 1  # the request's values win
+        out = http(server.url, "/v1/completions", {"prompt": "2+2?", "max_tokens": 8, "n": 4})[1]
+        assert len({c["text"] for c in out["choices"]}) > 1  # completions: OpenAI's defaults
+    finally:
+        server.stop()

@@ -241,7 +241,8 @@ class TrainWorker:
         if not a.calculate_per_token_loss:
             return g / self.dp_size
         step_samples = samples[step * g : (step + 1) * g]
-        tokens = sum(float(m.sum()) for m in B.loss_masks(step_samples))
+        # each sample counts at least 1 (slime's clamp_min(loss_mask.sum(), 1)): one with no loss tokens too
+        tokens = sum(max(float(m.sum()), 1.0) for m in B.loss_masks(step_samples))
         return PerTokenNormalizer(tokens / self.dp_size)
 
     def _forward_all(self, samples: list, steps: list, length: int, per_sample: Any) -> B.SampleTensors:
