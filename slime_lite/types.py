@@ -23,6 +23,8 @@ TOKEN_VERSIONS = "token_weight_versions"
 FINISHED_BEFORE = "finished_before_rollout_id"
 # metadata key of the reward --custom-reward-post-process-path gave the sample: the one the advantage estimator takes
 POST_PROCESSED_REWARD = "post_processed_reward"
+ENGINE_CUTS = "engine_cuts"  # metadata: the times the engines cut the sample's group short (--fully-async)
+REFUSED = "engine_aborted_unchanged"  # metadata: a continued sample aborted again with nothing new
 
 
 def version_number(version: Any) -> int:

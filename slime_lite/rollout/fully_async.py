@@ -41,12 +41,12 @@ from slime_lite.rollout import dumps
 from slime_lite.rollout.generate import sampling_params, seed_base
 from slime_lite.rollout.oversample import MAX_SUBMITS, complete
 from slime_lite.rollout.turns import mask_older
-from slime_lite.types import TOKEN_VERSIONS, Sample, version_number
+from slime_lite.types import ENGINE_CUTS, TOKEN_VERSIONS, Sample, version_number
 
 log = logging.getLogger(__name__)
 _UNVERSIONED: list[bool] = []  # warned once per process
 MAX_CUT = 3  # a group the engines cut short this many times is dropped (they refuse it), not regenerated
-CUTS = "engine_cuts"  # metadata: the times the engines cut the sample's group short before
+CUTS = ENGINE_CUTS  # metadata: the times the engines cut the sample's group short before
 
 
 def token_versions(sample: Sample) -> list[int]:

@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from slime_lite.rollout.turns import append_turn, restart  # noqa: F401  (restart: the hooks' name for it here)
+from slime_lite.rollout.turns import INSERTED_CUT, append_turn, restart  # noqa: F401  (restart: the hooks' name for it here)
 from slime_lite.types import Sample, Status, version_number
 
 
@@ -152,7 +152,7 @@ def insert_turn(sample: Sample, tokenizer: Any, text: str, limits: TurnLimits, s
                 break
             cut = cut[:-1]
             text = tokenizer.decode(cut)
-        sample.metadata["inserted_tokens_cut"] = sample.metadata.get("inserted_tokens_cut", 0) + len(tokens) - len(cut)
+        sample.metadata[INSERTED_CUT] = sample.metadata.get(INSERTED_CUT, 0) + len(tokens) - len(cut)
         tokens = cut
     return append_turn(sample, tokens, source=source, text=text)
 

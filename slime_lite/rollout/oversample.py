@@ -31,14 +31,13 @@ from typing import Any
 from slime_lite.checks.faults import kills_engine
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.rollout.turns import RESTARTED, mask_older, model_tokens
-from slime_lite.types import FINISHED_BEFORE, TOKEN_VERSIONS, Sample, Status, version_number
+from slime_lite.types import FINISHED_BEFORE, REFUSED, TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 0.5  # a request that reached an engine after the abort is aborted by the next one
 MAX_SUBMITS = 100  # bounded: a filter that never keeps a group stops the run, not hangs it
 GENERATED_TOKENS = "perf/rollout_generated_tokens"  # what perf/rollout_tokens_per_s counts, where it is known
-REFUSED = "engine_aborted_unchanged"  # metadata: a continued sample the engine aborted again, generating nothing
 
 
 def stamp_versions(sample: Sample) -> None:

@@ -26,6 +26,7 @@ from slime_lite.types import TOKEN_VERSIONS, Sample, Status
 SOURCES = ("model", "tool", "env", "user")  # who wrote a turn: only "model" turns come from the engine
 AGE_MASKED = "age_masked_positions"  # metadata: response positions masked for the age of their weights
 _LEADING = "_unversioned_leading_tokens"  # metadata: inserted tokens before the first model turn (see below)
+INSERTED_CUT = "inserted_tokens_cut"  # metadata: inserted tokens left out to fit the budget (multi_turn.py)
 RESTARTED = "restarted_tokens"  # metadata: response tokens ``restart`` dropped (over the sample's restarts)
 
 

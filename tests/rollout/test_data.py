@@ -172,3 +172,20 @@ def test_slimes_length_stop_and_eval_flags_shape_the_prompts_and_sampling(tmp_pa
     with pytest.raises(SlimeLiteError, match="--eval-min-new-tokens 9 is more than the eval responses may hold"):
         parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", path, "--rm-type", "math",
                     "--eval-min-new-tokens", "9", "--rollout-max-response-len", "8"])
+
+
+def test_every_metadata_key_slime_lite_reads_back_is_reserved_against_data_fields(tmp_path, caplog) -> None:
+    """A data field named as one of these changed the run (an int under _unversioned_leading_tokens dropped the
+    per-token weight versions; engine_cuts dropped a --fully-async group early): left out, with the warning."""
+    from slime_lite.rollout.turns import append_turn
+    from slime_lite.types import Sample
+
+    names = ["_unversioned_leading_tokens", "age_masked_positions", "engine_cuts", "inserted_tokens_cut",
+             "post_processed_reward", "engine_aborted_unchanged"]
+    with caplog.at_level("WARNING"):
+        prompt = read_prompts(_write(tmp_path / "p.jsonl", [{"prompt": "a", "label": "1", "keep": 1,
+                                                              **{n: 4 for n in names}}]))[0]
+    assert prompt.metadata == {"keep": 1} and all(n in caplog.text for n in names)
+    sample = Sample(index=0, tokens=[1], metadata=dict(prompt.metadata))
+    append_turn(sample, [5, 6], [-0.1, -0.2], source="model", text="x", versions=[3, 3])
+    assert sample.metadata["token_weight_versions"] == [3, 3]
