@@ -65,7 +65,7 @@ def _rows(path: str, flag: str) -> Any:
 def _row_metadata(row: dict[str, Any], keys: DataKeys) -> dict[str, Any]:
     """A row's fields other than the prompt and the label, with the entries of its ``--metadata-key`` dict at the top
     (as slime makes that field the sample's metadata)."""
-    meta = {k: v for k, v in row.items() if k not in (keys.input_key, keys.label_key)}
+    meta = {k: v for k, v in row.items() if k not in (keys.input_key, keys.label_key, keys.tool_key)}
     nested = meta.get(keys.metadata_key)
     if isinstance(nested, dict):
         del meta[keys.metadata_key]
@@ -138,9 +138,11 @@ def read_prompts(path: str, keys: DataKeys = DataKeys(), flag: str = "--prompt-d
         _check_prompt(row[input_key], f"{flag} {path}:{lineno}", keys)
         tools = _tools(row, keys, f"{flag} {path}:{lineno}")
         meta = _row_metadata(row, keys)
-        meta.pop(keys.tool_key, None)
-        reserved.update(k for k in meta if k in RESERVED_METADATA)
-        meta = {k: v for k, v in meta.items() if k not in RESERVED_METADATA}
+        # "tools" holds the --tool-key field's tools (what the template renders): another field of that name (a
+        # data field when the key names another, one inside --metadata-key's dict) is left out, said below
+        ours = RESERVED_METADATA | {"tools"}
+        reserved.update(k for k in meta if k in ours)
+        meta = {k: v for k, v in meta.items() if k not in ours}
         if tools is not None:
             meta["tools"] = tools  # as slime keeps them: a custom generate function's tools
         if isinstance(label, float) and label.is_integer():

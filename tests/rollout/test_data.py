@@ -189,3 +189,26 @@ def test_every_metadata_key_slime_lite_reads_back_is_reserved_against_data_field
     sample = Sample(index=0, tokens=[1], metadata=dict(prompt.metadata))
     append_turn(sample, [5, 6], [-0.1, -0.2], source="model", text="x", versions=[3, 3])
     assert sample.metadata["token_weight_versions"] == [3, 3]
+
+
+def test_only_the_tool_keys_field_is_the_templates_tools(tmp_path, tiny_model_dir, caplog) -> None:
+    """A data field "tools" that --tool-key does not name (or one inside --metadata-key's dict) was rendered by the
+    chat template (a string there failed the template) or dropped without a word: it is left out, said."""
+    from slime_lite.args import parse_args
+    from slime_lite.rollout.data import DataKeys, encode_prompt
+    from slime_lite.tokenizer import load_tokenizer
+
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {}}}
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "label": "2", "tools": "calc-v1"},
+            {"prompt": [{"role": "user", "content": "2+2="}], "label": "4", "tools": [tool]},
+            {"prompt": [{"role": "user", "content": "3+3="}], "label": "6", "info": {"tools": [tool], "env": "c"}}]
+    path = _write(tmp_path / "p.jsonl", rows)
+    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", path, "--rm-type", "math",
+                       "--tool-key", "functions", "--metadata-key", "info", "--apply-chat-template"])
+    with caplog.at_level("WARNING"):
+        prompts = read_prompts(path, DataKeys.from_args(args))
+    assert [p.metadata for p in prompts] == [{}, {}, {"env": "c"}] and "['tools']" in caplog.text
+    tok = load_tokenizer(str(tiny_model_dir))
+    tok.chat_template = TOOLS_TEMPLATE
+    for p in prompts:  # rendered without tools: none came from the tool key
+        assert "tools:" not in encode_prompt(p, tok, args)[0]
