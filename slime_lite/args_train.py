@@ -142,8 +142,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                         "to PATH.format(rollout_id=i), e.g. /out/hf_{rollout_id} (with --lora-rank: the adapters "
                         "merged into the base weights)")
     g.add_argument("--reset-optimizer-states", action="store_true",
-                   help="clear the optimizer's state (Adam moments and step count) after each rollout's training, "
-                        "so every rollout starts with a fresh Adam")
+                   help="clear the optimizer's state (Adam moments and step count) before each rollout's training "
+                        "(as slime), so every rollout starts with a fresh Adam")
     g.add_argument("--ref-update-interval", type=positive_int, default=None, metavar="N",
                    help="every N rollouts the reference model's weights become the actor's current ones (after the "
                         "training of rollouts N-1, 2N-1, ...; saved with checkpoints); needs a reference model "
