@@ -61,7 +61,7 @@ def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
 
 def chat_defaults(model_path: str) -> dict[str, Any]:
     """The sampling values the model's generation_config.json sets (temperature, top_p, top_k, min_p): SGLang's chat
-    route takes them for the fields a request leaves out (its ``--sampling-defaults model``, the default). Its
+    route takes them for the fields a request leaves out (its server's sampling defaults "model", the default). Its
     repetition_penalty is left out (the embedded engine runs none but 1.0), said once."""
     try:
         with open(os.path.join(model_path, "generation_config.json"), encoding="utf-8") as f:

@@ -332,7 +332,7 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tiny_model_dir):
 
 def test_chat_takes_the_models_generation_config_for_the_sampling_fields_it_leaves_out(tiny_model_dir, tmp_path,
                                                                                        caplog):
-    """As SGLang's chat route (--sampling-defaults model): generation_config.json's top_k 1 makes a chat request
+    """As SGLang's chat route (its sampling defaults "model"): generation_config.json's top_k 1 makes a chat request
     without sampling fields greedy; a field the request gives wins; completions keep OpenAI's defaults."""
     import shutil
 
