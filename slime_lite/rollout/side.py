@@ -88,7 +88,6 @@ class RolloutSide:
         if not (self.config.offload_rollout and self.urls):
             return
         with timed(record, "perf/offload_time"):
-            self.recovery.check()  # an engine that died since the rollout: replaced first, then released
             t0 = time.monotonic()
             engine_memory(self.urls, "release")
             add_time(record, "perf/offload/engine_release_time", t0)
