@@ -90,9 +90,7 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None,
         "stop": body.get("stop"), "sampling_seed": body.get("seed"), "n": body.get("n", 1),
         "max_new_tokens": _max_tokens(body, default_max_tokens),  # None: up to the context
     }
-    for key in ("top_k", "min_p"):
-        if _given(body, key, defaults.get(key)) is not None:
-            sp[key] = _given(body, key, defaults.get(key))
+    sp.update({k: v for k in ("top_k", "min_p") if (v := _given(body, k, defaults.get(k))) is not None})
     for key in ("ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
                 "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"):
         if body.get(key) is not None:
