@@ -92,14 +92,29 @@ def print_kernels(s, step, top: int) -> None:
 
 
 def _fixed_config(spec: str):
-    """``--gemv-configs``' BNxBKxW[xKSTEPS[xSWAP]] (every product) or A/B/C (q/k/v and o, gate/up, down) as a
-    ``gemv.config`` (SWAP 1: the tile products as ``w @ x.T``)."""
-    kinds = [tuple(int(v) for v in part.split("x")) for part in spec.split("/")]
-    kinds = [c + (1,) * (4 - len(c)) for c in kinds]
+    """``--gemv-configs``' BNxBKxW[xKSTEPS[xSWAP[xSTAGES]]] (every product) or A/B/C (q/k/v and o, gate/up, down)
+    as a ``gemv.config`` (SWAP 1: the tile products as ``w @ x.T``; STAGES past 1: the K loop pipelined), and the
+    kinds given as ``blas`` (cuBLAS's product, as past 16 rows by default)."""
+    parts = spec.split("/")
+    kinds = [None if part == "blas" else tuple(int(v) for v in part.split("x")) for part in parts]
+    kinds = [c if c is None else c + (1,) * (4 - len(c)) for c in kinds]
     from slime_lite.engine import gemv
 
     by_kind = dict(zip(("narrow", "gate_up", "down"), kinds * 3 if len(kinds) == 1 else kinds))
-    return lambda rows, out_n, k, swiglu: by_kind[gemv.kind(k, swiglu)]
+    return (lambda rows, out_n, k, swiglu: by_kind[gemv.kind(k, swiglu)]), {n for n, c in by_kind.items() if c is None}
+
+
+def _usable_but(usable, blas: set):
+    """``gemv.usable`` that leaves the products of the ``blas`` kinds to cuBLAS (gate/up: a weight of WIDE elements
+    or more with K under 2,048; down: K of 2,048 or more, as ``gemv.kind`` tells them)."""
+    from slime_lite.engine import gemv
+
+    def pick(x, w, b=None, silu_in=False):
+        k = w.shape[1]
+        name = "down" if k >= 2048 else "gate_up" if w.numel() >= gemv.WIDE else "narrow"
+        return name not in blas and usable(x, w, b, silu_in)
+
+    return pick
 
 
 def main() -> None:
@@ -127,8 +142,9 @@ def main() -> None:
                     help="also time the step with these decode_attention.BLOCK_BYTES (comma-separated), *_attnN keys")
     ap.add_argument("--gemv-configs", default="",
                     help="also time the step with these tile configs of engine/gemv.py: comma-separated, each "
-                         "BNxBKxWARPS[xKSTEPS[xSWAP]] for every product or three of them joined by / (q/k/v and o, "
-                         "gate/up, down), at every row count (the wide products by gemv past 16 rows too)")
+                         "BNxBKxWARPS[xKSTEPS[xSWAP[xSTAGES]]] for every product or three of them joined by / (q/k/v "
+                         "and o, gate/up, down; blas: cuBLAS's), at every row count (the wide products by gemv past "
+                         "16 rows too)")
     ap.add_argument("--wide-rows", default="",
                     help="also time the step with these gemv.WIDE_MAX_ROWS (32: gate/up and down by gemv at 17-32 "
                          "rows too, not cuBLAS), comma-separated, *_wideN keys; *_wideN_norm: NORM_MAX_ROWS N too")
@@ -150,6 +166,7 @@ def main() -> None:
 
     auto_config, norm_rows, block_bytes, wide_rows = (gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES,
                                                       gemv.WIDE_MAX_ROWS)
+    auto_usable = gemv.usable
     silu_rows = gemv.SILU_IN_MAX_ROWS
     rope_rows = decode_attention.ROPE_MAX_ROWS
     tmp = tempfile.TemporaryDirectory()
@@ -185,7 +202,10 @@ def main() -> None:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
             decode_attention.ROPE_MAX_ROWS = 0 if suffix == "_ropekernel" else rope_rows
-            gemv.config = _fixed_config(suffix[5:]) if suffix.startswith("_gemv") else auto_config
+            gemv.config, gemv.usable = auto_config, auto_usable
+            if suffix.startswith("_gemv"):
+                gemv.config, blas = _fixed_config(suffix[5:])
+                gemv.usable = _usable_but(auto_usable, blas)
             gemv.NORM_MAX_ROWS = int(suffix[9:]) if suffix.startswith("_normrows") else norm_rows
             gemv.WIDE_MAX_ROWS = int(suffix[5:].removesuffix("_norm")) if suffix.startswith("_wide") else wide_rows
             if suffix.startswith("_gemv"):  # a fixed configuration serves every product at every row count
@@ -204,6 +224,7 @@ def main() -> None:
             torch.backends.cuda.preferred_blas_library(blas)
         decode_attention.ROPE_MAX_ROWS = rope_rows
         gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES = auto_config, norm_rows, block_bytes
+        gemv.usable = auto_usable
         gemv.WIDE_MAX_ROWS, gemv.SILU_IN_MAX_ROWS = wide_rows, silu_rows
         row["python_ms"] = row["step_ms"] - row["run_ms"]
         dev = s.lm.device

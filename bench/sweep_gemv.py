@@ -1,14 +1,15 @@
 """Tile configurations of the decode step's small products (``engine/gemv.py``) against cuBLAS, on a GPU with PDL.
 
     python3 bench/sweep_gemv.py [--rows 1,8,16,32] [--model-shape 896,1152,4864] [--products gate_up,down]
-        [--ksteps 1,2,4,8] [--swap 0,1] [--tiles 32,64x128,256x4,8] [--best-out FILE]
+        [--ksteps 1,2,4,8] [--swap 0,1] [--stages 1,3] [--tiles 32,64x128,256x4,8] [--best-out FILE]
 
 For each product of a layer of the given shape (hidden, q/k/v width, MLP width: q/k/v with bias, o, gate/up with the
 SiLU, down; down_silu: down from gate/up's output, the SiLU by its kernel then cuBLAS, or inside gemv's kernel) and
 each row count: a CUDA graph of 24 x (the engine's RMSNorm kernel, then the product), the norm
 launched with programmatic dependent launch as in the engine's steps; the product by cuBLAS (``F.linear``, plus the
 SiLU kernel for gate/up) or by ``gemv.linear`` with each configuration (BN x BK x warps x KSTEPS, the K slices a
-program adds up: 1 unless ``--ksteps`` lists more; then 1 where ``--swap`` says so: the tile products as ``w @ x.T``).
+program adds up: 1 unless ``--ksteps`` lists more; then 1 where ``--swap`` says so: the tile products as ``w @ x.T``;
+then STAGES, ``--stages``: past 1 the slices after the first in a loop Triton pipelines).
 Prints us per (norm + product) pair and the best configuration of each product and row count; ``--best-out``
 writes, for the last row count, the best of each kind as ``profile_decode.py --gemv-configs`` reads it
 (q/k/v and o: the best of their sum, then gate/up, then down).
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--ksteps", default="1", help="K slices per program to sweep, comma-separated (past a product's "
                                                   "slices: all of them)")
     ap.add_argument("--swap", default="0", help="1: the tile products as w @ x.T; comma-separated values to sweep")
+    ap.add_argument("--stages", default="1", help="pipeline stages of the K loop to sweep, comma-separated (1: the "
+                                                  "next slice's weights in registers)")
     ap.add_argument("--tiles", default="32,64,128x128,256,512x4,8", help="BN values x BK values x warps values")
     ap.add_argument("--best-out", default="", help="file for the last row count's best as --gemv-configs reads it")
     args = ap.parse_args()
@@ -103,10 +106,12 @@ def main() -> None:
                         gemv.linear(y, w, b, swiglu=swiglu, cfg=cfg)
 
             res = {"cublas": graph_us(lambda: chain(None)) / args.chain}
-            configs = {(bn, bk, w, min(int(s), -(-k // bk)), int(sw)) for bn, bk, w in tiles
-                       for s in args.ksteps.split(",") for sw in args.swap.split(",")}
+            configs = {(bn, bk, w, min(int(s), -(-k // bk)), int(sw), int(st)) for bn, bk, w in tiles
+                       for s in args.ksteps.split(",") for sw in args.swap.split(",") for st in args.stages.split(",")}
             for cfg in sorted(configs):
                 if cfg[0] * cfg[1] * (2 if swiglu else 1) > 65536:  # the weight tile past 128 KB of registers
+                    continue
+                if cfg[5] > 1 and cfg[3] < 3:  # nothing to pipeline
                     continue
                 try:
                     res[cfg] = graph_us(lambda c=cfg: chain(c)) / args.chain

@@ -58,11 +58,52 @@ MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.
 @triton_kernels
 def _kernel(triton, tl):
     @triton.jit
+    def x_tile(x_ptr, rm, rk, row_ok, k_ok, K, ln, inv, SILU_IN: tl.constexpr, NORM: tl.constexpr):
+        """Rows ``rm`` by columns ``rk`` of the product's input: x's, or silu(gate) * up of gate/up's output
+        (``SILU_IN``, rounded as silu_mul rounds), or x normed (``NORM``, as the norm kernel rounds)."""
+        xm = row_ok[:, None] & k_ok[None, :]
+        if SILU_IN:  # x's rows are gate then up ([M, 2K])
+            g = tl.load(x_ptr + rm[:, None] * (2 * K) + rk[None, :], mask=xm, other=0.0)
+            up = tl.load(x_ptr + rm[:, None] * (2 * K) + K + rk[None, :], mask=xm, other=0.0)
+            gf = g.to(tl.float32)
+            x = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32) * up.to(tl.float32)).to(g.dtype)
+        else:
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=xm, other=0.0)
+        if NORM:
+            dt_x = x_ptr.dtype.element_ty
+            x = (ln[None, :] * (x.to(tl.float32) * inv[:, None]).to(dt_x).to(tl.float32)).to(dt_x)
+        return x
+
+    @triton.jit
+    def mac(acc, acc_u, w, wu, x, SWIGLU: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
+        """The sums plus one K slice's tile products (gate's and up's with ``SWIGLU``); ``SWAP``: as ``w @ x.T``."""
+        if SWAP and IEEE:
+            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+            if SWIGLU:
+                acc_u += tl.dot(wu, tl.trans(x), input_precision="ieee")
+        elif SWAP:
+            acc += tl.dot(w, tl.trans(x))
+            if SWIGLU:
+                acc_u += tl.dot(wu, tl.trans(x))
+        elif IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            if SWIGLU:
+                acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+            if SWIGLU:
+                acc_u += tl.dot(x, tl.trans(wu))
+        return acc, acc_u
+
+    # Triton resolves the names a kernel calls in its module's globals, not in this builder's scope
+    globals().update(x_tile=x_tile, mac=mac)
+
+    @triton.jit
     def gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, ln_ptr, sq_in_ptr, res_ptr, sq_out_ptr, M, K, OUT_N,
              n_sq, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, KSTEPS: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
              TP: tl.constexpr, HAS_RES: tl.constexpr, SUMS: tl.constexpr, SILU_IN: tl.constexpr,
-             SWAP: tl.constexpr, GDC: tl.constexpr):
+             SWAP: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -74,6 +115,7 @@ def _kernel(triton, tl):
         wu = w
         if SWIGLU:
             wu = tl.load(w_ptr + (rn[:, None] + OUT_N) * K + rk[None, :], mask=wm, other=0.0)
+        ln = tl.zeros((BK,), tl.float32)
         if NORM:
             ln = tl.load(ln_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
         if GDC:
@@ -81,6 +123,7 @@ def _kernel(triton, tl):
             tl.extra.cuda.gdc_launch_dependents()
         rm = tl.arange(0, BM)
         row_ok = rm < M
+        inv = tl.zeros((BM,), tl.float32)
         if NORM:  # x's rows normed first, from their sums of squares over the kernel before's column tiles
             ts = tl.arange(0, TP)
             sq = tl.load(sq_in_ptr + ts[:, None] * BM + rm[None, :], mask=(ts < n_sq)[:, None], other=0.0)
@@ -91,47 +134,41 @@ def _kernel(triton, tl):
         else:
             acc = tl.zeros((BM, BN), tl.float32)
             acc_u = tl.zeros((BM, BN), tl.float32)
-        # the program's K slices, each product added to the sums in slice order; the first slice's weights came
-        # before the wait, each next slice's are read while this one's product runs (a loop, not unrolled: two
-        # slices' weights in registers, not KSTEPS)
-        for j in tl.range(0, KSTEPS, num_stages=1):
-            xm = row_ok[:, None] & k_ok[None, :]
-            if SILU_IN:  # x's rows are gate then up ([M, 2K]): silu(gate) * up, rounded as silu_mul rounds
-                g = tl.load(x_ptr + rm[:, None] * (2 * K) + rk[None, :], mask=xm, other=0.0)
-                up = tl.load(x_ptr + rm[:, None] * (2 * K) + K + rk[None, :], mask=xm, other=0.0)
-                gf = g.to(tl.float32)
-                x = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32) * up.to(tl.float32)).to(g.dtype)
-            else:
-                x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=xm, other=0.0)
-            if NORM:  # as the norm kernel: normed, rounded, times the weight
-                dt_x = x_ptr.dtype.element_ty
-                x = (ln[None, :] * (x.to(tl.float32) * inv[:, None]).to(dt_x).to(tl.float32)).to(dt_x)
-            rk_next = rk + BK
-            k_next = (rk_next < K) & (j + 1 < KSTEPS)  # past the program's last slice: nothing read
-            wm = col_ok[:, None] & k_next[None, :]
-            w_next = tl.load(w_ptr + rn[:, None] * K + rk_next[None, :], mask=wm, other=0.0)
-            wu_next = w_next
-            if SWIGLU:
-                wu_next = tl.load(w_ptr + (rn[:, None] + OUT_N) * K + rk_next[None, :], mask=wm, other=0.0)
-            if NORM:
-                ln = tl.load(ln_ptr + rk_next, mask=k_next, other=0.0).to(tl.float32)
-            if SWAP and IEEE:
-                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+        # the program's K slices, each product added to the sums in slice order
+        if STAGES > 1:  # the first slice's product (its weights came before the wait), then the others in a loop
+            # that Triton pipelines: STAGES - 1 slices of weights and rows in flight through shared memory
+            acc, acc_u = mac(acc, acc_u, w, wu, x_tile(x_ptr, rm, rk, row_ok, k_ok, K, ln, inv, SILU_IN, NORM),
+                             SWIGLU, SWAP, IEEE)
+            for j in tl.range(1, KSTEPS, num_stages=STAGES):
+                rk_j = rk + j * BK
+                k_j = rk_j < K
+                wm = col_ok[:, None] & k_j[None, :]
+                w_j = tl.load(w_ptr + rn[:, None] * K + rk_j[None, :], mask=wm, other=0.0)
+                wu_j = w_j
                 if SWIGLU:
-                    acc_u += tl.dot(wu, tl.trans(x), input_precision="ieee")
-            elif SWAP:
-                acc += tl.dot(w, tl.trans(x))
+                    wu_j = tl.load(w_ptr + (rn[:, None] + OUT_N) * K + rk_j[None, :], mask=wm, other=0.0)
+                ln_j = ln
+                if NORM:
+                    ln_j = tl.load(ln_ptr + rk_j, mask=k_j, other=0.0).to(tl.float32)
+                acc, acc_u = mac(acc, acc_u, w_j, wu_j, x_tile(x_ptr, rm, rk_j, row_ok, k_j, K, ln_j, inv, SILU_IN,
+                                                               NORM), SWIGLU, SWAP, IEEE)
+        else:  # each next slice's weights read while the current product runs (a loop, not unrolled: two slices'
+            # weights in registers, not KSTEPS)
+            for j in tl.range(0, KSTEPS, num_stages=1):
+                x = x_tile(x_ptr, rm, rk, row_ok, k_ok, K, ln, inv, SILU_IN, NORM)
+                rk_next = rk + BK
+                k_next = (rk_next < K) & (j + 1 < KSTEPS)  # past the program's last slice: nothing read
+                wm = col_ok[:, None] & k_next[None, :]
+                w_next = tl.load(w_ptr + rn[:, None] * K + rk_next[None, :], mask=wm, other=0.0)
+                wu_next = w_next
                 if SWIGLU:
-                    acc_u += tl.dot(wu, tl.trans(x))
-            elif IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                if SWIGLU:
-                    acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-                if SWIGLU:
-                    acc_u += tl.dot(x, tl.trans(wu))
-            w, wu, rk, k_ok = w_next, wu_next, rk_next, k_next
+                    wu_next = tl.load(w_ptr + (rn[:, None] + OUT_N) * K + rk_next[None, :], mask=wm, other=0.0)
+                if NORM:
+                    ln_next = tl.load(ln_ptr + rk_next, mask=k_next, other=0.0).to(tl.float32)
+                acc, acc_u = mac(acc, acc_u, w, wu, x, SWIGLU, SWAP, IEEE)
+                if NORM:
+                    ln = ln_next
+                w, wu, rk, k_ok = w_next, wu_next, rk_next, k_next
         if SWAP:
             acc = tl.trans(acc)
             acc_u = tl.trans(acc_u)
@@ -232,13 +269,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     of the output's rows, one per column tile (float32 ``[tiles, 16 or 32]``), returned as ``(y, sq)``.
     ``silu_in``: ``x [..., 2K]`` holds a gate/up projection's output (gate first) and the product is of
     ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds, computed as the kernel reads it. ``cfg``: ``config``'s
-    tuple, or with a fifth element: whether to swap the tile product's operands (``SWAP_MIN_ROWS``) (benchmarks)."""
+    tuple, or with a fifth element: whether to swap the tile product's operands (``SWAP_MIN_ROWS``), and a sixth:
+    STAGES, past 1 the program's K slices after the first in a loop Triton pipelines through shared memory with
+    STAGES - 1 slices in flight, instead of the next slice's weights in registers (benchmarks)."""
     k = x.shape[-1] // 2 if silu_in else x.shape[-1]
     rows = x.numel() // x.shape[-1]
     n = w.shape[0]
     out_n = n // 2 if swiglu else n
-    bn, bk, warps, ksteps, *swap = cfg or (_fit(SILU_IN_CONFIG, k) if silu_in else config(rows, out_n, k, swiglu))
-    swap = bool(swap[0]) if swap else rows > SWAP_MIN_ROWS
+    bn, bk, warps, ksteps, *extra = cfg or (_fit(SILU_IN_CONFIG, k) if silu_in else config(rows, out_n, k, swiglu))
+    swap = bool(extra[0]) if extra else rows > SWAP_MIN_ROWS
+    stages = extra[1] if len(extra) > 1 else 1
     bm = 16 if rows <= 16 else 32
     grid = (-(-out_n // bn), -(-k // (bk * ksteps)))
     if (rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2)
@@ -264,5 +304,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
                         n_sq, float(norm[1]) if norm else 0.0, HAS_BIAS=b is not None, SWIGLU=swiglu, BM=bm, BN=bn,
                         BK=bk, KSTEPS=ksteps, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
                         TP=max(2, 1 << (n_sq - 1).bit_length()), HAS_RES=residual is not None, SUMS=sums,
-                        SILU_IN=silu_in, SWAP=swap, num_warps=warps, **pdl_args(x))
+                        SILU_IN=silu_in, SWAP=swap, STAGES=stages, num_warps=warps, **pdl_args(x))
     return (y, sq) if sums else y

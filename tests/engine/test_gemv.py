@@ -40,10 +40,11 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         again = gemv.linear(x, w, b, swiglu=swiglu)  # the tile counters were reset: the same sums again
         assert torch.equal(got, again)
         bn, bk, warps, _ = gemv.config(rows, n, k, swiglu)
-        for ksteps, swap in ((2, 0), (3, 0), (1, 1), (3, 1)):  # a program adding up several K slices (fewer or no
-            # partial sums), a partial last one (the wide products' tiles past 16 rows: gemv.config); swap: the tile
-            # products as w @ x.T
-            torch.testing.assert_close(gemv.linear(x, w, b, swiglu=swiglu, cfg=(bn, bk, warps, ksteps, swap)),
+        for ksteps, swap, stages in ((2, 0, 1), (3, 0, 1), (1, 1, 1), (3, 1, 1), (3, 0, 3), (4, 1, 2)):
+            # a program adding up several K slices (fewer or no partial sums), a partial last one (the wide
+            # products' tiles past 16 rows: gemv.config); swap: the tile products as w @ x.T; stages: the slices
+            # after the first in a pipelined loop
+            torch.testing.assert_close(gemv.linear(x, w, b, swiglu=swiglu, cfg=(bn, bk, warps, ksteps, swap, stages)),
                                        _want(x, w, b, swiglu), rtol=tol, atol=tol)
     for rows, k0, k, n, swiglu in [(3, 300, 300, 40, False), (16, 64, 200, 2 * 48, True),
                                    (24, 96, 600, 2 * 40, True)]:  # 32-row tiles
@@ -68,8 +69,8 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
                   .to(dtype).float()).to(dtype)
         torch.testing.assert_close(got, _want(normed, w, None, swiglu), rtol=tol, atol=tol)
         cfg = (*gemv.config(rows, n, k, swiglu)[:3], 4)  # the norm's weight read slice by slice
-        for swap in (0, 1):
-            got = gemv.linear(y, w, swiglu=swiglu, norm=(ln, 1e-6, sq), cfg=(*cfg, swap))
+        for swap, stages in ((0, 1), (1, 1), (0, 3)):
+            got = gemv.linear(y, w, swiglu=swiglu, norm=(ln, 1e-6, sq), cfg=(*cfg, swap, stages))
             torch.testing.assert_close(got, _want(normed, w, None, swiglu), rtol=tol, atol=tol)
         y3, sq3 = gemv.linear(x0, w0.to(dtype).to(device), residual=res, sums=True, cfg=(32, 64, 4, 1, 1))
         torch.testing.assert_close(y3, y, rtol=tol, atol=tol)  # swapped, with the residual and the sums
@@ -80,8 +81,9 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
         g, u = gu.float().chunk(2, dim=-1)
         act = (F.silu(g).to(dtype).float() * u).to(dtype)  # silu_and_mul's rounding
-        for cfg in (None, (*gemv.config(rows, n, k, False)[:3], 3), (*gemv.config(rows, n, k, False)[:3], 3, 1)):
-            # one K slice a program, then three, then three with the tile products swapped
+        for cfg in (None, (*gemv.config(rows, n, k, False)[:3], 3), (*gemv.config(rows, n, k, False)[:3], 3, 1),
+                    (*gemv.config(rows, n, k, False)[:3], 3, 0, 2)):
+            # one K slice a program, then three, then three with the tile products swapped, then pipelined
             got = gemv.linear(gu, w, b, silu_in=True, cfg=cfg)
             assert got.shape == (rows, 1, n)
             torch.testing.assert_close(got, _want(act, w, b, False), rtol=tol, atol=tol)
