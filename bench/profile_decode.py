@@ -204,8 +204,8 @@ def main() -> None:
             decode_attention.ROPE_MAX_ROWS = 0 if suffix == "_ropekernel" else rope_rows
             gemv.config, gemv.usable = auto_config, auto_usable
             if suffix.startswith("_gemv"):
-                gemv.config, blas = _fixed_config(suffix[5:])
-                gemv.usable = _usable_but(auto_usable, blas)
+                gemv.config, blas_kinds = _fixed_config(suffix[5:])
+                gemv.usable = _usable_but(auto_usable, blas_kinds)
             gemv.NORM_MAX_ROWS = int(suffix[9:]) if suffix.startswith("_normrows") else norm_rows
             gemv.WIDE_MAX_ROWS = int(suffix[5:].removesuffix("_norm")) if suffix.startswith("_wide") else wide_rows
             if suffix.startswith("_gemv"):  # a fixed configuration serves every product at every row count

@@ -31,27 +31,25 @@ import torch
 from slime_lite.triton_build import counters, pdl_args, pdl_available, triton_kernels
 
 # An H200 sweep (bench/sweep_gemv.py, the 0.5B shape): with PDL these kernels beat cuBLAS at 1-16 rows for every
-# product, and at 32 rows for q/k/v and o; at 32 rows the wide ones (gate/up: 8.7M weights, down: 4.4M) lose, to
-# the float32 partial sums they write and read, and still with several K slices a program (fewer partial sums).
+# product. At 32 rows the wide ones (gate/up: 8.7M weights, down: 4.4M) lost while a program's K slices came
+# through registers (its next slice's weights read during the current product); with the K loop pipelined through
+# shared memory (``config``'s STAGES) they win there too: every product by gemv at up to MAX_ROWS rows.
 MAX_ROWS = 32
-WIDE, WIDE_MAX_ROWS = 1 << 22, 16
+# the wide products (weights of WIDE elements or more) by gemv at up to WIDE_MAX_ROWS rows (benchmarks lower it to
+# compare: past it, cuBLAS's)
+WIDE, WIDE_MAX_ROWS = 1 << 22, MAX_ROWS
 # the decode layer's residual adds and norms inside its products' kernels (``linear``'s ``residual``, ``sums`` and
 # ``norm``) at up to this many rows; 0: the norms and adds stay kernels of their own. 0: on an H200 (0.5B shape) the
 # captured step took 0.830 / 0.877 ms at batch 1 / 8 with them inside (16) and 0.722 / 0.769 with kernels of their
 # own, in the same run (benchmarks compare: profile_decode.py --norm-rows)
 NORM_MAX_ROWS = 0
-# where gate/up is cuBLAS's (past WIDE_MAX_ROWS rows), the down product at up to this many rows by gemv, reading
-# gate/up's output and doing the SiLU as it reads it (``linear``'s ``silu_in``: no SiLU kernel, no cuBLAS split-K
-# reduce); 0: off. Not yet measured on a GPU (profile_decode.py --silu-in-rows)
+# the down product at up to this many rows reading gate/up's output and doing the SiLU as it reads it (``linear``'s
+# ``silu_in``, after cuBLAS's gate/up); 0: off. On an H200 at 32 rows it made the 0.5B step 0.61 ms slower
+# (profile_decode.py --silu-in-rows)
 SILU_IN_MAX_ROWS = 0
 # its tiles (BN, BK, warps, KSTEPS): ptxas for sm_90 gives 101 registers a thread; plain down's 32 x 256 x 4 spills with
 # the SiLU's float32 tiles
 SILU_IN_CONFIG = (32, 128, 8, 8)
-# past this many rows the weight tile is the first operand of each tile product (``w @ x.T``, transposed after the
-# K loop): the warps split the weight's rows instead of sharing its columns, and on Hopper the product can be a
-# warpgroup MMA (its M is the weight's BN). Not yet measured on a GPU: MAX_ROWS (off) until then
-# (bench/sweep_gemv.py --swap, profile_decode.py --gemv-configs with a fifth element)
-SWAP_MIN_ROWS = MAX_ROWS
 MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.counters)
 
 
@@ -217,11 +215,11 @@ def _kernel(triton, tl):
 def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, silu_in: bool = False) -> bool:
     """``linear`` serves ``x @ w.T + b`` in a decode step: at most ``MAX_ROWS`` rows (``WIDE_MAX_ROWS`` for weights
     of ``WIDE`` elements or more, ``SILU_IN_MAX_ROWS`` with ``silu_in``), contiguous tensors, ``w`` of at most
-    ``MAX_TILES`` column tiles of the narrowest configuration (32), on a device with PDL (and Triton)."""
+    ``MAX_TILES`` column tiles of the narrowest configuration (16), on a device with PDL (and Triton)."""
     rows = x.numel() // x.shape[-1]
     limit = min(SILU_IN_MAX_ROWS, MAX_ROWS) if silu_in else WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS
     return (rows <= limit and x.is_contiguous() and w.is_contiguous()
-            and (b is None or b.is_contiguous()) and w.shape[0] <= MAX_TILES * 32 and pdl_available(x)
+            and (b is None or b.is_contiguous()) and w.shape[0] <= MAX_TILES * 16 and pdl_available(x)
             and _kernel() is not None)
 
 
@@ -231,35 +229,44 @@ def kind(k: int, swiglu: bool) -> str:
     return "gate_up" if swiglu else "down" if k >= 2048 else "narrow"
 
 
-def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, KSTEPS): tiles of BN output columns by BK of ``k``, run by ``warps`` warps, each program
-    adding up KSTEPS consecutive BK slices of ``k`` (fewer float32 partial sums to write, read and add). Up to 16
-    rows: the best of 18 (32/64/128 x 128/256/512 x 4/8, one slice per program) per product and row count in the
-    H200 sweep, or within 0.15 us of it, but for down, where 64 x 256 beat the sweep's 32 x 512 in the engine's step
-    at 1 row by 1.6 us a layer. Past 16 rows the wide products (gate/up, down) are cuBLAS's unless ``WIDE_MAX_ROWS``
-    is raised (benchmarks): their tiles there add up several slices per program. On an H200 at 32 rows this tiling
-    and four others made the 0.5B step 0.15-0.6 ms slower than cuBLAS (bench/profile_decode.py's wide-rows and
-    gemv-configs variants) when the slices' loop was unrolled (every slice's weights in registers: 255 a thread for
-    sm_90); the loop that holds two slices (139-214) is not measured yet."""
+def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, int, int, int]:
+    """(BN, BK, warps, KSTEPS, SWAP, STAGES): tiles of BN output columns by BK of ``k``, run by ``warps`` warps, each
+    program adding up KSTEPS consecutive BK slices of ``k`` (fewer float32 partial sums to write, read and add);
+    SWAP 1: each tile product as ``w @ x.T`` (the warps split the weight's rows); STAGES past 1: the slices after the
+    first in a loop Triton pipelines through shared memory (``linear`` lowers it to what the device's shared memory
+    holds).
+
+    Up to 16 rows: one slice a program, the best of 18 (32/64/128 x 128/256/512 x 4/8) per product and row count in
+    the H200 sweep, or within 0.15 us of it, but for down, where 64 x 256 beat the sweep's 32 x 512 in the engine's
+    step at 1 row by 1.6 us a layer. Past 16 rows, pipelined: the best per product of an H100 sweep at 32 rows
+    (bench/sweep_gemv.py --stages; 16/32/64 x 64/128 x 2/4 warps, 3-7 stages): q/k/v and o 16 x 128, 4 warps, all
+    of k a program, 4 stages; gate/up 64 x 64, 4 warps, all of k, swapped, 6 stages; down 16 x 128, 2 warps, 10
+    slices a program, 5 stages. In the 0.5B step at 32 rows they took 0.867 ms against 0.957 with cuBLAS's gate/up
+    and down (profile_decode.py, same process)."""
     key = kind(k, swiglu)
-    bn, bk, warps = {"gate_up": (32, 256, 4), "down": (64, 256, 4), "narrow": (32, 128, 8 if rows > 16 else 4)}[key]
-    ksteps = 1
-    if rows > 16 and (2 if swiglu else 1) * out_n * k >= WIDE:  # gate/up: up to 8 slices of 128 a program (all of
-        # the 0.5B shape's k: no partial sums); down: 4 of 256
-        bn, bk = 32, 128 if key == "gate_up" else 256
-        ksteps = 8 if key == "gate_up" else 4
-    return _fit((bn, bk, warps, ksteps), k)
+    if rows > 16:
+        cfg = {"gate_up": (64, 64, 4, 1 << 30, 1, 6), "down": (16, 128, 2, 10, 0, 5),
+               "narrow": (16, 128, 4, 1 << 30, 0, 4)}[key]
+    else:
+        cfg = {"gate_up": (32, 256, 4, 1, 0, 1), "down": (64, 256, 4, 1, 0, 1), "narrow": (32, 128, 4, 1, 0, 1)}[key]
+    return _fit(cfg, k)
 
 
-def _fit(cfg: tuple[int, int, int, int], k: int) -> tuple[int, int, int, int]:
+def _fit(cfg: tuple[int, ...], k: int) -> tuple[int, ...]:
     """A configuration's BK at most ``k`` (a power of two, 16 or more) and its KSTEPS at most ``k``'s slices."""
-    bn, bk, warps, ksteps = cfg
+    bn, bk, warps, ksteps, *extra = cfg
     bk = min(bk, max(16, 1 << (k - 1).bit_length()))
-    return bn, bk, warps, min(ksteps, -(-k // bk))
+    return (bn, bk, warps, min(ksteps, -(-k // bk)), *extra)
+
+
+def _shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a program may use on ``device`` (99 KiB where torch does not say)."""
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    return getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swiglu: bool = False,
-           cfg: tuple[int, int, int, int] | None = None, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+           cfg: tuple[int, ...] | None = None, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
            residual: torch.Tensor | None = None, sums: bool = False, silu_in: bool = False):
     """``x @ w.T + b`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows, ``w [N, K]``, both contiguous, in ``x``'s
     dtype; ``swiglu``: ``silu(gate) * up`` of its ``N / 2`` gate and up columns. ``norm=(weight, eps, sq)``: of
@@ -268,18 +275,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     ``swiglu``): ``residual + x @ w.T + b``, each rounded as eager PyTorch rounds. ``sums``: also the sums of squares
     of the output's rows, one per column tile (float32 ``[tiles, 16 or 32]``), returned as ``(y, sq)``.
     ``silu_in``: ``x [..., 2K]`` holds a gate/up projection's output (gate first) and the product is of
-    ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds, computed as the kernel reads it. ``cfg``: ``config``'s
-    tuple, or with a fifth element: whether to swap the tile product's operands (``SWAP_MIN_ROWS``), and a sixth:
-    STAGES, past 1 the program's K slices after the first in a loop Triton pipelines through shared memory with
-    STAGES - 1 slices in flight, instead of the next slice's weights in registers (benchmarks)."""
+    ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds, computed as the kernel reads it. ``cfg``: a tuple as
+    ``config``'s (benchmarks), whose last two elements (SWAP, STAGES) may be left out (0 and 1)."""
     k = x.shape[-1] // 2 if silu_in else x.shape[-1]
     rows = x.numel() // x.shape[-1]
     n = w.shape[0]
     out_n = n // 2 if swiglu else n
     bn, bk, warps, ksteps, *extra = cfg or (_fit(SILU_IN_CONFIG, k) if silu_in else config(rows, out_n, k, swiglu))
-    swap = bool(extra[0]) if extra else rows > SWAP_MIN_ROWS
+    swap = bool(extra[0]) if extra else False
     stages = extra[1] if len(extra) > 1 else 1
     bm = 16 if rows <= 16 else 32
+    if stages > 1:  # Triton's pipeline keeps STAGES + 1 slices of weights and rows in shared memory
+        per_stage = (bn * (2 if swiglu else 1) + bm * (2 if silu_in else 1)) * bk * x.element_size()
+        stages = max(1, min(stages, (_shared_memory(x.device) - 8192) // per_stage - 1))  # 8 KiB: the rest
     grid = (-(-out_n // bn), -(-k // (bk * ksteps)))
     if (rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2)
             or grid[0] > MAX_TILES or (silu_in and (swiglu or norm is not None or x.shape[-1] != 2 * k))):
