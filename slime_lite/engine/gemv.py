@@ -236,20 +236,14 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, 
     first in a loop Triton pipelines through shared memory (``linear`` lowers it to what the device's shared memory
     holds).
 
-    Up to 16 rows: one slice a program, the best of 18 (32/64/128 x 128/256/512 x 4/8) per product and row count in
-    the H200 sweep, or within 0.15 us of it, but for down, where 64 x 256 beat the sweep's 32 x 512 in the engine's
-    step at 1 row by 1.6 us a layer. Past 16 rows, pipelined: the best per product of an H100 sweep at 32 rows
-    (bench/sweep_gemv.py --stages; 16/32/64 x 64/128 x 2/4 warps, 3-7 stages): q/k/v and o 16 x 128, 4 warps, all
-    of k a program, 4 stages; gate/up 64 x 64, 4 warps, all of k, swapped, 6 stages; down 16 x 128, 2 warps, 10
-    slices a program, 5 stages. In the 0.5B step at 32 rows they took 0.867 ms against 0.957 with cuBLAS's gate/up
-    and down (profile_decode.py, same process)."""
-    key = kind(k, swiglu)
-    if rows > 16:
-        cfg = {"gate_up": (64, 64, 4, 1 << 30, 1, 6), "down": (16, 128, 2, 10, 0, 5),
-               "narrow": (16, 128, 4, 1 << 30, 0, 4)}[key]
-    else:
-        cfg = {"gate_up": (32, 256, 4, 1, 0, 1), "down": (64, 256, 4, 1, 0, 1), "narrow": (32, 128, 4, 1, 0, 1)}[key]
-    return _fit(cfg, k)
+    The best per product of an H100 sweep at 32 rows (bench/sweep_gemv.py --stages; 16/32/64 x 64/128 x 2/4 warps,
+    3-7 stages): q/k/v and o 16 x 128, 4 warps, all of k a program, 4 stages; gate/up 64 x 64, 4 warps, all of k,
+    swapped, 6 stages; down 16 x 128, 2 warps, 10 slices a program, 5 stages. In the 0.5B step (profile_decode.py,
+    same process, H100) they took 0.871 ms at 32 rows against 0.967 with cuBLAS's gate/up and down, and 0.845 /
+    0.834 / 0.803 ms at 16 / 8 / 1 rows against 0.903 / 0.862 / 0.820 with the earlier tiles (one slice a program,
+    the best of an H200 sweep of 18 without pipelining)."""
+    return _fit({"gate_up": (64, 64, 4, 1 << 30, 1, 6), "down": (16, 128, 2, 10, 0, 5),
+                 "narrow": (16, 128, 4, 1 << 30, 0, 4)}[kind(k, swiglu)], k)
 
 
 def _fit(cfg: tuple[int, ...], k: int) -> tuple[int, ...]:
