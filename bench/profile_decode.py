@@ -15,9 +15,11 @@ the kernels launched plainly), ``*_nopdl`` keys. ``--norm-rows 0,32``: also time
 (0: the norms as kernels of their own, not inside the products' kernels), ``*_normrowsN`` keys.
 ``--attention-bytes 8192,16384``: also timed with these ``decode_attention.BLOCK_BYTES`` (positions per split),
 ``*_attnN`` keys. ``--compare-rope``: also timed with the rotary as a kernel of its own
-(``decode_attention.ROPE_MAX_ROWS`` 0), ``*_ropekernel`` keys. ``--wide-rows 32``: also timed with
-``gemv.WIDE_MAX_ROWS`` 32 (gate/up and down by ``gemv`` past 16 rows too, several K slices per program), ``*_wideN``
-keys, and so with the norms inside the products up to as many rows (``NORM_MAX_ROWS`` too), ``*_wideN_norm`` keys.
+(``decode_attention.ROPE_MAX_ROWS`` 0), ``*_ropekernel`` keys. ``--wide-rows 16``: also timed with
+``gemv.WIDE_MAX_ROWS`` 16 (gate/up and down by cuBLAS past 16 rows, by ``gemv`` up to 16), ``*_wideN`` keys, and so
+with the norms inside the products up to as many rows (``NORM_MAX_ROWS`` too), ``*_wideN_norm`` keys.
+``--gemv-configs``: also timed with fixed tile configurations, e.g. ``32x128x8x1x0x1/blas/blas`` (the tiles and
+cuBLAS products of the default before 2026-12-06 at 17-32 rows).
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
 where a few long answers set the length bucket) instead of all at the middle; ``--compare-attention``: the step is
 also timed with the own-length attention kernels switched off (masked SDPA over the bucket), ``*_sdpa`` keys.
@@ -146,8 +148,8 @@ def main() -> None:
                          "and o, gate/up, down; blas: cuBLAS's), at every row count (the wide products by gemv past "
                          "16 rows too)")
     ap.add_argument("--wide-rows", default="",
-                    help="also time the step with these gemv.WIDE_MAX_ROWS (32: gate/up and down by gemv at 17-32 "
-                         "rows too, not cuBLAS), comma-separated, *_wideN keys; *_wideN_norm: NORM_MAX_ROWS N too")
+                    help="also time the step with these gemv.WIDE_MAX_ROWS (16: gate/up and down by cuBLAS past 16 "
+                         "rows), comma-separated, *_wideN keys; *_wideN_norm: NORM_MAX_ROWS N too")
     ap.add_argument("--silu-in-rows", default="",
                     help="also time the step with these gemv.SILU_IN_MAX_ROWS (32: past 16 rows the down product by "
                          "gemv with the SiLU inside, after cuBLAS's gate/up; gemv.SILU_IN_CONFIG's tiles, which "
