@@ -201,27 +201,36 @@ class FullyAsyncWorker:
         ``rollout_id``), after the staleness bound; generation goes on meanwhile."""
         a = self.config
         self._start()
-        engine_version = await self._engine_version()  # what the pushes so far left on the engines
+        versions = await self._engine_versions()  # what the pushes so far left on the engines
+        engine_version = min(versions) if versions else None
+        bound = None if a.max_weight_staleness is None else rollout_id - a.max_weight_staleness
+        if bound is not None and a.max_weight_staleness_mode == "drop" and versions and max(versions) < bound:
+            raise SlimeLiteError(
+                f"--fully-async rollout {rollout_id}: every engine serves weight version {max(versions)} or older, "
+                f"more than --max-weight-staleness {a.max_weight_staleness} behind the trainer's {rollout_id}, so "
+                "every group they generate would be dropped: the weight push did not reach the engines (or "
+                "--update-weights-interval pushes less often than the bound allows).")
         kept: list[list[Sample]] = []
         stats = {"rollout/async/dropped_stale_samples": 0.0, "rollout/async/masked_tokens": 0.0,
                  "rollout/async/masked_samples": 0.0}
-        lost0 = self.filtered + self.refused
+        lost0, stale = self.filtered + self.refused, 0
         self.gen.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
-        self.gen.first_sent = self.gen.last_back = None  # perf/rollout/*: the requests sent and back during the take
         while len(kept) < a.rollout_batch_size:
             while not self.finished:
                 await self._wait()
-                lost = self.filtered + self.refused - lost0
+                lost = self.filtered + self.refused - lost0 + stale
                 if lost > MAX_SUBMITS * a.rollout_batch_size:  # as over-sampling: not forever
                     raise SlimeLiteError(
                         f"--fully-async rollout {rollout_id}: only {len(kept)} of --rollout-batch-size "
                         f"{a.rollout_batch_size} groups kept after {lost} groups were dropped by "
-                        "--dynamic-sampling-filter-path or refused by the engines: the filter is too strict for this "
-                        "model/data, or the engines abort requests.")
+                        "--dynamic-sampling-filter-path, refused by the engines or dropped as staler than "
+                        "--max-weight-staleness: the filter is too strict for this model/data, the engines abort "
+                        "requests, or the weight pushes do not reach some engines.")
             take, self.finished = self.finished[: a.rollout_batch_size - len(kept)], \
                 self.finished[a.rollout_batch_size - len(kept):]
             self.room.set()
             groups, counts = apply_staleness(take, rollout_id, a.max_weight_staleness, a.max_weight_staleness_mode)
+            stale += len(take) - len(groups)
             kept += groups
             for k, v in counts.items():
                 stats[k] += v
@@ -246,12 +255,11 @@ class FullyAsyncWorker:
             stats["rollout/weight_version"] = float(engine_version)
         return samples, stats
 
-    async def _engine_version(self) -> int | None:
-        """The oldest weight version any engine serves now (asked of each engine, not of a router)."""
+    async def _engine_versions(self) -> list[int]:
+        """The weight version each engine serves now (asked of each engine, not of a router)."""
         infos = await asyncio.gather(*(asyncio.to_thread(request_json, u, "/get_model_info", timeout=30.0,
                                                          method="GET") for u in self.gen.over.engine_urls()))
-        versions = [version_number(str(i.get("weight_version"))) for i in infos if isinstance(i, dict)]
-        return min(versions) if versions else None
+        return [version_number(str(i.get("weight_version"))) for i in infos if isinstance(i, dict)]
 
     async def stop(self) -> None:
         """End the loop and the requests it has in flight."""

@@ -166,10 +166,10 @@ def filtered_worker(tiny_model_dir, kinds: str, filter_path: str) -> FullyAsyncW
                           over_sampling_batch_size=None, dynamic_sampling_filter_path=filter_path)
     worker = FullyAsyncWorker(gen, source)
 
-    async def engine_version():
-        return 0
+    async def engine_versions():
+        return [0]
 
-    worker._engine_version = engine_version
+    worker._engine_versions = engine_versions
     return worker
 
 
@@ -231,10 +231,10 @@ def test_a_group_the_engines_keep_cutting_short_is_dropped_after_a_few_tries_not
     engine._one = one
     worker = FullyAsyncWorker(gen, source)
 
-    async def engine_version():
-        return 0
+    async def engine_versions():
+        return [0]
 
-    worker._engine_version = engine_version
+    worker._engine_versions = engine_versions
 
     async def run():
         try:
@@ -367,7 +367,74 @@ def test_the_served_version_is_asked_of_every_engine_not_of_the_router():
         gen.over = OverSampler(gen)
         gen.over.abort_urls = engines  # as the rollout manager sets them
         worker = FullyAsyncWorker(gen, None)
-        assert asyncio.run(worker._engine_version()) == 2  # the router alone says 3: a missed push unseen
+        assert sorted(asyncio.run(worker._engine_versions())) == [2, 3]  # the router alone says 3: a missed push
+        # unseen
     finally:
         for server, _ in servers:
             server.shutdown()
+
+
+def stale_worker(tiny_model_dir, served: list[int], **flags) -> FullyAsyncWorker:
+    """A worker over test_oversample's FAKE engine, which generates at weight version 0 (no push reaches it), while
+    ``/get_model_info`` is made to report ``served``."""
+    from tests.rollout.test_oversample import make
+
+    gen, source, _ = make(load_tokenizer(str(tiny_model_dir)), tiny_model_dir, "s" * 16, fully_async=True,
+                          over_sampling_batch_size=None, **flags)
+    worker = FullyAsyncWorker(gen, source)
+
+    async def engine_versions():
+        await asyncio.sleep(0.02)  # as the HTTP calls: the loop sends meanwhile
+        return list(served)
+
+    worker._engine_versions = engine_versions
+    return worker
+
+
+def run_rollouts(worker, ids):
+    async def run():
+        try:
+            return [await asyncio.wait_for(worker.rollout(r), timeout=60) for r in ids]  # before the fix: forever
+        finally:
+            await worker.stop()
+
+    return asyncio.run(run())
+
+
+def test_engines_too_stale_for_the_drop_bound_stop_the_rollout_naming_the_push(tiny_model_dir):
+    """--max-weight-staleness 0 in drop mode with every engine still at version 0 while the trainer trains rollout 1
+    (--debug-inject-fault skip-weight-push): every group would be dropped and generated again at version 0, forever;
+    the rollout stops at once saying why."""
+    worker = stale_worker(tiny_model_dir, [0], max_weight_staleness=0)
+    with pytest.raises(SlimeLiteError, match=r"rollout 1: every engine serves weight version 0 or older, more than "
+                                             r"--max-weight-staleness 0 behind .* push did not reach the engines"):
+        run_rollouts(worker, [0, 1])
+
+
+def test_groups_dropped_as_stale_count_toward_the_rollouts_loss_bound(tiny_model_dir):
+    """One engine answers version 1 but the groups keep coming back at version 0 (a push that reached only some of
+    the engines): the stale drops count with the filter's and the refused ones, so the rollout stops instead of
+    dropping groups forever."""
+    worker = stale_worker(tiny_model_dir, [0, 1], max_weight_staleness=0)
+    with pytest.raises(SlimeLiteError, match=r"rollout 1: only 0 of --rollout-batch-size 2 groups kept after \d+ "
+                                             r"groups .* dropped as staler than --max-weight-staleness"):
+        run_rollouts(worker, [0, 1])
+
+
+def test_the_rollouts_first_request_counts_in_its_generate_time(tiny_model_dir):
+    """perf/rollout/*: the requests the loop sends while the rollout asks the engines' versions are this rollout's
+    (RolloutManager.generate resets the times before the call): generate_time is not folded into prepare_time."""
+    import time
+
+    worker = stale_worker(tiny_model_dir, [0])
+    gen, engine = worker.gen, worker.gen.client
+    received, served = [], engine._one
+
+    async def one(ids, params):
+        received.append(time.monotonic())
+        return await served(ids, params)
+
+    engine._one = one
+    gen.first_sent = gen.last_back = None  # as RolloutManager.generate
+    run_rollouts(worker, [0])
+    assert received and gen.first_sent is not None and gen.first_sent <= min(received)
