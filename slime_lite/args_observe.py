@@ -92,7 +92,8 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
                    help="module.fn log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> bool, called every "
                         "eval with the eval function's data: True leaves the eval metrics out of the log")
 
-    g = p.add_argument_group("profiling", "traces and snapshots go to --tensorboard-dir (as in slime)")
+    g = p.add_argument_group("profiling", "traces go to --tensorboard-dir (as in slime), memory snapshots to "
+                                          "--memory-snapshot-dir")
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="PyTorch profiler traces of --profile-target (default target: train)")
     g.add_argument("--profile-target", nargs="+", choices=PROFILE_TARGETS, default=None,

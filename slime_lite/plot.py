@@ -4,16 +4,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from slime_lite.errors import SlimeLiteError, run_main
 
 
 def read_records(path: str) -> list[dict]:
+    """The file's records; a last line cut short (a run that died mid-write) is left out with a warning."""
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
     except OSError as exc:
         raise SlimeLiteError(f"--metrics-path {path}: cannot read ({exc.strerror}).") from None
-    return [json.loads(line) for line in lines if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i < len(lines) - 1:
+                raise SlimeLiteError(f"--metrics-path {path}: record {i + 1} is not JSON ({exc.msg}).") from None
+            print(f"warning: --metrics-path {path}: the last record is cut short (not JSON); left out",
+                  file=sys.stderr)
+    return records
+
+
+def last_per_rollout(rows: list[dict]) -> list[dict]:
+    """One row per rollout id, the last one logged (a resumed run logs again the rollouts after its checkpoint),
+    in rollout order."""
+    return sorted({r["rollout_id"]: r for r in rows}.values(), key=lambda r: r["rollout_id"])
 
 
 def plot(records: list[dict], out: str, title: str = "") -> None:
@@ -22,19 +39,24 @@ def plot(records: list[dict], out: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after matplotlib.use
 
-    train = [r for r in records if "rollout/raw_reward" in r]
+    train = last_per_rollout([r for r in records if "rollout/raw_reward" in r])
     evals = sorted({k for r in records for k in r if k.startswith("eval/") and k.count("/") == 1})
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    values = []
     if train:
+        values += [r["rollout/raw_reward"] for r in train]
         ax.plot([r["rollout_id"] for r in train], [r["rollout/raw_reward"] for r in train], label="rollout reward",
-                color="tab:blue", alpha=0.7)
-    for key in evals:
-        rows = [r for r in records if key in r]
+                color="C0", marker=".", alpha=0.7)
+    for i, key in enumerate(evals):
+        rows = last_per_rollout([r for r in records if key in r])
+        values += [r[key] for r in rows]
         # eval after rollout i measures the weights trained on rollouts 0..i; -1 is before training
-        ax.plot([r["rollout_id"] + 1 for r in rows], [r[key] for r in rows], marker="o", label=f"{key} (held out)")
+        ax.plot([r["rollout_id"] + 1 for r in rows], [r[key] for r in rows], marker="o", color=f"C{i + 1}",
+                label=f"{key} (held out)")
     ax.set_xlabel("rollout")
     ax.set_ylabel("reward / exact-match accuracy")
-    ax.set_ylim(-0.02, 1.02)
+    lo, hi = min([0.0, *values]), max([1.0, *values])  # custom rewards may leave [0, 1]
+    ax.set_ylim(lo - 0.02 * (hi - lo), hi + 0.02 * (hi - lo))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title or "slime_lite run")

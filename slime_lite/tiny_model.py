@@ -187,7 +187,7 @@ def warm_start(model, tokenizer, *, task: str, steps: int, seed: int, target: fl
 
 
     train_rows, eval_rows = tasks.split_problems(task, n_train=tasks.n_problems(task) - tasks.DEFAULT_N_EVAL,
-                                                 n_eval=tasks.DEFAULT_N_EVAL, seed=0)
+                                                 n_eval=tasks.DEFAULT_N_EVAL, seed=seed)  # make-data's, same seed
     dev_rows, train_rows = train_rows[:WARM_START_DEV], train_rows[WARM_START_DEV:]
     if task == "tool_math":
         train_rows = train_rows[:TOOL_WARM_START_ROWS]

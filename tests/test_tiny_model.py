@@ -67,6 +67,26 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
     assert any(not (a[k] == c[k]).all() for k in a)
 
 
+def test_the_warm_start_holds_out_make_datas_eval_split_of_the_same_seed(tmp_path, monkeypatch):
+    """make-tiny-model --seed S then make-data --seed S: the RL eval prompts are the ones the warm start never saw
+    (it held out seed 0's split whatever the seed: 189 of 200 seed-1 eval prompts were in its training data)."""
+    from slime_lite import tasks
+
+    fitted: list[str] = []
+    real = tasks.split_problems
+
+    def spy(*a, **kw):
+        train, held_out = real(*a, **kw)
+        fitted.extend(r["prompt"] for r in train)
+        return train, held_out
+
+    monkeypatch.setattr(tasks, "split_problems", spy)
+    make_tiny_model(tmp_path / "m", seed=1, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                    intermediate_size=64, warm_start_steps=1, warm_start_target=None)
+    _, eval_rows = real("addition", n_train=0, n_eval=tasks.DEFAULT_N_EVAL, seed=1)  # make-data --seed 1's eval
+    assert fitted and not set(fitted) & {r["prompt"] for r in eval_rows}
+
+
 def test_short_warm_start_lowers_the_loss_and_reports(tmp_path):
     report = make_tiny_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                              intermediate_size=128, warm_start_steps=60, warm_start_target=None)

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_bisect_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     opts, train_argv = build_parser().parse_known_args(argv)
-    opts.toggles = [t.strip() for t in opts.toggles.split(",") if t.strip()]
+    opts.toggles = list(dict.fromkeys(t.strip() for t in opts.toggles.split(",") if t.strip()))  # each once
     bad = [t for t in opts.toggles if t not in TOGGLES]
     if bad:
         raise SlimeLiteError(f"--toggles: unknown {', '.join(bad)}; choose from {', '.join(TOGGLES)}.")

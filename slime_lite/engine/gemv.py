@@ -236,7 +236,7 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, 
     first in a loop Triton pipelines through shared memory (``linear`` lowers it to what the device's shared memory
     holds).
 
-    The best per product of an H100 sweep at 32 rows (bench/sweep_gemv.py --stages; 16/32/64 x 64/128 x 2/4 warps,
+    The best per product of an H100 sweep at 32 rows (bench/sweep_gemv.py over stages; 16/32/64 x 64/128 x 2/4 warps,
     3-7 stages): q/k/v and o 16 x 128, 4 warps, all of k a program, 4 stages; gate/up 64 x 64, 4 warps, all of k,
     swapped, 6 stages; down 16 x 128, 2 warps, 10 slices a program, 5 stages. In the 0.5B step (profile_decode.py,
     same process, H100) they took 0.871 ms at 32 rows against 0.967 with cuBLAS's gate/up and down, and 0.845 /

@@ -87,6 +87,8 @@ def test_own_flags_are_separated_from_train_flags():
     assert opts.toggles == ["cuda-graph"] and opts.timeout == 30 and train == ["--lr", "1e-6"] + OTHER
     assert opts.stall_timeout is None
     assert parse_bisect_args(["--stall-timeout", "120"] + OTHER)[0].stall_timeout == 120
+    twice = parse_bisect_args(["--toggles", "cuda-graph,spec,cuda-graph"] + OTHER)[0].toggles  # each job once
+    assert twice == ["cuda-graph", "spec"] and len(combinations(twice)) == 4
     with pytest.raises(SlimeLiteError, match="unknown flash"):
         parse_bisect_args(["--toggles", "cuda-graph,flash"])
     with pytest.raises(SlimeLiteError, match=r"--stall-timeout -5.0 must be > 0 seconds \(leave it out"):
