@@ -161,7 +161,7 @@ def test_distributed_push_bodies_are_accepted_by_sglang(monkeypatch):
 
     req = pydantic.TypeAdapter(oracle.sglang_module("sglang.srt.managers.io_struct").UpdateWeightsFromDistributedReqInput)
     bodies, casts = [], []
-    monkeypatch.setattr(wp, "_group", lambda urls, backend: SimpleNamespace(
+    monkeypatch.setattr(wp, "_group", lambda urls, backend, ranks=1: SimpleNamespace(
         broadcast=lambda t, src: casts.append(t.numel() * t.element_size())))
 
     class FakeSent:  # the engine's HTTP answer
@@ -180,6 +180,31 @@ def test_distributed_push_bodies_are_accepted_by_sglang(monkeypatch):
     bodies.clear(), casts.clear()
     wp._push_distributed({"c": named["c"], "b": named["b"]}, ["http://engine"], 4)  # b would start at byte 6
     assert "load_format" not in bodies[0] and casts == [6, 20]
+
+
+def test_the_broadcast_group_gives_every_tp_rank_of_every_sglang_engine_its_own_rank(monkeypatch):
+    """SGLang's TP rank r of an engine joins as ``rank_offset + r``: with 2 engines of 2 GPUs each
+    (--rollout-num-gpus-per-engine 2) the group has 5 ranks and the engines start at 1 and 3 (it was 3 ranks, and
+    the second engine's ranks 2-3 collided with the first's and fell outside). The bodies validate as SGLang's
+    InitWeightsUpdateGroupReqInput; the embedded engine is one rank whatever its GPUs. Fake: the group."""
+    import pydantic
+    import torch
+
+    from slime_lite.args import parser_defaults
+    from slime_lite.backends.megatron import weight_push as wp
+
+    req = pydantic.TypeAdapter(oracle.sglang_module("sglang.srt.managers.io_struct").InitWeightsUpdateGroupReqInput)
+    world, bodies = wp._join_bodies(["http://e0", "http://e1"], 2, "127.0.0.1", 29500)
+    assert world == 5 and [req.validate_python(b).rank_offset for b in bodies] == [1, 3]
+    assert {b["world_size"] for b in bodies} == {5}
+    asked = []
+    monkeypatch.setattr(wp, "weight_update_session", lambda urls: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(wp, "_push_distributed", lambda *a, **kw: asked.append(kw["ranks"]))
+    for backend, want in (("sglang", 2), ("embedded", 1)):
+        args = parser_defaults(hf_checkpoint="/m", rollout_backend=backend, rollout_num_gpus_per_engine=2,
+                               update_weight_transport="distributed")
+        wp._transport(args, {"a": torch.zeros(2)}, ["http://e0"], 1)
+    assert asked == [2, 1]
 
 
 def test_a_failed_distributed_push_drops_the_broadcast_group(monkeypatch):

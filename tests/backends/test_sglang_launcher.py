@@ -23,6 +23,7 @@ from slime_lite.backends.sglang.launcher import (
     SGLangRouter, SGLangServer, build_command, build_router_command, check_sglang_args,
 )
 from slime_lite.config import EngineConfig
+from tests import sglang_oracle as oracle
 from slime_lite.errors import EngineError, SlimeLiteError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,6 +124,19 @@ def test_launcher_owned_flags_are_refused(flags):
     args = parse_args(flags + ["--sglang-tp-size", "2", "--sglang-server-module", FAKE_SERVER])
     with pytest.raises(SlimeLiteError, match="--rollout-num-gpus-per-engine"):
         check_sglang_args(engine(args))
+
+
+def test_pipeline_or_data_parallel_engines_wanting_more_gpus_than_they_get_are_refused(flags):
+    """SGLang places tp x pp ranks per data-parallel replica; a server sees --rollout-num-gpus-per-engine GPUs, all
+    its --tp-size. SGLang's own parser reads the flags (on this CPU machine)."""
+    oracle.require_sglang()
+    oracle.sglang_module("sglang.srt.server_args")  # importable on a CPU machine through the oracle
+    gpus = ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"]
+    for extra, says in ((["--sglang-pp-size", "2"], "would place its ranks on 4 GPUs of 2"),
+                        (["--sglang-dp-size", "2"], "would place its ranks on 4 GPUs of 2")):
+        with pytest.raises(SlimeLiteError, match=says):
+            check_sglang_args(engine(parse_args(flags + gpus + extra)))
+    check_sglang_args(engine(parse_args(flags + gpus + ["--sglang-dp-size", "2", "--sglang-enable-dp-attention"])))
 
 
 def test_router_flag_checks(flags):

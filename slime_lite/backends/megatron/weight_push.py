@@ -126,7 +126,7 @@ def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
         with weight_update_session(urls):
             _push_distributed(named, urls, version, colocated=args.colocate, limit=limit,
                               flattened=args.rollout_backend != "sglang", flush_cache=not args.fully_async,
-                              cpu_engines=args.rollout_device == "cpu")
+                              cpu_engines=args.rollout_device == "cpu", ranks=engine_ranks(args))
     else:
         _push_disk(args, named, urls, version)
 
@@ -213,7 +213,7 @@ def payload_mode(url: str, named: dict[str, torch.Tensor], colocated: bool, buck
 
 def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
     limit = args.update_weight_buffer_size
-    ranks = args.rollout_num_gpus_per_engine if args.rollout_backend == "sglang" else 1
+    ranks = engine_ranks(args)
     modes = {u: payload_mode(u, named, args.colocate, limit) for u in urls}
     if any(m == "by_value" for m in modes.values()):
         log.info("weight push by value (host copies) to %s: handles reach only engines on this host%s",
@@ -239,8 +239,23 @@ def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], ver
         torch.cuda.ipc_collect()  # CUDA IPC blocks the engines have closed
 
 
-def _group(urls: list[str], backend: str) -> Any:
-    """One broadcast group trainer(rank 0) + engines, made on the first push and kept for the later ones.
+def engine_ranks(args: Any) -> int:
+    """Processes (ranks) per engine that read a push: an SGLang server runs one per GPU (its TP ranks), the
+    embedded engine one."""
+    return args.rollout_num_gpus_per_engine if args.rollout_backend == "sglang" else 1
+
+
+def _join_bodies(urls: list[str], ranks: int, host: str, port: int) -> tuple[int, list[dict]]:
+    """The group's size and each engine's ``/init_weights_update_group`` body: the trainer is rank 0 and engine i's
+    ``ranks`` processes take ``rank_offset + 0 .. ranks - 1`` (SGLang adds its TP rank to ``rank_offset``)."""
+    world = 1 + ranks * len(urls)
+    return world, [{"master_address": host, "master_port": port, "rank_offset": 1 + i * ranks, "world_size": world,
+                    "group_name": "weight_update_group"} for i in range(len(urls))]
+
+
+def _group(urls: list[str], backend: str, ranks: int = 1) -> Any:
+    """One broadcast group trainer(rank 0) + engines (``ranks`` processes each), made on the first push and kept for
+    the later ones.
 
     The trainer's store listens before the engines are asked; the trainer's own join runs in a thread while the
     engines' answers are watched, so an engine that refuses (a 400: a group already there, a backend it cannot use)
@@ -258,12 +273,10 @@ def _group(urls: list[str], backend: str) -> Any:
     except ValueError as exc:
         raise SlimeLiteError(f"SLIME_LITE_WEIGHT_MASTER_ADDR: {exc}") from None
     port = free_port()
-    world = 1 + len(urls)
+    world, bodies = _join_bodies(urls, ranks, host, port)
     server = GroupStore(host, port, world)
-    joins = [_in_background(request_json, u, "/init_weights_update_group",
-                            {"master_address": host, "master_port": port, "rank_offset": 1 + i, "world_size": world,
-                             "group_name": "weight_update_group", "backend": backend}, timeout=300)
-             for i, u in enumerate(urls)]
+    joins = [_in_background(request_json, u, "/init_weights_update_group", {**body, "backend": backend}, timeout=300)
+             for u, body in zip(urls, bodies)]
     cuda = torch.cuda.current_device() if backend == "nccl" else None
     own = _in_background(_rank0, host, port, world, backend, server, cuda)
     while True:  # until every side joined, an engine refused, or the trainer's side failed
@@ -362,8 +375,9 @@ def _drop_group(key: tuple[str, ...]) -> None:
 
 def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int, colocated: bool = False,
                       limit: int = BUCKET_BYTES, flattened: bool = True, flush_cache: bool = True,
-                      cpu_engines: bool = False) -> None:
-    """Buckets of at most ``limit`` bytes, each one ``/update_weights_from_distributed`` request; ``flattened``: a
+                      cpu_engines: bool = False, ranks: int = 1) -> None:
+    """Buckets of at most ``limit`` bytes, each one ``/update_weights_from_distributed`` request (to engines of
+    ``ranks`` processes each: ``engine_ranks``); ``flattened``: a
     bucket goes as one broadcast of its tensors' bytes back to back (SGLang's ``load_format="flattened_bucket"``)
     when no tensor would need padding, else (and for SGLang servers: not every version reads it) one broadcast per
     tensor. ``flush_cache`` False under --fully-async: requests paused in place hold the cache (SGLang refuses to
@@ -371,7 +385,7 @@ def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: 
     # NCCL needs one GPU per rank: colocated engines share the trainer's GPU, and CPU engines have none (they refuse
     # an NCCL group, and the trainer would wait for them until the group's timeout), so both use gloo (host memory)
     backend = "nccl" if torch.cuda.is_available() and not colocated and not cpu_engines else "gloo"
-    group = _group(urls, backend)
+    group = _group(urls, backend, ranks)
     device = "cuda" if backend == "nccl" else "cpu"
     route = "/update_weights_from_distributed"
     try:

@@ -96,9 +96,20 @@ def check_sglang_args(cfg: EngineConfig) -> None:
                 f"Install it on every GPU node ({INSTALL_HINT}, or use the docker image in docker/), or use "
                 "--rollout-backend embedded.")
         served = validate_with_sglang_parser(cfg.hf_checkpoint, sglang_args)
-        if cfg.lora_rank is not None and (getattr(served, "dp_size", 1) or 1) > 1:
+        pp, dp = (getattr(served, "pp_size", 1) or 1), (getattr(served, "dp_size", 1) or 1)
+        if cfg.lora_rank is not None and dp > 1:
             raise SlimeLiteError("--lora-rank with --sglang-dp-size above 1: SGLang loads adapters at run time only "
                                  "without its data parallelism; use more engines (--rollout-num-gpus) instead.")
+        if pp > 1 or (dp > 1 and not getattr(served, "enable_dp_attention", False)):
+            # each server sees its --rollout-num-gpus-per-engine GPUs and gets them as --tp-size; SGLang places
+            # tp x pp ranks per data-parallel replica (dp replicas without --enable-dp-attention)
+            n = cfg.rollout_num_gpus_per_engine
+            raise SlimeLiteError(
+                f"--sglang-pp-size {pp} / --sglang-dp-size {dp}: each SGLang server gets --rollout-num-gpus-per-engine "
+                f"{n} GPUs and slime-lite makes them its --tp-size, so SGLang would place its ranks on "
+                f"{n * pp * (1 if getattr(served, 'enable_dp_attention', False) else dp)} GPUs of {n}: drop them "
+                "and use more engines (--rollout-num-gpus) or more GPUs per engine (data parallelism inside an "
+                "engine: --sglang-dp-size with --sglang-enable-dp-attention).")
     if router and not _module_found("sglang_router"):
         raise SlimeLiteError("--use-sglang-router needs SGLang's router, which is not installed: "
                              "pip install sglang-router (or drop --use-sglang-router: slime-lite balances the "
