@@ -54,6 +54,10 @@ def check_async_train(args: argparse.Namespace) -> None:
     elif args.offload_rollout:
         refuse = ("--offload-rollout releases the engines' memory while the trainer trains, and under --async they "
                   "generate then: drop --offload-rollout")
+    elif args.lora_rank is not None and args.rollout_backend == "sglang":
+        refuse = ("--lora-rank on SGLang servers: a push unloads the adapter the requests in flight still use, and "
+                  "SGLang waits for them to finish while the push holds them paused, so the push would wait out its "
+                  "timeout: use --rollout-backend embedded (it merges the adapters into the weights it serves)")
     elif args.use_fault_tolerance or args.debug_inject_fault == "kill-engine":
         refuse = ("--use-fault-tolerance / --debug-inject-fault kill-engine are not supported with --async yet "
                   "(an engine restart mid-overlap is untested): drop one of them")
@@ -96,6 +100,10 @@ def check_fully_async(args: argparse.Namespace) -> None:
         refuse = (f"--rollout-function-path {args.rollout_function_path} replaces the built-in rollout, whose "
                   "background generation loop --fully-async is: drop one of them (--custom-generate-function-path "
                   "works with --fully-async)")
+    elif args.lora_rank is not None and args.rollout_backend == "sglang":
+        refuse = ("--lora-rank on SGLang servers: a push unloads the adapter the requests in flight still use, and "
+                  "SGLang waits for them to finish while the push holds them paused, so the push would wait out its "
+                  "timeout: use --rollout-backend embedded (it merges the adapters into the weights it serves)")
     elif args.use_fault_tolerance or args.debug_inject_fault == "kill-engine":
         refuse = "--use-fault-tolerance / --debug-inject-fault kill-engine are not supported with --fully-async yet"
     elif args.rollout_sample_filter_path or args.rollout_all_samples_process_path:

@@ -58,6 +58,8 @@ BASE = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"]
     (["--fully-async", "--deterministic-mode"], "--deterministic-mode"),
     (["--fully-async", "--async"], "drop --async"),
     (["--fully-async", "--rollout-function-path", "m.f"], "--rollout-function-path m.f"),
+    # a LoRA push unloads the old adapter, which SGLang holds for the requests the push keeps paused: a hang
+    (["--fully-async", "--lora-rank", "8", "--rollout-backend", "sglang"], "--fully-async: --lora-rank on SGLang"),
 ])
 def test_bad_fully_async_flags_are_refused_before_ray_starts(extra, says, capsys):
     if says is None:
