@@ -96,7 +96,7 @@ def print_kernels(s, step, top: int) -> None:
 def _fixed_config(spec: str):
     """``--gemv-configs``' BNxBKxW[xKSTEPS[xSWAP[xSTAGES]]] (every product) or A/B/C (q/k/v and o, gate/up, down)
     as a ``gemv.config`` (SWAP 1: the tile products as ``w @ x.T``; STAGES past 1: the K loop pipelined), and the
-    kinds given as ``blas`` (cuBLAS's product, as past 16 rows by default)."""
+    kinds given as ``blas`` (cuBLAS's product, as past 16 rows before 2026-12-06)."""
     parts = spec.split("/")
     kinds = [None if part == "blas" else tuple(int(v) for v in part.split("x")) for part in parts]
     kinds = [c if c is None else c + (1,) * (4 - len(c)) for c in kinds]
@@ -107,14 +107,12 @@ def _fixed_config(spec: str):
 
 
 def _usable_but(usable, blas: set):
-    """``gemv.usable`` that leaves the products of the ``blas`` kinds to cuBLAS (gate/up: a weight of WIDE elements
-    or more with K under 2,048; down: K of 2,048 or more, as ``gemv.kind`` tells them)."""
+    """``gemv.usable`` that leaves the products of the ``blas`` kinds to cuBLAS, each product's kind as
+    ``gemv.kind`` tells it (a gate/up weight: twice as many rows as columns or more)."""
     from slime_lite.engine import gemv
 
     def pick(x, w, b=None, silu_in=False):
-        k = w.shape[1]
-        name = "down" if k >= 2048 else "gate_up" if w.numel() >= gemv.WIDE else "narrow"
-        return name not in blas and usable(x, w, b, silu_in)
+        return gemv.kind(w.shape[1], w.shape[0] >= 2 * w.shape[1]) not in blas and usable(x, w, b, silu_in)
 
     return pick
 
@@ -152,11 +150,12 @@ def main() -> None:
                          "rows), comma-separated, *_wideN keys; *_wideN_norm: NORM_MAX_ROWS N too")
     ap.add_argument("--silu-in-rows", default="",
                     help="also time the step with these gemv.SILU_IN_MAX_ROWS (32: past 16 rows the down product by "
-                         "gemv with the SiLU inside, after cuBLAS's gate/up; gemv.SILU_IN_CONFIG's tiles, which "
-                         "--gemv-configs does not change), comma-separated, *_siluinN keys")
+                         "gemv with the SiLU inside, after cuBLAS's gate/up: gemv.WIDE_MAX_ROWS 16 in these "
+                         "variants; gemv.SILU_IN_CONFIG's tiles, which --gemv-configs does not change), "
+                         "comma-separated, *_siluinN keys")
     ap.add_argument("--compare-blaslt", action="store_true",
                     help="also time the step with torch's preferred BLAS library cuBLASLt for the cuBLAS products "
-                         "(gate/up and down past 16 rows, the output projection), *_blaslt keys")
+                         "(the output projection; gate/up and down too with --wide-rows 16), *_blaslt keys")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
@@ -216,6 +215,8 @@ def main() -> None:
                 gemv.NORM_MAX_ROWS = gemv.WIDE_MAX_ROWS
             decode_attention.BLOCK_BYTES = int(suffix[5:]) if suffix.startswith("_attn") else block_bytes
             gemv.SILU_IN_MAX_ROWS = int(suffix[7:]) if suffix.startswith("_siluin") else silu_rows
+            if suffix.startswith("_siluin"):  # gate/up by cuBLAS past 16 rows, so down can read its output
+                gemv.WIDE_MAX_ROWS = 16
             s.decoder.reset()
             row["run_ms" + suffix] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)

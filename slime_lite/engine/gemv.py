@@ -3,19 +3,20 @@
 At batch 1-32 a decode layer is a chain of ~10 dependent kernels of 1.5-7 us each on an H200, mostly latency (the
 launch, the first loads) rather than bytes. On Hopper a kernel launched with programmatic dependent launch (PDL)
 may start while the kernel before it still runs, and waits for it (``griddepcontrol.wait``) only where it needs its
-output. ``linear`` here loads its share of the weights first (they do not depend on the previous kernel), then
-waits, then reads the rows: the weight reads overlap the previous kernel. The engine's other decode kernels
-(norms, rotary, attention) likewise read what the kernel before them does not write (weights, the step's tables,
-earlier positions of the KV cache) before their wait, and let the next kernel launch right after it
-(``triton_build.pdl_args``); cuBLAS's products can do neither, so with PDL these products replace them.
+output. ``linear`` here loads the first slice of its share of the weights first (they do not depend on the
+previous kernel), then waits, then reads the rows: those weight reads overlap the previous kernel. The engine's
+other decode kernels (norms, rotary, attention) likewise read what the kernel before them does not write (weights,
+the step's tables, earlier positions of the KV cache) before their wait, and let the next kernel launch right after
+it (``triton_build.pdl_args``); cuBLAS's products can do neither, so with PDL these products replace them.
 
 ``y = x @ w.T + b`` for ``x`` of at most ``MAX_ROWS`` rows: each program reads ``BN x BK`` tiles of ``w`` (``KSTEPS``
-consecutive ``BK`` slices of ``K``, the first before the wait, each next one while the product of the one before
-runs) and adds their products up in slice order; when the programs of a column tile are several, each writes its
-float32 partial sums and the last program of the tile to finish (a counter per tile, reset by that program) adds
-them in order, so the result does not depend on which finishes first. ``swiglu``: ``w`` is a gate/up projection
-(gate rows first) and ``y`` is ``silu(gate) * up``, rounded as the eager pieces round. The sums run in another order
-than cuBLAS's: results differ from ``F.linear`` by float32 rounding before the final rounding to the model dtype.
+consecutive ``BK`` slices of ``K``: the first before the wait, the others through a loop that Triton pipelines,
+STAGES - 1 slices in flight, or with STAGES 1 each next one while the product of the one before runs) and adds
+their products up in slice order; when the programs of a column tile are several, each writes its float32 partial
+sums and the last program of the tile to finish (a counter per tile, reset by that program) adds them in order, so
+the result does not depend on which finishes first. ``swiglu``: ``w`` is a gate/up projection (gate rows first) and
+``y`` is ``silu(gate) * up``, rounded as the eager pieces round. The sums run in another order than cuBLAS's:
+results differ from ``F.linear`` by float32 rounding before the final rounding to the model dtype.
 
 A decode layer's RMSNorms need no kernels of their own here: the product before a norm adds the residual to its
 output and writes each row's sum of squares over its column tile (``residual``, ``sums``); the product after it
@@ -33,7 +34,8 @@ from slime_lite.triton_build import counters, pdl_args, pdl_available, triton_ke
 # An H200 sweep (bench/sweep_gemv.py, the 0.5B shape): with PDL these kernels beat cuBLAS at 1-16 rows for every
 # product. At 32 rows the wide ones (gate/up: 8.7M weights, down: 4.4M) lost while a program's K slices came
 # through registers (its next slice's weights read during the current product); with the K loop pipelined through
-# shared memory (``config``'s STAGES) they win there too: every product by gemv at up to MAX_ROWS rows.
+# shared memory (``config``'s STAGES) they win there too on an H100 (not yet measured on an H200): every product by
+# gemv at up to MAX_ROWS rows.
 MAX_ROWS = 32
 # the wide products (weights of WIDE elements or more) by gemv at up to WIDE_MAX_ROWS rows (benchmarks lower it to
 # compare: past it, cuBLAS's)
@@ -246,6 +248,14 @@ def config(rows: int, out_n: int, k: int, swiglu: bool) -> tuple[int, int, int, 
                  "narrow": (16, 128, 4, 1 << 30, 0, 4)}[kind(k, swiglu)], k)
 
 
+# float32 (IEEE sums: tests, float32 models): the tiles before the pipelining, one slice a program, its partial sums
+# added in order. With a program's one multiply-add chain over all of K (``config``'s tiles), test_fused_layer's
+# float32 MLP check failed on an H100; emulated on the CPU (that chain in float32 against the CPU's float32 product)
+# the chain's error off a float64 layer was 1.25x the CPU product's in norm and 2.3x at most, one slice a program's
+# 0.55x and 0.45x
+FLOAT32_TILES = {"gate_up": (32, 256, 4, 1), "down": (64, 256, 4, 1), "narrow": (32, 128, 4, 1)}
+
+
 def _fit(cfg: tuple[int, ...], k: int) -> tuple[int, ...]:
     """A configuration's BK at most ``k`` (a power of two, 16 or more) and its KSTEPS at most ``k``'s slices."""
     bn, bk, warps, ksteps, *extra = cfg
@@ -275,15 +285,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     rows = x.numel() // x.shape[-1]
     n = w.shape[0]
     out_n = n // 2 if swiglu else n
-    bn, bk, warps, ksteps, *extra = cfg or (_fit(SILU_IN_CONFIG, k) if silu_in else config(rows, out_n, k, swiglu))
+    if cfg is None:
+        cfg = (_fit(SILU_IN_CONFIG, k) if silu_in else _fit(FLOAT32_TILES[kind(k, swiglu)], k)
+               if x.dtype == torch.float32 else config(rows, out_n, k, swiglu))
+    bn, bk, warps, ksteps, *extra = cfg
     swap = bool(extra[0]) if extra else False
     stages = extra[1] if len(extra) > 1 else 1
-    if cfg is None and x.dtype == torch.float32:  # float32 sums (IEEE): one slice a program, the partial sums added
-        # in order. With a program's one chain of multiply-adds over all of K, test_fused_layer's float32 MLP check
-        # failed on an H100; emulated on the CPU (that chain in float32 against the CPU's float32 product), the
-        # chain's error off a float64 layer was 1.25x the CPU product's in norm and 2.3x at most, one slice a
-        # program's 0.55x and 0.45x
-        ksteps, stages = 1, 1
     bm = 16 if rows <= 16 else 32
     if stages > 1:  # Triton's pipeline keeps STAGES + 1 slices of weights and rows in shared memory
         per_stage = (bn * (2 if swiglu else 1) + bm * (2 if silu_in else 1)) * bk * x.element_size()

@@ -30,7 +30,8 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
     for rows, k, n, bias, swiglu in [(1, 96, 40, True, False),  # one K slice, a partial column tile
                                      (5, 300, 130, False, False),  # three K slices, a partial last slice
                                      (20, 600, 2 * 70, True, True),  # 32-row tiles, SwiGLU, biases on both halves
-                                     (32, 128, 2 * 64, False, True)]:
+                                     (32, 128, 2 * 64, False, True),
+                                     (3, 2100, 40, False, False)]:  # down's tiles: split-K in float16 too
         x = torch.randn(rows, 1, k, generator=gen).to(dtype).to(device)
         w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(device)
         b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
@@ -41,9 +42,8 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
         assert torch.equal(got, again)
         bn, bk, warps = gemv.config(rows, n, k, swiglu)[:3]
         for ksteps, swap, stages in ((2, 0, 1), (3, 0, 1), (1, 1, 1), (3, 1, 1), (3, 0, 3), (4, 1, 2)):
-            # a program adding up several K slices (fewer or no partial sums), a partial last one (the wide
-            # products' tiles past 16 rows: gemv.config); swap: the tile products as w @ x.T; stages: the slices
-            # after the first in a pipelined loop
+            # a program adding up several K slices (fewer or no partial sums), a partial last one (gemv.config's
+            # tiles); swap: the tile products as w @ x.T; stages: the slices after the first in a pipelined loop
             torch.testing.assert_close(gemv.linear(x, w, b, swiglu=swiglu, cfg=(bn, bk, warps, ksteps, swap, stages)),
                                        _want(x, w, b, swiglu), rtol=tol, atol=tol)
     for rows, k0, k, n, swiglu in [(3, 300, 300, 40, False), (16, 64, 200, 2 * 48, True),
@@ -60,7 +60,8 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
             torch.testing.assert_close(sq2[:, :rows], tiles32, rtol=tol, atol=tol)
         want_y = (res.float() + _want(x0, w0.to(dtype).to(device), None, False).float()).to(dtype)
         torch.testing.assert_close(y, want_y, rtol=tol, atol=tol)
-        tiles = y.float().pow(2).split(gemv.config(rows, k, k0, False)[0], dim=-1)
+        default = gemv.FLOAT32_TILES[gemv.kind(k0, False)] if dtype == torch.float32 else gemv.config(rows, k, k0, False)
+        tiles = y.float().pow(2).split(default[0], dim=-1)  # the default tiles' columns
         torch.testing.assert_close(sq[:, :rows], torch.stack([t.sum(-1) for t in tiles]), rtol=tol, atol=tol)
         assert (sq[:, rows:] == 0).all()  # the tile's rows past the input's
         ln = (1 + torch.randn(k, generator=gen) * 0.2).to(dtype).to(device)
@@ -162,7 +163,8 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
     layers = [((torch.randn(2 * inter, hid, generator=gen, device="cuda") * 0.03).to(dtype),
                (torch.randn(hid, inter, generator=gen, device="cuda") * 0.03).to(dtype),
                (1 + torch.randn(hid, generator=gen, device="cuda") * 0.1).to(dtype)) for _ in range(12)]
-    for rows in (8, 32):  # 32: 32-row tiles, several K slices a program, pipelined (gemv.config past 16 rows)
+    for rows in (8, 32):  # 32-row tiles at 32; bf16: several K slices a program, pipelined (gemv.config); float32:
+        # one slice a program (gemv.FLOAT32_TILES)
         x0 = torch.empty(rows, hid, device="cuda", dtype=dtype)  # the graph's input, new before every replay
         inputs = [torch.randn(rows, hid, generator=gen, device="cuda").to(dtype) for _ in range(20)]
 
