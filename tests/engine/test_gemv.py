@@ -60,7 +60,8 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
             torch.testing.assert_close(sq2[:, :rows], tiles32, rtol=tol, atol=tol)
         want_y = (res.float() + _want(x0, w0.to(dtype).to(device), None, False).float()).to(dtype)
         torch.testing.assert_close(y, want_y, rtol=tol, atol=tol)
-        default = gemv.FLOAT32_TILES[gemv.kind(k0, False)] if dtype == torch.float32 else gemv.config(rows, k, k0, False)
+        default = (gemv.FLOAT32_TILES[gemv.kind(k0, False)] if dtype == torch.float32
+                   else gemv.config(rows, k, k0, False))
         tiles = y.float().pow(2).split(default[0], dim=-1)  # the default tiles' columns
         torch.testing.assert_close(sq[:, :rows], torch.stack([t.sum(-1) for t in tiles]), rtol=tol, atol=tol)
         assert (sq[:, rows:] == 0).all()  # the tile's rows past the input's
