@@ -240,8 +240,7 @@ def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], ver
 
 
 def engine_ranks(args: Any) -> int:
-    """Processes (ranks) per engine that read a push: an SGLang server runs one per GPU (its TP ranks), the
-    embedded engine one."""
+    """Ranks per engine that read a push: an SGLang server's TP ranks (one a GPU), the embedded engine's one."""
     return args.rollout_num_gpus_per_engine if args.rollout_backend == "sglang" else 1
 
 
