@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -105,7 +105,10 @@ def start() -> None:
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
     try:
-        ready = select.select([proc.stdout], [], [], READY_TIMEOUT_S)[0] and proc.stdout.readline().strip() == b"ready"
+        # a selector, not select.select: a driver with 1,024 files open gets descriptors select() cannot take
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            ready = bool(sel.select(READY_TIMEOUT_S)) and proc.stdout.readline().strip() == b"ready"
     finally:
         proc.stdout.close()
     if not ready:

@@ -104,3 +104,28 @@ def test_a_watch_that_does_not_start_is_reported(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="slime_lite.driver_watch"):
         driver_watch.start()
     assert "the driver watch did not start" in caplog.text
+
+
+def test_the_watch_starts_in_a_driver_with_more_than_1024_files_open(caplog):
+    """select() takes no descriptor past 1,023; a driver that holds many files (Ray, sockets, logs) still starts."""
+
+    import resource
+
+    from slime_lite import driver_watch
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard if hard != resource.RLIM_INFINITY else 4096) < 1200:
+        pytest.skip("this machine allows fewer than 1,200 open files")
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        with caplog.at_level("WARNING", logger="slime_lite.driver_watch"):
+            driver_watch.start()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "the driver watch did not start" not in caplog.text
