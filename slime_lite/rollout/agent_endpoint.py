@@ -7,9 +7,10 @@ engine produced them, and the trajectory becomes a multi-turn sample from those 
 agent got back. A call whose messages extend the previous call's (its messages, then the assistant reply it got,
 then new tool or user messages) is sent as the previous prompt + completion ids + the chat template's text of the
 new messages only, so earlier turns keep the engine's tokens and the engine reuses their KV (prefix cache); a call
-that rewrites the history starts a new segment (one more sample of the same trajectory, sharing ``rollout_id``), as
-does one whose history the chat template renders differently once the new messages follow (Qwen3 dropping an
-earlier turn's thinking).
+that rewrites the history starts a new segment (one more sample of the same trajectory, sharing ``rollout_id``). A
+chat template that renders the earlier turns otherwise once new messages follow (Qwen3 leaves out an earlier turn's
+think block, empty or not) does not start one: the engine goes on from the tokens it wrote, and the new messages are
+rendered as the template renders them after that history.
 
 Tool calls in the model's text become OpenAI ``tool_calls`` (``finish_reason`` "tool_calls"), read in the format
 ``--tool-call-parser`` names (by default the one the chat template writes: Qwen/Hermes ``<tool_call>{json}
@@ -22,7 +23,8 @@ delta, then the finish reason, then the usage with ``stream_options.include_usag
 The rollout's sampling parameters apply, whatever the agent sends (the trainer scores tokens at
 ``--rollout-temperature``): the agent's temperature, top_p and seed are ignored, its ``max_tokens`` is honoured
 below the trajectory's budget, ``--rollout-max-response-len`` tokens of response in all (model and inserted
-tokens), and its ``stop`` strings end the turn (kept in the trained tokens, cut from the content as OpenAI does).
+tokens; calls in flight at once each reserve what they may write, so the next gets what is left), and its
+``stop`` strings end the turn (kept in the trained tokens, cut from the content as OpenAI does).
 ``logprobs`` / ``top_logprobs`` return the engine's. The chat template gets ``--apply-chat-template-kwargs`` (as the
 prompts do) and the agent's ``chat_template_kwargs`` (SGLang's field; its keys win). A turn that did not end at the
 template's end of turn (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in Llama 3: what the template renders after an
@@ -70,7 +72,7 @@ from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
 from slime_lite.rollout.tool_calls import detect_parser, end_of_turn, inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import restart
 from slime_lite.tokenizer import load_tokenizer
-from slime_lite.types import Sample, Status
+from slime_lite.types import Sample, Status, version_number
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,9 @@ class Call:
     extends: bool  # prompt_ids = the parent call's prompt + completion + the new messages' tokens
     new_roles: list[str] = field(default_factory=list)  # roles of the messages added since the parent call
     weight_version: str | None = None
+    token_versions: list[int] | None = None  # per completion token (a call in flight across a push spans two)
+    routed_experts: str | None = None  # --use-rollout-routing-replay: the engine's table (the latest call's only)
+    rendered: str | None = None  # the prompt's text, where the chat template rendered all of it
     cached_tokens: int = 0
     malformed: int = 0
     parent: "Call | None" = None  # the call whose messages and reply this one's messages extend
@@ -111,13 +116,15 @@ class Trajectory:
 
     def __init__(self, endpoint: "AgentEndpoint", key: str, sampling_params: dict[str, Any],
                  max_turns: int | None = None, context: int | None = None,
-                 template_kwargs: dict[str, Any] | None = None) -> None:
+                 template_kwargs: dict[str, Any] | None = None, routing: bool = False) -> None:
         self.endpoint, self.key, self.max_turns, self.context = endpoint, key, max_turns, context
+        self.routing = routing  # --use-rollout-routing-replay
         self.sampling_params = dict(sampling_params)
         self.template_kwargs = dict(template_kwargs or {})  # --apply-chat-template-kwargs
         self.budget = int(sampling_params.get("max_new_tokens") or 0) or None
         self.calls: list[Call] = []
         self.sent = 0  # calls sent to the engine, those in flight included (--max-turns counts them)
+        self.reserved = 0  # response tokens the calls in flight may still write (the budget they share)
         self.seeded = 0  # calls given a sampling seed (never decreases: a retried call gets a seed of its own)
         self.truncated = False
         self.aborted = False
@@ -140,8 +147,9 @@ class Trajectory:
     def _render(self, messages: list[dict[str, Any]], parent: Call | None, tools: Any,
                 template_kwargs: dict[str, Any]) -> tuple[str, Call | None]:
         """The text to send after ``parent``'s tokens (the whole prompt without one), and the parent kept: none
-        when the chat template renders the history differently once the new messages follow (e.g. Qwen3 dropping
-        an earlier turn's thinking), which starts a new segment as a rewritten history does."""
+        where the new messages cannot be rendered on their own (other tools or template kwargs than the parent's,
+        or a template that closes no turn and renders the history otherwise), which starts a new segment as a
+        rewritten history does."""
         tok = self.endpoint.tokenizer
         try:
             if parent is not None and (parent.tools, parent.kwargs) != (tools, template_kwargs) and (
@@ -201,7 +209,7 @@ class Trajectory:
         if self.budget is not None:  # shared by the trajectory's segments (the other ones' tokens are used)
             used = sum(len(g[-1].prompt_ids) + len(g[-1].completion_ids) - len(g[0].prompt_ids)
                        for g in self._segments() if g[-1] is not parent)
-            left = self.budget - (len(prompt_ids) - start) - used
+            left = self.budget - (len(prompt_ids) - start) - used - self.reserved
             if left <= 0:
                 self.truncated = True
                 raise BudgetExhausted(f"the trajectory used its {self.budget} response tokens "
@@ -219,15 +227,20 @@ class Trajectory:
         if params.get("sampling_seed") is not None:
             params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * self.seeded
             self.seeded += 1
-        request = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True}
+        request = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True,
+                   "return_routed_experts": self.routing}
         if top:
             request["top_logprobs_num"] = top
         self.sent += 1
+        reserved = params["max_new_tokens"] if self.budget is not None else 0
+        self.reserved += reserved
         try:
             out = await ep.engine_client.generate(request)
         except BaseException:
             self.sent -= 1  # not served: the call does not count
             raise
+        finally:
+            self.reserved -= reserved
         meta = out["meta_info"]
         finish_info = meta.get("finish_reason") or {}
         finish = finish_info.get("type") or "stop"
@@ -246,11 +259,17 @@ class Trajectory:
         if tool_calls:
             reply["tool_calls"] = tool_calls
         n_prev = len(parent.messages) + 1 if parent is not None else 0
+        per_token = meta.get("output_token_weight_versions")
+        if parent is not None:
+            parent.routed_experts = None  # this call's table covers the parent's tokens
         self.calls.append(Call(
             messages=messages, reply=normalise(reply), prompt_ids=list(prompt_ids), completion_ids=ids,
             log_probs=log_probs, text=out["text"], finish_reason=finish, extends=parent is not None,
             new_roles=[m["role"] for m in messages[n_prev:]] if parent is not None else [],
             weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
+            token_versions=([version_number(str(v)) for v in per_token]
+                            if per_token is not None and len(per_token) == len(ids) else None),
+            routed_experts=meta.get("routed_experts"), rendered=text if parent is None else None,
             cached_tokens=int(meta.get("cached_tokens") or 0), malformed=parsed.malformed, parent=parent,
             start=start, tools=tools, kwargs=kwargs))
         if finish == "abort":
@@ -326,9 +345,11 @@ class AgentEndpoint:
             self._runner = None
 
     def open(self, sampling_params: dict[str, Any], max_turns: int | None = None,
-             context: int | None = None, template_kwargs: dict[str, Any] | None = None) -> Trajectory:
+             context: int | None = None, template_kwargs: dict[str, Any] | None = None,
+             routing: bool = False) -> Trajectory:
         key = f"{next(self._keys)}-{uuid.uuid4().hex[:8]}"
-        traj = self.trajectories[key] = Trajectory(self, key, sampling_params, max_turns, context, template_kwargs)
+        traj = self.trajectories[key] = Trajectory(self, key, sampling_params, max_turns, context, template_kwargs,
+                                                   routing)
         return traj
 
     def close(self, traj: Trajectory) -> None:
@@ -432,7 +453,7 @@ def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awai
             restart(sample)
         ep = await endpoint_for(args)
         traj = ep.open(sampling_params, args.max_turns, context_bound(args, evaluation),
-                       args.apply_chat_template_kwargs)
+                       args.apply_chat_template_kwargs, bool(getattr(args, "use_rollout_routing_replay", False)))
         error = None
         agent = start_agent(run, traj.base_url, sample)
         try:

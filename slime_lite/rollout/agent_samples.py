@@ -3,14 +3,15 @@
 A trajectory's calls fall into segments: a call joins the segment its parent call ends (it extends that
 conversation), else starts one (a rewritten history, or calls sent at once from the same history). Each segment is
 one sample: its first call's prompt ids, then per call the tokens of the messages added since the parent (tool or
-user turns, loss_mask 0) and the completion (the engine's ids and log-probs, per-token weight versions)."""
+user turns, loss_mask 0) and the completion (the engine's ids and log-probs, the weight version of each token), and
+its last call's table of routed experts (--use-rollout-routing-replay)."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-from slime_lite.rollout.turns import append_turn
+from slime_lite.rollout.turns import append_turn, routed_experts
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
 
 
@@ -40,18 +41,25 @@ def trajectory_samples(traj: Any, sample: Sample) -> list[Sample]:
         s.response, s.response_length, s.loss_mask, s.rollout_log_probs = "", 0, None, None
         s.metadata.pop("turns", None)
         s.metadata.pop(TOKEN_VERSIONS, None)
-        s.weight_versions = []
-        s.tokens = list(segment[0].prompt_ids) if segment else list(s.tokens)
+        s.weight_versions, s.rollout_routed_experts = [], None
+        if segment:  # the prompt is the first call's: its rendered text (the drift check re-tokenises it), if any
+            s.tokens = list(segment[0].prompt_ids)
+            if segment[0].rendered is None:
+                s.metadata.pop("prompt_text", None)
+            else:
+                s.metadata["prompt_text"] = segment[0].rendered
         for call in segment:
             new = call.prompt_ids[len(s.tokens):]
             if new:
                 append_turn(s, new, source="tool" if "tool" in call.new_roles else "user", text=decode(new))
-            versions = (None if call.weight_version is None
-                        else [version_number(call.weight_version)] * len(call.completion_ids))
+            versions = call.token_versions or (None if call.weight_version is None
+                                               else [version_number(call.weight_version)] * len(call.completion_ids))
             append_turn(s, call.completion_ids, call.log_probs, source="model", text=call.text, versions=versions)
             if call.weight_version is not None:
                 s.weight_versions.append(call.weight_version)
         last = segment[-1] if segment else None
+        if last is not None and last.routed_experts is not None:  # its prompt was every token before it
+            s.rollout_routed_experts = routed_experts(last.routed_experts)
         s.status = Status.from_finish_reason(last.finish_reason) if last else Status.FAILED
         if traj.truncated and (not segment or segment[-1] is traj.calls[-1]):
             s.status = Status.TRUNCATED

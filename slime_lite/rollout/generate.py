@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import inspect
 import logging
@@ -18,6 +17,7 @@ from slime_lite.hooks import HookArgs, call_maybe_async, load_hook
 from slime_lite.rollout.data import Prompt, PromptSource, encode_prompt
 from slime_lite.rollout.oversample import MAX_SUBMITS, OverSampler, complete, stamp_versions
 from slime_lite.rollout.rewards import compute_group_rewards, compute_reward
+from slime_lite.rollout.turns import routed_experts
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,9 @@ def fill_response(sample: Sample, out: dict[str, Any]) -> Sample:
     sample.prefix_cache_info.cached_tokens += int(meta.get("cached_tokens") or 0)
     sample.prefix_cache_info.total_prompt_tokens += int(meta.get("prompt_tokens") or 0)
     if meta.get("routed_experts") is not None:  # --use-rollout-routing-replay: every position but the last
-        import torch  # torch: only with routing replay (the rollout process has it then)
-
-        raw = bytearray(base64.b64decode(meta["routed_experts"]))
-        sample.rollout_routed_experts = torch.frombuffer(raw, dtype=torch.int32)  # [tokens - 1, layers, top_k]
+        sample.rollout_routed_experts = routed_experts(meta["routed_experts"])
     return sample
+
 
 
 def continued(params: dict[str, Any], sample: Sample) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 agent endpoint, or the tool task) that alternates model turns with tool or environment output.
 
 - ``model_turn`` sends the sample's tokens so far as ``input_ids`` (never text: training tokens are the engine's own
-  ids) and appends the engine's ids and log-probs as a model turn. The engine's prefix cache holds the KV of the
+  ids) and appends the engine's ids and log-probs as a model turn (with --use-rollout-routing-replay, its table of
+  routed experts, which covers every token so far, becomes the sample's). The engine's prefix cache holds the KV of the
   conversation so far, so a turn prefills only its new tokens: each turn record keeps the engine's
   ``cached_tokens`` and ``prompt_tokens``.
 - ``insert_turn`` appends tool or environment text (tokenised once, mask 0), cut to ``--max-inserted-tokens-per-turn``.
@@ -26,6 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from slime_lite.rollout.turns import routed_experts
 from slime_lite.rollout.turns import INSERTED_CUT, append_turn, restart  # noqa: F401  (restart: the hooks' name for it here)
 from slime_lite.types import Sample, Status, version_number
 
@@ -111,8 +113,9 @@ async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
         asked = params.get("max_new_tokens")  # 0 is 0 tokens (a spent budget), None is up to the context
         params["max_new_tokens"] = room if asked is None else min(int(asked), room)
     cap_min_new_tokens(params)
+    routing = bool(getattr(args, "use_rollout_routing_replay", False))  # the table of every token so far
     out = await args.engine_client.generate({"input_ids": list(sample.tokens), "sampling_params": params,
-                                             "return_logprob": True})
+                                             "return_logprob": True, "return_routed_experts": routing})
     meta = out["meta_info"]
     ids = [int(t) for t in out["output_ids"]]
     logprobs = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
@@ -126,6 +129,8 @@ async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
     turn["cached_tokens"] = int(meta.get("cached_tokens") or 0)
     turn["prompt_tokens"] = int(meta.get("prompt_tokens") or len(sample.tokens) - len(ids))
     sample.prefix_cache_info.add(meta)
+    if meta.get("routed_experts") is not None:
+        sample.rollout_routed_experts = routed_experts(meta["routed_experts"])
     if version is not None:
         sample.weight_versions.append(str(version))
     sample.status = Status.from_finish_reason((meta.get("finish_reason") or {}).get("type"))

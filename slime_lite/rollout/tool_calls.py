@@ -326,8 +326,9 @@ def parse_tool_calls(text: str, strip: tuple[str, ...] = (), parser: str | None 
         return ParsedTurn(text.strip())
     try:
         return PARSERS[ALIASES.get(parser, parser)](text, _Tools(tools))
-    except (RecursionError, MemoryError) as exc:  # nesting deeper than the parsers go: the text is kept
-        log.debug("tool-call parsing gave up (%s): the turn is kept as text", type(exc).__name__)
+    except Exception as exc:  # noqa: BLE001 - the model's text, whatever it holds (nesting deeper than the parsers
+        # go, an integer of more digits than Python reads), is kept as text and counted malformed
+        log.debug("tool-call parsing gave up (%s: %.200s): the turn is kept as text", type(exc).__name__, exc)
         return ParsedTurn(text.strip(), [], 1)
 
 
@@ -344,18 +345,25 @@ def inserted_text(tokenizer: Any, history: list[dict[str, Any]], new_messages: l
     that did not end with it (``closed`` False: cut by its length or a stop string) gets ``end_of_turn`` too.
 
     ``history`` ends with that assistant turn. Only the new text is rendered, so earlier turns keep the engine's
-    tokens; a template that renders history differently once more messages follow is refused. ``template_kwargs``
+    tokens, also where the template renders them otherwise once more messages follow (Qwen3 leaves out an earlier
+    turn's think block): the new text begins after the history's last end of turn, counted in the full rendering.
+    A template that closes no turn and re-renders the history is refused. ``template_kwargs``
     (--apply-chat-template-kwargs) go to the template as they went when the prompt was rendered."""
     kw = template_kwargs or {}
     before = tokenizer.apply_chat_template(history, tokenize=False, **kw)
     after = tokenizer.apply_chat_template(history + new_messages, tokenize=False, add_generation_prompt=True, **kw)
+    turns = before.count(end_of_turn) if end_of_turn else 0
+    if turns and after.count(end_of_turn) >= turns:
+        at = -1
+        for _ in range(turns):  # the history's last end of turn, in the full rendering
+            at = after.index(end_of_turn, at + 1)
+        return ("" if closed else end_of_turn) + after[at + len(end_of_turn):]
     if not after.startswith(before):
         raise SlimeLiteError(
-            "the chat template renders the conversation so far differently once new messages follow it; a turn's "
-            "inserted tokens cannot be rendered on their own with this tokenizer's chat_template.")
-    end = before.rfind(end_of_turn) if end_of_turn else -1
-    closing = before[end + (len(end_of_turn) if closed else 0):] if end >= 0 else ""
-    return closing + after[len(before):]
+            "the chat template renders the conversation so far differently once new messages follow it, and closes "
+            "no turn with an end-of-turn text; a turn's inserted tokens cannot be rendered on their own with this "
+            "tokenizer's chat_template.")
+    return after[len(before):]
 
 
 def end_of_turn(tokenizer: Any) -> str:

@@ -19,6 +19,7 @@ are never rebuilt by re-tokenising a model turn's text.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status
@@ -133,3 +134,11 @@ def inserted_and_trained(samples: list[Sample]) -> tuple[int, int]:
             else:
                 inserted += t["length"]
     return inserted, trained
+
+
+def routed_experts(b64: str) -> Any:
+    """The engine's ``meta_info.routed_experts`` (--use-rollout-routing-replay: base64 of int32 ``[prompt + output
+    tokens - 1, layers, top_k]``, every position the call fed through the model) as a flat int32 tensor."""
+    import torch  # torch: only with routing replay (the rollout process has it then)
+
+    return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.int32)

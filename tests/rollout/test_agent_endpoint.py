@@ -5,12 +5,14 @@ them, tool calls come back as OpenAI ``tool_calls``, malformed ones as text (cou
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import openai
 import pytest
 
@@ -119,24 +121,29 @@ class ScriptedEngine:
         meta = {"output_token_logprobs": [[-0.1, t, None] for t in ids], "finish_reason": finish}
         if getattr(self, "version", None) is not None:
             meta["weight_version"] = self.version
+        if getattr(self, "token_versions", None):  # a push in the middle of the call: versions per token
+            meta["output_token_weight_versions"] = self.token_versions.pop(0)[:len(ids)]
+        if body.get("return_routed_experts"):  # one expert per position (its position), as SGLang's int32 table
+            rows = len(body["input_ids"]) + len(ids) - 1
+            meta["routed_experts"] = base64.b64encode(np.arange(rows, dtype=np.int32).tobytes()).decode()
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
 def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine_box=None, chat_template=None,
-              sample=None, version=None, timeout=None, context=4096, **flags):
+              sample=None, version=None, timeout=None, context=4096, token_versions=None, parser="auto", **flags):
     """Run ``agent(base_url, sample)`` through the openai_agent hook over a scripted engine (kept in
-    ``engine_box["engine"]`` when given; reporting weight ``version`` when given); ``flags`` are more of the run's
-    flags."""
+    ``engine_box["engine"]`` when given; reporting weight ``version`` when given, and per call its tokens'
+    ``token_versions``); ``parser`` is --tool-call-parser, ``flags`` are more of the run's flags."""
     tok = build_tokenizer()
     if chat_template is not None:
         tok.chat_template = chat_template
 
     async def main():
         engine = ScriptedEngine(texts, delay)
-        engine.version = version
+        engine.version, engine.token_versions = version, [list(v) for v in token_versions or []]
         if engine_box is not None:
             engine_box["engine"] = engine
-        ep = await AgentEndpoint(engine, tok).start()
+        ep = await AgentEndpoint(engine, tok, tool_call_parser=parser).start()
         import slime_lite.rollout.agent_endpoint as mod
 
         mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep
@@ -400,10 +407,10 @@ def test_a_call_the_rollout_aborts_ends_the_sample_aborted():
     assert sample.status == Status.ABORTED and "agent_error" not in sample.metadata
 
 
-def test_a_template_that_rewrites_the_history_starts_a_new_segment_not_a_server_error():
+def test_a_template_that_renders_earlier_turns_otherwise_goes_on_from_the_engines_tokens():
     """A chat template that renders earlier assistant turns differently once more messages follow (as Qwen3 drops
-    their thinking): the new messages cannot be rendered on their own, so the call starts a new segment (a sample
-    of its own, from the template's full rendering) and is served."""
+    their think block): the call goes on from the tokens the engine wrote (one sample, its prefix cached), and only
+    the new messages are rendered, as the template renders them after that history."""
     template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and not loop.last %}"
                 "[earlier]{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -415,11 +422,16 @@ def test_a_template_that_rewrites_the_history_starts_a_new_segment_not_a_server_
             messages += [(await client.chat.completions.create(model="m", messages=messages)).choices[0].message,
                          {"role": "user", "content": "b"}]
 
-    first, second = run_agent(["x<|im_end|>", "y<|im_end|>"], agent, chat_template=template)
-    assert first.status == second.status == Status.COMPLETED and first.rollout_id == second.rollout_id == 4
-    assert build_tokenizer().decode(second.tokens) == (
-        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n[earlier]<|im_end|>\n<|im_start|>user\nb<|im_end|>\n"
+    box = {}
+    sample = run_agent(["x<|im_end|>", "y<|im_end|>"], agent, chat_template=template, engine_box=box)
+    tok = build_tokenizer()
+    assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 2
+    assert tok.decode(sample.tokens) == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nx<|im_end|>\n<|im_start|>user\nb<|im_end|>\n"
         "<|im_start|>assistant\ny<|im_end|>")
+    first, second = box["engine"].seen
+    assert second["input_ids"][:len(first["input_ids"])] == first["input_ids"]
+    assert [t["source"] for t in sample.metadata["turns"]] == ["model", "user", "model"]
 
 
 def test_a_sample_carried_aborted_is_run_again_from_its_prompt_with_each_tokens_version():

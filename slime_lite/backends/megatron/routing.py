@@ -4,7 +4,9 @@ the experts the engine chose for it, in the forward and the backward pass, throu
 
 A sample's ``rollout_routed_experts`` is SGLang's table ``[len(tokens) - 1, num_layers, top_k]``: the experts of the
 token at each position but the last (which the engine never fed through the model). The trainer's last position and
-padding take experts 0..k-1: nothing trained reads their outputs (causal attention: no later token sees them).
+padding take experts 0..k-1: nothing trained reads their outputs (causal attention: no later token sees them). A
+multi-turn sample keeps its last model call's table (that call's prompt was every token before it); the tokens
+inserted after it, never trained, take experts 0..k-1 as well.
 
 Megatron's routers see a micro-batch's tokens sequence-first (``[T, B]`` flattened), and with sequence parallelism
 each TP rank only its slice of the sequence; each PP stage has the routers of its own layers. ``targets`` builds what
@@ -32,18 +34,23 @@ from slime_lite.errors import SlimeLiteError
 
 
 def _sample_table(sample: Any, layers: int, top_k: int) -> torch.Tensor:
-    """``[len(tokens), layers, top_k]``: the sample's routed experts, its last position filled with 0..k-1."""
+    """``[rows, layers, top_k]``: the sample's routed experts, one row per token but the last; fewer rows where the
+    sample ends in tokens the engine never fed through the model after its last model turn (a tool or user turn,
+    loss_mask 0: nothing trained reads their positions)."""
     if sample.rollout_routed_experts is None:
         raise SlimeLiteError(f"--use-rollout-routing-replay: sample {sample.index} has no rollout_routed_experts "
                              "(its engine did not return them: the embedded engine and SGLang started by slime-lite "
                              "do; an external SGLang server needs --enable-return-routed-experts, and a replayed "
-                             "dump must come from such a run).")
+                             "dump must come from such a run; a custom generate hook must ask for them with "
+                             "return_routed_experts and keep its last model call's table).")
     table = torch.as_tensor(sample.rollout_routed_experts, dtype=torch.long).reshape(-1, layers, top_k)
-    n = len(sample.tokens)
-    if table.shape[0] != n - 1:
-        raise ValueError(f"sample {sample.index}: rollout_routed_experts has {table.shape[0]} rows, expected "
-                         f"{n - 1} (one per token but the last)")
-    return torch.cat([table, _filler(1, layers, top_k)])
+    n, rows = len(sample.tokens), table.shape[0]
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
+    first_uncovered = rows + 1 - (n - sample.response_length)  # response position of the first token after them
+    if rows > n - 1 or rows < 1 or any(mask[max(0, first_uncovered):]):
+        raise ValueError(f"sample {sample.index}: rollout_routed_experts has {rows} rows, expected {n - 1} (one per "
+                         "token but the last; fewer only before tokens that are not trained)")
+    return table
 
 
 def _filler(n: int, layers: int, top_k: int) -> torch.Tensor:
@@ -58,7 +65,7 @@ def targets(samples: list, mb: Any, layer_ids: list[int], num_layers: int, top_k
     in ``samples``: what ``Replay`` recorded, every token)."""
     def row(i: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = _sample_table(samples[i], num_layers, top_k) if tables is None else tables[i]
-        routed = torch.arange(width) < t.shape[0] - (1 if tables is None else 0)
+        routed = torch.arange(width) < t.shape[0]
         return torch.cat([t, _filler(width - t.shape[0], num_layers, top_k)]), routed
 
     if mb.packed:
