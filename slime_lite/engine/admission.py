@@ -8,13 +8,17 @@ A mixin of ``Scheduler`` (scheduler.py): these methods run in its model thread a
 from __future__ import annotations
 
 import heapq
+import logging
 
 import torch
 
 from slime_lite.engine import logprobs as lpx
-from slime_lite.engine.request import Request
+from slime_lite.engine.request import Request, abort_reason
+
+logger = logging.getLogger(__name__)
 
 PREFILL_MAX_TOKENS = 8192  # padded tokens per prefill batch
+LOGPROB_ROWS = 1024  # prompt positions per [positions, vocabulary] log-softmax (prompt log-probs)
 
 
 class AdmissionMixin:
@@ -84,13 +88,20 @@ class AdmissionMixin:
                                             torch.tensor([len(s) for s in seqs], device=dev), slots, self.cache)
         else:
             hidden = self.lm.prefill(tokens.to(dev), slots, self.cache)
+        failed = []
         for i, r in enumerate(batch):
             r.kv_version = self.weights.version  # the prefix cache reuses it only under these weights
             if not r.output_ids:
                 r.cached_tokens = reused[i]
             if r.return_logprob and r.input_logprobs is None:
-                self._input_logprobs(r, hidden[i], reused[i])
-        fresh = [i for i, r in enumerate(batch) if not r.output_ids]
+                try:
+                    self._input_logprobs(r, hidden[i], reused[i])
+                except Exception as exc:  # noqa: BLE001 - its own work (out of memory): it alone fails
+                    logger.exception("request %s: prompt log-probs failed", r.rid)
+                    failed.append((r, exc))
+        for r, exc in failed:
+            self._finish(r, abort_reason(f"engine error: its prompt log-probs failed ({type(exc).__name__}: {exc})"))
+        fresh = [i for i, r in enumerate(batch) if not r.output_ids and r.finish_reason is None]
         for i in [i for i in fresh if batch[i].max_new == 0]:
             self._finish(batch[i], {"type": "length", "length": 0})
         fresh = [i for i in fresh if batch[i].max_new > 0]
@@ -109,9 +120,13 @@ class AdmissionMixin:
             return
         t = 1.0 if req.params.greedy else req.params.temperature
         rows = hidden[start - offset : n - 1 - offset]
-        logp = torch.log_softmax(self.lm.logits(rows) / t, dim=-1)
-        targets = torch.tensor(req.input_ids[start + 1 : n], device=logp.device)
-        req.input_logprobs = [None] + logp.gather(1, targets[:, None])[:, 0].tolist()
-        top, ids = lpx.extras(logp, req.top_logprobs_num, req.token_ids_logprob)
-        req.input_top = [None] + top if top is not None else None
-        req.input_ids_lp = [None] + ids if ids is not None else None
+        targets = torch.tensor(req.input_ids[start + 1 : n], device=rows.device)
+        values: list[float | None] = [None]
+        top: list | None = [None] if req.top_logprobs_num > 0 else None
+        ids: list | None = [None] if req.token_ids_logprob is not None else None
+        for lo in range(0, rows.shape[0], LOGPROB_ROWS):  # a long prompt's logits never at once
+            logp = torch.log_softmax(self.lm.logits(rows[lo : lo + LOGPROB_ROWS]) / t, dim=-1)
+            values += logp.gather(1, targets[lo : lo + LOGPROB_ROWS, None])[:, 0].tolist()
+            more_top, more_ids = lpx.extras(logp, req.top_logprobs_num, req.token_ids_logprob)
+            top, ids = top and top + more_top, ids and ids + more_ids
+        req.input_logprobs, req.input_top, req.input_ids_lp = values, top, ids

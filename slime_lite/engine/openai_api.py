@@ -285,6 +285,9 @@ class _OpenAI:
             raise BadRequest("'messages' must be a non-empty list")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise BadRequest(f"chat_template_kwargs={template_kwargs!r:.80} must be an object")
+        if "chat_template" in (template_kwargs or {}):  # SGLang's rule: a client's Jinja would run in the server
+            raise BadRequest("chat_template_kwargs.chat_template: a request-supplied chat template is not allowed; "
+                             "the model's own template renders the messages")
         tok = self.server.scheduler.tokenizer
         if not getattr(tok, "chat_template", None):
             raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")

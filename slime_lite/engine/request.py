@@ -70,6 +70,7 @@ class Request:
     input_ids_lp: list[Any] | None = None
     finish_reason: dict[str, Any] | None = None
     max_new: int = 0  # max_new_tokens capped to what the slot holds
+    banned_ids: list[int] | None = None  # min_new_tokens' bans: stop token ids and eos in the vocabulary (once)
     slot: int = -1
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # (extra_key, cache_salt): the prefix cache shares K/V only between requests of the same namespace

@@ -86,6 +86,12 @@ class SamplingParams:
     def stop_id_set(self) -> frozenset[int]:
         return frozenset(self.stop_token_ids)
 
+    @functools.cached_property
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as (token ids, biases) CPU tensors, built once a request, not once a step."""
+        bias = self.logit_bias or {}
+        return torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()), dtype=torch.float32)
+
     @classmethod
     def from_dict(cls, d: Any) -> "SamplingParams":
         """Validate SGLang-style ``sampling_params``; ``ValueError`` names the bad field."""

@@ -330,11 +330,21 @@ class EngineServer:
         Admission by token budget: the requests of one HTTP request hold at most the KV cache's tokens (prompt plus
         max new tokens each) in the engine at a time, queued or running; the rest are submitted as those finish, so
         a big batch takes turns with other clients' requests instead of queueing ahead of them all. Those waiting
-        for their turn are ended by an abort of their rid (``abort_waiting``) or an abort of every request."""
+        for their turn are ended by an abort of their rid (``abort_waiting``) or an abort of every request.
+
+        Only each request's newest output waits here (its finish is its last): a stream that is read slower than its
+        tokens come (its client, or its chunks' log-probs, which grow with the output) gets fewer chunks, each
+        holding everything so far, and holds neither the event loop nor a snapshot per token."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        newest: dict[int, Any] = {}
+        ready = asyncio.Event()
+
+        def put(i: int, out: Any) -> None:
+            newest[i] = out
+            ready.set()
+
         for i, req in enumerate(reqs):
-            req.on_output = lambda out, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, out))
+            req.on_output = lambda out, i=i: loop.call_soon_threadsafe(put, i, out)
             self._waiting_turn[req.rid] = req
         cost = [len(r.input_ids) + r.max_new for r in reqs]
         in_engine = [False] * len(reqs)
@@ -349,18 +359,23 @@ class EngineServer:
                         held += cost[submitted]
                         in_engine[submitted] = True
                     submitted += 1
-                i, out = await q.get()
-                if out.finish_reason is not None:
-                    remaining -= 1
-                    held -= cost[i] if in_engine[i] else 0
-                    if out.finish_reason["type"] == "abort" and self._aborted_all(reqs[i]):  # so is the rest
-                        for j in range(submitted, len(reqs)):
-                            if reqs[j].finish_reason is None:
-                                self._waiting_turn.pop(reqs[j].rid, None)
-                                reqs[j].finish_reason = out.finish_reason
-                                q.put_nowait((j, reqs[j].snapshot(self.scheduler.weight_version)))
-                        submitted = len(reqs)
-                yield i, out
+                await ready.wait()
+                ready.clear()
+                batch = list(newest.items())
+                newest.clear()
+                for i, out in batch:
+                    if out.finish_reason is not None:
+                        remaining -= 1
+                        held -= cost[i] if in_engine[i] else 0
+                        if out.finish_reason["type"] == "abort" and self._aborted_all(reqs[i]):  # so is the rest
+                            for j in range(submitted, len(reqs)):
+                                if reqs[j].finish_reason is None:
+                                    self._waiting_turn.pop(reqs[j].rid, None)
+                                    reqs[j].finish_reason = out.finish_reason
+                                    put(j, reqs[j].snapshot(self.scheduler.weight_version))
+                            submitted = len(reqs)
+                    yield i, out
+                    await asyncio.sleep(0)  # other clients' handlers between chunks
         finally:
             for req in reqs:
                 if self._waiting_turn.get(req.rid) is req:

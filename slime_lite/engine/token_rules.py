@@ -24,8 +24,8 @@ class TokenRulesMixin:
         if biased:
             logits = logits.clone()
             for i in biased:
-                bias = reqs[i].params.logit_bias
-                logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+                ids, bias = reqs[i].params.bias_tensors
+                logits[i, ids.to(logits.device)] += bias.to(logits.device, logits.dtype)
         banned = [self._banned(r) for r in reqs]
         tokens, logprobs = sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
                                   [len(r.output_ids) for r in reqs], banned if any(banned) else None)
@@ -43,8 +43,9 @@ class TokenRulesMixin:
         """Below ``min_new_tokens``: the stop token ids and eos, ``ignore_eos`` or not (SGLang's penalizer)."""
         if len(req.output_ids) >= req.params.min_new_tokens:
             return []
-        ids = set(req.params.stop_token_ids) | self.eos_ids
-        return sorted(i for i in ids if 0 <= i < self.lm.vocab_size)
+        if req.banned_ids is None:  # once a request (its stop_token_ids may be long)
+            req.banned_ids = sorted(i for i in req.params.stop_id_set | self.eos_ids if 0 <= i < self.lm.vocab_size)
+        return req.banned_ids
 
     def _check_finished(self, req: Request, tok: int) -> dict[str, Any] | None:
         """SGLang's order: stop strings first, then stop token ids / eos (neither under ``ignore_eos``), then the

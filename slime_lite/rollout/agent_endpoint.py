@@ -183,6 +183,8 @@ class Trajectory:
         agent_kwargs = body.get("chat_template_kwargs")
         if agent_kwargs is not None and not isinstance(agent_kwargs, dict):
             raise BadRequest(f"chat_template_kwargs={agent_kwargs!r:.80} must be an object")
+        if "chat_template" in (agent_kwargs or {}):  # as SGLang: the trained tokens are the model's template's
+            raise BadRequest("chat_template_kwargs.chat_template: a request-supplied chat template is not allowed")
         asked_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         asked = body.get(asked_field)
         if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):

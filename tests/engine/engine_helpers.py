@@ -6,6 +6,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -105,3 +106,15 @@ def captured(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def one_chunk_per_token(monkeypatch: Any, scheduler: Any, delay: float = 0.02) -> None:
+    """Each output of ``scheduler`` is followed by ``delay`` seconds in its model thread: a stream, which sends a
+    request's newest output whenever it can, then has one chunk per token."""
+    emit = scheduler._emit
+
+    def slow_emit(req: Any) -> None:
+        emit(req)
+        time.sleep(delay)
+
+    monkeypatch.setattr(scheduler, "_emit", slow_emit)

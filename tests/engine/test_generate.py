@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from engine_helpers import (assert_greedy_run_matches_hf, generate, hf_logprobs, http, in_thread, start_engine,
-                            stream_started)
+from engine_helpers import (assert_greedy_run_matches_hf, generate, hf_logprobs, http, in_thread, one_chunk_per_token,
+                            start_engine, stream_started)
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -123,7 +123,8 @@ def test_sampling_seed_reproduces_and_rid_derives_seed(engine):
     assert len({tuple(o["output_ids"]) for o in n}) == 3
 
 
-def test_stream_sends_cumulative_chunks_then_done(engine):
+def test_stream_sends_cumulative_chunks_then_done(engine, monkeypatch):
+    one_chunk_per_token(monkeypatch, engine.scheduler)
     body = {"input_ids": [3, 4, 5], "stream": True, "return_logprob": True,
             "sampling_params": {"max_new_tokens": 5, **GREEDY}}
     req = urllib.request.Request(engine.url + "/generate", data=json.dumps(body).encode(),

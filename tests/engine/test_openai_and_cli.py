@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 import pytest
-from engine_helpers import generate, http, in_thread, start_engine
+from engine_helpers import generate, http, in_thread, one_chunk_per_token, start_engine
 
 from slime_lite.engine.serve_cli import main
 from slime_lite.errors import SlimeLiteError
@@ -131,9 +131,11 @@ def test_openai_stream_holds_back_a_character_split_across_tokens(engine, monkey
     """A byte-level tokenizer decodes a token holding part of a UTF-8 character as U+FFFD until the rest arrives.
     Here the in-process engine's decode is replaced so that the first two generated tokens carry the three bytes of
     one character (the tiny tokenizer is character-level): the stream holds the partial character back, so its
-    chunks add up to the non-streamed text instead of stopping at the split."""
+    chunks add up to the non-streamed text instead of stopping at the split. Each token is emitted 20 ms after the
+    one before, so the stream has a chunk per token (a stream read slower than its tokens gets fewer)."""
     sch = engine.scheduler
     orig = sch.decode
+    one_chunk_per_token(monkeypatch, sch)
     messages = [{"role": "user", "content": "hello world"}]
     chat_text = sch.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     cases = [("/v1/completions", {"prompt": "hello world"}, sch.encode("hello world")),
