@@ -12,32 +12,22 @@ chat template that renders the earlier turns otherwise once new messages follow 
 think block, empty or not) does not start one: the engine goes on from the tokens it wrote, and the new messages are
 rendered as the template renders them after that history.
 
-Tool calls in the model's text become OpenAI ``tool_calls`` (``finish_reason`` "tool_calls"), read in the format
-``--tool-call-parser`` names (by default the one the chat template writes: Qwen/Hermes ``<tool_call>{json}
-</tool_call>`` blocks, Llama 3's JSON, Qwen3-Coder's XML); a malformed call is returned as content text, stays in the
-trajectory and is counted (``metadata["malformed_tool_calls"]``). ``tool_choice`` "none" hides the tools from the
-chat template and parses no call, a named function shows only that tool; decoding is not constrained.
-``stream: true`` gets the finished reply as OpenAI's ``chat.completion.chunk`` events (the whole message in one
-delta, then the finish reason, then the usage with ``stream_options.include_usage``), for agents that always stream.
+Tool calls in the model's text become OpenAI ``tool_calls``, read in the format ``--tool-call-parser`` names
+(tool_calls.py); a malformed call is content text, kept and counted (``metadata["malformed_tool_calls"]``).
+``stream: true`` gets the finished reply as OpenAI's chunks. The rollout's sampling parameters apply whatever the
+agent sends (the trainer scores at ``--rollout-temperature``); its ``max_tokens``, ``stop`` strings (kept in the
+trained tokens), ``logprobs`` and ``chat_template_kwargs`` (over ``--apply-chat-template-kwargs``) are honoured. A
+turn that did not end at the template's end of turn (``<|im_end|>``, ``<|eot_id|>``) gets it at the start of the
+next call's inserted tokens, as the template renders the turn.
 
-The rollout's sampling parameters apply, whatever the agent sends (the trainer scores tokens at
-``--rollout-temperature``): the agent's temperature, top_p and seed are ignored, its ``max_tokens`` is honoured
-below the trajectory's budget, ``--rollout-max-response-len`` tokens of response in all (model and inserted
-tokens; calls in flight at once each reserve what they may write, so the next gets what is left), and its
-``stop`` strings end the turn (kept in the trained tokens, cut from the content as OpenAI does).
-``logprobs`` / ``top_logprobs`` return the engine's. The chat template gets ``--apply-chat-template-kwargs`` (as the
-prompts do) and the agent's ``chat_template_kwargs`` (SGLang's field; its keys win). A turn that did not end at the
-template's end of turn (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in Llama 3: what the template renders after an
-assistant message), because its length, a stop string or the model's EOS ended it, gets it at the start of the next
-call's inserted tokens, as the chat template renders the turn.
-A call past the budget is answered 400 and the sample ends TRUNCATED; an agent that raises ends it FAILED
-(``metadata["agent_error"]``); a call the rollout aborts (over-sampling) is answered 400, as is every later one,
-and the sample ends ABORTED; what was recorded is kept in each case. Assistant turns end at that end of turn or the
-model's EOS. More than ``--max-turns`` calls (those in flight counted)
-is answered 400 too (TRUNCATED). Bad input is a 400 naming the field; the engine refusing a call a 400 with its
-reason, an engine failure a 502; neither is recorded. Calls sent at once from the same history (branches) each
-extend the call they branch from: the first to finish continues that sample, the others start samples of their
-own.
+Limits: ``--rollout-max-response-len`` tokens of response in all (model and inserted; calls in flight at once each
+reserve what they may write) and ``--max-turns`` calls (those in flight counted); a call past either is a 400 and
+the sample ends TRUNCATED. An agent that raises ends it FAILED (``metadata["agent_error"]``). Once over-sampling
+has its groups, every open trajectory ends ABORTED (its call in flight aborted by the engine, every later call a
+400, an agent busy with its own tools cancelled). What was recorded is kept in each case. Bad input is a 400
+naming the field, the engine refusing a call a 400 with its reason, an engine failure a 502; none is recorded.
+Calls sent at once from the same history (branches): the first to finish continues that sample, the others start
+samples of their own.
 
 Use: ``generate = openai_agent(run)`` in the agent's module, where ``async def run(base_url, sample)`` is the agent
 (``sample.prompt``, ``sample.label``, ``sample.metadata`` are the task), and pass
@@ -63,13 +53,14 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from slime_lite.errors import EngineError, SlimeLiteError
-from slime_lite.rollout.agent_messages import (BadRequest, normalise, stop_strings, stream_chunks, stream_options,
-                                                tool_choice)
+from slime_lite.errors import EngineError
+from slime_lite.rollout.agent_messages import (BadRequest, normalise, render, stop_strings, stream_chunks,
+                                                stream_options, tool_choice)
 from slime_lite.rollout.agent_runner import start_agent
 from slime_lite.rollout.agent_samples import segments, trajectory_samples
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
-from slime_lite.rollout.tool_calls import detect_parser, end_of_turn, inserted_text, parse_tool_calls
+from slime_lite.rollout.oversample import ON_ABORT
+from slime_lite.rollout.tool_calls import detect_parser, end_of_turn, parse_tool_calls
 from slime_lite.rollout.turns import restart
 from slime_lite.tokenizer import load_tokenizer
 from slime_lite.types import Sample, Status, version_number
@@ -125,9 +116,17 @@ class Trajectory:
         self.calls: list[Call] = []
         self.sent = 0  # calls sent to the engine, those in flight included (--max-turns counts them)
         self.reserved = 0  # response tokens the calls in flight may still write (the budget they share)
+        self.released = asyncio.Event()  # a call in flight has ended: what it did not write is free again
         self.seeded = 0  # calls given a sampling seed (never decreases: a retried call gets a seed of its own)
         self.truncated = False
         self.aborted = False
+        self.stopped = asyncio.Event()  # set by ``abort``: the hook stops waiting for the agent
+
+    def abort(self) -> None:
+        """The rollout has its groups (over-sampling): the trajectory ends ABORTED now, its agent is cancelled
+        (or, in a thread, left to the 404s of its next calls) whatever it is doing."""
+        self.aborted = True
+        self.stopped.set()
 
     @property
     def base_url(self) -> str:
@@ -143,31 +142,6 @@ class Trajectory:
                     and all(m["role"] != "assistant" for m in messages[n + 1:])):
                 return prev
         return None
-
-    def _render(self, messages: list[dict[str, Any]], parent: Call | None, tools: Any,
-                template_kwargs: dict[str, Any]) -> tuple[str, Call | None]:
-        """The text to send after ``parent``'s tokens (the whole prompt without one), and the parent kept: none
-        where the new messages cannot be rendered on their own (other tools or template kwargs than the parent's,
-        or a template that closes no turn and renders the history otherwise), which starts a new segment as a
-        rewritten history does."""
-        tok = self.endpoint.tokenizer
-        try:
-            if parent is not None and (parent.tools, parent.kwargs) != (tools, template_kwargs) and (
-                    tok.apply_chat_template(parent.messages, tools=parent.tools, tokenize=False, **parent.kwargs)
-                    != tok.apply_chat_template(parent.messages, tools=tools, tokenize=False, **template_kwargs)):
-                parent = None  # other tools or kwargs render the conversation's start otherwise: a new segment
-            if parent is not None:
-                n = len(parent.messages) + 1
-                closed = bool(parent.completion_ids) and parent.completion_ids[-1] in self.endpoint.closing_ids
-                try:
-                    return inserted_text(tok, messages[:n], messages[n:], self.endpoint.end_of_turn, closed=closed,
-                                         template_kwargs={**template_kwargs, "tools": tools}), parent
-                except SlimeLiteError as exc:
-                    log.debug("trajectory %s: a new segment (%s)", self.key, exc)
-            return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                           **template_kwargs), None
-        except Exception as exc:  # noqa: BLE001 - a template error is the agent's input
-            raise BadRequest(f"messages: the chat template cannot render them ({type(exc).__name__}: {exc})") from None
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         ep = self.endpoint
@@ -193,25 +167,20 @@ class Trajectory:
             raise Aborted("the engine aborted an earlier call of this trajectory; the sample ends aborted")
         tools, parse = tool_choice(body)
         kwargs = {**self.template_kwargs, **(agent_kwargs or {})}
-        text, parent = self._render(messages, self._parent(messages), tools, kwargs)
+        text, parent = render(ep, messages, self._parent(messages), tools, kwargs)
         new_ids = ep.tokenizer(text, add_special_tokens=False)["input_ids"]
         if parent is not None:
             prompt_ids, start = parent.prompt_ids + parent.completion_ids + new_ids, parent.start
         else:
             prompt_ids, start = new_ids, len(new_ids)
-        if self.max_turns is not None and self.sent >= self.max_turns:
-            self.truncated = True
-            raise BudgetExhausted(f"the trajectory made its {self.max_turns} calls (--max-turns)")
         rollout_stop = self.sampling_params.get("stop") or []
         rollout_stop = [rollout_stop] if isinstance(rollout_stop, str) else list(rollout_stop)
         params = dict(self.sampling_params, no_stop_trim=True, skip_special_tokens=False,
                       stop_token_ids=sorted({*ep.stop_ids, *(self.sampling_params.get("stop_token_ids") or [])}))
         if stops:
             params["stop"] = rollout_stop + [x for x in stops if x not in rollout_stop]
-        if self.budget is not None:  # shared by the trajectory's segments (the other ones' tokens are used)
-            used = sum(len(g[-1].prompt_ids) + len(g[-1].completion_ids) - len(g[0].prompt_ids)
-                       for g in self._segments() if g[-1] is not parent)
-            left = self.budget - (len(prompt_ids) - start) - used - self.reserved
+        if self.budget is not None:
+            left = await self._left(prompt_ids, start, parent)
             if left <= 0:
                 self.truncated = True
                 raise BudgetExhausted(f"the trajectory used its {self.budget} response tokens "
@@ -229,6 +198,9 @@ class Trajectory:
         if params.get("sampling_seed") is not None:
             params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * self.seeded
             self.seeded += 1
+        if self.max_turns is not None and self.sent >= self.max_turns:  # (after the budget's wait, if any)
+            self.truncated = True
+            raise BudgetExhausted(f"the trajectory made its {self.max_turns} calls (--max-turns)")
         request = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True,
                    "return_routed_experts": self.routing}
         if top:
@@ -243,6 +215,7 @@ class Trajectory:
             raise
         finally:
             self.reserved -= reserved
+            self.released.set()
         meta = out["meta_info"]
         finish_info = meta.get("finish_reason") or {}
         finish = finish_info.get("type") or "stop"
@@ -290,6 +263,22 @@ class Trajectory:
                 "choices": [{"index": 0, "message": reply, "logprobs": logprobs, "finish_reason": reason}],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                           "total_tokens": len(prompt_ids) + len(ids)}}
+
+    async def _left(self, prompt_ids: list[int], start: int, parent: Call | None) -> int:
+        """Response tokens a call may write: the budget, less every segment's response (the chain it extends
+        counted once) and what the calls in flight reserved. While those hold all of it the call waits for them
+        (calls sent at once from one history then run one after the other); 0 when nothing is left."""
+        while True:
+            used = len(prompt_ids) - start
+            for g in self._segments():
+                used += len(g[-1].prompt_ids) + len(g[-1].completion_ids) - len(g[0].prompt_ids)
+                if any(c is parent for c in g):  # the chain this call extends is in its own prompt
+                    used -= len(parent.prompt_ids) + len(parent.completion_ids) - len(g[0].prompt_ids)
+            left = self.budget - used - self.reserved
+            if left > 0 or not self.reserved:
+                return max(left, 0)
+            self.released.clear()
+            await self.released.wait()
 
     def _lp_entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.endpoint.tokenizer.decode([token])
@@ -438,6 +427,16 @@ async def endpoint_for(args: Any) -> AgentEndpoint:
 Agent = Callable[[str, Sample], Awaitable[Any] | Any]  # async def, or a plain def run in a thread
 
 
+def _abort_trajectories() -> None:
+    """Over-sampling aborts its groups: every open trajectory of this loop's endpoint ends ABORTED."""
+    ep = _ENDPOINTS.get(id(asyncio.get_running_loop()))
+    for traj in list(ep.trajectories.values()) if ep is not None else []:
+        traj.abort()
+
+
+ON_ABORT.append(_abort_trajectories)
+
+
 async def stop_endpoint() -> None:
     """Stop the running event loop's endpoint, if a hook started one (the rollout manager's close)."""
     ep = _ENDPOINTS.pop(id(asyncio.get_running_loop()), None)
@@ -458,17 +457,20 @@ def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awai
                        args.apply_chat_template_kwargs, bool(getattr(args, "use_rollout_routing_replay", False)))
         error = None
         agent = start_agent(run, traj.base_url, sample)
+        stopped = asyncio.ensure_future(traj.stopped.wait())
         try:
-            done, _ = await asyncio.wait({agent}, timeout=timeout)
-            if not done:  # (a thread cannot be stopped: its calls from now on are answered 404)
+            done, _ = await asyncio.wait({agent, stopped}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if agent not in done:  # (a thread cannot be stopped: its calls from now on are answered 404)
                 agent.cancel()
                 await asyncio.gather(agent, return_exceptions=True)
-                error = f"the agent did not finish within its {timeout:g} s (openai_agent's timeout)"
+                if not traj.aborted:
+                    error = f"the agent did not finish within its {timeout:g} s (openai_agent's timeout)"
             elif agent.cancelled():  # it raised CancelledError itself (the hook was not cancelled: it is here)
                 error = "the agent was cancelled (it raised CancelledError)"
             elif agent.exception() is not None:  # the agent's failure ends this sample, not the rollout
                 error = f"{type(agent.exception()).__name__}: {agent.exception()}"
         finally:
+            stopped.cancel()
             if not agent.done():  # the hook itself was cancelled
                 agent.cancel()
             ep.close(traj)

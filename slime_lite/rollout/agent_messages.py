@@ -1,10 +1,16 @@
 """The agent endpoint's reading of OpenAI chat messages: text content, tool calls, stop strings; a message that is
-not a chat message's is a ``BadRequest`` naming the field."""
+not a chat message's is a ``BadRequest`` naming the field. ``render``: a call's text for the engine."""
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
+
+from slime_lite.errors import SlimeLiteError
+from slime_lite.rollout.tool_calls import inserted_text
+
+log = logging.getLogger(__name__)
 
 
 class BadRequest(ValueError):
@@ -133,3 +139,29 @@ def stream_chunks(completion: dict[str, Any], include_usage: bool) -> list[dict[
     if include_usage:
         chunks.append({**head, "choices": [], "usage": completion["usage"]})
     return chunks
+
+
+def render(endpoint: Any, messages: list[dict[str, Any]], parent: Any, tools: Any,
+           template_kwargs: dict[str, Any]) -> tuple[str, Any]:
+    """The text to send after ``parent``'s tokens (the whole prompt without one), and the parent call kept: none
+    where the new messages cannot be rendered on their own (other tools or template kwargs than the parent's, or a
+    template that closes no turn and renders the history otherwise), which starts a new segment as a rewritten
+    history does."""
+    tok = endpoint.tokenizer
+    try:
+        if parent is not None and (parent.tools, parent.kwargs) != (tools, template_kwargs) and (
+                tok.apply_chat_template(parent.messages, tools=parent.tools, tokenize=False, **parent.kwargs)
+                != tok.apply_chat_template(parent.messages, tools=tools, tokenize=False, **template_kwargs)):
+            parent = None  # other tools or kwargs render the conversation's start otherwise: a new segment
+        if parent is not None:
+            n = len(parent.messages) + 1
+            closed = bool(parent.completion_ids) and parent.completion_ids[-1] in endpoint.closing_ids
+            try:
+                return inserted_text(tok, messages[:n], messages[n:], endpoint.end_of_turn, closed=closed,
+                                     template_kwargs={**template_kwargs, "tools": tools}), parent
+            except SlimeLiteError as exc:
+                log.debug("a new segment (%s)", exc)
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                       **template_kwargs), None
+    except Exception as exc:  # noqa: BLE001 - a template error is the agent's input
+        raise BadRequest(f"messages: the chat template cannot render them ({type(exc).__name__}: {exc})") from None

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from slime_lite.checks.faults import kills_engine
 from slime_lite.errors import EngineError, SlimeLiteError
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 0.5  # a request that reached an engine after the abort is aborted by the next one
 MAX_SUBMITS = 100  # bounded: a filter that never keeps a group stops the run, not hangs it
+# called in the rollout's loop when it aborts its groups, for what the engines' abort does not reach: the agent
+# endpoint ends its open trajectories (an agent busy with its own tools has no request on any engine)
+ON_ABORT: list[Callable[[], None]] = []
 GENERATED_TOKENS = "perf/rollout_generated_tokens"  # what perf/rollout_tokens_per_s counts, where it is known
 
 
@@ -122,6 +125,8 @@ class OverSampler:
         back: list[list[Sample]] = []
         urls = self.engine_urls()
         self.aborting = True
+        for fn in ON_ABORT:
+            fn()
         try:
             while pending:
                 await asyncio.gather(*(self._abort_engine(u) for u in urls))

@@ -5,6 +5,8 @@ cancelled, and the chat template's extra arguments (--apply-chat-template-kwargs
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 
 import openai
@@ -434,3 +436,38 @@ def test_a_retried_call_gets_a_seed_of_its_own():
         t.ScriptedEngine = real
     seeds = [b["sampling_params"]["sampling_seed"] for b in box["engine"].seen]
     assert len(seeds) == 4 and len(set(seeds)) == 4
+
+
+@pytest.mark.parametrize("in_thread", [False, True])
+def test_an_agent_busy_with_its_own_tools_ends_aborted_when_over_sampling_aborts(in_thread):
+    """Over-sampling has its groups while an agent waits on its own tool (no request on any engine, so the engines'
+    abort does not reach it): its trajectory ends ABORTED at once with the call it made, the agent cancelled (an
+    async one) or answered 404 from then on (one in a thread), instead of the rollout waiting for the tool."""
+    from slime_lite.rollout import oversample
+
+    release = threading.Event()
+
+    def abort_all():  # what OverSampler._abort runs in the rollout's loop
+        for fn in oversample.ON_ABORT:
+            fn()
+
+    async def agent(base_url, task):
+        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        asyncio.get_running_loop().call_later(0.2, abort_all)
+        await asyncio.sleep(60)  # the tool
+
+    def thread_agent(base_url, task):
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        loop = next(e.loop for e in mod._ENDPOINTS.values() if e.loop.is_running())  # the hook's
+        loop.call_soon_threadsafe(abort_all)
+        release.wait(60)  # the tool
+
+    started = time.monotonic()
+    try:
+        sample = run_agent(["x<|im_end|>"], thread_agent if in_thread else agent, timeout=30)
+    finally:
+        release.set()
+    assert time.monotonic() - started < 20, "the hook waited for the agent's tool"
+    assert sample.status == Status.ABORTED and sample.metadata["agent_calls"] == 1
+    assert "agent_error" not in sample.metadata

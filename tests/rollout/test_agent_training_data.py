@@ -113,19 +113,22 @@ def test_a_multi_turn_table_may_stop_before_untrained_tokens_only():
 
 
 def test_calls_in_flight_at_once_share_the_response_budget():
-    """Four calls sent at once with a budget of 20 response tokens: each reserves what it may write, so together
-    they are given at most 20, not 20 each."""
+    """Four calls sent at once with a budget of 20 response tokens: the first reserves all 20, the others wait for
+    it and get what it left (15 written: 5), then nothing (refused), instead of 20 each."""
+    errors = []
+
     async def four_at_once(base_url, task):
         client = _client(base_url)
         messages = [{"role": "user", "content": task.prompt}]
-        await asyncio.gather(*(client.chat.completions.create(model="m", messages=messages) for _ in range(4)),
-                             return_exceptions=True)
+        out = await asyncio.gather(*(client.chat.completions.create(model="m", messages=messages) for _ in range(4)),
+                                   return_exceptions=True)
+        errors.extend(str(e) for e in out if isinstance(e, Exception))
 
     box = {}
-    run_agent(["a<|im_end|>"] * 4, four_at_once, sampling_params={"temperature": 1.0, "max_new_tokens": 20},
+    run_agent(["x" * 14 + "<|im_end|>"] * 4, four_at_once, sampling_params={"temperature": 1.0, "max_new_tokens": 20},
               delay=0.2, engine_box=box)
-    given = [b["sampling_params"]["max_new_tokens"] for b in box["engine"].seen]
-    assert given and sum(given) <= 20
+    assert [b["sampling_params"]["max_new_tokens"] for b in box["engine"].seen] == [20, 5]
+    assert len(errors) == 2 and all("used its 20 response tokens" in e for e in errors)
 
 
 def test_a_tool_call_no_parser_can_read_is_kept_as_text_and_recorded():
