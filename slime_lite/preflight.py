@@ -23,6 +23,7 @@ from slime_lite.rollout.data import DataKeys, check_renders, drop_long_prompts, 
 from slime_lite.rollout.dumps import dump_path
 from slime_lite.rollout.rewards import check_data_labels, check_data_rm_types
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
+from slime_lite.types import routed_rows_fit
 
 log = logging.getLogger("slime_lite.preflight")
 
@@ -301,8 +302,9 @@ def check_replay_dumps(args: Any) -> None:
 
 def check_routed_experts(args: Any, samples: list, path: str) -> None:
     """--use-rollout-routing-replay: every sample holds the engine's routed experts of this model, SGLang's table
-    ``[len(tokens) - 1, num_hidden_layers, num_experts_per_tok]`` of expert ids below the expert count (a table of
-    another model, or of other tokens, would route the trainer wrongly or fail inside a train step)."""
+    ``[len(tokens) - 1, num_hidden_layers, num_experts_per_tok]`` of expert ids below the expert count (fewer rows
+    where only untrained tokens follow: a multi-turn sample's last model call's table); a table of another model,
+    or of other tokens, would route the trainer wrongly or fail inside a train step."""
     import torch  # torch: only for a replay
 
     bare = [s.index for s in samples if getattr(s, "rollout_routed_experts", None) is None]
@@ -324,7 +326,8 @@ def check_routed_experts(args: Any, samples: list, path: str) -> None:
         problem = None
         if table is None or table.is_floating_point() or table.is_complex() or table.dtype == torch.bool:
             problem = "is not a table of expert ids"
-        elif table.numel() != want:
+        elif table.numel() != want and not (table.numel() % (layers * top_k) == 0
+                                            and routed_rows_fit(s, table.numel() // (layers * top_k))):
             problem = (f"has {table.numel()} expert ids, expected {want} ((len(tokens) - 1) x {layers} layers x "
                        f"top-{top_k} of --hf-checkpoint)")
         elif table.numel() and (int(table.min()) < 0 or int(table.max()) >= experts):

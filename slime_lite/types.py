@@ -32,6 +32,15 @@ def version_number(version: Any) -> int:
     return int(version) if str(version).isdigit() else -1
 
 
+def routed_rows_fit(sample: Any, rows: int) -> bool:
+    """Whether ``rows`` rows of routed experts (--use-rollout-routing-replay) fit ``sample``: one per token but the
+    last, or fewer where every token after them is untrained (a multi-turn sample's tool or user tokens after its
+    last model call, whose table covers every token before its end)."""
+    n = len(sample.tokens)
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
+    return rows == n - 1 or (1 <= rows < n - 1 and not any(mask[max(0, rows + 1 - (n - sample.response_length)):]))
+
+
 class RewardError(ValueError):
     """A reward that is not one number: none yet, not numeric, or a dict without (or lacking) ``--reward-key``.
 

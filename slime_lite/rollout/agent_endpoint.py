@@ -127,6 +127,7 @@ class Trajectory:
         (or, in a thread, left to the 404s of its next calls) whatever it is doing."""
         self.aborted = True
         self.stopped.set()
+        self.released.set()  # calls waiting for the budget end too
 
     @property
     def base_url(self) -> str:
@@ -181,6 +182,10 @@ class Trajectory:
             params["stop"] = rollout_stop + [x for x in stops if x not in rollout_stop]
         if self.budget is not None:
             left = await self._left(prompt_ids, start, parent)
+            if self.aborted:  # while it waited
+                raise Aborted("the rollout aborted this trajectory while the call waited; the sample ends aborted")
+            if self.key not in ep.trajectories:
+                raise BadRequest("the trajectory has finished (its agent was stopped)")
             if left <= 0:
                 self.truncated = True
                 raise BudgetExhausted(f"the trajectory used its {self.budget} response tokens "
@@ -206,7 +211,8 @@ class Trajectory:
         if top:
             request["top_logprobs_num"] = top
         self.sent += 1
-        reserved = params["max_new_tokens"] if self.budget is not None else 0
+        inserted = len(prompt_ids) - (len(parent.prompt_ids) + len(parent.completion_ids) if parent else start)
+        reserved = inserted + params["max_new_tokens"] if self.budget is not None else 0
         self.reserved += reserved
         try:
             out = await ep.engine_client.generate(request)
@@ -266,8 +272,9 @@ class Trajectory:
 
     async def _left(self, prompt_ids: list[int], start: int, parent: Call | None) -> int:
         """Response tokens a call may write: the budget, less every segment's response (the chain it extends
-        counted once) and what the calls in flight reserved. While those hold all of it the call waits for them
-        (calls sent at once from one history then run one after the other); 0 when nothing is left."""
+        counted once) and what the calls in flight reserved (their inserted tokens and what they may write). While
+        those hold all of it the call waits for them (calls sent at once from one history then run one after the
+        other); 0 when nothing is left."""
         while True:
             used = len(prompt_ids) - start
             for g in self._segments():
@@ -275,7 +282,7 @@ class Trajectory:
                 if any(c is parent for c in g):  # the chain this call extends is in its own prompt
                     used -= len(parent.prompt_ids) + len(parent.completion_ids) - len(g[0].prompt_ids)
             left = self.budget - used - self.reserved
-            if left > 0 or not self.reserved:
+            if left > 0 or not self.reserved or self.aborted:
                 return max(left, 0)
             self.released.clear()
             await self.released.wait()

@@ -175,3 +175,80 @@ def test_a_multi_turn_hook_asks_each_model_turn_for_its_routed_experts():
     assert [b["return_routed_experts"] for b in engine.seen] == [True, True]
     covered = len(engine.seen[1]["input_ids"]) + sample.metadata["turns"][2]["length"] - 1
     assert _sample_table(sample, 1, 1).flatten().tolist() == list(range(covered)) and covered < len(sample.tokens) - 1
+
+
+def test_a_history_holding_the_end_of_turn_text_is_not_counted_through():
+    """An earlier turn whose dropped think block holds the end-of-turn text: counting markers would cut inside the
+    new messages, so the template's re-rendering is refused as before (the endpoint then starts a new segment)."""
+    tok = build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and loop.last %}"
+                         "{{ m.reasoning_content }}{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    history = [{"role": "user", "content": "q"},
+               {"role": "assistant", "content": "A", "reasoning_content": "it ends with <|im_end|>"}]
+    with pytest.raises(Exception, match="where the new messages begin cannot be told"):
+        inserted_text(tok, history, [{"role": "user", "content": "NEW"}], "<|im_end|>")
+
+
+def test_a_call_waiting_for_the_budget_ends_when_the_call_before_it_is_aborted():
+    """Two calls at once: the second waits for the budget the first holds; the engine aborts the first (over-sampling
+    has its groups), so the second is answered 400 without reaching the engine, and the sample ends ABORTED."""
+    answers = []
+
+    async def two_at_once(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": task.prompt}]
+        answers.extend(await asyncio.gather(*(client.chat.completions.create(model="m", messages=messages)
+                                              for _ in range(2)), return_exceptions=True))
+
+    box = {}
+    sample = run_agent([("xx", {"type": "abort", "message": "over-sampling"}), "yy<|im_end|>"], two_at_once,
+                       sampling_params={"temperature": 1.0, "max_new_tokens": 20}, delay=0.3, engine_box=box)
+    assert len(box["engine"].seen) == 1 and sample.status == Status.ABORTED
+    assert len(answers) == 2 and all(isinstance(a, Exception) for a in answers)
+
+
+def test_a_call_in_flight_reserves_its_inserted_tokens_too():
+    """Budget 60: the first call writes 3 tokens; then a call adding a 30-token tool turn (27 left to write) and a
+    rewritten history are sent at once. The first holds all 60 (3 + 30 inserted + 27), so the second gets nothing."""
+    async def agent(base_url, task):
+        client = _client(base_url)
+        messages = [{"role": "user", "content": "q"}]
+        reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+        tool_turn = messages + [reply, {"role": "tool", "content": "9" * 10}]
+        await asyncio.gather(
+            client.chat.completions.create(model="m", messages=tool_turn),
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "zz"}]),
+            return_exceptions=True)
+
+    box = {}
+    out = run_agent(["ab<|im_end|>", "y" * 26 + "<|im_end|>", "z" * 29 + "<|im_end|>"], agent,
+                    sampling_params={"temperature": 1.0, "max_new_tokens": 60}, delay=0.3, engine_box=box)
+    out = out if isinstance(out, list) else [out]
+    assert [b["sampling_params"]["max_new_tokens"] for b in box["engine"].seen] == [60, 27]
+    assert sum(s.response_length for s in out) <= 60
+
+
+def test_the_replay_preflight_takes_the_tables_the_trainer_takes(tmp_path):
+    """A multi-turn sample's table stops before its trailing tool turn: the replay preflight accepts it as the trainer
+    does, and still refuses a table that stops before a trained token."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from slime_lite.errors import SlimeLiteError
+    from slime_lite.preflight import check_routed_experts
+    from slime_lite.rollout.turns import append_turn
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "num_experts_per_tok": 1,
+                                                      "num_experts": 8, "model_type": "qwen2_moe"}))
+    sample = Sample(index=0, prompt="p", tokens=[1, 2, 3])
+    append_turn(sample, [4, 5], [-0.1, -0.1], source="model")
+    sample.rollout_routed_experts = torch.arange(4, dtype=torch.int32)
+    append_turn(sample, [6, 7], source="tool")
+    args = SimpleNamespace(hf_checkpoint=str(tmp_path))
+    check_routed_experts(args, [sample], "dump.pt")
+    append_turn(sample, [8], [-0.1], source="model")
+    with pytest.raises(SlimeLiteError, match="has 4 expert ids, expected 7"):
+        check_routed_experts(args, [sample], "dump.pt")

@@ -31,6 +31,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from slime_lite.errors import SlimeLiteError
+from slime_lite.types import routed_rows_fit
 
 
 def _sample_table(sample: Any, layers: int, top_k: int) -> torch.Tensor:
@@ -44,12 +45,10 @@ def _sample_table(sample: Any, layers: int, top_k: int) -> torch.Tensor:
                              "dump must come from such a run; a custom generate hook must ask for them with "
                              "return_routed_experts and keep its last model call's table).")
     table = torch.as_tensor(sample.rollout_routed_experts, dtype=torch.long).reshape(-1, layers, top_k)
-    n, rows = len(sample.tokens), table.shape[0]
-    mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
-    first_uncovered = rows + 1 - (n - sample.response_length)  # response position of the first token after them
-    if rows > n - 1 or rows < 1 or any(mask[max(0, first_uncovered):]):
-        raise ValueError(f"sample {sample.index}: rollout_routed_experts has {rows} rows, expected {n - 1} (one per "
-                         "token but the last; fewer only before tokens that are not trained)")
+    if not routed_rows_fit(sample, table.shape[0]):
+        raise ValueError(f"sample {sample.index}: rollout_routed_experts has {table.shape[0]} rows, expected "
+                         f"{len(sample.tokens) - 1} (one per token but the last; fewer only before tokens that are "
+                         "not trained)")
     return table
 
 
