@@ -467,6 +467,10 @@ def validate_train_args(args: argparse.Namespace) -> None:
     if spec.needs_groups and args.n_samples_per_prompt < 2:
         log.warning("--advantage-estimator %s compares the samples of a prompt: --n-samples-per-prompt 1 gives zero "
                     "advantages", spec.name)
+    if args.kl_coef > 0 and args.kl_loss_coef > 0:
+        raise SlimeLiteError(f"--kl-coef {args.kl_coef:g} and --kl-loss-coef {args.kl_loss_coef:g}: only one KL may "
+                             "be set (as in slime): --kl-coef puts it in the reward, --use-kl-loss --kl-loss-coef in "
+                             "the loss; both would count it twice.")
     if not spec.kl_in_reward and args.kl_coef > 0:
         log.warning("--kl-coef %g has no effect with --advantage-estimator %s (its KL goes into the loss: "
                     "--use-kl-loss --kl-loss-coef)", args.kl_coef, spec.name)

@@ -250,6 +250,12 @@ class TrainSideConfig(_FromArgs):
     num_rollout_per_epoch: int | None
     offload_train: bool
     ref_update_interval: int | None
+    n_samples_per_prompt: int
+
+    @property
+    def group_size(self) -> int:
+        """The samples a trim keeps together: a group estimator's (GRPO) prompt group, else one."""
+        return self.n_samples_per_prompt if rl_math.estimator(self.advantage_estimator).needs_groups else 1
 
     @property
     def trains(self) -> bool:

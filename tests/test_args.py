@@ -300,6 +300,13 @@ def test_a_kl_loss_coef_without_use_kl_loss_is_named_in_a_warning(base, caplog):
     assert "--kl-loss-coef 0.1 has no effect without --use-kl-loss" in caplog.text
 
 
+def test_a_kl_in_the_reward_and_one_in_the_loss_are_refused_together(base):
+    """slime's rule: --kl-coef (the reward) and --kl-loss-coef (the loss) would count the KL twice."""
+    msg = err(base + ["--advantage-estimator", "ppo", "--kl-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1"])
+    assert "--kl-coef 0.01 and --kl-loss-coef 0.1: only one KL may be set" in msg, msg
+    parse_args(base + ["--advantage-estimator", "ppo", "--kl-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0"])
+
+
 def test_partial_rollout_with_over_sampling_is_accepted(base):
     args = parse_args(base + ["--rollout-batch-size", "4", "--over-sampling-batch-size", "6", "--partial-rollout",
                               "--mask-offpolicy-in-partial-rollout"])

@@ -461,7 +461,7 @@ def openai_agent(run: Agent, timeout: float | None = None) -> Callable[..., Awai
             restart(sample)
         ep = await endpoint_for(args)
         traj = ep.open(sampling_params, args.max_turns, context_bound(args, evaluation),
-                       args.apply_chat_template_kwargs, bool(getattr(args, "use_rollout_routing_replay", False)))
+                       args.apply_chat_template_kwargs, bool(args.use_rollout_routing_replay))
         error = None
         agent = start_agent(run, traj.base_url, sample)
         stopped = asyncio.ensure_future(traj.stopped.wait())

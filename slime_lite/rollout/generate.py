@@ -255,9 +255,10 @@ class Generator:
         return out
 
     async def _score(self, samples: list[Sample], t0: float) -> list[Sample]:
-        """Rewards of the samples that were not aborted (an aborted one is dropped, or continued and scored later):
-        one call of the group reward model with --group-rm, else each sample's."""
-        live = [s for s in samples if s.status is not Status.ABORTED]
+        """Rewards of the samples that were not aborted (an aborted one is dropped, or continued and scored later)
+        and have none (a generate hook may set ``sample.reward`` itself, as in slime): one call of the group reward
+        model with --group-rm, else each sample's."""
+        live = [s for s in samples if s.status is not Status.ABORTED and s.reward is None]
         t1 = time.monotonic()
         if self.args.group_rm:
             rewards = await compute_group_rewards(self.args, live)

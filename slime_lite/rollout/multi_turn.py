@@ -113,7 +113,7 @@ async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
         asked = params.get("max_new_tokens")  # 0 is 0 tokens (a spent budget), None is up to the context
         params["max_new_tokens"] = room if asked is None else min(int(asked), room)
     cap_min_new_tokens(params)
-    routing = bool(getattr(args, "use_rollout_routing_replay", False))  # the table of every token so far
+    routing = bool(args.use_rollout_routing_replay)  # the table of every token so far
     out = await args.engine_client.generate({"input_ids": list(sample.tokens), "sampling_params": params,
                                              "return_logprob": True, "return_routed_experts": routing})
     meta = out["meta_info"]

@@ -378,7 +378,11 @@ async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | di
     rm_type = sample_rm_type(args, sample)
     if rm_type == "remote_rm":
         return await remote_reward(args, sample)
-    if rm_type is None or not known_rm_type(rm_type):
+    if rm_type is None:  # (checked before the run, unless a generate hook may set the rewards)
+        raise SlimeLiteError(f"sample {sample.index} has no reward: its generate hook set none, its data has no "
+                             "rm_type field and no --rm-type is given; give --rm-type or --custom-rm-path, or set "
+                             "sample.reward in the hook.")
+    if not known_rm_type(rm_type):
         where = (f"--rm-type {rm_type!r}" if rm_type == args.rm_type
                  else f"sample {sample.index}: its data's rm_type field {rm_type!r}")
         raise SlimeLiteError(f"{where}: {_unknown_rm_type(rm_type)}; or give --custom-rm-path module.fn.")
@@ -393,12 +397,13 @@ async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | di
 
 def check_data_rm_types(args: Any, metadata: list[dict[str, Any]], where: str, eval_data: bool = False) -> None:
     """Before any rollout: every row's rm_type field names a reward type (remote_rm only with --rm-url); a row
-    without one needs --rm-type; a type whose reward is a dict (dapo) needs --reward-key."""
+    without one needs --rm-type, unless a --custom-generate-function-path hook may set ``sample.reward`` itself (as
+    slime's agent examples do); a type whose reward is a dict (dapo) needs --reward-key."""
     if args.custom_rm_path:
         return  # the custom reward model reads the field, if it wants
     for i, meta in enumerate(metadata):
         rm_type = _row_rm_type(meta)
-        if rm_type is None and args.rm_type is None:
+        if rm_type is None and args.rm_type is None and not args.custom_generate_function_path:
             raise SlimeLiteError(f"{where}: prompt {i} has no rm_type field and no --rm-type is given: give "
                                  "--rm-type (the reward of rows without the field) or --custom-rm-path.")
         if rm_type is not None and not known_rm_type(rm_type):
@@ -407,7 +412,7 @@ def check_data_rm_types(args: Any, metadata: list[dict[str, Any]], where: str, e
         if rm_type == "remote_rm" and not args.rm_url:
             raise SlimeLiteError(f"{where}: prompt {i} has rm_type remote_rm: give the reward model's --rm-url.")
         key = (eval_data and args.eval_reward_key) or args.reward_key
-        if (rm_type or args.rm_type).removeprefix("boxed_") == "dapo" and not key:
+        if (rm_type or args.rm_type or "").removeprefix("boxed_") == "dapo" and not key:
             raise SlimeLiteError(f"{where}: prompt {i} is scored by dapo, whose reward is the dict "
                                  "{score, acc, pred}: give --reward-key score (as slime's DAPO scripts do).")
 

@@ -41,3 +41,19 @@ def test_a_rollout_of_partial_steps_trains_its_whole_steps(monkeypatch):
     with pytest.raises(SlimeLiteError, match="rollout 2 has 3 samples, fewer than one optimizer step of "
                                              "--global-batch-size 4"):
         train.train(2, samples[:3], {})
+
+
+def test_a_group_estimator_trims_in_whole_prompt_groups(monkeypatch):
+    """GRPO with groups of 3 and steps of 4 (a rollout function that returned 7 groups, 21 samples): the trim keeps
+    whole groups in whole steps (12 samples), never half a group, whose advantages could not be computed."""
+    monkeypatch.setattr(side.ray, "put", lambda value: value)
+    args = parser_defaults()
+    args.advantage_estimator, args.n_samples_per_prompt, args.global_batch_size = "grpo", 3, 4
+    train = object.__new__(side.TrainSide)
+    train.actor, train.critic, train.global_batch_size = _Actor(), None, 4
+    train.config = TrainSideConfig.from_args(args)
+    samples = [Sample(index=i, group_index=i // 3, tokens=[1, 2, 3], response_length=1) for i in range(21)]
+    train.train(0, samples, {})
+    assert train.actor.trained == [list(range(12))]
+    with pytest.raises(SlimeLiteError, match="in whole groups of 3 \\(12 samples\\)"):
+        train.train(1, samples[:9], {})

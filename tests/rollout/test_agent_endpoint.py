@@ -149,6 +149,7 @@ def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine
         mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep
         args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=max_turns,
                                         rollout_max_context_len=context, **{"apply_chat_template_kwargs": {},
+                                                                            "use_rollout_routing_replay": False,
                                                                             **flags}), engine)
         given = sample or Sample(index=4, prompt="1+2*3=", label="7", tokens=[5])
         try:

@@ -121,7 +121,7 @@ def test_a_call_its_agent_left_is_cancelled_at_the_engine_and_not_recorded():
         ep = await mod.AgentEndpoint(engine, build_tokenizer()).start()
         mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep
         args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=8, rollout_max_context_len=4096,
-                                        apply_chat_template_kwargs={}), engine)
+                                        apply_chat_template_kwargs={}, use_rollout_routing_replay=False), engine)
         try:
             sample = await mod.openai_agent(stuck, timeout=0.3)(args, Sample(index=0, prompt="a", tokens=[5]),
                                                                 {"max_new_tokens": 50})

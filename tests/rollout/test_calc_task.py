@@ -104,7 +104,7 @@ def run_hook(tok_dir, turns, prompt="12+34*5=", max_new_tokens=300, finish="stop
     engine = FakeEngine(turns, finish)
     args = HookArgs(SimpleNamespace(hf_checkpoint=tok_dir, max_turns=5, max_inserted_tokens_per_turn=max_inserted,
                                     rollout_max_context_len=4096, tool_call_timeout=5.0,
-                                    apply_chat_template_kwargs={}), engine)
+                                    apply_chat_template_kwargs={}, use_rollout_routing_replay=False), engine)
     text = TOK.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     from slime_lite.types import Sample
 

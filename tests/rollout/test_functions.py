@@ -170,6 +170,30 @@ def test_a_generate_hook_may_return_a_list_of_samples_sharing_rollout_id(tiny_mo
     manager.close(), grpo.close()
 
 
+@pytest.mark.parametrize("rm_type", ["addition", None])
+def test_a_reward_a_generate_hook_sets_is_kept(tiny_model_dir, engine, tmp_path, hooks, rm_type):
+    """As in slime, a hook may set ``sample.reward`` (an environment's reward): the reward model scores only the
+    samples left without one, and without --rm-type the data needs no rm_type for a hook that sets them all."""
+    hooks("rewarding_hook", """
+        from slime_lite.rollout.generate import default_generate
+
+        async def generate(args, sample, sampling_params):
+            await default_generate(args, sample, sampling_params)
+            if sample.index % 2 == 0:
+                sample.reward = 0.75
+            elif args.rm_type is None:
+                sample.reward = 0.25
+            return sample
+    """)
+    manager = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path="rewarding_hook.generate",
+                       rm_type=rm_type)
+    samples, _ = manager.generate(0)
+    manager.close()
+    assert [s.reward for s in samples if s.index % 2 == 0] == [0.75, 0.75]
+    odd = [s.reward for s in samples if s.index % 2]
+    assert odd == [0.25, 0.25] if rm_type is None else all(r in (0.0, 1.0) for r in odd)
+
+
 @pytest.mark.parametrize("breaks, expected", [
     ("sample.loss_mask = sample.loss_mask[:-1]",
      r"rollout 0: sample 1 \(index 1\): loss_mask: has 3 entries but response_length is 4"),

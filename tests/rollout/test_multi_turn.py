@@ -137,7 +137,8 @@ def test_a_turn_at_the_models_context_ends_the_sample_truncated_not_refused(tiny
 
     async def main():
         client = AsyncEngineClient([engine.url])
-        args = SimpleNamespace(engine_client=client, hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=None,
+        args = SimpleNamespace(engine_client=client, use_rollout_routing_replay=False,
+                               hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=None,
                                max_turns=4, max_inserted_tokens_per_turn=8, tool_call_timeout=5.0)
         sample = Sample(index=0, prompt="x", tokens=[60 + i % 30 for i in range(500)])
         try:
@@ -163,7 +164,8 @@ def test_a_turn_asked_for_no_tokens_generates_none(tiny_model_dir, engine):
 
     async def main():
         client = AsyncEngineClient([engine.url])
-        args = SimpleNamespace(engine_client=client, hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=None,
+        args = SimpleNamespace(engine_client=client, use_rollout_routing_replay=False,
+                               hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=None,
                                max_turns=4, max_inserted_tokens_per_turn=8, tool_call_timeout=5.0)
         sample = Sample(index=0, prompt="x", tokens=[60, 61, 62])
         try:
@@ -189,7 +191,8 @@ def test_a_turn_with_less_room_than_the_eval_minimum_asks_for_what_fits(tiny_mod
 
     async def main():
         client = AsyncEngineClient([engine.url])
-        args = SimpleNamespace(engine_client=client, hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=8,
+        args = SimpleNamespace(engine_client=client, use_rollout_routing_replay=False,
+                               hf_checkpoint=str(tiny_model_dir), rollout_max_context_len=8,
                                max_turns=4, max_inserted_tokens_per_turn=8, tool_call_timeout=5.0)
         sample = Sample(index=0, prompt="x", tokens=[60, 61, 62, 63, 64, 65])  # room for 2
         try:

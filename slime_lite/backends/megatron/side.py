@@ -7,6 +7,7 @@ every phase does nothing (nothing of Megatron is imported: the groups import the
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -81,18 +82,22 @@ class TrainSide:
     def whole_steps(self, rollout_id: int, samples: list) -> list:
         """The samples that fill whole optimizer steps of --global-batch-size: a rollout whose sample count is not
         a multiple of it (a generate hook or agent that splits trajectories into a varying number of samples, with
-        a per-sample estimator) trains its first whole steps and leaves the rest out, as slime trims; fewer samples
-        than one step is an error naming the flags."""
-        g = self.global_batch_size
+        a per-sample estimator, or a rollout function returning more groups) trains its first whole steps and leaves
+        the rest out, as slime trims, in whole prompt groups for a group estimator (GRPO); fewer samples than one step
+        is an error naming the flags."""
+        g = math.lcm(self.global_batch_size, self.config.group_size)
         kept = len(samples) // g * g
         if kept == len(samples):
             return samples
         if kept == 0:
             raise SlimeLiteError(f"rollout {rollout_id} has {len(samples)} samples, fewer than one optimizer step of "
-                                 f"--global-batch-size {g}: lower --global-batch-size (it must divide by the "
-                                 "data-parallel size x --micro-batch-size) or raise --rollout-batch-size.")
-        log.warning("rollout %d: %d samples are not a multiple of --global-batch-size %d: training the first %d "
-                    "(%d step(s)), %d left out", rollout_id, len(samples), g, kept, kept // g, len(samples) - kept)
+                                 f"--global-batch-size {self.global_batch_size} in whole groups of "
+                                 f"{self.config.group_size} ({g} samples): lower --global-batch-size (it must divide "
+                                 "by the data-parallel size x --micro-batch-size) or raise --rollout-batch-size.")
+        log.warning("rollout %d: %d samples are not a multiple of --global-batch-size %d in whole groups of %d: "
+                    "training the first %d (%d step(s)), %d left out", rollout_id, len(samples),
+                    self.global_batch_size, self.config.group_size, kept, kept // self.global_batch_size,
+                    len(samples) - kept)
         return samples[:kept]
 
     def save(self, rollout_id: int, data_state: Any) -> None:
