@@ -30,10 +30,23 @@ def no_space_error(exc: OSError, path: str) -> SlimeLiteError | None:
     return None
 
 
-def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteError, mmap: bool = False) -> Any:
+def _numpy_globals() -> list[Any]:
+    """What unpickling a numeric numpy array names: its rebuild function, ndarray, dtype and the numeric dtypes'
+    classes (slime keeps a sample's routed experts as one); an object array needs more and stays refused."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / 1
+    kinds = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+             "float64"]
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *{type(np.dtype(k)) for k in kinds}]
+
+
+def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteError, mmap: bool = False,
+               numpy_arrays: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU: tensors and plain containers only, so nothing in the file
     runs. A missing, empty, truncated or unsafe file raises ``error`` naming the file and what is wrong. ``mmap``:
-    tensors of a zip-format file are mapped, not read (a cheap check of a large file)."""
+    tensors of a zip-format file are mapped, not read (a cheap check of a large file). ``numpy_arrays``: numeric
+    numpy arrays too (slime's rollout dumps)."""
     import torch  # torch: io is on the CLI start-up path
 
     if not os.path.exists(path):
@@ -48,10 +61,11 @@ def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteErro
         raise error(f"{what} {path} is not a torch file (corrupt, or another format: it starts with {head!r}); "
                     "a file written by torch.save was expected. Re-create it.")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and head.startswith(b"PK"))
+        with torch.serialization.safe_globals(_numpy_globals() if numpy_arrays else []):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and head.startswith(b"PK"))
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        found = re.search(r"GLOBAL (\S+)", text)
+        found = re.search(r"GLOBAL (\S+)", text) or re.search(r"but got <class '([^']+)'>", text)
         if found:  # a pickle that names a function or class to call: the shape of every code-running payload
             raise error(
                 f"{what} {path} is not a plain-tensor file: it asks to load {found.group(1)}, so it was refused "

@@ -68,9 +68,12 @@ def _key(record: dict[str, Any]) -> tuple[str, int, int]:
 
 
 def close(a: float, b: float, rtol: float) -> bool:
-    """|a - b| <= rtol x max(|a|, |b|); two NaNs are equal (both runs broke the same way)."""
+    """|a - b| <= rtol x max(|a|, |b|); two NaNs, or two infinities of one sign, are equal (both runs broke the
+    same way), an infinity is equal to nothing else."""
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
     return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
 
 

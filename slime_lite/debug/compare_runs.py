@@ -80,6 +80,8 @@ def _rel(a: Any, b: Any) -> float:
         return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
     if a == b:
         return 0.0
+    if math.isinf(a) or math.isinf(b):  # (inf / inf would be NaN, which no tolerance catches)
+        return math.inf
     return abs(a - b) / max(abs(a), abs(b))
 
 

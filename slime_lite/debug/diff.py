@@ -7,6 +7,7 @@ multi-turn sample's first difference is named by its turn).
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +96,7 @@ def compare_samples(position: int, sa: Any, sb: Any, atol: float) -> SampleDiff:
         if first is not None:
             n = min(n, max(0, first - sa.prompt_length))  # after a token differs, log-probs are not comparable
         if n:
-            lp_diff = max(abs(float(x) - float(y)) for x, y in zip(la[:n], lb[:n]))
+            lp_diff = max(_abs_diff(float(x), float(y)) for x, y in zip(la[:n], lb[:n]))
     ma, mb, mask_note = sa.loss_mask, sb.loss_mask, ""
     if ma is not None and mb is not None and list(ma) != list(mb):
         at = first_difference([int(x) for x in ma], [int(x) for x in mb])
@@ -104,6 +105,13 @@ def compare_samples(position: int, sa: Any, sb: Any, atol: float) -> SampleDiff:
     status = None if sa.status == sb.status else (sa.status.value, sb.status.value)
     return SampleDiff(position, sa.group_index, sa.index, first, detail, reward, status,
                       sa.response != sb.response, lp_diff, note, mask_note)
+
+
+def _abs_diff(x: float, y: float) -> float:
+    """|x - y|, inf where one side only is NaN or infinite (max() and > would let a NaN through)."""
+    if math.isnan(x) or math.isnan(y):
+        return 0.0 if math.isnan(x) and math.isnan(y) else math.inf
+    return 0.0 if x == y else abs(x - y)
 
 
 def _run(argv: list[str] | None) -> int:

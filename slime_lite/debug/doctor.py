@@ -71,6 +71,7 @@ DROPPED = ("--ci-test", "--metrics-path", "--dump-details", "--save-debug-rollou
            # every rollout is checked against the version the pushes so far give (a skipped push is caught)
            "--async", "--fully-async", "--max-weight-staleness", "--max-policy-version-lag",
            "--max-weight-staleness-mode", "--update-weights-interval",  # (a push after every rollout, too)
+           "--partial-rollout", "--mask-offpolicy-in-partial-rollout",  # carried samples are of older weights
            "--save-hf")  # it writes at --save's checkpoints, which the doctor drops
 INCOMPATIBLE = ("--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data")
 

@@ -301,8 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.hf_checkpoint and not os.path.isdir(a.hf_checkpoint):
         raise SlimeLiteError(f"--hf-checkpoint {a.hf_checkpoint} is not a folder (a tokenizer is needed for the "
                              "token text).")
-    ex = join(rollout, train, a.sample, a.threshold, token_texts(checkpoint))
-    render_terminal(ex, make_console())
+    texts = token_texts(checkpoint)
+    console = make_console()
+    if texts is None:
+        console.print(f"no tokenizer at {checkpoint!r} (the dump's model_path): tokens are shown as ids; give "
+                      "--hf-checkpoint for their text")
+    ex = join(rollout, train, a.sample, a.threshold, texts)
+    render_terminal(ex, console)
     if a.html:
         atomic_write_text(render_html(ex), a.html)
         print(f"wrote {a.html}")

@@ -26,7 +26,7 @@ from slime_lite.engine_client import normalize_url, request_json
 from slime_lite.errors import EngineError, SlimeLiteError, run_main
 from slime_lite.rollout.dumps import load_rollout_dump
 from slime_lite.rollout.turns import turns
-from slime_lite.types import TOKEN_VERSIONS
+from slime_lite.types import TOKEN_VERSIONS, version_number
 
 GREEDY_TEMPERATURE = 1e-6
 
@@ -63,9 +63,12 @@ class Report:
     logprob_diff: float | None = None  # max |engine - dump| on loss-masked response tokens
     tokens_ok: bool | None = None  # None: tokens are not expected to match (unseeded sampling)
     atol: float = 1e-3
+    other_weights: bool = False  # the engine serves another weight version than the sample's newest
 
     @property
     def verdict(self) -> str:
+        if self.other_weights:
+            return "INCONCLUSIVE"
         if self.tokens_ok is False or (self.logprob_diff is not None and self.logprob_diff > self.atol):
             return "DIFFER"
         if self.logprob_diff is None and self.tokens_ok is None:
@@ -128,8 +131,24 @@ def teacher_forced(url: str, sample: Any, params: dict[str, Any], timeout: float
     return [float(e[0]) for e in tail]
 
 
-def check_sample(url: str, position: int, sample: Any, args: argparse.Namespace) -> Report:
+def served_version(url: str, timeout: float) -> str | None:
+    """The weight version the engine serves (``/get_model_info``), None where it does not say."""
+    try:
+        version = request_json(url, "/get_model_info", timeout=timeout).get("weight_version")
+    except (EngineError, AttributeError):
+        return None
+    return None if version is None else str(version)
+
+
+def check_sample(url: str, position: int, sample: Any, args: argparse.Namespace,
+                 served: str | None = None) -> Report:
     rep = Report(position, sample, atol=args.atol)
+    if served is not None and sample.weight_versions:  # "default" (the checkpoint's weights) is version 0
+        newest = sample.weight_versions[-1]
+        rep.other_weights = version_number(served) != version_number(newest)
+        rep.rows.append(("weight version", f"engine {served}, sample {newest}" + (
+            ": the engine holds other weights, so its tokens and log-probs need not match (load the weights of "
+            "that version, e.g. the checkpoint saved after it)" if rep.other_weights else "")))
     params = sampling_params(sample, args)
     dumped_lp = sample.rollout_log_probs
     prompt_len = sample.prompt_length
@@ -250,8 +269,9 @@ def _run(argv: list[str] | None) -> int:
     console = make_console()
     url = normalize_url(args.url)  # 127.0.0.1:30000 works as http://127.0.0.1:30000
     reports = []
+    served = served_version(url, args.timeout)
     for position, sample in chosen:
-        rep = check_sample(url, position, sample, args)
+        rep = check_sample(url, position, sample, args, served)
         reports.append(rep)
         table = Table(title=f"{path} sample {position} (group/index {sample.group_index}/{sample.index}): "
                             f"{rep.verdict}", show_header=False, title_justify="left")

@@ -84,7 +84,8 @@ def make_meta(args: Any, tokenizer_fingerprint: str | None, **extra: Any) -> dic
         "n_samples_per_prompt": args.n_samples_per_prompt,
         "rollout_batch_size": args.rollout_batch_size,
         "tokenizer_fingerprint": tokenizer_fingerprint,
-        "model_path": args.hf_checkpoint,
+        # absolute: the tools read its tokenizer from wherever they run
+        "model_path": os.path.abspath(args.hf_checkpoint) if os.path.isdir(args.hf_checkpoint) else args.hf_checkpoint,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "slime_lite_version": __version__,
     }
@@ -151,7 +152,7 @@ def save_rollout_dump(
 
 def load_rollout_dump(path: str) -> RolloutDump:
     """Load a dump (ours or slime's) safely; errors name the file, the sample and the field that is wrong."""
-    data = load_plain(path, "rollout dump", DumpError)
+    data = load_plain(path, "rollout dump", DumpError, numpy_arrays=True)
     if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
         raise DumpError(
             f"rollout dump {path} has the wrong schema: expected a dict with a 'samples' list, "
@@ -161,6 +162,9 @@ def load_rollout_dump(path: str) -> RolloutDump:
     for i, item in enumerate(data["samples"]):
         if not isinstance(item, dict):
             raise DumpError(f"rollout dump {path}: samples[{i}] is a {type(item).__name__}, expected a dict.")
+        item = {k: _from_numpy(v) for k, v in item.items()}  # slime keeps routed experts as a numpy array
+        if "metadata" in item and item["metadata"] is None:
+            item["metadata"] = {}
         problem = _field_problem(item)
         if problem is not None:
             raise DumpError(f"rollout dump {path}: samples[{i}].{problem}")
@@ -201,6 +205,14 @@ def _as_list(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) and value.dim() == 1 else value
 
 
+def _from_numpy(value: Any) -> Any:
+    """A numpy array as a tensor; anything else as it is."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(value.copy()) if isinstance(value, np.ndarray) else value
+
+
 def _field_problem(item: dict[str, Any]) -> str | None:
     """What is wrong with the fields of one raw sample that training and the tools read, as 'field: problem'."""
     tokens = _as_list(item.get("tokens", []))
@@ -226,6 +238,8 @@ def _field_problem(item: dict[str, Any]) -> str | None:
         if bad is not None:
             return f"{name}[{bad}]: {value[bad]!r} is not a number"
     metadata = item.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        return f"metadata: expected a dict or None, got {type(metadata).__name__}"
     versions = _as_list(metadata.get(TOKEN_VERSIONS)) if isinstance(metadata, dict) else None
     if versions is not None and (not isinstance(versions, (list, tuple)) or len(versions) != length
                                  or not all(_is_int(v) for v in versions)):

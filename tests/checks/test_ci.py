@@ -251,3 +251,17 @@ def test_the_logprob_jump_warning_survives_a_nan_and_names_one(caplog):
         caplog.clear()
         watch.update({lp: math.nan})
         assert "jumped to nan" in caplog.text
+
+
+def test_a_replay_whose_dump_records_no_weight_version_is_not_held_on_policy():
+    """A replayed dump without weight versions (slime's dumps, a hook that records none, a partial-rollout rollout
+    whose samples all finished earlier): after the first rollout the trainer's weights moved and the dump's are
+    unknown, so a large train/rollout log-prob gap is not blamed on the weights; the first rollout is still held."""
+    unversioned = {k: v for k, v in HEALTHY.items() if k != "rollout/weight_version"}
+    gap = dict(unversioned, **{"train/train_rollout_logprob_abs_diff": 0.34})
+    run = cc.RunChecks(make_args(ci_test=True, load_debug_rollout_data="/d/{rollout_id}.pt"), [], 0, trains=True)
+    run.after_rollout(0, unversioned, {}, 0)
+    run.after_rollout(1, gap, {}, 1)  # no raise
+    first = cc.RunChecks(make_args(ci_test=True, load_debug_rollout_data="/d/{rollout_id}.pt"), [], 0, trains=True)
+    with pytest.raises(cc.CiCheckFailed, match="train_rollout_logprob_diff failed at rollout 0"):
+        first.after_rollout(0, gap, {}, 0)

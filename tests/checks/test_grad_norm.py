@@ -51,6 +51,17 @@ def test_first_differing_step_fails_with_both_values(tmp_path):
     ci(tmp_path, ci_load_grad_norm=str(path), ci_grad_norm_rtol=1e-2).update("actor", 0, [1.0, 2.002, 3.0])
 
 
+def test_an_infinite_grad_norm_matches_only_the_same_infinity(tmp_path):
+    """|inf - b| <= rtol x inf held for any b: an infinite norm against a finite saved one passed."""
+    path = tmp_path / "gn.json"
+    ci(tmp_path, ci_save_grad_norm=str(path)).update("actor", 0, [1.25, 0.9, float("inf")])
+    with pytest.raises(GradNormMismatch, match="step 1: grad_norm inf differs from the saved 0.9"):
+        ci(tmp_path, ci_load_grad_norm=str(path)).update("actor", 0, [1.25, float("inf"), float("inf")])
+    with pytest.raises(GradNormMismatch, match="step 2: grad_norm 3.0 differs from the saved inf"):
+        ci(tmp_path, ci_load_grad_norm=str(path)).update("actor", 0, [1.25, 0.9, 3.0])
+    ci(tmp_path, ci_load_grad_norm=str(path)).update("actor", 0, [1.25, 0.9, float("inf")])  # the same: passes
+
+
 def test_a_step_the_saved_run_did_not_have(tmp_path):
     path = tmp_path / "gn.json"
     ci(tmp_path, ci_save_grad_norm=str(path)).update("actor", 0, [1.0])

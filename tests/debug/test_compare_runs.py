@@ -41,6 +41,14 @@ def test_reports_first_differing_step_both_values_and_relative_diff(tmp_path, ca
     assert "eval/add" in out and "0.75" in out and "train/grad_norm" not in out
 
 
+def test_an_infinite_value_on_one_side_differs():
+    """inf / inf is NaN, which no tolerance caught: an infinite grad-norm against a finite one was no difference."""
+    other = [dict(r) for r in ROWS]
+    other[2]["train/grad_norm"] = float("inf")
+    assert [(d.key, d.step) for d in compare(ROWS, other, rtol=0.5)] == [("train/grad_norm", 1)]
+    assert compare(other, other) == []
+
+
 def test_missing_metric_and_a_run_that_stopped_early(tmp_path, capsys):
     short = [dict(r) for r in ROWS[:2]]
     del short[1]["train/grad_norm"]

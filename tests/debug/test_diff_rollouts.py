@@ -68,6 +68,17 @@ def test_small_logprob_noise_within_atol(tmp_path: Path, samples_factory, capsys
     assert main([a, b, "--atol", "1e-3"]) == 0
 
 
+def test_a_nan_or_infinite_log_prob_on_one_side_differs(tmp_path: Path, samples_factory, capsys) -> None:
+    """max() over differences holding a NaN, then NaN > atol, said IDENTICAL."""
+    for bad in (float("nan"), float("inf")):
+        def edit(samples, bad=bad):
+            samples[1].rollout_log_probs = [bad] + list(samples[1].rollout_log_probs[1:])
+
+        a, b = _pair(tmp_path, samples_factory, edit)
+        assert main([a, b]) == 1, bad
+        assert "IDENTICAL" not in capsys.readouterr().out
+
+
 def test_same_weight_noise_agrees_by_default_and_the_tolerance_is_printed(tmp_path: Path, samples_factory,
                                                                           capsys) -> None:
     """Greedy eval dumps of identical weights differ by ~1.25e-6 in a log-prob (another batch composition): the

@@ -44,6 +44,12 @@ def test_the_doctor_runs_a_fully_async_users_flags_synchronously(tmp_path):
     argv = doctor.train_argv(user, str(tmp_path))
     assert not [a for a in argv if "async" in a or "staleness" in a or "lag" in a]
     assert "--lr 1e-4" in " ".join(argv)
+    # --partial-rollout trains samples carried from the weights before the push (rollout/async/newest_lag 1):
+    # iteration 2 would blame the push; over-sampling without it stays (its samples are of this rollout)
+    user = ["--hf-checkpoint", "M", "--over-sampling-batch-size", "12", "--partial-rollout",
+            "--mask-offpolicy-in-partial-rollout", "--lr", "1e-2"]
+    argv = " ".join(doctor.train_argv(user, str(tmp_path)))
+    assert "partial" not in argv and "--over-sampling-batch-size 12" in argv
 
 
 def test_the_doctor_adds_no_scramble_to_a_lora_run(tiny_model_dir, tmp_path):

@@ -96,6 +96,24 @@ def test_a_sample_continued_across_weight_versions_compares_its_newest_tokens_on
     assert "holds no samples" in capsys.readouterr().err
 
 
+def test_a_sample_of_other_weights_than_the_engine_serves_is_inconclusive(engine_url, tmp_path, capsys):
+    """A sample of weight version 1 (rollout 1 of a run) sent to an engine started from the checkpoint (version
+    "default", 0): its log-probs differ because the weights do, which the tool says instead of DIFFER."""
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    sample = _sample_from_engine(engine_url, 0, [5, 6, 7, 8], dict(PARAMS, sampling_seed=11))
+    sample.rollout_log_probs = [x + 0.5 for x in sample.rollout_log_probs]  # as other weights give
+    sample.weight_versions = ["1"]
+    save_rollout_dump(template.format(rollout_id=1), 1, [sample])
+    argv = ["--load-debug-rollout-data", template, "--rollout-id", "1", "--url", engine_url, "--all"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "engine default, sample 1: the engine holds other weights" in out and "verdict: INCONCLUSIVE" in out
+    sample.rollout_log_probs = [x - 0.5 for x in sample.rollout_log_probs]
+    sample.weight_versions = ["default"]
+    save_rollout_dump(template.format(rollout_id=1), 1, [sample])
+    assert main(argv) == 0 and "verdict: MATCH" in capsys.readouterr().out
+
+
 def test_unreachable_engine_names_the_url(tmp_path: Path, capsys, samples_factory) -> None:
     template = str(tmp_path / "d_{rollout_id}.pt")
     save_rollout_dump(template.format(rollout_id=0), 0, samples_factory(1, 1))
@@ -166,7 +184,9 @@ def _multi_turn_sample(versions: bool, seed: int | None) -> Sample:
 def _fake_engine(turns_out: dict):
     """A fake SGLang (in-process, through request_json): no input_token_logprobs, so (b) regenerates each model
     turn; ``turns_out`` maps the length of the tokens sent to the turn's (ids, log-probs)."""
-    def request(url, path, body, timeout=None, **kw):
+    def request(url, path, body=None, timeout=None, **kw):
+        if path == "/get_model_info":
+            return {"model_path": "m", "weight_version": "default"}
         if body["sampling_params"].get("max_new_tokens") == 1 and "logprob_start_len" in body:
             return {"output_ids": [0], "meta_info": {}}
         ids, lps = turns_out[len(body["input_ids"])]

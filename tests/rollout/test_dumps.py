@@ -265,6 +265,26 @@ def test_slime_dump_with_tensor_tokens_loads(tmp_path: Path) -> None:
     assert _sample_logprob_mean(sample) == -0.375
 
 
+def test_a_slime_moe_dump_with_numpy_routed_experts_loads_and_other_objects_stay_refused(tmp_path: Path) -> None:
+    """slime keeps a sample's routed experts as a numpy array (np.frombuffer of the engine's table): the numeric
+    array loads, as a tensor; a numpy object array (which could name any class) is still refused; metadata null is
+    read as no metadata."""
+    import numpy as np
+
+    path = tmp_path / "moe_0.pt"
+    table = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)
+    torch.save({"samples": [_raw(tokens=[5, 6, 7, 8], rollout_routed_experts=table, metadata=None)]}, path)
+    sample = load_rollout_dump(str(path)).samples[0]
+    assert torch.equal(torch.as_tensor(sample.rollout_routed_experts), torch.from_numpy(table))
+    assert sample.metadata == {}
+    torch.save({"samples": [_raw(tokens=[5, 6, 7, 8], rollout_routed_experts=np.array([Status.COMPLETED]))]}, path)
+    with pytest.raises(DumpError, match="is not a plain-tensor file"):
+        load_rollout_dump(str(path))
+    torch.save({"samples": [_raw(tokens=[5, 6, 7, 8], metadata=[1])]}, path)
+    with pytest.raises(DumpError, match=r"samples\[0\]\.metadata: expected a dict or None, got list"):
+        load_rollout_dump(str(path))
+
+
 def test_replay_checks_vocab_samples_and_rewards(tmp_path: Path) -> None:
     path = tmp_path / "r_0.pt"
     save_rollout_dump(str(path), 0, _samples())
