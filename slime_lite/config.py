@@ -251,11 +251,14 @@ class TrainSideConfig(_FromArgs):
     offload_train: bool
     ref_update_interval: int | None
     n_samples_per_prompt: int
+    custom_reward_post_process_path: str | None
 
     @property
     def group_size(self) -> int:
-        """The samples a trim keeps together: a group estimator's (GRPO) prompt group, else one."""
-        return self.n_samples_per_prompt if rl_math.estimator(self.advantage_estimator).needs_groups else 1
+        """The samples a trim keeps together: a group estimator's (GRPO) prompt group, else one (also where a
+        --custom-reward-post-process-path hook gives the rewards the groups' normalisation would)."""
+        groups = rl_math.estimator(self.advantage_estimator).needs_groups and not self.custom_reward_post_process_path
+        return self.n_samples_per_prompt if groups else 1
 
     @property
     def trains(self) -> bool:

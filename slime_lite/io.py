@@ -38,7 +38,9 @@ def _numpy_globals() -> list[Any]:
     core = getattr(np, "_core", None) or np.core  # numpy 2 / 1
     kinds = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
              "float64"]
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *{type(np.dtype(k)) for k in kinds}]
+    rebuild = core.multiarray._reconstruct  # under either name: a file numpy 1 wrote names numpy.core's
+    return [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
+            *{type(np.dtype(k)) for k in kinds}]
 
 
 def load_plain(path: str, what: str, error: type[SlimeLiteError] = SlimeLiteError, mmap: bool = False,

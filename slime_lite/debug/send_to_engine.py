@@ -26,7 +26,7 @@ from slime_lite.engine_client import normalize_url, request_json
 from slime_lite.errors import EngineError, SlimeLiteError, run_main
 from slime_lite.rollout.dumps import load_rollout_dump
 from slime_lite.rollout.turns import turns
-from slime_lite.types import TOKEN_VERSIONS, version_number
+from slime_lite.types import TOKEN_VERSIONS
 
 GREEDY_TEMPERATURE = 1e-6
 
@@ -143,12 +143,13 @@ def served_version(url: str, timeout: float) -> str | None:
 def check_sample(url: str, position: int, sample: Any, args: argparse.Namespace,
                  served: str | None = None) -> Report:
     rep = Report(position, sample, atol=args.atol)
-    if served is not None and sample.weight_versions:  # "default" (the checkpoint's weights) is version 0
-        newest = sample.weight_versions[-1]
-        rep.other_weights = version_number(served) != version_number(newest)
+    if served is not None and sample.weight_versions:  # "default" (the checkpoint's weights) is version "0"
+        newest = str(sample.weight_versions[-1])
+        rep.other_weights = served != newest and {served, newest} != {"default", "0"}
         rep.rows.append(("weight version", f"engine {served}, sample {newest}" + (
-            ": the engine holds other weights, so its tokens and log-probs need not match (load the weights of "
-            "that version, e.g. the checkpoint saved after it)" if rep.other_weights else "")))
+            ": the engine holds other weights, so its tokens and log-probs need not match: load that version's "
+            "weights (update_weights_from_disk with its weight_version), or, where the engine holds them already, "
+            "name them with POST /update_weight_version" if rep.other_weights else "")))
     params = sampling_params(sample, args)
     dumped_lp = sample.rollout_log_probs
     prompt_len = sample.prompt_length

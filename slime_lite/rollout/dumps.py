@@ -162,7 +162,10 @@ def load_rollout_dump(path: str) -> RolloutDump:
     for i, item in enumerate(data["samples"]):
         if not isinstance(item, dict):
             raise DumpError(f"rollout dump {path}: samples[{i}] is a {type(item).__name__}, expected a dict.")
-        item = {k: _from_numpy(v) for k, v in item.items()}  # slime keeps routed experts as a numpy array
+        try:  # slime keeps routed experts as a numpy array
+            item = {k: _from_numpy(v, k) for k, v in item.items()}
+        except ValueError as exc:
+            raise DumpError(f"rollout dump {path}: samples[{i}].{exc}") from None
         if "metadata" in item and item["metadata"] is None:
             item["metadata"] = {}
         problem = _field_problem(item)
@@ -205,12 +208,16 @@ def _as_list(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) and value.dim() == 1 else value
 
 
-def _from_numpy(value: Any) -> Any:
-    """A numpy array as a tensor; anything else as it is."""
+def _from_numpy(value: Any, name: str) -> Any:
+    """A numeric numpy array as a tensor (another dtype: ValueError naming ``name``); anything else as it is."""
     import numpy as np
     import torch
 
-    return torch.from_numpy(value.copy()) if isinstance(value, np.ndarray) else value
+    if not isinstance(value, np.ndarray):
+        return value
+    if value.dtype.kind not in "biuf" or value.dtype.fields is not None:
+        raise ValueError(f"{name}: a numpy array of dtype {value.dtype}, not numbers")
+    return torch.from_numpy(value.astype(value.dtype.newbyteorder("="), copy=True))
 
 
 def _field_problem(item: dict[str, Any]) -> str | None:

@@ -255,16 +255,18 @@ class Generator:
         return out
 
     async def _score(self, samples: list[Sample], t0: float) -> list[Sample]:
-        """Rewards of the samples that were not aborted (an aborted one is dropped, or continued and scored later)
-        and have none (a generate hook may set ``sample.reward`` itself, as in slime): one call of the group reward
-        model with --group-rm, else each sample's."""
-        live = [s for s in samples if s.status is not Status.ABORTED and s.reward is None]
+        """Rewards of the samples that were not aborted (an aborted one is dropped, or continued and scored later),
+        as slime gives them: one call of the group reward model with --group-rm over all of them, else each
+        sample's that has none (a generate hook may set ``sample.reward`` itself)."""
+        live = [s for s in samples if s.status is not Status.ABORTED]
         t1 = time.monotonic()
         if self.args.group_rm:
+            scored = live
             rewards = await compute_group_rewards(self.args, live)
         else:
-            rewards = await asyncio.gather(*(compute_reward(self.args, s) for s in live))
-        for sample, r in zip(live, rewards):
+            scored = [s for s in live if s.reward is None]
+            rewards = await asyncio.gather(*(compute_reward(self.args, s) for s in scored))
+        for sample, r in zip(scored, rewards):
             sample.reward = r
             if not self.config.deterministic_mode:  # wall-clock values would tell two identical dumps apart
                 sample.non_generation_time = time.monotonic() - t1

@@ -125,10 +125,10 @@ class OverSampler:
         back: list[list[Sample]] = []
         urls = self.engine_urls()
         self.aborting = True
-        for fn in ON_ABORT:
-            fn()
         try:
             while pending:
+                for fn in ON_ABORT:  # (again each time: a trajectory a pending group opened since)
+                    fn()
                 await asyncio.gather(*(self._abort_engine(u) for u in urls))
                 done, pending = await asyncio.wait(pending, timeout=ABORT_RETRY_S)
                 back.extend(t.result() for t in done)
@@ -149,6 +149,8 @@ class OverSampler:
             for s in g:
                 s.index = first_index
                 first_index += 1
+                if s.status is Status.ABORTED:  # it goes on generating: no reward yet (a hook may have set one)
+                    s.reward = None
         return groups
 
     async def rollout(self, rollout_id: int, source: Any, params: dict[str, Any],

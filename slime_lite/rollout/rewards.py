@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import numbers
 import re
 import string
@@ -30,6 +31,8 @@ from typing import Any, Callable
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import call_maybe_async, load_hook
 from slime_lite.types import Sample
+
+log = logging.getLogger(__name__)
 
 RM_TYPES = ("addition", "math", "boxed_math", "deepscaler", "dapo", "gpqa", "f1", "remote_rm")
 REMOTE_RM_ATTEMPTS = 5  # a remote reward model's request is sent at most this often (backoff 0.5, 1, 2, 4 s)
@@ -395,15 +398,25 @@ async def compute_reward(args: Any, sample: Sample, **kwargs: Any) -> float | di
     return _BUILTIN[rm_type](response, _label(sample))
 
 
+NO_REWARD_HOOK = "slime_lite.rollout.calc_task.generate"  # a built-in generate hook that sets no reward
+
+
 def check_data_rm_types(args: Any, metadata: list[dict[str, Any]], where: str, eval_data: bool = False) -> None:
     """Before any rollout: every row's rm_type field names a reward type (remote_rm only with --rm-url); a row
     without one needs --rm-type, unless a --custom-generate-function-path hook may set ``sample.reward`` itself (as
     slime's agent examples do); a type whose reward is a dict (dapo) needs --reward-key."""
     if args.custom_rm_path:
         return  # the custom reward model reads the field, if it wants
+    hook = args.custom_generate_function_path
+    hook_rewards = hook and hook != NO_REWARD_HOOK  # (the tool task's hook leaves rewards to the reward model)
+    unscored = sum(_row_rm_type(meta) is None for meta in metadata) if args.rm_type is None else 0
+    if unscored and hook_rewards:
+        log.warning("%s: %d prompts have no rm_type field and no --rm-type is given: --custom-generate-function-path "
+                    "%s must set sample.reward on their samples (a sample left without one stops the run)", where,
+                    unscored, hook)
     for i, meta in enumerate(metadata):
         rm_type = _row_rm_type(meta)
-        if rm_type is None and args.rm_type is None and not args.custom_generate_function_path:
+        if rm_type is None and args.rm_type is None and not hook_rewards:
             raise SlimeLiteError(f"{where}: prompt {i} has no rm_type field and no --rm-type is given: give "
                                  "--rm-type (the reward of rows without the field) or --custom-rm-path.")
         if rm_type is not None and not known_rm_type(rm_type):

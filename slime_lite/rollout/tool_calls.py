@@ -353,20 +353,22 @@ def inserted_text(tokenizer: Any, history: list[dict[str, Any]], new_messages: l
     before = tokenizer.apply_chat_template(history, tokenize=False, **kw)
     after = tokenizer.apply_chat_template(history + new_messages, tokenize=False, add_generation_prompt=True, **kw)
     turns = before.count(end_of_turn) if end_of_turn else 0
-    # counted only where no message holds the marker as text (a dropped think block holding it would shift it)
-    if turns and after.count(end_of_turn) >= turns and end_of_turn not in json.dumps(history, ensure_ascii=False,
-                                                                                      default=str):
-        at = -1
-        for _ in range(turns):  # the history's last end of turn, in the full rendering
+    if turns and after.startswith(before):
+        at = before.rindex(end_of_turn)  # the model's turn's end
+    elif turns and after.count(end_of_turn) >= turns and end_of_turn not in json.dumps(history, ensure_ascii=False,
+                                                                                        default=str):
+        at = -1  # the history's last end of turn, counted in the full rendering (no message holds the marker
+        for _ in range(turns):  # as text, which a dropped think block would take with it)
             at = after.index(end_of_turn, at + 1)
-        return ("" if closed else end_of_turn) + after[at + len(end_of_turn):]
-    if not after.startswith(before):
+    elif after.startswith(before):
+        return after[len(before):]
+    else:
         raise SlimeLiteError(
             "the chat template renders the conversation so far differently once new messages follow it, and where "
             "the new messages begin cannot be told (the template closes no turn with an end-of-turn text, or a "
             "message holds that text); a turn's inserted tokens cannot be rendered on their own with this "
             "tokenizer's chat_template.")
-    return after[len(before):]
+    return ("" if closed else end_of_turn) + after[at + len(end_of_turn):]
 
 
 def end_of_turn(tokenizer: Any) -> str:

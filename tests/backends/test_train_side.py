@@ -57,3 +57,8 @@ def test_a_group_estimator_trims_in_whole_prompt_groups(monkeypatch):
     assert train.actor.trained == [list(range(12))]
     with pytest.raises(SlimeLiteError, match="in whole groups of 3 \\(12 samples\\)"):
         train.train(1, samples[:9], {})
+    # a --custom-reward-post-process-path hook gives the rewards: no group is compared, whole steps suffice
+    args.custom_reward_post_process_path = "mod.post"
+    train.config = TrainSideConfig.from_args(args)
+    train.train(2, samples, {})
+    assert train.actor.trained[-1] == list(range(20))

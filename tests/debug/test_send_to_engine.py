@@ -109,9 +109,10 @@ def test_a_sample_of_other_weights_than_the_engine_serves_is_inconclusive(engine
     out = capsys.readouterr().out
     assert "engine default, sample 1: the engine holds other weights" in out and "verdict: INCONCLUSIVE" in out
     sample.rollout_log_probs = [x - 0.5 for x in sample.rollout_log_probs]
-    sample.weight_versions = ["default"]
-    save_rollout_dump(template.format(rollout_id=1), 1, [sample])
-    assert main(argv) == 0 and "verdict: MATCH" in capsys.readouterr().out
+    for same in ("default", "0"):  # the checkpoint's weights, as the engine names them or as a version number
+        sample.weight_versions = [same]
+        save_rollout_dump(template.format(rollout_id=1), 1, [sample])
+        assert main(argv) == 0 and "verdict: MATCH" in capsys.readouterr().out
 
 
 def test_unreachable_engine_names_the_url(tmp_path: Path, capsys, samples_factory) -> None:

@@ -252,3 +252,15 @@ def test_the_replay_preflight_takes_the_tables_the_trainer_takes(tmp_path):
     append_turn(sample, [8], [-0.1], source="model")
     with pytest.raises(SlimeLiteError, match="has 4 expert ids, expected 7"):
         check_routed_experts(args, [sample], "dump.pt")
+
+
+def test_a_history_holding_the_marker_text_keeps_the_closing_of_the_model_turn():
+    """A tool result that holds the end-of-turn text (a tool reading docs): the template renders the history the same
+    way, so the inserted text starts right after the model's end of turn (its newline, or the end of turn itself
+    for a cut turn), as before the marker counting."""
+    tok = build_tokenizer()
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "calc"},
+               {"role": "tool", "content": "docs say <|im_end|> ends a turn"}, {"role": "assistant", "content": "ok"}]
+    new = [{"role": "tool", "content": "42"}]
+    assert inserted_text(tok, history, new, "<|im_end|>") == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert inserted_text(tok, history, new, "<|im_end|>", closed=False).startswith("<|im_end|>\n<|im_start|>tool")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -280,6 +281,17 @@ def test_a_slime_moe_dump_with_numpy_routed_experts_loads_and_other_objects_stay
     torch.save({"samples": [_raw(tokens=[5, 6, 7, 8], rollout_routed_experts=np.array([Status.COMPLETED]))]}, path)
     with pytest.raises(DumpError, match="is not a plain-tensor file"):
         load_rollout_dump(str(path))
+    # numpy 1 names its rebuild function numpy.core.multiarray._reconstruct; a big-endian table reads the same
+    torch.save({"samples": [_raw(tokens=[5, 6, 7, 8], rollout_routed_experts=table.astype(">i4"))]}, path)
+    with zipfile.ZipFile(path) as z:
+        files = {n: z.read(n) for n in z.namelist()}
+    pkl = next(n for n in files if n.endswith("data.pkl"))
+    files[pkl] = files[pkl].replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    assert torch.equal(torch.as_tensor(load_rollout_dump(str(path)).samples[0].rollout_routed_experts),
+                       torch.from_numpy(table))
     torch.save({"samples": [_raw(tokens=[5, 6, 7, 8], metadata=[1])]}, path)
     with pytest.raises(DumpError, match=r"samples\[0\]\.metadata: expected a dict or None, got list"):
         load_rollout_dump(str(path))

@@ -194,6 +194,33 @@ def test_a_reward_a_generate_hook_sets_is_kept(tiny_model_dir, engine, tmp_path,
     assert odd == [0.25, 0.25] if rm_type is None else all(r in (0.0, 1.0) for r in odd)
 
 
+def test_the_group_reward_model_scores_every_sample_of_the_group_as_slime(tiny_model_dir, engine, tmp_path, hooks):
+    """--group-rm: slime's group reward model gets the whole group (a hook's rewards included) and its rewards
+    stand; the per-sample reward model skips only rewarded samples."""
+    hooks("group_rm_hooks", """
+        from slime_lite.rollout.generate import default_generate
+
+        SEEN = []
+
+        async def generate(args, sample, sampling_params):
+            await default_generate(args, sample, sampling_params)
+            sample.reward = 0.75 if sample.index % 2 == 0 else None
+            return sample
+
+        async def rank(args, samples):
+            SEEN.append([s.index for s in samples])
+            return [float(i) for i, _ in enumerate(samples)]
+    """)
+    import group_rm_hooks
+
+    manager = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path="group_rm_hooks.generate",
+                       custom_rm_path="group_rm_hooks.rank", group_rm=True)
+    samples, _ = manager.generate(0)
+    manager.close()
+    assert sorted(map(len, group_rm_hooks.SEEN)) == [2, 2]  # each prompt's whole group
+    assert sorted(s.reward for s in samples) == [0.0, 0.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("breaks, expected", [
     ("sample.loss_mask = sample.loss_mask[:-1]",
      r"rollout 0: sample 1 \(index 1\): loss_mask: has 3 entries but response_length is 4"),

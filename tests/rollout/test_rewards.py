@@ -435,3 +435,18 @@ def test_remote_rm_keeps_at_most_its_limit_of_requests_in_flight(monkeypatch):
         server.shutdown()
         server.server_close()
     assert got == [1.0] * 6 and state["most"] == 2
+
+
+def test_a_generate_hook_that_may_set_rewards_needs_no_rm_type_but_is_told(caplog):
+    """No --rm-type and no rm_type field: a --custom-generate-function-path hook may set sample.reward itself (a
+    warning says it must), the tool task's hook, which sets none, is refused before the run as before."""
+    import logging
+
+    from slime_lite.args import parser_defaults
+    from slime_lite.rollout.rewards import NO_REWARD_HOOK, check_data_rm_types
+
+    with caplog.at_level(logging.WARNING):
+        check_data_rm_types(parser_defaults(custom_generate_function_path="my_env.generate"), [{}, {}], "data.jsonl")
+    assert "2 prompts have no rm_type field" in caplog.text and "my_env.generate must set sample.reward" in caplog.text
+    with pytest.raises(SlimeLiteError, match="prompt 0 has no rm_type field and no --rm-type is given"):
+        check_data_rm_types(parser_defaults(custom_generate_function_path=NO_REWARD_HOOK), [{}], "data.jsonl")
