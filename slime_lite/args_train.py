@@ -12,7 +12,7 @@ from typing import Any
 
 from slime_lite import rl_math
 from slime_lite.backends.megatron.lora_config import check_lora_args
-from slime_lite.config import TokenBudget, has_reference_model, periodic
+from slime_lite.config import RolloutSideConfig, TokenBudget, has_reference_model, periodic
 from slime_lite.errors import SlimeLiteError
 from slime_lite.flag_types import nonneg_float, positive_int, unit_float
 from slime_lite.model_families import FAMILIES, moe_config, read_config
@@ -244,11 +244,15 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
                   "engines do not serve between pushes: drop one of them")
     if refuse:
         raise SlimeLiteError(f"--update-weights-interval {n}: {refuse}.")
-    if args.save_interval and args.save_interval % n:
-        log.warning("--update-weights-interval %d: a checkpoint every --save-interval %d rollouts falls between two "
-                    "pushes, and a run resumed from it pushes at once: its next rollouts are generated with newer "
-                    "weights than the run it continues (make --save-interval a multiple of %d to resume exactly)",
-                    n, args.save_interval, n)
+    pushes = RolloutSideConfig.from_args(args)
+    between = [r for r in range(args.num_rollout) if not pushes.pushes_after(r) and periodic(
+        r, args.save_interval, args.num_rollout, args.num_rollout_per_epoch)]  # (epoch ends and the last one too)
+    if between:
+        log.warning("--update-weights-interval %d: the checkpoints after rollouts %s fall between two pushes, and a "
+                    "run resumed from one pushes at once: its next rollouts are generated with newer weights than the "
+                    "run it continues (make --save-interval, the rollouts per epoch and --num-rollout multiples of "
+                    "%d to resume exactly)", n, ", ".join(map(str, between[:5])) + (" ..." if len(between) > 5 else ""),
+                    n)
 
 
 def _check_save_hf_apart(args: argparse.Namespace, first: str) -> None:

@@ -86,6 +86,11 @@ def run(args) -> int:
             schedule.train_started()
             grad_norms = train.train(rollout_id, samples, record)
             schedule.train_finished(record)
+            try:  # before the save: a rollout that fails a check leaves no checkpoint a resume would go on from
+                checks.after_rollout(rollout_id, record, grad_norms, schedule.expected_version(rollout_id))
+            except BaseException:
+                metrics.log(record, rollout_id)  # the failing rollout's metrics, for compare-runs
+                raise
             train.save(rollout_id, lambda: schedule.data_state(rollout_id))
             schedule.before_push(record)  # --async: the generation ahead finishes first
             rollout.push_weights(push, rollout_id + 1, record)
@@ -98,7 +103,6 @@ def run(args) -> int:
             record.update(rollout.step_records() | train.step_records())
             metrics.log(record, rollout_id)
             profiler.after(rollout_id)
-            checks.after_rollout(rollout_id, record, grad_norms, schedule.expected_version(rollout_id))
         checks.at_end(args.num_rollout)
     except BaseException:
         if args.save_debug_rollout_data:

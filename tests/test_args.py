@@ -115,9 +115,19 @@ def test_saving_over_a_checkpoint_the_run_does_not_resume_is_named(base, tmp_pat
 
 
 def test_a_save_between_two_pushes_is_named(base, tmp_path, caplog):
+    """Every save point counts: the interval's, and the last rollout's (a run extended later resumes from it)."""
+    save = ["--update-weights-interval", "2", "--save", str(tmp_path / "c"), "--num-rollout", "7"]
     with caplog.at_level(logging.WARNING):
-        parse_args(base + ["--update-weights-interval", "2", "--save", str(tmp_path / "c"), "--save-interval", "3"])
-    assert "--update-weights-interval 2: a checkpoint every --save-interval 3 rollouts falls between" in caplog.text
+        parse_args(base + save + ["--save-interval", "3"])
+    assert "--update-weights-interval 2: the checkpoints after rollouts 2, 6 fall between two pushes" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + save + ["--save-interval", "2"])  # saves after 1, 3, 5 and the last, 6: no push after it
+    assert "the checkpoints after rollouts 6 fall between" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + save[:-1] + ["8", "--save-interval", "2"])
+    assert "fall between two pushes" not in caplog.text
 
 
 @pytest.mark.parametrize("flag", ["--save-debug-rollout-data", "--load-debug-rollout-data"])

@@ -273,9 +273,10 @@ class LogprobDiffWatch:
 
 
 class RunChecks:
-    """What a training run checks as it goes, after each rollout's metrics are written (so a failing rollout's
-    metrics are on disk for ``slime-lite compare-runs``): the log-prob jump warning (on-policy rollouts), the
-    ``--ci-test`` checks, and every step's grad-norm (--ci-save-grad-norm / --ci-load-grad-norm); at the end,
+    """What a training run checks as it goes, after each rollout's training and before its checkpoint (a failing
+    rollout's metrics are then written for ``slime-lite compare-runs``, and no checkpoint holds its weights): the
+    log-prob jump warning (on-policy rollouts), the ``--ci-test`` checks, and every step's grad-norm
+    (--ci-save-grad-norm / --ci-load-grad-norm); at the end,
     --ci-test's iteration-2 check. A run without a trainer (--debug-rollout-only) checks nothing. A replay
     (--load-debug-rollout-data) has no engine: a rollout counts as on-policy when its dump was generated with the
     weights the trainer has at that rollout (the dump's weight version; "default", the checkpoint's own weights, is

@@ -3,6 +3,7 @@ bitwise reproducibility, resume, and clear errors for bad inputs."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -140,11 +141,20 @@ def test_replay_twice_is_bitwise_identical(tiny_model_dir, replay_dumps, tmp_pat
 
 
 def test_resume_matches_uninterrupted(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of, full_run):
-    ckpt = tmp_path / "ckpt"
+    ckpt, norms = tmp_path / "ckpt", tmp_path / "gn.json"
     part = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "part", "--num-rollout", "1", "--save",
-                              str(ckpt), "--save-interval", "1"))
+                              str(ckpt), "--save-interval", "1", "--ci-save-grad-norm", str(norms)))
     assert part.returncode == 0, part.stderr[-3000:]
     assert (ckpt / "latest").read_text() == "iter_0000000" and (ckpt / "iter_0000000" / "hf" / "model.safetensors").exists()
+    # a rollout that fails a check (here the grad-norm regression check) leaves no checkpoint a resume would take
+    saved = json.loads(norms.read_text())
+    saved["grad_norms"][0]["grad_norm"] *= 2
+    norms.write_text(json.dumps(saved))
+    failed = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "failed", "--num-rollout", "1", "--save",
+                                str(tmp_path / "ckpt2"), "--save-interval", "1", "--ci-load-grad-norm", str(norms)))
+    assert failed.returncode == 2 and "grad_norm" in failed.stderr, failed.stderr[-3000:]
+    assert not (tmp_path / "ckpt2" / "latest").exists()
+    assert [r["rollout_id"] for r in metrics_of(tmp_path / "failed.jsonl")] == [0]  # its metrics are written
     resumed = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "resumed", "--load", str(ckpt)))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = metrics_of(tmp_path / "resumed.jsonl")

@@ -62,3 +62,20 @@ def test_a_group_estimator_trims_in_whole_prompt_groups(monkeypatch):
     train.config = TrainSideConfig.from_args(args)
     train.train(2, samples, {})
     assert train.actor.trained[-1] == list(range(20))
+
+
+def test_a_non_finite_grad_norm_with_a_finite_loss_stops_the_run(monkeypatch):
+    """A step whose backward overflowed (a custom loss hook, bf16) reports a finite loss and a NaN grad-norm: with
+    no loss scaler to skip it, it wrote NaN weights, and the run stops before a checkpoint saves them."""
+    monkeypatch.setattr(side.ray, "put", lambda value: value)
+
+    class Overflowing(_Actor):
+        def train(self, rollout_id, data, values):
+            return TrainResult({"train/loss": 0.5}, [1.0, float("nan")]), None
+
+    train = object.__new__(side.TrainSide)
+    train.actor, train.critic, train.global_batch_size = Overflowing(), None, 4
+    train.config = TrainSideConfig.from_args(parser_defaults())
+    samples = [Sample(index=i, tokens=[1, 2, 3], response_length=1) for i in range(8)]
+    with pytest.raises(SlimeLiteError, match="rollout 0: the actor's grad-norm is not finite at step 1 \\(nan\\)"):
+        train.train(0, samples, {})

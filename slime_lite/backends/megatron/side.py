@@ -77,6 +77,14 @@ class TrainSide:
             if self.config.updates_reference_after(rollout_id):  # --ref-update-interval
                 self.actor.update_reference()
         check_finite_losses(record, rollout_id)
+        for role, steps in norms.items():  # (no loss scaler skips such a step: it wrote non-finite weights)
+            bad = next((i for i, g in enumerate(steps) if not math.isfinite(g)), None)
+            if bad is not None:
+                raise SlimeLiteError(
+                    f"rollout {rollout_id}: the {role}'s grad-norm is not finite at step {bad} ({steps[bad]}) though "
+                    "its loss is: that step wrote non-finite weights, so the run stops before a checkpoint saves "
+                    "them. Usual causes: a loss whose backward overflows (a custom loss or reducer hook), a learning "
+                    "rate too high, an overflow in bf16; replay the rollout with --load-debug-rollout-data.")
         return norms
 
     def whole_steps(self, rollout_id: int, samples: list) -> list:
