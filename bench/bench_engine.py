@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train_gpu import MOE_SHAPES, hf_config  # noqa: E402  (the Qwen3-MoE shape, one definition)
+from train_shapes import MOE_SHAPES, hf_config  # noqa: E402  (the Qwen3-MoE shape, one definition)
 
 CONFIGS = {  # random-init Qwen2 shapes
     "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4,

@@ -1,7 +1,7 @@
 """bench/bench_loop_gpu.py's inputs, reward hook and standalone parts.
 
 Inputs: a Qwen2.5-0.5B-shaped checkpoint (or --shape's) with random bf16 weights and the real 151,936-token vocabulary
-(``bench_train_gpu.make_checkpoint``), or the tiny model (``--quick``); a synthetic tokenizer that decodes every id
+(``train_shapes.make_checkpoint``), or the tiny model (``--quick``); a synthetic tokenizer that decodes every id
 of the model's vocabulary (the tiny model's character tokenizer, ids past it decode to ``<id>``); the eos set of
 ``bench_engine.stop_set`` in generation_config.json, so that a random model's responses stop after about
 ``mean`` tokens (geometric lengths, capped by --rollout-max-response-len); prompts of random letters, one token
@@ -58,12 +58,12 @@ def make_inputs(out: str, quick: bool, mean: int, n_prompts: int, prompt_len: in
     if quick:
         from slime_lite.tiny_model import make_tiny_model
 
-        from bench_train_gpu import MOE_SHAPES
+        from train_shapes import MOE_SHAPES
 
         make_tiny_model(model, warm_start_steps=0, arch="qwen3_moe" if shape in MOE_SHAPES else "qwen2")
     else:
         import torch
-        from bench_train_gpu import make_checkpoint
+        from train_shapes import make_checkpoint
 
         make_checkpoint(shape, model)
         if torch.cuda.is_available():
