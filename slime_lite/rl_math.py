@@ -67,12 +67,14 @@ class Estimator:
     it takes the critic's values (a critic group is placed and trained). ``needs_groups``: it compares the samples
     of one prompt (--n-samples-per-prompt 1 gives zero advantages). ``kl_in_reward``: --kl-coef enters its token
     rewards (otherwise the KL goes into the loss: --use-kl-loss). ``whitened``: its advantages are always whitened
-    (--normalize-advantages adds nothing)."""
+    (--normalize-advantages adds nothing). ``group_std``: its group normalisation also divides by the group's std
+    (unless --disable-grpo-std-normalization); else it only centres."""
 
     name: str
     fn: Callable[[AdvantageInputs], tuple[list[torch.Tensor], list[torch.Tensor]]]
     needs_critic: bool = False
     needs_groups: bool = False
+    group_std: bool = False
     kl_in_reward: bool = True
     whitened: bool = False
 
@@ -249,6 +251,17 @@ def grpo_advantages(
     return centered.reshape(-1)
 
 
+def group_normalized(estimator_name: str, rewards: torch.Tensor, group_size: int,
+                     std_normalization: bool = True) -> torch.Tensor:
+    """The rewards a group estimator trains on in place of the raw ones (what it takes as given with
+    ``rewards_normalized``): centred in their groups of ``group_size`` adjacent, and divided by the group's std for
+    an estimator that does (GRPO, unless ``std_normalization`` is off)."""
+    spec = estimator(estimator_name)
+    if not spec.needs_groups:
+        raise ValueError(f"advantage estimator {estimator_name!r} does not normalise groups")
+    return grpo_advantages(rewards, group_size, std_normalization and spec.group_std)
+
+
 def _pad(xs: Tensors) -> torch.Tensor:
     """Right-pad a ragged list of 1-D tensors with zeros into [N, T_max]."""
     return torch.nn.utils.rnn.pad_sequence(list(xs), batch_first=True)
@@ -338,7 +351,7 @@ def whiten(values: Tensors, masks: Tensors, eps: float = 1e-8) -> list[torch.Ten
     return list(torch.split(out, [v.numel() for v in values]))
 
 
-@register_estimator("grpo", needs_groups=True, kl_in_reward=False)
+@register_estimator("grpo", needs_groups=True, group_std=True, kl_in_reward=False)
 def _grpo(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The group-normalised reward on every token; returns = advantages. As in slime, GRPO puts the KL into the
     loss (--use-kl-loss), not into the reward."""

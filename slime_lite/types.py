@@ -188,6 +188,15 @@ class Sample:
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
 
+    @property
+    def trajectory(self) -> tuple:
+        """The trajectory this sample trains a part of, within its prompt group: the samples one trajectory was split
+        into (an agent's rewritten history, a generate hook's list) share ``rollout_id``; a sample without one is a
+        trajectory of its own."""
+        if self.rollout_id is not None:
+            return (self.group_index, "split", self.rollout_id)
+        return (self.group_index, "sample", self.index)
+
     def scalar_reward(self, reward_key: str | None = None) -> float:
         """The reward as a float; a dict reward is read at ``reward_key`` (``--reward-key``). Else RewardError."""
         reward: Any = self.reward

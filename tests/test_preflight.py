@@ -114,7 +114,7 @@ def test_a_group_estimator_refuses_a_dump_whose_prompt_groups_are_not_its_groups
         s.group_index = group
     save_rollout_dump(str(tmp_path / "d_1.pt"), 1, split, meta)
     with pytest.raises(SlimeLiteError, match=r"d_1\.pt does not fit this run \(1 setting\(s\)\): its prompt group 0 "
-                                             r"has 3 samples, but --advantage-estimator grpo compares"):
+                                             r"has 3 trajectories, but --advantage-estimator grpo compares"):
         preflight(_args(tiny_model_dir, replay))
     preflight(_args(tiny_model_dir, replay, "--advantage-estimator", "reinforce_plus_plus"))  # per sample
     save_rollout_dump(str(tmp_path / "d_1.pt"), 1, split)  # slime's: no meta
@@ -128,6 +128,28 @@ def test_a_group_estimator_refuses_a_dump_whose_prompt_groups_are_not_its_groups
         s.group_index = None
     save_rollout_dump(str(tmp_path / "d_1.pt"), 1, split, meta)
     preflight(_args(tiny_model_dir, replay))
+
+
+def test_a_dump_of_split_trajectories_replays_under_a_group_estimator(tiny_model_dir, replay, tmp_path) -> None:
+    """Samples that share a rollout_id are one trajectory's parts: a dump whose groups hold 2 trajectories each, in
+    4 samples, replays under GRPO (the manager normalises the groups over their trajectories); the same samples
+    with rollout_ids of their own are 4 trajectories a group and refused."""
+    from slime_lite.rollout.dumps import make_meta
+    from slime_lite.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    meta_args = type("A", (), {"n_samples_per_prompt": 2, "rollout_batch_size": 2,
+                               "hf_checkpoint": str(tiny_model_dir)})
+    meta = make_meta(meta_args, tokenizer_fingerprint(load_tokenizer(str(tiny_model_dir))))
+    samples = _samples() + _samples()
+    for i, (s, rid) in enumerate(zip(samples, (50, 50, 51, 51, 60, 60, 60, None))):
+        s.index, s.group_index, s.rollout_id = i, i // 4, rid
+    save_rollout_dump(str(tmp_path / "d_1.pt"), 1, samples, meta)
+    preflight(_args(tiny_model_dir, replay))
+    for s in samples:
+        s.rollout_id = None
+    save_rollout_dump(str(tmp_path / "d_1.pt"), 1, samples, meta)
+    with pytest.raises(SlimeLiteError, match=r"its prompt group 0 has 4 trajectories"):
+        preflight(_args(tiny_model_dir, replay))
 
 
 def test_train_only_without_dumps_is_refused_before_ray(tiny_model_dir, tmp_path) -> None:

@@ -284,6 +284,27 @@ def test_grpo_group_size_checks():
         rl_math.grpo_advantages(torch.zeros(6), 4)
 
 
+@pytest.mark.parametrize("std_norm", [True, False])
+def test_group_normalized_rewards_are_what_each_group_estimator_takes_as_given(std_norm):
+    """The rewards the manager normalises for split trajectories, taken as given (rewards_normalized), give the
+    same advantages as the estimator's own group normalisation of the raw rewards: GRPO's (std by the flag) and
+    REINFORCE++-baseline's (centred only)."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 3.0, -1.0, 2.0], dtype=torch.float64)
+    logp, masks = ragged(0), [torch.ones(n, dtype=torch.float64) for n in LENGTHS]
+    for name in ("grpo", "reinforce_plus_plus_baseline"):
+        own = rl_math.compute_advantages_and_returns(name, rewards, logp, None, None, masks, group_size=3,
+                                                     std_normalization=std_norm)
+        given = rl_math.group_normalized(name, rewards, 3, std_norm)
+        taken = rl_math.compute_advantages_and_returns(name, given, logp, None, None, masks, group_size=3,
+                                                       std_normalization=std_norm, rewards_normalized=True)
+        for a, b in zip(own[0] + own[1], taken[0] + taken[1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+    centred = torch.tensor([0.5, -0.5, 0.0, 5 / 3, -7 / 3, 2 / 3], dtype=torch.float64)  # means 0.5 and 4/3
+    torch.testing.assert_close(rl_math.group_normalized("reinforce_plus_plus_baseline", rewards, 3), centred)
+    with pytest.raises(ValueError, match="does not normalise groups"):
+        rl_math.group_normalized("reinforce_plus_plus", rewards, 3)
+
+
 def test_gae_matches_hand_loop():
     rews, vals = ragged(6), ragged(7)
     adv, ret = rl_math.gae(rews, vals, 0.97, 0.9)

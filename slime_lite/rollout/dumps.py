@@ -316,24 +316,27 @@ def check_replay_samples(dump: RolloutDump, vocab_size: int, reward_key: str | N
 
 
 def group_problem(samples: list[Sample], group_size: int, estimator: str) -> str | None:
-    """A group estimator (GRPO, REINFORCE++-baseline) compares the ``group_size`` adjacent samples of a prompt: a
-    dump whose prompt groups (``group_index``) have other sizes or are not adjacent (a generate hook that split
-    trajectories, made with a per-sample estimator) would be trained with prompts mixed. What is wrong, or None
-    (also for dumps whose samples have no group_index: nothing to compare)."""
+    """A group estimator (GRPO, REINFORCE++-baseline) compares the ``group_size`` trajectories of a prompt (the
+    samples one trajectory was split into share ``rollout_id``): a dump whose prompt groups (``group_index``) hold
+    another number or are not adjacent (made with a per-sample estimator and a generate hook that returned several
+    trajectories) would be trained with prompts mixed. What is wrong, or None (also for dumps whose samples have no
+    group_index: nothing to compare)."""
     if all(s.group_index is None for s in samples):
         return None
-    sizes = collections.Counter(s.group_index for s in samples)
-    wrong = [(group, n) for group, n in sizes.items() if n != group_size]
+    trajectories: dict[Any, set] = collections.defaultdict(set)
+    for s in samples:
+        trajectories[s.group_index].add(s.trajectory)
+    wrong = [(group, len(t)) for group, t in trajectories.items() if len(t) != group_size]
     runs = [group for group, _ in itertools.groupby(samples, key=lambda s: s.group_index)]
     if wrong:
-        what = f"its prompt group {wrong[0][0]} has {wrong[0][1]} samples"
-    elif len(runs) > len(sizes):
+        what = f"its prompt group {wrong[0][0]} has {wrong[0][1]} trajectories"
+    elif len(runs) > len(trajectories):
         what = f"the samples of its prompt group {next(g for k, g in enumerate(runs) if g in runs[:k])} are apart"
     else:
         return None
     return (f"{what}, but --advantage-estimator {estimator} compares the --n-samples-per-prompt {group_size} "
-            "adjacent samples of each prompt (a dump of split trajectories: replay it with a per-sample estimator, "
-            "e.g. reinforce_plus_plus or ppo)")
+            "trajectories of each prompt, adjacent (replay such a dump with a per-sample estimator, e.g. "
+            "reinforce_plus_plus or ppo)")
 
 
 def check_replay_meta(dump: RolloutDump, expected: dict[str, Any], more: Iterable[str] = ()) -> None:
@@ -355,7 +358,10 @@ def subsample_groups(samples: list[Sample], ratio: float, group_size: int) -> li
         raise SlimeLiteError(f"--load-debug-rollout-data-subsample {ratio} must be in (0, 1].")
     if ratio == 1:
         return list(samples)
-    groups = [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
+    if all(s.group_index is not None for s in samples):  # a group's samples: its trajectories, split or not
+        groups = [list(g) for _, g in itertools.groupby(samples, key=lambda s: s.group_index)]
+    else:
+        groups = [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
     keep = max(1, int(len(groups) * ratio))
     head = (keep + 1) // 2
     tail = keep - head

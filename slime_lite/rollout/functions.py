@@ -122,20 +122,24 @@ def train_samples(output: Any, flag: str) -> tuple[list[Sample], dict[str, Any]]
 
 
 def check_group_sizes(samples: list[Sample], group_size: int, advantage_estimator: str) -> None:
-    """Group estimators (GRPO, REINFORCE++-baseline) compare the ``--n-samples-per-prompt`` samples of a prompt:
-    a rollout whose groups have other sizes (a generate hook that split a trajectory into several samples) is a
-    SlimeLiteError naming the group and the way out."""
+    """Group estimators (GRPO, REINFORCE++-baseline) compare the ``--n-samples-per-prompt`` trajectories of a prompt
+    (the samples one trajectory was split into share ``rollout_id`` and count once): a rollout whose groups hold
+    another number of trajectories (a rollout function with other groups, a generate hook that returns samples of
+    several trajectories) is a SlimeLiteError naming the group and the way out."""
     if not rl_math.estimator(advantage_estimator).needs_groups:
         return
+    trajectories: dict[Any, set] = collections.defaultdict(set)
     sizes = collections.Counter(s.group_index for s in samples)
-    bad = next(((g, n) for g, n in sizes.items() if n != group_size), None)
+    for s in samples:
+        trajectories[s.group_index].add(s.trajectory)
+    bad = next(((g, len(t)) for g, t in trajectories.items() if len(t) != group_size), None)
     if bad is not None:
         raise SlimeLiteError(
-            f"rollout group {bad[0]} has {bad[1]} samples, --n-samples-per-prompt is {group_size}: "
-            f"--advantage-estimator {advantage_estimator} compares the samples of one prompt group, and a generate "
-            "hook that returns a list of samples (or a rollout function with other groups) changes the group size. "
-            "Use --advantage-estimator reinforce_plus_plus or ppo (per-sample), or return one sample per "
-            "trajectory.")
+            f"rollout group {bad[0]} has {bad[1]} trajectories ({sizes[bad[0]]} samples), --n-samples-per-prompt is "
+            f"{group_size}: --advantage-estimator {advantage_estimator} compares the trajectories of one prompt "
+            "group. A generate hook that splits one trajectory into several samples gives them one rollout_id (a "
+            "returned list gets the given sample's index where none is set); else use --advantage-estimator "
+            "reinforce_plus_plus or ppo (per-sample).")
 
 
 def eval_samples(output: Any, flag: str) -> tuple[dict[str, list[Sample]], dict[str, Any]]:

@@ -207,6 +207,10 @@ class RolloutManager:
                 means = train_data.keep_post_processed(self._call_hook(post_process, self.hook_args, samples),
                                                        samples)
                 metrics.update({} if hook_logs else means)
+            else:  # split trajectories: each group normalised over its trajectories here
+                metrics.update(train_data.normalize_split_trajectories(
+                    samples, a.n_samples_per_prompt, a.advantage_estimator, not a.disable_grpo_std_normalization,
+                    a.reward_key))
         self._dump(rollout_id, samples)  # after the conversion: the dump holds what is trained
         return samples, metrics
 

@@ -13,7 +13,7 @@ from slime_lite.backends.megatron import side
 from slime_lite.args import parser_defaults
 from slime_lite.config import TrainSideConfig
 from slime_lite.errors import SlimeLiteError
-from slime_lite.types import Sample, TrainResult
+from slime_lite.types import POST_PROCESSED_REWARD, Sample, TrainResult
 
 
 class _Actor:
@@ -61,6 +61,14 @@ def test_a_group_estimator_trims_in_whole_prompt_groups(monkeypatch):
     args.custom_reward_post_process_path = "mod.post"
     train.config = TrainSideConfig.from_args(args)
     train.train(2, samples, {})
+    assert train.actor.trained[-1] == list(range(20))
+    # split trajectories under GRPO: the manager normalised each sample's reward over its group's trajectories, so
+    # the trim, by samples, keeps whole steps (20 samples) and no group is compared again
+    args.custom_reward_post_process_path = None
+    train.config = TrainSideConfig.from_args(args)
+    for s in samples:
+        s.metadata[POST_PROCESSED_REWARD] = 0.0
+    train.train(3, samples, {})
     assert train.actor.trained[-1] == list(range(20))
 
 

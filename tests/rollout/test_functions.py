@@ -146,8 +146,10 @@ def test_a_custom_rollout_and_eval_function_replace_the_step(tiny_model_dir, eng
 
 
 def test_a_generate_hook_may_return_a_list_of_samples_sharing_rollout_id(tiny_model_dir, engine, tmp_path, hooks):
-    """One trajectory split into two training samples: both are trained, with the trajectory's rollout_id; a group
-    estimator (GRPO) that would compare groups of the wrong size is refused naming the group and the way out."""
+    """One trajectory split into two training samples: both are trained, with the trajectory's rollout_id. A group
+    estimator (GRPO) compares the trajectories: each sample trains on its trajectory's reward (its last sample's)
+    normalised over the group's two trajectories. A hook that returns samples of several trajectories (rollout_ids
+    of their own) gives groups of the wrong size: refused naming the group and the way out."""
     hooks("split_hook", """
         import copy
         from slime_lite.rollout.generate import default_generate
@@ -155,19 +157,57 @@ def test_a_generate_hook_may_return_a_list_of_samples_sharing_rollout_id(tiny_mo
         async def generate(args, sample, sampling_params):
             first = await default_generate(args, copy.deepcopy(sample), sampling_params)
             second = await default_generate(args, sample, sampling_params)
+            first.reward, second.reward = -5.0, float(sample.index)  # the trajectory's reward is its last sample's
+            return [first, second]
+
+        async def two_trajectories(args, sample, sampling_params):
+            first, second = await generate(args, sample, sampling_params)
+            first.rollout_id, second.rollout_id = 100 + sample.index, 200 + sample.index
             return [first, second]
     """)
+    from slime_lite.types import POST_PROCESSED_REWARD
+
     manager = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path="split_hook.generate",
                        advantage_estimator="reinforce_plus_plus")
-    samples, _ = manager.generate(0)
+    samples, metrics = manager.generate(0)
     assert len(samples) == 8 and [s.group_index for s in samples] == [0, 0, 0, 0, 1, 1, 1, 1]
     pairs = [(samples[i].rollout_id, samples[i + 1].rollout_id) for i in range(0, 8, 2)]
     assert all(a == b for a, b in pairs) and len({a for a, _ in pairs}) == 4
-    grpo = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path="split_hook.generate")
-    with pytest.raises(SlimeLiteError, match="rollout group 0 has 4 samples, --n-samples-per-prompt is 2: "
-                                             "--advantage-estimator grpo"):
-        grpo.generate(0)
-    manager.close(), grpo.close()
+    assert not any(POST_PROCESSED_REWARD in s.metadata for s in samples)  # per-sample: each its own reward
+    assert "rollout/samples_per_trajectory" not in metrics
+    for estimator, normed in (("grpo", 0.5 ** 0.5), ("reinforce_plus_plus_baseline", 0.5)):
+        grouped = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path="split_hook.generate",
+                           advantage_estimator=estimator)
+        samples, metrics = grouped.generate(0)
+        # trajectory rewards [0, 1] and [2, 3]: centred (and divided by the std, sqrt(0.5), for GRPO)
+        expected = [-normed] * 2 + [normed] * 2 + [-normed] * 2 + [normed] * 2
+        assert [s.metadata[POST_PROCESSED_REWARD] for s in samples] == pytest.approx(expected, abs=1e-5)
+        assert metrics["rollout/samples_per_trajectory"] == 2.0
+        grouped.close()
+    several = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path="split_hook.two_trajectories")
+    with pytest.raises(SlimeLiteError, match=r"rollout group 0 has 4 trajectories \(4 samples\), "
+                                             "--n-samples-per-prompt is 2: --advantage-estimator grpo"):
+        several.generate(0)
+    manager.close(), several.close()
+
+
+def test_a_rollout_of_whole_trajectories_keeps_no_normalised_reward():
+    """Without a split trajectory the trainer normalises the groups itself: nothing is kept, and a value left from
+    an earlier pass (a replayed dump of split trajectories, or a carried sample) is dropped, so the trainer does not
+    take a stale reward as given."""
+    from slime_lite.backends.megatron import batch
+    from slime_lite.rollout.train_data import normalize_split_trajectories
+    from slime_lite.types import POST_PROCESSED_REWARD, Sample
+
+    samples = [Sample(group_index=i // 2, index=i, reward=float(i), metadata={POST_PROCESSED_REWARD: 9.0})
+               for i in range(4)]
+    assert batch.has_post_processed_rewards(samples)
+    assert normalize_split_trajectories(samples, 2, "grpo", True, None) == {}
+    assert not any(POST_PROCESSED_REWARD in s.metadata for s in samples)
+    assert not batch.has_post_processed_rewards(samples)
+    samples[0].rollout_id = samples[1].rollout_id = 7  # samples 0 and 1 are one trajectory: group 0 holds one
+    with pytest.raises(SlimeLiteError, match="rollout group 0 has 1 trajectories, --n-samples-per-prompt is 2"):
+        normalize_split_trajectories(samples, 2, "grpo", True, None)
 
 
 @pytest.mark.parametrize("rm_type", ["addition", None])

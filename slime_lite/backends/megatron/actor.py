@@ -154,7 +154,8 @@ class TrainActor(TrainWorker):
         logp = [old[i] for i in range(n)]
         ref_logp = [ref[i] for i in range(n)] if ref is not None else None
         values = [values[i] for i in range(n)] if values is not None else None
-        post_processed = bool(a.custom_reward_post_process_path)  # the hook's rewards, normalised by it
+        # the hook's rewards, normalised by it; or a rollout of split trajectories, normalised by the manager
+        post_processed = bool(a.custom_reward_post_process_path) or B.has_post_processed_rewards(samples)
         rewards = B.post_processed_rewards(samples) if post_processed else B.scalar_rewards(samples, a.reward_key)
         rollout_lp = B.rollout_log_probs(samples)
         hooks = self._train_hooks()

@@ -241,6 +241,12 @@ def post_processed_rewards(samples: list[Sample]) -> list[float]:
     return [float(s.metadata[POST_PROCESSED_REWARD]) for s in samples]
 
 
+def has_post_processed_rewards(samples: list[Sample]) -> bool:
+    """Every sample carries a reward for the estimator as it is (the manager keeps one per sample of a rollout
+    whose trajectories were split, or none)."""
+    return bool(samples) and all(POST_PROCESSED_REWARD in (s.metadata or {}) for s in samples)
+
+
 def scalar_rewards(samples: list[Sample], reward_key: str | None) -> list[float]:
     """Each sample's scalar reward (``--reward-key`` picks it from a dict reward); SlimeLiteError if one has none."""
     try:

@@ -18,6 +18,7 @@ from slime_lite.config import TrainSideConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.metrics import check_finite_losses, memory_record
 from slime_lite.profiling import DRIVER_TIMELINE, timed
+from slime_lite.types import POST_PROCESSED_REWARD
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +93,21 @@ class TrainSide:
         a multiple of it (a generate hook or agent that splits trajectories into a varying number of samples, with
         a per-sample estimator, or a rollout function returning more groups) trains its first whole steps and leaves
         the rest out, as slime trims, in whole prompt groups for a group estimator (GRPO); fewer samples than one step
-        is an error naming the flags."""
-        g = math.lcm(self.global_batch_size, self.config.group_size)
+        is an error naming the flags. A rollout whose rewards the manager normalised already (split trajectories)
+        is trimmed by samples."""
+        group = 1 if all(POST_PROCESSED_REWARD in s.metadata for s in samples) else self.config.group_size
+        g = math.lcm(self.global_batch_size, group)
         kept = len(samples) // g * g
         if kept == len(samples):
             return samples
         if kept == 0:
             raise SlimeLiteError(f"rollout {rollout_id} has {len(samples)} samples, fewer than one optimizer step of "
-                                 f"--global-batch-size {self.global_batch_size} in whole groups of "
-                                 f"{self.config.group_size} ({g} samples): lower --global-batch-size (it must divide "
-                                 "by the data-parallel size x --micro-batch-size) or raise --rollout-batch-size.")
+                                 f"--global-batch-size {self.global_batch_size} in whole groups of {group} ({g} "
+                                 "samples): lower --global-batch-size (it must divide by the data-parallel size x "
+                                 "--micro-batch-size) or raise --rollout-batch-size.")
         log.warning("rollout %d: %d samples are not a multiple of --global-batch-size %d in whole groups of %d: "
                     "training the first %d (%d step(s)), %d left out", rollout_id, len(samples),
-                    self.global_batch_size, self.config.group_size, kept, kept // self.global_batch_size,
-                    len(samples) - kept)
+                    self.global_batch_size, group, kept, kept // self.global_batch_size, len(samples) - kept)
         return samples[:kept]
 
     def save(self, rollout_id: int, data_state: Any) -> None:
