@@ -23,7 +23,7 @@ from slime_lite.rollout.data import DataKeys, check_renders, drop_long_prompts, 
 from slime_lite.rollout.dumps import dump_path
 from slime_lite.rollout.rewards import check_data_labels, check_data_rm_types
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
-from slime_lite.types import routed_rows_fit
+from slime_lite.types import routed_rows_fit, trajectory_ends
 
 log = logging.getLogger("slime_lite.preflight")
 
@@ -276,7 +276,8 @@ def check_replay_dumps(args: Any) -> None:
         if args.load_debug_rollout_data_subsample is not None:
             samples = subsample_groups(samples, args.load_debug_rollout_data_subsample, args.n_samples_per_prompt)
         split = []
-        if len(samples) % args.global_batch_size:
+        # (a dump of split trajectories holds any count: the trainer trims it to whole steps, as it did live)
+        if len(samples) % args.global_batch_size and len(trajectory_ends(samples)) == len(samples):
             kept = "" if len(samples) == len(dump.samples) else (
                 f" ({len(samples)} kept by --load-debug-rollout-data-subsample "
                 f"{args.load_debug_rollout_data_subsample})")

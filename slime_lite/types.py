@@ -23,8 +23,22 @@ TOKEN_VERSIONS = "token_weight_versions"
 FINISHED_BEFORE = "finished_before_rollout_id"
 # metadata key of the reward --custom-reward-post-process-path gave the sample: the one the advantage estimator takes
 POST_PROCESSED_REWARD = "post_processed_reward"
+# metadata: the part of a split trajectory that holds its last call (an agent's side call, made from a fresh
+# history, can be a later part than the conversation that ends it); unmarked: the trajectory's last part
+TRAJECTORY_END = "trajectory_end"
 ENGINE_CUTS = "engine_cuts"  # metadata: the times the engines cut the sample's group short (--fully-async)
 REFUSED = "engine_aborted_unchanged"  # metadata: a continued sample aborted again with nothing new
+
+
+def trajectory_ends(samples: list[Any]) -> list[int]:
+    """The positions of each trajectory's end (``Sample.trajectory``: the part marked ``TRAJECTORY_END``, else its
+    last part), in the order the trajectories first appear: every position for samples not split."""
+    ends: dict[tuple, int] = {}
+    for i, s in enumerate(samples):
+        end = ends.get(s.trajectory)
+        if end is None or not (samples[end].metadata or {}).get(TRAJECTORY_END):  # the latest, until the marked one
+            ends[s.trajectory] = i
+    return list(ends.values())
 
 
 def version_number(version: Any) -> int:

@@ -145,6 +145,9 @@ def test_a_dump_of_split_trajectories_replays_under_a_group_estimator(tiny_model
         s.index, s.group_index, s.rollout_id = i, i // 4, rid
     save_rollout_dump(str(tmp_path / "d_1.pt"), 1, samples, meta)
     preflight(_args(tiny_model_dir, replay))
+    # 7 samples, not whole steps of --global-batch-size 4: a split dump replays (the trainer trims it as it did live)
+    save_rollout_dump(str(tmp_path / "d_1.pt"), 1, samples[:3] + samples[4:], meta)
+    preflight(_args(tiny_model_dir, replay))
     for s in samples:
         s.rollout_id = None
     save_rollout_dump(str(tmp_path / "d_1.pt"), 1, samples, meta)

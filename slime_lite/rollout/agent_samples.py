@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 from slime_lite.rollout.turns import append_turn, routed_experts
-from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
+from slime_lite.types import TOKEN_VERSIONS, TRAJECTORY_END, Sample, Status, version_number
 
 
 def segments(calls: list[Any]) -> list[list[Any]]:
@@ -69,8 +69,11 @@ def trajectory_samples(traj: Any, sample: Sample) -> list[Sample]:
         s.prefix_cache_info.total_prompt_tokens = sum(len(c.prompt_ids) for c in segment)
         s.metadata.update(agent_calls=len(segment), tool_calls=sum(len(c.reply.get("tool_calls", [])) for c in segment),
                           malformed_tool_calls=sum(c.malformed for c in segment))
+        s.metadata.pop(TRAJECTORY_END, None)
         if len(segs) > 1:
             s.rollout_id = sample.index if sample.rollout_id is None else sample.rollout_id
             s.metadata["agent_segment"] = k
+            if segment and segment[-1] is traj.calls[-1]:  # its reward is the trajectory's (a group estimator's)
+                s.metadata[TRAJECTORY_END] = True
         out.append(s)
     return out

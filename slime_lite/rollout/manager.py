@@ -208,9 +208,10 @@ class RolloutManager:
                                                        samples)
                 metrics.update({} if hook_logs else means)
             else:  # split trajectories: each group normalised over its trajectories here
-                metrics.update(train_data.normalize_split_trajectories(
+                split = train_data.normalize_split_trajectories(
                     samples, a.n_samples_per_prompt, a.advantage_estimator, not a.disable_grpo_std_normalization,
-                    a.reward_key))
+                    a.reward_key)
+                metrics.update({} if hook_logs else split)
         self._dump(rollout_id, samples)  # after the conversion: the dump holds what is trained
         return samples, metrics
 

@@ -143,12 +143,17 @@ class OverSampler:
             log.warning("over-sampling: aborting the requests on %s failed: %s", url, exc)
 
     def _take(self, n: int, first_index: int) -> list[list[Sample]]:
-        """Up to ``n`` carried groups, renumbered from ``first_index`` (unique sampling seeds in this rollout)."""
+        """Up to ``n`` carried groups, renumbered from ``first_index`` (unique sampling seeds in this rollout); a
+        split trajectory's ``rollout_id`` follows its first part's new index (an old index could be a sibling's
+        new one, and two trajectories would count as one)."""
         groups, self.carried = self.carried[:n], self.carried[n:]
         for g in groups:
+            renamed: dict[int, int] = {}
             for s in g:
                 s.index = first_index
                 first_index += 1
+                if s.rollout_id is not None:
+                    s.rollout_id = renamed.setdefault(s.rollout_id, s.index)
                 if s.status is Status.ABORTED:  # it goes on generating: no reward yet (a hook may have set one)
                     s.reward = None
         return groups

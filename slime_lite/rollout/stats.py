@@ -8,7 +8,7 @@ from typing import Any
 
 from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout.turns import turns
-from slime_lite.types import RewardError, Sample, Status
+from slime_lite.types import RewardError, Sample, Status, trajectory_ends
 
 
 def scalar_rewards(samples: list[Sample], reward_key: str | None = None) -> dict[int, float]:
@@ -89,7 +89,8 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
     so it stays about 0; otherwise the raw rewards. ``rollout/rollout_log_probs`` is the per-sample token mean
     (loss-masked) averaged over samples, as slime averages per-token quantities. With ``passrate``
     (--log-passrate): ``passrate/pass@k`` over the prompt groups. With ``reward_category`` (--log-reward-category
-    KEY): ``error_cat/<value>``, the share of the samples whose dict reward has that value at KEY.
+    KEY): ``error_cat/<value>``, the share of the samples whose dict reward has that value at KEY. The group
+    metrics (zero-std groups, pass@k) count trajectories: a trajectory split into several samples by its end.
     """
     if not samples:
         return {}
@@ -110,11 +111,14 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
     lp_means = [m for m in map(_sample_logprob_mean, samples) if m is not None]
     if lp_means:
         out["rollout/rollout_log_probs"] = _mean(lp_means)
-    zero_std = _zero_std_group_ratio(samples, rewards)
+    # per trajectory (a trajectory split into several samples counts once, by its end's reward)
+    ends = [samples[i] for i in trajectory_ends(samples)]
+    end_rewards = scalar_rewards(ends, reward_key) if len(ends) < len(samples) else rewards
+    zero_std = _zero_std_group_ratio(ends, end_rewards)
     if zero_std is not None:
         out["rollout/zero_std_groups"] = zero_std
     if passrate:
-        out.update({f"passrate/{k}": v for k, v in pass_at_k(samples, rewards).items()})
+        out.update({f"passrate/{k}": v for k, v in pass_at_k(ends, end_rewards).items()})
     out.update(category_shares(samples, reward_category, "error_cat/"))
     return out
 

@@ -10,8 +10,8 @@ custom log hooks' say over the default logging.
   ``rollout/rewards`` log the means of the two lists.
 - Trajectories split into several samples (sharing ``rollout_id``: an agent whose history was rewritten, a
   generate hook returning a list) under a group estimator (GRPO, REINFORCE++-baseline): the groups are normalised
-  over their trajectories, each scored by its last sample's reward, and every sample of a trajectory trains on the
-  trajectory's normalised reward (kept as the post-processed reward above).
+  over their trajectories, each scored by its end's reward (the part that holds its last call), and every sample
+  of a trajectory trains on the trajectory's normalised reward (kept as the post-processed reward above).
 - ``--custom-rollout-log-function-path`` returning True: the rollout's metrics are left out of the log, but for
   those the driver's checks read (``READ_BY_CHECKS``, the token-drift counts).
 """
@@ -25,7 +25,7 @@ import torch
 
 from slime_lite import rl_math
 from slime_lite.errors import SlimeLiteError
-from slime_lite.types import POST_PROCESSED_REWARD, RewardError, Sample
+from slime_lite.types import POST_PROCESSED_REWARD, RewardError, Sample, trajectory_ends
 
 FLAG = "--custom-reward-post-process-path"
 # the rollout metrics the driver reads back (the --ci-test checks, the async timeline); the drift counts too
@@ -71,10 +71,10 @@ def keep_post_processed(out: Any, samples: list[Sample]) -> dict[str, float]:
 def normalize_split_trajectories(samples: list[Sample], group_size: int, estimator: str, std_normalization: bool,
                                  reward_key: str | None) -> dict[str, float]:
     """A group estimator compares a prompt's ``group_size`` trajectories. Where some trajectory was split into
-    several samples, each sample's reward for the estimator is its trajectory's reward (its last sample's)
-    normalised over the group's trajectories, kept as the post-processed reward the trainer takes as it is, and
-    the metric ``rollout/samples_per_trajectory`` is returned. Otherwise nothing is kept (a kept value left from an
-    earlier pass is dropped): the trainer normalises the groups itself."""
+    several samples, each sample's reward for the estimator is its trajectory's reward (its end's:
+    ``types.trajectory_ends``) normalised over the group's trajectories, kept as the post-processed reward the
+    trainer takes as it is, and the metric ``rollout/samples_per_trajectory`` is returned. Otherwise nothing is
+    kept (a kept value left from an earlier pass is dropped): the trainer normalises the groups itself."""
     for s in samples:
         s.metadata.pop(POST_PROCESSED_REWARD, None)
     trajectories: dict[tuple, list[Sample]] = {}
@@ -90,8 +90,9 @@ def normalize_split_trajectories(samples: list[Sample], group_size: int, estimat
         raise SlimeLiteError(f"rollout group {wrong} has {len(by_group[wrong])} trajectories, --n-samples-per-prompt "
                              f"is {group_size}.")
     ordered = [parts for ts in by_group.values() for parts in ts]
+    end = {samples[i].trajectory: samples[i] for i in trajectory_ends(samples)}
     try:
-        raw = [parts[-1].scalar_reward(reward_key) for parts in ordered]
+        raw = [end[parts[0].trajectory].scalar_reward(reward_key) for parts in ordered]
     except RewardError as exc:
         raise SlimeLiteError(str(exc)) from None
     normalized = rl_math.group_normalized(estimator, torch.tensor(raw, dtype=torch.float64), group_size,

@@ -20,7 +20,7 @@ from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.hooks import HookArgs
 from slime_lite.rollout.agent_endpoint import AgentEndpoint, openai_agent
 from slime_lite.tokenizer import build_tokenizer, load_tokenizer
-from slime_lite.types import Sample, Status
+from slime_lite.types import TRAJECTORY_END, Sample, Status, trajectory_ends
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 from engine_helpers import start_engine  # noqa: E402
@@ -202,6 +202,20 @@ def test_rewritten_history_splits_the_trajectory_and_limits_end_it():
     first, second = run_agent(["x<|im_end|>", "y<|im_end|>"], rewriting)
     assert first.rollout_id == second.rollout_id == 4 and first.metadata["agent_segment"] == 0
     assert first.tokens[-2:] != second.tokens[-2:] and second.metadata["agent_segment"] == 1
+    assert TRAJECTORY_END not in first.metadata and second.metadata[TRAJECTORY_END]  # the last call is the end
+
+    async def side_call(base_url, task):  # a summary from a fresh history mid-way; the conversation ends it
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "a"}]
+        reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0]
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "sum up"}])
+        messages += [reply.message, {"role": "user", "content": "go on"}]
+        await client.chat.completions.create(model="m", messages=messages)
+
+    main, summary = run_agent(["x<|im_end|>", "s<|im_end|>", "y<|im_end|>"], side_call)
+    assert main.metadata["agent_calls"] == 2 and summary.metadata["agent_calls"] == 1
+    assert main.metadata[TRAJECTORY_END] and TRAJECTORY_END not in summary.metadata
+    assert trajectory_ends([main, summary]) == [0]  # its reward is the conversation's, not the summary's
 
     async def chatty(base_url, task):
         client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)

@@ -184,6 +184,11 @@ def test_a_generate_hook_may_return_a_list_of_samples_sharing_rollout_id(tiny_mo
         assert [s.metadata[POST_PROCESSED_REWARD] for s in samples] == pytest.approx(expected, abs=1e-5)
         assert metrics["rollout/samples_per_trajectory"] == 2.0
         grouped.close()
+    whole = _manager(tiny_model_dir, engine, tmp_path)  # GRPO, nothing split: the trainer normalises the groups
+    samples, metrics = whole.generate(0)
+    assert len(samples) == 4 and not any(POST_PROCESSED_REWARD in s.metadata for s in samples)
+    assert "rollout/samples_per_trajectory" not in metrics
+    whole.close()
     several = _manager(tiny_model_dir, engine, tmp_path, custom_generate_function_path="split_hook.two_trajectories")
     with pytest.raises(SlimeLiteError, match=r"rollout group 0 has 4 trajectories \(4 samples\), "
                                              "--n-samples-per-prompt is 2: --advantage-estimator grpo"):

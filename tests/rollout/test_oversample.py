@@ -453,3 +453,23 @@ def test_a_hook_that_restarts_carried_samples_counts_their_tokens_wasted_and_one
     with pytest.raises(SlimeLiteError, match=r"carry_hooks.ignores returned sample \d+, which --partial-rollout "
                                              r"carried aborted, still aborted and unchanged.*restart\(sample\)"):
         rollout(gen, source, 1)
+
+
+def test_a_carried_split_trajectory_keeps_a_rollout_id_no_sibling_can_take() -> None:
+    """--partial-rollout renumbers carried samples: a trajectory split in rollout N kept its old index as rollout_id,
+    which could be the new index of an aborted sibling split in rollout N+1, and the two trajectories would count as
+    one (the group then refused for a group estimator). The carried parts follow their first part's new index."""
+    from slime_lite.rollout.oversample import OverSampler
+    from slime_lite.rollout.functions import check_group_sizes
+    from slime_lite.rollout.generate import split_samples
+    from slime_lite.types import Sample
+
+    over = object.__new__(OverSampler)
+    done = [Sample(group_index=0, index=i, rollout_id=6, status=Status.COMPLETED) for i in (6, 7)]  # split, kept
+    aborted = Sample(group_index=0, index=8, status=Status.ABORTED)  # its new index is 6: the old rollout_id
+    over.carried = [done + [aborted]]
+    group, = over._take(1, first_index=4)
+    assert [s.index for s in group] == [4, 5, 6] and [s.rollout_id for s in group] == [4, 4, None]
+    continued = split_samples([aborted, copy.deepcopy(aborted)], aborted)  # the sibling splits in its turn
+    assert {s.rollout_id for s in continued} == {6}
+    check_group_sizes(group[:2] + continued, 2, "grpo")  # two trajectories

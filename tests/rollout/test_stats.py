@@ -104,3 +104,25 @@ def test_reward_category_shares_count_the_dict_rewards_values():
     assert not any(k.startswith("error_cat/") for k in rollout_metrics(samples, "score"))
     got = eval_metrics("gsm8k", samples, "score", reward_category="why")  # eval sets too, as slime
     assert got["eval/gsm8k/error_cat/wrong"] == 0.5 and got["eval/gsm8k/error_cat/ok"] == 0.25
+
+
+def test_group_metrics_and_the_std_filter_count_a_split_trajectory_once_by_its_end() -> None:
+    """Two trajectories, both solved, each split into a part scored 0 and an end scored 1: the group has no GRPO
+    signal (zero-std, dropped by the built-in filter) and pass@1 is 1 over two trajectories, not 0.5 over four
+    samples; an end marked earlier than the last part (an agent's later side call) is the one read."""
+    from types import SimpleNamespace
+
+    from slime_lite.rollout.filters import check_reward_nonzero_std
+    from slime_lite.types import TRAJECTORY_END
+
+    samples = [_s(0, i, reward, 1) for i, reward in enumerate((0.0, 1.0, 0.0, 1.0))]
+    samples[0].rollout_id = samples[1].rollout_id = 0
+    samples[2].rollout_id = samples[3].rollout_id = 2
+    m = rollout_metrics(samples, passrate=True)
+    assert m["rollout/zero_std_groups"] == 1.0 and m["passrate/pass@1"] == 1.0 and "passrate/pass@4" not in m
+    assert m["rollout/raw_reward"] == 0.5  # per sample, as before
+    assert not check_reward_nonzero_std(SimpleNamespace(reward_key=None), samples)
+    samples[2].metadata[TRAJECTORY_END] = True  # the second trajectory ended in its part scored 0
+    m = rollout_metrics(samples, passrate=True)
+    assert m["rollout/zero_std_groups"] == 0.0 and m["passrate/pass@1"] == 0.5
+    assert check_reward_nonzero_std(SimpleNamespace(reward_key=None), samples)
