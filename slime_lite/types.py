@@ -28,6 +28,8 @@ POST_PROCESSED_REWARD = "post_processed_reward"
 TRAJECTORY_END = "trajectory_end"
 ENGINE_CUTS = "engine_cuts"  # metadata: the times the engines cut the sample's group short (--fully-async)
 REFUSED = "engine_aborted_unchanged"  # metadata: a continued sample aborted again with nothing new
+# the weight version of an engine whose weights a push left mixed, old and new (read as -1 by version_number)
+PARTIAL_VERSION = "partial"
 
 
 def trajectory_ends(samples: list[Any]) -> list[int]:

@@ -29,6 +29,7 @@ from slime_lite.engine.http_json import (
 )
 from slime_lite.engine.weights import WeightError
 from slime_lite.profiling import TorchProfile
+from slime_lite.types import PARTIAL_VERSION
 from slime_lite.weight_transport import check_group_address
 
 if TYPE_CHECKING:
@@ -93,7 +94,6 @@ def add_admin_routes(app: Any, scheduler: Scheduler, profile_dir: str,
         app.router.add_post(path, handler)
 
 
-PARTIAL_VERSION = "partial"  # the weight version after a session whose updates did not all apply (read as -1)
 
 
 class _Admin:
@@ -101,6 +101,7 @@ class _Admin:
         self.scheduler, self.abort_waiting = scheduler, abort_waiting
         self.profile_dir = Path(profile_dir).resolve()
         self.weight_session = False  # between /begin_weight_update and /end_weight_update (SGLang's session)
+        self.session_id = 0  # which session is (or was last) open: an update queued in one may apply after its end
         # in a session: the version its updates name, set at its end only if none of them failed (a push of many
         # buckets is one version: a failed bucket leaves old and new weights mixed, served as "partial")
         self.session_version: str | None = None
@@ -133,12 +134,18 @@ class _Admin:
         """Run a weight operation in the model thread (or, ``model_thread=False``, in a worker thread: an operation
         that touches no weights and may wait), then set ``weight_version`` if given."""
 
+        session = self.session_id if self.weight_session else None  # the session the request came in
+
         def op():
             result = fn(*args)
-            if version is not None and self.weight_session:
-                self.session_version = str(version)
-            elif version is not None:
+            if version is None:
+                pass
+            elif session is None:
                 self.scheduler.weight_version = str(version)
+            elif self.weight_session and self.session_id == session:
+                self.session_version = str(version)
+            else:  # its session ended (committed or not) before it applied: old and new weights mixed
+                self.scheduler.weight_version = PARTIAL_VERSION
             return result
 
         try:
@@ -252,6 +259,8 @@ class _Admin:
             return json_response({"success": False, "message": "a weight-update session is already open; call "
                                   "end_weight_update() first"}, 400)
         self.weight_session, self.session_version, self.session_failed = True, None, False
+        self.session_id += 1
+        await self.run_in_model_thread(self.scheduler.weights.drop_pending_adapters)
         return json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request):

@@ -156,7 +156,8 @@ class Weights:
                                   f"loaded into the model's {str(p.dtype).removeprefix('torch.')}")
         for name, parts in adapters.items():
             shape = tuple(params[name].shape)
-            a, b = parts.get("A"), parts.get("B")
+            waiting = self._lora_pending.get(name, {})  # a half of an earlier bucket: this one's must fit it
+            a, b = parts.get("A", waiting.get("A")), parts.get("B", waiting.get("B"))
             if len(shape) != 2:
                 problem = "is not a matrix (LoRA adapts 2-D weights only)"
             elif a is not None and (a.dim() != 2 or a.shape[1] != shape[1] or not a.dtype.is_floating_point):
@@ -182,32 +183,40 @@ class Weights:
         # a full write of an adapted weight, or of one whose adapter comes in this update, is its new base
         for name in set(staged) & (set(self._lora_base) | set(adapters)):
             self._lora_base[name] = staged[name].to("cpu", copy=True)
-        staged.update(self._merge_adapters(adapters))
+        served, pending = self._merge_adapters(adapters)
+        staged.update(served)
         if not staged:  # an empty bucket (slime sends them for idle ranks): nothing changes, the cache stays
+            self._lora_pending = pending
             return 0
         self.version += 1
         # one multi-tensor copy (a few kernels) rather than one copy per tensor: a bucket holds hundreds
         torch._foreach_copy_([params[name] for name in staged], list(staged.values()))
+        self._lora_pending = pending  # only once applied: a refused update leaves no half waiting
         if any(t.is_cuda for t in staged.values()) or any(t.is_cuda for t in named.values()):
             torch.cuda.synchronize()
         return len(staged)
 
-    def _merge_adapters(self, adapters: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _merge_adapters(self, adapters: dict[str, dict[str, torch.Tensor]]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
         """The served weights of LoRA adapters (``lora_wire``): each adapted weight is its base (the weight before
         its first adapter, kept on the host) merged with the adapter, once both halves arrived (they may come in
-        different buckets)."""
-        out = {}
+        different buckets); and the halves left waiting for theirs, for the caller to keep once the update
+        applied."""
+        out, waiting = {}, dict(self._lora_pending)
         for name, parts in adapters.items():
-            pending = self._lora_pending.setdefault(name, {})
-            pending.update(parts)
+            pending = {**waiting.pop(name, {}), **parts}
             if len(pending) < 2:
+                waiting[name] = pending
                 continue
             param = self.params[name]
             if name not in self._lora_base:
                 self._lora_base[name] = param.detach().to("cpu", copy=True)
             out[name] = merged(self._lora_base[name].to(param.device), pending["A"], pending["B"])
-            del self._lora_pending[name]
-        return out
+        return out, waiting
+
+    def drop_pending_adapters(self) -> None:
+        """A new weight-update session: adapter halves an earlier push left waiting never pair with its own."""
+        self._lora_pending = {}
 
     def load_from_disk(self, model_path: str) -> int:
         """Load every parameter from a safetensors checkpoint folder of the same architecture (its

@@ -77,3 +77,25 @@ def test_an_adapter_that_does_not_fit_is_refused_and_changes_nothing(fresh_engin
         status, out = _push(url, named, "v1")
         assert status == 400 and out["success"] is False and said in out["message"], out
     assert_serves(url, hf_model, "default")
+
+
+def test_a_refused_adapter_half_never_pairs_with_a_later_one(fresh_engine, hf_model):
+    """Halves come in different buckets: a lora_B whose rank does not fit the lora_A waiting for it is refused, and
+    leaves nothing waiting that a later half could pair with (a later valid push was merged with the refused half
+    and answered 200); a half an interrupted push left waiting is dropped when the next session begins."""
+    url = fresh_engine.url
+    a_name, b_name = adapter_names(ADAPTED[0])
+    good = _adapters(hf_model, 0)
+    out_dim = hf_model.get_parameter(ADAPTED[0]).shape[0]
+    assert _push(url, {a_name: good[a_name]}, "v1")[0] == 200  # rank 4, waiting for its B
+    status, out = _push(url, {b_name: torch.zeros(out_dim, 8)}, "v1")
+    assert status == 400 and "lora_A of rank 4 and lora_B of rank 8" in out["message"], out
+    assert http(url, "/begin_weight_update", {})[1]["success"] is True  # the next push: its own A waits no more
+    stale_b = {b_name: torch.ones(out_dim, 4)}
+    assert _push(url, stale_b, "v2")[0] == 200  # an interrupted push: only its B arrived
+    assert http(url, "/end_weight_update", {})[1]["success"] is True
+    assert http(url, "/begin_weight_update", {})[1]["success"] is True
+    for bucket in ([a_name], [n for n in good if n != a_name]):  # the complete push, A first
+        assert _push(url, {n: good[n] for n in bucket}, "v3")[0] == 200
+    assert http(url, "/end_weight_update", {})[1]["success"] is True
+    assert_serves(url, _served(hf_model, good), "v3")  # good A with good B, not with the stale B

@@ -326,3 +326,93 @@ def test_a_full_write_sent_with_its_adapter_is_the_base_the_adapter_merges_onto(
     w.load_named({name: base2, na: a})
     w.load_named({nb: b})
     assert torch.equal(w.params[name].detach(), merged(base2, a, b))
+
+
+def test_a_push_that_fails_half_way_leaves_the_engine_partial_not_at_its_version(fresh_engine, new_model, monkeypatch):
+    """The trainer's push stops after its first bucket (another engine died, the trainer raised): this engine's own
+    updates all applied, so its session would end as a success and report the push's version while it holds old and
+    new weights. The trainer names its weights "partial" (read as -1: the weight-version checks fail) until a
+    complete push."""
+    from types import SimpleNamespace
+
+    from slime_lite.backends.megatron import weight_push
+
+    url = fresh_engine.url
+    named = {n: p.detach().clone() for n, p in new_model.named_parameters()}
+    args = SimpleNamespace(update_weight_buffer_size=1 << 16, colocate=False, rollout_backend="embedded",
+                           fully_async=False, debug_scramble_engine_weights=False, debug_inject_fault=None,
+                           check_weight_update_equal=False, update_weight_transport="tensor",
+                           rollout_num_gpus_per_engine=1)
+    assert len(weight_push.buckets(named, args.update_weight_buffer_size)) > 1
+    flatten, calls = weight_push.flatten_bucket, []
+
+    def dies_after_one(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the trainer died between two buckets")
+        return flatten(*a, **kw)
+
+    monkeypatch.setattr(weight_push, "flatten_bucket", dies_after_one)
+    with pytest.raises(RuntimeError, match="between two buckets"):
+        weight_push.push(args, named, [url], version=7)
+    assert http(url, "/get_weight_version")[1]["weight_version"] == "partial"
+    monkeypatch.setattr(weight_push, "flatten_bucket", flatten)
+    weight_push.push(args, named, [url], version=8)  # a complete push makes it a version again
+    assert_serves(url, new_model, "8")
+
+
+def test_an_update_that_applies_after_its_session_ended_leaves_the_weights_partial(tmp_path):
+    """An update queued for the model thread inside a session can apply after that session ended (committing its
+    version) or after the next one began: the engine then holds weights its version does not name, so it serves
+    "partial", never the late update's version. A FAKE model thread (the test runs each queued call) and request."""
+    import asyncio
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from slime_lite.engine.admin_routes import _Admin
+
+    class ModelThread:  # FAKE: the scheduler's model thread; a held call waits until the test runs it
+        weight_version = "6"
+
+        def __init__(self) -> None:
+            self.queued: list = []
+            self.hold = False
+            self.weights = SimpleNamespace(drop_pending_adapters=lambda: None)
+
+        def call(self, fn, *args):
+            done: Future = Future()
+            self.queued.append(lambda: done.set_result(fn(*args)))
+            if not self.hold:
+                self.queued.pop()()
+            return done
+
+    class Request:  # FAKE: an empty POST body
+        method = "POST"
+
+        async def read(self) -> bytes:
+            return b""
+
+    async def scenario() -> list[str]:
+        model = ModelThread()
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        seen = []
+        for late_into_next in (False, True):
+            assert (await admin.begin_weight_update(Request())).status == 200
+            model.hold = True
+            update = asyncio.ensure_future(admin._weight_op(lambda: 1, version="7"))
+            await asyncio.sleep(0)  # queued in the model thread, not yet applied
+            model.hold = False
+            assert (await admin.end_weight_update(Request())).status == 200  # nothing applied yet: a success
+            if late_into_next:
+                assert (await admin.begin_weight_update(Request())).status == 200
+            model.queued.pop(0)()  # the update applies now
+            assert (await update).status == 200
+            seen.append(model.weight_version)
+            if late_into_next:
+                assert (await admin.end_weight_update(Request())).status == 200
+                seen.append(model.weight_version)
+            model.weight_version = "6"
+        return seen
+
+    # after its session ended; after the next began, and still at that one's end (it applied no update of its own)
+    assert asyncio.run(scenario()) == ["partial", "partial", "partial"]

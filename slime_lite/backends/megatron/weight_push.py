@@ -33,6 +33,7 @@ from slime_lite.checks.weight_check import WeightCheckUnavailable, check_weights
 from slime_lite.engine_client import lora_adapter_name, on_all, request_json, sent_to_all
 from slime_lite.errors import EngineError, EngineUnreachable, SlimeLiteError
 from slime_lite.io import free_port, write_hf_folder
+from slime_lite.types import PARTIAL_VERSION
 from slime_lite.weight_transport import GroupStore, WeightUpdateGroup, check_group_address
 from slime_lite.weight_wire import flatten_bucket, serialize
 
@@ -145,8 +146,19 @@ def _begin(url: str) -> bool:
             if attempt or "already open" not in str(exc):
                 raise
             log.warning("%s: a weight-update session was left open (an earlier push failed): closing it", url)
-            request_json(url, "/end_weight_update", {}, timeout=300)
+            _abandon(url)
     return False
+
+
+def _abandon(url: str) -> None:
+    """Close a weight-update session whose push did not complete, and name the engine's weights ``partial``: an
+    engine whose own updates all applied would otherwise take the push's version at the session's end while other
+    engines, or its later buckets, never got theirs (the weight-version checks then read -1 until a complete
+    push). Best effort: the engine may be the one that died."""
+    for route, body in (("/end_weight_update", {}),
+                        ("/update_weight_version", {"new_version": PARTIAL_VERSION, "abort_all_requests": False})):
+        with contextlib.suppress(EngineError):
+            request_json(url, route, body, timeout=300)
 
 
 @contextlib.contextmanager
@@ -168,8 +180,7 @@ def weight_update_session(urls: list[str]):
         yield
     except BaseException:
         for u in opened:
-            with contextlib.suppress(EngineError):
-                request_json(u, "/end_weight_update", {}, timeout=300)
+            _abandon(u)
         raise
     for u, reply in zip(opened, on_all(opened, lambda u: request_json(u, "/end_weight_update", {}, timeout=300))):
         _check(reply, u, "/end_weight_update")
