@@ -100,6 +100,22 @@ def test_the_driver_skips_the_pushes_the_interval_leaves_out():
     assert pushed == [2, 4]
 
 
+def test_a_fully_async_push_retracts_the_running_requests(monkeypatch):
+    """--fully-async pushes while the engines generate: the running requests are retracted (prefilled again under
+    the new weights), not kept in place over K/V the old weights wrote; generation continues after the push."""
+    from slime_lite.rollout import side as rollout_side
+    from slime_lite.rollout.recovery import NoRecovery
+    from slime_lite.rollout.side import RolloutSide
+
+    side = RolloutSide.__new__(RolloutSide)
+    side.config = RolloutSideConfig.from_args(parser_defaults(num_rollout=2, fully_async=True))
+    side.fleet, side.recovery, side.manager = SimpleNamespace(urls=["http://e"]), NoRecovery(), None
+    sent = []
+    monkeypatch.setattr(rollout_side, "engines_request", lambda urls, route, body: sent.append((route, body)))
+    side.push_weights(lambda urls, version: sent.append(("push", version)), 1, {})
+    assert sent == [("/pause_generation", {"mode": "retract"}), ("push", 1), ("/continue_generation", {})]
+
+
 def test_ci_test_expects_the_version_of_the_last_push():
     from slime_lite.train_async import RolloutSchedule
 

@@ -116,8 +116,11 @@ class RolloutSide:
                 t0 = time.monotonic()
                 engine_memory([u for u in self.urls if u in released], "resume", ["weights"])
                 add_time(record, "perf/offload/engine_resume_time", t0)
-            if self.config.fully_async:  # generation goes on: held between two decode steps, nothing aborted
-                engines_request(self.urls, "/pause_generation", {"mode": "in_place"})
+            # generation goes on: held between two decode steps, nothing aborted; the running requests are retracted
+            # (re-prefilled under the new weights, what they generated included), so a token stamped with the new
+            # version is the new weights' alone (in place, it would attend over K/V the old weights wrote)
+            if self.config.fully_async:
+                engines_request(self.urls, "/pause_generation", {"mode": "retract"})
                 try:
                     record.update(push(self.urls, version) or {})
                 finally:

@@ -81,7 +81,7 @@ def test_groups_generate_across_a_push_and_a_checkpoint_loses_no_prompt(tiny_mod
                            max_weight_staleness=0, max_weight_staleness_mode="mask")
 
     def push(version: str) -> None:  # what the driver does (rollout/side.py), the same weights as a new version
-        assert http(server.url, "/pause_generation", {"mode": "in_place"})[0] == 200
+        assert http(server.url, "/pause_generation", {"mode": "retract"})[0] == 200
         http(server.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": version})
         assert http(server.url, "/continue_generation", {})[0] == 200
 
