@@ -204,11 +204,13 @@ class FullyAsyncWorker:
         versions = await self._engine_versions()  # what the pushes so far left on the engines
         engine_version = min(versions) if versions else None
         bound = None if a.max_weight_staleness is None else rollout_id - a.max_weight_staleness
-        if bound is not None and a.max_weight_staleness_mode == "drop" and versions and max(versions) < bound:
+        if bound is not None and versions and max(versions) < bound:
+            lost = ("dropped" if a.max_weight_staleness_mode == "drop" else
+                    "masked (--max-weight-staleness-mode mask: a rollout that trains nothing)")
             raise SlimeLiteError(
                 f"--fully-async rollout {rollout_id}: every engine serves weight version {max(versions)} or older, "
                 f"more than --max-weight-staleness {a.max_weight_staleness} behind the trainer's {rollout_id}, so "
-                "every group they generate would be dropped: the weight push did not reach the engines (or "
+                f"every group they generate would be {lost}: the weight push did not reach the engines (or "
                 "--update-weights-interval pushes less often than the bound allows).")
         kept: list[list[Sample]] = []
         stats = {"rollout/async/dropped_stale_samples": 0.0, "rollout/async/masked_tokens": 0.0,

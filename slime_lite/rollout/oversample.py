@@ -123,13 +123,14 @@ class OverSampler:
     async def _abort(self, pending: set[asyncio.Future]) -> list[list[Sample]]:
         """Abort every request on the engines until the ``pending`` groups have all come back; returns them."""
         back: list[list[Sample]] = []
-        urls = self.engine_urls()
         self.aborting = True
         try:
             while pending:
                 for fn in ON_ABORT:  # (again each time: a trajectory a pending group opened since)
                     fn()
-                await asyncio.gather(*(self._abort_engine(u) for u in urls))
+                # the engines now (each time: --use-fault-tolerance may have replaced one meanwhile, and a request
+                # retried on the new one must be aborted there)
+                await asyncio.gather(*(self._abort_engine(u) for u in self.engine_urls()))
                 done, pending = await asyncio.wait(pending, timeout=ABORT_RETRY_S)
                 back.extend(t.result() for t in done)
         finally:

@@ -403,13 +403,16 @@ def run_rollouts(worker, ids):
     return asyncio.run(run())
 
 
-def test_engines_too_stale_for_the_drop_bound_stop_the_rollout_naming_the_push(tiny_model_dir):
-    """--max-weight-staleness 0 in drop mode with every engine still at version 0 while the trainer trains rollout 1
-    (--debug-inject-fault skip-weight-push): every group would be dropped and generated again at version 0, forever;
-    the rollout stops at once saying why."""
-    worker = stale_worker(tiny_model_dir, [0], max_weight_staleness=0)
+@pytest.mark.parametrize("mode, lost", [("drop", "dropped"), ("mask", "masked")])
+def test_engines_too_stale_for_the_bound_stop_the_rollout_naming_the_push(tiny_model_dir, mode, lost):
+    """--max-weight-staleness 0 with every engine still at version 0 while the trainer trains rollout 1
+    (--debug-inject-fault skip-weight-push): in drop mode every group would be dropped and generated again at
+    version 0, forever; in mask mode every token masked, a rollout that trains nothing. The rollout stops at once
+    saying why."""
+    worker = stale_worker(tiny_model_dir, [0], max_weight_staleness=0, max_weight_staleness_mode=mode)
     with pytest.raises(SlimeLiteError, match=r"rollout 1: every engine serves weight version 0 or older, more than "
-                                             r"--max-weight-staleness 0 behind .* push did not reach the engines"):
+                                             rf"--max-weight-staleness 0 behind .* would be {lost}.* push did not "
+                                             "reach the engines"):
         run_rollouts(worker, [0, 1])
 
 

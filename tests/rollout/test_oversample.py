@@ -473,3 +473,29 @@ def test_a_carried_split_trajectory_keeps_a_rollout_id_no_sibling_can_take() -> 
     continued = split_samples([aborted, copy.deepcopy(aborted)], aborted)  # the sibling splits in its turn
     assert {s.rollout_id for s in continued} == {6}
     check_group_sizes(group[:2] + continued, 2, "grpo")  # two trajectories
+
+
+def test_aborts_reach_an_engine_that_replaced_a_dead_one_mid_abort(monkeypatch) -> None:
+    """--use-fault-tolerance replaces a dead engine in place (the manager's abort URLs): a request retried on the new
+    engine must be aborted there, or the rollout waits for it to run to its full length."""
+    from slime_lite.rollout import oversample
+    from slime_lite.rollout.oversample import OverSampler
+
+    monkeypatch.setattr(oversample, "ABORT_RETRY_S", 0.01)
+    over = object.__new__(OverSampler)
+    over.abort_urls, over.aborting, posted = ["http://old:1"], False, []
+
+    async def run() -> list:
+        retried = asyncio.get_running_loop().create_future()  # the group whose request moved to the new engine
+
+        async def abort_engine(url: str) -> None:
+            posted.append(url)
+            if url == "http://old:1":
+                over.abort_urls[0] = "http://new:2"  # the dead engine replaced, its request retried there
+            elif not retried.done():
+                retried.set_result([])
+
+        over._abort_engine = abort_engine
+        return await asyncio.wait_for(over._abort({retried}), 5)
+
+    assert asyncio.run(run()) == [[]] and posted[:2] == ["http://old:1", "http://new:2"]
