@@ -208,6 +208,24 @@ def test_trainer_push_in_sglang_format_inside_a_session(wire_engine, base_weight
     assert weight_push.payload_mode("http://192.0.2.1:1", named, False, 1) == "by_value"  # TEST-NET: not here
 
 
+def test_shared_memory_room_is_checked_for_the_largest_bucket_not_the_limit(wire_engine, base_weights, monkeypatch):
+    """A tensor larger than --update-weight-buffer-size is a bucket of its own: /dev/shm must hold that bucket, so
+    the room is checked for the largest bucket's bytes (the limit passed, and the push died out of shared memory)."""
+    from slime_lite.backends.megatron import weight_push
+
+    asked = []
+    real = weight_push.payload_mode
+    monkeypatch.setattr(weight_push, "payload_mode", lambda u, named, colocated, nbytes: asked.append(nbytes) or
+                        real(u, named, colocated, nbytes))
+    args = SimpleNamespace(update_weight_transport="tensor", colocate=False, fully_async=False,
+                           rollout_backend="embedded", rollout_num_gpus_per_engine=1, update_weight_buffer_size=1024,
+                           debug_scramble_engine_weights=False, debug_inject_fault=None,
+                           check_weight_update_equal=False)
+    weight_push.push(args, base_weights, [wire_engine.url], 3)
+    largest = max(t.numel() * t.element_size() for t in base_weights.values())
+    assert largest > 1024 and asked == [largest]
+
+
 def test_weight_check_names_a_changed_parameter_and_accepts_a_cast(wire_engine, base_weights, caplog):
     """check_weights_equal: equal weights pass; one parameter off by one bit is named; the trainer's bf16 tensors
     against the engine's float32 parameters are equal after the cast (done on the tensors' device) and reported."""

@@ -225,12 +225,14 @@ def payload_mode(url: str, named: dict[str, torch.Tensor], colocated: bool, buck
 def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
     limit = args.update_weight_buffer_size
     ranks = engine_ranks(args)
-    modes = {u: payload_mode(u, named, args.colocate, limit) for u in urls}
+    groups = buckets(named, limit)
+    # the largest bucket: a tensor larger than the limit is a bucket of its own, which /dev/shm must hold too
+    largest = max(sum(named[n].numel() * named[n].element_size() for n in names) for names in groups)
+    modes = {u: payload_mode(u, named, args.colocate, largest) for u in urls}
     if any(m == "by_value" for m in modes.values()):
         log.info("weight push by value (host copies) to %s: handles reach only engines on this host%s",
                  [u for u, m in modes.items() if m == "by_value"],
                  "; GPU engines elsewhere: --update-weight-transport distributed" if torch.cuda.is_available() else "")
-    groups = buckets(named, limit)
     for k, names in enumerate(groups):
         bucket = flatten_bucket([(n, named[n]) for n in names], shared="shared_memory" in modes.values())
         by_value = serialize(bucket, by_value=True) if "by_value" in modes.values() else None
