@@ -26,6 +26,9 @@ POST_PROCESSED_REWARD = "post_processed_reward"
 # metadata: the part of a split trajectory that holds its last call (an agent's side call, made from a fresh
 # history, can be a later part than the conversation that ends it); unmarked: the trajectory's last part
 TRAJECTORY_END = "trajectory_end"
+# metadata of a carried group's first sample (--partial-rollout): the group finished and passed the dynamic-sampling
+# filter after its rollout had its groups; kept through a checkpoint, so it is neither filtered nor counted again
+FILTER_PASSED = "passed_dynamic_filter"
 ENGINE_CUTS = "engine_cuts"  # metadata: the times the engines cut the sample's group short (--fully-async)
 REFUSED = "engine_aborted_unchanged"  # metadata: a continued sample aborted again with nothing new
 # the weight version of an engine whose weights a push left mixed, old and new (read as -1 by version_number)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from slime_lite.checks.faults import kills_engine
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.rollout.turns import RESTARTED, mask_older, model_tokens
-from slime_lite.types import FINISHED_BEFORE, REFUSED, TOKEN_VERSIONS, Sample, Status, version_number
+from slime_lite.types import FILTER_PASSED, FINISHED_BEFORE, REFUSED, TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,6 @@ class OverSampler:
         self.restarted: dict[int, int] = {}  # this rollout's samples generated again from their prompt: tokens dropped
         self.requested: set[int] = set()  # this rollout's samples sent to the engines (their hook ran)
         self.generated = 0  # model tokens this rollout's requests generated (aborted and carried ones included)
-        self.passed: set[int] = set()  # id() of the first sample of carried groups that finished and were filtered
 
     def load_state(self, groups: list[list[dict[str, Any]]]) -> None:
         self.carried = [[Sample.from_dict(d) for d in g] for g in groups]
@@ -203,7 +202,8 @@ class OverSampler:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     group = task.result()
-                    seen = id(group[0]) in self.passed  # carried finished: filtered and counted when it came back
+                    # carried finished: filtered and counted when it came back (the mark survives a checkpoint)
+                    seen = bool(group[0].metadata.get(FILTER_PASSED))
                     generated += not seen
                     if not seen:
                         came_back.append(group)
@@ -220,10 +220,11 @@ class OverSampler:
                         in_play -= 1
                         dropped += 1
                     elif len(kept) < target:
+                        group[0].metadata.pop(FILTER_PASSED, None)
                         kept.append(group)
                     else:
                         late.append(group)
-                        self.passed.add(id(group[0]))
+                        group[0].metadata[FILTER_PASSED] = True
         except BaseException:  # a hook or the filter raised: the other groups stop too, their errors read
             for task in pending:
                 task.cancel()
@@ -237,7 +238,6 @@ class OverSampler:
                     if s.index in self.requested and s.weight_versions]
         current = max(versions, default=None)
         stats = self._leftovers(rollout_id, leftovers)
-        self.passed &= {id(g[0]) for g in self.carried}  # live groups only (a checkpoint forgets: filtered again)
         stats["rollout/over_sampling/tokens_wasted"] += float(sum(self.restarted.values()) + sum(
             s.response_length for g in refused for s in g))
         if refused:

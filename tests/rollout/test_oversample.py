@@ -250,10 +250,11 @@ def counting_filter(args, group) -> bool:  # keeps every group, recording which 
     return True
 
 
-def test_a_group_carried_finished_is_filtered_and_counted_once(tokenizer, tiny_model_dir) -> None:
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_group_carried_finished_is_filtered_and_counted_once(tokenizer, tiny_model_dir, checkpoint) -> None:
     """--partial-rollout carries a group that finished after the rollout had its groups; it passed the filter when
     it came back, so the next rollout trains it without filtering (a random filter could drop a group it kept) or
-    counting it again."""
+    counting it again; also after a checkpoint between the two rollouts (the carried groups read back as data)."""
     FILTERED.clear()
     gen, source, engine = make(tokenizer, tiny_model_dir, "s" * 32, partial_rollout=True,
                                dynamic_sampling_filter_path="tests.rollout.test_oversample.counting_filter")
@@ -271,6 +272,8 @@ def test_a_group_carried_finished_is_filtered_and_counted_once(tokenizer, tiny_m
     for rollout_id in range(3):
         samples, stats = rollout(gen, source, rollout_id)
         engine._one = served
+        if checkpoint:  # what a resumed run's manager loads: new Sample objects from plain data
+            gen.over.load_state([[s.to_dict() for s in g] for g in gen.over.carried])
         generated += stats["rollout/dynamic_filter/generated_groups"]
         carried_finished += sum(FINISHED_BEFORE in s.metadata for s in samples)
     assert carried_finished == 4  # rollout 1 trained the two groups that finished late in rollout 0
