@@ -195,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "function next, with every group that came back (the dynamic-sampling filter's drops too) "
                         "and, as slime, the data source's get_samples(n)")
     g.add_argument("--rollout-request-timeout", type=positive_float, default=300.0,
-                   help="seconds per engine request (default: %(default)s)")
+                   help="seconds per engine request (default: %(default)s); past it, an engine that still answers "
+                        "/health is alive (the request is too long for the limit: the rollout stops naming this "
+                        "flag), one that does not is taken out of rotation (restarted under --use-fault-tolerance)")
     g.add_argument("--use-fault-tolerance", action="store_true",
                    help="restart an engine that dies during the run (same placement, same launch), push it the "
                         "current weights and check them, and send the unfinished requests again; logged, and counted "

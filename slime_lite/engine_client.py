@@ -20,13 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
-from slime_lite.errors import EngineError, EngineUnreachable
+from slime_lite.errors import EngineError, EngineTimeout, EngineUnreachable
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "SLIME_LITE_ENGINE_API_KEY"  # the engines' API key (never on a command line)
 API_KEY_FILE_ENV = "SLIME_LITE_ENGINE_API_KEY_FILE"  # or a file holding it
 REPLACEMENT_WAIT_S = 3600.0  # --use-fault-tolerance: the longest a request waits for a restarted engine
+HEALTH_TIMEOUT_S = 10.0  # after a request timed out: the engine is alive if /health answers within this
 # engines are reached directly, as the async client and SentRequest reach them: an http_proxy of the environment
 # (set on many clusters for pip) would send the health checks of servers on 127.0.0.1 or this node to the proxy
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -244,10 +245,24 @@ class AsyncEngineClient:
                 if resp.status != 200:
                     raise EngineError(f"engine {url}{route} answered HTTP {resp.status}: {text[:500]}")
                 return json.loads(text) if text else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+        except asyncio.TimeoutError:
+            raise EngineTimeout(f"engine {url}{route} did not answer within --rollout-request-timeout "
+                                f"{self.timeout:g}s; last request: {_describe(body)}") from None
+        except (aiohttp.ClientError, ConnectionError) as exc:
             raise EngineError(
                 f"engine {url}{route} failed ({type(exc).__name__}: {exc}); last request: {_describe(body)}"
             ) from None
+
+    async def _answers_health(self, url: str) -> bool:
+        """Whether the engine answers ``/health`` (200) within a few seconds: alive, though a request timed out."""
+        import aiohttp
+
+        session = await self._get_session()
+        try:
+            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+            return False
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /generate on the least-loaded live engine; on a dead engine, retry on another. With ``lora_path``
@@ -263,6 +278,11 @@ class AsyncEngineClient:
             except EngineError as exc:
                 if "answered HTTP 4" in str(exc):
                     raise  # the request itself is bad; another engine would refuse it too
+                if isinstance(exc, EngineTimeout) and await self._answers_health(url):
+                    # alive and answering: a long generation or a busy engine, not a dead one (sent again elsewhere
+                    # it would time out there too, and --use-fault-tolerance would restart healthy engines)
+                    raise EngineTimeout(f"{exc}. The engine is alive (/health answers): the request needs longer "
+                                        "(long responses, a busy engine); raise --rollout-request-timeout.") from None
                 if url in self.urls:  # not already replaced while this request was in flight
                     self.dead[url] = str(exc)
                 log.error("engine %s failed and is taken out of rotation: %s", url, exc)

@@ -26,6 +26,10 @@ class EngineUnreachable(EngineError):
         self.url, self.route, self.reason = url, route, reason
 
 
+class EngineTimeout(EngineError):
+    """An engine request that got no answer within its timeout (``--rollout-request-timeout``)."""
+
+
 def run_main(fn: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run a command's ``main``: a SlimeLiteError becomes ``error: ...`` on stderr and exit code 2, an interrupt
     exit code 130 (every ``slime-lite`` command, and each module run as ``python -m``)."""

@@ -339,8 +339,17 @@ class Sample:
                               (r * args.num_layers + layer + 1) * args.moe_router_topk]
                       for layer in range(args.num_layers)] for r in range(rows)]
             old = self.rollout_routed_experts
-            self.rollout_routed_experts = table if start == 0 else list(old.tolist() if hasattr(old, "tolist")
-                                                                         else old or [])[:start] + table
+            if start:  # the rows before ``start`` are the earlier calls' ([rows, layers, top_k], also when stored flat)
+                import torch
+
+                kept = [] if old is None else torch.as_tensor(old).reshape(-1, args.num_layers,
+                                                                            args.moe_router_topk).tolist()
+                if len(kept) < start:
+                    raise ValueError(f"SGLang routed_experts starts at row {start} (routed_experts_start_len) but "
+                                     f"the sample holds {len(kept)} rows: the routes of the tokens in between are "
+                                     "missing (send routed_experts_start_len 0 to get every row again).")
+                table = kept[:start] + table
+            self.rollout_routed_experts = table
         if not update_terminal_info or "finish_reason" not in meta_info:
             return
         if args is not None and vars(args).get("sglang_speculative_algorithm"):  # SGLang flag slime forwards

@@ -46,3 +46,37 @@ def test_sample_has_slimes_fields_in_slimes_order_and_its_methods() -> None:
     with pytest.raises(ValueError, match="require rollout log probabilities"):
         s.append_response_tokens(tokens=[5])
     assert Sample.from_dict(s.to_dict()) == s
+
+
+def test_a_later_calls_routes_from_a_start_row_extend_the_table_by_rows():
+    """slime's ``append_response_tokens(meta_info=...)`` with SGLang's ``routed_experts_start_len``: the rows before
+    the start are kept as rows of [layers, top_k] (the built-in paths store the table flat; slicing it flat mixed
+    numbers and rows), and a start past the rows the sample holds is refused naming the gap (the rows landed too
+    early, misaligned with their tokens)."""
+    import base64
+    from types import SimpleNamespace
+
+    import torch
+
+    from slime_lite.rollout.turns import routed_experts
+
+    layers, top_k = 2, 2
+    args = SimpleNamespace(num_layers=layers, moe_router_topk=top_k)
+
+    def table(rows: int, first: int = 0) -> str:
+        ids = torch.arange(first, first + rows * layers * top_k, dtype=torch.int32)
+        return base64.b64encode(ids.numpy().tobytes()).decode()
+
+    s = Sample(index=0, tokens=[1, 2, 3], response_length=0)
+    s.append_response_tokens(args, tokens=[4, 5], log_probs=[0.0, 0.0], meta_info={})
+    s.rollout_routed_experts = routed_experts(table(4))  # as fill_response stores it: flat
+    s.append_response_tokens(args, tokens=[6, 7], log_probs=[0.0, 0.0],
+                             meta_info={"routed_experts": table(2, first=100), "routed_experts_start_len": 4})
+    got = torch.as_tensor(s.rollout_routed_experts)
+    assert got.shape == (6, layers, top_k) and got[3, 1].tolist() == [14, 15] and got[4, 0].tolist() == [100, 101]
+    s = Sample(index=1, tokens=[1, 2, 3], response_length=0)
+    s.append_response_tokens(args, tokens=[4, 5], log_probs=[0.0, 0.0], meta_info={"routed_experts": table(4)})
+    s.append_response_tokens(args, tokens=[8, 9, 10], trainable=False)  # a tool turn: no routes for it
+    with pytest.raises(ValueError, match="starts at row 8 .* holds 4 rows"):
+        s.append_response_tokens(args, tokens=[6, 7], log_probs=[0.0, 0.0],
+                                 meta_info={"routed_experts": table(1), "routed_experts_start_len": 8})

@@ -18,6 +18,7 @@ Seeds: a request's seed is its ``sampling_seed`` if given, else derived from ``-
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -143,6 +144,7 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopped = False  # the model thread has ended: what arrives later is answered at once
+        self._handling: tuple | None = None  # the inbox message the model thread is handling
         self.num_generated = 0
         # Work counters, only ever growing (the rollout manager reads /get_server_info before and after a rollout and
         # logs the differences as perf/rollout/engine_*): model-thread seconds spent stepping (prefill and decode,
@@ -174,10 +176,14 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "add":
-                self._finish(msg[1], abort_reason("engine shutting down"))
-            elif msg[0] == "call" and msg[3].set_running_or_notify_cancel():
-                msg[3].set_exception(RuntimeError("the engine has stopped"))
+            self._refuse(msg, "engine shutting down")
+
+    def _refuse(self, msg: tuple, why: str) -> None:
+        """Answer an inbox message the model thread will not handle: a request aborted, a call's future failed."""
+        if msg[0] == "add":
+            self._finish(msg[1], abort_reason(why))
+        elif msg[0] == "call" and msg[3].set_running_or_notify_cancel():
+            msg[3].set_exception(RuntimeError(f"the engine has stopped ({why})"))
 
     def submit(self, req: Request) -> None:
         self._inbox.put(("add", req))
@@ -301,6 +307,21 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
         return self.pipeline.in_flight or (self.may_generate and bool(self.waiting or self.running))
 
     def _loop(self) -> None:
+        """The model thread. An error outside a step (handling a message) ends it: its requests are aborted and
+        what arrives later is answered at once, instead of waiting for a thread that is gone (/health says 503)."""
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - reported, and every request answered
+            logger.exception("the model thread stopped on an error")
+            why = f"engine error: the model thread stopped ({type(exc).__name__}: {exc})"
+            self._stopped = True
+            with contextlib.suppress(Exception):
+                if self._handling is not None:  # the message it failed on
+                    self._refuse(self._handling, why)
+                self._abort_all(why, count=False)
+            self._answer_stopped()
+
+    def _serve(self) -> None:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # streams and graph captures of this thread go to the engine's GPU
         with torch.inference_mode():
@@ -314,7 +335,9 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
                         self._abort_all("engine shutting down")
                         self.weights.destroy_all()
                         return
+                    self._handling = msg
                     self._handle(msg)
+                    self._handling = None
                     try:
                         msg = self._inbox.get_nowait()
                     except queue.Empty:

@@ -68,9 +68,10 @@ class EngineActor:
         return url
 
     def alive(self) -> bool:
-        """Whether the engine's server process runs (this actor's own process for the embedded engine: it answers)."""
+        """Whether the engine's server process runs (for the embedded engine, this actor's own process: whether its
+        model thread runs)."""
         if self.config.rollout_backend != "sglang":
-            return self.server is not None
+            return self.server is not None and self.server.scheduler.alive
         proc = self.server.proc if self.server is not None else None
         return proc is not None and proc.poll() is None
 

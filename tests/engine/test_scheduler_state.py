@@ -73,3 +73,36 @@ def test_a_request_running_across_a_weight_update_leaves_no_stale_prefix(schedul
     assert max(abs(a - b) for a, b in zip(after.output_logprobs, fresh.output_logprobs)) < 1e-5
     # a request that ran under the new weights only is cached as before
     assert result(sch, prompt + [5, 6, 7], **sp).cached_tokens == len(prompt) + 2
+
+
+def test_a_model_thread_that_dies_answers_every_request_and_reports_itself_dead(tiny_model_dir):
+    """An error outside a decode step (handling a message) ends the model thread: its requests were left waiting
+    for it and the engine actor still said alive, so a run found it only by --rollout-request-timeout. Now every
+    request is answered (aborted) at once, and the actor's liveness (what --use-fault-tolerance polls) is False."""
+    import time
+    from types import SimpleNamespace
+
+    from engine_helpers import generate, start_engine
+
+    from slime_lite.rollout.engines import EngineActor
+
+    server = start_engine(tiny_model_dir, max_running_requests=2)
+    try:
+        sch = server.scheduler
+        handle = sch._handle
+
+        def fails_once(msg):
+            sch._handle = handle
+            raise RuntimeError("an error while handling a message")
+
+        sch._handle = fails_once
+        t0 = time.monotonic()
+        first = generate(server.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 3})
+        later = generate(server.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 3})
+        assert time.monotonic() - t0 < 10
+        for out in (first, later):
+            assert out["meta_info"]["finish_reason"]["type"] == "abort", out
+        actor = SimpleNamespace(config=SimpleNamespace(rollout_backend="embedded"), server=server)
+        assert not sch.alive and EngineActor.alive(actor) is False
+    finally:
+        server.stop()

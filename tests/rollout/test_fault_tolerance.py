@@ -17,15 +17,21 @@ from slime_lite.io import free_port
 BODY = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
 
 
-async def fake_engine(name: str):
-    """A FAKE engine answering /generate with its name; returns (url, runner)."""
+async def fake_engine(name: str, seconds: float = 0.0, healthy: bool = True):
+    """A FAKE engine answering /generate with its name after ``seconds``, and /health (200, or 503 when not
+    ``healthy``); returns (url, runner)."""
     from aiohttp import web
 
     async def generate(request):
+        await asyncio.sleep(seconds)
         return web.json_response({"text": name, "output_ids": [3], "meta_info": {}})
+
+    async def health(request):
+        return web.Response(status=200 if healthy else 503)
 
     app = web.Application()
     app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -53,6 +59,34 @@ def test_without_the_flag_a_dead_engine_stops_the_rollout():
                 await client.generate(BODY)
         finally:
             await client.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("ft", [False, True])
+def test_a_request_that_outlasts_the_timeout_on_a_live_engine_names_the_flag_and_kills_no_engine(ft):
+    """A long generation on a busy but healthy engine passes --rollout-request-timeout: the engine answers /health,
+    so it stays in rotation (not sent again elsewhere to time out there too, nor restarted by
+    --use-fault-tolerance) and the error names the flag to raise. An engine that does not answer /health either is
+    taken out of rotation as before."""
+    async def run():
+        slow, slow_runner = await fake_engine("slow", seconds=2.0)
+        stuck, stuck_runner = await fake_engine("stuck", seconds=2.0, healthy=False)
+        client = AsyncEngineClient([slow], timeout=0.5, wait_for_replacement=ft)
+        try:
+            with pytest.raises(EngineError, match=r"did not answer within --rollout-request-timeout 0.5s.* alive "
+                                                  r".* raise --rollout-request-timeout"):
+                await client.generate(BODY)
+            assert client.failed() == [] and not client.dead
+            await client.close()
+            client = AsyncEngineClient([stuck], timeout=0.5, max_retries=0)
+            with pytest.raises(EngineError, match="did not answer within --rollout-request-timeout"):
+                await client.generate(BODY)
+            assert client.failed() == [stuck]
+        finally:
+            await client.close()
+            await slow_runner.cleanup()
+            await stuck_runner.cleanup()
 
     asyncio.run(run())
 
