@@ -339,7 +339,7 @@ class RolloutManager:
             return self._run(self.worker.state())
         state: dict[str, Any] = {"source": self.source.state() if self.source else None}
         if self.generator is not None and self.generator.over.carried:
-            state["carried"] = [[dumps.plain_sample(s) for s in g] for g in self.generator.over.carried]
+            state["carried"] = self.generator.over.carried_state()
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:

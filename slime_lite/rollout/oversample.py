@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from slime_lite.checks.faults import kills_engine
 from slime_lite.errors import EngineError, SlimeLiteError
+from slime_lite.rollout.dumps import plain_sample
 from slime_lite.rollout.turns import RESTARTED, mask_older, model_tokens
 from slime_lite.types import FILTER_PASSED, FINISHED_BEFORE, REFUSED, TOKEN_VERSIONS, Sample, Status, version_number
 
@@ -75,9 +76,23 @@ class OverSampler:
         self.restarted: dict[int, int] = {}  # this rollout's samples generated again from their prompt: tokens dropped
         self.requested: set[int] = set()  # this rollout's samples sent to the engines (their hook ran)
         self.generated = 0  # model tokens this rollout's requests generated (aborted and carried ones included)
+        self.passed: set[int] = set()  # id() of the first sample of carried groups that finished and were filtered
+
+    def carried_state(self) -> list[list[dict[str, Any]]]:
+        """The carried groups as plain data for a checkpoint; a group that passed the filter says so in its first
+        sample's metadata (``FILTER_PASSED``, only there: the hooks never see it)."""
+        out = []
+        for g in self.carried:
+            plain = [plain_sample(s) for s in g]
+            if id(g[0]) in self.passed:
+                plain[0]["metadata"] = {**plain[0]["metadata"], FILTER_PASSED: True}
+            out.append(plain)
+        return out
 
     def load_state(self, groups: list[list[dict[str, Any]]]) -> None:
         self.carried = [[Sample.from_dict(d) for d in g] for g in groups]
+        # filtered before the checkpoint: neither filtered nor counted again
+        self.passed = {id(g[0]) for g in self.carried if g[0].metadata.pop(FILTER_PASSED, False)}
 
     async def _run(self, group: list[Sample], params: dict[str, Any], seed_base: int) -> list[Sample]:
         """Generate (and score) the unfinished samples of ``group``; the others keep what they have."""
@@ -202,8 +217,7 @@ class OverSampler:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     group = task.result()
-                    # carried finished: filtered and counted when it came back (the mark survives a checkpoint)
-                    seen = bool(group[0].metadata.get(FILTER_PASSED))
+                    seen = id(group[0]) in self.passed  # carried finished: filtered and counted when it came back
                     generated += not seen
                     if not seen:
                         came_back.append(group)
@@ -220,11 +234,10 @@ class OverSampler:
                         in_play -= 1
                         dropped += 1
                     elif len(kept) < target:
-                        group[0].metadata.pop(FILTER_PASSED, None)
                         kept.append(group)
                     else:
                         late.append(group)
-                        group[0].metadata[FILTER_PASSED] = True
+                        self.passed.add(id(group[0]))
         except BaseException:  # a hook or the filter raised: the other groups stop too, their errors read
             for task in pending:
                 task.cancel()
@@ -238,6 +251,7 @@ class OverSampler:
                     if s.index in self.requested and s.weight_versions]
         current = max(versions, default=None)
         stats = self._leftovers(rollout_id, leftovers)
+        self.passed &= {id(g[0]) for g in self.carried}  # live groups only
         stats["rollout/over_sampling/tokens_wasted"] += float(sum(self.restarted.values()) + sum(
             s.response_length for g in refused for s in g))
         if refused:

@@ -62,13 +62,17 @@ def test_a_group_estimator_trims_in_whole_prompt_groups(monkeypatch):
     train.config = TrainSideConfig.from_args(args)
     train.train(2, samples, {})
     assert train.actor.trained[-1] == list(range(20))
-    # split trajectories under GRPO: the manager normalised each sample's reward over its group's trajectories, so
-    # the trim, by samples, keeps whole steps (20 samples) and no group is compared again
+    # split trajectories under GRPO (samples sharing a rollout_id): the manager normalised each sample's reward over
+    # its group's trajectories, so the trim, by samples, keeps whole steps (20 samples); whole trajectories are
+    # trimmed in whole groups as before, whatever their metadata holds
     args.custom_reward_post_process_path = None
     train.config = TrainSideConfig.from_args(args)
     for s in samples:
         s.metadata[POST_PROCESSED_REWARD] = 0.0
     train.train(3, samples, {})
+    assert train.actor.trained[-1] == list(range(12))
+    samples[0].rollout_id = samples[1].rollout_id = 0
+    train.train(4, samples, {})
     assert train.actor.trained[-1] == list(range(20))
 
 

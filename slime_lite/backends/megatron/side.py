@@ -18,7 +18,7 @@ from slime_lite.config import TrainSideConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.metrics import check_finite_losses, memory_record
 from slime_lite.profiling import DRIVER_TIMELINE, timed
-from slime_lite.types import POST_PROCESSED_REWARD
+from slime_lite.types import trajectory_ends
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,9 @@ class TrainSide:
         a multiple of it (a generate hook or agent that splits trajectories into a varying number of samples, with
         a per-sample estimator, or a rollout function returning more groups) trains its first whole steps and leaves
         the rest out, as slime trims, in whole prompt groups for a group estimator (GRPO); fewer samples than one step
-        is an error naming the flags. A rollout whose rewards the manager normalised already (split trajectories)
+        is an error naming the flags. A rollout of split trajectories (the manager normalised its rewards already)
         is trimmed by samples."""
-        group = 1 if all(POST_PROCESSED_REWARD in s.metadata for s in samples) else self.config.group_size
+        group = 1 if len(trajectory_ends(samples)) < len(samples) else self.config.group_size
         g = math.lcm(self.global_batch_size, group)
         kept = len(samples) // g * g
         if kept == len(samples):

@@ -173,12 +173,15 @@ def weight_update_session(urls: list[str]):
 
     begun = on_all(urls, begin)
     opened = [u for u, ok in zip(urls, begun) if ok is True]
+    failed = next((exc for exc in begun if isinstance(exc, EngineError)), None)
+    if failed is not None:  # one engine could not open one: the others' sessions are closed again, nothing sent
+        for u in opened:
+            with contextlib.suppress(EngineError):
+                request_json(u, "/end_weight_update", {}, timeout=300)
+        raise failed
     try:
-        failed = next((exc for exc in begun if isinstance(exc, EngineError)), None)
-        if failed is not None:  # one engine could not open one: the others' sessions are closed again
-            raise failed
         yield
-    except BaseException:
+    except BaseException:  # (a push that fails before its first bucket changed nothing; partial all the same)
         for u in opened:
             _abandon(u)
         raise
@@ -392,8 +395,8 @@ def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: 
     ``ranks`` processes each: ``engine_ranks``); ``flattened``: a
     bucket goes as one broadcast of its tensors' bytes back to back (SGLang's ``load_format="flattened_bucket"``)
     when no tensor would need padding, else (and for SGLang servers: not every version reads it) one broadcast per
-    tensor. ``flush_cache`` False under --fully-async: requests paused in place hold the cache (SGLang refuses to
-    flush it then). ``cpu_engines``: the engines run on the CPU (--rollout-device cpu)."""
+    tensor. ``flush_cache`` False under --fully-async: the retracted requests wait in the engines' queues (SGLang
+    refuses to flush the cache while requests wait). ``cpu_engines``: the engines run on the CPU (--rollout-device cpu)."""
     # NCCL needs one GPU per rank: colocated engines share the trainer's GPU, and CPU engines have none (they refuse
     # an NCCL group, and the trainer would wait for them until the group's timeout), so both use gloo (host memory)
     backend = "nccl" if torch.cuda.is_available() and not colocated and not cpu_engines else "gloo"
@@ -444,7 +447,7 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
     out = os.path.join(root, f"v{version}")
     write_hf_folder(named, args.hf_checkpoint, out)
     body = {"model_path": out, "weight_version": str(version),
-            "flush_cache": not args.fully_async}  # --fully-async: requests paused in place hold the cache
+            "flush_cache": not args.fully_async}  # --fully-async: retracted requests wait in the queues
     replies = on_all(urls, lambda u: request_json(u, "/update_weights_from_disk", body, timeout=600))
     for url, reply in zip(urls, replies):
         _check(reply, url, "/update_weights_from_disk")
