@@ -416,3 +416,25 @@ def test_an_update_that_applies_after_its_session_ended_leaves_the_weights_parti
 
     # after its session ended; after the next began, and still at that one's end (it applied no update of its own)
     assert asyncio.run(scenario()) == ["partial", "partial", "partial"]
+
+
+def test_a_session_that_cannot_open_on_every_engine_leaves_the_others_weights_named(monkeypatch):
+    """One engine refuses /begin_weight_update: the sessions the others opened are closed again, and since nothing
+    was sent their weights keep their version (not "partial"). FAKE engines: the trainer's HTTP calls recorded."""
+    from slime_lite.backends.megatron import weight_push
+    from slime_lite.errors import EngineError
+
+    calls = []
+
+    def request_json(url, route, body, timeout=None):
+        calls.append((url, route))
+        if url == "http://b" and route == "/begin_weight_update":
+            raise EngineError("engine http://b/begin_weight_update answered HTTP 500: busy")
+        return {"success": True}
+
+    monkeypatch.setattr(weight_push, "request_json", request_json)
+    with pytest.raises(EngineError, match="HTTP 500"):
+        with weight_push.weight_update_session(["http://a", "http://b"]):
+            raise AssertionError("the push must not start")
+    assert ("http://a", "/end_weight_update") in calls
+    assert not any(route == "/update_weight_version" for _, route in calls)
