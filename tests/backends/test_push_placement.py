@@ -46,7 +46,7 @@ def test_the_broadcast_group_is_gloo_where_an_engine_cannot_join_nccl(monkeypatc
                                                                        expected) -> None:
     import contextlib
 
-    from slime_lite.backends.megatron import weight_push
+    from slime_lite.backends.megatron import weight_broadcast, weight_push
 
     chosen = []
 
@@ -55,7 +55,7 @@ def test_the_broadcast_group_is_gloo_where_an_engine_cannot_join_nccl(monkeypatc
         raise RuntimeError("no group in this test")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(weight_push, "_group", group)
+    monkeypatch.setattr(weight_broadcast, "_group", group)
     monkeypatch.setattr(weight_push, "weight_update_session", lambda urls: contextlib.nullcontext())
     args = SimpleNamespace(update_weight_transport="distributed", update_weight_buffer_size=1 << 20,
                            colocate=colocate, rollout_backend="embedded", fully_async=False,

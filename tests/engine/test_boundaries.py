@@ -64,15 +64,15 @@ def test_a_wildcard_group_address_is_a_400_naming_the_field(engine, address, mon
 
 
 def test_the_trainer_refuses_a_wildcard_master_address_before_asking_the_engines(monkeypatch):
-    from slime_lite.backends.megatron import weight_push
+    from slime_lite.backends.megatron import weight_broadcast
     from slime_lite.errors import SlimeLiteError
 
     monkeypatch.delenv(WILDCARD_ENV, raising=False)
     monkeypatch.setenv("SLIME_LITE_WEIGHT_MASTER_ADDR", "0.0.0.0")
     asked = []
-    monkeypatch.setattr(weight_push, "request_json", lambda *a, **k: asked.append(a))
+    monkeypatch.setattr(weight_broadcast, "request_json", lambda *a, **k: asked.append(a))
     with pytest.raises(SlimeLiteError, match="SLIME_LITE_WEIGHT_MASTER_ADDR.*every interface"):
-        weight_push._group(["http://127.0.0.1:1"], "gloo")
+        weight_broadcast._group(["http://127.0.0.1:1"], "gloo")
     assert asked == []
     with pytest.raises(ValueError, match=WILDCARD_ENV):
         WeightUpdateGroup("0.0.0.0", free_port(), rank=0, world_size=2)

@@ -128,13 +128,13 @@ def test_an_engine_refusing_the_group_stops_the_push_at_once_and_the_others_leav
     and its answer, and the engine that was joining is not left waiting for the group (it can join a new one)."""
     import torch
 
-    from slime_lite.backends.megatron import weight_push
+    from slime_lite.backends.megatron import weight_broadcast
     from slime_lite.errors import EngineError
 
     fake = FakeRefusingEngine()
     try:
         with pytest.raises(EngineError, match=rf"{fake.url}/init_weights_update_group.*400.*FAKE: group"):
-            weight_push._push_distributed({"model.norm.weight": torch.ones(128)}, [engine.url, fake.url], 1)
+            weight_broadcast.push_distributed({"model.norm.weight": torch.ones(128)}, [engine.url, fake.url], 1)
     finally:
         fake.shutdown()
     assert fake.asked == ["/init_weights_update_group"]  # the refusing engine is not asked to destroy anything
@@ -143,9 +143,9 @@ def test_an_engine_refusing_the_group_stops_the_push_at_once_and_the_others_leav
     while weights.joining or "weight_update_group" in weights.groups:
         assert time.monotonic() < deadline, "the engine was left in the failed group"
         time.sleep(0.05)
-    assert not weight_push._groups
-    weight_push._group([engine.url], "gloo")  # the engine can join the next one
-    weight_push._drop_group((engine.url,))
+    assert not weight_broadcast._groups
+    weight_broadcast._group([engine.url], "gloo")  # the engine can join the next one
+    weight_broadcast._drop_group((engine.url,))
 
 
 @pytest.mark.timeout(60, method="thread")

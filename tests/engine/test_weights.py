@@ -175,10 +175,10 @@ def test_update_weights_from_distributed_broadcast(fresh_engine, new_model):
 
 
 def test_update_weights_from_distributed_flattened_bucket(fresh_engine, new_model):
-    """load_format "flattened_bucket": one broadcast of the bucket's bytes back to back (weight_push._packed), read
+    """load_format "flattened_bucket": one broadcast of the bucket's bytes back to back (weight_broadcast._packed), read
     as SGLang's own FlattenedTensorBucket reads it; a layout that would need padding is refused after the bytes
     arrived (the sender is never left hanging) and the group keeps working."""
-    from slime_lite.backends.megatron.weight_push import _packed
+    from slime_lite.backends.megatron.weight_broadcast import _packed
     from tests import sglang_oracle as oracle
 
     url = fresh_engine.url
@@ -286,7 +286,7 @@ def test_a_whole_moe_model_in_one_distributed_bucket_is_received():
 
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from slime_lite.backends.megatron.weight_push import _packed
+    from slime_lite.backends.megatron.weight_broadcast import _packed
     from slime_lite.engine.weights import Weights
 
     cfg = Qwen3MoeConfig(hidden_size=16, intermediate_size=32, moe_intermediate_size=32, num_hidden_layers=1,

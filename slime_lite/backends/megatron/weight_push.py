@@ -20,9 +20,7 @@ import re
 import shutil
 import socket
 import tempfile
-import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,16 +28,14 @@ import torch
 
 from slime_lite.checks.faults import skips_weight_push
 from slime_lite.checks.weight_check import WeightCheckUnavailable, check_weights_equal
-from slime_lite.engine_client import lora_adapter_name, on_all, request_json, sent_to_all
+from slime_lite.engine_client import lora_adapter_name, on_all, request_json
 from slime_lite.errors import EngineError, EngineUnreachable, SlimeLiteError
-from slime_lite.io import free_port, write_hf_folder
+from slime_lite.io import write_hf_folder
 from slime_lite.types import PARTIAL_VERSION
-from slime_lite.weight_transport import GroupStore, WeightUpdateGroup, check_group_address
 from slime_lite.weight_wire import flatten_bucket, serialize
 
 log = logging.getLogger(__name__)
 BUCKET_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
-_groups: dict[tuple[str, ...], Any] = {}
 
 
 def buckets(named: dict[str, torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[str]]:
@@ -125,7 +121,9 @@ def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
             _push_tensor(args, named, urls, version)
     elif transport == "distributed":
         with weight_update_session(urls):
-            _push_distributed(named, urls, version, colocated=args.colocate, limit=limit,
+            from slime_lite.backends.megatron.weight_broadcast import push_distributed  # (it imports this module)
+
+            push_distributed(named, urls, version, colocated=args.colocate, limit=limit,
                               flattened=args.rollout_backend != "sglang", flush_cache=not args.fully_async,
                               cpu_engines=args.rollout_device == "cpu", ranks=engine_ranks(args))
     else:
@@ -258,187 +256,6 @@ def _push_tensor(args: Any, named: dict[str, torch.Tensor], urls: list[str], ver
 def engine_ranks(args: Any) -> int:
     """Ranks per engine that read a push: an SGLang server's TP ranks (one a GPU), the embedded engine's one."""
     return args.rollout_num_gpus_per_engine if args.rollout_backend == "sglang" else 1
-
-
-def _join_bodies(urls: list[str], ranks: int, host: str, port: int) -> tuple[int, list[dict]]:
-    """The group's size and each engine's ``/init_weights_update_group`` body: the trainer is rank 0 and engine i's
-    ``ranks`` processes take ``rank_offset + 0 .. ranks - 1`` (SGLang adds its TP rank to ``rank_offset``)."""
-    world = 1 + ranks * len(urls)
-    return world, [{"master_address": host, "master_port": port, "rank_offset": 1 + i * ranks, "world_size": world,
-                    "group_name": "weight_update_group"} for i in range(len(urls))]
-
-
-def _group(urls: list[str], backend: str, ranks: int = 1) -> Any:
-    """One broadcast group trainer(rank 0) + engines (``ranks`` processes each), made on the first push and kept for
-    the later ones.
-
-    The trainer's store listens before the engines are asked; the trainer's own join runs in a thread while the
-    engines' answers are watched, so an engine that refuses (a 400: a group already there, a backend it cannot use)
-    stops the push at once instead of after the group's timeout: the store is closed (which ends the joins waiting
-    on it) and the other engines are told to destroy the group (which calls off a join still connecting)."""
-
-    key = tuple(urls)
-    if key in _groups:
-        return _groups[key]
-    for old in list(_groups):  # the engine set changed (--use-fault-tolerance restarted one): one group at a time
-        _drop_group(old)
-    host = os.environ.get("SLIME_LITE_WEIGHT_MASTER_ADDR", "127.0.0.1")
-    try:
-        check_group_address(host)  # the group's store listens on this address only; never every interface
-    except ValueError as exc:
-        raise SlimeLiteError(f"SLIME_LITE_WEIGHT_MASTER_ADDR: {exc}") from None
-    port = free_port()
-    world, bodies = _join_bodies(urls, ranks, host, port)
-    server = GroupStore(host, port, world)
-    joins = [_in_background(request_json, u, "/init_weights_update_group", {**body, "backend": backend}, timeout=300)
-             for u, body in zip(urls, bodies)]
-    cuda = torch.cuda.current_device() if backend == "nccl" else None
-    own = _in_background(_rank0, host, port, world, backend, server, cuda)
-    while True:  # until every side joined, an engine refused, or the trainer's side failed
-        refused = next(((u, exc) for u, f in zip(urls, joins) if (exc := _join_error(u, f)) is not None), None)
-        pending = [f for f in (*joins, own) if not f.done()]
-        if refused or not pending or (own.done() and own.exception() is not None):
-            break
-        wait(pending, return_when=FIRST_COMPLETED)
-    if refused is None and own.exception() is None:
-        _groups[key] = own.result()
-        return _groups[key]
-    server.close()  # every join still waiting on the store ends: the trainer's own, the engines' connected ones
-    with contextlib.suppress(Exception):  # (the trainer's side failed, or formed while an engine refused)
-        own.result(timeout=_LEAVE_S).destroy()
-    _leave(urls, joins, refused[0] if refused else None)
-    if refused is None:
-        raise own.exception()
-    exc = refused[1]
-    if isinstance(exc, EngineUnreachable):
-        raise exc
-    raise EngineError(f"{exc}; the weight update group cannot form without it: the push stopped at once and the "
-                      "other engines were told to destroy the group") from None
-
-
-_LEAVE_S = 10.0  # how long a failed group's engines are asked to leave it
-
-
-def _in_background(fn: Any, *args: Any, **kwargs: Any) -> Future:
-    """``fn(*args, **kwargs)`` in a daemon thread: a join abandoned when the group fails never holds the exit."""
-    future: Future = Future()
-
-    def run() -> None:
-        future.set_running_or_notify_cancel()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the future
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="weight-group-join", daemon=True).start()
-    return future
-
-
-def _rank0(host: str, port: int, world: int, backend: str, server: GroupStore, cuda: int | None) -> Any:
-    if cuda is not None:
-        torch.cuda.set_device(cuda)  # NCCL works on the current device, which is per thread
-    return WeightUpdateGroup(host, port, 0, world, backend=backend, server=server)
-
-
-def _join_error(url: str, join: Future) -> EngineError | None:
-    """The engine's refusal to join (its HTTP error, or a reply that says it failed); None while it joins or once
-    it joined."""
-    if not join.done():
-        return None
-    exc = join.exception()
-    if exc is None:
-        reply = join.result()
-        if not (isinstance(reply, dict) and reply.get("success") is False):
-            return None
-        exc = EngineError(f"engine {url}/init_weights_update_group refused to join: {reply.get('message')}")
-    return exc if isinstance(exc, EngineError) else EngineError(f"engine {url}/init_weights_update_group: {exc!r}")
-
-
-def _leave(urls: list[str], joins: list[Future], refused: str | None) -> None:
-    """Tell every engine but ``refused`` to destroy the group, again while its join is still pending (a request to
-    destroy can reach an engine before its join does), for at most ``_LEAVE_S``."""
-    deadline = time.monotonic() + _LEAVE_S
-    told: set[str] = set()
-    while True:
-        ask = [u for u, f in zip(urls, joins) if u != refused and (not f.done() or (u not in told and
-                                                                                   _join_error(u, f) is None))]
-        for u in ask:
-            told.add(u)
-            try:
-                request_json(u, "/destroy_weights_update_group", {"group_name": "weight_update_group"}, timeout=10)
-            except EngineError as exc:  # nothing (left) to destroy there
-                log.debug("%s: %s", u, exc)
-        pending = [f for u, f in zip(urls, joins) if u != refused and not f.done()]
-        if not pending or time.monotonic() > deadline:
-            if pending:
-                log.warning("engines %s did not leave the failed weight update group within %gs",
-                            [u for u, f in zip(urls, joins) if not f.done()], _LEAVE_S)
-            return
-        wait(pending, timeout=0.5)
-
-
-def _drop_group(key: tuple[str, ...]) -> None:
-    """Destroy a broadcast group on the trainer's side and on each of its engines still answering."""
-    group = _groups.pop(key)
-    for url in key:
-        try:
-            request_json(url, "/destroy_weights_update_group", {"group_name": "weight_update_group"}, timeout=30)
-        except EngineError as exc:  # a dead engine took its side of the group with it
-            log.info("weight update group of %s not destroyed there: %s", url, exc)
-    group.destroy()
-
-
-def _push_distributed(named: dict[str, torch.Tensor], urls: list[str], version: int, colocated: bool = False,
-                      limit: int = BUCKET_BYTES, flattened: bool = True, flush_cache: bool = True,
-                      cpu_engines: bool = False, ranks: int = 1) -> None:
-    """Buckets of at most ``limit`` bytes, each one ``/update_weights_from_distributed`` request (to engines of
-    ``ranks`` processes each: ``engine_ranks``); ``flattened``: a
-    bucket goes as one broadcast of its tensors' bytes back to back (SGLang's ``load_format="flattened_bucket"``)
-    when no tensor would need padding, else (and for SGLang servers: not every version reads it) one broadcast per
-    tensor. ``flush_cache`` False under --fully-async: the retracted requests wait in the engines' queues (SGLang
-    refuses to flush the cache while requests wait). ``cpu_engines``: the engines run on the CPU (--rollout-device cpu)."""
-    # NCCL needs one GPU per rank: colocated engines share the trainer's GPU, and CPU engines have none (they refuse
-    # an NCCL group, and the trainer would wait for them until the group's timeout), so both use gloo (host memory)
-    backend = "nccl" if torch.cuda.is_available() and not colocated and not cpu_engines else "gloo"
-    group = _group(urls, backend, ranks)
-    device = "cuda" if backend == "nccl" else "cpu"
-    route = "/update_weights_from_distributed"
-    try:
-        for names in buckets(named, limit):
-            flat = _packed([named[n] for n in names], device) if flattened else None
-            body = {
-                "names": names,
-                "dtypes": [str(named[n].dtype).removeprefix("torch.") for n in names],
-                "shapes": [list(named[n].shape) for n in names],
-                "group_name": "weight_update_group",
-                "weight_version": str(version),
-                "flush_cache": flush_cache,
-                **({"load_format": "flattened_bucket"} if flat is not None else {}),
-            }
-            with sent_to_all(urls, route, body, 600) as sent:  # each engine joins the broadcast on its request
-                if flat is not None:
-                    group.broadcast(flat, src=0)
-                else:
-                    for n in names:
-                        group.broadcast(named[n].to(device).contiguous(), src=0)
-                replies = [request.result() for request in sent]
-            for u, reply in zip(urls, replies):
-                _check(reply, u, route)
-    except Exception:  # an engine that missed a broadcast left the group: the next push forms it again
-        if tuple(urls) in _groups:
-            _drop_group(tuple(urls))
-        raise
-
-
-def _packed(tensors: list[torch.Tensor], device: str) -> torch.Tensor | None:
-    """The tensors' bytes back to back on ``device`` (one copy), or None when one would start at an offset that is
-    not a multiple of its element size (SGLang's flattened bucket has no padding)."""
-    offset = 0
-    for t in tensors:
-        if offset % t.element_size():
-            return None
-        offset += t.numel() * t.element_size()
-    return torch.cat([t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
 def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int) -> None:
