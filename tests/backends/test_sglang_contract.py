@@ -157,7 +157,7 @@ def test_distributed_push_bodies_are_accepted_by_sglang(monkeypatch):
     import pydantic
     import torch
 
-    from slime_lite.backends.megatron import weight_push as wp
+    from slime_lite.backends.megatron import weight_broadcast as wp
 
     req = pydantic.TypeAdapter(oracle.sglang_module("sglang.srt.managers.io_struct").UpdateWeightsFromDistributedReqInput)
     bodies, casts = [], []
@@ -175,10 +175,10 @@ def test_distributed_push_bodies_are_accepted_by_sglang(monkeypatch):
     named = {"a": torch.zeros(4, 3, dtype=torch.bfloat16), "b": torch.ones(5), "c": torch.zeros(3, dtype=torch.bfloat16)}
     for flattened, want_format, want_casts in ((True, "flattened_bucket", [50]), (False, None, [24, 20, 6])):
         bodies.clear(), casts.clear()
-        wp._push_distributed(named, ["http://engine"], 3, flattened=flattened)
+        wp.push_distributed(named, ["http://engine"], 3, flattened=flattened)
         assert [req.validate_python(b).load_format for b in bodies] == [want_format] and casts == want_casts
     bodies.clear(), casts.clear()
-    wp._push_distributed({"c": named["c"], "b": named["b"]}, ["http://engine"], 4)  # b would start at byte 6
+    wp.push_distributed({"c": named["c"], "b": named["b"]}, ["http://engine"], 4)  # b would start at byte 6
     assert "load_format" not in bodies[0] and casts == [6, 20]
 
 
@@ -191,15 +191,15 @@ def test_the_broadcast_group_gives_every_tp_rank_of_every_sglang_engine_its_own_
     import torch
 
     from slime_lite.args import parser_defaults
-    from slime_lite.backends.megatron import weight_push as wp
+    from slime_lite.backends.megatron import weight_broadcast, weight_push as wp
 
     req = pydantic.TypeAdapter(oracle.sglang_module("sglang.srt.managers.io_struct").InitWeightsUpdateGroupReqInput)
-    world, bodies = wp._join_bodies(["http://e0", "http://e1"], 2, "127.0.0.1", 29500)
+    world, bodies = weight_broadcast._join_bodies(["http://e0", "http://e1"], 2, "127.0.0.1", 29500)
     assert world == 5 and [req.validate_python(b).rank_offset for b in bodies] == [1, 3]
     assert {b["world_size"] for b in bodies} == {5}
     asked = []
     monkeypatch.setattr(wp, "weight_update_session", lambda urls: __import__("contextlib").nullcontext())
-    monkeypatch.setattr(wp, "_push_distributed", lambda *a, **kw: asked.append(kw["ranks"]))
+    monkeypatch.setattr(wp, "push_distributed", lambda *a, **kw: asked.append(kw["ranks"]))
     for backend, want in (("sglang", 2), ("embedded", 1)):
         args = parser_defaults(hf_checkpoint="/m", rollout_backend=backend, rollout_num_gpus_per_engine=2,
                                update_weight_transport="distributed")
@@ -213,7 +213,7 @@ def test_a_failed_distributed_push_drops_the_broadcast_group(monkeypatch):
     one, instead of broadcasting into a group nobody listens to. Fakes: the group and the engine's HTTP answers."""
     import torch
 
-    from slime_lite.backends.megatron import weight_push as wp
+    from slime_lite.backends.megatron import weight_broadcast as wp
     from slime_lite.errors import EngineError
 
     key, calls = ("http://engine",), []
@@ -232,6 +232,6 @@ def test_a_failed_distributed_push_drops_the_broadcast_group(monkeypatch):
 
     monkeypatch.setattr(engine_client, "SentRequest", FailingSent)
     with pytest.raises(EngineError, match="receiving failed"):
-        wp._push_distributed({"a": torch.ones(4)}, list(key), 1)
+        wp.push_distributed({"a": torch.ones(4)}, list(key), 1)
     assert key not in wp._groups
     assert calls == ["broadcast", "/destroy_weights_update_group", "trainer side destroyed"]

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from slime_lite.backends.megatron.weight_push import BUCKET_BYTES, _check, buckets
 from slime_lite.engine_client import request_json, sent_to_all
 from slime_lite.errors import EngineError, EngineUnreachable, SlimeLiteError
 from slime_lite.io import free_port
@@ -22,6 +21,25 @@ from slime_lite.weight_transport import GroupStore, WeightUpdateGroup, check_gro
 
 log = logging.getLogger(__name__)
 _groups: dict[tuple[str, ...], Any] = {}
+BUCKET_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
+
+
+def buckets(named: dict[str, torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[str]]:
+    out: list[list[str]] = [[]]
+    size = 0
+    for name, t in named.items():
+        nbytes = t.numel() * t.element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += nbytes
+    return out
+
+
+def _check(reply: Any, url: str, route: str) -> None:
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise EngineError(f"engine {url}{route} refused the weights: {reply.get('message')}")
 
 
 def _join_bodies(urls: list[str], ranks: int, host: str, port: int) -> tuple[int, list[dict]]:

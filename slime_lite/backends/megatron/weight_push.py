@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from slime_lite.backends.megatron.weight_broadcast import _check, buckets, push_distributed
 from slime_lite.checks.faults import skips_weight_push
 from slime_lite.checks.weight_check import WeightCheckUnavailable, check_weights_equal
 from slime_lite.engine_client import lora_adapter_name, on_all, request_json
@@ -35,27 +36,6 @@ from slime_lite.types import PARTIAL_VERSION
 from slime_lite.weight_wire import flatten_bucket, serialize
 
 log = logging.getLogger(__name__)
-BUCKET_BYTES = 512 << 20  # slime's --update-weight-buffer-size default
-
-
-def buckets(named: dict[str, torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[str]]:
-    out: list[list[str]] = [[]]
-    size = 0
-    for name, t in named.items():
-        nbytes = t.numel() * t.element_size()
-        if out[-1] and size + nbytes > limit:
-            out.append([])
-            size = 0
-        out[-1].append(name)
-        size += nbytes
-    return out
-
-
-def _check(reply: Any, url: str, route: str) -> None:
-    if isinstance(reply, dict) and reply.get("success") is False:
-        raise EngineError(f"engine {url}{route} refused the weights: {reply.get('message')}")
-
-
 def push(args: Any, named: dict[str, torch.Tensor], urls: list[str], version: int,
          reference: dict[str, torch.Tensor] | None = None, check: bool = False) -> dict[str, float]:
     """Send ``named`` to every engine; with --check-weight-update-equal (or ``check``) compare against ``reference``
@@ -121,8 +101,6 @@ def _transport(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
             _push_tensor(args, named, urls, version)
     elif transport == "distributed":
         with weight_update_session(urls):
-            from slime_lite.backends.megatron.weight_broadcast import push_distributed  # (it imports this module)
-
             push_distributed(named, urls, version, colocated=args.colocate, limit=limit,
                               flattened=args.rollout_backend != "sglang", flush_cache=not args.fully_async,
                               cpu_engines=args.rollout_device == "cpu", ranks=engine_ranks(args))
