@@ -10,7 +10,9 @@ of a step, the model's parameter bytes (tied weights once) over the device's cop
 (``copy_gb_s``: a device-to-device copy of that many bytes, read plus write, per second).
 
 ``--compare-fused``: also timed with the eager layer pieces instead of ``fused_layer``'s kernels, ``*_unfused`` keys.
-``--compare-pdl``: also timed without programmatic dependent launch (``triton_build.PDL`` off: cuBLAS's products,
+``--compare-edges``: also timed with the step's first and last small ops as torch's kernels (``cuda_graph.FUSED_EDGES``
+off: the token/position/slot conversions, the embedding gather, the sampler's casts and output copies),
+``*_plainedges`` keys. ``--compare-pdl``: also timed without programmatic dependent launch (``triton_build.PDL`` off: cuBLAS's products,
 the kernels launched plainly), ``*_nopdl`` keys. ``--norm-rows 0,32``: also timed with these ``gemv.NORM_MAX_ROWS``
 (0: the norms as kernels of their own, not inside the products' kernels), ``*_normrowsN`` keys.
 ``--attention-bytes 8192,16384``: also timed with these ``decode_attention.BLOCK_BYTES`` (positions per split),
@@ -133,6 +135,9 @@ def main() -> None:
     ap.add_argument("--compare-rope", action="store_true",
                     help="also time the step with the rotary as a kernel of its own, not inside the attention "
                          "kernel, *_ropekernel keys")
+    ap.add_argument("--compare-edges", action="store_true",
+                    help="also time the step with its input conversions, embedding gather and sampler copies as "
+                         "torch's kernels (cuda_graph.FUSED_EDGES off), *_plainedges keys")
     ap.add_argument("--compare-pdl", action="store_true",
                     help="also time the step without programmatic dependent launch (cuBLAS products), *_nopdl keys")
     ap.add_argument("--norm-rows", default="",
@@ -162,6 +167,7 @@ def main() -> None:
 
     from slime_lite import triton_build
     from slime_lite.engine import decode_attention, fused_layer, gemv
+    from slime_lite.engine import cuda_graph
     from slime_lite.engine.cuda_graph import StepInputs
     from slime_lite.engine.scheduler import Scheduler
 
@@ -196,12 +202,14 @@ def main() -> None:
         variants += [f"_wide{n}{norm}" for n in args.wide_rows.split(",") if n for norm in ("", "_norm")]
         variants += [f"_siluin{n}" for n in args.silu_in_rows.split(",") if n]
         variants += ["_blaslt"] * args.compare_blaslt
+        variants += ["_plainedges"] * args.compare_edges
         blas = torch.backends.cuda.preferred_blas_library()
         for suffix in variants:
             if args.device == "cuda":
                 torch.backends.cuda.preferred_blas_library("cublaslt" if suffix == "_blaslt" else blas)
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
+            cuda_graph.FUSED_EDGES = suffix != "_plainedges"
             decode_attention.ROPE_MAX_ROWS = 0 if suffix == "_ropekernel" else rope_rows
             gemv.config, gemv.usable = auto_config, auto_usable
             if suffix.startswith("_gemv"):
@@ -222,7 +230,7 @@ def main() -> None:
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
-        decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = True
+        decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = cuda_graph.FUSED_EDGES = True
         if args.device == "cuda":
             torch.backends.cuda.preferred_blas_library(blas)
         decode_attention.ROPE_MAX_ROWS = rope_rows

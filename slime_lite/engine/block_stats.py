@@ -25,7 +25,7 @@ from slime_lite.triton_build import triton_kernels
 @triton_kernels
 def _kernel(triton, tl):
     @triton.jit
-    def block_stats_kernel(logits, inv_t, out_max, out_sum, out_arg, vocab, row_stride, blocks,
+    def block_stats_kernel(logits, temps, out_max, out_sum, out_arg, vocab, row_stride, blocks,
                            BLOCK: tl.constexpr):
         row = tl.program_id(0)
         blk = tl.program_id(1)
@@ -35,13 +35,15 @@ def _kernel(triton, tl):
         top = tl.max(x, axis=0)
         first = tl.min(tl.where(x == top, offs, vocab), axis=0)  # first index of the max, as torch.argmax
         shift = tl.where(top == float("-inf"), 0.0, top)  # a block of -inf logits sums to 0, not NaN
-        total = tl.sum(tl.exp((x - shift) * tl.load(inv_t + row)), axis=0)
+        # 1 / temperature in float32, rounded as torch's division is (Triton's own is the fast reciprocal)
+        inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(temps + row).to(tl.float32))
+        total = tl.sum(tl.exp((x - shift) * inv_t), axis=0)
         tl.store(out_max + row * blocks + blk, top)
         tl.store(out_sum + row * blocks + blk, total)
         tl.store(out_arg + row * blocks + blk, first)
 
     @triton.jit
-    def draw_kernel(logits, row_stride, vocab, bmax_ptr, bsum_ptr, barg_ptr, blocks, inv_t_ptr, u_ptr, greedy_ptr,
+    def draw_kernel(logits, row_stride, vocab, bmax_ptr, bsum_ptr, barg_ptr, blocks, temps, u_ptr, greedy_ptr,
                     tok_ptr, lp_ptr, NB: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         j = tl.arange(0, NB)
@@ -50,7 +52,7 @@ def _kernel(triton, tl):
         m = tl.max(bmax, axis=0)
         at = tl.min(tl.where(bmax == m, j, NB), axis=0)  # the first block holding the max: the first argmax
         top = tl.load(barg_ptr + row * blocks + at)
-        inv_t = tl.load(inv_t_ptr + row)
+        inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(temps + row).to(tl.float32))  # as above
         scale = tl.exp(((bmax - m) * inv_t).to(tl.float64))
         sums = tl.where(live, tl.load(bsum_ptr + row * blocks + j, mask=live, other=0.0).to(tl.float64) * scale, 0.0)
         csum = tl.cumsum(sums, axis=0)
@@ -75,8 +77,9 @@ def _kernel(triton, tl):
         token = tl.minimum(blk * BLOCK + pos, vocab - 1).to(tl.int64)
         token = tl.where(tl.load(greedy_ptr + row) != 0, top, token)
         picked = (tl.load(logits + start + token).to(tl.float32) - m) * inv_t
-        tl.store(tok_ptr + row, token)
-        tl.store(lp_ptr + row, (picked.to(tl.float64) - tl.log(tl.sum(sums, axis=0))).to(tl.float32))
+        tl.store(tok_ptr + row, token.to(tok_ptr.dtype.element_ty))
+        lp = (picked.to(tl.float64) - tl.log(tl.sum(sums, axis=0))).to(tl.float32)
+        tl.store(lp_ptr + row, lp.to(lp_ptr.dtype.element_ty))
 
     return block_stats_kernel, draw_kernel
 
@@ -85,23 +88,30 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and _kernel() is not None
 
 
-def triton_sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor, block: int):
+def triton_sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor, block: int,
+                  out: torch.Tensor | None = None):
     """``sampling.sample_rows`` in two kernels: ``(tokens [B] int64, log-probs [B] float32)`` for ``logits [B, V]``
-    (any float dtype), ``temps`` (1 for greedy rows), float64 uniforms ``u`` and the bool ``greedy`` rows."""
+    (any float dtype), ``temps`` (1 for greedy rows; any float dtype), float64 uniforms ``u`` and ``greedy`` (rows
+    whose value is not 0 take the argmax; any dtype). ``out [2, >= B]``: the tokens and log-probs are written into
+    its two rows instead (converted to its dtype), and ``out``'s first ``B`` columns are returned."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     b, v = logits.shape
     blocks = -(-v // block)
-    inv_t = (1.0 / temps.float()).contiguous()
-    bmax = torch.empty(b, blocks, dtype=torch.float32, device=logits.device)
+    dev = logits.device
+    bmax = torch.empty(b, blocks, dtype=torch.float32, device=dev)
     bsum = torch.empty_like(bmax)
-    barg = torch.empty(b, blocks, dtype=torch.int64, device=logits.device)
-    tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
+    barg = torch.empty(b, blocks, dtype=torch.int64, device=dev)
+    if out is None:
+        tokens = torch.empty(b, dtype=torch.int64, device=dev)
+        logprobs = torch.empty(b, dtype=torch.float32, device=dev)
+    else:
+        tokens, logprobs = out[0, :b], out[1, :b]
     stats, draw = _kernel()
-    with torch.cuda.device(logits.device if logits.is_cuda else -1):  # -1: the Triton interpreter (tests)
-        stats[(b, blocks)](logits, inv_t, bmax, bsum, barg, v, logits.stride(0), blocks, BLOCK=block, num_warps=4)
-        draw[(b,)](logits, logits.stride(0), v, bmax, bsum, barg, blocks, inv_t, u.double().contiguous(),
+    temps = temps.contiguous()
+    with torch.cuda.device(dev if logits.is_cuda else -1):  # -1: the Triton interpreter (tests)
+        stats[(b, blocks)](logits, temps, bmax, bsum, barg, v, logits.stride(0), blocks, BLOCK=block, num_warps=4)
+        draw[(b,)](logits, logits.stride(0), v, bmax, bsum, barg, blocks, temps, u.double().contiguous(),
                    greedy.contiguous(), tokens, logprobs, NB=max(16, 1 << (blocks - 1).bit_length()), BLOCK=block,
                    num_warps=4)
     return tokens, logprobs

@@ -50,6 +50,7 @@ from slime_lite.engine.kv_cache import KVCache
 from slime_lite.engine.model import CausalLM
 from slime_lite.engine.sampling import sample_rows
 from slime_lite.offload import clear_cublas_workspaces  # process-wide: every thread's, stream's and device's
+from slime_lite.triton_build import triton_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,46 @@ _FIELDS = [f.name for f in fields(StepInputs)]
 # row's slot (the cache's scratch slot for idle rows, set by ``run``).
 _IDLE_COLUMN = np.array([float(v) for v in astuple(IDLE)] + [0.0, 0.0])[:, None]
 _SLOT = len(_IDLE_COLUMN) - 1
+# On CUDA with Triton a step's first kernel reads its rows of the buffer (the token, or the chained draw), converts
+# them to integers and gathers the token embeddings; the sampler writes the draws straight into the output buffer.
+# Off (benchmarks compare): torch's conversions, gather and copies, about ten small kernels more per step.
+FUSED_EDGES = True
+
+
+@triton_kernels
+def _rows_kernel(triton, tl):
+    @triton.jit
+    def step_rows(inputs, width, prev, weight, weight_row, hidden, tokens, positions, slots, n, TOKEN: tl.constexpr,
+                  POSITION: tl.constexpr, CHAINED: tl.constexpr, SLOT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        chained = tl.load(inputs + CHAINED * width + row)
+        token = tl.where(chained > 0, tl.load(prev + row), tl.load(inputs + TOKEN * width + row)).to(tl.int64)
+        if part == 0:
+            tl.store(tokens + row, token)
+            tl.store(positions + row, tl.load(inputs + POSITION * width + row).to(tl.int64))
+            tl.store(slots + row, tl.load(inputs + SLOT * width + row).to(tl.int64))
+        cols = part * BLOCK + tl.arange(0, BLOCK)
+        live = cols < n
+        tl.store(hidden + row.to(tl.int64) * n + cols, tl.load(weight + token * weight_row + cols, mask=live),
+                 mask=live)
+
+    return step_rows
+
+
+def _step_rows(inputs: torch.Tensor, bs: int, prev: torch.Tensor, weight: torch.Tensor):
+    """The first ``bs`` rows' tokens (the chained ones: ``prev``), positions and slots as int64, and their
+    embeddings ``[bs, 1, hidden]``, in one kernel."""
+    dev, n = inputs.device, weight.shape[1]
+    tokens, positions, slots = torch.empty(3, bs, dtype=torch.int64, device=dev)
+    hidden = torch.empty(bs, 1, n, dtype=weight.dtype, device=dev)
+    block = min(1024, 1 << (n - 1).bit_length())
+    with torch.cuda.device(dev if inputs.is_cuda else -1):  # -1: the Triton interpreter (tests)
+        _rows_kernel()[(bs, -(-n // block))](
+            inputs, inputs.stride(0), prev, weight, weight.stride(0), hidden, tokens, positions, slots, n,
+            TOKEN=_FIELDS.index("token"), POSITION=_FIELDS.index("position"), CHAINED=_SLOT - 1, SLOT=_SLOT,
+            BLOCK=block)
+    return tokens, positions, slots, hidden
 
 
 @dataclass
@@ -147,12 +188,19 @@ class PaddedDecoder:
         x = StepInputs(*rows)
         # Chained rows take the token the last step drew, still on the device (``run`` copies it to ``_prev``
         # outside the graph: the step stays the same when run twice, as warm-up and capture do).
-        tokens = torch.where(chained > 0, self._prev[:bs], x.token).long()
-        hidden = self.lm.decode(tokens, x.position.long(), slot.long(), self.cache, kv_len, graphed=True)
+        edges = FUSED_EDGES and self._inputs.is_cuda and _rows_kernel() is not None
+        if edges:
+            tokens, positions, slots, hidden = _step_rows(self._inputs, bs, self._prev, self.lm.embed.weight)
+        else:
+            tokens = torch.where(chained > 0, self._prev[:bs], x.token).long()
+            positions, slots, hidden = x.position.long(), slot.long(), None
+        hidden = self.lm.decode(tokens, positions, slots, self.cache, kv_len, graphed=True, embedded=hidden)
         self.lm.logits(hidden, out=self._out[:bs])
-        drawn, logprobs = sample_rows(self._out[:bs], x.temperature, x.uniform, x.greedy > 0)
-        self._sampled[0, :bs].copy_(drawn)
-        self._sampled[1, :bs].copy_(logprobs)
+        if edges or not self._inputs.is_cuda:
+            sample_rows(self._out[:bs], x.temperature, x.uniform, x.greedy, out=self._sampled)
+        else:
+            for row, value in zip(self._sampled, sample_rows(self._out[:bs], x.temperature, x.uniform, x.greedy > 0)):
+                row[:bs].copy_(value)
 
     def _buffers(self, dev: torch.device) -> None:
         self._inputs = torch.zeros(len(_IDLE_COLUMN), self.max_bs, dtype=torch.float64, device=dev)

@@ -364,16 +364,17 @@ class CausalLM:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                kv_len: int, slot_range: tuple[int, int] | None = None, same_length: bool = False,
-               graphed: bool = False) -> torch.Tensor:
+               graphed: bool = False, embedded: torch.Tensor | None = None) -> torch.Tensor:
         """One token per running request: ``tokens``, ``positions``, ``slots`` are ``[B]``; returns hidden [B, H].
 
         ``kv_len`` is ``max(positions) + 1``; ``slot_range=(a, b)`` says ``slots`` is exactly ``a..b-1`` in order,
         so the cache is read as a view; ``same_length`` says every position is ``kv_len - 1`` (no mask needed).
         ``graphed``: a padded step (captured as a CUDA graph on CUDA, where SDPA's per-shape setup is paid once, at
         capture); it uses the fused layer pieces (``fused_layer``), or the compiled ones after ``enable_compile``.
+        ``embedded``: the tokens' embeddings ``[B, 1, H]``, already gathered (the captured step's first kernel).
         """
         b = tokens.shape[0]
-        h = F.embedding(tokens[:, None], self.embed.weight)
+        h = F.embedding(tokens[:, None], self.embed.weight) if embedded is None else embedded
         mask = None
         # captured steps on CUDA: each row reads its own slot's prefix (decode_attention): no gather, mask or padding
         own_length = graphed and decode_attention.available(h.device, h.dtype, self.head_dim)

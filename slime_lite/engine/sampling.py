@@ -195,16 +195,23 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     return tokens, logprobs
 
 
-def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor):
+def sample_rows(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor,
+                out: torch.Tensor | None = None):
     """Rows with no truncation and no banned tokens, from tensors only (no host sync, fixed shapes: it runs inside
     captured CUDA graphs): ``logits [B, V]`` (any float dtype; computed in float32), ``temps`` (1 for greedy
-    rows), ``u`` from ``uniforms``, ``greedy`` bool. The token is the inverse CDF of
+    rows), ``u`` from ``uniforms``, ``greedy`` (a row not 0 is greedy). ``out [2, >= B]``: the tokens and log-probs
+    go into its rows (on CUDA the kernels write them there: no copies). The token is the inverse CDF of
     ``softmax(logits / temperature)`` at ``u`` (the argmax for greedy rows); its log-prob is
     ``(logit - max) / temperature - log(sum)``, with the sum in float64. On CUDA two Triton kernels do it all
     (``block_stats``); here, the max and float64 sums of ``exp((logits - max) / T)`` over blocks of ``BLOCK`` tokens
     are the only full passes over the vocabulary, then one block is searched."""
     if block_stats.available(logits.device):
-        return block_stats.triton_sample(logits, temps, u, greedy, BLOCK)
+        return block_stats.triton_sample(logits, temps, u, greedy, BLOCK, out=out)
+    if out is not None:
+        for row, value in zip(out, sample_rows(logits, temps, u, greedy)):
+            row[: len(value)].copy_(value)
+        return out[0, : len(logits)], out[1, : len(logits)]
+    greedy = greedy.bool()
     inv_t = (1.0 / temps.float())[:, None]
     x = logits.float()
     m = x.amax(-1, keepdim=True)

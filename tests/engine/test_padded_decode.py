@@ -222,3 +222,35 @@ def test_padded_decode_grows_the_cache_only_to_the_buckets_it_uses(tiny_model_di
         assert len(out.output_ids) == 300 and [k[1] for k in keys] == [384]
     finally:
         s.stop()
+
+
+def _step_rows_on_cpu() -> None:
+    """Run by ``test_the_step_rows_kernel_in_the_triton_interpreter`` with TRITON_INTERPRET=1."""
+    import torch
+
+    from slime_lite.engine import cuda_graph
+
+    width, bs, vocab = 12, 5, 50
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.zeros(len(cuda_graph._IDLE_COLUMN), width, dtype=torch.float64)
+    inputs[0] = torch.randint(0, vocab, (width,), generator=gen).double()  # tokens
+    inputs[1] = torch.arange(width).double() * 3  # positions
+    inputs[cuda_graph._SLOT - 1, :bs] = torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0])  # chained rows
+    inputs[cuda_graph._SLOT] = torch.arange(width).double() + 7
+    prev = torch.randint(0, vocab, (width,), generator=gen).double()
+    for hidden in (40, 1500):  # one block per row; two blocks, the last one partial
+        weight = torch.randn(vocab, hidden + 3, generator=gen)[:, :hidden]  # rows with a stride of their own
+        tokens, positions, slots, h = cuda_graph._step_rows(inputs, bs, prev, weight)
+        want = torch.where(inputs[cuda_graph._SLOT - 1, :bs] > 0, prev[:bs], inputs[0, :bs]).long()
+        assert torch.equal(tokens, want) and tokens.dtype == torch.int64
+        assert torch.equal(positions, inputs[1, :bs].long())
+        assert torch.equal(slots, inputs[cuda_graph._SLOT, :bs].long())
+        assert torch.equal(h, weight[want][:, None]) and h.shape == (bs, 1, hidden)
+
+
+def test_the_step_rows_kernel_in_the_triton_interpreter():
+    """A captured step's first kernel (CUDA): each row's token (the previous draw where the row is chained), position
+    and slot as int64, and the token's embedding, as the torch ops it replaces give them."""
+    from tests.triton_interpreter import run_interpreted
+
+    run_interpreted("tests.engine.test_padded_decode:_step_rows_on_cpu")

@@ -103,6 +103,14 @@ def check_triton_sample(device: str, dtypes) -> None:
             assert torch.equal(tok.cpu(), want_tok), (dtype, vocab, tok.cpu() - want_tok)
             assert not lp.isnan().any() and torch.allclose(lp.cpu(), want_lp, atol=2e-5, rtol=0)
             assert (tok[4].item() >= BLOCK or greedy[4]) and lp.dtype == torch.float32
+            # as a captured step calls them: float64 rows of temperatures and greedy flags, the draws written
+            # straight into the columns of a float64 buffer wider than the batch
+            out = torch.full((2, rows + 3), -7.0, dtype=torch.float64, device=dev)
+            as_f64 = [t.to(dev, torch.float64) for t in (temps, greedy)]
+            block_stats.triton_sample(logits.to(dev), as_f64[0], u.to(dev), as_f64[1], BLOCK, out=out)
+            assert torch.equal(out[0, :rows].cpu(), want_tok.double()), (dtype, vocab)
+            assert torch.equal(out[1, :rows].cpu(), lp.double().cpu())  # the same bits as the float32 log-probs
+            assert (out[:, rows:] == -7).all()  # the columns past the batch are left alone
 
 
 def _triton_sample_on_cpu() -> None:
