@@ -59,6 +59,19 @@ def _key_value(text: str) -> str:
     return text
 
 
+def _env_object(text: str) -> dict[str, Any]:
+    """A JSON object of environment variables: names of letters, digits and underscores; text or number values."""
+    value = _json_object(text)
+    bad = next((k for k in value if not k or not k.replace("_", "").isalnum()), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"{bad!r} is not an environment variable name (letters, digits and "
+                                         "underscores only)")
+    bad = next((k for k, v in value.items() if not isinstance(v, (str, int, float))), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"the value of {bad!r} is {json.dumps(value[bad])}: give text or a number")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``train`` flags, grouped as slime's documentation groups them."""
     p = argparse.ArgumentParser(
@@ -384,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after every weight push, check that each engine holds exactly the trainer's weights")
     g.add_argument("--debug-env", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="set an environment variable in every Ray process, e.g. CUDA_LAUNCH_BLOCKING=1 (repeatable)")
-    g.add_argument("--train-env-vars", type=_json_object, default="{}", metavar="JSON",
+    g.add_argument("--train-env-vars", type=_env_object, default="{}", metavar="JSON",
                    help="environment variables of the train processes only (actor and critic ranks), as slime: a "
                         "JSON object, e.g. '{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'; over "
                         "--debug-env's (default: none)")

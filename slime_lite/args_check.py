@@ -281,6 +281,10 @@ def validate_args(args: argparse.Namespace) -> None:
             raise SlimeLiteError(f"--{flag.replace('_', '-')} {value!r}: expected a dotted path 'module.function'.")
     if args.save_interval is not None and args.save is None:
         raise SlimeLiteError("--save-interval needs --save DIR.")
+    if args.save is not None and args.save_interval is None and not args.debug_rollout_only:
+        log.warning("--save %s without --save-interval writes no checkpoint (as in slime; the folder still holds "
+                    "what else it is given for): add --save-interval N to save every N rollouts and after the last "
+                    "one", args.save)
     check_debug_tool_args(args)
     check_slime_train_flags(args)  # --save-hf, --ref-update-interval, --update-weights-interval, ...
     if args.load is not None and not os.path.exists(os.path.join(args.load, "latest")):

@@ -15,6 +15,7 @@ from slime_lite.backends.megatron.lora_config import check_lora_args
 from slime_lite.config import RolloutSideConfig, TokenBudget, has_reference_model, periodic
 from slime_lite.errors import SlimeLiteError
 from slime_lite.flag_types import nonneg_float, positive_int, unit_float
+from slime_lite.io import foreign_entry
 from slime_lite.model_families import FAMILIES, moe_config, read_config
 
 log = logging.getLogger("slime_lite.args")
@@ -256,20 +257,38 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
 
 
 def _check_save_hf_apart(args: argparse.Namespace, first: str) -> None:
-    """Each --save-hf export replaces its folder: no export may be, or hold, a folder the run reads or writes
-    otherwise (its checkpoints, the models it starts from); every save point's folder is checked."""
+    """Each --save-hf export replaces its folder: no export may be, or hold, a path the run reads or writes
+    otherwise (the models it starts from, its checkpoints, data, metrics and dumps), and an existing export folder
+    may hold only the files an export writes (an earlier export's); every save point's folder is checked."""
     saves = [i for i in range(args.num_rollout)
              if periodic(i, args.save_interval, args.num_rollout, args.num_rollout_per_epoch)]
     exports = {os.path.realpath(args.save_hf.format(rollout_id=i)) for i in saves} | {os.path.realpath(first)}
-    for flag in ("hf_checkpoint", "ref_load", "lora_adapter_path", "load", "save"):  # the models first
-        value = getattr(args, flag)
+    used = [(f"--{flag.replace('_', '-')}", getattr(args, flag)) for flag in  # the models first
+            ("hf_checkpoint", "ref_load", "lora_adapter_path", "load", "save", "prompt_data", "metrics_path",
+             "dump_details")]
+    used += [("--eval-prompt-data", path) for path in (args.eval_prompt_data or [])[1::2]]
+    for flag in ("save_debug_rollout_data", "save_debug_train_data"):
+        try:  # the folder of its first file (a template that does not format is refused by its own check)
+            first_dump = getattr(args, flag) and getattr(args, flag).format(rollout_id=0, rank=0)
+        except (KeyError, IndexError, ValueError, AttributeError):
+            first_dump = None
+        if first_dump:
+            used.append((f"--{flag.replace('_', '-')}", os.path.dirname(os.path.abspath(first_dump))))
+    for flag, value in used:
         other = os.path.realpath(value) if value else None
         hit = next((x for x in sorted(exports) if other and os.path.commonpath([x, other]) == x), None)
         if hit is not None:
             raise SlimeLiteError(
-                f"--save-hf {args.save_hf} writes {hit}, which is or holds --{flag.replace('_', '-')} {value}: each "
-                "export replaces its folder, deleting what is there; give --save-hf a folder of its own (e.g. "
-                "beside --save).")
+                f"--save-hf {args.save_hf} writes {hit}, which is or holds {flag} {value}: each export replaces its "
+                "folder, deleting what is there; give --save-hf a folder of its own (e.g. beside --save).")
+    if os.path.isdir(args.hf_checkpoint):
+        for folder in sorted(exports):
+            stray = foreign_entry(folder, args.hf_checkpoint)
+            if stray is not None:
+                raise SlimeLiteError(
+                    f"--save-hf {args.save_hf} replaces {folder} at a save point, and it holds {stray}, which no "
+                    "export writes (the folder is not an earlier export): move that away, or give --save-hf a "
+                    "folder of its own.")
 
 
 def world_size(args: Any) -> int:

@@ -213,21 +213,40 @@ def _config_dtype(path: str, named: dict[str, Any]) -> None:
             json.dump(config, f, indent=2)
 
 
+def hf_export_files(hf_checkpoint: str) -> list[str]:
+    """The files of ``hf_checkpoint`` a Hugging Face export copies (config, tokenizer; not its weights)."""
+    return sorted(name for name in os.listdir(hf_checkpoint)
+                  if os.path.isfile(os.path.join(hf_checkpoint, name)) and not name.endswith((".safetensors", ".bin"))
+                  and name != "model.safetensors.index.json")
+
+
+def foreign_entry(out_dir: str, hf_checkpoint: str) -> str | None:
+    """An entry of an existing ``out_dir`` that an export of ``hf_checkpoint`` does not write (a folder, or a file
+    of another name), which replacing the folder would delete; None when there is none (or no folder)."""
+    if not os.path.isdir(out_dir):
+        return None if not os.path.exists(out_dir) else out_dir
+    ours = set(hf_export_files(hf_checkpoint)) | {"model.safetensors"}
+    return next((os.path.join(out_dir, name) for name in sorted(os.listdir(out_dir))
+                 if name not in ours or not os.path.isfile(os.path.join(out_dir, name))), None)
+
+
 def write_hf_folder(named: dict[str, Any], hf_checkpoint: str, out_dir: str) -> None:
     """A Hugging Face model folder: ``named`` tensors as model.safetensors, with the config and tokenizer files of
     ``hf_checkpoint``. Written to a temporary folder beside ``out_dir``, then renamed: a failed write (a full disk)
-    leaves neither a partial folder nor the temporary one."""
+    leaves neither a partial folder nor the temporary one. An existing ``out_dir`` is replaced only when it holds
+    nothing but files of such an export (an earlier one); else SlimeLiteError, and nothing is deleted."""
     from safetensors.torch import save_file  # torch: only the trainer's processes write weights
 
+    stray = foreign_entry(out_dir, hf_checkpoint)
+    if stray is not None:
+        raise SlimeLiteError(f"the Hugging Face export to {out_dir} would replace that folder, and it holds {stray}, "
+                             "which no export writes: move it away or export to another folder.")
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
     try:
-        for name in os.listdir(hf_checkpoint):
-            src = os.path.join(hf_checkpoint, name)
-            if os.path.isfile(src) and not name.endswith((".safetensors", ".bin")) \
-                    and name != "model.safetensors.index.json":
-                shutil.copy2(src, tmp)
+        for name in hf_export_files(hf_checkpoint):
+            shutil.copy2(os.path.join(hf_checkpoint, name), tmp)
         save_file({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})
         _config_dtype(os.path.join(tmp, "config.json"), named)

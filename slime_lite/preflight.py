@@ -19,7 +19,8 @@ from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION, REPLAY_HOOKS, SIGNATURES,
 from slime_lite.io import probe_folder
 from slime_lite.model_families import check_family, check_trainable, num_experts, read_config
 from slime_lite.profiling import profile_targets, trace_dir
-from slime_lite.rollout.data import DataKeys, check_renders, drop_long_prompts, read_prompts
+from slime_lite.rollout.data import (RENDER_CHECKED, DataKeys, check_renders, drop_long_prompts, encode_prompt,
+                                     read_prompts)
 from slime_lite.rollout.dumps import dump_path
 from slime_lite.rollout.rewards import check_data_labels, check_data_rm_types
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
@@ -69,7 +70,31 @@ def check_prompt_data(args: Any) -> None:
         check_renders(prompts, tokenizer, args, where)
         limit, limit_flag = ((args.rollout_max_prompt_len, "--rollout-max-prompt-len") if flag == "--prompt-data"
                              else (args.eval_max_prompt_len, "--eval-max-prompt-len"))
-        drop_long_prompts(prompts, limit, tokenizer, args, f"{where} with {limit_flag}")  # none left: an error
+        kept = drop_long_prompts(prompts, limit, tokenizer, args, f"{where} with {limit_flag}")  # none: an error
+        if args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION and not args.custom_generate_function_path:
+            response = (args.rollout_max_response_len, "--rollout-max-response-len") if flag == "--prompt-data" \
+                else (args.eval_max_response_len, "--eval-max-response-len")
+            check_prompts_fit(args, kept, tokenizer, where, response, limit_flag)
+
+
+def check_prompts_fit(args: Any, prompts: list, tokenizer: Any, where: str, response: tuple[int | None, str],
+                      limit_flag: str) -> None:
+    """Where the embedded engine generates, each of the first ``RENDER_CHECKED`` prompts (as rendered) plus the
+    response length fits the model's context (max_position_embeddings), as the engine (and SGLang) requires of a
+    request: else that prompt's requests are refused after the trainer and the engines started."""
+    length, flag = response
+    context = read_config(args.hf_checkpoint).get("max_position_embeddings")
+    if args.rollout_backend != "embedded" or args.rollout_external_engine_addrs or not context or length is None:
+        return
+    for p in prompts[:RENDER_CHECKED]:
+        n = len(encode_prompt(p, tokenizer, args)[1])
+        if n + length >= context:
+            raise SlimeLiteError(
+                f"{where}:{p.line}: the prompt is {n} tokens as rendered, and with {flag} {length} that is "
+                f"{n + length} tokens, not below the model's context ({context}, max_position_embeddings of "
+                f"--hf-checkpoint {args.hf_checkpoint}): lower {flag}"
+                + (f", or leave such prompts out with {limit_flag} {context - 1 - length}." if context - 1 - length > 0
+                   else "."))
 
 
 def check_replay_keeps_train_dumps(args: Any) -> None:
@@ -209,6 +234,16 @@ def check_outputs(args: Any) -> None:
                              f"{os.path.join(args.metrics_path, 'metrics.jsonl')}.")
     if args.metrics_path and os.path.exists(args.metrics_path) and not os.access(args.metrics_path, os.W_OK):
         raise SlimeLiteError(f"--metrics-path {args.metrics_path} is not writable; choose another file.")
+    if args.metrics_path:  # rows are appended to it: never to a file the run reads
+        metrics = os.path.realpath(args.metrics_path)
+        read = [("--prompt-data", args.prompt_data)] + [("--eval-prompt-data", p)
+                                                        for p in (args.eval_prompt_data or [])[1::2]]
+        read += [(f"--{f.replace('_', '-')}", getattr(args, f)) for f in ("hf_checkpoint", "ref_load", "load",
+                                                                           "lora_adapter_path")]
+        for flag, value in read:
+            if value and os.path.commonpath([metrics, os.path.realpath(value)]) == os.path.realpath(value):
+                raise SlimeLiteError(f"--metrics-path {args.metrics_path} is or lies inside {flag} {value}, which "
+                                     "this run reads: metrics rows would be appended to it; give another file.")
 
 
 def check_grad_norm_file(args: Any) -> None:

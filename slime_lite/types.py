@@ -114,7 +114,7 @@ class Sample:
     apply_chat_template_kwargs: dict = field(default_factory=dict)
     response: str = ""
     response_length: int = 0
-    label: str | None = None
+    label: str | int | list | dict | None = None
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)

@@ -140,6 +140,13 @@ def test_an_hf_export_says_the_dtype_of_its_tensors_so_transformers_loads_them_u
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     name, tensor = next(iter(named.items()))
     assert model.dtype == torch.float32 and torch.equal(model.state_dict()[name], tensor)
+    # a second export replaces the first; a folder holding anything else is left whole and refused
+    write_hf_folder(named, str(base), str(tmp_path / "out"))
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(SlimeLiteError, match="holds .*notes.txt, which no export writes"):
+        write_hf_folder(named, str(base), str(tmp_path / "out"))
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and (tmp_path / "out" / "model.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-hf-")]
 
 
 def test_an_ipv6_engine_host_gets_a_port_and_a_url_in_brackets(monkeypatch):

@@ -233,6 +233,21 @@ def test_missing_output_folders_are_created(tiny_model_dir, replay, tmp_path) ->
         check_outputs(_args(tiny_model_dir, replay, "--metrics-path", str(tmp_path / "metrics_dir")))
 
 
+def test_metrics_are_never_appended_to_a_file_the_run_reads(tiny_model_dir, tmp_path) -> None:
+    """--metrics-path naming the prompt data (or a file of the model) appended metrics rows to it: the next run
+    failed on its data. Refused before Ray starts, naming both flags; the file is left as it was."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--debug-rollout-only", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data),
+            "--rm-type", "addition"]
+    for path, flag in ((data, "--prompt-data"), (tiny_model_dir / "config.json", "--hf-checkpoint")):
+        before = path.read_bytes()
+        with pytest.raises(SlimeLiteError, match=f"--metrics-path {re.escape(str(path))} is or lies inside {flag}"):
+            check_outputs(parse_args(base + ["--metrics-path", str(path)]))
+        assert path.read_bytes() == before
+    check_outputs(parse_args(base + ["--metrics-path", str(tmp_path / "metrics.jsonl")]))
+
+
 def test_cli_stops_before_ray_with_one_message(tiny_model_dir, replay, tmp_path) -> None:
     """A bad second dump ends `slime-lite train` before Ray starts: exit 2, the message and no traceback."""
     bad = _samples()
@@ -351,7 +366,7 @@ def test_eval_data_and_the_chat_template_are_checked_too(tiny_model_dir, tmp_pat
                               "addition", *RUN, *template]))
     from slime_lite.rollout.data import read_prompts
 
-    assert read_prompts(str(good))[0].label == "2"
+    assert read_prompts(str(good))[0].label == 2  # an integer in the data stays one
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -402,8 +417,13 @@ def test_limits_every_request_would_be_refused_for_are_refused_before_ray(tiny_m
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
     base = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition", *RUN]
-    preflight(parse_args(base + ["--rollout-max-response-len", str(context - 1), "--rollout-stop-token-ids",
-                                 str(vocab - 1), "--rollout-max-prompt-len", "64"]))
+    preflight(parse_args(base + ["--rollout-max-response-len", str(context - 5), "--rollout-stop-token-ids",
+                                 str(vocab - 1), "--rollout-max-prompt-len", "64"]))  # "1+1=": 4 tokens, 511 in all
+    # a prompt whose tokens with the response's reach the context: its line, and a prompt limit that leaves it out
+    with pytest.raises(SlimeLiteError, match=rf"p.jsonl:1: the prompt is 4 tokens as rendered, and with "
+                                             rf"--rollout-max-response-len {context - 4} that is {context} tokens, "
+                                             rf"not below the model's context \({context}.*--rollout-max-prompt-len 3"):
+        preflight(parse_args(base + ["--rollout-max-response-len", str(context - 4)]))
     with pytest.raises(SlimeLiteError, match=rf"--rollout-max-response-len {context}: the model's context"):
         preflight(parse_args(base + ["--rollout-max-response-len", str(context)]))
     with pytest.raises(SlimeLiteError, match=rf"--eval-max-response-len {context}: the model's context"):

@@ -51,7 +51,7 @@ def test_eval_max_context_len_bounds_eval_samples_and_defaults_to_the_rollouts(r
         assert "evaluation" in inspect.signature(hook).parameters  # the generator passes evaluation= to them
 
 
-def test_train_env_vars_go_to_the_train_processes_only(run, monkeypatch):
+def test_train_env_vars_go_to_the_train_processes_only(run, monkeypatch, capsys):
     assert run().train_env_vars == {}
     args = run("--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "N": 2}')
     assert group.train_env(args) == {"runtime_env": {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF":
@@ -73,6 +73,13 @@ def test_train_env_vars_go_to_the_train_processes_only(run, monkeypatch):
     assert [o["runtime_env"]["env_vars"]["N"] for o in options] == ["2", "2"]
     with pytest.raises(SystemExit):
         run("--train-env-vars", "[1]")
+    # a name Ray cannot set hung the run (its workers kept dying): refused while the flags are read
+    for bad, said in (('{"A=B": "x"}', "'A=B' is not an environment variable name"),
+                      ('{"": "x"}', "'' is not an environment variable name"),
+                      ('{"N": null}', "the value of 'N' is null")):
+        with pytest.raises(SystemExit):
+            run("--train-env-vars", bad)
+        assert said in capsys.readouterr().err
 
 
 def test_frozen_parameter_patterns_parse_as_slimes_lists(run):

@@ -58,6 +58,27 @@ def test_rules_name_the_flag_and_the_fix(base, tmp_path):
     assert f"writes {tmp_path / '2'}, which is or holds --save" in said
     parse_args(base + save + ["--save-hf", str(tmp_path / "hf_{rollout_id}")])
     parse_args(base + save + ["--save-hf", str(tmp_path / "ckpt" / "hf_{rollout_id}")])  # inside --save: no harm
+    # nor the data, the metrics or the dumps the run reads or writes
+    exp = tmp_path / "exp"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    assert "which is or holds --prompt-data" in err(base + save + ["--prompt-data", str(tmp_path / "data" / "d.jsonl"),
+                                                                    "--save-hf", str(tmp_path / "data")])
+    for extra, flag, folder in (
+            (["--metrics-path", str(exp / "m.jsonl")], "--metrics-path", exp),
+            (["--save-debug-rollout-data", str(exp / "d" / "data_{rollout_id}.pt")], "--save-debug-rollout-data", exp),
+            (["--eval-prompt-data", "e", str(tmp_path / "data" / "d.jsonl"), "--eval-interval", "1"],
+             "--eval-prompt-data", tmp_path / "data")):
+        assert f"which is or holds {flag}" in err(base + save + extra + ["--save-hf", str(folder)])
+    # an existing folder is replaced only when it is an earlier export: nothing else in it is deleted
+    exp.mkdir()
+    (exp / "notes.txt").write_text("mine")
+    (exp / "config.json").write_text("{}")
+    said = err(base + save + ["--save-hf", str(exp)])
+    assert f"holds {exp / 'notes.txt'}, which no export writes" in said and (exp / "notes.txt").exists()
+    (exp / "notes.txt").unlink()
+    (exp / "model.safetensors").write_text("")
+    parse_args(base + save + ["--save-hf", str(exp)])  # config.json and weights only: an earlier export
     assert "keeps none (no --use-kl-loss" in err(base + ["--ref-update-interval", "2"])
     assert "with --lora-rank is not supported" in err(base + kl + ["--ref-update-interval", "2", "--lora-rank", "4"])
     assert parse_args(base + kl + ["--ref-update-interval", "2"]).ref_update_interval == 2
@@ -140,3 +161,16 @@ def test_the_doctor_pushes_after_every_rollout():
     argv = train_argv(["--hf-checkpoint", "m", "--update-weights-interval", "3", "--save-hf", "/o/{rollout_id}"],
                       "/tmp/doctor-out")
     assert "--update-weights-interval" not in argv and "--save-hf" not in argv and argv[:2] == ["--hf-checkpoint", "m"]
+
+
+def test_save_without_an_interval_is_told_it_writes_no_checkpoint(base, tmp_path, caplog):
+    """As in slime, --save alone writes no checkpoint: said at the start, not found out after the run."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + ["--save", str(tmp_path / "ckpt")])
+    assert "without --save-interval writes no checkpoint" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"])
+    assert "writes no checkpoint" not in caplog.text

@@ -147,7 +147,9 @@ def read_prompts(path: str, keys: DataKeys = DataKeys(), flag: str = "--prompt-d
             meta["tools"] = tools  # as slime keeps them: a custom generate function's tools
         if isinstance(label, float) and label.is_integer():
             label = int(label)  # 85.0 in the data is the answer 85
-        if label is not None and not isinstance(label, (list, dict)):
+        # an integer stays one, as slime keeps it (gpqa reads it as the right choice's index; the text rewards
+        # compare its digits); other scalars become text
+        if label is not None and (isinstance(label, bool) or not isinstance(label, (int, list, dict))):
             label = str(label)
         prompts.append(Prompt(len(prompts), row[input_key], label, meta, lineno))
     if not prompts:
@@ -220,7 +222,13 @@ RENDER_CHECKED = 20_000  # prompts rendered before Ray starts (a template error 
 
 def check_renders(prompts: list[Prompt], tokenizer: Any, args: Any, where: str) -> None:
     """The first ``RENDER_CHECKED`` prompts render as the run's flags say (the chat template, its kwargs, the row's
-    tools); every row's shape was checked when the file was read."""
+    tools); every row's shape was checked when the file was read, and every row is a text where no chat template
+    renders it (a cheap check, on every row)."""
+    if not args.apply_chat_template:
+        listed = next((p for p in prompts if not isinstance(p.prompt, str)), None)
+        if listed is not None:
+            raise SlimeLiteError(f"{where}:{listed.line}: a prompt is a chat message list: add "
+                                 "--apply-chat-template to render it.")
     for p in prompts[:RENDER_CHECKED]:
         try:
             render_prompt(p.prompt, tokenizer, args.apply_chat_template, p.metadata.get("tools"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
@@ -47,10 +48,12 @@ def new_group(prompt: Prompt, n: int, group_index: int, first_index: int, text: 
         Sample(
             group_index=group_index,
             index=first_index + j,
-            prompt=prompt.prompt,
+            # copies: a hook that edits a sample's chat history or metadata in place leaves its group's other
+            # samples and the data set (read again next epoch) as they were
+            prompt=copy.deepcopy(prompt.prompt),
             tokens=list(ids),
-            label=prompt.label,
-            metadata={**prompt.metadata, "prompt_index": prompt.index, "prompt_text": text},
+            label=copy.deepcopy(prompt.label),
+            metadata=copy.deepcopy({**prompt.metadata, "prompt_index": prompt.index, "prompt_text": text}),
         )
         for j in range(n)
     ]
@@ -364,9 +367,9 @@ class Generator:
         for gi, prompt in enumerate(prompts):
             text, ids = self.encode(prompt)
             groups.append(new_group(prompt, n, gi, gi * n, text, ids))
-        seed_base = a.rollout_seed * 1_000_003 + 7_919 + rollout_id * 100_003
+        base = seed_base(a.rollout_seed, 7_919 + rollout_id * 100_003)
         if a.deterministic_mode and self.generate_fn is default_generate:
-            results = await self._run_together(groups, params, seed_base)
+            results = await self._run_together(groups, params, base)
         else:
-            results = await gather_or_cancel(self.run_group(g, params, seed_base, True) for g in groups)
+            results = await gather_or_cancel(self.run_group(g, params, base, True) for g in groups)
         return [s for g in results for s in g]

@@ -228,9 +228,9 @@ def gpqa_reward(response: str, label: Any, metadata: dict[str, Any]) -> float:
     """slime's ``gpqa``: 1.0 when the option letter the answer (after any ``</think>``) picks is the right one.
     The right letter is the row's ``correct_letter`` field, else a one-letter label, else an integer label (an
     index into the letters), else the letter of the choice (the row's ``choices``, a list or dict) whose text is
-    the label's, else a label of digits as an index (a data file's integer label reaches rewards as its text).
-    The letters are the row's ``valid_letters``, else A.. for its choices, else A-J. The picked letter is the one
-    after "answer"/"option"/"choice" (or before "is correct"), else the last lone capital among the
+    the label's, else a text label of digits as an index (a data file's integer label stays an integer).
+    The letters are the row's ``valid_letters``, else A.. for its choices, else A-J. The picked letter is the last
+    one after "answer"/"option"/"choice" (else the last before "is correct"), else the last lone capital among the
     letters; with none, the right choice's text (or the label) inside the answer scores 1.0."""
     text = response.rsplit("</think>", 1)[-1]
     choices = metadata.get("choices")
@@ -247,8 +247,8 @@ def gpqa_reward(response: str, label: Any, metadata: dict[str, Any]) -> float:
     elif right is None and said:
         right = next((letters[i] for i, c in enumerate(choices[:len(letters)])
                       if _plain(str(c)) == _plain(said)), None)
-        if right is None and said.isdigit() and int(said) < len(letters):  # an integer label read from a file
-            right = letters[int(said)]  # (the data's 1 is the text "1" here): an index, as slime reads it
+        if right is None and said.isdigit() and int(said) < len(letters):  # digits given as text: an index
+            right = letters[int(said)]
     picked = _picked_letter(text, letters)
     if picked and right:
         return 1.0 if picked == right else 0.0
@@ -260,10 +260,12 @@ def gpqa_reward(response: str, label: Any, metadata: dict[str, Any]) -> float:
 
 
 def _picked_letter(text: str, letters: list[str]) -> str | None:
+    """The letter the response settles on: the last of the first pattern that names a choice (a reasoning text
+    weighs options before it concludes), else its last lone capital that is a choice."""
     for pattern in _LETTER_SAID:
-        m = pattern.search(text)
-        if m and m.group(1) in letters:
-            return m.group(1)
+        said = [m.group(1) for m in pattern.finditer(text) if m.group(1) in letters]
+        if said:
+            return said[-1]
     return next((c for c in reversed(re.findall(r"\b([A-Z])\b", text)) if c in letters), None)
 
 

@@ -25,7 +25,7 @@ def test_a_line_separator_inside_a_json_string_does_not_split_the_line(tmp_path)
 def test_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+1=", "label": 2}\r\n\r\n{"prompt": "2+2=", "label": 4}\r\n')
-    assert [(p.prompt, p.label) for p in read_prompts(str(path))] == [("1+1=", "2"), ("2+2=", "4")]
+    assert [(p.prompt, p.label) for p in read_prompts(str(path))] == [("1+1=", 2), ("2+2=", 4)]
 
 
 def test_data_fields_never_pass_for_slime_lites_own_sample_metadata(tmp_path) -> None:
@@ -47,7 +47,7 @@ def test_data_fields_never_pass_for_slime_lites_own_sample_metadata(tmp_path) ->
 
 def test_a_label_keeps_its_data_type_as_in_slime(tmp_path) -> None:
     """A custom reward gets a list or dict label (test cases, several answers) as the data has it, as slime gives
-    it, not its Python repr; a number label is its text, as before."""
+    it, not its Python repr; an integer label stays an integer (gpqa reads it as an index), as in slime."""
     import asyncio
 
     from slime_lite.args import parser_defaults
@@ -56,10 +56,60 @@ def test_a_label_keeps_its_data_type_as_in_slime(tmp_path) -> None:
     path = _write(tmp_path / "p.jsonl", [{"prompt": "a", "label": ["x", "y"]}, {"prompt": "b", "label": {"n": 1}},
                                          {"prompt": "c", "label": -3}, {"prompt": "d"}])
     prompts = read_prompts(path)
-    assert [p.label for p in prompts] == [["x", "y"], {"n": 1}, "-3", None]
+    assert [p.label for p in prompts] == [["x", "y"], {"n": 1}, -3, None]
     group = new_group(prompts[2], 1, 0, 0, "c", [1])
     group[0].response = "so it is \\boxed{-3}."
     assert asyncio.run(compute_reward(parser_defaults(rm_type="math"), group[0])) == 1.0
+
+
+def test_a_groups_samples_and_the_data_set_do_not_share_the_prompts_objects() -> None:
+    """A hook that appends to one sample's chat history or edits its nested metadata in place changes neither the
+    other samples of its group nor the prompt the data set hands out again next epoch (slime copies them too)."""
+    from slime_lite.rollout.data import Prompt
+
+    prompt = Prompt(0, [{"role": "user", "content": "hi"}], ["a", "b"], {"env": {"step": 0}, "history": []})
+    group = new_group(prompt, 2, 0, 0, "hi", [1])
+    group[0].prompt.append({"role": "assistant", "content": "turn"})
+    group[0].metadata["env"]["step"] = 1
+    group[0].metadata["history"].append("turn")
+    group[0].label.append("c")
+    for fresh in (group[1], new_group(prompt, 1, 0, 0, "hi", [1])[0]):
+        assert fresh.prompt == [{"role": "user", "content": "hi"}] and fresh.label == ["a", "b"]
+        assert fresh.metadata["env"] == {"step": 0} and fresh.metadata["history"] == []
+
+
+def test_eval_sampling_seeds_stay_within_int64_whatever_the_rollout_seed(tiny_model_dir) -> None:
+    """A large --rollout-seed: the eval requests' seeds are kept within int64 as the rollout's are (the engine
+    refuses others). The engine client is a fake (no engine runs): it validates each request's sampling params
+    with the embedded engine's own parser and answers one token."""
+    import asyncio
+
+    from slime_lite.args import parser_defaults
+    from slime_lite.engine.sampling import SamplingParams
+    from slime_lite.rollout.data import Prompt
+    from slime_lite.rollout.generate import Generator
+    from slime_lite.tokenizer import load_tokenizer
+
+    seeds = []
+
+    class FakeEngineClient:
+        urls = ["http://fake"]
+
+        async def generate(self, body):
+            params = body["sampling_params"] if isinstance(body["sampling_params"], list) else [body["sampling_params"]]
+            seeds.extend(SamplingParams.from_dict(p).sampling_seed for p in params)
+            outs = [{"text": "1", "output_ids": [5], "meta_info": {"finish_reason": {"type": "stop"},
+                                                                   "output_token_logprobs": [[-0.1, 5, None]]}}
+                    for _ in params]
+            return outs if isinstance(body["sampling_params"], list) else outs[0]
+
+    args = parser_defaults(hf_checkpoint=tiny_model_dir, rm_type="addition", rollout_seed=10**13,
+                           rollout_batch_size=1, n_samples_per_eval_prompt=2, eval_temperature=1.0,
+                           eval_max_response_len=4)
+    gen = Generator(args, load_tokenizer(tiny_model_dir), FakeEngineClient())
+    samples = asyncio.run(gen.evaluate("e", [Prompt(0, "1+0=", "1", {})], 0))
+    assert len(samples) == 2 and len(seeds) == 2 and len(set(seeds)) == 2
+    assert all(0 <= s < 2**63 for s in seeds)
 
 
 # A Qwen3-like chat template (tools in a system turn, enable_thinking closing an empty think block), on the tiny
@@ -212,3 +262,21 @@ def test_only_the_tool_keys_field_is_the_templates_tools(tmp_path, tiny_model_di
     tok.chat_template = TOOLS_TEMPLATE
     for p in prompts:  # rendered without tools: none came from the tool key
         assert "tools:" not in encode_prompt(p, tok, args)[0]
+
+
+def test_a_chat_list_row_past_the_rendered_ones_is_refused_without_a_chat_template(tmp_path, monkeypatch) -> None:
+    """Only the first RENDER_CHECKED prompts are rendered before Ray starts; a chat-message row after them, with no
+    --apply-chat-template, stopped the run after the engines started (hours in, without shuffling). Every row is
+    checked for that; the error names the file and line."""
+    import pytest
+
+    from slime_lite.args import parser_defaults
+    from slime_lite.errors import SlimeLiteError
+    from slime_lite.rollout import data
+
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2="},
+                                         {"prompt": [{"role": "user", "content": "hi"}]}])
+    monkeypatch.setattr(data, "RENDER_CHECKED", 1)
+    with pytest.raises(SlimeLiteError, match=r"p\.jsonl:3: a prompt is a chat message list: add --apply-chat"):
+        data.check_renders(read_prompts(path), None, parser_defaults(), f"--prompt-data {path}")
+    data.check_renders(read_prompts(path)[:2], None, parser_defaults(), f"--prompt-data {path}")

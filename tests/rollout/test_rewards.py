@@ -152,8 +152,13 @@ def test_dapo_sees_only_the_last_300_characters():
     ("The answer is (B).", "C", {}, 0.0),
     ("<think>maybe A? The answer is A</think> Answer: C", "C", {}, 1.0),  # after the reasoning only
     ("I pick D", 3, {}, 1.0),  # an integer label: an index into the letters
-    ("The answer is B", "1", {"choices": ["x", "y", "z", "w"]}, 1.0),  # a data file's 1, read as text "1"
+    ("The answer is B", "1", {"choices": ["x", "y", "z", "w"]}, 1.0),  # digits as text, matching no choice
     ("The answer is B", "2", {"choices": ["1", "2", "3", "4"]}, 1.0),  # digits matching a choice: the choice
+    ("The answer is C", 2, {"choices": ["1", "2", "3", "4"]}, 1.0),  # an integer: the index, whatever the texts
+    ("The answer is B", 2, {"choices": ["1", "2", "3", "4"]}, 0.0),
+    ("Let me check choice D first... no. The answer is (B).", "B", {}, 1.0),  # the letter it concludes with
+    ("Let me check choice D first... no. The answer is (B).", "D", {}, 0.0),
+    ("Answer: I think so. Answer: C", "C", {"choices": ["a", "b", "c", "d"]}, 1.0),  # I is no choice: C after it
     ("Option B is the one.", "blue", {"choices": ["red", "blue", "green"]}, 1.0),  # the label is a choice's text
     ("It is blue, clearly.", "blue", {"choices": ["red", "blue", "green"]}, 1.0),  # no letter: the choice's text
     ("the answer is a mixture", "A", {}, 0.0),  # a lower-case article is not option A
