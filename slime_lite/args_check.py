@@ -225,6 +225,7 @@ def validate_args(args: argparse.Namespace) -> None:
         for path in args.eval_prompt_data[1::2]:
             _need_file(path, "--eval-prompt-data")
     check_fault_tolerance(args)
+    check_external_engines(args)
     if args.eval_interval and args.eval_prompt_data is None:
         raise SlimeLiteError("--eval-interval needs --eval-prompt-data NAME PATH.")
     eval_len = args.eval_max_response_len or args.rollout_max_response_len
@@ -360,6 +361,15 @@ def check_correction_args(args: Any) -> None:
     if on and args.debug_rollout_only:
         raise SlimeLiteError(f"--{on[0].replace('_', '-')} needs the trainer's log-probs; --debug-rollout-only "
                              "trains nothing. Drop one of them.")
+
+
+def check_external_engines(args: argparse.Namespace) -> None:
+    """Each --rollout-external-engine-addrs entry is host:port or a URL (else it was found out after the trainer was
+    built, as an engine that does not answer)."""
+    for address in (args.rollout_external_engine_addrs or "").split(","):
+        if args.rollout_external_engine_addrs and not re.fullmatch(r"\s*(\w+://\S+|\S+:\d+/?)\s*", address):
+            raise SlimeLiteError(f"--rollout-external-engine-addrs {args.rollout_external_engine_addrs}: {address!r} "
+                                 "is not host:port (or a URL such as http://host:port); separate engines by commas.")
 
 
 def check_fault_tolerance(args: argparse.Namespace) -> None:

@@ -176,6 +176,13 @@ def check_generation_limits(args: Any, cfg: dict[str, Any]) -> None:
             raise SlimeLiteError(f"{flag} {value}: the model's context ({context} tokens, max_position_embeddings "
                                  f"of --hf-checkpoint {args.hf_checkpoint}) holds no prompt with such a response; "
                                  f"give at most {context - 1} (minus the longest prompt).")
+    kv, running = args.engine_kv_cache_tokens, args.engine_max_running_requests
+    longest = max(v for v in (args.rollout_max_response_len, args.eval_max_response_len, 0) if v is not None)
+    if embedded and kv and running and min(context or kv, kv // running) <= longest:
+        raise SlimeLiteError(f"--engine-kv-cache-tokens {kv} over --engine-max-running-requests {running} gives each "
+                             f"request {kv // running} tokens of cache, which hold no prompt with a response of "
+                             f"{longest} tokens (--rollout-max-response-len / --eval-max-response-len): raise the "
+                             "cache or lower the running requests.")
     bad = [t for t in (args.rollout_stop_token_ids or []) if vocab and t >= vocab]
     if bad:
         raise SlimeLiteError(f"--rollout-stop-token-ids {' '.join(map(str, bad))}: outside the model's vocabulary "

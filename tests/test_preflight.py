@@ -428,6 +428,17 @@ def test_limits_every_request_would_be_refused_for_are_refused_before_ray(tiny_m
         preflight(parse_args(base + ["--rollout-max-response-len", str(context)]))
     with pytest.raises(SlimeLiteError, match=rf"--eval-max-response-len {context}: the model's context"):
         preflight(parse_args(base + ["--eval-max-response-len", str(context)]))
+    # a cache that gives each request fewer tokens than a response: every request refused by the engines
+    with pytest.raises(SlimeLiteError, match=r"--engine-kv-cache-tokens 130 over --engine-max-running-requests 64 "
+                                             r"gives each request 2 tokens of cache, .* a response of 8 tokens"):
+        preflight(parse_args(base + ["--rollout-max-response-len", "8", "--engine-kv-cache-tokens", "130",
+                                     "--engine-max-running-requests", "64"]))
+    from slime_lite.rollout.engines import train_flag_names  # what the engine says when it starts, in train's terms
+
+    assert train_flag_names("--device cuda: CUDA is not available on this machine; use --device cpu.") == (
+        "--rollout-device cuda: CUDA is not available on this machine; use --rollout-device cpu.")
+    assert train_flag_names("--kv-cache-tokens 9: raise it or lower --max-running-requests.") == (
+        "--engine-kv-cache-tokens 9: raise it or lower --engine-max-running-requests.")
     with pytest.raises(SlimeLiteError, match=rf"--rollout-stop-token-ids {vocab}: outside the model's vocabulary"):
         preflight(parse_args(base + ["--rollout-stop-token-ids", "3", str(vocab)]))
     with pytest.raises(SlimeLiteError, match=r"with --rollout-max-prompt-len: every prompt is longer than 1 tokens"):

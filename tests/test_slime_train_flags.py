@@ -174,3 +174,11 @@ def test_save_without_an_interval_is_told_it_writes_no_checkpoint(base, tmp_path
     with caplog.at_level(logging.WARNING):
         parse_args(base + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"])
     assert "writes no checkpoint" not in caplog.text
+
+
+def test_external_engine_addresses_are_host_and_port_or_urls(base):
+    """slime's --rollout-external-engine-addrs: a bad entry was found out after the trainer was built."""
+    for good in ("127.0.0.1:30000", "a:1, b:2", "http://h:30000/", "https://engine.example"):
+        parse_args(base + ["--rollout-external-engine-addrs", good])
+    for bad in ("foo", "a:1,", "host:port"):
+        assert f"{bad.split(',')[-1]!r} is not host:port" in err(base + ["--rollout-external-engine-addrs", bad])

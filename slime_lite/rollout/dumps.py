@@ -20,7 +20,7 @@ from typing import Any, Iterable
 from slime_lite import __version__
 from slime_lite.errors import DumpError, SlimeLiteError
 from slime_lite.io import atomic_torch_save, load_plain
-from slime_lite.types import TOKEN_VERSIONS, RewardError, Sample, Status
+from slime_lite.types import TOKEN_VERSIONS, PrefixCacheInfo, RewardError, Sample, SpecInfo, Status
 
 FORMAT_VERSION = 1
 STATUSES = tuple(s.value for s in Status)
@@ -252,6 +252,13 @@ def _field_problem(item: dict[str, Any]) -> str | None:
                                  or not all(_is_int(v) for v in versions)):
         return (f"metadata[{TOKEN_VERSIONS!r}]: expected one int weight version per response token "
                 f"({length}), got {versions!r:.80}")
+    weight_versions = item.get("weight_versions", [])
+    if not isinstance(weight_versions, (list, tuple)):
+        return f"weight_versions: expected a list (each engine call's weight version), got {weight_versions!r:.80}"
+    for name in ("spec_info", "prefix_cache_info"):  # slime's dicts of counters
+        value = item.get(name)
+        if value is not None and not isinstance(value, (dict, SpecInfo, PrefixCacheInfo)):
+            return f"{name}: expected a dict, got {type(value).__name__} {value!r:.80}"
     reward = item.get("reward")
     if reward is not None and not isinstance(reward, (int, float, dict)):
         return f"reward: expected a number, a dict or None, got {type(reward).__name__} {reward!r}"
@@ -312,6 +319,12 @@ def check_replay_samples(dump: RolloutDump, vocab_size: int, reward_key: str | N
                 f"rollout dump {dump.path}: samples[{i}].tokens[{bad}] = {s.tokens[bad]} is not below the model's "
                 f"vocab size {vocab_size} (--hf-checkpoint): the dump was made with another tokenizer or model."
             )
+    for i, s in enumerate(dump.samples):  # (the debug tools still load such a dump, to show it)
+        bad = next((k for k, v in enumerate(s.rollout_log_probs or []) if not math.isfinite(v)), None)
+        if bad is not None:
+            raise DumpError(f"rollout dump {dump.path}: samples[{i}].rollout_log_probs[{bad}] = "
+                            f"{s.rollout_log_probs[bad]}: training compares the engine's log-probs with its own (and "
+                            "corrects by their ratio), which needs finite ones. Re-create the dump.")
     check_rewards(dump.samples, reward_key, f"rollout dump {dump.path}", strict=True)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,11 +21,22 @@ from slime_lite.backends.sglang.launcher import SGLangServer
 from slime_lite.config import EngineConfig
 from slime_lite.determinism import set_deterministic
 from slime_lite.engine_client import normalize_url, request_json
+from slime_lite.errors import SlimeLiteError
 from slime_lite.metrics import process_memory
 from slime_lite.placement import bundle_options
 from slime_lite.profiling import trace_dir
 
 log = logging.getLogger(__name__)
+
+# `slime-lite serve`'s flags that the embedded engine's errors name, and the train flags that set them
+_SERVE_TO_TRAIN = {"--device": "--rollout-device", "--dtype": "--engine-dtype",
+                   "--kv-cache-tokens": "--engine-kv-cache-tokens",
+                   "--max-running-requests": "--engine-max-running-requests"}
+
+
+def train_flag_names(message: str) -> str:
+    """An embedded engine's error with the serve flags it names spelled as the train flags that set them."""
+    return re.sub(r"(?<![\w-])(--[a-z-]+)(?![\w-])", lambda m: _SERVE_TO_TRAIN.get(m.group(1), m.group(1)), message)
 
 
 class EngineActor:
@@ -53,16 +65,19 @@ class EngineActor:
         else:
             from slime_lite.engine.server import EngineServer  # torch, transformers: in the engine's process
 
-            self.server = EngineServer(
-                c.hf_checkpoint, device=device, dtype=c.engine_dtype, seed=c.rollout_seed + self.rank,
-                max_running_requests=c.engine_max_running_requests, requests_hint=c.requests_per_engine,
-                kv_cache_tokens=c.engine_kv_cache_tokens, request_tokens=c.request_tokens,
-                cuda_graph=False if c.engine_disable_cuda_graph else None,
-                enable_torch_compile=c.engine_enable_torch_compile,
-                disable_radix_cache=self.args.deterministic_mode,  # a cache hit depends on timing
-                profile_dir=self.profile_dir,
-                enable_return_routed_experts=c.use_rollout_routing_replay,
-            )
+            try:
+                self.server = EngineServer(
+                    c.hf_checkpoint, device=device, dtype=c.engine_dtype, seed=c.rollout_seed + self.rank,
+                    max_running_requests=c.engine_max_running_requests, requests_hint=c.requests_per_engine,
+                    kv_cache_tokens=c.engine_kv_cache_tokens, request_tokens=c.request_tokens,
+                    cuda_graph=False if c.engine_disable_cuda_graph else None,
+                    enable_torch_compile=c.engine_enable_torch_compile,
+                    disable_radix_cache=self.args.deterministic_mode,  # a cache hit depends on timing
+                    profile_dir=self.profile_dir,
+                    enable_return_routed_experts=c.use_rollout_routing_replay,
+                )
+            except SlimeLiteError as exc:  # the engine names `slime-lite serve`'s flags: here they are train's
+                raise SlimeLiteError(train_flag_names(str(exc))) from None
         url = self.server.start()
         log.info("engine %d ready at %s", self.rank, url)
         return url

@@ -234,6 +234,10 @@ MALFORMED = [
     ("token-versions", {"metadata": {"token_weight_versions": [3]}},
      r"metadata\['token_weight_versions'\]: expected one int weight version per response token \(2\)"),
     ("token-version-str", {"metadata": {"token_weight_versions": [3, "4"]}}, r"metadata\['token_weight_versions'\]"),
+    # these passed the check and failed later with a bare traceback (after Ray had started, for weight_versions)
+    ("weight-versions-int", {"weight_versions": 3}, r"weight_versions: expected a list .*got 3"),
+    ("prefix-cache-str", {"prefix_cache_info": "x"}, r"prefix_cache_info: expected a dict, got str 'x'"),
+    ("spec-info-int", {"spec_info": 5}, r"spec_info: expected a dict, got int 5"),
 ]
 
 
@@ -313,6 +317,12 @@ def test_replay_checks_vocab_samples_and_rewards(tmp_path: Path) -> None:
         with pytest.raises(SlimeLiteError, match=rf"r_0\.pt: samples\[2\]\.reward is {bad} \(sample index 2, "
                                                  r"prompt group 1\)\. Rewards must be finite"):
             check_replay_samples(load_rollout_dump(str(path)), vocab_size=11, reward_key="acc")
+    samples = _samples()
+    samples[1].rollout_log_probs = [float("nan")] * samples[1].response_length
+    save_rollout_dump(str(path), 0, samples)
+    dump = load_rollout_dump(str(path))  # loads: the debug tools show it
+    with pytest.raises(DumpError, match=r"r_0\.pt: samples\[1\]\.rollout_log_probs\[0\] = nan: training compares"):
+        check_replay_samples(dump, vocab_size=11, reward_key="acc")
     torch.save({"rollout_id": 0, "samples": []}, path)
     with pytest.raises(DumpError, match=r"r_0\.pt has no samples"):
         check_replay_samples(load_rollout_dump(str(path)), vocab_size=11, reward_key="acc")
