@@ -71,7 +71,9 @@ def check_prompt_data(args: Any) -> None:
         limit, limit_flag = ((args.rollout_max_prompt_len, "--rollout-max-prompt-len") if flag == "--prompt-data"
                              else (args.eval_max_prompt_len, "--eval-max-prompt-len"))
         kept = drop_long_prompts(prompts, limit, tokenizer, args, f"{where} with {limit_flag}")  # none: an error
-        if args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION and not args.custom_generate_function_path:
+        function = args.rollout_function_path if flag == "--prompt-data" else (args.eval_function_path or
+                                                                               args.rollout_function_path)
+        if function == DEFAULT_ROLLOUT_FUNCTION and not args.custom_generate_function_path:  # (else: the hook's)
             response = (args.rollout_max_response_len, "--rollout-max-response-len") if flag == "--prompt-data" \
                 else (args.eval_max_response_len, "--eval-max-response-len")
             check_prompts_fit(args, kept, tokenizer, where, response, limit_flag)
@@ -81,13 +83,21 @@ def check_prompts_fit(args: Any, prompts: list, tokenizer: Any, where: str, resp
                       limit_flag: str) -> None:
     """Where the embedded engine generates, each of the first ``RENDER_CHECKED`` prompts (as rendered) plus the
     response length fits the model's context (max_position_embeddings), as the engine (and SGLang) requires of a
-    request: else that prompt's requests are refused after the trainer and the engines started."""
+    request, and fits a request's share of an --engine-kv-cache-tokens cache: else that prompt's requests are
+    refused after the trainer and the engines started."""
     length, flag = response
     context = read_config(args.hf_checkpoint).get("max_position_embeddings")
     if args.rollout_backend != "embedded" or args.rollout_external_engine_addrs or not context or length is None:
         return
+    kv, running = args.engine_kv_cache_tokens, args.engine_max_running_requests
+    slot = min(context, kv // running) if kv and running else context  # a request's cache (the engine's slot)
     for p in prompts[:RENDER_CHECKED]:
         n = len(encode_prompt(p, tokenizer, args)[1])
+        if n >= slot:  # (a response the slot cannot hold whole is cut short by the engine, with a warning)
+            raise SlimeLiteError(
+                f"{where}:{p.line}: the prompt is {n} tokens as rendered, and --engine-kv-cache-tokens {kv} over "
+                f"--engine-max-running-requests {running} gives each request {slot} tokens of cache: the engine "
+                "refuses it. Raise the cache or lower the running requests.")
         if n + length >= context:
             raise SlimeLiteError(
                 f"{where}:{p.line}: the prompt is {n} tokens as rendered, and with {flag} {length} that is "
@@ -176,13 +186,6 @@ def check_generation_limits(args: Any, cfg: dict[str, Any]) -> None:
             raise SlimeLiteError(f"{flag} {value}: the model's context ({context} tokens, max_position_embeddings "
                                  f"of --hf-checkpoint {args.hf_checkpoint}) holds no prompt with such a response; "
                                  f"give at most {context - 1} (minus the longest prompt).")
-    kv, running = args.engine_kv_cache_tokens, args.engine_max_running_requests
-    longest = max(v for v in (args.rollout_max_response_len, args.eval_max_response_len, 0) if v is not None)
-    if embedded and kv and running and min(context or kv, kv // running) <= longest:
-        raise SlimeLiteError(f"--engine-kv-cache-tokens {kv} over --engine-max-running-requests {running} gives each "
-                             f"request {kv // running} tokens of cache, which hold no prompt with a response of "
-                             f"{longest} tokens (--rollout-max-response-len / --eval-max-response-len): raise the "
-                             "cache or lower the running requests.")
     bad = [t for t in (args.rollout_stop_token_ids or []) if vocab and t >= vocab]
     if bad:
         raise SlimeLiteError(f"--rollout-stop-token-ids {' '.join(map(str, bad))}: outside the model's vocabulary "
@@ -243,14 +246,15 @@ def check_outputs(args: Any) -> None:
         raise SlimeLiteError(f"--metrics-path {args.metrics_path} is not writable; choose another file.")
     if args.metrics_path:  # rows are appended to it: never to a file the run reads
         metrics = os.path.realpath(args.metrics_path)
+        # the data files, and the model folders (an HF export copies their files)
         read = [("--prompt-data", args.prompt_data)] + [("--eval-prompt-data", p)
                                                         for p in (args.eval_prompt_data or [])[1::2]]
-        read += [(f"--{f.replace('_', '-')}", getattr(args, f)) for f in ("hf_checkpoint", "ref_load", "load",
+        read += [(f"--{f.replace('_', '-')}", getattr(args, f)) for f in ("hf_checkpoint", "ref_load",
                                                                            "lora_adapter_path")]
         for flag, value in read:
             if value and os.path.commonpath([metrics, os.path.realpath(value)]) == os.path.realpath(value):
                 raise SlimeLiteError(f"--metrics-path {args.metrics_path} is or lies inside {flag} {value}, which "
-                                     "this run reads: metrics rows would be appended to it; give another file.")
+                                     "this run reads: metrics rows would be written into it; give another file.")
 
 
 def check_grad_norm_file(args: Any) -> None:

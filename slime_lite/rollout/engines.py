@@ -29,9 +29,12 @@ from slime_lite.profiling import trace_dir
 log = logging.getLogger(__name__)
 
 # `slime-lite serve`'s flags that the embedded engine's errors name, and the train flags that set them
-_SERVE_TO_TRAIN = {"--device": "--rollout-device", "--dtype": "--engine-dtype",
+_SERVE_TO_TRAIN = {"--device": "--rollout-device", "--dtype": "--engine-dtype", "--model-path": "--hf-checkpoint",
                    "--kv-cache-tokens": "--engine-kv-cache-tokens",
-                   "--max-running-requests": "--engine-max-running-requests"}
+                   "--max-running-requests": "--engine-max-running-requests",
+                   "--enable-torch-compile": "--engine-enable-torch-compile",
+                   "--disable-cuda-graph": "--engine-disable-cuda-graph",
+                   "--enable-return-routed-experts": "--use-rollout-routing-replay"}
 
 
 def train_flag_names(message: str) -> str:
