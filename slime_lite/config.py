@@ -146,6 +146,7 @@ class CiConfig(_FromArgs):
     ci_nll_threshold: float
     ci_logprob_diff_threshold: float | None  # None: LOGPROB_DIFF_BY_DTYPE of the precisions in use
     ci_disable_kl_checker: bool  # no step1_kl_zero / first_step_ppo_kl_zero checks
+    lora_dropout: float  # > 0: the train step's forward drops adapter inputs, so its first ppo_kl is not zero
     ci_grad_norm_threshold: float
     logprob_diff_jump_factor: float
     bf16: bool

@@ -197,7 +197,8 @@ class RunProfiler:
 
 def add_time(record: dict, key: str, t0: float) -> None:
     """Add the seconds since ``t0`` to ``record[key]``: the parts of a phase (perf/offload/engine_release_time and
-    engine_resume_time are parts of perf/offload_time; the weights' resume is in perf/update_weights_time)."""
+    engine_resume_time are parts of perf/offload_time; the weights' resume, perf/update_weights/engine_resume_time,
+    is a part of perf/update_weights_time)."""
     record[key] = record.get(key, 0.0) + time.monotonic() - t0
 
 

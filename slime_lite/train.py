@@ -80,13 +80,14 @@ def run(args) -> int:
             profiler.before(rollout_id)
             with DRIVER_TIMELINE.span("rollout"):
                 samples, record = schedule.get(rollout_id)
-            record_lag(schedule, samples, rollout_id, record)  # rollout/off_policy_lag
-            rollout.release_memory(record)
-            train.onload(record)
-            schedule.train_started()
-            grad_norms = train.train(rollout_id, samples, record)
-            schedule.train_finished(record)
-            try:  # before the save: a rollout that fails a check leaves no checkpoint a resume would go on from
+            try:  # a rollout that stops the run (a lag past the bound, a NaN loss, a failed check) logs its metrics
+                record_lag(schedule, samples, rollout_id, record)  # rollout/off_policy_lag
+                rollout.release_memory(record)
+                train.onload(record)
+                schedule.train_started()
+                grad_norms = train.train(rollout_id, samples, record)
+                schedule.train_finished(record)
+                # before the save: a rollout that fails a check leaves no checkpoint a resume would go on from
                 checks.after_rollout(rollout_id, record, grad_norms, schedule.expected_version(rollout_id))
             except BaseException:
                 metrics.log(record, rollout_id)  # the failing rollout's metrics, for compare-runs
@@ -103,7 +104,6 @@ def run(args) -> int:
             record.update(rollout.step_records() | train.step_records())
             metrics.log(record, rollout_id)
             profiler.after(rollout_id)
-        checks.at_end(args.num_rollout)
     except BaseException:
         if args.save_debug_rollout_data:
             rollout.wait_dumps()

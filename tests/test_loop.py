@@ -262,8 +262,13 @@ def test_colocate_second_iteration(tiny_model_dir, data, tmp_path, capsys):
     assert len(r) == 2 and r[1]["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert "perf/memory/engine_released/rss_mb" in r[1] and "perf/offload_time" in r[1]
     for key in ("perf/offload/engine_release_time", "perf/offload/engine_resume_time", "perf/rollout/generate_time",
-                "perf/rollout/engine_busy_time", "perf/rollout/engine_idle_time"):
+                "perf/rollout/engine_busy_time", "perf/rollout/engine_idle_time",
+                "perf/update_weights/engine_resume_time"):
         assert key in r[1], key
+    # the parts of perf/offload_time do not pass it (the weights' resume is the push's, counted there only)
+    parts = r[1]["perf/offload/engine_release_time"] + r[1]["perf/offload/engine_resume_time"]
+    assert parts <= r[1]["perf/offload_time"] + 1e-6
+    assert r[1]["perf/update_weights/engine_resume_time"] <= r[1]["perf/update_weights_time"] + 1e-6
     # each of the 2 data-parallel ranks dumped its samples; together they join 1:1 with the rollout dump
     from slime_lite.backends.megatron.train_dump import load_train_dumps
     from slime_lite.cli import main as cli

@@ -36,6 +36,9 @@ def test_ci_disable_kl_checker_leaves_out_only_the_zero_kl_checks():
 
     assert {"step1_kl_zero", "first_step_ppo_kl_zero"} <= names()
     assert names(ci_disable_kl_checker=True) == {"train_rollout_logprob_diff", "grad_norm_finite"}
+    # --lora-dropout: the train step's forward drops adapter inputs the old log-probs' forward kept, so its first
+    # ppo_kl is not zero by design (it failed the run at rollout 1); the step-1 KL of the log-probs stays checked
+    assert names(lora_dropout=0.3) == names() - {"first_step_ppo_kl_zero"}
     cfg = CiConfig.from_args(parser_defaults(ci_logprob_diff_threshold=1e-3, ci_disable_kl_checker=True))
     cc.enforce(cfg, record, 0, first=True)  # the KL of 0.5 no longer stops the run
 

@@ -115,7 +115,7 @@ class RolloutSide:
             if self.config.offload_rollout:  # room for the weights now, for the KV cache after the trainer offloads
                 t0 = time.monotonic()
                 engine_memory([u for u in self.urls if u in released], "resume", ["weights"])
-                add_time(record, "perf/offload/engine_resume_time", t0)
+                add_time(record, "perf/update_weights/engine_resume_time", t0)  # a part of update_weights_time
             # generation goes on: held between two decode steps, nothing aborted; the running requests are retracted
             # (re-prefilled under the new weights, what they generated included), so a token stamped with the new
             # version is the new weights' alone (in place, it would attend over K/V the old weights wrote)
