@@ -63,8 +63,8 @@ def test_every_flag_named_in_the_package_exists(monkeypatch):
     for path in sorted(PKG.rglob("*.py")):
         module = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
         known = train | subs.get(module, set()) | EXTERNAL.get(module, set()) | PLACEHOLDERS | TOP_LEVEL
-        if module.startswith("slime_lite.engine."):
-            known |= serve  # the embedded engine's messages name its `slime-lite serve` flags
+        if module.startswith("slime_lite.engine.") or module == "slime_lite.rollout.engines":
+            known |= serve  # the embedded engine's messages name its `slime-lite serve` flags (engines.py maps them)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 for m in FLAG.finditer(node.value):
@@ -72,3 +72,16 @@ def test_every_flag_named_in_the_package_exists(monkeypatch):
                     if flag not in known and not flag.startswith("--sglang-"):  # --sglang-*: passed to SGLang
                         bad.append(f"{path.relative_to(PKG)}:{node.lineno}: {flag}")
     assert not bad, "strings name flags that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_engines_serve_flags_map_to_train_flags(monkeypatch):
+    """An embedded engine started by `train` says its errors in train's flags: each serve flag its messages name that
+    train spells otherwise is mapped to a train flag that exists."""
+    from slime_lite.rollout.engines import _SERVE_TO_TRAIN
+
+    serve = subcommand_flags(monkeypatch)["slime_lite.engine.serve_cli"]
+    train = set(build_parser()._option_string_actions)
+    assert set(_SERVE_TO_TRAIN) <= serve and set(_SERVE_TO_TRAIN.values()) <= train
+    # what the engine's start-up errors name (scheduler.py): each is a train flag, or mapped to one
+    for flag in ("--device", "--dtype", "--kv-cache-tokens", "--max-running-requests", "--enable-torch-compile"):
+        assert flag in train or flag in _SERVE_TO_TRAIN, flag

@@ -108,13 +108,19 @@ def captured(fn):
     return graph, out
 
 
-def one_chunk_per_token(monkeypatch: Any, scheduler: Any, delay: float = 0.02) -> None:
-    """Each output of ``scheduler`` is followed by ``delay`` seconds in its model thread: a stream, which sends a
-    request's newest output whenever it can, then has one chunk per token."""
+def one_chunk_per_token(monkeypatch: Any, engine: Any, delay: float = 0.02) -> None:
+    """After each output of ``engine``'s scheduler its model thread waits until the server's event loop has gone
+    round a few times (the output handed over, the stream's task woken to take it), then ``delay`` seconds: a stream,
+    which sends a request's newest output whenever it can, then has one chunk per token, also on a loaded machine."""
+    scheduler = engine.scheduler
     emit = scheduler._emit
 
     def slow_emit(req: Any) -> None:
         emit(req)
+        for _ in range(3):
+            turned = threading.Event()
+            engine._loop.call_soon_threadsafe(turned.set)
+            turned.wait(10)
         time.sleep(delay)
 
     monkeypatch.setattr(scheduler, "_emit", slow_emit)

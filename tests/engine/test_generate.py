@@ -124,7 +124,7 @@ def test_sampling_seed_reproduces_and_rid_derives_seed(engine):
 
 
 def test_stream_sends_cumulative_chunks_then_done(engine, monkeypatch):
-    one_chunk_per_token(monkeypatch, engine.scheduler)
+    one_chunk_per_token(monkeypatch, engine)
     body = {"input_ids": [3, 4, 5], "stream": True, "return_logprob": True,
             "sampling_params": {"max_new_tokens": 5, **GREEDY}}
     req = urllib.request.Request(engine.url + "/generate", data=json.dumps(body).encode(),

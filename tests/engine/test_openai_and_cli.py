@@ -135,7 +135,7 @@ def test_openai_stream_holds_back_a_character_split_across_tokens(engine, monkey
     one before, so the stream has a chunk per token (a stream read slower than its tokens gets fewer)."""
     sch = engine.scheduler
     orig = sch.decode
-    one_chunk_per_token(monkeypatch, sch)
+    one_chunk_per_token(monkeypatch, engine)
     messages = [{"role": "user", "content": "hello world"}]
     chat_text = sch.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     cases = [("/v1/completions", {"prompt": "hello world"}, sch.encode("hello world")),
