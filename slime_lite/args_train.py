@@ -281,14 +281,11 @@ def _check_save_hf_apart(args: argparse.Namespace, first: str) -> None:
             raise SlimeLiteError(
                 f"--save-hf {args.save_hf} writes {hit}, which is or holds {flag} {value}: each export replaces its "
                 "folder, deleting what is there; give --save-hf a folder of its own (e.g. beside --save).")
-    if os.path.isdir(args.hf_checkpoint):
-        for folder in sorted(exports):
-            stray = foreign_entry(folder, args.hf_checkpoint)
-            if stray is not None:
-                raise SlimeLiteError(
-                    f"--save-hf {args.save_hf} replaces {folder} at a save point, and it holds {stray}, which no "
-                    "export writes (the folder is not an earlier export): move that away, or give --save-hf a "
-                    "folder of its own.")
+    strays = [(x, foreign_entry(x, args.hf_checkpoint)) for x in sorted(exports) if os.path.isdir(args.hf_checkpoint)]
+    for folder, stray in (x for x in strays if x[1] is not None):
+        raise SlimeLiteError(f"--save-hf {args.save_hf} replaces {folder} at a save point, and it holds {stray}, "
+                             "which no export writes (the folder is not an earlier export): move that away, or give "
+                             "--save-hf a folder of its own.")
 
 
 def world_size(args: Any) -> int:

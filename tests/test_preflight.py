@@ -238,20 +238,19 @@ def test_metrics_are_never_appended_to_a_file_the_run_reads(tiny_model_dir, tmp_
     failed on its data. Refused before Ray starts, naming both flags; the file is left as it was."""
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    base = ["--debug-rollout-only", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data),
-            "--rm-type", "addition"]
+    base = ["--debug-rollout-only", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type",
+            "addition"]
     for path, flag in ((data, "--prompt-data"), (tiny_model_dir / "config.json", "--hf-checkpoint")):
         before = path.read_bytes()
         with pytest.raises(SlimeLiteError, match=f"--metrics-path {re.escape(str(path))} is or lies inside {flag}"):
             check_outputs(parse_args(base + ["--metrics-path", str(path)]))
         assert path.read_bytes() == before
     check_outputs(parse_args(base + ["--metrics-path", str(tmp_path / "metrics.jsonl")]))
-    run = tmp_path / "run"  # slime's --load X --save X, resumed, with the metrics beside the checkpoints: fine
-    run.mkdir()
-    (run / "latest").write_text("iter_0000001")
-    args = parse_args(base[1:] + ["--load", str(run), "--save", str(run), "--metrics-path", str(run / "m.jsonl")])
-    assert args.load == str(run)
-    check_outputs(args)
+    (tmp_path / "run").mkdir()  # slime's --load X --save X, resumed, with the metrics beside the checkpoints: fine
+    (tmp_path / "run" / "latest").write_text("iter_0000001")
+    args = parse_args(base[1:] + ["--load", str(tmp_path / "run"), "--save", str(tmp_path / "run"),
+                                  "--metrics-path", str(tmp_path / "run" / "m.jsonl")])
+    assert args.load == str(tmp_path / "run") and check_outputs(args) is None
 
 
 def test_cli_stops_before_ray_with_one_message(tiny_model_dir, replay, tmp_path) -> None:
