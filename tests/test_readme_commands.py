@@ -24,7 +24,7 @@ SHORT = "--num-rollout 2"  # appended to every training script: argparse keeps t
 FEW = "--rollout-batch-size 4 --n-samples-per-prompt 4 --micro-batch-size 8 --rollout-max-response-len 96"
 
 REPLAY = "bash scripts/run-tiny-replay.sh"
-MOE = ("slime-lite make-tiny-model --out /tmp/tiny-moe --arch qwen3_moe --num-experts 4 --num-experts-per-tok 2 "
+MOE = (".venv/bin/slime-lite make-tiny-model --out /tmp/tiny-moe --arch qwen3_moe --num-experts 4 --num-experts-per-tok 2 "
        "--warm-start-steps 0")
 RUN = {  # README command -> the command run in the sandbox
     "bash scripts/quickstart.sh": f"bash scripts/quickstart.sh {SHORT}",  # the .venv install is a no-op here
