@@ -38,6 +38,9 @@ from slime_lite.engine import gemv
 from slime_lite.triton_build import pdl_args, triton_kernels
 
 ENABLED = True
+# the products whose kernels ask the next product's weights into L2 as they start (``gemv.linear``'s ``ahead``, with
+# PDL): q/k/v the o-projection's, o gate/up's, gate/up down's, down the next layer's q/k/v
+AHEAD = ("o",)
 
 
 @triton_kernels
@@ -168,7 +171,7 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
                      qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None,
                      heads: int, kv_heads: int, head_dim: int, eps: float, interleaved: bool = False,
                      cache: torch.Tensor | None = None, index: torch.Tensor | None = None,
-                     sq: torch.Tensor | None = None, rotate: bool = True):
+                     sq: torch.Tensor | None = None, rotate: bool = True, o_w: torch.Tensor | None = None):
     """A layer's input norm, q/k/v projection and rotary for hidden states ``h [B, T, hidden]`` (contiguous), as
     ``model.layer_functions``' ``qkv_rope``: returns ``(h, q [B, T, heads, D], kv [B, T, 2 kv_heads, D])``. ``add``:
     the previous layer's MLP output, not yet added to ``h``: the norm's kernel adds it (the returned ``h`` is the
@@ -176,16 +179,19 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
     kernel. ``cache``/``index`` (``rotary``'s): K and V go straight into the cache, and ``kv`` is None. ``cos``,
     ``sin`` (``[B, T, ..., head_dim]``) and ``index``: contiguous (refused otherwise), made before the first layer,
     as the rotary's kernel reads them before its wait for the product before it. ``rotate=False``: no rotary here
-    (``decode_attention`` with ``rope`` does it): returns ``(h, qkv [B * T, width], None)``, the product's rows."""
+    (``decode_attention`` with ``rope`` does it): returns ``(h, qkv [B * T, width], None)``, the product's rows.
+    ``o_w``: the o-projection's weights, for the q/k/v product to ask into L2 (``AHEAD``)."""
     b, t, _ = h.shape
+    ahead = o_w if "qkv" in AHEAD else None
     if add is None and sq is not None and gemv.usable(h, qkv_w, qkv_b):
-        qkv = gemv.linear(h, qkv_w, qkv_b, norm=(ln, eps, sq))
+        qkv = gemv.linear(h, qkv_w, qkv_b, norm=(ln, eps, sq), ahead=ahead)
     else:
         if add is None:
             x = rms_norm(h, ln, eps)
         else:
             h, x = rms_norm(add.contiguous(), ln, eps, residual=h)
-        qkv = gemv.linear(x, qkv_w, qkv_b) if gemv.usable(x, qkv_w, qkv_b) else F.linear(x, qkv_w, qkv_b)
+        qkv = (gemv.linear(x, qkv_w, qkv_b, ahead=ahead) if gemv.usable(x, qkv_w, qkv_b)
+               else F.linear(x, qkv_w, qkv_b))
     if not rotate:
         return h, qkv.view(b * t, -1), None
     q, kv = rotary(qkv.view(b * t, -1), cos.view(b * t, head_dim), sin.view(b * t, head_dim), heads, kv_heads,
@@ -193,29 +199,33 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
     return h, q.view(b, t, heads, head_dim), (None if kv is None else kv.view(b, t, 2 * kv_heads, head_dim))
 
 
-def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn, post_mlp, eps: float):
+def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn, post_mlp, eps: float,
+               next_w: torch.Tensor | None = None):
     """The o-projection, residual add and gated SiLU MLP after attention, as ``model.layer_functions``'
-    ``mlp_residual``: ``(h, m, sq)``. Where ``gemv`` serves all three products at up to ``gemv.NORM_MAX_ROWS``
+    ``mlp_residual``: ``(h, m, sq)``. ``next_w``: the next layer's q/k/v weights, for the down product to ask into
+    L2 (``AHEAD``). Where ``gemv`` serves all three products at up to ``gemv.NORM_MAX_ROWS``
     rows, ``h`` is the layer's output, ``m`` None and ``sq`` the sums of squares of its rows for the next layer's
     norm (``attention_inputs``): the residual adds and the norm run inside the products' kernels. Else the MLP output
     ``m`` is returned with the new ``h`` instead of added to it (and ``sq`` is None), for the next layer's
     ``attention_inputs`` (or the final norm) to add inside its norm kernel."""
     rows = h.numel() // h.shape[-1]
+    gu_ahead, down_ahead = (down_w if "gate_up" in AHEAD else None), (next_w if "down" in AHEAD else None)
     if (post_attn is None and post_mlp is None and rows <= gemv.NORM_MAX_ROWS and attn_out.is_contiguous()
             and all(gemv.usable(h, w_, b_) for w_, b_ in ((o_w, o_b), (gu_w, gu_b), (down_w, down_b)))):
-        h, sq = gemv.linear(attn_out, o_w, o_b, residual=h, sums=True)
-        act = gemv.linear(h, gu_w, gu_b, swiglu=True, norm=(ln2, eps, sq))
-        h, sq = gemv.linear(act, down_w, down_b, residual=h, sums=True)
+        h, sq = gemv.linear(attn_out, o_w, o_b, residual=h, sums=True, ahead=gu_w if "o" in AHEAD else None)
+        act = gemv.linear(h, gu_w, gu_b, swiglu=True, norm=(ln2, eps, sq), ahead=gu_ahead)
+        h, sq = gemv.linear(act, down_w, down_b, residual=h, sums=True, ahead=down_ahead)
         return h, None, sq
     if gemv.usable(attn_out, o_w, o_b):  # the products by gemv where it serves them (PDL devices, a few rows)
-        o = gemv.linear(attn_out, o_w, o_b)
+        o = gemv.linear(attn_out, o_w, o_b, ahead=gu_w if "o" in AHEAD and gemv.usable(attn_out, gu_w, gu_b)
+                        else None)
     else:
         o = F.linear(attn_out, o_w, o_b).contiguous()
     if post_attn is not None:  # GLM4: the attention output is normed before the residual add
         o = rms_norm(o, post_attn, eps)
     h, normed = rms_norm(o, ln2, eps, residual=h)
     if gemv.usable(normed, gu_w, gu_b):  # with the SiLU
-        act = gemv.linear(normed, gu_w, gu_b, swiglu=True)
+        act = gemv.linear(normed, gu_w, gu_b, swiglu=True, ahead=gu_ahead)
     else:
         gu, act = F.linear(normed, gu_w, gu_b), None
         if gemv.usable(gu, down_w, down_b, silu_in=True):  # the SiLU inside the down product's kernel
@@ -223,7 +233,8 @@ def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn
         else:
             act = silu_and_mul(gu)
     if act is not None:
-        m = gemv.linear(act, down_w, down_b) if gemv.usable(act, down_w, down_b) else F.linear(act, down_w, down_b)
+        m = (gemv.linear(act, down_w, down_b, ahead=down_ahead) if gemv.usable(act, down_w, down_b)
+             else F.linear(act, down_w, down_b))
     if post_mlp is not None:  # GLM4: and the MLP output
         m = rms_norm(m.contiguous(), post_mlp, eps)
     return h, m, None

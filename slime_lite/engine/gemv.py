@@ -53,6 +53,11 @@ SILU_IN_MAX_ROWS = 0
 # the SiLU's float32 tiles
 SILU_IN_CONFIG = (32, 128, 8, 8)
 MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.counters)
+# with PDL (Hopper), a product's programs may ask a later product's weights into L2 (``linear``'s ``ahead``: bulk
+# prefetches, before the wait), so that they stream in while latency-bound kernels run (fused_layer.AHEAD says
+# which products do); PREFETCH: also each program's own weights first (benchmarks compare: profile_decode.py
+# --prefetch)
+PREFETCH = False
 
 
 @triton_kernels
@@ -95,17 +100,53 @@ def _kernel(triton, tl):
                 acc_u += tl.dot(x, tl.trans(wu))
         return acc, acc_u
 
+    @triton.jit
+    def to_l2(ptr, nbytes):
+        """Ask the device to bring ``nbytes`` (a multiple of 16, from a 16-byte aligned ``ptr``) into L2, once per
+        program (its first thread), without waiting: sm_90's bulk prefetch."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def prefetch(w_ptr, ahead_ptr, ahead_bytes, pid_n, pid_k, K, OUT_N, SWIGLU: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, KSTEPS: tl.constexpr, NSPLIT: tl.constexpr, ELEM: tl.constexpr,
+                 OWN: tl.constexpr, AHEAD: tl.constexpr):
+        """The program's share of a later product's weights to L2 (``AHEAD``), and its own weights (``OWN``)."""
+        if OWN:
+            rows = tl.minimum(BN, OUT_N - pid_n * BN)
+            if NSPLIT == 1:  # all of K: the program's rows are one block (gate's, then up's)
+                to_l2(w_ptr + pid_n * BN * K, rows * K * ELEM)
+                if SWIGLU:
+                    to_l2(w_ptr + (OUT_N + pid_n * BN) * K, rows * K * ELEM)
+            else:  # a K segment of each row
+                k0 = pid_k * KSTEPS * BK
+                seg = (tl.minimum(K, k0 + KSTEPS * BK) - k0) * ELEM
+                for r in range(rows):
+                    to_l2(w_ptr + (pid_n * BN + r) * K + k0, seg)
+                    if SWIGLU:
+                        to_l2(w_ptr + (OUT_N + pid_n * BN + r) * K + k0, seg)
+        if AHEAD:  # an even share of the later product's bytes per program, in 16-byte units
+            share = (tl.cdiv(ahead_bytes // 16, tl.num_programs(0) * NSPLIT)) * 16
+            at = (pid_n * NSPLIT + pid_k) * share
+            if at < ahead_bytes:
+                to_l2(ahead_ptr + at // ELEM, tl.minimum(share, ahead_bytes - at))
+
     # Triton resolves the names a kernel calls in its module's globals, not in this builder's scope
-    globals().update(x_tile=x_tile, mac=mac)
+    globals().update(x_tile=x_tile, mac=mac, to_l2=to_l2, prefetch=prefetch)
 
     @triton.jit
     def gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, ln_ptr, sq_in_ptr, res_ptr, sq_out_ptr, M, K, OUT_N,
              n_sq, eps, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, KSTEPS: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
              TP: tl.constexpr, HAS_RES: tl.constexpr, SUMS: tl.constexpr, SILU_IN: tl.constexpr,
-             SWAP: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr):
+             SWAP: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr, ahead_ptr, ahead_bytes,
+             OWN: tl.constexpr, AHEAD: tl.constexpr, ELEM: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        prefetch(w_ptr, ahead_ptr, ahead_bytes, pid_n, pid_k, K, OUT_N, SWIGLU, BN, BK, KSTEPS, NSPLIT, ELEM, OWN,
+                 AHEAD)
         rn = pid_n * BN + tl.arange(0, BN)
         col_ok = rn < OUT_N
         rk = pid_k * KSTEPS * BK + tl.arange(0, BK)  # the program's first K slice
@@ -271,7 +312,8 @@ def _shared_memory(device: torch.device) -> int:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swiglu: bool = False,
            cfg: tuple[int, ...] | None = None, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
-           residual: torch.Tensor | None = None, sums: bool = False, silu_in: bool = False):
+           residual: torch.Tensor | None = None, sums: bool = False, silu_in: bool = False,
+           ahead: torch.Tensor | None = None):
     """``x @ w.T + b`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows, ``w [N, K]``, both contiguous, in ``x``'s
     dtype; ``swiglu``: ``silu(gate) * up`` of its ``N / 2`` gate and up columns. ``norm=(weight, eps, sq)``: of
     ``weight * rmsnorm(x)`` instead, as ``fused_layer.rms_norm`` computes it, where ``sq`` holds the sums of squares
@@ -280,7 +322,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     of the output's rows, one per column tile (float32 ``[tiles, 16 or 32]``), returned as ``(y, sq)``.
     ``silu_in``: ``x [..., 2K]`` holds a gate/up projection's output (gate first) and the product is of
     ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds, computed as the kernel reads it. ``cfg``: a tuple as
-    ``config``'s (benchmarks), whose last two elements (SWAP, STAGES) may be left out (0 and 1)."""
+    ``config``'s (benchmarks), whose last two elements (SWAP, STAGES) may be left out (0 and 1). ``ahead``: the
+    (contiguous) weights of a later product, which this kernel's programs ask into L2 before their wait (with PDL;
+    results do not change)."""
     k = x.shape[-1] // 2 if silu_in else x.shape[-1]
     rows = x.numel() // x.shape[-1]
     n = w.shape[0]
@@ -313,11 +357,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     part = torch.empty(grid[1] * bm * out_n * (2 if swiglu else 1) if grid[1] > 1 else 0, dtype=torch.float32,
                        device=x.device)
     n_sq = norm[2].shape[0] if norm is not None else 1
+    elem = w.element_size()
+    pdl = pdl_available(x)
+    pre = PREFETCH and pdl and w.data_ptr() % 16 == 0 and k * elem % 16 == 0
+    ahead = ahead if (pdl and ahead is not None and ahead.is_contiguous() and ahead.data_ptr() % 16 == 0
+                      and ahead.numel() * elem % 16 == 0 and ahead.element_size() == elem) else None
     with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
         _kernel()[grid](x, w, b if b is not None else w, y, part, counters(x), norm[0] if norm else x,
                         norm[2] if norm else part, residual if residual is not None else y, sq, rows, k, out_n,
                         n_sq, float(norm[1]) if norm else 0.0, HAS_BIAS=b is not None, SWIGLU=swiglu, BM=bm, BN=bn,
                         BK=bk, KSTEPS=ksteps, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
                         TP=max(2, 1 << (n_sq - 1).bit_length()), HAS_RES=residual is not None, SUMS=sums,
-                        SILU_IN=silu_in, SWAP=swap, STAGES=stages, num_warps=warps, **pdl_args(x))
+                        SILU_IN=silu_in, SWAP=swap, STAGES=stages, num_warps=warps,
+                        ahead_ptr=ahead if ahead is not None else w,
+                        ahead_bytes=ahead.numel() * elem if ahead is not None else 0, OWN=pre,
+                        AHEAD=ahead is not None, ELEM=elem, **pdl_args(x))
     return (y, sq) if sums else y

@@ -400,7 +400,7 @@ class CausalLM:
                 h, q, _ = fused_layer.attention_inputs(
                     h, add, ly.ln1, ly.qkv_w, ly.qkv_b, cos, sin, ly.qk_norm, self.num_heads, self.kv_heads,
                     self.head_dim, self.eps, self.interleaved, cache.kv[i].view(-1, self.head_dim), index, sq,
-                    rotate=not rope)
+                    rotate=not rope, o_w=ly.o_w)
                 add = sq = None
             else:
                 q, kv = self._qkv(ly, h, cos, sin, graphed)
@@ -426,7 +426,8 @@ class CausalLM:
             if fused and ly.moe is None and self.silu:
                 h, add, sq = fused_layer.mlp_output(h, out.reshape(b, 1, -1), ly.o_w, ly.o_b, ly.ln2, ly.gu_w,
                                                     ly.gu_b, ly.down_w, ly.down_b, ly.post_attn, ly.post_mlp,
-                                                    self.eps)
+                                                    self.eps, self.layers[i + 1].qkv_w if i + 1 < len(self.layers)
+                                                    else None)
             else:
                 h = self._finish_layer(ly, h, out.reshape(b, 1, -1), graphed)
         if add is not None:

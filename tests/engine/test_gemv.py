@@ -195,3 +195,26 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
         # the same kernels launched with PDL and without: the same bits, every replay
         assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False])), rows
         assert outs[True][0].abs().sum() > 0 and not torch.equal(outs[True][0], outs[True][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
+def test_the_l2_prefetches_change_no_bit(monkeypatch):
+    from slime_lite.engine import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+
+    later = rand(2 * 4864, 896)  # a later product's weights, asked into L2 by the kernel's programs (``ahead``)
+    cases = [(8, 1000, 896, False), (32, 2 * 4864, 896, True),  # a partial column tile; gate/up with its SiLU
+             (8, 896, 4864, False), (1, 40, 100, False)]  # K split over programs; rows of 200 bytes: no prefetch
+    for rows, n, k, swiglu in cases:
+        x, w = rand(rows, k), rand(n, k)
+        outs = []
+        for on in (False, True):  # no prefetch; a later product's weights and each program's own
+            monkeypatch.setattr(gemv, "PREFETCH", on)
+            outs.append(gemv.linear(x, w, swiglu=swiglu, ahead=later if on else None))
+        assert torch.equal(outs[0], outs[1]), (rows, n, k)
+        torch.testing.assert_close(outs[1], _want(x, w, None, swiglu), atol=2e-2, rtol=2e-2)
