@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from slime_lite import rl_math, rollout_correction
-from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args
+from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args, warn_unread_flags
 from slime_lite.args_observe import add_observability_flags
 from slime_lite.args_train import add_train_flags
 from slime_lite.flag_types import fraction, nonempty, nonneg_int, positive_float, top_k
@@ -473,6 +473,7 @@ def parse_args(argv: list[str] | None = None) -> FrozenFlags:
     args = build_parser().parse_args(rest)
     args.sglang_args = sglang
     validate_args(args)
+    warn_unread_flags(args, {a.split("=", 1)[0] for a in rest if a.startswith("--")})
     return freeze(args)  # read-only from here on: runtime state lives in the objects that own it
 
 

@@ -14,6 +14,7 @@ from slime_lite.backends.megatron.train_dump import check_train_template
 from slime_lite.config import EngineConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
+from slime_lite import rl_math
 from slime_lite.model_families import read_config
 from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template, dump_path
@@ -112,6 +113,19 @@ def fill_num_epoch(args: argparse.Namespace) -> None:
     args.num_rollout = args.num_epoch * per_epoch
     args.num_rollout_per_epoch = per_epoch  # an epoch's end saves and evaluates too (as slime)
     log.info("--num-epoch %d: %d rollouts (%d per epoch)", args.num_epoch, args.num_rollout, per_epoch)
+
+
+def warn_unread_flags(args: argparse.Namespace, given: set[str]) -> None:
+    """A discount, GAE or critic flag given on the command line that this run's estimator does not read: said at
+    the start (slime ignores it silently)."""
+    spec = rl_math.estimator(args.advantage_estimator)
+    reads = set(spec.reads) | (set(rl_math.CRITIC_FLAGS) if spec.needs_critic else set())
+    unread = [f for f in (*rl_math.ESTIMATOR_FLAGS, *rl_math.CRITIC_FLAGS) if f in given and f not in reads]
+    if unread:
+        users = ", ".join(e.name for e in rl_math.ESTIMATORS.values()
+                          if set(unread) & (set(e.reads) | (set(rl_math.CRITIC_FLAGS) if e.needs_critic else set())))
+        log.warning("%s change nothing with --advantage-estimator %s (they are read by: %s)", " ".join(unread),
+                    spec.name, users)
 
 
 def validate_args(args: argparse.Namespace) -> None:

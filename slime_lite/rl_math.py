@@ -68,7 +68,8 @@ class Estimator:
     of one prompt (--n-samples-per-prompt 1 gives zero advantages). ``kl_in_reward``: --kl-coef enters its token
     rewards (otherwise the KL goes into the loss: --use-kl-loss). ``whitened``: its advantages are always whitened
     (--normalize-advantages adds nothing). ``group_std``: its group normalisation also divides by the group's std
-    (unless --disable-grpo-std-normalization); else it only centres."""
+    (unless --disable-grpo-std-normalization); else it only centres. ``reads``: which of ``ESTIMATOR_FLAGS`` it
+    reads besides the critic's (those with ``needs_critic``)."""
 
     name: str
     fn: Callable[[AdvantageInputs], tuple[list[torch.Tensor], list[torch.Tensor]]]
@@ -77,6 +78,12 @@ class Estimator:
     group_std: bool = False
     kl_in_reward: bool = True
     whitened: bool = False
+    reads: tuple[str, ...] = ()
+
+
+# the flags only some estimators read: the discount and GAE's lambda, and the critic's (read with ``needs_critic``)
+ESTIMATOR_FLAGS = ("--gamma", "--lambd")
+CRITIC_FLAGS = ("--value-clip", "--critic-lr", "--critic-num-nodes", "--critic-num-gpus-per-node")
 
 
 @dataclass(frozen=True)
@@ -360,7 +367,7 @@ def _grpo(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return advantages, list(advantages)
 
 
-@register_estimator("ppo", needs_critic=True)
+@register_estimator("ppo", needs_critic=True, reads=("--gamma", "--lambd"))
 def _ppo(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """KL-penalised token rewards with R on the last response token, GAE over the critic's values; returns =
     advantages + values."""
@@ -376,7 +383,7 @@ def _ppo(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return gae(token_rewards, x.values, x.gamma, x.lambd)
 
 
-@register_estimator("reinforce_plus_plus", whitened=True)
+@register_estimator("reinforce_plus_plus", whitened=True, reads=("--gamma",))
 def _reinforce_plus_plus(x: AdvantageInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Discounted returns of the KL-penalised token rewards; advantages = whitened returns."""
     returns = reinforce_plus_plus_returns(x.rewards, x.kl, x.loss_masks, x.kl_coef, x.gamma)

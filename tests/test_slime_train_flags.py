@@ -182,3 +182,19 @@ def test_external_engine_addresses_are_host_and_port_or_urls(base):
         parse_args(base + ["--rollout-external-engine-addrs", good])
     for bad in ("foo", "a:1,", "host:port"):
         assert f"{bad.split(',')[-1]!r} is not host:port" in err(base + ["--rollout-external-engine-addrs", bad])
+
+
+def test_discount_gae_and_critic_flags_the_estimator_does_not_read_are_told(base, caplog):
+    """slime takes --gamma or --critic-lr with GRPO and ignores them: said at the start here."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        parse_args(base + ["--gamma", "0.9", "--lambd=0.95", "--critic-lr", "1e-5"])
+    assert "--gamma --lambd --critic-lr change nothing with --advantage-estimator grpo" in caplog.text
+    assert "(they are read by: ppo, reinforce_plus_plus)" in caplog.text
+    for used in (["--advantage-estimator", "ppo", "--gamma", "0.9", "--lambd", "0.95", "--value-clip", "0.1"],
+                 ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.9"], []):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            parse_args(base + used)
+        assert "change nothing" not in caplog.text, used
