@@ -15,7 +15,7 @@ from slime_lite.backends.megatron.lora_config import check_lora_args
 from slime_lite.config import RolloutSideConfig, TokenBudget, has_reference_model, periodic
 from slime_lite.errors import SlimeLiteError
 from slime_lite.flag_types import nonneg_float, positive_int, unit_float
-from slime_lite.io import foreign_entry
+from slime_lite.io import foreign_entry, within
 from slime_lite.model_families import FAMILIES, moe_config, read_config
 
 log = logging.getLogger("slime_lite.args")
@@ -275,8 +275,7 @@ def _check_save_hf_apart(args: argparse.Namespace, first: str) -> None:
         if first_dump:
             used.append((f"--{flag.replace('_', '-')}", os.path.dirname(os.path.abspath(first_dump))))
     for flag, value in used:
-        other = os.path.realpath(value) if value else None
-        hit = next((x for x in sorted(exports) if other and os.path.commonpath([x, other]) == x), None)
+        hit = next((x for x in sorted(exports) if value and within(value, x)), None)
         if hit is not None:
             raise SlimeLiteError(
                 f"--save-hf {args.save_hf} writes {hit}, which is or holds {flag} {value}: each export replaces its "

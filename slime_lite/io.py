@@ -152,6 +152,12 @@ def append_line(path: str, line: str) -> None:
         raise (no_space_error(exc, path) or exc) from None
 
 
+def within(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or lies inside it, links resolved."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
 def probe_folder(folder: str, flag: str) -> None:
     """Create ``folder`` (and its parents) and write, fsync and remove a small file in it, so that a missing,
     unwritable or full output location is found before any work starts. SlimeLiteError naming ``flag`` (the flag

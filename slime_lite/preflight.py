@@ -16,7 +16,7 @@ from slime_lite.checks.grad_norm import grad_norm_path
 from slime_lite.config import TokenBudget, TrainSideConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION, REPLAY_HOOKS, SIGNATURES, TRAIN_HOOKS, load_hook
-from slime_lite.io import probe_folder
+from slime_lite.io import probe_folder, within
 from slime_lite.model_families import check_family, check_trainable, num_experts, read_config
 from slime_lite.profiling import profile_targets, trace_dir
 from slime_lite.rollout.data import (RENDER_CHECKED, DataKeys, check_renders, drop_long_prompts, encode_prompt,
@@ -245,14 +245,13 @@ def check_outputs(args: Any) -> None:
     if args.metrics_path and os.path.exists(args.metrics_path) and not os.access(args.metrics_path, os.W_OK):
         raise SlimeLiteError(f"--metrics-path {args.metrics_path} is not writable; choose another file.")
     if args.metrics_path:  # rows are appended to it: never to a file the run reads
-        metrics = os.path.realpath(args.metrics_path)
         # the data files, and the model folders (an HF export copies their files)
         read = [("--prompt-data", args.prompt_data)] + [("--eval-prompt-data", p)
                                                         for p in (args.eval_prompt_data or [])[1::2]]
         read += [(f"--{f.replace('_', '-')}", getattr(args, f)) for f in ("hf_checkpoint", "ref_load",
                                                                            "lora_adapter_path")]
         for flag, value in read:
-            if value and os.path.commonpath([metrics, os.path.realpath(value)]) == os.path.realpath(value):
+            if value and within(args.metrics_path, value):
                 raise SlimeLiteError(f"--metrics-path {args.metrics_path} is or lies inside {flag} {value}, which "
                                      "this run reads: metrics rows would be written into it; give another file.")
 
