@@ -13,8 +13,7 @@ of a step, the model's parameter bytes (tied weights once) over the device's cop
 ``--compare-edges``: also timed with the step's first and last small ops as torch's kernels (``cuda_graph.FUSED_EDGES``
 off: the token/position/slot conversions, the embedding gather, the sampler's casts and output copies),
 ``*_plainedges`` keys. ``--ahead "none/o/qkv+o+gate_up+down"``: also timed with these products asking the next
-product's weights into L2 (``fused_layer.AHEAD``; none: no prefetch), ``*_aheadX`` keys; ``--prefetch-own``: also
-timed with each product's programs asking their own weights first (``gemv.PREFETCH``), ``*_own`` keys.
+product's weights into L2 (``fused_layer.AHEAD``; none: no prefetch), ``*_aheadX`` keys.
 ``--compare-pdl``: also timed without programmatic dependent launch (``triton_build.PDL`` off: cuBLAS's products,
 the kernels launched plainly), ``*_nopdl`` keys. ``--norm-rows 0,32``: also timed with these ``gemv.NORM_MAX_ROWS``
 (0: the norms as kernels of their own, not inside the products' kernels), ``*_normrowsN`` keys.
@@ -144,8 +143,6 @@ def main() -> None:
     ap.add_argument("--ahead", default="",
                     help="also time the step with these products prefetching the next one's weights, sets separated "
                          "by / of names joined by + (none: no set), *_aheadX keys")
-    ap.add_argument("--prefetch-own", action="store_true",
-                    help="also time the step with each product prefetching its own weights (*_own)")
     ap.add_argument("--compare-pdl", action="store_true",
                     help="also time the step without programmatic dependent launch (cuBLAS products), *_nopdl keys")
     ap.add_argument("--norm-rows", default="",
@@ -212,7 +209,7 @@ def main() -> None:
         variants += [f"_siluin{n}" for n in args.silu_in_rows.split(",") if n]
         variants += ["_blaslt"] * args.compare_blaslt
         variants += ["_plainedges"] * args.compare_edges
-        variants += [f"_ahead{a}" for a in args.ahead.split("/") if a] + ["_own"] * args.prefetch_own
+        variants += [f"_ahead{a}" for a in args.ahead.split("/") if a]
         blas = torch.backends.cuda.preferred_blas_library()
         for suffix in variants:
             if args.device == "cuda":
@@ -220,7 +217,6 @@ def main() -> None:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
             cuda_graph.FUSED_EDGES = suffix != "_plainedges"
-            gemv.PREFETCH = suffix == "_own"
             fused_layer.AHEAD = (tuple(a for a in suffix[6:].split("+") if a != "none")
                                  if suffix.startswith("_ahead") else ahead)
             decode_attention.ROPE_MAX_ROWS = 0 if suffix == "_ropekernel" else rope_rows
@@ -244,7 +240,7 @@ def main() -> None:
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
         decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = cuda_graph.FUSED_EDGES = True
-        gemv.PREFETCH, fused_layer.AHEAD = False, ahead
+        fused_layer.AHEAD = ahead
         if args.device == "cuda":
             torch.backends.cuda.preferred_blas_library(blas)
         decode_attention.ROPE_MAX_ROWS = rope_rows

@@ -39,8 +39,11 @@ from slime_lite.triton_build import pdl_args, triton_kernels
 
 ENABLED = True
 # the products whose kernels ask the next product's weights into L2 as they start (``gemv.linear``'s ``ahead``, with
-# PDL): q/k/v the o-projection's, o gate/up's, gate/up down's, down the next layer's q/k/v
-AHEAD = ("o",)
+# PDL): q/k/v the o-projection's, o gate/up's, gate/up down's, down the next layer's q/k/v. On an H100 (0.5B shape,
+# profile_decode.py --ahead, same process) the captured step took 0.806 / 0.761 / 0.741 ms at batch 32 / 8 / 1 with
+# q/k/v, o and down, 0.841 / 0.777 / 0.756 with all four, 0.819 / 0.778 / 0.757 with o and down, 0.869 / 0.818 /
+# 0.795 with none: gate/up's prefetch of down's weights competes with its own reads
+AHEAD = ("qkv", "o", "down")
 
 
 @triton_kernels

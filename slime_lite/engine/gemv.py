@@ -4,10 +4,12 @@ At batch 1-32 a decode layer is a chain of ~10 dependent kernels of 1.5-7 us eac
 launch, the first loads) rather than bytes. On Hopper a kernel launched with programmatic dependent launch (PDL)
 may start while the kernel before it still runs, and waits for it (``griddepcontrol.wait``) only where it needs its
 output. ``linear`` here loads the first slice of its share of the weights first (they do not depend on the
-previous kernel), then waits, then reads the rows: those weight reads overlap the previous kernel. The engine's
-other decode kernels (norms, rotary, attention) likewise read what the kernel before them does not write (weights,
-the step's tables, earlier positions of the KV cache) before their wait, and let the next kernel launch right after
-it (``triton_build.pdl_args``); cuBLAS's products can do neither, so with PDL these products replace them.
+previous kernel), then waits, then reads the rows: those weight reads overlap the previous kernel. Before that
+its programs may ask a later product's weights into L2 (``ahead``), for the next products to find there. The
+engine's other decode kernels (norms, rotary, attention) likewise read what the kernel before them does not write
+(weights, the step's tables, earlier positions of the KV cache) before their wait, and let the next kernel launch
+right after it (``triton_build.pdl_args``); cuBLAS's products can do neither, so with PDL these products replace
+them.
 
 ``y = x @ w.T + b`` for ``x`` of at most ``MAX_ROWS`` rows: each program reads ``BN x BK`` tiles of ``w`` (``KSTEPS``
 consecutive ``BK`` slices of ``K``: the first before the wait, the others through a loop that Triton pipelines,
@@ -53,11 +55,10 @@ SILU_IN_MAX_ROWS = 0
 # the SiLU's float32 tiles
 SILU_IN_CONFIG = (32, 128, 8, 8)
 MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.counters)
-# with PDL (Hopper), a product's programs may ask a later product's weights into L2 (``linear``'s ``ahead``: bulk
+# With PDL (Hopper), a product's programs may ask a later product's weights into L2 (``linear``'s ``ahead``: bulk
 # prefetches, before the wait), so that they stream in while latency-bound kernels run (fused_layer.AHEAD says
-# which products do); PREFETCH: also each program's own weights first (benchmarks compare: profile_decode.py
-# --prefetch)
-PREFETCH = False
+# which products do). Each program asking its own weights first lost on an H100: 0.886 / 0.828 / 0.807 ms at batch
+# 32 / 8 / 1 against 0.863 / 0.811 / 0.785 without (0.5B step, same process)
 
 
 @triton_kernels
@@ -109,32 +110,8 @@ def _kernel(triton, tl):
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
-    @triton.jit
-    def prefetch(w_ptr, ahead_ptr, ahead_bytes, pid_n, pid_k, K, OUT_N, SWIGLU: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, KSTEPS: tl.constexpr, NSPLIT: tl.constexpr, ELEM: tl.constexpr,
-                 OWN: tl.constexpr, AHEAD: tl.constexpr):
-        """The program's share of a later product's weights to L2 (``AHEAD``), and its own weights (``OWN``)."""
-        if OWN:
-            rows = tl.minimum(BN, OUT_N - pid_n * BN)
-            if NSPLIT == 1:  # all of K: the program's rows are one block (gate's, then up's)
-                to_l2(w_ptr + pid_n * BN * K, rows * K * ELEM)
-                if SWIGLU:
-                    to_l2(w_ptr + (OUT_N + pid_n * BN) * K, rows * K * ELEM)
-            else:  # a K segment of each row
-                k0 = pid_k * KSTEPS * BK
-                seg = (tl.minimum(K, k0 + KSTEPS * BK) - k0) * ELEM
-                for r in range(rows):
-                    to_l2(w_ptr + (pid_n * BN + r) * K + k0, seg)
-                    if SWIGLU:
-                        to_l2(w_ptr + (OUT_N + pid_n * BN + r) * K + k0, seg)
-        if AHEAD:  # an even share of the later product's bytes per program, in 16-byte units
-            share = (tl.cdiv(ahead_bytes // 16, tl.num_programs(0) * NSPLIT)) * 16
-            at = (pid_n * NSPLIT + pid_k) * share
-            if at < ahead_bytes:
-                to_l2(ahead_ptr + at // ELEM, tl.minimum(share, ahead_bytes - at))
-
     # Triton resolves the names a kernel calls in its module's globals, not in this builder's scope
-    globals().update(x_tile=x_tile, mac=mac, to_l2=to_l2, prefetch=prefetch)
+    globals().update(x_tile=x_tile, mac=mac, to_l2=to_l2)
 
     @triton.jit
     def gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, ln_ptr, sq_in_ptr, res_ptr, sq_out_ptr, M, K, OUT_N,
@@ -142,11 +119,14 @@ def _kernel(triton, tl):
              BK: tl.constexpr, KSTEPS: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
              TP: tl.constexpr, HAS_RES: tl.constexpr, SUMS: tl.constexpr, SILU_IN: tl.constexpr,
              SWAP: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr, ahead_ptr, ahead_bytes,
-             OWN: tl.constexpr, AHEAD: tl.constexpr, ELEM: tl.constexpr):
+             AHEAD: tl.constexpr, ELEM: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        prefetch(w_ptr, ahead_ptr, ahead_bytes, pid_n, pid_k, K, OUT_N, SWIGLU, BN, BK, KSTEPS, NSPLIT, ELEM, OWN,
-                 AHEAD)
+        if AHEAD:  # the program's even share of a later product's weights (16-byte units) to L2, not waited for
+            share = (tl.cdiv(ahead_bytes // 16, tl.num_programs(0) * NSPLIT)) * 16
+            at = (pid_n * NSPLIT + pid_k) * share
+            if at < ahead_bytes:
+                to_l2(ahead_ptr + at // ELEM, tl.minimum(share, ahead_bytes - at))
         rn = pid_n * BN + tl.arange(0, BN)
         col_ok = rn < OUT_N
         rk = pid_k * KSTEPS * BK + tl.arange(0, BK)  # the program's first K slice
@@ -358,9 +338,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
                        device=x.device)
     n_sq = norm[2].shape[0] if norm is not None else 1
     elem = w.element_size()
-    pdl = pdl_available(x)
-    pre = PREFETCH and pdl and w.data_ptr() % 16 == 0 and k * elem % 16 == 0
-    ahead = ahead if (pdl and ahead is not None and ahead.is_contiguous() and ahead.data_ptr() % 16 == 0
+    ahead = ahead if (pdl_available(x) and ahead is not None and ahead.is_contiguous() and ahead.data_ptr() % 16 == 0
                       and ahead.numel() * elem % 16 == 0 and ahead.element_size() == elem) else None
     with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
         _kernel()[grid](x, w, b if b is not None else w, y, part, counters(x), norm[0] if norm else x,
@@ -370,6 +348,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
                         TP=max(2, 1 << (n_sq - 1).bit_length()), HAS_RES=residual is not None, SUMS=sums,
                         SILU_IN=silu_in, SWAP=swap, STAGES=stages, num_warps=warps,
                         ahead_ptr=ahead if ahead is not None else w,
-                        ahead_bytes=ahead.numel() * elem if ahead is not None else 0, OWN=pre,
-                        AHEAD=ahead is not None, ELEM=elem, **pdl_args(x))
+                        ahead_bytes=ahead.numel() * elem if ahead is not None else 0, AHEAD=ahead is not None,
+                        ELEM=elem, **pdl_args(x))
     return (y, sq) if sums else y

@@ -199,7 +199,7 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs Hopper")
-def test_the_l2_prefetches_change_no_bit(monkeypatch):
+def test_the_l2_prefetches_change_no_bit():
     from slime_lite.engine import gemv
 
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -209,12 +209,11 @@ def test_the_l2_prefetches_change_no_bit(monkeypatch):
 
     later = rand(2 * 4864, 896)  # a later product's weights, asked into L2 by the kernel's programs (``ahead``)
     cases = [(8, 1000, 896, False), (32, 2 * 4864, 896, True),  # a partial column tile; gate/up with its SiLU
-             (8, 896, 4864, False), (1, 40, 100, False)]  # K split over programs; rows of 200 bytes: no prefetch
+             (8, 896, 4864, False), (1, 40, 100, False)]  # K split over programs; one row, a K of 100
     for rows, n, k, swiglu in cases:
         x, w = rand(rows, k), rand(n, k)
         outs = []
-        for on in (False, True):  # no prefetch; a later product's weights and each program's own
-            monkeypatch.setattr(gemv, "PREFETCH", on)
-            outs.append(gemv.linear(x, w, swiglu=swiglu, ahead=later if on else None))
+        for ahead in (None, later):
+            outs.append(gemv.linear(x, w, swiglu=swiglu, ahead=ahead))
         assert torch.equal(outs[0], outs[1]), (rows, n, k)
         torch.testing.assert_close(outs[1], _want(x, w, None, swiglu), atol=2e-2, rtol=2e-2)
