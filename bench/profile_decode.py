@@ -169,6 +169,10 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
+    names = {n for a in args.ahead.split("/") for n in a.split("+") if n}
+    if names - {"none", "qkv", "o", "gate_up", "down"}:
+        ap.error(f"--ahead: unknown products {sorted(names - {'none', 'qkv', 'o', 'gate_up', 'down'})} (qkv, o, "
+                 "gate_up, down or none)")
 
     from slime_lite import triton_build
     from slime_lite.engine import decode_attention, fused_layer, gemv

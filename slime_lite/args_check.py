@@ -117,15 +117,19 @@ def fill_num_epoch(args: argparse.Namespace) -> None:
 
 def warn_unread_flags(args: argparse.Namespace, given: set[str]) -> None:
     """A discount, GAE or critic flag given on the command line that this run's estimator does not read: said at
-    the start (slime ignores it silently)."""
+    the start (slime ignores it silently). Not with --custom-advantage-function-path, whose hook may read any flag."""
+    if args.custom_advantage_function_path:
+        return
+
+    def reads(e: rl_math.Estimator) -> set[str]:
+        return set(e.reads) | (set(rl_math.CRITIC_FLAGS) if e.needs_critic else set())
+
     spec = rl_math.estimator(args.advantage_estimator)
-    reads = set(spec.reads) | (set(rl_math.CRITIC_FLAGS) if spec.needs_critic else set())
-    unread = [f for f in (*rl_math.ESTIMATOR_FLAGS, *rl_math.CRITIC_FLAGS) if f in given and f not in reads]
-    if unread:
-        users = ", ".join(e.name for e in rl_math.ESTIMATORS.values()
-                          if set(unread) & (set(e.reads) | (set(rl_math.CRITIC_FLAGS) if e.needs_critic else set())))
-        log.warning("%s change nothing with --advantage-estimator %s (they are read by: %s)", " ".join(unread),
-                    spec.name, users)
+    for flag in (*rl_math.ESTIMATOR_FLAGS, *rl_math.CRITIC_FLAGS):
+        if flag in given and flag not in reads(spec):
+            users = ", ".join(e.name for e in rl_math.ESTIMATORS.values() if flag in reads(e))
+            log.warning("%s changes nothing with --advantage-estimator %s (it is read by: %s)", flag, spec.name,
+                        users)
 
 
 def validate_args(args: argparse.Namespace) -> None:

@@ -101,7 +101,9 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 def register_estimator(name: str, **properties: Any) -> Callable:
     """Decorator: register ``fn(AdvantageInputs)`` as ``--advantage-estimator name`` with ``Estimator``'s
-    properties. The flag's choices, the placement's critic and the group-size rule read the registry."""
+    properties. The flag's choices, the placement's critic and the group-size rule read the registry; an estimator
+    that reads ``x.gamma`` or ``x.lambd`` says so with ``reads=("--gamma", "--lambd")`` (else giving those flags is
+    warned about as changing nothing)."""
 
     def register(fn: Callable) -> Callable:
         if name in ESTIMATORS:

@@ -184,16 +184,23 @@ def test_external_engine_addresses_are_host_and_port_or_urls(base):
         assert f"{bad.split(',')[-1]!r} is not host:port" in err(base + ["--rollout-external-engine-addrs", bad])
 
 
-def test_discount_gae_and_critic_flags_the_estimator_does_not_read_are_told(base, caplog):
-    """slime takes --gamma or --critic-lr with GRPO and ignores them: said at the start here."""
+def test_discount_gae_and_critic_flags_the_estimator_does_not_read_are_told(base, caplog, tmp_path, monkeypatch):
+    """slime takes --gamma or --critic-lr with GRPO and ignores them: said at the start here (not with an advantage
+    hook, which may read them)."""
     import logging
+
+    (tmp_path / "gamma_hook.py").write_text("def advantage(args, rollout_data):\n    return args.gamma\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
 
     with caplog.at_level(logging.WARNING):
         parse_args(base + ["--gamma", "0.9", "--lambd=0.95", "--critic-lr", "1e-5"])
-    assert "--gamma --lambd --critic-lr change nothing with --advantage-estimator grpo" in caplog.text
-    assert "(they are read by: ppo, reinforce_plus_plus)" in caplog.text
+    assert "--gamma changes nothing with --advantage-estimator grpo (it is read by: ppo, reinforce_plus_plus)" in (
+        caplog.text)
+    assert "--lambd changes nothing with --advantage-estimator grpo (it is read by: ppo)" in caplog.text
+    assert "--critic-lr changes nothing with --advantage-estimator grpo (it is read by: ppo)" in caplog.text
+    hook = ["--custom-advantage-function-path", "gamma_hook.advantage", "--gamma", "0.9"]
     for used in (["--advantage-estimator", "ppo", "--gamma", "0.9", "--lambd", "0.95", "--value-clip", "0.1"],
-                 ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.9"], []):
+                 ["--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.9"], [], hook):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             parse_args(base + used)

@@ -29,6 +29,8 @@ step between a step that runs the norm this way (at most ``NORM_MAX_ROWS`` rows)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from slime_lite.triton_build import counters, pdl_args, pdl_available, triton_kernels
@@ -57,8 +59,11 @@ SILU_IN_CONFIG = (32, 128, 8, 8)
 MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.counters)
 # With PDL (Hopper), a product's programs may ask a later product's weights into L2 (``linear``'s ``ahead``: bulk
 # prefetches, before the wait), so that they stream in while latency-bound kernels run (fused_layer.AHEAD says
-# which products do). Each program asking its own weights first lost on an H100: 0.886 / 0.828 / 0.807 ms at batch
-# 32 / 8 / 1 against 0.863 / 0.811 / 0.785 without (0.5B step, same process)
+# which products do). Only weights of at most AHEAD_L2_SHARE of the device's L2 are asked: larger ones would be
+# evicted before their product reads them (measured only at the 0.5B shape, whose largest, gate/up's 17 MB, is a
+# third of an H100's 50 MB L2). Each program asking its own weights first lost on an H100: 0.886 / 0.828 / 0.807 ms
+# at batch 32 / 8 / 1 against 0.863 / 0.811 / 0.785 without (0.5B step, same process)
+AHEAD_L2_SHARE = 0.5
 
 
 @triton_kernels
@@ -124,7 +129,7 @@ def _kernel(triton, tl):
         pid_k = tl.program_id(1)
         if AHEAD:  # the program's even share of a later product's weights (16-byte units) to L2, not waited for
             share = (tl.cdiv(ahead_bytes // 16, tl.num_programs(0) * NSPLIT)) * 16
-            at = (pid_n * NSPLIT + pid_k) * share
+            at = (pid_n * NSPLIT + pid_k).to(tl.int64) * share
             if at < ahead_bytes:
                 to_l2(ahead_ptr + at // ELEM, tl.minimum(share, ahead_bytes - at))
         rn = pid_n * BN + tl.arange(0, BN)
@@ -284,6 +289,11 @@ def _fit(cfg: tuple[int, ...], k: int) -> tuple[int, ...]:
     return (bn, bk, warps, min(ksteps, -(-k // bk)), *extra)
 
 
+@functools.lru_cache(maxsize=8)
+def _l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
 def _shared_memory(device: torch.device) -> int:
     """Bytes of shared memory a program may use on ``device`` (99 KiB where torch does not say)."""
     props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
@@ -339,7 +349,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     n_sq = norm[2].shape[0] if norm is not None else 1
     elem = w.element_size()
     ahead = ahead if (pdl_available(x) and ahead is not None and ahead.is_contiguous() and ahead.data_ptr() % 16 == 0
-                      and ahead.numel() * elem % 16 == 0 and ahead.element_size() == elem) else None
+                      and ahead.numel() * elem % 16 == 0 and ahead.element_size() == elem
+                      and ahead.numel() * elem <= AHEAD_L2_SHARE * _l2_bytes(x.device.index or 0)) else None
     with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
         _kernel()[grid](x, w, b if b is not None else w, y, part, counters(x), norm[0] if norm else x,
                         norm[2] if norm else part, residual if residual is not None else y, sq, rows, k, out_n,
