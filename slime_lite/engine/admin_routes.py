@@ -9,6 +9,7 @@ are checked (``validate``) before anything runs: a wrong type or range is a 400 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import logging
 import os
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GROUP = "weight_update_group"
+
+# the weight-update session an update route's request came in (``_Admin.in_session`` sets it for the request)
+_ENTERED: contextvars.ContextVar[int | None] = contextvars.ContextVar("weight_session_entered")
 
 
 def _field(fn: Callable[..., Any], body: dict[str, Any], key: str, default: Any, *args: Any) -> Any:
@@ -107,24 +111,41 @@ class _Admin:
         self.session_version: str | None = None
         self.session_failed = False
         self.profile = TorchProfile()  # /start_profile .. /stop_profile, in the model thread
-        self.profile_path = ""
+        self.profile_path = ""  # the running profile's trace (set by /start_profile, emptied by /stop_profile)
         self.weights_snapshot: dict[str, str] | None = None  # /weights_checker action=snapshot
 
+    def _current_session(self) -> int | None:
+        """The open weight-update session's id; None outside one."""
+        return self.session_id if self.weight_session else None
+
     def in_session(self, handler: Callable[..., Any]) -> Callable[..., Any]:
-        """A weight update route that, refused or failed inside a session, marks the session failed (its earlier
-        updates may have applied: the session's end then serves the weights as "partial")."""
+        """A weight update route that, refused or failed inside a session, marks that session failed (its earlier
+        updates may have applied: the session's end then serves the weights as "partial"). The session is the one
+        the request came in; when it has ended before the refusal, the engine serves "partial" at once (its end
+        named a version this update's weights never reached) and a session begun since is not marked."""
         async def route(request):
-            session = self.weight_session
+            session = self._current_session()
+            token = _ENTERED.set(session)
             try:
                 response = await handler(request)
             except BaseException:
-                self.session_failed = self.session_failed or session
+                self._update_failed(session)
                 raise
+            finally:
+                _ENTERED.reset(token)
             if response.status != 200:
-                self.session_failed = self.session_failed or session
+                self._update_failed(session)
             return response
 
         return route
+
+    def _update_failed(self, session: int | None) -> None:
+        if session is None:
+            return
+        if self._current_session() == session:
+            self.session_failed = True
+        else:
+            self.scheduler.weight_version = PARTIAL_VERSION
 
     async def run_in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, *args))
@@ -132,20 +153,17 @@ class _Admin:
     async def _weight_op(self, fn: Callable[..., Any], *args: Any, version: Any = None,
                          extra: dict[str, Any] | None = None, model_thread: bool = True):
         """Run a weight operation in the model thread (or, ``model_thread=False``, in a worker thread: an operation
-        that touches no weights and may wait), then set ``weight_version`` if given."""
+        that touches no weights and may wait), then set ``weight_version`` if given: outside a session in the model
+        thread (the next step's outputs name it), inside one as the session's version. The session's state is read
+        and written in the event loop only, as begin and end do, so an end cannot fall between an update's check of
+        its session and its record there."""
 
-        session = self.session_id if self.weight_session else None  # the session the request came in
+        session = _ENTERED.get(self._current_session())  # the session the request came in
 
         def op():
             result = fn(*args)
-            if version is None:
-                pass
-            elif session is None:
+            if version is not None and session is None:
                 self.scheduler.weight_version = str(version)
-            elif self.weight_session and self.session_id == session:
-                self.session_version = str(version)
-            else:  # its session ended (committed or not) before it applied: old and new weights mixed
-                self.scheduler.weight_version = PARTIAL_VERSION
             return result
 
         try:
@@ -156,6 +174,11 @@ class _Admin:
         except (WeightError, ValueError, RuntimeError) as exc:
             logger.error("weight operation refused: %s", exc)
             return json_response({"success": False, "message": str(exc)}, 400)
+        if version is not None and session is not None:
+            if self._current_session() == session:
+                self.session_version = str(version)
+            else:  # its session ended (committed or not) before it applied: old and new weights mixed
+                self.scheduler.weight_version = PARTIAL_VERSION
         msg = f"Succeeded ({result} tensors)" if isinstance(result, int) else "Succeeded"
         return json_response({"success": True, "message": msg, **(extra or {})})
 
@@ -405,10 +428,17 @@ class _Admin:
             raise BadRequest("profile_prefix must be a plain file-name prefix")
         shapes = _field(check.boolean, body, "record_shapes", True)
         stack = _field(check.boolean, body, "with_stack", False)
-        if self.profile.prof is not None:
+        if self.profile_path:
             raise BadRequest("a profile is already running: call /stop_profile first")
-        self.profile_path = os.path.join(folder, f"{prefix}-{int(time.time())}.trace.json")
-        await self.run_in_model_thread(self.profile.start, shapes, stack)
+        # the profile is this request's from here (the event loop's state): a second /start_profile is refused
+        # while this one waits for the model thread
+        path = self.profile_path = os.path.join(folder, f"{prefix}-{int(time.time())}.trace.json")
+        try:
+            await self.run_in_model_thread(self.profile.start, shapes, stack)
+        except Exception:  # it did not start (a cancelled wait leaves the claim: the start may still run)
+            if self.profile_path == path:
+                self.profile_path = ""
+            raise
         return web.Response(text="Start profiling.\n")
 
     def _profile_folder(self, output_dir: str) -> str:
@@ -430,7 +460,10 @@ class _Admin:
         return str(target)
 
     async def stop_profile(self, request):
-        if self.profile.prof is None:
+        """Stops the profile this request takes (the event loop's ``profile_path``, emptied here): a second
+        /stop_profile while the first waits for the model thread is refused."""
+        path, self.profile_path = self.profile_path, ""
+        written = await self.run_in_model_thread(self.profile.stop, path) if path else None
+        if written is None:  # none started, or its start failed
             raise BadRequest("no profile is running: call /start_profile first")
-        path = await self.run_in_model_thread(self.profile.stop, self.profile_path)
-        return web.Response(text=f"Stop profiling. Trace written to {path}\n")
+        return web.Response(text=f"Stop profiling. Trace written to {written}\n")

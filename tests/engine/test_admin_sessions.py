@@ -1,0 +1,252 @@
+"""Ends of the admin routes' sessions racing with other requests (admin_routes.py): a weight update still in flight
+(its body being read, queued for the model thread, or recording its version) when its weight-update session ends,
+and two clients stopping (or starting) one profile at once. A FAKE model thread
+(``ModelThread``: it runs the queued calls when the test says, or at once) and FAKE requests; the interleavings are
+forced by the test, not left to timing."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from slime_lite.engine.admin_routes import _Admin
+from slime_lite.engine.http_json import BadRequest
+from slime_lite.engine.weights import WeightError
+from slime_lite.types import PARTIAL_VERSION
+
+
+class ModelThread:
+    """FAKE: the scheduler's model thread. ``hold``: calls wait in ``queued`` until the test runs them (in order)."""
+
+    def __init__(self) -> None:
+        self.weight_version = "6"
+        self.queued: list = []
+        self.hold = False
+        self.loaded: list[str] = []
+        self.weights = SimpleNamespace(drop_pending_adapters=lambda: None, load_from_disk=self.load_from_disk)
+
+    def load_from_disk(self, path: str) -> int:
+        if path.startswith("/refused"):
+            raise WeightError(f"{path}: no such checkpoint")
+        self.loaded.append(path)
+        return 1
+
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001 - the caller's future raises it
+                done.set_exception(exc)
+
+        self.queued.append(run)
+        if not self.hold:
+            self.queued.pop()()
+        return done
+
+    def run_queued(self) -> None:
+        while self.queued:
+            self.queued.pop(0)()
+
+
+class Request:
+    """FAKE: a POST with a JSON body."""
+
+    method = "POST"
+    query: dict = {}
+
+    def __init__(self, body: dict | None = None) -> None:
+        self.raw = json.dumps(body).encode() if body else b""
+
+    async def read(self) -> bytes:
+        return self.raw
+
+
+async def _queued(admin_call, model: ModelThread) -> asyncio.Future:
+    """``admin_call`` started and waiting in the model thread (held)."""
+    model.hold = True
+    task = asyncio.ensure_future(admin_call)
+    await asyncio.sleep(0)
+    assert model.queued, "the call did not reach the model thread"
+    model.hold = False
+    return task
+
+
+@pytest.mark.parametrize("into_next", [False, True], ids=["after-its-end", "inside-the-next-session"])
+def test_an_update_refused_after_its_session_ended_fails_no_other_session(tmp_path, into_next):
+    """A bucket sent inside session 1 is still queued when session 1 ends (its client gave up waiting and closed
+    the session), and is refused afterwards. Session 1's version named weights the engine never got: the engine
+    serves "partial". The refusal is session 1's: a session 2 begun meanwhile by the next push, complete, ends
+    as a success naming its own version (it used to end with a 400 "an update of this session failed")."""
+
+    async def scenario() -> list:
+        model = ModelThread()
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        from_disk = admin.in_session(admin.update_weights_from_disk)
+        assert (await admin.begin_weight_update(Request())).status == 200
+        assert (await from_disk(Request({"model_path": "/ckpt/a", "weight_version": "7"}))).status == 200
+        late = await _queued(from_disk(Request({"model_path": "/refused/b", "weight_version": "7"})), model)
+        assert (await admin.end_weight_update(Request())).status == 200  # nothing refused yet: a success
+        assert model.weight_version == "7"
+        if into_next:
+            assert (await admin.begin_weight_update(Request())).status == 200
+        model.run_queued()
+        assert (await late).status == 400
+        seen = [model.weight_version]  # "partial": bucket b of version 7 never arrived
+        if into_next:
+            assert (await from_disk(Request({"model_path": "/ckpt/c", "weight_version": "8"}))).status == 200
+            end = await admin.end_weight_update(Request())
+            seen += [end.status, json.loads(end.text)["message"], model.weight_version]
+        return seen
+
+    expected = [PARTIAL_VERSION] + ([200, "Success", "8"] if into_next else [])
+    assert asyncio.run(scenario()) == expected
+
+
+def test_an_update_whose_body_arrives_after_its_session_ended_leaves_the_weights_partial(tmp_path):
+    """An update comes in inside a session; its body (a bucket of tensors) is still being read when the session
+    ends. It is that session's update, applied after the session's end: the engine serves "partial", not the
+    update's version as if it had come in outside a session."""
+
+    class SlowRequest(Request):  # FAKE: a body that arrives when the test says
+        def __init__(self, body: dict, arrived: asyncio.Event) -> None:
+            super().__init__(body)
+            self.arrived = arrived
+
+        async def read(self) -> bytes:
+            await self.arrived.wait()
+            return self.raw
+
+    async def scenario() -> str:
+        model = ModelThread()
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        from_disk = admin.in_session(admin.update_weights_from_disk)
+        assert (await admin.begin_weight_update(Request())).status == 200
+        arrived = asyncio.Event()
+        update = asyncio.ensure_future(from_disk(SlowRequest({"model_path": "/ckpt/a", "weight_version": "7"},
+                                                             arrived)))
+        await asyncio.sleep(0)  # in the route, reading its body
+        assert (await admin.end_weight_update(Request())).status == 200
+        arrived.set()
+        assert (await update).status == 200
+        assert model.loaded == ["/ckpt/a"]
+        return model.weight_version
+
+    assert asyncio.run(scenario()) == PARTIAL_VERSION
+
+
+def test_a_session_end_while_the_model_thread_records_an_update_never_names_the_old_weights(tmp_path):
+    """The model thread applied an update of the open session and is recording its version when the session ends
+    (in the server's event loop, another thread). The end must not commit what was recorded before it while the
+    update's version goes into the closed session: the engine would name its old weights ("6") while it holds the
+    update's. A REAL second thread runs the model thread's calls; the update's version object pauses that thread
+    at its record (``str``), and the test ends the session there."""
+
+    loop_thread = threading.current_thread()
+    reached, go = threading.Event(), threading.Event()  # the model thread is at the record, or done with the update
+
+    class Version:  # the update's weight_version: converted to a string when it is recorded
+        def __str__(self) -> str:
+            if threading.current_thread() is not loop_thread:  # the model thread, about to record
+                reached.set()
+                go.wait(10)
+            return "7"
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+    model = SimpleNamespace(weight_version="6", weights=SimpleNamespace(drop_pending_adapters=lambda: None))
+
+    def call(fn, *args):
+        future = pool.submit(fn, *args)
+        future.add_done_callback(lambda _: reached.set())
+        return future
+
+    model.call = call
+
+    async def scenario() -> None:
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        assert (await admin.begin_weight_update(Request())).status == 200
+        reached.clear()
+        update = asyncio.ensure_future(admin._weight_op(lambda: 1, version=Version()))
+        await asyncio.sleep(0)  # submitted to the model thread
+        assert reached.wait(10)  # (blocks the event loop: the update's answer waits until the session ended)
+        assert (await admin.end_weight_update(Request())).status == 200
+        go.set()
+        assert (await update).status == 200
+        assert model.weight_version in ("7", PARTIAL_VERSION)  # the update's version, or "partial": not "6"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        go.set()
+        pool.shutdown(wait=True)
+
+
+class Profiler:
+    """FAKE: ``TorchProfile`` (start; stop(path) writes the trace, None when none was running)."""
+
+    def __init__(self) -> None:
+        self.prof = None
+
+    def start(self, record_shapes: bool, with_stack: bool) -> None:
+        if self.prof is not None:
+            raise RuntimeError("a profiler is already running in this process; stop it first")
+        self.prof = object()
+
+    def stop(self, path: str) -> str | None:
+        if self.prof is None:
+            return None
+        self.prof = None
+        with open(path, "w") as f:
+            f.write("{}")
+        return path
+
+
+def test_two_stop_profiles_at_once_stop_the_profile_once(tmp_path):
+    """Two clients send /stop_profile while the profile is still running (both queued for the model thread): one
+    gets the trace; the other is refused, never answered "Trace written to None"."""
+
+    async def scenario() -> None:
+        model = ModelThread()
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        admin.profile = Profiler()
+        assert (await admin.start_profile(Request({"profile_prefix": "p"}))).status == 200
+        first = await _queued(admin.stop_profile(Request()), model)
+        model.hold = True
+        second = asyncio.ensure_future(admin.stop_profile(Request()))
+        await asyncio.sleep(0)
+        model.hold = False
+        model.run_queued()
+        assert "Trace written to " + str(tmp_path) in (await first).text
+        with pytest.raises(BadRequest, match="no profile is running"):
+            await second
+
+    asyncio.run(scenario())
+
+
+def test_a_start_profile_while_another_starts_is_refused_and_leaves_its_trace_path(tmp_path):
+    """Two clients send /start_profile at once (the first still queued for the model thread): the second is refused
+    with a 400, and the first's trace is written where the first asked (its prefix), not the second's."""
+
+    async def scenario() -> None:
+        model = ModelThread()
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        admin.profile = Profiler()
+        first = await _queued(admin.start_profile(Request({"profile_prefix": "first"})), model)
+        model.hold = True
+        second = asyncio.ensure_future(admin.start_profile(Request({"profile_prefix": "second"})))
+        await asyncio.sleep(0)
+        model.hold = False
+        model.run_queued()
+        assert (await first).status == 200
+        with pytest.raises(BadRequest, match="already running"):
+            await second
+        stopped = (await admin.stop_profile(Request())).text
+        assert "/first-" in stopped and "/second-" not in stopped
+
+    asyncio.run(scenario())
