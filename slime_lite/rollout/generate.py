@@ -17,6 +17,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import HookArgs, call_maybe_async, load_hook
 from slime_lite.rollout.data import Prompt, PromptSource, encode_prompt
 from slime_lite.rollout.oversample import MAX_SUBMITS, OverSampler, complete, stamp_versions
+from slime_lite.rollout.resumed_stop import end_at_resumed_stop
 from slime_lite.rollout.rewards import compute_group_rewards, compute_reward
 from slime_lite.rollout.turns import routed_experts
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
@@ -98,11 +99,15 @@ def continued(params: dict[str, Any], sample: Sample) -> dict[str, Any]:
 _CUT_WARNED: list[bool] = []  # once per process
 
 
-def _filled(sample: Sample, out: dict[str, Any], asked: int) -> Sample:
-    """``fill_response``, and a warning (once) when the engine ended the response at its own length limit before
-    the ``asked`` tokens: every such response is cut short."""
-    had = sample.response_length
+def _filled(args: Any, sample: Sample, out: dict[str, Any], params: dict[str, Any]) -> Sample:
+    """``fill_response`` of the request made with ``params``, ended first at a stop string that spans a
+    --partial-rollout resume (resumed_stop.py); and a warning (once) when the engine ended the response at its own
+    length limit before the tokens asked: every such response is cut short."""
+    had, asked = sample.response_length, params["max_new_tokens"]
+    text = end_at_resumed_stop(args, sample, out, params)
     fill_response(sample, out)
+    if text is not None:
+        sample.response = text
     got = sample.response_length - had
     if (out["meta_info"].get("finish_reason") or {}).get("type") == "length" and got < asked and not _CUT_WARNED:
         _CUT_WARNED.append(True)
@@ -120,7 +125,7 @@ async def default_generate(args: Any, sample: Sample, params: dict[str, Any]) ->
     p = continued(params, sample)
     body = {"input_ids": sample.tokens, "sampling_params": p, "return_logprob": True,
             "return_routed_experts": bool(args.use_rollout_routing_replay)}
-    return _filled(sample, await args.engine_client.generate(body), p["max_new_tokens"])
+    return _filled(args, sample, await args.engine_client.generate(body), p)
 
 
 async def generate_group(args: Any, group: list[Sample], params: list[dict[str, Any]]) -> list[Sample]:
@@ -130,7 +135,7 @@ async def generate_group(args: Any, group: list[Sample], params: list[dict[str, 
     body = {"input_ids": [s.tokens for s in group], "sampling_params": ps,
             "return_logprob": True, "return_routed_experts": bool(args.use_rollout_routing_replay)}
     outs = await args.engine_client.generate(body)
-    return [_filled(s, out, p["max_new_tokens"]) for s, out, p in zip(group, outs, ps)]
+    return [_filled(args, s, out, p) for s, out, p in zip(group, outs, ps)]
 
 
 async def gather_or_cancel(coros: Any) -> list[Any]:
