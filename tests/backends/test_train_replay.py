@@ -216,20 +216,29 @@ def test_corrupt_or_crafted_checkpoint_is_a_clear_error(tiny_model_dir, replay_d
 
 
 def test_non_finite_loss_stops_the_run_before_the_checkpoint(tiny_model_dir, replay_dumps, tmp_path, train_cli):
-    """NaN rollout log-probs under --use-tis make the loss NaN: exit 2 naming the rollout, no checkpoint saved."""
+    """NaN advantages from a buggy advantage hook make the loss NaN: exit 2 naming the rollout, no checkpoint
+    saved."""
+    ckpt = tmp_path / "ckpt"
+    proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "nan", "--custom-advantage-function-path",
+                              "tests.fakes.nan_hooks.advantage", "--save", str(ckpt), "--save-interval", "1"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "rollout 0: the training loss is not finite (" in proc.stderr, proc.stderr[-3000:]
+    assert "train/loss=nan" in proc.stderr
+    assert not (ckpt / "latest").exists()
+
+
+def test_a_dump_with_a_non_finite_rollout_log_prob_on_a_trained_token_is_refused(tiny_model_dir, replay_dumps,
+                                                                                 tmp_path, train_cli):
+    """An engine's NaN log-prob in a dump is named before anything starts (it would train through --use-tis)."""
     import torch
 
     for rid in (0, 1):
         data = torch.load(replay_dumps.format(rollout_id=rid), weights_only=True)
         data["samples"][3]["rollout_log_probs"][0] = float("nan")
         torch.save(data, tmp_path / f"nan_{rid}.pt")
-    ckpt = tmp_path / "ckpt"
-    proc = train_cli(args_for(tiny_model_dir, str(tmp_path / "nan_{rollout_id}.pt"), tmp_path, "nan", "--use-tis",
-                              "--save", str(ckpt), "--save-interval", "1"))
+    proc = train_cli(args_for(tiny_model_dir, str(tmp_path / "nan_{rollout_id}.pt"), tmp_path, "nan", "--use-tis"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "rollout 0: the training loss is not finite (" in proc.stderr, proc.stderr[-3000:]
-    assert "train/loss=nan" in proc.stderr
-    assert not (ckpt / "latest").exists()
+    assert "samples[3].rollout_log_probs[0] = nan is not finite on a trained token" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("estimator", ["ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
