@@ -147,8 +147,10 @@ class _Admin:
         else:
             self.scheduler.weight_version = PARTIAL_VERSION
 
-    async def run_in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.wrap_future(self.scheduler.call(fn, *args))
+    def run_in_model_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """``fn(*args)`` queued for the model thread now; await the returned future for its result (cancelling it
+        takes the call out of the queue if it has not run yet)."""
+        return asyncio.wrap_future(self.scheduler.call(fn, *args))
 
     async def _weight_op(self, fn: Callable[..., Any], *args: Any, version: Any = None,
                          extra: dict[str, Any] | None = None, model_thread: bool = True):
@@ -164,6 +166,9 @@ class _Admin:
             result = fn(*args)
             if version is not None and session is None:
                 self.scheduler.weight_version = str(version)
+            elif version is not None and self._current_session() != session:  # its session ended before it applied
+                # (an ended session never reopens): "partial" from the next step on, as the event loop records below
+                self.scheduler.weight_version = PARTIAL_VERSION
             return result
 
         try:
@@ -433,9 +438,11 @@ class _Admin:
         # the profile is this request's from here (the event loop's state): a second /start_profile is refused
         # while this one waits for the model thread
         path = self.profile_path = os.path.join(folder, f"{prefix}-{int(time.time())}.trace.json")
-        try:
-            await self.run_in_model_thread(self.profile.start, shapes, stack)
-        except Exception:  # it did not start (a cancelled wait leaves the claim: the start may still run)
+        try:  # shielded: a client that leaves does not take the start out of the model thread's queue
+            await asyncio.shield(self.run_in_model_thread(self.profile.start, shapes, stack))
+        except asyncio.CancelledError:  # the start still runs: the claim stays, for a /stop_profile to stop it
+            raise
+        except Exception:  # it did not start
             if self.profile_path == path:
                 self.profile_path = ""
             raise
@@ -461,9 +468,10 @@ class _Admin:
 
     async def stop_profile(self, request):
         """Stops the profile this request takes (the event loop's ``profile_path``, emptied here): a second
-        /stop_profile while the first waits for the model thread is refused."""
+        /stop_profile while the first waits for the model thread is refused. Shielded: a client that leaves does
+        not take the stop out of the model thread's queue (the profiler would run on with no path to stop it)."""
         path, self.profile_path = self.profile_path, ""
-        written = await self.run_in_model_thread(self.profile.stop, path) if path else None
+        written = await asyncio.shield(self.run_in_model_thread(self.profile.stop, path)) if path else None
         if written is None:  # none started, or its start failed
             raise BadRequest("no profile is running: call /start_profile first")
         return web.Response(text=f"Stop profiling. Trace written to {written}\n")

@@ -309,7 +309,7 @@ def check_generated_samples(samples: list[Sample], vocab_size: int, where: str) 
 
 def check_replay_samples(dump: RolloutDump, vocab_size: int, reward_key: str | None) -> None:
     """What training on a dump needs beyond its schema: samples, token ids inside the model's vocab, finite
-    rewards, finite rollout log-probs on the tokens it trains."""
+    rewards, finite rollout log-probs (a masked token's too: a mask multiplies it, and NaN x 0 is NaN)."""
     if not dump.samples:
         raise DumpError(f"rollout dump {dump.path} has no samples: there is nothing to train on. Re-create it.")
     for i, s in enumerate(dump.samples):
@@ -319,13 +319,13 @@ def check_replay_samples(dump: RolloutDump, vocab_size: int, reward_key: str | N
                 f"rollout dump {dump.path}: samples[{i}].tokens[{bad}] = {s.tokens[bad]} is not below the model's "
                 f"vocab size {vocab_size} (--hf-checkpoint): the dump was made with another tokenizer or model."
             )
-        lps, mask = s.rollout_log_probs or [], s.loss_mask
-        bad = next((k for k, v in enumerate(lps) if not math.isfinite(v) and (mask is None or mask[k])), None)
+        lps = s.rollout_log_probs or []
+        bad = next((k for k, v in enumerate(lps) if not math.isfinite(v)), None)
         if bad is not None:
             raise DumpError(
-                f"rollout dump {dump.path}: samples[{i}].rollout_log_probs[{bad}] = {lps[bad]} is not finite on a "
-                "trained token (its engine returned it): --use-tis and the rollout-vs-train log-prob checks would "
-                "read it. Re-create the dump, or set loss_mask 0 on that token.")
+                f"rollout dump {dump.path}: samples[{i}].rollout_log_probs[{bad}] = {lps[bad]} is not finite (an "
+                "engine's log-prob of a token it drew never is): --use-tis and the rollout-vs-train log-prob "
+                "checks would read it, even under loss_mask 0. Re-create the dump.")
     check_rewards(dump.samples, reward_key, f"rollout dump {dump.path}", strict=True)
 
 

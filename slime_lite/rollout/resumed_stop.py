@@ -89,6 +89,9 @@ def end_at_resumed_stop(args: Any, sample: Sample, out: dict[str, Any], params: 
         meta["routed_experts"] = _cut_routed_experts(meta["routed_experts"], prompt + len(ids) - 1, prompt + keep - 1)
     if "completion_tokens" in meta:
         meta["completion_tokens"] = keep
+    versions = meta.get("output_token_weight_versions")
+    if versions and "weight_version" in meta:  # the request's version: its last kept token's, not a dropped one's
+        meta["weight_version"] = str(versions[-1])
     meta["finish_reason"] = {"type": "stop", "matched": matched}
     out["output_ids"] = ids[:keep]
     text = tok.decode(before + ids[:keep], skip_special_tokens=params.get("skip_special_tokens", True))

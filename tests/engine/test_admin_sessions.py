@@ -40,6 +40,8 @@ class ModelThread:
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
+            if not done.set_running_or_notify_cancel():  # as the scheduler: a cancelled call does not run
+                return
             try:
                 done.set_result(fn(*args))
             except Exception as exc:  # noqa: BLE001 - the caller's future raises it
@@ -250,3 +252,45 @@ def test_a_start_profile_while_another_starts_is_refused_and_leaves_its_trace_pa
         assert "/first-" in stopped and "/second-" not in stopped
 
     asyncio.run(scenario())
+
+
+def test_a_stop_profile_whose_client_left_still_stops_the_profile(tmp_path):
+    """The client of a /stop_profile still queued for the model thread disconnects (the server cancels its
+    handler): the stop still runs, so the profiler does not record on with no path left to stop it."""
+
+    async def scenario() -> None:
+        model = ModelThread()
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        admin.profile = Profiler()
+        assert (await admin.start_profile(Request({"profile_prefix": "p"}))).status == 200
+        model.hold = True
+        stop = asyncio.ensure_future(admin.stop_profile(Request()))
+        await asyncio.sleep(0)
+        stop.cancel()
+        await asyncio.sleep(0)
+        model.hold = False
+        model.run_queued()
+        assert admin.profile.prof is None and list(tmp_path.glob("p-*.trace.json"))
+        assert (await admin.start_profile(Request({"profile_prefix": "q"}))).status == 200
+
+    asyncio.run(scenario())
+
+
+def test_a_bucket_applied_after_its_session_ended_is_partial_from_the_next_step(tmp_path):
+    """A bucket of an ended session applies in the model thread: the decode steps that run before the event loop
+    records it already name "partial", not the version the end named."""
+
+    async def scenario() -> list[str]:
+        model = ModelThread()
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        from_disk = admin.in_session(admin.update_weights_from_disk)
+        assert (await admin.begin_weight_update(Request())).status == 200
+        assert (await from_disk(Request({"model_path": "/ckpt/a", "weight_version": "7"}))).status == 200
+        late = await _queued(from_disk(Request({"model_path": "/ckpt/b", "weight_version": "7"})), model)
+        assert (await admin.end_weight_update(Request())).status == 200
+        model.run_queued()
+        seen = [model.weight_version]  # what the model thread's next step stamps, before the event loop runs
+        assert (await late).status == 200
+        return seen + [model.weight_version]
+
+    assert asyncio.run(scenario()) == [PARTIAL_VERSION, PARTIAL_VERSION]

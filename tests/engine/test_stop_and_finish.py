@@ -168,3 +168,14 @@ def test_a_resumed_stop_cuts_every_per_token_field_of_the_engine_result(tiny_mod
     assert sample.rollout_log_probs == [-0.1, -0.5, -0.5] and sample.loss_mask == [1, 1, 1]
     assert sample.metadata[TOKEN_VERSIONS] == [3, 4, 4] and sample.weight_versions == ["3", "4"]
     assert sample.rollout_routed_experts.tolist() == list(range((len(sample.tokens) - 1) * 2))
+    late = Engine()  # a push landed after the token that completes the stop: the request's version is the kept one's
+    late.generate = lambda body, gen=late.generate: _pushed_late(gen(body))
+    args.engine_client = late
+    sample = asyncio.run(default_generate(args, carried(), {"max_new_tokens": 4, "stop": "DDD"}))
+    assert sample.metadata[TOKEN_VERSIONS] == [3, 4, 4] and sample.weight_versions == ["3", "4"]
+
+
+async def _pushed_late(result):
+    out = await result
+    out["meta_info"].update(weight_version="5", output_token_weight_versions=["4", "4", "5"])
+    return out

@@ -317,6 +317,11 @@ def test_replay_checks_vocab_samples_and_rewards(tmp_path: Path) -> None:
         with pytest.raises(SlimeLiteError, match=rf"r_0\.pt: samples\[2\]\.reward is {bad} \(sample index 2, "
                                                  r"prompt group 1\)\. Rewards must be finite"):
             check_replay_samples(load_rollout_dump(str(path)), vocab_size=11, reward_key="acc")
+    samples = _samples()
+    samples[1].loss_mask, samples[1].rollout_log_probs = [1, 0], [-0.5, float("nan")]  # masked: NaN x 0 is NaN
+    save_rollout_dump(str(path), 0, samples)
+    with pytest.raises(DumpError, match=r"r_0\.pt: samples\[1\]\.rollout_log_probs\[1\] = nan is not finite"):
+        check_replay_samples(load_rollout_dump(str(path)), vocab_size=11, reward_key="acc")
     torch.save({"rollout_id": 0, "samples": []}, path)
     with pytest.raises(DumpError, match=r"r_0\.pt has no samples"):
         check_replay_samples(load_rollout_dump(str(path)), vocab_size=11, reward_key="acc")
