@@ -67,13 +67,12 @@ def end_at_resumed_stop(args: Any, sample: Sample, out: dict[str, Any], params: 
     stop string spans the resume, cut ``out`` (one /generate result, changed in place but for its ``text``) at the
     token that completes it and return the whole response's text as the engine gives it, for the caller to set as
     the sample's response; None (``out`` unchanged) otherwise. The tokenizer is ``args.hf_checkpoint``'s (the
-    rollout's); without one nothing is checked."""
+    rollout's)."""
     stops = stop_strings(params)
     ids = list(out.get("output_ids") or [])
-    path = getattr(args, "hf_checkpoint", None)
-    if sample.status is not Status.ABORTED or not sample.response_length or not stops or not ids or not path:
+    if sample.status is not Status.ABORTED or not sample.response_length or not stops or not ids:
         return None
-    tok = _tokenizer(str(path))
+    tok = _tokenizer(str(args.hf_checkpoint))
     had = sample.response_length
     before = list(sample.tokens[len(sample.tokens) - had:])
     found = first_match(before, ids, stops, lambda t: tok.decode(t, skip_special_tokens=False))
