@@ -107,7 +107,8 @@ def _fixed_config(spec: str):
     from slime_lite.engine import gemv
 
     by_kind = dict(zip(("narrow", "gate_up", "down"), kinds * 3 if len(kinds) == 1 else kinds))
-    return (lambda rows, out_n, k, swiglu: by_kind[gemv.kind(k, swiglu)]), {n for n, c in by_kind.items() if c is None}
+    return ((lambda rows, out_n, k, swiglu: gemv._fit(by_kind[gemv.kind(k, swiglu)], k)),
+            {n for n, c in by_kind.items() if c is None})
 
 
 def _usable_but(usable, blas: set):
@@ -143,6 +144,12 @@ def main() -> None:
     ap.add_argument("--ahead", default="",
                     help="also time the step with these products prefetching the next one's weights, sets separated "
                          "by / of names joined by + (none: no set), *_aheadX keys")
+    ap.add_argument("--head-configs", default="",
+                    help="also time the step with the output projection by these tiles of engine/gemv.py "
+                         "(BNxBKxWARPSxKSTEPSxSWAPxSTAGES, comma-separated; blas: cuBLAS's), *_headX keys")
+    ap.add_argument("--compare-sampler-pdl", action="store_true",
+                    help="also time the step with the sampler's two kernels launched plainly (block_stats.PDL off), "
+                         "*_nosamplerpdl keys")
     ap.add_argument("--compare-pdl", action="store_true",
                     help="also time the step without programmatic dependent launch (cuBLAS products), *_nopdl keys")
     ap.add_argument("--norm-rows", default="",
@@ -170,12 +177,12 @@ def main() -> None:
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
     names = {n for a in args.ahead.split("/") for n in a.split("+") if n}
-    if names - {"none", "qkv", "o", "gate_up", "down"}:
-        ap.error(f"--ahead: unknown products {sorted(names - {'none', 'qkv', 'o', 'gate_up', 'down'})} (qkv, o, "
-                 "gate_up, down or none)")
+    known = {"none", "qkv", "o", "gate_up", "down"}
+    if names - known:
+        ap.error(f"--ahead: unknown products {sorted(names - known)} (qkv, o, gate_up, down or none)")
 
     from slime_lite import triton_build
-    from slime_lite.engine import decode_attention, fused_layer, gemv
+    from slime_lite.engine import block_stats, decode_attention, fused_layer, gemv
     from slime_lite.engine import cuda_graph
     from slime_lite.engine.cuda_graph import StepInputs
     from slime_lite.engine.scheduler import Scheduler
@@ -186,6 +193,7 @@ def main() -> None:
     silu_rows = gemv.SILU_IN_MAX_ROWS
     rope_rows = decode_attention.ROPE_MAX_ROWS
     ahead = fused_layer.AHEAD
+    head_rows, head_cfg = gemv.HEAD_MAX_ROWS, gemv.HEAD_CONFIG
     tmp = tempfile.TemporaryDirectory()
     model_dir = make_model_dir(args.model_config, tmp.name)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
@@ -214,6 +222,8 @@ def main() -> None:
         variants += ["_blaslt"] * args.compare_blaslt
         variants += ["_plainedges"] * args.compare_edges
         variants += [f"_ahead{a}" for a in args.ahead.split("/") if a]
+        variants += [f"_head{c}" for c in args.head_configs.split(",") if c]
+        variants += ["_nosamplerpdl"] * args.compare_sampler_pdl
         blas = torch.backends.cuda.preferred_blas_library()
         for suffix in variants:
             if args.device == "cuda":
@@ -221,10 +231,14 @@ def main() -> None:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
             cuda_graph.FUSED_EDGES = suffix != "_plainedges"
+            block_stats.PDL = suffix != "_nosamplerpdl"
             fused_layer.AHEAD = (tuple(a for a in suffix[6:].split("+") if a != "none")
                                  if suffix.startswith("_ahead") else ahead)
             decode_attention.ROPE_MAX_ROWS = 0 if suffix == "_ropekernel" else rope_rows
             gemv.config, gemv.usable = auto_config, auto_usable
+            gemv.HEAD_MAX_ROWS = 0 if suffix == "_headblas" else head_rows
+            gemv.HEAD_CONFIG = (tuple(int(v) for v in suffix[5:].split("x"))
+                                if suffix.startswith("_head") and suffix != "_headblas" else head_cfg)
             if suffix.startswith("_gemv"):
                 gemv.config, blas_kinds = _fixed_config(suffix[5:])
                 gemv.usable = _usable_but(auto_usable, blas_kinds)
@@ -244,12 +258,14 @@ def main() -> None:
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
         decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = cuda_graph.FUSED_EDGES = True
+        block_stats.PDL = True
         fused_layer.AHEAD = ahead
         if args.device == "cuda":
             torch.backends.cuda.preferred_blas_library(blas)
         decode_attention.ROPE_MAX_ROWS = rope_rows
         gemv.config, gemv.NORM_MAX_ROWS, decode_attention.BLOCK_BYTES = auto_config, norm_rows, block_bytes
         gemv.usable = auto_usable
+        gemv.HEAD_MAX_ROWS, gemv.HEAD_CONFIG = head_rows, head_cfg
         gemv.WIDE_MAX_ROWS, gemv.SILU_IN_MAX_ROWS = wide_rows, silu_rows
         row["python_ms"] = row["step_ms"] - row["run_ms"]
         dev = s.lm.device

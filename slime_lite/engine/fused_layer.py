@@ -42,7 +42,9 @@ ENABLED = True
 # PDL): q/k/v the o-projection's, o gate/up's, gate/up down's, down the next layer's q/k/v. On an H100 (0.5B shape,
 # profile_decode.py --ahead, same process) the captured step took 0.806 / 0.761 / 0.741 ms at batch 32 / 8 / 1 with
 # q/k/v, o and down, 0.841 / 0.777 / 0.756 with all four, 0.819 / 0.778 / 0.757 with o and down, 0.869 / 0.818 /
-# 0.795 with none: gate/up's prefetch of down's weights competes with its own reads
+# 0.795 with none: gate/up's prefetch of down's weights competes with its own reads. Also tried and lost there: the
+# attention kernel asking the layer's down weights (0.848 against 0.813 ms at batch 32, 0.748 against 0.754 at 8),
+# the last down asking the output projection's first 25 MB (0.816 / 0.757 / 0.734 against 0.813 / 0.754 / 0.733)
 AHEAD = ("qkv", "o", "down")
 
 

@@ -56,7 +56,14 @@ SILU_IN_MAX_ROWS = 0
 # its tiles (BN, BK, warps, KSTEPS): ptxas for sm_90 gives 101 registers a thread; plain down's 32 x 256 x 4 spills with
 # the SiLU's float32 tiles
 SILU_IN_CONFIG = (32, 128, 8, 8)
-MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.counters)
+MAX_TILES = 4096  # column tiles of a product split over K (one counter each: triton_build.counters)
+# the output projection (its columns: the vocabulary) by gemv at up to HEAD_MAX_ROWS rows in bf16 and fp16 (0:
+# cuBLAS's), with HEAD_CONFIG's tiles: all of K a program (no counters, so any number of column tiles). Launched with
+# PDL, it reads its first weights while the final norm runs. On an H100 (0.5B shape, profile_decode.py
+# --head-configs, same process) the step took 0.754 / 0.733 ms at batch 8 / 1 against 0.764 / 0.741 with cuBLAS's,
+# and 0.813 against 0.808 at batch 32 (other tiles: 0.805-0.810 / 0.758-0.760 / 0.738)
+HEAD_MAX_ROWS = MAX_ROWS
+HEAD_CONFIG = (64, 128, 4, 1 << 30, 1, 4)
 # With PDL (Hopper), a product's programs may ask a later product's weights into L2 (``linear``'s ``ahead``: bulk
 # prefetches, before the wait), so that they stream in while latency-bound kernels run (fused_layer.AHEAD says
 # which products do). Only weights of at most AHEAD_L2_SHARE of the device's L2 are asked: larger ones would be
@@ -64,6 +71,18 @@ MAX_TILES = 4096  # column tiles of one product (one counter each: triton_build.
 # third of an H100's 50 MB L2). Each program asking its own weights first lost on an H100: 0.886 / 0.828 / 0.807 ms
 # at batch 32 / 8 / 1 against 0.863 / 0.811 / 0.785 without (0.5B step, same process)
 AHEAD_L2_SHARE = 0.5
+
+
+def ahead_args(x: torch.Tensor, ahead: torch.Tensor | None, fallback: torch.Tensor) -> dict:
+    """A kernel's ``ahead_ptr, ahead_bytes, AHEAD, ELEM`` arguments for asking ``ahead`` into L2 (``ask_l2``) as
+    it starts: with PDL, a contiguous 16-byte aligned tensor of at most ``AHEAD_L2_SHARE`` of the device's L2, else
+    nothing asked (``fallback``: a pointer of the kernel's own to pass instead)."""
+    elem = fallback.element_size()
+    ok = (ahead is not None and pdl_available(x) and ahead.is_contiguous() and ahead.data_ptr() % 16 == 0
+          and ahead.element_size() == elem and ahead.numel() * elem % 16 == 0
+          and ahead.numel() * elem <= AHEAD_L2_SHARE * _l2_bytes(x.device.index or 0))
+    return {"ahead_ptr": ahead if ok else fallback, "ahead_bytes": ahead.numel() * elem if ok else 0, "AHEAD": ok,
+            "ELEM": elem}
 
 
 @triton_kernels
@@ -107,16 +126,20 @@ def _kernel(triton, tl):
         return acc, acc_u
 
     @triton.jit
-    def to_l2(ptr, nbytes):
-        """Ask the device to bring ``nbytes`` (a multiple of 16, from a 16-byte aligned ``ptr``) into L2, once per
-        program (its first thread), without waiting: sm_90's bulk prefetch."""
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+    def ask_l2(ptr, nbytes, program, programs, ELEM: tl.constexpr):
+        """Program ``program`` of ``programs`` asks its even share (16-byte units) of the ``nbytes`` at ``ptr``
+        (elements of ELEM bytes) into L2, from its first thread, without waiting: sm_90's bulk prefetch."""
+        share = tl.cdiv(nbytes // 16, programs) * 16
+        at = program.to(tl.int64) * share
+        if at < nbytes:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [ptr + at // ELEM, tl.minimum(share, nbytes - at).to(tl.int32)], dtype=tl.int32,
+                is_pure=False, pack=1)
 
     # Triton resolves the names a kernel calls in its module's globals, not in this builder's scope
-    globals().update(x_tile=x_tile, mac=mac, to_l2=to_l2)
+    globals().update(x_tile=x_tile, mac=mac, ask_l2=ask_l2)
 
     @triton.jit
     def gemv(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, ln_ptr, sq_in_ptr, res_ptr, sq_out_ptr, M, K, OUT_N,
@@ -127,11 +150,8 @@ def _kernel(triton, tl):
              AHEAD: tl.constexpr, ELEM: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        if AHEAD:  # the program's even share of a later product's weights (16-byte units) to L2, not waited for
-            share = (tl.cdiv(ahead_bytes // 16, tl.num_programs(0) * NSPLIT)) * 16
-            at = (pid_n * NSPLIT + pid_k).to(tl.int64) * share
-            if at < ahead_bytes:
-                to_l2(ahead_ptr + at // ELEM, tl.minimum(share, ahead_bytes - at))
+        if AHEAD:  # the program's share of a later product's weights to L2, not waited for
+            ask_l2(ahead_ptr, ahead_bytes, pid_n * NSPLIT + pid_k, tl.num_programs(0) * NSPLIT, ELEM)
         rn = pid_n * BN + tl.arange(0, BN)
         col_ok = rn < OUT_N
         rk = pid_k * KSTEPS * BK + tl.arange(0, BK)  # the program's first K slice
@@ -246,8 +266,23 @@ def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, silu
     ``MAX_TILES`` column tiles of the narrowest configuration (16), on a device with PDL (and Triton)."""
     rows = x.numel() // x.shape[-1]
     limit = min(SILU_IN_MAX_ROWS, MAX_ROWS) if silu_in else WIDE_MAX_ROWS if w.numel() >= WIDE else MAX_ROWS
-    return (rows <= limit and x.is_contiguous() and w.is_contiguous()
-            and (b is None or b.is_contiguous()) and w.shape[0] <= MAX_TILES * 16 and pdl_available(x)
+    return rows <= limit and w.shape[0] <= MAX_TILES * 16 and _serves(x, w, b)
+
+
+def head_usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
+    """``linear`` with ``head_config``'s tiles serves the output projection ``x @ w.T + b`` of a decode step: at
+    most ``HEAD_MAX_ROWS`` rows in bf16 or fp16 (float32 keeps cuBLAS's sums), contiguous, ``w`` of under 2**31
+    elements (the kernel's offsets are 32-bit), on a device with PDL."""
+    return (x.numel() // x.shape[-1] <= min(HEAD_MAX_ROWS, MAX_ROWS) and x.dtype != torch.float32
+            and w.numel() < 1 << 31 and _serves(x, w, b))
+
+
+def head_config(k: int) -> tuple[int, ...]:
+    return _fit(HEAD_CONFIG, k)
+
+
+def _serves(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return (x.is_contiguous() and w.is_contiguous() and (b is None or b.is_contiguous()) and pdl_available(x)
             and _kernel() is not None)
 
 
@@ -303,7 +338,7 @@ def _shared_memory(device: torch.device) -> int:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swiglu: bool = False,
            cfg: tuple[int, ...] | None = None, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
            residual: torch.Tensor | None = None, sums: bool = False, silu_in: bool = False,
-           ahead: torch.Tensor | None = None):
+           ahead: torch.Tensor | None = None, out: torch.Tensor | None = None):
     """``x @ w.T + b`` for ``x [..., K]`` of at most ``MAX_ROWS`` rows, ``w [N, K]``, both contiguous, in ``x``'s
     dtype; ``swiglu``: ``silu(gate) * up`` of its ``N / 2`` gate and up columns. ``norm=(weight, eps, sq)``: of
     ``weight * rmsnorm(x)`` instead, as ``fused_layer.rms_norm`` computes it, where ``sq`` holds the sums of squares
@@ -314,7 +349,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
     ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds, computed as the kernel reads it. ``cfg``: a tuple as
     ``config``'s (benchmarks), whose last two elements (SWAP, STAGES) may be left out (0 and 1). ``ahead``: the
     (contiguous) weights of a later product, which this kernel's programs ask into L2 before their wait (with PDL;
-    results do not change)."""
+    results do not change). ``out``: a contiguous tensor of the output's shape and dtype to write it into."""
     k = x.shape[-1] // 2 if silu_in else x.shape[-1]
     rows = x.numel() // x.shape[-1]
     n = w.shape[0]
@@ -331,10 +366,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
         stages = max(1, min(stages, (_shared_memory(x.device) - 8192) // per_stage - 1))  # 8 KiB: the rest
     grid = (-(-out_n // bn), -(-k // (bk * ksteps)))
     if (rows > MAX_ROWS or not (x.is_contiguous() and w.is_contiguous()) or w.shape[1] != k or (swiglu and n % 2)
-            or grid[0] > MAX_TILES or (silu_in and (swiglu or norm is not None or x.shape[-1] != 2 * k))):
+            or (grid[0] > MAX_TILES and grid[1] > 1)
+            or (silu_in and (swiglu or norm is not None or x.shape[-1] != 2 * k))):
         raise ValueError(f"gemv.linear: x {tuple(x.shape)} (at most {MAX_ROWS} rows, contiguous; [..., 2K] with "
                          f"silu_in, not with swiglu or norm) and w {tuple(w.shape)} (contiguous, [N, K], N at most "
-                         f"{MAX_TILES} tiles of {bn}; N even with swiglu) do not fit")
+                         f"{MAX_TILES} tiles of {bn} when K is split; N even with swiglu) do not fit")
     shape = (*x.shape[:-1], out_n)
     if ((norm is not None and (norm[0].shape != (k,) or not norm[0].is_contiguous() or norm[2].dim() != 2
                                or norm[2].shape[1] != bm or not norm[2].is_contiguous()
@@ -342,15 +378,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
             or (residual is not None and (swiglu or residual.shape != shape or not residual.is_contiguous()))):
         raise ValueError(f"gemv.linear: norm must be (a contiguous [{k}] weight, eps, float32 [tiles, {bm}] sums of "
                          f"squares), residual (not with swiglu) contiguous of the output's shape {shape}")
-    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if out is not None and (out.shape != shape or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"gemv.linear: out {tuple(out.shape)} {out.dtype} must be contiguous, {shape} {x.dtype}")
+    y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     sq = torch.empty(grid[0] if sums else 0, bm, dtype=torch.float32, device=x.device)
     part = torch.empty(grid[1] * bm * out_n * (2 if swiglu else 1) if grid[1] > 1 else 0, dtype=torch.float32,
                        device=x.device)
     n_sq = norm[2].shape[0] if norm is not None else 1
-    elem = w.element_size()
-    ahead = ahead if (pdl_available(x) and ahead is not None and ahead.is_contiguous() and ahead.data_ptr() % 16 == 0
-                      and ahead.numel() * elem % 16 == 0 and ahead.element_size() == elem
-                      and ahead.numel() * elem <= AHEAD_L2_SHARE * _l2_bytes(x.device.index or 0)) else None
     with torch.cuda.device(x.device if x.is_cuda else -1):  # -1: the Triton interpreter (tests)
         _kernel()[grid](x, w, b if b is not None else w, y, part, counters(x), norm[0] if norm else x,
                         norm[2] if norm else part, residual if residual is not None else y, sq, rows, k, out_n,
@@ -358,7 +392,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
                         BK=bk, KSTEPS=ksteps, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
                         TP=max(2, 1 << (n_sq - 1).bit_length()), HAS_RES=residual is not None, SUMS=sums,
                         SILU_IN=silu_in, SWAP=swap, STAGES=stages, num_warps=warps,
-                        ahead_ptr=ahead if ahead is not None else w,
-                        ahead_bytes=ahead.numel() * elem if ahead is not None else 0, AHEAD=ahead is not None,
-                        ELEM=elem, **pdl_args(x))
+                        **ahead_args(x, ahead, w), **pdl_args(x))
     return (y, sq) if sums else y

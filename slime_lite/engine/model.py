@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from slime_lite.engine import decode_attention, fused_layer, moe
+from slime_lite.engine import decode_attention, fused_layer, gemv, moe
 from slime_lite.engine.kv_cache import KVCache
 from slime_lite.errors import SlimeLiteError
 from slime_lite.model_families import Family, check_family, rope_parameters
@@ -273,6 +273,8 @@ class CausalLM:
         if out is None:
             return self.hf.lm_head(hidden).float()
         head = self.hf.lm_head
+        if gemv.head_usable(hidden, head.weight, head.bias):  # decode steps at a few rows: launched with PDL
+            return gemv.linear(hidden, head.weight, head.bias, cfg=gemv.head_config(hidden.shape[-1]), out=out)
         return torch.matmul(hidden, head.weight.t(), out=out) if head.bias is None else out.copy_(head(hidden))
 
     def _qkv(self, ly: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, graphed: bool = False):
@@ -410,7 +412,7 @@ class CausalLM:
             qg = None if rope else q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
             if rope:  # q: the q/k/v product's rows, rotated (and K/V written to the cache) in the attention kernel
                 out = decode_attention.decode_attention(q, kc, vc, slots, positions, self.scaling, (
-                    self.cos, self.sin, ly.qk_norm, self.eps, self.interleaved))
+                    self.cos, self.sin, ly.qk_norm, self.eps, self.interleaved), )
             elif own_length:
                 out = decode_attention.decode_attention(qg, kc, vc, slots, positions, self.scaling)
             else:

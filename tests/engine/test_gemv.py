@@ -101,6 +101,19 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
             gemv.linear(gu, w, norm=(torch.ones(k, dtype=dtype, device=device), 1e-6, sq), silu_in=True)
         with pytest.raises(ValueError, match="silu_in"):  # gate and up of k columns each, not k + 1
             gemv.linear(gu[..., 1:].contiguous(), w, silu_in=True)
+    # the output projection's way: all of K a program, so more column tiles than counters, written into ``out``
+    xh, wh = torch.randn(3, 1, 96, generator=gen).to(dtype).to(device), torch.randn(100, 96, generator=gen).to(dtype)
+    wh, out = wh.to(device), torch.full((3, 1, 100), float("nan"), dtype=dtype, device=device)
+    saved, gemv.MAX_TILES = gemv.MAX_TILES, 2
+    try:
+        assert gemv.linear(xh, wh, cfg=gemv._fit((16, 64, 4, 1 << 30, 1, 2), 96), out=out) is out
+        torch.testing.assert_close(out, _want(xh, wh, None, False), rtol=tol, atol=tol)
+        with pytest.raises(ValueError, match="tiles of 16 when K is split"):  # 7 tiles, 2 counters
+            gemv.linear(xh, wh, cfg=(16, 32, 4, 1))
+    finally:
+        gemv.MAX_TILES = saved
+    with pytest.raises(ValueError, match="out .* must be contiguous"):
+        gemv.linear(xh, wh, out=out[:, :, :50])
     assert not any(c.any() for c in triton_build._COUNTERS.values())
     # a program adds up several slices, pipelined (the 0.5B shape's gate/up, down, q/k/v and o): all of k but for down
     for rows in (1, 16, 32):
@@ -158,6 +171,9 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
         m.setattr(gemv, "SILU_IN_MAX_ROWS", 64)  # past 16 rows; never past MAX_ROWS
         assert gemv.usable(torch.zeros(32, 128, device="cuda", dtype=dtype), wide, silu_in=True)
         assert not gemv.usable(torch.zeros(33, 128, device="cuda", dtype=dtype), wide, silu_in=True)
+    head = torch.zeros(151936, 64, device="cuda", dtype=dtype)  # the output projection: bf16/fp16 only
+    assert gemv.head_usable(torch.zeros(32, 64, device="cuda", dtype=dtype), head) == (dtype != torch.float32)
+    assert not gemv.head_usable(torch.zeros(33, 64, device="cuda", dtype=dtype), head)
     _check(dtype, "cuda", tol)
     gen = torch.Generator(device="cuda").manual_seed(0)
     hid, inter = 896, 4864
