@@ -147,9 +147,6 @@ def main() -> None:
     ap.add_argument("--head-configs", default="",
                     help="also time the step with the output projection by these tiles of engine/gemv.py "
                          "(BNxBKxWARPSxKSTEPSxSWAPxSTAGES, comma-separated; blas: cuBLAS's), *_headX keys")
-    ap.add_argument("--compare-sampler-pdl", action="store_true",
-                    help="also time the step with the sampler's two kernels launched plainly (block_stats.PDL off), "
-                         "*_nosamplerpdl keys")
     ap.add_argument("--compare-pdl", action="store_true",
                     help="also time the step without programmatic dependent launch (cuBLAS products), *_nopdl keys")
     ap.add_argument("--norm-rows", default="",
@@ -182,7 +179,7 @@ def main() -> None:
         ap.error(f"--ahead: unknown products {sorted(names - known)} (qkv, o, gate_up, down or none)")
 
     from slime_lite import triton_build
-    from slime_lite.engine import block_stats, decode_attention, fused_layer, gemv
+    from slime_lite.engine import decode_attention, fused_layer, gemv
     from slime_lite.engine import cuda_graph
     from slime_lite.engine.cuda_graph import StepInputs
     from slime_lite.engine.scheduler import Scheduler
@@ -223,7 +220,6 @@ def main() -> None:
         variants += ["_plainedges"] * args.compare_edges
         variants += [f"_ahead{a}" for a in args.ahead.split("/") if a]
         variants += [f"_head{c}" for c in args.head_configs.split(",") if c]
-        variants += ["_nosamplerpdl"] * args.compare_sampler_pdl
         blas = torch.backends.cuda.preferred_blas_library()
         for suffix in variants:
             if args.device == "cuda":
@@ -231,7 +227,6 @@ def main() -> None:
             decode_attention.ENABLED, fused_layer.ENABLED = suffix != "_sdpa", suffix != "_unfused"
             triton_build.PDL = suffix != "_nopdl"
             cuda_graph.FUSED_EDGES = suffix != "_plainedges"
-            block_stats.PDL = suffix != "_nosamplerpdl"
             fused_layer.AHEAD = (tuple(a for a in suffix[6:].split("+") if a != "none")
                                  if suffix.startswith("_ahead") else ahead)
             decode_attention.ROPE_MAX_ROWS = 0 if suffix == "_ropekernel" else rope_rows
@@ -258,7 +253,6 @@ def main() -> None:
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
         decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = cuda_graph.FUSED_EDGES = True
-        block_stats.PDL = True
         fused_layer.AHEAD = ahead
         if args.device == "cuda":
             torch.backends.cuda.preferred_blas_library(blas)
