@@ -143,7 +143,8 @@ def main() -> None:
                          "torch's kernels (cuda_graph.FUSED_EDGES off), *_plainedges keys")
     ap.add_argument("--ahead", default="",
                     help="also time the step with these products prefetching the next one's weights, sets separated "
-                         "by / of names joined by + (none: no set), *_aheadX keys")
+                         "by / of names joined by + (none: no set; name>target: asking o, gate_up, down or next, "
+                         "the next layer's q/k/v, instead), *_aheadX keys")
     ap.add_argument("--head-configs", default="",
                     help="also time the step with the output projection by these tiles of engine/gemv.py "
                          "(BNxBKxWARPSxKSTEPSxSWAPxSTAGES, comma-separated; blas: cuBLAS's), *_headX keys")
@@ -173,10 +174,12 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
-    names = {n for a in args.ahead.split("/") for n in a.split("+") if n}
-    known = {"none", "qkv", "o", "gate_up", "down"}
-    if names - known:
-        ap.error(f"--ahead: unknown products {sorted(names - known)} (qkv, o, gate_up, down or none)")
+    entries = [n.partition(">") for a in args.ahead.split("/") for n in a.split("+") if n]
+    bad = [a + s + t for a, s, t in entries if a not in ("none", "qkv", "o", "gate_up", "down")
+           or t not in ("", "o", "gate_up", "down", "next") or (a == "none" and s)]
+    if bad:
+        ap.error(f"--ahead: unknown entries {bad} (qkv, o, gate_up, down or none, each optionally >o, >gate_up, "
+                 ">down or >next)")
 
     from slime_lite import triton_build
     from slime_lite.engine import decode_attention, fused_layer, gemv

@@ -46,6 +46,19 @@ ENABLED = True
 # attention kernel asking the layer's down weights (0.848 against 0.813 ms at batch 32, 0.748 against 0.754 at 8),
 # the last down asking the output projection's first 25 MB (0.816 / 0.757 / 0.734 against 0.813 / 0.754 / 0.733)
 AHEAD = ("qkv", "o", "down")
+# each product's later weights by default; an ``AHEAD`` entry "product>target" asks another layer weight instead
+# ("next": the next layer's q/k/v)
+_TARGETS = {"qkv": "o", "o": "gate_up", "gate_up": "down", "down": "next"}
+
+
+def _ahead(product: str, weights: dict | None) -> torch.Tensor | None:
+    """The weights ``product``'s kernel asks into L2 (``AHEAD``), out of the layer's ``weights`` (by the names of
+    ``_TARGETS``' values), or None."""
+    for entry in AHEAD:
+        asker, _, target = entry.partition(">")
+        if asker == product and weights:
+            return weights.get(target or _TARGETS[product])
+    return None
 
 
 @triton_kernels
@@ -176,7 +189,7 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
                      qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None,
                      heads: int, kv_heads: int, head_dim: int, eps: float, interleaved: bool = False,
                      cache: torch.Tensor | None = None, index: torch.Tensor | None = None,
-                     sq: torch.Tensor | None = None, rotate: bool = True, o_w: torch.Tensor | None = None):
+                     sq: torch.Tensor | None = None, rotate: bool = True, ahead_w: dict | None = None):
     """A layer's input norm, q/k/v projection and rotary for hidden states ``h [B, T, hidden]`` (contiguous), as
     ``model.layer_functions``' ``qkv_rope``: returns ``(h, q [B, T, heads, D], kv [B, T, 2 kv_heads, D])``. ``add``:
     the previous layer's MLP output, not yet added to ``h``: the norm's kernel adds it (the returned ``h`` is the
@@ -185,9 +198,10 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
     ``sin`` (``[B, T, ..., head_dim]``) and ``index``: contiguous (refused otherwise), made before the first layer,
     as the rotary's kernel reads them before its wait for the product before it. ``rotate=False``: no rotary here
     (``decode_attention`` with ``rope`` does it): returns ``(h, qkv [B * T, width], None)``, the product's rows.
-    ``o_w``: the o-projection's weights, for the q/k/v product to ask into L2 (``AHEAD``)."""
+    ``ahead_w``: the layer's weights by name (o, gate_up, down, next), for the q/k/v product to ask the ones
+    ``AHEAD`` says into L2."""
     b, t, _ = h.shape
-    ahead = o_w if "qkv" in AHEAD else None
+    ahead = _ahead("qkv", ahead_w)
     if add is None and sq is not None and gemv.usable(h, qkv_w, qkv_b):
         qkv = gemv.linear(h, qkv_w, qkv_b, norm=(ln, eps, sq), ahead=ahead)
     else:
@@ -205,25 +219,24 @@ def attention_inputs(h: torch.Tensor, add: torch.Tensor | None, ln: torch.Tensor
 
 
 def mlp_output(h, attn_out, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b, post_attn, post_mlp, eps: float,
-               next_w: torch.Tensor | None = None):
+               ahead_w: dict | None = None):
     """The o-projection, residual add and gated SiLU MLP after attention, as ``model.layer_functions``'
-    ``mlp_residual``: ``(h, m, sq)``. ``next_w``: the next layer's q/k/v weights, for the down product to ask into
-    L2 (``AHEAD``). Where ``gemv`` serves all three products at up to ``gemv.NORM_MAX_ROWS``
-    rows, ``h`` is the layer's output, ``m`` None and ``sq`` the sums of squares of its rows for the next layer's
-    norm (``attention_inputs``): the residual adds and the norm run inside the products' kernels. Else the MLP output
-    ``m`` is returned with the new ``h`` instead of added to it (and ``sq`` is None), for the next layer's
-    ``attention_inputs`` (or the final norm) to add inside its norm kernel."""
+    ``mlp_residual``: ``(h, m, sq)``. ``ahead_w``: the layer's weights by name (o, gate_up, down, next: the next
+    layer's q/k/v), for the products to ask the ones ``AHEAD`` says into L2. Where ``gemv`` serves all three
+    products at up to ``gemv.NORM_MAX_ROWS`` rows, ``h`` is the layer's output, ``m`` None and ``sq`` the sums of
+    squares of its rows for the next layer's norm (``attention_inputs``): the residual adds and the norm run inside
+    the products' kernels. Else the MLP output ``m`` is returned with the new ``h`` instead of added to it (and
+    ``sq`` is None), for the next layer's ``attention_inputs`` (or the final norm) to add inside its norm kernel."""
     rows = h.numel() // h.shape[-1]
-    gu_ahead, down_ahead = (down_w if "gate_up" in AHEAD else None), (next_w if "down" in AHEAD else None)
+    o_ahead, gu_ahead, down_ahead = (_ahead(p, ahead_w) for p in ("o", "gate_up", "down"))
     if (post_attn is None and post_mlp is None and rows <= gemv.NORM_MAX_ROWS and attn_out.is_contiguous()
             and all(gemv.usable(h, w_, b_) for w_, b_ in ((o_w, o_b), (gu_w, gu_b), (down_w, down_b)))):
-        h, sq = gemv.linear(attn_out, o_w, o_b, residual=h, sums=True, ahead=gu_w if "o" in AHEAD else None)
+        h, sq = gemv.linear(attn_out, o_w, o_b, residual=h, sums=True, ahead=o_ahead)
         act = gemv.linear(h, gu_w, gu_b, swiglu=True, norm=(ln2, eps, sq), ahead=gu_ahead)
         h, sq = gemv.linear(act, down_w, down_b, residual=h, sums=True, ahead=down_ahead)
         return h, None, sq
     if gemv.usable(attn_out, o_w, o_b):  # the products by gemv where it serves them (PDL devices, a few rows)
-        o = gemv.linear(attn_out, o_w, o_b, ahead=gu_w if "o" in AHEAD and gemv.usable(attn_out, gu_w, gu_b)
-                        else None)
+        o = gemv.linear(attn_out, o_w, o_b, ahead=o_ahead)
     else:
         o = F.linear(attn_out, o_w, o_b).contiguous()
     if post_attn is not None:  # GLM4: the attention output is normed before the residual add

@@ -398,11 +398,14 @@ class CausalLM:
             index = cache.flat_index(slots, positions[:, None])
         add = sq = None  # the MLP output not yet added to h, or the sums of squares of h's rows (fused_layer)
         for i, ly in enumerate(self.layers):
+            # the layer's weights that its products may ask into L2 (fused_layer.AHEAD)
+            later = {"o": ly.o_w, "gate_up": ly.gu_w, "down": ly.down_w,
+                     "next": self.layers[i + 1].qkv_w if i + 1 < len(self.layers) else None}
             if fused:
                 h, q, _ = fused_layer.attention_inputs(
                     h, add, ly.ln1, ly.qkv_w, ly.qkv_b, cos, sin, ly.qk_norm, self.num_heads, self.kv_heads,
                     self.head_dim, self.eps, self.interleaved, cache.kv[i].view(-1, self.head_dim), index, sq,
-                    rotate=not rope, o_w=ly.o_w)
+                    rotate=not rope, ahead_w=later)
                 add = sq = None
             else:
                 q, kv = self._qkv(ly, h, cos, sin, graphed)
@@ -428,8 +431,7 @@ class CausalLM:
             if fused and ly.moe is None and self.silu:
                 h, add, sq = fused_layer.mlp_output(h, out.reshape(b, 1, -1), ly.o_w, ly.o_b, ly.ln2, ly.gu_w,
                                                     ly.gu_b, ly.down_w, ly.down_b, ly.post_attn, ly.post_mlp,
-                                                    self.eps, self.layers[i + 1].qkv_w if i + 1 < len(self.layers)
-                                                    else None)
+                                                    self.eps, later)
             else:
                 h = self._finish_layer(ly, h, out.reshape(b, 1, -1), graphed)
         if add is not None:

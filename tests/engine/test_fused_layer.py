@@ -266,3 +266,21 @@ def test_the_kernels_compiled_on_a_gpu(dtype, head_dim, tol, family):
 
     assert fused_layer.usable(torch.zeros(1, device="cuda", dtype=dtype))
     _check(dtype, head_dim, 4864 // 4, "cuda", tol, family)
+
+
+def test_the_products_ask_the_weights_ahead_says(monkeypatch):
+    from slime_lite.engine import fused_layer
+
+    later = {"o": torch.zeros(1), "gate_up": torch.zeros(2), "down": torch.zeros(3), "next": torch.zeros(4)}
+    monkeypatch.setattr(fused_layer, "AHEAD", ("qkv", "o", "down"))  # each its next product's (down: next layer's)
+    names = {id(w): n for n, w in later.items()}
+
+    def asked():
+        return [names.get(id(fused_layer._ahead(p, later))) for p in ("qkv", "o", "gate_up", "down")]
+
+    assert asked() == ["o", "gate_up", None, "next"]
+    monkeypatch.setattr(fused_layer, "AHEAD", ("qkv>gate_up", "o>down", "down"))  # benchmarks: other targets
+    assert asked() == ["gate_up", "down", None, "next"]
+    assert fused_layer._ahead("down", {**later, "next": None}) is None  # the last layer
+    assert fused_layer._ahead("qkv", None) is None
+
