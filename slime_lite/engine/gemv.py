@@ -73,7 +73,7 @@ HEAD_CONFIG = (64, 128, 4, 1 << 30, 1, 4)
 AHEAD_L2_SHARE = 0.5
 
 
-def ahead_args(x: torch.Tensor, ahead: torch.Tensor | None, fallback: torch.Tensor) -> dict:
+def _ahead_args(x: torch.Tensor, ahead: torch.Tensor | None, fallback: torch.Tensor) -> dict:
     """A kernel's ``ahead_ptr, ahead_bytes, AHEAD, ELEM`` arguments for asking ``ahead`` into L2 (``ask_l2``) as
     it starts: with PDL, a contiguous 16-byte aligned tensor of at most ``AHEAD_L2_SHARE`` of the device's L2, else
     nothing asked (``fallback``: a pointer of the kernel's own to pass instead)."""
@@ -392,5 +392,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, swig
                         BK=bk, KSTEPS=ksteps, NSPLIT=grid[1], IEEE=x.dtype == torch.float32, NORM=norm is not None,
                         TP=max(2, 1 << (n_sq - 1).bit_length()), HAS_RES=residual is not None, SUMS=sums,
                         SILU_IN=silu_in, SWAP=swap, STAGES=stages, num_warps=warps,
-                        **ahead_args(x, ahead, w), **pdl_args(x))
+                        **_ahead_args(x, ahead, w), **pdl_args(x))
     return (y, sq) if sums else y
