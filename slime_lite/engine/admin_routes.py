@@ -296,14 +296,18 @@ class _Admin:
         if not self.weight_session:
             return json_response({"success": False, "message": "no weight-update session is open; call "
                                   "begin_weight_update() first"}, 400)
-        self.weight_session = False
-        if self.session_failed:  # some of this session's weights are new, some old: no version names them
+        self.weight_session = False  # closed before the wait below: a second end is refused, a begin may follow
+        failed, version = self.session_failed, self.session_version
+        # a LoRA adapter half whose other half never came: that weight still serves its earlier adapter
+        half = await self.run_in_model_thread(self.scheduler.weights.pending_adapters)
+        if failed or half:  # some of this session's weights are new, some old: no version names them
             self.scheduler.weight_version = PARTIAL_VERSION
-            return json_response({"success": False, "message": "an update of this weight-update session failed: the "
-                                  f"engine holds old and new weights (weight_version {PARTIAL_VERSION!r}) until a "
-                                  "complete push"}, 400)
-        if self.session_version is not None:
-            self.scheduler.weight_version = self.session_version
+            why = (f"the LoRA adapters of {', '.join(half[:5])}{' ...' if len(half) > 5 else ''} came with one half "
+                   "(lora_A or lora_B) and not the other" if half else "an update of this weight-update session failed")
+            return json_response({"success": False, "message": f"{why}: the engine holds old and new weights "
+                                  f"(weight_version {PARTIAL_VERSION!r}) until a complete push"}, 400)
+        if version is not None:
+            self.scheduler.weight_version = version
         return json_response({"success": True, "message": "Success"})
 
     async def init_weights_update_group(self, request):

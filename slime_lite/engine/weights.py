@@ -214,6 +214,10 @@ class Weights:
             out[name] = merged(self._lora_base[name].to(param.device), pending["A"], pending["B"])
         return out, waiting
 
+    def pending_adapters(self) -> list[str]:
+        """The adapted weights with one adapter half arrived and the other not (a push cut between them)."""
+        return sorted(self._lora_pending)
+
     def drop_pending_adapters(self) -> None:
         """A new weight-update session: adapter halves an earlier push left waiting never pair with its own."""
         self._lora_pending = {}

@@ -28,7 +28,8 @@ class ModelThread:
         self.queued: list = []
         self.hold = False
         self.loaded: list[str] = []
-        self.weights = SimpleNamespace(drop_pending_adapters=lambda: None, load_from_disk=self.load_from_disk)
+        self.weights = SimpleNamespace(drop_pending_adapters=lambda: None, pending_adapters=lambda: [],
+                                       load_from_disk=self.load_from_disk)
 
     def load_from_disk(self, path: str) -> int:
         if path.startswith("/refused"):
@@ -161,7 +162,8 @@ def test_a_session_end_while_the_model_thread_records_an_update_never_names_the_
             return "7"
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
-    model = SimpleNamespace(weight_version="6", weights=SimpleNamespace(drop_pending_adapters=lambda: None))
+    model = SimpleNamespace(weight_version="6", weights=SimpleNamespace(drop_pending_adapters=lambda: None,
+                                                                        pending_adapters=lambda: []))
 
     def call(fn, *args):
         future = pool.submit(fn, *args)
@@ -177,8 +179,11 @@ def test_a_session_end_while_the_model_thread_records_an_update_never_names_the_
         update = asyncio.ensure_future(admin._weight_op(lambda: 1, version=Version()))
         await asyncio.sleep(0)  # submitted to the model thread
         assert reached.wait(10)  # (blocks the event loop: the update's answer waits until the session ended)
-        assert (await admin.end_weight_update(Request())).status == 200
+        end = asyncio.ensure_future(admin.end_weight_update(Request()))
+        while admin.weight_session:  # the end closes the session, then waits for its adapter check, queued for the
+            await asyncio.sleep(0)  # model thread behind the update
         go.set()
+        assert (await end).status == 200
         assert (await update).status == 200
         assert model.weight_version in ("7", PARTIAL_VERSION)  # the update's version, or "partial": not "6"
 

@@ -82,7 +82,9 @@ def test_an_adapter_that_does_not_fit_is_refused_and_changes_nothing(fresh_engin
 def test_a_refused_adapter_half_never_pairs_with_a_later_one(fresh_engine, hf_model):
     """Halves come in different buckets: a lora_B whose rank does not fit the lora_A waiting for it is refused, and
     leaves nothing waiting that a later half could pair with (a later valid push was merged with the refused half
-    and answered 200); a half an interrupted push left waiting is dropped when the next session begins."""
+    and answered 200); a session that ends with a half waiting (an interrupted push) fails, naming the weight, and
+    the engine serves "partial" (that weight keeps its earlier adapter) until a complete push; the half is dropped
+    when the next session begins."""
     url = fresh_engine.url
     a_name, b_name = adapter_names(ADAPTED[0])
     good = _adapters(hf_model, 0)
@@ -93,7 +95,10 @@ def test_a_refused_adapter_half_never_pairs_with_a_later_one(fresh_engine, hf_mo
     assert http(url, "/begin_weight_update", {})[1]["success"] is True  # the next push: its own A waits no more
     stale_b = {b_name: torch.ones(out_dim, 4)}
     assert _push(url, stale_b, "v2")[0] == 200  # an interrupted push: only its B arrived
-    assert http(url, "/end_weight_update", {})[1]["success"] is True
+    status, out = http(url, "/end_weight_update", {})
+    assert status == 400 and out["success"] is False, out
+    assert f"adapters of {ADAPTED[0]} came with one half" in out["message"], out
+    assert http(url, "/get_weight_version")[1]["weight_version"] == "partial"
     assert http(url, "/begin_weight_update", {})[1]["success"] is True
     for bucket in ([a_name], [n for n in good if n != a_name]):  # the complete push, A first
         assert _push(url, {n: good[n] for n in bucket}, "v3")[0] == 200

@@ -377,7 +377,7 @@ def test_an_update_that_applies_after_its_session_ended_leaves_the_weights_parti
         def __init__(self) -> None:
             self.queued: list = []
             self.hold = False
-            self.weights = SimpleNamespace(drop_pending_adapters=lambda: None)
+            self.weights = SimpleNamespace(drop_pending_adapters=lambda: None, pending_adapters=lambda: [])
 
         def call(self, fn, *args):
             done: Future = Future()
