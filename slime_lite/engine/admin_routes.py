@@ -293,21 +293,23 @@ class _Admin:
 
     async def end_weight_update(self, request):
         await read_body(request)
-        if not self.weight_session:
+        session = self._current_session()
+        # a LoRA adapter half whose other half never came (asked before the session closes, so that the close and
+        # the version it commits happen at once, with no update's record in between): that weight still serves its
+        # earlier adapter
+        half = await self.run_in_model_thread(self.scheduler.weights.pending_adapters) if session is not None else []
+        if session is None or self._current_session() != session:  # none open, or another end closed it meanwhile
             return json_response({"success": False, "message": "no weight-update session is open; call "
                                   "begin_weight_update() first"}, 400)
-        self.weight_session = False  # closed before the wait below: a second end is refused, a begin may follow
-        failed, version = self.session_failed, self.session_version
-        # a LoRA adapter half whose other half never came: that weight still serves its earlier adapter
-        half = await self.run_in_model_thread(self.scheduler.weights.pending_adapters)
-        if failed or half:  # some of this session's weights are new, some old: no version names them
+        self.weight_session = False
+        if self.session_failed or half:  # some of this session's weights are new, some old: no version names them
             self.scheduler.weight_version = PARTIAL_VERSION
             why = (f"the LoRA adapters of {', '.join(half[:5])}{' ...' if len(half) > 5 else ''} came with one half "
                    "(lora_A or lora_B) and not the other" if half else "an update of this weight-update session failed")
             return json_response({"success": False, "message": f"{why}: the engine holds old and new weights "
                                   f"(weight_version {PARTIAL_VERSION!r}) until a complete push"}, 400)
-        if version is not None:
-            self.scheduler.weight_version = version
+        if self.session_version is not None:
+            self.scheduler.weight_version = self.session_version
         return json_response({"success": True, "message": "Success"})
 
     async def init_weights_update_group(self, request):

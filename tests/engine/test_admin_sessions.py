@@ -145,11 +145,13 @@ def test_an_update_whose_body_arrives_after_its_session_ended_leaves_the_weights
 
 
 def test_a_session_end_while_the_model_thread_records_an_update_never_names_the_old_weights(tmp_path):
-    """The model thread applied an update of the open session and is recording its version when the session ends
-    (in the server's event loop, another thread). The end must not commit what was recorded before it while the
-    update's version goes into the closed session: the engine would name its old weights ("6") while it holds the
-    update's. A REAL second thread runs the model thread's calls; the update's version object pauses that thread
-    at its record (``str``), and the test ends the session there."""
+    """The model thread applied an update of the open session and is recording its version when the session's end
+    arrives (in the server's event loop, another thread). The end must not commit what was recorded before it while
+    the update's version goes into a closed session: the engine would name its old weights ("6") while it holds the
+    update's. The end closes the session only after its own call to the model thread, queued behind the update,
+    has come back, by which time the update's record in the session is done: it commits the update's version. A
+    REAL second thread runs the model thread's calls; the event loop is held (``reached.wait``) between the update's
+    apply and its record, and the end arrives there."""
 
     loop_thread = threading.current_thread()
     reached, go = threading.Event(), threading.Event()  # the model thread is at the record, or done with the update
@@ -180,12 +182,10 @@ def test_a_session_end_while_the_model_thread_records_an_update_never_names_the_
         await asyncio.sleep(0)  # submitted to the model thread
         assert reached.wait(10)  # (blocks the event loop: the update's answer waits until the session ended)
         end = asyncio.ensure_future(admin.end_weight_update(Request()))
-        while admin.weight_session:  # the end closes the session, then waits for its adapter check, queued for the
-            await asyncio.sleep(0)  # model thread behind the update
         go.set()
         assert (await end).status == 200
         assert (await update).status == 200
-        assert model.weight_version in ("7", PARTIAL_VERSION)  # the update's version, or "partial": not "6"
+        assert model.weight_version == "7"  # the update's version, committed by the end: not "6"
 
     try:
         asyncio.run(scenario())
@@ -212,6 +212,32 @@ class Profiler:
         with open(path, "w") as f:
             f.write("{}")
         return path
+
+
+def test_two_session_ends_at_once_end_it_once_and_a_half_adapter_fails_it(tmp_path):
+    """Two clients send /end_weight_update at once (both waiting for the adapter check in the model thread): one
+    ends the session, the other is told none is open. A session whose push left a LoRA adapter half without its
+    other half is refused at its end, naming the weight, and the engine serves "partial"."""
+
+    async def scenario() -> None:
+        model = ModelThread()
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        assert (await admin.begin_weight_update(Request())).status == 200
+        admin.session_version = "7"  # an update of the session recorded its version
+        first = await _queued(admin.end_weight_update(Request()), model)
+        second = await _queued(admin.end_weight_update(Request()), model)
+        model.run_queued()
+        assert [(await first).status, (await second).status] == [200, 400]
+        assert "no weight-update session is open" in json.loads((await second).text)["message"]
+        assert model.weight_version == "7"
+        model.weights.pending_adapters = lambda: ["model.layers.0.mlp.down_proj.weight"]  # its lora_B never came
+        assert (await admin.begin_weight_update(Request())).status == 200
+        admin.session_version = "8"
+        end = await admin.end_weight_update(Request())
+        assert end.status == 400 and "adapters of model.layers.0.mlp.down_proj.weight came with one half" in end.text
+        assert model.weight_version == PARTIAL_VERSION and not admin.weight_session
+
+    asyncio.run(scenario())
 
 
 def test_two_stop_profiles_at_once_stop_the_profile_once(tmp_path):
