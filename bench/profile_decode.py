@@ -177,6 +177,10 @@ def main() -> None:
     entries = [n.partition(">") for a in args.ahead.split("/") for n in a.split("+") if n]
     bad = [a + s + t for a, s, t in entries if a not in ("none", "qkv", "o", "gate_up", "down")
            or t not in ("", "o", "gate_up", "down", "next") or (a == "none" and s)]
+    heads = [c for c in args.head_configs.split(",") if c and c != "blas"]
+    if any(len(c.split("x")) != 6 or not all(v.isdigit() for v in c.split("x")) for c in heads):
+        ap.error(f"--head-configs: {heads} must each be blas or BNxBKxWARPSxKSTEPSxSWAPxSTAGES (six integers; KSTEPS "
+                 "covering all of K)")
     if bad:
         ap.error(f"--ahead: unknown entries {bad} (qkv, o, gate_up, down or none, each optionally >o, >gate_up, "
                  ">down or >next)")

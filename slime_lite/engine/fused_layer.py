@@ -47,7 +47,7 @@ ENABLED = True
 # the last down asking the output projection's first 25 MB (0.816 / 0.757 / 0.734 against 0.813 / 0.754 / 0.733)
 AHEAD = ("qkv", "o", "down")
 # each product's later weights by default; an ``AHEAD`` entry "product>target" asks another layer weight instead
-# ("next": the next layer's q/k/v)
+# ("next": the next layer's q/k/v). A target is asked whichever kernel reads it (a gemv or cuBLAS's)
 _TARGETS = {"qkv": "o", "o": "gate_up", "gate_up": "down", "down": "next"}
 
 

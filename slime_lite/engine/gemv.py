@@ -60,9 +60,10 @@ MAX_TILES = 4096  # column tiles of a product split over K (one counter each: tr
 # the output projection (its columns: the vocabulary) by gemv at up to HEAD_MAX_ROWS rows in bf16 and fp16 (0:
 # cuBLAS's), with HEAD_CONFIG's tiles: all of K a program (no counters, so any number of column tiles). Launched with
 # PDL, it reads its first weights while the final norm runs. On an H100 (0.5B shape, profile_decode.py
-# --head-configs, same process) the step took 0.754 / 0.733 ms at batch 8 / 1 against 0.764 / 0.741 with cuBLAS's,
-# and 0.813 against 0.808 at batch 32 (other tiles: 0.805-0.810 / 0.758-0.760 / 0.738)
-HEAD_MAX_ROWS = MAX_ROWS
+# --head-configs, same process, three runs) the step took 0.748-0.754 / 0.730-0.738 ms at batch 8 / 1 against
+# 0.756-0.764 / 0.739-0.741 with cuBLAS's; at batch 32 0.813 against 0.808 (other tiles 0.805-0.810): no gain
+# there, so past 16 rows cuBLAS keeps it
+HEAD_MAX_ROWS = 16
 HEAD_CONFIG = (64, 128, 4, 1 << 30, 1, 4)
 # With PDL (Hopper), a product's programs may ask a later product's weights into L2 (``linear``'s ``ahead``: bulk
 # prefetches, before the wait), so that they stream in while latency-bound kernels run (fused_layer.AHEAD says

@@ -415,7 +415,7 @@ class CausalLM:
             qg = None if rope else q.reshape(b, self.kv_heads, self.n_rep, self.head_dim)
             if rope:  # q: the q/k/v product's rows, rotated (and K/V written to the cache) in the attention kernel
                 out = decode_attention.decode_attention(q, kc, vc, slots, positions, self.scaling, (
-                    self.cos, self.sin, ly.qk_norm, self.eps, self.interleaved), )
+                    self.cos, self.sin, ly.qk_norm, self.eps, self.interleaved))
             elif own_length:
                 out = decode_attention.decode_attention(qg, kc, vc, slots, positions, self.scaling)
             else:

@@ -145,31 +145,22 @@ def test_an_update_whose_body_arrives_after_its_session_ended_leaves_the_weights
 
 
 def test_a_session_end_while_the_model_thread_records_an_update_never_names_the_old_weights(tmp_path):
-    """The model thread applied an update of the open session and is recording its version when the session's end
-    arrives (in the server's event loop, another thread). The end must not commit what was recorded before it while
-    the update's version goes into a closed session: the engine would name its old weights ("6") while it holds the
-    update's. The end closes the session only after its own call to the model thread, queued behind the update,
-    has come back, by which time the update's record in the session is done: it commits the update's version. A
-    REAL second thread runs the model thread's calls; the event loop is held (``reached.wait``) between the update's
-    apply and its record, and the end arrives there."""
+    """The model thread has applied an update of the open session, and the update's record in the session (in the
+    server's event loop, another thread) has not run yet when the session's end arrives. The end must not commit
+    what was recorded before it while the update's version goes into a closed session: the engine would name its
+    old weights ("6") while it holds the update's. The end closes the session only after its own call to the model
+    thread, queued behind the update, has come back, by which time the update's record in the session is done: it
+    commits the update's version. A REAL second thread runs the model thread's calls; the event loop is held
+    (``applied.wait``) between the update's apply and its record, and the end arrives there."""
 
-    loop_thread = threading.current_thread()
-    reached, go = threading.Event(), threading.Event()  # the model thread is at the record, or done with the update
-
-    class Version:  # the update's weight_version: converted to a string when it is recorded
-        def __str__(self) -> str:
-            if threading.current_thread() is not loop_thread:  # the model thread, about to record
-                reached.set()
-                go.wait(10)
-            return "7"
-
+    applied = threading.Event()  # the model thread is done with the update
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
     model = SimpleNamespace(weight_version="6", weights=SimpleNamespace(drop_pending_adapters=lambda: None,
                                                                         pending_adapters=lambda: []))
 
     def call(fn, *args):
         future = pool.submit(fn, *args)
-        future.add_done_callback(lambda _: reached.set())
+        future.add_done_callback(lambda _: applied.set())
         return future
 
     model.call = call
@@ -177,12 +168,11 @@ def test_a_session_end_while_the_model_thread_records_an_update_never_names_the_
     async def scenario() -> None:
         admin = _Admin(model, str(tmp_path), lambda *a: None)
         assert (await admin.begin_weight_update(Request())).status == 200
-        reached.clear()
-        update = asyncio.ensure_future(admin._weight_op(lambda: 1, version=Version()))
+        applied.clear()
+        update = asyncio.ensure_future(admin._weight_op(lambda: 1, version="7"))
         await asyncio.sleep(0)  # submitted to the model thread
-        assert reached.wait(10)  # (blocks the event loop: the update's answer waits until the session ended)
+        assert applied.wait(10)  # (blocks the event loop: the update's record waits until the end has arrived)
         end = asyncio.ensure_future(admin.end_weight_update(Request()))
-        go.set()
         assert (await end).status == 200
         assert (await update).status == 200
         assert model.weight_version == "7"  # the update's version, committed by the end: not "6"
@@ -190,7 +180,6 @@ def test_a_session_end_while_the_model_thread_records_an_update_never_names_the_
     try:
         asyncio.run(scenario())
     finally:
-        go.set()
         pool.shutdown(wait=True)
 
 

@@ -283,4 +283,3 @@ def test_the_products_ask_the_weights_ahead_says(monkeypatch):
     assert asked() == ["gate_up", "down", None, "next"]
     assert fused_layer._ahead("down", {**later, "next": None}) is None  # the last layer
     assert fused_layer._ahead("qkv", None) is None
-

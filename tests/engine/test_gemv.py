@@ -112,8 +112,10 @@ def _check(dtype: torch.dtype, device: str, tol: float) -> None:
             gemv.linear(xh, wh, cfg=(16, 32, 4, 1))
     finally:
         gemv.MAX_TILES = saved
-    with pytest.raises(ValueError, match="out .* must be contiguous"):
-        gemv.linear(xh, wh, out=out[:, :, :50])
+    for bad in (torch.empty(3, 1, 200, dtype=dtype, device=device)[:, :, ::2],  # the right shape, strided
+                torch.empty(3, 1, 100, dtype=torch.float64, device=device), out[:, :, :50]):  # dtype; shape
+        with pytest.raises(ValueError, match="out .* must be contiguous"):
+            gemv.linear(xh, wh, out=bad)
     assert not any(c.any() for c in triton_build._COUNTERS.values())
     # a program adds up several slices, pipelined (the 0.5B shape's gate/up, down, q/k/v and o): all of k but for down
     for rows in (1, 16, 32):
@@ -172,8 +174,8 @@ def test_the_products_compiled_and_chained_with_pdl_in_a_graph(dtype, tol, monke
         assert gemv.usable(torch.zeros(32, 128, device="cuda", dtype=dtype), wide, silu_in=True)
         assert not gemv.usable(torch.zeros(33, 128, device="cuda", dtype=dtype), wide, silu_in=True)
     head = torch.zeros(151936, 64, device="cuda", dtype=dtype)  # the output projection: bf16/fp16 only
-    assert gemv.head_usable(torch.zeros(32, 64, device="cuda", dtype=dtype), head) == (dtype != torch.float32)
-    assert not gemv.head_usable(torch.zeros(33, 64, device="cuda", dtype=dtype), head)
+    assert gemv.head_usable(torch.zeros(16, 64, device="cuda", dtype=dtype), head) == (dtype != torch.float32)
+    assert not gemv.head_usable(torch.zeros(gemv.HEAD_MAX_ROWS + 1, 64, device="cuda", dtype=dtype), head)
     _check(dtype, "cuda", tol)
     gen = torch.Generator(device="cuda").manual_seed(0)
     hid, inter = 896, 4864

@@ -402,6 +402,9 @@ def test_an_update_that_applies_after_its_session_ended_leaves_the_weights_parti
             update = asyncio.ensure_future(admin._weight_op(lambda: 1, version="7"))
             await asyncio.sleep(0)  # queued in the model thread, not yet applied
             model.hold = False
+            # the end's own call to the model thread (its adapter check) runs at once, ahead of the held update, as
+            # for an update whose body was still being read at the end (the scheduler runs calls in order: one
+            # already queued applies before the end's check, and is recorded in its session)
             assert (await admin.end_weight_update(Request())).status == 200  # nothing applied yet: a success
             if late_into_next:
                 assert (await admin.begin_weight_update(Request())).status == 200
