@@ -435,8 +435,10 @@ class _Admin:
                 raise BadRequest(f"{key}: the embedded engine profiles until /stop_profile; leave {key} out")
         folder = self._profile_folder(_field(check.string, body, "output_dir", ""))
         prefix = _field(check.string, body, "profile_prefix", "") or "engine"
-        if "/" in prefix or prefix.startswith("."):
-            raise BadRequest("profile_prefix must be a plain file-name prefix")
+        # checked now: a name /stop_profile cannot write would lose the trace after the profiler stopped
+        if "/" in prefix or "\0" in prefix or prefix.startswith(".") or len(prefix.encode()) > 200:
+            raise BadRequest(f"profile_prefix={prefix!r:.60} must be a plain file-name prefix (no '/', no NUL, not "
+                             "starting with '.', at most 200 bytes)")
         shapes = _field(check.boolean, body, "record_shapes", True)
         stack = _field(check.boolean, body, "with_stack", False)
         if self.profile_path:

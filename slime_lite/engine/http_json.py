@@ -65,16 +65,20 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
 
 async def read_body(request) -> dict[str, Any]:
     """The request's JSON object (a GET without a body: its query parameters); an empty body is ``{}``. Text that
-    is not valid Unicode (a lone surrogate) is refused naming the field."""
+    is not valid Unicode (a lone surrogate, escaped or encoded) is refused, naming the field where JSON escaped it."""
     raw = await request.read()
     if request.method == "GET" and not raw.strip():
         data: Any = dict(request.query)
     elif not raw.strip():
         return {}
     else:
+        try:  # strict UTF-8 first: json.loads on bytes would let an encoded lone surrogate (b"\xed\xa0\x80") through
+            text = raw.decode("utf-8-sig")  # (a leading BOM dropped, as json.loads on bytes drops it)
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"body is not UTF-8 text: {exc}; send the JSON encoded as UTF-8") from None
         try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # bad JSON or encoding; nesting deeper than the parser goes
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # bad JSON; nesting deeper than the parser goes
             raise BadRequest(f"body is not valid JSON: {type(exc).__name__}: {exc}") from None
         if not isinstance(data, dict):
             raise BadRequest("body must be a JSON object")

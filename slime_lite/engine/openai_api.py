@@ -278,9 +278,11 @@ class _OpenAI:
                 "model": self.server.served_model_name}
         return await self._respond(request, body, prompts, reqs, head, choice)
 
-    def _render_chat(self, messages: Any, add_generation_prompt: bool, template_kwargs: Any = None) -> str:
+    async def _render_chat(self, messages: Any, add_generation_prompt: bool, template_kwargs: Any = None) -> str:
         """The chat template's text of ``messages``; ``template_kwargs`` is SGLang's ``chat_template_kwargs`` (extra
-        template variables, e.g. Qwen3's enable_thinking)."""
+        template variables, e.g. Qwen3's enable_thinking). Rendered in a worker thread, without the tokenizer's lock
+        (a template renders text, it runs no tokenizer): a long conversation holds neither the event loop nor the
+        other requests' tokenizing."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
@@ -293,9 +295,8 @@ class _OpenAI:
             raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")
         messages = [_text_parts(m, i) for i, m in enumerate(messages)]
         try:
-            with self.server.scheduler.tokenizer_lock:
-                return tok.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+            return await asyncio.get_running_loop().run_in_executor(None, lambda: tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})))
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise BadRequest(f"cannot apply the chat template: {exc}") from None
 
@@ -314,18 +315,17 @@ class _OpenAI:
             raise BadRequest("send exactly one of 'prompt' and 'messages'")
         if messages is not None:
             gen = _flag(body.get("add_generation_prompt"), "add_generation_prompt", True)
-            texts, special = [self._render_chat(messages, gen, body.get("chat_template_kwargs"))], False
+            texts, special = [await self._render_chat(messages, gen, body.get("chat_template_kwargs"))], False
         elif isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)):
             texts = [prompt] if isinstance(prompt, str) else prompt
         else:
             raise BadRequest("'prompt' must be a string or a list of strings")
-
-        def encode() -> list[list[int]]:
-            with sch.tokenizer_lock:
-                return [sch.tokenizer.encode(t, add_special_tokens=special) for t in texts]
-
-        ids = await asyncio.get_running_loop().run_in_executor(None, encode)
         one = not isinstance(prompt, list)
+        if len(texts) > check.MAX_SEQUENCES:
+            raise BadRequest(f"'prompt': {len(texts)} texts; at most {check.MAX_SEQUENCES} per request")
+        # a text at a time under the tokenizer's lock, and a text far past the slot refused as /generate refuses it
+        ids = await asyncio.get_running_loop().run_in_executor(None, lambda: [
+            self.server.encode_text(t, "prompt" if one else f"prompt[{i}]", special) for i, t in enumerate(texts)])
         return json_response({"tokens": ids[0] if one else ids, "count": len(ids[0]) if one else [len(x) for x in ids],
                               "max_model_len": sch.slot_len})
 
@@ -341,14 +341,19 @@ class _OpenAI:
         if not tokens:
             return json_response({"text": ""})
         many = isinstance(tokens[0], list)
+        if many and len(tokens) > check.MAX_SEQUENCES:
+            raise BadRequest(f"'tokens': {len(tokens)} lists; at most {check.MAX_SEQUENCES} per request")
         sch = self.server.scheduler
-        texts = []
-        for i, ids in enumerate(tokens if many else [tokens]):
+
+        def decode(i: int, ids: Any) -> str:  # in a worker thread, a list at a time under the tokenizer's lock
             try:
                 check.token_ids(ids, f"tokens[{i}]" if many else "tokens", sch.lm.vocab_size)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-            texts.append(sch.decode(ids, skip))
+            return sch.decode(ids, skip)
+
+        texts = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [decode(i, ids) for i, ids in enumerate(tokens if many else [tokens])])
         return json_response({"text": texts if many else texts[0]})
 
     async def chat_completions(self, request):
@@ -358,7 +363,7 @@ class _OpenAI:
         top = self._count(body, "top_logprobs", 0, check.MAX_TOP_LOGPROBS)
         if top and not want_lp:
             raise BadRequest("top_logprobs needs logprobs: true")
-        text = self._render_chat(body.get("messages"), True, body.get("chat_template_kwargs"))
+        text = await self._render_chat(body.get("messages"), True, body.get("chat_template_kwargs"))
         # the template's text holds its special tokens already (a BOS too, where the template writes one)
         prompts, _ = await self.server.encode_prompts(text=text, add_special_tokens=False)
         reqs = self._requests(prompts, body, None, want_lp, top, chat=True)

@@ -490,7 +490,11 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
                     r.output_top.append(top)
                 if ids is not None:
                     r.output_ids_lp.append(ids)
-            reason = self._check_finished(r, tok)
+            try:
+                reason = self._check_finished(r, tok)
+            except Exception as exc:  # noqa: BLE001 - this request's own rules failed: it ends, the batch goes on
+                logger.exception("finish check failed for request %s", r.rid)
+                reason = abort_reason(f"engine error: {type(exc).__name__}: {exc}")
             if reason is not None:
                 self._finish(r, reason)
             elif r.stream:

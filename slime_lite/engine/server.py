@@ -299,7 +299,7 @@ class EngineServer:
             if len(texts) > check.MAX_SEQUENCES:
                 raise BadRequest(f"'text': {len(texts)} prompts; at most {check.MAX_SEQUENCES} per request")
             ids = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: [self._encode(t, "text" if single else f"text[{i}]", add_special_tokens)
+                None, lambda: [self.encode_text(t, "text" if single else f"text[{i}]", add_special_tokens)
                                for i, t in enumerate(texts)])
             return ids, single
         if not isinstance(input_ids, list) or not input_ids:
@@ -315,7 +315,7 @@ class EngineServer:
                 raise BadRequest(str(exc)) from None
         return prompts, single
 
-    def _encode(self, text: str, name: str, special: bool) -> list[int]:
+    def encode_text(self, text: str, name: str, special: bool) -> list[int]:
         """Token ids of ``text``; a text whose first 64 characters per slot token already overflow the slot is
         refused without tokenizing the rest (tokenizing megabytes holds the tokenizer, and this thread, for seconds)."""
         slot, cut = self.scheduler.slot_len, 64 * self.scheduler.slot_len

@@ -53,6 +53,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from slime_lite.engine.http_json import BadRequest as HttpBadRequest, read_body
 from slime_lite.errors import EngineError
 from slime_lite.rollout.agent_messages import (BadRequest, normalise, render, stop_strings, stream_chunks,
                                                 stream_options, tool_choice)
@@ -361,10 +362,10 @@ class AgentEndpoint:
         traj = self.trajectories.get(request.match_info["key"])
         if traj is None:
             return _error(404, "no such trajectory (it has finished)")
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the body is not JSON")
+        try:  # strict UTF-8 JSON, no lone surrogate in any text: one would fail the tokenizer with a bare 500
+            body = await read_body(request)
+        except HttpBadRequest as exc:
+            return _error(400, str(exc))
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             return _error(400, "messages: a non-empty list is required")
         stream = body.get("stream")

@@ -101,8 +101,9 @@ _CUT_WARNED: list[bool] = []  # once per process
 
 def _filled(args: Any, sample: Sample, out: dict[str, Any], params: dict[str, Any]) -> Sample:
     """``fill_response`` of the request made with ``params``, ended first at a stop string that spans a
-    --partial-rollout resume (resumed_stop.py); and a warning (once) when the engine ended the response at its own
-    length limit before the tokens asked: every such response is cut short."""
+    --partial-rollout resume, with a resumed response's text decoded whole (resumed_stop.py); and a warning (once)
+    when the engine ended the response at its own length limit before the tokens asked: every such response is cut
+    short."""
     had, asked = sample.response_length, params["max_new_tokens"]
     text = end_at_resumed_stop(args, sample, out, params)
     fill_response(sample, out)

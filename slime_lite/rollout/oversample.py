@@ -124,10 +124,14 @@ class OverSampler:
         for s in done:
             self.requested.add(s.index)
             stamp_versions(s)
-            dropped = s.metadata.get(RESTARTED, 0) - before.pop(s.index, s.metadata.get(RESTARTED, 0))
+            self.generated += model_tokens(s)
+            if s.index not in before:  # a later part of a sample a hook split (its parts share the index)
+                continue
+            dropped = s.metadata.get(RESTARTED, 0) - before.pop(s.index)
             if dropped:  # a multi-turn hook generated a carried sample again from its prompt
                 self.restarted[s.index] = dropped
-            self.generated += model_tokens(s) - (0 if dropped else had.get(s.index, 0))
+            else:  # continued: its tokens from before were counted when generated
+                self.generated -= had.get(s.index, 0)
         return sorted(finished + done, key=lambda s: s.index)
 
     def engine_urls(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""A stop string that spans a --partial-rollout resume, ended where one uninterrupted request ends it.
+"""A --partial-rollout resume's text as one uninterrupted request's: a stop string that spans the resume ended where
+that request ends it, and the text decoded whole.
 
 A sample aborted mid-response is continued with its prompt and response tokens as input ids (oversample.py). The
 engines, embedded or SGLang, match the ``stop`` strings of the sampling params in the text of the tokens the current
@@ -13,6 +14,9 @@ dropped with their per-token fields (log-probs, weight versions, routed experts)
 "matched": s}``, and the text the engine returns (the whole response decoded, cut right after the first occurrence of
 the stop string with ``no_stop_trim``, else before it, as SGLang's detokenizer). A stop string already in the tail
 before the resume is left alone: it ended before the abort, which that request would have matched itself.
+
+Without such a stop, a resumed response's text is still decoded whole, not as the text before the abort plus the
+engine's text of the new tokens: the two differ where the abort split a character or a word's leading space.
 """
 
 from __future__ import annotations
@@ -53,6 +57,19 @@ def first_match(before: list[int], new: list[int], stops: list[str], decode: Any
     return None
 
 
+def joined(tok: Any, before: list[int], ids: list[int], text: Any, skip: bool) -> str | None:
+    """The text of a resumed response's tokens, ``before`` the abort and ``ids`` after, decoded as one: the text of
+    each part joined is not that where the abort fell inside a character (a byte-level tokenizer's several tokens:
+    two U+FFFD) or before a word's leading space (SentencePiece drops it at a text's start). ``text`` is the
+    engine's for ``ids``: what it cut at the end (a stop string without ``no_stop_trim``) is cut here too. None
+    when ``text`` is not a start of ``ids``' text: the caller keeps the parts joined."""
+    new = tok.decode(ids, skip_special_tokens=skip)
+    if not isinstance(text, str) or not new.startswith(text):
+        return None
+    whole = tok.decode(before + ids, skip_special_tokens=skip)
+    return whole[: len(whole) - (len(new) - len(text))]
+
+
 def _cut_routed_experts(b64: str, rows: int, keep: int) -> str:
     """The first ``keep`` of the ``rows`` positions of SGLang's routed-experts table (base64 of int32 ``[rows,
     layers, top_k]``); unchanged when its size is not a multiple of ``rows``."""
@@ -63,21 +80,22 @@ def _cut_routed_experts(b64: str, rows: int, keep: int) -> str:
 
 
 def end_at_resumed_stop(args: Any, sample: Sample, out: dict[str, Any], params: dict[str, Any]) -> str | None:
-    """Before ``fill_response(sample, out)``: when ``sample`` was carried aborted (continued from its tokens) and a
-    stop string spans the resume, cut ``out`` (one /generate result, changed in place but for its ``text``) at the
-    token that completes it and return the whole response's text as the engine gives it, for the caller to set as
-    the sample's response; None (``out`` unchanged) otherwise. The tokenizer is ``args.hf_checkpoint``'s (the
+    """Before ``fill_response(sample, out)``: the whole response's text when ``sample`` was carried aborted
+    (continued from its tokens), for the caller to set as the sample's response; None (``out`` unchanged) otherwise.
+    When a stop string spans the resume, ``out`` (one /generate result, changed in place but for its ``text``) is
+    first cut at the token that completes it, and the text is the engine's for that. Otherwise the text of the tokens
+    before the abort is decoded with the new ones (``joined``). The tokenizer is ``args.hf_checkpoint``'s (the
     rollout's)."""
-    stops = stop_strings(params)
     ids = list(out.get("output_ids") or [])
-    if sample.status is not Status.ABORTED or not sample.response_length or not stops or not ids:
+    if sample.status is not Status.ABORTED or not sample.response_length or not ids:
         return None
     tok = _tokenizer(str(args.hf_checkpoint))
     had = sample.response_length
     before = list(sample.tokens[len(sample.tokens) - had:])
-    found = first_match(before, ids, stops, lambda t: tok.decode(t, skip_special_tokens=False))
+    stops = stop_strings(params)
+    found = first_match(before, ids, stops, lambda t: tok.decode(t, skip_special_tokens=False)) if stops else None
     if found is None:
-        return None
+        return joined(tok, before, ids, out.get("text"), params.get("skip_special_tokens", True))
     keep, matched = found
     meta = out.setdefault("meta_info", {})
     for key, value in list(meta.items()):  # SGLang's per-output-token lists: output_token_logprobs, ..._versions

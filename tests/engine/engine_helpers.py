@@ -13,8 +13,9 @@ from typing import Any
 
 
 def http(url: str, route: str, body: Any = None, method: str | None = None, timeout: float = 60) -> tuple[int, Any]:
-    """(status, parsed JSON or text or None); never raises on HTTP errors."""
-    data = None if body is None else json.dumps(body).encode()
+    """(status, parsed JSON or text or None); never raises on HTTP errors. ``body``: JSON-able, or bytes sent as
+    they are."""
+    data = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url + route, data=data, method=method or ("GET" if body is None else "POST"),
                                  headers={"Content-Type": "application/json"})
     try:

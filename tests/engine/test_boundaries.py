@@ -229,6 +229,9 @@ def test_profiles_are_written_only_under_the_profile_dir(profiled_engine):
         status, out = http(server.url, "/start_profile", {"output_dir": output_dir})
         assert status == 400 and repr(output_dir) in _message(out) and said in _message(out), (output_dir, out)
     assert not (folder / "new").exists() and not list((folder / "elsewhere").iterdir())
+    for prefix in ("a/b", ".hidden", "a\x00b", "p" * 201):  # names /stop_profile could not write: refused first
+        status, out = http(server.url, "/start_profile", {"profile_prefix": prefix})
+        assert status == 400 and "profile_prefix" in _message(out), (prefix, out)
     assert http(server.url, "/stop_profile", {})[0] == 400  # none started
     for output_dir in ("run1", str(root / "run2"), ""):
         assert http(server.url, "/start_profile", {"output_dir": output_dir, "profile_prefix": "p"})[0] == 200

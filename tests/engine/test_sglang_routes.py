@@ -129,8 +129,14 @@ def test_tokenize_and_detokenize_speak_sglangs_protocol(engine):
     out = http(engine.url, "/tokenize", {"messages": messages})[1]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert out["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    # too many texts, or a text far past the slot (tokenizing it would hold the tokenizer from every other client)
+    huge = "1+" * (64 * engine.scheduler.slot_len)
     for route, body, field in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
+                               ("/tokenize", {"prompt": ["a"] * 4097}, "'prompt'"),
+                               ("/tokenize", {"prompt": huge}, "prompt: more than"),
+                               ("/tokenize", {"prompt": ["a", huge]}, "prompt[1]: more than"),
                                ("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+                               ("/detokenize", {"tokens": [[1]] * 4097}, "'tokens'"),
                                ("/detokenize", {"tokens": [[1], ["x"]]}, "tokens[1]")):
         status, err = http(engine.url, route, body)
         assert status == 400 and field in err["error"]["message"], (route, body, err)

@@ -182,9 +182,29 @@ def test_a_body_over_the_limit_gets_413_and_the_server_keeps_serving(engine):
     assert generate(engine.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
 
 
-def test_a_request_that_fails_while_decoding_ends_alone(engine):
-    """A request that makes the sampler raise (here: one put in the scheduler without the server's checks) ends
-    with an abort naming the error; the request decoding next to it finishes exactly as it does alone."""
+NOT_UTF8 = [  # (route, raw body): a lone surrogate encoded as UTF-8 bytes, which JSON parsers on bytes let through
+    ("/generate", b'{"input_ids": [1, 2], "sampling_params": {"stop": ["\xed\xa0\x80"]}}'),
+    ("/generate", b'{"text": "a\xed\xa0\x80"}'),
+    ("/tokenize", b'{"prompt": "a\xed\xa0\x80"}'),
+    ("/update_weight_version", b'{"new_version": "\xed\xa0\x80"}'),
+    ("/generate", b'{"text": "a\xff"}'),
+]
+
+
+@pytest.mark.parametrize("route, raw", NOT_UTF8)
+def test_a_body_that_is_not_utf8_gets_400_before_anything_runs(engine, route, raw):
+    status, out = http(engine.url, route, raw)
+    assert status == 400 and "not UTF-8" in out["error"]["message"]
+    bom = b'\xef\xbb\xbf{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}'  # a BOM is still fine
+    status, out = http(engine.url, "/generate", bom)
+    assert status == 200 and len(out["output_ids"]) == 2
+
+
+@pytest.mark.parametrize("poison", ["top_k", "stop"])
+def test_a_request_that_fails_while_decoding_ends_alone(engine, poison):
+    """A request that makes the sampler raise, or its finish check (here: one put in the scheduler without the
+    server's checks, with a stop string no encoder takes) ends with an abort naming the error; the request decoding
+    next to it finishes exactly as it does alone."""
     from slime_lite.engine.request import Request
     from slime_lite.engine.sampling import SamplingParams
 
@@ -192,7 +212,9 @@ def test_a_request_that_fails_while_decoding_ends_alone(engine):
     alone = generate(engine.url, **witness)
     done = threading.Event()
     bad_out: list = []
-    bad = Request(rid="poisoned", input_ids=[1, 2], params=SamplingParams(top_k=2**70, max_new_tokens=400), seed=1,
+    params = SamplingParams(top_k=2**70, max_new_tokens=400) if poison == "top_k" else \
+        SamplingParams(stop=["\ud800"], max_new_tokens=400)
+    bad = Request(rid="poisoned", input_ids=[1, 2], params=params, seed=1,
                   on_output=lambda o: (bad_out.append(o), done.set()))
     engine.scheduler.prepare(bad)
     t, box = in_thread(generate, engine.url, **witness)

@@ -378,8 +378,13 @@ def test_bad_requests_are_400s_naming_the_field_and_leave_the_trajectory_going()
                          {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                          {"messages": [{"role": "assistant", "tool_calls": [{"function": "calc"}]}]},
                          {"messages": user, "stop": [""]}, {"messages": user, "top_logprobs": 2},
-                         {"messages": user, "n": 2}, {"messages": user}, {"messages": user}):
-                async with http.post(base_url + "/chat/completions", json=body) as resp:
+                         {"messages": user, "n": 2},
+                         {"messages": [{"role": "user", "content": "a \ud800"}]},  # sent as JSON's \ud800 escape
+                         b'{"messages": [{"role": "user", "content": "a \xed\xa0\x80"}]}',  # not UTF-8
+                         {"messages": user}, {"messages": user}):
+                raw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) \
+                    else {"json": body}
+                async with http.post(base_url + "/chat/completions", **raw) as resp:
                     answers.append((resp.status, await resp.json()))
         client = _client(base_url)
         reply = await client.chat.completions.create(model="m", messages=user, n=None, logprobs=True,
@@ -390,9 +395,10 @@ def test_bad_requests_are_400s_naming_the_field_and_leave_the_trajectory_going()
     sample = run_agent([refused, EngineError("engine http://e/generate failed (ConnectionResetError)"),
                         "xy<|im_end|>"], agent)
     *errors, reply = answers
-    assert [status for status, _ in errors] == [400] * 8 + [502]
+    assert [status for status, _ in errors] == [400] * 10 + [502]
     fields = ["messages[0]", "messages[0].role", "messages[0].content[0]", "messages[0].tool_calls[0]", "stop",
-              "top_logprobs", "n", "too long", "ConnectionResetError"]
+              "top_logprobs", "n", "messages[0].content: text is not valid Unicode", "not UTF-8", "too long",
+              "ConnectionResetError"]
     for (_, body), field in zip(errors, fields):
         assert set(body["error"]) >= {"message", "type", "code"} and field in body["error"]["message"], body
     assert reply.choices[0].message.content == "xy"

@@ -414,6 +414,8 @@ def test_off_policy_lag_counts_only_the_requests_of_the_rollout(tokenizer, tiny_
 
 
 HOOKS = '''
+import copy
+
 from slime_lite.rollout.generate import default_generate
 from slime_lite.rollout.turns import restart
 from slime_lite.types import Status
@@ -423,6 +425,16 @@ async def again(args, sample, sampling_params):  # as the multi-turn hooks: a ca
     if sample.status is Status.ABORTED:
         restart(sample)
     return await default_generate(args, sample, sampling_params)
+
+
+async def again_in_two(args, sample, sampling_params):  # as the agent endpoint: then two parts of one index
+    if sample.status is Status.ABORTED:
+        restart(sample)
+    other = copy.deepcopy(sample)
+    first = await default_generate(args, sample, sampling_params)
+    if first.status is Status.ABORTED:
+        return first
+    return [first, await default_generate(args, other, sampling_params)]
 
 
 async def ignores(args, sample, sampling_params):  # a hook that does not know carried samples
@@ -450,6 +462,15 @@ def test_a_hook_that_restarts_carried_samples_counts_their_tokens_wasted_and_one
         assert s.tokens == prompt + expected_response(prompt, LONG)
     assert stats["rollout/over_sampling/tokens_wasted"] == float(dropped)
     assert stats["rollout/partial/samples_carried"] == 0.0 and stats["rollout/partial/tokens_carried"] == 0.0
+    # split in two parts sharing the index: the restart's dropped tokens subtracted from neither part's count
+    gen, source, engine = make(tokenizer, tiny_model_dir, "ssllxxxx", partial_rollout=True,
+                               custom_generate_function_path="carry_hooks.again_in_two",
+                               advantage_estimator="reinforce_plus_plus")
+    rollout(gen, source, 0)
+    logged_before = len(engine.log)
+    samples, stats = rollout(gen, source, 1)
+    assert len(samples) > 4 and stats["rollout/over_sampling/tokens_wasted"] > 0
+    assert stats["perf/rollout_generated_tokens"] == float(sum(n for _, n, _ in engine.log[logged_before:]))
 
     gen, source, engine = make(tokenizer, tiny_model_dir, "ssllssss", partial_rollout=True,
                                custom_generate_function_path="carry_hooks.ignores")
