@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from slime_lite.errors import SlimeLiteError, run_main
@@ -15,15 +16,22 @@ def read_records(path: str) -> list[dict]:
         lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
     except OSError as exc:
         raise SlimeLiteError(f"--metrics-path {path}: cannot read ({exc.strerror}).") from None
+    except UnicodeDecodeError:
+        raise SlimeLiteError(f"--metrics-path {path}: not a text file (a run's --metrics-path JSONL is).") from None
     records = []
     for i, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             if i < len(lines) - 1:
                 raise SlimeLiteError(f"--metrics-path {path}: record {i + 1} is not JSON ({exc.msg}).") from None
             print(f"warning: --metrics-path {path}: the last record is cut short (not JSON); left out",
                   file=sys.stderr)
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("rollout_id"), int):
+            raise SlimeLiteError(f"--metrics-path {path}: record {i + 1} is not a metrics record (an object with an "
+                                 f"int rollout_id): {line[:80]}")
+        records.append(record)
     return records
 
 
@@ -72,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--title", default="", help="title of the plot (default: none)")
     a = p.parse_args(argv)
+    if not a.out.lower().endswith(".png"):
+        raise SlimeLiteError(f"--out {a.out}: name a .png file")
+    folder = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(folder):
+        raise SlimeLiteError(f"--out {a.out}: folder {folder} does not exist; create it first")
     records = read_records(a.metrics_path)
     if not records:
         raise SlimeLiteError(f"--metrics-path {a.metrics_path} has no records.")

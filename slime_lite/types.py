@@ -257,8 +257,8 @@ class Sample:
         known["spec_info"] = _known(SpecInfo, known.get("spec_info"))
         known["prefix_cache_info"] = _known(PrefixCacheInfo, known.get("prefix_cache_info"))
         sample = cls(**known)
-        for key, value in data.items():
-            if key not in names:
+        for key, value in data.items():  # another version's fields kept; never one that would shadow the class's
+            if key not in names and not hasattr(cls, key):  # (a property such as prompt_length: derived, not data)
                 setattr(sample, key, value)
         return sample
 

@@ -53,3 +53,19 @@ def test_a_record_cut_short_at_the_end_is_left_out_one_inside_is_an_error(tmp_pa
     path.write_text('{"rollout_id": 1, "rollout/raw_re\n' + good + "\n")
     with pytest.raises(SlimeLiteError, match=r"m.jsonl: record 1 is not JSON"):
         read_records(str(path))
+
+
+def test_bad_files_and_outputs_are_clear_errors_before_drawing(tmp_path):
+    good = tmp_path / "m.jsonl"
+    good.write_text(json.dumps({"rollout_id": 0, "rollout/raw_reward": 0.5}) + "\n")
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(b"\x80\x81\xfe\n")
+    no_id = tmp_path / "n.jsonl"
+    no_id.write_text('{"rollout/raw_reward": 0.5}\n[1, 2]\n')
+    for argv, says in (([str(binary), "p.png"], "not a text file"), ([str(no_id), "p.png"], "record 1 is not a "
+                       "metrics record"), ([str(good), "p.pgn"], "name a .png file"),
+                       ([str(good), "nowhere/p.png"], "does not exist; create it first")):
+        metrics, out = argv
+        with pytest.raises(SlimeLiteError, match=says):
+            main(["--metrics-path", metrics, "--out", str(tmp_path / out)])
+    assert not list(tmp_path.glob("*.png"))

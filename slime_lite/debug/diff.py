@@ -97,8 +97,10 @@ def compare_samples(position: int, sa: Any, sb: Any, atol: float) -> SampleDiff:
             n = min(n, max(0, first - sa.prompt_length))  # after a token differs, log-probs are not comparable
         if n:
             lp_diff = max(_abs_diff(float(x), float(y)) for x, y in zip(la[:n], lb[:n]))
-    ma, mb, mask_note = sa.loss_mask, sb.loss_mask, ""
-    if ma is not None and mb is not None and list(ma) != list(mb):
+    # None: every response token in the loss (slime's default), so it equals an all-ones mask and no other
+    ma, mb = (m.loss_mask if m.loss_mask is not None else [1] * m.response_length for m in (sa, sb))
+    mask_note = ""
+    if [int(x) for x in ma] != [int(x) for x in mb]:
         at = first_difference([int(x) for x in ma], [int(x) for x in mb])
         mask_note = f"loss_mask differs from response token {at} ({_turn_of(sa, at)})"
     reward = None if rewards_equal(sa.reward, sb.reward, atol) else (sa.reward, sb.reward)

@@ -133,13 +133,27 @@ def train_argv(user_argv: list[str], out: str, weight_check: bool = True) -> lis
     return argv + [f for f in WEIGHT_FLAGS if not (given(argv, "--lora-rank") and f == SCRAMBLE)]
 
 
+MARK = ".slime-lite-doctor"  # written first into a folder the doctor runs in: a later run may clear it
+
+
 def _clean(out: str) -> None:
+    """Clear the files an earlier doctor run wrote in ``out``; a folder the doctor never ran in that holds files
+    (a real run's --dump-details folder has the same names) is refused, nothing deleted."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SlimeLiteError(f"--out {out} is a file: pass a folder (a new one is created)")
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if held and MARK not in held and "doctor.json" not in held:
+        raise SlimeLiteError(f"--out {out} holds files the doctor did not write ({', '.join(held[:4])}"
+                             f"{', ...' if len(held) > 4 else ''}): a doctor run replaces metrics.jsonl, args.json, "
+                             "train.log, rollout_data/ and train_data/ there. Pass an empty or new folder, or one "
+                             "an earlier doctor run used.")
     for name in ("metrics.jsonl", "args.json", "train.log", "doctor.json"):
         if os.path.exists(os.path.join(out, name)):
             os.unlink(os.path.join(out, name))
     for name in ("rollout_data", "train_data", "mismatch", "rerun"):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     os.makedirs(out, exist_ok=True)
+    open(os.path.join(out, MARK), "w").close()
 
 
 def run_train(argv: list[str], out: str, timeout: float) -> TrainRun:

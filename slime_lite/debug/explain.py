@@ -123,6 +123,8 @@ def join(rollout: Any, train: TrainDump, index: int, threshold: float, texts: An
                                                           ("mask", "loss_masks"), ("entropy", "entropy"))}
     versions = sample.metadata.get(TOKEN_VERSIONS)
     cols["version"] = [float(v) for v in versions] if versions is not None and len(versions) == n else None
+    newest = max((max(v) for v in (s.metadata.get(TOKEN_VERSIONS) for s in rollout.samples
+                                   if isinstance(s.metadata, dict)) if v), default=None)
     ids = list(sample.tokens[len(sample.tokens) - n:])
     text = texts(ids) if texts is not None else [f"#{t}" for t in ids]
     label = [""] * n
@@ -135,9 +137,10 @@ def join(rollout: Any, train: TrainDump, index: int, threshold: float, texts: An
         v = {"rollout": rollout_lp[k] if rollout_lp is not None else None, "train": train_lp[k], "diff": diff}
         v.update({name: c[k] if c is not None else None for name, c in cols.items()})
         off = v["mask"] is not None and v["mask"] <= 0  # not trained: its log-prob difference is not a fault
-        # a token of older weights than the sample's newest (continued by --partial-rollout, or generated across a
-        # push): the trainer's weights are not the ones that sampled it, so a difference is expected (as the checks)
-        old = cols["version"] is not None and cols["version"][k] < max(cols["version"])
+        # a token of older weights than the rollout's newest (continued by --partial-rollout, generated across a
+        # push, or a sample of a lagging --fully-async batch): the trainer's weights are not the ones that sampled
+        # it, so a difference is expected (the trainer's comparison leaves it out too)
+        old = cols["version"] is not None and newest is not None and cols["version"][k] < newest
         rows.append(Row(k, ids[k], text[k], v, diff is not None and not off and not old and not abs(diff) <= threshold,
                         label[k] + (" (older weights)" if old else "")))
     ex = Explained(train.rollout_id, index, sample, rows, threshold, [rollout.path, *train.paths])
@@ -162,8 +165,11 @@ def _summary(ex: Explained) -> dict[str, str]:
         out["|train - rollout|"] = (f"mean {sum(diffs) / len(diffs):.3g}, max {max(diffs):.3g} at token "
                                     f"{worst.pos} {worst.text!r}" + (f" (the {len(kept) - len(compared)} tokens "
                                     "of older weights not compared)" if len(compared) < len(kept) else ""))
-    else:
+    elif compared or not kept:
         out["|train - rollout|"] = "no rollout log-probs in either dump"
+    else:
+        out["|train - rollout|"] = (f"not compared: all {len(kept)} tokens in the loss are of older weights than the "
+                                    "rollout's newest")
     versions = s.metadata.get(TOKEN_VERSIONS)
     if versions:
         since = s.metadata.get("start_rollout_id")

@@ -174,7 +174,8 @@ def iteration2(run: TrainRun, cfg: CiConfig) -> Check:
     diff = rec.get("train/train_rollout_logprob_abs_diff")
     ppo_kl = rec.get("train/first_step/ppo_kl", 0.0)
     bound = logprob_diff_threshold(cfg)[0]
-    kl_ok = cfg.ci_disable_kl_checker or ppo_kl == 0.0  # (LoRA dropout: a KL from the second step on)
+    # (--lora-dropout: the train step's forward drops what the old log-probs' forward kept, a KL by design)
+    kl_ok = bool(cfg.ci_disable_kl_checker or cfg.lora_dropout or ppo_kl == 0.0)
     passed = diff is not None and diff < bound and kl_ok
     first = run.records[min(run.records)].get("train/train_rollout_logprob_abs_diff")
     if passed:
@@ -276,6 +277,9 @@ def skipped_rows(args: Any, present: set[str], run: TrainRun) -> list[Check]:
             why = "skipped: no reference model in this run (add --use-kl-loss, --kl-coef or --ref-load to check it)"
         elif name == "step1_kl_zero" and policy_off_reference(args, 0):
             why = f"skipped: {policy_off_reference(args, 0)} (its KL is not zero at step 1)"
+        elif name == "first_step_ppo_kl_zero" and args.lora_dropout:
+            why = ("skipped: --lora-dropout (the train step's forward drops other activations than the old "
+                   "log-probs' forward: ppo_kl is not zero by design)")
         else:
             why = f"not measured: {run.stopped if run.error else 'the first iteration did not report it'}"
         rows.append(Check(name, None, threshold, passed=why.startswith("skipped"), cause=why))

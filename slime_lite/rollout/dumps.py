@@ -20,6 +20,7 @@ from typing import Any, Iterable
 from slime_lite import __version__
 from slime_lite.errors import DumpError, SlimeLiteError
 from slime_lite.io import atomic_torch_save, load_plain
+from slime_lite.rollout.turns import SOURCES
 from slime_lite.types import TOKEN_VERSIONS, PrefixCacheInfo, RewardError, Sample, SpecInfo, Status
 
 FORMAT_VERSION = 1
@@ -252,6 +253,9 @@ def _field_problem(item: dict[str, Any]) -> str | None:
                                  or not all(_is_int(v) for v in versions)):
         return (f"metadata[{TOKEN_VERSIONS!r}]: expected one int weight version per response token "
                 f"({length}), got {versions!r:.80}")
+    problem = _turns_problem(metadata.get("turns") if isinstance(metadata, dict) else None, length)
+    if problem is not None:
+        return f"metadata['turns']{problem}"
     weight_versions = item.get("weight_versions", [])
     if not isinstance(weight_versions, (list, tuple)):
         return f"weight_versions: expected a list (each engine call's weight version), got {weight_versions!r:.80}"
@@ -269,6 +273,25 @@ def _field_problem(item: dict[str, Any]) -> str | None:
     status = item.get("status", Status.PENDING.value)
     if not isinstance(status, (str, Status)) or str(getattr(status, "value", status)) not in STATUSES:
         return f"status: {status!r} is not one of {', '.join(STATUSES)}"
+    return None
+
+
+def _turns_problem(recorded: Any, length: int) -> str | None:
+    """What is wrong with a sample's turn record (multi-turn: a list of {start, length, source, ...} inside the
+    response, as rollout/turns.py writes it), as '[k].field: problem' or ': problem'; None when fine or absent."""
+    if recorded is None:
+        return None
+    if not isinstance(recorded, list):
+        return f": expected a list of turns ({{'start', 'length', 'source'}} each), got {recorded!r:.60}"
+    for k, turn in enumerate(recorded):
+        if not isinstance(turn, dict):
+            return f"[{k}]: expected a dict with 'start', 'length' and 'source', got {turn!r:.60}"
+        start, size = turn.get("start"), turn.get("length")
+        if not _is_int(start) or not _is_int(size) or start < 0 or size < 0 or start + size > length:
+            return (f"[{k}]: start {start!r} and length {size!r} must be non-negative ints inside the "
+                    f"{length} response tokens")
+        if turn.get("source") not in SOURCES:
+            return f"[{k}].source: {turn.get('source')!r} is not one of {', '.join(SOURCES)}"
     return None
 
 

@@ -58,6 +58,31 @@ def test_a_loss_mask_difference_is_counted_when_log_probs_are_in_one_dump_only(t
     assert "│ 1 (first: sample 1, loss_mask differs from response token 1" in row, row
 
 
+def test_no_loss_mask_is_every_token_in_the_loss(tmp_path, samples_factory, capsys):
+    """A sample's loss_mask None (slime's default: all trained) equals an all-ones mask and differs from any other."""
+    def none(samples):
+        for s in samples:
+            s.loss_mask = None
+
+    def ones(samples):
+        for s in samples:
+            s.loss_mask = [1] * s.response_length
+
+    def cut(samples):
+        ones(samples)
+        samples[1].loss_mask[-1] = 0
+
+    for a_edit, b_edit, rc in ((none, ones, 0), (none, cut, 1)):
+        a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+        for path, edit in ((a, a_edit), (b, b_edit)):
+            samples = samples_factory()
+            edit(samples)
+            save_rollout_dump(path, 0, samples)
+        assert main([a, b]) == rc
+        out = capsys.readouterr().out
+        assert ("loss_mask differs from response token" in out) == bool(rc), out
+
+
 def test_small_logprob_noise_within_atol(tmp_path: Path, samples_factory, capsys) -> None:
     def edit(samples):
         samples[1].rollout_log_probs = [x + 1e-4 for x in samples[1].rollout_log_probs]

@@ -112,7 +112,8 @@ def test_every_check_row_shows_and_a_skipped_one_says_why(capsys):
 
     def flags(**kw):
         return argparse.Namespace(**{"use_kl_loss": False, "kl_coef": 0.0, "ref_load": None,
-                                     "lora_adapter_path": None, "ci_disable_kl_checker": False, **kw})
+                                     "lora_adapter_path": None, "ci_disable_kl_checker": False, "lora_dropout": 0.0,
+                                     **kw})
 
     stopped = TrainRun(out="/x", returncode=1, seconds=1.0, error="engine 0 died")
     rows = skipped_rows(flags(), {"grad_norm_finite"}, stopped)
@@ -133,6 +134,27 @@ def test_every_check_row_shows_and_a_skipped_one_says_why(capsys):
     off = skipped_rows(flags(use_kl_loss=True, ci_disable_kl_checker=True), {"grad_norm_finite"}, stopped)
     assert [(c.name, c.passed) for c in off] == [("step1_kl_zero", True), ("first_step_ppo_kl_zero", True)]
     assert all(c.cause.startswith("skipped: --ci-disable-kl-checker") for c in off)
+
+
+def test_a_lora_dropout_run_is_not_failed_for_its_ppo_kl():
+    """--lora-dropout: the train step's forward drops other activations than the old log-probs' forward, so ppo_kl
+    is not zero by design (the run's own --ci-test skips that check): the doctor's rows skip it too."""
+    from slime_lite.args import parser_defaults
+    from slime_lite.config import CiConfig
+    from slime_lite.debug.run_checks import TrainRun, iteration2, skipped_rows
+
+    args = parser_defaults(lora_rank=8, lora_dropout=0.1, use_kl_loss=True)
+    first = {"rollout_id": 0, "rollout/log_probs_ref_max_abs_diff": 0.0, "train/first_step/ppo_kl": 2e-4,
+             "train/train_rollout_logprob_abs_diff": 1e-5, "train/first_step/grad_norm": 1.0}
+    second = {"rollout_id": 1, "train/train_rollout_logprob_abs_diff": 1e-5, "train/first_step/ppo_kl": 3e-4}
+    run = TrainRun(out="/x", returncode=0, seconds=1.0, records={0: first, 1: second})
+    cfg = CiConfig.from_args(args)
+    checks = doctor.first_iteration_checks(args, cfg, first)
+    checks += skipped_rows(args, {c.name for c in checks}, run) + [iteration2(run, cfg)]
+    assert all(c.passed is True for c in checks), [(c.name, c.cause) for c in checks if c.passed is not True]
+    assert next(c for c in checks if c.name == "first_step_ppo_kl_zero").cause.startswith("skipped: --lora-dropout")
+    stale = dict(second, **{"train/train_rollout_logprob_abs_diff": 0.5})  # a reload fault still fails
+    assert not iteration2(TrainRun(out="/x", returncode=0, seconds=1.0, records={0: first, 1: stale}), cfg).passed
 
 
 def test_the_doctor_does_not_hold_a_run_from_trained_adapters_to_a_zero_step1_kl():
@@ -268,3 +290,25 @@ def test_a_run_killed_from_outside_is_not_reported_as_a_timeout(tmp_path, monkey
     run = doctor.run_train([], str(tmp_path), 600)
     assert run.returncode == -9 and "did not finish within" not in run.error
     assert "SIGKILL" in run.error and "out of memory" in run.error and "train.log" in run.error
+
+
+def test_the_doctor_never_clears_a_folder_it_did_not_write(tmp_path, monkeypatch):
+    """--out pointing at a real run's --dump-details folder (the same file names) is refused with nothing deleted;
+    a folder the doctor ran in before is cleared for the next run."""
+    real = tmp_path / "real_run"
+    (real / "rollout_data").mkdir(parents=True)
+    (real / "metrics.jsonl").write_text("{}\n")
+    (real / "rollout_data" / "0.pt").write_bytes(b"x")
+    with pytest.raises(SlimeLiteError, match=r"--out .*real_run holds files the doctor did not write \(metrics.jsonl, "
+                                             r"rollout_data\).*empty or new folder"):
+        doctor.run_train([], str(real), 600)
+    assert (real / "metrics.jsonl").exists() and (real / "rollout_data" / "0.pt").exists()
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(SlimeLiteError, match="is a file"):
+        doctor.run_train([], str(tmp_path / "a_file"), 600)
+    monkeypatch.setattr(doctor.subprocess, "Popen", _FakeTrainRun("print('done')"))
+    mine = tmp_path / "doctor_out"
+    doctor.run_train([], str(mine), 600)
+    (mine / "metrics.jsonl").write_text("{}\n")  # as that run would have written
+    doctor.run_train([], str(mine), 600)  # the doctor's own folder: cleared and used again
+    assert not (mine / "metrics.jsonl").exists() and (mine / "train.log").exists()

@@ -111,6 +111,16 @@ def test_tokens_of_older_weights_are_not_highlighted_as_mismatches(dumps, tmp_pa
     out = capsys.readouterr().out
     assert "0 token(s) with |diff| > 0.05" in out and "older weights" in out
     assert "the 1 tokens of older weights not compared" in out
+    # the batch's newest decides, not the sample's: a sample all of older weights (--partial-rollout carried it
+    # finished, or a lagging --fully-async batch) is not compared at all, as the trainer's check leaves it out
+    batch[1].metadata.update(token_weight_versions=[2, 2])
+    batch[0].metadata.update(token_weight_versions=[3, 3])
+    save_rollout_dump(str(tmp_path / "data_3.pt"), 3, batch, {"model_path": str(tiny_model_dir)})
+    assert cli(["explain", "--rollout-dump", str(tmp_path / "data_3.pt"), "--train-dump", *dumps["train"],
+                "--sample", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "0 token(s) with |diff| > 0.05" in out
+    assert "not compared: all 2 tokens in the loss are of older weights than the rollout's newest" in out
 
 
 def _fails(argv: list[str], capsys) -> str:

@@ -80,7 +80,8 @@ def test_numpy_arrays_of_slime_hooks_are_saved_and_other_objects_name_the_file_s
 def test_slime_style_dump_with_missing_and_unknown_keys_loads(tmp_path: Path) -> None:
     path = tmp_path / "slime_3.pt"
     item = {"index": 7, "prompt": "1+1=", "tokens": [1, 2, 3], "response": "2", "response_length": 1,
-            "reward": 1.0, "status": "completed", "some_future_field": {"x": 1}}
+            "reward": 1.0, "status": "completed", "some_future_field": {"x": 1},
+            "prompt_length": 99, "__dict__": {}}  # named like Sample's own attributes: not data, skipped
     torch.save({"rollout_id": 3, "samples": [item]}, path)
     dump = load_rollout_dump(str(path))
     assert dump.meta is None and dump.format_version is None and dump.rollout_id == 3
@@ -88,6 +89,7 @@ def test_slime_style_dump_with_missing_and_unknown_keys_loads(tmp_path: Path) ->
     assert (s.index, s.prompt, s.tokens, s.reward, s.status) == (7, "1+1=", [1, 2, 3], 1.0, Status.COMPLETED)
     assert s.loss_mask is None and s.metadata == {} and s.group_index is None  # defaults
     assert s.some_future_field == {"x": 1}  # unknown key kept as an attribute
+    assert s.prompt_length == 2 and s.response == "2"  # the property, derived from the tokens
     check_replay_meta(dump, {"n_samples_per_prompt": 8, "rollout_batch_size": 4})  # no meta: accepted
 
 
@@ -238,6 +240,12 @@ MALFORMED = [
     ("weight-versions-int", {"weight_versions": 3}, r"weight_versions: expected a list .*got 3"),
     ("prefix-cache-str", {"prefix_cache_info": "x"}, r"prefix_cache_info: expected a dict, got str 'x'"),
     ("spec-info-int", {"spec_info": 5}, r"spec_info: expected a dict, got int 5"),
+    # a multi-turn record the tools and the rollout's metrics read (a hook's own turn count under the same key)
+    ("turns-int", {"metadata": {"turns": 3}}, r"metadata\['turns'\]: expected a list of turns"),
+    ("turns-outside", {"metadata": {"turns": [{"start": 1, "length": 5, "source": "model"}]}},
+     r"metadata\['turns'\]\[0\]: start 1 and length 5 must be non-negative ints inside the 2 response tokens"),
+    ("turns-source", {"metadata": {"turns": [{"start": 0, "length": 2, "source": "bot"}]}},
+     r"metadata\['turns'\]\[0\]\.source: 'bot' is not one of model, tool"),
 ]
 
 
