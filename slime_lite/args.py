@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from slime_lite import rl_math, rollout_correction
-from slime_lite.args_check import UNDER_SWITCH, fill_implied, validate_args, warn_unread_flags
+from slime_lite.args_check import TIS_CLIP, UNDER_SWITCH, fill_implied, validate_args, warn_unread_flags
 from slime_lite.args_observe import add_observability_flags
 from slime_lite.args_train import add_train_flags
 from slime_lite.flag_types import fraction, nonempty, nonneg_int, positive_float, top_k
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="importance sampling against the engine's policy: weight the policy loss by the ratio "
                         "exp(old - rollout log-prob) at --tis-level, bounded by --tis-mode (default: truncated "
                         "at --tis-clip)")
-    g.add_argument("--tis-clip", type=_nonneg_float, default=2.0,
+    g.add_argument("--tis-clip", type=_nonneg_float, default=TIS_CLIP,
                    help="upper bound of the IS weight (default: %(default)s)")
     g.add_argument("--tis-clip-low", type=_nonneg_float, default=UNDER_SWITCH["use_tis"]["tis_clip_low"],
                    help="lower bound of the IS weight: a floor in truncate mode (default: none), the lower "

@@ -12,6 +12,11 @@ from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 log = logging.getLogger("slime_lite.args")
 
 
+def offload_rollout_flag(args: argparse.Namespace) -> str:
+    """The flag that turned on --offload-rollout, for errors to name: slime's --offload sets it too."""
+    return "--offload" if args.offload else "--offload-rollout"
+
+
 def check_partial_rollout(args: argparse.Namespace) -> None:
     """--partial-rollout continues the samples over-sampling aborted, in generated rollouts that may differ run to
     run; --mask-offpolicy-in-partial-rollout acts on those samples only."""
@@ -52,8 +57,9 @@ def check_async_train(args: argparse.Namespace) -> None:
         refuse = ("--debug-train-only / --load-debug-rollout-data start no engine, so nothing generates while the "
                   "trainer trains: drop --async")
     elif args.offload_rollout:
-        refuse = ("--offload-rollout releases the engines' memory while the trainer trains, and under --async they "
-                  "generate then: drop --offload-rollout")
+        flag = offload_rollout_flag(args)
+        refuse = (f"{flag} releases the engines' memory while the trainer trains, and under --async they generate "
+                  f"then: drop {flag}")
     elif args.lora_rank is not None and args.rollout_backend == "sglang":
         refuse = ("--lora-rank on SGLang servers: a push unloads the adapter the requests in flight still use, and "
                   "SGLang waits for them to finish while the push holds them paused, so the push would wait out its "
@@ -92,7 +98,8 @@ def check_fully_async(args: argparse.Namespace) -> None:
         refuse = ("which groups finish first and which weights generate each token depend on timing, so two runs "
                   "cannot match under --deterministic-mode: drop one of them")
     elif args.offload_rollout:
-        refuse = "--offload-rollout releases the engines' memory while they would generate: drop --offload-rollout"
+        flag = offload_rollout_flag(args)
+        refuse = f"{flag} releases the engines' memory while they would generate: drop {flag}"
     elif args.partial_rollout or args.over_sampling_batch_size is not None:
         refuse = ("requests are never aborted (they continue across weight pushes), so --partial-rollout and "
                   "--over-sampling-batch-size have nothing to do: drop them")

@@ -20,7 +20,7 @@ from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template, dump_path
 from slime_lite.args_async import check_async_train, check_fully_async, check_partial_rollout
 from slime_lite.args_observe import check_logging_flags
-from slime_lite.args_train import check_slime_train_flags, validate_train_args, world_size
+from slime_lite.args_train import check_slime_train_flags, validate_rollout_only_args, validate_train_args, world_size
 from slime_lite.slime_flags import check as check_slime_flags
 
 log = logging.getLogger("slime_lite.args")
@@ -326,8 +326,12 @@ def validate_args(args: argparse.Namespace) -> None:
                                  "without a network).")
     if not args.debug_rollout_only:
         validate_train_args(args)
-    elif args.num_steps_per_rollout is None:
-        args.num_steps_per_rollout = 1
+    else:
+        validate_rollout_only_args(args)
+        if args.num_steps_per_rollout is None:
+            args.num_steps_per_rollout = 1
+    if args.debug_train_only:  # a replay starts no engine: SGLang need not be installed here
+        return
     # its module imports ray: flag errors stay instant
     from slime_lite.backends.sglang.launcher import check_sglang_args
 
@@ -343,6 +347,9 @@ UNDER_SWITCH: dict[str, dict[str, Any]] = {
 }
 
 
+TIS_CLIP = 2.0  # --tis-clip's default (the parser's): TIS's upper bound, and --use-rs's unless --rs-upper-bound
+
+
 def check_correction_args(args: Any) -> None:
     """Rollout correction (--use-tis, --use-rs) and --get-mismatch-metrics: bounds that make sense, and no flag of
     a switch that is off."""
@@ -351,6 +358,9 @@ def check_correction_args(args: Any) -> None:
             if not getattr(args, switch) and getattr(args, flag) != default:
                 raise SlimeLiteError(f"--{flag.replace('_', '-')} has no effect without "
                                      f"--{switch.replace('_', '-')}: add it or drop the flag.")
+    if args.tis_clip != TIS_CLIP and not (args.use_tis or args.use_rs):
+        raise SlimeLiteError("--tis-clip has no effect without --use-tis (or --use-rs, whose upper bound it is by "
+                             "default): add one or drop the flag.")
     if args.use_tis:
         high, low = args.tis_clip, args.tis_clip_low
         if high <= 0:

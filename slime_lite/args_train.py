@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from slime_lite import rl_math
+from slime_lite.args_async import offload_rollout_flag
 from slime_lite.backends.megatron.lora_config import check_lora_args
 from slime_lite.config import RolloutSideConfig, TokenBudget, has_reference_model, periodic
 from slime_lite.errors import SlimeLiteError
@@ -238,8 +239,8 @@ def check_slime_train_flags(args: argparse.Namespace) -> None:
         refuse = (f"--{'async' if args.async_train else 'fully-async'} already generates with older weights on its "
                   "own schedule (and checks that lag): drop one of them")
     elif args.colocate or args.offload_rollout:
-        refuse = (f"--{'colocate' if args.colocate else 'offload-rollout'} releases the engines' weights while the "
-                  "trainer trains, and only a push gives them back: drop one of them")
+        refuse = (f"{'--colocate' if args.colocate else offload_rollout_flag(args)} releases the engines' weights "
+                  "while the trainer trains, and only a push gives them back: drop one of them")
     elif args.use_fault_tolerance:
         refuse = ("--use-fault-tolerance gives a restarted engine the trainer's current weights, which the other "
                   "engines do not serve between pushes: drop one of them")
@@ -427,6 +428,18 @@ def _check_dynamic_batch(args: argparse.Namespace, dp: int, pp: int) -> None:
         problem = TokenBudget.from_args(args).too_small_for(args.rollout_max_response_len)
         if problem:
             raise SlimeLiteError(problem)
+
+
+def validate_rollout_only_args(args: argparse.Namespace) -> None:
+    """--debug-rollout-only runs no trainer, but its engines serve the routing-replay and LoRA flags: checked as a
+    training run checks them (else the engine fails after Ray starts, or serves the base model silently)."""
+    if args.lora_adapter_path is not None:
+        raise SlimeLiteError("--lora-adapter-path with --debug-rollout-only: the trainer loads the adapter and pushes "
+                             "it to the engines, and this run has no trainer, so the engines would serve the base "
+                             "model. Merge the adapter into --hf-checkpoint, or drop --debug-rollout-only.")
+    cfg = read_config(args.hf_checkpoint)
+    check_experts(args, cfg)
+    check_lora_args(args, cfg)
 
 
 def validate_train_args(args: argparse.Namespace) -> None:

@@ -195,10 +195,13 @@ def value_loss(
     return loss, (moved.abs() > value_clip).to(values.dtype)
 
 
+GREEDY_EPS = 1e-6  # a temperature below it samples greedily (the embedded engine's rule, as SGLang's)
+
+
 def scoring_temperature(rollout_temperature: float) -> float:
     """The temperature the trainer divides logits by to score a rollout: the rollout's own; 1 for a greedy rollout
-    (temperature 0), whose engine log-probs are those of the unscaled logits."""
-    return rollout_temperature if rollout_temperature > 1e-6 else 1.0
+    (temperature below ``GREEDY_EPS``), whose engine log-probs are those of the unscaled logits."""
+    return rollout_temperature if rollout_temperature >= GREEDY_EPS else 1.0
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ def base(tmp_path):
 @pytest.mark.parametrize("extra,said", [
     (["--lora-rank", "0"], "--lora-rank 0 must be a positive integer"),
     (["--lora-rank", "-4"], "--lora-rank -4 must be a positive integer"),
-    (["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha 0.0 must be > 0"),
+    (["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha 0.0 must be a finite number > 0"),
     (["--lora-rank", "8", "--lora-dropout", "1.5"], "--lora-dropout 1.5 must be in [0, 1)"),
     (["--lora-alpha", "16"], "--lora-alpha needs --lora-rank R"),
     (["--lora-rank", "8", "--lora-target-modules", "q_proj,foo"],

@@ -438,3 +438,15 @@ def test_the_per_token_normalizer_counts_a_sample_without_loss_tokens_as_one_tok
     samples = [SimpleNamespace(loss_mask=m, response_length=len(m)) for m in ([1, 1, 1], [1, 1], [0, 0])]
     fake = SimpleNamespace(args=SimpleNamespace(global_batch_size=3, calculate_per_token_loss=True), dp_size=1)
     assert float(TrainWorker._normalizer(fake, samples, 0)) == 6.0  # 3 + 2 + 1
+
+
+def test_the_trainer_scores_at_the_temperature_the_engine_sampled_at_even_at_the_greedy_edge():
+    """At the edge (1e-6) the engine samples at that temperature (greedy only below it, as SGLang): the trainer's
+    log-probs must divide by it too, else they are of other logits than the engine's."""
+    from slime_lite.engine.sampling import SamplingParams
+    from slime_lite.rl_math import GREEDY_EPS, scoring_temperature
+
+    for t in (0.0, GREEDY_EPS / 2, GREEDY_EPS, 2 * GREEDY_EPS, 0.7):
+        greedy = SamplingParams(temperature=t).greedy
+        assert scoring_temperature(t) == (1.0 if greedy else t), t
+    assert not SamplingParams(temperature=GREEDY_EPS).greedy and scoring_temperature(GREEDY_EPS) == GREEDY_EPS

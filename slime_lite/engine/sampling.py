@@ -23,8 +23,7 @@ import torch.nn.functional as F
 
 from slime_lite.engine import block_stats
 from slime_lite.engine import validate as check
-
-GREEDY_EPS = 1e-6
+from slime_lite.rl_math import GREEDY_EPS
 _MASK64 = (1 << 64) - 1
 
 # Fields SGLang accepts that the embedded engine takes at their neutral value only.

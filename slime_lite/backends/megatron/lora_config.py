@@ -16,6 +16,8 @@ parts' rows, which gives exactly the same model (W_q + s B_q A, ...).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,8 +122,9 @@ def check_lora_args(args: Any, hf_config: dict) -> None:
     if args.lora_rank <= 0:
         raise SlimeLiteError(f"--lora-rank {args.lora_rank} must be a positive integer (e.g. 8, 16, 32); leave "
                              "it out to fine-tune every weight.")
-    if args.lora_alpha is not None and not args.lora_alpha > 0:
-        raise SlimeLiteError(f"--lora-alpha {args.lora_alpha} must be > 0 (the adapters are scaled by alpha/rank; "
+    if args.lora_alpha is not None and not 0 < args.lora_alpha < math.inf:
+        raise SlimeLiteError(f"--lora-alpha {args.lora_alpha} must be a finite number > 0 (the adapters are scaled by "
+                             "alpha/rank; "
                              "e.g. --lora-alpha 16 with --lora-rank 8).")
     if not 0 <= args.lora_dropout < 1:
         raise SlimeLiteError(f"--lora-dropout {args.lora_dropout} must be in [0, 1).")
