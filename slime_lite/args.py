@@ -112,10 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "rollout/async/dropped_stale_samples) and the next finished group takes its place; mask: "
                         "loss_mask 0 on the tokens older than K versions (rollout/async/masked_tokens) "
                         "(default: %(default)s)")
-    g.add_argument("--offload-train", action="store_true",
-                   help="move the trainer's weights and optimizer state off the GPU while engines generate")
-    g.add_argument("--offload-rollout", action="store_true",
-                   help="release the engines' weights and KV cache while the trainer trains")
+    g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
+                   help="move the trainer's weights and optimizer state off the GPU while engines generate (on under "
+                        "--colocate unless --no-offload-train)")
+    g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
+                   help="release the engines' weights and KV cache while the trainer trains (on under --colocate "
+                        "unless --no-offload-rollout)")
     g.add_argument("--offload", action="store_true", help="--offload-train and --offload-rollout together")
     g.add_argument("--num-gpus-per-node", type=_positive_int, default=None,
                    help="GPUs per node for the engines (Ray places each engine's GPUs on one node): refused when "

@@ -196,9 +196,15 @@ def validate_args(args: argparse.Namespace) -> None:
         rollout_flag = "--load-debug-rollout-data" if args.load_debug_rollout_data else "--save-debug-rollout-data"
         check_train_template(args.save_debug_train_data, args.load_debug_rollout_data or args.save_debug_rollout_data,
                              max(1, world_size(args) // model_parallel), rollout_flag)
-    if args.colocate and not args.debug_rollout_only and not (args.offload_train and args.offload_rollout):
-        log.info("--colocate: turning on --offload-train and --offload-rollout (trainer and engines share GPUs)")
-        args.offload_train = args.offload_rollout = True
+    if args.colocate and not args.debug_rollout_only:  # as slime: on unless --no-offload-train / -rollout
+        unset = [f for f in ("offload_train", "offload_rollout") if getattr(args, f) is None]
+        if unset:
+            log.info("--colocate: turning on %s (trainer and engines share GPUs)",
+                     " and ".join("--" + f.replace("_", "-") for f in unset))
+        for f in unset:
+            setattr(args, f, True)
+    for f in ("offload_train", "offload_rollout"):  # neither given: off
+        setattr(args, f, bool(getattr(args, f)))
     if args.debug_rollout_only:
         if args.colocate and args.rollout_num_gpus is None:  # slime: the engines still get the actor's GPUs
             args.rollout_num_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node

@@ -71,6 +71,10 @@ ARCH_FLAGS: dict[str, tuple[dict[str, Any], str]] = {
     "--rotary-base": (_value(float), "rope_theta"),
     "--rotary-percent": (_value(float), "partial_rotary_factor"),
     "--rotary-interleaved": (STORE_TRUE, "model_type"),
+    "--use-rope-scaling": (STORE_TRUE, "rope_scaling's rope_type llama3"),
+    "--rotary-scaling-factor": (_value(float), "rope_scaling's factor (rope_type llama3)"),
+    "--max-position-embeddings": (_value(int), "max_position_embeddings"),
+    "--seq-length": (_value(int), "max_position_embeddings (at most: samples are packed, any length up to it)"),
     "--untie-embeddings-and-output-weights": (STORE_TRUE, "tie_word_embeddings"),
     "--qk-layernorm": (STORE_TRUE, "model_type"),
     "--disable-bias-linear": (STORE_TRUE, "mlp_bias"),
@@ -223,7 +227,13 @@ def hf_values(cfg: dict[str, Any]) -> dict[str, Any]:
     moe = family is not None and family.moe
     sparse_step, only_dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
     layers = cfg.get("num_hidden_layers")
+    rope = rope_parameters(cfg)
+    llama3 = rope.get("rope_type", rope.get("type")) == "llama3"
     return {
+        "use_rope_scaling": llama3 if theta is not None else None,
+        "rotary_scaling_factor": rope.get("factor") if llama3 else False,
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "seq_length": cfg.get("max_position_embeddings"),
         "num_layers": cfg.get("num_hidden_layers"),
         "hidden_size": hidden,
         "ffn_hidden_size": cfg.get("intermediate_size"),
@@ -303,6 +313,10 @@ def check_architecture(args: argparse.Namespace) -> None:
         expected = want.get(dest)
         if expected is None:
             continue  # the config does not say
+        if dest == "seq_length":  # Megatron's training length: any up to the positions the model has
+            if value > expected:
+                problems.append(f"{flag} {value} is more than {path}'s max_position_embeddings {expected}")
+            continue
         if not _same(value, expected):
             shown = "given" if value is True else value
             problems.append(f"{flag} {shown} contradicts {path}: {key} means {flag} "

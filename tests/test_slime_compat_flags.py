@@ -36,10 +36,33 @@ def run(tmp_path):
     return parse
 
 
+def test_llama3_rope_scaling_flags_are_checked_against_the_config(tmp_path):
+    """slime's Llama 3.x model scripts: --use-rope-scaling and --rotary-scaling-factor state config.json's llama3
+    RoPE scaling."""
+    model = tmp_path / "llama"
+    model.mkdir()
+    cfg = {**QWEN3, "model_type": "llama", "max_position_embeddings": 131072, "rope_scaling": {
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}}
+    (model / "config.json").write_text(json.dumps(cfg))
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    base = ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rm-type", "math"]
+    parse_args(base + ["--use-rope-scaling", "--rotary-scaling-factor", "32.0", "--max-position-embeddings",
+                       "131072"])
+    with pytest.raises(SlimeLiteError, match="--rotary-scaling-factor 8.0 contradicts .* means "
+                                             "--rotary-scaling-factor 32.0"):
+        parse_args(base + ["--use-rope-scaling", "--rotary-scaling-factor", "8"])
+
+
 def test_offload_is_offload_train_and_offload_rollout(run):
     args = run("--offload")
     assert args.offload_train and args.offload_rollout
     assert not run().offload_train
+    colocated = run("--colocate")  # on under --colocate unless turned off by name, as slime
+    assert colocated.offload_train and colocated.offload_rollout
+    kept = run("--colocate", "--no-offload-train", "--no-offload-rollout")  # slime's AMD script
+    assert kept.offload_train is False and kept.offload_rollout is False
     # --async's rule sees what --offload turned on, and names the flag given
     with pytest.raises(SlimeLiteError, match=r"--offload releases the engines' memory.*drop --offload\.$"):
         run("--offload", "--async")
@@ -95,7 +118,8 @@ def test_distributed_timeout_minutes(run):
                                    ["--log-probs-chunk-size", "1024"], ["--recompute-loss-function"],
                                    ["--memory-recorder", "torch"], ["--data-pad-size-multiplier", "1"],
                                    ["--padded-vocab-size", "151936"], ["--model-name", "qwen3"],
-                                   ["--model-name", "Qwen3Config"]])
+                                   ["--model-name", "Qwen3Config"], ["--max-position-embeddings", "32768"],
+                                   ["--seq-length", "4096"], ["--seq-length", "32768"]])
 def test_values_slime_lite_runs_with_are_accepted(run, flags):
     run(*flags)
 
@@ -107,6 +131,11 @@ def test_values_slime_lite_runs_with_are_accepted(run, flags):
     (["--memory-recorder", "memray"], "--memory-recorder memray: not supported yet"),
     (["--padded-vocab-size", "152064"], "--padded-vocab-size 152064 contradicts .*vocab_size"),
     (["--model-name", "glm4"], "--model-name glm4 contradicts .*model_type 'qwen3'"),
+    (["--max-position-embeddings", "131072"], "--max-position-embeddings 131072 contradicts .* means "
+                                              "--max-position-embeddings 32768"),
+    (["--seq-length", "32769"], "--seq-length 32769 is more than .*max_position_embeddings 32768"),
+    (["--use-rope-scaling"], "--use-rope-scaling given contradicts .*means --use-rope-scaling not given"),
+    (["--rotary-scaling-factor", "32"], "--rotary-scaling-factor 32.0 contradicts .*not given"),
 ])
 def test_other_values_are_refused_with_the_reason(run, flags, error):
     with pytest.raises(SlimeLiteError, match=error):
