@@ -340,6 +340,12 @@ def check_experts(args: argparse.Namespace, cfg: dict) -> None:
             if (value or 1) > 1 and family is not None:
                 raise SlimeLiteError(f"{flag} {value}: the model ({cfg.get('model_type')}) has no experts; drop "
                                      f"{flag}.")
+        for flag, value in (("--moe-aux-loss-coeff", args.moe_aux_loss_coeff or None),
+                            ("--moe-z-loss-coeff", args.moe_z_loss_coeff),
+                            ("--moe-router-dtype", args.moe_router_dtype)):
+            if value is not None and family is not None:  # a dense model has no router: the flag would do nothing
+                raise SlimeLiteError(f"{flag} {value}: the model ({cfg.get('model_type')}) has no experts, so no "
+                                     f"router; drop {flag}.")
         return
     if moe.num_experts % ep:
         raise SlimeLiteError(f"--expert-model-parallel-size {ep} must divide the model's num_experts "

@@ -57,3 +57,9 @@ def test_flags_that_do_nothing_alone_or_cannot_work_are_refused(base):
 def test_an_error_names_offload_when_that_is_the_flag_given(base, mode):
     msg = err(base + mode + ["--offload"])
     assert "--offload " in msg and "--offload-rollout" not in msg
+
+
+@pytest.mark.parametrize("flag, value", [("--moe-aux-loss-coeff", "0.01"), ("--moe-z-loss-coeff", "0.001"),
+                                         ("--moe-router-dtype", "fp32")])
+def test_router_flags_on_a_dense_model_are_refused(base, flag, value):
+    assert f"{flag} {value}: the model (qwen2) has no experts, so no router" in err(base + [flag, value])
