@@ -137,6 +137,15 @@ def validate_args(args: argparse.Namespace) -> None:
 
     if args.offload:  # slime's shorthand
         args.offload_train = args.offload_rollout = True
+    if args.rollout_max_context_len is not None:  # as slime: a prompt leaves room for at least one response token
+        if args.rollout_max_prompt_len is None:
+            args.rollout_max_prompt_len = args.rollout_max_context_len - 1
+            log.info("--rollout-max-prompt-len not given: %d (--rollout-max-context-len - 1)",
+                     args.rollout_max_prompt_len)
+        elif args.rollout_max_prompt_len > args.rollout_max_context_len - 1:
+            raise SlimeLiteError(f"--rollout-max-prompt-len {args.rollout_max_prompt_len} leaves no room for a response "
+                                 f"in --rollout-max-context-len {args.rollout_max_context_len}: give at most "
+                                 f"{args.rollout_max_context_len - 1}.")
     check_logging_flags(args)
     if args.debug_rollout_only and args.debug_train_only:
         raise SlimeLiteError(

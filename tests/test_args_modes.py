@@ -63,3 +63,13 @@ def test_an_error_names_offload_when_that_is_the_flag_given(base, mode):
                                          ("--moe-router-dtype", "fp32")])
 def test_router_flags_on_a_dense_model_are_refused(base, flag, value):
     assert f"{flag} {value}: the model (qwen2) has no experts, so no router" in err(base + [flag, value])
+
+
+def test_the_context_length_bounds_the_prompt_length_as_slime(base):
+    """slime: --rollout-max-prompt-len defaults to --rollout-max-context-len - 1 (room for one response token), and
+    a larger one is refused."""
+    assert parse_args(base + ["--rollout-max-context-len", "64"]).rollout_max_prompt_len == 63
+    assert parse_args(base + ["--rollout-max-context-len", "64", "--rollout-max-prompt-len", "20"]) \
+        .rollout_max_prompt_len == 20
+    assert "--rollout-max-prompt-len 64 leaves no room" in err(base + ["--rollout-max-context-len", "64",
+                                                                      "--rollout-max-prompt-len", "64"])
