@@ -92,13 +92,14 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bf16", action="store_true", help="train in bfloat16 (default: float32)")
     g.add_argument("--lr", type=nonneg_float, default=1e-6, help="actor learning rate (default: %(default)s)")
     g.add_argument("--critic-lr", type=nonneg_float, default=None, help="critic learning rate (default: --lr)")
-    g.add_argument("--weight-decay", type=nonneg_float, default=0.0,
+    g.add_argument("--weight-decay", type=nonneg_float, default=0.01,
                    help="AdamW (decoupled) weight decay; biases and 1-D weights (the norms) are not decayed, as in "
-                        "Megatron (default: %(default)s)")
+                        "Megatron (default: %(default)s, Megatron's, which slime keeps)")
     g.add_argument("--clip-grad", type=nonneg_float, default=1.0,
                    help="clip the global gradient norm to this value (default: %(default)s)")
     g.add_argument("--adam-beta1", type=unit_float, default=0.9, help="Adam beta1 (default: %(default)s)")
-    g.add_argument("--adam-beta2", type=unit_float, default=0.98, help="Adam beta2 (default: %(default)s)")
+    g.add_argument("--adam-beta2", type=unit_float, default=0.999,
+                   help="Adam beta2 (default: %(default)s, Megatron's, which slime keeps; its scripts pass 0.98)")
     g.add_argument("--seed", type=int, default=1234, help="trainer random seed (default: %(default)s)")
     g.add_argument("--distributed-timeout-minutes", type=positive_int, default=30,
                    help="timeout of the train ranks' process group (torch.distributed) in minutes (default: "
