@@ -109,7 +109,8 @@ def join(rollout: Any, train: TrainDump, index: int, threshold: float, texts: An
                         f"{_ranges(list(train.rows))}). Each data-parallel rank writes its own samples: pass every "
                         f"rank's file of rollout {train.rollout_id}.")
     sample, row = by_key[index], train.rows[index]
-    tokens = [int(t) for t in row["tokens"].tolist()] if "tokens" in row else None
+    raw = row.get("tokens")
+    tokens = [int(t) for t in (raw.tolist() if hasattr(raw, "tolist") else raw)] if raw is not None else None
     if tokens is not None and tokens != list(sample.tokens):
         raise DumpError(f"the dumps do not join: sample {index} has other tokens in {where} than in train dump "
                         f"{files}: they are of different runs or rollouts.")

@@ -218,6 +218,10 @@ def _from_numpy(value: Any, name: str) -> Any:
         return value
     if value.dtype.kind not in "biuf" or value.dtype.fields is not None:
         raise ValueError(f"{name}: a numpy array of dtype {value.dtype}, not numbers")
+    if value.dtype.kind == "u" and value.dtype.itemsize > 1:  # torch has few ops for uint16-64: as int64
+        if value.size and int(value.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"{name}: a numpy {value.dtype} array with values past int64")
+        return torch.from_numpy(value.astype(np.int64))
     return torch.from_numpy(value.astype(value.dtype.newbyteorder("="), copy=True))
 
 

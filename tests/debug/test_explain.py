@@ -273,3 +273,12 @@ def test_runs_as_a_module_too(dumps):
     assert proc.returncode == 0 and "1 token(s) with |diff| > 0.05" in proc.stdout, proc.stderr
     proc = subprocess.run(run + [dumps["rollout"], "--sample", "1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+
+
+def test_a_train_dump_with_token_lists_joins(dumps, tmp_path, capsys):
+    """A train dump written by other code with plain lists of token ids (the trainer writes tensors) still joins."""
+    raw = torch.load(dumps["train"][0], weights_only=True)
+    raw["rollout_data"]["tokens"] = [t.tolist() for t in raw["rollout_data"]["tokens"]]
+    torch.save(raw, tmp_path / "train_3_0.pt")
+    assert cli(explain(dumps, "--sample", "1", train=[str(tmp_path / "train_3_0.pt"), dumps["train"][1]])) == 0
+    assert "1 token(s) with |diff| > 0.05" in capsys.readouterr().out

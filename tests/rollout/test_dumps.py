@@ -290,6 +290,10 @@ def test_a_slime_moe_dump_with_numpy_routed_experts_loads_and_other_objects_stay
     sample = load_rollout_dump(str(path)).samples[0]
     assert torch.equal(torch.as_tensor(sample.rollout_routed_experts), torch.from_numpy(table))
     assert sample.metadata == {}
+    for dtype in (np.uint16, np.uint32):  # unsigned expert ids read as int64 (torch has few uint ops: min() fails)
+        torch.save({"samples": [_raw(tokens=[5, 6, 7, 8], rollout_routed_experts=table.astype(dtype))]}, path)
+        got = load_rollout_dump(str(path)).samples[0].rollout_routed_experts
+        assert got.dtype == torch.int64 and torch.equal(got, torch.from_numpy(table).long()) and int(got.min()) == 0
     torch.save({"samples": [_raw(tokens=[5, 6, 7, 8], rollout_routed_experts=np.array([Status.COMPLETED]))]}, path)
     with pytest.raises(DumpError, match="is not a plain-tensor file"):
         load_rollout_dump(str(path))
