@@ -18,7 +18,7 @@ import argparse
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 from slime_lite.errors import SlimeLiteError
 from slime_lite.model_families import (FAMILIES, num_experts, partial_rotary_factor, qkv_bias, read_config,
@@ -100,8 +100,8 @@ INTERLEAVED_ROPE_TYPES = tuple(t for t, f in FAMILIES.items() if f.rotary_interl
 POST_NORM_TYPES = tuple(t for t, f in FAMILIES.items() if f.post_norms)  # extra norms after attention and MLP
 QKV_BIAS_TYPES = tuple(t for t, f in FAMILIES.items() if f.qkv_bias)  # when config.json is silent
 
-# ---- honoured with these values only: flag -> (argparse kwargs, allowed values, what slime-lite does) ---------------
-AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
+# ---- honoured with these values only: flag -> (argparse kwargs, allowed values or a test, what slime-lite does) ---
+AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...] | Callable[[Any], bool], str]] = {
     "--context-parallel-size": (_value(int), (1,), "no context parallelism"),
     "--optimizer": (_value(), ("adam",), "Megatron's Adam"),
     "--lr-decay-style": (_value(), ("constant",), "a constant learning rate"),
@@ -119,15 +119,16 @@ AS_SLIME_LITE_DOES: dict[str, tuple[dict[str, Any], tuple[Any, ...], str]] = {
                                                                 "so the drop policy never applies"),
     "--train-backend": (_value(), ("megatron",), "Megatron-core as the trainer"),
     "--distributed-backend": (_value(), ("nccl",), "NCCL between the train ranks (gloo on a machine without CUDA)"),
-    "--log-probs-chunk-size": (_value(int), (1024, -1), "log-probs 1024 tokens at a time (one fused pass on CUDA); "
-                                                        "a token's log-prob does not depend on its chunk, so -1 "
-                                                        "(slime's single pass) gives the same numbers"),
+    "--log-probs-chunk-size": (_value(int), lambda v: v == -1 or v >= 1,
+                               "log-probs 1024 tokens at a time (one fused pass on CUDA); a token's log-prob does not "
+                               "depend on its chunk, so any size (-1: slime's single pass) gives the same numbers"),
     "--recompute-loss-function": (STORE_TRUE, (True,), "the log-prob and loss pass keeps only per-token statistics "
                                                        "and rebuilds the softmax in the backward pass (no float32 "
                                                        "[tokens, vocab] tensor kept)"),
-    "--data-pad-size-multiplier": (_value(int), (1,), "packed micro-batches without padding (a multiple of "
-                                                      "--tensor-model-parallel-size under --sequence-parallel only); "
-                                                      "padding changes no result, so drop the flag"),
+    "--data-pad-size-multiplier": (_value(int), lambda v: v >= 1,
+                                   "packed micro-batches without padding (a multiple of --tensor-model-parallel-size "
+                                   "under --sequence-parallel only); padding changes no result, so any multiplier "
+                                   "gives the same numbers"),
     "--memory-recorder": (_value(), ("torch",), "the CUDA allocator's history (torch.cuda.memory) for "
                                                 "--record-memory-history"),
     "--update-weight-mode": (_value(choices=("full", "delta")), ("full",), "every weight pushed in full at each "
@@ -193,7 +194,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, help=f"checked against config.json {key}", **kw)
     g = parser.add_argument_group("slime flags honoured as slime-lite always runs", "any other value is refused")
     for flag, (kw, allowed, what) in AS_SLIME_LITE_DOES.items():
-        shown = "" if allowed == (True,) else f" ({'/'.join(str(a) for a in allowed)} only)"
+        shown = "" if callable(allowed) or allowed == (True,) else f" ({'/'.join(str(a) for a in allowed)} only)"
         g.add_argument(flag, help=f"{what}{shown}", **kw)
     g = parser.add_argument_group("slime flags not supported yet", "parsed, then refused with the reason")
     for flag, (kw, reason) in NOT_SUPPORTED.items():
@@ -209,9 +210,10 @@ def refused(args: argparse.Namespace) -> list[str]:
             out.append(f"{flag}: not supported yet: {reason}")
     for flag, (_, allowed, what) in AS_SLIME_LITE_DOES.items():
         value = getattr(args, _dest(flag))
-        if value is not None and value not in allowed:
-            out.append(f"{flag} {value}: not supported yet: slime-lite runs with {what} "
-                       f"({flag} {' or '.join(str(a) for a in allowed)})")
+        if value is None or (allowed(value) if callable(allowed) else value in allowed):
+            continue
+        values = "a value it takes" if callable(allowed) else " or ".join(str(a) for a in allowed)
+        out.append(f"{flag} {value}: not supported yet: slime-lite runs with {what} ({flag} {values})")
     return out
 
 

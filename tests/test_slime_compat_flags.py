@@ -117,6 +117,8 @@ def test_distributed_timeout_minutes(run):
 @pytest.mark.parametrize("flags", [["--train-backend", "megatron"], ["--distributed-backend", "nccl"],
                                    ["--log-probs-chunk-size", "1024"], ["--recompute-loss-function"],
                                    ["--memory-recorder", "torch"], ["--data-pad-size-multiplier", "1"],
+                                   ["--log-probs-chunk-size", "16384"], ["--log-probs-chunk-size", "-1"],
+                                   ["--data-pad-size-multiplier", "128"],  # slime's default and its glm5 scripts
                                    ["--padded-vocab-size", "151936"], ["--model-name", "qwen3"],
                                    ["--model-name", "Qwen3Config"], ["--max-position-embeddings", "32768"],
                                    ["--seq-length", "4096"], ["--seq-length", "32768"]])
@@ -126,8 +128,8 @@ def test_values_slime_lite_runs_with_are_accepted(run, flags):
 
 @pytest.mark.parametrize("flags, error", [
     (["--train-backend", "fsdp"], "--train-backend fsdp: not supported yet: slime-lite runs with Megatron-core"),
-    (["--log-probs-chunk-size", "16384"], "--log-probs-chunk-size 16384: not supported yet"),
-    (["--data-pad-size-multiplier", "128"], "--data-pad-size-multiplier 128: not supported yet.*padding changes no"),
+    (["--log-probs-chunk-size", "0"], "--log-probs-chunk-size 0: not supported yet.*a value it takes"),
+    (["--data-pad-size-multiplier", "0"], "--data-pad-size-multiplier 0: not supported yet.*padding changes no"),
     (["--memory-recorder", "memray"], "--memory-recorder memray: not supported yet"),
     (["--padded-vocab-size", "152064"], "--padded-vocab-size 152064 contradicts .*vocab_size"),
     (["--model-name", "glm4"], "--model-name glm4 contradicts .*model_type 'qwen3'"),
