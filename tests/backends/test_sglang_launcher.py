@@ -115,9 +115,13 @@ def test_missing_sglang_is_a_clear_error_with_install_hint(flags, monkeypatch):
     assert 'pip install "sglang[all]==' in str(info.value) and "--rollout-backend embedded" in str(info.value)
 
 
-def test_checks_skip_embedded_and_external_engines(flags):
+def test_checks_skip_embedded_and_external_engines(flags, caplog):
     check_sglang_args(engine(parse_args([f for f in flags if f != "sglang" and f != "--rollout-backend"])))
     check_sglang_args(engine(parse_args(flags + ["--rollout-external-engine-addrs", "127.0.0.1:1"])))
+    caplog.clear()  # engines started elsewhere: a --sglang-* flag changes nothing, and the run says so
+    check_sglang_args(engine(parse_args(flags + ["--rollout-external-engine-addrs", "127.0.0.1:1",
+                                                 "--sglang-mem-fraction-static", "0.5"])))
+    assert "--sglang-mem-fraction-static change nothing with --rollout-external-engine-addrs" in caplog.text
 
 
 def test_launcher_owned_flags_are_refused(flags):

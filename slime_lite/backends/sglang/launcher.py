@@ -82,6 +82,10 @@ def check_sglang_args(cfg: EngineConfig) -> None:
             raise SlimeLiteError(
                 "--use-sglang-router starts a router over the engines this job starts, and with "
                 "--rollout-external-engine-addrs none are started: run the router yourself and pass its address.")
+        given = sorted({_user_flag(f) for f in _flag_names(list(cfg.sglang_args))})
+        if given:  # (slime's scripts keep their SGLANG_ARGS when pointed at engines started elsewhere)
+            log.warning("%s change nothing with --rollout-external-engine-addrs: those engines were started "
+                        "elsewhere, with their own flags", ", ".join(given))
         return
     sglang_args = list(cfg.sglang_args)
     owned = {**OWNED_FLAGS, **(LORA_FLAGS if cfg.lora_rank is not None else {})}
