@@ -99,16 +99,30 @@ _FRAC = re.compile(r"(-?)\\[dt]?frac(?:\{(-?\d+)\}|(\d))(?:\{(\d+)\}|(\d))")  # 
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 1,234,567.5: the only commas a number has
 _LATEX_NOISE = ("\\$", "$", "\\!", "\\,", "\\;", "\\ ", "\\left", "\\right", "^{\\circ}", "^\\circ", "\\%", "%")
 _UNITS = re.compile(r"(?<=\S)\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}$")  # 18 \text{ dollars}
+_WRAPPED = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{(.*)\}")  # a whole answer in \text{(C)}
+_MIXED = re.compile(r"(-?)(\d+)\\frac\{(\d+)\}\{(\d+)\}")  # 2\frac{1}{4}: two and a quarter
+
+
+def _balanced(text: str) -> bool:
+    depth = 0
+    for c in text:
+        depth += {"{": 1, "}": -1}.get(c, 0)
+        if depth < 0:
+            return False
+    return depth == 0
 
 
 def _canonical(text: str) -> str:
     """An answer as written, without what LaTeX may vary: spacing, ``\\left``/``\\right``, ``\\dfrac``, dollar
-    signs, ``{,}`` thousands, a unit in ``\\text{...}`` after it, a space after a sign."""
+    signs, ``{,}`` thousands, a unit in ``\\text{...}`` after it or a ``\\text{...}`` around it, a space after a
+    sign, the parentheses of a choice ``(C)``."""
     text = _UNITS.sub("", text.strip().replace("\u2212", "-"))
+    while (whole := _WRAPPED.fullmatch(text.strip())) is not None and _balanced(whole.group(1)):
+        text = whole.group(1)  # (not "\text{a} or \text{b}": its inner "a} or \text{b" is not one group)
     for noise in _LATEX_NOISE:
         text = text.replace(noise, "")
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
-    return re.sub(r"\s+", "", text)
+    return re.sub(r"^\(([A-Za-z])\)$", r"\1", re.sub(r"\s+", "", text))  # a choice "(C)" is "C"
 
 
 def _to_number(text: str) -> Fraction | None:
@@ -119,6 +133,11 @@ def _to_number(text: str) -> Fraction | None:
         if not _THOUSANDS.fullmatch(text):
             return None  # "3,4" is two numbers, not 34
         text = text.replace(",", "")
+    mixed = _MIXED.fullmatch(text)
+    if mixed:
+        value = int(mixed.group(2)) + Fraction(int(mixed.group(3)), int(mixed.group(4))) if int(mixed.group(4)) \
+            else None
+        return None if value is None else -value if mixed.group(1) else value
     frac = _FRAC.fullmatch(text)
     if frac:
         sign, num, den = frac.group(1), frac.group(2) or frac.group(3), frac.group(4) or frac.group(5)
@@ -141,8 +160,8 @@ def _same_answer(answer: str, label: str) -> float:
     if "\\boxed" in label:
         label = _last_boxed(label) or label
     got, want = _to_number(answer), _to_number(label)
-    if got is None or want is None:
-        return 1.0 if _canonical(answer) == _canonical(label) else 0.0
+    if got is None or want is None:  # as text, whatever the case (slime's normaliser lowercases too)
+        return 1.0 if _canonical(answer).lower() == _canonical(label).lower() else 0.0
     return 1.0 if got == want else 0.0
 
 
@@ -212,7 +231,7 @@ def _dapo_normal(answer: str) -> str:
     answer = answer.split("=")[-1]
     boxed = _last_boxed(answer)
     answer = _DAPO_UNITS.sub(r"\1", boxed if boxed is not None else answer)
-    for noise in ("$", "\\!", "\\,", "\\;", "\\ ", "{,}", "^{\\circ}", "^\\circ", "\\%", "%"):
+    for noise in ("\\$", "$", "\\!", "\\,", "\\;", "\\ ", "{,}", "^{\\circ}", "^\\circ", "\\%", "%"):
         answer = answer.replace(noise, "")
     number_then_words = re.fullmatch(r"\s*(-?\d[\d,]*(?:\.\d+)?)\s*[A-Za-z][A-Za-z ]*[.?!]?\s*", answer)
     answer = number_then_words.group(1) if number_then_words else answer  # 18 dollars, 90 degrees

@@ -101,6 +101,16 @@ def test_math_without_a_box_reads_a_latex_fraction_as_the_last_number():
         ("\\boxed{-\\frac{1}{2}}", "1/2", 0.0),
         ("\\boxed{3,4}", "34", 0.0),  # two numbers, not thirty-four
         ("\\boxed{34}", "3,4", 0.0),
+        # as slime's normaliser: a whole answer in \text{}, a choice's parentheses, case, a mixed number
+        ("\\boxed{\\text{5}}", "5", 1.0),
+        ("\\boxed{\\textbf{(C)}}", "C", 1.0),
+        ("\\boxed{C}", "\\text{(C)}", 1.0),
+        ("\\boxed{monday}", "Monday", 1.0),
+        ("\\boxed{\\frac{9}{4}}", "2\\frac{1}{4}", 1.0),
+        ("\\boxed{-3\\frac{1}{2}}", "-3.5", 1.0),
+        ("\\boxed{\\text{a} or \\text{b}}", "a} or \\text{b", 0.0),  # two \text{}: not one unwrapped
+        ("\\boxed{D}", "\\text{(C)}", 0.0),
+        ("\\boxed{2\\frac{1}{4}}", "2.5", 0.0),
     ],
 )
 def test_math_reads_plausible_forms_of_a_number(rm_type, response, label, expected):
@@ -136,6 +146,8 @@ def test_unknown_rm_type_names_the_flag_and_choices(capsys):
     ("answer: 3\nwait, Answer: 5", "5", 1.0, "5"),  # the last answer line
     ("the answer is 42", "42", -1.0, None),  # no "Answer:" line
     ("Answer: 41", "42", -1.0, "41"),
+    ("Answer: \\$18", "18", 1.0, "18"),  # an escaped dollar sign
+    ("Answer: \\boxed{\\$1{,}000}", "1000", 1.0, "1000"),
 ])
 def test_dapo_reads_the_last_answer_line_against_an_integer_label(response, label, score, pred):
     got = reward(parser_defaults(rm_type="dapo", reward_key="score"), response, label)
