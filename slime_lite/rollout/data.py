@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,20 @@ class Prompt:
     line: int = 0  # its line (row) in the file, for errors
 
 
+_SLICE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")  # slime's data.jsonl@[0:1000]
+
+
 def _rows(path: str, flag: str) -> Any:
+    """(line or row number, row) of a prompt file; as slime, ``PATH@[start:end]`` (a file of that name does not
+    exist) is the rows ``start:end`` of PATH, Python's slice of its non-empty rows (negative bounds too)."""
+    part = _SLICE.match(path)
+    if part is None or os.path.exists(path):
+        return _file_rows(path, flag)
+    return list(_file_rows(part["path"], flag))[slice(*(int(x) if x else None for x in (part["start"],
+                                                                                          part["end"])))]
+
+
+def _file_rows(path: str, flag: str) -> Any:
     """(line or row number, row) of a JSONL file, or of a Parquet file (``.parquet``, as slime reads them)."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq  # pyarrow: only for parquet prompt files

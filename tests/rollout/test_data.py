@@ -280,3 +280,15 @@ def test_a_chat_list_row_past_the_rendered_ones_is_refused_without_a_chat_templa
     with pytest.raises(SlimeLiteError, match=r"p\.jsonl:3: a prompt is a chat message list: add --apply-chat"):
         data.check_renders(read_prompts(path), None, parser_defaults(), f"--prompt-data {path}")
     data.check_renders(read_prompts(path)[:2], None, parser_defaults(), f"--prompt-data {path}")
+
+
+def test_slimes_row_slice_of_a_prompt_file(tmp_path):
+    """slime's ``--prompt-data data.jsonl@[start:end]``: those rows only (a Python slice, negative bounds too), with
+    their own line numbers for errors; a file whose name has that form is read as it is."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(5)))
+    assert [(p.index, p.prompt, p.line) for p in read_prompts(f"{path}@[1:3]")] == [(0, "1+1=", 2), (1, "2+1=", 3)]
+    assert [p.prompt for p in read_prompts(f"{path}@[-2:]")] == ["3+1=", "4+1="]
+    literal = tmp_path / "q.jsonl@[0:1]"
+    literal.write_text(json.dumps({"prompt": "x", "label": "1"}) + "\n")
+    assert [p.prompt for p in read_prompts(str(literal))] == ["x"]
