@@ -57,6 +57,7 @@ class MetricsLogger:
         self.path = args.metrics_path
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            _drop_cut_last_line(self.path)
         self.tb = None
         self.wandb = None
         self.train_steps = None  # --wandb-always-use-train-step: optimizer steps per rollout
@@ -159,6 +160,30 @@ def _plain_args(args: Any) -> dict[str, Any]:
 
 def write_args_json(args: Any, path: str) -> None:
     atomic_write_text(json.dumps(_plain_args(args), indent=2, sort_keys=True), path)
+
+
+def _drop_cut_last_line(path: str) -> None:
+    """A record cut short at the end of ``path`` (a run killed, or out of disk, mid-write) is dropped before a
+    resumed run appends: glued to the next record it would make both unreadable. The resume logs that rollout
+    again."""
+    if not os.path.isfile(path):  # (not yet written, or a device such as /dev/null)
+        return
+    with open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0 or (f.seek(end - 1) >= 0 and f.read(1) == b"\n"):
+            return
+        cut = 0
+        while end > 0:  # back to the last newline, a block at a time
+            start = max(0, end - (1 << 16))
+            f.seek(start)
+            at = f.read(end - start).rfind(b"\n")
+            if at >= 0:
+                cut = start + at + 1
+                break
+            end = start
+        f.truncate(cut)
+    log.warning("--metrics-path %s: its last record was cut short (the run before stopped mid-write); dropped it",
+                path)
 
 
 def check_finite_losses(record: dict[str, Any], rollout_id: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -168,3 +169,20 @@ def test_an_ipv6_engine_host_gets_a_port_and_a_url_in_brackets(monkeypatch):
         port = free_port(host)
         assert urlsplit(http_url(host, port)).port == port and http_url(host, port) == f"http://[::1]:{port}"
     assert http_url("10.0.0.2", 30000) == "http://10.0.0.2:30000" and free_port("127.0.0.1") > 0
+
+
+def test_a_resumed_run_drops_a_record_cut_short_before_appending(tmp_path: Path, caplog) -> None:
+    """A run killed mid-write leaves a cut last line: glued to the resumed run's first record, both would be lost and
+    the file unreadable; the logger drops the fragment (the resume logs that rollout again)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"rollout_id": 0}\n{"rollout_id": 1, "rollout/raw_rew')
+    logger = MetricsLogger(parser_defaults(metrics_path=str(path)))
+    assert "its last record was cut short" in caplog.text
+    logger.log({"rollout/raw_reward": 0.5}, 1, quiet=True)
+    assert [json.loads(line)["rollout_id"] for line in path.read_text().splitlines()] == [0, 1]
+    whole = path.read_text()
+    MetricsLogger(parser_defaults(metrics_path=str(path)))  # a whole file is left as it is
+    assert path.read_text() == whole
+    (tmp_path / "cut.jsonl").write_text('{"rollout_id": 0, "x')  # no whole record at all
+    MetricsLogger(parser_defaults(metrics_path=str(tmp_path / "cut.jsonl")))
+    assert (tmp_path / "cut.jsonl").read_text() == ""

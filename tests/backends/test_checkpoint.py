@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,6 +120,24 @@ def test_a_resume_with_other_parameters_frozen_is_refused_not_given_their_optimi
         checkpoint.load(critic(*model_and_opt("1.")), str(tmp_path / "ckpt"))
 
 
+def test_a_checkpoint_of_another_layer_count_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    """Same widths, other layers: every shape the two share agrees, and torch's strict load would raise its own
+    RuntimeError listing keys; the error names --load, a weight and the fix."""
+    def critic(layers: int):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(layers)])
+        out = _actor(model, torch.optim.Adam(model.parameters()))
+        out.role = "critic"
+        return out
+
+    checkpoint.save(critic(3), str(tmp_path / "ckpt"), 0, None)
+    for layers, where in ((2, "2.bias only in the checkpoint"), (4, "3.bias only here")):
+        with pytest.raises(SlimeLiteError, match=rf"--load .*hold different weights \(e.g. {re.escape(where)}; 2 in "
+                                                 r"all\).*Resume with the --hf-checkpoint it was trained with"):
+            checkpoint.load(critic(layers), str(tmp_path / "ckpt"))
+    assert checkpoint.load(critic(3), str(tmp_path / "ckpt"))["next_rollout_id"] == 1
+
+
 def test_plain_state_names_what_a_weights_only_load_could_not_read() -> None:
     assert checkpoint.plain_state(collections.OrderedDict(a=(1, torch.zeros(1)))) == {"a": (1, torch.zeros(1))}
     with pytest.raises(TypeError, match=r"checkpoint state\['optimizer'\]\[0\] is a object"):
@@ -172,6 +191,11 @@ def test_a_checkpoint_that_cannot_resume_exactly_is_refused_before_ray(tmp_path:
     (root / "critic" / "latest").write_text("iter_0000000")
     (root / "latest").write_text("iter_0000000")
     checkpoint.check_loadable(str(root), critic=True)
+    (root / "iter_0000006").mkdir()  # named by latest but copied in part: no rank file
+    (root / "latest").write_text("iter_0000006")
+    with pytest.raises(SlimeLiteError, match=r"iter_0000006 holds no rank files .*a complete iteration folder"):
+        checkpoint.check_loadable(str(root), critic=False)
+    (root / "latest").write_text("iter_0000000")
     (root / "critic" / "latest").unlink()  # a checkpoint of a run without a critic, resumed with one
     with pytest.raises(SlimeLiteError, match=r"the run trains a critic, but the checkpoint has none"):
         checkpoint.check_loadable(str(root), critic=True)

@@ -228,9 +228,13 @@ def check_loadable(root: str, critic: bool) -> None:
                                  f"but there is no folder {path} (deleted or moved?); write the name of an "
                                  "iteration folder that is there into it.")
         newest[folder] = path
-        for name in sorted(os.listdir(path)):
-            if re.fullmatch(r"rank_\d{3}\.pt", name):
-                check_has_optimizer(root, path, _load_rank_file(root, folder, os.path.join(path, name), mmap=True))
+        ranks = [n for n in sorted(os.listdir(path)) if re.fullmatch(r"rank_\d{3}\.pt", n)]
+        if not ranks:
+            raise SlimeLiteError(f"--load {root}: {path} holds no rank files (rank_000.pt, ...): a checkpoint copied "
+                                 f"in part? Copy it whole, or write the name of a complete iteration folder into "
+                                 f"{os.path.join(folder, 'latest')}.")
+        for name in ranks:
+            check_has_optimizer(root, path, _load_rank_file(root, folder, os.path.join(path, name), mmap=True))
     actor, critics = newest.get(root), newest.get(os.path.join(root, "critic"))
     if critic and actor is not None and critics is None:
         raise SlimeLiteError(
@@ -326,6 +330,14 @@ def load(actor: Any, root: str) -> dict[str, Any]:
         raise SlimeLiteError(f"--load {root}: {file} holds {k} of shape {list(saved)} and this run's model has "
                              f"{list(now)}: the checkpoint was trained from another model. Resume with the "
                              "--hf-checkpoint (and --lora-* flags) it was trained with.")
+    if not lora_on:  # another layer count or layout at the same widths: torch's strict load would only list them
+        names = set(current)  # (as the save took it)
+        odd = sorted(names ^ set(state["model"]))
+        if odd:
+            raise SlimeLiteError(f"--load {root}: {file} and this run's model hold different weights (e.g. {odd[0]} "
+                                 f"{'only here' if odd[0] in names else 'only in the checkpoint'}; {len(odd)} in "
+                                 "all): the checkpoint was trained from another model. Resume with the "
+                                 "--hf-checkpoint it was trained with.")
     # the module's own load (Megatron's DDP wrapper returns no missing keys); LoRA: the base is not saved
     result = unwrap(actor.model).load_state_dict(state["model"], strict=not lora_on)
     absent = [k for k in result.missing_keys if k in _trainable(actor.model)] + list(result.unexpected_keys)
