@@ -143,9 +143,9 @@ def validate_args(args: argparse.Namespace) -> None:
             log.info("--rollout-max-prompt-len not given: %d (--rollout-max-context-len - 1)",
                      args.rollout_max_prompt_len)
         elif args.rollout_max_prompt_len > args.rollout_max_context_len - 1:
-            raise SlimeLiteError(f"--rollout-max-prompt-len {args.rollout_max_prompt_len} leaves no room for a response "
-                                 f"in --rollout-max-context-len {args.rollout_max_context_len}: give at most "
-                                 f"{args.rollout_max_context_len - 1}.")
+            raise SlimeLiteError(f"--rollout-max-prompt-len {args.rollout_max_prompt_len} leaves no room for a "
+                                 f"response in --rollout-max-context-len {args.rollout_max_context_len}: give at "
+                                 f"most {args.rollout_max_context_len - 1}.")
     check_logging_flags(args)
     if args.debug_rollout_only and args.debug_train_only:
         raise SlimeLiteError(

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from slime_lite.args import parse_args
-from slime_lite.errors import SlimeLiteError
+from tests.test_args import err
 
 
 @pytest.fixture()
@@ -23,12 +23,6 @@ def base(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
     return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rm-type", "addition"]
-
-
-def err(argv) -> str:
-    with pytest.raises(SlimeLiteError) as info:
-        parse_args(argv)
-    return str(info.value)
 
 
 def test_a_replay_of_an_sglang_script_needs_no_sglang_here(base, tmp_path, monkeypatch):
