@@ -87,6 +87,7 @@ def test_a_resumed_replay_checks_the_dumps_it_will_read(tiny_model_dir, replay, 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "iter_0000000").mkdir()
+    torch.save({"model": {}}, ckpt / "iter_0000000" / "rank_000.pt")  # (a folder without one is refused)
     (ckpt / "latest").write_text("iter_0000000")
     (tmp_path / "d_0.pt").write_text("rollout 0 is done; this file is never read again")
     preflight(_args(tiny_model_dir, replay, "--load", str(ckpt)))
