@@ -20,7 +20,8 @@ from slime_lite.profiling import profile_targets
 from slime_lite.rollout.dumps import check_template, dump_path
 from slime_lite.args_async import check_async_train, check_fully_async, check_partial_rollout
 from slime_lite.args_observe import check_logging_flags
-from slime_lite.args_train import check_slime_train_flags, validate_rollout_only_args, validate_train_args, world_size
+from slime_lite.args_layout import world_size
+from slime_lite.args_train import check_slime_train_flags, validate_rollout_only_args, validate_train_args
 from slime_lite.slime_flags import check as check_slime_flags
 
 log = logging.getLogger("slime_lite.args")

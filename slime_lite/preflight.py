@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from slime_lite import rl_math
-from slime_lite.args_train import world_size
+from slime_lite.args_layout import world_size
 from slime_lite.backends.megatron.train_dump import train_dump_path
 from slime_lite.checks.grad_norm import grad_norm_path
 from slime_lite.config import TokenBudget, TrainSideConfig

@@ -97,9 +97,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 LAYERS = [
     ("CLI and user tools", ["slime_lite.cli", "slime_lite.debug", "slime_lite.plot", "slime_lite.tiny_model",
                             "slime_lite.tasks"]),
-    ("driver", ["slime_lite.train", "slime_lite.train_async", "slime_lite.args", "slime_lite.args_check", "slime_lite.args_train",
-                "slime_lite.args_async",
-                "slime_lite.args_observe",
+    ("driver", ["slime_lite.train", "slime_lite.train_async", "slime_lite.args", "slime_lite.args_check",
+                "slime_lite.args_train", "slime_lite.args_layout", "slime_lite.args_async", "slime_lite.args_observe",
                 "slime_lite.slime_flags", "slime_lite.preflight"]),
     ("rollout, trainer, placement", ["slime_lite.rollout", "slime_lite.backends", "slime_lite.placement"]),
     ("embedded engine", ["slime_lite.engine"]),

@@ -41,7 +41,7 @@ from slime_lite.engine.kv_cache import auto_max_running, kv_bytes_per_token
 from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.prefix_cache import PrefixCache
-from slime_lite.engine.request import Request, RequestOutput, abort_reason, rid_matches
+from slime_lite.engine.request import Request, abort_reason, rid_matches
 from slime_lite.engine.token_rules import TokenRulesMixin
 from slime_lite.engine.sampling import mix64
 from slime_lite.engine.weights import Weights
@@ -252,30 +252,6 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
         req.logprob_start_len = lpx.resolve_start(req.logprob_start_len, n, req.token_ids_logprob)
         req.abort_epoch = self.abort_epoch
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        with self.tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """``text``'s token ids; with the special tokens the tokenizer adds (a BOS for some) unless told not to."""
-        with self.tokenizer_lock:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def output_text(self, out: RequestOutput) -> str:
-        """The response text, trimmed as SGLang's detokenizer does: without the matched stop token (kept with
-        ``no_stop_trim``); cut before the matched stop string, or right after it with ``no_stop_trim`` (the rest of
-        the token that completed it is dropped either way)."""
-        ids, fr, p = out.output_ids, out.finish_reason or {}, out.params
-        matched = fr.get("matched") if fr.get("type") == "stop" else None
-        if isinstance(matched, int) and not p.no_stop_trim and ids:
-            ids = ids[:-1]
-        text = self.decode(ids, p.skip_special_tokens)
-        if isinstance(matched, str):
-            cut = text.find(matched)
-            if cut >= 0:
-                text = text[: cut + len(matched)] if p.no_stop_trim else text[:cut]
-        return text
-
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -294,15 +270,6 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
         return not self.paused and "weights" not in self.released
 
     # ---- model thread --------------------------------------------------------------------------------------
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.hf.config, getattr(self.hf, "generation_config", None)):
-            val = getattr(src, "eos_token_id", None) if src is not None else None
-            ids.update([val] if isinstance(val, int) else (val or []))
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return ids
-
     def _can_step(self) -> bool:
         return self.pipeline.in_flight or (self.may_generate and bool(self.waiting or self.running))
 

@@ -1,8 +1,9 @@
 """What a decode step's next token is and whether it ends a request, as SGLang decides both.
 
-A mixin of ``Scheduler`` (scheduler.py), run in its model thread: the general sampler (logit bias, truncation, the
+A mixin of ``Scheduler`` (scheduler.py). In its model thread: the general sampler (logit bias, truncation, the
 ``min_new_tokens`` bans, top / token-id log-probs) and the finish rules (stop strings, stop token ids and eos, the
-length), using its ``lm``, ``eos_ids`` and ``decode``.
+length), using its ``lm`` and ``eos_ids``. From any thread, the text side: ``encode`` / ``decode`` under the
+tokenizer's lock, the response text trimmed as SGLang's detokenizer trims it, the model's eos ids.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from slime_lite.engine import logprobs as lpx
-from slime_lite.engine.request import Request
+from slime_lite.engine.request import Request, RequestOutput
 from slime_lite.engine.sampling import sample
 
 
@@ -63,3 +64,36 @@ class TokenRulesMixin:
         if len(req.output_ids) >= req.max_new:
             return {"type": "length", "length": len(req.output_ids)}
         return None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids; with the special tokens the tokenizer adds (a BOS for some) unless told not to."""
+        with self.tokenizer_lock:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def output_text(self, out: RequestOutput) -> str:
+        """The response text, trimmed as SGLang's detokenizer does: without the matched stop token (kept with
+        ``no_stop_trim``); cut before the matched stop string, or right after it with ``no_stop_trim`` (the rest of
+        the token that completed it is dropped either way)."""
+        ids, fr, p = out.output_ids, out.finish_reason or {}, out.params
+        matched = fr.get("matched") if fr.get("type") == "stop" else None
+        if isinstance(matched, int) and not p.no_stop_trim and ids:
+            ids = ids[:-1]
+        text = self.decode(ids, p.skip_special_tokens)
+        if isinstance(matched, str):
+            cut = text.find(matched)
+            if cut >= 0:
+                text = text[: cut + len(matched)] if p.no_stop_trim else text[:cut]
+        return text
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.hf.config, getattr(self.hf, "generation_config", None)):
+            val = getattr(src, "eos_token_id", None) if src is not None else None
+            ids.update([val] if isinstance(val, int) else (val or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids

@@ -249,7 +249,7 @@ def memory_overrides(args: Any) -> dict[str, Any]:
     layers re-run in the backward pass; selective: only the core attention), ``--recompute-method`` (uniform: every
     chunk of ``--recompute-num-layers`` layers; block: the first N layers of each PP stage) and
     ``--sequence-parallel`` (norms and residuals split along the sequence over the TP group; as in Megatron, off at
-    TP=1). args_train.check_recompute refuses the combinations Megatron would."""
+    TP=1). args_layout.check_recompute refuses the combinations Megatron would."""
     return {
         "recompute_granularity": args.recompute_granularity,
         "recompute_method": args.recompute_method,
