@@ -74,15 +74,18 @@ def check_async_train(args: argparse.Namespace) -> None:
 def check_fully_async(args: argparse.Namespace) -> None:
     """--fully-async keeps the engines generating through training and weight pushes: it needs engines and a
     trainer on their own GPUs, and the built-in rollout (its background generation loop)."""
+    # the advice names every flag the run then needs, so following it gives a run that is accepted
+    to_fully = "drop --async and add --fully-async" if args.async_train else "add --fully-async"
     if args.max_weight_staleness is None and args.max_weight_staleness_mode != "drop":
+        need = "" if args.fully_async else f"{to_fully} and "
         raise SlimeLiteError(f"--max-weight-staleness-mode {args.max_weight_staleness_mode} has no effect without "
-                             "a bound: add --max-weight-staleness K (samples more than K weight versions behind the "
-                             "trainer are handled by it), or drop it.")
+                             f"a bound: {need}add --max-weight-staleness K (samples more than K weight versions "
+                             "behind the trainer are handled by it), or drop it.")
     if not args.fully_async:
         if args.max_weight_staleness is not None:
-            raise SlimeLiteError(f"--max-weight-staleness {args.max_weight_staleness} bounds the lag of samples "
-                                 "generated while the trainer trains, which only --fully-async does: add "
-                                 "--fully-async, or drop it.")
+            raise SlimeLiteError(f"--max-weight-staleness (--max-policy-version-lag) {args.max_weight_staleness} "
+                                 "bounds the lag of samples generated while the trainer trains, which only "
+                                 f"--fully-async does: {to_fully}, or drop it.")
         return
     refuse = None
     if args.async_train:

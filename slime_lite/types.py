@@ -18,6 +18,7 @@ from typing import Any
 # metadata key of the weight version of every response token (ints, one per token, as ``version_number`` reads a
 # served version): a sample continued across rollouts (--partial-rollout) holds tokens of several versions
 TOKEN_VERSIONS = "token_weight_versions"
+LEADING_UNVERSIONED = "_unversioned_leading_tokens"  # metadata: inserted tokens before the first model turn
 # metadata key set on a sample --partial-rollout carried already finished: the rollout that took it so (its last
 # request was made in an earlier rollout, with older weights, so it tells nothing of the weights this rollout used)
 FINISHED_BEFORE = "finished_before_rollout_id"
@@ -49,6 +50,39 @@ def trajectory_ends(samples: list[Any]) -> list[int]:
 def version_number(version: Any) -> int:
     """A served weight version as a number: -1 for "default" (the weights the engine loaded itself)."""
     return int(version) if str(version).isdigit() else -1
+
+
+def oldest_version(sample: Any) -> int:
+    """The oldest weight version among the sample's requests (``weight_versions``, not empty)."""
+    return min(version_number(v) for v in sample.weight_versions)
+
+
+def _turn_versions(meta_info: dict | None, n: int) -> list[int] | None:
+    """The weight version of each of a model turn's ``n`` tokens from its request's meta_info: the engine's per-token
+    versions, else the request's one version for all; None when it reported none."""
+    per_token = (meta_info or {}).get("output_token_weight_versions")
+    if per_token is not None and len(per_token) == n:
+        return [version_number(v) for v in per_token]
+    version = (meta_info or {}).get("weight_version")
+    return None if version is None else [version_number(version)] * n
+
+
+def extend_token_versions(sample: Any, n_before: int, n: int, versions: list[int] | None, model: bool) -> None:
+    """One weight version per response token while every model turn gave its own; unknown (the key removed: the
+    rollout then stamps the last request's version on all) once one did not. Inserted turns before the first model
+    turn (an environment's opening observation) take that turn's first version, counted until it comes."""
+    have = sample.metadata.get(TOKEN_VERSIONS)
+    lead = sample.metadata.pop(LEADING_UNVERSIONED, 0)
+    if have is None and n_before == lead and not model:
+        sample.metadata[LEADING_UNVERSIONED] = lead + n  # no version yet: the first model turn's
+        return
+    if have is None and n_before == lead and model and versions:
+        have = [int(versions[0])] * lead
+    if have is None or len(have) != n_before or (model and (versions is None or len(versions) != n)) \
+            or (not model and not have):
+        sample.metadata.pop(TOKEN_VERSIONS, None)
+        return
+    sample.metadata[TOKEN_VERSIONS] = list(have) + ([int(v) for v in versions] if model else [have[-1]] * n)
 
 
 def routed_rows_fit(sample: Any, rows: int) -> bool:
@@ -288,7 +322,8 @@ class Sample:
         if text is not None:
             self.response += text
         before = self.response_length
-        if tokens:
+        if tokens:  # the weight version of each token, as a multi-turn sample's turns keep them
+            extend_token_versions(self, before, len(tokens), _turn_versions(meta_info, len(tokens)), trainable)
             self.tokens = list(self.tokens) + tokens
             self.response_length += len(tokens)
             self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * before) + \

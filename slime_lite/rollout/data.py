@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.rollout.turns import _LEADING, AGE_MASKED, INSERTED_CUT, RESTARTED
-from slime_lite.types import (ENGINE_CUTS, FILTER_PASSED, FINISHED_BEFORE, POST_PROCESSED_REWARD, REFUSED,
-                              TOKEN_VERSIONS, TRAJECTORY_END)
+from slime_lite.rollout.turns import AGE_MASKED, INSERTED_CUT, RESTARTED
+from slime_lite.types import (ENGINE_CUTS, FILTER_PASSED, FINISHED_BEFORE, LEADING_UNVERSIONED, POST_PROCESSED_REWARD,
+                              REFUSED, TOKEN_VERSIONS, TRAJECTORY_END)
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 RESERVED_METADATA = frozenset({
     "prompt_index", "prompt_text", "turns", "messages", "tool_calls", "tool_errors", "malformed_tool_calls",
     "sampling_params", "generation_time", "failure", "truncated_by", "agent_error", "start_rollout_id",
-    TOKEN_VERSIONS, FINISHED_BEFORE, RESTARTED, _LEADING, AGE_MASKED, INSERTED_CUT, ENGINE_CUTS, REFUSED,
+    TOKEN_VERSIONS, FINISHED_BEFORE, RESTARTED, LEADING_UNVERSIONED, AGE_MASKED, INSERTED_CUT, ENGINE_CUTS, REFUSED,
     POST_PROCESSED_REWARD, TRAJECTORY_END, FILTER_PASSED})
 
 

@@ -41,7 +41,7 @@ from slime_lite.rollout import dumps
 from slime_lite.rollout.generate import sampling_params, seed_base
 from slime_lite.rollout.oversample import MAX_SUBMITS, complete
 from slime_lite.rollout.turns import mask_older
-from slime_lite.types import ENGINE_CUTS, TOKEN_VERSIONS, Sample, version_number
+from slime_lite.types import ENGINE_CUTS, TOKEN_VERSIONS, Sample, oldest_version, version_number
 
 log = logging.getLogger(__name__)
 _UNVERSIONED: list[bool] = []  # warned once per process
@@ -50,13 +50,13 @@ CUTS = ENGINE_CUTS  # metadata: the times the engines cut the sample's group sho
 
 
 def token_versions(sample: Sample) -> list[int]:
-    """The weight version of each response token (the last request's version for all of them when the engine
-    reported none per token)."""
+    """The weight version of each response token (the oldest request's version for all of them when none was
+    recorded per token)."""
     versions = sample.metadata.get(TOKEN_VERSIONS)
     if versions:
         return list(versions)
     if sample.weight_versions and sample.response_length:
-        return [version_number(sample.weight_versions[-1])] * sample.response_length
+        return [oldest_version(sample)] * sample.response_length
     return []
 
 

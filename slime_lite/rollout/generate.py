@@ -290,13 +290,13 @@ class Generator:
 
     async def rollout(self, rollout_id: int, source: PromptSource) -> tuple[list[Sample], dict[str, float]]:
         """``--rollout-batch-size`` groups of ``--n-samples-per-prompt``: over-sampled, filtered and aborted as
-        rollout/oversample.py says; under --deterministic-mode (the default generate) in whole waves instead."""
+        rollout/oversample.py says; under --deterministic-mode in whole waves instead (nothing aborted)."""
         a = self.config
         params = sampling_params(a)
         self.progress = [0, a.rollout_batch_size * a.n_samples_per_prompt]
         self.first_sent = self.last_back = None
         base = seed_base(a.rollout_seed, rollout_id * 100_003)  # resumable: (seed, rollout id, position)
-        if not (a.deterministic_mode and self.generate_fn is default_generate):
+        if not a.deterministic_mode:
             return await self.over.rollout(rollout_id, source, params, base)
         return await self._rollout_in_waves(source, params, base)
 
@@ -350,7 +350,10 @@ class Generator:
                             seed_base: int) -> list[list[Sample]]:
         """--deterministic-mode: the whole wave in one /generate call, so the engine admits and batches the same
         sequences in the same order every run (concurrent group requests arrive in a different order each time,
-        and batch composition changes the numerics)."""
+        and batch composition changes the numerics). A generate hook's groups run side by side, each as its own
+        (its samples may split into several, so one flat list could not be cut back into groups)."""
+        if self.generate_fn is not default_generate:
+            return list(await gather_or_cancel(self.run_group(g, params, seed_base) for g in groups))
         sizes = [len(g) for g in groups]
         flat = await self.run_group([s for g in groups for s in g], params, seed_base, sizes=sizes)
         return [flat[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(groups))]

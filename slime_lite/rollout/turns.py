@@ -22,11 +22,10 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from slime_lite.types import TOKEN_VERSIONS, Sample, Status
+from slime_lite.types import LEADING_UNVERSIONED, TOKEN_VERSIONS, Sample, Status, extend_token_versions
 
 SOURCES = ("model", "tool", "env", "user")  # who wrote a turn: only "model" turns come from the engine
 AGE_MASKED = "age_masked_positions"  # metadata: response positions masked for the age of their weights
-_LEADING = "_unversioned_leading_tokens"  # metadata: inserted tokens before the first model turn (see below)
 INSERTED_CUT = "inserted_tokens_cut"  # metadata: inserted tokens left out to fit the budget (multi_turn.py)
 RESTARTED = "restarted_tokens"  # metadata: response tokens ``restart`` dropped (over the sample's restarts)
 
@@ -50,7 +49,7 @@ def append_turn(sample: Sample, tokens: list[int], log_probs: list[float] | None
         sample.loss_mask = [1] * n_before
     if sample.rollout_log_probs is None and n_before == 0:  # else: earlier tokens have none, and neither does this
         sample.rollout_log_probs = []
-    _extend_versions(sample, n_before, len(tokens), versions, model)
+    extend_token_versions(sample, n_before, len(tokens), versions, model)
     sample.tokens = list(sample.tokens) + tokens
     sample.response_length = n_before + len(tokens)
     sample.loss_mask = list(sample.loss_mask) + [1 if trained else 0] * len(tokens)
@@ -62,24 +61,6 @@ def append_turn(sample: Sample, tokens: list[int], log_probs: list[float] | None
     sample.metadata.setdefault("turns", []).append(
         {"start": n_before, "length": len(tokens), "source": source, "trainable": trained, "text": text})
     return sample
-
-
-def _extend_versions(sample: Sample, n_before: int, n: int, versions: list[int] | None, model: bool) -> None:
-    """One weight version per response token while every model turn gave its own; unknown (the key removed: the
-    rollout then stamps the last request's version on all) once one did not. Inserted turns before the first model
-    turn (an environment's opening observation) take that turn's first version, counted until it comes."""
-    have = sample.metadata.get(TOKEN_VERSIONS)
-    lead = sample.metadata.pop(_LEADING, 0)
-    if have is None and n_before == lead and not model:
-        sample.metadata[_LEADING] = lead + n  # no version yet: the first model turn's
-        return
-    if have is None and n_before == lead and model and versions:
-        have = [int(versions[0])] * lead
-    if have is None or len(have) != n_before or (model and (versions is None or len(versions) != n)) \
-            or (not model and not have):
-        sample.metadata.pop(TOKEN_VERSIONS, None)
-        return
-    sample.metadata[TOKEN_VERSIONS] = list(have) + ([int(v) for v in versions] if model else [have[-1]] * n)
 
 
 def mask_older(sample: Sample, versions: list[int], bound: int) -> int:
@@ -100,7 +81,7 @@ def restart(sample: Sample) -> int:
     sample.tokens = list(sample.tokens[:len(sample.tokens) - n])
     sample.response, sample.response_length, sample.loss_mask, sample.rollout_log_probs = "", 0, None, None
     sample.weight_versions, sample.status, sample.rollout_routed_experts = [], Status.PENDING, None
-    for key in ("turns", TOKEN_VERSIONS, _LEADING, AGE_MASKED):
+    for key in ("turns", TOKEN_VERSIONS, LEADING_UNVERSIONED, AGE_MASKED):
         sample.metadata.pop(key, None)
     sample.metadata[RESTARTED] = sample.metadata.get(RESTARTED, 0) + n
     return n

@@ -52,6 +52,9 @@ BASE = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"]
     (["--fully-async", "--max-weight-staleness", "-1"], None),  # argparse: names the flag, exit 2
     (["--max-weight-staleness", "2"], "only --fully-async does"),
     (["--fully-async", "--max-weight-staleness-mode", "mask"], "--max-weight-staleness-mode mask has no effect"),
+    # the advice names every flag the run needs: following it is not refused again
+    (["--max-weight-staleness-mode", "mask"], "add --fully-async and add --max-weight-staleness K"),
+    (["--async", "--max-policy-version-lag", "1"], "drop --async and add --fully-async"),
     (["--fully-async", "--colocate"], "--fully-async: --colocate"),
     (["--fully-async", "--debug-train-only"], "--debug-train-only"),
     (["--fully-async", "--debug-rollout-only"], "--debug-rollout-only"),
@@ -443,3 +446,28 @@ def test_the_rollouts_first_request_counts_in_its_generate_time(tiny_model_dir):
     gen.first_sent = gen.last_back = None  # as RolloutManager.generate
     run_rollouts(worker, [0])
     assert received and gen.first_sent is not None and gen.first_sent <= min(received)
+
+
+def test_a_hooks_turns_keep_their_own_versions_so_the_bound_sees_the_oldest_token():
+    """A slime-style multi-turn hook grows its sample with append_response_tokens, one request per turn; a push
+    between its turns leaves the first turn's tokens older: the staleness bound and the lag read those, not the
+    last request's version stamped on every token."""
+    from slime_lite.rollout.oversample import stamp_versions
+    from slime_lite.types import TOKEN_VERSIONS
+
+    s = Sample(tokens=[1, 2, 3], response_length=0)
+    s.append_response_tokens(None, tokens=[10, 11, 12], log_probs=[-0.1] * 3,
+                             meta_info={"finish_reason": {"type": "stop"}, "weight_version": "1"})
+    s.append_response_tokens(None, tokens=[20, 21], trainable=False)  # a tool's output: the turn before's version
+    s.append_response_tokens(None, tokens=[30, 31], log_probs=[-0.1] * 2,
+                             meta_info={"finish_reason": {"type": "stop"}, "weight_version": "3",
+                                        "output_token_weight_versions": [2, 3]})  # in flight across a push
+    stamp_versions(s)
+    assert s.metadata[TOKEN_VERSIONS] == [1, 1, 1, 1, 1, 2, 3]
+    kept, counts = apply_staleness([[s]], trainer_version=3, max_staleness=1, mode="drop")
+    assert kept == [] and counts["rollout/async/dropped_stale_samples"] == 1.0
+    assert lag_metrics([s], 3)["rollout/async/lag_max"] == 2.0
+    # a hook that grew the sample with no versions per token but recorded its requests': all take the oldest
+    bare = Sample(tokens=[1, 2, 3, 4], response_length=2, weight_versions=["3", "1"])
+    stamp_versions(bare)
+    assert bare.metadata[TOKEN_VERSIONS] == [1, 1]

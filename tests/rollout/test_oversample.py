@@ -392,6 +392,20 @@ def test_deterministic_waves_never_keep_a_group_the_engine_cut_short(tokenizer, 
     assert stats["rollout/over_sampling/aborted_groups"] == 1.0
 
 
+def test_deterministic_mode_with_a_generate_hook_aborts_nothing(tokenizer, tiny_model_dir, tmp_path,
+                                                                monkeypatch) -> None:
+    """--deterministic-mode runs over-sampled waves to their end with a generate hook too: no /abort_request,
+    and the groups kept are the first that finish in prompt order, whatever the timing."""
+    (tmp_path / "carry_hooks.py").write_text(HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gen, source, engine = make(tokenizer, tiny_model_dir, "lsslss", deterministic_mode=True,
+                               custom_generate_function_path="carry_hooks.again")
+    samples, stats = rollout(gen, source, 0)
+    assert engine.aborts == 0 and "rollout/over_sampling/aborted_groups" not in stats
+    assert sorted({s.metadata["prompt_index"] for s in samples}) == [0, 1]  # the long first prompt is kept
+    assert all(s.status is Status.COMPLETED and s.reward is not None for s in samples)
+
+
 def test_off_policy_lag_counts_only_the_requests_of_the_rollout(tokenizer, tiny_model_dir) -> None:
     """A carried group that finished in an earlier rollout made no request in this one: --async's lag check
     (at most 1 behind) must not read its older version as this rollout's, or --async --partial-rollout stops."""
