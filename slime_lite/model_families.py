@@ -137,14 +137,15 @@ def partial_rotary_factor(cfg: Any) -> float:
     return float(rope_parameters(cfg).get("partial_rotary_factor", family.partial_rotary if family else 1.0))
 
 
-# config.json sizes both sides compute with: an int when given (intermediate_size may be 0 in MoE configs)
+# config.json sizes both sides compute with: a positive int when given (intermediate_size may be 0 in MoE configs)
 _SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
           "vocab_size", "max_position_embeddings", "head_dim")
 
 
 def read_config(folder: str, flag: str = "--hf-checkpoint") -> dict[str, Any]:
-    """``folder``'s config.json as a dict, its sizes checked to be positive ints; else a SlimeLiteError naming the
-    file (not JSON, not an object, a size such as ``"4"``) instead of a traceback wherever it is first read."""
+    """``folder``'s config.json as a dict, its sizes checked to be positive ints (intermediate_size may be 0); else
+    a SlimeLiteError naming the file (not JSON, not an object, a size such as ``"4"`` or 0) instead of a traceback
+    wherever it is first read."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -157,6 +158,8 @@ def read_config(folder: str, flag: str = "--hf-checkpoint") -> dict[str, Any]:
         raise SlimeLiteError(f"{flag} {path}: holds a JSON {type(cfg).__name__}, not the model's config object.")
     for key in _SIZES:
         v = cfg.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (key == "intermediate_size")):
-            raise SlimeLiteError(f"{flag} {path}: {key} is {v!r}; it must be a positive integer.")
+        least = 0 if key == "intermediate_size" else 1
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+            kind = "a non-negative" if least == 0 else "a positive"
+            raise SlimeLiteError(f"{flag} {path}: {key} is {v!r}; it must be {kind} integer.")
     return cfg

@@ -95,3 +95,34 @@ def test_target_names_map_to_megatron_linears():
     assert resolve_targets(["gate_up_proj", "o_proj"], True) == ("self_attention.linear_proj", "mlp.linear_fc1")
     with pytest.raises(SlimeLiteError, match="'gate_proj' matches no layer"):
         resolve_targets(["gate_proj"], True)  # GLM4 fuses them in HF too: gate_up_proj
+
+
+@pytest.mark.parametrize("key", ["base_model.model.model.embed_tokens.lora_embedding_A",  # PEFT's embedding LoRA
+                                 "base_model.model.model.embed_tokens.base_layer.weight",
+                                 "base_model.model.lm_head.weight",  # modules_to_save
+                                 "base_model.model.lm_head.lora_A.weight"])  # a linear LoRA here cannot adapt
+def test_adapter_tensors_other_than_lora_pairs_of_adaptable_linears_are_refused(base, tmp_path, key):
+    """PEFT would apply them: skipping them would run another model than the adapter's."""
+    import torch
+    from safetensors.torch import save_file
+
+    from slime_lite.backends.megatron import peft_format
+    from slime_lite.backends.megatron.lora_config import GLM4_FC1, LINEARS
+
+    assert set(peft_format.MODULES) == {m for _, modules in LINEARS.values() for m in modules} | set(GLM4_FC1)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    o_proj = "base_model.model.model.layers.0.self_attn.o_proj"
+    good = {o_proj + ".lora_A.weight": torch.zeros(4, 8), o_proj + ".lora_B.weight": torch.zeros(8, 4)}
+    save_file(good, str(folder / "adapter_model.safetensors"))
+    argv = base + ["--lora-rank", "4", "--lora-alpha", "8", "--lora-adapter-path", str(folder)]
+    parse_args(argv)
+    assert list(peft_format.read(str(folder))) == ["model.layers.0.self_attn.o_proj.weight"]
+    save_file({**good, key: torch.zeros(4, 8)}, str(folder / "adapter_model.safetensors"))
+    said = f"--lora-adapter-path {folder}: adapter_model.safetensors holds {key}, which PEFT would apply but " \
+           "this run cannot: LoRA here adapts only the linears q_proj, k_proj, v_proj, o_proj, gate_proj"
+    for load in (lambda: parse_args(argv), lambda: peft_format.read(str(folder))):
+        with pytest.raises(SlimeLiteError) as info:
+            load()
+        assert said in str(info.value)

@@ -54,7 +54,13 @@ def load_hf_model(model_path: str, dtype: str, device: torch.device):
         raise SlimeLiteError(f"--model-path {model_path}: not a Hugging Face model folder ({exc}).") from None
     check_config(config, f"--model-path {model_path}")
     torch_dtype = resolve_dtype(dtype, config, device)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+    model, info = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, output_loading_info=True)
+    tied = getattr(config, "tie_word_embeddings", False)  # lm_head is the embedding: no lm_head.weight on disk
+    missing = sorted(k for k in info["missing_keys"] if not (tied and k == "lm_head.weight"))
+    if missing:  # from_pretrained would run with them randomly initialised
+        raise SlimeLiteError(f"--model-path {model_path}: the checkpoint lacks {len(missing)} weight(s) of the "
+                             f"model its config.json describes: {', '.join(missing[:8])}"
+                             f"{' ...' if len(missing) > 8 else ''}. Give a complete checkpoint.")
     return model.to(device=device, dtype=torch_dtype).eval()  # .to(dtype): older transformers ignore dtype=
 
 

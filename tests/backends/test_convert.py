@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -178,3 +180,31 @@ def test_attention_bias_with_an_o_proj_bias_is_refused(model_type):
     with pytest.raises(SlimeLiteError, match="attention_bias"):
         hf_arch(AutoConfig.for_model(model_type, attention_bias=True, **sizes))
     assert hf_arch(AutoConfig.for_model(model_type, attention_bias=False, **sizes)).qkv_bias is False
+
+
+@pytest.mark.parametrize("key, change, problem", [
+    ("model.layers.1.self_attn.k_proj.weight", None, "the weight {key} is missing"),
+    ("model.layers.1.self_attn.k_proj.weight", lambda t: t[:16], r"{key} has shape \(16, 64\), but config.json "
+     r"\(hidden_size 64, num_attention_heads 8, num_key_value_heads 4, head_dim 8\) implies \(32, 64\)"),
+    ("model.layers.0.self_attn.q_proj.bias", lambda t: t[:32], r"{key} has shape \(32,\)"),
+    ("model.layers.0.mlp.up_proj.weight", lambda t: t[:, :32], r"{key} has shape \(96, 32\)"),
+    ("model.embed_tokens.weight", lambda t: t[:100], r"{key} has shape \(100, 64\), but config.json \(vocab_size 101"),
+    ("lm_head.weight", lambda t: torch.cat([t, t[:1]]), r"{key} has shape \(102, 64\), but config.json "
+     r"\(vocab_size 101"),
+], ids=["missing", "k_rows", "q_bias", "up_columns", "short_embedding", "long_lm_head"])
+def test_a_missing_or_misshapen_hf_weight_is_named_with_the_checkpoint_folder(tmp_path, key, change, problem):
+    """Not a KeyError / reshape error naming nothing, nor a short vocabulary zero-padded in silence."""
+    from safetensors.torch import save_file
+
+    from slime_lite.backends.megatron.convert import _SafetensorsDir
+
+    cfg = hf_config("qwen2_untied_gqa_bias")  # vocab 101, 8 heads of 8, 4 KV heads
+    state = hf_state(cfg)
+    if change is None:
+        del state[key]
+    else:
+        state[key] = change(state[key]).contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    where = re.escape(f"--hf-checkpoint {tmp_path}: ")
+    with pytest.raises(SlimeLiteError, match=where + problem.format(key=re.escape(key))):
+        hf_to_megatron_shard(_SafetensorsDir(str(tmp_path)), cfg, 0, 2, 0, 1)

@@ -107,6 +107,28 @@ def test_an_architecture_the_engine_cannot_serve_names_it_and_the_way_out(tiny_m
         load_hf_model(str(tmp_path / "m"), "auto", torch.device("cpu"))
 
 
+
+def test_a_checkpoint_missing_a_weight_is_refused_not_initialised_at_random(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from slime_lite.engine.model import load_hf_model
+    from slime_lite.errors import SlimeLiteError
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    state = load_file(folder / "model.safetensors")
+    for key in ("model.layers.1.input_layernorm.weight", "lm_head.weight"):
+        save_file({k: v for k, v in state.items() if k != key}, folder / "model.safetensors")
+        with pytest.raises(SlimeLiteError, match=rf"--model-path {folder}: the checkpoint lacks 1 weight.*{key}"):
+            load_hf_model(str(folder), "auto", torch.device("cpu"))
+    cfg = json.loads((folder / "config.json").read_text())  # tied: lm_head is the embedding, never on disk
+    (folder / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": True}))
+    model = load_hf_model(str(folder), "auto", torch.device("cpu"))
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["fused_kernels", "torch_compile"])

@@ -143,6 +143,55 @@ def _hf_names(name: str, arch: HFArch, layer_offset: int, expert_offset: int = 0
     raise KeyError(f"no HF name for Megatron parameter {name!r}")
 
 
+def _hf_shapes(name: str, kind: str, arch: HFArch, n: int) -> tuple[list[tuple[int, ...]], str]:
+    """The shapes config.json implies for the `n` HF tensors of Megatron parameter `name`, and the config.json
+    sizes they come from (for the error message)."""
+    h, hd, kind = arch.hidden_size, arch.head_dim, kind.removeprefix("expert_")
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    heads = f"hidden_size {h}, num_attention_heads {arch.num_heads}, num_key_value_heads {arch.num_kv_heads}, " \
+            f"head_dim {hd}"
+    ffn, ffn_key = arch.ffn_hidden_size, "intermediate_size"
+    if ".local_experts." in name:
+        ffn, ffn_key = arch.moe.ffn_hidden_size, "moe_intermediate_size"
+    elif ".shared_experts." in name:
+        ffn, ffn_key = arch.moe.shared_expert_size, "shared_expert_intermediate_size"
+    mlp = f"hidden_size {h}, {ffn_key} {ffn}"
+    if kind == "vocab":
+        return [(arch.vocab_size, h)], f"vocab_size {arch.vocab_size}, hidden_size {h}"
+    if kind == "qkv":
+        tail = (h,) if name.endswith(".weight") else ()
+        return [(q, *tail), (kv, *tail), (kv, *tail)], heads
+    if kind == "fc1":
+        return ([(2 * ffn, h)] if n == 1 else [(ffn, h)] * 2), mlp
+    if kind == "row":
+        return ([(h, q)], heads) if "linear_proj" in name else ([(h, ffn)], mlp)
+    if name.endswith("router.weight"):
+        return [(arch.moe.num_experts, h)], f"num_experts {arch.moe.num_experts}, hidden_size {h}"
+    if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return [(hd,)], f"head_dim {hd}"
+    return [(1, h) if name.endswith("gate_weight") else (h,)], f"hidden_size {h}"  # norms; the shared-expert gate
+
+
+def _hf_tensors(hf_state: Mapping[str, torch.Tensor], name: str, kind: str, hf_names: list[str],
+                arch: HFArch) -> list[torch.Tensor]:
+    """The HF tensors of Megatron parameter `name`, each checked to be there and of the shape config.json implies
+    (a SlimeLiteError naming the key and the checkpoint otherwise, before any reshape fails unnamed)."""
+    where = getattr(hf_state, "where", "the HF state dict")
+    shapes, sizes = _hf_shapes(name, kind, arch, len(hf_names))
+    out = []
+    for key, shape in zip(hf_names, shapes):
+        try:
+            t = hf_state[key]
+        except KeyError:
+            raise SlimeLiteError(f"{where}: the weight {key} is missing; config.json's model needs it. Give a "
+                                 "complete checkpoint of the model its config.json describes.") from None
+        if tuple(t.shape) != shape:
+            raise SlimeLiteError(f"{where}: {key} has shape {tuple(t.shape)}, but config.json ({sizes}) implies "
+                                 f"{shape}. Give the checkpoint the config.json it was saved with.")
+        out.append(t)
+    return out
+
+
 def _split(kind: str, hf: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_size: int) -> torch.Tensor:
     """HF tensor(s) -> this TP rank's Megatron shard (expert kinds: this expert-TP rank's)."""
     kind = kind.removeprefix("expert_")
@@ -155,7 +204,7 @@ def _split(kind: str, hf: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_siz
         return torch.cat([t.chunk(tp_size, dim=0)[tp_rank] for t in gate_up], dim=0)
     if kind == "vocab":
         t = hf[0]
-        pad = padded_vocab_size(arch.vocab_size, tp_size) - t.shape[0]
+        pad = padded_vocab_size(arch.vocab_size, tp_size) - t.shape[0]  # rows == vocab_size: _hf_tensors
         if pad:
             t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))], dim=0)
         return t.chunk(tp_size, dim=0)[tp_rank]
@@ -229,7 +278,7 @@ def hf_to_megatron_shard(
     for name in megatron_param_names(arch, pp_rank, pp_size, transformer_impl, ep_size):
         kind, hf_names = _hf_names(name, arch, offset, expert_offset)
         ranks = (etp_rank, etp_size) if kind.startswith("expert_") else (tp_rank, tp_size)
-        out[name] = _split(kind, [hf_state[n] for n in hf_names], arch, *ranks)
+        out[name] = _split(kind, _hf_tensors(hf_state, name, kind, hf_names, arch), arch, *ranks)
     return out
 
 
@@ -274,6 +323,7 @@ class _SafetensorsDir(Mapping):
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise SlimeLiteError(f"--hf-checkpoint {path} has no *.safetensors weights; save the model with safetensors.")
+        self.where = f"--hf-checkpoint {path}"  # how errors name the folder
         self._handles = {}
         for name in files:
             handle = safe_open(os.path.join(path, name), framework="pt")

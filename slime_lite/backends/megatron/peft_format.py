@@ -20,6 +20,8 @@ from slime_lite.io import atomic_write_text
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
+# the HF linears LoRA here adapts: lora_config.LINEARS' and GLM4_FC1 (not imported: lora_config imports this module)
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 
 def write(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: Any, base_model: str,
@@ -57,7 +59,8 @@ def _config(folder: str, flag: str) -> dict[str, Any]:
 
 
 def check_adapter_folder(args: Any, flag: str = "--lora-adapter-path") -> None:
-    """The folder's rank, scaling and tensor names agree with this run's --lora-* flags."""
+    """The folder's rank, scaling and tensor names agree with this run's --lora-* flags (every tensor a lora_A /
+    lora_B of a linear LoRA here adapts)."""
     folder = args.lora_adapter_path
     cfg = _config(folder, flag)
     if cfg.get("r") != args.lora_rank:
@@ -79,21 +82,32 @@ def check_adapter_folder(args: Any, flag: str = "--lora-adapter-path") -> None:
         raise SlimeLiteError(f"{flag} {folder} was trained with lora_alpha {cfg.get('lora_alpha')}; give "
                              f"--lora-alpha {cfg.get('lora_alpha')} (this run has {alpha:g}).")
     with safe_open(os.path.join(folder, WEIGHTS), framework="pt") as f:
-        if not any(k.endswith(_A) for k in f.keys()):
+        if "A" not in {_lora_name(k, folder, flag)[1] for k in f.keys()}:
             raise SlimeLiteError(f"{flag} {folder}: {WEIGHTS} holds no lora_A tensors.")
 
 
+def _lora_name(key: str, folder: str, flag: str) -> tuple[str, str]:
+    """(HF weight name, "A" or "B") of an adapter tensor of ``WEIGHTS``; a SlimeLiteError for any other tensor
+    (PEFT's embedding adapters, modules_to_save, base-layer weights, ...): PEFT would apply it, this run could not."""
+    k = key.replace(".default.weight", ".weight")  # PEFT keeps the adapter name "default" in memory
+    for suffix, part in ((_A, "A"), (_B, "B")):
+        module = k.removeprefix(PREFIX).removesuffix(suffix)
+        if k.endswith(suffix) and module.rpartition(".")[2] in MODULES:
+            return module + ".weight", part
+    raise SlimeLiteError(f"{flag} {folder}: {WEIGHTS} holds {key}, which PEFT would apply but this run cannot: "
+                         f"LoRA here adapts only the linears {', '.join(MODULES)} (lora_A / lora_B pairs). Train "
+                         "the adapter with target_modules among those and without modules_to_save.")
+
+
 def read(folder: str, flag: str = "--lora-adapter-path") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{HF weight name: (A, B)} of a PEFT folder (the prefix and PEFT's adapter name, if saved, stripped)."""
+    """{HF weight name: (A, B)} of a PEFT folder (the prefix and PEFT's adapter name, if saved, stripped); a
+    SlimeLiteError for a tensor other than a lora_A / lora_B of a linear LoRA here adapts."""
     _config(folder, flag)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(os.path.join(folder, WEIGHTS), framework="pt") as f:
         for key in f.keys():
-            for suffix, part in ((_A, "A"), (_B, "B")):
-                k = key.replace(".default.weight", ".weight")  # PEFT keeps the adapter name "default" in memory
-                if k.endswith(suffix):
-                    name = k.removeprefix(PREFIX).removesuffix(suffix) + ".weight"
-                    parts.setdefault(name, {})[part] = f.get_tensor(key)
+            name, part = _lora_name(key, folder, flag)
+            parts.setdefault(name, {})[part] = f.get_tensor(key)
     half = [n for n, p in parts.items() if len(p) != 2]
     if half:
         raise SlimeLiteError(f"{flag} {folder}: {half[0]} has only one of lora_A / lora_B.")
