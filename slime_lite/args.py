@@ -25,6 +25,7 @@ from slime_lite.flag_types import positive_int as _positive_int
 from slime_lite.checks.faults import FAULTS
 from slime_lite.config import FrozenFlags, freeze
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
+from slime_lite.rollout.agent_messages import TEMPLATE_OWN_ARGS
 from slime_lite.rollout.rewards import RM_TYPES, rm_type_arg
 from slime_lite.rollout.tool_calls import PARSER_CHOICES
 from slime_lite.slime_flags import add_args as add_slime_flags
@@ -38,9 +39,6 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"enable_thinking\": false}}', got {text!r}")
     return value
-
-
-TEMPLATE_OWN_ARGS = ("add_generation_prompt", "tokenize", "tools", "conversation")  # what the renderer passes
 
 
 def _template_kwargs(text: str) -> dict[str, Any]:

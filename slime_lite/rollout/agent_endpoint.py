@@ -55,8 +55,8 @@ from aiohttp import web
 
 from slime_lite.engine.http_json import BadRequest as HttpBadRequest, read_body
 from slime_lite.errors import EngineError
-from slime_lite.rollout.agent_messages import (BadRequest, normalise, render, stop_strings, stream_chunks,
-                                                stream_options, tool_choice)
+from slime_lite.rollout.agent_messages import (BadRequest, call_options, normalise, render, stop_strings,
+                                                stream_chunks, stream_options, tool_choice)
 from slime_lite.rollout.agent_runner import start_agent
 from slime_lite.rollout.agent_samples import segments, trajectory_samples
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
@@ -149,28 +149,16 @@ class Trajectory:
         ep = self.endpoint
         messages = [normalise(m, f"messages[{i}]") for i, m in enumerate(body["messages"])]
         stops = stop_strings(body.get("stop"))
-        want_lp, top = body.get("logprobs"), body.get("top_logprobs")
-        if want_lp not in (None, True, False):
-            raise BadRequest(f"logprobs={want_lp!r:.40} must be true or false")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
-            raise BadRequest(f"top_logprobs={top!r:.40} must be an integer in [0, 20]")
-        if top and not want_lp:
-            raise BadRequest("top_logprobs needs logprobs: true")
-        agent_kwargs = body.get("chat_template_kwargs")
-        if agent_kwargs is not None and not isinstance(agent_kwargs, dict):
-            raise BadRequest(f"chat_template_kwargs={agent_kwargs!r:.80} must be an object")
-        if "chat_template" in (agent_kwargs or {}):  # as SGLang: the trained tokens are the model's template's
-            raise BadRequest("chat_template_kwargs.chat_template: a request-supplied chat template is not allowed")
-        asked_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        asked = body.get(asked_field)
-        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
-            raise BadRequest(f"{asked_field}={asked!r:.40} must be a positive integer (or null)")
+        want_lp, top, agent_kwargs, asked = call_options(body)
         if self.aborted:
             raise Aborted("the engine aborted an earlier call of this trajectory; the sample ends aborted")
         tools, parse = tool_choice(body)
-        kwargs = {**self.template_kwargs, **(agent_kwargs or {})}
-        text, parent = render(ep, messages, self._parent(messages), tools, kwargs)
-        new_ids = ep.tokenizer(text, add_special_tokens=False)["input_ids"]
+        kwargs = {**self.template_kwargs, **agent_kwargs}
+        # rendered and tokenized in a worker thread: megabytes of text take seconds, which would hold every other
+        # trajectory's calls (the tokenizer lets go of the GIL)
+        text, parent, new_ids = await asyncio.to_thread(self._prepare, messages, self._parent(messages), tools, kwargs)
+        if self.aborted:  # meanwhile
+            raise Aborted("the rollout aborted this trajectory while the call was rendered; the sample ends aborted")
         if parent is not None:
             prompt_ids, start = parent.prompt_ids + parent.completion_ids + new_ids, parent.start
         else:
@@ -271,6 +259,22 @@ class Trajectory:
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                           "total_tokens": len(prompt_ids) + len(ids)}}
 
+    def _prepare(self, messages: list[dict[str, Any]], parent: Call | None, tools: Any,
+                 kwargs: dict[str, Any]) -> tuple[str, Call | None, list[int]]:
+        """The call's new text (``render``), the parent call kept, and the text's token ids. A text far longer than
+        the context has room for is refused untokenized: a token is at most ``longest_token`` characters (the
+        vocabulary's longest; a byte-level token has a character per byte), and x4 leaves room for normalisers that
+        compose characters (NFC: up to 3 into 1), so no text that could fit is refused (bar a normaliser that drops
+        characters, which chat models' tokenizers do not have)."""
+        text, parent = render(self.endpoint, messages, parent, tools, kwargs)
+        if self.context is not None:
+            room = self.context - (len(parent.prompt_ids) + len(parent.completion_ids) if parent else 0)
+            if len(text) > 4 * self.endpoint.longest_token * max(room, 0):
+                self.truncated = True
+                raise BudgetExhausted(f"messages: {len(text)} characters of new text, far more than the {room} tokens "
+                                      f"left of the conversation's {self.context} (--rollout-max-context-len) hold")
+        return text, parent, self.endpoint.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     async def _left(self, prompt_ids: list[int], start: int, parent: Call | None) -> int:
         """Response tokens a call may write: the budget, less every segment's response (the chain it extends
         counted once) and what the calls in flight reserved (their inserted tokens and what they may write). While
@@ -312,6 +316,7 @@ class AgentEndpoint:
                  tool_call_parser)
         self.trajectories: dict[str, Trajectory] = {}
         self.end_of_turn = end_of_turn(tokenizer)  # the chat template's (``<|im_end|>`` for ChatML)
+        self.longest_token = max(map(len, tokenizer.get_vocab()), default=1)  # characters (Trajectory._prepare)
         self.stop_texts = tuple(t for t in (self.end_of_turn, tokenizer.eos_token) if t)
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in self.stop_texts}  # a text that is one token only
         self.stop_ids = sorted({i for t, i in ids.items() if i is not None and tokenizer.convert_ids_to_tokens(i) == t})

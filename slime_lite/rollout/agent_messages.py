@@ -102,6 +102,38 @@ def tool_choice(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool
     return chosen, True
 
 
+# the chat template's arguments its renderers pass themselves: refused in --apply-chat-template-kwargs (args.py) and in
+# a call's chat_template_kwargs
+TEMPLATE_OWN_ARGS = ("add_generation_prompt", "tokenize", "tools", "conversation")
+
+
+def call_options(body: dict[str, Any]) -> tuple[Any, int | None, dict[str, Any], int | None]:
+    """A call's ``logprobs``, ``top_logprobs``, ``chat_template_kwargs`` (an object, {} for none) and ``max_tokens``
+    (or ``max_completion_tokens``), each checked: a BadRequest names the field."""
+    want_lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if want_lp not in (None, True, False):
+        raise BadRequest(f"logprobs={want_lp!r:.40} must be true or false")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise BadRequest(f"top_logprobs={top!r:.40} must be an integer in [0, 20]")
+    if top and not want_lp:
+        raise BadRequest("top_logprobs needs logprobs: true")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest(f"chat_template_kwargs={kwargs!r:.80} must be an object")
+    if "chat_template" in (kwargs or {}):  # as SGLang: the trained tokens are the model's template's
+        raise BadRequest("chat_template_kwargs.chat_template: a request-supplied chat template is not allowed")
+    own = next((k for k in TEMPLATE_OWN_ARGS if k in (kwargs or {})), None)
+    if own is not None:
+        fix = "send the tools in the call's tools field" if own == "tools" else "leave it out"
+        raise BadRequest(f"chat_template_kwargs.{own}: set by the endpoint for each rendering; {fix} (give only the "
+                         "template's own arguments here)")
+    asked_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    asked = body.get(asked_field)
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
+        raise BadRequest(f"{asked_field}={asked!r:.40} must be a positive integer (or null)")
+    return want_lp, top, kwargs or {}, asked
+
+
 def stop_strings(value: Any) -> list[str]:
     """The agent's ``stop``: a string or a list of strings, none empty."""
     stops = [] if value is None else [value] if isinstance(value, str) else value

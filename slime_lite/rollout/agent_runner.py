@@ -10,6 +10,7 @@ import inspect
 import threading
 from typing import Any, Callable
 
+from slime_lite.rollout.multi_turn import no_exit
 from slime_lite.types import Sample
 
 
@@ -18,9 +19,10 @@ def start_agent(run: Callable[[str, Sample], Any], base_url: str, sample: Sample
     ``def`` on the synchronous openai client, a lambda or wrapper returning an agent's coroutine) called in a thread
     of its own, so the loop goes on serving its calls, and what it returns awaited here when it is awaitable. The
     thread works on a copy of the sample, copied back only when the agent finishes: one left running past the
-    timeout (a thread cannot be stopped; its calls are answered 404) changes nothing the rollout keeps."""
+    timeout (a thread cannot be stopped; its calls are answered 404) changes nothing the rollout keeps. An agent
+    that calls sys.exit() raises ExitCalled instead (a SystemExit would stop the rollout's event loop)."""
     if inspect.iscoroutinefunction(run) or inspect.iscoroutinefunction(getattr(run, "__call__", None)):
-        return asyncio.ensure_future(run(base_url, sample))
+        return asyncio.ensure_future(no_exit(run(base_url, sample), "the agent"))
     loop = asyncio.get_running_loop()
 
     async def in_thread() -> Any:
@@ -44,7 +46,7 @@ def start_agent(run: Callable[[str, Sample], Any], base_url: str, sample: Sample
         sample.__dict__.update(mine.__dict__)
         return out
 
-    return asyncio.ensure_future(in_thread())
+    return asyncio.ensure_future(no_exit(in_thread(), "the agent"))
 
 
 def _settle(future: asyncio.Future, out: Any, error: BaseException | None) -> None:

@@ -14,11 +14,12 @@ the order of precedence, then the answer. The conversation uses the tokenizer's 
 
 ``generate`` is the rollout hook (``--custom-generate-function-path slime_lite.rollout.calc_task.generate``): each
 model turn is sent to the engine as token ids and kept as the engine's ids and log-probs, each tool turn is the
-chat template's text for the result, tokenized, at loss_mask 0. ``--rollout-max-response-len`` bounds the whole
-response (all turns); a sample that reaches it is TRUNCATED; a model still calling at ``--max-turns`` has no answer. ``reward`` (``--custom-rm-path
-slime_lite.rollout.calc_task.reward``) is 1 when the last model turn is exactly the label. ``transcript`` is the
-right conversation for a problem, which ``make-tiny-model --task tool_math`` warm-starts on (loss on the model
-turns only).
+chat template's text for the result, tokenized, at loss_mask 0 (one over ``--max-inserted-tokens-per-turn`` is cut in
+its results, never in the end of turn and generation prompt after them). ``--rollout-max-response-len`` bounds the
+whole response (all turns); a sample that reaches it is TRUNCATED; a model still calling at ``--max-turns`` has no
+answer. ``reward`` (``--custom-rm-path slime_lite.rollout.calc_task.reward``) is 1 when the last model turn is
+exactly the label. ``transcript`` is the right conversation for a problem, which ``make-tiny-model --task
+tool_math`` warm-starts on (loss on the model turns only).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import functools
 import re
 from typing import Any
 
-from slime_lite.rollout.multi_turn import (ToolError, TurnLimits, call_tool, can_continue, fail, insert_turn,
-                                           model_turn, model_turns)
+from slime_lite.rollout.multi_turn import (ToolError, TurnLimits, call_tool, can_continue, cut_inserted, fail,
+                                           insert_turn, model_turn, model_turns)
 from slime_lite.rollout.rewards import addition_reward
 from slime_lite.rollout.tool_calls import format_tool_call, inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import restart, turns
@@ -104,6 +105,21 @@ def run_calc(call: dict[str, Any]) -> tuple[str, bool]:
     return calc(call["arguments"])
 
 
+_MARK = "\x00end of the results\x00"
+
+
+def _tool_turn(tok: Any, messages: list[dict[str, Any]], results: list[dict[str, Any]], closed: bool,
+               template_kwargs: dict[str, Any]) -> tuple[str, str]:
+    """The tool turn's text split after the last result: (the results, the template's text after them: the end of
+    the turn and the next generation prompt), which --max-inserted-tokens-per-turn never cuts. (text, "") where the
+    template does not render a result as it is."""
+    text = inserted_text(tok, messages, results, END_OF_TURN, closed=closed, template_kwargs=template_kwargs)
+    marked = results[:-1] + [dict(results[-1], content=results[-1]["content"] + _MARK)]
+    head, _, end = inserted_text(tok, messages, marked, END_OF_TURN, closed=closed,
+                                 template_kwargs=template_kwargs).partition(_MARK)
+    return (head, end) if head + end == text else (text, "")
+
+
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path: str) -> Any:
     return load_tokenizer(path)
@@ -149,13 +165,12 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any], e
         # a turn that ended at EOS or a stop string, not at the end of turn, gets it before the tool turn (as the
         # template renders the conversation)
         closed = sample.tokens[-1] == tok.convert_tokens_to_ids(END_OF_TURN)
-        text = inserted_text(tok, messages, results, END_OF_TURN, closed=closed,
-                             template_kwargs=args.apply_chat_template_kwargs)
-        kept = min(len(tok(text, add_special_tokens=False)["input_ids"]), limits.max_inserted_tokens)  # as cut
+        text, end = _tool_turn(tok, messages, results, closed, args.apply_chat_template_kwargs)
+        kept = len(cut_inserted(tok, text, limits.max_inserted_tokens, end)[0])  # as insert_turn cuts it
         if sample.response_length + kept >= budget:
             sample.status = Status.TRUNCATED  # no room left for the next model turn
             break
-        insert_turn(sample, tok, text, limits, source="tool")
+        insert_turn(sample, tok, text, limits, source="tool", suffix=end)
         messages += results
     return sample
 

@@ -6,7 +6,8 @@ agent endpoint, or the tool task) that alternates model turns with tool or envir
   routed experts, which covers every token so far, becomes the sample's). The engine's prefix cache holds the KV of the
   conversation so far, so a turn prefills only its new tokens: each turn record keeps the engine's
   ``cached_tokens`` and ``prompt_tokens``.
-- ``insert_turn`` appends tool or environment text (tokenised once, mask 0), cut to ``--max-inserted-tokens-per-turn``.
+- ``insert_turn`` appends tool or environment text (tokenised once, mask 0), cut to ``--max-inserted-tokens-per-turn``
+  (its ``suffix``, the chat template's text after the output, is never cut).
 - ``call_tool`` runs one tool call under ``--tool-call-timeout`` and counts calls and errors in the metadata.
 - ``restart`` (``turns``'): a sample ``--partial-rollout`` carried aborted (status ABORTED, in the middle of a
   trajectory a hook cannot resume) back to its prompt, to be generated again; the tokens dropped count as wasted.
@@ -28,12 +29,25 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from slime_lite.rollout.turns import routed_experts
-from slime_lite.rollout.turns import INSERTED_CUT, append_turn, restart  # noqa: F401  (restart: the hooks' name for it here)
+from slime_lite.rollout.turns import INSERTED_CUT, append_turn, restart  # noqa: F401  (restart: the hooks' name)
 from slime_lite.types import Sample, Status, version_number
 
 
 class ToolError(RuntimeError):
     """A tool call that raised or ran past its timeout (the message is the reason kept in the sample)."""
+
+
+class ExitCalled(RuntimeError):
+    """sys.exit() called by a tool or an agent (argparse does on bad arguments), as an ordinary error: a SystemExit
+    let out of a task stops the rollout's whole event loop (asyncio raises it out of the loop), not only its sample."""
+
+
+async def no_exit(awaitable: Any, who: str) -> Any:
+    """``await awaitable``, a SystemExit out of it raised as ExitCalled naming ``who`` (KeyboardInterrupt goes on)."""
+    try:
+        return await awaitable
+    except SystemExit as exc:
+        raise ExitCalled(f"{who} called sys.exit({exc.code!r})") from exc
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,33 +153,58 @@ async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
     return sample
 
 
-def insert_turn(sample: Sample, tokenizer: Any, text: str, limits: TurnLimits, source: str = "tool") -> Sample:
-    """Append inserted text (a tool's or the environment's), tokenised once, mask 0, cut to
-    ``--max-inserted-tokens-per-turn`` tokens; when it would overflow ``--rollout-max-context-len`` what fits is
-    appended and the sample ends TRUNCATED. A cut turn keeps the text of the tokens it kept (never half a
-    character)."""
-    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-    keep = limits.max_inserted_tokens
-    if limits.max_context_len is not None and len(sample.tokens) + min(len(tokens), keep) >= limits.max_context_len:
-        keep = min(keep, max(0, limits.max_context_len - len(sample.tokens)))
+def insert_turn(sample: Sample, tokenizer: Any, text: str, limits: TurnLimits, source: str = "tool",
+                suffix: str = "") -> Sample:
+    """Append inserted text (a tool's or the environment's) then ``suffix``, tokenised once, mask 0, cut to
+    ``--max-inserted-tokens-per-turn`` tokens (``cut_inserted``); when it would overflow ``--rollout-max-context-len``
+    what fits is appended and the sample ends TRUNCATED. A cut turn keeps the text of the tokens it kept (never half
+    a character)."""
+    tokens, text, cut = cut_inserted(tokenizer, text, limits.max_inserted_tokens, suffix)
+    if limits.max_context_len is not None and len(sample.tokens) + len(tokens) >= limits.max_context_len:
+        room = max(0, limits.max_context_len - len(sample.tokens))
+        if len(tokens) > room:  # the sample ends here: no next turn needs the suffix
+            kept, text = _cut(tokenizer, tokens, room)
+            cut, tokens = cut + len(tokens) - len(kept), kept
         _context_full(sample)
-    if len(tokens) > keep:
-        cut, text = tokens[:keep], tokenizer.decode(tokens[:keep])
-        for _ in range(3):  # a cut inside a character (byte-level tokens): back to its start, so the kept text
-            # is whole and tokenizes to the kept tokens again
-            if not (cut and text.endswith("\ufffd")):
-                break
-            cut = cut[:-1]
-            text = tokenizer.decode(cut)
-        sample.metadata[INSERTED_CUT] = sample.metadata.get(INSERTED_CUT, 0) + len(tokens) - len(cut)
-        tokens = cut
+    if cut:
+        sample.metadata[INSERTED_CUT] = sample.metadata.get(INSERTED_CUT, 0) + cut
     return append_turn(sample, tokens, source=source, text=text)
+
+
+def cut_inserted(tokenizer: Any, text: str, max_tokens: int, suffix: str = "") -> tuple[list[int], str, int]:
+    """``text + suffix`` tokenised and cut to ``max_tokens`` (--max-inserted-tokens-per-turn) -> (the tokens kept,
+    their text, the tokens cut). Only ``text`` is cut: ``suffix``, the chat template's text after a tool's output (the
+    end of the turn, the next generation prompt), is kept whole, so the model's next turn still follows it (the
+    suffix alone may be longer than ``max_tokens``)."""
+    tokens = tokenizer(text + suffix, add_special_tokens=False)["input_ids"]
+    if len(tokens) <= max_tokens:
+        return tokens, text + suffix, 0
+    if not suffix:
+        kept, text = _cut(tokenizer, tokens, max_tokens)
+        return kept, text, len(tokens) - len(kept)
+    head = tokenizer(text, add_special_tokens=False)["input_ids"]
+    tail = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+    kept, text = _cut(tokenizer, head, max(0, max_tokens - len(tail)))
+    return kept + tail, text + suffix, len(head) - len(kept)
+
+
+def _cut(tokenizer: Any, tokens: list[int], keep: int) -> tuple[list[int], str]:
+    """The first ``keep`` of ``tokens`` and their text; a cut inside a character (byte-level tokens) goes back to its
+    start, so the kept text is whole and tokenizes to the kept tokens again."""
+    cut = tokens[:keep]
+    text = tokenizer.decode(cut)
+    for _ in range(3):
+        if not (cut and text.endswith("\ufffd")):
+            break
+        cut = cut[:-1]
+        text = tokenizer.decode(cut)
+    return cut, text
 
 
 async def call_tool(sample: Sample, fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
     """Run ``fn(*args)`` (plain or async; a plain one in a thread; what it returns awaited when awaitable: a lambda
     around an async call) under ``timeout`` seconds. Counts ``metadata["tool_calls"]`` and
-    ``metadata["tool_errors"]``; a raise or a timeout is a ToolError naming it."""
+    ``metadata["tool_errors"]``; a raise (sys.exit() too) or a timeout is a ToolError naming it."""
     sample.metadata["tool_calls"] = sample.metadata.get("tool_calls", 0) + 1
     name = getattr(fn, "__name__", type(fn).__name__)
 
@@ -175,9 +214,11 @@ async def call_tool(sample: Sample, fn: Callable[..., Any], *args: Any, timeout:
         return await out if inspect.isawaitable(out) else out
 
     try:
-        return await asyncio.wait_for(run(), timeout)
+        return await asyncio.wait_for(no_exit(run(), f"tool {name}"), timeout)
     except asyncio.TimeoutError:
         reason = f"tool {name} did not return within --tool-call-timeout {timeout:g} s"
+    except ExitCalled as exc:
+        reason = str(exc)
     except Exception as exc:  # noqa: BLE001 - any tool failure ends this sample, not the run
         reason = f"tool {name} raised {type(exc).__name__}: {exc}"
     sample.metadata["tool_errors"] = sample.metadata.get("tool_errors", 0) + 1

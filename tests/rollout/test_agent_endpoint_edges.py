@@ -471,3 +471,104 @@ def test_an_agent_busy_with_its_own_tools_ends_aborted_when_over_sampling_aborts
     assert time.monotonic() - started < 20, "the hook waited for the agent's tool"
     assert sample.status == Status.ABORTED and sample.metadata["agent_calls"] == 1
     assert "agent_error" not in sample.metadata
+
+
+@pytest.mark.parametrize("in_thread", [False, True])
+def test_an_agent_that_calls_sys_exit_fails_its_sample_not_the_rollout(in_thread):
+    """sys.exit() in an agent (its argparse, say), async or in a thread, ends its sample FAILED keeping what it
+    recorded: a SystemExit out of its task would stop the rollout's whole event loop."""
+    import sys
+
+    async def agent(base_url, task):
+        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        sys.exit(2)
+
+    def thread_agent(base_url, task):
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        sys.exit(2)
+
+    sample = run_agent(["x<|im_end|>"], thread_agent if in_thread else agent)
+    assert sample.status == Status.FAILED and sample.metadata["agent_calls"] == 1 and sample.response_length == 2
+    assert sample.metadata["agent_error"] == "ExitCalled: the agent called sys.exit(2)"
+
+
+def test_template_arguments_the_endpoint_sets_are_refused_naming_the_key():
+    """An agent's chat_template_kwargs holding an argument the endpoint passes the template itself is a 400 naming
+    chat_template_kwargs.<key> and the fix (not a template error blaming messages), the keys the flag
+    --apply-chat-template-kwargs refuses (one list); the trajectory goes on, nothing recorded."""
+    from slime_lite import args
+    from slime_lite.rollout import agent_messages
+
+    answers = []
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+        for key in args.TEMPLATE_OWN_ARGS:
+            try:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}],
+                                                     extra_body={"chat_template_kwargs": {key: []}})
+            except openai.BadRequestError as exc:
+                answers.append((key, exc.body["message"]))
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+
+    sample = run_agent(["x<|im_end|>"], agent)
+    assert [k for k, _ in answers] == list(args.TEMPLATE_OWN_ARGS)
+    for key, message in answers:
+        assert message.startswith(f"chat_template_kwargs.{key}: set by the endpoint"), message
+        assert ("send the tools in the call's tools field" if key == "tools" else "leave it out") in message
+    assert sample.status == Status.COMPLETED and sample.metadata["agent_calls"] == 1
+    assert args.TEMPLATE_OWN_ARGS is agent_messages.TEMPLATE_OWN_ARGS
+
+
+def test_a_long_call_is_tokenized_off_the_loop_and_one_far_past_the_context_is_refused_untokenized():
+    """Tokenizing megabytes takes seconds: it runs in a worker thread, so another trajectory's call is answered
+    meanwhile; a call whose new text has far more characters than the context's room could hold as tokens is a 400
+    naming messages and --rollout-max-context-len without being tokenized (the sample truncated, as a full one)."""
+    from tests.rollout.test_agent_endpoint import ScriptedEngine
+
+    tok = build_tokenizer()
+
+    class SlowTokenizer:
+        """The tiny tokenizer, taking 2 s over a long text (as megabytes take a real one); records each text's
+        length."""
+
+        def __init__(self):
+            self.lengths = []
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def __call__(self, text, **kwargs):
+            self.lengths.append(len(text))
+            if len(text) > 1000:
+                time.sleep(2.0)
+            return tok(text, **kwargs)
+
+    async def main():
+        slow = SlowTokenizer()
+        ep = await mod.AgentEndpoint(ScriptedEngine(["x<|im_end|>"] * 2), slow).start()
+        long_call, other, huge = (ep.open({"temperature": 1.0, "max_new_tokens": 8}, context=4096) for _ in range(3))
+
+        due = time.monotonic()
+
+        async def call(traj, content, after=0.0):  # sent ``after`` s from now: timed from then (a blocked loop
+            await asyncio.sleep(after)  # wakes this sleep late too)
+            started = due + after
+            try:
+                await _client(traj.base_url).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": content}])
+                return "ok", time.monotonic() - started
+            except openai.BadRequestError as exc:
+                return exc.body["message"], time.monotonic() - started
+
+        out = await asyncio.gather(call(long_call, "x" * 2000), call(other, "hi", after=0.3),
+                                   call(huge, "x" * 1_000_000, after=0.1))
+        await ep.stop()
+        return slow.lengths, out, huge
+
+    lengths, ((long_answer, _), (other_answer, other_took), (huge_answer, _)), huge = asyncio.run(main())
+    assert long_answer == other_answer == "ok"
+    assert other_took < 1.0, "another trajectory's call waited for a long one's tokenizing"
+    assert huge_answer.startswith("messages: ") and "(--rollout-max-context-len)" in huge_answer, huge_answer
+    assert max(lengths) < 1_000_000 and huge.truncated  # never tokenized

@@ -194,12 +194,13 @@ def test_a_call_ended_at_eos_gets_the_end_of_turn_before_the_tool_turn(tok_dir):
 
 
 def test_the_budget_counts_a_tool_turn_as_it_is_cut(tok_dir):
-    """--max-inserted-tokens-per-turn cuts the tool turn: whether it fits the response budget is of the cut turn."""
+    """--max-inserted-tokens-per-turn cuts the tool turn: whether it fits the response budget is of the cut turn
+    (23 tokens whole, 16 cut: the result cut, the template's 13 after it kept)."""
     call = format_tool_call("calc", {"expr": "34*5"}) + END
     n_call = len(TOK(call, add_special_tokens=False)["input_ids"])
-    sample, engine, _ = run_hook(tok_dir, [call, "182" + END], max_new_tokens=n_call + 20, max_inserted=8)
+    sample, engine, _ = run_hook(tok_dir, [call, "182" + END], max_new_tokens=n_call + 20, max_inserted=16)
     assert [t["source"] for t in sample.metadata["turns"]] == ["model", "tool", "model"]
-    assert len(engine.requests) == 2 and sample.metadata["turns"][1]["length"] == 8
+    assert len(engine.requests) == 2 and sample.metadata["turns"][1]["length"] == 16
 
 
 def test_inserted_text_refuses_a_template_that_rewrites_history():
@@ -217,3 +218,19 @@ def test_make_tiny_model_warm_starts_on_tool_transcripts(tmp_path, monkeypatch):
                              intermediate_size=64, task="tool_math", warm_start_steps=3, warm_start_target=None)
     assert report["task"] == "tool_math" and report["steps"] == 3 and report["final_loss"] < report["first_loss"]
     assert 0.0 <= report["accuracy"] <= 1.0 and report["eval_prompts"] == 200
+
+
+def test_a_cut_tool_turn_keeps_the_end_of_turn_and_the_next_generation_prompt(tok_dir):
+    """--max-inserted-tokens-per-turn cuts the tool's result, never the chat template's text after it: the model's
+    next turn still follows the tool turn's <|im_end|> and the assistant's generation prompt; the result's tokens
+    cut are counted (the tiny tokenizer: a token per character, one per special token)."""
+    name = "calc" + "x" * 100  # an unknown tool: its name comes back in the error text
+    sample, engine, _ = run_hook(tok_dir, [format_tool_call(name, {"expr": "1+2"}) + END, "9" + END],
+                                 max_new_tokens=1000, max_inserted=40)
+    result = f"error: unknown tool {name!r}; the tool is calc"
+    head, end = "\n<|im_start|>tool\n", END + "\n<|im_start|>assistant\n"  # 7 and 13 tokens
+    tool = sample.metadata["turns"][1]
+    assert tool["source"] == "tool" and tool["length"] == 40 and tool["text"] == head + result[:20] + end
+    assert TOK.decode(engine.requests[1]["input_ids"]).endswith(result[:20] + end)
+    assert sample.metadata["inserted_tokens_cut"] == len(result) - 20
+    assert [t["source"] for t in sample.metadata["turns"]] == ["model", "tool", "model"]

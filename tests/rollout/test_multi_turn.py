@@ -269,3 +269,48 @@ def test_hung_plain_tools_do_not_hold_up_the_next_samples_tools():
 
     hung, instant = asyncio.run(main())
     assert all(isinstance(h, mt.ToolError) and "did not return within" in str(h) for h in hung) and instant == 2
+
+
+def test_a_tool_that_calls_sys_exit_fails_its_sample_and_the_rollout_goes_on():
+    """sys.exit() in a tool (argparse exits on bad arguments), plain or async, is a ToolError naming the tool, as any
+    raise is: a SystemExit out of its task would stop the rollout's whole event loop. KeyboardInterrupt still does."""
+    import argparse
+    import asyncio
+    import sys
+
+    from slime_lite.rollout import multi_turn as mt
+    from slime_lite.types import Sample
+
+    def cli(expr):
+        parser = argparse.ArgumentParser(prog="cli")
+        parser.add_argument("--n", type=int, required=True)
+        return parser.parse_args(expr.split())
+
+    async def quits(expr):
+        sys.exit("bad input")
+
+    async def one(fn):
+        s = Sample(index=0)
+        try:
+            await mt.call_tool(s, fn, "--n x", timeout=5.0)
+        except mt.ToolError as exc:
+            return mt.fail(s, str(exc))
+        return s
+
+    async def other_sample():
+        await asyncio.sleep(0.2)
+        return "done"
+
+    async def main():
+        return await asyncio.gather(one(cli), one(quits), other_sample())
+
+    plain, in_async, other = asyncio.run(main())
+    assert plain.status == in_async.status == Status.FAILED and other == "done"
+    assert plain.metadata["failure"] == "tool cli called sys.exit(2)" and plain.metadata["tool_errors"] == 1
+    assert in_async.metadata["failure"] == "tool quits called sys.exit('bad input')"
+
+    async def interrupted(expr):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(one(interrupted))
