@@ -238,6 +238,8 @@ def _field_problem(item: dict[str, Any]) -> str | None:
         return f"response_length: {length!r} is not a non-negative int"
     if length > len(tokens):
         return f"response_length: {length} is more than len(tokens) = {len(tokens)}"
+    if tokens and length == len(tokens):  # the first response token's log-prob is read at the token before it
+        return f"response_length: {length} is all of tokens: a sample needs at least one prompt token"
     for name in ("loss_mask", "rollout_log_probs"):
         value = _as_list(item.get(name))
         if value is None:

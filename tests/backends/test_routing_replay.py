@@ -133,3 +133,28 @@ def test_rollout_routing_replay_of_a_dump_of_another_model_is_refused_before_ray
             preflight(args)
 
 
+
+
+def test_router_losses_leave_padding_out(moe_model):
+    """The load-balancing and z losses count a sample's tokens only: one sample per micro-batch, padded to the
+    longest (--micro-batch-size 1) or packed alone (--use-dynamic-batch-size), gives the same losses and gradient
+    (padding was routed and entered both losses, and through them the gradient of every weight)."""
+    from slime_lite.backends.megatron.actor import TrainActor
+    from slime_lite.backends.megatron.parallel import destroy
+
+    samples = _samples()
+    longest = max(len(s.tokens) for s in samples)
+    out = []
+    for packed in (False, True):
+        args = parser_defaults(hf_checkpoint=str(moe_model), rollout_batch_size=2, n_samples_per_prompt=4,
+                               global_batch_size=8, micro_batch_size=1, lr=1e-4, seed=1, moe_aux_loss_coeff=0.1,
+                               moe_z_loss_coeff=0.01, use_dynamic_batch_size=packed,
+                               max_tokens_per_gpu=longest if packed else None)
+        w = TrainActor(args, 0, 1, "127.0.0.1")
+        w.init(free_port())
+        try:
+            out.append(w.train(0, _samples(), None)[0].metrics)
+        finally:
+            destroy()
+    for key in ("train/grad_norm", "train/moe/load_balancing_loss", "train/moe/z_loss", "train/loss"):
+        assert out[0][key] == pytest.approx(out[1][key], rel=1e-5), key

@@ -228,6 +228,8 @@ MALFORMED = [
      r"response_length: 9 is more than len\(tokens\) = 4"),
     ("mask-length", {"loss_mask": [1, 1, 1]}, r"loss_mask: has 3 entries but response_length is 2"),
     ("mask-type", {"loss_mask": "11"}, r"loss_mask: expected a list of numbers or None, got str"),
+    # a hook's sample of response only: the trainer failed on it mid-step, naming its place in a micro-batch
+    ("no-prompt", {"tokens": [5, 6]}, r"response_length: 2 is all of tokens: a sample needs at least one prompt"),
     ("logprobs-length", {"rollout_log_probs": [-0.1]}, r"rollout_log_probs: has 1 entries but response_length is 2"),
     ("logprobs-item", {"rollout_log_probs": [-0.1, "x"]}, r"rollout_log_probs\[1\]: 'x' is not a number"),
     ("reward-str", {"reward": "high"}, r"reward: expected a number, a dict or None, got str 'high'"),

@@ -21,6 +21,18 @@ from megatron.core.transformer.moe.router import TopKRouter
 def real_tokens(samples: list, mb: Any, sp: bool) -> torch.Tensor:
     """Which of micro-batch ``mb``'s tokens, in the order the routers see them (sequence-first; this TP rank's slice
     with sequence parallelism), are a sample's and not padding."""
+    return _real(samples, mb, sp).reshape(-1)
+
+
+def padding_mask(samples: list, mb: Any, sp: bool) -> torch.Tensor:
+    """Megatron's ``padding_mask`` of micro-batch ``mb`` ([rows, positions], True on padding; this TP rank's
+    positions with ``sp``): the MoE routers leave those tokens out of the load-balancing and z losses, which would
+    otherwise change with the padding (--micro-batch-size, the rollout's longest sample)."""
+    return ~_real(samples, mb, sp).T.contiguous()
+
+
+def _real(samples: list, mb: Any, sp: bool) -> torch.Tensor:
+    """[positions, rows]: True where the token is a sample's (see real_tokens)."""
     lengths = [len(samples[i].tokens) for i in mb.indices]
     width = mb.tokens.shape[1]
     if mb.packed:
@@ -30,7 +42,7 @@ def real_tokens(samples: list, mb: Any, sp: bool) -> torch.Tensor:
     if sp:
         tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
         real = real.chunk(tp, dim=0)[rank]
-    return real.reshape(-1)
+    return real
 
 
 class ExpertLoad:

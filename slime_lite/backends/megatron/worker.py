@@ -43,7 +43,7 @@ from slime_lite.backends.megatron.model import (
     sequence_parallel,
     unwrap,
 )
-from slime_lite.backends.megatron.moe_metrics import ExpertLoad, real_tokens
+from slime_lite.backends.megatron.moe_metrics import ExpertLoad, padding_mask, real_tokens
 from slime_lite.backends.megatron.optimizer_offload import optimizer_config
 from slime_lite.backends.megatron.parallel import init_distributed, open_store
 from slime_lite.config import TokenBudget
@@ -180,6 +180,10 @@ class TrainWorker:
                 self.expert_load.next_micro_batch(real_tokens(samples, mb, sequence_parallel(self.args)))
             dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             extra = {"packed_seq_params": packed_seq_params(mb.cu_seqlens, mb.max_seqlen, dev)} if mb.packed else {}
+            if self.expert_load is not None:  # an MoE model: padding out of the router losses (the first stage
+                # splits the mask over the TP ranks itself under --sequence-parallel; later stages get it split)
+                sp_split = sequence_parallel(self.args) and not unwrap(model).pre_process
+                extra["padding_mask"] = B.to_device(padding_mask(samples, mb, sp_split), dev)
             # each TP rank keeps its vocabulary slice of the logits (logprobs.py reduces over the slices)
             out = model(B.to_device(mb.tokens, dev), B.to_device(mb.position_ids, dev), None,
                         runtime_gather_output=False, **extra)
