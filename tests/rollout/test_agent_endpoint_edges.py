@@ -525,16 +525,20 @@ def test_a_long_call_is_tokenized_off_the_loop_and_one_far_past_the_context_is_r
     """Tokenizing megabytes takes seconds: it runs in a worker thread, so another trajectory's call is answered
     meanwhile; a call whose new text has far more characters than the context's room could hold as tokens is a 400
     naming messages and --rollout-max-context-len without being tokenized (the sample truncated, as a full one)."""
+    import threading
+
     from tests.rollout.test_agent_endpoint import ScriptedEngine
 
     tok = build_tokenizer()
+    other_answered = threading.Event()
 
     class SlowTokenizer:
-        """The tiny tokenizer, taking 2 s over a long text (as megabytes take a real one); records each text's
-        length."""
+        """The tiny tokenizer, holding a long text until another trajectory's call was answered (as megabytes hold
+        a real one for seconds): on the event loop it would wait out its 30 s, the other call never answered;
+        records each text's length."""
 
         def __init__(self):
-            self.lengths = []
+            self.lengths, self.other_first = [], None
 
         def __getattr__(self, name):
             return getattr(tok, name)
@@ -542,7 +546,7 @@ def test_a_long_call_is_tokenized_off_the_loop_and_one_far_past_the_context_is_r
         def __call__(self, text, **kwargs):
             self.lengths.append(len(text))
             if len(text) > 1000:
-                time.sleep(2.0)
+                self.other_first = other_answered.wait(30)
             return tok(text, **kwargs)
 
     async def main():
@@ -550,25 +554,25 @@ def test_a_long_call_is_tokenized_off_the_loop_and_one_far_past_the_context_is_r
         ep = await mod.AgentEndpoint(ScriptedEngine(["x<|im_end|>"] * 2), slow).start()
         long_call, other, huge = (ep.open({"temperature": 1.0, "max_new_tokens": 8}, context=4096) for _ in range(3))
 
-        due = time.monotonic()
-
-        async def call(traj, content, after=0.0):  # sent ``after`` s from now: timed from then (a blocked loop
-            await asyncio.sleep(after)  # wakes this sleep late too)
-            started = due + after
+        async def call(traj, content, after=0.0):
+            await asyncio.sleep(after)
             try:
                 await _client(traj.base_url).chat.completions.create(
                     model="m", messages=[{"role": "user", "content": content}])
-                return "ok", time.monotonic() - started
+                return "ok"
             except openai.BadRequestError as exc:
-                return exc.body["message"], time.monotonic() - started
+                return exc.body["message"]
+            finally:
+                if traj is other:
+                    other_answered.set()
 
         out = await asyncio.gather(call(long_call, "x" * 2000), call(other, "hi", after=0.3),
                                    call(huge, "x" * 1_000_000, after=0.1))
         await ep.stop()
-        return slow.lengths, out, huge
+        return slow, out, huge
 
-    lengths, ((long_answer, _), (other_answer, other_took), (huge_answer, _)), huge = asyncio.run(main())
+    slow, (long_answer, other_answer, huge_answer), huge = asyncio.run(main())
     assert long_answer == other_answer == "ok"
-    assert other_took < 1.0, "another trajectory's call waited for a long one's tokenizing"
+    assert slow.other_first, "another trajectory's call waited for a long one's tokenizing"
     assert huge_answer.startswith("messages: ") and "(--rollout-max-context-len)" in huge_answer, huge_answer
-    assert max(lengths) < 1_000_000 and huge.truncated  # never tokenized
+    assert max(slow.lengths) < 1_000_000 and huge.truncated  # never tokenized
