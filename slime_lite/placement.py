@@ -46,6 +46,13 @@ def plan_layout(args: Any) -> Layout:
     if args.colocate:
         n = max(actor_n, critic_n, rollout_n)
         return Layout(n, list(range(actor_n)), list(range(critic_n)), list(range(rollout_n)))
+    per, node = args.rollout_num_gpus_per_engine, args.num_gpus_per_node
+    if rollout_n and node and (actor_n + critic_n) % per:  # the engines' bundles follow the trainer's
+        raise SlimeLiteError(
+            f"the engines' GPUs start after the trainer's {actor_n + critic_n} (--actor-num-nodes x "
+            f"--actor-num-gpus-per-node{', and the critic' if critic_n else ''}), which --rollout-num-gpus-per-engine "
+            f"{per} does not divide, so an engine would span two nodes of --num-gpus-per-node {node}: give the "
+            f"trainer a multiple of {per} GPUs, or --colocate.")
     return Layout(
         actor_n + critic_n + rollout_n,
         list(range(actor_n)),

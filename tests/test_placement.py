@@ -36,6 +36,19 @@ def test_layout_table(kw, bundles, actor, critic, rollout):
     assert (layout.num_bundles, layout.actor, layout.critic, layout.rollout) == (bundles, actor, critic, rollout)
 
 
+def test_an_engine_that_would_span_two_nodes_is_refused_before_ray():
+    """--num-gpus-per-node 2: the engines' bundles follow the trainer's 1 GPU, so a 2-GPU engine would take the
+    last GPU of node 0 and the first of node 1; a trainer of 2 GPUs, or --colocate, keeps engines on one node."""
+    from slime_lite.errors import SlimeLiteError
+
+    flags = dict(num_gpus_per_node=2, rollout_num_gpus_per_engine=2, actor_num_gpus_per_node=1)
+    with pytest.raises(SlimeLiteError, match=r"the engines' GPUs start after the trainer's 1 .*"
+                                             r"--rollout-num-gpus-per-engine 2 does not divide"):
+        plan_layout(make(**flags))
+    assert plan_layout(make(**{**flags, "actor_num_gpus_per_node": 2})).rollout == [2, 3]
+    assert plan_layout(make(**{**flags, "colocate": True})).rollout == [0, 1]
+
+
 def test_ray_start_up_timeout_is_retried_once_and_other_errors_are_not(monkeypatch):
     """FAKE ray.init (Ray's own start-up timeout cannot be caused on purpose here): one timeout, then a start."""
     import ray
