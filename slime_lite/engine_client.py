@@ -28,6 +28,10 @@ API_KEY_ENV = "SLIME_LITE_ENGINE_API_KEY"  # the engines' API key (never on a co
 API_KEY_FILE_ENV = "SLIME_LITE_ENGINE_API_KEY_FILE"  # or a file holding it
 REPLACEMENT_WAIT_S = 3600.0  # --use-fault-tolerance: the longest a request waits for a restarted engine
 HEALTH_TIMEOUT_S = 10.0  # after a request timed out: the engine is alive if /health answers within this
+# /generate answered with an HTTP 5xx (SGLang's 503 "Retracted ... Retry later", a 500 abort): the engine is alive, so
+# the request is sent again (to the least-loaded engine) after 0.5, 1, 2, 4, 8 s, and no engine is taken out
+ANSWERED_5XX_RETRIES = 5
+ANSWERED_5XX_BACKOFF_S = 0.5
 # engines are reached directly, as the async client and SentRequest reach them: an http_proxy of the environment
 # (set on many clusters for pip) would send the health checks of servers on 127.0.0.1 or this node to the proxy
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -87,7 +91,7 @@ def request_json(url: str, route: str, body: Any = None, *, timeout: float = 60.
         raise EngineError(f"{url}: not an engine URL http://HOST:PORT ({exc})") from None
     except urllib.error.HTTPError as exc:
         raise _http_error(url, route, exc.code, exc.read(), body) from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as exc:
         raise _no_answer(url, route, getattr(exc, "reason", exc), body) from None
     return _parse(raw)
 
@@ -265,19 +269,33 @@ class AsyncEngineClient:
             return False
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /generate on the least-loaded live engine; on a dead engine, retry on another. With ``lora_path``
-        set, a body that names no adapter gets it."""
+        """POST /generate on the least-loaded live engine; on a dead engine, retry on another; on an HTTP 5xx
+        answer (the engine is alive), retry after a pause (``ANSWERED_5XX_RETRIES``). With ``lora_path`` set, a body
+        that names no adapter gets it."""
         if self.lora_path is not None and body.get("lora_path") is None:
             body = {**body, "lora_path": self.lora_path}
-        attempts = 0
+        attempts = answered = 0
         while True:
             url = await self._pick_or_wait()
             self.inflight[url] += 1
             try:
                 return await self.post(url, "/generate", body)
             except EngineError as exc:
-                if "answered HTTP 4" in str(exc):
+                status = str(exc).partition(" answered HTTP ")[2][:1]
+                if status == "4":
                     raise  # the request itself is bad; another engine would refuse it too
+                if status == "5":
+                    answered += 1
+                    if answered <= ANSWERED_5XX_RETRIES:
+                        delay = ANSWERED_5XX_BACKOFF_S * 2 ** (answered - 1)
+                        log.warning("%s; sent again in %gs (%d/%d)", exc, delay, answered, ANSWERED_5XX_RETRIES)
+                        await asyncio.sleep(delay)
+                        continue
+                    if not self.wait_for_replacement:
+                        raise EngineError(f"{exc}; sent {answered} times, each answered with an HTTP 5xx error: the "
+                                          "engine is alive but failing, see its log") from None
+                    answered = 0  # --use-fault-tolerance: one that keeps failing (a router over a dead engine) is
+                    # restarted as a dead one, and the request starts over
                 if isinstance(exc, EngineTimeout) and await self._answers_health(url):
                     # alive and answering: a long generation or a busy engine, not a dead one (sent again elsewhere
                     # it would time out there too, and --use-fault-tolerance would restart healthy engines)

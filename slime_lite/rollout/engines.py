@@ -170,7 +170,9 @@ def restart_engine(args: Any, pg: Any, bundles: list[int], old: Any, rank: int) 
 
 
 def engine_memory(urls: list[str], action: str, tags: list[str] | None = None) -> None:
-    """``release`` or ``resume`` the engines' memory (tags ``weights``, ``kv_cache``; None = all), as SGLang does."""
+    """``release`` or ``resume`` the engines' memory (tags ``weights``, ``kv_cache``, ``cuda_graph``; None = all), as
+    SGLang does (the embedded engine's CUDA graphs come back with its cache and weights: it takes that tag as a
+    no-op)."""
     route = "/release_memory_occupation" if action == "release" else "/resume_memory_occupation"
     engines_request(urls, route, {"tags": tags} if tags else {})
 

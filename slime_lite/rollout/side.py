@@ -84,7 +84,8 @@ class RolloutSide:
 
     # ---- around training ---------------------------------------------------------------------------------------
     def release_memory(self, record: dict) -> None:
-        """--offload-rollout, before training: the engines release weights and KV cache (perf/offload_time)."""
+        """--offload-rollout, before training: the engines release all their memory (SGLang: weights, KV cache, CUDA
+        graphs; resumed in push_weights and resume_memory) (perf/offload_time)."""
         if not (self.config.offload_rollout and self.urls):
             return
         with timed(record, "perf/offload_time"):
@@ -136,12 +137,13 @@ class RolloutSide:
             ray.get(self.manager.use_lora_adapter.remote(lora_adapter_name(version)))
 
     def resume_memory(self, record: dict) -> None:
-        """--offload-rollout, after the trainer offloaded: the engines get their KV cache back."""
+        """--offload-rollout, after the trainer offloaded: the engines get their KV cache back, and their CUDA graphs
+        (the release, with no tags, released SGLang's too)."""
         if not (self.config.offload_rollout and self.urls):
             return
         with timed(record, "perf/offload_time"):
             t0 = time.monotonic()
-            engine_memory(self.urls, "resume", ["kv_cache"])
+            engine_memory(self.urls, "resume", ["kv_cache", "cuda_graph"])
             add_time(record, "perf/offload/engine_resume_time", t0)
 
     # ---- eval, metrics, end ----------------------------------------------------------------------------------------

@@ -64,6 +64,60 @@ def test_passthrough_refused_by_sglangs_own_parser(flags, extra, expected):
         parse_args(flags + extra)
 
 
+@pytest.mark.parametrize("extra, dest, owner", [
+    (["--sglang-po", "30000"], "port", "free port"),  # a prefix, at SGLang's default value
+    (["--sglang-ho", "127.0.0.1"], "host", "chosen by slime-lite"),
+    (["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--sglang-tensor-parallel-size", "1"],
+     "tp_size", "--rollout-num-gpus-per-engine"),  # an alias
+    (["--sglang-model-p", "/elsewhere"], "model_path", "--hf-checkpoint"),
+    (["--sglang-api-k", "mine"], "api_key", "SLIME_LITE_ENGINE_API_KEY"),
+    (["--lora-rank", "8", "--sglang-max-lora-r", "64"], "max_lora_rank", "--lora-rank"),
+    (["--lora-rank", "8", "--sglang-lora-target", "q_proj"], "lora_target_modules", "--lora-target-modules"),
+])
+def test_a_passthrough_that_sets_what_the_launcher_owns_is_refused_whatever_its_spelling_or_value(
+        flags, extra, dest, owner):
+    """Each of these reaches SGLang's parser as the field the launcher sets (the passthrough comes last on the
+    command line, so it would win): refused by the field SGLang's own parser sets, not by the flag's name or value."""
+    flag, value = extra[-2].replace("--sglang-", "--"), extra[-1]
+    parsed = vars(oracle.server_args_parser().parse_args(["--model-path", "/m", flag, value]))
+    assert str(parsed[dest]) in (value, f"['{value}']")  # SGLang itself reads the flag as that field
+    with pytest.raises(SlimeLiteError, match=rf"sets SGLang's {dest}, .*{owner}.*drop that flag"):
+        parse_args(flags + extra)
+
+
+@pytest.mark.parametrize("per_engine, extra", [
+    ("1", ["--sglang-dp-size", "2", "--sglang-enable-dp-attention"]),
+    ("2", ["--sglang-dp-size", "2", "--sglang-enable-dp-attention"]),
+    ("2", ["--sglang-attn-dp-size", "3"]),
+    ("4", ["--sglang-attn-dp-size", "2"]),
+])
+def test_attention_data_parallel_sizes_are_refused_before_ray_where_sglang_would_refuse_the_server(
+        tiny_model_dir, tmp_path, per_engine, extra):
+    """SGLang splits a server's tp ranks (--rollout-num-gpus-per-engine) into attention data-parallel groups and
+    asserts at start that they divide evenly: slime-lite refuses exactly what SGLang's own resolution refuses."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--rm-type", "addition",
+            "--rollout-backend", "sglang", "--debug-rollout-only", "--rollout-num-gpus", per_engine,
+            "--rollout-num-gpus-per-engine", per_engine, *extra]
+    try:
+        parse_args(argv)
+        refusal = None
+    except SlimeLiteError as exc:
+        refusal = str(exc)
+    served = oracle.parse_server_args(["--model-path", str(tiny_model_dir), "--tp-size", per_engine, "--device",
+                                       "cpu", *[a.replace("--sglang-", "--") for a in extra]])
+    try:
+        with oracle._fakes_installed():  # resolving imports GPU-only modules the oracle fakes
+            served.resolve_once()
+        sglang_refuses = False
+    except AssertionError:  # assert tp_size % attn_dp_size == 0
+        sglang_refuses = True
+    assert (refusal is not None) == sglang_refuses, refusal
+    if refusal:
+        assert extra[0] in refusal and f"--rollout-num-gpus-per-engine {per_engine}" in refusal
+
+
 # ---- /generate bodies ---------------------------------------------------------------------------------------
 class CapturingClient:
     """Records the /generate bodies and answers in SGLang's response shape (no server)."""
@@ -235,3 +289,56 @@ def test_a_failed_distributed_push_drops_the_broadcast_group(monkeypatch):
         wp.push_distributed({"a": torch.ones(4)}, list(key), 1)
     assert key not in wp._groups
     assert calls == ["broadcast", "/destroy_weights_update_group", "trainer side destroyed"]
+
+
+def test_offload_rollout_resumes_every_memory_sglang_released(monkeypatch):
+    """--offload-rollout over one step (RolloutSide.release_memory, push_weights, resume_memory): the memory calls
+    slime-lite sends, replayed on SGLang's own SchedulerWeightUpdaterManager, leave nothing paused (the tag-less
+    release pauses the CUDA graphs too). Fakes: the engine's HTTP answer, the engine actor's memory report, and the
+    GPU runtime under SGLang's manager (memory saver, TP group barrier, device sync)."""
+    import torch
+
+    from slime_lite.rollout import engines, side as side_mod
+    from slime_lite.rollout.recovery import NoRecovery
+
+    updater = oracle.sglang_module("sglang.srt.managers.scheduler_components.weight_updater")
+    io_struct = oracle.sglang_module("sglang.srt.managers.io_struct")
+    sent = []
+    monkeypatch.setattr(engines, "request_json", lambda url, route, body, timeout=None: sent.append((route, body)))
+    monkeypatch.setattr(side_mod, "ray", SimpleNamespace(get=lambda refs, timeout=None: refs))
+    actor = SimpleNamespace(memory=SimpleNamespace(remote=lambda: {"gpu_used_gb": 1.0}))
+    side = object.__new__(side_mod.RolloutSide)
+    side.config = SimpleNamespace(offload_rollout=True, fully_async=False, names_lora_adapter=False,
+                                  pushes_after=lambda r: True)
+    side.fleet, side.recovery = engines.EngineFleet([actor], ["http://engine"]), NoRecovery()
+    side.release_memory({})
+    side.push_weights(lambda urls, version: {}, 1, {})
+    side.resume_memory({})
+
+    class FakeSaver:  # SGLang's memory saver adapter: which tags are paused
+        def __init__(self) -> None:
+            self.paused: set[str] = set()
+
+        def pause(self, tag):
+            self.paused.add(tag)
+
+        def resume(self, tag):
+            self.paused.discard(tag)
+
+    monkeypatch.setattr(updater, "get_parallel", lambda: SimpleNamespace(tp_group=SimpleNamespace(cpu_group=None)))
+    monkeypatch.setattr(updater, "get_model", lambda: SimpleNamespace(weight_cache_mode="off"))
+    monkeypatch.setattr(updater, "_export_static_state", lambda model: None)
+    monkeypatch.setattr(updater, "_import_static_state", lambda model, state: None)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **kw: None)
+    monkeypatch.setattr(torch, "get_device_module", lambda *a: SimpleNamespace(synchronize=lambda: None))
+    saver = FakeSaver()
+    manager = updater.SchedulerWeightUpdaterManager(
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=None)), draft_worker=None,
+        memory_saver_adapter=saver, flush_cache=lambda **kw: True, is_fully_idle=lambda **kw: True)
+    assert [route for route, _ in sent] == ["/release_memory_occupation"] + ["/resume_memory_occupation"] * 2
+    for route, body in sent:
+        kind = "Release" if "release" in route else "Resume"
+        getattr(manager, route.strip("/"))(getattr(io_struct, f"{kind}MemoryOccupationReqInput")(**body))
+        if "release" in route:
+            assert saver.paused == set(oracle.sglang_module("sglang.srt.constants").GPU_MEMORY_ALL_TYPES)
+    assert saver.paused == set() and manager.offload_tags == set()

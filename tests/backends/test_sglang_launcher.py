@@ -235,7 +235,8 @@ def test_router_in_front_of_engine_fake(tiny_model_dir, engine_logs):
 
 @pytest.mark.slow
 def test_engine_gpu_ids_follow_the_engines_bundles_with_logical_ray_gpus():
-    """Ray with 4 logical GPUs (no CUDA needed): engine 1 of TP 2 gets the GPUs of bundles 2 and 3."""
+    """Ray with 4 logical GPUs (no CUDA needed): engine 1 of TP 2 gets the GPUs of bundles 2 and 3; the engine
+    holds its first bundle's GPU whole, as on GPUs of its own (a probe of that bundle would wait forever)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -249,8 +250,8 @@ def test_engine_gpu_ids_follow_the_engines_bundles_with_logical_ray_gpus():
         got = {}
         for rank, bundle in ((0, 0), (1, 2)):
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
-            got[rank] = ray.get(probe.options(num_cpus=0.1, num_gpus=0.5, scheduling_strategy=strategy)
-                                .remote(args, rank))
+            got[rank] = ray.get(probe.options(num_cpus=0.1, num_gpus=1, scheduling_strategy=strategy)
+                                .remote(args, rank), timeout=60)
         assert sorted(got[0]) == [0, 1] and sorted(got[1]) == [2, 3]
     finally:
         ray.shutdown()

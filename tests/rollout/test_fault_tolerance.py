@@ -7,23 +7,28 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import pytest
 
+from slime_lite import engine_client
 from slime_lite.engine_client import AsyncEngineClient
-from slime_lite.errors import EngineError
+from slime_lite.errors import EngineError, EngineUnreachable
 from slime_lite.io import free_port
 
 BODY = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
 
 
-async def fake_engine(name: str, seconds: float = 0.0, healthy: bool = True):
-    """A FAKE engine answering /generate with its name after ``seconds``, and /health (200, or 503 when not
-    ``healthy``); returns (url, runner)."""
+async def fake_engine(name: str, seconds: float = 0.0, healthy: bool = True, errors: list[int] | None = None):
+    """A FAKE engine answering /generate with its name after ``seconds`` (first with the HTTP ``errors``, one per
+    request, when given), and /health (200, or 503 when not ``healthy``); returns (url, runner)."""
     from aiohttp import web
 
     async def generate(request):
         await asyncio.sleep(seconds)
+        if errors:  # SGLang's shape of an HTTPException: {"detail": ...}
+            return web.json_response({"detail": "Retracted under decode memory pressure. Retry later."},
+                                     status=errors.pop(0))
         return web.json_response({"text": name, "output_ids": [3], "meta_info": {}})
 
     async def health(request):
@@ -127,6 +132,72 @@ def test_with_the_flag_requests_of_a_dead_engine_go_to_a_live_one_at_once():
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+def test_an_engine_that_answers_5xx_is_alive_the_request_is_sent_again_and_no_engine_is_taken_out(monkeypatch):
+    """SGLang answers 503 "Retracted ... Retry later" under memory pressure, 500 for a request it aborted: the engine
+    answered, so it stays in rotation (not handed to --use-fault-tolerance) and the request goes again after a
+    pause; one that keeps answering 5xx fails the request after ANSWERED_5XX_RETRIES, still not taken out (under
+    --use-fault-tolerance it is then handed to the restarts: a router over a dead engine answers 5xx too)."""
+    # raising=False: a client without the retry fails this test on behaviour, not on the missing constant
+    monkeypatch.setattr(engine_client, "ANSWERED_5XX_BACKOFF_S", 0.01, raising=False)
+
+    async def run():
+        url, runner = await fake_engine("ok", errors=[503, 500])
+        failing, failing_runner = await fake_engine("never", errors=[500] * 100)
+        client = AsyncEngineClient([url], timeout=5, max_retries=0)
+        try:
+            out = await client.generate(BODY)
+            assert out["text"] == "ok" and not client.dead and client.failed() == []
+            assert (await client.generate(BODY))["text"] == "ok"  # later requests still go to it
+            await client.close()
+            client = AsyncEngineClient([failing], timeout=5, wait_for_replacement=False)
+            with pytest.raises(EngineError, match=r"answered HTTP 500.*sent 6 times"):
+                await client.generate(BODY)
+            assert not client.dead and client.failed() == []
+            await client.close()
+            # under --use-fault-tolerance an engine that answers nothing but 5xx is restarted in the end
+            client = AsyncEngineClient([failing], timeout=5, wait_for_replacement=True)
+            request = asyncio.ensure_future(client.generate(BODY))
+            for _ in range(200):
+                if client.failed() == [failing]:
+                    break
+                await asyncio.sleep(0.02)
+            client.replace(failing, url)
+            assert (await asyncio.wait_for(request, 10))["text"] == "ok"
+        finally:
+            await client.close()
+            await runner.cleanup()
+            await failing_runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_an_engine_that_dies_while_answering_is_no_answer_naming_it():
+    """The connection closes before the body the engine announced is complete (its process died mid-answer):
+    ``request_json`` and ``SentRequest`` both raise EngineUnreachable naming the engine, not http.client's
+    IncompleteRead. The engine is a FAKE: a raw socket that sends half an answer and closes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"su")
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        for call in (lambda: engine_client.request_json(url, "/update_weights_from_tensor", {"x": 1}, timeout=5),
+                     lambda: engine_client.SentRequest(url, "/update_weights_from_tensor", {"x": 1}).result()):
+            with pytest.raises(EngineUnreachable, match=rf"engine {url}/update_weights_from_tensor did not answer "
+                                                         r"\(IncompleteRead"):
+                call()
+    finally:
+        listener.close()
 
 
 # ---- on a GPU (scripts/test-gpu.sh): colocated, engine and trainer on one GPU, the engine killed mid-rollout -------

@@ -41,7 +41,7 @@ INSTALL_HINT = f'pip install "sglang[all]=={SGLANG_VERSION}"'
 OWNED_FLAGS = {
     "--model-path": "--hf-checkpoint", "--model": "--hf-checkpoint", "--host": "(chosen by slime-lite)",
     "--port": "(a free port, chosen by slime-lite)", "--tp-size": "--rollout-num-gpus-per-engine",
-    "--tp": "--rollout-num-gpus-per-engine",
+    "--tp": "--rollout-num-gpus-per-engine", "--api-key": f"{API_KEY_ENV} (or {API_KEY_FILE_ENV})",
 }
 # with --lora-rank, the LoRA flags the launcher sets too (each push loads the adapters by name; none at start)
 LORA_FLAGS = {"--enable-lora": "--lora-rank", "--max-lora-rank": "--lora-rank",
@@ -99,7 +99,7 @@ def check_sglang_args(cfg: EngineConfig) -> None:
                 f"--rollout-backend sglang needs SGLang, which is not installed in this Python ({sys.executable}). "
                 f"Install it on every GPU node ({INSTALL_HINT}, or use the docker image in docker/), or use "
                 "--rollout-backend embedded.")
-        served = validate_with_sglang_parser(cfg.hf_checkpoint, sglang_args)
+        served = validate_with_sglang_parser(cfg.hf_checkpoint, sglang_args, cfg.lora_rank is not None)
         pp, dp = (getattr(served, "pp_size", 1) or 1), (getattr(served, "dp_size", 1) or 1)
         if cfg.lora_rank is not None and dp > 1:
             raise SlimeLiteError("--lora-rank with --sglang-dp-size above 1: SGLang loads adapters at run time only "
@@ -114,6 +114,17 @@ def check_sglang_args(cfg: EngineConfig) -> None:
                 f"{n * pp * (1 if getattr(served, 'enable_dp_attention', False) else dp)} GPUs of {n}: drop them "
                 "and use more engines (--rollout-num-gpus) or more GPUs per engine (data parallelism inside an "
                 "engine: --sglang-dp-size with --sglang-enable-dp-attention).")
+        # attention data parallelism splits the server's tp ranks into equal groups (SGLang asserts it at start)
+        n, attn_dp = cfg.rollout_num_gpus_per_engine, getattr(served, "attn_dp_size", 1) or 1
+        given = f"--sglang-attn-dp-size {attn_dp}"
+        if attn_dp == 1 and getattr(served, "enable_dp_attention", False):  # the older spelling of the same
+            attn_dp, given = dp, f"--sglang-dp-size {dp} with --sglang-enable-dp-attention"
+        if n % attn_dp:
+            raise SlimeLiteError(
+                f"{given}: SGLang splits each server's --tp-size (slime-lite's --rollout-num-gpus-per-engine {n}) "
+                f"into {attn_dp} attention data-parallel groups, and {attn_dp} does not divide {n}: make "
+                f"--rollout-num-gpus-per-engine a multiple of {attn_dp}, or the attention data-parallel size a "
+                f"divisor of {n}.")
     if router and not _module_found("sglang_router"):
         raise SlimeLiteError("--use-sglang-router needs SGLang's router, which is not installed: "
                              "pip install sglang-router (or drop --use-sglang-router: slime-lite balances the "
@@ -134,13 +145,20 @@ def _raising_parser():
 
 # ServerArgs fields the launcher sets itself (build_command), with the slime-lite flag that controls each
 OWNED_DESTS = {"model_path": "--hf-checkpoint", "host": "(chosen by slime-lite)",
-               "port": "(a free port, chosen by slime-lite)", "tp_size": "--rollout-num-gpus-per-engine"}
+               "port": "(a free port, chosen by slime-lite)", "tp_size": "--rollout-num-gpus-per-engine",
+               "api_key": f"{API_KEY_ENV} or {API_KEY_FILE_ENV} (given to servers off loopback, sent with every "
+                          "request)"}
+LORA_DESTS = {"enable_lora": "--lora-rank", "max_lora_rank": "--lora-rank",
+              "lora_target_modules": "--lora-target-modules", "lora_paths": "(each push loads the adapters)"}
+UNSET = "\0slime-lite:unset"  # a value no flag gives: what a parse leaves at UNSET, the passthrough did not set
 
 
-def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> argparse.Namespace:
+def validate_with_sglang_parser(model_path: str, sglang_args: list[str], lora: bool = False) -> argparse.Namespace:
     """Parse the passthrough flags with SGLang's own ``ServerArgs.add_cli_args`` (the flag set of the installed
-    release, never a copied list): unknown or ambiguous flags, bad values and flags that set what the launcher
-    owns (also through a prefix such as ``--sglang-po``) are errors. Returns what SGLang parsed."""
+    release, never a copied list): unknown or ambiguous flags, bad values and any flag that sets a field the
+    launcher owns (``OWNED_DESTS``, with ``lora`` also ``LORA_DESTS``), whatever its value and however it is spelt
+    (a prefix such as ``--sglang-po``, an alias such as ``--sglang-tensor-parallel-size``), are errors. Returns
+    what SGLang parsed."""
     try:
         from sglang.srt.server_args import ServerArgs  # only reached when SGLang is installed
     except ImportError as exc:
@@ -152,18 +170,21 @@ def validate_with_sglang_parser(model_path: str, sglang_args: list[str]) -> argp
 
     parser = _raising_parser()
     ServerArgs.add_cli_args(parser)
-    base = ["--model-path", str(model_path)]
-    ours = vars(parser.parse_known_args(base)[0])
-    parsed, unknown = parser.parse_known_args([*base, *sglang_args])
+    parsed, unknown = parser.parse_known_args(["--model-path", str(model_path), *sglang_args])
     if unknown:
         names = [_user_flag(u) for u in unknown if u.startswith("-")] or unknown
         raise SlimeLiteError(f"SGLang does not know {' '.join(names)}: every --sglang-<name> must be a flag of "
                              "python -m sglang.launch_server (as --<name>). Check the spelling against your "
                              "SGLang version's --help.")
-    for dest, controlled_by in OWNED_DESTS.items():
-        if dest in ours and getattr(parsed, dest) != ours[dest]:
-            raise SlimeLiteError(f"the --sglang-* flags set SGLang's {dest} ({getattr(parsed, dest)!r}), which "
-                                 f"slime-lite sets for each server itself from {controlled_by}; drop that flag.")
+    # the owned fields start at UNSET (argparse then leaves their defaults out): one the passthrough sets changes
+    owned = {**OWNED_DESTS, **(LORA_DESTS if lora else {})}
+    unset = argparse.Namespace(**dict.fromkeys(owned, UNSET))
+    seen = parser.parse_known_args(["--model-path", UNSET, *sglang_args], unset)[0]
+    for dest, controlled_by in owned.items():
+        if getattr(seen, dest) != UNSET:
+            flag = "--sglang-" + dest.replace("_", "-")
+            raise SlimeLiteError(f"{flag} (or a prefix or alias of it) sets SGLang's {dest}, which slime-lite sets "
+                                 f"for each server itself from {controlled_by}; drop that flag.")
     return parsed
 
 
@@ -237,8 +258,8 @@ def engine_host() -> str:
 def engine_gpu_ids(args: Any, rank: int) -> list[int] | None:
     """The GPU ids Ray assigned to this engine's bundles (all on one node), or None outside Ray / without GPUs.
 
-    The engine actor holds only the first of its ``--rollout-num-gpus-per-engine`` bundles; the others are asked
-    with a tiny probe task each (a bundle's GPU id is fixed by Ray)."""
+    The engine actor holds the first of its ``--rollout-num-gpus-per-engine`` bundles (its whole GPU when the engines
+    have GPUs of their own); the others are asked with a tiny probe task each (a bundle's GPU id is fixed by Ray)."""
     try:
         import ray
     except ImportError:
@@ -249,8 +270,6 @@ def engine_gpu_ids(args: Any, rank: int) -> list[int] | None:
     per = int(args.rollout_num_gpus_per_engine)
     if not own or per == 1:
         return own or None
-
-
     pg = get_current_placement_group()
     if pg is None:
         return own
@@ -260,11 +279,16 @@ def engine_gpu_ids(args: Any, rank: int) -> list[int] | None:
     def probe() -> tuple[str, list[int]]:
         return ray.get_runtime_context().get_node_id(), [int(g) for g in ray.get_gpu_ids()]
 
-    found = ray.get([
-        probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=b)).remote()
-        for b in bundles
-    ], timeout=120)
+    try:
+        found = ray.get([
+            probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=b)).remote()
+            for b in bundles[1:]
+        ], timeout=120)
+    except ray.exceptions.GetTimeoutError:
+        raise EngineError(f"engine {rank}: the GPUs of its bundles {bundles[1:]} were not given within 120 s "
+                          f"(--rollout-num-gpus-per-engine {per}): another process holds them whole.") from None
+    found = [(ray.get_runtime_context().get_node_id(), own)] + found
     if len({node for node, _ in found}) > 1:
         raise EngineError(f"engine {rank}: its {per} GPUs (bundles {bundles}) are on different nodes; a tensor-"
                           "parallel SGLang engine needs them on one node. Use a --rollout-num-gpus-per-engine that "
