@@ -4,7 +4,12 @@
 They map onto the same requests as ``/generate``. ``finish_reason`` is ``stop``, ``length`` or ``abort``. Log-probs
 follow SGLang's OpenAI server: completions take ``logprobs: k`` (``top_logprobs`` maps of the k best tokens) and
 ``echo`` (the prompt before the text; with ``logprobs`` > 0 also the prompt's log-probs, the first one null);
-chat takes ``logprobs: true`` and ``top_logprobs: k``. Stream chunks carry the log-probs of the tokens they add.
+chat takes ``logprobs: true`` and ``top_logprobs: k`` (counts read as pydantic reads them: true is 1, 2.0 is 2).
+Stream chunks carry the log-probs of the tokens they add; ``text_offset`` is where each token starts in the choice's
+text (after the echoed prompt; in a stream after what earlier chunks sent). A chat stream names the role in each
+choice's first chunk. ``stream_options``: ``include_usage`` (a last chunk with the usage) and
+``continuous_usage_stats`` (each chunk with its choice's usage so far), as SGLang. An assistant message's
+``tool_calls[].function.arguments`` string is parsed into its JSON object before the template renders (SGLang's).
 Without ``max_tokens`` / ``max_completion_tokens`` a completion stops at 16 tokens and a chat reply runs up to the
 context; null is up to the context (SGLang's defaults). A message's content may be OpenAI text parts (joined by a
 space, as SGLang renders them for a template that takes a string). Chat takes SGLang's ``chat_template_kwargs``,
@@ -119,7 +124,7 @@ def _check_fields(body: dict[str, Any], route: str) -> None:
         raise BadRequest("best_of: only best_of == n is supported by the embedded engine")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise BadRequest(f"model={body['model']!r:.80} must be a string (the served model's name)")
-    _include_usage(body)
+    _usage_options(body)
 
 
 def _flag(value: Any, name: str, default: bool) -> bool:
@@ -131,12 +136,15 @@ def _flag(value: Any, name: str, default: bool) -> bool:
         raise BadRequest(str(exc)) from None
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
-    """``stream_options.include_usage`` (``stream_options`` must be an object)."""
+def _usage_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream_options``' ``(include_usage, continuous_usage_stats)`` (``stream_options`` must be an object):
+    a final chunk with the usage of all choices; the usage of its choice so far on every chunk (SGLang's)."""
     options = body.get("stream_options")
     if not isinstance(options or {}, dict):
         raise BadRequest("stream_options must be an object")
-    return _flag((options or {}).get("include_usage"), "stream_options.include_usage", False)
+    options = options or {}
+    return (_flag(options.get("include_usage"), "stream_options.include_usage", False),
+            _flag(options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats", False))
 
 
 def _stream_delta(sent: str, text: str, final: bool) -> tuple[str, str]:
@@ -164,6 +172,38 @@ def _text_parts(message: Any, i: int) -> Any:
                              "only ({\"type\": \"text\", \"text\": ...})")
         texts.append(part["text"])
     return {**message, "content": " ".join(texts)}
+
+
+def _tool_arguments(message: Any, i: int) -> Any:
+    """An assistant message whose ``tool_calls[].function.arguments`` are JSON strings (as OpenAI clients send
+    them), with each parsed to its object: SGLang does so before the template renders (``| tojson`` writes the
+    object, not a quoted string). Arguments that are not a JSON object are a 400 naming them."""
+    if not isinstance(message, dict) or message.get("role") != "assistant" or \
+            not isinstance(message.get("tool_calls"), list):
+        return message
+    calls = []
+    for j, call in enumerate(message["tool_calls"]):
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                args = json.loads(function["arguments"])
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise BadRequest(f"messages[{i}].tool_calls[{j}].function.arguments={function['arguments']!r:.80} "
+                                 "must be a JSON object (as a string)")
+            call = {**call, "function": {**function, "arguments": args}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
+
+
+def _offsets(texts: list[str], at: int) -> list[int]:
+    """Where each of ``texts`` starts when they are written one after the other from position ``at``."""
+    out = []
+    for t in texts:
+        out.append(at)
+        at += len(t)
+    return out
 
 
 def _finish(out: Any) -> str | None:
@@ -217,21 +257,21 @@ class _OpenAI:
         return self.server.scheduler.decode([token], False)
 
     @staticmethod
-    def _count(body: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    def _count(body: dict[str, Any], key: str, hi: int) -> int:
+        """A log-prob count in [0, hi], read as pydantic reads it (SGLang's): true is 1, false 0, 2.0 is 2."""
         value = body.get(key)
-        if value is None or value is False:
-            return 0
-        if value is True:
-            return 1 if key == "logprobs" else 0
-        if not isinstance(value, int) or not lo <= value <= hi:
-            raise BadRequest(f"{key}={value!r} must be an integer in [{lo}, {hi}]")
-        return value
+        if value is None or isinstance(value, bool):
+            return int(bool(value))
+        try:
+            return check.integer(value, key, 0, hi)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
 
     async def completions(self, request):
         body = await read_body(request)
         _check_fields(body, "completions")
         want_lp = body.get("logprobs") is not None and body.get("logprobs") is not False
-        top = self._count(body, "logprobs", 0, check.MAX_TOP_LOGPROBS)
+        top = self._count(body, "logprobs", check.MAX_TOP_LOGPROBS)
         echo = _flag(body.get("echo"), "echo", False)
         prompt = body.get("prompt")
         if prompt is None:
@@ -252,7 +292,11 @@ class _OpenAI:
         sch = self.server.scheduler
         echo_texts = [texts[i] if texts is not None else sch.decode(p) for i, p in enumerate(prompts)]
 
-        def choice(i: int, out: Any, text: str, lo: int = 0, first: bool = True) -> dict[str, Any]:
+        def choice(i: int, out: Any, text: str, lo: int = 0, first: bool = True, at: int = 0,
+                   stream: bool = False) -> dict[str, Any]:
+            """``at``: the characters of generated text a stream sent before this chunk. ``text_offset`` is where
+            each token starts in the choice's text: the echoed prompt's tokens from 0, the generated ones after the
+            prompt (with echo) and the characters sent before."""
             with_prompt = echo and first
             if with_prompt:
                 text = echo_texts[i // n] + text
@@ -260,14 +304,14 @@ class _OpenAI:
             if want_lp:
                 pairs = list(zip(out.output_logprobs[lo:], out.output_ids[lo:]))
                 tops = (out.output_top or [])[lo:]
+                prompt: list[Any] = []  # the echoed prompt's log-probs come first
                 if with_prompt and top:
-                    pairs = list(zip(out.input_logprobs or [], out.input_ids_for_logprobs or [])) + pairs
+                    prompt = list(zip(out.input_logprobs or [], out.input_ids_for_logprobs or []))
                     tops = list(out.input_top or []) + tops
+                pairs = prompt + pairs
                 toks = [self._text(t) for _, t in pairs]
-                offsets, at = [], 0
-                for t in toks:
-                    offsets.append(at)
-                    at += len(t)
+                start = (len(echo_texts[i // n]) if echo else 0) + at
+                offsets = _offsets(toks[:len(prompt)], 0) + _offsets(toks[len(prompt):], start)
                 lp = {"tokens": toks, "token_logprobs": [v for v, _ in pairs],
                       "top_logprobs": [({self._text(t): v for v, t in row} if row else None) for row in tops]
                       if top else [None] * len(toks),
@@ -293,7 +337,7 @@ class _OpenAI:
         tok = self.server.scheduler.tokenizer
         if not getattr(tok, "chat_template", None):
             raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")
-        messages = [_text_parts(m, i) for i, m in enumerate(messages)]
+        messages = [_tool_arguments(_text_parts(m, i), i) for i, m in enumerate(messages)]
         try:
             return await asyncio.get_running_loop().run_in_executor(None, lambda: tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})))
@@ -360,7 +404,7 @@ class _OpenAI:
         body = await read_body(request)
         _check_fields(body, "chat")
         want_lp = _flag(body.get("logprobs"), "logprobs", False)
-        top = self._count(body, "top_logprobs", 0, check.MAX_TOP_LOGPROBS)
+        top = self._count(body, "top_logprobs", check.MAX_TOP_LOGPROBS)
         if top and not want_lp:
             raise BadRequest("top_logprobs needs logprobs: true")
         text = await self._render_chat(body.get("messages"), True, body.get("chat_template_kwargs"))
@@ -372,14 +416,15 @@ class _OpenAI:
             s = self._text(t)
             return {"token": s, "logprob": v, "bytes": list(s.encode())}
 
-        def choice(i: int, out: Any, text: str, lo: int = 0, first: bool = True, delta: bool = False):
+        def choice(i: int, out: Any, text: str, lo: int = 0, first: bool = True, at: int = 0, stream: bool = False):
             lp = None
             if want_lp:
                 tops = (out.output_top or [])[lo:] if top else [None] * (len(out.output_ids) - lo)
                 lp = {"content": [{**entry(v, t), "top_logprobs": [entry(*x) for x in (row or [])]}
                                   for v, t, row in zip(out.output_logprobs[lo:], out.output_ids[lo:], tops)]}
-            msg = {"role": "assistant", "content": text}
-            return {"index": i, ("delta" if delta else "message"): msg, "logprobs": lp, "finish_reason": _finish(out)}
+            # a stream names the role in each choice's first chunk only (clients concatenate a delta's strings)
+            msg = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": i, ("delta" if stream else "message"): msg, "logprobs": lp, "finish_reason": _finish(out)}
 
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.server.served_model_name}
@@ -401,20 +446,25 @@ class _OpenAI:
         chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        include_usage, continuous_usage = _usage_options(body)
+        n = len(reqs) // len(prompts)
         sent = [""] * len(reqs)
-        sent_tokens = [0] * len(reqs)
+        sent_tokens: list[int | None] = [None] * len(reqs)  # None: the choice has had no chunk yet
         outs: list[Any] = [None] * len(reqs)
         try:
             async with contextlib.aclosing(self.server.iter_outputs(reqs)) as stream:
                 async for i, out in stream:
+                    at = len(sent[i])
                     delta, sent[i] = _stream_delta(sent[i], sch.output_text(out), out.finish_reason is not None)
-                    lo, first = sent_tokens[i], sent_tokens[i] == 0
+                    lo, first = sent_tokens[i] or 0, sent_tokens[i] is None
                     sent_tokens[i] = len(out.output_ids)
-                    c = choice(i, out, delta, lo, first, True) if chat else choice(i, out, delta, lo, first)
-                    await resp.write(b"data: " + dumps({**chunk_head, "choices": [c]}).encode() + b"\n\n")
+                    chunk = {**chunk_head, "choices": [choice(i, out, delta, lo, first, at, stream=True)]}
+                    if continuous_usage:  # SGLang's: this choice's prompt and its tokens so far
+                        chunk["usage"] = self._usage([prompts[i // n]], [out])
+                    await resp.write(b"data: " + dumps(chunk).encode() + b"\n\n")
                     if out.finish_reason is not None:
                         outs[i] = out
-            if _include_usage(body):
+            if include_usage:
                 usage = {**chunk_head, "choices": [], "usage": self._usage(prompts, outs)}
                 await resp.write(b"data: " + dumps(usage).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")

@@ -277,6 +277,144 @@ def test_official_openai_client_models_logprobs_echo_and_streams(engine):
             proto.CompletionStreamResponse.model_validate(ch.model_dump())
 
 
+def _sglang_chat_module():
+    """SGLang's serving_chat module (tests/sglang_oracle.py), or None where the pinned sglang is not installed."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from sglang_oracle import sglang_available, sglang_module
+
+    return sglang_module("sglang.srt.entrypoints.openai.serving_chat") if sglang_available() else None
+
+
+def test_chat_stream_names_the_role_in_each_choices_first_chunk_only(engine, monkeypatch):
+    """OpenAI's stream helper concatenates a delta's strings: a role in every chunk made it
+    "assistantassistant..."."""
+    openai = pytest.importorskip("openai")
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    one_chunk_per_token(monkeypatch, engine)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True, "n": 2}
+    _, chunks = _streamed(engine.url, "/v1/chat/completions", body)
+    for i in (0, 1):
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+        assert len(deltas) >= 2 and deltas[0]["role"] == "assistant"
+        assert all("role" not in d for d in deltas[1:]), deltas
+    state = ChatCompletionStreamState()
+    for c in chunks:
+        if c["choices"][0]["index"] == 0 and c["choices"][0]["finish_reason"] is None:
+            state.handle_chunk(openai.types.chat.ChatCompletionChunk.model_validate(c))
+    assert state.current_completion_snapshot.choices[0].message.role == "assistant"
+
+
+TOOL_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+                 "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
+                 "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_assistant_tool_call_arguments_are_parsed_before_the_template_renders(engine):
+    """Clients send an assistant's ``tool_calls[].function.arguments`` as a JSON string; SGLang parses it into an
+    object before the template renders, so ``| tojson`` writes the object (not a quoted string): the same prompt
+    here on /tokenize and the chat route. Arguments that are not a JSON object are a 400 naming them."""
+    tok = engine.scheduler.tokenizer
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    msgs = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    expected = json.loads(json.dumps(msgs))
+    chat = _sglang_chat_module()
+    for m in expected:  # SGLang's own normalization where it is installed
+        if chat is not None:
+            chat.normalize_assistant_tool_call_arguments(m)
+        elif m.get("tool_calls"):
+            m["tool_calls"][0]["function"]["arguments"] = {"a": 1, "b": 2}
+    assert expected[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    template = tok.chat_template
+    tok.chat_template = TOOL_TEMPLATE
+    try:
+        rendered = tok.apply_chat_template(expected, tokenize=False, add_generation_prompt=True)
+        ours = http(engine.url, "/tokenize", {"messages": msgs})[1]
+        out = http(engine.url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})[1]
+        bad = [http(engine.url, "/v1/chat/completions", {"messages": [msgs[0], {**msgs[1], "tool_calls": [
+            {**call, "function": {"name": "add", "arguments": args}}]}], "max_tokens": 1}) for args in ("{a", "[1]")]
+    finally:
+        tok.chat_template = template
+    assert '"arguments": {"a": 1, "b": 2}' in rendered
+    assert ours["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    assert out["usage"]["prompt_tokens"] == ours["count"]
+    for status, err in bad:
+        assert status == 400 and "messages[1].tool_calls[0].function.arguments" in err["error"]["message"], err
+
+
+def test_logprob_counts_are_read_as_sglang_reads_them(engine):
+    """``top_logprobs: true`` is 1 and ``top_logprobs`` / completions ``logprobs`` take an integral float, as the
+    other integer fields do (SGLang's pydantic models read them so); 2.5 is a 400 naming the field."""
+    proto = _sglang_protocol()
+    msgs = [{"role": "user", "content": "hi"}]
+    for value, k in ((True, 1), (2.0, 2)):
+        body = {"messages": msgs, "max_tokens": 2, "logprobs": True, "top_logprobs": value}
+        status, out = http(engine.url, "/v1/chat/completions", body)
+        assert status == 200 and [len(t["top_logprobs"]) for t in out["choices"][0]["logprobs"]["content"]] == [k, k]
+        if proto is not None:
+            assert proto.ChatCompletionRequest.model_validate({"model": "m", **body}).top_logprobs == k
+    body = {"prompt": "ab", "max_tokens": 2, "logprobs": 2.0}
+    status, out = http(engine.url, "/v1/completions", body)
+    assert status == 200 and [len(t) for t in out["choices"][0]["logprobs"]["top_logprobs"]] == [2, 2]
+    if proto is not None:
+        assert proto.CompletionRequest.model_validate({"model": "m", **body}).logprobs == 2
+    for route, extra in (("/v1/completions", {"prompt": "ab", "logprobs": 2.5}),
+                         ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 2.5})):
+        status, out = http(engine.url, route, {**extra, "max_tokens": 2})
+        field = "logprobs" if "prompt" in extra else "top_logprobs"
+        assert status == 400 and out["error"]["message"].startswith(f"{field}=2.5"), out
+
+
+def test_completion_text_offsets_are_positions_in_the_choice_text(engine, monkeypatch):
+    """``text_offset[k]`` is where ``tokens[k]`` starts in the choice's text: after the echoed prompt (whose own
+    tokens, with ``logprobs`` > 0, start at 0), and in a stream after the characters earlier chunks sent."""
+    def at_offsets(text, lp):
+        return [text[o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])]
+
+    body = {"prompt": "abcdef", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for extra in ({"echo": True, "logprobs": 0}, {"echo": True, "logprobs": 1}, {"logprobs": 0}):
+        choice = http(engine.url, "/v1/completions", {**body, **extra})[1]["choices"][0]
+        assert at_offsets(choice["text"], choice["logprobs"]) == choice["logprobs"]["tokens"], (extra, choice)
+        assert choice["logprobs"]["text_offset"][-4] == (6 if extra.get("echo") else 0)
+    one_chunk_per_token(monkeypatch, engine)
+    for extra in ({"logprobs": 0}, {"echo": True, "logprobs": 1}):
+        text, chunks = _streamed(engine.url, "/v1/completions", {**body, **extra})
+        lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]["tokens"]]
+        assert len(lps) >= 2
+        for lp in lps:
+            assert at_offsets(text, lp) == lp["tokens"], (extra, text, lps)
+        assert lps[-1]["text_offset"][-1] == len(text) - 1
+
+
+@pytest.mark.parametrize("route,prompt", [("/v1/completions", {"prompt": "ab"}),
+                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_stream_options_continuous_usage_stats_puts_usage_on_every_chunk(engine, monkeypatch, route, prompt):
+    """SGLang's ``stream_options.continuous_usage_stats``: each chunk carries its choice's usage so far (its prompt,
+    its tokens until then); ``include_usage`` still ends the stream with the usage of all choices."""
+    one_chunk_per_token(monkeypatch, engine)
+    body = {**prompt, "max_tokens": 3, "ignore_eos": True, "n": 2, "logprobs": True if "messages" in prompt else 0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    _, chunks = _streamed(engine.url, route, body)
+    final = http(engine.url, route, {**body, "stream_options": None})[1]["usage"]
+    seen = [0, 0]
+    for c in chunks[:-1]:
+        lp = c["choices"][0]["logprobs"]
+        i, new = c["choices"][0]["index"], len(lp["content"] if "content" in lp else lp["tokens"])
+        seen[i] += new
+        assert c["usage"] == {"prompt_tokens": final["prompt_tokens"], "completion_tokens": seen[i],
+                              "total_tokens": final["prompt_tokens"] + seen[i]}, c  # n samples of one prompt
+    assert seen == [3, 3] and len(chunks) > 3 and chunks[-1]["choices"] == [] and chunks[-1]["usage"] == final
+    proto = _sglang_protocol()
+    if proto is not None:
+        model = proto.ChatCompletionStreamResponse if "messages" in prompt else proto.CompletionStreamResponse
+        for c in chunks[:-1]:
+            assert model.model_validate(c).usage.total_tokens == c["usage"]["total_tokens"]
+    status, out = http(engine.url, route, {**body, "stream_options": {"continuous_usage_stats": "yes"}})
+    assert status == 400 and "stream_options.continuous_usage_stats" in out["error"]["message"], out
+
+
 @pytest.mark.parametrize("route,extra,field", [
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
