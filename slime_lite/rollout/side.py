@@ -30,6 +30,9 @@ Push = Callable[[list[str], int], Any]  # push(urls, version): the trainer's wei
 
 
 class RolloutSide:
+    # --offload-rollout: engines restarted since the release (a new process: it released nothing, so nothing to resume)
+    _restarted: frozenset[str] = frozenset()
+
     def __init__(self, args: Any, pg: Any, bundles: list[int], push: Push | None) -> None:
         """Start the engines on their placement-group ``bundles`` (none under --debug-train-only) and the rollout
         manager. ``push`` sends the trainer's current weights to a restarted engine (None without a trainer)."""
@@ -111,11 +114,10 @@ class RolloutSide:
         if push is None or not self.urls or not self.config.pushes_after(version - 1):
             return
         with timed(record, "perf/update_weights_time"):
-            released = list(self.urls)
-            self.recovery.check()  # first: a dead engine would fail the resume; its replacement released nothing
+            self._check_engines()  # first: a dead engine would fail the resume; its replacement released nothing
             if self.config.offload_rollout:  # room for the weights now, for the KV cache after the trainer offloads
                 t0 = time.monotonic()
-                engine_memory([u for u in self.urls if u in released], "resume", ["weights"])
+                engine_memory([u for u in self.urls if u not in self._restarted], "resume", ["weights"])
                 add_time(record, "perf/update_weights/engine_resume_time", t0)  # a part of update_weights_time
             # generation goes on: held between two decode steps, nothing aborted; the running requests are retracted
             # (re-prefilled under the new weights, what they generated included), so a token stamped with the new
@@ -143,8 +145,19 @@ class RolloutSide:
             return
         with timed(record, "perf/offload_time"):
             t0 = time.monotonic()
-            engine_memory(self.urls, "resume", ["kv_cache", "cuda_graph"])
+            self._check_engines()
+            engine_memory([u for u in self.urls if u not in self._restarted], "resume", ["kv_cache", "cuda_graph"])
             add_time(record, "perf/offload/engine_resume_time", t0)
+        self._restarted = frozenset()
+
+    def _check_engines(self) -> None:
+        """Dead engines restarted (--use-fault-tolerance); under --offload-rollout their new URLs are remembered
+        until the resume after training: a new engine has all its memory, and SGLang refuses to resume what it never
+        released."""
+        before = list(self.urls)
+        self.recovery.check()
+        if self.config.offload_rollout:
+            self._restarted = self._restarted | {u for u in self.urls if u not in before}
 
     # ---- eval, metrics, end ----------------------------------------------------------------------------------------
     def evaluate(self, trained: int) -> dict[str, float]:

@@ -142,7 +142,7 @@ def test_an_engine_dead_before_an_offload_resume_is_replaced_first(fake_ray, mon
     live, fresh, dead = FakeEngine(), FakeEngine(), dead_url()
     restarted = []
     monkeypatch.setattr(rec, "restart_engine", lambda args, pg, bundles, old, rank: (
-        restarted.append(rank) or "new-actor", fresh.url))  # a fake restart: the fresh fake engine's URL
+        restarted.append(rank) or types.SimpleNamespace(alive=Fn(lambda: True)), fresh.url))  # a fake restart: the fresh fake engine's URL
     fleet = EngineFleet([types.SimpleNamespace(alive=Fn(lambda: True)), types.SimpleNamespace(alive=Fn(lambda: False))],
                         [live.url, dead])  # engine 1's server process exited
     manager = types.SimpleNamespace(failed_engines=Fn(lambda: []), replace_engine=Fn(lambda o, n: None))
@@ -155,6 +155,10 @@ def test_an_engine_dead_before_an_offload_resume_is_replaced_first(fake_ray, mon
     side.push_weights(lambda urls, v: pushed.append(list(urls)), 1, {})
     assert restarted == [1] and pushed == [[live.url, fresh.url]]
     assert live.hits.get("/resume_memory_occupation") == 1 and "/resume_memory_occupation" not in fresh.hits
+    side.resume_memory({})  # after training: the KV cache and CUDA graphs back, again to the engine that released them
+    assert live.hits.get("/resume_memory_occupation") == 2 and "/resume_memory_occupation" not in fresh.hits
+    side.resume_memory({})  # the next rollout's resume reaches every engine, the new one too
+    assert live.hits.get("/resume_memory_occupation") == 3 and fresh.hits.get("/resume_memory_occupation") == 1
 
 
 def test_a_router_whose_requests_keep_failing_is_bounded_and_counted(fake_ray):
