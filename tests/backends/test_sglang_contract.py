@@ -90,6 +90,7 @@ def test_a_passthrough_that_sets_what_the_launcher_owns_is_refused_whatever_its_
     ("2", ["--sglang-dp-size", "2", "--sglang-enable-dp-attention"]),
     ("2", ["--sglang-attn-dp-size", "3"]),
     ("4", ["--sglang-attn-dp-size", "2"]),
+    ("2", ["--sglang-dp-size", "2", "--sglang-attn-dp-size", "2", "--sglang-enable-dp-attention"]),
 ])
 def test_attention_data_parallel_sizes_are_refused_before_ray_where_sglang_would_refuse_the_server(
         tiny_model_dir, tmp_path, per_engine, extra):
@@ -111,11 +112,12 @@ def test_attention_data_parallel_sizes_are_refused_before_ray_where_sglang_would
         with oracle._fakes_installed():  # resolving imports GPU-only modules the oracle fakes
             served.resolve_once()
         sglang_refuses = False
-    except AssertionError:  # assert tp_size % attn_dp_size == 0
+    except (AssertionError, ValueError):  # assert tp_size % attn_dp_size == 0; dp replicas with attention dp
         sglang_refuses = True
     assert (refusal is not None) == sglang_refuses, refusal
     if refusal:
-        assert extra[0] in refusal and f"--rollout-num-gpus-per-engine {per_engine}" in refusal
+        assert extra[0] in refusal
+        assert f"--rollout-num-gpus-per-engine {per_engine}" in refusal or "--sglang-attn-dp-size 2" in refusal
 
 
 # ---- /generate bodies ---------------------------------------------------------------------------------------

@@ -117,6 +117,10 @@ def check_sglang_args(cfg: EngineConfig) -> None:
         # attention data parallelism splits the server's tp ranks into equal groups (SGLang asserts it at start)
         n, attn_dp = cfg.rollout_num_gpus_per_engine, getattr(served, "attn_dp_size", 1) or 1
         given = f"--sglang-attn-dp-size {attn_dp}"
+        if attn_dp > 1 and dp > 1:  # SGLang refuses it at start
+            raise SlimeLiteError(f"--sglang-dp-size {dp} with {given}: SGLang does not combine data-parallel replicas "
+                                 "with attention data parallelism; drop --sglang-dp-size (and "
+                                 "--sglang-enable-dp-attention, its older spelling).")
         if attn_dp == 1 and getattr(served, "enable_dp_attention", False):  # the older spelling of the same
             attn_dp, given = dp, f"--sglang-dp-size {dp} with --sglang-enable-dp-attention"
         if n % attn_dp:
