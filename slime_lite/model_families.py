@@ -60,14 +60,62 @@ def check_family(cfg: Any, where: str, fix: str = "") -> Family:
     return family
 
 
+def sliding_window_layers(cfg: Any) -> bool:
+    """Whether any layer attends over a sliding window, as transformers resolves the config: its ``layer_types``
+    when config.json lists them, else each family's rule (Qwen2/Qwen3: the layers from ``max_window_layers`` on;
+    Qwen2-MoE: even layers below it; Qwen3-MoE: every layer); ``use_sliding_window`` alone decides nothing."""
+    types = _get(cfg, "layer_types")
+    if types:  # a sliding layer with a null window attends over everything
+        return "sliding_attention" in types and bool(_get(cfg, "sliding_window"))
+    model_type = _get(cfg, "model_type")
+    if model_type not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not _get(cfg, "use_sliding_window", False):
+        return False  # the other families have no sliding window
+    if not _get(cfg, "sliding_window", 4096):  # null: transformers attends over everything
+        return False
+    layers, below = int(_get(cfg, "num_hidden_layers")), int(_get(cfg, "max_window_layers", 28))
+    if model_type in ("qwen2", "qwen3"):
+        return below < layers
+    return model_type == "qwen3_moe" or below > 0  # Qwen2-MoE: layer 0 slides when it is below max_window_layers
+
+
+def check_servable(cfg: Any, where: str, fix: str) -> None:
+    """What the embedded engine cannot serve in a supported family's config (checked before Ray starts, and again
+    when the engine loads the model): SlimeLiteError naming it and ``fix``."""
+    if sliding_window_layers(cfg):
+        raise SlimeLiteError(f"{where}: sliding-window attention is not supported by the embedded engine; {fix}.")
+    rope_type = _rope_type(cfg)
+    if rope_type in ("dynamic", "longrope"):
+        raise SlimeLiteError(f"{where}: rope type {rope_type!r} (length-dependent) is not supported by the embedded "
+                             f"engine; {fix}.")
+
+
+# llama3 RoPE scaling as Megatron computes it: these values are fixed there, only the factor is read
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_type(cfg: Any) -> str:
+    rope = rope_parameters(cfg)
+    return str(rope.get("rope_type", rope.get("type", "default")))
+
+
 def check_trainable(cfg: Any, where: str) -> None:
     """What the Megatron trainer cannot build in a supported family's config (checked before Ray starts, and again
     when a worker builds the model): SlimeLiteError naming the field."""
     model_type = _get(cfg, "model_type")
-    if _get(cfg, "hidden_act", "silu") != "silu":
+    if _get(cfg, "hidden_act", "silu") not in ("silu", "swish"):  # transformers' "swish" is SiLU
         raise SlimeLiteError(f"{where} has hidden_act {_get(cfg, 'hidden_act')!r}; only 'silu' is supported.")
-    if _get(cfg, "use_sliding_window", False):
-        raise SlimeLiteError(f"{where} enables use_sliding_window; sliding-window attention is not supported.")
+    if sliding_window_layers(cfg):
+        raise SlimeLiteError(f"{where} has sliding-window attention layers; sliding-window attention is not "
+                             "supported.")
+    rope_type = _rope_type(cfg)
+    if rope_type == "llama3":
+        rope = rope_parameters(cfg)
+        if any(float(rope.get(k, v)) != v for k, v in LLAMA3_FIXED.items()):
+            raise SlimeLiteError(f"{where}: llama3 RoPE scaling is supported only with {LLAMA3_FIXED} (Megatron's "
+                                 "values).")
+    elif rope_type != "default":
+        raise SlimeLiteError(f"{where} uses rope_type {rope_type!r}; the Megatron trainer supports default and "
+                             "llama3.")
     # Llama's, Qwen3's and Qwen3-MoE's attention_bias adds an o_proj bias too, which Megatron has only with every
     # linear's
     if _get(cfg, "mlp_bias", False) or (model_type in ("llama", "qwen3", "qwen3_moe")

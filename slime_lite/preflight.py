@@ -17,7 +17,7 @@ from slime_lite.config import TokenBudget, TrainSideConfig
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION, REPLAY_HOOKS, SIGNATURES, TRAIN_HOOKS, load_hook
 from slime_lite.io import probe_folder, within
-from slime_lite.model_families import check_family, check_trainable, num_experts, read_config
+from slime_lite.model_families import check_family, check_servable, check_trainable, num_experts, read_config
 from slime_lite.profiling import profile_targets, trace_dir
 from slime_lite.rollout.data import (RENDER_CHECKED, DataKeys, check_renders, drop_long_prompts, encode_prompt,
                                      read_prompts)
@@ -149,12 +149,13 @@ def check_hooks(args: Any) -> None:
 def check_model_family(args: Any) -> None:
     """--hf-checkpoint's architecture is one the Megatron trainer builds (unless --debug-rollout-only) and the
     embedded engine serves (when it rolls out): else a SlimeLiteError naming the architecture and the supported
-    ones; and (a trainer run) no config field the trainer cannot build (the engine checks the rest of the config when
-    it loads the model)."""
+    ones; and no config field the trainer cannot build (a trainer run) or the engine cannot serve (sliding windows,
+    length-dependent RoPE)."""
     sides = []
     if not args.debug_rollout_only:
         sides.append("the Megatron trainer cannot build it")
-    if args.rollout_backend == "embedded" and not args.debug_train_only and not args.rollout_external_engine_addrs:
+    serves = args.rollout_backend == "embedded" and not args.debug_train_only and not args.rollout_external_engine_addrs
+    if serves:
         sides.append("the embedded engine cannot serve it (--rollout-backend sglang can)")
     if not sides:
         return
@@ -170,6 +171,8 @@ def check_model_family(args: Any) -> None:
     check_family(cfg, f"--hf-checkpoint {path}", "; ".join(sides))
     if not args.debug_rollout_only:
         check_trainable(cfg, f"--hf-checkpoint {path}")
+    if serves:
+        check_servable(cfg, f"--hf-checkpoint {path}", "use --rollout-backend sglang")
 
 
 def check_generation_limits(args: Any, cfg: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from slime_lite.engine import decode_attention, fused_layer, gemv, moe
 from slime_lite.engine.kv_cache import KVCache
 from slime_lite.errors import SlimeLiteError
-from slime_lite.model_families import Family, check_family, rope_parameters
+from slime_lite.model_families import Family, check_family, check_servable
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +69,7 @@ def check_config(config: Any, where: str) -> Family:
     SlimeLiteError naming what it cannot serve and the way out."""
     fix = "use --rollout-backend sglang"
     family = check_family(config, where, "the embedded engine cannot serve it; " + fix)
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    if get("use_sliding_window", False) and get("sliding_window", None):
-        raise SlimeLiteError(f"{where}: sliding-window attention is not supported by the embedded engine; {fix}.")
-    rope = rope_parameters(config)
-    if str(rope.get("rope_type", rope.get("type", "default"))) in ("dynamic", "longrope"):
-        raise SlimeLiteError(f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r} (length-dependent) is "
-                             f"not supported by the embedded engine; {fix}.")
+    check_servable(config, where, fix)
     return family
 
 

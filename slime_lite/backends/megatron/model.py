@@ -84,17 +84,9 @@ def hf_arch(hf_config: Any) -> HFArch:
     where = "the --hf-checkpoint config.json"
     family = check_family(hf_config, where, "the Megatron backend cannot build it")
     check_trainable(hf_config, where)
-    rope = rope_parameters(hf_config)
+    rope = rope_parameters(hf_config)  # its type checked by check_trainable
     rope_theta = float(rope.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    llama3_factor = None
-    if rope_type == "llama3":
-        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        if any(float(rope.get(k, v)) != v for k, v in fixed.items()):
-            raise SlimeLiteError(f"{where}: llama3 RoPE scaling is supported only with {fixed} (Megatron's values).")
-        llama3_factor = float(rope["factor"])
-    elif rope_type != "default":
-        raise SlimeLiteError(f"{where} uses rope_type {rope_type!r}; supported: default, llama3.")
+    llama3_factor = float(rope["factor"]) if rope.get("rope_type", rope.get("type")) == "llama3" else None
     hidden = int(_get(hf_config, "hidden_size"))
     heads = int(_get(hf_config, "num_attention_heads"))
     return HFArch(
