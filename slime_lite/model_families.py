@@ -117,9 +117,9 @@ def check_trainable(cfg: Any, where: str) -> None:
         raise SlimeLiteError(f"{where} uses rope_type {rope_type!r}; the Megatron trainer supports default and "
                              "llama3.")
     # Llama's, Qwen3's and Qwen3-MoE's attention_bias adds an o_proj bias too, which Megatron has only with every
-    # linear's
-    if _get(cfg, "mlp_bias", False) or (model_type in ("llama", "qwen3", "qwen3_moe")
-                                        and _get(cfg, "attention_bias", False)):
+    # linear's; only Llama reads mlp_bias (transformers ignores the key in the other families)
+    if (model_type == "llama" and _get(cfg, "mlp_bias", False)) or (model_type in ("llama", "qwen3", "qwen3_moe")
+                                                                     and _get(cfg, "attention_bias", False)):
         raise SlimeLiteError(f"{where} sets attention_bias/mlp_bias; {model_type} models with these biases are not "
                              "supported by the Megatron trainer.")
 

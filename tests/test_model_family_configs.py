@@ -78,3 +78,12 @@ def test_a_sliding_window_no_layer_uses_is_served_and_trained(tiny_model_dir, tm
         _check(_model(tiny_model_dir, tmp_path, **fields, max_window_layers=0), tmp_path)
     with pytest.raises(SlimeLiteError, match=r"sliding-window attention is not supported by the embedded engine"):
         _check(_model(tiny_model_dir, tmp_path, **fields, max_window_layers=0), tmp_path, "--debug-rollout-only")
+
+
+def test_swish_is_silu_and_other_activations_are_refused() -> None:
+    """transformers maps hidden_act "swish" to SiLU, the trainer's activation."""
+    from slime_lite.model_families import check_trainable
+
+    check_trainable({"model_type": "qwen2", "hidden_act": "swish"}, "config.json")
+    with pytest.raises(SlimeLiteError, match=r"config\.json has hidden_act 'gelu'; only 'silu'"):
+        check_trainable({"model_type": "qwen2", "hidden_act": "gelu"}, "config.json")

@@ -177,6 +177,9 @@ def test_a_config_field_the_trainer_cannot_build_is_refused_before_ray(tiny_mode
     shutil.copytree(tiny_model_dir, model)
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "mlp_bias": True}))
+    preflight(_args(model, replay))  # Qwen2's MLP has no bias whatever the key says (transformers ignores it)
+    (model / "config.json").write_text(json.dumps({**cfg, "mlp_bias": True, "model_type": "llama",
+                                                   "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(SlimeLiteError, match=r"--hf-checkpoint .*config\.json sets attention_bias/mlp_bias"):
         preflight(_args(model, replay))
     from slime_lite.preflight import check_model_family
