@@ -6,12 +6,18 @@ CUDA graphs on a GPU (eagerly on CPU; the captured ones and the fused kernels in
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from test_padded_decode import run_requests
 
-ARCHS = {"qwen3": {"head_dim": 48}, "glm4": {}, "qwen3_moe": {}, "qwen2_moe": {}}  # Qwen3's head: 48 of 128 / 4
+# id: (family, make_tiny_model's sizes, config.json fields set after); Qwen3's head: 48 of 128 / 4. The variants
+# real checkpoints have: one K/V head of 24 dims, GLM4's rotary over a quarter of each head
+ARCHS = {"qwen3": ("qwen3", {"head_dim": 48}, {}), "glm4": ("glm4", {}, {}), "qwen3_moe": ("qwen3_moe", {}, {}),
+         "qwen2_moe": ("qwen2_moe", {}, {}), "qwen3_kv1_head24": ("qwen3", {"head_dim": 24, "num_kv_heads": 1}, {}),
+         "glm4_rotary_quarter": ("glm4", {}, {"partial_rotary_factor": 0.25})}
 TOL = 1e-4  # float32; a layer feature the engine left out moves the log-probs by far more (the guard below)
 
 
@@ -23,9 +29,13 @@ def family_model(request, tmp_path_factory):
 
     from slime_lite.tiny_model import make_tiny_model
 
-    arch = request.param
-    out = tmp_path_factory.mktemp(f"tiny_{arch}")
-    make_tiny_model(out, arch=arch, warm_start_steps=0, num_layers=2, **ARCHS[arch])
+    arch, sizes, fields = ARCHS[request.param]
+    out = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    make_tiny_model(out, arch=arch, warm_start_steps=0, num_layers=2, **sizes)
+    if fields:
+        cfg = json.loads((out / "config.json").read_text())
+        rope = {**cfg.get("rope_parameters", {}), **fields} if "rope_parameters" in cfg else None
+        (out / "config.json").write_text(json.dumps({**cfg, **fields} | ({"rope_parameters": rope} if rope else {})))
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -92,7 +102,6 @@ def test_a_missing_family_feature_would_move_the_log_probs_past_the_tolerance(fa
 
 
 def test_an_architecture_the_engine_cannot_serve_names_it_and_the_way_out(tiny_model_dir, tmp_path):
-    import json
     import shutil
 
     from slime_lite.engine.model import load_hf_model
@@ -109,7 +118,6 @@ def test_an_architecture_the_engine_cannot_serve_names_it_and_the_way_out(tiny_m
 
 
 def test_a_checkpoint_missing_a_weight_is_refused_not_initialised_at_random(tiny_model_dir, tmp_path):
-    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
