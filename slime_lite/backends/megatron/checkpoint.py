@@ -1,6 +1,6 @@
 """Checkpoints: per-rank Megatron state (model, optimizer, RNG) plus an HF export of the actor, written atomically.
 With LoRA the model state is what trains (the adapters; a critic's value head) and the actor's export is a PEFT
-folder (``adapter/``) for the base model.
+folder (``adapter/``) for the base model, whose fingerprint (``base_fingerprint``) a resume checks.
 
 Layout: ``SAVE/iter_0000007/rank_000.pt`` (+ ``hf/`` for the actor) and ``SAVE/latest`` naming the newest complete
 iteration. A save is written into a ``.tmp-*`` folder and renamed into place when complete: a save that fails
@@ -12,6 +12,8 @@ Everything saved is plain data (tensors, dicts, lists, tuples, numbers, strings)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
@@ -126,6 +128,7 @@ def _write_parts(actor: Any, tmp: str, final: str, rollout_id: int, data_state: 
         "data_state": data_state,
         "layout": _layout(actor),
         "lora": _lora_layout(actor),
+        "lora_base": _lora_base(actor),  # the frozen base the adapters were trained on
         "trainable": sorted(_trainable(actor.model)),  # the optimizer state is by position over these
     }
     if a.ref_update_interval and getattr(actor, "ref_state", None) is not None:  # the reference moves: keep it
@@ -198,6 +201,47 @@ def _lora_layout(actor: Any) -> dict[str, float] | None:
     """The adapters' rank and alpha (their scaling alpha/rank), None without LoRA."""
     settings = getattr(actor, "lora", None)
     return None if settings is None else {"rank": settings.rank, "alpha": settings.alpha}
+
+
+def base_fingerprint(folder: str) -> str:
+    """A cheap fingerprint of the HF model in ``folder``: its config.json (less the saving library's version and
+    path) and, per weight file, its name, size and 17 samples of 4 KiB spread over it (the safetensors header
+    first): ~70 KiB read per file, not the weights, and the same for a copy of the folder elsewhere."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name == "config.json":
+            with open(path, encoding="utf-8") as f:
+                config = {k: v for k, v in json.load(f).items() if k not in ("transformers_version", "_name_or_path")}
+            digest.update(json.dumps(config, sort_keys=True).encode())
+        elif name.endswith((".safetensors", ".bin")):
+            size = os.path.getsize(path)
+            digest.update(f"{name}\0{size}\0".encode())
+            with open(path, "rb") as f:
+                for i in range(17):
+                    f.seek(size * i // 17 if i < 16 else max(size - 4096, 0))
+                    digest.update(f.read(4096))
+    return digest.hexdigest()
+
+
+def _lora_base(actor: Any) -> dict[str, str] | None:
+    """The folder and ``base_fingerprint`` of a LoRA run's frozen base, None without LoRA."""
+    if getattr(actor, "lora", None) is None:
+        return None
+    folder = actor._init_checkpoint()
+    return {"folder": os.path.abspath(folder), "fingerprint": base_fingerprint(folder)}
+
+
+def _check_lora_base(actor: Any, root: str, file: str, saved: dict | None) -> None:
+    """A LoRA checkpoint resumes only on the base its adapters were trained on (checkpoints without the fingerprint,
+    from before 2026-12-07, resume on any)."""
+    now = _lora_base(actor) if saved is not None else None
+    if now is None or saved["fingerprint"] == now["fingerprint"]:
+        return
+    raise SlimeLiteError(f"--load {root}: {file} holds adapters trained on the base model {saved['folder']}, and "
+                         f"this run's --hf-checkpoint {actor._init_checkpoint()} holds other weights (its config.json "
+                         "or weight files differ): the adapters fit only their base. Resume with --hf-checkpoint "
+                         f"{saved['folder']} (or a copy of it), or start afresh with another --load folder.")
 
 
 def _trainable(model: torch.nn.Module) -> set[str]:
@@ -323,6 +367,7 @@ def load(actor: Any, root: str) -> dict[str, Any]:
                              f"--lora-alpha {saved_layout['alpha']:g} and this run has --lora-rank {layout['rank']} "
                              f"--lora-alpha {layout['alpha']:g} (the adapters are scaled by alpha/rank): resume with "
                              f"--lora-rank {saved_layout['rank']} --lora-alpha {saved_layout['alpha']:g}.")
+    _check_lora_base(actor, root, file, state.get("lora_base"))
     shaped = next(((k, v.shape, current[k].shape) for k, v in state["model"].items() if torch.is_tensor(v)
                    and torch.is_tensor(current.get(k)) and v.shape != current[k].shape), None)
     if shaped is not None:

@@ -115,6 +115,8 @@ def check_lora_args(args: Any, hf_config: dict) -> None:
     given = [f for f in ("lora_alpha", "lora_adapter_path") if getattr(args, f) is not None]
     if args.lora_dropout:
         given.append("lora_dropout")
+    if args.lora_target_modules and list(args.lora_target_modules) != [ALL]:  # its default
+        given.append("lora_target_modules")
     if args.lora_rank is None:
         if given:
             raise SlimeLiteError(f"--{given[0].replace('_', '-')} needs --lora-rank R (LoRA is off without it).")
@@ -143,8 +145,8 @@ def check_lora_args(args: Any, hf_config: dict) -> None:
         raise SlimeLiteError(f"--lora-rank: {hf_config.get('model_type')} is a mixture-of-experts model, and the "
                              "adapters cover dense linears only; train it without LoRA.")
     fused = bool(family and family.fused_gate_up)
-    settings(args, fused)  # target names
+    linears = settings(args, fused).linears  # target names
     if args.lora_adapter_path is not None:
         from slime_lite.backends.megatron import peft_format  # imports torch: only with the flag
 
-        peft_format.check_adapter_folder(args)
+        peft_format.check_adapter_folder(args, hf_config, {lin: hf_modules(lin, fused) for lin in LINEARS}, linears)

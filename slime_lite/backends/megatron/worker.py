@@ -33,7 +33,7 @@ from slime_lite.backends.megatron import (
     train_offload,
 )
 from slime_lite.backends.megatron.convert import load_hf_weights
-from slime_lite.backends.megatron.freeze import freeze_by_name
+from slime_lite.backends.megatron.freeze import freeze_by_name, grads_through_frozen_embedding
 from slime_lite.backends.megatron.model import (
     build_gpt_model,
     hf_arch,
@@ -119,6 +119,7 @@ class TrainWorker:
                                       f"--lora-adapter-path {a.lora_adapter_path}")
         self._adapt_model(model, dtype)
         freeze_by_name(model, a.only_train_params_name_list, a.freeze_params_name_list)  # slime's, every role
+        grads_through_frozen_embedding(unwrap(model))  # full recompute trains the layers after a frozen embedding
         config = model.config
         # --optimizer-cpu-offload: Megatron's hybrid optimizer, which runs under its distributed optimizer
         distributed = bool(a.optimizer_cpu_offload)
