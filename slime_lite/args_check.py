@@ -17,6 +17,7 @@ from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 from slime_lite import rl_math
 from slime_lite.model_families import read_config
 from slime_lite.profiling import profile_targets
+from slime_lite.rollout.data import data_file
 from slime_lite.rollout.dumps import check_template, dump_path
 from slime_lite.args_async import check_async_train, check_fully_async, check_partial_rollout
 from slime_lite.args_observe import check_logging_flags
@@ -32,8 +33,9 @@ def _inside(path: str, folder: str) -> bool:
     return os.path.commonpath([path, folder]) == folder
 
 
-def _need_file(path: str | None, flag: str) -> None:
-    if path is not None and not os.path.exists(path):
+def _need_file(path: str | None, flag: str, data: bool = False) -> None:
+    """``path`` exists; with ``data`` (a prompt file) the file of ``PATH@[start:end]`` (slime's row slice)."""
+    if path is not None and not os.path.exists(data_file(path) if data else path):
         raise SlimeLiteError(f"{flag} {path}: no such file or folder.")
 
 
@@ -247,7 +249,7 @@ def validate_args(args: argparse.Namespace) -> None:
         if (args.prompt_data is None and not args.custom_generate_function_path
                 and args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION):
             raise SlimeLiteError("--prompt-data is required to generate rollouts (a JSONL file of prompts).")
-        _need_file(args.prompt_data, "--prompt-data")
+        _need_file(args.prompt_data, "--prompt-data", data=True)
     if (args.rm_type or "").removeprefix("boxed_") == "dapo" and not args.custom_rm_path and not args.reward_key:
         raise SlimeLiteError(f"--rm-type {args.rm_type}: its reward is the dict {{score, acc, pred}}: give "
                              "--reward-key score (as slime's DAPO scripts do).")
@@ -257,7 +259,7 @@ def validate_args(args: argparse.Namespace) -> None:
         if len(args.eval_prompt_data) % 2 or len(set(args.eval_prompt_data[::2])) < len(args.eval_prompt_data) // 2:
             raise SlimeLiteError("--eval-prompt-data takes pairs NAME PATH [NAME PATH ...], each NAME once.")
         for path in args.eval_prompt_data[1::2]:
-            _need_file(path, "--eval-prompt-data")
+            _need_file(path, "--eval-prompt-data", data=True)
     check_fault_tolerance(args)
     check_external_engines(args)
     if args.eval_interval and args.eval_prompt_data is None:

@@ -38,11 +38,18 @@ class Prompt:
 _SLICE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")  # slime's data.jsonl@[0:1000]
 
 
+def data_file(path: str) -> str:
+    """The file a prompt-data path reads: PATH of ``PATH@[start:end]`` (unless a file has the whole name), else
+    ``path`` itself."""
+    part = _SLICE.match(path)
+    return path if part is None or os.path.exists(path) else part["path"]
+
+
 def _rows(path: str, flag: str) -> Any:
     """(line or row number, row) of a prompt file; as slime, ``PATH@[start:end]`` (a file of that name does not
     exist) is the rows ``start:end`` of PATH, Python's slice of its non-empty rows (negative bounds too)."""
     part = _SLICE.match(path)
-    if part is None or os.path.exists(path):
+    if part is None or data_file(path) == path:
         return _file_rows(path, flag)
     return list(_file_rows(part["path"], flag))[slice(*(int(x) if x else None for x in (part["start"],
                                                                                           part["end"])))]

@@ -175,7 +175,7 @@ class FullyAsyncWorker:
                     self.pending.append([Sample.from_dict({**d, "metadata": {**d["metadata"], CUTS: cuts}})
                                          for d in sent])
                     continue
-                if self.gen.filter_fn is not None and not self.gen.filter_fn(self.gen.args, group):
+                if self.gen.filter_fn is not None and not self.gen.filter_fn(self.gen.args, group).keep:
                     self.filtered += 1
                 else:
                     self.finished.append(group)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import inspect
 import logging
 import time
+from collections import Counter
 from typing import Any, Callable
 
 from slime_lite.checks.faults import sampling_temperature
@@ -16,10 +16,11 @@ from slime_lite.engine_client import AsyncEngineClient
 from slime_lite.errors import SlimeLiteError
 from slime_lite.hooks import HookArgs, call_maybe_async, load_hook
 from slime_lite.rollout.data import Prompt, PromptSource, encode_prompt
-from slime_lite.rollout.oversample import MAX_SUBMITS, OverSampler, complete, stamp_versions
+from slime_lite.rollout.filters import drop_reasons, filter_verdict
+from slime_lite.rollout.oversample import GENERATED_TOKENS, MAX_SUBMITS, OverSampler, complete, stamp_versions
 from slime_lite.rollout.resumed_stop import end_at_resumed_stop
 from slime_lite.rollout.rewards import compute_group_rewards, compute_reward
-from slime_lite.rollout.turns import routed_experts
+from slime_lite.rollout.turns import model_tokens, routed_experts
 from slime_lite.types import TOKEN_VERSIONS, Sample, Status, version_number
 
 log = logging.getLogger(__name__)
@@ -171,18 +172,6 @@ def split_samples(out: Any, sample: Sample) -> list[Sample]:
     return parts
 
 
-def keep_flag(filter_fn: Callable[..., Any]) -> Callable[..., bool]:
-    """A dynamic-sampling filter as a bool: slime's filters return ``DynamicFilterOutput(keep=..., reason=...)``,
-    an object that is always true, so its ``keep`` is read; a plain bool (or a one-element tensor) as it is."""
-
-    @functools.wraps(filter_fn)
-    def keep(args: Any, samples: list[Sample], **kwargs: Any) -> bool:
-        out = filter_fn(args, samples, **kwargs)
-        return bool(getattr(out, "keep", out))
-
-    return keep
-
-
 def seed_base(rollout_seed: int, salt: int) -> int:
     """The base of a rollout's sampling seeds (each sample adds its index): --rollout-seed mixed with ``salt`` (the
     rollout id's share, or fully async generation's), kept within int64 (SGLang and the embedded engine refuse a
@@ -205,7 +194,7 @@ class Generator:
         # slime passes evaluation= to a generate hook that takes it
         self.takes_evaluation = "evaluation" in inspect.signature(self.generate_fn).parameters
         path = args.dynamic_sampling_filter_path
-        self.filter_fn = keep_flag(load_hook(path, "--dynamic-sampling-filter-path")) if path else None
+        self.filter_fn = filter_verdict(load_hook(path, "--dynamic-sampling-filter-path")) if path else None
         self.progress = [0, 0]  # samples finished, samples wanted (read by the driver's progress bar)
         self.kill_engine: Callable[[], Any] | None = None  # --debug-inject-fault kill-engine (set by the manager)
         # monotonic times of this rollout's first request sent and last response back (perf/rollout/generate_time)
@@ -307,7 +296,9 @@ class Generator:
         a = self.config
         wave = a.over_sampling_batch_size or a.rollout_batch_size
         kept: list[list[Sample]] = []
+        late: list[list[Sample]] = []  # generated, never trained: cut short, or finished beyond the target
         generated = dropped = cut = 0
+        reasons: Counter[str | None] = Counter()
         next_index = 0
         self.all_groups = []
         for _ in range(MAX_SUBMITS):
@@ -315,16 +306,25 @@ class Generator:
             for prompt in source.next_batch(wave):
                 groups.append(self.new_group(prompt, next_index))
                 next_index += a.n_samples_per_prompt
-            for group in await self._run_together(groups, params, seed_base):
+            results = await self._run_together(groups, params, seed_base)
+            remaining = len(kept) + len(results)  # slime's: kept, or in this wave and not dropped yet
+            for group in results:
                 generated += 1
                 self.all_groups.append(group)
                 if not complete(group):  # the engine cut it short (an engine error): never trained
                     cut += 1
-                elif self.filter_fn is None or self.filter_fn(self.args, group):
-                    if len(kept) < a.rollout_batch_size:
-                        kept.append(group)
-                else:
+                    remaining -= 1
+                    late.append(group)
+                    continue
+                verdict = self.filter_fn(self.args, group) if self.filter_fn else None
+                if verdict is not None and verdict.drops(remaining, a.rollout_batch_size):
                     dropped += 1
+                    remaining -= 1
+                    reasons[verdict.reason] += 1
+                elif len(kept) < a.rollout_batch_size:
+                    kept.append(group)
+                else:
+                    late.append(group)
             if len(kept) >= a.rollout_batch_size:
                 break
         else:
@@ -340,10 +340,17 @@ class Generator:
                 s.index = len(samples)
                 stamp_versions(s)
                 samples.append(s)
-        stats = {"rollout/dynamic_filter/generated_groups": float(generated),
-                 "rollout/dynamic_filter/dropped_groups": float(dropped)} if self.filter_fn else {}
+        stats: dict[str, float] = {}
+        if self.filter_fn:
+            stats.update({"rollout/dynamic_filter/generated_groups": float(generated),
+                          "rollout/dynamic_filter/dropped_groups": float(dropped), **drop_reasons(reasons)})
+        if a.over_sampling_batch_size is not None:  # as the over-sampler logs them (nothing is carried here)
+            stats["rollout/over_sampling/submitted_groups"] = float(generated)
+            stats["rollout/over_sampling/tokens_wasted"] = float(sum(s.response_length for g in late for s in g))
         if cut:
             stats["rollout/over_sampling/aborted_groups"] = float(cut)
+        # every group the waves generated, trained or not (perf/rollout_tokens_per_s)
+        stats[GENERATED_TOKENS] = float(sum(model_tokens(s) for g in self.all_groups for s in g))
         return samples, stats
 
     async def _run_together(self, groups: list[list[Sample]], params: dict[str, Any],

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import Any, Callable
 
 from slime_lite.checks.faults import kills_engine
 from slime_lite.errors import EngineError, SlimeLiteError
 from slime_lite.rollout.dumps import plain_sample
+from slime_lite.rollout.filters import drop_reasons
 from slime_lite.rollout.turns import RESTARTED, mask_older, model_tokens
 from slime_lite.types import (FILTER_PASSED, FINISHED_BEFORE, REFUSED, TOKEN_VERSIONS, Sample, Status, oldest_version,
                               version_number)
@@ -191,6 +193,7 @@ class OverSampler:
         came_back: list[list[Sample]] = []  # every group back before the abort (--rollout-all-samples-process-path)
         pending: set[asyncio.Future] = set()
         in_play = generated = dropped = submits = sent = 0
+        reasons: Counter[str | None] = Counter()  # the filter's reasons for the groups it dropped
         next_index = 0
         had: dict[int, int] = {}  # sample index -> response tokens it brought from an earlier rollout
         self.restarted, self.requested, self.generated = {}, set(), 0
@@ -238,9 +241,11 @@ class OverSampler:
                                         rollout_id, group[0].index)
                         else:
                             late.append(group)
-                    elif not seen and gen.filter_fn is not None and not gen.filter_fn(gen.args, group):
-                        in_play -= 1
+                    elif not seen and gen.filter_fn is not None and (
+                            verdict := gen.filter_fn(gen.args, group)).drops(in_play, target):
+                        in_play -= 1  # (slime's remaining_batch_size: kept, or generating, and not dropped)
                         dropped += 1
+                        reasons[verdict.reason] += 1
                     elif len(kept) < target:
                         kept.append(group)
                     else:
@@ -283,6 +288,7 @@ class OverSampler:
         if gen.filter_fn is not None:
             stats["rollout/dynamic_filter/generated_groups"] = float(generated)
             stats["rollout/dynamic_filter/dropped_groups"] = float(dropped)
+            stats.update(drop_reasons(reasons))
         if not a.partial_rollout:
             stats = {k: v for k, v in stats.items() if not k.startswith("rollout/partial/")}
         elif versions:  # not the trained samples' own: they may all have finished in older rollouts

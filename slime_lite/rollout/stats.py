@@ -100,7 +100,7 @@ def rollout_metrics(samples: list[Sample], reward_key: str | None = None,
         out["rollout/raw_reward"] = _mean(list(rewards.values()))
         processed = _group_centred(samples, rewards) if grouped else rewards.values()
         out["rollout/rewards"] = _mean(list(processed))
-    lengths = [s.response_length for s in samples]
+    lengths = [s.effective_response_length for s in samples]  # as slime: the loss-masked (model) tokens
     out["rollout/response_len/mean"] = _mean(lengths)
     out["rollout/response_len/max"] = float(max(lengths))
     out["rollout/response_len/min"] = float(min(lengths))
@@ -148,18 +148,21 @@ def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
 
 def eval_metrics(name: str, samples: list[Sample], reward_key: str | None = None,
                  passrate: bool = False, reward_category: str | None = None) -> dict[str, float]:
-    """``eval/<name>`` (mean reward), ``eval/<name>/response_len/mean`` and ``eval/<name>/truncated_ratio``; with
-    ``passrate`` (--log-passrate) ``eval/<name>-pass@k`` over the prompts' groups of --n-samples-per-eval-prompt."""
+    """``eval/<name>`` (mean reward), ``eval/<name>/response_len/mean`` (loss-masked tokens, as slime),
+    ``eval/<name>/truncated_ratio`` and ``eval/<name>/aborted_ratio``; with ``passrate`` (--log-passrate)
+    ``eval/<name>-pass@k`` over the prompts' groups of --n-samples-per-eval-prompt. The mean reward and pass@k count
+    each trajectory once, by its end (a split trajectory's parts are not attempts), and one without a reward (ABORTED:
+    e.g. SGLang refuses an input past its context) as 0."""
     if not samples:
         return {}
-    by_position = scalar_rewards(samples, reward_key)
-    rewards = list(by_position.values())
+    ends = [samples[i] for i in trajectory_ends(samples)]
+    by_position = scalar_rewards(ends, reward_key)
     out: dict[str, float] = {}
     if passrate:
-        out.update({f"eval/{name}-{k}": v for k, v in pass_at_k(samples, by_position).items()})
-    if rewards:
-        out[f"eval/{name}"] = _mean(rewards)
-    out[f"eval/{name}/response_len/mean"] = _mean([s.response_length for s in samples])
+        out.update({f"eval/{name}-{k}": v for k, v in pass_at_k(ends, by_position).items()})
+    out[f"eval/{name}"] = _mean([by_position.get(i, 0.0) for i in range(len(ends))])
+    out[f"eval/{name}/response_len/mean"] = _mean([s.effective_response_length for s in samples])
     out[f"eval/{name}/truncated_ratio"] = _mean([s.status == Status.TRUNCATED for s in samples])
+    out[f"eval/{name}/aborted_ratio"] = _mean([s.status == Status.ABORTED for s in samples])
     out.update(category_shares(samples, reward_category, f"eval/{name}/error_cat/"))
     return out

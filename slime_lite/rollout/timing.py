@@ -4,7 +4,7 @@ Manager side, from monotonic times the manager and the generator take:
   prepare_time   start of the rollout -> first /generate request sent (prompt rendering and tokenisation)
   generate_time  first request sent -> last response back
   reward_time    last response back -> rollout done (rewards and filters still running after the last response)
-  overhead_time  rollout_time minus the three above (event loop, anything not attributed)
+The three partition rollout_time (rewards scored while requests are in flight fall in generate_time).
 Engine side, the growth of the counters the embedded engine reports in /get_server_info's ``step_stats`` between
 just before and just after the rollout, over all engines (busy/prefill/capture times: the largest engine's):
   engine_busy_time        the model thread stepping (prefill, decode, CUDA-graph captures)
@@ -49,11 +49,9 @@ def phase_metrics(start: float, first_sent: float | None, last_back: float | Non
                   before: list[dict[str, float] | None], after: list[dict[str, float] | None]) -> dict[str, float]:
     """The ``perf/rollout/*`` keys of one rollout (see the module docstring); ``start``/``end`` bound
     ``perf/rollout_time``."""
-    total = end - start
     sent = first_sent if first_sent is not None else end
     back = max(last_back, sent) if last_back is not None else sent
     m = {"prepare_time": sent - start, "generate_time": back - sent, "reward_time": end - back}
-    m["overhead_time"] = total - sum(m.values())
     # an engine restarted during the rollout (--use-fault-tolerance) counts from zero again: left out
     pairs = [(b, a) for b, a in zip(before, after) if b is not None and a is not None
              and all(float(a.get(k, 0.0)) >= float(b.get(k, 0.0)) for k in b)]

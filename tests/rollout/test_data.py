@@ -292,3 +292,22 @@ def test_slimes_row_slice_of_a_prompt_file(tmp_path):
     literal = tmp_path / "q.jsonl@[0:1]"
     literal.write_text(json.dumps({"prompt": "x", "label": "1"}) + "\n")
     assert [p.prompt for p in read_prompts(str(literal))] == ["x"]
+
+
+def test_the_flags_take_slimes_row_slice_of_a_prompt_file(tmp_path) -> None:
+    """``--prompt-data`` / ``--eval-prompt-data PATH@[start:end]`` pass the flag check (PATH exists); a missing PATH
+    is still refused, naming the flag."""
+    import pytest
+
+    from slime_lite.args import parse_args
+    from slime_lite.errors import SlimeLiteError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    path = _write(tmp_path / "p.jsonl", [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(5)])
+    base = ["--hf-checkpoint", str(model), "--rm-type", "addition", "--n-samples-per-prompt", "2"]
+    args = parse_args(base + ["--prompt-data", f"{path}@[0:2]", "--eval-prompt-data", "ev", f"{path}@[-2:]"])
+    assert args.prompt_data == f"{path}@[0:2]" and args.eval_prompt_data == ["ev", f"{path}@[-2:]"]
+    with pytest.raises(SlimeLiteError, match=r"--eval-prompt-data .*nope\.jsonl@\[0:2\]: no such file"):
+        parse_args(base + ["--prompt-data", path, "--eval-prompt-data", "ev", f"{tmp_path}/nope.jsonl@[0:2]"])

@@ -22,7 +22,7 @@ def test_rollout_metrics_names_and_values() -> None:
     m = rollout_metrics(samples)
     assert m["rollout/raw_reward"] == pytest.approx(0.75)
     assert m["rollout/rewards"] == pytest.approx(0.75)  # no group normalisation: the raw rewards
-    assert m["rollout/response_len/mean"] == pytest.approx(2.5)
+    assert m["rollout/response_len/mean"] == pytest.approx(2.25)  # loss-masked tokens (2 of sample 2's 3)
     assert m["rollout/response_len/max"] == 4 and m["rollout/response_len/min"] == 1
     assert m["rollout/truncated_ratio"] == pytest.approx(0.25)
     assert m["rollout/aborted_ratio"] == pytest.approx(0.25)
@@ -51,7 +51,43 @@ def test_samples_without_reward_are_left_out_of_the_mean() -> None:
 
 def test_eval_metrics() -> None:
     m = eval_metrics("gsm8k", [_s(0, 0, 1.0, 2), _s(1, 1, 0.0, 4, status=Status.TRUNCATED)])
-    assert m == {"eval/gsm8k": 0.5, "eval/gsm8k/response_len/mean": 3.0, "eval/gsm8k/truncated_ratio": 0.5}
+    assert m == {"eval/gsm8k": 0.5, "eval/gsm8k/response_len/mean": 3.0, "eval/gsm8k/truncated_ratio": 0.5,
+                 "eval/gsm8k/aborted_ratio": 0.0}
+
+
+def test_an_eval_sample_without_a_reward_counts_as_a_wrong_answer_in_every_eval_metric() -> None:
+    """An eval sample the engine aborted (SGLang does for an input past its context) has no reward: it counts 0 in
+    ``eval/<name>`` as in pass@k (not left out of the mean), and ``eval/<name>/aborted_ratio`` shows how many."""
+    samples = [_s(0, 0, 0.0, 1), _s(0, 1, 0.0, 1), _s(1, 2, None, 0, status=Status.ABORTED),
+               _s(1, 3, None, 0, status=Status.ABORTED), _s(2, 4, 1.0, 1), _s(2, 5, 1.0, 1)]
+    m = eval_metrics("ev", samples, passrate=True)
+    assert m["eval/ev"] == pytest.approx(1 / 3) and m["eval/ev-pass@1"] == pytest.approx(1 / 3)
+    assert m["eval/ev/aborted_ratio"] == pytest.approx(1 / 3)
+    assert eval_metrics("ev", samples[2:4])["eval/ev"] == 0.0  # all aborted: 0, not missing
+
+
+def test_eval_metrics_count_a_split_trajectory_once_by_its_end() -> None:
+    """A trajectory split into several samples (an agent, a generate hook returning a list) is one attempt, scored
+    by its end, in ``eval/<name>`` and pass@k, as ``rollout_metrics`` counts it: prompt 0's trajectories [1, 0] (the
+    first split in three, its two earlier parts scored 0), prompt 1's [1, 1]."""
+    from slime_lite.types import TRAJECTORY_END
+
+    samples = [_s(0, i, r, 1) for i, r in enumerate((0.0, 0.0, 1.0, 0.0))] + [_s(1, 4, 1.0, 1), _s(1, 5, 1.0, 1)]
+    for s in samples[:3]:
+        s.rollout_id = 0
+    samples[2].metadata[TRAJECTORY_END] = True
+    m = eval_metrics("ev", samples, passrate=True)
+    assert m["eval/ev"] == pytest.approx(0.75)
+    assert m["eval/ev-pass@1"] == pytest.approx(0.75) and m["eval/ev-pass@2"] == pytest.approx(1.0)
+
+
+def test_response_lengths_count_the_loss_masked_tokens_as_slime() -> None:
+    """slime's ``response_len/*`` (rollout and eval) are over ``effective_response_length`` = sum(loss_mask): a
+    multi-turn sample's tool tokens (loss mask 0) are not counted; ``rollout/masked_token_share`` shows them."""
+    s = _s(0, 0, 1.0, 45, mask=[1] * 10 + [0] * 30 + [1] * 5)
+    m = rollout_metrics([s])
+    assert m["rollout/response_len/mean"] == m["rollout/response_len/max"] == m["rollout/response_len/min"] == 15
+    assert eval_metrics("ev", [s])["eval/ev/response_len/mean"] == 15
 
 
 def test_rollout_rewards_are_the_group_centred_rewards_as_slime_logs_them() -> None:
