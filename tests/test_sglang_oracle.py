@@ -23,6 +23,16 @@ def test_the_pinned_sglang_is_the_real_package():
     assert args.tp_size == 2  # SGLang's own argparse (prefix matching included) filled its own ServerArgs
 
 
+def test_the_docker_image_is_built_on_the_pinned_sglang():
+    """The GPU image's SGLang is the version whose flags and request objects the CPU tests check against."""
+    from pathlib import Path
+
+    from slime_lite.backends.sglang.launcher import SGLANG_VERSION
+
+    dockerfile = (Path(__file__).parents[1] / "docker" / "Dockerfile").read_text()
+    assert f"ARG SGLANG_IMAGE=lmsysorg/sglang:v{SGLANG_VERSION}\n" in dockerfile
+
+
 def test_fakes_do_not_leak_into_the_rest_of_the_process():
     oracle.require_sglang()
     oracle.sglang_module("sglang.srt.managers.io_struct")  # the import that needs the most fakes but xgrammar
