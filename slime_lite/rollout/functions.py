@@ -53,11 +53,15 @@ class DataSource:
         self.generator = generator
         self.prompts = prompts
         self.eval_sets = eval_sets
+        self._drawn = 0  # groups get_samples gave out in this rollout: a later call numbers on (seeds are by index)
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
         if self.prompts is None:
             raise SlimeLiteError("the rollout function asked for prompts, but no --prompt-data was given.")
-        return self._groups(self.prompts.next_batch(num_samples), self.generator.config.n_samples_per_prompt)
+        groups = self._groups(self.prompts.next_batch(num_samples), self.generator.config.n_samples_per_prompt,
+                              self._drawn)
+        self._drawn += len(groups)
+        return groups
 
     def get_eval_samples(self, name: str) -> list[list[Sample]]:
         """Every prompt of the ``--eval-prompt-data`` set ``name``, in groups of ``--n-samples-per-eval-prompt``."""
@@ -66,9 +70,9 @@ class DataSource:
                                  f"{sorted(self.eval_sets) or 'none'}.")
         return self._groups(self.eval_sets[name], self.generator.config.n_samples_per_eval_prompt)
 
-    def _groups(self, prompts: list[Any], n: int) -> list[list[Sample]]:
+    def _groups(self, prompts: list[Any], n: int, first: int = 0) -> list[list[Sample]]:
         groups = []
-        for gi, prompt in enumerate(prompts):
+        for gi, prompt in enumerate(prompts, first):
             text, ids = self.generator.encode(prompt)
             groups.append(new_group(prompt, n, gi, gi * n, text, ids))
         return groups

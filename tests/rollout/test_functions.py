@@ -456,3 +456,22 @@ async def gather_or_cancel_ok():
         return x
 
     return await gather_or_cancel(v(x) for x in (1, 2))
+
+
+def test_get_samples_called_again_numbers_on_so_no_two_prompts_share_sampling_seeds():
+    """slime's rollout functions draw prompts in rounds (get_samples in a loop): the sampling seed is the rollout's
+    base plus the sample's index, so a second round numbered from 0 again gave its prompts the first round's draws."""
+    import types
+
+    from slime_lite.rollout.data import Prompt
+    from slime_lite.rollout.functions import DataSource
+
+    prompts = iter(Prompt(i, f"{i}+{i}=", str(2 * i), {}) for i in range(10))
+    source = types.SimpleNamespace(next_batch=lambda n: [next(prompts) for _ in range(n)])
+    gen = types.SimpleNamespace(encode=lambda p: (p.prompt, [1, 2]),
+                                config=types.SimpleNamespace(n_samples_per_prompt=2))
+    data = DataSource(gen, source, {})
+    groups = data.get_samples(2) + data.get_samples(3)
+    assert [g[0].group_index for g in groups] == [0, 1, 2, 3, 4]
+    assert [s.index for g in groups for s in g] == list(range(10))
+    assert DataSource(gen, source, {}).get_samples(1)[0][0].index == 0  # each rollout's source numbers from 0
