@@ -217,12 +217,15 @@ class PerTokenNormalizer(float):
 
 
 def aggregate_loss(
-    per_token: Tensors | torch.Tensor, masks: Tensors, normalizer: float | None = None
+    per_token: Tensors | torch.Tensor, masks: Tensors, normalizer: float | None = None,
+    denominators: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Per-sample masked token means, summed and divided by `normalizer` (default: the number of samples here).
 
     `per_token` is a list like `masks` or their flat concatenation. With `normalizer` = the number of samples of a
-    global batch, the values of its micro-batches add up to the global per-sample mean.
+    global batch, the values of its micro-batches add up to the global per-sample mean. `denominators` (per sample,
+    in place of its own mask count): a trajectory split into several samples is one mean over all its tokens, each
+    part's masked sum divided by the trajectory's token count (a per-token normalizer ignores them).
     """
     if isinstance(per_token, torch.Tensor):
         per_token = torch.split(per_token, [m.numel() for m in masks])
@@ -233,7 +236,11 @@ def aggregate_loss(
     if isinstance(normalizer, PerTokenNormalizer):
         total = torch.stack([(x * m.to(x.dtype)).sum() for x, m in zip(per_token, masks)]).sum()
         return total / loss_divisor(normalizer, len(masks))
-    means = torch.stack([masked_mean(x, m.to(x.dtype)) for x, m in zip(per_token, masks)])
+    if denominators is not None:
+        means = torch.stack([(x * m.to(x.dtype)).sum() / max(float(d), 1.0)
+                             for x, m, d in zip(per_token, masks, denominators)])
+    else:
+        means = torch.stack([masked_mean(x, m.to(x.dtype)) for x, m in zip(per_token, masks)])
     return means.sum() / loss_divisor(normalizer, len(masks))
 
 

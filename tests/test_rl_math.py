@@ -244,6 +244,30 @@ def test_masked_mean_and_aggregate_loss():
     assert parts.item() == pytest.approx(want, abs=1e-12)
 
 
+def test_a_split_trajectory_is_one_token_mean_over_its_samples():
+    """A trajectory trained as two samples (batch.trajectory_denominators: each divides its masked sum by the
+    trajectory's loss tokens) weighs as the trajectory unsplit, in one micro-batch or two; unsplit samples keep their
+    own means, and a per-token normalizer ignores the denominators."""
+    from slime_lite.backends.megatron import batch as B
+    from slime_lite.types import Sample
+
+    whole, other = torch.tensor([1.0, 2.0, 3.0, 10.0, 20.0]), torch.tensor([4.0, 8.0])
+    mask_w, mask_o = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, 1.0])
+    want = rl_math.aggregate_loss([whole, other], [mask_w, mask_o]).item()  # (33 / 4 + 6) / 2
+    samples = [Sample(index=0, rollout_id=7, response_length=3), Sample(index=1, rollout_id=7, response_length=2),
+               Sample(index=2, response_length=2)]
+    xs, ms = [whole[:3], whole[3:], other], [mask_w[:3], mask_w[3:], mask_o]
+    den = B.trajectory_denominators(samples, ms)
+    assert den == [4.0, 4.0, 2.0] and want == pytest.approx(7.125)
+    assert rl_math.aggregate_loss(xs, ms, 2, den).item() == pytest.approx(want, abs=1e-12)
+    parts = rl_math.aggregate_loss(xs[:1], ms[:1], 2, den[:1]) + rl_math.aggregate_loss(xs[1:], ms[1:], 2, den[1:])
+    assert parts.item() == pytest.approx(want, abs=1e-12)
+    assert rl_math.aggregate_loss(xs, ms, 2).item() == pytest.approx((1.5 + 15 + 6) / 2)  # each sample weighs one
+    per_token = rl_math.PerTokenNormalizer(6.0)
+    assert rl_math.aggregate_loss(xs, ms, per_token, den).item() == rl_math.aggregate_loss(xs, ms, per_token).item()
+    assert B.trajectory_denominators(samples[2:], ms[2:]) is None  # nothing split
+
+
 def test_per_token_normalizer_below_one_gives_the_global_token_mean_over_dp_ranks():
     """--calculate-per-token-loss under DP: each rank divides by the step's loss tokens per rank (the worker's
     normalizer) and DDP averages the ranks. A step with fewer loss tokens than ranks has a normalizer below 1,
@@ -435,7 +459,8 @@ def test_the_per_token_normalizer_counts_a_sample_without_loss_tokens_as_one_tok
 
     from slime_lite.backends.megatron.worker import TrainWorker
 
-    samples = [SimpleNamespace(loss_mask=m, response_length=len(m)) for m in ([1, 1, 1], [1, 1], [0, 0])]
+    samples = [SimpleNamespace(loss_mask=m, response_length=len(m), trajectory=i)
+               for i, m in enumerate(([1, 1, 1], [1, 1], [0, 0]))]
     fake = SimpleNamespace(args=SimpleNamespace(global_batch_size=3, calculate_per_token_loss=True), dp_size=1)
     assert float(TrainWorker._normalizer(fake, samples, 0)) == 6.0  # 3 + 2 + 1
 

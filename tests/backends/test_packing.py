@@ -12,12 +12,16 @@ from slime_lite.io import free_port
 torch.set_num_threads(1)
 
 
+def _steps(n: int, g: int) -> list[list[int]]:  # unsplit samples: step k is samples [k*g, (k+1)*g)
+    return [list(range(k, k + g)) for k in range(0, n, g)]
+
+
 @pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("max_tokens", [7, 30, 1000])
 def test_dynamic_plan_covers_each_sample_once_within_the_budget(dp, max_tokens):
     g = torch.Generator().manual_seed(dp * 1000 + max_tokens)
     lengths = torch.randint(2, 20, (32,), generator=g).tolist()
-    plans = [B.dynamic_step_shards(lengths, 16, r, dp, max_tokens) for r in range(dp)]
+    plans = [B.dynamic_step_shards(lengths, _steps(32, 16), r, dp, max_tokens) for r in range(dp)]
     for step in range(2):
         counts = {len(p[step]) for p in plans}
         assert len(counts) == 1  # every DP rank runs the same number of micro-batches
@@ -47,8 +51,8 @@ def test_balance_data_deals_equal_counts_and_shrinks_the_per_rank_flops_spread(d
     def plans(balanced):
         c = costs if balanced else None
         if dynamic:
-            return [B.dynamic_step_shards(lengths, g, r, dp, 1000, c) for r in range(dp)]
-        return [B.step_shards(len(lengths), g, r, dp, 2, c) for r in range(dp)]
+            return [B.dynamic_step_shards(lengths, _steps(2 * g, g), r, dp, 1000, c) for r in range(dp)]
+        return [B.step_shards(_steps(2 * g, g), r, dp, 2, c) for r in range(dp)]
 
     spread = {}
     for balanced in (False, True):
@@ -259,7 +263,7 @@ def test_a_sample_longer_than_the_budget_is_a_micro_batch_of_its_own_in_runs_and
     budget = TokenBudget.from_args(args)
     lengths = [8, 12, 3, 9]
     assert budget.alone(lengths) == [1] and budget.alone(lengths, log_probs=True) == []
-    plan = B.dynamic_step_shards(lengths, 4, 0, 1, budget.tokens())
+    plan = B.dynamic_step_shards(lengths, _steps(len(lengths), 4), 0, 1, budget.tokens())
     assert [1] in plan[0] and all(sum(lengths[i] for i in mb) <= 10 for mb in plan[0] if mb != [1])
     with caplog.at_level(logging.INFO, logger="slime_lite.preflight"):
         check_token_budget(args, [_sample(range(8), 2), _sample(range(12), 4)], "d/0.pt")
@@ -302,3 +306,47 @@ def test_the_train_rollout_comparison_leaves_out_tokens_of_older_weights():
     masks = [torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.ones(2), torch.ones(3)]
     out = newest_weight_masks([continued, fresh, Sample(response_length=3)], masks)
     assert [m.tolist() for m in out] == [[0.0, 0.0, 1.0, 0.0], [1.0, 1.0], [1.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("dp,micro", [(1, 1), (2, 1), (2, 2), (4, 2), (2, 3)])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["micro-batch-size", "dynamic"])
+@pytest.mark.parametrize("balanced", [False, True], ids=["in-order", "balance-data"])
+def test_steps_of_split_trajectories_keep_equal_micro_batch_counts(dp, micro, dynamic, balanced):
+    """A step of G trajectories some of which were split holds any number of samples from G up: every rank still
+    runs the same number of micro-batches, none empty, each sample once in its trajectory's step, micro-batches of at
+    most --micro-batch-size samples (two where it is 1 and the count does not divide by the DP size: a rank cannot
+    run an empty one), and within the token budget unless the samples are too few for that."""
+    from slime_lite.types import Sample
+
+    g = 4 * dp * micro
+    gen = torch.Generator().manual_seed(dp * 10 + micro)
+    parts = (1 + (torch.rand(3 * g, generator=gen) < 0.3).long() * torch.randint(1, 4, (3 * g,), generator=gen)).tolist()
+    samples = [Sample(group_index=t, index=len(parts) * 10 + k, rollout_id=t if n > 1 else None, tokens=[1] * 5,
+                      response_length=1) for t, n in enumerate(parts) for k in range(n)]
+    for i, s in enumerate(samples):
+        s.index = i
+    steps = B.trajectory_steps(samples, g)
+    assert len(steps) == 3 and sorted(i for st in steps for i in st) == list(range(len(samples)))
+    for k, st in enumerate(steps):  # trajectories [k*g, (k+1)*g), all their samples
+        assert {samples[i].group_index for i in st} == set(range(k * g, (k + 1) * g))
+    lengths = torch.randint(2, 30, (len(samples),), generator=gen).tolist()
+    costs = B.sample_flops(lengths, 64) if balanced else None
+    plans = [B.dynamic_step_shards(lengths, steps, r, dp, 40, costs) if dynamic
+             else B.step_shards(steps, r, dp, micro, costs) for r in range(dp)]
+    for k, st in enumerate(steps):
+        assert len({len(p[k]) for p in plans}) == 1
+        assert sorted(i for p in plans for mb in p[k] for i in mb) == sorted(st)
+        for p in plans:
+            for mb in p[k]:
+                assert mb
+                if not dynamic:
+                    assert len(mb) <= max(micro, 2 if len(st) % dp else 1)
+                elif dp * len(p[k]) < len(st) // dp * dp:  # fewer micro-batches than the most: the budget held
+                    assert len(mb) == 1 or sum(lengths[i] for i in mb) <= 40
+    with pytest.raises(ValueError, match="trajectories do not split into steps of"):
+        B.trajectory_steps(samples[:-parts[-1]], g)
+
+
+def test_an_odd_step_over_two_ranks_with_one_sample_micro_batches_pairs_two_samples():
+    assert [B.step_shards([[0, 1, 2, 3, 4]], r, 2, 1) for r in range(2)] == [[[[0, 1], [2]]], [[[3], [4]]]]
+    assert [B.dynamic_step_shards([50, 50, 50], [[0, 1, 2]], r, 2, 10) for r in range(2)] == [[[[0, 2]]], [[[1]]]]

@@ -282,3 +282,55 @@ def test_slime_dump_without_meta_and_dump_details(tiny_model_dir, replay_dumps, 
     assert len(train["log_probs"]) == len(samples)
     for key in ("ref_log_probs", "rollout_log_probs", "advantages", "returns", "kl"):
         assert [len(x) for x in train[key]] == [s["response_length"] for s in samples], key
+
+
+def _split_dump(dumps: str, out, split: set[int]) -> str:
+    """Rollout 0 of ``dumps`` with the trajectories of ``split`` (sample positions) each trained as two samples, as
+    an agent's rewritten history gives them: the first response token alone, then the whole sequence with the rest
+    as its response (sharing ``rollout_id``, with the group-normalised reward the rollout manager gives them)."""
+    import dataclasses
+
+    import torch
+
+    from slime_lite import rl_math
+    from slime_lite.rollout.dumps import load_rollout_dump, save_rollout_dump
+    from slime_lite.types import POST_PROCESSED_REWARD
+
+    dump = load_rollout_dump(dumps.format(rollout_id=0))
+    n = dump.meta["n_samples_per_prompt"]
+    normalized = rl_math.group_normalized("grpo", torch.tensor([s.reward for s in dump.samples], dtype=torch.float64),
+                                          n).tolist()
+    parts = []
+    for i, s in enumerate(dump.samples):
+        meta = {**s.metadata, POST_PROCESSED_REWARD: normalized[i]}
+        if i not in split:
+            parts.append(dataclasses.replace(s, metadata=meta))
+            continue
+        r = s.response_length
+        parts.append(dataclasses.replace(s, tokens=s.tokens[:len(s.tokens) - r + 1], response_length=1, loss_mask=[1],
+                                         rollout_log_probs=s.rollout_log_probs[:1], rollout_id=i, metadata=dict(meta)))
+        parts.append(dataclasses.replace(s, response_length=r - 1, loss_mask=[1] * (r - 1),
+                                         rollout_log_probs=s.rollout_log_probs[1:], rollout_id=i, metadata=dict(meta)))
+    for k, s in enumerate(parts):
+        s.index = k
+    out.mkdir()
+    save_rollout_dump(str(out / "dump_0.pt"), 0, parts, dump.meta)
+    return str(out / "dump_{rollout_id}.pt")
+
+
+def test_a_split_trajectory_trains_as_the_whole_one(tiny_model_dir, replay_dumps, tmp_path, train_cli, metrics_of,
+                                                    single_gpu_metrics):
+    """Trajectories split into two samples each (one in the first step: 5 samples for 4 trajectories, two in the
+    second: 6) train as the unsplit rollout: steps of --global-batch-size trajectories, each trajectory one token
+    mean over its samples. On DP 2 x PP 2 with --micro-batch-size 2 the steps' micro-batches have 1 or 2 rows (the
+    stages exchange their shapes); --ci-load-grad-norm of the unsplit (1, 1, 1) run passes step by step."""
+    ref, grad_norms = single_gpu_metrics
+    dumps = _split_dump(replay_dumps, tmp_path / "split", {0, 4, 5})
+    proc = train_cli(args_for(tiny_model_dir, dumps, tmp_path, "split", *TWO_STEPS, "--actor-num-gpus-per-node", "4",
+                              "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+                              "--ci-load-grad-norm", str(grad_norms)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    b = metrics_of(tmp_path / "split.jsonl")[0]
+    assert b["rollout/samples_per_trajectory"] == 11 / 8
+    for key in ("train/loss", "train/grad_norm", "train/entropy_loss", "train/kl_loss", "train/pg_loss"):
+        assert abs(ref[key] - b[key]) <= 1e-4 * max(abs(ref[key]), 1e-6), (key, ref[key], b[key])

@@ -21,10 +21,11 @@ class _Actor:
         self.trained: list[list[int]] = []
 
     def train(self, rollout_id: int, data: list, values: object) -> tuple:
-        for dp_rank in range(2):  # the workers' plan: 4-sample steps over two data-parallel ranks
-            B.step_shards(len(data), 4, dp_rank, 2, 1)
+        steps = B.trajectory_steps(data, 4)  # the workers' plan: 4-trajectory steps over two data-parallel ranks
+        for dp_rank in range(2):
+            B.step_shards(steps, dp_rank, 2, 1)
         self.trained.append([s.index for s in data])
-        return TrainResult({"train/loss": 0.5}, [1.0] * (len(data) // 4)), None
+        return TrainResult({"train/loss": 0.5}, [1.0] * len(steps)), None
 
 
 def test_a_rollout_of_partial_steps_trains_its_whole_steps(monkeypatch):
@@ -63,17 +64,17 @@ def test_a_group_estimator_trims_in_whole_prompt_groups(monkeypatch):
     train.train(2, samples, {})
     assert train.actor.trained[-1] == list(range(20))
     # split trajectories under GRPO (samples sharing a rollout_id): the manager normalised each sample's reward over
-    # its group's trajectories, so the trim, by samples, keeps whole steps (20 samples); whole trajectories are
-    # trimmed in whole groups as before, whatever their metadata holds
+    # its group's trajectories, so the trim, by trajectories (19 in 21 samples), keeps whole steps of 4 trajectories
+    # (16: 18 samples); whole trajectories are trimmed in whole groups as before, whatever their metadata holds
     args.custom_reward_post_process_path = None
     train.config = TrainSideConfig.from_args(args)
     for s in samples:
         s.metadata[POST_PROCESSED_REWARD] = 0.0
     train.train(3, samples, {})
     assert train.actor.trained[-1] == list(range(12))
-    samples[0].rollout_id = samples[1].rollout_id = 0
-    train.train(4, samples, {})
-    assert train.actor.trained[-1] == list(range(20))
+    samples[0].rollout_id = samples[1].rollout_id = samples[2].rollout_id = 0
+    assert train.train(4, samples, {}) == {"actor": [1.0] * 4}
+    assert train.actor.trained[-1] == list(range(18))
 
 
 def test_a_non_finite_grad_norm_with_a_finite_loss_stops_the_run(monkeypatch):

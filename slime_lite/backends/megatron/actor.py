@@ -177,6 +177,7 @@ class TrainActor(TrainWorker):
                 "advantages": advantages, "returns": returns, "loss_masks": masks, "entropy": entropy,
                 "values": values})
         loss_cfg = LossConfig.from_args(a)
+        traj = B.trajectory_denominators(samples, masks)  # a split trajectory: one token mean over its samples
 
         def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
             temp = rl_math.scoring_temperature(a.rollout_temperature)
@@ -184,6 +185,7 @@ class TrainActor(TrainWorker):
             lp, ent = sample_log_probs(output, mb, temp, self.gpt().hf_vocab_size,
                                        with_entropy=custom or a.entropy_coef > 0)
             idx, dev = mb.indices, output.device
+            den = [traj[i] for i in idx] if traj is not None else None
             def on(xs: list) -> list[torch.Tensor]:  # per-sample inputs of this micro-batch: one host->device copy
                 return B.samples_to_device(xs, idx, dev)
 
@@ -191,13 +193,13 @@ class TrainActor(TrainWorker):
                 batch = train_hooks.loss_batch(samples, idx, dev, on, lp, ent, {
                     "loss_masks": masks, "log_probs": old, "ref_log_probs": ref, "rollout_log_probs": rollout_lp,
                     "advantages": advantages, "returns": returns, "values": values})
-                loss, m = train_hooks.custom_loss(hooks, batch, output, batch["loss_masks"], normalizer)
+                loss, m = train_hooks.custom_loss(hooks, batch, output, batch["loss_masks"], normalizer, den)
                 return loss * self._num_mb, m
             loss, m = rl_loss(
                 lp, on(old), on(ref) if ref is not None else None,
                 on(rollout_lp) if rollout_lp is not None else None, on(advantages),
                 on(masks), ent, loss_cfg, normalizer, train_hooks.pg_reducer(hooks, mb.prompt_lengths,
-                                                                             mb.response_lengths),
+                                                                             mb.response_lengths), den,
             )
             return loss * self._num_mb, m
 

@@ -1,7 +1,8 @@
 """Rollout samples -> per-rank micro-batches of padded token tensors (pure; no Megatron).
 
-Every DP rank sees the same global order: optimizer step k takes samples [k*G, (k+1)*G) of the rollout, and DP
-rank d takes a contiguous 1/dp share of that, split into micro-batches. All micro-batches of a rollout are padded
+Every DP rank sees the same global order: optimizer step k takes trajectories [k*G, (k+1)*G) of the rollout (the
+samples [k*G, (k+1)*G) unless a trajectory was split into several samples: all of them), and DP rank d takes a
+contiguous 1/dp share of that, split into micro-batches. All micro-batches of a rollout are padded
 to one length so pipeline stages exchange tensors of one shape, and so the forward-only pass (old log-probs) and
 the training pass see identical shapes (KL and ppo_kl are then exactly 0 at the first step).
 
@@ -81,36 +82,63 @@ def sample_flops(lengths: list[int], hidden_size: int) -> list[float]:
     return [n * (1 + n / (6 * hidden_size)) for n in lengths]
 
 
-def deal(items: list[Any], cost: dict[Any, float], dp_size: int) -> list[list[Any]]:
-    """``items`` dealt to ``dp_size`` ranks, equal counts each: the costliest first, each to the cheapest rank with
-    room (every rank computes the same plan: no communication)."""
-    per_rank = len(items) // dp_size
-    ranks: list[list[Any]] = [[] for _ in range(dp_size)]
-    load = [0.0] * dp_size
+def deal(items: list[Any], cost: dict[Any, float], sizes: list[int]) -> list[list[Any]]:
+    """``items`` dealt to ``len(sizes)`` ranks, ``sizes[r]`` to rank r: the costliest first, each to the cheapest
+    rank with room (every rank computes the same plan: no communication)."""
+    ranks: list[list[Any]] = [[] for _ in sizes]
+    load = [0.0] * len(sizes)
     for item in sorted(items, key=lambda i: (-cost[i], i)):
-        r = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
+        r = min((r for r in range(len(sizes)) if len(ranks[r]) < sizes[r]), key=lambda r: (load[r], r))
         ranks[r].append(item)
         load[r] += cost[item]
     return ranks
 
 
-def step_shards(num_samples: int, global_batch: int, dp_rank: int, dp_size: int, micro: int,
+def trajectory_steps(samples: list[Any], global_batch: int) -> list[list[int]]:
+    """The sample positions of each optimizer step: ``global_batch`` trajectories a step (``Sample.trajectory``, in
+    the order they first appear), each with all its samples, so a trajectory split into several samples (an agent's
+    rewritten history, a generate hook's list) trains in one step; unsplit, step k is samples [k*G, (k+1)*G)."""
+    parts: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        parts.setdefault(s.trajectory, []).append(i)
+    if len(parts) % global_batch:
+        raise ValueError(f"{len(parts)} trajectories do not split into steps of {global_batch}")
+    keys = list(parts)
+    return [sorted(i for k in keys[start:start + global_batch] for i in parts[k])
+            for start in range(0, len(keys), global_batch)]
+
+
+def _even(n: int, parts: int) -> list[int]:
+    return [n // parts + (k < n % parts) for k in range(parts)]
+
+
+def step_shards(steps: list[list[int]], dp_rank: int, dp_size: int, micro: int,
                 costs: list[float] | None = None) -> list[list[list[int]]]:
-    """Sample indices per optimizer step, per micro-batch, for one DP rank: each step's samples in order, or with
-    ``costs`` (--balance-data: ``sample_flops``) dealt to the ranks balanced by cost."""
-    if num_samples % global_batch or global_batch % (dp_size * micro):
-        raise ValueError(f"{num_samples} samples do not split into steps of {global_batch} over dp={dp_size}x{micro}")
-    per_rank = global_batch // dp_size
-    steps = []
-    for start in range(0, num_samples, global_batch):
+    """Sample indices per optimizer step (``steps``: each step's samples), per micro-batch, for one DP rank: each
+    rank takes a contiguous share of a step's samples in order, or with ``costs`` (--balance-data:
+    ``sample_flops``) a share dealt by cost. Every rank runs the same number of micro-batches of at most ``micro``
+    samples; a step of split trajectories, whose sample count need not divide by ``dp_size x micro``, gets
+    micro-batches of near-equal sizes (with ``micro`` 1 and a count that does not divide by ``dp_size``, a few of
+    two samples: a rank cannot run an empty one)."""
+    out = []
+    for idx in steps:
+        n = len(idx)
+        if n < dp_size:
+            raise ValueError(f"a step of {n} samples cannot feed {dp_size} data-parallel ranks")
+        per_rank_mbs = min(-(-n // (dp_size * micro)), n // dp_size)
+        sizes = _even(n, dp_size * per_rank_mbs)  # the step's micro-batch sizes, rank by rank
+        rank_sizes = [sum(sizes[r * per_rank_mbs:(r + 1) * per_rank_mbs]) for r in range(dp_size)]
         if costs is None:
-            lo = start + dp_rank * per_rank
-            mine = list(range(lo, lo + per_rank))
+            lo = sum(rank_sizes[:dp_rank])
+            mine = idx[lo:lo + rank_sizes[dp_rank]]
         else:
-            idx = range(start, start + global_batch)
-            mine = sorted(deal(list(idx), {i: costs[i] for i in idx}, dp_size)[dp_rank])
-        steps.append([mine[i : i + micro] for i in range(0, per_rank, micro)])
-    return steps
+            mine = sorted(deal(list(idx), {i: costs[i] for i in idx}, rank_sizes)[dp_rank])
+        mbs, start = [], 0
+        for size in sizes[dp_rank * per_rank_mbs:(dp_rank + 1) * per_rank_mbs]:
+            mbs.append(mine[start:start + size])
+            start += size
+        out.append(mbs)
+    return out
 
 
 def padded_length(samples: list[Any], multiple: int = 1) -> int:
@@ -180,30 +208,33 @@ def _balanced_bins(order: list[int], lengths: dict[int, int], count: int, max_to
     return bins if all(bins) else None
 
 
-def dynamic_step_shards(lengths: list[int], global_batch: int, dp_rank: int, dp_size: int,
+def dynamic_step_shards(lengths: list[int], steps: list[list[int]], dp_rank: int, dp_size: int,
                         max_tokens: int, costs: list[float] | None = None) -> list[list[list[int]]]:
-    """Like `step_shards` with micro-batches packed by token count: sample indices per optimizer step, per
-    micro-batch, for one DP rank. Every rank computes the same plan (no communication) and gets the same number of
-    micro-batches per step, dealt by their tokens (with ``costs``: by their samples' costs); a sample longer than
-    max_tokens is alone in its micro-batch."""
-    n = len(lengths)
-    if n % global_batch or global_batch % dp_size:
-        raise ValueError(f"{n} samples do not split into steps of {global_batch} over dp={dp_size}")
-    steps = []
-    for start in range(0, n, global_batch):
-        idx = list(range(start, start + global_batch))
+    """Like `step_shards` with micro-batches packed by token count: sample indices per optimizer step (``steps``:
+    each step's samples), per micro-batch, for one DP rank. Every rank computes the same plan (no communication)
+    and gets the same number of micro-batches per step, dealt by their tokens (with ``costs``: by their samples'
+    costs); a sample longer than max_tokens is alone in its micro-batch (unless a step of split trajectories has
+    too few samples for that: then as many micro-batches as its samples allow, a multiple of the DP size)."""
+    out = []
+    for idx in steps:
+        if len(idx) < dp_size:
+            raise ValueError(f"a step of {len(idx)} samples cannot feed {dp_size} data-parallel ranks")
         ln = {i: lengths[i] for i in idx}
         order = sorted(idx, key=lambda i: (-ln[i], i))
+        most = len(idx) // dp_size * dp_size  # the most micro-batches every rank can have as many of
         # as many micro-batches as first-fit needs, rounded up to a multiple of dp (never more than the samples)
-        count = -(-len(_first_fit(order, ln, max_tokens)) // dp_size) * dp_size
+        count = min(-(-len(_first_fit(order, ln, max_tokens)) // dp_size) * dp_size, most)
         bins = _balanced_bins(order, ln, count, max_tokens)
         while bins is None:
             count += dp_size
-            bins = _balanced_bins(order, ln, count, max_tokens) if count < global_batch else [[i] for i in order]
+            if count >= most:
+                bins = [[i] for i in order] if most == len(idx) else _balanced_bins(order, ln, most, float("inf"))
+            else:
+                bins = _balanced_bins(order, ln, count, max_tokens)
         bins = {min(b): sorted(b) for b in bins}  # each by its first sample (a tie-break that every rank shares)
         weight = {k: sum(costs[i] if costs else ln[i] for i in b) for k, b in bins.items()}
-        steps.append([bins[k] for k in sorted(deal(list(bins), weight, dp_size)[dp_rank])])
-    return steps
+        out.append([bins[k] for k in sorted(deal(list(bins), weight, [len(bins) // dp_size] * dp_size)[dp_rank])])
+    return out
 
 
 def loss_masks(samples: list[Any]) -> list[torch.Tensor]:
@@ -211,6 +242,18 @@ def loss_masks(samples: list[Any]) -> list[torch.Tensor]:
         torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * s.response_length, dtype=torch.float32)
         for s in samples
     ]
+
+
+def trajectory_denominators(samples: list[Any], masks: list[torch.Tensor]) -> list[float] | None:
+    """Per sample, its trajectory's loss-mask tokens (summed over the samples it was split into): what a sample's
+    masked token sum is divided by, so each trajectory is one token mean however many samples it trains as (slime's
+    per-rollout mask sums); None when no trajectory was split (each sample's own mask count)."""
+    total: dict[tuple, float] = {}
+    for s, m in zip(samples, masks):
+        total[s.trajectory] = total.get(s.trajectory, 0.0) + float(m.sum())
+    if len(total) == len(samples):
+        return None
+    return [total[s.trajectory] for s in samples]
 
 
 def newest_weight_masks(samples: list[Any], masks: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -63,13 +63,15 @@ class CriticActor(TrainWorker):
         ``old_values`` and ``returns`` are the refs of the ranks' ``compute_values`` and of the actor's train."""
         old_values, returns = reported(old_values), reported(returns)
         masks = B.loss_masks(samples)
+        traj = B.trajectory_denominators(samples, masks)  # a split trajectory: one token mean over its samples
 
         def loss_fn(mb: B.MicroBatch, output: torch.Tensor, normalizer: float, non_loss_data: bool = False) -> tuple:
             vals, dev = self._values(mb, output), output.device
             idx = mb.indices
             loss, m = value_rl_loss(vals, B.samples_to_device(old_values, idx, dev),
                                     B.samples_to_device(returns, idx, dev), B.samples_to_device(masks, idx, dev),
-                                    self.args.value_clip, normalizer)
+                                    self.args.value_clip, normalizer,
+                                    [traj[i] for i in idx] if traj is not None else None)
             return loss * self._num_mb, m
 
         result = self._train_steps(samples, loss_fn)

@@ -91,6 +91,7 @@ def rl_loss(
     cfg: LossConfig,
     normalizer: float | None = None,
     pg_reducer: Callable[[list[torch.Tensor]], Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    denominators: list[float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss = pg_loss - entropy_coef*entropy + kl_loss_coef*kl (KL only with use_kl_loss), ``cfg``'s flags.
 
@@ -98,7 +99,8 @@ def rl_loss(
     it gives the reducer of the flat per-token policy loss in place of the sum of per-sample means; its value is
     divided by `normalizer` as every other term (slime's units). The other terms and metrics keep the default.
 
-    Each term is aggregated as per-sample token means divided by `normalizer` (default: samples here).
+    Each term is aggregated as per-sample token means divided by `normalizer` (default: samples here); with
+    ``denominators`` (``batch.trajectory_denominators``) a split trajectory's samples make one token mean.
     `old_logp` None means on-policy (old = logp detached). Rollout correction (use_tis / use_rs, slime_lite.rollout_correction
     ``rollout_correction`` on old vs rollout_logp): the per-token policy loss is multiplied by the IS weight, and a
     rejected token (tis_mode mask, use_rs) is taken out of every loss term's numerator while the per-sample
@@ -115,7 +117,7 @@ def rl_loss(
     keep: torch.Tensor | None = None
 
     def agg(x: torch.Tensor, kept: bool = True) -> torch.Tensor:
-        return rl_math.aggregate_loss(x * keep if kept and keep is not None else x, masks, normalizer)
+        return rl_math.aggregate_loss(x * keep if kept and keep is not None else x, masks, normalizer, denominators)
 
     pg, clipfrac, ppo_kl = rl_math.POLICY_LOSSES[cfg.loss_type].fn(lp, old, adv, mask, cfg.eps_clip, cfg.eps_clip_high,
                                                                    cfg.eps_clip_c)
@@ -178,12 +180,13 @@ def value_rl_loss(
     masks: Tensors,
     value_clip: float,
     normalizer: float | None = None,
+    denominators: list[float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Critic loss: clipped value loss aggregated like `rl_loss` -> (loss, {value_loss, value_clipfrac})."""
     v = _cat(values)
     per_token, clipfrac = rl_math.value_loss(v, _cat(old_values).to(v.dtype), _cat(returns).to(v.dtype), value_clip)
-    loss = rl_math.aggregate_loss(per_token, masks, normalizer)
-    clip = rl_math.aggregate_loss(clipfrac, masks, normalizer)
+    loss = rl_math.aggregate_loss(per_token, masks, normalizer, denominators)
+    clip = rl_math.aggregate_loss(clipfrac, masks, normalizer, denominators)
     return loss, {"value_loss": loss.detach().double(), "value_clipfrac": clip.detach().double()}
 
 

@@ -89,26 +89,30 @@ class TrainSide:
         return norms
 
     def whole_steps(self, rollout_id: int, samples: list) -> list:
-        """The samples that fill whole optimizer steps of --global-batch-size: a rollout whose sample count is not
-        a multiple of it (a generate hook or agent that splits trajectories into a varying number of samples, with
-        a per-sample estimator, or a rollout function returning more groups) trains its first whole steps and leaves
-        the rest out, as slime trims, in whole prompt groups for a group estimator (GRPO); fewer samples than one step
-        is an error naming the flags. A rollout of split trajectories (the manager normalised its rewards already)
-        is trimmed by samples."""
-        group = 1 if len(trajectory_ends(samples)) < len(samples) else self.config.group_size
+        """The samples that fill whole optimizer steps of --global-batch-size trajectories (a trajectory split into
+        several samples, by an agent or a generate hook, counts once, as slime counts rollouts): a rollout whose
+        trajectory count is not a multiple of it (a rollout function returning more groups) trains its first whole
+        steps and leaves the rest out, as slime trims, in whole prompt groups for a group estimator (GRPO); fewer
+        trajectories than one step is an error naming the flags. A rollout of split trajectories (the manager
+        normalised its rewards already) is trimmed by trajectories."""
+        ends = trajectory_ends(samples)
+        group = 1 if len(ends) < len(samples) else self.config.group_size
         g = math.lcm(self.global_batch_size, group)
-        kept = len(samples) // g * g
-        if kept == len(samples):
+        kept = len(ends) // g * g
+        if kept == len(ends):
             return samples
+        what = "samples" if len(ends) == len(samples) else f"trajectories (in {len(samples)} samples)"
         if kept == 0:
-            raise SlimeLiteError(f"rollout {rollout_id} has {len(samples)} samples, fewer than one optimizer step of "
+            raise SlimeLiteError(f"rollout {rollout_id} has {len(ends)} {what}, fewer than one optimizer step of "
                                  f"--global-batch-size {self.global_batch_size} in whole groups of {group} ({g} "
-                                 "samples): lower --global-batch-size (it must divide by the data-parallel size x "
-                                 "--micro-batch-size) or raise --rollout-batch-size.")
-        log.warning("rollout %d: %d samples are not a multiple of --global-batch-size %d in whole groups of %d: "
-                    "training the first %d (%d step(s)), %d left out", rollout_id, len(samples),
-                    self.global_batch_size, group, kept, kept // self.global_batch_size, len(samples) - kept)
-        return samples[:kept]
+                                 f"{what.split()[0]}): lower --global-batch-size (it must divide by the "
+                                 "data-parallel size x --micro-batch-size) or raise --rollout-batch-size.")
+        keep = {samples[i].trajectory for i in ends[:kept]}
+        trimmed = [s for s in samples if s.trajectory in keep]
+        log.warning("rollout %d: %d %s are not a multiple of --global-batch-size %d in whole groups of %d: "
+                    "training the first %d (%d step(s)), %d sample(s) left out", rollout_id, len(ends), what,
+                    self.global_batch_size, group, kept, kept // self.global_batch_size, len(samples) - len(trimmed))
+        return trimmed
 
     def save(self, rollout_id: int, data_state: Any) -> None:
         """Every --save-interval rollouts: each group's checkpoint (``data_state()``: the actor's copy of the

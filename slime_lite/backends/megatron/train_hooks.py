@@ -108,11 +108,13 @@ def _shown(x: Any) -> str:
     return "nothing" if x is None else f"a {type(x).__name__}" + (f" of {len(x)}" if hasattr(x, "__len__") else "")
 
 
-def sum_of_sample_mean(masks: list[torch.Tensor], per_token: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+def sum_of_sample_mean(masks: list[torch.Tensor], per_token: bool,
+                       denominators: list[float] | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """slime's reducer of a micro-batch: a flat per-token tensor -> the sum over its samples of their masked token
-    means (``per_token``: of their masked token values)."""
+    means (``per_token``: of their masked token values; ``denominators``: a split trajectory's samples make one
+    mean, as `rl_math.aggregate_loss`)."""
     norm = rl_math.PerTokenNormalizer(1.0) if per_token else 1.0
-    return lambda x: rl_math.aggregate_loss(x, masks, norm)
+    return lambda x: rl_math.aggregate_loss(x, masks, norm, denominators)
 
 
 def pg_reducer(hooks: TrainHooks, prompt_lengths: list[int], response_lengths: list[int]) -> Callable | None:
@@ -147,10 +149,12 @@ def loss_batch(samples: list, indices: list[int], device: Any, on: Callable[[Any
 
 
 def custom_loss(hooks: TrainHooks, batch: dict, logits: torch.Tensor, masks: list[torch.Tensor],
-                normalizer: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                normalizer: float | None, denominators: list[float] | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """--custom-loss-function-path on a micro-batch -> (its loss, metrics), both divided by the step's normalizer
     (a metric the hook leaves out: ``loss``)."""
-    out = hooks.loss(hooks.args, batch, logits, sum_of_sample_mean(masks, bool(hooks.args.calculate_per_token_loss)))
+    reducer = sum_of_sample_mean(masks, bool(hooks.args.calculate_per_token_loss), denominators)
+    out = hooks.loss(hooks.args, batch, logits, reducer)
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and torch.is_tensor(out[0]) and out[0].numel() == 1
             and isinstance(out[1], dict)):
         raise SlimeLiteError(f"{LOSS}: the hook returned {_shown(out)}; expected (loss, metrics): a one-element "

@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 from transformers import AutoConfig
 
 from slime_lite.backends.megatron import batch as B
@@ -172,6 +173,9 @@ class TrainWorker:
         batches = [B.make_packed_micro_batch(samples, idx, multiple=m) if packed
                    else B.make_micro_batch(samples, idx, length) for idx in mbs]
         it = iter(batches)
+        if self.args.pipeline_model_parallel_size > 1:  # a step of split trajectories: micro-batches of several
+            # sizes, whose shapes the stages then send each other before the activations (Megatron's option)
+            get_model_config(self.model).variable_seq_lengths = len({b.tokens.shape for b in batches}) > 1
 
         def forward_step(data_iterator: Any, model: Any) -> tuple:
             mb = next(data_iterator)
@@ -221,31 +225,33 @@ class TrainWorker:
     def _plan(self, samples: list, log_probs: bool = False) -> list[list[list[int]]]:
         """Sample indices per optimizer step, per micro-batch, for this DP rank: fixed --micro-batch-size, or
         packed by --max-tokens-per-gpu (--log-probs-max-tokens-per-gpu for the forward-only passes, which pack
-        the whole rollout as one step); with --balance-data dealt to the DP ranks by estimated FLOPs."""
+        the whole rollout as one step); with --balance-data dealt to the DP ranks by estimated FLOPs. A step is
+        --global-batch-size trajectories (``batch.trajectory_steps``: a split trajectory's samples in one step)."""
         a = self.args
         lengths = [len(s.tokens) for s in samples]
         costs = B.sample_flops(lengths, self.hf_config.hidden_size) if a.balance_data else None
+        steps = B.trajectory_steps(samples, a.global_batch_size)
         if not a.use_dynamic_batch_size:
-            return B.step_shards(len(samples), a.global_batch_size, self.dp_rank, self.dp_size, a.micro_batch_size,
-                                 costs)
+            return B.step_shards(steps, self.dp_rank, self.dp_size, a.micro_batch_size, costs)
         budget = TokenBudget.from_args(a)
         alone = budget.alone(lengths, log_probs)
         if alone and self.rank == 0:
             log.info("%d sample(s) longer than %s: each is a micro-batch of its own", len(alone),
                      budget.flags(log_probs))
-        return B.dynamic_step_shards(lengths, len(samples) if log_probs else a.global_batch_size, self.dp_rank,
+        return B.dynamic_step_shards(lengths, [list(range(len(samples)))] if log_probs else steps, self.dp_rank,
                                      self.dp_size, budget.tokens(log_probs), costs)
 
     def _normalizer(self, samples: list, step: int) -> float:
         """What a step's micro-batch losses are divided by, so they add up (over micro-batches and the DP mean) to
-        the step's loss: samples per DP rank, or with --calculate-per-token-loss the step's loss-mask tokens per
-        DP rank. Independent of how the step is cut into micro-batches."""
+        the step's loss: trajectories (samples, unless one was split) per DP rank, or with
+        --calculate-per-token-loss the step's loss-mask tokens per DP rank. Independent of how the step is cut
+        into micro-batches."""
 
         a = self.args
         g = a.global_batch_size
         if not a.calculate_per_token_loss:
             return g / self.dp_size
-        step_samples = samples[step * g : (step + 1) * g]
+        step_samples = [samples[i] for i in B.trajectory_steps(samples, g)[step]]
         # each sample counts at least 1 (slime's clamp_min(loss_mask.sum(), 1)): one with no loss tokens too
         tokens = sum(max(float(m.sum()), 1.0) for m in B.loss_masks(step_samples))
         return PerTokenNormalizer(tokens / self.dp_size)
