@@ -107,6 +107,19 @@ def test_push_and_generate_bodies_are_sglangs_requests(tmp_path, monkeypatch):
     assert [(r, b.get("lora_name")) for r, b in sent] == [("/load_lora_adapter", lora_adapter_name(2)),
                                                           ("/update_weight_version", None)]
 
+    # without --save the folder is this host's temporary one, removed once the engines loaded it (it was left
+    # behind at every run's exit)
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    loaded = []
+    monkeypatch.setattr(weight_push, "request_json", lambda url, route, body, **kw: loaded.append(
+        os.path.isfile(os.path.join(body["lora_path"], "adapter_model.safetensors")) if "lora_path" in body else None))
+    weight_push.push_lora_to_sglang(SimpleNamespace(save=None, hf_checkpoint=str(tmp_path), debug_inject_fault=None),
+                                    _adapters(3), LoraSettings(4, 8.0, 0.0, ()), ["http://e"], 3, _adapters(3), None)
+    assert loaded[0] is True and os.listdir(tmp_path / "tmp") == []
+
     class Capture(AsyncEngineClient):
         async def post(self, url, route, body):
             sent.append((route, body))

@@ -263,8 +263,9 @@ def push_lora_to_sglang(args: Any, adapters: dict[str, tuple[torch.Tensor, torch
     then the adapter the engine served before unloaded (/unload_lora_adapter; SGLang lets its running requests
     finish first) and its folder removed. ``restarted``: the engines at ``urls`` were just started again
     (--use-fault-tolerance) and hold no adapter, whatever the engine that had their URL before held. The folder
-    must be readable by the engines: under --save when given (a file system the nodes share), else this host's
-    temporary folder.
+    must be readable by the engines: under --save when given (a file system the nodes share; the last one is kept),
+    else this host's temporary folder, removed once the push is over (SGLang keeps a loaded adapter in its memory,
+    and every push writes the folder again).
 
     The weight check (with ``base``, the trainer's frozen base weights): the folder the engines loaded holds exactly
     ``reference`` (the trainer's adapters), and the engines' base weights equal ``base`` (``check_weights_equal``,
@@ -308,4 +309,6 @@ def push_lora_to_sglang(args: Any, adapters: dict[str, tuple[torch.Tensor, torch
                     f"the trainer's adapter of {n}; the push wrote or sent something else.")
         if _check_engines(args, base, urls):  # (no check time: the engines' base weights went unchecked)
             times["perf/update_weights/check_time"] = time.perf_counter() - t0
+    if not args.save:
+        shutil.rmtree(root, ignore_errors=True)
     return times
