@@ -18,6 +18,7 @@ from slime_lite.errors import SlimeLiteError
 from slime_lite.flag_types import nonneg_float, positive_int, unit_float
 from slime_lite.io import foreign_entry, within
 from slime_lite.model_families import read_config
+from slime_lite.rollout.data import data_file
 
 log = logging.getLogger("slime_lite.args")
 
@@ -268,7 +269,8 @@ def _check_save_hf_apart(args: argparse.Namespace, first: str) -> None:
     used = [(f"--{flag.replace('_', '-')}", getattr(args, flag)) for flag in  # the models first
             ("hf_checkpoint", "ref_load", "lora_adapter_path", "load", "save", "prompt_data", "metrics_path",
              "dump_details")]
-    used += [("--eval-prompt-data", path) for path in (args.eval_prompt_data or [])[1::2]]
+    used = [(flag, data_file(v) if flag == "--prompt-data" and v else v) for flag, v in used]  # PATH of PATH@[a:b]
+    used += [("--eval-prompt-data", data_file(path)) for path in (args.eval_prompt_data or [])[1::2]]
     for flag in ("save_debug_rollout_data", "save_debug_train_data"):
         try:  # the folder of its first file (a template that does not format is refused by its own check)
             first_dump = getattr(args, flag) and getattr(args, flag).format(rollout_id=0, rank=0)

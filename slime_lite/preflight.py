@@ -19,8 +19,8 @@ from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION, REPLAY_HOOKS, SIGNATURES,
 from slime_lite.io import probe_folder, within
 from slime_lite.model_families import check_family, check_servable, check_trainable, num_experts, read_config
 from slime_lite.profiling import profile_targets, trace_dir
-from slime_lite.rollout.data import (RENDER_CHECKED, DataKeys, check_renders, drop_long_prompts, encode_prompt,
-                                     read_prompts)
+from slime_lite.rollout.data import (RENDER_CHECKED, DataKeys, check_renders, data_file, drop_long_prompts,
+                                     encode_prompt, read_prompts)
 from slime_lite.rollout.dumps import dump_path
 from slime_lite.rollout.rewards import check_data_labels, check_data_rm_types
 from slime_lite.tokenizer import load_tokenizer, model_vocab_size, tokenizer_fingerprint
@@ -249,8 +249,8 @@ def check_outputs(args: Any) -> None:
         raise SlimeLiteError(f"--metrics-path {args.metrics_path} is not writable; choose another file.")
     if args.metrics_path:  # rows are appended to it: never to a file the run reads
         # the data files, and the model folders (an HF export copies their files)
-        read = [("--prompt-data", args.prompt_data)] + [("--eval-prompt-data", p)
-                                                        for p in (args.eval_prompt_data or [])[1::2]]
+        read = [("--prompt-data", args.prompt_data and data_file(args.prompt_data))]  # (PATH of PATH@[a:b])
+        read += [("--eval-prompt-data", data_file(p)) for p in (args.eval_prompt_data or [])[1::2]]
         read += [(f"--{f.replace('_', '-')}", getattr(args, f)) for f in ("hf_checkpoint", "ref_load",
                                                                            "lora_adapter_path")]
         for flag, value in read:

@@ -249,6 +249,9 @@ def test_metrics_are_never_appended_to_a_file_the_run_reads(tiny_model_dir, tmp_
         with pytest.raises(SlimeLiteError, match=f"--metrics-path {re.escape(str(path))} is or lies inside {flag}"):
             check_outputs(parse_args(base + ["--metrics-path", str(path)]))
         assert path.read_bytes() == before
+    sliced = base[:4] + [f"{data}@[0:1]"] + base[5:]  # slime's PATH@[a:b] reads PATH: the same file
+    with pytest.raises(SlimeLiteError, match=f"--metrics-path {re.escape(str(data))} is or lies inside --prompt-data"):
+        check_outputs(parse_args(sliced + ["--metrics-path", str(data)]))
     check_outputs(parse_args(base + ["--metrics-path", str(tmp_path / "metrics.jsonl")]))
     (tmp_path / "run").mkdir()  # slime's --load X --save X, resumed, with the metrics beside the checkpoints: fine
     (tmp_path / "run" / "latest").write_text("iter_0000001")

@@ -64,6 +64,11 @@ def test_rules_name_the_flag_and_the_fix(base, tmp_path):
     (tmp_path / "data" / "d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     assert "which is or holds --prompt-data" in err(base + save + ["--prompt-data", str(tmp_path / "data" / "d.jsonl"),
                                                                     "--save-hf", str(tmp_path / "data")])
+    for sliced in ("--prompt-data", "--eval-prompt-data"):  # slime's PATH@[a:b] reads PATH
+        extra = [sliced] + (["e"] if sliced == "--eval-prompt-data" else []) + [
+            f"{tmp_path / 'data' / 'd.jsonl'}@[0:1]"] + (["--eval-interval", "1"] if sliced != "--prompt-data" else [])
+        assert f"which is or holds {sliced}" in err(base + save + extra + ["--save-hf",
+                                                                           str(tmp_path / "data" / "d.jsonl")])
     for extra, flag, folder in (
             (["--metrics-path", str(exp / "m.jsonl")], "--metrics-path", exp),
             (["--save-debug-rollout-data", str(exp / "d" / "data_{rollout_id}.pt")], "--save-debug-rollout-data", exp),
