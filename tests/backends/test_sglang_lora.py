@@ -76,6 +76,10 @@ def test_lora_flags_sglang_gets_from_us_or_cannot_serve_are_refused(flags):
         parse_args(flags + ["--sglang-max-lora-rank", "64"])
     with pytest.raises(SlimeLiteError, match="--lora-rank with --sglang-dp-size above 1"):  # SGLang asserts it
         parse_args(flags + ["--sglang-dp-size", "2"])
+    # a push loads the new adapter before unloading the old: SGLang refuses that load when it may hold only one
+    with pytest.raises(SlimeLiteError, match="--sglang-max-loaded-loras 1 with --lora-rank: .* give 2 or more"):
+        parse_args(flags + ["--sglang-max-loaded-loras", "1", "--sglang-max-loras-per-batch", "1"])
+    parse_args(flags + ["--sglang-max-loaded-loras", "2", "--sglang-max-loras-per-batch", "1"])
 
 
 def test_push_and_generate_bodies_are_sglangs_requests(tmp_path, monkeypatch):

@@ -104,6 +104,11 @@ def check_sglang_args(cfg: EngineConfig) -> None:
         if cfg.lora_rank is not None and dp > 1:
             raise SlimeLiteError("--lora-rank with --sglang-dp-size above 1: SGLang loads adapters at run time only "
                                  "without its data parallelism; use more engines (--rollout-num-gpus) instead.")
+        loaded = getattr(served, "max_loaded_loras", None)
+        if cfg.lora_rank is not None and loaded is not None and loaded < 2:
+            raise SlimeLiteError(f"--sglang-max-loaded-loras {loaded} with --lora-rank: each weight push loads the new "
+                                 "adapter before it unloads the one running requests still use, so SGLang must hold "
+                                 "two (it refuses the second load at the first push); give 2 or more, or drop it.")
         if pp > 1 or (dp > 1 and not getattr(served, "enable_dp_attention", False)):
             # each server sees its --rollout-num-gpus-per-engine GPUs and gets them as --tp-size; SGLang places
             # tp x pp ranks per data-parallel replica (dp replicas without --enable-dp-attention)
