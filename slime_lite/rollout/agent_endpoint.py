@@ -252,7 +252,7 @@ class Trajectory:
             logprobs = {"content": [{**self._lp_entry(t, v), "top_logprobs": [self._lp_entry(x[1], x[0])
                                                                                for x in (row or [])]}
                                     for t, v, row in zip(ids, log_probs, tops)]}
-        reason = "tool_calls" if tool_calls else ("length" if finish == "length" else "stop")
+        reason = "length" if finish == "length" else "tool_calls" if tool_calls else "stop"  # (a cut turn's: length)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model") or ep.model_name,
                 "choices": [{"index": 0, "message": reply, "logprobs": logprobs, "finish_reason": reason}],

@@ -29,10 +29,11 @@ def _text_content(content: Any, where: str) -> str:
             raise BadRequest(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
                              "supported by the agent endpoint")
         texts.append(part["text"])
-    return "".join(texts)
+    return " ".join(texts)  # as SGLang (and engine/openai_api.py) join the text parts for a string template
 
 
 PASSED_FIELDS = ("name", "tool_call_id", "reasoning_content")  # kept for the chat templates that render them
+ROLES = ("system", "user", "assistant", "tool", "developer", "function")  # a chat message's (as SGLang takes them)
 
 
 def normalise(message: Any, where: str = "message") -> dict[str, Any]:
@@ -43,7 +44,9 @@ def normalise(message: Any, where: str = "message") -> dict[str, Any]:
     if not isinstance(message, dict):
         raise BadRequest(f"{where} must be an object with a role and content")
     if not isinstance(message.get("role"), str):
-        raise BadRequest(f"{where}.role: a string (system, user, assistant or tool) is required")
+        raise BadRequest(f"{where}.role: a string ({', '.join(ROLES)}) is required")
+    if message["role"] not in ROLES:  # a chat template would drop a message of a role it does not render
+        raise BadRequest(f"{where}.role={message['role']!r:.40} is no chat role: use one of {', '.join(ROLES)}")
     calls = []
     raw_calls = message.get("tool_calls") or []
     if not isinstance(raw_calls, list):
@@ -53,12 +56,14 @@ def normalise(message: Any, where: str = "message") -> dict[str, Any]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise BadRequest(f"{where}.tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
                              "{\"name\": ..., \"arguments\": ...}}")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                pass
+        raw = fn.get("arguments", {})
+        try:
+            args = json.loads(raw) if isinstance(raw, str) else raw  # OpenAI clients send a JSON string
+        except ValueError:
+            args = None
+        if raw is not None and not isinstance(args, dict):  # (null is left for the template, as SGLang does)
+            raise BadRequest(f"{where}.tool_calls[{j}].function.arguments={raw!r:.80} must be a JSON object, as a "
+                             'string (\'{"a": 1}\') or an object')
         calls.append({"name": fn["name"], "arguments": args})
     out: dict[str, Any] = {"role": message["role"], "content": _text_content(message.get("content"), where)}
     if calls:
@@ -81,6 +86,10 @@ def tool_choice(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}')
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool.get("function"), dict) or not isinstance(tool["function"].get("name"), str):
+            raise BadRequest(f"tools[{i}].function.name: a string is required (each tool is "
+                             '{"type": "function", "function": {"name": ..., "parameters": ...}})')
     tools = tools or None
     choice = body.get("tool_choice")
     if choice in (None, "auto"):
@@ -117,6 +126,10 @@ def call_options(body: dict[str, Any]) -> tuple[Any, int | None, dict[str, Any],
         raise BadRequest(f"top_logprobs={top!r:.40} must be an integer in [0, 20]")
     if top and not want_lp:
         raise BadRequest("top_logprobs needs logprobs: true")
+    if body.get("continue_final_message") not in (None, False):  # the prompt would end in the agent's text of a
+        # model turn, which the trajectory trains as the engine's tokens
+        raise BadRequest("continue_final_message: not supported by the agent endpoint (a trajectory's model turns "
+                         "are the engine's own tokens); leave it out and send no unfinished assistant message")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadRequest(f"chat_template_kwargs={kwargs!r:.80} must be an object")

@@ -1,7 +1,7 @@
 """Tool calls in a model turn's text, in the formats chat models write them (SGLang's ``--tool-call-parser`` names):
 
-- ``qwen25`` (aliases ``qwen``, ``hermes``; Qwen2.5, Qwen3, QwQ): ``<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>`` blocks;
+- ``qwen25`` (alias ``qwen``; Qwen2.5, Qwen3, QwQ): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks, a block's JSON a call or a list of calls; ``hermes`` the same, and a last call never closed is read too;
 - ``llama3`` (Llama 3.1-3.3): ``{"name": ..., "parameters": {...}}`` objects after an optional ``<|python_tag|>``,
   several separated by ``;``;
 - ``pythonic`` (Llama 3.2 / 4 pythonic templates): one Python list of calls, ``[f(a=1), g(b="x")]``, with literal
@@ -11,12 +11,13 @@
 - ``glm45`` (alias ``glm``; GLM-4.5 and later): ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...
   </tool_call>``, values typed by the schema, JSON where it gives no type.
 
-In every JSON format the key ``arguments`` or ``parameters`` holds the arguments (a JSON string of them is read too).
+In every JSON format the key ``arguments`` or ``parameters`` holds the arguments (a JSON string of them is read too;
+``parameters`` where a call has both, unless it is empty, as SGLang reads them).
 ``detect_parser`` picks the format from the model's chat template. A call must name one of the request's tools (as
-SGLang's parsers ask); what names another stays text. A call whose block is not closed, does not parse, or lacks a
-name or an object of arguments is malformed: it stays in the turn's text (the model wrote it) and is counted, never
-dropped. Also here: the chat template's text between a model turn and the next one (tool results,
-the next generation prompt) and the text it closes an assistant turn with.
+SGLang's parsers ask); what names another stays text. A call whose block is not closed (bar hermes' last one), does
+not parse, or lacks a name or an object of arguments is malformed: it stays in the turn's text (the model wrote it)
+and is counted, never dropped. Also here: the chat template's text between a model turn and the next one (tool
+results, the next generation prompt) and the text it closes an assistant turn with.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _json_call(call: Any, tools: _Tools) -> dict[str, Any] | None:
     a call, else None."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not tools.known(call["name"]):
         return None
-    arguments = call.get("arguments", call.get("parameters", {}))
+    arguments = call.get("parameters") or call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI sends them
         try:
             arguments = json.loads(arguments)
@@ -118,14 +119,70 @@ def _blocks(text: str, read: Callable[[str], list[dict[str, Any]] | None]) -> Pa
     return ParsedTurn("".join(kept).strip(), calls, malformed)
 
 
-def _hermes(text: str, tools: _Tools) -> ParsedTurn:
-    def read(body: str) -> list[dict[str, Any]] | None:
+def _json_calls(value: Any, tools: _Tools) -> list[dict[str, Any]] | None:
+    """A block's JSON: one call, or a non-empty list of calls (None unless each is one)."""
+    calls = [_json_call(v, tools) for v in (value if isinstance(value, list) else [value])]
+    return calls if calls and None not in calls else None
+
+
+_SPACE = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()
+
+
+def _json_at(text: str, at: int) -> tuple[Any, int]:
+    """The JSON value at ``at`` and the index after it (ValueError or RecursionError where none is), decoded in a
+    window of the text that grows while the value may go on past it: a decoding error counts the lines before it,
+    which from the text's start would make a turn of many tags quadratic."""
+    size = 1024
+    while True:
+        part, whole = text[at:at + size], at + size >= len(text)
         try:
-            call = _json_call(json.loads(body), tools)
-        except ValueError:
-            return None
-        return None if call is None else [call]
-    return _blocks(text, read)
+            value, end = _DECODER.raw_decode(part)
+        except json.JSONDecodeError as exc:  # an error in the window's last characters, or a string it cut: retry
+            if whole or (exc.pos < len(part) - 16 and not exc.msg.startswith("Unterminated string")):
+                raise
+        else:
+            if whole or end < len(part):  # (a number at the window's end may go on)
+                return value, at + end
+        size *= 4
+
+
+def _json_blocks(text: str, tools: _Tools, open_tail: bool = False) -> ParsedTurn:
+    """``<tool_call>`` JSON ``</tool_call>`` blocks. The JSON after the opening tag is decoded first, so a tag inside
+    one of its strings ends nothing; a block that holds no call then ends at the next closing tag (malformed), at
+    the next opening one (the first was a mention: text) or at the end (a call cut short). ``open_tail``: a last
+    call whose closing tag never came is read as a call (SGLang's hermes parser does)."""
+    calls, kept, malformed, pos = [], [], 0, 0
+    close = text.find(CLOSE)  # the next closing tag (-1: none); looked for again only once passed (linear)
+    while (start := text.find(OPEN, pos)) >= 0:
+        kept.append(text[pos:start])
+        end = _SPACE.match(text, start + len(OPEN)).end()
+        try:
+            value, end = _json_at(text, end)
+            got = _json_calls(value, tools)
+        except (ValueError, RecursionError):  # no JSON (or nested deeper than Python reads)
+            got = None
+        after = _SPACE.match(text, end).end()
+        if got is not None and (text.startswith(CLOSE, after) or (open_tail and after == len(text))):
+            calls.extend(got)
+            pos = after + len(CLOSE) if text.startswith(CLOSE, after) else after
+            continue
+        if 0 <= close < end:
+            close = text.find(CLOSE, end)
+        mention = text.find(OPEN, end)
+        if mention >= 0 and (close < 0 or mention < close):
+            kept.append(text[start:mention])
+            pos = mention
+            continue
+        pos = len(text) if close < 0 else close + len(CLOSE)
+        malformed += 1
+        kept.append(text[start:pos])
+    kept.append(text[pos:])
+    return ParsedTurn("".join(kept).strip(), calls, malformed)
+
+
+def _hermes(text: str, tools: _Tools) -> ParsedTurn:
+    return _json_blocks(text, tools, open_tail=True)
 
 
 def _llama3(text: str, tools: _Tools) -> ParsedTurn:
@@ -289,8 +346,9 @@ def _glm45(text: str, tools: _Tools) -> ParsedTurn:
 
 
 PARSERS: dict[str, Callable[[str, _Tools], ParsedTurn]] = {
-    "qwen25": _hermes, "llama3": _llama3, "pythonic": _pythonic, "qwen3_coder": _qwen3_coder, "glm45": _glm45}
-ALIASES = {"qwen": "qwen25", "hermes": "qwen25", "glm": "glm45"}
+    "qwen25": _json_blocks, "hermes": _hermes, "llama3": _llama3, "pythonic": _pythonic, "qwen3_coder": _qwen3_coder,
+    "glm45": _glm45}
+ALIASES = {"qwen": "qwen25", "glm": "glm45"}
 PARSER_CHOICES = ("auto", *PARSERS, *ALIASES)  # --tool-call-parser
 # what a chat template writes a call with, in the order tried: the first found names the format
 _TEMPLATE_MARKS = (("<function=", "qwen3_coder"), ("<arg_key>", "glm45"), (OPEN, "qwen25"), (PYTHON_TAG, "llama3"),

@@ -12,6 +12,7 @@ import pytest
 from slime_lite.args import build_parser
 from slime_lite.rollout.tool_calls import PARSER_CHOICES, detect_parser, parse_tool_calls
 from slime_lite.tokenizer import build_tokenizer
+from tests import sglang_oracle as oracle
 from tests.rollout.test_agent_endpoint import _client, run_agent
 
 
@@ -110,6 +111,52 @@ def test_a_mention_of_the_tag_before_a_call_is_text_and_adversarial_text_parses_
         t0 = time.perf_counter()
         got = parse_tool_calls(text, parser=parser, tools=[_tool("w"), _tool("f")])
         assert got.calls == [] and time.perf_counter() - t0 < 5, parser  # no exception, no quadratic blow-up
+
+
+def _sglang_calls(parser, text, tools):
+    """SGLang's own parser (FunctionCallParser.parse_non_stream) on ``text``: its calls as ours are written."""
+    proto = oracle.openai_protocol()
+    module = oracle.sglang_module("sglang.srt.function_call.function_call_parser")
+    _, calls = module.FunctionCallParser([proto.Tool.model_validate(t) for t in tools], parser).parse_non_stream(text)
+    return [{"name": c.name, "arguments": json.loads(c.parameters)} for c in calls]
+
+
+def test_json_blocks_read_a_list_tags_inside_strings_parameters_first_and_hermes_open_tail_as_sglang():
+    tools = [_tool("calc", expr="string"), _tool("search", q="string")]
+    calc, search = {"name": "calc", "arguments": {"expr": "1"}}, {"name": "search", "arguments": {"q": "b"}}
+    cases = [  # (parser, text, its calls, its content)
+        ("qwen25", '<tool_call>\n[{"name": "calc", "arguments": {"expr": "1"}}, '
+                   '{"name": "search", "arguments": {"q": "b"}}]\n</tool_call>', [calc, search], ""),
+        ("hermes", 'ok<tool_call>[{"name": "calc", "arguments": {"expr": "1"}}, '
+                   '{"name": "search", "arguments": {"q": "b"}}]</tool_call>', [calc, search], "ok"),
+        ("qwen25", '<tool_call>\n{"name": "search", "arguments": {"q": "what <tool_call> means"}}\n</tool_call>',
+         [{"name": "search", "arguments": {"q": "what <tool_call> means"}}], ""),
+        ("qwen25", '<tool_call>\n{"name": "search", "arguments": {"q": "a </tool_call> b"}}\n</tool_call>',
+         [{"name": "search", "arguments": {"q": "a </tool_call> b"}}], ""),
+        ("qwen25", '<tool_call>\n{"name": "calc", "arguments": {"expr": "2"}, "parameters": {"expr": "1"}}\n'
+                   "</tool_call>", [calc], ""),
+        ("hermes", 'text<tool_call>{"name": "calc", "arguments": {"expr": "1"}}', [calc], "text"),
+    ]
+    for parser, text, calls, content in cases:
+        got = parse_tool_calls(text, parser=parser, tools=tools)
+        assert (got.calls, got.content, got.malformed) == (calls, content, 0), text
+        assert _sglang_calls(parser, text, tools) == calls, text
+    # kept as text and counted, as before: qwen25's call never closed, a list holding no call of a tool, a block
+    # whose JSON goes on past the call; a mention of the tag before a call is text
+    for text in ('text<tool_call>{"name": "calc", "arguments": {"expr": "1"}}',
+                 '<tool_call>[{"name": "calc", "arguments": {}}, {"name": "nope", "arguments": {}}]</tool_call>',
+                 '<tool_call>[]</tool_call>', '<tool_call>{"name": "calc", "arguments": {}} x</tool_call>'):
+        got = parse_tool_calls(text, parser="qwen25", tools=tools)
+        assert (got.calls, got.content, got.malformed) == ([], text, 1), text
+    mention = parse_tool_calls('a <tool_call> "tag" <tool_call>{"name": "calc", "arguments": {"expr": "1"}}'
+                               "</tool_call>", parser="hermes", tools=tools)
+    assert (mention.calls, mention.content, mention.malformed) == ([calc], 'a <tool_call> "tag"', 0)
+    import time
+    for text in ("<tool_call>[" + '"<tool_call>[", ' * 20000, "<tool_call>" + "[" * 100000 + "</tool_call>",
+                 '<tool_call>{"name": "calc", "arguments": {}} ' * 20000):
+        t0 = time.perf_counter()
+        got = parse_tool_calls(text, parser="qwen25", tools=tools)
+        assert got.calls == [] and got.malformed == 1 and time.perf_counter() - t0 < 5  # no quadratic blow-up
 
 
 def test_glm45_arg_key_value_pairs():
