@@ -236,13 +236,26 @@ def foreign_entry(out_dir: str, hf_checkpoint: str) -> str | None:
                  if name not in ours or not os.path.isfile(os.path.join(out_dir, name))), None)
 
 
+def save_safetensors(tensors: dict[str, Any], path: str, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file``, a failed write raised as the OSError it was: safetensors raises its own error
+    class, which names the system error only in its text (``(os error 28)``: a full disk), so no ``except OSError``
+    saw it."""
+    from safetensors.torch import save_file  # torch: only the trainer's processes write weights
+
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except Exception as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None or isinstance(exc, OSError):
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), path) from exc
+
+
 def write_hf_folder(named: dict[str, Any], hf_checkpoint: str, out_dir: str) -> None:
     """A Hugging Face model folder: ``named`` tensors as model.safetensors, with the config and tokenizer files of
     ``hf_checkpoint``. Written to a temporary folder beside ``out_dir``, then renamed: a failed write (a full disk)
     leaves neither a partial folder nor the temporary one. An existing ``out_dir`` is replaced only when it holds
     nothing but files of such an export (an earlier one); else SlimeLiteError, and nothing is deleted."""
-    from safetensors.torch import save_file  # torch: only the trainer's processes write weights
-
     stray = foreign_entry(out_dir, hf_checkpoint)
     if stray is not None:
         raise SlimeLiteError(f"the Hugging Face export to {out_dir} would replace that folder, and it holds {stray}, "
@@ -253,12 +266,14 @@ def write_hf_folder(named: dict[str, Any], hf_checkpoint: str, out_dir: str) -> 
     try:
         for name in hf_export_files(hf_checkpoint):
             shutil.copy2(os.path.join(hf_checkpoint, name), tmp)
-        save_file({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_safetensors({k: v.contiguous() for k, v in named.items()}, os.path.join(tmp, "model.safetensors"),
+                         metadata={"format": "pt"})
         _config_dtype(os.path.join(tmp, "config.json"), named)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
-    except OSError as exc:
+    except BaseException as exc:  # (an interrupt too: no temporary folder is left)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise no_space_error(exc, out_dir) or exc
+        if isinstance(exc, OSError):
+            raise no_space_error(exc, out_dir) or exc
+        raise

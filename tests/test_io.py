@@ -76,6 +76,19 @@ def test_really_full_disk_is_no_space_left_and_no_partial_file(tiny_disk: Path) 
         probe_folder(str(tiny_disk / "out"), "--save")
 
 
+def test_a_full_disk_under_an_hf_export_is_no_space_left_and_leaves_no_folder(tiny_disk: Path, tmp_path: Path) -> None:
+    """safetensors raises its own error class for a failed write (not an OSError): the export's temporary folder
+    (config and tokenizer files) was left on the full disk, with safetensors' raw message."""
+    from slime_lite.io import write_hf_folder
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "qwen2", "torch_dtype": "float32"}')
+    with pytest.raises(SlimeLiteError, match=rf"no space left writing {tiny_disk / 'hf'}"):
+        write_hf_folder({"w": torch.zeros(100_000)}, str(base), str(tiny_disk / "hf"))
+    assert os.listdir(tiny_disk) == []
+
+
 def test_metrics_on_a_full_disk_name_the_file() -> None:
     with pytest.raises(SlimeLiteError, match="no space left writing /dev/full"):
         append_line("/dev/full", "{}")

@@ -77,3 +77,11 @@ def test_the_disk_transport_keeps_only_the_newest_push_folder(monkeypatch, tmp_p
     for version in (0, 2, 4):
         weight_push._push_disk(args, {}, [], version)
     assert sorted(os.listdir(tmp_path / "weight_push")) == ["v4"]
+    # without --save the folder is this host's temporary one: gone once the engines read it (a model's worth of
+    # disk was left in /tmp by every run)
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    weight_push._push_disk(SimpleNamespace(save=None, hf_checkpoint="unused", fully_async=False), {}, [], 6)
+    assert os.listdir(tmp_path / "tmp") == []

@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from slime_lite.errors import SlimeLiteError
-from slime_lite.io import atomic_write_text
+from slime_lite.io import atomic_write_text, save_safetensors
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -48,7 +47,7 @@ def write(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], settings: Any,
         modules.add(module.rpartition(".")[2])
         tensors[PREFIX + module + _A] = a.detach().to("cpu").contiguous().clone()
         tensors[PREFIX + module + _B] = b.detach().to("cpu").contiguous().clone()
-    save_file(tensors, os.path.join(folder, WEIGHTS))
+    save_safetensors(tensors, os.path.join(folder, WEIGHTS))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
               "lora_dropout": settings.dropout, "target_modules": sorted(modules), "bias": "none",
               "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,

@@ -246,6 +246,9 @@ def _push_disk(args: Any, named: dict[str, torch.Tensor], urls: list[str], versi
     replies = on_all(urls, lambda u: request_json(u, "/update_weights_from_disk", body, timeout=600))
     for url, reply in zip(urls, replies):
         _check(reply, url, "/update_weights_from_disk")
+    if not args.save:  # this host's temporary folder: the engines read it in the call, and each push writes it
+        shutil.rmtree(root, ignore_errors=True)
+        return
     for name in os.listdir(root):  # every earlier push (pushes every --update-weights-interval come 2, 4, ... apart)
         if name != f"v{version}" and re.fullmatch(r"v\d+", name):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
