@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-samples-per-prompt", type=_positive_int, default=1,
                    help="responses per prompt, the GRPO group size (default: %(default)s)")
     g.add_argument("--global-batch-size", type=_positive_int, default=None,
-                   help="samples per optimizer step; with --num-steps-per-rollout both must agree "
+                   help="responses (trajectories: one an agent or a generate hook split into several training "
+                        "samples counts once) per optimizer step; with --num-steps-per-rollout both must agree "
                         "(default: --rollout-batch-size x --n-samples-per-prompt / --num-steps-per-rollout)")
     g.add_argument("--num-steps-per-rollout", type=_positive_int, default=None,
                    help="optimizer steps per rollout (default: 1, or as --global-batch-size implies)")

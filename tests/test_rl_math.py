@@ -463,6 +463,9 @@ def test_the_per_token_normalizer_counts_a_sample_without_loss_tokens_as_one_tok
                for i, m in enumerate(([1, 1, 1], [1, 1], [0, 0]))]
     fake = SimpleNamespace(args=SimpleNamespace(global_batch_size=3, calculate_per_token_loss=True), dp_size=1)
     assert float(TrainWorker._normalizer(fake, samples, 0)) == 6.0  # 3 + 2 + 1
+    # a trajectory split in two, one part without loss tokens: counted as the whole one (it counted one more)
+    samples.insert(1, SimpleNamespace(loss_mask=[0], response_length=1, trajectory=0))
+    assert float(TrainWorker._normalizer(fake, samples, 0)) == 6.0
 
 
 def test_the_trainer_scores_at_the_temperature_the_engine_sampled_at_even_at_the_greedy_edge():

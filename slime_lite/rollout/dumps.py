@@ -181,6 +181,10 @@ def load_rollout_dump(path: str) -> RolloutDump:
         except (TypeError, ValueError) as exc:
             raise DumpError(f"rollout dump {path}: samples[{i}] is not a valid Sample: {exc}") from None
         samples.append(sample)
+    unsplit = [s.trajectory for s in samples if s.rollout_id is None]
+    if len(set(unsplit)) < len(unsplit):  # no sample index (slime's default: None), or one repeated in a group:
+        for i, s in enumerate(samples):  # numbered by position, as a live rollout numbers its samples, else
+            s.index = i  # every sample of a prompt group would be taken for one trajectory split into parts
     rollout_id = data.get("rollout_id", -1)
     if isinstance(rollout_id, bool) or not isinstance(rollout_id, int):
         raise DumpError(f"rollout dump {path}: rollout_id is {rollout_id!r}, expected an int.")

@@ -93,6 +93,26 @@ def test_slime_style_dump_with_missing_and_unknown_keys_loads(tmp_path: Path) ->
     check_replay_meta(dump, {"n_samples_per_prompt": 8, "rollout_batch_size": 4})  # no meta: accepted
 
 
+def test_a_dump_without_sample_indices_keeps_one_trajectory_a_sample(tmp_path: Path) -> None:
+    """slime's Sample.index defaults to None: a replay took every sample of a prompt group for one trajectory split
+    into parts (the trainer's steps count trajectories), so it trained the wrong steps or stopped. Numbered by
+    position, as a live rollout numbers them; indices that are there and distinct are kept, as are split ones."""
+    from slime_lite.types import trajectory_ends
+
+    def saved(name, indices, rollout_ids=(None,) * 4):
+        items = [{"index": i, "group_index": k // 2, "tokens": [1, 2], "response_length": 1, "reward": 1.0,
+                  "rollout_id": r, "status": "completed"} for k, (i, r) in enumerate(zip(indices, rollout_ids))]
+        torch.save({"rollout_id": 0, "samples": items}, tmp_path / name)
+        return load_rollout_dump(str(tmp_path / name)).samples
+
+    for indices in ((None,) * 4, (0, 0, 1, 1)):
+        got = saved("none.pt", indices)
+        assert [s.index for s in got] == [0, 1, 2, 3] and len(trajectory_ends(got)) == 4
+    assert [s.index for s in saved("kept.pt", (10, 11, 12, 13))] == [10, 11, 12, 13]
+    split = saved("split.pt", (5, 5, 6, 7), rollout_ids=(3, 3, None, None))  # two parts of one trajectory
+    assert [s.index for s in split] == [5, 5, 6, 7] and len(trajectory_ends(split)) == 3
+
+
 class _FailsToPickle(int):
     """An int that fails while torch.save is already writing the file, like a crash mid-save."""
 

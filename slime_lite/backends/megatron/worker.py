@@ -252,8 +252,12 @@ class TrainWorker:
         if not a.calculate_per_token_loss:
             return g / self.dp_size
         step_samples = [samples[i] for i in B.trajectory_steps(samples, g)[step]]
-        # each sample counts at least 1 (slime's clamp_min(loss_mask.sum(), 1)): one with no loss tokens too
-        tokens = sum(max(float(m.sum()), 1.0) for m in B.loss_masks(step_samples))
+        # each trajectory counts at least 1 (slime's clamp_min(loss_mask.sum(), 1)): one with no loss tokens too,
+        # and a split one's parts together (a part without loss tokens adds none)
+        per_trajectory: dict = {}
+        for s, m in zip(step_samples, B.loss_masks(step_samples)):
+            per_trajectory[s.trajectory] = per_trajectory.get(s.trajectory, 0.0) + float(m.sum())
+        tokens = sum(max(t, 1.0) for t in per_trajectory.values())
         return PerTokenNormalizer(tokens / self.dp_size)
 
     def _forward_all(self, samples: list, steps: list, length: int, per_sample: Any) -> B.SampleTensors:
