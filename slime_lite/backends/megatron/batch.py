@@ -244,16 +244,20 @@ def loss_masks(samples: list[Any]) -> list[torch.Tensor]:
     ]
 
 
-def trajectory_denominators(samples: list[Any], masks: list[torch.Tensor]) -> list[float] | None:
-    """Per sample, its trajectory's loss-mask tokens (summed over the samples it was split into): what a sample's
-    masked token sum is divided by, so each trajectory is one token mean however many samples it trains as (slime's
-    per-rollout mask sums); None when no trajectory was split (each sample's own mask count)."""
-    total: dict[tuple, float] = {}
+def trajectory_tokens(samples: list[Any], masks: list[torch.Tensor]) -> dict[Any, float]:
+    """Each trajectory's loss-mask tokens, summed over the samples it was split into (``Sample.trajectory``)."""
+    total: dict[Any, float] = {}
     for s, m in zip(samples, masks):
         total[s.trajectory] = total.get(s.trajectory, 0.0) + float(m.sum())
-    if len(total) == len(samples):
-        return None
-    return [total[s.trajectory] for s in samples]
+    return total
+
+
+def trajectory_denominators(samples: list[Any], masks: list[torch.Tensor]) -> list[float] | None:
+    """Per sample, its trajectory's loss-mask tokens: what a sample's masked token sum is divided by, so each
+    trajectory is one token mean however many samples it trains as (slime's per-rollout mask sums); None when no
+    trajectory was split (each sample's own mask count)."""
+    total = trajectory_tokens(samples, masks)
+    return None if len(total) == len(samples) else [total[s.trajectory] for s in samples]
 
 
 def newest_weight_masks(samples: list[Any], masks: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -254,10 +254,7 @@ class TrainWorker:
         step_samples = [samples[i] for i in B.trajectory_steps(samples, g)[step]]
         # each trajectory counts at least 1 (slime's clamp_min(loss_mask.sum(), 1)): one with no loss tokens too,
         # and a split one's parts together (a part without loss tokens adds none)
-        per_trajectory: dict = {}
-        for s, m in zip(step_samples, B.loss_masks(step_samples)):
-            per_trajectory[s.trajectory] = per_trajectory.get(s.trajectory, 0.0) + float(m.sum())
-        tokens = sum(max(t, 1.0) for t in per_trajectory.values())
+        tokens = sum(max(t, 1.0) for t in B.trajectory_tokens(step_samples, B.loss_masks(step_samples)).values())
         return PerTokenNormalizer(tokens / self.dp_size)
 
     def _forward_all(self, samples: list, steps: list, length: int, per_sample: Any) -> B.SampleTensors:
