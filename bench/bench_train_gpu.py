@@ -98,8 +98,8 @@ def ours(ckpt: str, samples: list, warm: list, max_tokens: int, lp_tokens: int, 
                            rollout_batch_size=n // 8, n_samples_per_prompt=8, global_batch_size=n, lr=1e-6,
                            lora_rank=lora_rank, lora_alpha=2.0 * lora_rank if lora_rank else None,
                            **{**MEMORY_FLAGS, **flags})
-    w = TrainActor(args, 0, 1, "127.0.0.1")
-    w.init(free_port())
+    w = TrainActor(args, 0, 1)
+    w.init("127.0.0.1", free_port())
     res: dict = {}
     measured: list[dict] = []
     try:

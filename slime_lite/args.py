@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--critic-num-nodes", type=_positive_int, default=None,
                    help="nodes of the PPO critic (default: as --actor-num-nodes)")
     g.add_argument("--critic-num-gpus-per-node", type=_positive_int, default=None,
-                   help="GPUs per node of the PPO critic (default: as --actor-num-gpus-per-node)")
+                   help="GPUs per node of the PPO critic (default: as --actor-num-gpus-per-node): GPUs of its own "
+                        "after the actor's (slime puts the critic on the actor's GPUs), except under --colocate")
     g.add_argument("--rollout-num-gpus", type=_positive_int, default=None,
                    help="GPUs of all rollout engines together (default: 1; under --colocate, the actor's GPUs)")
     g.add_argument("--rollout-num-gpus-per-engine", type=_positive_int, default=1,

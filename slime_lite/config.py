@@ -213,6 +213,7 @@ class EngineConfig(_FromArgs):
     lora_rank: int | None
     lora_target_modules: list[str]
     rollout_num_gpus: int
+    deterministic_mode: bool
     rollout_batch_size: int
     over_sampling_batch_size: int | None
     n_samples_per_prompt: int
@@ -230,8 +231,11 @@ class EngineConfig(_FromArgs):
     @property
     def requests_per_engine(self) -> int:
         """Requests one engine gets at once in a rollout (the generator submits a whole wave): the embedded
-        engine's batch slots when --engine-max-running-requests is not given (engine/scheduler.py)."""
-        engines = max(1, self.rollout_num_gpus // max(1, self.rollout_num_gpus_per_engine))
+        engine's batch slots when --engine-max-running-requests is not given (engine/scheduler.py). Under
+        --deterministic-mode a wave goes to one engine in one call, so every engine is sized for a whole wave
+        (sized by the engine count, the first engine ran it in smaller batches: other numbers with more engines)."""
+        engines = 1 if self.deterministic_mode else max(1, self.rollout_num_gpus // max(1,
+                                                                                        self.rollout_num_gpus_per_engine))
         wave = (self.over_sampling_batch_size or self.rollout_batch_size) * self.n_samples_per_prompt
         return -(-wave // engines)
 

@@ -62,7 +62,11 @@ def plan_layout(args: Any) -> Layout:
 
 
 def gpu_resource() -> str:
-    """``GPU`` when CUDA is visible to Ray, else the logical ``slot`` resource."""
+    """``GPU`` when the Ray cluster has GPUs (a job submitted from a node without one, e.g. a CPU-only head node,
+    still places on the GPU nodes), and before Ray starts when CUDA is visible here; else the logical ``slot``
+    resource (a CPU machine)."""
+    if ray.is_initialized():
+        return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "slot"
     import torch  # torch: the driver asks only here
 
     return "GPU" if torch.cuda.is_available() else "slot"

@@ -55,6 +55,23 @@ def check_group_address(address: str) -> None:
                          f"(e.g. 127.0.0.1 or this host's cluster address), or set {WILDCARD_ENV}=1 to allow it")
 
 
+def group_address(urls: list[str]) -> str:
+    """Where the trainer's weight group listens unless SLIME_LITE_WEIGHT_MASTER_ADDR says: 127.0.0.1 when every
+    engine is on this host's loopback, else this host's address on the route to the first engine elsewhere (an
+    engine on another node could not reach the loopback)."""
+    from urllib.parse import urlsplit
+
+    for url in urls:
+        host = urlsplit(url).hostname or "127.0.0.1"
+        try:
+            local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name
+            local = False
+        if not local:
+            return _local_address_towards(host, urlsplit(url).port or 80)
+    return "127.0.0.1"
+
+
 def _local_address_towards(address: str, port: int) -> str:
     """This host's address on the route to ``address`` (the address itself when it is local): what gloo binds."""
 

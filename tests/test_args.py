@@ -346,6 +346,10 @@ def test_engine_batch_slots_default_to_a_whole_rollout_on_cuda_within_memory():
     two = parser_defaults(rollout_batch_size=32, n_samples_per_prompt=8, over_sampling_batch_size=40,
                           rollout_num_gpus=4, rollout_num_gpus_per_engine=2)
     assert EngineConfig.from_args(two).requests_per_engine == 160  # 40 x 8 prompts' samples over 2 engines
+    # --deterministic-mode sends a wave to one engine in one call: each is sized for the whole wave (sized by the
+    # engine count, the first ran it in smaller batches, so more engines gave other log-probs on a GPU)
+    det = parser_defaults(rollout_batch_size=32, n_samples_per_prompt=8, rollout_num_gpus=4, deterministic_mode=True)
+    assert EngineConfig.from_args(det).requests_per_engine == 256
     kv = 2 * 24 * 2 * 64 * 2  # bytes per token: Qwen2.5-0.5B shape, bf16
     qwen05 = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=24, num_attention_heads=14,
                                                     num_key_value_heads=2, hidden_size=896),

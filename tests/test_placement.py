@@ -82,3 +82,19 @@ def test_ray_start_up_timeout_is_retried_once_and_other_errors_are_not(monkeypat
     with pytest.raises(Exception, match=r"startup \(2\)"):  # a second timeout is the run's error
         placement.init_ray(make(log_level="info", debug_env=[]), 2)
     assert calls == ["init", "shutdown", "init"]
+
+
+def test_bundles_ask_for_gpus_when_the_cluster_has_them_whatever_the_driver_sees(monkeypatch):
+    """A job submitted from a node without CUDA (a CPU-only head node) asked for `slot` bundles no GPU node has:
+    it waited out the placement timeout. With Ray up, the cluster's resources decide."""
+    import ray
+
+    from slime_lite import placement
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    for cluster, want in (({"CPU": 4.0, "GPU": 2.0}, "GPU"), ({"CPU": 4.0, "slot": 2.0}, "slot")):
+        monkeypatch.setattr(ray, "cluster_resources", lambda c=cluster: c)
+        assert placement.gpu_resource() == want
+        opts = placement.bundle_options(None, 0, 0.4)
+        assert (opts.get("num_gpus"), opts.get("resources")) == ((0.4, None) if want == "GPU" else
+                                                                (None, {"slot": 0.4}))

@@ -59,7 +59,7 @@ from slime_lite.rollout.agent_messages import (BadRequest, call_options, normali
                                                 stream_chunks, stream_options, tool_choice)
 from slime_lite.rollout.agent_runner import start_agent
 from slime_lite.rollout.agent_samples import segments, trajectory_samples
-from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound
+from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound, turn_seed
 from slime_lite.rollout.oversample import ON_ABORT
 from slime_lite.rollout.tool_calls import detect_parser, end_of_turn, parse_tool_calls
 from slime_lite.rollout.turns import restart
@@ -190,7 +190,7 @@ class Trajectory:
             params["max_new_tokens"] = min(params.get("max_new_tokens") or room, room)
         cap_min_new_tokens(params)
         if params.get("sampling_seed") is not None:
-            params["sampling_seed"] = int(params["sampling_seed"]) + 7919 * self.seeded
+            params["sampling_seed"] = turn_seed(int(params["sampling_seed"]), self.seeded)
             self.seeded += 1
         if self.max_turns is not None and self.sent >= self.max_turns:  # (after the budget's wait, if any)
             self.truncated = True

@@ -29,7 +29,7 @@ import re
 from typing import Any
 
 from slime_lite.rollout.multi_turn import (ToolError, TurnLimits, call_tool, can_continue, cut_inserted, fail,
-                                           insert_turn, model_turn, model_turns)
+                                           insert_turn, model_turn)
 from slime_lite.rollout.rewards import addition_reward
 from slime_lite.rollout.tool_calls import format_tool_call, inserted_text, parse_tool_calls
 from slime_lite.rollout.turns import restart, turns
@@ -140,9 +140,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any], e
     sample.metadata.update(tool_calls=0, tool_errors=0, malformed_tool_calls=0)
     while can_continue(sample, limits):
         turn = dict(params, max_new_tokens=budget - sample.response_length)
-        if turn.get("sampling_seed") is not None:  # each turn its own seed
-            turn["sampling_seed"] = int(turn["sampling_seed"]) + 7919 * model_turns(sample)
-        await model_turn(args, sample, turn, limits)
+        await model_turn(args, sample, turn, limits)  # (each turn its own sampling seed)
         parsed = parse_tool_calls(sample.metadata["turns"][-1]["text"] or "", strip=(END_OF_TURN, EOS))
         sample.metadata["malformed_tool_calls"] += parsed.malformed
         if (sample.status != Status.COMPLETED or not (parsed.calls or parsed.malformed)

@@ -102,6 +102,11 @@ def can_continue(sample: Sample, limits: TurnLimits) -> bool:
             and model_turns(sample) < limits.max_turns)
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of a sample's ``turn``-th model turn (0: the first, which keeps ``seed``)."""
+    return seed + 7919 * turn
+
+
 def cap_min_new_tokens(params: dict[str, Any]) -> None:
     """A turn's min_new_tokens (--eval-min-new-tokens) at most its max_new_tokens, which a turn lowers to the room
     left: the engine (as SGLang) refuses a minimum above the maximum."""
@@ -118,11 +123,14 @@ def _context_full(sample: Sample) -> Sample:
 async def model_turn(args: Any, sample: Sample, sampling_params: dict[str, Any], limits: TurnLimits) -> Sample:
     """One model turn: generate from the sample's tokens, append the engine's ids and log-probs. The sample's status
     is the turn's finish reason (COMPLETED on a stop, TRUNCATED on its length limit); a full context also sets
-    ``metadata["truncated_by"]`` and ends the sample."""
+    ``metadata["truncated_by"]`` and ends the sample. A ``sampling_seed`` is the first turn's: each later turn
+    draws from its own (the engine's draws restart with every request, so one seed gave every turn the same)."""
     room = None if limits.max_context_len is None else limits.max_context_len - len(sample.tokens)
     if room is not None and room <= 0:
         return _context_full(sample)
     params = dict(sampling_params)
+    if params.get("sampling_seed") is not None:
+        params["sampling_seed"] = turn_seed(int(params["sampling_seed"]), model_turns(sample))
     if room is not None:
         asked = params.get("max_new_tokens")  # 0 is 0 tokens (a spent budget), None is up to the context
         params["max_new_tokens"] = room if asked is None else min(int(asked), room)

@@ -24,8 +24,8 @@ def _worker(tiny_model_dir, replay_dumps, *extra):
     argv = ["--load-debug-rollout-data", replay_dumps, "--hf-checkpoint", str(tiny_model_dir),
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--use-kl-loss", "--kl-loss-coef", "0.1",
             "--entropy-coef", "0.01", "--lr", "1e-4", "--seed", "7", *extra]
-    worker = TrainActor(parse_args(argv), 0, 1, "127.0.0.1")
-    worker.init(free_port())
+    worker = TrainActor(parse_args(argv), 0, 1)
+    worker.init("127.0.0.1", free_port())
     start = {n: p.detach().clone() for n, p in worker.gpt().named_parameters()}
     samples = load_rollout_dump(dump_path(replay_dumps, 0)).samples
     yield worker, start, samples

@@ -36,9 +36,9 @@ def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str) -> None:
             args = parse_args(["--load-debug-rollout-data", dumps, "--hf-checkpoint", model_dir,
                                "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--advantage-estimator",
                                "ppo", "--lr", "1e-4", "--actor-num-gpus-per-node", "2", *extra])
-            worker = CriticActor(args, rank, 2, "127.0.0.1")
+            worker = CriticActor(args, rank, 2)
             worker._store = store
-            worker.init(port)
+            worker.init("127.0.0.1", port)
             store = store or worker._store or True
             result = worker.train(0, samples, old, returns)
             results[name] = result and result.metrics

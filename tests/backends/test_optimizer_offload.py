@@ -101,8 +101,8 @@ def _worker(model_dir, offload: bool, bf16: bool = True, **extra):
     args = parser_defaults(hf_checkpoint=str(model_dir), bf16=bf16, rollout_batch_size=2, n_samples_per_prompt=4,
                            global_batch_size=4, micro_batch_size=2, lr=1e-4, seed=3, optimizer_cpu_offload=offload,
                            use_precision_aware_optimizer=offload, overlap_cpu_optimizer_d2h_h2d=offload, **extra)
-    w = TrainActor(args, 0, 1, "127.0.0.1")
-    w.init(free_port())
+    w = TrainActor(args, 0, 1)
+    w.init("127.0.0.1", free_port())
     return w
 
 

@@ -17,8 +17,8 @@ def _worker(model_dir, dumps, *extra):
 
     argv = ["--load-debug-rollout-data", dumps, "--hf-checkpoint", str(model_dir), "--rollout-batch-size", "4",
             "--n-samples-per-prompt", "2", "--seed", "7", *extra]
-    worker = TrainActor(parse_args(argv), 0, 1, "127.0.0.1")
-    worker.init(free_port())
+    worker = TrainActor(parse_args(argv), 0, 1)
+    worker.init("127.0.0.1", free_port())
     return worker
 
 

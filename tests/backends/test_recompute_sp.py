@@ -55,9 +55,9 @@ def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str, common: tu
     try:
         for name, extra in {**CONFIGS, **critic}.items():  # one process group; Megatron's groups and model per config
             if name in critic:
-                worker = CriticActor(_args(model_dir, dumps, [*extra, *common]), rank, 2, "127.0.0.1")
+                worker = CriticActor(_args(model_dir, dumps, [*extra, *common]), rank, 2)
                 worker._store = store
-                worker.init(port)
+                worker.init("127.0.0.1", port)
                 old = {i: torch.zeros(s.response_length) for i, s in enumerate(samples)}
                 returns = {i: torch.full((s.response_length,), float(s.reward)) for i, s in enumerate(samples)}
                 result = worker.train(0, samples, old, returns)  # values of the trained head: not all 0
@@ -66,9 +66,9 @@ def _rank(rank: int, port: int, model_dir: str, dumps: str, out: str, common: tu
                                             "values": sum(float(v.abs().sum()) for v in values.values())}
                 parallel_state.destroy_model_parallel()
                 continue
-            worker = TrainActor(_args(model_dir, dumps, [*extra, *common]), rank, 2, "127.0.0.1")
+            worker = TrainActor(_args(model_dir, dumps, [*extra, *common]), rank, 2)
             worker._store = store  # None the first time: init opens it; later the process group already exists
-            worker.init(port)
+            worker.init("127.0.0.1", port)
             store = store or worker._store or True
             cfg = worker.gpt().config
             assert cfg.sequence_parallel == ("--sequence-parallel" in extra), name

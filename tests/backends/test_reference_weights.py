@@ -24,9 +24,9 @@ def _check_reference_pass(model_dir, dumps, *extra) -> None:
     from slime_lite.rollout.dumps import dump_path, load_rollout_dump
 
     worker = TrainActor(parse_args(["--load-debug-rollout-data", dumps, "--hf-checkpoint", str(model_dir), *FLAGS,
-                                    *extra]), 0, 1, "127.0.0.1")
+                                    *extra]), 0, 1)
     try:
-        worker.init(free_port())
+        worker.init("127.0.0.1", free_port())
         # the trainer's Adam: found inside Megatron's optimizer, and on CUDA switched to torch's fused kernel
         adams = optimizer_ops.torch_adams(worker.optimizer)
         assert adams and all(bool(g["fused"]) == torch.cuda.is_available() for a in adams for g in a.param_groups)

@@ -44,8 +44,8 @@ def _train(model, replay: bool, **flags) -> list[dict]:
     args = parser_defaults(hf_checkpoint=str(model), rollout_batch_size=2, n_samples_per_prompt=4,
                            global_batch_size=8, micro_batch_size=2, lr=0.05, seed=1, use_routing_replay=replay,
                            **flags)
-    w = TrainActor(args, 0, 1, "127.0.0.1")
-    w.init(free_port())
+    w = TrainActor(args, 0, 1)
+    w.init("127.0.0.1", free_port())
     try:
         out = [w.train(0, _samples(), None)[0].metrics]
         w.args.global_batch_size = 2
@@ -150,8 +150,8 @@ def test_router_losses_leave_padding_out(moe_model):
                                global_batch_size=8, micro_batch_size=1, lr=1e-4, seed=1, moe_aux_loss_coeff=0.1,
                                moe_z_loss_coeff=0.01, use_dynamic_batch_size=packed,
                                max_tokens_per_gpu=longest if packed else None)
-        w = TrainActor(args, 0, 1, "127.0.0.1")
-        w.init(free_port())
+        w = TrainActor(args, 0, 1)
+        w.init("127.0.0.1", free_port())
         try:
             out.append(w.train(0, _samples(), None)[0].metrics)
         finally:

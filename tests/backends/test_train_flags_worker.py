@@ -23,8 +23,8 @@ def _worker(model_dir, dumps, *extra):
     from slime_lite.backends.megatron.actor import TrainActor
 
     worker = TrainActor(parse_args(["--load-debug-rollout-data", dumps, "--hf-checkpoint", str(model_dir), *FLAGS,
-                                    *extra]), 0, 1, "127.0.0.1")
-    worker.init(free_port())
+                                    *extra]), 0, 1)
+    worker.init("127.0.0.1", free_port())
     return worker
 
 

@@ -35,8 +35,8 @@ def _train(model_dir, dumps, *extra):
     samples = load_rollout_dump(dump_path(dumps, 0)).samples
     try:
         worker = TrainActor(parse_args(["--load-debug-rollout-data", dumps, "--hf-checkpoint", str(model_dir),
-                                        *FLAGS, *extra]), 0, 1, "127.0.0.1")
-        worker.init(free_port())
+                                        *FLAGS, *extra]), 0, 1)
+        worker.init("127.0.0.1", free_port())
         result, _ = worker.train(0, samples, None)
     finally:
         destroy()

@@ -32,9 +32,9 @@ def _round_trip_then_same_step(model_dir, dumps, *extra) -> dict:
         torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated() if cuda else 0  # other tests' leftovers in this process, if any
     worker = TrainActor(parse_args(["--load-debug-rollout-data", dumps, "--hf-checkpoint", str(model_dir), *FLAGS,
-                                    *extra]), 0, 1, "127.0.0.1")
+                                    *extra]), 0, 1)
     try:
-        worker.init(free_port())
+        worker.init("127.0.0.1", free_port())
         rollouts = [load_rollout_dump(dump_path(dumps, r)).samples for r in (0, 1)]
         worker.train(0, rollouts[0], None)
         tensors = list(worker.model.parameters()) + optimizer_tensors(worker.optimizer)

@@ -314,3 +314,34 @@ def test_a_tool_that_calls_sys_exit_fails_its_sample_and_the_rollout_goes_on():
 
     with pytest.raises(KeyboardInterrupt):
         asyncio.run(one(interrupted))
+
+
+def test_each_model_turn_of_a_seeded_sample_samples_with_its_own_seed():
+    """The engine's random draws restart with every request: one sampling_seed sent on every turn (a hook written
+    as the README's agent loop) gave each turn the first turn's draws. model_turn derives each turn's seed; the
+    first keeps the given one. A FAKE engine client (no engine: only the bodies are looked at)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slime_lite.rollout import multi_turn as mt
+    from slime_lite.types import Sample
+
+    sent = []
+
+    class Client:
+        async def generate(self, body):
+            sent.append(body["sampling_params"].get("sampling_seed"))
+            return {"text": "a", "output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.1, 7]],
+                                                                  "finish_reason": {"type": "length"}}}
+
+    args = SimpleNamespace(engine_client=Client(), use_rollout_routing_replay=False)
+    sample = Sample(index=0, prompt="p", tokens=[1, 2])
+    limits = mt.TurnLimits(max_turns=3, max_inserted_tokens=8, max_context_len=None, tool_timeout=1.0)
+
+    async def run():
+        for _ in range(3):
+            await mt.model_turn(args, sample, {"sampling_seed": 123, "max_new_tokens": 1}, limits)
+
+    asyncio.run(run())
+    assert sent[0] == 123 and len(set(sent)) == 3
+    assert sent == [mt.turn_seed(123, k) for k in range(3)]

@@ -23,6 +23,9 @@ class _Worker:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.impl, method)(*args)
 
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
 
 def train_env(args: Any) -> dict[str, Any]:
     """--train-env-vars as Ray actor options: a runtime_env whose env_vars Ray merges over the job's (--debug-env)."""
@@ -39,8 +42,7 @@ class TrainGroup:
         share = 0.4 if args.colocate else 1.0
         cls = ray.remote(type(name, (_Worker,), {}))  # Ray names the process by the class: "(TrainActor pid=...)"
         self.workers = [
-            cls.options(**bundle_options(pg, b, share), **train_env(args)).remote(module, name, args, rank, world,
-                                                                                  "127.0.0.1")
+            cls.options(**bundle_options(pg, b, share), **train_env(args)).remote(module, name, args, rank, world)
             for rank, b in enumerate(bundles)
         ]
 
@@ -52,9 +54,12 @@ class TrainGroup:
         return next(r for r in self._all(method, *args) if r is not None)
 
     def init(self) -> tuple[int, Any]:
-        # Rank 0 binds the rendezvous port itself (a port chosen here could be taken before it binds).
-        port = ray.get(self.workers[0].call.remote("open_store"))
-        state = self._all("init", port)[0]
+        # Rank 0 binds the rendezvous port itself (a port chosen here could be taken before it binds). The ranks
+        # meet at rank 0's node address when they span nodes (--actor-num-nodes above 1), else on the loopback.
+        ips = ray.get([w.node_ip.remote() for w in self.workers])
+        addr = "127.0.0.1" if len(set(ips)) == 1 else ips[0]
+        port = ray.get(self.workers[0].call.remote("open_store", addr))
+        state = self._all("init", addr, port)[0]
         return state["next_rollout_id"], state["data_state"]
 
     def memory(self) -> list[dict[str, float]]:

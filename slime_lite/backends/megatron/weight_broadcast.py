@@ -17,7 +17,7 @@ import torch
 from slime_lite.engine_client import request_json, sent_to_all
 from slime_lite.errors import EngineError, EngineUnreachable, SlimeLiteError
 from slime_lite.io import free_port
-from slime_lite.weight_transport import GroupStore, WeightUpdateGroup, check_group_address
+from slime_lite.weight_transport import GroupStore, WeightUpdateGroup, check_group_address, group_address
 
 log = logging.getLogger(__name__)
 _groups: dict[tuple[str, ...], Any] = {}
@@ -64,7 +64,7 @@ def _group(urls: list[str], backend: str, ranks: int = 1) -> Any:
         return _groups[key]
     for old in list(_groups):  # the engine set changed (--use-fault-tolerance restarted one): one group at a time
         _drop_group(old)
-    host = os.environ.get("SLIME_LITE_WEIGHT_MASTER_ADDR", "127.0.0.1")
+    host = os.environ.get("SLIME_LITE_WEIGHT_MASTER_ADDR") or group_address(urls)
     try:
         check_group_address(host)  # the group's store listens on this address only; never every interface
     except ValueError as exc:

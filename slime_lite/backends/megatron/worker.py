@@ -73,10 +73,9 @@ class TrainWorker:
     role = ""
     metric_prefix = ""
 
-    def __init__(self, args: Any, rank: int, world_size: int, master_addr: str) -> None:
+    def __init__(self, args: Any, rank: int, world_size: int) -> None:
         setup_logging(args.log_level)
         self.args, self.rank, self.world_size = args, rank, world_size
-        self.master_addr = master_addr
         self._store = None
         torch.set_num_threads(max(1, int(os.environ.get("SLIME_LITE_TRAIN_THREADS", "1"))))
         if args.deterministic_mode:
@@ -85,21 +84,22 @@ class TrainWorker:
             torch.use_deterministic_algorithms(True, warn_only=True)
 
     # ----------------------------------------------------------------- setup
-    def open_store(self) -> int:
-        """Rank 0: serve the group's rendezvous store on a port the OS picks; returns the port."""
+    def open_store(self, master_addr: str) -> int:
+        """Rank 0: serve the group's rendezvous store (the ranks reach it at ``master_addr``) on a port the OS
+        picks; returns the port."""
 
-        self._store = open_store(self.master_addr, 0, self.rank, self.world_size)
+        self._store = open_store(master_addr, 0, self.rank, self.world_size)
         return self._store.port
 
-    def init(self, master_port: int) -> dict[str, Any]:
+    def init(self, master_addr: str, master_port: int) -> dict[str, Any]:
 
         a = self.args
         if a.record_memory_history:  # before the model exists: its allocations are in the snapshot
 
             start_memory_history()
-        store = self._store or open_store(self.master_addr, master_port, self.rank, self.world_size)
+        store = self._store or open_store(master_addr, master_port, self.rank, self.world_size)
         init_distributed(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, self.rank, self.world_size,
-                         self.master_addr, master_port, seed=a.seed, store=store, ep=a.expert_model_parallel_size,
+                         master_addr, master_port, seed=a.seed, store=store, ep=a.expert_model_parallel_size,
                          etp=a.expert_tensor_parallel_size, timeout_s=60.0 * a.distributed_timeout_minutes)
         self.hf_config = AutoConfig.from_pretrained(a.hf_checkpoint)
         dtype = torch.bfloat16 if a.bf16 else torch.float32
