@@ -145,8 +145,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="at each checkpoint (--save-interval) also write the actor as a Hugging Face model folder "
                         "to PATH.format(rollout_id=i), e.g. /out/hf_{rollout_id} (with --lora-rank: the adapters "
                         "merged into the base weights), in the training dtype, which its config.json states: a run "
-                        "without --bf16 writes float32, which SGLang's and vLLM's --dtype auto serve as float16; "
-                        "give them --dtype bfloat16 to serve it as a bfloat16 base was")
+                        "without --bf16 writes float32, which SGLang and vLLM serve as float16 by default (dtype "
+                        "auto); serve it with dtype bfloat16 as a bfloat16 base was")
     g.add_argument("--reset-optimizer-states", action="store_true",
                    help="clear the optimizer's state (Adam moments and step count) before each rollout's training "
                         "(as slime), so every rollout starts with a fresh Adam")
