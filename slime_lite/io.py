@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import ipaddress
 import json
 import os
 import pickle
@@ -195,6 +196,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` (a name or an address, IPv6 with or without brackets) is this host's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another host name
+        return False
 
 
 def http_url(host: str, port: int) -> str:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime_lite.io import is_loopback
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "weight_update_group"
@@ -63,11 +65,7 @@ def group_address(urls: list[str]) -> str:
 
     for url in urls:
         host = urlsplit(url).hostname or "127.0.0.1"
-        try:
-            local = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:  # a host name
-            local = False
-        if not local:
+        if not is_loopback(host):
             return _local_address_towards(host, urlsplit(url).port or 80)
     return "127.0.0.1"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import ipaddress
 import logging
 import os
 import signal
@@ -27,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime_lite.config import EngineConfig
 from slime_lite.engine_client import API_KEY_ENV, API_KEY_FILE_ENV, api_key, request_json
 from slime_lite.errors import EngineError, SlimeLiteError
-from slime_lite.io import free_port, http_url
+from slime_lite.io import free_port, http_url, is_loopback
 from slime_lite.placement import plan_layout
 
 log = logging.getLogger(__name__)
@@ -204,15 +203,6 @@ KEYED_LAUNCH = ("import os, runpy, sys; key = os.environ.pop('SLIME_LITE_ENGINE_
                 "os.environ.pop('SLIME_LITE_ENGINE_API_KEY_FILE', None); module = sys.argv[1]; "
                 "sys.argv = [module] + sys.argv[2:] + ['--api-key', key]; "
                 "runpy.run_module(module, run_name='__main__', alter_sys=True)")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def keyed_command(cmd: list[str]) -> list[str]:
