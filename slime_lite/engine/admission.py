@@ -50,12 +50,13 @@ class AdmissionMixin:
             self.prefix.clear()  # the K/V it pointed at is gone
         batch: list[Request] = []
         reused: list[int] = []
+        forks: list[tuple[int, int, int]] = []  # (source slot, slot, positions): cached K/V copied before the prefill
         width = 0
         while self.waiting and self._free_slots:
             req = self.waiting[0]
             seq = self._prefill_seq(req)
-            slot, hit = self.prefix.match(self._free_slots, seq, self._reuse_limit(req, len(seq)),
-                                          req.cache_namespace)
+            slot, hit, source = self.prefix.match(self._free_slots, seq, self._reuse_limit(req, len(seq)),
+                                                  req.cache_namespace)
             n = len(seq) - hit
             if batch and (len(batch) + 1) * max(width, n) > PREFILL_MAX_TOKENS:
                 break
@@ -68,10 +69,14 @@ class AdmissionMixin:
             self.running[slot] = req
             batch.append(req)
             reused.append(hit)
+            if hit and source != slot:
+                forks.append((source, slot, hit))
         need = max(self._need_len(r) for r in self.running.values())
         if any(reused):  # prefill_extend's padding writes one position past each prompt
             need = max(need, min(self.slot_len, max(len(r.input_ids) + len(r.output_ids) for r in batch) + 1))
         self.cache.ensure(max(self.running) + 1, need)
+        for source, slot, n in forks:  # before any prefill of this batch writes over a source
+            self.cache.copy_prefix(source, slot, n)
         self._prefill(batch, reused)
 
     def _prefill(self, batch: list[Request], reused: list[int]) -> None:

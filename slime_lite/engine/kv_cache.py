@@ -105,6 +105,10 @@ class KVCache:
         self.kv, self._buffer = kv, buffer
         logger.debug("kv cache: %d slots x %d tokens", new_s, new_l)
 
+    def copy_prefix(self, source: int, slot: int, positions: int) -> None:
+        """Copy the K/V of positions < ``positions`` from slot ``source`` to slot ``slot`` (every layer)."""
+        self.kv[:, slot, :, :positions] = self.kv[:, source, :, :positions]
+
     def release(self) -> bool:
         """Give the memory back and keep the addresses (what it holds is lost): True; False when the cache cannot
         (not allocated, or not a mapped buffer)."""

@@ -6,7 +6,10 @@ the tokens whose K/V it holds (prompt plus generated tokens but the last). A new
 slot whose remembered tokens share the longest prefix with its prompt; only the rest of the prompt is prefilled
 (``CausalLM.prefill_extend``), and ``meta_info.cached_tokens`` says how many tokens were reused. With no match it
 takes a slot that remembers nothing, else the least recently used one (eviction: the number of cached prefixes is
-the number of free slots, so KV pressure, i.e. many running requests, leaves fewer of them).
+the number of free slots, so KV pressure, i.e. many running requests, leaves fewer of them). A match that would
+overwrite some of its slot's tokens (a new conversation that shares a system prompt, or only a chat template's first
+tokens, with a cached one) takes a slot that remembers nothing instead while there is one, and the matched K/V is
+copied there (``KVCache.copy_prefix``): both stay cached, as branches of SGLang's radix tree would.
 
 Namespaces: each entry keeps the namespace of the request that left it (SGLang's ``extra_key`` and ``cache_salt``;
 both absent is the default namespace), and a prompt matches only entries of its own namespace. So a client that
@@ -87,10 +90,12 @@ class PrefixCache:
         self._used.pop(slot, None)
 
     def match(self, free: list[int], prompt: list[int], limit: int,
-              namespace: Hashable = DEFAULT_NAMESPACE) -> tuple[int, int]:
-        """``(slot, reused)``: the free slot for ``prompt`` (of a request of ``namespace``) and how many of its first
-        tokens already have K/V there (at most ``limit``), from entries of that namespace only; with no match, a
-        slot that holds nothing, else the least recently used one."""
+              namespace: Hashable = DEFAULT_NAMESPACE) -> tuple[int, int, int]:
+        """``(slot, reused, source)``: the free slot for ``prompt`` (of a request of ``namespace``) and how many of its
+        first tokens already have K/V in slot ``source`` (at most ``limit``), from entries of that namespace only.
+        ``source`` is ``slot`` unless the match would overwrite tokens cached after it and a slot that holds nothing
+        is free: then ``slot`` is that one, and the caller copies the ``reused`` positions from ``source`` into it.
+        With no match: a slot that holds nothing, else the least recently used one."""
         self._check_version()
         best, best_len = -1, 0
         if self.enabled and limit > 0:
@@ -100,10 +105,12 @@ class PrefixCache:
                     n = min(common_prefix(held, prompt), limit)
                     if n > best_len:
                         best, best_len = slot, n
-        if best < 0:
-            empty = [s for s in free if s not in self._tokens]
-            best = min(empty) if empty else min(free, key=lambda s: self._used[s])
-        return best, best_len
+        empty = [s for s in free if s not in self._tokens]
+        if best >= 0:
+            fork = empty and best_len < len(self._tokens[best])
+            return (min(empty) if fork else best), best_len, best
+        best = min(empty) if empty else min(free, key=lambda s: self._used[s])
+        return best, 0, best
 
     def take(self, slot: int, prompt_len: int, reused: int) -> None:
         """A request got ``slot`` (from ``match``): its entry goes (the request writes over what follows)."""

@@ -44,6 +44,8 @@ def test_a_prefix_cache_hit_gives_the_same_tokens_and_logprobs(engine, sampling)
     other = prompt[:25] + [3, 4, 5, 6]
     part = generate(url, **{**body, "input_ids": other})
     assert part["meta_info"]["cached_tokens"] == 25
+    # it took an empty slot with a copy of those 25 positions: the first prompt's K/V is still whole
+    assert generate(url, **body)["meta_info"]["cached_tokens"] == len(prompt) - 1
     assert http(url, "/flush_cache")[0] == 200  # GET (slime's method)
     ref = generate(url, **{**body, "input_ids": other})
     assert ref["meta_info"]["cached_tokens"] == 0 and ref["output_ids"] == part["output_ids"]
@@ -84,15 +86,26 @@ def test_prefix_cache_unit_lru_and_weight_version():
     cache = PrefixCache(lambda: version[0])
     cache.release(0, [1, 2, 3, 4])
     cache.release(1, [1, 2, 9])
-    assert cache.match([0, 1, 2], [1, 2, 3, 4, 5], limit=10) == (0, 4)
-    assert cache.match([0, 1, 2], [1, 2, 3, 4, 5], limit=2) == (0, 2)
-    assert cache.match([0, 1, 2], [7], limit=0) == (2, 0)  # no match: a slot that holds nothing
-    assert cache.match([0, 1], [7], limit=0) == (0, 0)  # none empty: the least recently used
+    assert cache.match([0, 1, 2], [1, 2, 3, 4, 5], limit=10) == (0, 4, 0)
+    assert cache.match([0, 1], [1, 2, 3, 4, 5], limit=2) == (0, 2, 0)  # none empty: written over after 2
+    assert cache.match([0, 1, 2], [7], limit=0) == (2, 0, 2)  # no match: a slot that holds nothing
+    assert cache.match([0, 1], [7], limit=0) == (0, 0, 0)  # none empty: the least recently used
     version[0] += 1  # a weight update
     assert cache.match([0, 1, 2], [1, 2, 3, 4, 5], limit=10)[1] == 0 and len(cache) == 0
     off = PrefixCache(lambda: 0, enabled=False)
     off.release(0, [1, 2])
-    assert off.match([0], [1, 2], limit=1) == (0, 0)
+    assert off.match([0], [1, 2], limit=1) == (0, 0, 0)
+
+
+def test_a_match_that_would_overwrite_cached_tokens_copies_them_into_an_empty_slot():
+    from slime_lite.engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(lambda: 0)
+    conversation = [1] + list(range(2, 100))  # a long cached conversation; a new prompt shares its first token
+    cache.release(0, conversation)
+    assert cache.match([0, 1, 2], [1, 500, 501], limit=10) == (1, 1, 0)  # copy position 0 from slot 0 to slot 1
+    assert cache.match([0], [1, 500, 501], limit=10) == (0, 1, 0)  # no empty slot: written over in place
+    assert cache.match([0, 1], conversation + [7, 8], limit=200) == (0, 99, 0)  # reuses all it holds: in place
 
 
 # ---- log-probs -------------------------------------------------------------------------------------------------
