@@ -61,8 +61,8 @@ class _Info:
     async def health(self, request):
         """``/health`` and ``/health_generate`` (SGLang's semantics): 200 when a one-token generation answers, or
         when the engine produced any token since the check began (a busy engine is alive); 503 when it does not
-        within ``HEALTH_GENERATE_TIMEOUT_S`` (a model thread stuck in a call), and at once when the model thread is
-        down or generation is paused or its weights are released."""
+        within ``HEALTH_GENERATE_TIMEOUT_S`` (a model thread stuck in a call) or its request fails (the step raised),
+        and at once when the model thread is down or generation is paused or its weights are released."""
 
         s = self.server.scheduler
         if not s.alive or not s.may_generate:
@@ -82,6 +82,10 @@ class _Info:
                 await asyncio.wait({task}, timeout=0.05)
         finally:
             task.cancel()  # aborts the check's request if it is still queued
+        if s.num_generated == generated and not task.cancelled() and task.exception() is None:
+            reason = task.result()[0].finish_reason  # done: no token from anyone, and the check's request ended
+            if reason is not None and reason.get("type") == "abort":
+                return web.Response(status=503, text=f"generation failed: {reason.get('message')}")
         return web.Response(status=200)
 
     async def model_info(self, request):

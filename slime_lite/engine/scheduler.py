@@ -51,6 +51,11 @@ from slime_lite.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Steps in a row that fail with no request alone to blame (a sticky CUDA error, an out-of-memory on every step): the
+# model thread stops, as SGLang's scheduler process would die, so /health, /generate (503) and the trainer's fault
+# tolerance see a dead engine instead of one that answers every request with an abort.
+FAILED_STEPS_TO_STOP = 3
+
 
 class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
     """Loads the model and runs the generation loop in a background thread (``start``/``stop``)."""
@@ -144,6 +149,8 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
         self._counter = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopped = False  # the model thread has ended: what arrives later is answered at once
+        self.stop_reason: str | None = None  # why the model thread ended on an error
+        self._failed_steps = 0  # steps in a row that failed with no request alone to blame
         self._handling: tuple | None = None  # the inbox message the model thread is handling
         self.num_generated = 0
         # Work counters, only ever growing (the rollout manager reads /get_server_info before and after a rollout and
@@ -281,6 +288,7 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
         except BaseException as exc:  # noqa: BLE001 - reported, and every request answered
             logger.exception("the model thread stopped on an error")
             why = f"engine error: the model thread stopped ({type(exc).__name__}: {exc})"
+            self.stop_reason = why
             self._stopped = True
             with contextlib.suppress(Exception):
                 if self._handling is not None:  # the message it failed on
@@ -353,11 +361,18 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
     def _fail_step(self, exc: Exception) -> None:
         """A step raised: end the requests the sampler fails on alone (on neutral logits) with the error, send
         requests still in their prefill (no token yet) back to the queue, and go on with the others; abort
-        everything only when no request is to blame (the model itself failed)."""
+        everything only when no request is to blame (the model itself failed). ``FAILED_STEPS_TO_STOP`` steps in a
+        row that blame no request or every one stop the model thread (raised from here)."""
         logger.exception("engine step failed")
         self.pipeline.drop()
         reason = abort_reason(f"engine error: {type(exc).__name__}: {exc}")
-        blamed = [r for r in [*self.running.values(), *self.waiting] if not self._samples_alone(r)]
+        requests = [*self.running.values(), *self.waiting]
+        blamed = [r for r in requests if not self._samples_alone(r)]
+        if len(blamed) in (0, len(requests)):
+            self._failed_steps += 1
+            if self._failed_steps >= FAILED_STEPS_TO_STOP:
+                raise RuntimeError(f"{self._failed_steps} steps in a row failed with no request alone to blame, the "
+                                   f"last with {type(exc).__name__}: {exc}") from exc
         if not blamed:  # requests on their way in were not in the failed step: they run
             self._abort_all(reason["message"], count=False)
             return
@@ -447,6 +462,8 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
     def _append(self, reqs: list[Request], tokens: list[int], logprobs: list[float],
                 extra: list[Any] | None = None) -> None:
         self.num_generated += len(reqs)
+        if reqs:
+            self._failed_steps = 0
         for i, (r, tok, lp) in enumerate(zip(reqs, tokens, logprobs)):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)

@@ -184,8 +184,9 @@ class EngineServer:
                     request.headers.get("Authorization", "").encode(), f"Bearer {self.api_key}".encode()):
                 return error_response("missing or wrong API key (Authorization: Bearer ...)", 401)
             limit = WEIGHTS_BODY_LIMIT if request.path in WEIGHTS_ROUTES else self.max_request_bytes
-            too_large = (f"request body over {limit} bytes (the limit of {request.path}; "
-                         "'slime-lite serve --max-request-bytes' sets it)")
+            too_large = (f"request body over {limit} bytes (the limit of {request.path}; 'slime-lite serve "
+                         "--max-request-bytes' sets it, and under 'slime-lite train' --rollout-max-context-len: 32 "
+                         "bytes a token of every request of a call)")
             if (request.content_length or 0) > limit:
                 return error_response(too_large, 413)
             try:
@@ -461,8 +462,12 @@ class EngineServer:
     async def _generate(self, request, reqs: list[Any], single: bool):
         stream = reqs[0].stream
         single = single and len(reqs) == 1
+        sch = self.scheduler
         if not stream:
             outs = await self.run_requests(reqs)
+            if not sch.alive and any(o.finish_reason.get("type") == "abort" for o in outs):
+                # the model thread is down (SGLang's server would be gone): not an answer, so clients fail over
+                return error_response(sch.stop_reason or "engine error: the model thread is not running", 503)
             results = [self.format_output(r, o) for r, o in zip(reqs, outs)]
             return json_response(results[0] if single else results)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

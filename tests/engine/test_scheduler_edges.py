@@ -139,3 +139,46 @@ def test_a_stopped_engine_answers_requests_and_calls_instead_of_leaving_them_wai
     assert done.wait(5) and req.finish_reason == abort_reason("engine shutting down")
     with pytest.raises(RuntimeError, match="the engine has stopped"):
         sch.call(lambda: 1).result(5)
+
+
+def test_an_engine_whose_every_step_fails_stops_and_says_so(tiny_model_dir):
+    """A sticky device error (an illegal memory access, INJECTED: the step raises) fails every step while the model
+    thread lives. /health says 503 from the first failed check; after FAILED_STEPS_TO_STOP failed steps in a row the
+    model thread stops, so /generate answers 503 naming the error and the trainer's fault tolerance (which asks
+    whether the model thread runs) sees a dead engine. A step that works in between resets the count."""
+    from engine_helpers import http, start_engine
+
+    from slime_lite.engine import scheduler as scheduler_module
+
+    server = start_engine(tiny_model_dir)
+    sch, url = server.scheduler, server.url
+    real_step, broken = sch._step, [True]
+
+    def step():
+        if broken[0]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        real_step()
+
+    sch._step = step
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+    try:
+        assert scheduler_module.FAILED_STEPS_TO_STOP == 3
+        status, out = http(url, "/generate", body)  # failed step 1
+        assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+        status, text = http(url, "/health")  # failed step 2: its one-token request failed
+        assert status == 503 and "illegal memory access" in str(text) and sch.alive
+        broken[0] = False
+        status, out = http(url, "/generate", body)  # steps that work: the count starts over
+        assert status == 200 and len(out["output_ids"]) == 2
+        broken[0] = True
+        for _ in range(2):  # failed steps 1 and 2
+            assert http(url, "/generate", body)[0] == 200
+        assert sch.alive
+        status, text = http(url, "/health")  # failed step 3 in a row: the model thread stops
+        assert status == 503 and "illegal memory access" in str(text)
+        assert not sch.alive and "illegal memory access" in sch.stop_reason
+        status, out = http(url, "/generate", body)
+        assert status == 503 and "illegal memory access" in out["error"]["message"]
+        assert http(url, "/health")[0] == 503
+    finally:
+        server.stop()

@@ -173,6 +173,28 @@ def test_an_engine_that_answers_5xx_is_alive_the_request_is_sent_again_and_no_en
     asyncio.run(run())
 
 
+def test_an_engine_that_answers_5xx_and_fails_its_health_check_is_dead_and_the_request_goes_elsewhere(monkeypatch):
+    """The embedded engine whose model thread stopped (a sticky device error) answers /generate and /health with 503:
+    not an engine that is alive and busy, so the client takes it out at once (no retries on it) and the request goes
+    to the live one. The engines are FAKES."""
+    monkeypatch.setattr(engine_client, "ANSWERED_5XX_BACKOFF_S", 0.01)
+
+    async def run():
+        broken, broken_runner = await fake_engine("never", healthy=False, errors=[503] * 100)
+        url, runner = await fake_engine("live")
+        client = AsyncEngineClient([broken, url], timeout=5, max_retries=1)
+        client.inflight[url] = 1  # the least-loaded pick goes to the broken engine first
+        try:
+            out = await asyncio.wait_for(client.generate(BODY), 10)
+            assert out["text"] == "live" and client.failed() == [broken]
+        finally:
+            await client.close()
+            await runner.cleanup()
+            await broken_runner.cleanup()
+
+    asyncio.run(run())
+
+
 def test_an_engine_that_dies_while_answering_is_no_answer_naming_it():
     """The connection closes before the body the engine announced is complete (its process died mid-answer):
     ``request_json`` and ``SentRequest`` both raise EngineUnreachable naming the engine, not http.client's
