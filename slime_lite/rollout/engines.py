@@ -66,7 +66,7 @@ class EngineActor:
         if c.rollout_backend == "sglang":
             self.server = SGLangServer(self.args, self.rank)
         else:
-            from slime_lite.engine.server import EngineServer  # torch, transformers: in the engine's process
+            from slime_lite.engine.server import MAX_REQUEST_BYTES, EngineServer  # torch: in the engine's process
 
             try:
                 self.server = EngineServer(
@@ -78,6 +78,7 @@ class EngineActor:
                     disable_radix_cache=self.args.deterministic_mode,  # a cache hit depends on timing
                     profile_dir=self.profile_dir,
                     enable_return_routed_experts=c.use_rollout_routing_replay,
+                    max_request_bytes=max(MAX_REQUEST_BYTES, c.request_body_bytes),
                 )
             except SlimeLiteError as exc:  # the engine names `slime-lite serve`'s flags: here they are train's
                 raise SlimeLiteError(train_flag_names(str(exc))) from None

@@ -175,6 +175,21 @@ def test_values_at_the_limits_are_still_accepted(engine):
     assert generate(engine.url, input_ids=[1] * 500, sampling_params={"max_new_tokens": 11})  # 511 < 512
 
 
+@pytest.mark.parametrize("flags", [{}, {"deterministic_mode": True, "rollout_batch_size": 4}])
+def test_under_train_the_engines_body_limit_holds_a_call_of_the_runs_longest_requests(flags):
+    """`slime-lite train` sizes its embedded engines' limit (it has no --max-request-bytes): a group of 16 requests
+    of --rollout-max-context-len 65,536 six-digit token ids is over the 8 MiB default; under --deterministic-mode
+    one call holds a whole wave."""
+    from slime_lite.args import parser_defaults
+    from slime_lite.config import EngineConfig
+
+    c = EngineConfig.from_args(parser_defaults(n_samples_per_prompt=16, rollout_max_context_len=65536, **flags))
+    calls = 64 if flags else 16
+    body = {"input_ids": [[999_999] * 65_535] * calls, "sampling_params": [{"max_new_tokens": 1}] * calls,
+            "return_logprob": True}
+    assert 8 << 20 < len(json.dumps(body)) <= c.request_body_bytes
+
+
 def test_a_body_over_the_limit_gets_413_and_the_server_keeps_serving(engine):
     big = {"text": "a" * (9 << 20)}  # over the 8 MiB default of the generate routes
     status, out = http(engine.url, "/generate", big)
