@@ -67,7 +67,7 @@ def watch(driver_pid: int, driver_start: int, poll_s: float = POLL_S) -> None:
         table = proc_table()
         if table.get(driver_pid, (0, None))[1] != driver_start:
             break
-        tree = descendants({driver_pid: driver_start}, table)
+        tree = descendants({**tree, driver_pid: driver_start}, table)  # orphans of the tree stay in it
         tree.pop(driver_pid, None)
         tree.pop(me, None)
         if not ready:

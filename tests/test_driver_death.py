@@ -43,7 +43,8 @@ def _left_after_grace(tree: dict[int, int]) -> list[str]:
 
 
 def test_a_killed_driver_takes_its_detached_descendants_with_it():
-    """Processes that left the driver's session and process group (as Ray's do) are killed with it."""
+    """Processes that left the driver's session and process group (as Ray's do) are killed with it, and so is one
+    orphaned while the driver lived (its parent, a launcher, exited: it is no descendant of the driver any more)."""
     script = textwrap.dedent("""
         import subprocess, sys, time
         from slime_lite.driver_watch import start
@@ -52,6 +53,9 @@ def test_a_killed_driver_takes_its_detached_descendants_with_it():
         subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
                           "subprocess.Popen(['sleep', '300'], start_new_session=True); time.sleep(300)"],
                          start_new_session=True)
+        # a launcher that starts a server and exits 2 s later
+        subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                          "subprocess.Popen(['sleep', '301'], start_new_session=True); time.sleep(2)"])
         print("ready", flush=True)
         time.sleep(300)
     """)
@@ -59,10 +63,10 @@ def test_a_killed_driver_takes_its_detached_descendants_with_it():
     try:
         assert driver.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 60
-        while len(tree := _tree(driver.pid)) < 3:  # the watch, the child, the grandchild
+        while len(tree := _tree(driver.pid)) < 5:  # the watch, the two children, their children
             assert time.monotonic() < deadline, tree
             time.sleep(0.1)
-        time.sleep(2.0)  # the watch (every 0.25 s) has seen the whole tree
+        time.sleep(4.0)  # the launcher has exited; the watch (every 0.25 s) has polled since
     finally:
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
