@@ -107,6 +107,7 @@ def run(args) -> int:
     except BaseException:
         if args.save_debug_rollout_data:
             rollout.wait_dumps()
+        metrics.close()  # TensorBoard's events of the failing rollout reach the disk too
         raise
     metrics.close()
     rollout.close()

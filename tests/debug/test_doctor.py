@@ -112,10 +112,23 @@ def test_a_hook_that_records_no_weight_versions_passes_and_a_skipped_push_is_sti
     proc = subprocess.run([sys.executable, "-m", "slime_lite.cli", "train", "--hf-checkpoint", model, "--prompt-data",
                            data, "--rm-type", "addition", "--rollout-max-response-len", "6", "--rollout-batch-size",
                            "4", "--n-samples-per-prompt", "2", "--num-rollout", "2", "--ci-test", *hook,
-                           "--debug-inject-fault", "skip-weight-push"], capture_output=True, text=True, timeout=600)
+                           "--debug-inject-fault", "skip-weight-push", "--use-tensorboard", "--tensorboard-dir",
+                           str(tmp_path / "tb"), "--metrics-path", str(tmp_path / "m.jsonl")],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     # the skipped pushes leave the engine on the weights it loaded itself (version "default", read as -1)
     assert "weight_version_served failed at rollout 0: value -1.0, expected == 0" in proc.stderr, proc.stderr[-3000:]
+    # the failing rollout's metrics reach TensorBoard's file too, every one (its writer is closed on the way out)
+    import json
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (row,) = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    numbers = {k for k, v in row.items() if k != "rollout_id" and isinstance(v, (int, float)) and math.isfinite(v)}
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert row["rollout_id"] == 0 and len(numbers) > 20 and set(events.Tags()["scalars"]) == numbers
 
 
 @pytest.mark.slow
