@@ -230,9 +230,9 @@ class EngineConfig(_FromArgs):
 
     @property
     def request_body_bytes(self) -> int:
-        """The largest /generate body the run sends, for the embedded engine's body limit (``slime-lite serve
-        --max-request-bytes``, never below its default): 32 bytes of JSON a token (token ids take about 7) of
-        ``request_tokens`` for every request of one call: a group, or under --deterministic-mode a whole wave."""
+        """The largest /generate body the run sends, for its embedded engines' body limit (never below the
+        engine's default): 32 bytes of JSON a token (token ids take about 7) of ``request_tokens`` for every
+        request of one call: a group, or under --deterministic-mode a whole wave."""
         calls = self.requests_per_engine if self.deterministic_mode else self.n_samples_per_prompt
         return 32 * self.request_tokens * calls
 
