@@ -91,8 +91,9 @@ def init_ray(args: Any, num_slots: int) -> None:
     resources = {} if gpu_resource() == "GPU" else {"slot": float(max(num_slots, 1))}
     for attempt in (1, 2):
         try:
-            ray.init(num_cpus=max(8, 2 * num_slots + 2), resources=resources, include_dashboard=False,
-                     runtime_env=env, logging_level="WARNING")
+            # address="local": a new cluster, never one that `ray start` left (or its stale file in /tmp/ray names)
+            ray.init(address="local", num_cpus=max(8, 2 * num_slots + 2), resources=resources,
+                     include_dashboard=False, runtime_env=env, logging_level="WARNING")
             return
         except Exception as exc:  # Ray's own start-up timeout (its raylet did not register within 30 s)
             if attempt == 2 or RAY_START_FAILURE not in str(exc):

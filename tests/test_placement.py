@@ -65,6 +65,8 @@ def test_ray_start_up_timeout_is_retried_once_and_other_errors_are_not(monkeypat
 
     def fake_init(**kw):
         calls.append("init")
+        # a cluster of this run's own, even where `ray start` runs or left /tmp/ray/ray_current_cluster behind
+        assert kw["address"] == "local"
         if errors:
             raise errors.pop()
 
