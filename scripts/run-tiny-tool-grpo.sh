@@ -38,7 +38,7 @@ ARGS=("${MODEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}
       "${PERF_ARGS[@]}" "${LOG_ARGS[@]}" "$@")
 METRICS=$(arg_value --metrics-path "" "${ARGS[@]}")
 DUMPS=$(arg_value --save-debug-rollout-data "" "${ARGS[@]}")
-rm -f "$METRICS"
+reset_metrics "$METRICS" "${ARGS[@]}"
 run_train "${ARGS[@]}"
 .venv/bin/slime-lite plot-metrics --metrics-path "$METRICS" --out "$(dirname "$METRICS")/reward.png" \
   --title "tiny GRPO (calculator tool task)"

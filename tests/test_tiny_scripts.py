@@ -14,15 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def sandbox(tmp_path: Path) -> Path:
-    """scripts/ with lib.sh and the run scripts; prepare-tiny.sh a no-op; .venv/bin/slime-lite records its calls."""
+    """scripts/ with lib.sh and the run scripts; prepare-tiny.sh and setup.sh no-ops; .venv/bin/slime-lite records
+    its calls; .venv/bin/python reads its script and does nothing."""
     (tmp_path / "scripts").mkdir()
-    for name in ("lib.sh", "run-tiny-grpo.sh", "run-tiny-ppo.sh", "run-tiny-reinforce.sh", "run-tiny-replay.sh"):
+    for name in ("lib.sh", "run-tiny-grpo.sh", "run-tiny-ppo.sh", "run-tiny-reinforce.sh", "run-tiny-replay.sh",
+                 "run-tiny-tool-grpo.sh"):
         shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
-    (tmp_path / "scripts" / "prepare-tiny.sh").write_text("exit 0\n")
-    fake = tmp_path / ".venv" / "bin" / "slime-lite"
-    fake.parent.mkdir(parents=True)
-    fake.write_text('#!/bin/sh\necho "$@" >> calls.txt\n')
-    fake.chmod(0o755)
+    for name in ("prepare-tiny.sh", "setup.sh"):
+        (tmp_path / "scripts" / name).write_text("exit 0\n")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    for name, body in (("slime-lite", 'echo "$@" >> calls.txt'), ("python", "cat > /dev/null")):
+        fake = tmp_path / ".venv" / "bin" / name
+        fake.write_text(f"#!/bin/sh\n{body}\n")
+        fake.chmod(0o755)
     (tmp_path / "dumps").mkdir()
     (tmp_path / "dumps" / "data_0.pt").write_text("a dump")  # what run-tiny-replay.sh looks for
     return tmp_path
@@ -36,7 +40,7 @@ def _run(sandbox: Path, script: str, *args: str) -> None:
 
 
 @pytest.mark.parametrize("script", ["run-tiny-grpo.sh", "run-tiny-ppo.sh", "run-tiny-reinforce.sh",
-                                    "run-tiny-replay.sh"])
+                                    "run-tiny-replay.sh", "run-tiny-tool-grpo.sh"])
 def test_a_resumed_run_appends_to_its_metrics_a_fresh_one_starts_them_anew(sandbox: Path, script: str) -> None:
     """The scripts removed the --metrics-path file before every run: resuming with --load lost the metrics of
     every rollout before the checkpoint (and the plot showed only the rest)."""
