@@ -23,13 +23,19 @@ python=${PYTHON:-python3}  # the machine's own torch with CUDA (not .venv's CPU 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 # only the files that hold gpu tests are collected: the others may import what a GPU image lacks
 mapfile -t files < <(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | sort)
-args=()
-for a in "$@"; do
-  if [ "$a" = --quick ]; then
-    quick="test_cuda_graph_gpu or test_fused_layer or test_decode_attention_gpu or test_logprobs or half_billion"
-    args+=(-k "$quick or offload_frees or test_colocated_push or (bf16 and not test_doctor)")
-  else
-    args+=("$a")
-  fi
+# --quick and a -k of the caller's are joined with "and" (pytest keeps only the last -k it is given)
+args=() quick="" k=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --quick)
+      quick="test_cuda_graph_gpu or test_fused_layer or test_decode_attention_gpu or test_logprobs or half_billion"
+      quick="($quick or offload_frees or test_colocated_push or (bf16 and not test_doctor))" ;;
+    -k) k=${2:?test-gpu.sh: -k needs an expression}; shift ;;
+    -k*) k=${1#-k} ;;
+    *) args+=("$1") ;;
+  esac
+  shift
 done
+k=$quick${quick:+${k:+ and }}${k:+($k)}
+[ -z "$k" ] || args+=(-k "$k")
 exec "$python" -m pytest -q -p no:cacheprovider -m gpu --timeout 900 "${files[@]}" "${args[@]}"
