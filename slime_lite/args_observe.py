@@ -12,6 +12,7 @@ from slime_lite.flag_types import nonneg_float as _nonneg_float
 from slime_lite.flag_types import positive_int as _positive_int
 from slime_lite.config import LOGPROB_DIFF_BY_DTYPE
 from slime_lite.errors import SlimeLiteError
+from slime_lite.logging_setup import LOG_LEVELS
 from slime_lite.profiling import PROFILE_TARGETS
 
 log = logging.getLogger("slime_lite.args")
@@ -75,7 +76,7 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
                         "--tensorboard-dir)")
     g.add_argument("--tb-experiment-name", default=None,
                    help="with --tb-project-name: EXPERIMENT (default: the start time, YYYYmmdd_HHMMSS)")
-    g.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    g.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                    default="INFO", help="Python logging level (default: %(default)s)")
     g.add_argument("--log-reward-category", default=None, metavar="KEY",
                    help="with dict rewards: log the share of each value of reward[KEY] over the rollout's samples "

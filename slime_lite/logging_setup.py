@@ -19,6 +19,7 @@ QUIET_LOGGERS = {"megatron": logging.WARNING, "transformer_engine": logging.WARN
 QUIET_WARNINGS = r"(megatron|transformer_engine|apex)(\.|$)"  # modules whose UserWarnings are hidden
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # what --log-level takes (any case)
 LOG_LEVEL_ENV = "SLIME_LITE_LOG_LEVEL"  # the run's --log-level, for every process it starts (Ray actors included)
 
 

@@ -9,7 +9,7 @@ import logging
 from slime_lite.engine.server import MAX_REQUEST_BYTES, EngineServer
 from slime_lite.engine_client import api_key
 from slime_lite.errors import SlimeLiteError, run_main
-from slime_lite.logging_setup import setup_logging
+from slime_lite.logging_setup import LOG_LEVELS, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the only folder /start_profile writes traces under: its output_dir must lie inside "
                         "(relative ones are taken from here; default: $SGLANG_TORCH_PROFILER_DIR, else "
                         "slime-lite-profiles in the temp folder)")
-    p.add_argument("--log-level", default="info",
+    p.add_argument("--log-level", default="info", type=str.upper, choices=LOG_LEVELS,
                    help="Python logging level (default: %(default)s; debug also shows third-party libraries' noise)")
     return p
 

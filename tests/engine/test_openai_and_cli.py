@@ -442,6 +442,12 @@ def test_serve_rejects_unknown_flags_and_tp_size(tiny_model_dir):
         main(["--model-path", str(tiny_model_dir), "--max-request-bytes", "0", "--port", "0"])
 
 
+def test_serve_refuses_a_log_level_it_does_not_know(capsys):
+    """It served at INFO before; `slime-lite train` refused the same value."""
+    assert main(["--model-path", "m", "--log-level", "verbose", "--port", "0"]) == 2
+    assert "--log-level: invalid choice: 'VERBOSE'" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_serve_command_starts_answers_and_stops_on_sigterm(tiny_model_dir):
     cmd = [sys.executable, "-m", "slime_lite.cli", "serve", "--model-path", str(tiny_model_dir), "--port", "0",
