@@ -13,6 +13,7 @@ import argparse
 import itertools
 import json
 import random
+import sys
 from pathlib import Path
 
 from slime_lite.errors import SlimeLiteError
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train, evals = make_data(args.task, args.out, n_train=args.n_train, n_eval=args.n_eval, seed=args.seed)
     except SlimeLiteError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.n_train} train prompts to {train} and {args.n_eval} eval prompts to {evals}")
     return 0

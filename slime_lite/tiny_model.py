@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             moe_intermediate_size=args.moe_intermediate_size,
         )
     except SlimeLiteError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2))
     return 0

@@ -57,7 +57,7 @@ def test_cli_writes_files_and_rejects_bad_input(tmp_path, capsys):
     assert main(["--task", "addition", "--out", str(tmp_path / "add.jsonl"), "--n-train", "40", "--n-eval", "8"]) == 0
     assert len(read(tmp_path / "add.jsonl")) == 40 and len(read(tmp_path / "add_eval.jsonl")) == 8
     assert main(["--task", "addition", "--out", str(tmp_path), "--n-train", "4"]) != 0
-    assert "--out" in capsys.readouterr().out
+    assert "--out" in capsys.readouterr().err  # an error goes to stderr, as every command's does
     with pytest.raises(SystemExit):
         main(["--task", "sudoku", "--out", str(tmp_path / "s.jsonl")])
 

@@ -99,10 +99,10 @@ def test_short_warm_start_lowers_the_loss_and_reports(tmp_path):
 def test_cli_refuses_a_non_model_folder_and_bad_sizes(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
     assert main(["--out", str(tmp_path), "--warm-start-steps", "0"]) != 0
-    assert "--out" in capsys.readouterr().out
+    assert "--out" in capsys.readouterr().err  # an error goes to stderr, as every command's does
     assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "config.json").exists()
     assert main(["--out", str(tmp_path / "m"), "--hidden-size", "100", "--num-heads", "3"]) != 0
-    assert "--hidden-size" in capsys.readouterr().out
+    assert "--hidden-size" in capsys.readouterr().err
     with pytest.raises(SlimeLiteError, match="--warm-start-steps"):
         make_tiny_model(tmp_path / "m", warm_start_steps=-1)
 
@@ -130,7 +130,7 @@ def test_arch_builds_a_tiny_checkpoint_of_that_family_with_the_same_tokenizer(tm
 
 def test_cli_refuses_a_head_size_glm4_cannot_split(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "m"), "--arch", "glm4", "--head-dim", "30", "--warm-start-steps", "0"]) != 0
-    assert "head size 30" in capsys.readouterr().out and not (tmp_path / "m").exists()
+    assert "head size 30" in capsys.readouterr().err and not (tmp_path / "m").exists()
 
 
 def test_cli_overwrites_an_earlier_tiny_model(tmp_path, capsys):
