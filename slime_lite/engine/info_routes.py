@@ -83,7 +83,8 @@ class _Info:
         finally:
             task.cancel()  # aborts the check's request if it is still queued
         if s.num_generated == generated and not task.cancelled() and task.exception() is None:
-            reason = task.result()[0].finish_reason  # done: no token from anyone, and the check's request ended
+            out = task.result()[0]  # done: no token from anyone, and the check's request ended
+            reason = out.finish_reason if out is not None else None
             if reason is not None and reason.get("type") == "abort":
                 return web.Response(status=503, text=f"generation failed: {reason.get('message')}")
         return web.Response(status=200)
