@@ -77,6 +77,8 @@ class AdmissionMixin:
         self.cache.ensure(max(self.running) + 1, need)
         for source, slot, n in forks:  # before any prefill of this batch writes over a source
             self.cache.copy_prefix(source, slot, n)
+            if self.lm.routes is not None:  # --enable-return-routed-experts: the prefix's routing goes with it
+                self.lm.routes.copy_prefix(source, slot, n)
         self._prefill(batch, reused)
 
     def _prefill(self, batch: list[Request], reused: list[int]) -> None:
@@ -123,14 +125,13 @@ class AdmissionMixin:
         if start >= n:
             req.input_logprobs, req.input_top, req.input_ids_lp = [], [], []
             return
-        t = 1.0 if req.params.greedy else req.params.temperature
         rows = hidden[start - offset : n - 1 - offset]
         targets = torch.tensor(req.input_ids[start + 1 : n], device=rows.device)
         values: list[float | None] = [None]
         top: list | None = [None] if req.top_logprobs_num > 0 else None
         ids: list | None = [None] if req.token_ids_logprob is not None else None
         for lo in range(0, rows.shape[0], LOGPROB_ROWS):  # a long prompt's logits never at once
-            logp = torch.log_softmax(self.lm.logits(rows[lo : lo + LOGPROB_ROWS]) / t, dim=-1)
+            logp = torch.log_softmax(self.lm.logits(rows[lo : lo + LOGPROB_ROWS]), dim=-1)  # raw, as SGLang's
             values += logp.gather(1, targets[lo : lo + LOGPROB_ROWS, None])[:, 0].tolist()
             more_top, more_ids = lpx.extras(logp, req.top_logprobs_num, req.token_ids_logprob)
             top, ids = top and top + more_top, ids and ids + more_ids

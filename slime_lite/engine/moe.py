@@ -118,6 +118,10 @@ class RouteStore:
         rows = self.buffer.view(-1, *self.buffer.shape[2:])[:, layer]
         rows.index_copy_(0, self.index, ids.to(torch.int16))
 
+    def copy_prefix(self, source: int, slot: int, positions: int) -> None:
+        """Slot ``slot`` takes the routing of positions < ``positions`` of slot ``source`` (a forked prefix)."""
+        self.buffer[slot, :positions] = self.buffer[source, :positions]
+
     def read(self, slot: int, start: int, end: int) -> torch.Tensor:
         """``[end - start, layers, top_k]`` int32 of positions start..end-1 of ``slot`` (on the host)."""
         return self.buffer[slot, start:end].to(device="cpu", dtype=torch.int32)
