@@ -261,7 +261,8 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The model thread runs and has not begun to stop (on an error: from before it answers its requests)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
 
     @property
     def num_running(self) -> int:

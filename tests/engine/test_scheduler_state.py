@@ -78,11 +78,12 @@ def test_a_request_running_across_a_weight_update_leaves_no_stale_prefix(schedul
 def test_a_model_thread_that_dies_answers_every_request_and_reports_itself_dead(tiny_model_dir):
     """An error outside a decode step (handling a message) ends the model thread: its requests were left waiting
     for it and the engine actor still said alive, so a run found it only by --rollout-request-timeout. Now every
-    request is answered (aborted) at once, and the actor's liveness (what --use-fault-tolerance polls) is False."""
+    request is answered at once (HTTP 503 with the error: not an answer of a live engine), and the actor's liveness
+    (what --use-fault-tolerance polls) is False."""
     import time
     from types import SimpleNamespace
 
-    from engine_helpers import generate, start_engine
+    from engine_helpers import http, start_engine
 
     from slime_lite.rollout.engines import EngineActor
 
@@ -97,11 +98,11 @@ def test_a_model_thread_that_dies_answers_every_request_and_reports_itself_dead(
 
         sch._handle = fails_once
         t0 = time.monotonic()
-        first = generate(server.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 3})
-        later = generate(server.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 3})
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}
+        first, later = http(server.url, "/generate", body), http(server.url, "/generate", body)
         assert time.monotonic() - t0 < 10
-        for out in (first, later):
-            assert out["meta_info"]["finish_reason"]["type"] == "abort", out
+        for status, out in (first, later):
+            assert status == 503 and "an error while handling a message" in out["error"]["message"], out
         actor = SimpleNamespace(config=SimpleNamespace(rollout_backend="embedded"), server=server)
         assert not sch.alive and EngineActor.alive(actor) is False
     finally:
