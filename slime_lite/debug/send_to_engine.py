@@ -3,6 +3,8 @@
 Two checks per sample:
 (a) teacher-forced, the strongest: the full dumped tokens go in with ``logprob_start_len = prompt_len - 1``; the
     engine's ``input_token_logprobs`` of the response tokens are compared with the dump's ``rollout_log_probs``.
+    Prompt log-probs are of the raw logits (SGLang's and the embedded engine's), so (a) runs for samples generated
+    at temperature 1 (or greedily) without a ``logit_bias``; other samples get (b).
 (b) regeneration: the prompt part goes in with the recorded sampling params (``metadata["sampling_params"]``,
     including ``sampling_seed``); new ids/text are compared with the dump, and log-probs where the tokens agree.
     (b) is the log-prob check when the engine gives no ``input_token_logprobs``. A multi-turn sample is
@@ -157,13 +159,20 @@ def check_sample(url: str, position: int, sample: Any, args: argparse.Namespace,
     rep.rows.append(("prompt / response tokens", f"{prompt_len} / {len(response)}"))
     rep.rows.append(("sampling params", repr(params)))
 
+    temperature = float(params.get("temperature", 1.0))
+    # prompt log-probs are of the raw logits (SGLang's and the embedded engine's): comparable with the sampled
+    # tokens' only where those were not scaled or biased either
+    raw = (temperature <= GREEDY_TEMPERATURE or temperature == 1.0) and not params.get("logit_bias")
     try:
-        tf = teacher_forced(url, sample, params, args.timeout) if response else None
+        tf = teacher_forced(url, sample, params, args.timeout) if response and raw else None
     except EngineError as exc:
         if "answered HTTP 4" not in str(exc):
             raise
         tf = None  # the engine refused the scoring request (e.g. no logprob_start_len): fall back to (b)
-    if tf is None:
+    if not raw:
+        rep.rows.append(("(a) teacher-forced log-probs", "not compared: prompt log-probs are of the raw logits, "
+                         f"the dump's of logits at temperature {temperature:g} (or with a logit_bias); using (b)"))
+    elif tf is None:
         rep.rows.append(("(a) teacher-forced log-probs", "engine gave no input_token_logprobs; using (b)"))
     elif dumped_lp is None:
         rep.rows.append(("(a) teacher-forced log-probs", "dump has no rollout_log_probs to compare"))

@@ -7,8 +7,10 @@
   ``logprob_start_len = -1`` means none of the prompt (an empty list), or only its last token when
   ``token_ids_logprob`` is given.
 
-Every value is taken from ``log_softmax(logits / temperature)`` (temperature 1 for greedy rows), like the sampled
-token's own log-prob (sampling.py); output positions include the request's ``logit_bias``, prompt positions do not.
+Output positions' values are taken from ``log_softmax((logits + logit_bias) / temperature)`` (temperature 1 for
+greedy rows), like the sampled token's own log-prob (sampling.py). Prompt positions' are of the raw logits,
+``log_softmax(logits)``, whatever the request's temperature and bias, as SGLang's are: at a temperature other than 1
+they are not comparable with the output tokens' log-probs.
 ``text`` is the token's text with ``return_text_in_logprobs``, else ``None``.
 """
 

@@ -75,6 +75,18 @@ def test_honest_dump_matches_and_perturbed_logprobs_do_not(engine_url: str, tmp_
     assert "--sample-index 7" in capsys.readouterr().err
 
 
+def test_a_sample_of_another_temperature_is_checked_by_regeneration_only(engine_url, tmp_path, capsys) -> None:
+    """At temperature 0.7 the dump's log-probs are of logits / 0.7 and prompt log-probs of the raw logits (SGLang's
+    too): (a) would differ for an honest dump, so it is not run and (b) decides."""
+    template = str(tmp_path / "d_{rollout_id}.pt")
+    sample = _sample_from_engine(engine_url, 0, [5, 6, 7, 8], dict(PARAMS, temperature=0.7, sampling_seed=11))
+    save_rollout_dump(template.format(rollout_id=0), 0, [sample])
+    assert main(["--load-debug-rollout-data", template, "--rollout-id", "0", "--url", engine_url, "--all"]) == 0
+    out = capsys.readouterr().out
+    assert _teacher_forced_max(out) == [] and "the dump's of logits at temperature 0.7" in out, out
+    assert re.search(r"\(b\) regenerated tokens +│ identical", out) and "verdict: MATCH (1 match" in out
+
+
 def test_a_sample_continued_across_weight_versions_compares_its_newest_tokens_only(engine_url, tmp_path, capsys):
     """--partial-rollout: a sample whose first tokens older weights generated (here: their log-probs off by 0.5,
     as other weights give) and whose seed is the continuation's. Its older tokens are not compared and its

@@ -54,6 +54,19 @@ def test_a_prefix_cache_hit_gives_the_same_tokens_and_logprobs(engine, sampling)
     assert info["disable_radix_cache"] is False and info["prefix_cache"]["hits"] >= 1
 
 
+def test_prompt_logprobs_are_of_the_raw_logits_whatever_the_temperature(engine, hf_model):
+    """SGLang's prompt log-probs take neither the request's temperature nor its logit_bias (its output tokens'
+    take both): they were divided by the temperature here."""
+    prompt = [40 + i for i in range(12)]
+    ref = _hf_logp(hf_model, prompt)
+    for sp in ({"temperature": 0.5}, {"temperature": 1.7, "logit_bias": {"45": 3.0}}, {"temperature": 0}):
+        out = generate(engine.url, input_ids=prompt, return_logprob=True, logprob_start_len=0,
+                       sampling_params={"max_new_tokens": 1, **sp})
+        triples = out["meta_info"]["input_token_logprobs"]
+        assert [t[1] for t in triples] == prompt and triples[0][0] is None
+        assert max(abs(t[0] - ref[j - 1, prompt[j]].item()) for j, t in enumerate(triples) if j) < 1e-5
+
+
 def test_prompt_logprobs_limit_the_reuse_and_match_a_cold_run(engine, hf_model):
     url = engine.url
     prompt = [30 + i for i in range(20)]
