@@ -16,6 +16,10 @@ from slime_lite.engine import logprobs as lpx
 from slime_lite.engine.request import Request, RequestOutput
 from slime_lite.engine.sampling import sample
 
+# turn-end tokens some checkpoints do not name as eos (Llama 3's tool-call <|eom_id|>, ...): SGLang stops on them (and
+# bans them below min_new_tokens) when the tokenizer's added vocabulary has them
+ADDITIONAL_STOP_TOKENS = ("<|eom_id|>", "<|content_model_end_sampling|>", "<|ifm|im_end|>")
+
 
 class TokenRulesMixin:
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[float], list[Any]]:
@@ -90,10 +94,13 @@ class TokenRulesMixin:
         return text
 
     def _eos_ids(self) -> set[int]:
+        """The config's, the generation config's and the tokenizer's eos, and the turn-end tokens SGLang stops on too
+        when the tokenizer has them (``ADDITIONAL_STOP_TOKENS``)."""
         ids: set[int] = set()
         for src in (self.hf.config, getattr(self.hf, "generation_config", None)):
             val = getattr(src, "eos_token_id", None) if src is not None else None
             ids.update([val] if isinstance(val, int) else (val or []))
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
-        return ids
+        added = self.tokenizer.get_added_vocab()
+        return ids | {added[t] for t in ADDITIONAL_STOP_TOKENS if t in added}

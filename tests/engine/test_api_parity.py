@@ -284,3 +284,35 @@ def test_deterministic_mode_turns_the_prefix_cache_off(tiny_model_dir, monkeypat
     assert {kw["profile_dir"] for kw in made} == {"/tmp/p"}
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert Scheduler(str(tiny_model_dir), device="cpu", max_running_requests=2).prefix.enabled
+
+
+def test_a_turn_end_token_sglang_stops_on_ends_a_request_and_is_banned_below_min_new_tokens(tiny_model_dir, tmp_path):
+    """A tokenizer with Llama 3's <|eom_id|> among its added tokens, not named as eos: SGLang stops on it
+    (attach_additional_stop_token_ids, asked of SGLang's own module where it imports) and bans it below
+    min_new_tokens; this engine ran past it."""
+    import shutil
+
+    from engine_helpers import start_engine
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eom_id|>"]})
+    tok.save_pretrained(model)
+    eom = tok.convert_tokens_to_ids("<|eom_id|>")
+    from sglang_oracle import sglang_available, sglang_module
+
+    if sglang_available():
+        sglang_module("sglang.srt.utils.hf_transformers.common").attach_additional_stop_token_ids(tok)
+        assert tok.additional_stop_token_ids == {eom}
+    server = start_engine(model, max_running_requests=2)
+    try:
+        forced = {"temperature": 0.0, "logit_bias": {str(eom): 100.0}}
+        out = generate(server.url, input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, **forced})
+        assert out["output_ids"] == [eom] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eom}
+        out = generate(server.url, input_ids=[5, 6, 7],
+                       sampling_params={"max_new_tokens": 3, "min_new_tokens": 2, **forced})
+        assert out["output_ids"][:2].count(eom) == 0 and out["output_ids"][2] == eom
+    finally:
+        server.stop()
