@@ -21,7 +21,7 @@ from aiohttp import web
 
 from slime_lite import weight_reader, weight_wire
 from slime_lite.engine import validate as check
-from slime_lite.engine.control import EngineBusy
+from slime_lite.engine.control import PAUSE_ABORT, EngineBusy
 from slime_lite.engine.http_json import (
     BadRequest,
     error_response,
@@ -219,6 +219,8 @@ class _Admin:
         mode = _field(check.string, body, "mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode {mode!r}: expected abort, retract or in_place")
+        if mode == "abort":  # requests made from now on wait for /continue_generation
+            self.scheduler.count_abort_all(PAUSE_ABORT)
         await self.run_in_model_thread(self.scheduler.pause, mode)
         return json_response({"success": True, "message": f"paused ({mode})"})
 

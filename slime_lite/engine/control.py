@@ -18,6 +18,9 @@ from slime_lite.offload import clear_cublas_workspaces
 logger = logging.getLogger(__name__)
 
 
+PAUSE_ABORT = "aborted by /pause_generation"
+
+
 class EngineBusy(RuntimeError):
     """An operation that needs an idle engine (no running or waiting requests)."""
 
@@ -25,11 +28,13 @@ class EngineBusy(RuntimeError):
 class ControlMixin:
     def pause(self, mode: str = "abort") -> None:
         """``abort``: abort everything; ``retract``: running requests go back to the queue (recomputed later);
-        ``in_place``: keep them (and their cache) as they are. New requests queue until ``resume``."""
+        ``in_place``: keep them (and their cache) as they are. New requests queue until ``resume``. In the model
+        thread; an ``abort`` pause is counted (``count_abort_all``) when asked for, so a request made after the ask
+        and handled after it waits instead of being aborted."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode {mode!r}: expected abort, retract or in_place")
         if mode == "abort":
-            self._abort_all("aborted by /pause_generation")
+            self._abort_all(PAUSE_ABORT, count=False)
         elif mode == "retract":
             for slot in sorted(self.running, reverse=True):
                 self._retract(slot)

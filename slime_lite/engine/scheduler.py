@@ -202,10 +202,12 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
         every request also ends those made before this call and submitted after it (the rest of a batch waiting for
         its turn), not those made after it, whenever the model thread gets to it."""
         if rid is None:
-            self._count_abort_all(message)
+            self.count_abort_all(message)
         self._inbox.put(("abort", rid, message))
 
-    def _count_abort_all(self, message: str) -> None:
+    def count_abort_all(self, message: str) -> None:
+        """An abort of every request is asked for now (from any thread): requests made before now and handled by
+        the model thread later are aborted with ``message``; those made after are not."""
         with self._abort_lock:
             self.abort_epoch += 1
             self._abort_message = message
@@ -400,7 +402,7 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
     def _abort_all(self, message: str, count: bool = True) -> None:
         """Abort every request; ``count``: also those made before now and submitted later (see ``abort``)."""
         if count:
-            self._count_abort_all(message)
+            self.count_abort_all(message)
         self.pipeline.drop()
         for r in list(self.waiting) + list(self.running.values()):
             self._finish(r, abort_reason(message))

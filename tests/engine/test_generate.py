@@ -215,6 +215,36 @@ def test_pause_abort_mode_aborts_running_requests(engine):
     assert box["result"]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_a_request_made_after_an_abort_pause_was_asked_waits_for_continue(tiny_model_dir):
+    """The pause's abort was counted when the model thread ran it: a /generate made after /pause_generation
+    (mode abort) arrived, but handled after the pause, was aborted too (the engine's step slowed, as a large batch's
+    is, so the pause waits for it)."""
+    server = start_engine(tiny_model_dir, max_running_requests=4)
+    sch, decode = server.scheduler, server.scheduler._decode
+    sch._decode = lambda: (time.sleep(0.05), decode())
+    try:
+        t_busy, busy = in_thread(generate, server.url, input_ids=[1, 2, 3],
+                                 sampling_params={"max_new_tokens": 400, "ignore_eos": True})
+        _wait_running(server.url)
+        t_pause, _ = in_thread(http, server.url, "/pause_generation", {"mode": "abort"})
+        deadline = time.monotonic() + 10
+        while sch._inbox.qsize() == 0 and not sch.paused:  # the pause's call is queued (or has run)
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        t_late, late = in_thread(generate, server.url, input_ids=[4, 5],
+                                 sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+        t_pause.join(30)
+        time.sleep(0.1)
+        assert t_late.is_alive()  # queued until continue
+        assert http(server.url, "/continue_generation", {})[0] == 200
+        t_late.join(30)
+        t_busy.join(30)
+        assert busy["result"]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert late["result"]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    finally:
+        server.stop()
+
+
 def test_continuous_batching_refills_slots_and_late_requests_join(tiny_model_dir, hf_model):
     server = start_engine(tiny_model_dir, max_running_requests=2)
     try:
