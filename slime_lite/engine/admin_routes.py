@@ -145,7 +145,12 @@ class _Admin:
         if self._current_session() == session:
             self.session_failed = True
         else:
-            self.scheduler.weight_version = PARTIAL_VERSION
+            self._name_weights(PARTIAL_VERSION)
+
+    def _name_weights(self, version: str) -> asyncio.Future:
+        """``weight_version`` becomes ``version`` between two steps of the model thread (every token of a step
+        carries one version; the event loop's own write could fall in the middle of a step's labels)."""
+        return self.run_in_model_thread(setattr, self.scheduler, "weight_version", version)
 
     def run_in_model_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """``fn(*args)`` queued for the model thread now; await the returned future for its result (cancelling it
@@ -183,7 +188,7 @@ class _Admin:
             if self._current_session() == session:
                 self.session_version = str(version)
             else:  # its session ended (committed or not) before it applied: old and new weights mixed
-                self.scheduler.weight_version = PARTIAL_VERSION
+                await self._name_weights(PARTIAL_VERSION)
         msg = f"Succeeded ({result} tensors)" if isinstance(result, int) else "Succeeded"
         return json_response({"success": True, "message": msg, **(extra or {})})
 
@@ -305,13 +310,13 @@ class _Admin:
                                   "begin_weight_update() first"}, 400)
         self.weight_session = False
         if self.session_failed or half:  # some of this session's weights are new, some old: no version names them
-            self.scheduler.weight_version = PARTIAL_VERSION
+            await self._name_weights(PARTIAL_VERSION)
             why = (f"the LoRA adapters of {', '.join(half[:5])}{' ...' if len(half) > 5 else ''} came with one half "
                    "(lora_A or lora_B) and not the other" if half else "an update of this weight-update session failed")
             return json_response({"success": False, "message": f"{why}: the engine holds old and new weights "
                                   f"(weight_version {PARTIAL_VERSION!r}) until a complete push"}, 400)
         if self.session_version is not None:
-            self.scheduler.weight_version = self.session_version
+            await self._name_weights(self.session_version)
         return json_response({"success": True, "message": "Success"})
 
     async def init_weights_update_group(self, request):

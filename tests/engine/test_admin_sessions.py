@@ -314,3 +314,28 @@ def test_a_bucket_applied_after_its_session_ended_is_partial_from_the_next_step(
         return seen + [model.weight_version]
 
     assert asyncio.run(scenario()) == [PARTIAL_VERSION, PARTIAL_VERSION]
+
+
+def test_a_session_end_names_its_version_between_two_steps_of_the_model_thread(tmp_path):
+    """The end wrote ``weight_version`` from the event loop while the model thread labelled a step's tokens one by
+    one: a step's tokens could carry two versions. It is written by a call of the model thread (held here, as a
+    step in flight holds it), and the end answers once it is."""
+
+    async def scenario() -> None:
+        model = ModelThread()
+        admin = _Admin(model, str(tmp_path), lambda *a: None)
+        from_disk = admin.in_session(admin.update_weights_from_disk)
+        assert (await admin.begin_weight_update(Request())).status == 200
+        assert (await from_disk(Request({"model_path": "/ckpt/a", "weight_version": "7"}))).status == 200
+        model.hold = True
+        end = asyncio.ensure_future(admin.end_weight_update(Request()))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        model.run_queued()  # its question for LoRA halves left waiting
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert model.weight_version == "6" and not end.done()  # the model thread is busy: not named yet
+        model.run_queued()
+        assert (await end).status == 200 and model.weight_version == "7"
+
+    asyncio.run(scenario())
