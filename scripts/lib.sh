@@ -2,12 +2,16 @@
 # (the address of a running cluster's dashboard, e.g. http://127.0.0.1:8265 after `ray start --head`; on a CPU-only
 # cluster start it with logical GPU slots: `ray start --head --num-cpus 8 --resources '{"slot": 4}'`).
 run_train() {
+  RAY=.venv/bin/ray run_here .venv/bin/slime-lite train "$@"
+}
+
+# Run a command here, or with RAY_ADDRESS set through `ray job submit` ($RAY, default `ray`) in this same folder, so
+# relative paths in its arguments name the same files either way (a job's own working directory is Ray's).
+run_here() {
   if [ -n "${RAY_ADDRESS:-}" ]; then
-    local cmd
-    cmd="cd $(printf %q "$PWD") && .venv/bin/slime-lite train$(printf ' %q' "$@")"
-    .venv/bin/ray job submit --address "$RAY_ADDRESS" -- bash -c "$cmd"
+    "${RAY:-ray}" job submit --address "$RAY_ADDRESS" -- bash -c "cd $(printf %q "$PWD") &&$(printf ' %q' "$@")"
   else
-    .venv/bin/slime-lite train "$@"
+    "$@"
   fi
 }
 

@@ -16,6 +16,7 @@ set -euo pipefail
 SAVE_DIR=${SAVE_DIR:-runs/qwen2.5-0.5B-grpo}
 NUM_GPUS=${NUM_GPUS:-8}
 SLIME_LITE=${SLIME_LITE:-slime-lite}
+source "$(dirname "$0")/lib.sh"
 
 CLUSTER_ARGS=(
   --actor-num-nodes 1 --actor-num-gpus-per-node "$NUM_GPUS"
@@ -51,8 +52,4 @@ CMD=("$SLIME_LITE" train "${CLUSTER_ARGS[@]}" "${MODEL_ARGS[@]}" "${CKPT_ARGS[@]
      "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${SGLANG_ARGS[@]}"
      "${DEBUG_ARGS[@]}" "${LOG_ARGS[@]}" "$@")
 mkdir -p "$SAVE_DIR"
-if [ -n "${RAY_ADDRESS:-}" ]; then
-  ray job submit --address "$RAY_ADDRESS" -- "${CMD[@]}"
-else
-  "${CMD[@]}"
-fi
+run_here "${CMD[@]}"

@@ -42,10 +42,6 @@ fi
 CMD=("$SLIME_LITE" train "${MODEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${SGLANG_ARGS[@]}"
      "${DEBUG_ARGS[@]}" --metrics-path "$OUT/metrics.jsonl" "$@")
 mkdir -p "$OUT"
-if [ -n "${RAY_ADDRESS:-}" ]; then
-  ray job submit --address "$RAY_ADDRESS" -- "${CMD[@]}"
-else
-  "${CMD[@]}"
-fi
+run_here "${CMD[@]}"
 "$SLIME_LITE" display-rollouts --load-debug-rollout-data "$(arg_value --save-debug-rollout-data "" "${CMD[@]}")" \
   --max-samples 4

@@ -56,3 +56,28 @@ def test_a_resumed_run_appends_to_its_metrics_a_fresh_one_starts_them_anew(sandb
     _run(sandbox, script, "--metrics-path", str(metrics))
     assert not metrics.exists()
     assert (sandbox / "calls.txt").read_text().count("train ") == 3
+
+
+@pytest.mark.parametrize("script", ["run-tiny-grpo.sh", "run-rollout-only-sglang.sh"])
+def test_with_ray_address_the_job_runs_in_the_scripts_folder(sandbox: Path, script: str) -> None:
+    """`ray job submit` runs its entrypoint in a folder of Ray's: the job goes there with a `cd` to the folder the
+    script runs in, so relative paths name the same files as without Ray (the SGLang scripts passed none). The
+    `ray` commands are FAKES that run the entrypoint from / ."""
+    shutil.copy(ROOT / "scripts" / script, sandbox / "scripts" / script)
+    fake_ray = '#!/bin/sh\nfor last; do :; done\necho "ray $*" >> calls.txt\ncd / && bash -c "$last"\n'
+    bin_dir = sandbox / "bin"
+    bin_dir.mkdir()
+    for ray in (sandbox / ".venv" / "bin" / "ray", bin_dir / "ray"):
+        ray.write_text(fake_ray)
+        ray.chmod(0o755)
+    slime_lite = sandbox / ".venv" / "bin" / "slime-lite"
+    slime_lite.write_text(f'#!/bin/sh\necho "$(pwd) $*" >> {sandbox}/ran.txt\n')
+    env = {k: v for k, v in os.environ.items()} | {
+        "RAY_ADDRESS": "http://127.0.0.1:8265", "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HF_CHECKPOINT": "model dir", "PROMPT_DATA": "p.jsonl", "SLIME_LITE": str(slime_lite)}
+    proc = subprocess.run(["bash", f"scripts/{script}", "--metrics-path", "my m.jsonl"], cwd=sandbox, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    train = [line for line in (sandbox / "ran.txt").read_text().splitlines() if " train " in line]
+    assert len(train) == 1 and train[0].startswith(f"{sandbox} ") and train[0].endswith("--metrics-path my m.jsonl")
+    assert "ray job submit --address http://127.0.0.1:8265" in (sandbox / "calls.txt").read_text()
