@@ -45,7 +45,7 @@ GRPO_ARGS=(
 )
 OPTIMIZER_ARGS=(--lr 1e-6 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0)
 SGLANG_ARGS=(--sglang-mem-fraction-static 0.5)
-DEBUG_ARGS=(--save-debug-rollout-data "$SAVE_DIR/rollouts/data_{rollout_id}.pt" --check-weight-update-equal)
+DEBUG_ARGS=(--save-debug-rollout-data "$SAVE_DIR/rollouts/data_{rollout_id}.pt")
 LOG_ARGS=(--metrics-path "$SAVE_DIR/metrics.jsonl" --use-tensorboard --tensorboard-dir "$SAVE_DIR/tb")
 
 CMD=("$SLIME_LITE" train "${CLUSTER_ARGS[@]}" "${MODEL_ARGS[@]}" "${CKPT_ARGS[@]}" "${PARALLEL_ARGS[@]}"

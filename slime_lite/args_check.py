@@ -468,6 +468,10 @@ def check_debug_tool_args(args: Any) -> None:
     if args.deterministic_mode and args.custom_generate_function_path:
         log.warning("--deterministic-mode with --custom-generate-function-path: the hook's requests go to the "
                     "engines concurrently, so their batches (and log-probs) may differ between runs")
+    if args.check_weight_update_equal and args.rollout_backend == "sglang":
+        raise SlimeLiteError("--check-weight-update-equal reads each engine's /get_weights_checksum, which only the "
+                             "embedded engine has (an SGLang server hashes its own fused, sharded tensors): drop it "
+                             "with --rollout-backend sglang, or check the push with --rollout-backend embedded.")
     if (args.deterministic_mode and args.rollout_backend == "sglang"
             and "enable-deterministic-inference" not in [x.lstrip("-") for x in args.sglang_args]):
         log.warning("--deterministic-mode with SGLang engines: add --sglang-enable-deterministic-inference (and a "

@@ -143,6 +143,12 @@ def test_correction_flags_accepted(base):
                                                                                     1e-4)
 
 
+def test_the_weight_check_is_refused_with_sglang_engines(base):
+    """It stopped the run at the first push (an SGLang server has no /get_weights_checksum)."""
+    msg = err(base + ["--check-weight-update-equal", "--rollout-backend", "sglang"])  # before Ray starts
+    assert "--check-weight-update-equal" in msg and "--rollout-backend embedded" in msg
+
+
 @pytest.mark.parametrize("argv", [
     ["--use-fault-tolerance", "--rollout-external-engine-addrs", "127.0.0.1:30000"],
     ["--use-fault-tolerance", "--debug-train-only"],

@@ -126,7 +126,9 @@ def train_argv(user_argv: list[str], out: str, weight_check: bool = True) -> lis
     argv += ["--metrics-path", os.path.join(out, "metrics.jsonl"), "--dump-details", out]
     if not given(argv, "--get-mismatch-metrics"):
         argv.append("--get-mismatch-metrics")  # the table's mismatch rows, the worst tokens of a log-prob failure
-    if not weight_check:
+    backend = [v.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "")
+               for i, v in enumerate(argv) if v.partition("=")[0] == "--rollout-backend"]
+    if not weight_check or backend[-1:] == ["sglang"]:  # SGLang servers cannot be checked (train refuses it)
         return argv
     # --lora-rank refuses the scramble (an adapter-only push never restores the scrambled base weights): the
     # equality check alone (the first push's adapters are zero; a skipped later push still differs)

@@ -30,6 +30,9 @@ def test_the_doctor_forces_its_short_run_and_keeps_the_users_other_flags(tmp_pat
     assert doctor.train_argv(user + ["--get-mismatch-metrics"], str(tmp_path)).count("--get-mismatch-metrics") == 1
     rerun = doctor.train_argv(user, str(tmp_path), weight_check=False)
     assert "--check-weight-update-equal" not in rerun and "--debug-scramble-engine-weights" not in rerun
+    for backend in (["--rollout-backend", "sglang"], ["--rollout-backend=sglang"]):  # which train refuses it with
+        sglang = doctor.train_argv(user + backend, str(tmp_path))
+        assert "--check-weight-update-equal" not in sglang and "--debug-scramble-engine-weights" not in sglang
 
 
 def test_the_doctor_runs_a_fully_async_users_flags_synchronously(tmp_path):
