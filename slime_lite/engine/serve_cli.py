@@ -10,13 +10,14 @@ from slime_lite.engine.server import MAX_REQUEST_BYTES, EngineServer
 from slime_lite.engine_client import api_key
 from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.logging_setup import LOG_LEVELS, setup_logging
+from slime_lite.model_families import supported
 
 logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slime-lite serve", description="Start the embedded SGLang-compatible engine.")
-    p.add_argument("--model-path", required=True, help="Hugging Face model folder (Llama/Qwen2 family)")
+    p.add_argument("--model-path", required=True, help=f"Hugging Face model folder, of a family the engine serves: {supported()}")
     p.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: --model-path)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this host only; give --api-key too when "
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the layers of the CUDA-graph decode step (fused kernels; compiles at start)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /health_generate "
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate and /ready "
                         "(default: $SLIME_LITE_ENGINE_API_KEY, else the first line of "
                         "$SLIME_LITE_ENGINE_API_KEY_FILE; those keep the key off the command line)")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
