@@ -30,8 +30,9 @@ REPLACEMENT_WAIT_S = 3600.0  # --use-fault-tolerance: the longest a request wait
 # after a request timed out or was answered with a 5xx: the engine is alive if /health answers within this (longer
 # than the 20 s that SGLang's and the embedded engine's /health give a generation before answering 503)
 HEALTH_TIMEOUT_S = 30.0
-# /generate answered with an HTTP 5xx (SGLang's 503 "Retracted ... Retry later", a 500 abort): the engine is alive, so
-# the request is sent again (to the least-loaded engine) after 0.5, 1, 2, 4, 8 s, and no engine is taken out
+# /generate answered with an HTTP 5xx (SGLang's 503 "Retracted ... Retry later", a 500 abort) by an engine whose /health
+# answers: it is alive, so the request is sent again (to the least-loaded engine) after 0.5, 1, 2, 4, 8 s, and no
+# engine is taken out
 ANSWERED_5XX_RETRIES = 5
 ANSWERED_5XX_BACKOFF_S = 0.5
 # engines are reached directly, as the async client and SentRequest reach them: an http_proxy of the environment

@@ -15,6 +15,7 @@ checks as it goes (--ci-test, grad-norms, the log-prob jump warning) is checks/c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -107,7 +108,8 @@ def run(args) -> int:
     except BaseException:
         if args.save_debug_rollout_data:
             rollout.wait_dumps()
-        metrics.close()  # TensorBoard's events of the failing rollout reach the disk too
+        with contextlib.suppress(Exception):  # the run's own error is the one to raise
+            metrics.close()  # TensorBoard's events of the failing rollout reach the disk too
         raise
     metrics.close()
     rollout.close()

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from slime_lite.engine import logprobs as lpx
-from slime_lite.engine.request import Request, abort_reason
+from slime_lite.engine.request import ENGINE_ERROR, Request, abort_reason
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class AdmissionMixin:
                     logger.exception("request %s: prompt log-probs failed", r.rid)
                     failed.append((r, exc))
         for r, exc in failed:
-            self._finish(r, abort_reason(f"engine error: its prompt log-probs failed ({type(exc).__name__}: {exc})"))
+            self._finish(r, abort_reason(f"{ENGINE_ERROR}its prompt log-probs failed ({type(exc).__name__}: {exc})"))
         fresh = [i for i, r in enumerate(batch) if not r.output_ids and r.finish_reason is None]
         for i in [i for i in fresh if batch[i].max_new == 0]:
             self._finish(batch[i], {"type": "length", "length": 0})

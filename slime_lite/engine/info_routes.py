@@ -23,6 +23,7 @@ from aiohttp import web
 
 from slime_lite import __version__
 from slime_lite.engine.http_json import BadRequest, json_response
+from slime_lite.engine.request import ENGINE_ERROR
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
@@ -61,7 +62,7 @@ class _Info:
     async def health(self, request):
         """``/health`` and ``/health_generate`` (SGLang's semantics): 200 when a one-token generation answers, or
         when the engine produced any token since the check began (a busy engine is alive); 503 when it does not
-        within ``HEALTH_GENERATE_TIMEOUT_S`` (a model thread stuck in a call) or its request fails (the step raised),
+        within ``HEALTH_GENERATE_TIMEOUT_S`` (a model thread stuck in a call) or its request fails (an engine error),
         and at once when the model thread is down or generation is paused or its weights are released."""
 
         s = self.server.scheduler
@@ -85,7 +86,7 @@ class _Info:
         if s.num_generated == generated and not task.cancelled() and task.exception() is None:
             out = task.result()[0]  # done: no token from anyone, and the check's request ended
             reason = out.finish_reason if out is not None else None
-            if reason is not None and reason.get("type") == "abort":
+            if reason is not None and str(reason.get("message", "")).startswith(ENGINE_ERROR):  # not a pause's
                 return web.Response(status=503, text=f"generation failed: {reason.get('message')}")
         return web.Response(status=200)
 

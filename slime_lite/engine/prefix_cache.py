@@ -108,6 +108,8 @@ class PrefixCache:
         empty = [s for s in free if s not in self._tokens]
         if best >= 0:
             fork = empty and best_len < len(self._tokens[best])
+            if fork:
+                self._used[best] = next(self._clock)  # a prefix forked from is in use
             return (min(empty) if fork else best), best_len, best
         best = min(empty) if empty else min(free, key=lambda s: self._used[s])
         return best, 0, best

@@ -10,6 +10,9 @@ from slime_lite.engine.prefix_cache import DEFAULT_NAMESPACE
 from slime_lite.engine.sampling import SamplingParams
 
 
+ENGINE_ERROR = "engine error: "  # how the abort message of a request the engine failed (not its client) begins
+
+
 def abort_reason(message: str) -> dict[str, Any]:
     """An aborted request's finish reason, in SGLang's shape (its FINISH_ABORT: no HTTP status or error type set)."""
     return {"type": "abort", "message": message, "status_code": None, "err_type": None}

@@ -41,9 +41,9 @@ from slime_lite.engine.kv_cache import auto_max_running, kv_bytes_per_token
 from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.prefix_cache import PrefixCache
-from slime_lite.engine.request import Request, abort_reason, rid_matches
+from slime_lite.engine.request import ENGINE_ERROR, Request, abort_reason, rid_matches
 from slime_lite.engine.token_rules import TokenRulesMixin
-from slime_lite.engine.sampling import mix64
+from slime_lite.engine.sampling import SamplingParams, mix64
 from slime_lite.engine.weights import Weights
 from slime_lite.errors import SlimeLiteError
 from slime_lite.offload import TensorStash
@@ -290,7 +290,7 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - reported, and every request answered
             logger.exception("the model thread stopped on an error")
-            why = f"engine error: the model thread stopped ({type(exc).__name__}: {exc})"
+            why = f"{ENGINE_ERROR}the model thread stopped ({type(exc).__name__}: {exc})"
             self.stop_reason = why
             self._stopped = True
             with contextlib.suppress(Exception):
@@ -365,13 +365,16 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
         """A step raised: end the requests the sampler fails on alone (on neutral logits) with the error, send
         requests still in their prefill (no token yet) back to the queue, and go on with the others; abort
         everything only when no request is to blame (the model itself failed). ``FAILED_STEPS_TO_STOP`` steps in a
-        row that blame no request or every one stop the model thread (raised from here)."""
+        row that blame no request, or every one while a neutral request fails too, stop the model thread (raised
+        from here)."""
         logger.exception("engine step failed")
         self.pipeline.drop()
-        reason = abort_reason(f"engine error: {type(exc).__name__}: {exc}")
+        reason = abort_reason(f"{ENGINE_ERROR}{type(exc).__name__}: {exc}")
         requests = [*self.running.values(), *self.waiting]
         blamed = [r for r in requests if not self._samples_alone(r)]
-        if len(blamed) in (0, len(requests)):
+        # nobody to blame, or everybody and the sampler fails a neutral request too (the device itself is broken)
+        if not blamed or (len(blamed) == len(requests) and not self._samples_alone(
+                Request(rid="canary", input_ids=[0], params=SamplingParams(), seed=0))):
             self._failed_steps += 1
             if self._failed_steps >= FAILED_STEPS_TO_STOP:
                 raise RuntimeError(f"{self._failed_steps} steps in a row failed with no request alone to blame, the "
@@ -481,7 +484,7 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
                 reason = self._check_finished(r, tok)
             except Exception as exc:  # noqa: BLE001 - this request's own rules failed: it ends, the batch goes on
                 logger.exception("finish check failed for request %s", r.rid)
-                reason = abort_reason(f"engine error: {type(exc).__name__}: {exc}")
+                reason = abort_reason(f"{ENGINE_ERROR}{type(exc).__name__}: {exc}")
             if reason is not None:
                 self._finish(r, reason)
             elif r.stream:

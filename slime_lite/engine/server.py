@@ -33,7 +33,7 @@ from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, dumps, error_response, json_response, read_body
 from slime_lite.engine.info_routes import add_info_routes
 from slime_lite.engine.openai_api import add_openai_routes
-from slime_lite.engine.request import Request, abort_reason, rid_matches
+from slime_lite.engine.request import ENGINE_ERROR, Request, abort_reason, rid_matches
 from slime_lite.engine.sampling import SamplingParams
 from slime_lite.errors import SlimeLiteError
 
@@ -185,8 +185,9 @@ class EngineServer:
                 return error_response("missing or wrong API key (Authorization: Bearer ...)", 401)
             limit = WEIGHTS_BODY_LIMIT if request.path in WEIGHTS_ROUTES else self.max_request_bytes
             too_large = (f"request body over {limit} bytes (the limit of {request.path}; 'slime-lite serve "
-                         "--max-request-bytes' sets it, and under 'slime-lite train' --rollout-max-context-len: 32 "
-                         "bytes a token of every request of a call)")
+                         "--max-request-bytes' sets it; under 'slime-lite train', 32 bytes a token of the run's longest "
+                         "request, --rollout-max-context-len or else the prompt and response bounds, for every request "
+                         "of a call)")
             if (request.content_length or 0) > limit:
                 return error_response(too_large, 413)
             try:
@@ -467,7 +468,7 @@ class EngineServer:
             outs = await self.run_requests(reqs)
             if not sch.alive and any(o.finish_reason.get("type") == "abort" for o in outs):
                 # the model thread is down (SGLang's server would be gone): not an answer, so clients fail over
-                return error_response(sch.stop_reason or "engine error: the model thread is not running", 503)
+                return error_response(sch.stop_reason or f"{ENGINE_ERROR}the model thread is not running", 503)
             results = [self.format_output(r, o) for r, o in zip(reqs, outs)]
             return json_response(results[0] if single else results)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

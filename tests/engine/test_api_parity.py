@@ -44,8 +44,10 @@ def test_a_prefix_cache_hit_gives_the_same_tokens_and_logprobs(engine, sampling)
     other = prompt[:25] + [3, 4, 5, 6]
     part = generate(url, **{**body, "input_ids": other})
     assert part["meta_info"]["cached_tokens"] == 25
-    # it took an empty slot with a copy of those 25 positions: the first prompt's K/V is still whole
-    assert generate(url, **body)["meta_info"]["cached_tokens"] == len(prompt) - 1
+    # it took an empty slot with a copy of those 25 positions: the first prompt's K/V is still whole and right
+    again = generate(url, **body)
+    assert again["meta_info"]["cached_tokens"] == len(prompt) - 1 and again["output_ids"] == cold["output_ids"]
+    assert max(abs(a - b) for a, b in zip(_lps(again), _lps(cold))) < 1e-5
     assert http(url, "/flush_cache")[0] == 200  # GET (slime's method)
     ref = generate(url, **{**body, "input_ids": other})
     assert ref["meta_info"]["cached_tokens"] == 0 and ref["output_ids"] == part["output_ids"]

@@ -182,3 +182,31 @@ def test_an_engine_whose_every_step_fails_stops_and_says_so(tiny_model_dir):
         assert http(url, "/health")[0] == 503
     finally:
         server.stop()
+
+
+def test_a_request_the_sampler_alone_fails_on_never_stops_the_engine(tiny_model_dir):
+    """Sent alone, again and again, a request whose own sampling fails (INJECTED: the sampler raises for its rid) is
+    every request of its step: the engine ends it with the error and keeps serving, as a neutral request samples
+    (three in a row stopped the model thread, as a broken device does)."""
+    from engine_helpers import http, start_engine
+
+    server = start_engine(tiny_model_dir)
+    sch, url = server.scheduler, server.url
+    sample = sch._sample
+
+    def poisoned(reqs, logits):
+        if any(r.rid.startswith("poison") for r in reqs):
+            raise RuntimeError("a sampler bug this request alone meets")
+        return sample(reqs, logits)
+
+    sch._sample = poisoned
+    try:
+        for i in range(4):
+            status, out = http(url, "/generate", {"rid": f"poison{i}", "input_ids": [5, 6],
+                                                  "sampling_params": {"max_new_tokens": 2}})
+            assert status == 200 and "a sampler bug" in out["meta_info"]["finish_reason"]["message"]
+        assert sch.alive
+        status, out = http(url, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and len(out["output_ids"]) == 2
+    finally:
+        server.stop()
