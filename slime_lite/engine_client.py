@@ -27,12 +27,15 @@ log = logging.getLogger(__name__)
 API_KEY_ENV = "SLIME_LITE_ENGINE_API_KEY"  # the engines' API key (never on a command line)
 API_KEY_FILE_ENV = "SLIME_LITE_ENGINE_API_KEY_FILE"  # or a file holding it
 REPLACEMENT_WAIT_S = 3600.0  # --use-fault-tolerance: the longest a request waits for a restarted engine
-# after a request timed out or was answered with a 5xx: the engine is alive if /health answers within this (longer
-# than the 20 s that SGLang's and the embedded engine's /health give a generation before answering 503)
+# after a request timed out: the engine is alive if /health answers within this (longer than the 20 s that SGLang's
+# and the embedded engine's /health give a generation before answering 503)
 HEALTH_TIMEOUT_S = 30.0
-# /generate answered with an HTTP 5xx (SGLang's 503 "Retracted ... Retry later", a 500 abort) by an engine whose /health
-# answers: it is alive, so the request is sent again (to the least-loaded engine) after 0.5, 1, 2, 4, 8 s, and no
-# engine is taken out
+# how the embedded engine's 503 begins once its model thread is down: no answer of a live engine, so the client takes
+# that engine out at once (as one whose process died) instead of sending the request to it again
+ENGINE_DOWN = "engine down: "
+# /generate answered with an HTTP 5xx (SGLang's 503 "Retracted ... Retry later", a 500 abort; not ENGINE_DOWN): the
+# engine is alive, so the request is sent again (to the least-loaded engine) after 0.5, 1, 2, 4, 8 s, and no engine is
+# taken out
 ANSWERED_5XX_RETRIES = 5
 ANSWERED_5XX_BACKOFF_S = 0.5
 # engines are reached directly, as the async client and SentRequest reach them: an http_proxy of the environment
@@ -261,8 +264,8 @@ class AsyncEngineClient:
             ) from None
 
     async def _answers_health(self, url: str) -> bool:
-        """Whether the engine answers ``/health`` (200) within ``HEALTH_TIMEOUT_S``: alive, though a request timed out
-        or failed."""
+        """Whether the engine answers ``/health`` (200) within ``HEALTH_TIMEOUT_S``: alive, though a request timed
+        out."""
         import aiohttp
 
         session = await self._get_session()
@@ -274,8 +277,8 @@ class AsyncEngineClient:
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /generate on the least-loaded live engine; on a dead engine, retry on another; on an HTTP 5xx
-        answer from an engine whose /health answers (alive), retry after a pause (``ANSWERED_5XX_RETRIES``); one
-        whose /health fails too is dead. With ``lora_path`` set, a body that names no adapter gets it."""
+        answer (the engine is alive), retry after a pause (``ANSWERED_5XX_RETRIES``), unless it says ``ENGINE_DOWN``
+        (dead). With ``lora_path`` set, a body that names no adapter gets it."""
         if self.lora_path is not None and body.get("lora_path") is None:
             body = {**body, "lora_path": self.lora_path}
         attempts = answered = 0
@@ -288,8 +291,8 @@ class AsyncEngineClient:
                 status = str(exc).partition(" answered HTTP ")[2][:1]
                 if status == "4":
                     raise  # the request itself is bad; another engine would refuse it too
-                if status == "5" and not await self._answers_health(url):
-                    status = ""  # a 5xx from an engine whose /health fails too (its model thread is down): dead
+                if status == "5" and ENGINE_DOWN in str(exc):
+                    status = ""  # the embedded engine whose model thread is down: a dead engine
                 if status == "5":
                     answered += 1
                     if answered <= ANSWERED_5XX_RETRIES:

@@ -33,8 +33,9 @@ from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, dumps, error_response, json_response, read_body
 from slime_lite.engine.info_routes import add_info_routes
 from slime_lite.engine.openai_api import add_openai_routes
-from slime_lite.engine.request import ENGINE_ERROR, Request, abort_reason, rid_matches
+from slime_lite.engine.request import Request, abort_reason, rid_matches
 from slime_lite.engine.sampling import SamplingParams
+from slime_lite.engine_client import ENGINE_DOWN
 from slime_lite.errors import SlimeLiteError
 
 logger = logging.getLogger(__name__)
@@ -468,7 +469,7 @@ class EngineServer:
             outs = await self.run_requests(reqs)
             if not sch.alive and any(o.finish_reason.get("type") == "abort" for o in outs):
                 # the model thread is down (SGLang's server would be gone): not an answer, so clients fail over
-                return error_response(sch.stop_reason or f"{ENGINE_ERROR}the model thread is not running", 503)
+                return error_response(ENGINE_DOWN + (sch.stop_reason or "the model thread is not running"), 503)
             results = [self.format_output(r, o) for r, o in zip(reqs, outs)]
             return json_response(results[0] if single else results)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -149,6 +149,7 @@ def test_an_engine_whose_every_step_fails_stops_and_says_so(tiny_model_dir):
     from engine_helpers import http, start_engine
 
     from slime_lite.engine import scheduler as scheduler_module
+    from slime_lite.engine_client import ENGINE_DOWN
 
     server = start_engine(tiny_model_dir)
     sch, url = server.scheduler, server.url
@@ -179,6 +180,7 @@ def test_an_engine_whose_every_step_fails_stops_and_says_so(tiny_model_dir):
         assert not sch.alive and "illegal memory access" in sch.stop_reason
         status, out = http(url, "/generate", body)
         assert status == 503 and "illegal memory access" in out["error"]["message"]
+        assert out["error"]["message"].startswith(ENGINE_DOWN)  # what tells the client the engine is dead
         assert http(url, "/health")[0] == 503
     finally:
         server.stop()

@@ -19,16 +19,17 @@ from slime_lite.io import free_port
 BODY = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
 
 
-async def fake_engine(name: str, seconds: float = 0.0, healthy: bool = True, errors: list[int] | None = None):
+async def fake_engine(name: str, seconds: float = 0.0, healthy: bool = True, errors: list[int] | None = None,
+                      error_text: str = "Retracted under decode memory pressure. Retry later."):
     """A FAKE engine answering /generate with its name after ``seconds`` (first with the HTTP ``errors``, one per
-    request, when given), and /health (200, or 503 when not ``healthy``); returns (url, runner)."""
+    request, when given, saying ``error_text``), and /health (200, or 503 when not ``healthy``); returns (url,
+    runner)."""
     from aiohttp import web
 
     async def generate(request):
         await asyncio.sleep(seconds)
         if errors:  # SGLang's shape of an HTTPException: {"detail": ...}
-            return web.json_response({"detail": "Retracted under decode memory pressure. Retry later."},
-                                     status=errors.pop(0))
+            return web.json_response({"detail": error_text}, status=errors.pop(0))
         return web.json_response({"text": name, "output_ids": [3], "meta_info": {}})
 
     async def health(request):
@@ -173,14 +174,15 @@ def test_an_engine_that_answers_5xx_is_alive_the_request_is_sent_again_and_no_en
     asyncio.run(run())
 
 
-def test_an_engine_that_answers_5xx_and_fails_its_health_check_is_dead_and_the_request_goes_elsewhere(monkeypatch):
-    """The embedded engine whose model thread stopped (a sticky device error) answers /generate and /health with 503:
-    not an engine that is alive and busy, so the client takes it out at once (no retries on it) and the request goes
-    to the live one. The engines are FAKES."""
+def test_an_engine_whose_model_thread_is_down_is_dead_and_the_request_goes_elsewhere(monkeypatch):
+    """The embedded engine whose model thread stopped (a sticky device error) answers /generate with a 503 saying
+    ENGINE_DOWN: not an engine that is alive and busy, so the client takes it out at once (no retries on it) and the
+    request goes to the live one. The engines are FAKES."""
     monkeypatch.setattr(engine_client, "ANSWERED_5XX_BACKOFF_S", 0.01)
+    down = engine_client.ENGINE_DOWN + "engine error: the model thread stopped (RuntimeError: CUDA error)"
 
     async def run():
-        broken, broken_runner = await fake_engine("never", healthy=False, errors=[503] * 100)
+        broken, broken_runner = await fake_engine("never", healthy=False, errors=[503] * 100, error_text=down)
         url, runner = await fake_engine("live")
         client = AsyncEngineClient([broken, url], timeout=5, max_retries=1)
         client.inflight[url] = 1  # the least-loaded pick goes to the broken engine first
