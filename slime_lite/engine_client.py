@@ -33,6 +33,11 @@ HEALTH_TIMEOUT_S = 30.0
 # how the embedded engine's 503 begins once its model thread is down: no answer of a live engine, so the client takes
 # that engine out at once (as one whose process died) instead of sending the request to it again
 ENGINE_DOWN = "engine down: "
+# how the abort message of a request the embedded engine failed (not its client, not a pause) begins: the engine answers
+# 200 with finish reason abort; the client sends such a request again (ENGINE_ERROR_RETRIES times, to another live
+# engine where there is one), so a device error that a step hit loses no group
+ENGINE_ERROR = "engine error: "
+ENGINE_ERROR_RETRIES = 2
 # /generate answered with an HTTP 5xx (SGLang's 503 "Retracted ... Retry later", a 500 abort; not ENGINE_DOWN): the
 # engine is alive, so the request is sent again (to the least-loaded engine) after 0.5, 1, 2, 4, 8 s, and no engine is
 # taken out
@@ -180,6 +185,34 @@ def _parse(raw: bytes) -> Any:
         return raw.decode(errors="replace")
 
 
+def engine_failed(out: Any) -> bool:
+    """Whether a /generate answer is a request the engine failed (aborted with an ``ENGINE_ERROR`` message)."""
+    reason = (out.get("meta_info") or {}).get("finish_reason") if isinstance(out, dict) else None
+    return isinstance(reason, dict) and reason.get("type") == "abort" \
+        and str(reason.get("message", "")).startswith(ENGINE_ERROR)
+
+
+# the fields of a batched /generate body (SGLang's GenerateReqInput) that hold one value per prompt when a list
+PER_PROMPT = ("text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+              "top_logprobs_num", "token_ids_logprob", "lora_path", "image_data", "audio_data", "video_data",
+              "custom_logit_processor", "return_hidden_states", "return_routed_experts")
+
+
+def batch_size(body: dict[str, Any]) -> int | None:
+    """How many prompts a batched /generate body holds (a list of texts or of token-id lists); None: one prompt."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, list):
+        return len(text)
+    return len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else None
+
+
+def batch_items(body: dict[str, Any], keep: list[int]) -> dict[str, Any]:
+    """The batched /generate ``body`` cut to its prompts at ``keep`` (a per-prompt list field cut, the rest kept)."""
+    n = batch_size(body)
+    return {k: [v[i] for i in keep] if k in PER_PROMPT and isinstance(v, list) and len(v) == n else v
+            for k, v in body.items()}
+
+
 class AsyncEngineClient:
     """Sends /generate requests to a set of engines, least-loaded first, retrying on the others if one dies."""
 
@@ -215,13 +248,13 @@ class AsyncEngineClient:
             await self._session.close()
             self._session = None
 
-    def _pick(self) -> str:
+    def _pick(self, avoid: str | None = None) -> str:
         alive = [u for u in self.urls if u not in self.dead]
         if not alive:
             raise EngineError("all engines failed: " + "; ".join(f"{u}: {why}" for u, why in self.dead.items()))
-        return min(alive, key=lambda u: self.inflight[u])
+        return min([u for u in alive if u != avoid] or alive, key=lambda u: self.inflight[u])
 
-    async def _pick_or_wait(self) -> str:
+    async def _pick_or_wait(self, avoid: str | None = None) -> str:
         """``_pick``; under ``wait_for_replacement`` a request with no live engine waits until one is replaced."""
         deadline = time.monotonic() + REPLACEMENT_WAIT_S
         while self.wait_for_replacement and all(u in self.dead for u in self.urls):
@@ -229,7 +262,7 @@ class AsyncEngineClient:
                 raise EngineError(f"no engine was replaced within {REPLACEMENT_WAIT_S:.0f}s: "
                                   + "; ".join(f"{u}: {why}" for u, why in self.dead.items()))
             await asyncio.sleep(0.1)
-        return self._pick()
+        return self._pick(avoid)
 
     def failed(self) -> list[str]:
         """The current engine URLs whose requests failed (to be replaced); safe to call from another thread."""
@@ -275,18 +308,41 @@ class AsyncEngineClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
             return False
 
-    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def generate(self, body: dict[str, Any]) -> Any:
         """POST /generate on the least-loaded live engine; on a dead engine, retry on another; on an HTTP 5xx
         answer (the engine is alive), retry after a pause (``ANSWERED_5XX_RETRIES``), unless it says ``ENGINE_DOWN``
-        (dead). With ``lora_path`` set, a body that names no adapter gets it."""
+        (dead). A request the engine failed (``ENGINE_ERROR``: a step raised) is sent again, the other requests of a
+        batch kept. With ``lora_path`` set, a body that names no adapter gets it."""
         if self.lora_path is not None and body.get("lora_path") is None:
             body = {**body, "lora_path": self.lora_path}
+        url, out = await self._generate(body)
+        n = batch_size(body)
+        if not (isinstance(out, dict) if n is None else isinstance(out, list) and len(out) == n):
+            return out  # sampling params' n > 1: n answers a prompt, and a failed one is not sent again alone
+        for attempt in range(ENGINE_ERROR_RETRIES):
+            outs = [out] if n is None else out
+            failed = [i for i, o in enumerate(outs) if engine_failed(o)]
+            if not failed:
+                break
+            log.warning("engine %s failed %d request(s) of this call (%s); sent again (%d/%d)", url, len(failed),
+                        outs[failed[0]]["meta_info"]["finish_reason"]["message"], attempt + 1, ENGINE_ERROR_RETRIES)
+            url, again = await self._generate(body if n is None else batch_items(body, failed), avoid=url)
+            if n is None:
+                out = again
+                continue
+            for i, o in zip(failed, again):
+                out[i] = o
+        return out
+
+    async def _generate(self, body: dict[str, Any], avoid: str | None = None) -> tuple[str, Any]:
+        """(the engine that answered, its answer) of one POST /generate, sent as ``generate`` says; ``avoid``: an
+        engine to skip while another is live."""
         attempts = answered = 0
         while True:
-            url = await self._pick_or_wait()
+            url = await self._pick_or_wait(avoid)
             self.inflight[url] += 1
             try:
-                return await self.post(url, "/generate", body)
+                return url, await self.post(url, "/generate", body)
             except EngineError as exc:
                 status = str(exc).partition(" answered HTTP ")[2][:1]
                 if status == "4":

@@ -8,9 +8,8 @@ from typing import Any, Callable
 
 from slime_lite.engine.prefix_cache import DEFAULT_NAMESPACE
 from slime_lite.engine.sampling import SamplingParams
-
-
-ENGINE_ERROR = "engine error: "  # how the abort message of a request the engine failed (not its client) begins
+from slime_lite.engine_client import ENGINE_ERROR  # noqa: F401 - how the abort message of a request the engine failed
+# (not its client) begins: the client sends such a request again
 
 
 def abort_reason(message: str) -> dict[str, Any]:

@@ -212,3 +212,40 @@ def test_a_request_the_sampler_alone_fails_on_never_stops_the_engine(tiny_model_
         assert status == 200 and len(out["output_ids"]) == 2
     finally:
         server.stop()
+
+
+def test_a_rollout_loses_no_prompt_to_an_engine_whose_steps_fail(tiny_model_dir, tmp_path):
+    """Two real engines, one whose every step fails (INJECTED: the step raises, as a sticky illegal memory access
+    does): the requests its failed steps aborted go again to the good engine (the client sends a request the engine
+    failed again), so each rollout trains the next --rollout-batch-size prompts and uses up no other (four of the
+    first eight were lost before)."""
+    import json
+
+    from engine_helpers import start_engine
+
+    from slime_lite.args import parser_defaults
+    from slime_lite.rollout.manager import RolloutManager
+
+    good, bad = start_engine(tiny_model_dir), start_engine(tiny_model_dir)
+    failed_steps = []
+
+    def broken_step():
+        failed_steps.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    bad.scheduler._step = broken_step
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(40)))
+    args = parser_defaults(hf_checkpoint=str(tiny_model_dir), prompt_data=str(prompts), rm_type="addition",
+                           rollout_batch_size=4, n_samples_per_prompt=2, rollout_max_response_len=4)
+    manager = RolloutManager(args, [bad.url, good.url])
+    try:
+        for r in range(2):
+            samples, _ = manager.generate(r)
+            assert sorted({s.metadata["prompt_index"] for s in samples}) == list(range(4 * r, 4 * r + 4))
+            assert manager.source.state()["offset"] == 4 * (r + 1)
+        assert failed_steps  # the broken engine got requests
+    finally:
+        manager.close()
+        good.stop()
+        bad.stop()

@@ -197,6 +197,77 @@ def test_an_engine_whose_model_thread_is_down_is_dead_and_the_request_goes_elsew
     asyncio.run(run())
 
 
+async def scripted_engine(answer):
+    """A FAKE engine whose /generate answers ``answer(body)`` (a dict, or a list for a batched body) and records the
+    bodies it got; returns (url, runner, bodies)."""
+    from aiohttp import web
+
+    bodies: list[dict] = []
+
+    async def generate(request):
+        body = await request.json()
+        bodies.append(body)
+        return web.json_response(answer(body))
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return f"http://127.0.0.1:{port}", runner, bodies
+
+
+def _answer(name: str, ids: list[int], message: str | None = None) -> dict:
+    reason = {"type": "stop"} if message is None else {"type": "abort", "message": message}
+    return {"text": name, "output_ids": [ids[-1]], "meta_info": {"finish_reason": reason}}
+
+
+def test_a_request_the_engine_failed_goes_again_to_another_engine_and_only_the_failed_prompts_of_a_batch():
+    """A step that raised (a device error) aborts its requests with an ``ENGINE_ERROR`` message: the engine answered
+    (it stays in rotation), and the client sends those requests again, to another live engine where there is one,
+    the prompts of a batch that did not fail kept as they are; a client's own abort (over-sampling's) is not sent
+    again; a request that keeps failing comes back aborted after ENGINE_ERROR_RETRIES more tries. FAKE engines."""
+    failing = engine_client.ENGINE_ERROR + "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+    def broken_answer(body):  # fails the prompts whose last token is 7; aborts those ending in 9 as a client asked
+        def one(ids):
+            return _answer("broken", ids, failing if ids[-1] == 7 else "Abort requested" if ids[-1] == 9 else None)
+        return [one(ids) for ids in body["input_ids"]] if isinstance(body["input_ids"][0], list) \
+            else one(body["input_ids"])
+
+    def live_answer(body):
+        return [_answer("live", ids) for ids in body["input_ids"]] if isinstance(body["input_ids"][0], list) \
+            else _answer("live", body["input_ids"])
+
+    async def run():
+        broken, broken_runner, broken_bodies = await scripted_engine(broken_answer)
+        live, live_runner, live_bodies = await scripted_engine(live_answer)
+        client = AsyncEngineClient([broken, live], timeout=5)
+        client.inflight[live] = 1  # the least-loaded pick goes to the broken engine first
+        try:
+            out = await client.generate({"input_ids": [1, 7], "sampling_params": {"max_new_tokens": 1}})
+            assert out["text"] == "live" and len(broken_bodies) == len(live_bodies) == 1 and not client.dead
+            batch = {"input_ids": [[1, 2], [1, 7], [1, 9], [3, 7]], "rid": ["a", "b", "c", "d"],
+                     "sampling_params": [{"max_new_tokens": k} for k in range(1, 5)], "return_logprob": True}
+            outs = await client.generate(batch)
+            assert [o["text"] for o in outs] == ["broken", "live", "broken", "live"]
+            assert outs[2]["meta_info"]["finish_reason"]["message"] == "Abort requested"  # not sent again
+            assert live_bodies[-1] == {"input_ids": [[1, 7], [3, 7]], "rid": ["b", "d"], "return_logprob": True,
+                                       "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 4}]}
+            await client.close()
+            client = AsyncEngineClient([broken], timeout=5)  # nowhere else to go: it comes back aborted
+            out = await client.generate({"input_ids": [1, 7], "sampling_params": {"max_new_tokens": 1}})
+            assert engine_client.engine_failed(out) and out["meta_info"]["finish_reason"]["message"] == failing
+            assert len(broken_bodies) == 2 + 1 + engine_client.ENGINE_ERROR_RETRIES and not client.dead
+        finally:
+            await client.close()
+            await broken_runner.cleanup()
+            await live_runner.cleanup()
+
+    asyncio.run(run())
+
+
 def test_an_engine_that_dies_while_answering_is_no_answer_naming_it():
     """The connection closes before the body the engine announced is complete (its process died mid-answer):
     ``request_json`` and ``SentRequest`` both raise EngineUnreachable naming the engine, not http.client's
