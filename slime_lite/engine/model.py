@@ -100,7 +100,7 @@ class _Layer:
     post_attn: torch.Tensor | None = None  # post_self_attn_layernorm (GLM4)
     post_mlp: torch.Tensor | None = None  # post_mlp_layernorm (GLM4)
     moe: Any = None  # the HF sparse-MoE block (Qwen3-MoE, Qwen2-MoE): engine/moe.py runs it
-    moe_index: int = -1  # its place among the MoE layers (the route store's layer)
+    moe_index: int = -1  # an MoE layer's number from 0 among all layers: its row in the route store
 
 
 def _fuse(params: list[Any]) -> torch.Tensor | None:
@@ -235,7 +235,7 @@ class CausalLM:
                 qk_norm=_fuse([a.q_norm.weight, a.k_norm.weight]) if hasattr(a, "q_norm") else None,
                 post_attn=None if post_attn is None else post_attn.weight,
                 post_mlp=None if post_mlp is None else post_mlp.weight, moe=m if sparse else None,
-                moe_index=sum(ly.moe is not None for ly in self.layers) if sparse else -1,
+                moe_index=len(self.layers) if sparse else -1,
             ))
         pos = torch.arange(self.max_len, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
@@ -257,13 +257,13 @@ class CausalLM:
         return self.embed.weight.dtype
 
     def enable_routes(self, slots: int, max_len: int) -> None:
-        """Keep the experts every MoE layer chooses at each cached position (``routes``); SlimeLiteError for a
-        dense model."""
+        """Keep the experts every MoE layer chooses at each cached position (``routes``), a row per layer as SGLang's
+        table (a dense layer's stays 0); SlimeLiteError for a dense model."""
         moe_layers = [ly.moe for ly in self.layers if ly.moe is not None]
         if not moe_layers:
             raise SlimeLiteError("--enable-return-routed-experts: the served model has no MoE layers (routed "
                                  "experts); drop the flag.")
-        self.routes = moe.RouteStore(len(moe_layers), moe_layers[0].gate.top_k, slots, max_len, self.device)
+        self.routes = moe.RouteStore(len(self.layers), moe_layers[0].gate.top_k, slots, max_len, self.device)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, slots, max_len, self.dtype, self.device)

@@ -101,7 +101,7 @@ def is_fused(name: str) -> bool:
 
 class RouteStore:
     """The experts each MoE layer chose for every cached position of every batch slot (``--enable-return-routed-
-    experts``): ``[slots + 1, max_len, moe layers, top_k]`` int16, allocated whole at start so that captured decode
+    experts``): ``[slots + 1, max_len, layers, top_k]`` int16, allocated whole at start so that captured decode
     steps keep writing to the same addresses; slot-local like the KV cache, so a prefix reused from the prefix cache
     keeps its routing. ``at`` names the (slot, position) rows of the next forward; each MoE layer then ``write``s."""
 

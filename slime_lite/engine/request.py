@@ -44,7 +44,8 @@ class RequestOutput:
     output_ids_lp: list[Any] | None = None
     input_top: list[Any] | None = None
     input_ids_lp: list[Any] | None = None
-    routed_experts: Any = None  # [positions, MoE layers, top_k] int32 (return_routed_experts), when finished
+    # [positions, layers, top_k] int32 (a dense layer's row 0), when finished (return_routed_experts)
+    routed_experts: Any = None
     # the weight version that generated each output token (a request in flight across a weight update spans two)
     output_weight_versions: list[str] | None = None
 

@@ -121,3 +121,61 @@ def test_engine_returns_the_experts_hf_routes_every_position_to(qwen2_moe, devic
         assert torch.equal(o.routed_experts.sort(dim=-1).values.long(), hf_routes(hf, seq[:-1])[2:])
     finally:
         s.stop()
+
+
+def test_routed_experts_have_a_row_per_layer_when_some_layers_are_dense(qwen2_moe, tmp_path):
+    """An MoE checkpoint with dense layers among the sparse ones (``mlp_only_layers``): the table has a row for every
+    layer, by its number, as SGLang's (``[positions, num_hidden_layers, top_k]``, a dense layer's row 0) and as the
+    trainer reads it; the sparse layers' rows are HF's routes (they were packed, so a reshape by the layer count
+    failed)."""
+    import shutil
+    import threading
+
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from slime_lite.engine.request import Request
+    from slime_lite.engine.sampling import SamplingParams
+    from slime_lite.engine.scheduler import Scheduler
+
+    path, _ = qwen2_moe
+    for f in path.iterdir():  # the tokenizer
+        if f.name.startswith("tokenizer") or f.name.endswith("_map.json"):
+            shutil.copy(f, tmp_path / f.name)
+    cfg = Qwen2MoeConfig(vocab_size=_vocab(path), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
+                         max_position_embeddings=256, architectures=["Qwen2MoeForCausalLM"])
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(str(tmp_path))
+    s = Scheduler(str(tmp_path), device="cpu", dtype="float32", max_running_requests=2, kv_cache_tokens=2 * 64,
+                  enable_return_routed_experts=True)
+    s.start()
+    try:
+        got, done = [], threading.Event()
+        req = Request(rid="r", input_ids=[3, 9, 27, 4, 11], params=SamplingParams.from_dict({"max_new_tokens": 6}),
+                      seed=0, return_routed_experts=True, on_output=lambda o: (got.append(o), done.set()))
+        s.prepare(req)
+        s.submit(req)
+        assert done.wait(120) and got[-1].finish_reason is not None
+        out = got[-1]
+        seq = req.input_ids + out.output_ids
+        assert out.routed_experts.shape == (len(seq) - 1, 3, 2)
+        assert not out.routed_experts[:, 1].any()  # the dense layer
+        sparse = [hf.model.layers[0], hf.model.layers[2]]
+        picked = []
+        hooks = [ly.mlp.gate.register_forward_hook(lambda m, i, o: picked.append(o[2])) for ly in sparse]
+        with torch.no_grad():
+            hf(torch.tensor([seq[:-1]]))
+        for h in hooks:
+            h.remove()
+        want = torch.stack(picked, dim=1).sort(dim=-1).values
+        assert torch.equal(out.routed_experts[:, [0, 2]].sort(dim=-1).values.long(), want)
+    finally:
+        s.stop()
+
+
+def _vocab(path) -> int:
+    import json
+
+    return json.loads((path / "config.json").read_text())["vocab_size"]
