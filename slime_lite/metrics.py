@@ -28,7 +28,7 @@ _SHORT = [
     ("train/ppo_kl", "ppo_kl"),
     ("train/grad_norm", "grad_norm"),
     ("train/train_rollout_logprob_abs_diff", "lp_diff"),
-    ("critic/value_loss", "v_loss"),  # the critic's metrics are under critic/ (PPO)
+    ("train/critic-value_loss", "v_loss"),  # the critic's metrics (PPO): slime's train/critic-<name>
     ("perf/step_time", "step_s"),
 ]
 

@@ -120,14 +120,14 @@ def test_non_finite_loss_stops_the_run_naming_the_rollout() -> None:
     for bad in (float("nan"), float("inf")):
         with pytest.raises(SlimeLiteError, match=rf"rollout 3: the training loss is not finite \(train/pg_loss={bad}"):
             check_finite_losses({"train/loss": 0.5, "train/pg_loss": bad}, 3)
-    with pytest.raises(SlimeLiteError, match=r"critic/value_loss=nan"):
-        check_finite_losses({"critic/value_loss": float("nan")}, 0)
+    with pytest.raises(SlimeLiteError, match=r"train/critic-value_loss=nan"):
+        check_finite_losses({"train/critic-value_loss": float("nan")}, 0)
 
 
 def test_the_summary_line_names_the_critics_value_loss_and_the_step(caplog) -> None:
     logger = MetricsLogger(parser_defaults())
     with caplog.at_level("INFO", logger="slime_lite.metrics"):
-        logger.log({"train/loss": 0.5, "critic/value_loss": 0.25, "perf/step_time": 2.0}, 3)
+        logger.log({"train/loss": 0.5, "train/critic-value_loss": 0.25, "perf/step_time": 2.0}, 3)
     assert "rollout_id=3 loss=0.5000 v_loss=0.2500 step_s=2.0000" in caplog.text
 
 

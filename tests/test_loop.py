@@ -85,7 +85,7 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
     assert [x["rollout_id"] for x in r if "eval/add" in x] == ([1, 2] if estimator == "ppo" else [-1, 1, 2])
     assert all(("passrate/pass@1" in x) == (estimator == "grpo") for x in trained)
     if estimator == "ppo":
-        assert "critic/value_loss" in trained[0]
+        assert "train/critic-value_loss" in trained[0]
     else:
         assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
         assert list((tmp_path / "wandb").glob("offline-run-*"))

@@ -69,5 +69,5 @@ def test_critic_of_a_tied_model_trains_under_pipeline_parallelism(tmp_path):
                 p.kill()
     ranks = [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
     runs = {name: next(r[name] for r in ranks if r[name]) for name in LAYOUTS}
-    for key in ("critic/value_loss", "critic/grad_norm"):
+    for key in ("train/critic-value_loss", "train/critic-grad_norm"):
         assert runs["pp2"][key] > 0 and runs["pp2"][key] == pytest.approx(runs["dp2"][key], rel=1e-5), (key, runs)

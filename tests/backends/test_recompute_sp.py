@@ -27,7 +27,7 @@ CONFIGS = {  # each flag once, paired so that one spawn stays cheap; the SP rows
     "packed, sequence parallel + selective": [*PACKED, "--sequence-parallel", "--recompute-granularity", "selective"],
 }
 CRITIC = ("plain", "sequence parallel + full uniform 2")  # the critic's value head gathers the sequence under SP
-CRITIC_KEYS = ("critic/value_loss", "critic/grad_norm", "values")
+CRITIC_KEYS = ("train/critic-value_loss", "train/critic-grad_norm", "values")
 KEYS = ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy_loss", "rollout/log_probs")
 
 

@@ -256,7 +256,7 @@ def test_estimators_train(tiny_model_dir, replay_dumps, tmp_path, train_cli, met
     assert ("values" in train.rows[0]) == (estimator == "ppo") and "entropy" in train.rows[0]
     if estimator == "ppo":
         assert rows[0]["rollout/values"] == 0.0  # value head starts at zero
-        assert math.isfinite(rows[0]["critic/value_loss"]) and rows[0]["critic/value_loss"] > 0
+        assert math.isfinite(rows[0]["train/critic-value_loss"]) and rows[0]["train/critic-value_loss"] > 0
         assert rows[1]["rollout/values"] != 0.0  # the critic learned
     else:  # advantages are whitened over the batch's tokens
         import torch

@@ -43,7 +43,7 @@ class TrainActor(TrainWorker):
     """The policy: log-probs (and the reference's), advantages, policy steps; sends its weights to the engines."""
 
     role = "actor"
-    metric_prefix = "train"
+    metric_prefix = "train/"
 
     def _init_checkpoint(self) -> str:
         return TrainSideConfig.from_args(self.args).init_checkpoint  # --ref-load when given (slime), else the HF one

@@ -33,7 +33,7 @@ class ValueHead(torch.nn.Module):
 
 class CriticActor(TrainWorker):
     role = "critic"
-    metric_prefix = "critic"
+    metric_prefix = "train/critic-"  # slime's names for the critic's metrics (train/critic-value_loss, ...)
 
     def _lr(self) -> float:
         return self.args.critic_lr

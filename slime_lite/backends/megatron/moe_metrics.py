@@ -79,8 +79,8 @@ class ExpertLoad:
         self.counting = True
         moe_utils.clear_aux_losses_tracker()
 
-    def metrics(self, prefix: str = "train") -> dict[str, float]:
-        """The rollout's metrics over every rank, named ``prefix/moe/...`` (every rank calls it: all-reduces)."""
+    def metrics(self, prefix: str = "train/") -> dict[str, float]:
+        """The rollout's metrics over every rank, named ``{prefix}moe/...`` (every rank calls it: all-reduces)."""
         self.counting = False
         counts = self.counts
         if dist.is_initialized():  # each rank counted its own tokens (DP, sequence slices) and its own layers (PP)
@@ -90,15 +90,15 @@ class ExpertLoad:
         for layer, row in enumerate(counts.cpu()):
             if row.sum() > 0:
                 ratios.append(float(row.max() / row.mean()))
-                out[f"{prefix}/moe/expert_load_max_over_mean/layer_{layer}"] = ratios[-1]
+                out[f"{prefix}moe/expert_load_max_over_mean/layer_{layer}"] = ratios[-1]
         if ratios:
-            out[f"{prefix}/moe/expert_load_max_over_mean"] = sum(ratios) / len(ratios)
+            out[f"{prefix}moe/expert_load_max_over_mean"] = sum(ratios) / len(ratios)
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         if tracker:
             moe_utils.reduce_aux_losses_tracker_across_ranks()
             for name, entry in tracker.items():
                 values = entry["values"].float().cpu() / max(self.micro_batches, 1)
-                out[f"{prefix}/moe/{name}"] = float(values[values != 0].mean()) if (values != 0).any() else 0.0
-                out.update({f"{prefix}/moe/{name}/layer_{i}": float(v) for i, v in enumerate(values.tolist()) if v})
+                out[f"{prefix}moe/{name}"] = float(values[values != 0].mean()) if (values != 0).any() else 0.0
+                out.update({f"{prefix}moe/{name}/layer_{i}": float(v) for i, v in enumerate(values.tolist()) if v})
             moe_utils.clear_aux_losses_tracker()
         return out

@@ -68,7 +68,7 @@ def reported(value: Any) -> Any:
 
 class TrainWorker:
     """What every train role shares. A role sets ``role`` (its checkpoint folder; "actor" = the top folder) and
-    ``metric_prefix``, and may override ``_lr`` and ``_adapt_model``."""
+    ``metric_prefix`` (what its metric names begin with), and may override ``_lr`` and ``_adapt_model``."""
 
     role = ""
     metric_prefix = ""
@@ -328,12 +328,12 @@ class TrainWorker:
             for key, v in step.items():
                 sums[key] = sums.get(key, 0.0) + v
         prefix = self.metric_prefix
-        out: dict[str, Any] = {f"{prefix}/{k}": v / len(steps) for k, v in sums.items()}
+        out: dict[str, Any] = {f"{prefix}{k}": v / len(steps) for k, v in sums.items()}
         if self.expert_load is not None:  # all ranks
             out.update(self.expert_load.metrics(prefix))
         for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
             if key in first:
-                out[f"{prefix}/first_step/{key}"] = first[key]
+                out[f"{prefix}first_step/{key}"] = first[key]
         return TrainResult(out, norms)
 
     def offload(self) -> None:
