@@ -8,8 +8,10 @@ slot whose remembered tokens share the longest prefix with its prompt; only the 
 takes a slot that remembers nothing, else the least recently used one (eviction: the number of cached prefixes is
 the number of free slots, so KV pressure, i.e. many running requests, leaves fewer of them). A match that would
 overwrite some of its slot's tokens (a new conversation that shares a system prompt, or only a chat template's first
-tokens, with a cached one) takes a slot that remembers nothing instead while there is one, and the matched K/V is
-copied there (``KVCache.copy_prefix``): both stay cached, as branches of SGLang's radix tree would.
+tokens, with a cached one) takes a slot that remembers nothing instead while there is one, else the least recently
+used one unless that is the matched slot itself (written over in place), and the matched K/V is copied there
+(``KVCache.copy_prefix``): both stay cached, as branches of SGLang's radix tree would, and what is given up is what
+LRU eviction gives up.
 
 Namespaces: each entry keeps the namespace of the request that left it (SGLang's ``extra_key`` and ``cache_salt``;
 both absent is the default namespace), and a prompt matches only entries of its own namespace. So a client that
@@ -93,9 +95,9 @@ class PrefixCache:
               namespace: Hashable = DEFAULT_NAMESPACE) -> tuple[int, int, int]:
         """``(slot, reused, source)``: the free slot for ``prompt`` (of a request of ``namespace``) and how many of its
         first tokens already have K/V in slot ``source`` (at most ``limit``), from entries of that namespace only.
-        ``source`` is ``slot`` unless the match would overwrite tokens cached after it and a slot that holds nothing
-        is free: then ``slot`` is that one, and the caller copies the ``reused`` positions from ``source`` into it.
-        With no match: a slot that holds nothing, else the least recently used one."""
+        ``source`` is ``slot`` unless the match would overwrite tokens cached after it and another slot is the one to
+        give up (one that holds nothing, else the least recently used): then ``slot`` is that one, and the caller
+        copies the ``reused`` positions from ``source`` into it. With no match: that slot to give up."""
         self._check_version()
         best, best_len = -1, 0
         if self.enabled and limit > 0:
@@ -106,13 +108,11 @@ class PrefixCache:
                     if n > best_len:
                         best, best_len = slot, n
         empty = [s for s in free if s not in self._tokens]
-        if best >= 0:
-            fork = empty and best_len < len(self._tokens[best])
-            if fork:
-                self._used[best] = next(self._clock)  # a prefix forked from is in use
-            return (min(empty) if fork else best), best_len, best
-        best = min(empty) if empty else min(free, key=lambda s: self._used[s])
-        return best, 0, best
+        victim = min(empty) if empty else min(free, key=lambda s: self._used[s])
+        if best >= 0 and best_len < len(self._tokens[best]) and victim != best:  # fork: both stay cached
+            self._used[best] = next(self._clock)  # a prefix forked from is in use
+            return victim, best_len, best
+        return (best, best_len, best) if best >= 0 else (victim, 0, victim)
 
     def take(self, slot: int, prompt_len: int, reused: int) -> None:
         """A request got ``slot`` (from ``match``): its entry goes (the request writes over what follows)."""

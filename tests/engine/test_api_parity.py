@@ -121,6 +121,14 @@ def test_a_match_that_would_overwrite_cached_tokens_copies_them_into_an_empty_sl
     assert cache.match([0, 1, 2], [1, 500, 501], limit=10) == (1, 1, 0)  # copy position 0 from slot 0 to slot 1
     assert cache.match([0], [1, 500, 501], limit=10) == (0, 1, 0)  # no empty slot: written over in place
     assert cache.match([0, 1], conversation + [7, 8], limit=200) == (0, 99, 0)  # reuses all it holds: in place
+    # no empty slot: the least recently used entry is given up, not the matched conversation's tail (a new agent
+    # trajectory that shares only the system prompt with a conversation waiting on a tool call keeps that one cached)
+    cache = PrefixCache(lambda: 0)
+    cache.release(1, [3, 4, 5])  # older
+    cache.release(0, conversation)
+    assert cache.match([0, 1], [1, 500, 501], limit=10) == (1, 1, 0)  # copy position 0 into slot 1
+    cache.release(2, [6])  # after the fork's use of slot 0
+    assert cache.match([0, 2], [1, 500], limit=10) == (0, 1, 0)  # slot 0 is the least recently used: in place
 
 
 # ---- log-probs -------------------------------------------------------------------------------------------------
