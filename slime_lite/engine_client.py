@@ -15,7 +15,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
@@ -192,10 +192,12 @@ def engine_failed(out: Any) -> bool:
         and str(reason.get("message", "")).startswith(ENGINE_ERROR)
 
 
-# the fields of a batched /generate body (SGLang's GenerateReqInput) that hold one value per prompt when a list
-PER_PROMPT = ("text", "input_ids", "input_embeds", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-              "top_logprobs_num", "token_ids_logprob", "lora_path", "image_data", "audio_data", "video_data",
-              "custom_logit_processor", "return_hidden_states", "return_routed_experts")
+# the fields of a batched /generate body (SGLang's GenerateReqInput) that hold one value per prompt when a list (a
+# flat token_ids_logprob is every prompt's; a list of lists, one each)
+PER_PROMPT = ("text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+              "token_ids_logprob", "lora_path", "image_data", "audio_data", "video_data", "custom_logit_processor",
+              "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "extra_key", "cache_salt",
+              "session_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank")
 
 
 def batch_size(body: dict[str, Any]) -> int | None:
@@ -207,10 +209,17 @@ def batch_size(body: dict[str, Any]) -> int | None:
 
 
 def batch_items(body: dict[str, Any], keep: list[int]) -> dict[str, Any]:
-    """The batched /generate ``body`` cut to its prompts at ``keep`` (a per-prompt list field cut, the rest kept)."""
+    """The batched /generate ``body`` cut to its prompts at ``keep`` (a per-prompt list field cut, the rest kept; one
+    ``rid`` for the batch becomes the names the engine gave those prompts, ``rid_<i>``)."""
     n = batch_size(body)
-    return {k: [v[i] for i in keep] if k in PER_PROMPT and isinstance(v, list) and len(v) == n else v
-            for k, v in body.items()}
+
+    def cut(k: str, v: Any) -> Any:
+        if k == "rid" and isinstance(v, str) and n and n > 1:
+            return [f"{v}_{i}" for i in keep]
+        per_prompt = isinstance(v, list) and len(v) == n and (k != "token_ids_logprob" or isinstance(v[0], list))
+        return [v[i] for i in keep] if k in PER_PROMPT and per_prompt else v
+
+    return {k: cut(k, v) for k, v in body.items()}
 
 
 class AsyncEngineClient:
@@ -248,13 +257,13 @@ class AsyncEngineClient:
             await self._session.close()
             self._session = None
 
-    def _pick(self, avoid: str | None = None) -> str:
+    def _pick(self, avoid: Collection[str] = ()) -> str:
         alive = [u for u in self.urls if u not in self.dead]
         if not alive:
             raise EngineError("all engines failed: " + "; ".join(f"{u}: {why}" for u, why in self.dead.items()))
-        return min([u for u in alive if u != avoid] or alive, key=lambda u: self.inflight[u])
+        return min([u for u in alive if u not in avoid] or alive, key=lambda u: self.inflight[u])
 
-    async def _pick_or_wait(self, avoid: str | None = None) -> str:
+    async def _pick_or_wait(self, avoid: Collection[str] = ()) -> str:
         """``_pick``; under ``wait_for_replacement`` a request with no live engine waits until one is replaced."""
         deadline = time.monotonic() + REPLACEMENT_WAIT_S
         while self.wait_for_replacement and all(u in self.dead for u in self.urls):
@@ -319,6 +328,7 @@ class AsyncEngineClient:
         n = batch_size(body)
         if not (isinstance(out, dict) if n is None else isinstance(out, list) and len(out) == n):
             return out  # sampling params' n > 1: n answers a prompt, and a failed one is not sent again alone
+        failed_on = {url}  # the engines that failed a request of this call: the others first
         for attempt in range(ENGINE_ERROR_RETRIES):
             outs = [out] if n is None else out
             failed = [i for i, o in enumerate(outs) if engine_failed(o)]
@@ -326,17 +336,24 @@ class AsyncEngineClient:
                 break
             log.warning("engine %s failed %d request(s) of this call (%s); sent again (%d/%d)", url, len(failed),
                         outs[failed[0]]["meta_info"]["finish_reason"]["message"], attempt + 1, ENGINE_ERROR_RETRIES)
-            url, again = await self._generate(body if n is None else batch_items(body, failed), avoid=url)
+            try:
+                url, again = await self._generate(body if n is None else batch_items(body, failed), avoid=failed_on)
+            except EngineError as exc:  # (e.g. no live engine left): the answers as they came back
+                log.warning("sending the failed request(s) again failed: %s", exc)
+                break
+            failed_on.add(url)
             if n is None:
                 out = again
-                continue
-            for i, o in zip(failed, again):
-                out[i] = o
+            elif isinstance(again, list) and len(again) == len(failed):
+                for i, o in zip(failed, again):
+                    out[i] = o
+            else:
+                break
         return out
 
-    async def _generate(self, body: dict[str, Any], avoid: str | None = None) -> tuple[str, Any]:
-        """(the engine that answered, its answer) of one POST /generate, sent as ``generate`` says; ``avoid``: an
-        engine to skip while another is live."""
+    async def _generate(self, body: dict[str, Any], avoid: Collection[str] = ()) -> tuple[str, Any]:
+        """(the engine that answered, its answer) of one POST /generate, sent as ``generate`` says; ``avoid``:
+        engines to skip while another is live."""
         attempts = answered = 0
         while True:
             url = await self._pick_or_wait(avoid)

@@ -11,6 +11,9 @@ from slime_lite.engine.sampling import SamplingParams
 from slime_lite.engine_client import ENGINE_ERROR  # noqa: F401 - how the abort message of a request the engine failed
 # (not its client) begins: the client sends such a request again
 
+REQUEST_ERROR = "request error: "  # a request that failed for its own sake (its sampling or stop rules raised): the
+# engine goes on, and the client does not send it again (it would fail on any engine)
+
 
 def abort_reason(message: str) -> dict[str, Any]:
     """An aborted request's finish reason, in SGLang's shape (its FINISH_ABORT: no HTTP status or error type set)."""

@@ -41,7 +41,7 @@ from slime_lite.engine.kv_cache import auto_max_running, kv_bytes_per_token
 from slime_lite.engine.model import CausalLM, load_hf_model
 from slime_lite.engine.pipeline import DecodePipeline
 from slime_lite.engine.prefix_cache import PrefixCache
-from slime_lite.engine.request import ENGINE_ERROR, Request, abort_reason, rid_matches
+from slime_lite.engine.request import ENGINE_ERROR, REQUEST_ERROR, Request, abort_reason, rid_matches
 from slime_lite.engine.token_rules import TokenRulesMixin
 from slime_lite.engine.sampling import SamplingParams, mix64
 from slime_lite.engine.weights import Weights
@@ -362,19 +362,21 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
                     fut.set_exception(exc)
 
     def _fail_step(self, exc: Exception) -> None:
-        """A step raised: end the requests the sampler fails on alone (on neutral logits) with the error, send
+        """A step raised: end the requests the sampler fails on alone (on neutral logits) with the error (a
+        ``REQUEST_ERROR``; an ``ENGINE_ERROR`` when the device failed, which the client sends elsewhere), send
         requests still in their prefill (no token yet) back to the queue, and go on with the others; abort
         everything only when no request is to blame (the model itself failed). ``FAILED_STEPS_TO_STOP`` steps in a
         row that blame no request, or every one while a neutral request fails too, stop the model thread (raised
         from here)."""
         logger.exception("engine step failed")
         self.pipeline.drop()
-        reason = abort_reason(f"{ENGINE_ERROR}{type(exc).__name__}: {exc}")
         requests = [*self.running.values(), *self.waiting]
         blamed = [r for r in requests if not self._samples_alone(r)]
         # nobody to blame, or everybody and the sampler fails a neutral request too (the device itself is broken)
-        if not blamed or (len(blamed) == len(requests) and not self._samples_alone(
-                Request(rid="canary", input_ids=[0], params=SamplingParams(), seed=0))):
+        engine_failed = not blamed or (len(blamed) == len(requests) and not self._samples_alone(
+            Request(rid="canary", input_ids=[0], params=SamplingParams(), seed=0)))
+        reason = abort_reason(f"{ENGINE_ERROR if engine_failed else REQUEST_ERROR}{type(exc).__name__}: {exc}")
+        if engine_failed:
             self._failed_steps += 1
             if self._failed_steps >= FAILED_STEPS_TO_STOP:
                 raise RuntimeError(f"{self._failed_steps} steps in a row failed with no request alone to blame, the "
@@ -484,7 +486,7 @@ class Scheduler(AdmissionMixin, ControlMixin, TokenRulesMixin):
                 reason = self._check_finished(r, tok)
             except Exception as exc:  # noqa: BLE001 - this request's own rules failed: it ends, the batch goes on
                 logger.exception("finish check failed for request %s", r.rid)
-                reason = abort_reason(f"{ENGINE_ERROR}{type(exc).__name__}: {exc}")
+                reason = abort_reason(f"{REQUEST_ERROR}{type(exc).__name__}: {exc}")
             if reason is not None:
                 self._finish(r, reason)
             elif r.stream:

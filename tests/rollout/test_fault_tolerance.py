@@ -227,12 +227,14 @@ def test_a_request_the_engine_failed_goes_again_to_another_engine_and_only_the_f
     """A step that raised (a device error) aborts its requests with an ``ENGINE_ERROR`` message: the engine answered
     (it stays in rotation), and the client sends those requests again, to another live engine where there is one,
     the prompts of a batch that did not fail kept as they are; a client's own abort (over-sampling's) is not sent
-    again; a request that keeps failing comes back aborted after ENGINE_ERROR_RETRIES more tries. FAKE engines."""
+    again, nor one the engine failed for its own sake (a "request error"); a request that keeps failing comes back
+    aborted after ENGINE_ERROR_RETRIES more tries. FAKE engines."""
     failing = engine_client.ENGINE_ERROR + "RuntimeError: CUDA error: an illegal memory access was encountered"
 
     def broken_answer(body):  # fails the prompts whose last token is 7; aborts those ending in 9 as a client asked
         def one(ids):
-            return _answer("broken", ids, failing if ids[-1] == 7 else "Abort requested" if ids[-1] == 9 else None)
+            return _answer("broken", ids, failing if ids[-1] == 7 else "Abort requested" if ids[-1] == 9
+                           else "request error: ValueError: its stop rules" if ids[-1] == 8 else None)
         return [one(ids) for ids in body["input_ids"]] if isinstance(body["input_ids"][0], list) \
             else one(body["input_ids"])
 
@@ -248,18 +250,23 @@ def test_a_request_the_engine_failed_goes_again_to_another_engine_and_only_the_f
         try:
             out = await client.generate({"input_ids": [1, 7], "sampling_params": {"max_new_tokens": 1}})
             assert out["text"] == "live" and len(broken_bodies) == len(live_bodies) == 1 and not client.dead
-            batch = {"input_ids": [[1, 2], [1, 7], [1, 9], [3, 7]], "rid": ["a", "b", "c", "d"],
-                     "sampling_params": [{"max_new_tokens": k} for k in range(1, 5)], "return_logprob": True}
+            batch = {"input_ids": [[1, 2], [1, 7], [1, 9], [3, 7]], "rid": "g", "extra_key": ["a", "b", "c", "d"],
+                     "sampling_params": [{"max_new_tokens": k} for k in range(1, 5)], "return_logprob": True,
+                     "token_ids_logprob": [5, 6, 7, 8]}  # a flat list: every prompt's, though 4 long
             outs = await client.generate(batch)
             assert [o["text"] for o in outs] == ["broken", "live", "broken", "live"]
             assert outs[2]["meta_info"]["finish_reason"]["message"] == "Abort requested"  # not sent again
-            assert live_bodies[-1] == {"input_ids": [[1, 7], [3, 7]], "rid": ["b", "d"], "return_logprob": True,
+            assert live_bodies[-1] == {"input_ids": [[1, 7], [3, 7]], "rid": ["g_1", "g_3"], "extra_key": ["b", "d"],
+                                       "return_logprob": True, "token_ids_logprob": [5, 6, 7, 8],
                                        "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 4}]}
+            sent = len(broken_bodies)
+            out = await client.generate({"input_ids": [1, 8], "sampling_params": {"max_new_tokens": 1}})
+            assert out["text"] == "broken" and len(broken_bodies) == sent + 1  # its own error: not sent again
             await client.close()
             client = AsyncEngineClient([broken], timeout=5)  # nowhere else to go: it comes back aborted
             out = await client.generate({"input_ids": [1, 7], "sampling_params": {"max_new_tokens": 1}})
             assert engine_client.engine_failed(out) and out["meta_info"]["finish_reason"]["message"] == failing
-            assert len(broken_bodies) == 2 + 1 + engine_client.ENGINE_ERROR_RETRIES and not client.dead
+            assert len(broken_bodies) == sent + 2 + engine_client.ENGINE_ERROR_RETRIES and not client.dead
         finally:
             await client.close()
             await broken_runner.cleanup()
