@@ -28,16 +28,17 @@ def calc(expr: str) -> str:
 
 
 async def run(base_url: str, task) -> str:
-    client = AsyncOpenAI(base_url=base_url, api_key="unused")
-    messages = [{"role": "user", "content": task.prompt}]
-    for _ in range(5):
-        reply = (await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])).choices[0]
-        messages.append(reply.message)
-        if not reply.message.tool_calls:
-            return reply.message.content or ""
-        for call in reply.message.tool_calls:
-            result = calc(json.loads(call.function.arguments).get("expr", ""))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    async with AsyncOpenAI(base_url=base_url, api_key="unused") as client:  # closed: no connection left open
+        messages = [{"role": "user", "content": task.prompt}]
+        for _ in range(5):
+            reply = (await client.chat.completions.create(model="policy", messages=messages,
+                                                          tools=[CALC])).choices[0]
+            messages.append(reply.message)
+            if not reply.message.tool_calls:
+                return reply.message.content or ""
+            for call in reply.message.tool_calls:
+                result = calc(json.loads(call.function.arguments).get("expr", ""))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return ""
 
 
