@@ -24,6 +24,8 @@ the kernels launched plainly), ``*_nopdl`` keys. ``--norm-rows 0,32``: also time
 with the norms inside the products up to as many rows (``NORM_MAX_ROWS`` too), ``*_wideN_norm`` keys.
 ``--gemv-configs``: also timed with fixed tile configurations, e.g. ``32x128x8x1x0x1/blas/blas`` (the tiles and
 cuBLAS products of the default before 2026-12-06 at 17-32 rows).
+``--set fused_layer.RMS_WARPS=1,block_stats.GROUP=4``: also timed with these constants of ``slime_lite.engine``'s
+modules set (one variant per ``--set``, given again for more), ``*_set<its text>`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
 where a few long answers set the length bucket) instead of all at the middle; ``--compare-attention``: the step is
 also timed with the own-length attention kernels switched off (masked SDPA over the bucket), ``*_sdpa`` keys.
@@ -122,6 +124,26 @@ def _usable_but(usable, blas: set):
     return pick
 
 
+def _assignments(ap, text: str) -> list:
+    """``--set``'s ``module.NAME=value,...`` as (module of slime_lite.engine, name, value) triples, checked: the
+    constant must exist (a typo would time the default under another name)."""
+    import ast
+    import importlib
+
+    out = []
+    for part in text.split(","):
+        target, _, value = part.partition("=")
+        module, _, name = target.rpartition(".")
+        try:
+            m = importlib.import_module(f"slime_lite.engine.{module}")
+            getattr(m, name)
+            out.append((m, name, ast.literal_eval(value)))
+        except (ImportError, AttributeError, ValueError, SyntaxError) as e:
+            ap.error(f"--set {text}: {part!r} is not MODULE.NAME=VALUE for an existing constant of a "
+                     f"slime_lite.engine module ({e})")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-config", default="qwen2-0.5b")
@@ -171,6 +193,9 @@ def main() -> None:
     ap.add_argument("--compare-blaslt", action="store_true",
                     help="also time the step with torch's preferred BLAS library cuBLASLt for the cuBLAS products "
                          "(the output projection; gate/up and down too with --wide-rows 16), *_blaslt keys")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE[,...]",
+                    help="also time the step with these constants of slime_lite.engine's modules set (a Python "
+                         "literal each), one variant per --set, *_set<text> keys")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile eager padded steps (same kernels as the graph) and print the N costliest ops")
     args = ap.parse_args()
@@ -185,6 +210,7 @@ def main() -> None:
         ap.error(f"--ahead: unknown entries {bad} (qkv, o, gate_up, down or none, each optionally >o, >gate_up, "
                  ">down or >next)")
 
+    sets = {f"_set{text}": _assignments(ap, text) for text in args.set}
     from slime_lite import triton_build
     from slime_lite.engine import decode_attention, fused_layer, gemv
     from slime_lite.engine import cuda_graph
@@ -227,6 +253,7 @@ def main() -> None:
         variants += ["_plainedges"] * args.compare_edges
         variants += [f"_ahead{a}" for a in args.ahead.split("/") if a]
         variants += [f"_head{c}" for c in args.head_configs.split(",") if c]
+        variants += list(sets)
         blas = torch.backends.cuda.preferred_blas_library()
         for suffix in variants:
             if args.device == "cuda":
@@ -254,11 +281,16 @@ def main() -> None:
             gemv.SILU_IN_MAX_ROWS = int(suffix[7:]) if suffix.startswith("_siluin") else silu_rows
             if suffix.startswith("_siluin"):  # gate/up by cuBLAS past 16 rows, so down can read its output
                 gemv.WIDE_MAX_ROWS = 16
+            kept = [(m, name, getattr(m, name)) for m, name, _ in sets.get(suffix, ())]
+            for m, name, value in sets.get(suffix, ()):
+                setattr(m, name, value)
             s.decoder.reset()
             row["run_ms" + suffix] = timeit(lambda: s.decoder.sampled(s.decoder.run(slots, one)))
             graph = next((g for (bs, _), g in s.decoder.graphs.items() if bs == b), None)
             if graph is not None:
                 row["replay_ms" + suffix] = timeit(graph.replay)
+            for m, name, value in kept:
+                setattr(m, name, value)
         decode_attention.ENABLED = fused_layer.ENABLED = triton_build.PDL = cuda_graph.FUSED_EDGES = True
         fused_layer.AHEAD = ahead
         if args.device == "cuda":

@@ -24,26 +24,29 @@ import torch
 
 from slime_lite.triton_build import triton_kernels
 
+GROUP = 1  # blocks of a row per program of ``block_stats_kernel`` (a [GROUP, BLOCK] tile; its stats are per block)
+
 
 @triton_kernels
 def _kernel(triton, tl):
     @triton.jit
     def block_stats_kernel(logits, temps, out_max, out_sum, out_arg, vocab, row_stride, blocks,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, GROUP: tl.constexpr):
         row = tl.program_id(0)
-        blk = tl.program_id(1)
-        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        blk = tl.program_id(1) * GROUP + tl.arange(0, GROUP)  # the program's blocks, one per tile row
+        offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         start = row.to(tl.int64) * row_stride  # 64-bit: B x V can pass 2**31 (large prefills, large vocabularies)
         x = tl.load(logits + start + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        top = tl.max(x, axis=0)
-        first = tl.min(tl.where(x == top, offs, vocab), axis=0)  # first index of the max, as torch.argmax
+        top = tl.max(x, axis=1)
+        first = tl.min(tl.where(x == top[:, None], offs, vocab), axis=1)  # first index of the max, as torch.argmax
         shift = tl.where(top == float("-inf"), 0.0, top)  # a block of -inf logits sums to 0, not NaN
         # 1 / temperature in float32, rounded as torch's division is (Triton's own is the fast reciprocal)
         inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(temps + row).to(tl.float32))
-        total = tl.sum(tl.exp((x - shift) * inv_t), axis=0)
-        tl.store(out_max + row * blocks + blk, top)
-        tl.store(out_sum + row * blocks + blk, total)
-        tl.store(out_arg + row * blocks + blk, first)
+        total = tl.sum(tl.exp((x - shift[:, None]) * inv_t), axis=1)
+        live = blk < blocks
+        tl.store(out_max + row * blocks + blk, top, mask=live)
+        tl.store(out_sum + row * blocks + blk, total, mask=live)
+        tl.store(out_arg + row * blocks + blk, first, mask=live)
 
     @triton.jit
     def draw_kernel(logits, row_stride, vocab, bmax_ptr, bsum_ptr, barg_ptr, blocks, temps, u_ptr, greedy_ptr,
@@ -78,8 +81,10 @@ def _kernel(triton, tl):
         lastw = tl.where(lastw < 0, BLOCK - 1, lastw)
         pos = tl.minimum(tl.sum((inside <= frac * tl.max(inside, axis=0)).to(tl.int32), axis=0), lastw)
         token = tl.minimum(blk * BLOCK + pos, vocab - 1).to(tl.int64)
-        token = tl.where(tl.load(greedy_ptr + row) != 0, top, token)
-        picked = (tl.load(logits + start + token).to(tl.float32) - m) * inv_t
+        greedy = tl.load(greedy_ptr + row) != 0
+        token = tl.where(greedy, top, token)
+        # the token's logit, from what is loaded: the max for the argmax, else its place in the block's tile
+        picked = (tl.where(greedy, m, tl.sum(tl.where(k == pos, x, 0.0), axis=0)) - m) * inv_t
         tl.store(tok_ptr + row, token.to(tok_ptr.dtype.element_ty))
         lp = (picked.to(tl.float64) - tl.log(tl.sum(sums, axis=0))).to(tl.float32)
         tl.store(lp_ptr + row, lp.to(lp_ptr.dtype.element_ty))
@@ -113,7 +118,8 @@ def triton_sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, gr
     stats, draw = _kernel()
     temps = temps.contiguous()
     with torch.cuda.device(dev if logits.is_cuda else -1):  # -1: the Triton interpreter (tests)
-        stats[(b, blocks)](logits, temps, bmax, bsum, barg, v, logits.stride(0), blocks, BLOCK=block, num_warps=4)
+        stats[(b, -(-blocks // GROUP))](logits, temps, bmax, bsum, barg, v, logits.stride(0), blocks, BLOCK=block,
+                                        GROUP=GROUP, num_warps=4)
         draw[(b,)](logits, logits.stride(0), v, bmax, bsum, barg, blocks, temps, u.double().contiguous(),
                    greedy.contiguous(), tokens, logprobs, NB=max(16, 1 << (blocks - 1).bit_length()), BLOCK=block,
                    num_warps=4)

@@ -82,6 +82,18 @@ def check_triton_sample(device: str, dtypes) -> None:
     draws on the CPU, with the same log-probs: plain and greedy rows, temperatures, uniforms at both ends, ties (the
     first index, as torch.argmax), a block of -inf logits, a partial last block and whole blocks."""
     from slime_lite.engine import block_stats
+
+    default = block_stats.GROUP
+    try:  # the default's blocks per program, and 4 (a program past the last block too: 5000 tokens)
+        for group in dict.fromkeys((default, 4)):
+            block_stats.GROUP = group
+            _check_triton_sample(device, dtypes)
+    finally:
+        block_stats.GROUP = default
+
+
+def _check_triton_sample(device: str, dtypes) -> None:
+    from slime_lite.engine import block_stats
     from slime_lite.engine.sampling import BLOCK, sample_rows
 
     gen = torch.Generator().manual_seed(0)
