@@ -25,6 +25,7 @@ import torch
 from slime_lite.triton_build import triton_kernels
 
 GROUP = 1  # blocks of a row per program of ``block_stats_kernel`` (a [GROUP, BLOCK] tile; its stats are per block)
+STATS_WARPS = 4  # of ``block_stats_kernel``
 
 
 @triton_kernels
@@ -119,7 +120,7 @@ def triton_sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, gr
     temps = temps.contiguous()
     with torch.cuda.device(dev if logits.is_cuda else -1):  # -1: the Triton interpreter (tests)
         stats[(b, -(-blocks // GROUP))](logits, temps, bmax, bsum, barg, v, logits.stride(0), blocks, BLOCK=block,
-                                        GROUP=GROUP, num_warps=4)
+                                        GROUP=GROUP, num_warps=STATS_WARPS)
         draw[(b,)](logits, logits.stride(0), v, bmax, bsum, barg, blocks, temps, u.double().contiguous(),
                    greedy.contiguous(), tokens, logprobs, NB=max(16, 1 << (blocks - 1).bit_length()), BLOCK=block,
                    num_warps=4)
