@@ -129,9 +129,10 @@ def _assignments(ap, text: str) -> list:
     constant must exist (a typo would time the default under another name)."""
     import ast
     import importlib
+    import re
 
     out = []
-    for part in text.split(","):
+    for part in re.split(r",(?=\w+\.\w+=)", text):  # a comma before the next MODULE.NAME=: values may hold commas
         target, _, value = part.partition("=")
         module, _, name = target.rpartition(".")
         try:
