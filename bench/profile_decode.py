@@ -24,7 +24,7 @@ the kernels launched plainly), ``*_nopdl`` keys. ``--norm-rows 0,32``: also time
 with the norms inside the products up to as many rows (``NORM_MAX_ROWS`` too), ``*_wideN_norm`` keys.
 ``--gemv-configs``: also timed with fixed tile configurations, e.g. ``32x128x8x1x0x1/blas/blas`` (the tiles and
 cuBLAS products of the default before 2026-12-06 at 17-32 rows).
-``--set fused_layer.RMS_WARPS=1,block_stats.GROUP=4``: also timed with these constants of ``slime_lite.engine``'s
+``--set gemv.HEAD_MAX_ROWS=32,decode_attention.NUM_WARPS=4``: also timed with these constants of ``slime_lite.engine``'s
 modules set (one variant per ``--set``, given again for more), ``*_set<its text>`` keys.
 ``--spread``: the timed step's rows sit at positions spread evenly over 1..prompt+new tokens (as in an RL rollout,
 where a few long answers set the length bucket) instead of all at the middle; ``--compare-attention``: the step is

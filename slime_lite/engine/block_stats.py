@@ -15,36 +15,51 @@ another order than torch's cumsum, so a draw whose uniform falls within float64 
 tokens may pick the other one; the argmax and every other draw are the same.
 
 Both are launched plainly: with programmatic dependent launch (each waiting for the kernel before it) the 0.5B
-captured step on an H100 took 0.824-0.830 ms at batch 32 against 0.806-0.812, and the same at batch 8.
+captured step on an H100 took 0.824-0.830 ms at batch 32 against 0.806-0.812, and the same at batch 8. Also tried
+there and dropped, each within 0.005 ms of the default at batch 1, 8 and 32 (same process): 4 or 8 blocks a stats
+program, 8 warps, and the draw done by each row's last stats program to finish (no draw kernel).
 """
 
 from __future__ import annotations
 
 import torch
 
-from slime_lite.triton_build import COUNTERS, counters, triton_kernels
-
-GROUP = 1  # blocks of a row per program of ``block_stats_kernel`` (a [GROUP, BLOCK] tile; its stats are per block)
-STATS_WARPS = 4  # of ``block_stats_kernel``
-JOINED = False  # True: each row's last ``block_stats_kernel`` program to finish draws (no ``draw_kernel``)
+from slime_lite.triton_build import triton_kernels
 
 
 @triton_kernels
 def _kernel(triton, tl):
     @triton.jit
-    def draw_row(logits, row, row_stride, vocab, bmax_ptr, bsum_ptr, barg_ptr, blocks, temps, u_ptr, greedy_ptr,
-                 tok_ptr, lp_ptr, NB: tl.constexpr, BLOCK: tl.constexpr):
-        """The draw of one row from its blocks' stats (read past L1: other programs may have just written them)."""
+    def block_stats_kernel(logits, temps, out_max, out_sum, out_arg, vocab, row_stride, blocks,
+                           BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        start = row.to(tl.int64) * row_stride  # 64-bit: B x V can pass 2**31 (large prefills, large vocabularies)
+        x = tl.load(logits + start + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        top = tl.max(x, axis=0)
+        first = tl.min(tl.where(x == top, offs, vocab), axis=0)  # first index of the max, as torch.argmax
+        shift = tl.where(top == float("-inf"), 0.0, top)  # a block of -inf logits sums to 0, not NaN
+        # 1 / temperature in float32, rounded as torch's division is (Triton's own is the fast reciprocal)
+        inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(temps + row).to(tl.float32))
+        total = tl.sum(tl.exp((x - shift) * inv_t), axis=0)
+        tl.store(out_max + row * blocks + blk, top)
+        tl.store(out_sum + row * blocks + blk, total)
+        tl.store(out_arg + row * blocks + blk, first)
+
+    @triton.jit
+    def draw_kernel(logits, row_stride, vocab, bmax_ptr, bsum_ptr, barg_ptr, blocks, temps, u_ptr, greedy_ptr,
+                    tok_ptr, lp_ptr, NB: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
         j = tl.arange(0, NB)
         live = j < blocks
-        bmax = tl.load(bmax_ptr + row * blocks + j, mask=live, other=float("-inf"), cache_modifier=".cg")
+        bmax = tl.load(bmax_ptr + row * blocks + j, mask=live, other=float("-inf"))
         m = tl.max(bmax, axis=0)
         at = tl.min(tl.where(bmax == m, j, NB), axis=0)  # the first block holding the max: the first argmax
-        top = tl.load(barg_ptr + row * blocks + at, cache_modifier=".cg")
-        inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(temps + row).to(tl.float32))  # as below
+        top = tl.load(barg_ptr + row * blocks + at)
+        inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(temps + row).to(tl.float32))  # as above
         scale = tl.exp(((bmax - m) * inv_t).to(tl.float64))
-        sums = tl.load(bsum_ptr + row * blocks + j, mask=live, other=0.0, cache_modifier=".cg")
-        sums = tl.where(live, sums.to(tl.float64) * scale, 0.0)
+        sums = tl.where(live, tl.load(bsum_ptr + row * blocks + j, mask=live, other=0.0).to(tl.float64) * scale, 0.0)
         csum = tl.cumsum(sums, axis=0)
         total = tl.max(csum, axis=0)  # sums are >= 0: the last prefix sum
         target = tl.load(u_ptr + row) * total
@@ -67,46 +82,12 @@ def _kernel(triton, tl):
         token = tl.minimum(blk * BLOCK + pos, vocab - 1).to(tl.int64)
         greedy = tl.load(greedy_ptr + row) != 0
         token = tl.where(greedy, top, token)
-        # the token's logit, from what is loaded: the max for the argmax, else its place in the block's tile
+        # the token's logit from what is loaded (no third dependent load): the max for the argmax, else its place
+        # in the block's tile
         picked = (tl.where(greedy, m, tl.sum(tl.where(k == pos, x, 0.0), axis=0)) - m) * inv_t
         tl.store(tok_ptr + row, token.to(tok_ptr.dtype.element_ty))
         lp = (picked.to(tl.float64) - tl.log(tl.sum(sums, axis=0))).to(tl.float32)
         tl.store(lp_ptr + row, lp.to(lp_ptr.dtype.element_ty))
-
-    # Triton resolves the names a kernel calls in its module's globals, not in this builder's scope
-    globals().update(draw_row=draw_row)
-
-    @triton.jit
-    def block_stats_kernel(logits, temps, out_max, out_sum, out_arg, vocab, row_stride, blocks, u_ptr, greedy_ptr,
-                           tok_ptr, lp_ptr, cnt_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, JOIN: tl.constexpr,
-                           NB: tl.constexpr):
-        row = tl.program_id(0)
-        blk = tl.program_id(1) * GROUP + tl.arange(0, GROUP)  # the program's blocks, one per tile row
-        offs = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-        start = row.to(tl.int64) * row_stride  # 64-bit: B x V can pass 2**31 (large prefills, large vocabularies)
-        x = tl.load(logits + start + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        top = tl.max(x, axis=1)
-        first = tl.min(tl.where(x == top[:, None], offs, vocab), axis=1)  # first index of the max, as torch.argmax
-        shift = tl.where(top == float("-inf"), 0.0, top)  # a block of -inf logits sums to 0, not NaN
-        # 1 / temperature in float32, rounded as torch's division is (Triton's own is the fast reciprocal)
-        inv_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(temps + row).to(tl.float32))
-        total = tl.sum(tl.exp((x - shift[:, None]) * inv_t), axis=1)
-        live = blk < blocks
-        tl.store(out_max + row * blocks + blk, top, mask=live)
-        tl.store(out_sum + row * blocks + blk, total, mask=live)
-        tl.store(out_arg + row * blocks + blk, first, mask=live)
-        if JOIN:  # the row's last program to finish draws (a counter per row, reset by that program)
-            tl.debug_barrier()  # every thread's stores made before the counter moves
-            if tl.atomic_add(cnt_ptr + row, 1) == tl.num_programs(1) - 1:  # acq_rel
-                draw_row(logits, row, row_stride, vocab, out_max, out_sum, out_arg, blocks, temps, u_ptr,
-                         greedy_ptr, tok_ptr, lp_ptr, NB, BLOCK)
-                tl.atomic_xchg(cnt_ptr + row, 0)  # ready for the next launch (or graph replay)
-
-    @triton.jit
-    def draw_kernel(logits, row_stride, vocab, bmax_ptr, bsum_ptr, barg_ptr, blocks, temps, u_ptr, greedy_ptr,
-                    tok_ptr, lp_ptr, NB: tl.constexpr, BLOCK: tl.constexpr):
-        draw_row(logits, tl.program_id(0), row_stride, vocab, bmax_ptr, bsum_ptr, barg_ptr, blocks, temps, u_ptr,
-                 greedy_ptr, tok_ptr, lp_ptr, NB, BLOCK)
 
     return block_stats_kernel, draw_kernel
 
@@ -136,14 +117,9 @@ def triton_sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, gr
         tokens, logprobs = out[0, :b], out[1, :b]
     stats, draw = _kernel()
     temps = temps.contiguous()
-    u, greedy = u.double().contiguous(), greedy.contiguous()
-    nb = max(16, 1 << (blocks - 1).bit_length())
-    join = JOINED and b <= COUNTERS
     with torch.cuda.device(dev if logits.is_cuda else -1):  # -1: the Triton interpreter (tests)
-        stats[(b, -(-blocks // GROUP))](logits, temps, bmax, bsum, barg, v, logits.stride(0), blocks, u, greedy,
-                                        tokens, logprobs, counters(logits), BLOCK=block, GROUP=GROUP, JOIN=join,
-                                        NB=nb, num_warps=STATS_WARPS)
-        if not join:
-            draw[(b,)](logits, logits.stride(0), v, bmax, bsum, barg, blocks, temps, u, greedy, tokens, logprobs,
-                       NB=nb, BLOCK=block, num_warps=4)
+        stats[(b, blocks)](logits, temps, bmax, bsum, barg, v, logits.stride(0), blocks, BLOCK=block, num_warps=4)
+        draw[(b,)](logits, logits.stride(0), v, bmax, bsum, barg, blocks, temps, u.double().contiguous(),
+                   greedy.contiguous(), tokens, logprobs, NB=max(16, 1 << (blocks - 1).bit_length()), BLOCK=block,
+                   num_warps=4)
     return tokens, logprobs

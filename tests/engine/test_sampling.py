@@ -82,19 +82,6 @@ def check_triton_sample(device: str, dtypes) -> None:
     draws on the CPU, with the same log-probs: plain and greedy rows, temperatures, uniforms at both ends, ties (the
     first index, as torch.argmax), a block of -inf logits, a partial last block and whole blocks."""
     from slime_lite.engine import block_stats
-
-    default = block_stats.GROUP, block_stats.JOINED
-    try:  # the default, and 4 blocks a program (one past the last block too: 5000 tokens), with the draw in the
-        # stats kernel's last program of each row and in a kernel of its own
-        for group, joined in dict.fromkeys((default, (4, False), (4, True), (1, True))):
-            block_stats.GROUP, block_stats.JOINED = group, joined
-            _check_triton_sample(device, dtypes)
-    finally:
-        block_stats.GROUP, block_stats.JOINED = default
-
-
-def _check_triton_sample(device: str, dtypes) -> None:
-    from slime_lite.engine import block_stats
     from slime_lite.engine.sampling import BLOCK, sample_rows
 
     gen = torch.Generator().manual_seed(0)
