@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: --rollout-batch-size x --n-samples-per-prompt / --num-steps-per-rollout)")
     g.add_argument("--num-steps-per-rollout", type=_positive_int, default=None,
                    help="optimizer steps per rollout (default: 1, or as --global-batch-size implies); the rollout's "
-                        "train/ metrics are their mean, train/first_step/ the first step's")
+                        "train/ metrics are their mean, train/first_step/ the first step's; each step's are a line "
+                        "of the --metrics-path steps file")
     g.add_argument("--micro-batch-size", type=_positive_int, default=1,
                    help="samples per forward/backward pass on one data-parallel rank (default: %(default)s)")
     g.add_argument("--use-dynamic-batch-size", action="store_true",

@@ -48,7 +48,10 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
     g = p.add_argument_group("logging")
-    g.add_argument("--metrics-path", default=None, help="append every metrics record as one JSON line")
+    g.add_argument("--metrics-path", default=None,
+                   help="append every rollout's metrics record as one JSON line; each optimizer step's train "
+                        "metrics go to a file beside it, named after it (metrics.jsonl: metrics.train_steps.jsonl), "
+                        "at slime's train/step")
     g.add_argument("--use-tensorboard", action="store_true", help="also log metrics to TensorBoard")
     g.add_argument("--tensorboard-dir", default=None,
                    help="TensorBoard folder (default: tensorboard/ under --save, or ./tensorboard)")

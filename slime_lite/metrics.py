@@ -52,14 +52,34 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def train_steps_path(metrics_path: str) -> str | None:
+    """The file of one record per optimizer step beside --metrics-path (metrics.jsonl: metrics.train_steps.jsonl);
+    None where the metrics go to a device such as /dev/null."""
+    if os.path.exists(metrics_path) and not os.path.isfile(metrics_path):
+        return None
+    root, ext = os.path.splitext(metrics_path)
+    return f"{root}.train_steps{ext or '.jsonl'}"
+
+
 class MetricsLogger:
+    """A rollout's record (``log``): its summary line, a line of --metrics-path, TensorBoard's and wandb's values at
+    the rollout id. Each optimizer step's train metrics (``log_train_steps``): a line of ``train_steps_path``, and
+    TensorBoard's and wandb's ``train/`` curves against ``train/step``, as slime logs them; the rollout's record
+    keeps their mean over the rollout's steps."""
+
     def __init__(self, args: Any) -> None:
         self.path = args.metrics_path
-        if self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            _drop_cut_last_line(self.path)
+        self.steps_path = train_steps_path(self.path) if self.path else None
+        for path in (self.path, self.steps_path):
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                _drop_cut_last_line(path)
+        self.steps_per_rollout = args.num_steps_per_rollout or 1
+        self.next_step = 0  # train/step of the next optimizer step (a rollout of more steps than planned shifts it)
+        self.per_step: set[str] = set()  # names TensorBoard and wandb take from the steps, not the rollout's mean
         self.tb = None
         self.wandb = None
+        self.wandb_named: set[str] = set()  # each name wandb has been given its x axis
         self.train_steps = None  # --wandb-always-use-train-step: optimizer steps per rollout
         if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # torch, tensorboard: only with --use-tensorboard
@@ -82,10 +102,11 @@ class MetricsLogger:
             self.train_steps = args.num_steps_per_rollout if args.wandb_always_use_train_step else None
             # every metric against the rollout id (as TensorBoard and the JSONL), not wandb's count of log calls
             # (an eval before training made every rollout one step late); --wandb-always-use-train-step: the
-            # train step
-            axis = "train_step" if self.train_steps else "rollout_id"
-            self.wandb.define_metric(axis)
-            self.wandb.define_metric("*", step_metric=axis)
+            # train step. Each name is given its axis when first logged (``_wandb_log``): no glob, so no question
+            # which of two matching globs wins
+            self.axis = "train_step" if self.train_steps else "rollout_id"
+            self.wandb.define_metric(self.axis)
+            self.wandb.define_metric("train/step")
 
     def log(self, record: dict[str, Any], step: int, step_key: str = "rollout_id", quiet: bool = False) -> None:
         if not record:  # nothing measured (e.g. no eval before training): no line, no row
@@ -104,15 +125,41 @@ class MetricsLogger:
             log.info(" ".join(parts))
         if self.path:
             append_line(self.path, json.dumps(full, default=_json_default))
-        for key, value in record.items():
-            if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
-                continue
-            if self.tb is not None:
-                self.tb.add_scalar(key, value, step)
+        plotted = {k: v for k, v in record.items() if k not in self.per_step}
+        self._tensorboard(plotted, step)
         if self.wandb is not None:
             steps = {"train_step": step * self.train_steps} if self.train_steps else {}
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))} | {step_key: step}
-                           | steps)
+            self._wandb_log({k: v for k, v in plotted.items() if isinstance(v, (int, float))} | {step_key: step}
+                            | steps, self.axis)
+
+    def log_train_steps(self, steps: list[dict[str, float]], rollout_id: int) -> None:
+        """Each optimizer step of a rollout, at ``train/step`` = rollout id x --num-steps-per-rollout + the step's
+        index (slime's count; later, if an earlier rollout trained more steps than that)."""
+        first = max(self.next_step, rollout_id * self.steps_per_rollout)
+        for k, values in enumerate(steps):
+            n = first + k
+            if self.steps_path:
+                append_line(self.steps_path, json.dumps({"train/step": n, "rollout_id": rollout_id, **values},
+                                                        default=_json_default))
+            self.per_step.update(values)
+            self._tensorboard(values, n)
+            if self.wandb is not None:
+                self._wandb_log({**values, "train/step": n}, "train/step")
+        self.next_step = first + len(steps)
+
+    def _tensorboard(self, values: dict[str, Any], step: int) -> None:
+        if self.tb is None:
+            return
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.tb.add_scalar(key, value, step)
+
+    def _wandb_log(self, values: dict[str, Any], axis: str) -> None:
+        for key in values:
+            if key not in self.wandb_named and key not in (axis, "train/step", "train_step", "rollout_id"):
+                self.wandb.define_metric(key, step_metric=axis)
+                self.wandb_named.add(key)
+        self.wandb.log(values)
 
     def close(self) -> None:
         if self.tb is not None:

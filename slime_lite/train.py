@@ -86,7 +86,9 @@ def run(args) -> int:
                 rollout.release_memory(record)
                 train.onload(record)
                 schedule.train_started()
-                grad_norms = train.train(rollout_id, samples, record)
+                grad_norms, steps = train.train(rollout_id, samples, record)
+                metrics.log_train_steps(steps, rollout_id)
+                train.check_finite(rollout_id, record, grad_norms)
                 schedule.train_finished(record)
                 # before the save: a rollout that fails a check leaves no checkpoint a resume would go on from
                 checks.after_rollout(rollout_id, record, grad_norms, schedule.expected_version(rollout_id))

@@ -433,9 +433,11 @@ PrefixCacheInfo = Sample.PrefixCacheInfo
 
 @dataclass
 class TrainResult:
-    """What one rollout's training reports (the reporter rank's): metrics averaged over the optimizer steps, and
-    every step's grad-norm (--ci-save-grad-norm / --ci-load-grad-norm check them step by step). Defined here, not
-    with the train workers, so the driver reads it without importing megatron-core."""
+    """What one rollout's training reports (the reporter rank's): metrics averaged over the optimizer steps, every
+    step's grad-norm (--ci-save-grad-norm / --ci-load-grad-norm check them step by step), and every step's own
+    metrics under the same names (logged against ``train/step``, as slime logs them). Defined here, not with the
+    train workers, so the driver reads it without importing megatron-core."""
 
     metrics: dict[str, Any]
     grad_norms: list[float]
+    steps: list[dict[str, float]] = field(default_factory=list)

@@ -61,9 +61,12 @@ class FakeTrainSide:
 
     def train(self, rollout_id, samples, record):
         record["train/loss"] = float("nan") if rollout_id == 1 else 0.5
-        if rollout_id == 1:
-            raise SlimeLiteError("rollout 1: the loss is nan")
-        return {"actor": [1.0]}
+        return {"actor": [1.0]}, [{"train/loss": record["train/loss"]}]
+
+    @staticmethod
+    def check_finite(rollout_id, record, norms):
+        if math.isnan(record["train/loss"]):
+            raise SlimeLiteError(f"rollout {rollout_id}: the loss is nan")
 
     def push(self, *a) -> None: ...
     def push_checked(self, *a) -> None: ...
@@ -97,3 +100,6 @@ def test_the_rollout_that_stops_the_run_still_writes_its_metrics_row(tiny_model_
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [row.get("rollout_id", row.get("step")) for row in rows]
     assert len(rows) == 2 and math.isnan(rows[1]["train/loss"]) and rows[0]["train/loss"] == 0.5, (steps, rows)
+    # and its optimizer steps, logged before the check stops the run
+    steps = [json.loads(line) for line in (tmp_path / "m.train_steps.jsonl").read_text().splitlines()]
+    assert [x["train/step"] for x in steps] == [0, 1] and math.isnan(steps[1]["train/loss"])

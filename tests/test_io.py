@@ -13,7 +13,7 @@ import torch
 
 from slime_lite.errors import SlimeLiteError
 from slime_lite.io import append_line, atomic_torch_save, load_plain, probe_folder
-from slime_lite.metrics import MetricsLogger, check_finite_losses
+from slime_lite.metrics import MetricsLogger, check_finite_losses, train_steps_path
 from slime_lite.args import parser_defaults
 from tests.fakes.evil_pickle import Evil
 
@@ -129,6 +129,38 @@ def test_the_summary_line_names_the_critics_value_loss_and_the_step(caplog) -> N
     with caplog.at_level("INFO", logger="slime_lite.metrics"):
         logger.log({"train/loss": 0.5, "train/critic-value_loss": 0.25, "perf/step_time": 2.0}, 3)
     assert "rollout_id=3 loss=0.5000 v_loss=0.2500 step_s=2.0000" in caplog.text
+
+
+def test_each_optimizer_step_is_a_line_beside_the_metrics_and_tensorboards_train_curve(tmp_path: Path) -> None:
+    """--metrics-path m.jsonl: each optimizer step's metrics are a line of m.train_steps.jsonl at slime's train/step
+    (rollout id x --num-steps-per-rollout + the step); a rollout that trained more steps than planned shifts the
+    later ones instead of reusing a step; a resumed run counts from its rollout id again. TensorBoard's train/
+    curves are the steps', not the rollouts' means. Metrics sent to a device write no steps file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path, tb = tmp_path / "m.jsonl", tmp_path / "tb"
+    logger = MetricsLogger(parser_defaults(metrics_path=str(path), num_steps_per_rollout=2, use_tensorboard=True,
+                                           tensorboard_dir=str(tb)))
+    logger.log_train_steps([{"train/loss": 1.0}, {"train/loss": 0.5}], 0)
+    logger.log({"train/loss": 0.75, "rollout/raw_reward": 0.25}, 0, quiet=True)
+    logger.log_train_steps([{"train/loss": 0.4}, {"train/loss": 0.3}, {"train/loss": 0.2}], 1)  # one step more
+    logger.log_train_steps([{"train/loss": 0.1}, {"train/loss": 0.0}], 2)
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "m.train_steps.jsonl").read_text().splitlines()]
+    assert [(r["train/step"], r["rollout_id"], r["train/loss"]) for r in rows] == [
+        (0, 0, 1.0), (1, 0, 0.5), (2, 1, 0.4), (3, 1, 0.3), (4, 1, 0.2), (5, 2, 0.1), (6, 2, 0.0)]
+    assert json.loads(path.read_text())["train/loss"] == 0.75  # the rollout's record: the mean
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (0, 1.0), (1, 0.5), (2, pytest.approx(0.4)), (3, pytest.approx(0.3)), (4, pytest.approx(0.2)),
+        (5, pytest.approx(0.1)), (6, 0.0)]
+    assert [(e.step, e.value) for e in events.Scalars("rollout/raw_reward")] == [(0, 0.25)]
+    resumed = MetricsLogger(parser_defaults(metrics_path=str(path), num_steps_per_rollout=2))
+    resumed.log_train_steps([{"train/loss": 0.1}], 2)
+    assert json.loads((tmp_path / "m.train_steps.jsonl").read_text().splitlines()[-1])["train/step"] == 4
+    assert train_steps_path("/dev/null") is None and train_steps_path("a/m.jsonl") == "a/m.train_steps.jsonl"
+    MetricsLogger(parser_defaults(metrics_path="/dev/null")).log_train_steps([{"train/loss": 1.0}], 0)
 
 
 def test_an_hf_export_says_the_dtype_of_its_tensors_so_transformers_loads_them_unchanged(tiny_model_dir, tmp_path):

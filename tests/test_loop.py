@@ -68,6 +68,12 @@ def test_end_to_end_ci_test(tiny_model_dir, data, tmp_path, estimator):
     r = rows(tmp_path)
     trained = [x for x in r if x["rollout_id"] >= 0]
     assert [x["rollout_id"] for x in trained] == [0, 1, 2]
+    # one optimizer step a rollout: the steps file holds each at train/step = its rollout id, with the rollout's
+    # train values (the actor's and, for PPO, the critic's in one record)
+    steps = [json.loads(line) for line in (tmp_path / "m.train_steps.jsonl").read_text().splitlines()]
+    assert [(x["train/step"], x["rollout_id"]) for x in steps] == [(0, 0), (1, 1), (2, 2)]
+    for key in ("train/loss", "train/grad_norm") + (("train/critic-value_loss",) if estimator == "ppo" else ()):
+        assert [x[key] for x in steps] == [x[key] for x in trained], key
     assert trained[0]["rollout/kl"] == 0.0 and trained[0]["train/first_step/ppo_kl"] == 0.0
     if estimator == "grpo":  # rollout 1 against the start weights; rollout 2 against the actor's after rollout 1
         assert trained[1]["rollout/kl"] > 0 and trained[2]["rollout/kl"] == 0.0

@@ -194,10 +194,10 @@ def test_wandb_mode_key_run_id_name_and_train_step(fake_wandb):
     assert fake_wandb.called("login") == [{"key": "KEY", "host": "h"}]
     init = fake_wandb.called("init")[0]
     assert (init["id"], init["resume"], init["name"], init["group"]) == ("run7", "allow", "g", "g")
-    assert {"step_metric": "train_step"} in fake_wandb.called("define_metric")
     logger.log({"train/loss": 0.5}, 2)
     assert [a[0] for n, a, _ in fake_wandb.calls if n == "log"] == [{"train/loss": 0.5, "rollout_id": 2,
                                                                      "train_step": 8}]
+    assert _axes(fake_wandb) == {"train_step": None, "train/step": None, "train/loss": "train_step"}
 
 
 def test_wandb_defaults_offline_no_login_and_wandbs_own_run_name(fake_wandb):
@@ -208,9 +208,31 @@ def test_wandb_defaults_offline_no_login_and_wandbs_own_run_name(fake_wandb):
     init = fake_wandb.called("init")[0]
     assert "id" not in init and "name" not in init
     # plotted against rollout_id (an eval before training is -1), not wandb's count of log calls
-    assert {"step_metric": "rollout_id"} in fake_wandb.called("define_metric")
     logger.log({"train/loss": 0.5}, 2)
     assert [a[0] for n, a, _ in fake_wandb.calls if n == "log"] == [{"train/loss": 0.5, "rollout_id": 2}]
+    assert _axes(fake_wandb) == {"rollout_id": None, "train/step": None, "train/loss": "rollout_id"}
+
+
+def _axes(fake) -> dict:
+    """Each name wandb was told of, and its x axis (None: an axis itself)."""
+    return {a[0]: kw.get("step_metric") for n, a, kw in fake.calls if n == "define_metric"}
+
+
+def test_each_optimizer_step_goes_to_wandb_against_train_step_as_slime_logs_it(fake_wandb):
+    """Two optimizer steps a rollout: wandb gets each step's train/ values at train/step (slime's axis and count),
+    and the rollout's record the rest at rollout_id, not the steps' mean under the same names."""
+    logger = MetricsLogger(parser_defaults(use_wandb=True, num_steps_per_rollout=2))
+    steps = [{"train/loss": 0.5, "train/grad_norm": 2.0}, {"train/loss": 0.25, "train/grad_norm": 1.0}]
+    logger.log_train_steps(steps, 3)
+    logger.log({"train/loss": 0.375, "train/grad_norm": 1.5, "train/first_step/grad_norm": 2.0,
+                "rollout/raw_reward": 0.5}, 3)
+    assert [a[0] for n, a, _ in fake_wandb.calls if n == "log"] == [
+        {"train/loss": 0.5, "train/grad_norm": 2.0, "train/step": 6},
+        {"train/loss": 0.25, "train/grad_norm": 1.0, "train/step": 7},
+        {"train/first_step/grad_norm": 2.0, "rollout/raw_reward": 0.5, "rollout_id": 3}]
+    assert _axes(fake_wandb) == {"rollout_id": None, "train/step": None, "train/loss": "train/step",
+                                 "train/grad_norm": "train/step", "train/first_step/grad_norm": "rollout_id",
+                                 "rollout/raw_reward": "rollout_id"}
 
 
 def test_wandb_flags_without_use_wandb_are_said_to_do_nothing(run, caplog):

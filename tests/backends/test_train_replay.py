@@ -48,7 +48,16 @@ def single_gpu_metrics(tiny_model_dir, replay_dumps, tmp_path_factory, train_cli
     ref = train_cli(args_for(tiny_model_dir, replay_dumps, out, "ref", *TWO_STEPS,
                              "--ci-save-grad-norm", str(out / "grad_norms.json")))
     assert ref.returncode == 0, ref.stderr[-3000:]
-    return metrics_of(out / "ref.jsonl")[0], out / "grad_norms.json"
+    first = metrics_of(out / "ref.jsonl")[0]
+    # each optimizer step beside the rollout's record: slime's train/step, the rollout's values their mean
+    steps = metrics_of(out / "ref.train_steps.jsonl")
+    assert [(x["train/step"], x["rollout_id"]) for x in steps] == [(0, 0), (1, 0)]
+    saved = json.loads((out / "grad_norms.json").read_text())["grad_norms"]
+    assert [x["train/grad_norm"] for x in steps] == [x["grad_norm"] for x in saved]
+    assert steps[0]["train/grad_norm"] == first["train/first_step/grad_norm"] != steps[1]["train/grad_norm"]
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm"):
+        assert first[key] == pytest.approx((steps[0][key] + steps[1][key]) / 2, rel=1e-12), key
+    return first, out / "grad_norms.json"
 
 
 PACKED = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "48", "--log-probs-max-tokens-per-gpu", "80")
@@ -225,6 +234,8 @@ def test_non_finite_loss_stops_the_run_before_the_checkpoint(tiny_model_dir, rep
     assert "rollout 0: the training loss is not finite (" in proc.stderr, proc.stderr[-3000:]
     assert "train/loss=nan" in proc.stderr
     assert not (ckpt / "latest").exists()
+    steps = [json.loads(line) for line in (tmp_path / "nan.train_steps.jsonl").read_text().splitlines()]
+    assert steps and steps[0]["rollout_id"] == 0 and math.isnan(steps[0]["train/loss"])  # logged before the stop
 
 
 def test_a_dump_with_a_non_finite_rollout_log_prob_is_refused(tiny_model_dir, replay_dumps, tmp_path, train_cli):

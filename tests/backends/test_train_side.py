@@ -35,9 +35,9 @@ def test_a_rollout_of_partial_steps_trains_its_whole_steps(monkeypatch):
     train.config = TrainSideConfig.from_args(parser_defaults())  # no --ref-update-interval
     samples = [Sample(index=i, tokens=[1, 2, 3], response_length=1) for i in range(11)]
     record: dict = {}
-    assert train.train(0, samples, record) == {"actor": [1.0, 1.0]}
+    assert train.train(0, samples, record)[0] == {"actor": [1.0, 1.0]}
     assert train.actor.trained == [list(range(8))] and record["train/loss"] == 0.5
-    assert train.train(1, samples[:8], {}) == {"actor": [1.0, 1.0]}  # whole steps: all of them
+    assert train.train(1, samples[:8], {})[0] == {"actor": [1.0, 1.0]}  # whole steps: all of them
     assert train.actor.trained[-1] == list(range(8))
     with pytest.raises(SlimeLiteError, match="rollout 2 has 3 samples, fewer than one optimizer step of "
                                              "--global-batch-size 4"):
@@ -73,7 +73,7 @@ def test_a_group_estimator_trims_in_whole_prompt_groups(monkeypatch):
     train.train(3, samples, {})
     assert train.actor.trained[-1] == list(range(12))
     samples[0].rollout_id = samples[1].rollout_id = samples[2].rollout_id = 0
-    assert train.train(4, samples, {}) == {"actor": [1.0] * 4}
+    assert train.train(4, samples, {})[0] == {"actor": [1.0] * 4}
     assert train.actor.trained[-1] == list(range(18))
 
 
@@ -90,5 +90,35 @@ def test_a_non_finite_grad_norm_with_a_finite_loss_stops_the_run(monkeypatch):
     train.actor, train.critic, train.global_batch_size = Overflowing(), None, 4
     train.config = TrainSideConfig.from_args(parser_defaults())
     samples = [Sample(index=i, tokens=[1, 2, 3], response_length=1) for i in range(8)]
+    record: dict = {}
+    norms, _ = train.train(0, samples, record)
     with pytest.raises(SlimeLiteError, match="rollout 0: the actor's grad-norm is not finite at step 1 \\(nan\\)"):
-        train.train(0, samples, {})
+        train.check_finite(0, record, norms)
+
+
+def test_the_actors_and_the_critics_kth_steps_are_one_step_record(monkeypatch):
+    """PPO: the driver logs each optimizer step once, with the actor's values and the critic's train/critic-
+    values of that step side by side; the grad-norms stay per role for the grad-norm checks."""
+    monkeypatch.setattr(side.ray, "put", lambda value: value)
+
+    class Actor(_Actor):
+        def train(self, rollout_id, data, values):
+            return TrainResult({"train/loss": 0.5}, [1.0, 2.0], [{"train/loss": 0.25}, {"train/loss": 0.75}]), None
+
+    class Critic:
+        def compute_values(self, data):
+            return None
+
+        def train(self, rollout_id, data, values, returns):
+            return TrainResult({"train/critic-value_loss": 3.0}, [4.0, 5.0],
+                               [{"train/critic-value_loss": 2.5}, {"train/critic-value_loss": 3.5}])
+
+    train = object.__new__(side.TrainSide)
+    train.actor, train.critic, train.global_batch_size = Actor(), Critic(), 4
+    train.config = TrainSideConfig.from_args(parser_defaults())
+    record: dict = {}
+    norms, steps = train.train(0, [Sample(index=i, tokens=[1, 2, 3], response_length=1) for i in range(8)], record)
+    assert norms == {"actor": [1.0, 2.0], "critic": [4.0, 5.0]}
+    assert steps == [{"train/loss": 0.25, "train/critic-value_loss": 2.5},
+                     {"train/loss": 0.75, "train/critic-value_loss": 3.5}]
+    assert record == {"train/loss": 0.5, "train/critic-value_loss": 3.0, "perf/train_time": record["perf/train_time"]}

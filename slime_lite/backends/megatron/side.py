@@ -56,12 +56,13 @@ class TrainSide:
         """What a restarted engine gets (--use-fault-tolerance): the current weights, always checked."""
         return self.push(urls, version, check=True)
 
-    def train(self, rollout_id: int, samples: list, record: dict) -> dict[str, list[float]]:
+    def train(self, rollout_id: int, samples: list, record: dict) -> tuple[dict[str, list[float]], list[dict]]:
         """One rollout's training, in PPO's order when there is a critic: its values, then the actor (log-probs,
         advantages, policy steps), then the critic's steps toward the returns. Metrics go into ``record``;
-        returns each role's per-step grad-norms."""
+        returns each role's per-step grad-norms, and each optimizer step's metrics (the actor's and the critic's
+        k-th steps in one record)."""
         if self.actor is None:
-            return {}
+            return {}, []
         samples = self.whole_steps(rollout_id, samples)
         with timed(record, "perf/train_time"):
             t0 = time.monotonic()
@@ -70,13 +71,22 @@ class TrainSide:
             actor, returns = self.actor.train(rollout_id, data, values)
             DRIVER_TIMELINE.add("log_probs", t0, actor.metrics.get("perf/log_probs_time", 0.0))
             record.update(actor.metrics)
-            norms = {"actor": actor.grad_norms}
+            norms, steps = {"actor": actor.grad_norms}, [dict(s) for s in actor.steps]
             if self.critic is not None:
                 critic = self.critic.train(rollout_id, data, values, returns)
                 record.update(critic.metrics)
                 norms["critic"] = critic.grad_norms
+                steps += [{} for _ in critic.steps[len(steps):]]
+                for step, critic_step in zip(steps, critic.steps):
+                    step.update(critic_step)
             if self.config.updates_reference_after(rollout_id):  # --ref-update-interval
                 self.actor.update_reference()
+        return norms, steps
+
+    @staticmethod
+    def check_finite(rollout_id: int, record: dict, norms: dict[str, list[float]]) -> None:
+        """Stop the run on a rollout's non-finite loss or grad-norm, before a checkpoint saves its weights (the driver
+        logs the rollout's steps first, so the steps file shows which step went wrong)."""
         check_finite_losses(record, rollout_id)
         for role, steps in norms.items():  # (no loss scaler skips such a step: it wrote non-finite weights)
             bad = next((i for i, g in enumerate(steps) if not math.isfinite(g)), None)
@@ -86,7 +96,6 @@ class TrainSide:
                     "its loss is: that step wrote non-finite weights, so the run stops before a checkpoint saves "
                     "them. Usual causes: a loss whose backward overflows (a custom loss or reducer hook), a learning "
                     "rate too high, an overflow in bf16; replay the rollout with --load-debug-rollout-data.")
-        return norms
 
     def whole_steps(self, rollout_id: int, samples: list) -> list:
         """The samples that fill whole optimizer steps of --global-batch-size trajectories (a trajectory split into

@@ -293,13 +293,13 @@ class TrainWorker:
         return B.SampleTensors((k, v) for p in parts for k, v in p.items())
 
     def _train_steps(self, samples: list, loss_fn: Any) -> TrainResult:
-        """Run the optimizer steps of one rollout: metrics averaged over steps (reporter's view), and the grad-norm of
-        each step."""
+        """Run the optimizer steps of one rollout: metrics averaged over steps (reporter's view), the grad-norm of
+        each step, and each step's metrics."""
 
         length = B.padded_length(samples)
         steps = self._plan(samples)
         sums: dict[str, float] = {}
-        first: dict[str, float] = {}
+        per_step: list[dict[str, float]] = []
         norms: list[float] = []  # every step's grad-norm, for --ci-save-grad-norm / --ci-load-grad-norm
         if self.args.reset_optimizer_states:  # as slime: before each rollout's steps (a resumed run's loaded state too)
             cleared = optimizer_ops.reset_states(self.optimizer)
@@ -323,8 +323,7 @@ class TrainWorker:
                 step = {x: float(v) / self.dp_size for x, v in zip(keys, t)}
             step["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
             norms.append(step["grad_norm"])
-            if k == 0:
-                first = dict(step)
+            per_step.append(step)
             for key, v in step.items():
                 sums[key] = sums.get(key, 0.0) + v
         prefix = self.metric_prefix
@@ -332,9 +331,9 @@ class TrainWorker:
         if self.expert_load is not None:  # all ranks
             out.update(self.expert_load.metrics(prefix))
         for key in ("ppo_kl", "grad_norm", "kl_loss", "value_loss"):
-            if key in first:
-                out[f"{prefix}first_step/{key}"] = first[key]
-        return TrainResult(out, norms)
+            if per_step and key in per_step[0]:
+                out[f"{prefix}first_step/{key}"] = per_step[0][key]
+        return TrainResult(out, norms, [{f"{prefix}{k}": v for k, v in step.items()} for step in per_step])
 
     def offload(self) -> None:
         """Free this worker's GPU memory while engines run (--offload-train): weights, optimizer state, grad buffers
