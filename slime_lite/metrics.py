@@ -233,13 +233,21 @@ def _drop_cut_last_line(path: str) -> None:
                 path)
 
 
-def check_finite_losses(record: dict[str, Any], rollout_id: int) -> None:
-    """Stop the run when a training step reported a NaN or infinite loss (before a checkpoint saves the weights)."""
-    bad = {k: v for k, v in record.items()
-           if k.rsplit("/", 1)[-1].endswith("loss") and isinstance(v, float) and not math.isfinite(v)}
+def _non_finite_losses(values: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in values.items()
+            if k.rsplit("/", 1)[-1].endswith("loss") and isinstance(v, float) and not math.isfinite(v)}
+
+
+def check_finite_losses(record: dict[str, Any], rollout_id: int, steps: list[dict[str, Any]] = ()) -> None:
+    """Stop the run when a training step reported a NaN or infinite loss (before a checkpoint saves the weights),
+    naming the first of the rollout's optimizer ``steps`` that did."""
+    bad = _non_finite_losses(record)
     if bad:
+        first = next((k for k, step in enumerate(steps) if _non_finite_losses(step)), None)
+        at = "" if first is None else f" from its optimizer step {first} of {len(steps)} on"
         raise SlimeLiteError(
-            f"rollout {rollout_id}: the training loss is not finite ({', '.join(f'{k}={v}' for k, v in bad.items())}). "
+            f"rollout {rollout_id}: the training loss is not finite{at} "
+            f"({', '.join(f'{k}={v}' for k, v in bad.items())}). "
             "The weights are no longer usable, so the run stops here. Usual causes: a learning rate too high "
             "(--lr), NaN/inf in the rollout log-probs or rewards (slime-lite display-rollouts), or an overflow in "
             "low precision; replay the rollout with --load-debug-rollout-data to reproduce it.")

@@ -64,7 +64,7 @@ class FakeTrainSide:
         return {"actor": [1.0]}, [{"train/loss": record["train/loss"]}]
 
     @staticmethod
-    def check_finite(rollout_id, record, norms):
+    def check_finite(rollout_id, record, norms, steps):
         if math.isnan(record["train/loss"]):
             raise SlimeLiteError(f"rollout {rollout_id}: the loss is nan")
 

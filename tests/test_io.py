@@ -122,6 +122,10 @@ def test_non_finite_loss_stops_the_run_naming_the_rollout() -> None:
             check_finite_losses({"train/loss": 0.5, "train/pg_loss": bad}, 3)
     with pytest.raises(SlimeLiteError, match=r"train/critic-value_loss=nan"):
         check_finite_losses({"train/critic-value_loss": float("nan")}, 0)
+    steps = [{"train/loss": 0.5}, {"train/loss": float("nan")}, {"train/loss": float("nan")}]  # the mean: nan
+    with pytest.raises(SlimeLiteError, match=r"rollout 2: the training loss is not finite from its optimizer step 1 "
+                                             r"of 3 on \(train/loss=nan\)"):
+        check_finite_losses({"train/loss": float("nan")}, 2, steps)
 
 
 def test_the_summary_line_names_the_critics_value_loss_and_the_step(caplog) -> None:

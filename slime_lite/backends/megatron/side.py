@@ -84,10 +84,10 @@ class TrainSide:
         return norms, steps
 
     @staticmethod
-    def check_finite(rollout_id: int, record: dict, norms: dict[str, list[float]]) -> None:
-        """Stop the run on a rollout's non-finite loss or grad-norm, before a checkpoint saves its weights (the driver
-        logs the rollout's steps first, so the steps file shows which step went wrong)."""
-        check_finite_losses(record, rollout_id)
+    def check_finite(rollout_id: int, record: dict, norms: dict[str, list[float]], steps: list[dict] = ()) -> None:
+        """Stop the run on a rollout's non-finite loss or grad-norm, before a checkpoint saves its weights, naming the
+        first optimizer step (of ``steps``, the driver has logged them) that went wrong."""
+        check_finite_losses(record, rollout_id, steps)
         for role, steps in norms.items():  # (no loss scaler skips such a step: it wrote non-finite weights)
             bad = next((i for i, g in enumerate(steps) if not math.isfinite(g)), None)
             if bad is not None:
