@@ -231,7 +231,8 @@ def test_non_finite_loss_stops_the_run_before_the_checkpoint(tiny_model_dir, rep
     proc = train_cli(args_for(tiny_model_dir, replay_dumps, tmp_path, "nan", "--custom-advantage-function-path",
                               "tests.fakes.nan_hooks.advantage", "--save", str(ckpt), "--save-interval", "1"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "rollout 0: the training loss is not finite from its optimizer step 0 of " in proc.stderr, proc.stderr[-3000:]
+    assert "rollout 0: the training loss is not finite from its optimizer step 0 of " in proc.stderr, (
+        proc.stderr[-3000:])
     assert "train/loss=nan" in proc.stderr
     assert not (ckpt / "latest").exists()
     steps = [json.loads(line) for line in (tmp_path / "nan.train_steps.jsonl").read_text().splitlines()]
