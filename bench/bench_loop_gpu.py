@@ -340,6 +340,7 @@ def main() -> None:
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
     from loop_parts import make_inputs
+    from slime_lite.metrics import train_steps_path
 
     q, replay = a.quick, a.layout == "replay"
     prompts, n, plen = (a.prompts or (4 if q else 16 if replay else 64)), 8, (16 if q else 128)
@@ -388,8 +389,9 @@ def main() -> None:
     first = None
     for name, extra in runs.items():
         metrics, dumps = os.path.join(out, f"{name}.jsonl"), os.path.join(out, "dumps", name + "_{rollout_id}.pt")
-        if os.path.exists(metrics):  # --metrics-path appends
-            os.remove(metrics)
+        for path in (metrics, train_steps_path(metrics)):  # --metrics-path and its steps' file append
+            if os.path.exists(path):
+                os.remove(path)
         rc = run(common + extra + ["--metrics-path", metrics, "--save-debug-rollout-data", dumps], timeout,
                  os.path.join(out, f"{name}.log"))
         res["runs"][name] = {"rc": rc, "phases": phases(metrics),

@@ -33,14 +33,17 @@ arg_value() {
   printf '%s\n' "$value"
 }
 
-# The --metrics-path file before a run: removed for a fresh run, kept for a resumed one (--load naming a folder with a
-# checkpoint), which appends to it, so the rollouts before the checkpoint keep their metrics and the plot shows them.
+# The --metrics-path file and its optimizer steps' file beside it before a run: removed for a fresh run, kept for a
+# resumed one (--load naming a folder with a checkpoint), which appends to them, so the rollouts before the
+# checkpoint keep their metrics and the plot shows them.
 # Usage: reset_metrics "$METRICS" "${ARGS[@]}"
 reset_metrics() {
-  local metrics=$1 load
+  local metrics=$1 load steps
   shift
   load=$(arg_value --load "" "$@")
   if [ -z "$load" ] || [ ! -e "$load/latest" ]; then
-    rm -f "$metrics"
+    steps=$(.venv/bin/python -c 'import sys; from slime_lite.metrics import train_steps_path
+print(train_steps_path(sys.argv[1]) or "")' "$metrics")
+    rm -f "$metrics" "$steps"
   fi
 }

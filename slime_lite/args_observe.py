@@ -72,8 +72,9 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-wandb-random-suffix", dest="wandb_random_suffix", action="store_false",
                    help="name the wandb run --wandb-group exactly (default: wandb's random run name)")
     g.add_argument("--wandb-always-use-train-step", action="store_true",
-                   help="wandb x-axis: the train step (rollout_id x --num-steps-per-rollout, logged as train_step) "
-                        "for every metric instead of rollout_id")
+                   help="wandb x-axis of the rollouts' metrics: the train step (rollout_id x "
+                        "--num-steps-per-rollout, logged as train_step) instead of rollout_id (each optimizer step's "
+                        "train metrics are against train/step either way)")
     g.add_argument("--tb-project-name", default=None,
                    help="TensorBoard folder tensorboard_log/PROJECT/EXPERIMENT, as slime (instead of "
                         "--tensorboard-dir)")

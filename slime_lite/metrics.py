@@ -54,8 +54,9 @@ def _fmt(value: Any) -> str:
 
 def train_steps_path(metrics_path: str) -> str | None:
     """The file of one record per optimizer step beside --metrics-path (metrics.jsonl: metrics.train_steps.jsonl);
-    None where the metrics go to a device such as /dev/null."""
-    if os.path.exists(metrics_path) and not os.path.isfile(metrics_path):
+    None where the metrics go to a device or stream (/dev/null, /dev/stdout, /proc/self/fd/1)."""
+    if os.path.abspath(metrics_path).startswith(("/dev/", "/proc/")) or (
+            os.path.exists(metrics_path) and not os.path.isfile(metrics_path)):
         return None
     root, ext = os.path.splitext(metrics_path)
     return f"{root}.train_steps{ext or '.jsonl'}"
@@ -64,8 +65,9 @@ def train_steps_path(metrics_path: str) -> str | None:
 class MetricsLogger:
     """A rollout's record (``log``): its summary line, a line of --metrics-path, TensorBoard's and wandb's values at
     the rollout id. Each optimizer step's train metrics (``log_train_steps``): a line of ``train_steps_path``, and
-    TensorBoard's and wandb's ``train/`` curves against ``train/step``, as slime logs them; the rollout's record
-    keeps their mean over the rollout's steps."""
+    TensorBoard's and wandb's values of those names against ``train/step``, as slime logs them; the rollout's
+    record keeps their mean over the rollout's steps (its other train/ values, such as train/first_step/* and the
+    log-prob pass's, stay at the rollout id)."""
 
     def __init__(self, args: Any) -> None:
         self.path = args.metrics_path
@@ -75,7 +77,7 @@ class MetricsLogger:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 _drop_cut_last_line(path)
         self.steps_per_rollout = args.num_steps_per_rollout or 1
-        self.next_step = 0  # train/step of the next optimizer step (a rollout of more steps than planned shifts it)
+        self.next_step: int | None = None  # train/step of the next optimizer step (None: not yet known)
         self.per_step: set[str] = set()  # names TensorBoard and wandb take from the steps, not the rollout's mean
         self.tb = None
         self.wandb = None
@@ -134,7 +136,10 @@ class MetricsLogger:
 
     def log_train_steps(self, steps: list[dict[str, float]], rollout_id: int) -> None:
         """Each optimizer step of a rollout, at ``train/step`` = rollout id x --num-steps-per-rollout + the step's
-        index (slime's count; later, if an earlier rollout trained more steps than that)."""
+        index (slime's count; later, if an earlier rollout trained more steps than that: a resumed run reads the
+        steps file for those)."""
+        if self.next_step is None:
+            self.next_step = self._steps_before(rollout_id)
         first = max(self.next_step, rollout_id * self.steps_per_rollout)
         for k, values in enumerate(steps):
             n = first + k
@@ -147,6 +152,17 @@ class MetricsLogger:
                 self._wandb_log({**values, "train/step": n}, "train/step")
         self.next_step = first + len(steps)
 
+    def _steps_before(self, rollout_id: int) -> int:
+        """The train/step after the last step the steps file holds of a rollout before ``rollout_id`` (0 if none)."""
+        last = -1
+        if self.steps_path and os.path.isfile(self.steps_path):
+            with open(self.steps_path, encoding="utf-8") as f:
+                for line in f:
+                    row = json.loads(line)
+                    if row.get("rollout_id", rollout_id) < rollout_id:
+                        last = max(last, row.get("train/step", -1))
+        return last + 1
+
     def _tensorboard(self, values: dict[str, Any], step: int) -> None:
         if self.tb is None:
             return
@@ -156,7 +172,9 @@ class MetricsLogger:
 
     def _wandb_log(self, values: dict[str, Any], axis: str) -> None:
         for key in values:
-            if key not in self.wandb_named and key not in (axis, "train/step", "train_step", "rollout_id"):
+            # ("*" in a name would make it a glob, or an error, to wandb: such a name keeps wandb's own axis)
+            if (key not in self.wandb_named and key not in (axis, "train/step", "train_step", "rollout_id")
+                    and "*" not in key):
                 self.wandb.define_metric(key, step_metric=axis)
                 self.wandb_named.add(key)
         self.wandb.log(values)

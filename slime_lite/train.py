@@ -87,8 +87,9 @@ def run(args) -> int:
                 train.onload(record)
                 schedule.train_started()
                 grad_norms, steps = train.train(rollout_id, samples, record)
-                metrics.log_train_steps(steps, rollout_id)
-                train.check_finite(rollout_id, record, grad_norms, steps)
+                if train.trains:
+                    metrics.log_train_steps(steps, rollout_id)
+                    train.check_finite(rollout_id, record, grad_norms, steps)
                 schedule.train_finished(record)
                 # before the save: a rollout that fails a check leaves no checkpoint a resume would go on from
                 checks.after_rollout(rollout_id, record, grad_norms, schedule.expected_version(rollout_id))

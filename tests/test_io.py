@@ -138,8 +138,9 @@ def test_the_summary_line_names_the_critics_value_loss_and_the_step(caplog) -> N
 def test_each_optimizer_step_is_a_line_beside_the_metrics_and_tensorboards_train_curve(tmp_path: Path) -> None:
     """--metrics-path m.jsonl: each optimizer step's metrics are a line of m.train_steps.jsonl at slime's train/step
     (rollout id x --num-steps-per-rollout + the step); a rollout that trained more steps than planned shifts the
-    later ones instead of reusing a step; a resumed run counts from its rollout id again. TensorBoard's train/
-    curves are the steps', not the rollouts' means. Metrics sent to a device write no steps file."""
+    later ones instead of reusing a step, in a resumed run too (it reads the steps of the rollouts before it).
+    TensorBoard's train/ curves are the steps', not the rollouts' means. Metrics sent to a device or stream write
+    no steps file."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     path, tb = tmp_path / "m.jsonl", tmp_path / "tb"
@@ -161,9 +162,14 @@ def test_each_optimizer_step_is_a_line_beside_the_metrics_and_tensorboards_train
         (5, pytest.approx(0.1)), (6, 0.0)]
     assert [(e.step, e.value) for e in events.Scalars("rollout/raw_reward")] == [(0, 0.25)]
     resumed = MetricsLogger(parser_defaults(metrics_path=str(path), num_steps_per_rollout=2))
-    resumed.log_train_steps([{"train/loss": 0.1}], 2)
-    assert json.loads((tmp_path / "m.train_steps.jsonl").read_text().splitlines()[-1])["train/step"] == 4
-    assert train_steps_path("/dev/null") is None and train_steps_path("a/m.jsonl") == "a/m.train_steps.jsonl"
+    resumed.log_train_steps([{"train/loss": 0.1}], 2)  # resumed at rollout 2: after rollout 1's steps 2-4
+    assert json.loads((tmp_path / "m.train_steps.jsonl").read_text().splitlines()[-1])["train/step"] == 5
+    fresh = tmp_path / "fresh.jsonl"
+    MetricsLogger(parser_defaults(metrics_path=str(fresh), num_steps_per_rollout=2)).log_train_steps([{}], 3)
+    assert json.loads((tmp_path / "fresh.train_steps.jsonl").read_text())["train/step"] == 6  # resumed, no file
+    for device in ("/dev/null", "/dev/stdout", "/proc/self/fd/1"):
+        assert train_steps_path(device) is None, device
+    assert train_steps_path("a/m.jsonl") == "a/m.train_steps.jsonl" and train_steps_path("m") == "m.train_steps.jsonl"
     MetricsLogger(parser_defaults(metrics_path="/dev/null")).log_train_steps([{"train/loss": 1.0}], 0)
 
 

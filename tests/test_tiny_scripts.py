@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def sandbox(tmp_path: Path) -> Path:
     """scripts/ with lib.sh and the run scripts; prepare-tiny.sh and setup.sh no-ops; .venv/bin/slime-lite records
-    its calls; .venv/bin/python reads its script and does nothing."""
+    its calls; .venv/bin/python runs a -c program with slime_lite (lib.sh names the steps file so), else reads its
+    script and does nothing."""
     (tmp_path / "scripts").mkdir()
     for name in ("lib.sh", "run-tiny-grpo.sh", "run-tiny-ppo.sh", "run-tiny-reinforce.sh", "run-tiny-replay.sh",
                  "run-tiny-tool-grpo.sh"):
@@ -23,7 +25,9 @@ def sandbox(tmp_path: Path) -> Path:
     for name in ("prepare-tiny.sh", "setup.sh"):
         (tmp_path / "scripts" / name).write_text("exit 0\n")
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
-    for name, body in (("slime-lite", 'echo "$@" >> calls.txt'), ("python", "cat > /dev/null")):
+    python = (f'[ "$1" = -c ] && PYTHONPATH={ROOT} exec {sys.executable} "$@"\n'
+              "cat > /dev/null")
+    for name, body in (("slime-lite", 'echo "$@" >> calls.txt'), ("python", python)):
         fake = tmp_path / ".venv" / "bin" / name
         fake.write_text(f"#!/bin/sh\n{body}\n")
         fake.chmod(0o755)
@@ -43,18 +47,21 @@ def _run(sandbox: Path, script: str, *args: str) -> None:
                                     "run-tiny-replay.sh", "run-tiny-tool-grpo.sh"])
 def test_a_resumed_run_appends_to_its_metrics_a_fresh_one_starts_them_anew(sandbox: Path, script: str) -> None:
     """The scripts removed the --metrics-path file before every run: resuming with --load lost the metrics of
-    every rollout before the checkpoint (and the plot showed only the rest)."""
-    metrics, ckpt = sandbox / "m.jsonl", sandbox / "ckpt"
+    every rollout before the checkpoint (and the plot showed only the rest). The optimizer steps' file beside it
+    goes and stays with it (else a fresh run's steps would follow the last run's)."""
+    metrics, steps, ckpt = sandbox / "m.jsonl", sandbox / "m.train_steps.jsonl", sandbox / "ckpt"
     ckpt.mkdir()
     metrics.write_text('{"rollout_id": 0}\n')
+    steps.write_text('{"train/step": 0}\n')
     _run(sandbox, script, "--metrics-path", str(metrics), "--load", str(ckpt))  # no checkpoint yet: a fresh start
-    assert not metrics.exists()
+    assert not metrics.exists() and not steps.exists()
     (ckpt / "latest").write_text("iter_0000049")
     metrics.write_text('{"rollout_id": 49}\n')
+    steps.write_text('{"train/step": 49}\n')
     _run(sandbox, script, "--metrics-path", str(metrics), "--load", str(ckpt))  # a resume: appended to
-    assert metrics.read_text() == '{"rollout_id": 49}\n'
+    assert metrics.read_text() == '{"rollout_id": 49}\n' and steps.read_text() == '{"train/step": 49}\n'
     _run(sandbox, script, "--metrics-path", str(metrics))
-    assert not metrics.exists()
+    assert not metrics.exists() and not steps.exists()
     assert (sandbox / "calls.txt").read_text().count("train ") == 3
 
 

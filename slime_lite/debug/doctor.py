@@ -55,6 +55,7 @@ from slime_lite.debug.run_checks import (
 )
 from slime_lite.errors import SlimeLiteError, run_main
 from slime_lite.logging_setup import setup_logging
+from slime_lite.metrics import train_steps_path
 from slime_lite.rollout.dumps import load_rollout_dump
 
 log = logging.getLogger("slime_lite.doctor")
@@ -146,12 +147,14 @@ def _clean(out: str) -> None:
     held = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if held and MARK not in held and "doctor.json" not in held:
         raise SlimeLiteError(f"--out {out} holds files the doctor did not write ({', '.join(held[:4])}"
-                             f"{', ...' if len(held) > 4 else ''}): a doctor run replaces metrics.jsonl, args.json, "
-                             "train.log, rollout_data/ and train_data/ there. Pass an empty or new folder, or one "
-                             "an earlier doctor run used.")
-    for name in ("metrics.jsonl", "args.json", "train.log", "doctor.json"):
-        if os.path.exists(os.path.join(out, name)):
-            os.unlink(os.path.join(out, name))
+                             f"{', ...' if len(held) > 4 else ''}): a doctor run replaces metrics.jsonl, "
+                             "metrics.train_steps.jsonl, args.json, train.log, rollout_data/ and train_data/ "
+                             "there. Pass an empty or new folder, or one an earlier doctor run used.")
+    metrics = os.path.join(out, "metrics.jsonl")
+    for path in (metrics, train_steps_path(metrics), *(os.path.join(out, n) for n in ("args.json", "train.log",
+                                                                                      "doctor.json"))):
+        if os.path.exists(path):
+            os.unlink(path)
     for name in ("rollout_data", "train_data", "mismatch", "rerun"):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     os.makedirs(out, exist_ok=True)

@@ -313,5 +313,7 @@ def test_the_doctor_never_clears_a_folder_it_did_not_write(tmp_path, monkeypatch
     mine = tmp_path / "doctor_out"
     doctor.run_train([], str(mine), 600)
     (mine / "metrics.jsonl").write_text("{}\n")  # as that run would have written
+    (mine / "metrics.train_steps.jsonl").write_text("{}\n")
     doctor.run_train([], str(mine), 600)  # the doctor's own folder: cleared and used again
     assert not (mine / "metrics.jsonl").exists() and (mine / "train.log").exists()
+    assert not (mine / "metrics.train_steps.jsonl").exists()

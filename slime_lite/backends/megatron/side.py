@@ -88,11 +88,12 @@ class TrainSide:
         """Stop the run on a rollout's non-finite loss or grad-norm, before a checkpoint saves its weights, naming the
         first optimizer step (of ``steps``, the driver has logged them) that went wrong."""
         check_finite_losses(record, rollout_id, steps)
-        for role, steps in norms.items():  # (no loss scaler skips such a step: it wrote non-finite weights)
-            bad = next((i for i, g in enumerate(steps) if not math.isfinite(g)), None)
+        for role, role_norms in norms.items():  # (no loss scaler skips such a step: it wrote non-finite weights)
+            bad = next((i for i, g in enumerate(role_norms) if not math.isfinite(g)), None)
             if bad is not None:
                 raise SlimeLiteError(
-                    f"rollout {rollout_id}: the {role}'s grad-norm is not finite at step {bad} ({steps[bad]}) though "
+                    f"rollout {rollout_id}: the {role}'s grad-norm is not finite at step {bad} ({role_norms[bad]}) "
+                    "though "
                     "its loss is: that step wrote non-finite weights, so the run stops before a checkpoint saves "
                     "them. Usual causes: a loss whose backward overflows (a custom loss or reducer hook), a learning "
                     "rate too high, an overflow in bf16; replay the rollout with --load-debug-rollout-data.")
