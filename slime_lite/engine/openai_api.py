@@ -147,13 +147,17 @@ def _usage_options(body: dict[str, Any]) -> tuple[bool, bool]:
             _flag(options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats", False))
 
 
-def _stream_delta(sent: str, text: str, final: bool) -> tuple[str, str]:
+def _stream_delta(sent: str, text: str, final: bool, stops: list[str] = ()) -> tuple[str, str]:
     """``(delta, sent)``: what a stream chunk adds to ``sent`` (the text streamed so far) for the request's text
     now. Until the request finishes, a trailing U+FFFD is held back: it is the start of a character whose other
-    bytes come with later tokens. A text that does not continue ``sent`` (a stop string cut at the finish) is sent
-    from where the two part."""
+    bytes come with later tokens; so is an end of the text that begins one of the request's ``stops`` (the stop
+    string may complete with the next token, and the text before it is all the client may see, as SGLang holds
+    it back). A text that does not continue ``sent`` (a stop string cut at the finish) is sent from where the two
+    part."""
     if not final:
         text = text.rstrip("\ufffd")
+        held = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        text = text[:len(text) - held]
     if text.startswith(sent):
         return text[len(sent):], text
     return text[len(os.path.commonprefix([sent, text])):], text
@@ -455,7 +459,8 @@ class _OpenAI:
             async with contextlib.aclosing(self.server.iter_outputs(reqs)) as stream:
                 async for i, out in stream:
                     at = len(sent[i])
-                    delta, sent[i] = _stream_delta(sent[i], sch.output_text(out), out.finish_reason is not None)
+                    delta, sent[i] = _stream_delta(sent[i], sch.output_text(out), out.finish_reason is not None,
+                                                   out.params.stop)
                     lo, first = sent_tokens[i] or 0, sent_tokens[i] is None
                     sent_tokens[i] = len(out.output_ids)
                     chunk = {**chunk_head, "choices": [choice(i, out, delta, lo, first, at, stream=True)]}

@@ -55,8 +55,8 @@ from aiohttp import web
 
 from slime_lite.engine.http_json import BadRequest as HttpBadRequest, read_body
 from slime_lite.errors import EngineError
-from slime_lite.rollout.agent_messages import (BadRequest, call_options, normalise, render, stop_strings,
-                                                stream_chunks, stream_options, tool_choice)
+from slime_lite.rollout.agent_messages import (BadRequest, call_options, normalise, read_answer, render,
+                                                stop_strings, stream_chunks, stream_options, tool_choice)
 from slime_lite.rollout.agent_runner import start_agent
 from slime_lite.rollout.agent_samples import segments, trajectory_samples
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound, turn_seed
@@ -211,17 +211,21 @@ class Trajectory:
         finally:
             self.reserved -= reserved
             self.released.set()
-        meta = out["meta_info"]
+        try:
+            meta, ids, log_probs = read_answer(out)
+        except ValueError as exc:  # the engine's failure, not a call
+            self.sent -= 1
+            raise EngineError(str(exc)) from None
         finish_info = meta.get("finish_reason") or {}
         finish = finish_info.get("type") or "stop"
-        ids = [int(t) for t in out["output_ids"]]
-        log_probs = [float(t[0]) for t in meta["output_token_logprobs"]]
         content = out["text"]
         matched = finish_info.get("matched")
         if isinstance(matched, str) and matched in content:  # as OpenAI's: the content ends before the stop string
             content = content[:content.find(matched)]
-        strip = ep.stop_texts + ((ep.tokenizer.decode([matched]),) if isinstance(matched, int) else ())
-        parsed = parse_tool_calls(content, strip, ep.parser if parse else None, tools)
+        if isinstance(matched, int):  # the stop token's text, once (an ordinary token such as "." may end the
+            mark = ep.tokenizer.decode([matched])  # content before it too)
+            content = content[:-len(mark)] if mark and content.endswith(mark) else content
+        parsed = parse_tool_calls(content, ep.stop_texts, ep.parser if parse else None, tools)
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
                       for c in parsed.calls]
@@ -234,7 +238,8 @@ class Trajectory:
             parent.routed_experts = None  # this call's table covers the parent's tokens
         self.calls.append(Call(
             messages=messages, reply=normalise(reply), prompt_ids=list(prompt_ids), completion_ids=ids,
-            log_probs=log_probs, text=out["text"], finish_reason=finish, extends=parent is not None,
+            # the turn's text is its tokens' (a stop string ending inside a token leaves the engine's text shorter)
+            log_probs=log_probs, text=ep.tokenizer.decode(ids), finish_reason=finish, extends=parent is not None,
             new_roles=[m["role"] for m in messages[n_prev:]] if parent is not None else [],
             weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
             token_versions=([version_number(str(v)) for v in per_token]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
@@ -130,6 +131,15 @@ def call_options(body: dict[str, Any]) -> tuple[Any, int | None, dict[str, Any],
         # model turn, which the trajectory trains as the engine's tokens
         raise BadRequest("continue_final_message: not supported by the agent endpoint (a trajectory's model turns "
                          "are the engine's own tokens); leave it out and send no unfinished assistant message")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:  # unconstrained output would fail the client's own parsing later
+        raise BadRequest(f"response_format={fmt!r:.80}: constrained output (json_object, json_schema) is not "
+                         "supported by the agent endpoint; leave it out (or {\"type\": \"text\"}) and ask for "
+                         "the format in the prompt")
+    legacy = next((k for k in ("functions", "function_call") if body.get(k) is not None), None)
+    if legacy is not None:
+        raise BadRequest(f"{legacy}: OpenAI's deprecated function-calling fields are not read; send tools (and "
+                         "tool_choice) instead")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadRequest(f"chat_template_kwargs={kwargs!r:.80} must be an object")
@@ -186,6 +196,22 @@ def stream_chunks(completion: dict[str, Any], include_usage: bool) -> list[dict[
     return chunks
 
 
+def read_answer(out: Any) -> tuple[dict[str, Any], list[int], list[float]]:
+    """The engine's /generate answer to a call: its ``meta_info``, output ids and their log-probs, one finite each.
+    An answer that cannot be read is a ValueError saying why (a NaN log-prob arrives as JSON's null)."""
+    try:
+        meta = out["meta_info"]
+        ids = [int(t) for t in out["output_ids"]]
+        log_probs = [float(t[0]) for t in meta["output_token_logprobs"]]
+        if not isinstance(out["text"], str) or len(log_probs) != len(ids) or not all(map(math.isfinite, log_probs)):
+            raise ValueError(f"{len(ids)} tokens with the log-probs {log_probs[:8]!r:.120}, not one finite log-prob "
+                             "each")
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"its answer could not be read ({type(exc).__name__}: {exc}); a null or NaN log-prob means "
+                         "the engine computed NaN logits (check its weights: --check-weight-update-equal)") from None
+    return meta, ids, log_probs
+
+
 def render(endpoint: Any, messages: list[dict[str, Any]], parent: Any, tools: Any,
            template_kwargs: dict[str, Any]) -> tuple[str, Any]:
     """The text to send after ``parent``'s tokens (the whole prompt without one), and the parent call kept: none
@@ -202,10 +228,15 @@ def render(endpoint: Any, messages: list[dict[str, Any]], parent: Any, tools: An
             n = len(parent.messages) + 1
             closed = bool(parent.completion_ids) and parent.completion_ids[-1] in endpoint.closing_ids
             try:
-                return inserted_text(tok, messages[:n], messages[n:], endpoint.end_of_turn, closed=closed,
-                                     template_kwargs={**template_kwargs, "tools": tools}), parent
+                text = inserted_text(tok, messages[:n], messages[n:], endpoint.end_of_turn, closed=closed,
+                                     template_kwargs={**template_kwargs, "tools": tools})
             except SlimeLiteError as exc:
                 log.debug("a new segment (%s)", exc)
+            else:  # a template that closes no turn (GLM) opens the next message with the role tag the model
+                # stopped on (<|observation|>, <|user|>): that tag is the model's last token already, not again
+                last = parent.completion_ids[-1] if parent.completion_ids else None
+                mark = tok.decode([last]) if last in tok.all_special_ids and not endpoint.end_of_turn else ""
+                return (text[len(mark):] if mark and text.startswith(mark) else text), parent
         return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
                                        **template_kwargs), None
     except Exception as exc:  # noqa: BLE001 - a template error is the agent's input

@@ -2,7 +2,8 @@
 loss mask train exactly the model's tokens?
 
 - Drift: the sample's tokens against its text: the prompt and each inserted turn re-tokenised, each model turn
-  decoded (the engine's ids need not be the canonical tokenisation of their text, so they are not re-tokenised),
+  decoded (the engine's ids need not be the canonical tokenisation of their text, so they are not re-tokenised; the
+  text may end inside the last token, where the engine cut it at a stop string),
   and for chat samples (``metadata["messages"]``, the conversation as OpenAI messages) the tokenizer's chat template
   re-rendered over the conversation. A difference means someone rebuilt tokens from text (a hook that re-tokenised
   a turn, a hand-written template) and the tokens trained are not those generated or those the template gives. Each drifting sample is reported with the first position that differs and the text
@@ -104,7 +105,10 @@ def token_drift(sample: Sample, tokenizer: Any,
         lo = start + t["start"]
         piece = tokens[lo:lo + t["length"]]
         if t["source"] == "model":
-            r = _text_report(sample, tokenizer, lo, piece, tokenizer.decode(piece), t["text"], "decoded model turn")
+            decoded, text = tokenizer.decode(piece), t["text"]
+            if decoded != text and decoded.startswith(text) and text.startswith(tokenizer.decode(piece[:-1])):
+                continue  # the engine's text cut at a stop string that ends inside the turn's last token
+            r = _text_report(sample, tokenizer, lo, piece, decoded, text, "decoded model turn")
         else:
             r = _token_report(sample, tokenizer, lo, piece, _encode(tokenizer, t["text"]), "re-tokenised text")
         if r is not None:

@@ -130,11 +130,13 @@ class ScriptedEngine:
 
 
 def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine_box=None, chat_template=None,
-              sample=None, version=None, timeout=None, context=4096, token_versions=None, parser="auto", **flags):
+              sample=None, version=None, timeout=None, context=4096, token_versions=None, parser="auto",
+              tokenizer=None, **flags):
     """Run ``agent(base_url, sample)`` through the openai_agent hook over a scripted engine (kept in
     ``engine_box["engine"]`` when given; reporting weight ``version`` when given, and per call its tokens'
-    ``token_versions``); ``parser`` is --tool-call-parser, ``flags`` are more of the run's flags."""
-    tok = build_tokenizer()
+    ``token_versions``); ``parser`` is --tool-call-parser, ``tokenizer`` the endpoint's (the tiny one by default),
+    ``flags`` are more of the run's flags."""
+    tok = tokenizer or build_tokenizer()
     if chat_template is not None:
         tok.chat_template = chat_template
 

@@ -211,6 +211,29 @@ def test_a_model_turn_masked_for_its_weights_age_is_not_a_hooks_masked_turn():
     assert mask_problems(s) == ([2], [])
 
 
+def test_a_model_turn_whose_text_the_engine_cut_inside_its_last_token_is_no_drift():
+    """With no_stop_trim the engine cuts its text right after a stop string that ends inside a token ("<|im_st" of
+    "<|im_start|>"), and returns the whole token: not a drift. Text that stops before the last token, or a turn
+    whose tokens were rebuilt, still is."""
+    from slime_lite.rollout.drift import token_drift
+    from slime_lite.rollout.turns import append_turn
+    from slime_lite.tokenizer import build_tokenizer
+    from slime_lite.types import Sample
+
+    tok = build_tokenizer()
+    ids = tok("ab<|im_start|>", add_special_tokens=False)["input_ids"]
+
+    def drift(text: str, tokens: list[int] = ids):
+        s = Sample(index=0, prompt="p", tokens=[1])
+        append_turn(s, tokens, [-0.1] * len(tokens), text=text)
+        return token_drift(s, tok)
+
+    assert drift("ab<|im_start|>") is None and drift("ab<|im_st") is None and drift("ab") is None
+    assert drift("a") is not None  # ends before the last token: not the engine's cut
+    assert drift("ab<|im_sx") is not None  # not a prefix of the tokens' text
+    assert drift("ab<|im_st", ids[:-1] + tok("<|im_end|>", add_special_tokens=False)["input_ids"]) is not None
+
+
 def test_a_cut_inserted_turn_never_ends_inside_a_character():
     """A byte-level tokenizer (Qwen's, Llama's) writes a character in several tokens: an inserted turn cut to
     --max-inserted-tokens-per-turn inside one backs off to its start, so its text is whole and tokenizes to the
