@@ -281,17 +281,21 @@ class Trajectory:
         return text, parent, self.endpoint.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     async def _left(self, prompt_ids: list[int], start: int, parent: Call | None) -> int:
-        """Response tokens a call may write: the budget, less every segment's response (the chain it extends
-        counted once) and what the calls in flight reserved (their inserted tokens and what they may write). While
-        those hold all of it the call waits for them (calls sent at once from one history then run one after the
-        other); 0 when nothing is left."""
+        """Response tokens a call may write: the budget, less every segment's response and what the calls in flight
+        reserved (their inserted tokens and what they may write). The segment this call continues (its parent ends
+        it) counts as this call's prompt past that segment's own prompt; a call from inside a segment (a branch)
+        starts a segment of its own, whose prompt is all it was sent. While those hold all of it the call waits for
+        them (calls sent at once from one history then run one after the other); 0 when nothing is left."""
         while True:
-            used = len(prompt_ids) - start
+            used, own = 0, len(prompt_ids) - start
             for g in self._segments():
+                if parent is not None and g[-1] is parent:
+                    own = len(prompt_ids) - len(g[0].prompt_ids)
+                    continue
                 used += len(g[-1].prompt_ids) + len(g[-1].completion_ids) - len(g[0].prompt_ids)
-                if any(c is parent for c in g):  # the chain this call extends is in its own prompt
-                    used -= len(parent.prompt_ids) + len(parent.completion_ids) - len(g[0].prompt_ids)
-            left = self.budget - used - self.reserved
+                if any(c is parent for c in g):
+                    own = 0
+            left = self.budget - used - own - self.reserved
             if left > 0 or not self.reserved or self.aborted:
                 return max(left, 0)
             self.released.clear()

@@ -166,3 +166,39 @@ def test_a_stream_holds_back_text_that_may_begin_a_stop_string():
     assert _stream_delta("7hh", "7hh</ax", False, stops) == ("</ax", "7hh</ax")
     assert _stream_delta("7", "7", True, stops) == ("", "7")  # finished at the stop string: nothing of it
     assert _stream_delta("", "7hh", True, stops) == ("7hh", "7hh")  # finished otherwise: all of it
+
+
+def test_a_call_continuing_a_branch_gets_the_budget_its_samples_leave():
+    """A call P, two branches from its reply (the first to finish continues P's sample, the other starts one of its
+    own), then a call continuing the second: it may write the budget less the response tokens the samples hold,
+    not less P's reply twice and the branch's prompt (a best-of-n or tree-search agent was cut short)."""
+    import asyncio
+
+    class SlowC(ScriptedEngine):
+        async def generate(self, body):
+            if self.tok.decode(body["input_ids"]).endswith("user\nc<|im_end|>\n<|im_start|>assistant\n"):
+                await asyncio.sleep(0.2)  # branch "c" finishes second
+            return await super().generate(body)
+
+    async def agent(base_url, task):
+        client = _client(base_url)
+        history = list(USER)
+        history.append((await client.chat.completions.create(model="m", messages=history)).choices[0].message)
+        _, second = await asyncio.gather(*(client.chat.completions.create(
+            model="m", messages=history + [{"role": "user", "content": q}]) for q in ("b", "c")))
+        await client.chat.completions.create(model="m", messages=history + [
+            {"role": "user", "content": "c"}, second.choices[0].message, {"role": "user", "content": "d"}])
+
+    import tests.rollout.test_agent_endpoint as scripted
+
+    real, scripted.ScriptedEngine = scripted.ScriptedEngine, SlowC
+    box: dict = {}
+    try:
+        samples = run_agent(["P" * 40 + "<|im_end|>", "A<|im_end|>", "B<|im_end|>", "C<|im_end|>"], agent,
+                            {"temperature": 1.0, "max_new_tokens": 1000}, engine_box=box)
+    finally:
+        scripted.ScriptedEngine = real
+    last = box["engine"].seen[-1]
+    written = len(build_tokenizer()("C<|im_end|>", add_special_tokens=False)["input_ids"])
+    assert len(samples) == 2
+    assert last["sampling_params"]["max_new_tokens"] == 1000 - (sum(s.response_length for s in samples) - written)
