@@ -50,7 +50,7 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--metrics-path", default=None,
                    help="append every rollout's metrics record as one JSON line; each optimizer step's train "
-                        "metrics go to a file beside it, named after it (metrics.jsonl: metrics.train_steps.jsonl), "
+                        "metrics go to a file beside it, named after it (m.jsonl: m.train_steps.jsonl), "
                         "at slime's train/step")
     g.add_argument("--use-tensorboard", action="store_true", help="also log metrics to TensorBoard")
     g.add_argument("--tensorboard-dir", default=None,
