@@ -20,6 +20,7 @@ import io
 import os
 import pickle
 import re
+import time
 from typing import Any
 
 import torch
@@ -278,14 +279,26 @@ def deserialize(data: str | bytes) -> Any:
             raise ValueError(f"not base64: {exc}") from None
     if not isinstance(data, (bytes, bytearray)):
         raise ValueError(f"a payload is base64 text or bytes, not {type(data).__name__}")
-    try:
-        return RestrictedUnpickler(io.BytesIO(bytes(data))).load()
-    except UnsafePayload:
-        raise
-    except ValueError as exc:  # a rebuild function's check
-        raise ValueError(f"malformed payload: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - any other unpickling failure is the sender's
-        raise ValueError(f"malformed payload: {type(exc).__name__}: {exc}") from None
+    attempt = 0
+    while True:
+        try:
+            return RestrictedUnpickler(io.BytesIO(bytes(data))).load()
+        except UnsafePayload:
+            raise
+        except ValueError as exc:  # a rebuild function's check
+            raise ValueError(f"malformed payload: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any other unpickling failure is the sender's
+            attempt += 1
+            if SHM_TIMEOUT in str(exc) and attempt < SHM_ATTEMPTS:  # a busy host: the segments are still there
+                time.sleep(0.5 * attempt)
+                continue
+            raise ValueError(f"malformed payload: {type(exc).__name__}: {exc}") from None
+
+
+# torch's shared-memory manager (file_system sharing) did not answer in time, seen once on a loaded 2-core machine:
+# the sender still holds the segments, so the payload is read again a few times before the push fails
+SHM_TIMEOUT = "Shared memory manager connection has timed out"
+SHM_ATTEMPTS = 4
 
 
 def _tensor(value: Any, name: str, tp_rank: int) -> torch.Tensor:

@@ -182,6 +182,36 @@ def test_file_descriptor_sharing_is_refused_with_the_fix():
         weight_reader.deserialize(payload)
 
 
+def test_a_shared_memory_manager_timeout_is_read_again_and_other_failures_are_not(monkeypatch):
+    """torch's shared-memory manager not answering in time (once, on a loaded 2-core machine) failed a whole push:
+    the payload is read again a few times (the sender still holds its segments); any other failure is not."""
+    payload = weight_wire.serialize([("w", torch.ones(3))], by_value=True)
+    real, calls = weight_reader.RestrictedUnpickler.load, []
+
+    def flaky(self, fails: int, message: str):
+        calls.append(1)
+        if len(calls) <= fails:
+            raise RuntimeError(message)
+        return real(self)
+
+    monkeypatch.setattr(weight_reader.time, "sleep", lambda s: None)
+    monkeypatch.setattr(weight_reader.RestrictedUnpickler, "load",
+                        lambda self: flaky(self, 2, weight_reader.SHM_TIMEOUT))
+    (name, value), = weight_reader.deserialize(payload)
+    assert name == "w" and torch.equal(value, torch.ones(3)) and len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(weight_reader.RestrictedUnpickler, "load",
+                        lambda self: flaky(self, 9, weight_reader.SHM_TIMEOUT))
+    with pytest.raises(ValueError, match="malformed payload: RuntimeError: Shared memory manager connection"):
+        weight_reader.deserialize(payload)
+    assert len(calls) == weight_reader.SHM_ATTEMPTS
+    calls.clear()
+    monkeypatch.setattr(weight_reader.RestrictedUnpickler, "load", lambda self: flaky(self, 1, "another failure"))
+    with pytest.raises(ValueError, match="malformed payload: RuntimeError: another failure"):
+        weight_reader.deserialize(payload)
+    assert len(calls) == 1
+
+
 def test_trainer_push_in_sglang_format_inside_a_session(wire_engine, base_weights, monkeypatch):
     """weight_push's tensor transport: several flattened buckets, begin/end session, scramble first, then the
     equality check; the engine holds exactly the trainer's tensors."""
