@@ -4,13 +4,16 @@
 tokenizer_config.json) with ``PreTrainedTokenizerFast``, since ``AutoTokenizer`` would pick Qwen2's for a qwen2
 config, and any other with ``AutoTokenizer``. :func:`tokenizer_fingerprint` tells two processes whether they use
 the same tokenizer. :func:`build_tokenizer` / :func:`save_tokenizer` make the character-level one.
+:func:`token_bytes` gives a token's own bytes (OpenAI's log-prob ``bytes``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +136,27 @@ def model_vocab_size(hf_checkpoint: str) -> int | None:
     with open(os.path.join(hf_checkpoint, "config.json"), encoding="utf-8") as f:
         value = json.load(f).get("vocab_size")
     return value if isinstance(value, int) and value > 0 else None
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte-level alphabet
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token: int, text: str) -> list[int]:
+    """The bytes of one token, as OpenAI's log-probs give them (``bytes``, so that the tokens of one character join
+    into it): ``text``, the token decoded alone, in UTF-8; but where that holds U+FFFD because the token is part of
+    a character, the token's raw bytes: a byte-level BPE token (Qwen's, Llama 3's) mapped back from GPT-2's byte
+    alphabet, a SentencePiece byte token ``<0xNN>`` (Llama 2's) read as its byte."""
+    if "\ufffd" in text:
+        piece = tokenizer.convert_ids_to_tokens(int(token))
+        if isinstance(piece, str) and piece:
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            if byte:
+                return [int(byte.group(1), 16)]
+            table = _byte_of_char()
+            if all(c in table for c in piece):
+                return [table[c] for c in piece]
+    return list(text.encode())

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from slime_lite.engine import validate as check
 from slime_lite.engine.http_json import BadRequest, dumps, json_response, read_body
+from slime_lite.tokenizer import token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -418,7 +419,9 @@ class _OpenAI:
 
         def entry(v: float, t: int) -> dict[str, Any]:
             s = self._text(t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+            with self.server.scheduler.tokenizer_lock:
+                raw = token_bytes(self.server.scheduler.tokenizer, t, s)
+            return {"token": s, "logprob": v, "bytes": raw}
 
         def choice(i: int, out: Any, text: str, lo: int = 0, first: bool = True, at: int = 0, stream: bool = False):
             lp = None

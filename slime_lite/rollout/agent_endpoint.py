@@ -34,9 +34,10 @@ Use: ``generate = openai_agent(run)`` in the agent's module, where ``async def r
 ``--custom-generate-function-path module.generate``. An agent written for the synchronous client (``openai.OpenAI``)
 is a plain ``def run(base_url, sample)``: it runs in a thread of its own. An ``async def`` agent must use
 ``openai.AsyncOpenAI``: a blocking call inside it stops the event loop that serves the endpoint, and the call never
-gets its answer. ``openai_agent(run, timeout=S)``: an agent still running after
-S seconds (stuck on its own I/O, or retrying a refused call forever) is cancelled and its sample ends FAILED, what it
-recorded kept; without it an agent may run as long as it likes.
+gets its answer. ``openai_agent(run, timeout=S)``: an agent still running after S seconds (stuck on its own I/O, or
+retrying a refused call forever) is cancelled, its call in flight cancelled at the engine (a 404 for an agent in a
+thread, which cannot be stopped), and its sample ends FAILED, what it recorded kept; without it an agent may run as
+long as it likes.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import functools
 import itertools
 import json
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -55,8 +55,9 @@ from aiohttp import web
 
 from slime_lite.engine.http_json import BadRequest as HttpBadRequest, read_body
 from slime_lite.errors import EngineError
-from slime_lite.rollout.agent_messages import (BadRequest, call_options, normalise, read_answer, render,
-                                                stop_strings, stream_chunks, stream_options, tool_choice)
+from slime_lite.rollout.agent_messages import (BadRequest, call_options, chat_completion, normalise, read_answer,
+                                                render, reply_content, stop_strings, stream_chunks, stream_options,
+                                                tool_choice)
 from slime_lite.rollout.agent_runner import start_agent
 from slime_lite.rollout.agent_samples import segments, trajectory_samples
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound, turn_seed
@@ -98,6 +99,10 @@ class BudgetExhausted(Exception):
     """The trajectory has no response tokens left (``--rollout-max-response-len``)."""
 
 
+class Finished(Exception):
+    """The trajectory closed while the call was in flight (its agent was past its timeout): a 404."""
+
+
 class Aborted(Exception):
     """The engine aborted a call of the trajectory (over-sampling has its groups, an engine error): the sample ends
     ABORTED."""
@@ -122,6 +127,8 @@ class Trajectory:
         self.truncated = False
         self.aborted = False
         self.stopped = asyncio.Event()  # set by ``abort``: the hook stops waiting for the agent
+        self.in_flight: set[asyncio.Future] = set()  # engine requests of calls not answered yet (``close`` cancels)
+        self.closed = False
 
     def abort(self) -> None:
         """The rollout has its groups (over-sampling): the trajectory ends ABORTED now, its agent is cancelled
@@ -203,12 +210,17 @@ class Trajectory:
         inserted = len(prompt_ids) - (len(parent.prompt_ids) + len(parent.completion_ids) if parent else start)
         reserved = inserted + params["max_new_tokens"] if self.budget is not None else 0
         self.reserved += reserved
+        engine_call = asyncio.ensure_future(ep.engine_client.generate(request))
+        self.in_flight.add(engine_call)
         try:
-            out = await ep.engine_client.generate(request)
+            out = await engine_call
         except BaseException:
             self.sent -= 1  # not served: the call does not count
+            if self.closed and engine_call.cancelled() and not asyncio.current_task().cancelling():
+                raise Finished("the trajectory has finished (its agent was stopped); the call was cancelled") from None
             raise
         finally:
+            self.in_flight.discard(engine_call)
             self.reserved -= reserved
             self.released.set()
         try:
@@ -218,13 +230,7 @@ class Trajectory:
             raise EngineError(str(exc)) from None
         finish_info = meta.get("finish_reason") or {}
         finish = finish_info.get("type") or "stop"
-        content = out["text"]
-        matched = finish_info.get("matched")
-        if isinstance(matched, str) and matched in content:  # as OpenAI's: the content ends before the stop string
-            content = content[:content.find(matched)]
-        if isinstance(matched, int):  # the stop token's text, once (an ordinary token such as "." may end the
-            mark = ep.tokenizer.decode([matched])  # content before it too)
-            content = content[:-len(mark)] if mark and content.endswith(mark) else content
+        content = reply_content(out["text"], finish_info.get("matched"), ep.tokenizer)
         parsed = parse_tool_calls(content, ep.stop_texts, ep.parser if parse else None, tools)
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
@@ -251,18 +257,9 @@ class Trajectory:
             self.aborted = True
             raise Aborted(f"the engine aborted this call ({finish_info.get('message') or 'abort'}: over-sampling "
                           "has its groups, or an engine error); the sample ends aborted")
-        logprobs = None
-        if want_lp:
-            tops = meta.get("output_top_logprobs") or [None] * len(ids)
-            logprobs = {"content": [{**self._lp_entry(t, v), "top_logprobs": [self._lp_entry(x[1], x[0])
-                                                                               for x in (row or [])]}
-                                    for t, v, row in zip(ids, log_probs, tops)]}
-        reason = "length" if finish == "length" else "tool_calls" if tool_calls else "stop"  # (a cut turn's: length)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model") or ep.model_name,
-                "choices": [{"index": 0, "message": reply, "logprobs": logprobs, "finish_reason": reason}],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                          "total_tokens": len(prompt_ids) + len(ids)}}
+        tops = (meta.get("output_top_logprobs") or [None] * len(ids)) if want_lp else None
+        return chat_completion(body.get("model") or ep.model_name, reply, finish, len(prompt_ids), ids, log_probs,
+                               tops, ep.tokenizer)
 
     def _prepare(self, messages: list[dict[str, Any]], parent: Call | None, tools: Any,
                  kwargs: dict[str, Any]) -> tuple[str, Call | None, list[int]]:
@@ -288,7 +285,7 @@ class Trajectory:
         them (calls sent at once from one history then run one after the other); 0 when nothing is left."""
         while True:
             used, own = 0, len(prompt_ids) - start
-            for g in self._segments():
+            for g in segments(self.calls):
                 if parent is not None and g[-1] is parent:
                     own = len(prompt_ids) - len(g[0].prompt_ids)
                     continue
@@ -300,13 +297,6 @@ class Trajectory:
                 return max(left, 0)
             self.released.clear()
             await self.released.wait()
-
-    def _lp_entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.endpoint.tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def _segments(self) -> list[list[Call]]:
-        return segments(self.calls)
 
     def samples(self, sample: Sample) -> list[Sample]:
         """The trajectory as training samples (agent_samples.py: one per segment)."""
@@ -366,7 +356,12 @@ class AgentEndpoint:
         return traj
 
     def close(self, traj: Trajectory) -> None:
+        """The hook is done with ``traj``: calls in flight (an agent in a thread, which cannot be stopped, left
+        waiting at its timeout) are cancelled at the engine, not run to their token limit for nobody."""
         self.trajectories.pop(traj.key, None)
+        traj.closed = True
+        for call in traj.in_flight:
+            call.cancel()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -400,12 +395,12 @@ class AgentEndpoint:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
-        except BadRequest as exc:
+        except (BadRequest, Aborted) as exc:
             return _error(400, str(exc))
         except BudgetExhausted as exc:
             return _error(400, f"{exc}; the sample ends truncated")
-        except Aborted as exc:
-            return _error(400, str(exc))
+        except Finished as exc:
+            return _error(404, str(exc))
         except EngineError as exc:  # not recorded: the agent may call again
             if "answered HTTP 4" in str(exc):
                 return _error(400, f"the engine refused the call: {exc}")

@@ -1,15 +1,19 @@
 """The agent endpoint's reading of OpenAI chat messages: text content, tool calls, stop strings; a message that is
-not a chat message's is a ``BadRequest`` naming the field. ``render``: a call's text for the engine."""
+not a chat message's is a ``BadRequest`` naming the field. ``render``: a call's text for the engine. The answer's
+side: ``read_answer`` reads the engine's, ``reply_content`` and ``chat_completion`` write OpenAI's."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import time
+import uuid
 from typing import Any
 
 from slime_lite.errors import SlimeLiteError
 from slime_lite.rollout.tool_calls import inserted_text
+from slime_lite.tokenizer import token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +214,40 @@ def read_answer(out: Any) -> tuple[dict[str, Any], list[int], list[float]]:
         raise ValueError(f"its answer could not be read ({type(exc).__name__}: {exc}); a null or NaN log-prob means "
                          "the engine computed NaN logits (check its weights: --check-weight-update-equal)") from None
     return meta, ids, log_probs
+
+
+def reply_content(text: str, matched: Any, tokenizer: Any) -> str:
+    """The reply's content from the engine's text (sent with ``no_stop_trim``), as OpenAI's: cut before the stop
+    string that ended it; a stop token's text taken off once (an ordinary token such as "." may end the content
+    before it too)."""
+    if isinstance(matched, str) and matched in text:
+        return text[:text.find(matched)]
+    if isinstance(matched, int):
+        mark = tokenizer.decode([matched])
+        return text[:-len(mark)] if mark and text.endswith(mark) else text
+    return text
+
+
+def _lp_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token])
+    return {"token": text, "logprob": logprob, "bytes": token_bytes(tokenizer, token, text)}
+
+
+def chat_completion(model: str, reply: dict[str, Any], finish: str, prompt_tokens: int, ids: list[int],
+                    log_probs: list[float], tops: list[Any] | None, tokenizer: Any) -> dict[str, Any]:
+    """OpenAI's ``chat.completion`` of one answer; ``tops``: None where log-probs were not asked for, else per
+    token its top log-probs' ``(logprob, id, ...)`` rows (or None)."""
+    logprobs = None
+    if tops is not None:
+        logprobs = {"content": [{**_lp_entry(tokenizer, t, v),
+                                 "top_logprobs": [_lp_entry(tokenizer, x[1], x[0]) for x in (row or [])]}
+                                for t, v, row in zip(ids, log_probs, tops)]}
+    # a turn cut at its token limit is "length", even where it holds a tool call
+    reason = "length" if finish == "length" else "tool_calls" if reply.get("tool_calls") else "stop"
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": reply, "logprobs": logprobs, "finish_reason": reason}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
+                      "total_tokens": prompt_tokens + len(ids)}}
 
 
 def render(endpoint: Any, messages: list[dict[str, Any]], parent: Any, tools: Any,

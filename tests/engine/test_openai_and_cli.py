@@ -248,9 +248,13 @@ def test_official_openai_client_models_logprobs_echo_and_streams(engine):
     lp = done.choices[0].logprobs
     assert done.choices[0].text == "1+1=" + native["text"]
     assert len(lp.tokens) == 4 + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # prompt first
-    assert lp.token_logprobs[4:] == [t[0] for t in meta["output_token_logprobs"]]
+    # equal to float32 rounding: a prompt found in the prefix cache (as the native call's may be, by the tests run
+    # before in this engine) is prefilled in other shapes
+    assert lp.token_logprobs[4:] == pytest.approx([t[0] for t in meta["output_token_logprobs"]], abs=1e-5)
     text = engine.scheduler.decode
-    assert lp.top_logprobs[4:] == [{text([t[1]], False): t[0] for t in row} for row in meta["output_top_logprobs"]]
+    tops = [{text([t[1]], False): t[0] for t in row} for row in meta["output_top_logprobs"]]
+    assert [list(d) for d in lp.top_logprobs[4:]] == [list(d) for d in tops]
+    assert lp.top_logprobs[4:] == [pytest.approx(d, abs=1e-5) for d in tops]
 
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0,
@@ -258,10 +262,13 @@ def test_official_openai_client_models_logprobs_echo_and_streams(engine):
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)
+    assert all(bytes(t.bytes) == t.token.encode() for c in content for t in (c, *c.top_logprobs))  # whole chars
     chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0,
                                                  logprobs=True, top_logprobs=3, stream=True))
     streamed = [c for ch in chunks for c in (ch.choices[0].logprobs.content if ch.choices[0].logprobs else [])]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    # the second request's prompt is in the prefix cache (prefilled in other shapes): equal to float32 rounding
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     text_chunks = list(client.completions.create(model=name, prompt="ab", max_tokens=3, temperature=0, logprobs=1,
                                                  stream=True))
     assert sum(len(ch.choices[0].logprobs.tokens) for ch in text_chunks) == 3

@@ -142,6 +142,7 @@ def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine
 
     async def main():
         engine = ScriptedEngine(texts, delay)
+        engine.tok = tok  # its answers' ids in the endpoint's tokenizer
         engine.version, engine.token_versions = version, [list(v) for v in token_versions or []]
         if engine_box is not None:
             engine_box["engine"] = engine

@@ -120,20 +120,9 @@ def test_the_role_tag_the_model_stopped_on_is_not_inserted_again():
         messages.extend([reply.model_dump(exclude_none=True), {"role": "tool", "content": "6"}])
         await client.chat.completions.create(model="m", messages=messages)
 
-    class GlmTokens(ScriptedEngine):
-        def __init__(self, texts, delay=0.0):
-            super().__init__(texts, delay)
-            self.tok = tok
-
-    import tests.rollout.test_agent_endpoint as scripted
-
-    real, scripted.ScriptedEngine = scripted.ScriptedEngine, GlmTokens
     box: dict = {}
-    try:
-        sample = run_agent([("x<|observation|>", {"type": "stop", "matched": obs}), "It is 6.<|user|>"], agent,
-                           chat_template=GLM_LIKE, engine_box=box, tokenizer=tok)
-    finally:
-        scripted.ScriptedEngine = real
+    sample = run_agent([("x<|observation|>", {"type": "stop", "matched": obs}), "It is 6.<|user|>"], agent,
+                       chat_template=GLM_LIKE, engine_box=box, tokenizer=tok)
     second = tok.decode(box["engine"].seen[1]["input_ids"])
     assert second.count("<|observation|>") == 1 and second.endswith("x<|observation|>6<|assistant|>\n"), second
     assert tok.decode(sample.tokens) == tok.apply_chat_template(messages, tokenize=False,
@@ -202,3 +191,36 @@ def test_a_call_continuing_a_branch_gets_the_budget_its_samples_leave():
     written = len(build_tokenizer()("C<|im_end|>", add_special_tokens=False)["input_ids"])
     assert len(samples) == 2
     assert last["sampling_params"]["max_new_tokens"] == 1000 - (sum(s.response_length for s in samples) - written)
+
+
+def _byte_level_tokenizer():
+    """A byte-level BPE tokenizer (Qwen's and Llama 3's kind: a character may take several tokens, each decoding
+    alone to U+FFFD), with no merges, ChatML's turn tokens and the tiny model's chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from slime_lite.tokenizer import CHAT_TEMPLATE, EOS
+
+    bpe = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                               merges=[]))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_log_prob_bytes_of_a_characters_tokens_join_into_the_character():
+    """OpenAI's ``bytes`` are there so that the tokens of one character join into it: "é" is 2 byte-level tokens and
+    "€" 3, each decoding alone to U+FFFD; their bytes are the raw ones, not U+FFFD's."""
+    tok, seen = _byte_level_tokenizer(), []
+
+    async def agent(base_url, task):
+        reply = await _client(base_url).chat.completions.create(model="m", messages=USER, logprobs=True)
+        seen.append(reply.choices[0])
+
+    run_agent(["é€!<|im_end|>"], agent, tokenizer=tok)
+    entries = seen[0].logprobs.content
+    assert seen[0].message.content == "é€!" and len(entries) == 2 + 3 + 1 + 1
+    assert [e.token for e in entries[:5]] == ["\ufffd"] * 5  # the token's text, as SGLang gives it
+    assert bytes(b for e in entries for b in e.bytes) == "é€!<|im_end|>".encode()

@@ -576,3 +576,57 @@ def test_a_long_call_is_tokenized_off_the_loop_and_one_far_past_the_context_is_r
     assert slow.other_first, "another trajectory's call waited for a long one's tokenizing"
     assert huge_answer.startswith("messages: ") and "(--rollout-max-context-len)" in huge_answer, huge_answer
     assert max(slow.lengths) < 1_000_000 and huge.truncated  # never tokenized
+
+
+def test_a_thread_agents_call_in_flight_at_its_timeout_is_cancelled_at_the_engine():
+    """A plain-def agent (synchronous client, in a thread) still waiting on a call at openai_agent's timeout: the
+    thread cannot be stopped and its client does not hang up, so the endpoint cancels that call's engine request
+    itself when the trajectory closes (not run to its token limit for nobody), and the reply is not recorded."""
+    from slime_lite.hooks import HookArgs
+    from slime_lite.types import Sample
+
+    class SlowEngine:  # a fake of the engine's /generate that takes 30 s unless cancelled
+        def __init__(self):
+            self.started = self.cancelled = self.finished = 0
+
+        async def generate(self, body):
+            self.started += 1
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            self.finished += 1
+            return {"text": "x", "output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.1, 7, None]],
+                                                                  "finish_reason": {"type": "stop"}}}
+
+    errors, answered = [], threading.Event()
+
+    def stuck(base_url, task):
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=20)
+        try:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        except openai.APIError as exc:  # what the abandoned thread gets once its call is cancelled
+            errors.append(exc)
+        answered.set()
+
+    async def main():
+        engine = SlowEngine()
+        ep = await mod.AgentEndpoint(engine, build_tokenizer()).start()
+        mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep
+        args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=8, rollout_max_context_len=4096,
+                                        apply_chat_template_kwargs={}, use_rollout_routing_replay=False), engine)
+        try:
+            # 2 s: the thread's call reaches the engine well before (its client's start included, on a loaded machine)
+            sample = await mod.openai_agent(stuck, timeout=2)(args, Sample(index=0, prompt="a", tokens=[5]),
+                                                              {"max_new_tokens": 50})
+            await asyncio.to_thread(answered.wait, 10)  # the thread's answer, before the endpoint stops
+            return sample, engine.started, engine.cancelled, engine.finished
+        finally:
+            await ep.stop()
+            mod._ENDPOINTS.pop(id(asyncio.get_running_loop()), None)
+
+    sample, started, cancelled, finished = asyncio.run(main())
+    assert sample.status == Status.FAILED and "timeout" in sample.metadata["agent_error"]
+    assert started == cancelled == 1 and finished == 0 and sample.response_length == 0
+    assert len(errors) == 1 and errors[0].status_code == 404 and "was cancelled" in errors[0].message
