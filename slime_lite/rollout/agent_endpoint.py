@@ -233,7 +233,7 @@ class Trajectory:
         content = reply_content(out["text"], finish_info.get("matched"), ep.tokenizer)
         parsed = parse_tool_calls(content, ep.stop_texts, ep.parser if parse else None, tools)
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                       for c in parsed.calls]
         reply: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
         if tool_calls:

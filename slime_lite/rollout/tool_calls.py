@@ -14,10 +14,12 @@
 In every JSON format the key ``arguments`` or ``parameters`` holds the arguments (a JSON string of them is read too;
 ``parameters`` where a call has both, unless it is empty, as SGLang reads them).
 ``detect_parser`` picks the format from the model's chat template. A call must name one of the request's tools (as
-SGLang's parsers ask); what names another stays text. A call whose block is not closed (bar hermes' last one), does
-not parse, or lacks a name or an object of arguments is malformed: it stays in the turn's text (the model wrote it)
-and is counted, never dropped. Also here: the chat template's text between a model turn and the next one (tool
-results, the next generation prompt) and the text it closes an assistant turn with.
+most of SGLang's parsers ask); what names another stays text, with the calls of its block or list (SGLang drops just
+that call and keeps the others: here the turn the model wrote stays whole, and counted). A call whose block is not
+closed (bar hermes' last one, and Qwen3-Coder's whose function is), does not parse, or lacks a name or an object of
+arguments is malformed: it stays in the turn's text (the model wrote it) and is counted, never dropped. Also here:
+the chat template's text between a model turn and the next one (tool results, the next generation prompt) and the
+text it closes an assistant turn with.
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ from slime_lite.errors import SlimeLiteError
 log = logging.getLogger(__name__)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-# a block ends at its closing tag, at the next opening one (the first was a mention, not a call) or at the end
-_BLOCK = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)(</tool_call>|(?=<tool_call>)|\Z)", re.S)
 PYTHON_TAG = "<|python_tag|>"
 _PY_LIST_START = re.compile(r"\[\s*([A-Za-z_][\w.]*)\s*\(")
-_FUNCTION = re.compile(r"<function=([^<>\n]+)>(.*?)(?:</function>|(?=<function=)|\Z)", re.S)
+_FUNCTION = re.compile(r"<function=([^<>\n]+)>(.*?)(?:</function>|\Z)", re.S)
+_CODER_CALL = re.compile(r"\s*<function=")
 _PARAMETER = re.compile(r"<parameter=([^<>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 PY_CANDIDATES = 16  # lists tried per turn: each is scanned to its closing bracket (a long turn stays linear)
-_ARG = re.compile(r"<arg_key>((?:(?!<arg_).)*?)</arg_key>\s*<arg_value>((?:(?!<arg_).)*?)</arg_value>", re.S)
+# GLM writes a newline between its parts, or (seen in GLM-4.5's output) the two characters \\n
+_GLM_GAP = r"(?:\\n|\s)*"
+_ARG = re.compile(rf"<arg_key>((?:(?!<arg_).)*?)</arg_key>{_GLM_GAP}<arg_value>((?:(?!<arg_).)*?)</arg_value>", re.S)
 _INT = re.compile(r"[-+]?\d+")
 
 
@@ -98,24 +101,39 @@ def _json_call(call: Any, tools: _Tools) -> dict[str, Any] | None:
     return {"name": call["name"], "arguments": arguments}
 
 
-def _blocks(text: str, read: Callable[[str], list[dict[str, Any]] | None]) -> ParsedTurn:
+def _blocks(text: str, read: Callable[[str], list[dict[str, Any]] | None], call_start: re.Pattern | None = None,
+            open_tail: Callable[[str], bool] | None = None) -> ParsedTurn:
     """``<tool_call>...</tool_call>`` blocks, each body read by ``read`` into its calls (None: malformed). An
     opening tag followed by another before any closing one is a mention, kept as text; one never closed is a call
-    cut short (malformed)."""
-    calls, kept, malformed, last = [], [], 0, 0
-    for m in _BLOCK.finditer(text):
-        kept.append(text[last:m.start()])
-        last = m.end()
-        if not m.group(2) and m.end() < len(text):  # a mention of the tag
-            kept.append(m.group(0))
+    cut short (malformed). ``call_start``: what the body of a call begins with (Qwen3-Coder's ``<function=``): such
+    a block runs to its closing tag whatever its values quote (a coding agent's value may hold the tags).
+    ``open_tail``: a last block never closed whose body passes it is read as a call (a stop string took the closing
+    tag)."""
+    calls, kept, malformed, pos = [], [], 0, 0
+    close = nxt = -1  # the next closing / opening tag after a block's start: looked for again only once passed
+    while (start := text.find(OPEN, pos)) >= 0:
+        kept.append(text[pos:start])
+        body = start + len(OPEN)
+        if 0 <= close < body or close == -1:
+            close = text.find(CLOSE, body)
+            close = len(text) + 1 if close < 0 else close  # (none: past the end, never looked for again)
+        if 0 <= nxt < body or nxt == -1:
+            nxt = text.find(OPEN, body)
+            nxt = len(text) + 1 if nxt < 0 else nxt
+        if nxt < close and nxt <= len(text) and not (call_start and call_start.match(text, body)):
+            kept.append(text[start:nxt])  # a mention of the tag
+            pos = nxt
             continue
-        got = read(m.group(1).strip()) if m.group(2) else None
+        closed = close <= len(text)
+        end = close if closed else len(text)
+        got = read(text[body:end].strip()) if closed or (open_tail and open_tail(text[body:end])) else None
+        pos = end + len(CLOSE) if closed else end
         if got is None:
             malformed += 1
-            kept.append(m.group(0))
+            kept.append(text[start:pos])
         else:
             calls.extend(got)
-    kept.append(text[last:])
+    kept.append(text[pos:])
     return ParsedTurn("".join(kept).strip(), calls, malformed)
 
 
@@ -192,8 +210,8 @@ def _llama3(text: str, tools: _Tools) -> ParsedTurn:
         return ParsedTurn(text.strip())
     calls, pos, decoder = [], 0, json.JSONDecoder()
     while True:
-        while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
-            pos += 1
+        while pos < len(body) and (body[pos].isspace() or body[pos] in ";," or body.startswith(PYTHON_TAG, pos)):
+            pos += len(PYTHON_TAG) if body.startswith(PYTHON_TAG, pos) else 1  # (a tag again before each call)
         try:
             obj, end = decoder.raw_decode(body, pos)
         except ValueError:
@@ -282,6 +300,11 @@ def _kinds(schema: Any) -> set[str]:
     return {k for k in kinds if isinstance(k, str)}
 
 
+def _unescaped_json(text: str) -> Any:
+    """JSON written escaped, as inside a JSON string (GLM-4.5 may write ``[{\\"id\\": 1}]``)."""
+    return json.loads(json.loads(f'"{text}"'))
+
+
 def _typed(value: str, schema: Any, untyped_json: bool) -> Any:
     """A parameter written as text, read as its schema's type. Kept as written (the tool sees the model's mistake)
     where the schema allows a string, gives no type (``untyped_json`` False: Qwen3-Coder writes strings bare, so
@@ -303,7 +326,7 @@ def _typed(value: str, schema: Any, untyped_json: bool) -> Any:
     if "boolean" in kinds and text.lower() in ("true", "false"):
         return text.lower() == "true"
     if kinds & {"object", "array"} or (not kinds and untyped_json):
-        for parse in (json.loads, ast.literal_eval):
+        for parse in (json.loads, ast.literal_eval, _unescaped_json):
             try:
                 out = parse(text)
             except (ValueError, SyntaxError, TypeError):
@@ -323,21 +346,19 @@ def _qwen3_coder(text: str, tools: _Tools) -> ParsedTurn:
             schema = tools.params.get(name, {})
             arguments = {}
             for p in _PARAMETER.finditer(m.group(2)):
-                value = p.group(2).replace("\r\n", "\n")
-                value = value[1:] if value.startswith("\n") else value
-                value = value[:-1] if value.endswith("\n") else value
+                value = re.sub(r"\A\r?\n|\r?\n\Z", "", p.group(2))  # the line breaks around it, not in it
                 arguments[p.group(1).strip()] = _typed(value, schema.get(p.group(1).strip()), untyped_json=False)
             calls.append({"name": name, "arguments": arguments})
             last = m.end()
         return calls if calls and not body[last:].strip() else None
-    return _blocks(text, read)
+    return _blocks(text, read, _CODER_CALL, lambda body: body.rstrip().endswith("</function>"))
 
 
 def _glm45(text: str, tools: _Tools) -> ParsedTurn:
     def read(body: str) -> list[dict[str, Any]] | None:
         name, _, rest = body.partition("<arg_key>")
-        name, rest = name.strip(), "<arg_key>" + rest if rest else ""
-        if not name or "\n" in name or not tools.known(name) or _ARG.sub("", rest).strip():
+        name, rest = re.sub(rf"{_GLM_GAP}\Z", "", name).strip(), "<arg_key>" + rest if rest else ""
+        if not name or "\n" in name or not tools.known(name) or re.fullmatch(_GLM_GAP, _ARG.sub("", rest)) is None:
             return None
         schema = tools.params.get(name, {})
         return [{"name": name, "arguments": {k.strip(): _typed(v, schema.get(k.strip()), untyped_json=True)

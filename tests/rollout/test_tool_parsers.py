@@ -172,6 +172,41 @@ def test_glm45_arg_key_value_pairs():
     assert bad.calls == [] and bad.malformed == 1
 
 
+def test_calls_real_models_write_at_the_edges_of_each_format_parse_as_sglang_parses_them():
+    """GLM-4.5 writing the two characters \\n between its parts and a value as escaped JSON; a Qwen3-Coder value
+    holding CRLF line breaks or quoting the format's own tags (a coding agent's edit), or a call whose closing tag a
+    stop string took; Llama 3's second call after another <|python_tag|> or a comma. Each is the call SGLang's own
+    parser reads (content and the malformed count are ours)."""
+    todo = {"type": "function", "function": {"name": "todo_write", "parameters": {"type": "object", "properties": {
+        "todos": {"type": "array"}, "n": {"type": "integer"}}}}}
+    tools = [_tool("w", city="string", days="integer"), todo]
+    w = '{"name": "w", "parameters": {"city": "%s"}}'
+    cases = [  # (parser, text, its calls)
+        ("glm45", '<tool_call>todo_write\\n<arg_key>todos</arg_key>\\n<arg_value>[{\\"id\\": \\"1\\"}]</arg_value>'
+                  "\n<arg_key>n</arg_key><arg_value>2</arg_value>\n</tool_call>",
+         [{"name": "todo_write", "arguments": {"todos": [{"id": "1"}], "n": 2}}]),
+        ("qwen3_coder", "<tool_call>\n<function=w>\n<parameter=city>\nline1\r\nline2\n</parameter>\n</function>\n"
+                        "</tool_call>", [{"name": "w", "arguments": {"city": "line1\r\nline2"}}]),
+        ("qwen3_coder", "<tool_call>\n<function=w>\n<parameter=city>\nthe <tool_call> tag, <function=x> too\n"
+                        "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+         [{"name": "w", "arguments": {"city": "the <tool_call> tag, <function=x> too", "days": 2}}]),
+        ("qwen3_coder", "<tool_call>\n<function=w>\n<parameter=city>\nSF\n</parameter>\n</function>",
+         [{"name": "w", "arguments": {"city": "SF"}}]),
+        ("llama3", "<|python_tag|>" + w % "a" + "<|python_tag|>" + w % "b",
+         [{"name": "w", "arguments": {"city": "a"}}, {"name": "w", "arguments": {"city": "b"}}]),
+        ("llama3", "<|python_tag|>" + w % "a" + ", " + w % "b",
+         [{"name": "w", "arguments": {"city": "a"}}, {"name": "w", "arguments": {"city": "b"}}]),
+    ]
+    for parser, text, calls in cases:
+        got = parse_tool_calls(text, parser=parser, tools=tools)
+        assert (got.calls, got.content, got.malformed) == (calls, "", 0), text
+        assert _sglang_calls(parser, text, tools) == calls, text
+    # a call never closed whose function is not closed either is still cut short; text after the tag stays text
+    for text in ("<tool_call>\n<function=w>\n<parameter=city>\nSF", "<tool_call>\n<function=w>\n</function>\nmore"):
+        got = parse_tool_calls(text, parser="qwen3_coder", tools=tools)
+        assert (got.calls, got.content, got.malformed) == ([], text, 1), text
+
+
 def test_the_format_is_picked_from_the_chat_template_and_the_flag_names_it():
     tok = build_tokenizer()
     assert detect_parser(tok) == "qwen25"  # the tiny model's template writes <tool_call>{json}</tool_call>
