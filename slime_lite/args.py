@@ -27,7 +27,7 @@ from slime_lite.config import FrozenFlags, freeze
 from slime_lite.hooks import DEFAULT_ROLLOUT_FUNCTION
 from slime_lite.rollout.agent_messages import TEMPLATE_OWN_ARGS
 from slime_lite.rollout.rewards import RM_TYPES, rm_type_arg
-from slime_lite.rollout.tool_calls import PARSER_CHOICES
+from slime_lite.rollout.tool_calls import PARSER_CHOICES, REASONING_PARSERS
 from slime_lite.slime_flags import add_args as add_slime_flags
 
 
@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "calls in, SGLang's names: qwen25 (qwen, hermes: <tool_call>{json}</tool_call>), llama3 "
                         "(JSON after <|python_tag|>), pythonic ([f(a=1)]), qwen3_coder (<function=...> XML), glm45 "
                         "(glm: <arg_key> pairs); auto (default): the one the chat template writes, else qwen25")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="the agent endpoint returns a <think> block as the reply's reasoning_content, the text after "
+                        "it as the content where tool calls are read (SGLang's names); default: all text is content. "
+                        "The trained tokens are the same either way")
     g.add_argument("--tool-call-timeout", type=positive_float, default=30.0,
                    help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
                         "(default: %(default)s)")

@@ -13,7 +13,8 @@ think block, empty or not) does not start one: the engine goes on from the token
 rendered as the template renders them after that history.
 
 Tool calls in the model's text become OpenAI ``tool_calls``, read in the format ``--tool-call-parser`` names
-(tool_calls.py); a malformed call is content text, kept and counted (``metadata["malformed_tool_calls"]``).
+(tool_calls.py); a malformed call is content text, kept and counted (``metadata["malformed_tool_calls"]``). With
+``--reasoning-parser`` a thinking model's ``<think>`` block is the reply's ``reasoning_content``, not its content.
 ``stream: true`` gets the finished reply as OpenAI's chunks. The rollout's sampling parameters apply whatever the
 agent sends (the trainer scores at ``--rollout-temperature``); its ``max_tokens``, ``stop`` strings (kept in the
 trained tokens), ``logprobs`` and ``chat_template_kwargs`` (over ``--apply-chat-template-kwargs``) are honoured. A
@@ -48,7 +49,6 @@ import itertools
 import json
 import logging
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -59,40 +59,15 @@ from slime_lite.rollout.agent_messages import (BadRequest, call_options, chat_co
                                                 render, reply_content, stop_strings, stream_chunks, stream_options,
                                                 tool_choice)
 from slime_lite.rollout.agent_runner import start_agent
-from slime_lite.rollout.agent_samples import segments, trajectory_samples
+from slime_lite.rollout.agent_samples import Call, segments, trajectory_samples
 from slime_lite.rollout.multi_turn import cap_min_new_tokens, context_bound, turn_seed
 from slime_lite.rollout.oversample import ON_ABORT
-from slime_lite.rollout.tool_calls import detect_parser, end_of_turn, parse_tool_calls
+from slime_lite.rollout.tool_calls import detect_parser, end_of_turn, parse_tool_calls, split_reasoning
 from slime_lite.rollout.turns import restart
 from slime_lite.tokenizer import load_tokenizer
 from slime_lite.types import Sample, Status, version_number
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Call:
-    """One chat call as the engine served it."""
-
-    messages: list[dict[str, Any]]  # as the agent sent them (normalised)
-    reply: dict[str, Any]  # the assistant message returned
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    log_probs: list[float]
-    text: str
-    finish_reason: str
-    extends: bool  # prompt_ids = the parent call's prompt + completion + the new messages' tokens
-    new_roles: list[str] = field(default_factory=list)  # roles of the messages added since the parent call
-    weight_version: str | None = None
-    token_versions: list[int] | None = None  # per completion token (a call in flight across a push spans two)
-    routed_experts: str | None = None  # --use-rollout-routing-replay: the engine's table (the latest call's only)
-    rendered: str | None = None  # the prompt's text, where the chat template rendered all of it
-    cached_tokens: int = 0
-    malformed: int = 0
-    parent: "Call | None" = None  # the call whose messages and reply this one's messages extend
-    start: int = 0  # prompt tokens of the first call of this call's chain (its response begins there)
-    tools: Any = None  # the tools and template kwargs it was rendered with
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class BudgetExhausted(Exception):
@@ -147,7 +122,10 @@ class Trajectory:
         for prev in reversed(self.calls):
             n = len(prev.messages)
             echo = {k: v for k, v in messages[n].items() if k != "name"} if len(messages) > n else None
-            if (echo == prev.reply and messages[:n] == prev.messages  # (a reply echoed with a name: AutoGen's)
+            reply = prev.reply  # (an agent may send the reply back without its reasoning_content)
+            if echo is not None and "reasoning_content" not in echo:
+                reply = {k: v for k, v in reply.items() if k != "reasoning_content"}
+            if (echo == reply and messages[:n] == prev.messages  # (a reply echoed with a name: AutoGen's)
                     and all(m["role"] != "assistant" for m in messages[n + 1:])):
                 return prev
         return None
@@ -230,12 +208,15 @@ class Trajectory:
             raise EngineError(str(exc)) from None
         finish_info = meta.get("finish_reason") or {}
         finish = finish_info.get("type") or "stop"
-        content = reply_content(out["text"], finish_info.get("matched"), ep.tokenizer)
+        reasoning, content = split_reasoning(reply_content(out["text"], finish_info.get("matched"), ep.tokenizer),
+                                             ep.reasoning_parser)
         parsed = parse_tool_calls(content, ep.stop_texts, ep.parser if parse else None, tools)
         tool_calls = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                       for c in parsed.calls]
         reply: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+        if reasoning:
+            reply["reasoning_content"] = reasoning
         if tool_calls:
             reply["tool_calls"] = tool_calls
         n_prev = len(parent.messages) + 1 if parent is not None else 0
@@ -308,8 +289,9 @@ class AgentEndpoint:
     ``/t/<key>/v1/models`` on 127.0.0.1, a free port."""
 
     def __init__(self, engine_client: Any, tokenizer: Any, model_name: str = "slime-lite",
-                 tool_call_parser: str = "auto") -> None:
+                 tool_call_parser: str = "auto", reasoning_parser: str | None = None) -> None:
         self.engine_client, self.tokenizer, self.model_name = engine_client, tokenizer, model_name
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser
         self.parser = detect_parser(tokenizer) if tool_call_parser == "auto" else tool_call_parser
         log.info("agent endpoint: tool calls read in the %s format (--tool-call-parser %s)", self.parser,
                  tool_call_parser)
@@ -431,7 +413,7 @@ async def endpoint_for(args: Any) -> AgentEndpoint:
         if starting is None or starting.get_loop() is not loop:
             starting = _STARTING[id(loop)] = loop.create_task(AgentEndpoint(
                 args.engine_client, _tokenizer(args.hf_checkpoint), str(args.hf_checkpoint),
-                args.tool_call_parser).start())
+                args.tool_call_parser, args.reasoning_parser).start())
         try:
             ep = _ENDPOINTS[id(loop)] = await asyncio.shield(starting)
         finally:

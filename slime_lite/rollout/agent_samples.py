@@ -1,4 +1,5 @@
-"""An agent trajectory's records as training samples (the agent endpoint's ``Trajectory.samples``).
+"""An agent trajectory's records (``Call``: one chat call as the engine served it) as training samples (the agent
+endpoint's ``Trajectory.samples``).
 
 A trajectory's calls fall into segments: a call joins the segment its parent call ends (it extends that
 conversation), else starts one (a rewritten history, or calls sent at once from the same history). Each segment is
@@ -9,15 +10,41 @@ its last call's table of routed experts (--use-rollout-routing-replay)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 from typing import Any
 
 from slime_lite.rollout.turns import append_turn, routed_experts
 from slime_lite.types import TOKEN_VERSIONS, TRAJECTORY_END, Sample, Status, version_number
 
 
-def segments(calls: list[Any]) -> list[list[Any]]:
+@dataclass
+class Call:
+    """One chat call as the engine served it."""
+
+    messages: list[dict[str, Any]]  # as the agent sent them (normalised)
+    reply: dict[str, Any]  # the assistant message returned
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    log_probs: list[float]
+    text: str
+    finish_reason: str
+    extends: bool  # prompt_ids = the parent call's prompt + completion + the new messages' tokens
+    new_roles: list[str] = field(default_factory=list)  # roles of the messages added since the parent call
+    weight_version: str | None = None
+    token_versions: list[int] | None = None  # per completion token (a call in flight across a push spans two)
+    routed_experts: str | None = None  # --use-rollout-routing-replay: the engine's table (the latest call's only)
+    rendered: str | None = None  # the prompt's text, where the chat template rendered all of it
+    cached_tokens: int = 0
+    malformed: int = 0
+    parent: "Call | None" = None  # the call whose messages and reply this one's messages extend
+    start: int = 0  # prompt tokens of the first call of this call's chain (its response begins there)
+    tools: Any = None  # the tools and template kwargs it was rendered with
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def segments(calls: list[Call]) -> list[list[Call]]:
     """The calls in segments: a call joins the segment its parent ends, else starts one."""
-    out: list[list[Any]] = []
+    out: list[list[Call]] = []
     for call in calls:
         seg = next((g for g in out if call.parent is not None and g[-1] is call.parent), None)
         if seg is not None:

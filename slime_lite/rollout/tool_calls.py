@@ -18,8 +18,8 @@ most of SGLang's parsers ask); what names another stays text, with the calls of 
 that call and keeps the others: here the turn the model wrote stays whole, and counted). A call whose block is not
 closed (bar hermes' last one, and Qwen3-Coder's whose function is), does not parse, or lacks a name or an object of
 arguments is malformed: it stays in the turn's text (the model wrote it) and is counted, never dropped. Also here:
-the chat template's text between a model turn and the next one (tool results, the next generation prompt) and the
-text it closes an assistant turn with.
+the chat template's text between a model turn and the next one (tool results, the next generation prompt), the
+text it closes an assistant turn with, and a turn's reasoning split from its content (``--reasoning-parser``).
 """
 
 from __future__ import annotations
@@ -371,6 +371,8 @@ PARSERS: dict[str, Callable[[str, _Tools], ParsedTurn]] = {
     "glm45": _glm45}
 ALIASES = {"qwen": "qwen25", "glm": "glm45"}
 PARSER_CHOICES = ("auto", *PARSERS, *ALIASES)  # --tool-call-parser
+REASONING_PARSERS = ("qwen3", "deepseek-r1", "glm45")  # --reasoning-parser: <think> blocks, SGLang's names
+THINK, END_THINK = "<think>", "</think>"
 # what a chat template writes a call with, in the order tried: the first found names the format
 _TEMPLATE_MARKS = (("<function=", "qwen3_coder"), ("<arg_key>", "glm45"), (OPEN, "qwen25"), (PYTHON_TAG, "llama3"),
                    ('"parameters"', "llama3"), ("<|python_start|>", "pythonic"))
@@ -461,3 +463,21 @@ def end_of_turn(tokenizer: Any) -> str:
     except Exception:  # noqa: BLE001 - a template that needs more than this (tools, a system turn) closes with ""
         return ""
     return text[text.rindex(mark) + len(mark):].rstrip() if mark in text else ""
+
+
+def split_reasoning(text: str, parser: str | None) -> tuple[str | None, str]:
+    """A model turn's ``(reasoning, content)`` as SGLang's ``--reasoning-parser`` splits it: the text before
+    ``</think>`` is the reasoning (leading ``<think>`` tags dropped), the rest the content. The turn is reasoning
+    where it holds ``<think>`` (``qwen3``, ``glm45``: a turn with thinking switched off has none) or always
+    (``deepseek-r1``, whose template opens the block in the prompt). A block never closed is all reasoning (cut at
+    its token limit), bar a tool call opened inside it (``qwen3``, ``glm45``: Qwen3.5 does), which begins the content.
+    None: no reasoning, ``text`` the content."""
+    if parser is None or (parser != "deepseek-r1" and THINK not in text):
+        return None, text
+    while text.startswith(THINK):
+        text = text[len(THINK):]
+    reasoning, closed, content = text.partition(END_THINK)
+    if closed:
+        return reasoning, content
+    call = text.find(OPEN) if parser != "deepseek-r1" else -1
+    return (text[:call], text[call:]) if call >= 0 else (text, "")

@@ -131,11 +131,11 @@ class ScriptedEngine:
 
 def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine_box=None, chat_template=None,
               sample=None, version=None, timeout=None, context=4096, token_versions=None, parser="auto",
-              tokenizer=None, **flags):
+              tokenizer=None, reasoning=None, **flags):
     """Run ``agent(base_url, sample)`` through the openai_agent hook over a scripted engine (kept in
     ``engine_box["engine"]`` when given; reporting weight ``version`` when given, and per call its tokens'
-    ``token_versions``); ``parser`` is --tool-call-parser, ``tokenizer`` the endpoint's (the tiny one by default),
-    ``flags`` are more of the run's flags."""
+    ``token_versions``); ``parser`` is --tool-call-parser, ``reasoning`` --reasoning-parser, ``tokenizer`` the
+    endpoint's (the tiny one by default), ``flags`` are more of the run's flags."""
     tok = tokenizer or build_tokenizer()
     if chat_template is not None:
         tok.chat_template = chat_template
@@ -146,7 +146,7 @@ def run_agent(texts, agent, sampling_params=None, max_turns=8, delay=0.0, engine
         engine.version, engine.token_versions = version, [list(v) for v in token_versions or []]
         if engine_box is not None:
             engine_box["engine"] = engine
-        ep = await AgentEndpoint(engine, tok, tool_call_parser=parser).start()
+        ep = await AgentEndpoint(engine, tok, tool_call_parser=parser, reasoning_parser=reasoning).start()
         import slime_lite.rollout.agent_endpoint as mod
 
         mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep

@@ -24,7 +24,8 @@ def test_hooks_starting_at_once_share_one_endpoint(monkeypatch):
     monkeypatch.setattr(mod, "_tokenizer", lambda path: build_tokenizer())
 
     async def main():
-        args = SimpleNamespace(engine_client=object(), hf_checkpoint="unused", tool_call_parser="auto")
+        args = SimpleNamespace(engine_client=object(), hf_checkpoint="unused", tool_call_parser="auto",
+                               reasoning_parser=None)
         eps = await asyncio.gather(*(mod.endpoint_for(args) for _ in range(8)))
         again = await mod.endpoint_for(args)
         for ep in {id(e): e for e in eps}.values():
@@ -148,7 +149,8 @@ def test_the_managers_close_stops_the_endpoint_an_agent_hook_started(monkeypatch
     monkeypatch.setattr(mod, "_tokenizer", lambda path: build_tokenizer())
 
     async def main():
-        args = SimpleNamespace(engine_client=object(), hf_checkpoint="unused", tool_call_parser="auto")
+        args = SimpleNamespace(engine_client=object(), hf_checkpoint="unused", tool_call_parser="auto",
+                               reasoning_parser=None)
         ep = await mod.endpoint_for(args)
         port = urlsplit(ep.url).port
         await mod.stop_endpoint()

@@ -10,10 +10,11 @@ import openai
 import pytest
 
 from slime_lite.args import build_parser
-from slime_lite.rollout.tool_calls import PARSER_CHOICES, detect_parser, parse_tool_calls
+from slime_lite.rollout.tool_calls import (PARSER_CHOICES, REASONING_PARSERS, detect_parser, parse_tool_calls,
+                                          split_reasoning)
 from slime_lite.tokenizer import build_tokenizer
 from tests import sglang_oracle as oracle
-from tests.rollout.test_agent_endpoint import _client, run_agent
+from tests.rollout.test_agent_endpoint import CALC, _client, run_agent
 
 
 def _tool(name, **props):
@@ -316,3 +317,41 @@ def test_qwen3_coder_calls_through_the_endpoint_are_typed_by_the_requests_tools(
                "</parameter>\n</function>\n</tool_call><|im_end|>"], agent, chat_template=template)
     call, = got[0].message.tool_calls
     assert call.function.name == "repeat" and json.loads(call.function.arguments) == {"text": "42", "times": 3}
+
+
+def test_reasoning_is_split_from_the_content_as_sglangs_reasoning_parsers_split_it():
+    reader = oracle.sglang_module("sglang.srt.parser.reasoning_parser").ReasoningParser
+    for parser in REASONING_PARSERS:
+        for text in ("<think>a</think>b", "plain", "x<think>a</think>b", "<think>a <tool_call>{}</tool_call>",
+                     "a</think>b", "<think><think>a</think>\n\nb", "<think>cut short", "<think></think>b"):
+            reasoning, content = split_reasoning(text, parser)
+            assert (reasoning or "", content) == reader(parser, stream_reasoning=False).parse_non_stream(text), text
+    assert split_reasoning("<think>a</think>b", None) == (None, "<think>a</think>b")  # no parser: all content
+
+
+def test_a_thinking_models_reply_has_its_reasoning_apart_and_calls_only_from_its_content():
+    """--reasoning-parser qwen3: the think block is the reply's reasoning_content (a tool call it drafts there is no
+    call), the rest its content; the agent sending the reply back with or without reasoning_content continues the
+    same sample, trained on the engine's tokens, think block included."""
+    think = '<think>\nMaybe <tool_call>{"name": "calc", "arguments": {"expr": "0"}}</tool_call>?\n</think>\n\n'
+    answer = 'Computing.<tool_call>{"name": "calc", "arguments": {"expr": "1+2*3"}}</tool_call><|im_end|>'
+    for keep in (True, False):
+        seen = []
+
+        async def agent(base_url, task):
+            client = _client(base_url)
+            messages = [{"role": "user", "content": task.prompt}]
+            reply = (await client.chat.completions.create(model="m", messages=messages, tools=[CALC])).choices[0]
+            seen.append(reply.message.model_dump(exclude_none=True))
+            echo = {k: v for k, v in seen[0].items() if keep or k != "reasoning_content"}
+            messages += [echo, {"role": "tool", "tool_call_id": "x", "content": "7"}]
+            await client.chat.completions.create(model="m", messages=messages, tools=[CALC])
+
+        sample = run_agent([think + answer, "7<|im_end|>"], agent, reasoning="qwen3")
+        message = seen[0]
+        assert message["reasoning_content"] == '\nMaybe <tool_call>{"name": "calc", "arguments": {"expr": "0"}}' \
+                                               "</tool_call>?\n"
+        assert message["content"] == "Computing." and len(message["tool_calls"]) == 1
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"expr": "1+2*3"}
+        assert sample.metadata["agent_calls"] == 2 and sample.metadata["tool_calls"] == 1, keep  # one sample
+        assert think + answer in build_tokenizer().decode(sample.tokens)
