@@ -181,11 +181,13 @@ def stream_options(body: dict[str, Any]) -> bool:
 
 def stream_chunks(completion: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
     """A finished chat completion as the ``chat.completion.chunk`` events OpenAI streams: the message (role, content,
-    tool calls with their index) and its log-probs in one delta, then the finish reason, then the usage when asked
-    (``include_usage``; ``usage`` null in the others then)."""
+    reasoning, tool calls with their index) and its log-probs in one delta, then the finish reason, then the usage
+    when asked (``include_usage``; ``usage`` null in the others then)."""
     choice = completion["choices"][0]
     message = choice["message"]
     delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("reasoning_content"):  # (--reasoning-parser)
+        delta["reasoning_content"] = message["reasoning_content"]
     if message.get("tool_calls"):
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
     head = {k: completion[k] for k in ("id", "created", "model")}

@@ -355,3 +355,13 @@ def test_a_thinking_models_reply_has_its_reasoning_apart_and_calls_only_from_its
         assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"expr": "1+2*3"}
         assert sample.metadata["agent_calls"] == 2 and sample.metadata["tool_calls"] == 1, keep  # one sample
         assert think + answer in build_tokenizer().decode(sample.tokens)
+
+    streamed = []
+
+    async def streaming(base_url, task):
+        chunks = await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}],
+                                                                  stream=True)
+        streamed.extend([c.choices[0].delta.model_dump(exclude_none=True) async for c in chunks if c.choices])
+
+    run_agent(["<think>hm</think>ok<|im_end|>"], streaming, reasoning="qwen3")
+    assert streamed[0] == {"role": "assistant", "content": "ok", "reasoning_content": "hm"}
