@@ -191,6 +191,7 @@ def _json_blocks(text: str, tools: _Tools, open_tail: bool = False) -> ParsedTur
         if mention >= 0 and (close < 0 or mention < close):
             kept.append(text[start:mention])
             pos = mention
+            malformed += got is not None  # a whole call never closed is a call cut short, not a mention of the tag
             continue
         pos = len(text) if close < 0 else close + len(CLOSE)
         malformed += 1

@@ -152,12 +152,18 @@ def test_json_blocks_read_a_list_tags_inside_strings_parameters_first_and_hermes
     mention = parse_tool_calls('a <tool_call> "tag" <tool_call>{"name": "calc", "arguments": {"expr": "1"}}'
                                "</tool_call>", parser="hermes", tools=tools)
     assert (mention.calls, mention.content, mention.malformed) == ([calc], 'a <tool_call> "tag"', 0)
+    unclosed = '<tool_call>{"name": "search", "arguments": {"q": "b"}}\n'  # a call whose closing tag never came
+    got = parse_tool_calls(unclosed + '<tool_call>{"name": "calc", "arguments": {"expr": "1"}}</tool_call>',
+                           parser="qwen25", tools=tools)
+    assert (got.calls, got.content, got.malformed) == ([calc], unclosed.strip(), 1)
     import time
-    for text in ("<tool_call>[" + '"<tool_call>[", ' * 20000, "<tool_call>" + "[" * 100000 + "</tool_call>",
-                 '<tool_call>{"name": "calc", "arguments": {}} ' * 20000):
+    # (the last: 20,000 whole calls none of them closed, each one cut short)
+    for text, bad in (("<tool_call>[" + '"<tool_call>[", ' * 20000, 1),
+                      ("<tool_call>" + "[" * 100000 + "</tool_call>", 1),
+                      ('<tool_call>{"name": "calc", "arguments": {}} ' * 20000, 20000)):
         t0 = time.perf_counter()
         got = parse_tool_calls(text, parser="qwen25", tools=tools)
-        assert got.calls == [] and got.malformed == 1 and time.perf_counter() - t0 < 5  # no quadratic blow-up
+        assert got.calls == [] and got.malformed == bad and time.perf_counter() - t0 < 5  # no quadratic blow-up
 
 
 def test_glm45_arg_key_value_pairs():
