@@ -54,8 +54,9 @@ def stamp_versions(sample: Sample) -> None:
     staleness bound then never lets an old token pass as new."""
     if not sample.weight_versions:
         return
-    versions = list(sample.metadata.get(TOKEN_VERSIONS) or [])[: sample.response_length]
-    fill = version_number(sample.weight_versions[-1]) if versions else oldest_version(sample)
+    stamped = sample.metadata.get(TOKEN_VERSIONS)  # None: never stamped; [] too where no token came yet (a request
+    versions = list(stamped or [])[: sample.response_length]  # aborted in the queue): the next one's are its own
+    fill = version_number(sample.weight_versions[-1]) if stamped is not None else oldest_version(sample)
     versions += [fill] * (sample.response_length - len(versions))
     sample.metadata[TOKEN_VERSIONS] = versions
 

@@ -201,6 +201,37 @@ def test_mask_offpolicy_masks_the_tokens_of_older_weights_only(tokenizer, tiny_m
     assert stats["rollout/partial/age_mean"] == 1.0
 
 
+def test_a_group_aborted_in_the_queue_before_its_first_token_gets_the_versions_that_generate_it(
+        tokenizer, tiny_model_dir) -> None:
+    """An engine that reports one version per request (SGLang's): a group still queued at the abort comes back with
+    no token but version 0; continued under version 1, each token it writes is version 1's, so
+    --mask-offpolicy-in-partial-rollout masks none of them and the rollout is not counted a version behind."""
+    gen, source, engine = make(tokenizer, tiny_model_dir, "slxxxx", partial_rollout=True,
+                               mask_offpolicy_in_partial_rollout=True, rollout_batch_size=1, over_sampling_batch_size=2)
+    queued, served = tokenizer("Bl=?", add_special_tokens=False)["input_ids"][0], engine._one
+
+    async def one(ids, params):  # the fake engine, with prompt 1 waiting in its queue until the abort in rollout 0
+        if engine.version == "0" and ids[0] == queued:
+            while not engine.aborts:
+                await asyncio.sleep(0.001)
+            return {"text": "", "output_ids": [], "meta_info": {
+                "finish_reason": {"type": "abort"}, "weight_version": engine.version, "output_token_logprobs": [],
+                "prompt_tokens": len(ids)}}
+        return await served(ids, params)
+
+    engine._one = one
+    rollout(gen, source, 0)
+    assert [(s.metadata["prompt_index"], s.response_length, s.weight_versions) for s in gen.over.carried[0]] == \
+        [(1, 0, ["0"])] * 2
+    engine.version = "1"
+    samples, stats = rollout(gen, source, 1)
+    assert [s.metadata["prompt_index"] for s in samples] == [1, 1]
+    for s in samples:
+        assert s.response_length > 0 and s.metadata[TOKEN_VERSIONS] == [1] * s.response_length
+        assert s.loss_mask == [1] * s.response_length
+    assert stats["rollout/async/newest_lag"] == 0.0
+
+
 def test_carried_samples_survive_a_checkpoint(tokenizer, tiny_model_dir, tmp_path) -> None:
     """The rollout manager's state holds the carried samples as plain data (a weights_only load reads it back); a
     resumed manager continues them in its first rollout, with their tokens and versions."""
