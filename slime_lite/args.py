@@ -181,9 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(JSON after <|python_tag|>), pythonic ([f(a=1)]), qwen3_coder (<function=...> XML), glm45 "
                         "(glm: <arg_key> pairs); auto (default): the one the chat template writes, else qwen25")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="the agent endpoint returns a <think> block as the reply's reasoning_content, the text after "
-                        "it as the content where tool calls are read (SGLang's names); default: all text is content. "
-                        "The trained tokens are the same either way")
+                   help="the agent endpoint returns a <think> block as reasoning_content, calls read after it "
+                        "(SGLang's names); default: all text is content. The trained tokens are the same either way")
     g.add_argument("--tool-call-timeout", type=positive_float, default=30.0,
                    help="seconds per tool call; a tool that raises or hangs ends its sample FAILED "
                         "(default: %(default)s)")

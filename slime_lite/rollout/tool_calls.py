@@ -120,7 +120,7 @@ def _blocks(text: str, read: Callable[[str], list[dict[str, Any]] | None], call_
         if 0 <= nxt < body or nxt == -1:
             nxt = text.find(OPEN, body)
             nxt = len(text) + 1 if nxt < 0 else nxt
-        if nxt < close and nxt <= len(text) and not (call_start and call_start.match(text, body)):
+        if nxt < close and not (call_start and call_start.match(text, body)):
             kept.append(text[start:nxt])  # a mention of the tag
             pos = nxt
             continue

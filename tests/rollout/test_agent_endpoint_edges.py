@@ -93,29 +93,29 @@ def test_chat_template_kwargs_render_every_call_of_the_trajectory():
     assert tok.decode(box["engine"].seen[0]["input_ids"]).endswith("<|im_start|>assistant\n")
 
 
-def test_a_call_its_agent_left_is_cancelled_at_the_engine_and_not_recorded():
-    """An agent cancelled (openai_agent's timeout) while its call generates: the call's engine request is
-    cancelled (the engine aborts a request whose client left), not run to its end for nobody, and the reply the
-    agent never got is not recorded."""
+class SlowEngine:
+    """A fake of the engine's /generate that takes 30 s unless cancelled, counting its calls."""
+
+    def __init__(self):
+        self.started = self.cancelled = self.finished = 0
+
+    async def generate(self, body):
+        self.started += 1
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        self.finished += 1
+        return {"text": "x", "output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.1, 7, None]],
+                                                              "finish_reason": {"type": "stop"}}}
+
+
+def _run_past_timeout(agent, timeout, settle):
+    """``agent`` through ``openai_agent(agent, timeout)`` over a SlowEngine, then ``await settle(engine)`` before the
+    endpoint stops; returns the sample and the engine."""
     from slime_lite.hooks import HookArgs
     from slime_lite.types import Sample
-
-    class SlowEngine:
-        def __init__(self):
-            self.cancelled = self.finished = 0
-
-        async def generate(self, body):
-            try:
-                await asyncio.sleep(3)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
-            self.finished += 1
-            return {"text": "x", "output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.1, 7, None]],
-                                                                  "finish_reason": {"type": "stop"}}}
-
-    async def stuck(base_url, task):
-        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
 
     async def main():
         engine = SlowEngine()
@@ -124,20 +124,33 @@ def test_a_call_its_agent_left_is_cancelled_at_the_engine_and_not_recorded():
         args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=8, rollout_max_context_len=4096,
                                         apply_chat_template_kwargs={}, use_rollout_routing_replay=False), engine)
         try:
-            sample = await mod.openai_agent(stuck, timeout=0.3)(args, Sample(index=0, prompt="a", tokens=[5]),
-                                                                {"max_new_tokens": 50})
-            for _ in range(40):
-                if engine.cancelled:
-                    break
-                await asyncio.sleep(0.05)
-            return sample, engine.cancelled, engine.finished
+            sample = await mod.openai_agent(agent, timeout=timeout)(args, Sample(index=0, prompt="a", tokens=[5]),
+                                                                    {"max_new_tokens": 50})
+            await settle(engine)
+            return sample, engine
         finally:
             await ep.stop()
             mod._ENDPOINTS.pop(id(asyncio.get_running_loop()), None)
 
-    sample, cancelled, finished = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_call_its_agent_left_is_cancelled_at_the_engine_and_not_recorded():
+    """An agent cancelled (openai_agent's timeout) while its call generates: the call's engine request is
+    cancelled (the engine aborts a request whose client left), not run to its end for nobody, and the reply the
+    agent never got is not recorded."""
+    async def stuck(base_url, task):
+        await _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+
+    async def cancelled(engine):
+        for _ in range(40):
+            if engine.cancelled:
+                break
+            await asyncio.sleep(0.05)
+
+    sample, engine = _run_past_timeout(stuck, 0.3, cancelled)
     assert sample.status == Status.FAILED and "timeout" in sample.metadata["agent_error"]
-    assert cancelled == 1 and finished == 0 and sample.response_length == 0
+    assert engine.cancelled == 1 and engine.finished == 0 and sample.response_length == 0
 
 
 def test_the_managers_close_stops_the_endpoint_an_agent_hook_started(monkeypatch):
@@ -584,24 +597,6 @@ def test_a_thread_agents_call_in_flight_at_its_timeout_is_cancelled_at_the_engin
     """A plain-def agent (synchronous client, in a thread) still waiting on a call at openai_agent's timeout: the
     thread cannot be stopped and its client does not hang up, so the endpoint cancels that call's engine request
     itself when the trajectory closes (not run to its token limit for nobody), and the reply is not recorded."""
-    from slime_lite.hooks import HookArgs
-    from slime_lite.types import Sample
-
-    class SlowEngine:  # a fake of the engine's /generate that takes 30 s unless cancelled
-        def __init__(self):
-            self.started = self.cancelled = self.finished = 0
-
-        async def generate(self, body):
-            self.started += 1
-            try:
-                await asyncio.sleep(30)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
-            self.finished += 1
-            return {"text": "x", "output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.1, 7, None]],
-                                                                  "finish_reason": {"type": "stop"}}}
-
     errors, answered = [], threading.Event()
 
     def stuck(base_url, task):
@@ -612,23 +607,11 @@ def test_a_thread_agents_call_in_flight_at_its_timeout_is_cancelled_at_the_engin
             errors.append(exc)
         answered.set()
 
-    async def main():
-        engine = SlowEngine()
-        ep = await mod.AgentEndpoint(engine, build_tokenizer()).start()
-        mod._ENDPOINTS[id(asyncio.get_running_loop())] = ep
-        args = HookArgs(SimpleNamespace(hf_checkpoint="unused", max_turns=8, rollout_max_context_len=4096,
-                                        apply_chat_template_kwargs={}, use_rollout_routing_replay=False), engine)
-        try:
-            # 2 s: the thread's call reaches the engine well before (its client's start included, on a loaded machine)
-            sample = await mod.openai_agent(stuck, timeout=2)(args, Sample(index=0, prompt="a", tokens=[5]),
-                                                              {"max_new_tokens": 50})
-            await asyncio.to_thread(answered.wait, 10)  # the thread's answer, before the endpoint stops
-            return sample, engine.started, engine.cancelled, engine.finished
-        finally:
-            await ep.stop()
-            mod._ENDPOINTS.pop(id(asyncio.get_running_loop()), None)
+    async def thread_answered(engine):
+        await asyncio.to_thread(answered.wait, 10)
 
-    sample, started, cancelled, finished = asyncio.run(main())
+    # 2 s: the thread's call reaches the engine well before (its client's start included, on a loaded machine)
+    sample, engine = _run_past_timeout(stuck, 2, thread_answered)
     assert sample.status == Status.FAILED and "timeout" in sample.metadata["agent_error"]
-    assert started == cancelled == 1 and finished == 0 and sample.response_length == 0
+    assert engine.started == engine.cancelled == 1 and engine.finished == 0 and sample.response_length == 0
     assert len(errors) == 1 and errors[0].status_code == 404 and "was cancelled" in errors[0].message
